@@ -1,0 +1,1316 @@
+"""TaskBridge's durable queue: every SQL statement of the project lives here.
+
+One SQLite file (``TASK_DB_PATH``, default ``<repo>/tasks.db``) in WAL mode holds the tasks, their
+dependencies, notes, questions and answers, an append-only events log, settings and the reverse
+bridge's Claude jobs. Every public function opens its own connection through ``connect()``, which
+migrates the schema on open (``PRAGMA user_version``), and closes it again; every write runs in a
+``BEGIN IMMEDIATE`` transaction or is a single statement, so concurrent processes (MCP server, CLI,
+worker passes) never hit "database is locked" from a deferred read-then-write upgrade.
+
+Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``WORKER_MODEL``.
+
+Imports the standard library only.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import socket
+import sqlite3
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+REPO_DIR = Path(__file__).resolve().parent
+
+STATUSES = ("pending", "running", "waiting", "done", "failed", "cancelled")
+TERMINAL = ("done", "failed", "cancelled")
+PERMISSIONS = ("auto", "readonly", "no-shell", "no-network")
+DEFAULT_MODEL = "opencode/cat-jam-free"
+
+TITLE_MAX = 200
+INSTRUCTIONS_MAX = 200_000
+NOTE_MAX = 20_000
+ANSWER_MAX = 50_000
+TIMEOUT_RANGE = (1, 86_400)
+RETRIES_RANGE = (0, 10)
+PRIORITY_RANGE = (-1000, 1000)
+BATCH_MAX = 20
+RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
+MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
+TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d+)\s*$", re.IGNORECASE)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: translated at each boundary (CLI, MCP, HTTP) and nowhere else.
+
+
+class TaskStoreError(Exception):
+    """Base class of every error the store raises; its message is safe to show a user."""
+
+
+class ValidationError(TaskStoreError):
+    """An argument is malformed or out of range; nothing was written."""
+
+
+class TaskNotFound(TaskStoreError):
+    """No task has the given id."""
+
+
+class InvalidTransition(TaskStoreError):
+    """The task's current status does not allow the requested change."""
+
+
+class StaleAttempt(TaskStoreError):
+    """A write named an attempt (run marker) that is no longer the task's current one (fencing)."""
+
+
+class JobNotFound(TaskStoreError):
+    """No Claude job has the given id."""
+
+
+# --------------------------------------------------------------------------------------------
+# Paths and knobs (read at call time).
+
+
+def db_path() -> Path:
+    """The SQLite file: ``$TASK_DB_PATH`` or ``<repo>/tasks.db``."""
+    return Path(os.environ.get("TASK_DB_PATH") or REPO_DIR / "tasks.db").expanduser().resolve()
+
+
+def log_dir() -> Path:
+    """The folder of per-task logs: ``$TASK_LOG_DIR`` or ``<repo>/task_logs``."""
+    return Path(os.environ.get("TASK_LOG_DIR") or REPO_DIR / "task_logs").expanduser().resolve()
+
+
+def log_path(task_id: int | str) -> Path:
+    """The log file of one task: ``<TASK_LOG_DIR>/t_0001.log``."""
+    return log_dir() / f"{format_task_id(parse_task_id(task_id))}.log"
+
+
+def state_path(name: str) -> Path:
+    """A worker state file (lock, heartbeat) kept beside the database, so each queue has its own."""
+    path = db_path()
+    return path.with_name(f"{path.stem}.{name}")
+
+
+def queue_tag() -> str:
+    """A short hash of the database path: names this queue in run markers' environment tags."""
+    return hashlib.sha1(str(db_path()).encode()).hexdigest()[:10]
+
+
+def format_task_id(num: int) -> str:
+    """``1`` -> ``"t_0001"``."""
+    return f"t_{num:04d}"
+
+
+def parse_task_id(value: Any) -> int:
+    """Accept ``t_0001``, ``0001``, ``1`` or an int; return the integer id.
+
+    Raises ValidationError for anything else (the message shows the accepted shapes).
+    """
+    if isinstance(value, bool):
+        raise ValidationError(f"task id {value!r} is not valid; use t_0001, 0001 or 1")
+    if isinstance(value, int):
+        if value > 0:
+            return value
+    elif isinstance(value, str):
+        match = TASK_ID_RE.match(value)
+        if match and int(match.group(1)) > 0:
+            return int(match.group(1))
+    raise ValidationError(f"task id {value!r} is not valid; use t_0001, 0001 or 1")
+
+
+def now() -> float:
+    """Unix time in seconds (float)."""
+    return time.time()
+
+
+def iso(ts: float | None) -> str | None:
+    """Unix seconds -> ISO 8601 UTC with seconds precision, or None."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------------
+# Schema and migrations: an ordered list, never edited once shipped.
+
+SCHEMA_V1 = """
+CREATE TABLE tasks (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    title           TEXT    NOT NULL,
+    instructions    TEXT    NOT NULL,
+    working_dir     TEXT    NOT NULL,
+    model           TEXT,
+    agent           TEXT,
+    priority        INTEGER NOT NULL DEFAULT 0,
+    status          TEXT    NOT NULL DEFAULT 'pending'
+                    CHECK (status IN ('pending','running','waiting','done','failed','cancelled')),
+    permission      TEXT    NOT NULL DEFAULT 'auto',
+    worktree        INTEGER NOT NULL DEFAULT 1,
+    worktree_keep   INTEGER NOT NULL DEFAULT 0,
+    timeout_sec     INTEGER NOT NULL DEFAULT 1800,
+    max_retries     INTEGER NOT NULL DEFAULT 1,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    handbacks       INTEGER NOT NULL DEFAULT 0,
+    idempotency_key TEXT    UNIQUE,
+    origin_name     TEXT,
+    origin_version  TEXT,
+    origin_kind     TEXT,
+    created_at      REAL    NOT NULL,
+    claimed_at      REAL,
+    started_at      REAL,
+    finished_at     REAL,
+    heartbeat_at    REAL,
+    not_before      REAL,
+    lease_owner     TEXT,
+    lease_pid       INTEGER,
+    lease_pid_start REAL,
+    run_marker      TEXT,
+    agent_pid       INTEGER,
+    agent_pid_start REAL,
+    session_id      TEXT,
+    question        TEXT,
+    answer          TEXT,
+    result          TEXT,
+    diff            TEXT,
+    usage           TEXT,
+    error           TEXT,
+    branch          TEXT,
+    worktree_path   TEXT,
+    base_commit     TEXT
+);
+CREATE INDEX tasks_claim ON tasks (status, priority DESC, created_at, id);
+CREATE TABLE task_deps (
+    task_id    INTEGER NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+    depends_on INTEGER NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+    PRIMARY KEY (task_id, depends_on)
+);
+CREATE INDEX task_deps_reverse ON task_deps (depends_on);
+CREATE TABLE notes (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    task_id    INTEGER NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+    author     TEXT    NOT NULL,
+    text       TEXT    NOT NULL,
+    created_at REAL    NOT NULL,
+    delivered_marker TEXT
+);
+CREATE TABLE questions (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    task_id     INTEGER NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,
+    attempt     INTEGER NOT NULL,
+    question    TEXT    NOT NULL,
+    answer      TEXT,
+    asked_at    REAL    NOT NULL,
+    answered_at REAL
+);
+CREATE TABLE events (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    task_id INTEGER,
+    ts      REAL    NOT NULL,
+    kind    TEXT    NOT NULL,
+    message TEXT    NOT NULL DEFAULT ''
+);
+CREATE INDEX events_task ON events (task_id, id);
+CREATE TABLE settings (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE claude_jobs (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    prompt      TEXT    NOT NULL,
+    system      TEXT,
+    model       TEXT,
+    backend     TEXT    NOT NULL,
+    status      TEXT    NOT NULL DEFAULT 'queued'
+                CHECK (status IN ('queued','running','done','failed','cancelled')),
+    timeout_sec INTEGER NOT NULL,
+    answer      TEXT,
+    error       TEXT,
+    usage       TEXT,
+    owner       TEXT,
+    pid         INTEGER,
+    pid_start   REAL,
+    created_at  REAL    NOT NULL,
+    started_at  REAL,
+    finished_at REAL
+);
+"""
+
+
+def _run_script(conn: sqlite3.Connection, script: str) -> None:
+    # executescript() would commit the migration's transaction; run statement by statement.
+    for statement in script.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    _run_script(conn, SCHEMA_V1)
+
+
+MIGRATIONS = [_migrate_v1]
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    if conn.execute("PRAGMA user_version").fetchone()[0] >= len(MIGRATIONS):
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
+            step(conn)
+            conn.execute(f"PRAGMA user_version = {number:d}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def connect(path: Path | str | None = None) -> sqlite3.Connection:
+    """Open the database (creating its folder), set WAL, busy timeout and foreign keys, migrate.
+
+    The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
+    The caller closes it. Raises sqlite3.Error if the file cannot be opened.
+    """
+    path = Path(path) if path else db_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout = 30000")
+    conn.execute("PRAGMA foreign_keys = ON")
+    if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+        conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    _migrate(conn)
+    return conn
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[sqlite3.Connection]:
+    conn = connect()
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[sqlite3.Connection]:
+    """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read."""
+    conn = connect()
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
+    conn.execute(
+        "INSERT INTO events (task_id, ts, kind, message) VALUES (?, ?, ?, ?)",
+        (task_id, now(), kind, message),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation helpers shared by every boundary (MCP tools, CLI, HTTP).
+
+
+def coerce_int(name: str, value: Any, lo: int, hi: int) -> int:
+    """An int in [lo, hi]; accepts ints and decimal strings such as ``"600"``.
+
+    Raises ValidationError naming the field, the bounds and what was sent.
+    """
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{name} must be a whole number from {lo} to {hi}; got {value!r}")
+    if not lo <= value <= hi:
+        raise ValidationError(f"{name} must be from {lo} to {hi}; got {value}")
+    return value
+
+
+def coerce_list(name: str, value: Any) -> list:
+    """A list; accepts a list, a JSON string holding a list, ``None``/``"null"``/``""`` (empty),
+    or a comma-separated string. Raises ValidationError otherwise."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text in ("", "null", "[]"):
+            return []
+        if text.startswith("["):
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError:
+                raise ValidationError(f"{name} is not valid JSON: {value!r}; send a list") from None
+            if isinstance(parsed, list):
+                return parsed
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    raise ValidationError(f"{name} must be a list; got {value!r}")
+
+
+def coerce_bool(name: str, value: Any) -> bool:
+    """A bool; accepts true/false, 1/0 and their string forms. Raises ValidationError otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise ValidationError(f"{name} must be true or false; got {value!r}")
+
+
+def optional(value: Any) -> Any:
+    """``None`` for the ways clients say "absent" (``None``, ``"null"``, ``""``); else the value."""
+    if value is None or (isinstance(value, str) and value.strip() in ("", "null", "None")):
+        return None
+    return value
+
+
+def _or(value: Any, default: Any) -> Any:
+    value = optional(value)
+    return default if value is None else value
+
+
+def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"{name} must be text; got {type(value).__name__}")
+    if required and not value.strip():
+        raise ValidationError(f"{name} must not be empty")
+    if len(value) > limit:
+        raise ValidationError(f"{name} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def validate_model(model: Any) -> str | None:
+    """``provider/model`` or None. Raises ValidationError otherwise."""
+    model = optional(model)
+    if model is None:
+        return None
+    if not isinstance(model, str) or not MODEL_RE.match(model.strip()):
+        raise ValidationError(
+            f"model {model!r} is not of the form provider/model (for example "
+            f"opencode/cat-jam-free); list_models shows what is available"
+        )
+    return model.strip()
+
+
+def validate_working_dir(value: Any) -> str:
+    """An absolute path to an existing directory, normalised. Raises ValidationError otherwise."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError("working_dir must be an absolute path to an existing directory")
+    if not os.path.isabs(value):
+        raise ValidationError(
+            f"working_dir {value!r} is relative; give an absolute path such as /home/me/project"
+        )
+    path = os.path.realpath(value)
+    if not os.path.isdir(path):
+        raise ValidationError(f"working_dir {value!r} does not exist or is not a directory")
+    return path
+
+
+def caller_kind(name: str | None) -> str:
+    """Classify an MCP clientInfo name: ``claude``, ``chatgpt`` or ``other``."""
+    lowered = (name or "").lower()
+    if "claude" in lowered or "anthropic" in lowered:
+        return "claude"
+    if "openai" in lowered or "chatgpt" in lowered:
+        return "chatgpt"
+    return "other"
+
+
+def _spec(raw: dict[str, Any]) -> dict[str, Any]:
+    """Validate one submission; returns the normalised column values (no SQL)."""
+    if not isinstance(raw, dict):
+        raise ValidationError(f"a task must be an object; got {type(raw).__name__}")
+    known = {
+        "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
+        "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
+        "origin_name", "origin_version", "ref",
+    }
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValidationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    permission = optional(raw.get("permission")) or "auto"
+    if permission not in PERMISSIONS:
+        raise ValidationError(f"permission {permission!r} is not one of {', '.join(PERMISSIONS)}")
+    agent = optional(raw.get("agent"))
+    if agent is not None and (not isinstance(agent, str) or not re.fullmatch(r"[\w.\-]{1,64}", agent)):
+        raise ValidationError(f"agent {agent!r} must be an OpenCode agent name such as build or plan")
+    key = optional(raw.get("idempotency_key"))
+    if key is not None:
+        key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
+    origin_name = optional(raw.get("origin_name"))
+    return {
+        "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
+        "instructions": _text("instructions", raw.get("instructions"), INSTRUCTIONS_MAX),
+        "working_dir": validate_working_dir(raw.get("working_dir")),
+        "model": validate_model(raw.get("model")),
+        "agent": agent,
+        "priority": coerce_int("priority", _or(raw.get("priority"), 0), *PRIORITY_RANGE),
+        "permission": permission,
+        "worktree": int(coerce_bool("worktree", raw.get("worktree", True))),
+        "worktree_keep": int(coerce_bool("worktree_keep", raw.get("worktree_keep", False))),
+        "timeout_sec": coerce_int("timeout_sec", _or(raw.get("timeout_sec"), 1800), *TIMEOUT_RANGE),
+        "max_retries": coerce_int("max_retries", _or(raw.get("max_retries"), 1), *RETRIES_RANGE),
+        "idempotency_key": key,
+        "origin_name": origin_name,
+        "origin_version": optional(raw.get("origin_version")),
+        "origin_kind": caller_kind(origin_name) if origin_name else None,
+        "depends_on": coerce_list("depends_on", raw.get("depends_on")),
+        "ref": optional(raw.get("ref")),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Rows -> public dicts.
+
+_JSON_COLUMNS = ("result", "usage")
+_TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before")
+
+
+def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]:
+    """A task row as the public shape every boundary shows (ids as ``t_0001``, ISO UTC times,
+    JSON columns parsed, booleans as booleans)."""
+    task = dict(row)
+    task["num"] = task["id"]
+    task["id"] = format_task_id(task["id"])
+    for column in _JSON_COLUMNS:
+        task[column] = json.loads(task[column]) if task.get(column) else None
+    for column in _TIME_COLUMNS:
+        task[column] = iso(task[column])
+    task["worktree"] = bool(task["worktree"])
+    task["worktree_keep"] = bool(task["worktree_keep"])
+    if deps is not None:
+        task["depends_on"] = [format_task_id(d) for d in deps]
+    return task
+
+
+def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
+    rows = conn.execute(
+        "SELECT depends_on FROM task_deps WHERE task_id = ? ORDER BY depends_on", (task_id,)
+    )
+    return [r[0] for r in rows]
+
+
+def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
+    row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    if row is None:
+        raise TaskNotFound(
+            f"task {format_task_id(task_id)} not found; list_tasks shows the ids that exist"
+        )
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Submit.
+
+_INSERT_TASK = """
+INSERT INTO tasks (title, instructions, working_dir, model, agent, priority, permission, worktree,
+                   worktree_keep, timeout_sec, max_retries, idempotency_key, origin_name,
+                   origin_version, origin_kind, created_at)
+VALUES (:title, :instructions, :working_dir, :model, :agent, :priority, :permission, :worktree,
+        :worktree_keep, :timeout_sec, :max_retries, :idempotency_key, :origin_name,
+        :origin_version, :origin_kind, :created_at)
+RETURNING id
+"""
+
+
+def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row | None:
+    if key is None:
+        return None
+    return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
+
+
+def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> list[int]:
+    resolved = []
+    for dep in spec["depends_on"]:
+        if isinstance(dep, str) and dep in refs:
+            resolved.append(refs[dep])
+            continue
+        if isinstance(dep, str) and dep.startswith("@"):
+            raise ValidationError(f"depends_on names {dep!r}, which no earlier task in the batch has as ref")
+        dep_id = parse_task_id(dep)
+        row = conn.execute("SELECT status FROM tasks WHERE id = ?", (dep_id,)).fetchone()
+        if row is None:
+            raise ValidationError(f"depends_on names {format_task_id(dep_id)}, which does not exist")
+        if row["status"] in ("failed", "cancelled"):
+            raise ValidationError(
+                f"depends_on names {format_task_id(dep_id)}, which is {row['status']}; "
+                "it can never be done, so this task could never run"
+            )
+        resolved.append(dep_id)
+    return sorted(set(resolved))
+
+
+def _check_batch_cycles(specs: list[dict]) -> None:
+    """Within a batch, refs may point forward; refuse a cycle (names it)."""
+    refs = {s["ref"] for s in specs if s["ref"]}
+    graph = {s["ref"]: [d for d in s["depends_on"] if isinstance(d, str) and d in refs]
+             for s in specs if s["ref"]}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == 2:
+            return
+        if state.get(node) == 1:
+            cycle = path[path.index(node):] + [node]
+            raise ValidationError(f"dependency cycle refused: {' -> '.join(cycle)}")
+        state[node] = 1
+        for nxt in graph.get(node, []):
+            visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in graph:
+        visit(node, [])
+
+
+def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submit 1–20 tasks all or nothing; returns their public dicts in order.
+
+    Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
+    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
+    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
+    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
+    """
+    raw = coerce_list("tasks", tasks)
+    if not 1 <= len(raw) <= BATCH_MAX:
+        raise ValidationError(f"a batch holds 1 to {BATCH_MAX} tasks; got {len(raw)}. Split it")
+    specs = []
+    for index, item in enumerate(raw):
+        try:
+            specs.append(_spec(item))
+        except ValidationError as exc:
+            raise ValidationError(f"task {index} of the batch: {exc}") from None
+    refs = [s["ref"] for s in specs if s["ref"]]
+    if len(refs) != len(set(refs)):
+        raise ValidationError("refs in a batch must be unique")
+    for spec in specs:
+        if spec["ref"] is not None and spec["ref"] in spec["depends_on"]:
+            raise ValidationError(f"dependency cycle refused: task {spec['ref']!r} depends on itself")
+    _check_batch_cycles(specs)
+    # Insert in dependency order so a ref always points at an already-inserted task.
+    ordered = _topological(specs)
+    out: dict[int, dict] = {}
+    with _writing() as conn:
+        ref_ids: dict[str, int] = {}
+        for index in ordered:
+            spec = specs[index]
+            existing = _existing_by_key(conn, spec["idempotency_key"])
+            if existing is not None:
+                out[index] = task_dict(existing, _deps(conn, existing["id"])) | {"duplicate": True}
+                if spec["ref"]:
+                    ref_ids[spec["ref"]] = existing["id"]
+                continue
+            deps = _resolve_deps(conn, spec, ref_ids)
+            values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref")}
+            task_id = conn.execute(_INSERT_TASK, values | {"created_at": now()}).fetchone()[0]
+            conn.executemany(
+                "INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)",
+                [(task_id, d) for d in deps],
+            )
+            origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
+            _event(conn, task_id, "submitted", f"{spec['title']}{origin}")
+            if spec["ref"]:
+                ref_ids[spec["ref"]] = task_id
+            out[index] = task_dict(_row(conn, task_id), deps) | {"duplicate": False}
+    return [out[i] for i in range(len(specs))]
+
+
+def _topological(specs: list[dict]) -> list[int]:
+    by_ref = {s["ref"]: i for i, s in enumerate(specs) if s["ref"]}
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def visit(i: int) -> None:
+        if i in seen:
+            return
+        seen.add(i)
+        for dep in specs[i]["depends_on"]:
+            if isinstance(dep, str) and dep in by_ref:
+                visit(by_ref[dep])
+        order.append(i)
+
+    for i in range(len(specs)):
+        visit(i)
+    return order
+
+
+def submit_task(**fields: Any) -> dict[str, Any]:
+    """Submit one task; returns its public dict (``duplicate`` True when an earlier task with the
+    same ``idempotency_key`` is returned instead).
+
+    Fields: title (str ≤200), instructions (str), working_dir (absolute existing dir),
+    model (``provider/model`` or None = default at claim), priority (int −1000..1000, higher first),
+    depends_on (task ids), timeout_sec (1..86400 s, per attempt), max_retries (0..10),
+    permission (auto|readonly|no-shell|no-network), worktree (bool), worktree_keep (bool),
+    agent (OpenCode agent name), idempotency_key (str), origin_name / origin_version (MCP caller).
+    Raises ValidationError; nothing is written then.
+    """
+    return submit_batch([fields])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading tasks.
+
+
+def get_task(task_id: Any) -> dict[str, Any]:
+    """One task's public dict with depends_on, notes, questions and its last 20 events.
+
+    Raises ValidationError (bad id) or TaskNotFound.
+    """
+    num = parse_task_id(task_id)
+    with _reading() as conn:
+        task = task_dict(_row(conn, num), _deps(conn, num))
+        task["notes"] = [
+            {"author": r["author"], "text": r["text"], "created_at": iso(r["created_at"]),
+             "delivered": r["delivered_marker"] is not None}
+            for r in conn.execute("SELECT * FROM notes WHERE task_id = ? ORDER BY id", (num,))
+        ]
+        task["questions"] = _questions(conn, num)
+        task["events"] = [
+            _event_dict(r) for r in conn.execute(
+                "SELECT * FROM (SELECT * FROM events WHERE task_id = ? ORDER BY id DESC LIMIT 20)"
+                " ORDER BY id", (num,))
+        ]
+    return task
+
+
+def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
+    return [
+        {"attempt": r["attempt"], "question": r["question"], "answer": r["answer"],
+         "asked_at": iso(r["asked_at"]), "answered_at": iso(r["answered_at"])}
+        for r in conn.execute("SELECT * FROM questions WHERE task_id = ? ORDER BY id", (num,))
+    ]
+
+
+def list_tasks(
+    status: str | Iterable[str] | None = None,
+    origin: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+    search: str | None = None,
+) -> dict[str, Any]:
+    """A page of tasks, highest priority then oldest first.
+
+    ``status``: one status, a list, or None for all; ``origin``: a caller kind (claude, chatgpt,
+    other) or clientInfo name; ``limit`` 1..500, ``offset`` ≥ 0; ``search``: substring of the title.
+    Returns ``{"tasks": [...], "total": N, "offset": o, "next_offset": o2 | None}`` (tasks without
+    instructions/diff/result, to stay small). Raises ValidationError.
+    """
+    statuses = _statuses(status)
+    limit = coerce_int("limit", limit, 1, 500)
+    offset = coerce_int("offset", offset, 0, 10**9)
+    where, params = ["status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
+    origin = optional(origin)
+    if origin:
+        where.append("(origin_kind = ? OR origin_name = ?)")
+        params += [origin, origin]
+    if optional(search):
+        where.append("instr(lower(title), lower(?)) > 0")
+        params.append(search)
+    clause = " AND ".join(where)
+    columns = ("id, title, working_dir, model, priority, status, permission, attempts, max_retries,"
+               " origin_name, origin_version, origin_kind, created_at, started_at, finished_at,"
+               " heartbeat_at, error, branch, question, timeout_sec")
+    with _reading() as conn:
+        total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
+        rows = conn.execute(
+            f"SELECT {columns} FROM tasks WHERE {clause}"
+            " ORDER BY CASE status WHEN 'running' THEN 0 WHEN 'waiting' THEN 1"
+            " WHEN 'pending' THEN 2 ELSE 3 END, priority DESC, id DESC LIMIT ? OFFSET ?",
+            params + [limit, offset],
+        ).fetchall()
+    tasks = []
+    for row in rows:
+        task = dict(row)
+        task["num"], task["id"] = task["id"], format_task_id(task["id"])
+        for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
+            task[column] = iso(task[column])
+        tasks.append(task)
+    next_offset = offset + len(rows) if offset + len(rows) < total else None
+    return {"tasks": tasks, "total": total, "offset": offset, "next_offset": next_offset}
+
+
+def _statuses(status: str | Iterable[str] | None) -> list[str]:
+    status = optional(status)
+    if status is None:
+        return list(STATUSES)
+    values = coerce_list("status", status) if not isinstance(status, str) or "," in status or status.startswith("[") else [status]
+    for value in values:
+        if value not in STATUSES:
+            raise ValidationError(f"status {value!r} is not one of {', '.join(STATUSES)}")
+    return list(values)
+
+
+def counts() -> dict[str, int]:
+    """Tasks per status, every status present (zero when none)."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall()
+    return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
+
+
+def queue_summary() -> dict[str, Any]:
+    """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
+    tallies = counts()
+    with _reading() as conn:
+        oldest = conn.execute(
+            "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1"
+        ).fetchone()
+        claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_CLAIMABLE}", {"now": now()}).fetchone()[0]
+    return {
+        "counts": tallies,
+        "claimable": claimable,
+        "oldest_pending": format_task_id(oldest["id"]) if oldest else None,
+        "oldest_pending_age_sec": round(now() - oldest["created_at"], 1) if oldest else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Claim, lease, finish (fenced by the run marker).
+
+_CLAIMABLE = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now)
+ AND NOT EXISTS (SELECT 1 FROM task_deps d JOIN tasks p ON p.id = d.depends_on
+                 WHERE d.task_id = t.id AND p.status != 'done')"""
+
+_CLAIM = f"""
+UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now, started_at = :now,
+       heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start,
+       run_marker = 'br-' || id || '-a' || (attempts + 1), agent_pid = NULL, agent_pid_start = NULL,
+       error = NULL, question = NULL
+ WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND (:task_id IS NULL OR t.id = :task_id)
+             ORDER BY t.priority DESC, t.created_at, t.id LIMIT 1)
+RETURNING *
+"""
+
+
+def claim_next(owner: str, pid: int | None = None, pid_start: float | None = None,
+               task_id: Any = None) -> dict[str, Any] | None:
+    """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
+    elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
+    ``BEGIN IMMEDIATE``: exactly one claimer wins.
+
+    ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
+    claiming process and its start time (psutil create_time, seconds) for the reaper.
+    Returns the task dict (``run_marker`` names this attempt) or None when nothing is claimable.
+    With ``task_id``: raises TaskNotFound, or InvalidTransition explaining why it is not claimable.
+    """
+    num = parse_task_id(task_id) if task_id is not None else None
+    with _writing() as conn:
+        row = conn.execute(
+            _CLAIM, {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num}
+        ).fetchone()
+        if row is None:
+            if num is not None:
+                _explain_unclaimable(conn, num)
+            return None
+        _event(conn, row["id"], "claimed", f"attempt {row['attempts']} by {owner}")
+        return task_dict(row, _deps(conn, row["id"]))
+
+
+def _explain_unclaimable(conn: sqlite3.Connection, num: int) -> None:
+    row = _row(conn, num)
+    name = format_task_id(num)
+    if row["status"] != "pending":
+        raise InvalidTransition(f"task {name} is {row['status']}; only a pending task can be claimed")
+    blockers = [format_task_id(d) for d in _deps(conn, num)
+                if conn.execute("SELECT status FROM tasks WHERE id = ?", (d,)).fetchone()[0] != "done"]
+    if blockers:
+        raise InvalidTransition(f"task {name} waits for {', '.join(blockers)} to be done")
+    raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
+
+
+def _fenced(conn: sqlite3.Connection, num: int, marker: str) -> sqlite3.Row:
+    row = _row(conn, num)
+    if row["status"] != "running" or row["run_marker"] != marker:
+        raise StaleAttempt(
+            f"attempt {marker} of task {format_task_id(num)} is no longer current "
+            f"(task is {row['status']}, current attempt {row['run_marker']}); its write was refused"
+        )
+    return row
+
+
+def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
+    """Renew the lease of a running attempt (heartbeat now) and record optional run facts:
+    ``agent_pid``, ``agent_pid_start`` (s), ``session_id``, ``worktree_path``, ``branch``,
+    ``base_commit``. Raises StaleAttempt when the attempt is no longer current (reaped, cancelled):
+    the caller must stop the run."""
+    allowed = {"agent_pid", "agent_pid_start", "session_id", "worktree_path", "branch", "base_commit"}
+    bad = set(fields) - allowed
+    if bad:
+        raise ValidationError(f"renew_lease cannot set {', '.join(sorted(bad))}")
+    num = parse_task_id(task_id)
+    sets = "".join(f", {k} = :{k}" for k in sorted(fields))
+    with _writing() as conn:
+        _fenced(conn, num, marker)
+        conn.execute(
+            f"UPDATE tasks SET heartbeat_at = :now{sets} WHERE id = :id", fields | {"now": now(), "id": num}
+        )
+
+
+def heartbeat(task_id: Any, owner: str | None = None) -> dict[str, Any]:
+    """A person's heartbeat on a task they claimed by hand: renews the lease of the running attempt.
+    Raises TaskNotFound, or InvalidTransition when the task is not running."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] != "running":
+            raise InvalidTransition(f"task {format_task_id(num)} is {row['status']}, not running; nothing to renew")
+        if owner and row["lease_owner"] != owner:
+            raise InvalidTransition(f"task {format_task_id(num)} is leased by {row['lease_owner']}, not {owner}")
+        conn.execute("UPDATE tasks SET heartbeat_at = ? WHERE id = ?", (now(), num))
+        return task_dict(_row(conn, num))
+
+
+def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, diff: str | None = None,
+                     usage: dict | None = None, session_id: str | None = None) -> dict[str, Any]:
+    """Finish the attempt ``marker`` as done with its receipt (``result``), ``diff`` text and
+    ``usage`` (tokens, cost_usd). Raises StaleAttempt if the attempt was superseded."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        _fenced(conn, num, marker)
+        conn.execute(
+            "UPDATE tasks SET status = 'done', finished_at = ?, result = ?, diff = ?, usage = ?,"
+            " session_id = coalesce(?, session_id), error = NULL WHERE id = ?",
+            (now(), _json(result), diff, _json(usage), session_id, num),
+        )
+        summary = (result or {}).get("summary") or ""
+        _event(conn, num, "done", summary[:500])
+        return task_dict(_row(conn, num))
+
+
+def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,
+                 result: dict | None = None, diff: str | None = None, usage: dict | None = None,
+                 session_id: str | None = None) -> dict[str, Any]:
+    """Finish the attempt ``marker`` as failed with ``error`` (the specific reason). If
+    ``retryable`` and attempts ≤ max_retries, the task goes back to ``pending`` after a short
+    bounded back-off (each retry gets the full timeout again); else it is ``failed`` and its
+    dependents fail too, naming it. Raises StaleAttempt if the attempt was superseded."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _fenced(conn, num, marker)
+        values = (error, _json(result), diff, _json(usage), session_id, num)
+        if retryable and _retries_left(row):
+            backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** (row["attempts"] - 1), RETRY_BACKOFF_SEC[1])
+            conn.execute(
+                "UPDATE tasks SET status = 'pending', not_before = ?, error = ?, result = ?, diff = ?,"
+                " usage = ?, session_id = coalesce(?, session_id), lease_owner = NULL WHERE id = ?",
+                (now() + backoff,) + values,
+            )
+            _event(conn, num, "retry", f"attempt {row['attempts']} failed: {error[:400]}")
+        else:
+            conn.execute(
+                "UPDATE tasks SET status = 'failed', finished_at = ?, error = ?, result = ?, diff = ?,"
+                " usage = ?, session_id = coalesce(?, session_id) WHERE id = ?",
+                (now(),) + values,
+            )
+            _event(conn, num, "failed", error[:500])
+            _fail_dependents(conn, num, "failed")
+        return task_dict(_row(conn, num))
+
+
+def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: str | None = None,
+                       result: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
+    """The agent asked a question: the attempt ends ``waiting`` with the question stored (kept in
+    order with earlier ones), the worktree and OpenCode session kept for the resume.
+    Raises StaleAttempt if the attempt was superseded."""
+    num = parse_task_id(task_id)
+    question = _text("question", question, ANSWER_MAX)
+    with _writing() as conn:
+        row = _fenced(conn, num, marker)
+        conn.execute(
+            "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
+            " session_id = coalesce(?, session_id) WHERE id = ?",
+            (question, _json(result), _json(usage), session_id, num),
+        )
+        conn.execute(
+            "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
+            (num, row["attempts"], question, now()),
+        )
+        _event(conn, num, "waiting", question[:500])
+        return task_dict(_row(conn, num))
+
+
+def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str, Any]:
+    """Answer a waiting task's question: it goes back to ``pending`` and its next attempt resumes
+    the same OpenCode session with the answer. Raises TaskNotFound, ValidationError (empty answer)
+    or InvalidTransition (task not waiting)."""
+    num = parse_task_id(task_id)
+    answer = _text("answer", answer, ANSWER_MAX)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] != "waiting":
+            raise InvalidTransition(
+                f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
+                "a question takes an answer (add_task_note reaches a task at its next attempt)"
+            )
+        conn.execute(
+            "UPDATE tasks SET status = 'pending', answer = ?, not_before = NULL WHERE id = ?", (answer, num)
+        )
+        conn.execute(
+            "UPDATE questions SET answer = ?, answered_at = ? WHERE id = "
+            "(SELECT max(id) FROM questions WHERE task_id = ?)",
+            (answer, now(), num),
+        )
+        _event(conn, num, "answered", f"by {author}: {answer[:400]}")
+        return task_dict(_row(conn, num))
+
+
+def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bool = True) -> dict[str, Any]:
+    """Hand a running attempt back (reaper: stale lease; worker shutdown). Requeued as pending, or
+    failed when retries are spent (``count_attempt=False`` hands it back without spending one).
+    Fenced: raises StaleAttempt if ``marker`` is not current, so a task is requeued exactly once."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _fenced(conn, num, marker)
+        if count_attempt and not _retries_left(row):
+            conn.execute(
+                "UPDATE tasks SET status = 'failed', finished_at = ?, error = ? WHERE id = ?",
+                (now(), reason, num),
+            )
+            _event(conn, num, "failed", reason[:500])
+            _fail_dependents(conn, num, "failed")
+        else:
+            conn.execute(
+                "UPDATE tasks SET status = 'pending', error = ?, lease_owner = NULL,"
+                " handbacks = handbacks + ? WHERE id = ?",
+                (reason, 0 if count_attempt else 1, num),
+            )
+            _event(conn, num, "requeued", reason[:500])
+        return task_dict(_row(conn, num))
+
+
+def _retries_left(row: sqlite3.Row) -> bool:
+    # A hand-back (worker shutdown) does not spend a retry; attempt numbers stay unique for fencing.
+    return row["attempts"] - row["handbacks"] <= row["max_retries"]
+
+
+def stale_leases(stale_after_sec: float, slack_sec: float = 60) -> list[dict[str, Any]]:
+    """Running tasks whose lease is stale: heartbeat older than ``stale_after_sec`` seconds, or
+    running past ``timeout_sec + slack_sec`` since the attempt started. Judged by the renewed
+    heartbeat, never by start time alone."""
+    with _reading() as conn:
+        rows = conn.execute(
+            "SELECT * FROM tasks WHERE status = 'running' AND (heartbeat_at < :cut"
+            " OR started_at + timeout_sec + :slack < :now)",
+            {"cut": now() - stale_after_sec, "slack": slack_sec, "now": now()},
+        ).fetchall()
+    return [task_dict(r) for r in rows]
+
+
+def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
+    """Cancel a pending, waiting or running task (a running attempt is fenced off at once; its
+    worker notices at its next lease renewal, about a second, and kills the run). Dependents fail,
+    naming it. Raises TaskNotFound or InvalidTransition (already finished)."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] in TERMINAL:
+            raise InvalidTransition(f"task {format_task_id(num)} is already {row['status']}; nothing to cancel")
+        conn.execute(
+            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?",
+            (now(), reason, num),
+        )
+        _event(conn, num, "cancelled", f"was {row['status']}: {reason}"[:500])
+        _fail_dependents(conn, num, "cancelled")
+        return task_dict(_row(conn, num))
+
+
+def _fail_dependents(conn: sqlite3.Connection, num: int, why: str) -> None:
+    pending = [(num, why)]
+    while pending:
+        parent, parent_status = pending.pop()
+        rows = conn.execute(
+            "SELECT t.id FROM task_deps d JOIN tasks t ON t.id = d.task_id"
+            " WHERE d.depends_on = ? AND t.status IN ('pending', 'waiting')", (parent,)
+        ).fetchall()
+        for (child,) in rows:
+            reason = f"dependency {format_task_id(parent)} {parent_status}"
+            conn.execute(
+                "UPDATE tasks SET status = 'failed', finished_at = ?, error = ? WHERE id = ?",
+                (now(), reason, child),
+            )
+            _event(conn, child, "failed", reason)
+            pending.append((child, "failed"))
+
+
+def fail_unrunnable(task_id: Any, marker: str, error: str) -> dict[str, Any]:
+    """Fail an attempt at once without retrying (a missing directory, a repo with no commits)."""
+    return fail_attempt(task_id, marker, error, retryable=False)
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False, default=str)
+
+
+# --------------------------------------------------------------------------------------------
+# Notes.
+
+
+def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]:
+    """Add a note to a task that has not finished; it reaches the agent in its next prompt
+    (next attempt or resume). Returns ``{"task_id", "status", "delivery"}``.
+    Raises TaskNotFound, ValidationError (empty, too long), InvalidTransition (task finished)."""
+    num = parse_task_id(task_id)
+    text = _text("note", text, NOTE_MAX)
+    author = _text("author", author, 100)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] in TERMINAL:
+            raise InvalidTransition(
+                f"task {format_task_id(num)} is {row['status']}; a note reaches only a task that is "
+                "pending, waiting or running (submit a follow-up task instead)"
+            )
+        conn.execute(
+            "INSERT INTO notes (task_id, author, text, created_at) VALUES (?, ?, ?, ?)",
+            (num, author, text, now()),
+        )
+        _event(conn, num, "note", f"{author}: {text[:400]}")
+    delivery = "next attempt or resume" if row["status"] == "running" else "next prompt"
+    return {"task_id": format_task_id(num), "status": row["status"], "delivery": delivery}
+
+
+def take_notes(task_id: Any, marker: str) -> list[dict[str, Any]]:
+    """The notes not yet given to an agent, marked as delivered to attempt ``marker``."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        rows = conn.execute(
+            "UPDATE notes SET delivered_marker = ? WHERE task_id = ? AND delivered_marker IS NULL"
+            " RETURNING id, author, text, created_at", (marker, num)
+        ).fetchall()
+    return [{"author": r["author"], "text": r["text"], "created_at": iso(r["created_at"])}
+            for r in sorted(rows, key=lambda r: r["id"])]
+
+
+def notes_of(task_id: Any) -> list[dict[str, Any]]:
+    """Every note of a task in order."""
+    return get_task(task_id)["notes"]
+
+
+# --------------------------------------------------------------------------------------------
+# Events.
+
+
+def _event_dict(row: sqlite3.Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "task_id": format_task_id(row["task_id"]) if row["task_id"] is not None else None,
+        "ts": iso(row["ts"]),
+        "kind": row["kind"],
+        "message": row["message"],
+    }
+
+
+def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    """Events with id > ``cursor`` (oldest first, at most ``limit``), optionally only for the
+    given tasks. Each: ``{id, task_id, ts, kind, message}``."""
+    limit = coerce_int("limit", limit, 1, 10_000)
+    with _reading() as conn:
+        if task_ids is None:
+            rows = conn.execute(
+                "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (cursor, limit)
+            ).fetchall()
+        else:
+            nums = [parse_task_id(t) for t in task_ids]
+            rows = conn.execute(
+                "SELECT * FROM events WHERE id > ? AND task_id IN (%s) ORDER BY id LIMIT ?"
+                % ",".join("?" * len(nums)), [cursor, *nums, limit]
+            ).fetchall()
+    return [_event_dict(r) for r in rows]
+
+
+def last_event_id() -> int:
+    """The newest event id (0 when none): a cursor for ``events_since``."""
+    with _reading() as conn:
+        return conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+
+
+def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
+    """``{"t_0001": "running", ...}`` for the given ids. Raises TaskNotFound for an unknown one."""
+    nums = [parse_task_id(t) for t in task_ids]
+    with _reading() as conn:
+        rows = dict(conn.execute(
+            "SELECT id, status FROM tasks WHERE id IN (%s)" % ",".join("?" * len(nums)), nums
+        ).fetchall()) if nums else {}
+    missing = [format_task_id(n) for n in nums if n not in rows]
+    if missing:
+        raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
+    return {format_task_id(n): rows[n] for n in nums}
+
+
+# --------------------------------------------------------------------------------------------
+# Settings and housekeeping.
+
+
+def get_setting(key: str, default: str | None = None) -> str | None:
+    """A stored setting's value, or ``default``."""
+    with _reading() as conn:
+        row = conn.execute("SELECT value FROM settings WHERE key = ?", (key,)).fetchone()
+    return row[0] if row else default
+
+
+def set_setting(key: str, value: str) -> None:
+    """Store a setting (insert or replace) and log an event."""
+    with _writing() as conn:
+        conn.execute(
+            "INSERT INTO settings (key, value) VALUES (?, ?)"
+            " ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value)
+        )
+        _event(conn, None, "setting", f"{key} = {value}")
+
+
+def default_model() -> str:
+    """The model for tasks that name none: the stored setting (``set_default_model``), else
+    ``$WORKER_MODEL``, else ``opencode/cat-jam-free``."""
+    return get_setting("default_model") or os.environ.get("WORKER_MODEL") or DEFAULT_MODEL
+
+
+def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL) -> list[dict[str, Any]]:
+    """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
+    questions and dependency rows go with them; events stay as history). Returns the removed
+    tasks' ``{id, branch, worktree_path, log}`` so the caller may remove files.
+    A task that a not-finished task still depends on is kept. Raises ValidationError."""
+    chosen = _statuses(list(statuses))
+    if any(s not in TERMINAL for s in chosen):
+        raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
+    with _writing() as conn:
+        rows = conn.execute(
+            "DELETE FROM tasks WHERE status IN (%s) AND finished_at <= ?"
+            " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
+            " WHERE t.status NOT IN ('done','failed','cancelled'))"
+            " RETURNING id, branch, worktree_path" % ",".join("?" * len(chosen)),
+            [*chosen, now() - older_than_sec],
+        ).fetchall()
+        if rows:
+            _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
+    return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
+             "log": str(log_path(r["id"]))} for r in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# Worker state files (beside the database, so every queue has its own).
+
+
+def worker_lock_path() -> Path:
+    """The single-instance lock file of this queue's worker passes."""
+    return state_path("worker.lock")
+
+
+def write_worker_heartbeat(state: dict[str, Any]) -> None:
+    """Write the worker heartbeat file atomically: pid, time, current task and what else is given."""
+    path = state_path("worker.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
+    os.replace(tmp, path)
+
+
+def read_worker_heartbeat() -> dict[str, Any] | None:
+    """The last worker heartbeat, with ``age_sec`` added, or None if no worker ever ran here."""
+    try:
+        state = json.loads(state_path("worker.json").read_text())
+    except (OSError, ValueError):
+        return None
+    state["age_sec"] = round(now() - float(state.get("ts", 0)), 1)
+    state["at"] = iso(float(state.get("ts", 0)))
+    return state
+
+
+# --------------------------------------------------------------------------------------------
+# Reverse bridge: Claude jobs.
+
+JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+
+
+def _job_dict(row: sqlite3.Row) -> dict[str, Any]:
+    job = dict(row)
+    job["usage"] = json.loads(job["usage"]) if job["usage"] else None
+    for column in ("created_at", "started_at", "finished_at"):
+        job[column] = iso(job[column])
+    return job
+
+
+def create_claude_job(prompt: str, backend: str, timeout_sec: int, system: str | None = None,
+                      model: str | None = None, owner: str | None = None) -> dict[str, Any]:
+    """Record a new reverse-bridge job (status ``queued``); returns it. ``owner`` names the
+    server process that will run it (for restart recovery)."""
+    prompt = _text("prompt", prompt, 1_000_000)
+    with _writing() as conn:
+        row = conn.execute(
+            "INSERT INTO claude_jobs (prompt, system, model, backend, timeout_sec, owner, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING *",
+            (prompt, system, model, backend, timeout_sec, owner, now()),
+        ).fetchone()
+        _event(conn, None, "claude_job", f"job {row['id']} queued ({backend})")
+        return _job_dict(row)
+
+
+def start_claude_job(job_id: int, pid: int | None = None, pid_start: float | None = None) -> None:
+    """Mark a queued job running (with the backend process pid and start time when there is one)."""
+    with _writing() as conn:
+        conn.execute(
+            "UPDATE claude_jobs SET status = 'running', started_at = coalesce(started_at, ?),"
+            " pid = coalesce(?, pid), pid_start = coalesce(?, pid_start)"
+            " WHERE id = ? AND status IN ('queued', 'running')",
+            (now(), pid, pid_start, job_id),
+        )
+
+
+def finish_claude_job(job_id: int, status: str, answer: str | None = None, error: str | None = None,
+                      usage: dict | None = None) -> dict[str, Any]:
+    """Finish a job as done, failed or cancelled. A job already finished is left as it is (so a
+    late result cannot overwrite a cancel). Raises JobNotFound or ValidationError."""
+    if status not in ("done", "failed", "cancelled"):
+        raise ValidationError(f"a job finishes as done, failed or cancelled; got {status!r}")
+    with _writing() as conn:
+        conn.execute(
+            "UPDATE claude_jobs SET status = ?, answer = ?, error = ?, usage = ?, finished_at = ?"
+            " WHERE id = ? AND status IN ('queued', 'running')",
+            (status, answer, error, _json(usage), now(), job_id),
+        )
+        row = conn.execute("SELECT * FROM claude_jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFound(f"Claude job {job_id} not found")
+        _event(conn, None, "claude_job", f"job {job_id} {row['status']}")
+        return _job_dict(row)
+
+
+def get_claude_job(job_id: Any) -> dict[str, Any]:
+    """One job. Raises ValidationError (bad id) or JobNotFound."""
+    job_id = coerce_int("job_id", job_id, 1, 2**62)
+    with _reading() as conn:
+        row = conn.execute("SELECT * FROM claude_jobs WHERE id = ?", (job_id,)).fetchone()
+    if row is None:
+        raise JobNotFound(f"Claude job {job_id} not found; claude_submit returns the ids that exist")
+    return _job_dict(row)
+
+
+def list_claude_jobs(status: Iterable[str] | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    """Newest jobs first, optionally only some statuses."""
+    chosen = list(status) if status else list(JOB_STATUSES)
+    with _reading() as conn:
+        rows = conn.execute(
+            "SELECT * FROM claude_jobs WHERE status IN (%s) ORDER BY id DESC LIMIT ?"
+            % ",".join("?" * len(chosen)), [*chosen, limit]
+        ).fetchall()
+    return [_job_dict(r) for r in rows]

@@ -1,0 +1,31 @@
+"""Shared fixtures: every test gets its own database, log folder and worktree root."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(autouse=True)
+def isolated_queue(tmp_path, monkeypatch):
+    """Point the queue, logs and worktrees at tmp_path; silence banners."""
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / "tasks.db"))
+    monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
+    monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
+    monkeypatch.setenv("WORKER_NOTIFY", "0")
+    monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    monkeypatch.delenv("MCP_ALLOWED_HOSTS", raising=False)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("WORKER_MODEL", raising=False)
+    yield tmp_path
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
