@@ -1,0 +1,774 @@
+"""TaskBridge's command line for people: submit, inspect, claim by hand, answer, cancel, clear.
+
+Run it as ``python tasks_cli.py COMMAND ...`` (``python tasks_cli.py -h`` lists the commands).
+Tables are for people; ``--json`` on the listing commands prints plain JSON for scripts. Errors go
+to stderr: exit 1 when the queue refuses (unknown task, wrong status), exit 2 for a bad option.
+Task ids are accepted as ``t_0001``, ``0001`` or ``1``.
+
+Env read at call time: ``TASK_DB_PATH`` (also ``--db``), ``TASK_LOG_DIR`` (the per-task logs),
+``USER`` (the default name of a person who claims, notes or answers: ``cli:$USER``).
+
+Every read and write goes through ``task_store``; this file holds no SQL.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import sqlite3
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import click
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+import task_store
+
+__version__ = "0.1.0"
+
+ORIGIN_NAME = "tasks_cli"
+FOLLOW_POLL_SEC = 0.5  # how often `logs --follow` looks for new lines and the task's status
+STALE_WORKER_SEC = 180  # the worker fires every 60 s; a heartbeat older than this is worth a hint
+FINISHED = set(task_store.TERMINAL)
+
+
+# --------------------------------------------------------------------------------------------
+# Consoles and errors: the store's errors become click errors here and nowhere else.
+
+
+def out() -> Console:
+    """The stdout console for tables (made at call time so tests and pipes get the current stream)."""
+    return Console(highlight=False, soft_wrap=False)
+
+
+def err() -> Console:
+    """The stderr console for errors and hints."""
+    return Console(stderr=True, highlight=False)
+
+
+class CliError(click.ClickException):
+    """A refusal shown to the person on stderr (exit 1); the message names the way out."""
+
+    def show(self, file: Any = None) -> None:
+        err().print(Text(f"Error: {self.format_message()}", style="red"), soft_wrap=True)
+
+
+# The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
+CLI_WORDS = {"list_tasks": "`tasks_cli.py list`", "add_task_note": "`tasks_cli.py note`",
+             "answer_task": "`tasks_cli.py answer`", "cancel_task": "`tasks_cli.py cancel`"}
+
+
+def in_cli_words(message: str) -> str:
+    """A store message with MCP tool names replaced by the matching CLI commands."""
+    return re.sub(r"\b(%s)\b" % "|".join(CLI_WORDS), lambda m: CLI_WORDS[m.group(1)], message)
+
+
+class TaskGroup(click.Group):
+    """The command group; translates store and database errors into clear messages (no traceback)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except task_store.TaskStoreError as exc:
+            raise CliError(in_cli_words(str(exc))) from None
+        except sqlite3.Error as exc:
+            raise CliError(
+                f"the task database {task_store.db_path()} could not be used ({exc}); "
+                "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
+            ) from None
+        except OSError as exc:
+            where = f" {exc.filename}" if exc.filename else ""
+            raise CliError(f"could not use{where}: {exc.strerror or exc}") from None
+
+
+def emit_json(value: Any) -> None:
+    """Print ``value`` as indented JSON on stdout (for scripts)."""
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def person(name: str | None = None) -> str:
+    """The lease owner / author name of a person: ``cli:NAME``, default ``cli:$USER``."""
+    if not name:
+        name = os.environ.get("USER") or _login_name()
+    return name if name.startswith("cli:") else f"cli:{name}"
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return "person"
+
+
+# --------------------------------------------------------------------------------------------
+# Option callbacks: a bad value is a click.BadParameter (exit 2) before anything is written.
+
+
+def task_id_arg(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Parse ``t_0001`` / ``0001`` / ``1`` (or a tuple of them) to ``t_0001`` form."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(task_id_arg(ctx, param, v) for v in value)
+    try:
+        return task_store.format_task_id(task_store.parse_task_id(value))
+    except task_store.ValidationError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def working_dir_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    """An absolute path to an existing directory (default: the current directory)."""
+    if value is None:
+        return os.getcwd()
+    if not os.path.isabs(value):
+        raise click.BadParameter(
+            f"{value!r} is relative; give an absolute path, for example --dir {os.path.abspath(value)}"
+        )
+    try:
+        return task_store.validate_working_dir(value)
+    except task_store.ValidationError as exc:
+        raise click.BadParameter(f"{exc}; create it first or point --dir at the project folder") from None
+
+
+def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``provider/model`` or None."""
+    try:
+        return task_store.validate_model(value)
+    except task_store.ValidationError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def db_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Point ``task_store`` at ``--db`` by setting TASK_DB_PATH for this process."""
+    if value:
+        os.environ["TASK_DB_PATH"] = os.path.abspath(os.path.expanduser(value))
+
+
+def json_option(command: Callable) -> Callable:
+    """The ``--json`` flag shared by the listing commands."""
+    return click.option("--json", "as_json", is_flag=True, help="Print plain JSON for scripts instead of a table.")(command)
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering helpers: plain functions from store dicts to rich objects.
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """An ISO time from the store -> aware datetime (None stays None)."""
+    if not value:
+        return None
+    stamp = datetime.fromisoformat(value)
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+
+
+def age(seconds: float | None) -> str:
+    """Seconds -> ``"3m ago"`` (or ``"in 20s"`` for the future; ``"-"`` for None)."""
+    if seconds is None:
+        return "-"
+    ahead, seconds = seconds < 0, abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            text = f"{int(seconds // size)}{unit}"
+            break
+    else:
+        text = f"{int(seconds)}s"
+    return f"in {text}" if ahead else f"{text} ago"
+
+
+def ago(value: str | None) -> str:
+    """An ISO time -> relative age for people (``"3m ago"``), ``"-"`` when unset."""
+    stamp = parse_time(value)
+    return age(time.time() - stamp.timestamp()) if stamp else "-"
+
+
+STATUS_STYLE = {"pending": "yellow", "running": "cyan", "waiting": "magenta", "done": "green",
+                "failed": "red", "cancelled": "dim"}
+
+
+def status_text(status: str) -> Text:
+    """A status coloured by kind."""
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def plain(value: Any) -> Text:
+    """Any value as literal text: never parsed as rich markup (titles may contain brackets)."""
+    if value is None or value == "" or value == []:
+        return Text("-", style="dim")
+    if isinstance(value, (list, tuple)):
+        return Text("\n".join(flat(v) for v in value))
+    return Text(flat(value))
+
+
+def flat(value: Any) -> str:
+    """A value on one line: dicts as ``k=v, ...``, lists comma-joined."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={flat(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(flat(v) for v in value)
+    return str(value)
+
+
+def short(value: str | None, limit: int = 60) -> str:
+    """First line of ``value``, cut to ``limit`` characters."""
+    text = (value or "").strip().splitlines()[0] if (value or "").strip() else ""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def origin_of(task: dict[str, Any]) -> str:
+    """``name version`` of whoever submitted the task."""
+    return " ".join(p for p in (task.get("origin_name"), task.get("origin_version")) if p) or "-"
+
+
+def tasks_table(tasks: list[dict[str, Any]]) -> Table:
+    """One row per task (the list/pending view)."""
+    table = Table(show_lines=False)
+    for name, opts in (("ID", {"no_wrap": True}), ("Status", {}), ("Pri", {"justify": "right"}),
+                       ("Title", {"overflow": "fold"}), ("Tries", {}), ("Origin", {}),
+                       ("Created", {"no_wrap": True}), ("Detail", {"overflow": "fold"})):
+        table.add_column(name, **opts)
+    for task in tasks:
+        detail = task.get("question") if task["status"] == "waiting" else task.get("error")
+        table.add_row(
+            Text(task["id"]), status_text(task["status"]), Text(str(task["priority"])),
+            Text(task["title"]), Text(f"{task['attempts']}/{task['max_retries'] + 1}"),
+            Text(origin_of(task)), Text(ago(task.get("created_at"))), Text(short(detail)),
+        )
+    return table
+
+
+def page_footer(page: dict[str, Any]) -> str:
+    """``showing 1–50 of 120; next page: --offset 50``."""
+    shown = len(page["tasks"])
+    if not shown:
+        return "no tasks match" if page["total"] == 0 else f"no tasks at offset {page['offset']} (of {page['total']})"
+    text = f"showing {page['offset'] + 1}–{page['offset'] + shown} of {page['total']}"
+    return text + (f"; next page: --offset {page['next_offset']}" if page["next_offset"] is not None else "")
+
+
+def fields_table(rows: Iterable[tuple[str, Any]], title: str | None = None) -> Table:
+    """A two-column key/value table; keys whose value is empty are left out."""
+    table = Table(show_header=False, title=title, title_justify="left", box=None, padding=(0, 2, 0, 0))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        if value not in (None, "", [], {}):
+            table.add_row(key, value if isinstance(value, Text) else plain(value))
+    return table
+
+
+def when(value: str | None) -> str | None:
+    """``"3m ago (2025-01-01T10:00:00+00:00)"`` or None."""
+    return f"{ago(value)} ({value})" if value else None
+
+
+def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The task's identity, settings and timing."""
+    return [
+        ("id", task["id"]), ("title", task["title"]), ("status", status_text(task["status"])),
+        ("working dir", task["working_dir"]), ("model", task["model"] or "(default at claim)"),
+        ("agent", task["agent"]), ("priority", task["priority"]), ("permission", task["permission"]),
+        ("worktree", "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
+        ("timeout", f"{task['timeout_sec']} s per attempt"),
+        ("attempts", f"{task['attempts']} of {task['max_retries'] + 1} (hand-backs {task['handbacks']})"),
+        ("depends on", task.get("depends_on")), ("idempotency key", task["idempotency_key"]),
+        ("origin", f"{origin_of(task)} ({task['origin_kind']})" if task["origin_kind"] else origin_of(task)),
+        ("created", when(task["created_at"])), ("started", when(task["started_at"])),
+        ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
+        ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
+    ]
+
+
+def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Where and by whom the task runs or ran."""
+    lease = task["lease_owner"] if task["status"] == "running" else None
+    return [
+        ("lease", f"{lease} (pid {task['lease_pid']})" if lease and task["lease_pid"] else lease),
+        ("run marker", task["run_marker"]), ("agent pid", task["agent_pid"]),
+        ("session", task["session_id"]), ("branch", task["branch"]),
+        ("worktree path", task["worktree_path"]), ("base commit", task["base_commit"]),
+        ("error", Text(task["error"], style="red") if task["error"] else None),
+    ]
+
+
+RECEIPT_KEYS = ("summary", "files_touched", "commands", "tests_run", "open_questions", "sandbox")
+
+
+def receipt_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The receipt (``result``) fields, usage, then any other keys the worker recorded."""
+    result = task["result"] if isinstance(task["result"], dict) else {"result": task["result"]}
+    rows = [(key.replace("_", " "), result.get(key)) for key in RECEIPT_KEYS]
+    rows += [(key.replace("_", " "), value) for key, value in result.items() if key not in RECEIPT_KEYS]
+    usage = task["usage"] or result.get("usage")
+    if isinstance(usage, dict):
+        rows = [row for row in rows if row[0] != "usage"]
+        rows += [(f"usage {key}", value) for key, value in usage.items()]
+    if task["diff"]:
+        rows.append(("diff", f"{len(task['diff'].splitlines())} lines (show --diff prints it)"))
+    return rows
+
+
+def notes_table(task: dict[str, Any]) -> Table:
+    """Notes and questions with their answers, in order."""
+    table = Table(title="Notes and questions", title_justify="left")
+    for name in ("When", "Who", "Text"):
+        table.add_column(name, overflow="fold")
+    rows = [(n["created_at"], Text(n["author"]), Text(n["text"])) for n in task["notes"]]
+    for q in task["questions"]:
+        rows.append((q["asked_at"], Text(f"agent (attempt {q['attempt']})"), Text(f"Q: {q['question']}")))
+        if q["answer"] is not None:
+            rows.append((q["answered_at"], Text("answer"), Text(f"A: {q['answer']}")))
+    for stamp, who, text in sorted(rows, key=lambda r: r[0] or ""):
+        table.add_row(Text(ago(stamp)), who, text)
+    return table
+
+
+def events_table(events: list[dict[str, Any]], with_task: bool = True) -> Table:
+    """Events oldest first."""
+    table = Table(title=None if with_task else "Last events", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("When", no_wrap=True)
+    if with_task:
+        table.add_column("Task", no_wrap=True)
+    table.add_column("Kind")
+    table.add_column("Message", overflow="fold")
+    for event in events:
+        cells = [Text(str(event["id"])), Text(ago(event["ts"]))]
+        cells += [plain(event["task_id"])] if with_task else []
+        table.add_row(*cells, Text(event["kind"]), Text(short(event["message"], 200)))
+    return table
+
+
+def print_fields(rows: list[tuple[str, Any]], title: str) -> None:
+    """A titled key/value table, unless every value is empty."""
+    if any(value not in (None, "", [], {}) for _, value in rows):
+        out().print(fields_table(rows, title=title))
+
+
+def print_task(task: dict[str, Any]) -> None:
+    """Everything about one task, for a person."""
+    console = out()
+    print_fields(overview_rows(task), "Task")
+    print_fields(run_rows(task), "Run")
+    if task["status"] == "waiting":
+        console.print(Text(f"Question: {task['question']}", style="magenta"))
+        console.print(Text(f"Answer it: python tasks_cli.py answer {task['id']} \"...\"", style="dim"))
+    if task["result"] or task["usage"] or task["diff"]:
+        print_fields(receipt_rows(task), "Result")
+    print_fields([("instructions", task["instructions"])], "Instructions")
+    if task["notes"] or task["questions"]:
+        console.print(notes_table(task))
+    if task["events"]:
+        console.print(events_table(task["events"], with_task=False))
+
+
+def print_marker_help(task: dict[str, Any]) -> None:
+    """After a hand claim: the marker and the commands that finish the attempt."""
+    console = out()
+    console.print(Text(f"Claimed {task['id']} ({task['title']}) as {task['lease_owner']}", style="green"))
+    console.print(Text(f"run marker: {task['run_marker']}", style="bold"))
+    console.print(Text(
+        f"Finish with: python tasks_cli.py complete {task['id']} --summary \"...\"  "
+        f"or: python tasks_cli.py fail {task['id']} --reason \"...\"\n"
+        f"Renew the lease with `python tasks_cli.py heartbeat {task['id']}` while you work: a lease idle "
+        "past the worker's stale limit (15 min by default) is requeued.", style="dim"))
+
+
+# --------------------------------------------------------------------------------------------
+# Store lookups the commands share.
+
+
+def hand_lease(task_id: str, marker: str | None) -> tuple[dict[str, Any], str]:
+    """The task and the run marker a person's complete/fail/heartbeat names.
+
+    Without ``marker``: the task must be running under a ``cli:`` lease (a person's); a worker's
+    lease is refused, so nobody finishes a live run by accident. Raises CliError.
+    """
+    task = task_store.get_task(task_id)
+    if marker:
+        return task, marker
+    if task["status"] != "running":
+        raise CliError(
+            f"task {task_id} is {task['status']}, not running; claim it first "
+            f"(python tasks_cli.py claim {task_id})"
+        )
+    owner = task["lease_owner"] or ""
+    if not owner.startswith("cli:"):
+        raise CliError(
+            f"task {task_id} is being run by {owner or 'a worker'}, not claimed by hand; refusing to "
+            "finish a worker's attempt. Cancel it (python tasks_cli.py cancel), or if you really mean "
+            "to override the worker, pass --marker with its run marker (shown by `show`)"
+        )
+    return task, task["run_marker"]
+
+
+def read_text_source(instructions: str | None, file: Any) -> str | None:
+    """Instructions from ``--instructions`` (``-`` reads stdin) or ``--file`` (``-`` is stdin)."""
+    if instructions is not None and file is not None:
+        raise click.UsageError("give the instructions once: --instructions or --file, not both")
+    if file is not None:
+        return file.read()
+    if instructions == "-":
+        return click.get_text_stream("stdin").read()
+    return instructions
+
+
+# --------------------------------------------------------------------------------------------
+# Log following.
+
+
+def tail_lines(path: Path, count: int | None) -> tuple[list[str], int]:
+    """The last ``count`` lines of ``path`` (all when None) and the byte offset read up to."""
+    data = path.read_bytes()
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return (lines if count is None else lines[-count:] if count else []), len(data)
+
+
+def read_new(path: Path, offset: int) -> tuple[bytes, int]:
+    """Bytes appended to ``path`` since ``offset`` (a shrunk file is read from the start)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return b"", offset
+    if size < offset:
+        offset = 0
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        data = handle.read()
+    return data, offset + len(data)
+
+
+def follow_log(task_id: str, path: Path, offset: int) -> str:
+    """Print lines appended to ``path`` until the task is finished or waiting; returns its status."""
+    pending = b""
+    while True:
+        status = task_store.get_task(task_id)["status"]
+        data, offset = read_new(path, offset)
+        pending += data
+        *complete, pending = pending.split(b"\n")
+        for line in complete:
+            click.echo(line.decode("utf-8", errors="replace"))
+        if status in FINISHED or status == "waiting":
+            if pending:
+                click.echo(pending.decode("utf-8", errors="replace"))
+            return status
+        time.sleep(FOLLOW_POLL_SEC)
+
+
+# --------------------------------------------------------------------------------------------
+# The commands.
+
+
+@click.group(cls=TaskGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--db", type=click.Path(dir_okay=False), envvar="TASK_DB_PATH", callback=db_arg,
+              expose_value=False, is_eager=True, show_envvar=True,
+              help="The SQLite queue file (default: <repo>/tasks.db).")
+@click.version_option(__version__, "--version", prog_name="tasks_cli", message="%(prog)s %(version)s")
+def cli() -> None:
+    """TaskBridge: queue coding tasks for the OpenCode worker, and follow, answer or run them by hand.
+
+    Task ids are accepted as t_0001, 0001 or 1. Listings print tables; --json prints JSON.
+    """
+
+
+@cli.command()
+@click.argument("title")
+@click.option("--dir", "-d", "working_dir", callback=working_dir_arg,
+              help="Absolute path of the project the agent works in (default: the current directory).")
+@click.option("--instructions", "-i", help="What the agent should do; '-' reads stdin (default: the title).")
+@click.option("--file", "-f", type=click.File("r", encoding="utf-8"), help="Read the instructions from a file; '-' is stdin.")
+@click.option("--model", "-m", callback=model_arg, help="Model as provider/model (default: the queue's default at claim).")
+@click.option("--priority", "-p", type=click.IntRange(*task_store.PRIORITY_RANGE), default=0, show_default=True,
+              help="Higher runs first (-1000..1000).")
+@click.option("--depends-on", multiple=True, callback=task_id_arg, help="A task that must be done first (repeatable).")
+@click.option("--timeout", "timeout_sec", type=click.IntRange(*task_store.TIMEOUT_RANGE), default=1800, show_default=True,
+              help="Seconds per attempt (1..86400).")
+@click.option("--max-retries", type=click.IntRange(*task_store.RETRIES_RANGE), default=1, show_default=True,
+              help="Retries after a failed attempt (0..10).")
+@click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default="auto", show_default=True,
+              help="What the agent may do.")
+@click.option("--no-worktree", is_flag=True, help="Run in the directory itself, not in a git worktree.")
+@click.option("--keep-worktree", is_flag=True, help="Keep the worktree after a successful run (the branch always stays).")
+@click.option("--agent", help="OpenCode agent name (for example build or plan).")
+@click.option("--key", "idempotency_key", help="Idempotency key: submitting the same key again returns the first task.")
+@json_option
+def submit(title: str, working_dir: str, instructions: str | None, file: Any, model: str | None,
+           priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
+           permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
+           idempotency_key: str | None, as_json: bool) -> None:
+    """Queue a task for the worker.
+
+    TITLE is a short name (up to 200 characters). The instructions come from --instructions,
+    --file, or stdin ('-'); without them the title is the instruction.
+    """
+    text = read_text_source(instructions, file)
+    task = task_store.submit_task(
+        title=title, instructions=text if text is not None and text.strip() else title,
+        working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),
+        timeout_sec=timeout_sec, max_retries=max_retries, permission=permission,
+        worktree=not no_worktree, worktree_keep=keep_worktree, agent=agent,
+        idempotency_key=idempotency_key, origin_name=ORIGIN_NAME, origin_version=__version__,
+    )
+    if as_json:
+        return emit_json(task)
+    verb = "Already queued as" if task["duplicate"] else "Submitted"
+    out().print(Text(f"{verb} {task['id']}: {task['title']} ({task['status']})", style="green"))
+
+
+def list_options(command: Callable) -> Callable:
+    """--limit, --offset and --json, shared by list and pending."""
+    command = json_option(command)
+    command = click.option("--offset", type=click.IntRange(0), default=0, help="Skip this many tasks (paging).")(command)
+    return click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True,
+                        help="At most this many tasks (1..500).")(command)
+
+
+def render_page(page: dict[str, Any], as_json: bool) -> None:
+    """A page of tasks as JSON or a table with a paging footer."""
+    if as_json:
+        return emit_json(page)
+    if page["tasks"]:
+        out().print(tasks_table(page["tasks"]))
+    out().print(Text(page_footer(page), style="dim"))
+
+
+@cli.command("list")
+@click.option("--status", "-s", multiple=True, type=click.Choice(task_store.STATUSES),
+              help="Only tasks in this status (repeatable; default: all).")
+@click.option("--origin", help="Only tasks from this caller: a kind (claude, chatgpt, other) or a client name.")
+@list_options
+def list_cmd(status: tuple[str, ...], origin: str | None, limit: int, offset: int, as_json: bool) -> None:
+    """List tasks: running, waiting, pending first, then the finished ones."""
+    render_page(task_store.list_tasks(list(status) or None, origin, limit, offset), as_json)
+
+
+@cli.command()
+@list_options
+def pending(limit: int, offset: int, as_json: bool) -> None:
+    """List the tasks still waiting for a worker to claim them."""
+    render_page(task_store.list_tasks("pending", None, limit, offset), as_json)
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--diff", "diff_only", is_flag=True, help="Print only the task's diff (plain text, for patch or less).")
+@json_option
+def show(task_id: str, diff_only: bool, as_json: bool) -> None:
+    """Show everything about one task: status, run, receipt, notes, questions, events."""
+    task = task_store.get_task(task_id)
+    if diff_only:
+        if not task["diff"]:
+            raise CliError(f"task {task_id} has no diff (it is {task['status']}); show {task_id} tells more")
+        return click.echo(task["diff"], nl=not task["diff"].endswith("\n"))
+    if as_json:
+        return emit_json(task)
+    print_task(task)
+
+
+@cli.command()
+@click.argument("task_id", required=False, callback=task_id_arg)
+@click.option("--as", "name", help="Your name; the lease owner becomes cli:NAME (default: cli:$USER).")
+@json_option
+def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
+    """Claim a task to do it by hand (TASK_ID, or the best claimable one).
+
+    Prints the run marker that complete and fail name. Exits 0 with a note when nothing is claimable.
+    """
+    task = task_store.claim_next(person(name), task_id=task_id)
+    if as_json:
+        return emit_json(task)
+    if task is None:
+        return err().print("Nothing to claim: no pending task is ready (see `list --status pending`).")
+    print_marker_help(task)
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--summary", default="completed by hand", show_default=True, help="What was done (the receipt's summary).")
+@click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
+def complete(task_id: str, summary: str, marker: str | None) -> None:
+    """Mark a task you claimed by hand as done."""
+    task, marker = hand_lease(task_id, marker)
+    receipt = {"summary": summary, "completed_by": _finisher(task)}
+    done = task_store.complete_attempt(task_id, marker, result=receipt)
+    out().print(Text(f"{done['id']} is done.", style="green"))
+
+
+def _finisher(task: dict[str, Any]) -> str:
+    owner = task.get("lease_owner") or ""
+    return owner if owner.startswith("cli:") else person()
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--reason", required=True, help="Why the attempt failed (stored as the task's error).")
+@click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
+@click.option("--no-retry", is_flag=True, help="Fail for good instead of requeueing when retries remain.")
+def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
+    """Mark a task you claimed by hand as failed (requeued while retries remain)."""
+    if not reason.strip():
+        raise click.BadParameter("must not be empty; say why the attempt failed", param_hint="--reason")
+    task, marker = hand_lease(task_id, marker)
+    after = task_store.fail_attempt(task_id, marker, reason, retryable=not no_retry)
+    if after["status"] == "pending":
+        out().print(Text(f"{after['id']} failed this attempt; requeued for a retry.", style="yellow"))
+    else:
+        out().print(Text(f"{after['id']} failed.", style="red"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+def heartbeat(task_id: str) -> None:
+    """Renew the lease of a task you claimed by hand (so it is not requeued as stale)."""
+    task, _ = hand_lease(task_id, None)
+    task_store.heartbeat(task_id, owner=task["lease_owner"])
+    out().print(f"Lease of {task_id} renewed.")
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.argument("text")
+def answer(task_id: str, text: str) -> None:
+    """Answer a waiting task's question; it requeues and resumes with the answer. TEXT '-' reads stdin."""
+    if text == "-":
+        text = click.get_text_stream("stdin").read()
+    task = task_store.answer_task(task_id, text, author=person())
+    out().print(Text(f"Answered {task['id']}; it is {task['status']} again and resumes with your answer.", style="green"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.argument("text")
+@click.option("--author", help="Who writes the note (default: cli:$USER).")
+def note(task_id: str, text: str, author: str | None) -> None:
+    """Add a note for the agent; it reaches the task's next prompt (next attempt or resume)."""
+    result = task_store.add_note(task_id, text, author=author or person())
+    out().print(f"Note added to {result['task_id']} ({result['status']}); delivered at its {result['delivery']}.")
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--reason", default="cancelled by hand", show_default=True, help="Stored as the task's error.")
+def cancel(task_id: str, yes: bool, reason: str) -> None:
+    """Cancel a pending, waiting or running task (a running attempt is killed); dependents fail."""
+    task = task_store.get_task(task_id)
+    if not yes:
+        click.confirm(f"Cancel {task_id} ({task['status']}: {short(task['title'])})?", abort=True, err=True)
+    done = task_store.cancel_task(task_id, f"{reason} ({person()})")
+    out().print(Text(f"{done['id']} cancelled.", style="yellow"))
+
+
+@cli.command()
+@click.option("--older-than", type=click.FloatRange(0), default=0, show_default=True,
+              help="Only tasks finished at least this many seconds ago.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files.")
+@json_option
+def clear(older_than: float, yes: bool, purge_logs: bool, as_json: bool) -> None:
+    """Remove finished tasks (done, failed, cancelled) from the queue; events stay as history."""
+    finished = sum(task_store.counts()[s] for s in task_store.TERMINAL)
+    if not finished:
+        return emit_json([]) if as_json else out().print("No finished tasks to clear.")
+    if not yes:
+        since = f" finished more than {older_than:g} s ago" if older_than else ""
+        click.confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", abort=True, err=True)
+    removed = task_store.clear_finished(older_than)
+    if purge_logs:
+        for item in removed:
+            Path(item["log"]).unlink(missing_ok=True)
+    if as_json:
+        return emit_json(removed)
+    print_cleared(removed, purge_logs)
+
+
+def print_cleared(removed: list[dict[str, Any]], purged: bool) -> None:
+    """What clear removed, and what it left on disk."""
+    ids = ", ".join(item["id"] for item in removed) or "none"
+    out().print(f"Removed {len(removed)} task(s): {ids}" + (" (logs deleted)" if purged and removed else ""))
+    kept = [item["worktree_path"] for item in removed if item["worktree_path"] and os.path.isdir(item["worktree_path"])]
+    if kept:
+        err().print(Text("Kept worktrees remain on disk (remove with git worktree remove): " + ", ".join(kept), style="dim"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--tail", "-n", type=click.IntRange(0), help="Only the last N lines.")
+@click.option("--follow", "-F", is_flag=True, help="Keep printing new lines until the task finishes (Ctrl-C stops).")
+def logs(task_id: str, tail: int | None, follow: bool) -> None:
+    """Print a task's agent log (its output as the worker streamed it)."""
+    task = task_store.get_task(task_id)
+    path = task_store.log_path(task_id)
+    lines, offset = tail_lines(path, tail) if path.exists() else ([], 0)
+    for line in lines:
+        click.echo(line)
+    if not follow:
+        if not path.exists():
+            err().print(f"{task_id} has no log yet ({task['status']}); the worker writes {path} when it runs it.")
+        return
+    try:
+        status = follow_log(task_id, path, offset)
+    except KeyboardInterrupt:
+        return
+    err().print(Text(f"{task_id} is {status}; log ends.", style="dim"))
+
+
+@cli.command()
+@json_option
+def status(as_json: bool) -> None:
+    """Show the queue's counts and the worker's last heartbeat."""
+    summary = task_store.queue_summary()
+    worker = task_store.read_worker_heartbeat()
+    if as_json:
+        return emit_json(summary | {"worker": worker, "db": str(task_store.db_path())})
+    out().print(fields_table(queue_rows(summary), title="Queue"))
+    out().print(fields_table(worker_rows(worker), title="Worker"))
+    if worker is None or worker["age_sec"] > STALE_WORKER_SEC:
+        err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
+                         "running? (python worker.py runs one pass by hand)", style="yellow"))
+
+
+def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Counts per status, claimable, the oldest pending task."""
+    rows: list[tuple[str, Any]] = [("database", str(task_store.db_path()))]
+    rows += [(s, str(n)) for s, n in summary["counts"].items()]
+    rows.append(("claimable now", str(summary["claimable"])))
+    if summary["oldest_pending"]:
+        rows.append(("oldest pending", f"{summary['oldest_pending']} ({age(summary['oldest_pending_age_sec'])})"))
+    return rows
+
+
+def worker_rows(worker: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The heartbeat file's fields, its age first."""
+    if worker is None:
+        return [("heartbeat", "none: no worker pass has run against this queue")]
+    rows = [("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")]
+    return rows + [(k, v) for k, v in worker.items() if k not in ("age_sec", "at", "ts")]
+
+
+@cli.command()
+@click.option("--since", type=click.IntRange(0), help="Events after this event id (default: the most recent ones).")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many events.")
+@json_option
+def events(since: int | None, limit: int, as_json: bool) -> None:
+    """Show the queue's event log (every state change), oldest first."""
+    cursor = since if since is not None else max(0, task_store.last_event_id() - limit)
+    rows = task_store.events_since(cursor, limit=limit)
+    if as_json:
+        return emit_json(rows)
+    if rows:
+        out().print(events_table(rows))
+    out().print(Text(f"next: --since {rows[-1]['id']}" if rows else "no events", style="dim"))
+
+
+def main() -> None:
+    """Entry point: ``python tasks_cli.py``."""
+    cli(prog_name="tasks_cli.py")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,480 @@
+"""tasks_cli.py through click's CliRunner (and once as a real script): every command, by hand."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+import task_store
+import tasks_cli
+from tasks_cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, input: str | None = None):
+    """Invoke the CLI in-process; never lets an exception escape as a traceback."""
+    result = CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+    assert "Traceback" not in result.output
+    return result
+
+
+def add(tmp_path: Path, title: str = "Fix the README", **fields) -> dict:
+    """Submit a task straight through the store."""
+    return task_store.submit_task(title=title, instructions=fields.pop("instructions", "do it"),
+                                  working_dir=str(tmp_path), **fields)
+
+
+def snapshot() -> tuple:
+    """What bad input must leave untouched: tasks per status, the newest event, notes seen."""
+    return task_store.counts(), task_store.last_event_id()
+
+
+# --------------------------------------------------------------------------------------------
+# Help and the script entry.
+
+
+def test_every_command_and_option_has_help():
+    assert set(cli.commands) >= {"submit", "pending", "list", "show", "claim", "complete", "fail",
+                                 "heartbeat", "answer", "note", "cancel", "clear", "logs", "status",
+                                 "events"}
+    for name, command in cli.commands.items():
+        assert command.help and command.help.strip().splitlines()[0], name
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"{name} {param.opts} has no help"
+        result = run(name, "-h")
+        assert result.exit_code == 0, name
+        assert command.help.strip().split()[0] in result.output
+    for param in cli.params:
+        if isinstance(param, click.Option):
+            assert param.help, param.opts
+
+
+def test_script_runs_as_python_tasks_cli(tmp_path):
+    env = os.environ | {"TASK_DB_PATH": str(tmp_path / "script.db")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--help"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "submit" in proc.stdout and "Usage: tasks_cli.py" in proc.stdout
+    version = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--version"],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert version.stdout.strip() == f"tasks_cli {tasks_cli.__version__}"
+    assert not (tmp_path / "script.db").exists()  # help and version touch no database
+
+
+# --------------------------------------------------------------------------------------------
+# Submit, list, show.
+
+
+def test_submit_list_show_round_trip(tmp_path):
+    result = run("submit", "Add a [/red] test", "-d", str(tmp_path), "-i", "write tests", "-p", "7",
+                 "--timeout", "600", "--max-retries", "2", "--permission", "readonly",
+                 "--no-worktree", "--agent", "build", "--model", "opencode/cat-jam-free")
+    assert result.exit_code == 0, result.output
+    assert "Submitted t_0001" in result.stdout
+    task = task_store.get_task(1)
+    assert (task["title"], task["instructions"], task["working_dir"]) == ("Add a [/red] test", "write tests", str(tmp_path))
+    assert (task["priority"], task["timeout_sec"], task["max_retries"]) == (7, 600, 2)
+    assert (task["permission"], task["worktree"], task["agent"]) == ("readonly", False, "build")
+    assert (task["origin_name"], task["origin_version"]) == ("tasks_cli", tasks_cli.__version__)
+
+    listing = run("list")
+    assert listing.exit_code == 0
+    assert "t_0001" in listing.stdout and "pending" in listing.stdout and "[/red]" in listing.stdout
+    assert "showing 1–1 of 1" in listing.stdout
+
+    for ident in ("t_0001", "0001", "1"):
+        shown = run("show", ident)
+        assert shown.exit_code == 0
+        assert "write tests" in shown.stdout and "readonly" in shown.stdout and "tasks_cli" in shown.stdout
+    as_json = json.loads(run("show", "1", "--json").stdout)
+    assert as_json["id"] == "t_0001" and as_json["events"][0]["kind"] == "submitted"
+    page = json.loads(run("list", "--json", "--status", "pending").stdout)
+    assert [t["id"] for t in page["tasks"]] == ["t_0001"]
+    assert json.loads(run("list", "--json", "--status", "done").stdout)["total"] == 0
+
+
+def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("submit", "From stdin", "--file", "-", "--json", input="line one\nline two\n")
+    task = json.loads(result.stdout)
+    assert task["working_dir"] == str(tmp_path)
+    assert task_store.get_task(task["id"])["instructions"] == "line one\nline two\n"
+    plain = run("submit", "Title only", "--json")
+    assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
+
+
+def test_submit_with_key_is_idempotent_and_depends_on(tmp_path):
+    first = json.loads(run("submit", "A", "-d", str(tmp_path), "--key", "k1", "--json").stdout)
+    again = run("submit", "A", "-d", str(tmp_path), "--key", "k1")
+    assert "Already queued as t_0001" in again.stdout
+    assert task_store.counts()["pending"] == 1
+    child = json.loads(run("submit", "B", "-d", str(tmp_path), "--depends-on", first["id"], "--json").stdout)
+    assert child["depends_on"] == ["t_0001"]
+
+
+def test_pending_lists_only_pending(tmp_path):
+    add(tmp_path, "queued one")
+    done = add(tmp_path, "finished one")
+    claimed = task_store.claim_next("cli:x", task_id=done["id"])
+    task_store.complete_attempt(done["id"], claimed["run_marker"], result={"summary": "ok"})
+    page = json.loads(run("pending", "--json").stdout)
+    assert [t["title"] for t in page["tasks"]] == ["queued one"]
+    assert "queued one" in run("pending").stdout
+
+
+def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
+    task = add(tmp_path)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    receipt = {"summary": "changed README", "files_touched": ["README.md"], "commands": ["pytest -q"],
+               "tests_run": ["tests/test_x.py"], "open_questions": ["ship it?"], "sandbox": "worktree"}
+    diff = "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-old\n+new\n"
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result=receipt, diff=diff,
+                                usage={"tokens": 1234, "cost_usd": 0.0042})
+    shown = run("show", "1").stdout
+    for text in ("changed README", "README.md", "pytest -q", "tests/test_x.py", "ship it?", "worktree",
+                 "1234", "0.0042", "5 lines", "br-1-a1"):
+        assert text in shown, text
+    assert run("show", "1", "--diff").stdout == diff
+    bare = add(tmp_path, "no diff")
+    refused = run("show", bare["id"], "--diff")
+    assert refused.exit_code == 1 and "has no diff" in refused.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Claiming by hand.
+
+
+def test_claim_then_complete_by_hand(tmp_path):
+    add(tmp_path)
+    claimed = run("claim", "1", "--as", "alice")
+    assert claimed.exit_code == 0
+    assert "br-1-a1" in claimed.stdout and "cli:alice" in claimed.stdout
+    assert task_store.get_task(1)["lease_owner"] == "cli:alice"
+    assert run("heartbeat", "1").exit_code == 0
+    done = run("complete", "t_0001", "--summary", "fixed by hand")
+    assert done.exit_code == 0 and "done" in done.stdout
+    task = task_store.get_task(1)
+    assert task["status"] == "done"
+    assert task["result"] == {"summary": "fixed by hand", "completed_by": "cli:alice"}
+
+
+def test_claim_defaults_owner_to_user_and_best_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("USER", "bob")
+    add(tmp_path, "low")
+    add(tmp_path, "high", priority=5)
+    claimed = json.loads(run("claim", "--json").stdout)
+    assert claimed["title"] == "high" and claimed["lease_owner"] == "cli:bob"
+    run("claim")
+    nothing = run("claim")
+    assert nothing.exit_code == 0 and "Nothing to claim" in nothing.stderr
+
+
+def test_claim_then_fail_requeues_then_fails_for_good(tmp_path, monkeypatch):
+    monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))  # no back-off wait in the test
+    add(tmp_path, max_retries=1)
+    run("claim", "1")
+    failed = run("fail", "1", "--reason", "tests red")
+    assert failed.exit_code == 0 and "requeued" in failed.stdout
+    task = task_store.get_task(1)
+    assert (task["status"], task["error"]) == ("pending", "tests red")
+    assert "br-1-a2" in run("claim", "1").stdout
+    final = run("fail", "1", "--reason", "still red", "--no-retry")
+    assert final.exit_code == 0 and "failed." in final.stdout
+    assert task_store.get_task(1)["status"] == "failed"
+
+
+def test_fail_without_retry_ends_the_task_at_once(tmp_path):
+    add(tmp_path, max_retries=3)
+    dependent = add(tmp_path, "after", depends_on=["t_0001"])
+    run("claim", "1")
+    assert run("fail", "1", "--reason", "cannot be done", "--no-retry").exit_code == 0
+    assert task_store.get_task(1)["status"] == "failed"
+    assert "dependency t_0001 failed" in task_store.get_task(dependent["id"])["error"]
+
+
+def test_a_workers_lease_is_not_finished_by_hand_without_marker(tmp_path):
+    add(tmp_path)
+    claimed = task_store.claim_next("worker@host:123", task_id=1)
+    before = snapshot()
+    for args in (("complete", "1"), ("fail", "1", "--reason", "x"), ("heartbeat", "1")):
+        result = run(*args)
+        assert result.exit_code == 1, args
+        assert "worker@host:123" in result.stderr and "--marker" in result.stderr
+    assert snapshot() == before
+    forced = run("complete", "1", "--marker", claimed["run_marker"], "--summary", "override")
+    assert forced.exit_code == 0 and task_store.get_task(1)["status"] == "done"
+
+
+def test_complete_with_a_stale_marker_is_refused(tmp_path):
+    add(tmp_path)
+    run("claim", "1")
+    result = run("complete", "1", "--marker", "br-1-a9")
+    assert result.exit_code == 1 and "no longer current" in result.stderr
+    assert task_store.get_task(1)["status"] == "running"
+
+
+def test_complete_a_task_that_is_not_claimed(tmp_path):
+    add(tmp_path)
+    result = run("complete", "1")
+    assert result.exit_code == 1 and "not running; claim it first" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Questions, notes, cancel, clear.
+
+
+def waiting_task(tmp_path: Path) -> dict:
+    task = add(tmp_path)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    return task_store.pause_for_question(task["id"], claimed["run_marker"], "Which branch?")
+
+
+def test_answer_a_waiting_task(tmp_path, monkeypatch):
+    monkeypatch.setenv("USER", "carol")
+    waiting_task(tmp_path)
+    assert "Which branch?" in run("show", "1").stdout
+    result = run("answer", "1", "use main")
+    assert result.exit_code == 0 and "resumes" in result.stdout
+    task = task_store.get_task(1)
+    assert (task["status"], task["answer"]) == ("pending", "use main")
+    assert task["questions"][0]["answer"] == "use main"
+    assert "by cli:carol" in task["events"][-1]["message"]
+
+
+def test_note_reaches_the_task(tmp_path):
+    add(tmp_path)
+    result = run("note", "1", "mind the [bold]tests[/bold]", "--author", "dana")
+    assert result.exit_code == 0 and "next prompt" in result.stdout
+    assert task_store.get_task(1)["notes"][0] | {"created_at": None} == {
+        "author": "dana", "text": "mind the [bold]tests[/bold]", "created_at": None, "delivered": False}
+    assert "mind the [bold]tests[/bold]" in run("show", "1").stdout
+
+
+def test_cancel_asks_first(tmp_path):
+    add(tmp_path)
+    declined = run("cancel", "1", input="n\n")
+    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert task_store.get_task(1)["status"] == "pending"
+    accepted = run("cancel", "1", input="y\n")
+    assert accepted.exit_code == 0 and task_store.get_task(1)["status"] == "cancelled"
+    add(tmp_path, "second")
+    assert run("cancel", "2", "--yes").exit_code == 0
+    assert task_store.get_task(2)["status"] == "cancelled"
+    again = run("cancel", "2", "--yes")
+    assert again.exit_code == 1 and "already cancelled" in again.stderr
+
+
+def test_clear_removes_finished_tasks_and_logs(tmp_path):
+    add(tmp_path, "keep me")
+    add(tmp_path, "drop me")
+    task_store.cancel_task(2)
+    log = task_store.log_path(2)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("old output\n")
+    declined = run("clear", input="n\n")
+    assert declined.exit_code == 1 and task_store.counts()["cancelled"] == 1
+    assert json.loads(run("clear", "--yes", "--older-than", "3600", "--json").stdout) == []
+    result = run("clear", "--yes", "--purge-logs")
+    assert result.exit_code == 0 and "t_0002" in result.stdout
+    assert task_store.counts()["cancelled"] == 0 and task_store.counts()["pending"] == 1
+    assert not log.exists()
+    assert "No finished tasks" in run("clear", "--yes").stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Logs.
+
+
+def write_log(task_id: int, text: str) -> Path:
+    path = task_store.log_path(task_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_logs_prints_whole_file_and_tail(tmp_path):
+    add(tmp_path)
+    write_log(1, "one\ntwo\nthree [red]x[/red]\n")
+    assert run("logs", "1").stdout == "one\ntwo\nthree [red]x[/red]\n"
+    assert run("logs", "1", "--tail", "2").stdout == "two\nthree [red]x[/red]\n"
+    add(tmp_path, "never ran")
+    empty = run("logs", "2")
+    assert empty.exit_code == 0 and empty.stdout == "" and "no log yet" in empty.stderr
+
+
+def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    add(tmp_path)
+    claimed = task_store.claim_next("worker@host", task_id=1)
+    path = write_log(1, "started\n")
+
+    def agent() -> None:
+        for n in range(3):
+            time.sleep(0.1)
+            with path.open("a") as handle:
+                handle.write(f"step {n}\n")
+        with path.open("a") as handle:
+            handle.write("partial line without newline")
+        time.sleep(0.1)
+        task_store.complete_attempt(1, claimed["run_marker"], result={"summary": "ok"})
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    result = run("logs", "1", "--follow", "--tail", "1")
+    thread.join()
+    assert result.exit_code == 0
+    assert result.stdout == "started\nstep 0\nstep 1\nstep 2\npartial line without newline\n"
+    assert "t_0001 is done; log ends" in result.stderr
+
+
+def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
+    add(tmp_path)
+    write_log(1, "waiting for a worker\n")
+
+    def interrupt(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tasks_cli.time, "sleep", interrupt)
+    result = run("logs", "1", "--follow")
+    assert result.exit_code == 0 and result.stdout == "waiting for a worker\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Status, events, --db, ages.
+
+
+def test_status_shows_counts_and_worker_heartbeat(tmp_path):
+    add(tmp_path)
+    bare = run("status")
+    assert bare.exit_code == 0 and "no worker pass has run" in bare.stdout
+    assert "has not checked in" in bare.stderr
+    task_store.write_worker_heartbeat({"task": "t_0001"})
+    shown = run("status")
+    assert "ago" in shown.stdout and "t_0001" in shown.stdout and str(os.getpid()) in shown.stdout
+    assert "has not checked in" not in shown.stderr
+    data = json.loads(run("status", "--json").stdout)
+    assert data["counts"]["pending"] == 1 and data["worker"]["task"] == "t_0001"
+
+
+def test_events_lists_state_changes(tmp_path):
+    add(tmp_path)
+    task_store.cancel_task(1)
+    rows = json.loads(run("events", "--json").stdout)
+    assert [e["kind"] for e in rows] == ["submitted", "cancelled"]
+    assert json.loads(run("events", "--since", str(rows[0]["id"]), "--json").stdout)[0]["kind"] == "cancelled"
+    table = run("events")
+    assert "cancelled" in table.stdout and f"--since {rows[-1]['id']}" in table.stdout
+
+
+def test_db_option_points_the_store_elsewhere(tmp_path):
+    other = tmp_path / "other" / "queue.db"
+    result = run("--db", str(other), "submit", "Elsewhere", "-d", str(tmp_path))
+    assert result.exit_code == 0
+    assert other.exists()
+    assert task_store.db_path() == other.resolve()
+
+
+def test_ages_read_for_people():
+    assert tasks_cli.age(5) == "5s ago"
+    assert tasks_cli.age(200) == "3m ago"
+    assert tasks_cli.age(7300) == "2h ago"
+    assert tasks_cli.age(-20) == "in 20s"
+    assert tasks_cli.age(None) == "-"
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: a clear message, exit 1 or 2, nothing written, never a traceback.
+
+
+BAD_SUBMITS = [
+    (["-d", "/no/such/dir/anywhere"], 2, "does not exist"),
+    (["-d", "relative/path"], 2, "is relative; give an absolute path"),
+    (["--timeout", "-5"], 2, "-5 is not in the range"),
+    (["--priority", "high"], 2, "'high' is not a valid integer"),
+    (["--max-retries", "99"], 2, "99 is not in the range"),
+    (["--permission", "root"], 2, "'root' is not one of"),
+    (["--model", "gpt"], 2, "not of the form provider/model"),
+    (["--depends-on", "t_0099"], 1, "t_0099, which does not exist"),
+    (["--depends-on", "zzz"], 2, "use t_0001, 0001 or 1"),
+    (["--agent", "bad name!"], 1, "must be an OpenCode agent name"),
+    (["-i", "x", "--file", "-"], 2, "not both"),
+]
+
+
+@pytest.mark.parametrize("extra,code,message", BAD_SUBMITS)
+def test_bad_submit_is_refused_and_writes_nothing(tmp_path, extra, code, message):
+    add(tmp_path, "existing")
+    before = snapshot()
+    args = ["submit", "Title"] + (extra if "-d" in extra else ["-d", str(tmp_path)] + extra)
+    result = run(*args, input="")
+    assert result.exit_code == code, result.output
+    assert message in result.stderr
+    assert snapshot() == before
+
+
+BAD_COMMANDS = [
+    (["show", "99"], 1, "t_0099 not found"),
+    (["show", "t_abc"], 2, "use t_0001, 0001 or 1"),
+    (["claim", "99"], 1, "t_0099 not found"),
+    (["complete", "99"], 1, "t_0099 not found"),
+    (["fail", "99", "--reason", "x"], 1, "t_0099 not found"),
+    (["fail", "1", "--reason", "  "], 2, "must not be empty"),
+    (["fail", "1"], 2, "Missing option '--reason'"),
+    (["heartbeat", "99"], 1, "t_0099 not found"),
+    (["answer", "99", "yes"], 1, "t_0099 not found"),
+    (["answer", "1", "yes"], 1, "not waiting"),
+    (["note", "99", "hi"], 1, "t_0099 not found"),
+    (["note", "1", "  "], 1, "note must not be empty"),
+    (["cancel", "99", "--yes"], 1, "t_0099 not found"),
+    (["logs", "99"], 1, "t_0099 not found"),
+    (["logs", "1", "--tail", "-1"], 2, "not in the range"),
+    (["list", "--status", "bogus"], 2, "'bogus' is not one of"),
+    (["list", "--limit", "0"], 2, "not in the range"),
+    (["events", "--since", "-1"], 2, "not in the range"),
+    (["clear", "--older-than", "-3", "--yes"], 2, "not in the range"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", BAD_COMMANDS)
+def test_bad_input_to_each_command(tmp_path, args, code, message):
+    add(tmp_path)
+    before = snapshot()
+    result = run(*args)
+    assert result.exit_code == code, result.output
+    assert message in result.stderr
+    assert snapshot() == before
+
+
+def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
+    result = run("show", "42")
+    assert "`tasks_cli.py list` shows the ids that exist" in result.stderr
+    assert "list_tasks" not in result.stderr
+
+
+def test_claiming_a_running_task_is_refused(tmp_path):
+    add(tmp_path)
+    run("claim", "1")
+    before = snapshot()
+    result = run("claim", "1", "--as", "x")
+    assert result.exit_code == 1 and "only a pending task can be claimed" in result.stderr
+    assert snapshot() == before
+
+
+def test_a_broken_database_is_a_clear_error(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"this is not sqlite" * 100)
+    monkeypatch.setenv("TASK_DB_PATH", str(broken))
+    result = run("list")
+    assert result.exit_code == 1
+    assert "task database" in result.stderr and str(broken) in result.stderr
+    assert "--db" in result.stderr
