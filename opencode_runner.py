@@ -1,0 +1,318 @@
+"""Everything about invoking the `opencode` binary and reading what it prints.
+
+Shared by `worker.py` (runs tasks) and `opencode_bridge_mcp.py` (lists models): the command line
+of `opencode run`, its environment (run marker, permissions), the JSON event stream parser
+(`--format json`, one object per line: step_start, text, tool_use, step_finish, error), the
+receipt-block parser, and `opencode models`.
+
+Env read at call time: ``OPENCODE_BIN`` (default ``opencode`` on PATH), ``OPENCODE_CONFIG_CONTENT``
+(merged, never replaced).
+
+No SQL here; imports the standard library only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+MARKER_ENV = "TASKBRIDGE_RUN"
+QUEUE_ENV = "TASKBRIDGE_QUEUE"
+
+# What each permission asks of OpenCode's permission config, and how honestly we can label it.
+# "edit" covers every file-writing tool (write, edit, patch) in OpenCode's permission model.
+_PERMISSION_RULES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
+    "auto": ({}, {}),
+    "readonly": (
+        {"edit": "deny"},
+        {"file writes": "enforced (edit/write tools denied) and reverted after the run",
+         "shell writes": "reverted after the run (the shell itself still runs)"},
+    ),
+    "no-shell": ({"bash": "deny"}, {"shell": "enforced (bash tool denied)"}),
+    "no-network": (
+        {"webfetch": "deny", "websearch": "deny"},
+        {"web tools": "enforced (webfetch/websearch denied)",
+         "shell network": "prompt-level (the agent is told; nothing stops curl in bash)"},
+    ),
+}
+
+
+class OpencodeNotFound(RuntimeError):
+    """The `opencode` binary cannot be found (set OPENCODE_BIN or fix PATH)."""
+
+
+def opencode_bin() -> str:
+    """The absolute path of the opencode binary from ``$OPENCODE_BIN`` or PATH.
+
+    Raises OpencodeNotFound with a message naming PATH and OPENCODE_BIN (launchd's PATH is bare).
+    """
+    wanted = os.environ.get("OPENCODE_BIN") or "opencode"
+    found = shutil.which(wanted)
+    if not found:
+        raise OpencodeNotFound(
+            f"opencode binary {wanted!r} not found (PATH={os.environ.get('PATH', '')}); install it "
+            "with `npm install -g opencode-ai` or set OPENCODE_BIN to its absolute path"
+        )
+    return found
+
+
+def run_command(model: str, marker: str, *, session_id: str | None = None,
+                agent: str | None = None) -> list[str]:
+    """argv of one headless run: ``opencode run --auto --format json -m MODEL --title MARKER``
+    (plus ``-s SESSION`` to resume, ``--agent`` when given). The prompt goes on stdin."""
+    argv = [opencode_bin(), "run", "--auto", "--format", "json", "-m", model, "--title", marker]
+    if session_id:
+        argv += ["-s", session_id]
+    if agent:
+        argv += ["--agent", agent]
+    return argv
+
+
+def sandbox_labels(permission: str) -> dict[str, str]:
+    """Per restriction, how it is applied: ``enforced``, ``reverted`` or ``prompt-level``."""
+    return dict(_PERMISSION_RULES[permission][1])
+
+
+def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission: str) -> dict[str, str]:
+    """The environment of one run: ``PWD`` (OpenCode trusts it over the real cwd), the run marker
+    and queue tag (inherited by every descendant, so a sweep can find stragglers), and the
+    permission rules merged over any ``OPENCODE_CONFIG_CONTENT`` (highest precedence). A restricted
+    task also disables the repository's own opencode.json so it cannot loosen the rules."""
+    env = dict(base)
+    env["PWD"] = cwd
+    env[MARKER_ENV] = marker
+    env[QUEUE_ENV] = queue
+    rules = _PERMISSION_RULES[permission][0]
+    if rules:
+        try:
+            content = json.loads(env.get("OPENCODE_CONFIG_CONTENT") or "{}")
+        except ValueError:
+            content = {}
+        permissions = content.get("permission")
+        if not isinstance(permissions, dict):
+            permissions = {"*": permissions} if isinstance(permissions, str) else {}
+        content["permission"] = permissions | rules
+        # An agent-level permission block would override the global one; pin it for the build agent.
+        for agent in ("build", "plan", "general"):
+            agent_cfg = content.setdefault("agent", {}).setdefault(agent, {})
+            agent_cfg["permission"] = (agent_cfg.get("permission") or {}) | rules
+        env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
+        env["OPENCODE_DISABLE_PROJECT_CONFIG"] = "1"
+    return env
+
+
+# --------------------------------------------------------------------------------------------
+# The event stream.
+
+TOKEN_KEYS = ("input", "output", "reasoning", "cache_read", "cache_write", "total")
+
+
+@dataclass
+class EventStream:
+    """Accumulates the `opencode run --format json` stream (see reference: event types).
+
+    Run totals are sums over every ``step_finish``; the final answer is the text of the last step.
+    """
+    session_id: str | None = None
+    events: int = 0
+    bad_lines: int = 0
+    steps: int = 0
+    tokens: dict[str, int] = field(default_factory=lambda: {k: 0 for k in TOKEN_KEYS})
+    cost_usd: float = 0.0
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    finished: bool = False          # a step_finish with reason "stop" was seen
+    last_reason: str | None = None
+    _step_texts: list[str] = field(default_factory=list)
+    final_text: str = ""
+
+    def feed(self, line: str) -> dict[str, Any] | None:
+        """Parse one stdout line; a non-JSON line is counted and skipped. Returns the event."""
+        line = line.strip()
+        if not line:
+            return None
+        try:
+            event = json.loads(line)
+        except ValueError:
+            self.bad_lines += 1
+            return None
+        if not isinstance(event, dict):
+            self.bad_lines += 1
+            return None
+        self.events += 1
+        self.session_id = event.get("sessionID") or self.session_id
+        handler = getattr(self, "_on_" + str(event.get("type")), None)
+        if handler:
+            handler(event.get("part") or {}, event)
+        return event
+
+    def _on_step_start(self, part: dict, event: dict) -> None:
+        self._step_texts = []
+
+    def _on_text(self, part: dict, event: dict) -> None:
+        if part.get("text"):
+            self._step_texts.append(part["text"])
+
+    def _on_tool_use(self, part: dict, event: dict) -> None:
+        state = part.get("state") or {}
+        call = {
+            "tool": part.get("tool"),
+            "status": state.get("status"),
+            "input": state.get("input") or {},
+        }
+        if state.get("status") == "error":
+            call["error"] = str(state.get("error"))[:500]
+        exit_code = (state.get("metadata") or {}).get("exit")
+        if exit_code is not None:
+            call["exit"] = exit_code
+        self.tool_calls.append(call)
+
+    def _on_step_finish(self, part: dict, event: dict) -> None:
+        self.steps += 1
+        tokens = part.get("tokens") or {}
+        cache = tokens.get("cache") or {}
+        for key, value in (("input", tokens.get("input")), ("output", tokens.get("output")),
+                           ("reasoning", tokens.get("reasoning")), ("cache_read", cache.get("read")),
+                           ("cache_write", cache.get("write")), ("total", tokens.get("total"))):
+            self.tokens[key] += int(value or 0)
+        self.cost_usd += float(part.get("cost") or 0)
+        self.last_reason = part.get("reason")
+        if self._step_texts:
+            self.final_text = "\n".join(self._step_texts)
+        if self.last_reason == "stop":
+            self.finished = True
+
+    def _on_error(self, part: dict, event: dict) -> None:
+        error = event.get("error") or {}
+        data = error.get("data") or {}
+        message = data.get("message") or error.get("message") or json.dumps(error)[:500]
+        name = error.get("name") or "error"
+        self.errors.append(f"{name}: {message}")
+
+    @property
+    def commands(self) -> list[dict[str, Any]]:
+        """Shell commands the agent ran (bash tool calls): command, status, exit code."""
+        return [
+            {"command": c["input"].get("command"), "status": c["status"], "exit": c.get("exit")}
+            for c in self.tool_calls if c["tool"] == "bash"
+        ]
+
+    def usage(self) -> dict[str, Any]:
+        """Tokens summed over step_finish events and cost in USD (OpenCode's own figure)."""
+        return {"tokens": dict(self.tokens), "cost_usd": round(self.cost_usd, 8), "steps": self.steps}
+
+
+# --------------------------------------------------------------------------------------------
+# The agent's closing block.
+
+_FENCE = re.compile(r"```([A-Za-z_-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def parse_closing_block(text: str) -> dict[str, Any]:
+    """Find the agent's closing block in its final text, tolerantly.
+
+    Returns ``{"kind": "question", "question": str}`` when the agent paused to ask (a fenced
+    ``question`` block, or a JSON block with a ``question`` key and no ``summary``), else
+    ``{"kind": "receipt", "summary", "files_touched", "tests_run", "open_questions"}`` from the
+    last fenced JSON block; with no block (or a broken one) the whole final text is the summary.
+    """
+    blocks = _FENCE.findall(text or "")
+    for lang, body in reversed(blocks):
+        if lang.lower() == "question" and body.strip():
+            return {"kind": "question", "question": body.strip()}
+        data = _loads_object(body)
+        if data is None:
+            continue
+        if isinstance(data.get("question"), str) and data["question"].strip() and "summary" not in data:
+            return {"kind": "question", "question": data["question"].strip()}
+        return {
+            "kind": "receipt",
+            "summary": str(data.get("summary") or "").strip() or _strip_blocks(text),
+            "files_touched": _str_list(data.get("files_touched")),
+            "tests_run": _str_list(data.get("tests_run")),
+            "open_questions": _str_list(data.get("open_questions")),
+            "block_found": True,
+        }
+    return {"kind": "receipt", "summary": (text or "").strip(), "files_touched": [], "tests_run": [],
+            "open_questions": [], "block_found": False}
+
+
+def _loads_object(body: str) -> dict | None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        match = re.search(r"\{.*\}", body, re.DOTALL)
+        if not match:
+            return None
+        try:
+            data = json.loads(match.group(0))
+        except ValueError:
+            return None
+    return data if isinstance(data, dict) else None
+
+
+def _str_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, int, float)):
+        return [str(value)]
+    if isinstance(value, list):
+        return [v if isinstance(v, str) else json.dumps(v) for v in value]
+    return [json.dumps(value)]
+
+
+def _strip_blocks(text: str) -> str:
+    return _FENCE.sub("", text or "").strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Models.
+
+
+def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[dict[str, Any]]:
+    """Models OpenCode knows, from ``opencode models [PROVIDER] --verbose`` (an id line followed
+    by a pretty-printed JSON object; not JSON Lines). Each: ``{"id": "provider/model", "provider",
+    "name", "cost": {input, output, ...} USD per million tokens | None, "context": tokens | None,
+    "output_limit": tokens | None}``.
+
+    Raises OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown provider).
+    """
+    argv = [opencode_bin(), "models"] + ([provider] if provider else []) + ["--verbose"]
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout_sec)
+    if proc.returncode != 0:
+        message = (proc.stderr or proc.stdout).strip().splitlines()
+        raise RuntimeError(message[-1] if message else f"opencode models exited {proc.returncode}")
+    return _parse_verbose_models(proc.stdout)
+
+
+def _parse_verbose_models(out: str) -> list[dict[str, Any]]:
+    models: list[dict[str, Any]] = []
+    decoder = json.JSONDecoder()
+    pos, text = 0, out
+    while pos < len(text):
+        newline = text.find("\n", pos)
+        line = text[pos:newline if newline >= 0 else len(text)].strip()
+        pos = newline + 1 if newline >= 0 else len(text)
+        if not line or "/" not in line or line.startswith(("{", "}")):
+            continue
+        details: dict[str, Any] = {}
+        rest = text[pos:].lstrip()
+        if rest.startswith("{"):
+            try:
+                details, used = decoder.raw_decode(rest)
+                pos = len(text) - len(rest) + used
+            except ValueError:
+                details = {}
+        provider, _, name = line.partition("/")
+        limit = details.get("limit") or {}
+        models.append({
+            "id": line, "provider": provider, "name": details.get("name") or name,
+            "cost": details.get("cost"), "context": limit.get("context"),
+            "output_limit": limit.get("output"),
+        })
+    return models

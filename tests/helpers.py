@@ -1,0 +1,80 @@
+"""Small helpers shared by the tests: real git repos, subprocess entry points, process checks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+GIT_ID = ["-c", "user.name=Test", "-c", "user.email=test@example.com"]
+
+
+def git(repo: Path, *args: str) -> str:
+    """Run git in `repo` with a fixed identity; return stdout stripped (raises on failure)."""
+    return subprocess.run(["git", *GIT_ID, *args], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def make_repo(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A real git repository with one commit on branch main holding `files`."""
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q", "-b", "main")
+    for name, content in (files or {"README.md": "# demo\n"}).items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(content)
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return path
+
+
+def checkout_state(repo: Path) -> tuple[str, str, dict[str, str]]:
+    """(HEAD, porcelain status, {file: content}) of a checkout, to prove it was not touched."""
+    files = {str(p.relative_to(repo)): p.read_text(errors="replace")
+             for p in sorted(repo.rglob("*")) if p.is_file() and ".git" not in p.parts}
+    return git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain"), files
+
+
+def run_script(name: str, *args: str, timeout: float = 300, env: dict | None = None,
+               input: str | None = None) -> subprocess.CompletedProcess:
+    """`python <repo>/<name> args...` as launchd would run it (a separate process)."""
+    return subprocess.run([sys.executable, str(ROOT / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or dict(os.environ), input=input,
+                          stdin=None if input is not None else subprocess.DEVNULL)
+
+
+def tagged(marker_prefix: str = "br-") -> list[psutil.Process]:
+    """Live processes whose environment carries a TaskBridge run marker of this test's queue."""
+    import task_store
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("TASKBRIDGE_QUEUE") == task_store.queue_tag() and \
+                env.get("TASKBRIDGE_RUN", "").startswith(marker_prefix):
+            out.append(proc)
+    return out
+
+
+def step_finish_sums(log_text: str) -> dict:
+    """Sum tokens and cost over every step_finish event found in a task log."""
+    sums = {"input": 0, "output": 0, "reasoning": 0, "cache_read": 0, "cache_write": 0, "cost": 0.0}
+    for line in log_text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "step_finish":
+            tokens = event["part"]["tokens"]
+            sums["input"] += tokens["input"]
+            sums["output"] += tokens["output"]
+            sums["reasoning"] += tokens["reasoning"]
+            sums["cache_read"] += tokens["cache"]["read"]
+            sums["cache_write"] += tokens["cache"]["write"]
+            sums["cost"] += event["part"]["cost"]
+    return sums

@@ -1,0 +1,97 @@
+"""The main job end to end with the real `opencode` binary and a scripted model on 127.0.0.1."""
+from __future__ import annotations
+
+import json
+import time
+
+import psutil
+import pytest
+
+import task_store
+from fake_openai import hang, http_error, text, tool_call
+from helpers import checkout_state, git, make_repo, run_script, step_finish_sums, tagged
+
+pytestmark = pytest.mark.real_opencode
+
+RECEIPT = '```json\n{"summary": "Wrote hello.txt and ran it", "files_touched": ["hello.txt"], ' \
+          '"tests_run": ["cat hello.txt"], "open_questions": []}\n```'
+
+
+def test_cli_submit_worker_pass_receipt(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    before = checkout_state(repo)
+    opencode.model.script("write-run", [
+        tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "hello from the agent\n"}),
+        tool_call("bash", {"command": "cat hello.txt && echo ran-the-check", "description": "check"}),
+        text("All done.\n" + RECEIPT),
+    ])
+    submitted = run_script("tasks_cli.py", "submit", "Write hello", "--dir", str(repo),
+                           "--instructions", "Create hello.txt. SCRIPT:write-run", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    task_id = json.loads(submitted.stdout)["id"]
+
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+
+    task = task_store.get_task(task_id)
+    assert task["status"] == "done", task["error"]
+    receipt = task["result"]
+    assert receipt["files_touched"] == ["hello.txt"]
+    assert "hello from the agent" in task["diff"] and "hello.txt" in task["diff"]
+    assert any("ran-the-check" in c["command"] and c["exit"] == 0 for c in receipt["commands"])
+    assert receipt["summary"] == "Wrote hello.txt and ran it"
+    assert receipt["tests_run"] == ["cat hello.txt"]
+
+    log_text = task_store.log_path(task_id).read_text()
+    assert '"type":"step_finish"' in log_text.replace(" ", "")
+    sums = step_finish_sums(log_text)
+    tokens = task["usage"]["tokens"]
+    assert sums["input"] > 0 and tokens["input"] == sums["input"]
+    assert tokens["output"] == sums["output"] and tokens["cache_read"] == sums["cache_read"]
+    assert task["usage"]["cost_usd"] == pytest.approx(sums["cost"]) and sums["cost"] > 0
+    assert task["usage"]["steps"] == 3
+
+    branch = f"taskbridge/{task_id}"
+    assert git(repo, "log", "-1", "--format=%s", branch).startswith(f"taskbridge {task_id}")
+    assert git(repo, "show", f"{branch}:hello.txt") == "hello from the agent"
+    assert receipt["commit"] == git(repo, "rev-parse", branch)
+    assert not (tmp_path / "worktrees").exists() or not any((tmp_path / "worktrees").iterdir())
+    assert str(tmp_path / "worktrees") not in git(repo, "worktree", "list")
+    assert checkout_state(repo) == before
+    assert tagged() == []
+
+
+def test_model_http_500_fails_with_model_error(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("boom", [http_error(500, "the scripted model is down: quota gone", headers={"retry-after-ms": "50"})])
+    task = task_store.submit_task(title="boom", instructions="SCRIPT:boom", working_dir=str(repo),
+                                  max_retries=0)
+    assert run_script("worker.py").returncode == 0
+    task = task_store.get_task(task["id"])
+    assert task["status"] == "failed"
+    assert "quota gone" in task["error"] and task["error"].startswith("model error")
+
+
+def test_silent_model_killed_at_timeout_then_retried_with_full_budget(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("silent", [hang()])
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    task = task_store.submit_task(title="silent", instructions="SCRIPT:silent", working_dir=str(repo),
+                                  timeout_sec=6, max_retries=1)
+    started = time.monotonic()
+    result = run_script("worker.py", "--max-tasks", "1")
+    first = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    mid = task_store.get_task(task["id"])
+    assert mid["status"] == "pending" and "timed out after 6 s" in mid["error"]
+    assert tagged() == []
+    time.sleep(2.1)  # the store's back-off before the retry
+    started = time.monotonic()
+    assert run_script("worker.py").returncode == 0
+    second = time.monotonic() - started
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and final["attempts"] == 2
+    assert "timed out after 6 s" in final["error"]
+    assert second >= 6 and first >= 6, "each attempt gets the full timeout"
+    assert tagged() == []
+    assert len(opencode.model.requests_for("silent")) == 2

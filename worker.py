@@ -1,0 +1,841 @@
+"""TaskBridge worker: claims tasks from the queue and runs each with the real `opencode run`.
+
+    python worker.py            one pass: lock, reap, run every claimable task, exit
+                                (what launchd / the systemd timer fires every 60 s)
+    python worker.py --watch    loop: picks new work up within a second, reaps every minute
+
+A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
+Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
+checkout), in its own process group, with its output streamed into ``task_logs/t_0001.log``, its
+lease renewed every second, and a receipt built from what git and the event stream show.
+
+Env (read at call time): TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
+TASKBRIDGE_WORKTREE_ROOT, WORKER_STALE_SEC, WORKER_INACTIVITY_SEC, WORKER_KILL_GRACE_SEC,
+WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import filelock
+import psutil
+
+import opencode_runner as oc
+import task_store as store
+
+RECEIPT_PROTOCOL = """\
+When you are finished, end your final message with exactly one fenced JSON block:
+```json
+{"summary": "what you did, in two or three sentences", "files_touched": ["relative/path"], "tests_run": ["command you ran to test"], "open_questions": ["anything left open"]}
+```
+If you cannot go on without an answer from the person who gave you this task, do not guess:
+end your message with a fenced question block instead, and stop:
+```question
+your question, self-contained
+```"""
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
+@dataclass
+class Knobs:
+    """Worker timings in seconds, read from the environment at call time."""
+    stale_sec: float = field(default_factory=lambda: _env_float("WORKER_STALE_SEC", 900))
+    inactivity_sec: float = field(default_factory=lambda: _env_float("WORKER_INACTIVITY_SEC", 600))
+    kill_grace_sec: float = field(default_factory=lambda: _env_float("WORKER_KILL_GRACE_SEC", 5))
+    exit_grace_sec: float = field(default_factory=lambda: _env_float("WORKER_EXIT_GRACE_SEC", 10))
+    poll_sec: float = field(default_factory=lambda: _env_float("WORKER_POLL_SEC", 0.5))
+    lease_sec: float = field(default_factory=lambda: _env_float("WORKER_LEASE_SEC", 1))
+
+
+class Unrunnable(Exception):
+    """The task cannot run as given (missing directory, repo with no commits): fail, no retry."""
+
+
+class Flags:
+    """Set by signal handlers only; the loops act on them."""
+    stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
+    stop_now = False   # second: end the run at once and hand the task back
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if Flags.stopping:
+        Flags.stop_now = True
+    Flags.stopping = True
+
+
+def log(message: str) -> None:
+    """One line to stderr (launchd/systemd keep it); never stdout-sensitive."""
+    print(f"[worker {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Processes.
+
+
+def process_matches(pid: int | None, start: float | None) -> psutil.Process | None:
+    """The live process with this pid *and* start time (seconds), or None: a recycled pid that
+    now belongs to another program never matches."""
+    if not pid or start is None:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return proc if abs(proc.create_time() - start) < 0.05 else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def tagged_processes(marker: str, queue: str) -> list[psutil.Process]:
+    """Processes whose environment carries this run marker and this queue's tag (a run's
+    descendants that left its process group, e.g. the bash tool's setsid commands)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        if env.get(oc.MARKER_ENV) == marker and env.get(oc.QUEUE_ENV) == queue:
+            found.append(proc)
+    return found
+
+
+def kill_tree(root: psutil.Process | None, marker: str, queue: str, grace: float) -> int:
+    """End a run and everything it started: collect the descendants first (they may sit in
+    sessions of their own), SIGTERM them and the process group, wait ``grace`` seconds, SIGKILL
+    what is left, then sweep anything still tagged with the marker. "Already gone" is not an
+    error. Returns how many processes were signalled."""
+    procs: dict[int, psutil.Process] = {}
+    if root is not None:
+        try:
+            procs[root.pid] = root
+            procs.update({p.pid: p for p in root.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    procs.update({p.pid: p for p in tagged_processes(marker, queue)})
+    procs.pop(os.getpid(), None)
+    if root is not None:
+        try:
+            os.killpg(root.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs.values():
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
+    for proc in alive + tagged_processes(marker, queue):
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=2)
+    return len(procs)
+
+
+# --------------------------------------------------------------------------------------------
+# Git and the workspace.
+
+
+def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None) -> str:
+    """Run git; return stdout stripped. Raises RuntimeError with git's message when ``check``."""
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env=env)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def worktree_root() -> Path:
+    """Where task worktrees live: ``$TASKBRIDGE_WORKTREE_ROOT`` or
+    ``~/.local/state/taskbridge/worktrees/<queue tag>`` — never inside the user's checkout."""
+    configured = os.environ.get("TASKBRIDGE_WORKTREE_ROOT")
+    if configured:
+        return Path(configured).expanduser().resolve()
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "taskbridge" / "worktrees" / store.queue_tag()
+
+
+@dataclass
+class Workspace:
+    """Where one attempt runs. ``mode``: ``worktree`` or ``in-place``."""
+    mode: str
+    cwd: str                       # the agent's working directory
+    top: str | None = None         # the worktree (or in-place repo) root
+    repo: str | None = None        # the user's repository root
+    branch: str | None = None
+    base_commit: str | None = None
+    note: str = ""
+    reused: bool = False
+
+
+def _repo_top(path: str) -> str | None:
+    top = git(["rev-parse", "--show-toplevel"], path, check=False)
+    return os.path.realpath(top) if top else None
+
+
+def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
+    """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
+    resuming after an answer), else in place. Raises Unrunnable with what to do."""
+    wd = task["working_dir"]
+    if not os.path.isdir(wd):
+        raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
+    top = _repo_top(wd)
+    if top is None:
+        return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
+    if not head:
+        raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
+                         "(git add -A && git commit -m init) and resubmit")
+    if not task["worktree"]:
+        return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
+                         note="worktree=false: ran in place in the user's checkout")
+    if not git(["symbolic-ref", "-q", "HEAD"], top, check=False):
+        raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
+    sub = os.path.relpath(wd, top)
+    path = worktree_root() / f"{Path(top).name}-{task['id']}"
+    branch = f"taskbridge/{task['id']}"
+    if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
+        return Workspace("worktree", str(path / sub), str(path), top, branch,
+                         task.get("base_commit") or head, reused=True)
+    base = task.get("base_commit") or head
+    _fresh_worktree(top, path, branch, base)
+    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base)
+
+
+def _is_registered(repo: str, path: Path) -> bool:
+    listing = git(["worktree", "list", "--porcelain"], repo, check=False)
+    return path.is_dir() and f"worktree {path}" in listing.splitlines()
+
+
+def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
+    """Create the worktree, recovering from a crash's leftovers first: a registered worktree
+    whose folder is gone, a folder nobody registered, a branch checked out at a vanished path."""
+    git(["worktree", "prune"], repo, check=False)
+    if _is_registered(repo, path):
+        git(["worktree", "remove", "--force", str(path)], repo, check=False)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+    git(["worktree", "prune"], repo, check=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
+
+
+def remove_worktree(ws: Workspace) -> None:
+    """Remove a task's worktree (the branch stays)."""
+    if ws.mode == "worktree" and ws.repo and ws.top:
+        git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
+        shutil.rmtree(ws.top, ignore_errors=True)
+        git(["worktree", "prune"], ws.repo, check=False)
+
+
+def observed_changes(ws: Workspace) -> tuple[list[str], str]:
+    """Files changed since the base commit and the diff, untracked files included, computed
+    with a throw-away index so neither the user's index nor the worktree's is touched."""
+    if not ws.top or not ws.base_commit:
+        return [], ""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        git(["read-tree", ws.base_commit], ws.top, env=env)
+        git(["add", "-A", "."], ws.top, env=env)
+        names = git(["diff", "--cached", "--name-only", ws.base_commit], ws.top, env=env)
+        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env)
+    return [n for n in names.splitlines() if n], diff
+
+
+def commit_changes(ws: Workspace, message: str) -> str | None:
+    """Commit everything in the worktree on the task branch; returns the commit id or None."""
+    if ws.mode != "worktree":
+        return None
+    git(["add", "-A", "."], ws.top)
+    if not git(["status", "--porcelain"], ws.top):
+        return None
+    identity = [] if git(["config", "user.email"], ws.top, check=False) else [
+        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
+    git([*identity, "commit", "-q", "--no-verify", "-m", message], ws.top)
+    return git(["rev-parse", "HEAD"], ws.top)
+
+
+def revert_changes(ws: Workspace, snapshot: dict[str, bytes] | None) -> list[str]:
+    """readonly: undo every change the run left. In a worktree, reset to the base commit and
+    remove new files; in place, restore from the pre-run snapshot. Returns the reverted files."""
+    if ws.mode == "worktree":
+        changed, _ = observed_changes(ws)
+        git(["reset", "-q", "--hard", ws.base_commit], ws.top)
+        git(["clean", "-q", "-fdx"], ws.top)
+        return changed
+    return restore_snapshot(ws.cwd, snapshot or {})
+
+
+SNAPSHOT_LIMIT_BYTES = 50 * 2**20
+
+
+def take_snapshot(root: str) -> dict[str, bytes] | None:
+    """Contents of every file under ``root`` (``.git`` excepted), or None past 50 MB."""
+    files: dict[str, bytes] = {}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            total += os.path.getsize(path)
+            if total > SNAPSHOT_LIMIT_BYTES:
+                return None
+            with open(path, "rb") as fh:
+                files[os.path.relpath(path, root)] = fh.read()
+    return files
+
+
+def restore_snapshot(root: str, snapshot: dict[str, bytes]) -> list[str]:
+    """Put ``root`` back as the snapshot saw it; returns the paths that differed."""
+    after = take_snapshot(root) or {}
+    reverted = []
+    for rel in sorted(set(after) | set(snapshot)):
+        if after.get(rel) == snapshot.get(rel):
+            continue
+        path = os.path.join(root, rel)
+        if rel in snapshot:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as fh:
+                fh.write(snapshot[rel])
+        else:
+            os.remove(path)
+        reverted.append(rel)
+    return reverted
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt.
+
+
+def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history: list[dict]) -> str:
+    """The task's instructions wrapped with the working rules, notes, earlier questions and
+    answers (when a resumed session was lost) and the receipt protocol."""
+    rules = [
+        f"- Work only inside {ws.cwd}. Do not read, write or run anything outside it.",
+        "- Do not commit, push or switch branches; TaskBridge commits your changes itself.",
+    ]
+    for what, how in oc.sandbox_labels(task["permission"]).items():
+        rules.append(f"- Restriction ({task['permission']}): {what} — {how}.")
+    if task["permission"] == "readonly":
+        rules.append("- This task is read-only: do not change any file; report what you find.")
+    if task["permission"] == "no-network":
+        rules.append("- Do not use the network (no curl, wget, pip or npm downloads).")
+    parts = [f"# Task {task['id']}: {task['title']}", task["instructions"], "## Working rules", *rules]
+    if notes:
+        parts += ["## Notes from the planner", *[f"- {n['author']}: {n['text']}" for n in notes]]
+    if history:
+        parts.append("## Earlier questions and answers (your earlier session was lost)")
+        for qa in history:
+            parts += [f"Q: {qa['question']}", f"A: {qa['answer'] or '(no answer yet)'}"]
+    parts += ["## When you finish", RECEIPT_PROTOCOL]
+    return "\n\n".join(parts)
+
+
+def resume_message(answer: str, notes: list[dict]) -> str:
+    """The message that resumes a session after the planner answered its question."""
+    parts = [f"The answer to your question:\n\n{answer}"]
+    if notes:
+        parts.append("New notes from the planner:\n" + "\n".join(f"- {n['author']}: {n['text']}" for n in notes))
+    parts += ["Continue the task.", RECEIPT_PROTOCOL]
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Supervising one `opencode run`.
+
+
+@dataclass
+class RunResult:
+    """What one `opencode run` did, as observed."""
+    stream: oc.EventStream
+    returncode: int | None = None
+    killed: str | None = None          # why the worker ended it (timeout, inactivity, cancel, ...)
+    superseded: bool = False           # the attempt was fenced off (cancelled or reaped)
+    interrupted: bool = False          # the worker is shutting down at once
+    agent_exited: bool = True
+    stderr_tail: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Supervisor:
+    """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
+    lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
+    cancel (fencing) and shutdown; ends the whole process tree whatever happens."""
+
+    def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs):
+        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
+        self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
+        self.result = RunResult(oc.EventStream())
+        self.partial: dict[int, bytes] = {}
+        self.stop = False
+
+    def run(self) -> RunResult:
+        started = time.monotonic()
+        store.log_dir().mkdir(parents=True, exist_ok=True)
+        with open(store.log_path(self.task["id"]), "ab") as self.log:
+            self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
+                           f"{' '.join(self.argv)}\n".encode())
+            self.proc = subprocess.Popen(
+                self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self.root = process_matches(self.proc.pid, _create_time(self.proc.pid))
+            self._send_prompt()
+            self._record_pid()
+            try:
+                self._watch()
+            finally:
+                kill_tree(self.root, self.marker, self.queue, self.knobs.kill_grace_sec)
+                self._drain(final=True)
+                self.result.returncode = self.proc.wait()
+        self.result.seconds = round(time.monotonic() - started, 2)
+        return self.result
+
+    def _send_prompt(self) -> None:
+        try:
+            self.proc.stdin.write(self.prompt.encode())
+        except BrokenPipeError:
+            pass
+        finally:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+
+    def _record_pid(self) -> None:
+        try:
+            store.renew_lease(self.task["id"], self.marker, agent_pid=self.proc.pid,
+                              agent_pid_start=self.root.create_time() if self.root else None)
+        except store.StaleAttempt:
+            self._end("cancelled or reaped before it started", superseded=True)
+
+    def _watch(self) -> None:
+        self.selector = selectors.DefaultSelector()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            os.set_blocking(pipe.fileno(), False)
+            self.selector.register(pipe, selectors.EVENT_READ)
+        now = time.monotonic()
+        self.deadline = now + self.task["timeout_sec"]
+        self.last_activity = self.last_renew = now
+        self.finished_at: float | None = None
+        self.exited_at: float | None = None
+        while not self.stop and not self._done():
+            self._pump(0.2)
+            self._check(time.monotonic())
+
+    def _done(self) -> bool:
+        if self.proc.poll() is None:
+            return False
+        self.exited_at = self.exited_at or time.monotonic()
+        # A stray grandchild may hold the pipe open after the agent exited: do not wait on it.
+        return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
+
+    def _check(self, now: float) -> None:
+        knobs = self.knobs
+        if now - self.last_renew >= knobs.lease_sec:
+            self.last_renew = now
+            try:
+                store.renew_lease(self.task["id"], self.marker)
+            except store.StaleAttempt as exc:
+                return self._end(str(exc), superseded=True)
+            store.write_worker_heartbeat({"task": self.task["id"], "marker": self.marker})
+        if Flags.stop_now:
+            return self._end("the worker was told to stop at once", interrupted=True)
+        if now > self.deadline:
+            return self._end(f"timed out after {self.task['timeout_sec']} s")
+        if now - self.last_activity > knobs.inactivity_sec:
+            return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        if self.result.stream.finished and self.finished_at is None:
+            self.finished_at = now
+        if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and self.proc.poll() is None:
+            self.result.agent_exited = False   # ended by us; the run still counts by its events
+            self.stop = True
+
+    def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
+        self.stop = True
+        self.result.killed = reason
+        self.result.superseded = superseded
+        self.result.interrupted = interrupted
+
+    def _pump(self, timeout: float) -> None:
+        for key, _ in self.selector.select(timeout):
+            self._read(key.fileobj)
+
+    def _read(self, pipe: Any) -> None:
+        try:
+            data = os.read(pipe.fileno(), 65536)
+        except BlockingIOError:
+            return
+        fd = pipe.fileno()
+        if not data:
+            self.selector.unregister(pipe)
+            if self.partial.get(fd):
+                self._line(pipe, self.partial.pop(fd))
+            return
+        self.last_activity = time.monotonic()
+        lines = (self.partial.pop(fd, b"") + data).split(b"\n")
+        self.partial[fd] = lines.pop()
+        for line in lines:
+            self._line(pipe, line)
+
+    def _line(self, pipe: Any, line: bytes) -> None:
+        if pipe is self.proc.stderr:
+            text = line.decode(errors="replace")
+            self.log.write(b"[stderr] " + line + b"\n")
+            self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
+        else:
+            self.log.write(line + b"\n")
+            event = self.result.stream.feed(line.decode(errors="replace"))
+            if event is None and line.strip():
+                self.log.write(b"[worker] skipped a non-JSON line above\n")
+        self.log.flush()
+
+    def _drain(self, final: bool) -> None:
+        """Read what is left in the pipes after the tree is gone, then close them."""
+        end = time.monotonic() + 1.0
+        while self.selector.get_map() and time.monotonic() < end:
+            self._pump(0.1)
+        for fd, partial in list(self.partial.items()):
+            if partial:
+                pipe = self.proc.stderr if fd == self.proc.stderr.fileno() else self.proc.stdout
+                self._line(pipe, partial)
+        self.partial.clear()
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            try:
+                self.selector.unregister(pipe)
+            except (KeyError, ValueError):
+                pass
+            pipe.close()
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def failure_reason(run: RunResult) -> str | None:
+    """None when the run succeeded by its events; else the specific reason it failed."""
+    stream = run.stream
+    if run.killed:
+        signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
+        return run.killed + signal_note
+    if stream.errors:
+        return "model error: " + "; ".join(stream.errors)[:2000]
+    if stream.finished:
+        return None
+    stderr = "\n".join(run.stderr_tail)
+    if "Session not found" in stderr:
+        return "Session not found: the OpenCode session to resume no longer exists"
+    if run.returncode and run.returncode < 0:
+        return f"opencode was killed by {signal.Signals(-run.returncode).name} before it finished"
+    last = run.stderr_tail[-1].strip() if run.stderr_tail else ""
+    if run.returncode:
+        return f"opencode exited with code {run.returncode}" + (f": {last}" if last else "")
+    if stream.events == 0:
+        return "opencode exited 0 with an empty event stream (no answer)" + (f"; stderr: {last}" if last else "")
+    return (f"opencode exited 0 without a terminal step_finish (last step reason: "
+            f"{stream.last_reason or 'none'}); the agent did not finish")
+
+
+# --------------------------------------------------------------------------------------------
+# One task.
+
+
+def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
+    """Run one claimed attempt to its end and record the outcome (fenced by its run marker).
+    Returns the task's final dict, or None if the attempt was superseded."""
+    marker = task["run_marker"]
+    resume = bool(task.get("answer") and task.get("session_id"))
+    try:
+        ws = prepare_workspace(task, resume)
+    except (Unrunnable, RuntimeError) as exc:
+        log(f"{task['id']} cannot run: {exc}")
+        return _finish(store.fail_unrunnable, task, marker, str(exc))
+    store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
+                      branch=ws.branch, base_commit=ws.base_commit)
+    notes = store.take_notes(task["id"], marker)
+    snapshot = take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+    model = task["model"] or store.default_model()
+    session_note = None
+    if resume and ws.reused:
+        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"])
+        if run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail):
+            session_note = "the earlier OpenCode session was gone; a new session got the history in its prompt"
+            run = None
+        else:
+            session_note = f"resumed OpenCode session {task['session_id']}"
+    else:
+        run = None
+        if resume:
+            session_note = "the earlier worktree was gone; a new session got the history in its prompt"
+    if run is None:
+        history = store.get_task(task["id"])["questions"] if resume else []
+        all_notes = store.get_task(task["id"])["notes"] if resume else notes
+        run = _attempt(task, ws, knobs, model, build_prompt(task, ws, all_notes, history), None)
+    return _conclude(task, ws, run, model, snapshot, session_note)
+
+
+def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
+             session_id: str | None) -> RunResult:
+    argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
+    env = oc.run_env(dict(os.environ), ws.cwd, task["run_marker"], store.queue_tag(), task["permission"])
+    log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})")
+    return Supervisor(task, argv, env, ws.cwd, prompt, knobs).run()
+
+
+def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
+              snapshot: dict | None, session_note: str | None) -> dict[str, Any] | None:
+    marker = task["run_marker"]
+    if run.superseded:
+        log(f"{task['id']} attempt {marker} ended: {run.killed}")
+        _cleanup_superseded(task, ws)
+        return None
+    reverted = revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
+    files, diff = observed_changes(ws)
+    block = oc.parse_closing_block(run.stream.final_text)
+    reason = failure_reason(run)
+    receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
+    usage = run.stream.usage()
+    if not task["worktree_keep"] and (run.interrupted or reason is not None):
+        remove_worktree(ws)
+    if run.interrupted:
+        return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
+                       count_attempt=False)
+    if reason is None and block["kind"] == "question":
+        notify(f"TaskBridge {task['id']} asks", block["question"][:200])
+        return _finish(store.pause_for_question, task, marker, block["question"],
+                       session_id=run.stream.session_id, result=receipt, usage=usage)
+    if reason is None:
+        receipt["commit"] = commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
+        if not task["worktree_keep"]:
+            remove_worktree(ws)
+            receipt["worktree_removed"] = ws.mode == "worktree"
+        notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
+        return _finish(store.complete_attempt, task, marker, result=receipt, diff=diff, usage=usage,
+                       session_id=run.stream.session_id)
+    log(f"{task['id']} attempt failed: {reason}")
+    final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
+                    session_id=run.stream.session_id)
+    if final and final["status"] == "failed":
+        notify(f"TaskBridge {task['id']} failed", reason[:200])
+    return final
+
+
+def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    try:
+        return fn(task["id"], marker, *args, **kwargs)
+    except store.StaleAttempt as exc:
+        log(str(exc))
+        return None
+
+
+def _cleanup_superseded(task: dict, ws: Workspace) -> None:
+    """A cancelled waiting/running task keeps its branch; its worktree goes unless kept."""
+    try:
+        current = store.get_task(task["id"])
+    except store.TaskNotFound:
+        current = {"status": "gone"}
+    if current["status"] == "cancelled" and not task["worktree_keep"]:
+        remove_worktree(ws)
+
+
+def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
+                  files: list[str], reverted: list[str], session_note: str | None) -> dict[str, Any]:
+    """The receipt: what git and the event stream showed, beside what the agent says."""
+    stream = run.stream
+    if ws.mode == "in-place" and not ws.top:
+        files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
+                        if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
+    sandbox = {"isolation": ws.note or f"git worktree on {ws.branch}", "permission": task["permission"],
+               **oc.sandbox_labels(task["permission"])}
+    if task["permission"] == "readonly" and ws.mode == "in-place" and ws.top is None and not ws.note:
+        sandbox["file writes"] = "not reverted (directory too large to snapshot)"
+    denied = [c for c in stream.tool_calls if c["status"] == "error"]
+    return {
+        "summary": block.get("summary") or block.get("question") or "",
+        "block_found": block.get("block_found", block["kind"] == "question"),
+        "files_touched": files,
+        "files_claimed": block.get("files_touched", []),
+        "files_reverted": reverted,
+        "commands": stream.commands,
+        "tool_calls": len(stream.tool_calls),
+        "tool_errors": [{"tool": c["tool"], "error": c.get("error")} for c in denied],
+        "tests_run": block.get("tests_run", []),
+        "open_questions": block.get("open_questions", []),
+        "usage": stream.usage(),
+        "model": model,
+        "latency_sec": run.seconds,
+        "attempt": task["attempts"],
+        "max_retries": task["max_retries"],
+        "sandbox": sandbox,
+        "isolation": ws.mode,
+        "branch": ws.branch,
+        "base_commit": ws.base_commit,
+        "worktree_path": ws.top if ws.mode == "worktree" else None,
+        "session_id": stream.session_id,
+        "session": session_note or "new session",
+        "exit_code": run.returncode,
+        "agent_exited": run.agent_exited,
+        "non_json_lines": stream.bad_lines,
+        "notes": [{"author": n["author"], "text": n["text"]} for n in store.get_task(task["id"])["notes"]],
+        "questions": store.get_task(task["id"])["questions"],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Banners.
+
+
+def notify(title: str, message: str) -> None:
+    """A desktop banner (macOS osascript, Linux notify-send where present); ``WORKER_NOTIFY=0``
+    silences. A banner that fails never fails a task."""
+    if os.environ.get("WORKER_NOTIFY", "1") == "0":
+        return
+    if platform.system() == "Darwin" and shutil.which("osascript"):
+        script = f"display notification {_applescript(message)} with title {_applescript(title)}"
+        argv = ["osascript", "-e", script]
+    elif shutil.which("notify-send"):
+        argv = ["notify-send", title, message]
+    else:
+        return
+    try:
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def _applescript(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# --------------------------------------------------------------------------------------------
+# The reaper and the pass.
+
+
+def reap(knobs: Knobs) -> int:
+    """Requeue (or fail, when retries are spent) every running task whose lease is stale, after
+    killing its orphaned processes (identified by pid *and* start time, and by the run marker
+    tag). Fenced: each stale attempt is requeued exactly once. Returns how many were reaped."""
+    reaped = 0
+    for task in store.stale_leases(knobs.stale_sec):
+        agent = process_matches(task["agent_pid"], task["agent_pid_start"])
+        kill_tree(agent, task["run_marker"], store.queue_tag(), knobs.kill_grace_sec)
+        reason = (f"lease of attempt {task['run_marker']} went stale (no heartbeat since "
+                  f"{task['heartbeat_at']}); its worker is gone")
+        if _finish(store.requeue_attempt, task, task["run_marker"], reason):
+            reaped += 1
+            log(f"reaped {task['id']}: {reason}")
+    return reaped
+
+
+def worker_identity() -> tuple[str, int, float]:
+    """(lease owner name, pid, pid start time in seconds)."""
+    me = psutil.Process()
+    return f"worker:{socket.gethostname()}:{me.pid}", me.pid, me.create_time()
+
+
+def check_tools() -> str | None:
+    """None when opencode and git are reachable, else what is missing and how to fix it
+    (launchd's PATH is bare: /usr/bin:/bin:/usr/sbin:/sbin)."""
+    try:
+        oc.opencode_bin()
+    except oc.OpencodeNotFound as exc:
+        return str(exc)
+    if not shutil.which("git"):
+        return f"git not found on PATH ({os.environ.get('PATH', '')}); install git or fix PATH"
+    return None
+
+
+def run_pass(watch: bool = False, max_tasks: int | None = None) -> int:
+    """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks. Returns the exit
+    code: 0 (also when another pass holds the lock), 1 when a required tool is missing."""
+    lock = filelock.FileLock(str(store.worker_lock_path()))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        holder = store.read_worker_heartbeat() or {}
+        print(f"another worker pass holds the lock {store.worker_lock_path()} "
+              f"(pid {holder.get('pid', '?')}); exiting", flush=True)
+        return 0
+    try:
+        return _loop(watch, max_tasks, Knobs())
+    finally:
+        store.write_worker_heartbeat({"task": None, "state": "stopped"})
+        lock.release()
+
+
+def _loop(watch: bool, max_tasks: int | None, knobs: Knobs) -> int:
+    problem = check_tools()
+    if problem:
+        log(problem)
+        store.write_worker_heartbeat({"task": None, "state": "error", "error": problem})
+        return 1
+    owner, pid, pid_start = worker_identity()
+    done, last_reap = 0, 0.0
+    while not Flags.stopping and (max_tasks is None or done < max_tasks):
+        if time.monotonic() - last_reap > (60 if watch else 0):
+            reap(knobs)
+            last_reap = time.monotonic()
+        store.write_worker_heartbeat({"task": None, "state": "idle" if watch else "pass"})
+        task = store.claim_next(owner, pid, pid_start)
+        if task is None:
+            if not watch:
+                break
+            time.sleep(knobs.poll_sec)
+            continue
+        store.write_worker_heartbeat({"task": task["id"], "marker": task["run_marker"], "state": "running"})
+        _run_guarded(task, knobs)
+        done += 1
+    return 0
+
+
+def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
+    """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
+    try:
+        run_task(task, knobs)
+    except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
+        log(f"{task['id']}: internal error: {traceback.format_exc()}")
+        _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--watch", action="store_true", help="loop, picking new work up within a second")
+    parser.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        return run_pass(watch=args.watch, max_tasks=args.max_tasks)
+    except store.TaskStoreError as exc:
+        log(f"error: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
