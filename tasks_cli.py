@@ -207,7 +207,7 @@ def plain(value: Any) -> Text:
 def flat(value: Any) -> str:
     """A value on one line: dicts as ``k=v, ...``, lists comma-joined."""
     if isinstance(value, dict):
-        return ", ".join(f"{k}={flat(v)}" for k, v in value.items())
+        return ", ".join(f"{k}={{{flat(v)}}}" if isinstance(v, dict) else f"{k}={flat(v)}" for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return ", ".join(flat(v) for v in value)
     return str(value)
@@ -306,9 +306,9 @@ def receipt_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     usage = task["usage"] or result.get("usage")
     if isinstance(usage, dict):
         rows = [row for row in rows if row[0] != "usage"]
-        rows += [(f"usage {key}", value) for key, value in usage.items()]
+        rows += [(f"usage {key.replace('_', ' ')}", value) for key, value in usage.items()]
     if task["diff"]:
-        rows.append(("diff", f"{len(task['diff'].splitlines())} lines (show --diff prints it)"))
+        rows.append(("diff", f"{len(task['diff'].splitlines())} line(s) (show --diff prints it)"))
     return rows
 
 
@@ -382,11 +382,12 @@ def print_marker_help(task: dict[str, Any]) -> None:
 # Store lookups the commands share.
 
 
-def hand_lease(task_id: str, marker: str | None) -> tuple[dict[str, Any], str]:
+def hand_lease(task_id: str, marker: str | None, action: str = "finish") -> tuple[dict[str, Any], str]:
     """The task and the run marker a person's complete/fail/heartbeat names.
 
     Without ``marker``: the task must be running under a ``cli:`` lease (a person's); a worker's
-    lease is refused, so nobody finishes a live run by accident. Raises CliError.
+    lease is refused, so nobody finishes a live run by accident. ``action`` names the command in
+    the refusal ("finish" offers --marker as the deliberate override). Raises CliError.
     """
     task = task_store.get_task(task_id)
     if marker:
@@ -398,10 +399,11 @@ def hand_lease(task_id: str, marker: str | None) -> tuple[dict[str, Any], str]:
         )
     owner = task["lease_owner"] or ""
     if not owner.startswith("cli:"):
+        override = (", or if you really mean to override the worker, pass --marker with its run marker "
+                    "(shown by `show`)") if action == "finish" else ""
         raise CliError(
             f"task {task_id} is being run by {owner or 'a worker'}, not claimed by hand; refusing to "
-            "finish a worker's attempt. Cancel it (python tasks_cli.py cancel), or if you really mean "
-            "to override the worker, pass --marker with its run marker (shown by `show`)"
+            f"{action} a worker's attempt. Cancel it (python tasks_cli.py cancel {task_id}){override}"
         )
     return task, task["run_marker"]
 
@@ -624,7 +626,7 @@ def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
 @click.argument("task_id", callback=task_id_arg)
 def heartbeat(task_id: str) -> None:
     """Renew the lease of a task you claimed by hand (so it is not requeued as stale)."""
-    task, _ = hand_lease(task_id, None)
+    task, _ = hand_lease(task_id, None, action="renew")
     task_store.heartbeat(task_id, owner=task["lease_owner"])
     out().print(f"Lease of {task_id} renewed.")
 

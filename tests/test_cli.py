@@ -135,14 +135,17 @@ def test_pending_lists_only_pending(tmp_path):
 def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
     task = add(tmp_path)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    usage = {"tokens": {"input": 1234, "output": 56, "cache": {"read": 7}}, "cost_usd": 0.0042}
     receipt = {"summary": "changed README", "files_touched": ["README.md"], "commands": ["pytest -q"],
-               "tests_run": ["tests/test_x.py"], "open_questions": ["ship it?"], "sandbox": "worktree"}
+               "tests_run": ["tests/test_x.py"], "open_questions": ["ship it?"], "usage": usage,
+               "sandbox": {"isolation": "git worktree", "permission": "auto"},
+               "tool_errors": [{"tool": "bash", "error": "denied"}], "worktree_path": None}
     diff = "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-old\n+new\n"
-    task_store.complete_attempt(task["id"], claimed["run_marker"], result=receipt, diff=diff,
-                                usage={"tokens": 1234, "cost_usd": 0.0042})
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result=receipt, diff=diff, usage=usage)
     shown = run("show", "1").stdout
-    for text in ("changed README", "README.md", "pytest -q", "tests/test_x.py", "ship it?", "worktree",
-                 "1234", "0.0042", "5 lines", "br-1-a1"):
+    for text in ("changed README", "README.md", "pytest -q", "tests/test_x.py", "ship it?",
+                 "isolation=git worktree", "tool=bash, error=denied", "input=1234, output=56, cache={read=7}",
+                 "usage cost usd", "0.0042", "5 line(s)", "br-1-a1"):
         assert text in shown, text
     assert run("show", "1", "--diff").stdout == diff
     bare = add(tmp_path, "no diff")
@@ -206,10 +209,13 @@ def test_a_workers_lease_is_not_finished_by_hand_without_marker(tmp_path):
     add(tmp_path)
     claimed = task_store.claim_next("worker@host:123", task_id=1)
     before = snapshot()
-    for args in (("complete", "1"), ("fail", "1", "--reason", "x"), ("heartbeat", "1")):
+    for args in (("complete", "1"), ("fail", "1", "--reason", "x")):
         result = run(*args)
         assert result.exit_code == 1, args
-        assert "worker@host:123" in result.stderr and "--marker" in result.stderr
+        assert "worker@host:123" in result.stderr and "pass --marker" in result.stderr
+    renew = run("heartbeat", "1")
+    assert renew.exit_code == 1 and "refusing to renew a worker's attempt" in renew.stderr
+    assert "--marker" not in renew.stderr
     assert snapshot() == before
     forced = run("complete", "1", "--marker", claimed["run_marker"], "--summary", "override")
     assert forced.exit_code == 0 and task_store.get_task(1)["status"] == "done"
@@ -420,6 +426,15 @@ def test_bad_submit_is_refused_and_writes_nothing(tmp_path, extra, code, message
     assert result.exit_code == code, result.output
     assert message in result.stderr
     assert snapshot() == before
+
+
+def test_relative_dir_is_refused_with_the_absolute_path_to_use(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proj").mkdir()
+    result = run("submit", "Title", "-d", "proj")
+    assert result.exit_code == 2
+    assert f"'proj' is relative; give an absolute path, for example --dir {tmp_path}/proj" in result.stderr
+    assert task_store.counts()["pending"] == 0
 
 
 BAD_COMMANDS = [
