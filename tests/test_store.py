@@ -1,0 +1,238 @@
+"""The queue itself: claims, fencing, dependencies, priority, validation, concurrency."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import task_store as store
+from helpers import ROOT
+
+
+def submit(tmp_path, title="t", **kw):
+    return store.submit_task(title=title, instructions="do it", working_dir=str(tmp_path), **kw)
+
+
+def test_ids_accept_three_shapes(tmp_path):
+    task = submit(tmp_path)
+    for shape in ("t_0001", "0001", "1", 1, "T_1"):
+        assert store.get_task(shape)["id"] == task["id"] == "t_0001"
+    for bad in ("t_x", "", "0", -1, None, True, "1.5"):
+        with pytest.raises(store.ValidationError, match="t_0001, 0001 or 1"):
+            store.get_task(bad)
+    with pytest.raises(store.TaskNotFound, match="t_0099 not found"):
+        store.get_task("t_0099")
+
+
+def test_priority_then_oldest(tmp_path):
+    low = submit(tmp_path, "low", priority=-5)
+    first = submit(tmp_path, "first")
+    high = submit(tmp_path, "high", priority=10)
+    second = submit(tmp_path, "second")
+    order = [store.claim_next("w")["id"] for _ in range(4)]
+    assert order == [high["id"], first["id"], second["id"], low["id"]]
+    assert store.claim_next("w") is None
+
+
+def test_dependency_runs_only_after_done(tmp_path):
+    a = submit(tmp_path, "A")
+    b = submit(tmp_path, "B", depends_on=[a["id"]], priority=100)
+    claimed = store.claim_next("w")
+    assert claimed["id"] == a["id"], "B must wait for A despite its priority"
+    assert store.claim_next("w") is None
+    with pytest.raises(store.InvalidTransition, match="waits for t_0001"):
+        store.claim_next("w", task_id=b["id"])
+    store.complete_attempt(a["id"], claimed["run_marker"], result={"summary": "ok"})
+    assert store.claim_next("w")["id"] == b["id"]
+
+
+def test_failed_dependency_fails_dependents_naming_it(tmp_path):
+    a = submit(tmp_path, "A", max_retries=0)
+    b = submit(tmp_path, "B", depends_on=[a["id"]])
+    c = submit(tmp_path, "C", depends_on=[b["id"]])
+    claimed = store.claim_next("w")
+    store.fail_attempt(a["id"], claimed["run_marker"], "boom")
+    assert store.get_task(b["id"])["status"] == "failed"
+    assert store.get_task(b["id"])["error"] == "dependency t_0001 failed"
+    assert store.get_task(c["id"])["error"] == "dependency t_0002 failed"
+    with pytest.raises(store.ValidationError, match="t_0001, which is failed"):
+        submit(tmp_path, "D", depends_on=[a["id"]])
+
+
+def test_cycle_refused_and_nothing_written(tmp_path):
+    batch = [
+        {"title": "x", "instructions": "i", "working_dir": str(tmp_path), "ref": "x", "depends_on": ["z"]},
+        {"title": "y", "instructions": "i", "working_dir": str(tmp_path), "ref": "y", "depends_on": ["x"]},
+        {"title": "z", "instructions": "i", "working_dir": str(tmp_path), "ref": "z", "depends_on": ["y"]},
+    ]
+    with pytest.raises(store.ValidationError, match="cycle refused: x -> z -> y -> x"):
+        store.submit_batch(batch)
+    assert store.counts()["pending"] == 0
+    with pytest.raises(store.ValidationError, match="depends on itself"):
+        store.submit_batch([batch[0] | {"depends_on": ["x"]}])
+
+
+def test_batch_is_all_or_nothing(tmp_path):
+    good = {"title": "ok", "instructions": "i", "working_dir": str(tmp_path)}
+    with pytest.raises(store.ValidationError, match="task 1 of the batch: timeout_sec"):
+        store.submit_batch([good, good | {"timeout_sec": 0}])
+    with pytest.raises(store.ValidationError, match="1 to 20 tasks; got 21"):
+        store.submit_batch([good] * 21)
+    assert store.counts()["pending"] == 0
+    assert store.last_event_id() == 0
+
+
+def test_idempotency_key_returns_original(tmp_path):
+    first = submit(tmp_path, "once", idempotency_key="k-1")
+    again = submit(tmp_path, "twice", idempotency_key="k-1")
+    assert again["id"] == first["id"] and again["duplicate"] and not first["duplicate"]
+    assert store.counts()["pending"] == 1
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("timeout_sec", 0, "timeout_sec must be from 1 to 86400"),
+    ("timeout_sec", -5, "timeout_sec must be from 1"),
+    ("timeout_sec", "soon", "timeout_sec must be a whole number"),
+    ("priority", "high", "priority must be a whole number"),
+    ("max_retries", 11, "max_retries must be from 0 to 10"),
+    ("permission", "root", "permission 'root' is not one of"),
+    ("model", "gpt4", "not of the form provider/model"),
+    ("working_dir", "relative/dir", "is relative"),
+    ("working_dir", "/nonexistent/xyz", "does not exist"),
+    ("title", "  ", "title must not be empty"),
+    ("depends_on", ["t_0042"], "t_0042, which does not exist"),
+])
+def test_bad_submissions_name_the_problem(tmp_path, field, value, message):
+    fields = {"title": "t", "instructions": "i", "working_dir": str(tmp_path), field: value}
+    with pytest.raises(store.ValidationError, match=message):
+        store.submit_task(**fields)
+    assert store.counts()["pending"] == 0
+
+
+def test_odd_shapes_accepted(tmp_path):
+    task = submit(tmp_path, '{"steps":[1]}', timeout_sec="600", depends_on="[]", model="null")
+    assert task["title"] == '{"steps":[1]}' and task["timeout_sec"] == 600 and task["model"] is None
+    other = submit(tmp_path, "12345", depends_on='["t_0001"]')
+    assert other["title"] == "12345" and other["depends_on"] == ["t_0001"]
+
+
+def test_fencing_refuses_a_superseded_attempt(tmp_path):
+    task = submit(tmp_path, max_retries=2)
+    first = store.claim_next("w1")
+    store.requeue_attempt(task["id"], first["run_marker"], "lease went stale")
+    with pytest.raises(store.StaleAttempt):
+        store.requeue_attempt(task["id"], first["run_marker"], "twice")
+    second = store.claim_next("w2")
+    assert second["run_marker"] == "br-1-a2"
+    with pytest.raises(store.StaleAttempt, match="br-1-a1 .* no longer current"):
+        store.complete_attempt(task["id"], first["run_marker"], result={"summary": "late"})
+    with pytest.raises(store.StaleAttempt):
+        store.renew_lease(task["id"], first["run_marker"])
+    store.complete_attempt(task["id"], second["run_marker"], result={"summary": "ok"})
+    assert store.get_task(task["id"])["result"]["summary"] == "ok"
+
+
+def test_retry_then_failed_when_spent(tmp_path):
+    task = submit(tmp_path, max_retries=1)
+    first = store.claim_next("w")
+    after = store.fail_attempt(task["id"], first["run_marker"], "flaky")
+    assert after["status"] == "pending" and after["not_before"] is not None
+    store_now = time.time
+    try:
+        store.now = lambda: store_now() + 60  # past the bounded back-off
+        second = store.claim_next("w")
+    finally:
+        store.now = store_now
+    final = store.fail_attempt(task["id"], second["run_marker"], "flaky again")
+    assert final["status"] == "failed" and final["attempts"] == 2
+
+
+def test_question_answer_roundtrip_and_answer_needs_waiting(tmp_path):
+    task = submit(tmp_path)
+    with pytest.raises(store.InvalidTransition, match="pending, not waiting"):
+        store.answer_task(task["id"], "yes")
+    claimed = store.claim_next("w")
+    store.pause_for_question(task["id"], claimed["run_marker"], "Which port?", session_id="ses_1")
+    waiting = store.get_task(task["id"])
+    assert waiting["status"] == "waiting" and waiting["question"] == "Which port?"
+    store.answer_task(task["id"], "8080")
+    again = store.get_task(task["id"])
+    assert again["status"] == "pending" and again["answer"] == "8080" and again["session_id"] == "ses_1"
+    assert again["questions"] == [again["questions"][0] | {"question": "Which port?", "answer": "8080"}]
+
+
+def test_cancel_running_fences_the_worker(tmp_path):
+    task = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.cancel_task(task["id"])
+    with pytest.raises(store.StaleAttempt):
+        store.renew_lease(task["id"], claimed["run_marker"])
+    with pytest.raises(store.InvalidTransition, match="already cancelled"):
+        store.cancel_task(task["id"])
+
+
+def test_notes_delivered_once(tmp_path):
+    task = submit(tmp_path)
+    store.add_note(task["id"], "use tabs")
+    claimed = store.claim_next("w")
+    assert [n["text"] for n in store.take_notes(task["id"], claimed["run_marker"])] == ["use tabs"]
+    assert store.take_notes(task["id"], claimed["run_marker"]) == []
+    store.complete_attempt(task["id"], claimed["run_marker"])
+    with pytest.raises(store.InvalidTransition, match="is done"):
+        store.add_note(task["id"], "too late")
+
+
+def test_events_are_written_with_each_state_change(tmp_path):
+    cursor = store.last_event_id()
+    task = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "fine"})
+    kinds = [e["kind"] for e in store.events_since(cursor, [task["id"]])]
+    assert kinds == ["submitted", "claimed", "done"]
+
+
+def test_clear_finished_keeps_what_others_depend_on(tmp_path):
+    a = submit(tmp_path, "A")
+    submit(tmp_path, "B", depends_on=[a["id"]])
+    claimed = store.claim_next("w")
+    store.complete_attempt(a["id"], claimed["run_marker"])
+    assert store.clear_finished() == []  # B still pending and depends on A
+    store.cancel_task("t_0002")
+    removed = store.clear_finished()
+    assert sorted(r["id"] for r in removed) == ["t_0001", "t_0002"]
+    assert store.counts() == {s: 0 for s in store.STATUSES}
+
+
+CLAIMER = """
+import json, sys, task_store
+got = []
+while True:
+    task = task_store.claim_next(sys.argv[1])
+    if task is None:
+        break
+    got.append(task["id"])
+    task_store.complete_attempt(task["id"], task["run_marker"])
+print(json.dumps(got))
+"""
+
+
+def test_eight_processes_claim_200_tasks_exactly_once(tmp_path):
+    store.submit_batch([{"title": f"t{i}", "instructions": "i", "working_dir": str(tmp_path)}
+                        for i in range(20)])  # migrate first, then bulk insert
+    for _ in range(9):
+        store.submit_batch([{"title": "t", "instructions": "i", "working_dir": str(tmp_path)}] * 20)
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, f"w{i}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(8)]
+    claimed, errors = [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        errors.append(err)
+        claimed += json.loads(out)
+    assert len(claimed) == 200 and len(set(claimed)) == 200
+    assert not any("locked" in e for e in errors)
+    assert store.counts()["done"] == 200

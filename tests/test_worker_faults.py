@@ -1,0 +1,186 @@
+"""Runs that end oddly, with the real `opencode` and the scripted model: lock, reaper, orphans,
+watchdog, cancel, background processes, shutdown."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import task_store
+import worker
+from fake_openai import hang, text, tool_call
+from helpers import ROOT, make_repo, run_script, tagged
+
+pytestmark = pytest.mark.real_opencode
+DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+
+
+def start_worker(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "worker.py"), *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout=60.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def running_with_agent(task_id):
+    task = task_store.get_task(task_id)
+    return task if task["status"] == "running" and task["agent_pid"] else None
+
+
+def test_two_passes_started_together_one_runs_one_exits(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("slow", [hang()])
+    task_store.submit_task(title="slow", instructions="SCRIPT:slow", working_dir=str(repo),
+                           timeout_sec=5, max_retries=0)
+    first, second = start_worker(), start_worker()
+    outs = [p.communicate(timeout=120) for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0
+    held = [out for out, _ in outs if "holds the lock" in out]
+    assert len(held) == 1, outs
+    assert task_store.get_task("t_0001")["status"] == "failed"
+    assert tagged() == []
+
+
+def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("slow", [hang()])
+    task = task_store.submit_task(title="slow", instructions="SCRIPT:slow", working_dir=str(repo),
+                                  timeout_sec=300, max_retries=2)
+    proc = start_worker()
+    running = wait_for(lambda: running_with_agent(task["id"]))
+    agent = psutil.Process(running["agent_pid"])
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert agent.is_running(), "the orphaned agent outlives its worker until the reaper comes"
+    monkeypatch.setenv("WORKER_STALE_SEC", "1")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    assert worker.reap(worker.Knobs()) == 0, "a fresh lease is not stale"
+    time.sleep(1.5)
+    assert worker.reap(worker.Knobs()) == 1
+    assert worker.reap(worker.Knobs()) == 0
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and "went stale" in after["error"]
+    kinds = [e["kind"] for e in task_store.events_since(0, [task["id"]])]
+    assert kinds.count("requeued") == 1
+    assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
+    assert tagged() == []
+    with pytest.raises(task_store.StaleAttempt):
+        task_store.complete_attempt(task["id"], running["run_marker"], result={"summary": "late"})
+
+
+def test_reaper_never_signals_a_recycled_pid(tmp_path, monkeypatch):
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
+        claimed = task_store.claim_next("worker:gone:1", pid=bystander.pid, pid_start=1.0)
+        # The recorded agent pid is now an unrelated program (different start time).
+        task_store.renew_lease(task["id"], claimed["run_marker"], agent_pid=bystander.pid,
+                               agent_pid_start=psutil.Process(bystander.pid).create_time() - 500)
+        monkeypatch.setenv("WORKER_STALE_SEC", "0")
+        time.sleep(0.05)
+        assert worker.reap(worker.Knobs()) == 1
+        assert bystander.poll() is None, "an unrelated process was signalled"
+    finally:
+        bystander.kill()
+
+
+def test_background_process_killed_after_normal_finish(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("bg", [
+        tool_call("bash", {"command": "sleep 300 > /dev/null 2>&1 &", "description": "background"}),
+        text("started it\n" + DONE),
+    ])
+    task = task_store.submit_task(title="bg", instructions="SCRIPT:bg", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    assert task_store.get_task(task["id"])["status"] == "done"
+    assert tagged() == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]]
+
+
+def test_background_process_killed_after_timeout(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    opencode.model.script("bgslow", [
+        tool_call("bash", {"command": "sleep 301 > /dev/null 2>&1 &", "description": "background"}),
+        hang(),
+    ])
+    task = task_store.submit_task(title="bg", instructions="SCRIPT:bgslow", working_dir=str(repo),
+                                  timeout_sec=8, max_retries=0)
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and "timed out after 8 s" in final["error"]
+    assert "SIGKILL" in final["error"]
+    assert tagged() == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+
+
+def test_silent_run_ended_by_inactivity_watchdog(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_INACTIVITY_SEC", "4")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    opencode.model.script("quiet", [hang()])
+    task = task_store.submit_task(title="quiet", instructions="SCRIPT:quiet", working_dir=str(repo),
+                                  timeout_sec=600, max_retries=0)
+    started = time.monotonic()
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and "inactivity watchdog" in final["error"]
+    assert time.monotonic() - started < 60
+    assert tagged() == []
+
+
+def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    opencode.model.script("long", [hang()])
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
+                                  timeout_sec=300)
+    proc = start_worker()
+    running = wait_for(lambda: running_with_agent(task["id"]))
+    agent = psutil.Process(running["agent_pid"])
+    cancelled_at = time.monotonic()
+    task_store.cancel_task(task["id"])
+    psutil.wait_procs([agent], timeout=5)
+    assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
+    assert time.monotonic() - cancelled_at < 5
+    proc.communicate(timeout=30)
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "cancelled"
+    assert tagged() == []
+
+
+def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("ok", [text("fine\n" + DONE)])
+    opencode.model.script("waits", [hang()])
+    first = task_store.submit_task(title="a", instructions="SCRIPT:ok", working_dir=str(repo))
+    proc = start_worker("--watch")
+    wait_for(lambda: task_store.get_task(first["id"])["status"] == "done", timeout=90)
+    second = task_store.submit_task(title="b", instructions="SCRIPT:waits", working_dir=str(repo),
+                                    timeout_sec=300)
+    running = wait_for(lambda: running_with_agent(second["id"]))
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert proc.poll() is None, "the first SIGTERM lets the current task go on"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    after = task_store.get_task(second["id"])
+    assert after["status"] == "pending" and "handed back" in after["error"]
+    assert after["attempts"] == 1 and after["handbacks"] == 1
+    assert not psutil.pid_exists(running["agent_pid"]) or \
+        psutil.Process(running["agent_pid"]).status() == psutil.STATUS_ZOMBIE
+    assert tagged() == []
