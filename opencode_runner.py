@@ -164,6 +164,11 @@ class EventStream:
             "status": state.get("status"),
             "input": state.get("input") or {},
         }
+        if call["tool"] == "invalid" and isinstance(call["input"].get("tool"), str):
+            # A denied tool is removed from the model's tools; calling it anyway comes back as the
+            # "invalid" tool naming the one that was asked for.
+            call = {"tool": call["input"]["tool"], "status": "denied", "input": {},
+                    "error": str(call["input"].get("error"))[:500]}
         if state.get("status") == "error":
             call["error"] = str(state.get("error"))[:500]
         exit_code = (state.get("metadata") or {}).get("exit")
@@ -195,10 +200,10 @@ class EventStream:
 
     @property
     def commands(self) -> list[dict[str, Any]]:
-        """Shell commands the agent ran (bash tool calls): command, status, exit code."""
+        """Shell commands the agent ran (bash tool calls, denied ones excepted): command, status, exit."""
         return [
             {"command": c["input"].get("command"), "status": c["status"], "exit": c.get("exit")}
-            for c in self.tool_calls if c["tool"] == "bash"
+            for c in self.tool_calls if c["tool"] == "bash" and c["status"] != "denied"
         ]
 
     def usage(self) -> dict[str, Any]:

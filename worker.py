@@ -673,7 +673,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
                **oc.sandbox_labels(task["permission"])}
     if task["permission"] == "readonly" and ws.mode == "in-place" and ws.top is None and not ws.note:
         sandbox["file writes"] = "not reverted (directory too large to snapshot)"
-    denied = [c for c in stream.tool_calls if c["status"] == "error"]
+    denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
     return {
         "summary": block.get("summary") or block.get("question") or "",
         "block_found": block.get("block_found", block["kind"] == "question"),
@@ -682,7 +682,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "files_reverted": reverted,
         "commands": stream.commands,
         "tool_calls": len(stream.tool_calls),
-        "tool_errors": [{"tool": c["tool"], "error": c.get("error")} for c in denied],
+        "tool_errors": [{"tool": c["tool"], "status": c["status"], "error": c.get("error")} for c in denied],
         "tests_run": block.get("tests_run", []),
         "open_questions": block.get("open_questions", []),
         "usage": stream.usage(),
