@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 MARKER_ENV = "TASKBRIDGE_RUN"
@@ -46,12 +47,15 @@ class OpencodeNotFound(RuntimeError):
 
 
 def opencode_bin() -> str:
-    """The absolute path of the opencode binary from ``$OPENCODE_BIN`` or PATH.
+    """The absolute path of the opencode binary: ``$OPENCODE_BIN``, else ``opencode`` on PATH,
+    else the pinned copy that install.sh puts in ``<repo>/node_modules/.bin``.
 
     Raises OpencodeNotFound with a message naming PATH and OPENCODE_BIN (launchd's PATH is bare).
     """
     wanted = os.environ.get("OPENCODE_BIN") or "opencode"
     found = shutil.which(wanted)
+    if not found and not os.environ.get("OPENCODE_BIN"):
+        found = shutil.which(str(Path(__file__).resolve().parent / "node_modules" / ".bin" / "opencode"))
     if not found:
         raise OpencodeNotFound(
             f"opencode binary {wanted!r} not found (PATH={os.environ.get('PATH', '')}); install it "

@@ -1,0 +1,74 @@
+"""The every-60-s schedule. launchctl (macOS) and a user systemd cannot run on this Linux test
+machine, so fake `launchctl` / `systemctl` scripts on PATH record their calls; the generated
+files themselves are real and checked."""
+from __future__ import annotations
+
+import os
+import plistlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "launchd"))
+import schedule  # noqa: E402
+
+
+def fake_tool(bin_dir: Path, name: str, calls: Path) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / name
+    script.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\n")
+    script.chmod(0o755)
+
+
+@pytest.fixture
+def fake_bins(tmp_path, monkeypatch):
+    bins, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    for name in ("launchctl", "systemctl"):
+        fake_tool(bins, name, calls)
+    opencode = bins / "opencode"
+    opencode.write_text("#!/bin/sh\nexit 0\n")
+    opencode.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bins}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    monkeypatch.delenv("OPENCODE_BIN", raising=False)
+    return bins, calls
+
+
+def test_launchd_agent_carries_absolute_paths(fake_bins, tmp_path, monkeypatch):
+    bins, calls = fake_bins
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Darwin")
+    monkeypatch.setenv("LAUNCH_AGENTS_DIR", str(tmp_path / "agents"))
+    message = schedule.install()
+    plist = plistlib.loads((tmp_path / "agents" / "com.taskbridge.worker.plist").read_bytes())
+    assert plist["StartInterval"] == 60
+    assert plist["ProgramArguments"] == [sys.executable, str(ROOT / "worker.py")]
+    env = plist["EnvironmentVariables"]
+    assert env["OPENCODE_BIN"] == str(bins / "opencode")
+    assert env["PATH"].split(os.pathsep)[0] == str(bins), "launchd's bare PATH must not hide opencode"
+    assert env["TASK_DB_PATH"] == os.environ["TASK_DB_PATH"]
+    assert "bootstrap" in calls.read_text() and "loaded" in message
+
+
+def test_systemd_timer_written_and_enabled(fake_bins, tmp_path, monkeypatch):
+    bins, calls = fake_bins
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
+    schedule.install()
+    service = (tmp_path / "units" / "taskbridge-worker.service").read_text()
+    assert f"ExecStart={sys.executable} {ROOT / 'worker.py'}" in service
+    assert f"Environment=OPENCODE_BIN={bins / 'opencode'}" in service
+    assert "OnUnitActiveSec=60" in (tmp_path / "units" / "taskbridge-worker.timer").read_text()
+    assert "enable --now taskbridge-worker.timer" in calls.read_text()
+    schedule.uninstall()
+    assert not (tmp_path / "units" / "taskbridge-worker.service").exists()
+
+
+def test_missing_opencode_is_said_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv("OPENCODE_BIN", "/nowhere/opencode")
+    monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
+    assert schedule.main(["install"]) == 1
+    assert "OPENCODE_BIN" in capsys.readouterr().err
+    assert not (tmp_path / "units").exists()

@@ -1,0 +1,178 @@
+"""Worker pieces that need no model: workspace isolation and recovery, run classification,
+the event-stream and closing-block parsers, tool checks."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import opencode_runner as oc
+import task_store
+import worker
+from helpers import ROOT, checkout_state, git, make_repo, run_script
+
+
+def claimed(tmp_path, repo, **kw):
+    task_store.submit_task(title="t", instructions="i", working_dir=str(repo), **kw)
+    return task_store.claim_next("test")
+
+
+def test_missing_opencode_is_said_before_claiming(tmp_path, monkeypatch):
+    task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    env = dict(os.environ, OPENCODE_BIN="/nowhere/opencode", PATH="/usr/bin:/bin")
+    result = run_script("worker.py", env=env)
+    assert result.returncode == 1
+    assert "opencode binary '/nowhere/opencode' not found" in result.stderr and "OPENCODE_BIN" in result.stderr
+    assert task_store.get_task("t_0001")["status"] == "pending"
+
+
+def test_repo_without_commits_fails_at_once_without_retry(tmp_path):
+    repo = tmp_path / "empty"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    task = claimed(tmp_path, repo, max_retries=3)
+    final = worker.run_task(task, worker.Knobs())
+    assert final["status"] == "failed" and final["attempts"] == 1
+    assert "no commits" in final["error"] and "git commit" in final["error"]
+    assert git(repo, "status", "--porcelain") == ""
+
+
+def test_missing_directory_fails_at_once(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    task = claimed(tmp_path, gone)
+    gone.rmdir()
+    final = worker.run_task(task, worker.Knobs())
+    assert final["status"] == "failed" and "does not exist" in final["error"]
+
+
+def test_detached_head_fails_with_what_to_do(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    git(repo, "checkout", "-q", "--detach")
+    final = worker.run_task(claimed(tmp_path, repo), worker.Knobs())
+    assert final["status"] == "failed" and "detached HEAD" in final["error"] and "git switch" in final["error"]
+
+
+def test_worktree_outside_checkout_on_task_branch(tmp_path):
+    repo = make_repo(tmp_path / "repo", {"src/a.py": "x = 1\n"})
+    before = checkout_state(repo)
+    task = claimed(tmp_path, repo / "src")
+    ws = worker.prepare_workspace(task, resume=False)
+    assert ws.mode == "worktree" and ws.branch == "taskbridge/t_0001"
+    assert not ws.top.startswith(str(repo)) and ws.cwd == os.path.join(ws.top, "src")
+    (tmp_path / "worktrees" / "repo-t_0001" / "src" / "new.py").write_text("y = 2\n")
+    files, diff = worker.observed_changes(ws)
+    assert files == ["src/new.py"] and "+y = 2" in diff
+    assert checkout_state(repo) == before
+
+
+@pytest.mark.parametrize("leftover", ["registered-but-missing", "unregistered-folder", "stale-branch"])
+def test_worktree_leftovers_from_a_crash_are_recovered(tmp_path, leftover):
+    repo = make_repo(tmp_path / "repo")
+    task = claimed(tmp_path, repo)
+    path = tmp_path / "worktrees" / "repo-t_0001"
+    path.parent.mkdir(parents=True)
+    if leftover in ("registered-but-missing", "stale-branch"):
+        # stale-branch: the task branch is checked out at another path that has vanished.
+        where = path if leftover == "registered-but-missing" else tmp_path / "vanished"
+        git(repo, "worktree", "add", "-q", "-b", "taskbridge/t_0001", str(where))
+        (where / "junk.txt").write_text("from the crashed attempt")
+        shutil.rmtree(where)
+    if leftover == "unregistered-folder":
+        path.mkdir()
+        (path / "junk.txt").write_text("from the crashed attempt")
+    ws = worker.prepare_workspace(task, resume=False)
+    assert ws.top == str(path) and (path / "README.md").exists() and not (path / "junk.txt").exists()
+    assert git(path, "rev-parse", "--abbrev-ref", "HEAD") == "taskbridge/t_0001"
+    assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+
+
+def test_not_a_git_repo_runs_in_place_and_says_so(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    ws = worker.prepare_workspace(claimed(tmp_path, plain), resume=False)
+    assert ws.mode == "in-place" and ws.cwd == str(plain) and "not a git repository" in ws.note
+
+
+def test_readonly_in_place_snapshot_restores(tmp_path):
+    plain = tmp_path / "plain"
+    (plain / "d").mkdir(parents=True)
+    (plain / "keep.txt").write_text("original")
+    (plain / "d" / "gone.txt").write_text("was here")
+    snap = worker.take_snapshot(str(plain))
+    (plain / "keep.txt").write_text("changed")
+    (plain / "d" / "gone.txt").unlink()
+    (plain / "new.txt").write_text("added")
+    reverted = worker.restore_snapshot(str(plain), snap)
+    assert reverted == ["d/gone.txt", "keep.txt", "new.txt"]
+    assert (plain / "keep.txt").read_text() == "original" and not (plain / "new.txt").exists()
+    assert (plain / "d" / "gone.txt").read_text() == "was here"
+
+
+def _run(lines, returncode=0, stderr=()):
+    stream = oc.EventStream()
+    for line in lines:
+        stream.feed(line)
+    return worker.RunResult(stream, returncode=returncode, stderr_tail=list(stderr))
+
+
+STEP_STOP = json.dumps({"type": "step_finish", "sessionID": "s", "part": {
+    "reason": "stop", "cost": 0.5, "tokens": {"input": 10, "output": 5, "reasoning": 1, "total": 16,
+                                              "cache": {"read": 2, "write": 3}}}})
+STEP_START = json.dumps({"type": "step_start", "sessionID": "s", "part": {}})
+
+
+@pytest.mark.parametrize("lines,rc,stderr,expected", [
+    ([], 0, [], "empty event stream"),
+    ([STEP_START], 0, [], "without a terminal step_finish"),
+    ([], 1, ["Error: Session not found"], "Session not found"),
+    ([json.dumps({"type": "error", "error": {"name": "APIError", "data": {"message": "bad key"}}})],
+     0, [], "model error: APIError: bad key"),
+    ([STEP_START], 3, ["boom happened"], "exited with code 3: boom happened"),
+    ([STEP_START], -9, [], "killed by SIGKILL"),
+])
+def test_runs_that_end_oddly_have_specific_reasons(lines, rc, stderr, expected):
+    assert expected in worker.failure_reason(_run(lines, rc, stderr))
+
+
+def test_terminal_event_counts_even_with_noise():
+    run = _run(["not json at all", STEP_START, "{broken", STEP_STOP, STEP_STOP])
+    assert worker.failure_reason(run) is None
+    assert run.stream.bad_lines == 2
+    assert run.stream.usage() == {"tokens": {"input": 20, "output": 10, "reasoning": 2, "cache_read": 4,
+                                             "cache_write": 6, "total": 32}, "cost_usd": 1.0, "steps": 2}
+
+
+@pytest.mark.parametrize("text,kind,field,value", [
+    ('done\n```json\n{"summary": "S", "files_touched": ["a"], "tests_run": "pytest"}\n```', "receipt",
+     "tests_run", ["pytest"]),
+    ("no block at all", "receipt", "summary", "no block at all"),
+    ('```json\n{"summary": "S", oops}\n```', "receipt", "summary", '```json\n{"summary": "S", oops}\n```'),
+    ("```question\nWhich DB?\n```", "question", "question", "Which DB?"),
+    ('```json\n{"question": "Port?"}\n```', "question", "question", "Port?"),
+])
+def test_closing_block_parsed_tolerantly(text, kind, field, value):
+    block = oc.parse_closing_block(text)
+    assert block["kind"] == kind and block[field] == value
+
+
+def test_agent_that_stays_alive_after_its_terminal_event(tmp_path, monkeypatch):
+    """The real binary cannot be made to hang after `stop`; a stand-in script that prints a
+    terminal step_finish and then sleeps shows the exit grace (field-failures 9)."""
+    fake = tmp_path / "opencode"
+    fake.write_text(f"#!/bin/sh\ncat > /dev/null\necho '{STEP_STOP}'\nexec sleep 300\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("OPENCODE_BIN", str(fake))
+    monkeypatch.setenv("WORKER_EXIT_GRACE_SEC", "1")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "1")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    started = time.monotonic()
+    final = worker.run_task(claimed(tmp_path, plain), worker.Knobs())
+    assert final["status"] == "done" and final["result"]["agent_exited"] is False
+    assert time.monotonic() - started < 15
