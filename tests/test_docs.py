@@ -1,0 +1,61 @@
+"""Docs stay honest: every env knob, CLI command and MCP tool in the code is in the README, and
+the Quick start is what CI runs."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import tasks_cli
+from helpers import ROOT
+
+README = (ROOT / "README.md").read_text()
+SCRIPTS = [p for p in ROOT.glob("*.py")] + list((ROOT / "launchd").glob("*.py"))
+OS_VARIABLES = {"PATH", "USER", "HOME", "PWD", "CI", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "TMPDIR"}
+KNOB = re.compile(r"""(?:environ(?:\.get)?\(?\[?|_env_\w+\()\s*["']([A-Z][A-Z0-9_]+)["']""")
+
+
+def knobs_in_code() -> set[str]:
+    found = set()
+    for path in SCRIPTS:
+        found |= set(KNOB.findall(path.read_text()))
+    return found - OS_VARIABLES
+
+
+def test_knob_scan_finds_known_knobs():
+    assert {"TASK_DB_PATH", "WORKER_STALE_SEC", "MCP_ALLOWED_HOSTS"} <= knobs_in_code()
+
+
+@pytest.mark.parametrize("knob", sorted(knobs_in_code()))
+def test_every_env_knob_is_documented(knob):
+    assert f"`{knob}`" in README, f"{knob} is read by the code but missing from the README's table"
+
+
+@pytest.mark.parametrize("command", sorted(tasks_cli.cli.commands))
+def test_every_cli_command_documented_and_has_help(command):
+    assert re.search(rf"\| `{command}\b", README), f"CLI command {command} missing from the README"
+    result = CliRunner().invoke(tasks_cli.cli, [command, "--help"])
+    assert result.exit_code == 0 and "Usage:" in result.output
+    assert tasks_cli.cli.commands[command].help
+
+
+def mcp_tools(module_name: str) -> list[str]:
+    source = (ROOT / f"{module_name}.py").read_text()
+    return re.findall(r"@\w+\.tool\([^)]*\)\s*\n(?:@[^\n]*\n)*(?:async )?def (\w+)", source)
+
+
+@pytest.mark.parametrize("module_name,count", [("opencode_bridge_mcp", 17), ("claude_control_mcp", 6)])
+def test_every_mcp_tool_documented(module_name, count):
+    tools = mcp_tools(module_name)
+    assert len(tools) == count, tools
+    for tool in tools:
+        assert f"`{tool}" in README, f"MCP tool {tool} missing from the README"
+
+
+def test_quick_start_has_two_commands_and_ci_runs_the_test_one():
+    block = README.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.strip().splitlines() if line.strip()]
+    assert len(commands) == 2
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
