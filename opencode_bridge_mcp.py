@@ -1,0 +1,1359 @@
+"""TaskBridge's MCP server: the 17 tools with which Claude (or any MCP client) drives the queue.
+
+Run:
+    python opencode_bridge_mcp.py                                  # stdio (what Claude Desktop runs)
+    python opencode_bridge_mcp.py --transport streamable-http --port 8765   # one HTTP port:
+        /mcp (streamable-http), /sse + /messages/ (sse), /health, / (board), /api/status, /api/tasks
+    --host 127.0.0.1 (default) | --log-level DEBUG|INFO|WARNING|ERROR (logs go to stderr only)
+
+Env read at call time: TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL (through task_store); OPENCODE_BIN
+(list_models); MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
+<repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_WAIT_POLL_SEC
+(how often wait_for reads the events log, default 0.2 s).
+
+All queue logic lives in task_store; the tools here are thin typed wrappers whose docstrings are
+what the planner reads. Store errors reach the client as `is_error` results carrying the store's
+message; malformed arguments get one message naming each bad field and the allowed values.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio
+import pydantic
+from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
+from typing_extensions import TypedDict
+
+import opencode_runner
+import task_store as store
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.types import ToolAnnotations
+
+VERSION = "0.1.0"
+SERVER_NAME = "taskbridge"
+REPO_DIR = Path(__file__).resolve().parent
+LAUNCHD_LABEL = "com.taskbridge.worker"
+SYSTEMD_UNIT = "taskbridge-worker.service"
+
+LOG_PAGE_MAX = 65_536          # bytes per get_task_logs page
+DIFF_PAGE_MAX = 65_536         # bytes per get_task_result diff page
+LIST_PAGE_MAX = 200            # rows per list_tasks / list_models page
+INSTRUCTIONS_SHOWN = 20_000    # characters of instructions get_task shows
+ROW_TEXT_MAX = 300             # characters of error/question per list row
+WAIT_RANGE = (1, 3600)         # wait_for timeout_sec
+WAIT_IDS_MAX = 100
+PROGRESS_EVERY_SEC = 3.0
+MODELS_CACHE_SEC = 60.0
+WORKER_RECENT_SEC = 180        # a heartbeat younger than this counts as a recent worker
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
+ATTENTION = frozenset(store.TERMINAL) | {"waiting"}
+
+log = logging.getLogger("taskbridge.mcp")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types. The SDK JSON-decodes a string argument whenever the annotation is not exactly
+# `str` (Claude Desktop sends lists as JSON strings); free text is therefore annotated `str`, and
+# optional free text uses `OptText` (annotation `str`, null accepted) so that a title such as
+# '{"steps":[1]}' or '12345' is stored exactly as sent.
+
+
+def _null_ok(value: Any, handler: Any) -> Any:
+    return None if value is None else handler(value)
+
+
+def _as_list(value: Any) -> Any:
+    """Lists also arrive as JSON strings or comma lists (``"t_0001,t_0002"``); "null" is empty."""
+    if value is None or isinstance(value, (list, tuple)):
+        return [] if value is None else list(value)
+    try:
+        return store.coerce_list("list", value)
+    except store.ValidationError:
+        raise ValueError(f"must be a list (a JSON array, a string holding one, or a comma list); "
+                         f"got {value!r}") from None
+
+
+OptText = Annotated[str, WrapValidator(_null_ok), WithJsonSchema({"type": ["string", "null"]})]
+def _id_shape(value: Any) -> Any:
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"must be a task id such as t_0001, 0001 or 1; got {value!r}")
+
+
+TaskId = Annotated[str | int, BeforeValidator(_id_shape), Field(description="a task id: t_0001, 0001 or 1")]
+IdList = Annotated[list[str | int], BeforeValidator(_as_list)]
+Status = Literal["pending", "running", "waiting", "done", "failed", "cancelled"]
+Permission = Literal["auto", "readonly", "no-shell", "no-network"]
+
+
+# --------------------------------------------------------------------------------------------
+# Result shapes (structured output).
+
+
+class TaskInfo(TypedDict):
+    """A task as submit/answer/cancel return it (times ISO 8601 UTC; durations seconds)."""
+    id: str
+    title: str
+    status: str
+    priority: int
+    model: str | None
+    agent: str | None
+    working_dir: str
+    permission: str
+    worktree: bool
+    worktree_keep: bool
+    timeout_sec: int
+    max_retries: int
+    attempts: int
+    depends_on: list[str]
+    idempotency_key: str | None
+    origin_name: str | None
+    origin_version: str | None
+    origin_kind: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    heartbeat_at: str | None
+    error: str | None
+    question: str | None
+    answer: str | None
+    branch: str | None
+    worktree_path: str | None
+    session_id: str | None
+
+
+class SubmittedTask(TaskInfo):
+    duplicate: bool
+    hint: str
+
+
+class Note(TypedDict):
+    author: str
+    text: str
+    created_at: str | None
+    delivered: bool
+
+
+class QuestionAnswer(TypedDict):
+    attempt: int
+    question: str
+    answer: str | None
+    asked_at: str | None
+    answered_at: str | None
+
+
+class Event(TypedDict):
+    id: int
+    task_id: str | None
+    ts: str | None
+    kind: str
+    message: str
+
+
+class TaskDetail(TaskInfo):
+    instructions: str
+    instructions_truncated: bool
+    notes: list[Note]
+    questions: list[QuestionAnswer]
+    events: list[Event]
+    summary: str | None
+    usage: dict[str, Any] | None
+    diff_bytes: int
+    log_bytes: int
+
+
+class TaskRow(TypedDict):
+    id: str
+    title: str
+    status: str
+    priority: int
+    model: str | None
+    working_dir: str
+    permission: str
+    attempts: int
+    max_retries: int
+    timeout_sec: int
+    origin_name: str | None
+    origin_version: str | None
+    origin_kind: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    heartbeat_at: str | None
+    error: str | None
+    question: str | None
+    branch: str | None
+
+
+class TaskPage(TypedDict):
+    tasks: list[TaskRow]
+    total: int
+    offset: int
+    next_offset: int | None
+
+
+class BatchResult(TypedDict):
+    tasks: list[SubmittedTask]
+    count: int
+
+
+class TaskResult(TypedDict):
+    id: str
+    title: str
+    status: str
+    error: str | None
+    result: dict[str, Any] | None
+    result_truncated: bool
+    usage: dict[str, Any] | None
+    diff: str
+    diff_offset: int
+    diff_next_offset: int | None
+    diff_total_bytes: int
+    diff_truncated: bool
+    branch: str | None
+    worktree_path: str | None
+    base_commit: str | None
+    session_id: str | None
+    finished_at: str | None
+    hint: str
+
+
+class LogPage(TypedDict):
+    task_id: str
+    path: str
+    exists: bool
+    size: int
+    offset: int
+    next_offset: int
+    truncated: bool
+    text: str
+
+
+class WaitTask(TypedDict):
+    id: str
+    title: str
+    status: str
+    error: str | None
+    question: str | None
+    finished_at: str | None
+
+
+class WaitResult(TypedDict):
+    met: bool
+    timed_out: bool
+    mode: str
+    waited_sec: float
+    tasks: list[WaitTask]
+    ready: list[str]
+    waiting: list[str]
+    unfinished: list[str]
+    events: list[Event]
+    hint: str
+
+
+class NoteResult(TypedDict):
+    task_id: str
+    status: str
+    delivery: str
+
+
+class ClearResult(TypedDict):
+    removed: list[str]
+    count: int
+    logs_removed: int
+    worktrees_removed: list[str]
+    problems: list[str]
+
+
+class WorkerState(TypedDict):
+    seen: bool
+    state: str | None
+    task: str | None
+    pid: int | None
+    host: str | None
+    at: str | None
+    age_sec: float | None
+    pid_running: bool | None
+    recent: bool
+    summary: str
+
+
+class QueueStatus(TypedDict):
+    counts: dict[str, int]
+    total: int
+    claimable: int
+    oldest_pending: str | None
+    oldest_pending_age_sec: float | None
+    default_model: str
+    worker: WorkerState
+    database: str
+
+
+class RestartResult(TypedDict):
+    method: Literal["launchctl", "systemctl", "detached"]
+    command: list[str]
+    pid: int | None
+    detail: str
+
+
+class ModelInfo(TypedDict):
+    id: str
+    provider: str
+    name: str
+    cost: dict[str, Any] | None
+    context: int | None
+    output_limit: int | None
+
+
+class ModelPage(TypedDict):
+    models: list[ModelInfo]
+    total: int
+    offset: int
+    next_offset: int | None
+    default_model: str
+    resolved: str | None
+
+
+class DefaultModel(TypedDict):
+    model: str
+    previous: str
+    resolved_from: str | None
+
+
+class Caller(TypedDict):
+    name: str | None
+    version: str | None
+    kind: str | None
+
+
+class PingResult(TypedDict):
+    ok: bool
+    server: str
+    version: str
+    database: str
+    tasks: int
+    default_model: str
+    worker: str
+    caller: Caller
+    protocol_version: str | None
+
+
+class BatchTask(TypedDict, total=False):
+    """One item of submit_batch (the fields of submit_task, plus ref)."""
+    ref: Annotated[str, Field(description="a label (e.g. '@build') other items may name in depends_on")]
+    title: Annotated[str, Field(description="short title, ≤200 characters (required)")]
+    instructions: Annotated[str, Field(description="what the agent must do (required)")]
+    working_dir: Annotated[str, Field(description="absolute path of an existing directory (required)")]
+    model: Annotated[str, Field(description="provider/model; default: the queue's default model")]
+    priority: Annotated[int, Field(ge=-1000, le=1000, description="higher runs first; default 0")]
+    depends_on: Annotated[list[str | int], Field(description="task ids or refs of this batch")]
+    timeout_sec: Annotated[int, Field(ge=1, le=86400, description="seconds per attempt; default 1800")]
+    max_retries: Annotated[int, Field(ge=0, le=10, description="default 1")]
+    permission: Permission
+    worktree: bool
+    worktree_keep: bool
+    agent: str
+    idempotency_key: str
+
+
+# --------------------------------------------------------------------------------------------
+# Shaping store dicts into the result shapes.
+
+_INFO_KEYS = tuple(TaskInfo.__annotations__)
+_ROW_KEYS = tuple(TaskRow.__annotations__)
+
+
+def _info(task: dict[str, Any]) -> dict[str, Any]:
+    return {key: task.get(key, [] if key == "depends_on" else None) for key in _INFO_KEYS}
+
+
+def _short(text: str | None, limit: int = ROW_TEXT_MAX) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…"
+
+
+def _row(task: dict[str, Any]) -> dict[str, Any]:
+    row = {key: task.get(key) for key in _ROW_KEYS}
+    row["error"], row["question"] = _short(row["error"]), _short(row["question"])
+    return row
+
+
+def _submitted(task: dict[str, Any]) -> dict[str, Any]:
+    hint = (f"the worker picks it up on its next pass; wait_for(['{task['id']}']) blocks until it "
+            f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
+    if task.get("duplicate"):
+        hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
+    return _info(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
+
+
+def _cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool]:
+    """Shorten long lists and strings inside a receipt; returns (value, whether anything was cut)."""
+    if isinstance(value, str):
+        return (value, False) if len(value) <= chars else (value[:chars] + "…", True)
+    if isinstance(value, list):
+        capped = [_cap_json(v, items, chars) for v in value[-items:]]
+        return [v for v, _ in capped], len(value) > items or any(c for _, c in capped)
+    if isinstance(value, dict):
+        capped_d = {k: _cap_json(v, items, chars) for k, v in value.items()}
+        return {k: v for k, (v, _) in capped_d.items()}, any(c for _, c in capped_d.values())
+    return value, False
+
+
+# --------------------------------------------------------------------------------------------
+# Paging text by bytes without splitting a UTF-8 character.
+
+
+def _char_start(data: bytes, pos: int) -> int:
+    """The first character boundary at or after ``pos`` (skips UTF-8 continuation bytes)."""
+    while pos < len(data) and data[pos] & 0xC0 == 0x80:
+        pos += 1
+    return pos
+
+
+def _char_end(data: bytes, pos: int) -> int:
+    """The last character boundary at or before ``pos``."""
+    while 0 < pos < len(data) and data[pos] & 0xC0 == 0x80:
+        pos -= 1
+    return pos
+
+
+def page_utf8(data: bytes, offset: int, limit: int) -> tuple[str, int, int]:
+    """A page of ``data`` from byte ``offset``, at most ``limit`` bytes, cut on character
+    boundaries (a page always holds at least one character). Returns (text, start, end) with byte
+    offsets; ``end`` is the next page's offset."""
+    start = _char_start(data, min(offset, len(data)))
+    end = min(len(data), start + limit)
+    if end < len(data):
+        end = _char_end(data, end)
+        if end <= start < len(data):        # a limit below one character: return that character
+            end = _char_start(data, start + 1)
+    return data[start:end].decode("utf-8", errors="replace"), start, end
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: int) -> dict[str, Any]:
+    """Either ``max_bytes`` from byte ``offset`` on, or the last ``tail_lines`` lines (at most
+    ``max_bytes``). Returns {exists, size, offset, next_offset, truncated, text}.
+    Raises store.ValidationError when ``offset`` is past the end of the file."""
+    if not path.exists():
+        if offset:
+            raise store.ValidationError(f"offset {offset} is past the end of the log (it has no bytes yet)")
+        return {"exists": False, "size": 0, "offset": 0, "next_offset": 0, "truncated": False, "text": ""}
+    with path.open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if offset is not None:
+            if offset > size:
+                raise store.ValidationError(
+                    f"offset {offset} is past the end of the log ({size} bytes); pass the next_offset "
+                    "of your last call, or leave offset out to get the tail")
+            handle.seek(offset)
+            data = handle.read(max_bytes + 4)
+            text, start, end = page_utf8(data, 0, max_bytes)
+            start, end = offset + start, offset + end
+            return {"exists": True, "size": size, "offset": start, "next_offset": end,
+                    "truncated": end < size, "text": text}
+        begin = max(0, size - max_bytes)
+        handle.seek(begin)
+        data = handle.read(size - begin)
+    skip = _char_start(data, 0)
+    text = data[skip:].decode("utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)
+    if begin > 0 and len(lines) > 1:
+        lines = lines[1:]                          # the block began mid-line: show whole lines only
+    kept = lines[-tail_lines:]
+    shown = "".join(kept)
+    cut = len(kept) < tail_lines and begin > 0     # wanted more lines than the byte cap allowed
+    return {"exists": True, "size": size, "offset": size - len(shown.encode("utf-8", errors="replace")),
+            "next_offset": size, "truncated": cut, "text": shown}
+
+
+# --------------------------------------------------------------------------------------------
+# Errors: anything a tool raises becomes one clear is_error text (never "Error executing tool").
+
+
+def _loc(error: dict[str, Any]) -> str:
+    parts = [str(p) for p in error["loc"]
+             if isinstance(p, int) or not any(c in str(p) for c in "[(-") and str(p) not in
+             ("str", "int", "float", "bool", "list", "dict", "none", "literal")]
+    return ".".join(parts) or "arguments"
+
+
+def _phrase(error: dict[str, Any]) -> str:
+    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
+    shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+    phrases = {
+        "missing": "is required",
+        "greater_than_equal": f"must be ≥ {ctx.get('ge')}; got {shown}",
+        "less_than_equal": f"must be ≤ {ctx.get('le')}; got {shown}",
+        "greater_than": f"must be > {ctx.get('gt')}; got {shown}",
+        "less_than": f"must be < {ctx.get('lt')}; got {shown}",
+        "int_parsing": f"must be a whole number; got {shown}",
+        "int_type": f"must be a whole number; got {shown}",
+        "int_from_float": f"must be a whole number; got {shown}",
+        "bool_parsing": f"must be true or false; got {shown}",
+        "bool_type": f"must be true or false; got {shown}",
+        "string_type": f"must be text (a JSON string); got {shown}",
+        "literal_error": f"must be one of {ctx.get('expected')}; got {shown}",
+        "enum": f"must be one of {ctx.get('expected')}; got {shown}",
+        "list_type": f"must be a list (a JSON array, or a string holding one); got {shown}",
+        "too_long": f"may hold at most {ctx.get('max_length')} items; got {ctx.get('actual_length')}",
+        "too_short": f"must hold at least {ctx.get('min_length')} item(s); got {ctx.get('actual_length')}",
+    }
+    if kind in phrases:
+        return phrases[kind]
+    message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
+    return message if "got " in message else f"{message} (got {shown})"
+
+
+def explain_validation(tool: str, exc: pydantic.ValidationError) -> str:
+    """One line naming every bad argument, what it must be and what was sent."""
+    seen: dict[str, str] = {}
+    for error in exc.errors(include_url=False):
+        seen.setdefault(_loc(error), _phrase(error))
+    fields = "; ".join(f"{loc} {phrase}" for loc, phrase in seen.items())
+    return f"invalid arguments for {tool}: {fields}. The tool's input schema lists each field."
+
+
+def translate_error(tool: str, exc: ToolError) -> ToolError:
+    """Turn what the SDK raised around a tool into the message the caller should read."""
+    cause = exc.__cause__
+    if type(exc) is ToolError and isinstance(cause, pydantic.ValidationError):
+        return ToolError(explain_validation(tool, cause))
+    if isinstance(cause, (store.TaskStoreError, opencode_runner.OpencodeNotFound)):
+        return ToolError(str(cause))
+    if isinstance(cause, ToolError) and not isinstance(cause, UnexpectedToolError):
+        return ToolError(str(cause))
+    if isinstance(exc, UnexpectedToolError) or cause is not None:
+        log.error("tool %s crashed", tool, exc_info=cause or exc)
+        kind = type(cause).__name__ if cause else "error"
+        return ToolError(f"{tool} failed with an internal error ({kind}); the server's log on stderr "
+                         "has the details. Check the arguments and try again")
+    return exc
+
+
+class BridgeServer(MCPServer):
+    """MCPServer whose tool errors read as the store's messages, never 'Error executing tool'."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError as exc:
+            raise translate_error(name, exc) from None
+        except ToolError as exc:
+            raise translate_error(name, exc) from exc.__cause__
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers shared by the tools and the HTTP API.
+
+
+def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
+    """The MCP client's clientInfo (name, version) from the handshake or the request envelope."""
+    try:
+        params = ctx.session.client_params if ctx is not None else None
+    except (AttributeError, ValueError, RuntimeError):
+        return None, None
+    info = params.client_info if params is not None else None
+    return (info.name, info.version) if info is not None else (None, None)
+
+
+def _pid_running(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def worker_state() -> dict[str, Any]:
+    """The worker heartbeat file, judged: seen, age, whether its pid still runs here, a summary."""
+    beat = store.read_worker_heartbeat()
+    if beat is None:
+        return {"seen": False, "state": None, "task": None, "pid": None, "host": None, "at": None,
+                "age_sec": None, "pid_running": None, "recent": False,
+                "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
+                           "`python worker.py --watch`, or the restart_worker tool"}
+    here = beat.get("host") == socket.gethostname()
+    running = _pid_running(beat.get("pid")) if here else None
+    age = beat.get("age_sec")
+    recent = age is not None and age <= WORKER_RECENT_SEC
+    state = beat.get("state")
+    summary = f"worker pid {beat.get('pid')} reported {state or 'in'} {age:.0f} s ago"
+    if beat.get("task"):
+        summary += f" (task {beat['task']})"
+    summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
+    if not recent:
+        summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
+    return {"seen": True, "state": state, "task": beat.get("task"), "pid": beat.get("pid"),
+            "host": beat.get("host"), "at": beat.get("at"), "age_sec": age, "pid_running": running,
+            "recent": recent, "summary": summary}
+
+
+def queue_snapshot() -> dict[str, Any]:
+    """Tallies, oldest pending, default model, worker liveness (the queue_status tool and /api/status)."""
+    summary = store.queue_summary()
+    return summary | {"total": sum(summary["counts"].values()), "default_model": store.default_model(),
+                      "worker": worker_state(), "database": str(store.db_path())}
+
+
+_models_cache: dict[tuple, tuple[float, list[dict[str, Any]]]] = {}
+
+
+def known_models(provider: str | None = None, refresh: bool = False) -> list[dict[str, Any]]:
+    """``opencode models --verbose`` (cached for a minute per provider and OpenCode config).
+    Raises ToolError when OpenCode is missing or refuses."""
+    key = (provider, *(os.environ.get(k) for k in ("OPENCODE_BIN", "OPENCODE_CONFIG",
+                                                      "OPENCODE_CONFIG_CONTENT", "PATH")))
+    hit = _models_cache.get(key)
+    if hit and not refresh and time.monotonic() - hit[0] < MODELS_CACHE_SEC:
+        return hit[1]
+    try:
+        models = opencode_runner.list_models(provider)
+    except opencode_runner.OpencodeNotFound as exc:
+        raise ToolError(str(exc)) from None
+    except subprocess.TimeoutExpired:
+        raise ToolError("`opencode models` did not answer within 60 s; try again") from None
+    except (RuntimeError, OSError) as exc:
+        raise ToolError(f"`opencode models` failed: {exc}") from None
+    _models_cache[key] = (time.monotonic(), models)
+    return models
+
+
+def resolve_model(name: str, models: list[dict[str, Any]]) -> str:
+    """A full ``provider/model`` id for ``name``: an exact id, or a plain model name that exactly
+    one provider offers (case-insensitive). Raises ToolError listing candidates otherwise."""
+    wanted = name.strip()
+    ids = [m["id"] for m in models]
+    exact = [i for i in ids if i.lower() == wanted.lower()]
+    if exact:
+        return exact[0]
+    plain = [i for i in ids if i.split("/", 1)[1].lower() == wanted.lower()] if "/" not in wanted else []
+    if len(plain) == 1:
+        return plain[0]
+    if len(plain) > 1:
+        raise ToolError(f"model name {wanted!r} is ambiguous: {', '.join(plain)}; give one of these ids")
+    near = [i for i in ids if wanted.lower() in i.lower()][:10]
+    hint = f"; similar: {', '.join(near)}" if near else "; list_models shows what is available"
+    raise ToolError(f"model {wanted!r} is not offered by OpenCode here{hint}")
+
+
+def _model_arg(model: str | None) -> str | None:
+    """A plain model name (no provider) resolves through ``opencode models``; ids pass as given."""
+    model = store.optional(model)
+    if model is None or "/" in model:
+        return model
+    return resolve_model(model, known_models())
+
+
+def _task_ids(values: list[Any]) -> list[str]:
+    ids: list[str] = []
+    for value in values:
+        task_id = store.format_task_id(store.parse_task_id(value))
+        if task_id not in ids:
+            ids.append(task_id)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# The tools.
+
+INSTRUCTIONS = """TaskBridge queues coding tasks for OpenCode agents running on this machine.
+Typical flow: submit_task (or submit_batch) -> wait_for (blocks server-side, returns when a task
+finishes or asks a question) -> get_task_result (receipt, usage, diff). A task in status `waiting`
+asked a question: read it with get_task, reply with answer_task. Task ids look like t_0001 (0001
+and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes; cost is USD."""
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+
+
+def build_server() -> MCPServer:
+    """A fresh MCPServer with the 17 TaskBridge tools (nothing is opened until a tool runs)."""
+    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
+    for tool in (submit_task, submit_batch, answer_task, add_task_note, restart_worker):
+        mcp.tool()(tool)
+    for tool in (get_task, get_task_result, get_task_logs, wait_for, list_tasks, queue_status,
+                 worker_heartbeat, list_models, ping):
+        mcp.tool(annotations=READ_ONLY)(tool)
+    mcp.tool(annotations=ToolAnnotations(destructive_hint=True))(cancel_task)
+    mcp.tool(annotations=ToolAnnotations(destructive_hint=True))(clear_finished)
+    mcp.tool(annotations=ToolAnnotations(idempotent_hint=True))(set_default_model)
+    return mcp
+
+
+def submit_task(
+    title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
+    instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
+    working_dir: Annotated[str, Field(description="absolute path of an existing directory (a git repo gets an isolated worktree)")],
+    ctx: Context,
+    model: Annotated[OptText, Field(description="provider/model (or a plain model name that one provider offers); default: the queue's default model")] = None,
+    priority: Annotated[int | None, Field(ge=-1000, le=1000, description="higher runs first, then oldest")] = 0,
+    depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],
+    timeout_sec: Annotated[int | None, Field(ge=1, le=86400, description="seconds per attempt (each retry gets it again)")] = 1800,
+    max_retries: Annotated[int | None, Field(ge=0, le=10, description="extra attempts after a failure")] = 1,
+    permission: Annotated[Permission | None, Field(description="auto: anything in the directory; readonly: file changes reverted; no-shell; no-network")] = "auto",
+    worktree: Annotated[bool | None, Field(description="in a git repo, work on branch taskbridge/t_NNNN in a separate worktree")] = True,
+    worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
+    agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
+    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
+) -> SubmittedTask:
+    """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
+
+    The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
+    and records a receipt. Then call wait_for([id]) and get_task_result(id).
+    Errors (nothing is written then): a relative or missing working_dir, an unknown dependency,
+    a value out of range, an unknown model name.
+    """
+    name, version = caller_of(ctx)
+    fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
+              "model": _model_arg(model), "priority": priority, "depends_on": depends_on,
+              "timeout_sec": timeout_sec, "max_retries": max_retries, "permission": permission,
+              "worktree": True if worktree is None else worktree,
+              "worktree_keep": False if worktree_keep is None else worktree_keep,
+              "agent": agent, "idempotency_key": idempotency_key,
+              "origin_name": name, "origin_version": version}
+    return _submitted(store.submit_task(**fields))
+
+
+_BATCH_SCHEMA = {
+    "type": "array", "minItems": 1, "maxItems": store.BATCH_MAX,
+    "items": TypeAdapter(BatchTask).json_schema() | {"required": ["title", "instructions", "working_dir"]},
+}
+
+
+def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
+    if isinstance(item, str) and item.strip().startswith("{"):
+        try:
+            item = json.loads(item)
+        except ValueError:
+            raise store.ValidationError(f"a batch item is not valid JSON: {item[:80]!r}") from None
+    if not isinstance(item, dict):
+        return item          # the store names the problem
+    item = dict(item)
+    if isinstance(item.get("model"), str):
+        item["model"] = _model_arg(item["model"])
+    return item | {"origin_name": name, "origin_version": version}
+
+
+def submit_batch(
+    tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
+        description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
+                    "(a label) that other items name in depends_on")],
+    ctx: Context,
+) -> BatchResult:
+    """Queue 1–20 tasks at once, all or nothing; returns them in the order given.
+
+    Items may depend on each other through `ref` labels (e.g. {"ref": "@lib", ...} and
+    {"depends_on": ["@lib"], ...}) as well as on existing task ids; a cycle is refused.
+    Errors (nothing is written then): more than 20 items, a bad field in any item (the message
+    names the item's index), an unknown dependency, a cycle.
+    """
+    name, version = caller_of(ctx)
+    raw = store.coerce_list("tasks", tasks)
+    if not 1 <= len(raw) <= store.BATCH_MAX:
+        raise ToolError(f"a batch holds 1 to {store.BATCH_MAX} tasks; got {len(raw)}. Split it")
+    done = store.submit_batch([_batch_item(item, name, version) for item in raw])
+    return {"tasks": [_submitted(t) for t in done], "count": len(done)}
+
+
+def get_task(task_id: TaskId) -> TaskDetail:
+    """One task in full: settings, status, caller, dependencies, notes, questions and answers,
+    its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
+    of its diff and log. Instructions beyond 20,000 characters are cut (instructions_truncated).
+    Errors: unknown or malformed id."""
+    task = store.get_task(task_id)
+    result = task.get("result") or {}
+    instructions = task["instructions"]
+    return _info(task) | {
+        "instructions": instructions[:INSTRUCTIONS_SHOWN],
+        "instructions_truncated": len(instructions) > INSTRUCTIONS_SHOWN,
+        "notes": task["notes"], "questions": task["questions"], "events": task["events"],
+        "summary": result.get("summary") if isinstance(result, dict) else None,
+        "usage": task.get("usage"),
+        "diff_bytes": len((task.get("diff") or "").encode()),
+        "log_bytes": _file_size(store.log_path(task_id)),
+    }
+
+
+def get_task_result(
+    task_id: TaskId,
+    diff_offset: Annotated[int | None, Field(ge=0, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
+    diff_max_bytes: Annotated[int | None, Field(ge=1, le=DIFF_PAGE_MAX, description="bytes of diff per page")] = 32_768,
+) -> TaskResult:
+    """A finished (or failed) task's outcome: the receipt (`result`: summary, files_touched,
+    commands, tests_run, open_questions, model, latency_sec, sandbox…), `usage` (tokens, cost_usd
+    in USD), and its diff, paged by bytes (at most 65,536 a page, never splitting a character):
+    pass diff_next_offset back as diff_offset for the next page. Long lists in the receipt are
+    cut to their last 100 items (result_truncated). Errors: unknown id, offset past the end."""
+    task = store.get_task(task_id)
+    diff = (task.get("diff") or "").encode()
+    offset = 0 if diff_offset is None else diff_offset
+    if offset > len(diff):
+        raise ToolError(f"diff_offset {offset} is past the end of the diff ({len(diff)} bytes)")
+    text, start, end = page_utf8(diff, offset, diff_max_bytes or 32_768)
+    result, cut = _cap_json(task.get("result"))
+    hint = {"done": "finished; the diff is committed on the branch",
+            "failed": "failed; `error` says why (get_task_logs shows the run)",
+            "waiting": "waiting for an answer: read `question` with get_task, reply with answer_task",
+            "cancelled": "cancelled"}.get(task["status"], f"still {task['status']}; wait_for([id]) blocks until it ends")
+    return {"id": task["id"], "title": task["title"], "status": task["status"], "error": task.get("error"),
+            "result": result, "result_truncated": cut, "usage": task.get("usage"), "diff": text,
+            "diff_offset": start, "diff_next_offset": end if end < len(diff) else None,
+            "diff_total_bytes": len(diff), "diff_truncated": start > 0 or end < len(diff),
+            "branch": task.get("branch"), "worktree_path": task.get("worktree_path"),
+            "base_commit": task.get("base_commit"), "session_id": task.get("session_id"),
+            "finished_at": task.get("finished_at"), "hint": hint}
+
+
+def get_task_logs(
+    task_id: TaskId,
+    tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
+    offset: Annotated[int | None, Field(ge=0, description="byte offset to read from instead of the tail (the next_offset of the previous call)")] = None,
+    max_bytes: Annotated[int | None, Field(ge=1, le=LOG_PAGE_MAX, description="bytes per page")] = LOG_PAGE_MAX,
+) -> LogPage:
+    """The agent's raw run log (OpenCode's JSON event stream and stderr), capped at 65,536 bytes a
+    call and never splitting a character. Without `offset`: the last `tail_lines` lines. With
+    `offset`: the bytes from there on; `next_offset` is where the next call continues (to follow a
+    running task, pass it back). `truncated`: more bytes follow (offset mode) or the tail was cut
+    by max_bytes. Errors: unknown id, offset past the end."""
+    task_id = store.statuses_of([task_id]).popitem()[0]
+    path = store.log_path(task_id)
+    page = read_log_page(path, offset, tail_lines or 200, max_bytes or LOG_PAGE_MAX)
+    return {"task_id": task_id, "path": str(path)} | page
+
+
+def _wait_met(statuses: dict[str, str], mode: str) -> bool:
+    values = list(statuses.values())
+    if any(s == "waiting" for s in values):
+        return True
+    return all(s in ATTENTION for s in values) if mode == "all" else any(s in ATTENTION for s in values)
+
+
+def _poll_sec() -> float:
+    try:
+        return min(max(float(os.environ.get("MCP_WAIT_POLL_SEC") or 0.2), 0.01), 5.0)
+    except ValueError:
+        return 0.2
+
+
+def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
+    open_ = [f"{tid} {s}" for tid, s in statuses.items() if s not in ATTENTION]
+    return f"waited {elapsed:.0f} s; still open: {', '.join(open_[:10]) or 'none'}"
+
+
+async def wait_for(
+    task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
+    ctx: Context,
+    timeout_sec: Annotated[int, Field(ge=WAIT_RANGE[0], le=WAIT_RANGE[1], description="seconds to wait at most")] = 600,
+    mode: Annotated[Literal["any", "all"], Field(description="any: return when one task needs attention; all: when every task does")] = "any",
+) -> WaitResult:
+    """Block until tasks finish — no polling on your side. Returns as soon as, in mode "any", one
+    task is done, failed, cancelled or waiting (asked a question), or in mode "all", every task is
+    finished; a task that turns `waiting` returns in both modes. Otherwise returns after
+    timeout_sec (1–3600 s) with timed_out true. Sends a progress notification every ~3 s while it
+    waits. Always returns every task's status, the ids that need attention (`ready`), the events
+    seen while waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
+    ids = _task_ids(task_ids)
+    if not 1 <= len(ids) <= WAIT_IDS_MAX:
+        raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
+    cursor = await anyio.to_thread.run_sync(store.last_event_id)
+    statuses = await anyio.to_thread.run_sync(store.statuses_of, ids)
+    started = time.monotonic()
+    deadline, next_progress, poll = started + timeout_sec, started + PROGRESS_EVERY_SEC, _poll_sec()
+    seen: list[dict[str, Any]] = []
+    timed_out = False
+    while not _wait_met(statuses, mode):
+        now = time.monotonic()
+        if now >= deadline:
+            timed_out = True
+            break
+        if now >= next_progress:
+            await ctx.report_progress(round(now - started, 1), timeout_sec, _progress_text(statuses, now - started))
+            next_progress += PROGRESS_EVERY_SEC
+        await anyio.sleep(max(0.0, min(poll, deadline - now, next_progress - now)))
+        new = await anyio.to_thread.run_sync(lambda: store.events_since(cursor, ids, 1000))
+        if new:
+            cursor, seen = new[-1]["id"], (seen + new)[-50:]
+            statuses = await anyio.to_thread.run_sync(store.statuses_of, ids)
+    tasks = await anyio.to_thread.run_sync(lambda: [store.get_task(t) for t in ids])
+    return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen)
+
+
+def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,
+                 events: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": _short(t.get("error")),
+             "question": t.get("question"), "finished_at": t.get("finished_at")} for t in tasks]
+    ready = [r["id"] for r in rows if r["status"] in ATTENTION]
+    waiting = [r["id"] for r in rows if r["status"] == "waiting"]
+    unfinished = [r["id"] for r in rows if r["status"] not in ATTENTION]
+    if waiting:
+        hint = f"{', '.join(waiting)} asked a question: answer_task(task_id, answer) lets it go on"
+    elif timed_out:
+        hint = f"timed out; {', '.join(unfinished)} still open: call wait_for again (queue_status shows the worker)"
+    else:
+        hint = "get_task_result(id) has the receipt, usage and diff of each finished task"
+    return {"met": not timed_out, "timed_out": timed_out, "mode": mode, "waited_sec": round(waited, 2),
+            "tasks": rows, "ready": ready, "waiting": waiting, "unfinished": unfinished,
+            "events": events, "hint": hint}
+
+
+def answer_task(
+    task_id: TaskId,
+    answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
+) -> TaskInfo:
+    """Answer the question of a task in status `waiting`: it goes back to pending and its next
+    attempt resumes the same OpenCode session with your answer. Errors: unknown id, empty answer,
+    the task is not waiting (add_task_note reaches a task at its next attempt instead)."""
+    return _info(store.answer_task(task_id, answer, author="planner"))
+
+
+def list_tasks(
+    status: Annotated[list[Status] | None, BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
+                      Field(description="only these statuses, e.g. [\"pending\", \"running\"]; default all")] = None,
+    origin: Annotated[OptText, Field(description="only tasks from this caller: a kind (claude, chatgpt, other) or a clientInfo name")] = None,
+    search: Annotated[OptText, Field(description="only titles containing this text (case-insensitive)")] = None,
+    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="rows per page")] = 50,
+    offset: Annotated[int | None, Field(ge=0, description="rows to skip (next_offset of the previous page)")] = 0,
+) -> TaskPage:
+    """A page of tasks (running first, then waiting, pending, finished; by priority, newest first)
+    with status, caller (origin_name/version/kind), times, error and question (cut to 300
+    characters). At most 200 rows a page: pass next_offset back as offset for the next page
+    (null at the end). Errors: an unknown status."""
+    page = store.list_tasks(status=status or None, origin=origin, search=search,
+                            limit=limit or 50, offset=offset or 0)
+    return {"tasks": [_row(t) for t in page["tasks"]], "total": page["total"],
+            "offset": page["offset"], "next_offset": page["next_offset"]}
+
+
+def queue_status() -> QueueStatus:
+    """The queue at a glance: task counts per status, how many are claimable now, the oldest
+    pending task and its age in seconds, the default model, and the worker's liveness (last
+    heartbeat age in seconds, whether its process runs, a one-line summary)."""
+    return queue_snapshot()
+
+
+def worker_heartbeat() -> WorkerState:
+    """The worker's last heartbeat: state (pass, idle, running, stopped, error), current task, pid,
+    host, age in seconds, whether that process still runs, and a summary with what to do if no
+    worker has been seen lately (restart_worker starts one)."""
+    return worker_state()
+
+
+def _run_quiet(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    # stdin from /dev/null: under stdio our stdin is the JSON-RPC pipe and must not be inherited.
+    return subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
+def _launchd_restart() -> dict[str, Any] | None:
+    launchctl = shutil.which("launchctl")
+    if not launchctl:
+        return None
+    target = f"gui/{os.getuid()}/{LAUNCHD_LABEL}"
+    if _run_quiet([launchctl, "print", target]).returncode != 0:
+        return None
+    argv = [launchctl, "kickstart", "-k", target]
+    proc = _run_quiet(argv)
+    if proc.returncode != 0:
+        raise ToolError(f"`launchctl kickstart -k {target}` failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+    return {"method": "launchctl", "command": argv, "pid": None,
+            "detail": f"kickstarted the launchd agent {LAUNCHD_LABEL} (a new pass runs now)"}
+
+
+def _systemd_restart() -> dict[str, Any] | None:
+    systemctl = shutil.which("systemctl")
+    if not systemctl or _run_quiet([systemctl, "--user", "cat", SYSTEMD_UNIT]).returncode != 0:
+        return None
+    argv = [systemctl, "--user", "restart", SYSTEMD_UNIT]
+    proc = _run_quiet(argv, timeout=60)
+    if proc.returncode != 0:
+        raise ToolError(f"`systemctl --user restart {SYSTEMD_UNIT}` failed: {(proc.stderr or proc.stdout).strip()[:300]}")
+    return {"method": "systemctl", "command": argv, "pid": None,
+            "detail": f"restarted the systemd user unit {SYSTEMD_UNIT} (a new pass runs now)"}
+
+
+def _detached_pass() -> dict[str, Any]:
+    script = REPO_DIR / "worker.py"
+    if not script.exists():
+        raise ToolError(f"no launchd agent or systemd unit is installed and {script} is missing; reinstall TaskBridge")
+    out = store.log_dir() / "worker-restart.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, str(script)]
+    with out.open("ab") as sink:
+        proc = subprocess.Popen(argv, cwd=str(REPO_DIR), stdin=subprocess.DEVNULL, stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    return {"method": "detached", "command": argv, "pid": proc.pid,
+            "detail": f"no launchd agent or systemd unit found; started one detached worker pass "
+                      f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}
+
+
+def restart_worker() -> RestartResult:
+    """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
+    when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
+    installed; otherwise it starts one detached `python worker.py` pass. Returns which it did
+    (`method`), the command and, for a detached pass, its pid. Errors: the service manager refused."""
+    return _launchd_restart() or _systemd_restart() or _detached_pass()
+
+
+def add_task_note(
+    task_id: TaskId,
+    text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
+) -> NoteResult:
+    """Add a note to a task that has not finished: it reaches the agent in its next prompt (the next
+    attempt, or the resume after a question). `delivery` says when. Errors: unknown id, empty or
+    too long text, the task already finished (submit a follow-up task instead)."""
+    return store.add_note(task_id, text, author="planner")
+
+
+def cancel_task(
+    task_id: TaskId,
+    reason: Annotated[str, Field(description="why, recorded on the task")] = "cancelled by the planner",
+) -> TaskInfo:
+    """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
+    Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
+    return _info(store.cancel_task(task_id, reason or "cancelled by the planner"))
+
+
+def _remove_worktree(path: str) -> str | None:
+    """Remove a kept worktree (its branch stays). Returns a problem description, or None."""
+    if not os.path.isdir(path):
+        return None
+    common = _run_quiet(["git", "-C", path, "rev-parse", "--path-format=absolute", "--git-common-dir"])
+    if common.returncode != 0:
+        return f"{path}: not a git worktree any more; left in place"
+    proc = _run_quiet(["git", "--git-dir", common.stdout.strip(), "worktree", "remove", "--force", path])
+    return None if proc.returncode == 0 else f"{path}: {(proc.stderr or proc.stdout).strip()[:200]}"
+
+
+def clear_finished(
+    older_than_sec: Annotated[int | None, Field(ge=0, description="only tasks finished at least this many seconds ago")] = 0,
+    statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
+                        BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
+                        Field(description="which finished statuses to remove; default all three")] = None,
+    remove_logs: Annotated[bool | None, Field(description="also delete their log files")] = False,
+    remove_worktrees: Annotated[bool | None, Field(description="also remove worktrees kept with worktree_keep (branches stay)")] = False,
+) -> ClearResult:
+    """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
+    task depends on are kept. Their logs and kept worktrees are deleted only when asked; task
+    branches always stay. Returns the removed ids. Errors: a status that is not a finished one."""
+    removed = store.clear_finished(older_than_sec or 0, statuses or store.TERMINAL)
+    logs, trees, problems = 0, [], []
+    for task in removed:
+        if remove_logs and Path(task["log"]).exists():
+            Path(task["log"]).unlink()
+            logs += 1
+        if remove_worktrees and task.get("worktree_path"):
+            problem = _remove_worktree(task["worktree_path"])
+            (problems.append(problem) if problem else trees.append(task["worktree_path"]))
+    return {"removed": [t["id"] for t in removed], "count": len(removed), "logs_removed": logs,
+            "worktrees_removed": trees, "problems": problems}
+
+
+def list_models(
+    search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
+    provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
+    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="models per page")] = 50,
+    offset: Annotated[int | None, Field(ge=0, description="models to skip")] = 0,
+    refresh: Annotated[bool | None, Field(description="ask OpenCode again instead of the one-minute cache")] = False,
+) -> ModelPage:
+    """Models OpenCode can use here (from `opencode models --verbose`): id (provider/model), name,
+    cost (USD per million tokens: input, output, cache_read, cache_write), context and output
+    limits (tokens). `resolved` is the full id when `search` is a plain model name that exactly one
+    provider offers. Errors: OpenCode not installed, unknown provider."""
+    models = known_models(store.optional(provider), bool(refresh))
+    words = (store.optional(search) or "").lower().split()
+    chosen = [m for m in models if all(w in f"{m['id']} {m['name']}".lower() for w in words)]
+    resolved = None
+    if words:
+        with contextlib.suppress(ToolError):
+            resolved = resolve_model(search or "", models)
+    start, size = offset or 0, limit or 50
+    page = chosen[start:start + size]
+    return {"models": page, "total": len(chosen), "offset": start,
+            "next_offset": start + size if start + size < len(chosen) else None,
+            "default_model": store.default_model(), "resolved": resolved}
+
+
+def set_default_model(
+    model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
+) -> DefaultModel:
+    """Set the model for tasks that name none; checked against `opencode models` and stored in the
+    queue's settings (it outlives restarts and beats WORKER_MODEL). Errors: unknown model, an
+    ambiguous plain name (the candidates are listed), OpenCode not installed."""
+    resolved = resolve_model(model, known_models())
+    previous = store.default_model()
+    store.set_setting("default_model", resolved)
+    return {"model": resolved, "previous": previous,
+            "resolved_from": model if resolved != model.strip() else None}
+
+
+def ping(ctx: Context) -> PingResult:
+    """Check the server: version, the database path and its task count, the default model, the
+    worker's state in one line, and who is calling (your clientInfo name, version and kind)."""
+    name, version = caller_of(ctx)
+    snapshot = queue_snapshot()
+    return {"ok": True, "server": SERVER_NAME, "version": VERSION, "database": snapshot["database"],
+            "tasks": snapshot["total"], "default_model": snapshot["default_model"],
+            "worker": snapshot["worker"]["summary"],
+            "caller": {"name": name, "version": version, "kind": store.caller_kind(name) if name else None},
+            "protocol_version": getattr(ctx, "protocol_version", None)}
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP: one Starlette app for /mcp, /sse, /messages/, /health, / and /api/*.
+
+
+def token_file() -> Path:
+    """The bearer token file: ``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token``."""
+    return Path(os.environ.get("MCP_TOKEN_FILE") or REPO_DIR / ".taskbridge" / "token").expanduser()
+
+
+def bearer_token() -> str | None:
+    """``$MCP_BEARER_TOKEN``, else the token file's content, else None (no token configured)."""
+    token = (os.environ.get("MCP_BEARER_TOKEN") or "").strip()
+    if token:
+        return token
+    try:
+        return token_file().read_text().strip() or None
+    except OSError:
+        return None
+
+
+def host_name(value: str) -> str:
+    """A Host header or allowlist entry reduced to its lower-case name: no scheme, path or port."""
+    name = value.strip().lower()
+    if "://" in name:
+        name = name.split("://", 1)[1]
+    name = name.split("/", 1)[0]
+    if name.startswith("["):
+        return name.split("]", 1)[0] + "]"
+    if name.count(":") > 1:            # a bare IPv6 address
+        return f"[{name}]"
+    return name.split(":", 1)[0].rstrip(".")
+
+
+def allowed_hosts() -> frozenset[str]:
+    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case)."""
+    extra = [host_name(h) for h in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(",") if h.strip()]
+    return frozenset(LOOPBACK_NAMES) | frozenset(extra)
+
+
+def transport_security(hosts: frozenset[str]) -> TransportSecuritySettings:
+    """The SDK's own Host/Origin check with the same names (bare and any port)."""
+    names = sorted(hosts)
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[h for n in names for h in (n, f"{n}:*")],
+        allowed_origins=[o for n in names for s in ("http", "https") for o in (f"{s}://{n}", f"{s}://{n}:*")],
+    )
+
+
+async def _plain(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class HostGuard:
+    """Pure ASGI: 421 for a Host outside the allowlist, on every route. Lower-cases the Host
+    header on the way in so the SDK's own (case-sensitive) check agrees."""
+
+    def __init__(self, app: Any, hosts: frozenset[str]) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = [(k, v) for k, v in scope.get("headers", [])]
+        host = next((v.decode("latin-1") for k, v in headers if k == b"host"), "")
+        if not host or host_name(host) not in self.hosts:
+            log.warning("refused a request for a Host outside the allowlist (421)")
+            return await _plain(send, 421, {"error": "this Host is not allowed; add the name to MCP_ALLOWED_HOSTS"})
+        scope = dict(scope, headers=[(k, v.lower() if k == b"host" else v) for k, v in headers])
+        await self.app(scope, receive, send)
+
+
+def _supplied_token(scope: dict) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    # Hosted connectors cannot send headers: the token may come as ?token=… (never logged).
+    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
+        if part.startswith("token="):
+            from urllib.parse import unquote
+            return unquote(part[6:])
+    return None
+
+
+def _protected(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
+
+
+class BearerGuard:
+    """Pure ASGI: /mcp, /sse, /messages, /api need the bearer token (constant-time compare);
+    401 with WWW-Authenticate otherwise. The token is never logged."""
+
+    def __init__(self, app: Any, token: str | None) -> None:
+        self.app, self.token = app, (token or "").encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.token or not _protected(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        supplied = _supplied_token(scope)
+        if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
+            return await self.app(scope, receive, send)
+        error = "invalid_token" if supplied else "invalid_request"
+        await _plain(send, 401, {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
+                                          "(MCP_BEARER_TOKEN or the .taskbridge/token file)"},
+                     [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())])
+
+
+BOARD_PLACEHOLDER = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>TaskBridge</title></head>
+<body><h1>TaskBridge</h1>
+<p>The dispatch board is coming. Meanwhile: <code>/api/status</code> and <code>/api/tasks</code>
+(with the bearer token), <code>/health</code>, and the MCP endpoints <code>/mcp</code> and <code>/sse</code>.</p>
+</body></html>
+"""
+
+
+async def board_page(request: Any) -> Any:
+    """``GET /``: the dispatch board's shell (a placeholder until the board issue)."""
+    from starlette.responses import HTMLResponse
+    return HTMLResponse(BOARD_PLACEHOLDER)
+
+
+async def health(request: Any) -> Any:
+    """``GET /health``: open, and reveals nothing private."""
+    from starlette.responses import JSONResponse
+    return JSONResponse({"ok": True, "version": VERSION})
+
+
+async def api_status(request: Any) -> Any:
+    """``GET /api/status``: what queue_status returns, plus the server version."""
+    from starlette.responses import JSONResponse
+    snapshot = await anyio.to_thread.run_sync(queue_snapshot)
+    return JSONResponse(snapshot | {"version": VERSION})
+
+
+async def api_tasks(request: Any) -> Any:
+    """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad input)."""
+    from starlette.responses import JSONResponse
+    query = request.query_params
+    try:
+        limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
+        page = await anyio.to_thread.run_sync(lambda: store.list_tasks(
+            status=query.get("status"), origin=query.get("origin"), search=query.get("search"),
+            limit=limit, offset=query.get("offset") or 0))
+    except store.TaskStoreError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    return JSONResponse(page | {"tasks": [_row(t) for t in page["tasks"]]})
+
+
+def http_routes() -> list[Any]:
+    """The non-MCP routes (the board issue extends this list)."""
+    from starlette.routing import Route
+    return [Route("/", board_page), Route("/health", health),
+            Route("/api/status", api_status), Route("/api/tasks", api_tasks)]
+
+
+def build_app(server: MCPServer | None = None) -> Any:
+    """The one Starlette app for every HTTP transport; reads the token and allowlist now.
+
+    Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    server = server or build_server()
+    hosts = allowed_hosts()
+    security = transport_security(hosts)
+    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
+    manager = server.session_manager
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        async with manager.run():
+            yield
+
+    token = bearer_token()
+    if not token:
+        log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
+    return Starlette(routes=[*streamable.routes, *sse.routes, *http_routes()], lifespan=lifespan,
+                     middleware=[Middleware(HostGuard, hosts=hosts), Middleware(BearerGuard, token=token)])
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def _is_loopback(host: str) -> bool:
+    return host_name(host) in LOOPBACK_NAMES or host.startswith("127.")
+
+
+def configure_logging(level: str) -> None:
+    """Everything to stderr: on stdio, stdout carries JSON-RPC only."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="TaskBridge MCP server (stdio by default).")
+    parser.add_argument("--transport", choices=("stdio", "streamable-http", "sse"), default="stdio",
+                        help="stdio (Claude Desktop) or HTTP; either HTTP choice serves /mcp and /sse on one port")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="stderr log level")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    if args.transport == "stdio":
+        log.info("TaskBridge MCP %s on stdio; database %s", VERSION, store.db_path())
+        build_server().run("stdio")
+        return 0
+    if not _is_loopback(args.host) and not bearer_token():
+        print(f"refusing to serve on {args.host} without a bearer token: set MCP_BEARER_TOKEN or create "
+              f"{token_file()} (install.sh does), or bind to 127.0.0.1", file=sys.stderr)
+        return 2
+    import uvicorn
+    log.info("TaskBridge MCP %s on http://%s:%d (/mcp, /sse, /health, /api); database %s",
+             VERSION, args.host, args.port, store.db_path())
+    uvicorn.run(build_app(), host=args.host, port=args.port, log_config=None, access_log=False,
+                log_level=args.log_level.lower(), timeout_graceful_shutdown=3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,662 @@
+"""The 17 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
+auto), including the bad-input list of issue 3 and the caps on huge logs, diffs and lists."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import opencode_bridge_mcp as bridge
+import task_store
+from mcp import Client
+from mcp.types import Implementation
+
+pytestmark = pytest.mark.anyio
+
+TOOLS = {
+    "submit_task", "submit_batch", "get_task", "get_task_result", "get_task_logs", "wait_for",
+    "answer_task", "list_tasks", "queue_status", "worker_heartbeat", "restart_worker",
+    "add_task_note", "cancel_task", "clear_finished", "list_models", "set_default_model", "ping",
+}
+CLAUDE = Implementation(name="claude-ai", version="0.14.2")
+
+
+@pytest.fixture(autouse=True)
+def no_token_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
+
+
+@pytest.fixture(params=["legacy", "auto"])
+def mode(request):
+    return request.param
+
+
+@pytest.fixture
+def wd(tmp_path) -> str:
+    path = tmp_path / "project"
+    path.mkdir()
+    return str(path)
+
+
+def client(mode: str = "legacy", info: Implementation = CLAUDE) -> Client:
+    return Client(bridge.build_server(), mode=mode, client_info=info)
+
+
+async def ok(c: Client, tool: str, args: dict | None = None, **kw) -> dict:
+    result = await c.call_tool(tool, args or {}, **kw)
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+async def err(c: Client, tool: str, args: dict) -> str:
+    result = await c.call_tool(tool, args)
+    assert result.is_error, f"{tool} accepted {args}: {result.structured_content}"
+    text = result.content[0].text
+    assert "Error executing tool" not in text and "Traceback" not in text, text
+    return text
+
+
+def task_args(wd: str, **over) -> dict:
+    return {"title": "Add a README", "instructions": "Write README.md", "working_dir": wd} | over
+
+
+def finish(task_id: str, status: str = "done", diff: str = "", result: dict | None = None) -> None:
+    """Play the worker: claim the task and finish its attempt."""
+    claimed = task_store.claim_next("test-worker", task_id=task_id)
+    marker = claimed["run_marker"]
+    if status == "done":
+        task_store.complete_attempt(task_id, marker, result=result or {"summary": "ok"}, diff=diff,
+                                    usage={"tokens": {"input": 10, "output": 5}, "cost_usd": 0.25})
+    elif status == "waiting":
+        task_store.pause_for_question(task_id, marker, "Which license?")
+    else:
+        task_store.fail_attempt(task_id, marker, "it broke", retryable=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing and round trips, both modes.
+
+
+async def test_lists_the_17_tools_with_docs_and_output_schemas(mode):
+    async with client(mode) as c:
+        tools = (await c.list_tools()).tools
+    assert {t.name for t in tools} == TOOLS
+    for tool in tools:
+        assert tool.description and len(tool.description) > 60, tool.name
+        assert tool.output_schema and tool.output_schema.get("type") == "object", tool.name
+    submit = next(t for t in tools if t.name == "submit_task").input_schema
+    assert submit["properties"]["title"]["type"] == "string"
+    assert set(submit["required"]) == {"title", "instructions", "working_dir"}
+    assert submit["properties"]["timeout_sec"]["anyOf"][0] == {"maximum": 86400, "minimum": 1, "type": "integer"}
+    batch = next(t for t in tools if t.name == "submit_batch").input_schema["properties"]["tasks"]
+    assert batch["maxItems"] == 20 and "working_dir" in batch["items"]["properties"]
+
+
+async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd, priority=5))
+        assert task["id"] == "t_0001" and task["status"] == "pending" and task["duplicate"] is False
+        assert (task["origin_name"], task["origin_version"], task["origin_kind"]) == ("claude-ai", "0.14.2", "claude")
+        shown = await ok(c, "get_task", {"task_id": "1"})
+        assert shown["instructions"] == "Write README.md" and shown["priority"] == 5
+        assert shown["origin_kind"] == "claude" and shown["events"][0]["kind"] == "submitted"
+        assert (await ok(c, "list_tasks", {"origin": "claude"}))["total"] == 1
+        assert (await ok(c, "list_tasks", {"origin": "chatgpt"}))["total"] == 0
+    async with client(mode, Implementation(name="openai-mcp", version="1.0.0")) as c:
+        other = await ok(c, "submit_task", task_args(wd))
+        assert other["origin_kind"] == "chatgpt"
+        ping = await ok(c, "ping")
+        assert ping["caller"] == {"name": "openai-mcp", "version": "1.0.0", "kind": "chatgpt"}
+        assert ping["tasks"] == 2 and ping["version"] == bridge.VERSION
+
+
+async def test_free_text_that_looks_like_json_or_a_number_is_stored_exactly(mode, wd):
+    texts = {"title": '{"steps":[1]}', "instructions": "12345", "idempotency_key": "[1, 2]"}
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd, **texts, agent="build"))
+        await ok(c, "add_task_note", {"task_id": task["id"], "text": "null"})
+        await ok(c, "add_task_note", {"task_id": task["id"], "text": '["a", 1]'})
+        shown = await ok(c, "get_task", {"task_id": task["id"]})
+        batch = await ok(c, "submit_batch", {"tasks": [task_args(wd, title="007", instructions="true")]})
+    stored = task_store.get_task(task["id"])
+    for key, value in texts.items():
+        assert shown[key] == value and stored[key] == value and isinstance(stored[key], str)
+    assert [n["text"] for n in stored["notes"]] == ["null", '["a", 1]']
+    assert task_store.get_task(batch["tasks"][0]["id"])["title"] == "007"
+    assert task_store.get_task(batch["tasks"][0]["id"])["instructions"] == "true"
+
+
+async def test_odd_argument_shapes_are_accepted(mode, wd):
+    async with client(mode) as c:
+        first = await ok(c, "submit_task", task_args(wd))
+        task = await ok(c, "submit_task", task_args(
+            wd, timeout_sec="600", priority="null", model="null", max_retries="2", worktree="false",
+            depends_on=json.dumps([first["id"]]), idempotency_key="null", agent="null"))
+        assert (task["timeout_sec"], task["priority"], task["model"], task["max_retries"]) == (600, 0, None, 2)
+        assert task["worktree"] is False and task["depends_on"] == ["t_0001"]
+        assert task["idempotency_key"] is None and task["agent"] is None
+        plain = await ok(c, "submit_task", task_args(wd, depends_on="t_0001, 2"))
+        assert plain["depends_on"] == ["t_0001", "t_0002"]
+        batch = await ok(c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])})
+        assert batch["tasks"][0]["timeout_sec"] == 60 and batch["tasks"][0]["priority"] == 0
+        waited = await ok(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1"})
+        assert [t["id"] for t in waited["tasks"]] == ["t_0001", "t_0002"]
+        page = await ok(c, "list_tasks", {"status": '["pending"]', "limit": "2", "offset": "null"})
+        assert page["total"] == 4 and len(page["tasks"]) == 2 and page["next_offset"] == 2
+        assert (await ok(c, "list_tasks", {"status": "pending,running"}))["total"] == 4
+
+
+async def test_idempotency_key_returns_the_first_task(mode, wd):
+    async with client(mode) as c:
+        first = await ok(c, "submit_task", task_args(wd, idempotency_key="job-7"))
+        again = await ok(c, "submit_task", task_args(wd, idempotency_key="job-7", title="other"))
+    assert again["id"] == first["id"] and again["duplicate"] is True and "idempotency_key" in again["hint"]
+    assert task_store.counts()["pending"] == 1
+
+
+async def test_batch_with_refs_inside_the_batch(mode, wd):
+    items = [task_args(wd, title="tests", ref="@t", depends_on=["@lib"]), task_args(wd, title="lib", ref="@lib")]
+    async with client(mode) as c:
+        batch = await ok(c, "submit_batch", {"tasks": items})
+    tests, lib = batch["tasks"]
+    assert batch["count"] == 2 and tests["depends_on"] == [lib["id"]]
+    assert tests["origin_kind"] == lib["origin_kind"] == "claude"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: an is_error result naming the problem, nothing half-written.
+
+BAD_SUBMITS = [
+    ({"working_dir": "relative/path"}, "is relative"),
+    ({"working_dir": "/no/such/dir/anywhere"}, "does not exist"),
+    ({"timeout_sec": 0}, "timeout_sec must be ≥ 1; got 0"),
+    ({"timeout_sec": "0"}, "timeout_sec must be ≥ 1"),
+    ({"timeout_sec": 86401}, "timeout_sec must be ≤ 86400"),
+    ({"timeout_sec": "ten minutes"}, "timeout_sec must be a whole number"),
+    ({"priority": 1.5}, "priority must be a whole number"),
+    ({"permission": "root"}, "permission must be one of"),
+    ({"title": 12345}, "title must be text"),
+    ({"title": ""}, "title must not be empty"),
+    ({"title": "x" * 201}, "the limit is 200"),
+    ({"depends_on": ["t_0042"]}, "t_0042, which does not exist"),
+    ({"depends_on": "[t_0001"}, "depends_on must be a list"),
+    ({"depends_on": {"id": 1}}, "depends_on must be a list"),
+    ({"model": "gpt"}, "not found"),  # a plain name needs `opencode models`: OPENCODE_BIN is missing
+    ({"model": "no provider/x y"}, "provider/model"),
+    ({"agent": "rm -rf"}, "OpenCode agent name"),
+    ({"worktree": "maybe"}, "worktree must be true or false"),
+]
+
+
+@pytest.mark.parametrize("over,needle", BAD_SUBMITS, ids=[n for _, n in BAD_SUBMITS])
+async def test_bad_submit_is_refused_with_a_clear_message(over, needle, wd, monkeypatch):
+    monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")
+    async with client("legacy") as c:
+        text = await err(c, "submit_task", task_args(wd, **over))
+    assert needle in text
+    assert sum(task_store.counts().values()) == 0
+
+
+async def test_bad_input_in_both_modes(mode, wd):
+    async with client(mode) as c:
+        await ok(c, "submit_task", task_args(wd))
+        cases = [
+            ("get_task", {"task_id": "t_0999"}, "t_0999 not found"),
+            ("get_task", {"task_id": "task-one"}, "use t_0001, 0001 or 1"),
+            ("get_task", {"task_id": [1]}, "must be a task id"),
+            ("get_task", {}, "task_id is required"),
+            ("get_task_result", {"task_id": 999}, "t_0999 not found"),
+            ("get_task_logs", {"task_id": "0999"}, "t_0999 not found"),
+            ("answer_task", {"task_id": 999, "answer": "yes"}, "t_0999 not found"),
+            ("answer_task", {"task_id": 1, "answer": "yes"}, "not waiting"),
+            ("answer_task", {"task_id": 1, "answer": "  "}, "answer must not be empty"),
+            ("add_task_note", {"task_id": 999, "text": "hi"}, "t_0999 not found"),
+            ("cancel_task", {"task_id": 999}, "t_0999 not found"),
+            ("wait_for", {"task_ids": ["t_0001", "t_0999"], "timeout_sec": 5}, "t_0999 not found"),
+            ("wait_for", {"task_ids": [], "timeout_sec": 5}, "1 to 100 tasks"),
+            ("wait_for", {"task_ids": ["t_0001"], "timeout_sec": 0}, "timeout_sec must be ≥ 1"),
+            ("wait_for", {"task_ids": ["t_0001"], "timeout_sec": 3601}, "timeout_sec must be ≤ 3600"),
+            ("wait_for", {"task_ids": ["t_0001"], "mode": "some"}, "mode must be one of"),
+            ("list_tasks", {"status": "finished"}, "'finished'"),
+            ("list_tasks", {"limit": 201}, "limit must be ≤ 200"),
+            ("list_tasks", {"offset": -1}, "offset must be ≥ 0"),
+            ("clear_finished", {"statuses": ["pending"]}, "statuses.0 must be one of"),
+            ("submit_batch", {"tasks": []}, "1 to 20 tasks"),
+            ("submit_batch", {"tasks": "not json"}, "tasks must be a list"),
+            ("submit_batch", {"tasks": ["not json"]}, "a task must be an object"),
+            ("nonexistent_tool", {}, "Unknown tool"),
+        ]
+        for tool, args, needle in cases:
+            assert needle in await err(c, tool, args), (tool, args)
+    assert task_store.counts()["pending"] == 1 and len(task_store.get_task(1)["notes"]) == 0
+
+
+async def test_a_batch_of_21_is_refused_and_nothing_is_written(mode, wd):
+    async with client(mode) as c:
+        text = await err(c, "submit_batch", {"tasks": [task_args(wd, title=f"t{i}") for i in range(21)]})
+    assert "1 to 20" in text and "got 21" in text
+    assert sum(task_store.counts().values()) == 0
+
+
+async def test_a_batch_with_one_bad_item_or_a_cycle_writes_nothing(mode, wd):
+    async with client(mode) as c:
+        bad_item = [task_args(wd), task_args(wd), task_args(wd, working_dir="rel")]
+        assert "task 2 of the batch" in await err(c, "submit_batch", {"tasks": bad_item})
+        cycle = [task_args(wd, ref="@a", depends_on=["@c"]), task_args(wd, ref="@b", depends_on=["@a"]),
+                 task_args(wd, ref="@c", depends_on=["@b"])]
+        assert "dependency cycle refused" in await err(c, "submit_batch", {"tasks": cycle})
+        own = [task_args(wd, ref="@a", depends_on=["@a"])]
+        assert "depends on itself" in await err(c, "submit_batch", {"tasks": own})
+    assert sum(task_store.counts().values()) == 0
+
+
+async def test_a_crash_inside_a_tool_is_logged_not_leaked(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("secret internals /etc/shadow")
+    monkeypatch.setattr(task_store, "queue_summary", broken)
+    async with client("legacy") as c:
+        text = await err(c, "queue_status", {})
+    assert "internal error (RuntimeError)" in text and "secret" not in text
+    assert "secret internals" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# wait_for.
+
+
+async def test_wait_for_any_returns_when_one_task_finishes(mode, wd):
+    async with client(mode) as c:
+        a = await ok(c, "submit_task", task_args(wd, title="a"))
+        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        timer = threading.Timer(0.5, finish, args=(b["id"],))
+        timer.start()
+        started = time.monotonic()
+        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30})
+        elapsed = time.monotonic() - started
+    timer.join()
+    assert 0.4 < elapsed < 3, elapsed
+    assert waited["met"] is True and waited["timed_out"] is False and waited["ready"] == [b["id"]]
+    assert {t["id"]: t["status"] for t in waited["tasks"]} == {a["id"]: "pending", b["id"]: "done"}
+    assert waited["unfinished"] == [a["id"]] and "get_task_result" in waited["hint"]
+    assert [e["kind"] for e in waited["events"]] == ["claimed", "done"]
+
+
+async def test_wait_for_all_waits_for_every_task(mode, wd):
+    async with client(mode) as c:
+        a = await ok(c, "submit_task", task_args(wd, title="a"))
+        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        finish(a["id"])
+        timer = threading.Timer(0.6, finish, args=(b["id"], "failed"))
+        timer.start()
+        started = time.monotonic()
+        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
+    timer.join()
+    assert time.monotonic() - started > 0.5
+    assert waited["met"] and sorted(waited["ready"]) == [a["id"], b["id"]] and waited["unfinished"] == []
+    assert [t["status"] for t in waited["tasks"]] == ["done", "failed"]
+
+
+async def test_wait_for_returns_for_a_waiting_task_even_in_all_mode(mode, wd):
+    async with client(mode) as c:
+        a = await ok(c, "submit_task", task_args(wd, title="a"))
+        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        timer = threading.Timer(0.3, finish, args=(b["id"], "waiting"))
+        timer.start()
+        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
+        timer.join()
+        assert waited["met"] and waited["waiting"] == [b["id"]] and "answer_task" in waited["hint"]
+        assert waited["tasks"][1]["question"] == "Which license?"
+        answered = await ok(c, "answer_task", {"task_id": b["id"], "answer": "MIT"})
+    assert answered["status"] == "pending" and answered["answer"] == "MIT"
+    assert task_store.get_task(b["id"])["questions"][0]["answer"] == "MIT"
+
+
+async def test_wait_for_times_out_with_every_status_and_reports_progress(mode, wd, monkeypatch):
+    monkeypatch.setattr(bridge, "PROGRESS_EVERY_SEC", 0.3)
+    progress: list[tuple] = []
+
+    async def on_progress(value, total, message):
+        progress.append((value, total, message))
+
+    async with client(mode) as c:
+        a = await ok(c, "submit_task", task_args(wd))
+        started = time.monotonic()
+        waited = await ok(c, "wait_for", {"task_ids": [a["id"]], "timeout_sec": 2}, progress_callback=on_progress)
+    assert 1.9 < time.monotonic() - started < 4
+    assert waited["timed_out"] is True and waited["met"] is False and waited["tasks"][0]["status"] == "pending"
+    assert len(progress) >= 4, progress
+    assert all(total == 2 for _, total, _ in progress)
+    assert [v for v, _, _ in progress] == sorted(v for v, _, _ in progress)
+    assert "t_0001 pending" in progress[-1][2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Results, logs, caps.
+
+
+async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mode, wd):
+    diff = "".join(f"+ línea {i}: 日本語 ✓ 🚀\n" for i in range(6000))   # ~190 KB, multibyte
+    receipt = {"summary": "wrote it", "files_touched": ["a.txt"], "commands": [{"command": f"echo {i}"} for i in range(300)]}
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd))
+        finish(task["id"], diff=diff, result=receipt)
+        pages, offset = [], 0
+        while offset is not None:
+            page = await ok(c, "get_task_result", {"task_id": task["id"], "diff_offset": offset, "diff_max_bytes": 65536})
+            assert len(page["diff"].encode()) <= 65536 and "\ufffd" not in page["diff"]
+            pages.append(page)
+            offset = page["diff_next_offset"]
+        shown = await ok(c, "get_task", {"task_id": task["id"]})
+        past = await err(c, "get_task_result", {"task_id": task["id"], "diff_offset": 10**7})
+    assert "".join(p["diff"] for p in pages) == diff and len(pages) == -(-len(diff.encode()) // 65530)
+    first = pages[0]
+    assert first["diff_total_bytes"] == len(diff.encode()) and first["diff_truncated"] is True
+    assert first["result"]["summary"] == "wrote it" and len(first["result"]["commands"]) == 100
+    assert first["result_truncated"] is True and first["usage"]["cost_usd"] == 0.25
+    assert shown["diff_bytes"] == len(diff.encode()) and shown["summary"] == "wrote it"
+    assert "past the end of the diff" in past
+
+
+def write_big_log(task_id: str) -> bytes:
+    path = task_store.log_path(task_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = "{\"type\":\"text\",\"part\":{\"text\":\"żółć 日本語 🚀 — %06d\"}}\n"
+    data = "".join(line % i for i in range(5 * 1024 * 1024 // len((line % 0).encode()) + 1)).encode()
+    path.write_bytes(data)
+    assert len(data) >= 5 * 1024 * 1024
+    return data
+
+
+async def test_a_5_mb_log_is_capped_tailed_and_paged_without_splitting_utf8(wd):
+    async with client("legacy") as c:
+        task = await ok(c, "submit_task", task_args(wd))
+        data = write_big_log(task["id"])
+        tail = await ok(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5})
+        assert tail["text"].count("\n") == 5 and tail["text"].endswith("\n")
+        assert tail["next_offset"] == tail["size"] == len(data) and tail["truncated"] is False
+        assert data[tail["offset"]:].decode() == tail["text"]
+        capped = await ok(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5000})
+        assert len(capped["text"].encode()) <= 65536 and capped["truncated"] is True
+        assert "\ufffd" not in capped["text"] and capped["text"].startswith("{")
+        mid = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": 47, "max_bytes": 1000})
+        assert "\ufffd" not in mid["text"] and mid["offset"] >= 47
+        assert data[mid["offset"]:mid["next_offset"]].decode() == mid["text"]
+        pieces, offset, calls = [], 0, 0
+        while True:
+            page = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": offset})
+            assert len(page["text"].encode()) <= 65536 and "\ufffd" not in page["text"]
+            pieces.append(page["text"])
+            offset, calls = page["next_offset"], calls + 1
+            if not page["truncated"]:
+                break
+        assert "".join(pieces).encode() == data and calls <= len(data) // 65530 + 1
+        end = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": len(data)})
+        assert end["text"] == "" and end["truncated"] is False
+        assert "past the end of the log" in await err(c, "get_task_logs", {"task_id": task["id"], "offset": len(data) + 1})
+
+
+async def test_logs_of_a_task_that_has_not_started(mode, wd):
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd))
+        page = await ok(c, "get_task_logs", {"task_id": task["id"]})
+    assert page["exists"] is False and page["text"] == "" and page["path"].endswith("t_0001.log")
+
+
+def seed(count: int, wd: str) -> None:
+    for start in range(0, count, 20):
+        task_store.submit_batch([{"title": f"task {start + i} ✓", "instructions": "x", "working_dir": wd,
+                                  "origin_name": "claude-ai"} for i in range(min(20, count - start))])
+
+
+async def test_a_5000_task_list_is_capped_and_paged(wd):
+    seed(5000, wd)
+    async with client("legacy") as c:
+        assert "limit must be ≤ 200" in await err(c, "list_tasks", {"limit": 5000})
+        seen, offset, calls = [], 0, 0
+        while offset is not None:
+            page = await ok(c, "list_tasks", {"limit": 200, "offset": offset})
+            assert len(page["tasks"]) <= 200 and page["total"] == 5000
+            seen += [t["id"] for t in page["tasks"]]
+            offset, calls = page["next_offset"], calls + 1
+        default = await ok(c, "list_tasks")
+        found = await ok(c, "list_tasks", {"search": "task 4999 ✓"})
+    assert calls == 25 and len(seen) == len(set(seen)) == 5000
+    assert len(default["tasks"]) == 50 and default["next_offset"] == 50
+    assert [t["id"] for t in found["tasks"]] == ["t_5000"]
+
+
+async def test_list_rows_cut_long_errors(mode, wd):
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd))
+        await ok(c, "cancel_task", {"task_id": task["id"], "reason": "é" * 5000})
+        row = (await ok(c, "list_tasks"))["tasks"][0]
+    assert row["status"] == "cancelled" and len(row["error"]) == bridge.ROW_TEXT_MAX
+
+
+# ---------------------------------------------------------------------------------------------
+# Notes, cancel, clear.
+
+
+async def test_notes_cancel_and_dependents(mode, wd):
+    async with client(mode) as c:
+        base = await ok(c, "submit_task", task_args(wd, title="base"))
+        child = await ok(c, "submit_task", task_args(wd, title="child", depends_on=[base["id"]]))
+        note = await ok(c, "add_task_note", {"task_id": base["id"], "text": "use tabs"})
+        assert note == {"task_id": base["id"], "status": "pending", "delivery": "next prompt"}
+        cancelled = await ok(c, "cancel_task", {"task_id": base["id"]})
+        assert cancelled["status"] == "cancelled"
+        assert (await ok(c, "get_task", {"task_id": child["id"]}))["error"] == f"dependency {base['id']} cancelled"
+        assert "already cancelled" in await err(c, "cancel_task", {"task_id": base["id"]})
+        assert "is cancelled" in await err(c, "add_task_note", {"task_id": base["id"], "text": "late"})
+
+
+async def test_clear_finished_removes_finished_tasks_and_asked_for_logs(mode, wd):
+    async with client(mode) as c:
+        done = await ok(c, "submit_task", task_args(wd, title="done"))
+        keep = await ok(c, "submit_task", task_args(wd, title="pending"))
+        finish(done["id"])
+        task_store.log_path(done["id"]).parent.mkdir(parents=True, exist_ok=True)
+        task_store.log_path(done["id"]).write_text("log\n")
+        nothing = await ok(c, "clear_finished", {"older_than_sec": 3600})
+        assert nothing["count"] == 0
+        cleared = await ok(c, "clear_finished", {"statuses": '["done"]', "remove_logs": "true"})
+        assert cleared["removed"] == [done["id"]] and cleared["logs_removed"] == 1
+        assert not task_store.log_path(done["id"]).exists()
+        assert "t_0001 not found" in await err(c, "get_task", {"task_id": done["id"]})
+        assert (await ok(c, "get_task", {"task_id": keep["id"]}))["status"] == "pending"
+
+
+async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_path):
+    from helpers import git, make_repo
+    repo = make_repo(tmp_path / "repo")
+    tree = tmp_path / "worktrees" / "t_0001"
+    git(repo, "worktree", "add", "-q", "-b", "taskbridge/t_0001", str(tree))
+    task = task_store.submit_task(title="kept", instructions="x", working_dir=str(repo))
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=str(tree), branch="taskbridge/t_0001")
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    async with client("legacy") as c:
+        cleared = await ok(c, "clear_finished", {"remove_worktrees": True})
+    assert cleared["worktrees_removed"] == [str(tree)] and cleared["problems"] == []
+    assert not tree.exists() and "taskbridge/t_0001" in git(repo, "branch", "--list")
+
+
+# ---------------------------------------------------------------------------------------------
+# Queue and worker.
+
+
+async def test_queue_status_and_worker_heartbeat(mode, wd):
+    async with client(mode) as c:
+        status = await ok(c, "queue_status")
+        assert status["worker"]["seen"] is False and "worker.py" in status["worker"]["summary"]
+        await ok(c, "submit_task", task_args(wd))
+        task_store.write_worker_heartbeat({"task": "t_0001", "state": "running"})
+        status = await ok(c, "queue_status")
+        beat = await ok(c, "worker_heartbeat")
+    assert status["counts"]["pending"] == 1 and status["total"] == 1 and status["claimable"] == 1
+    assert status["oldest_pending"] == "t_0001" and status["oldest_pending_age_sec"] >= 0
+    assert status["default_model"] == "opencode/cat-jam-free"
+    assert beat["seen"] and beat["pid"] == os.getpid() and beat["pid_running"] is True
+    assert beat["recent"] and beat["state"] == "running" and beat["task"] == "t_0001"
+    assert "t_0001" in beat["summary"] and beat["age_sec"] < 60
+
+
+def fake_bin(folder: Path, name: str, script: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+async def test_restart_worker_kickstarts_launchd_when_the_agent_is_loaded(tmp_path, monkeypatch):
+    """launchctl is a fake binary first on PATH (this is Linux); it records its arguments."""
+    calls = tmp_path / "calls"
+    fake_bin(tmp_path / "bin", "launchctl", f'echo "$@" >> {calls}\nexit 0\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    async with client("legacy") as c:
+        done = await ok(c, "restart_worker")
+    target = f"gui/{os.getuid()}/com.taskbridge.worker"
+    assert done["method"] == "launchctl" and done["command"][1:] == ["kickstart", "-k", target]
+    assert calls.read_text().splitlines() == [f"print {target}", f"kickstart -k {target}"]
+
+
+async def test_restart_worker_restarts_the_systemd_unit_when_installed(tmp_path, monkeypatch):
+    """systemctl is a fake binary first on PATH that knows the unit; no launchctl is on PATH."""
+    calls = tmp_path / "calls"
+    fake_bin(tmp_path / "bin", "systemctl", f'echo "$@" >> {calls}\nexit 0\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    async with client("auto") as c:
+        done = await ok(c, "restart_worker")
+    assert done["method"] == "systemctl" and "taskbridge-worker.service" in done["detail"]
+    assert calls.read_text().splitlines() == ["--user cat taskbridge-worker.service",
+                                              "--user restart taskbridge-worker.service"]
+
+
+async def test_restart_worker_reports_a_refusing_service_manager(tmp_path, monkeypatch):
+    """A fake systemctl whose restart fails: the tool says so instead of claiming success."""
+    fake_bin(tmp_path / "bin", "systemctl", 'case "$2" in cat) exit 0;; *) echo "Access denied" >&2; exit 1;; esac\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    async with client("legacy") as c:
+        text = await err(c, "restart_worker", {})
+    assert "systemctl --user restart" in text and "Access denied" in text
+
+
+async def test_restart_worker_starts_a_detached_pass_otherwise(tmp_path, monkeypatch):
+    """A fake systemctl that does not know the unit; the real worker.py runs one pass on the empty
+    test queue, detached, its output in the log folder (never the server's stdout)."""
+    if not (bridge.REPO_DIR / "worker.py").exists():
+        pytest.skip("worker.py is not written yet")
+    fake_bin(tmp_path / "bin", "systemctl", "exit 1\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    async with client("legacy") as c:
+        done = await ok(c, "restart_worker")
+    assert done["method"] == "detached" and done["pid"] > 0 and done["command"][-1].endswith("worker.py")
+    import psutil
+    if psutil.pid_exists(done["pid"]):
+        psutil.Process(done["pid"]).wait(timeout=60)
+    beat = task_store.read_worker_heartbeat()
+    assert beat is not None and beat["pid"] == done["pid"]     # the pass ran against this queue
+    assert (task_store.log_dir() / "worker-restart.log").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+MODELS_OUT = """opencode/cat-jam-free
+{
+  "name": "Cat Jam (free)",
+  "cost": {"input": 0, "output": 0},
+  "limit": {"context": 200000, "output": 32000}
+}
+fake/model
+{
+  "name": "Fake",
+  "cost": {"input": 1.0, "output": 2.0, "cache_read": 0.1, "cache_write": 1.25},
+  "limit": {"context": 128000, "output": 8192}
+}
+other/model
+{
+  "name": "Other",
+  "limit": {"context": 8000, "output": 1000}
+}
+"""
+
+
+@pytest.fixture
+def fake_opencode(tmp_path, monkeypatch):
+    """OPENCODE_BIN points at a fake `opencode models --verbose` (the real one is exercised in
+    the end-to-end test); an unknown provider fails as OpenCode does."""
+    (tmp_path / "models.txt").write_text(MODELS_OUT)
+    binary = fake_bin(tmp_path / "oc", "opencode",
+                      'if [ "$2" = "nope" ]; then echo "Error: Provider not found: nope" >&2; exit 1; fi\n'
+                      f'cat {tmp_path / "models.txt"}\n')
+    monkeypatch.setenv("OPENCODE_BIN", str(binary))
+    return binary
+
+
+async def test_list_models_search_paging_and_resolution(mode, fake_opencode):
+    async with client(mode) as c:
+        everything = await ok(c, "list_models")
+        assert [m["id"] for m in everything["models"]] == ["opencode/cat-jam-free", "fake/model", "other/model"]
+        fake = everything["models"][1]
+        assert fake["cost"]["output"] == 2.0 and fake["context"] == 128000 and fake["output_limit"] == 8192
+        assert (await ok(c, "list_models", {"search": "CAT jam"}))["resolved"] is None
+        found = await ok(c, "list_models", {"search": "cat-jam-free"})
+        assert found["total"] == 1 and found["resolved"] == "opencode/cat-jam-free"
+        paged = await ok(c, "list_models", {"limit": 2})
+        assert len(paged["models"]) == 2 and paged["next_offset"] == 2 and paged["total"] == 3
+        assert "Provider not found: nope" in await err(c, "list_models", {"provider": "nope"})
+
+
+async def test_set_default_model_validates_resolves_and_persists(mode, fake_opencode, wd):
+    async with client(mode) as c:
+        ambiguous = await err(c, "set_default_model", {"model": "model"})
+        assert "ambiguous" in ambiguous and "fake/model" in ambiguous and "other/model" in ambiguous
+        assert "similar: opencode/cat-jam-free" in await err(c, "set_default_model", {"model": "cat-jam"})
+        assert "not offered" in await err(c, "set_default_model", {"model": "nobody/nothing"})
+        chosen = await ok(c, "set_default_model", {"model": "cat-jam-free"})
+        assert chosen == {"model": "opencode/cat-jam-free", "previous": "opencode/cat-jam-free",
+                          "resolved_from": "cat-jam-free"}
+        chosen = await ok(c, "set_default_model", {"model": "fake/model"})
+        assert chosen["resolved_from"] is None and task_store.default_model() == "fake/model"
+        assert (await ok(c, "queue_status"))["default_model"] == "fake/model"
+        task = await ok(c, "submit_task", task_args(wd, model="cat-jam-free"))
+        assert task["model"] == "opencode/cat-jam-free"
+        assert "ambiguous" in await err(c, "submit_task", task_args(wd, model="model"))
+    assert task_store.get_setting("default_model") == "fake/model"
+
+
+async def test_list_models_without_opencode_says_how_to_fix_it(monkeypatch):
+    monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")
+    async with client("legacy") as c:
+        text = await err(c, "list_models", {})
+    assert "not found" in text and "OPENCODE_BIN" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers.
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 7, 64])
+def test_page_utf8_never_splits_a_character(limit):
+    text = "aé日🚀" * 50
+    data = text.encode()
+    for offset in range(0, len(data)):
+        page, start, end = bridge.page_utf8(data, offset, limit)
+        assert "\ufffd" not in page and start >= offset and end <= len(data)
+        assert data[start:end].decode() == page
+        assert end > start or start == len(data)
+        assert end - start <= max(limit, 4)
+
+
+def test_host_names_are_normalised():
+    assert bridge.host_name("ABC.ngrok-free.app:443") == "abc.ngrok-free.app"
+    assert bridge.host_name("https://Tunnel.example.com/mcp") == "tunnel.example.com"
+    assert bridge.host_name("[::1]:8765") == "[::1]" and bridge.host_name("::1") == "[::1]"
+    assert bridge.host_name("localhost.") == "localhost"
