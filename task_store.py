@@ -667,7 +667,11 @@ def submit_task(**fields: Any) -> dict[str, Any]:
     agent (OpenCode agent name), idempotency_key (str), origin_name / origin_version (MCP caller).
     Raises ValidationError; nothing is written then.
     """
-    return submit_batch([fields])[0]
+    try:
+        return submit_batch([fields])[0]
+    except ValidationError as exc:
+        # A single submission is not a batch: drop the "task 0 of the batch: " prefix.
+        raise ValidationError(str(exc).removeprefix("task 0 of the batch: ")) from None
 
 
 # --------------------------------------------------------------------------------------------
