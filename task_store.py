@@ -1025,7 +1025,8 @@ def stale_leases(stale_after_sec: float, slack_sec: float = 60) -> list[dict[str
 def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
     """Cancel a pending, waiting or running task (a running attempt is fenced off at once; its
     worker notices at its next lease renewal, about a second, and kills the run). Dependents fail,
-    naming it. Raises TaskNotFound or InvalidTransition (already finished)."""
+    naming it. The returned dict's ``kept`` says where the work stays (branch, a waiting task's
+    worktree) or is None. Raises TaskNotFound or InvalidTransition (already finished)."""
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _row(conn, num)
@@ -1035,9 +1036,20 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
             "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?",
             (now(), reason, num),
         )
-        _event(conn, num, "cancelled", f"was {row['status']}: {reason}"[:500])
+        kept = _kept_work(row)
+        _event(conn, num, "cancelled", f"was {row['status']}: {reason}{'; ' + kept if kept else ''}"[:500])
         _fail_dependents(conn, num, "cancelled")
-        return task_dict(_row(conn, num))
+        return task_dict(_row(conn, num)) | {"kept": kept}
+
+
+def _kept_work(row: sqlite3.Row) -> str | None:
+    """Where a cancelled task's work stays: its branch (and a waiting task's worktree)."""
+    if not row["branch"]:
+        return None
+    kept = f"branch {row['branch']} kept"
+    if row["status"] == "waiting" and row["worktree_path"]:
+        kept += f"; its uncommitted work stays in the worktree {row['worktree_path']}"
+    return kept
 
 
 def _fail_dependents(conn: sqlite3.Connection, num: int, why: str) -> None:

@@ -236,3 +236,16 @@ def test_eight_processes_claim_200_tasks_exactly_once(tmp_path):
     assert len(claimed) == 200 and len(set(claimed)) == 200
     assert not any("locked" in e for e in errors)
     assert store.counts()["done"] == 200
+
+
+def test_cancel_waiting_task_says_where_its_work_stays(tmp_path):
+    task = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0001",
+                      worktree_path="/wt/repo-t_0001")
+    store.pause_for_question(task["id"], claimed["run_marker"], "Which port?")
+    cancelled = store.cancel_task(task["id"])
+    assert cancelled["kept"] == ("branch taskbridge/t_0001 kept; its uncommitted work stays in the "
+                                 "worktree /wt/repo-t_0001")
+    assert "branch taskbridge/t_0001 kept" in store.get_task(task["id"])["events"][-1]["message"]
+    assert store.cancel_task(submit(tmp_path)["id"])["kept"] is None

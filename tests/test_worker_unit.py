@@ -176,3 +176,20 @@ def test_agent_that_stays_alive_after_its_terminal_event(tmp_path, monkeypatch):
     final = worker.run_task(claimed(tmp_path, plain), worker.Knobs())
     assert final["status"] == "done" and final["result"]["agent_exited"] is False
     assert time.monotonic() - started < 15
+
+
+def test_a_failing_banner_never_fails_anything(tmp_path, monkeypatch):
+    """notify-send cannot show a banner on this headless machine; a stand-in records the call
+    and fails the way a missing desktop session does."""
+    bins, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bins.mkdir()
+    (bins / "notify-send").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'no DBus' >&2\nexit 1\n")
+    (bins / "notify-send").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bins}:{os.environ['PATH']}")
+    monkeypatch.setattr(worker.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("WORKER_NOTIFY", "1")
+    worker.notify("TaskBridge t_0001 done", "it worked")
+    assert calls.read_text() == "TaskBridge t_0001 done it worked\n"
+    monkeypatch.setenv("WORKER_NOTIFY", "0")
+    worker.notify("silenced", "x")
+    assert "silenced" not in calls.read_text()
