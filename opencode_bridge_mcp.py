@@ -688,22 +688,35 @@ asked a question: read it with get_task, reply with answer_task. Task ids look l
 and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes; cost is USD."""
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+DESTRUCTIVE = ToolAnnotations(destructive_hint=True)
+IDEMPOTENT = ToolAnnotations(idempotent_hint=True)
+
+
+class ToolRegistry:
+    """Collects the tool functions as the module is read; no server exists until build_server()."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
+
+    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
+        def mark(fn: Any) -> Any:
+            self.entries.append((fn, annotations))
+            return fn
+        return mark
+
+
+registry = ToolRegistry()
 
 
 def build_server() -> MCPServer:
     """A fresh MCPServer with the 17 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    for tool in (submit_task, submit_batch, answer_task, add_task_note, restart_worker):
-        mcp.tool()(tool)
-    for tool in (get_task, get_task_result, get_task_logs, wait_for, list_tasks, queue_status,
-                 worker_heartbeat, list_models, ping):
-        mcp.tool(annotations=READ_ONLY)(tool)
-    mcp.tool(annotations=ToolAnnotations(destructive_hint=True))(cancel_task)
-    mcp.tool(annotations=ToolAnnotations(destructive_hint=True))(clear_finished)
-    mcp.tool(annotations=ToolAnnotations(idempotent_hint=True))(set_default_model)
+    for fn, annotations in registry.entries:
+        mcp.tool(annotations=annotations)(fn)
     return mcp
 
 
+@registry.tool()
 def submit_task(
     title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
@@ -758,6 +771,7 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     return item | {"origin_name": name, "origin_version": version}
 
 
+@registry.tool()
 def submit_batch(
     tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
         description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
@@ -779,6 +793,7 @@ def submit_batch(
     return {"tasks": [_submitted(t) for t in done], "count": len(done)}
 
 
+@registry.tool(annotations=READ_ONLY)
 def get_task(task_id: TaskId) -> TaskDetail:
     """One task in full: settings, status, caller, dependencies, notes, questions and answers,
     its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
@@ -798,6 +813,7 @@ def get_task(task_id: TaskId) -> TaskDetail:
     }
 
 
+@registry.tool(annotations=READ_ONLY)
 def get_task_result(
     task_id: TaskId,
     diff_offset: Annotated[int | None, Field(ge=0, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
@@ -828,6 +844,7 @@ def get_task_result(
             "finished_at": task.get("finished_at"), "hint": hint}
 
 
+@registry.tool(annotations=READ_ONLY)
 def get_task_logs(
     task_id: TaskId,
     tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
@@ -864,6 +881,7 @@ def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
     return f"waited {elapsed:.0f} s; still open: {', '.join(open_[:10]) or 'none'}"
 
 
+@registry.tool(annotations=READ_ONLY)
 async def wait_for(
     task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
     ctx: Context,
@@ -920,6 +938,7 @@ def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited
             "events": events, "hint": hint}
 
 
+@registry.tool()
 def answer_task(
     task_id: TaskId,
     answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
@@ -930,6 +949,7 @@ def answer_task(
     return _info(store.answer_task(task_id, answer, author="planner"))
 
 
+@registry.tool(annotations=READ_ONLY)
 def list_tasks(
     status: Annotated[list[Status] | None, BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                       Field(description="only these statuses, e.g. [\"pending\", \"running\"]; default all")] = None,
@@ -948,6 +968,7 @@ def list_tasks(
             "offset": page["offset"], "next_offset": page["next_offset"]}
 
 
+@registry.tool(annotations=READ_ONLY)
 def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model, and the worker's liveness (last
@@ -955,6 +976,7 @@ def queue_status() -> QueueStatus:
     return queue_snapshot()
 
 
+@registry.tool(annotations=READ_ONLY)
 def worker_heartbeat() -> WorkerState:
     """The worker's last heartbeat: state (pass, idle, running, stopped, error), current task, pid,
     host, age in seconds, whether that process still runs, and a summary with what to do if no
@@ -1009,6 +1031,7 @@ def _detached_pass() -> dict[str, Any]:
                       f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}
 
 
+@registry.tool()
 def restart_worker() -> RestartResult:
     """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
@@ -1017,6 +1040,7 @@ def restart_worker() -> RestartResult:
     return _launchd_restart() or _systemd_restart() or _detached_pass()
 
 
+@registry.tool()
 def add_task_note(
     task_id: TaskId,
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
@@ -1027,6 +1051,7 @@ def add_task_note(
     return store.add_note(task_id, text, author="planner")
 
 
+@registry.tool(annotations=DESTRUCTIVE)
 def cancel_task(
     task_id: TaskId,
     reason: Annotated[str, Field(description="why, recorded on the task")] = "cancelled by the planner",
@@ -1047,6 +1072,7 @@ def _remove_worktree(path: str) -> str | None:
     return None if proc.returncode == 0 else f"{path}: {(proc.stderr or proc.stdout).strip()[:200]}"
 
 
+@registry.tool(annotations=DESTRUCTIVE)
 def clear_finished(
     older_than_sec: Annotated[int | None, Field(ge=0, description="only tasks finished at least this many seconds ago")] = 0,
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
@@ -1071,6 +1097,7 @@ def clear_finished(
             "worktrees_removed": trees, "problems": problems}
 
 
+@registry.tool(annotations=READ_ONLY)
 def list_models(
     search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
     provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
@@ -1096,6 +1123,7 @@ def list_models(
             "default_model": store.default_model(), "resolved": resolved}
 
 
+@registry.tool(annotations=IDEMPOTENT)
 def set_default_model(
     model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
 ) -> DefaultModel:
@@ -1109,6 +1137,7 @@ def set_default_model(
             "resolved_from": model if resolved != model.strip() else None}
 
 
+@registry.tool(annotations=READ_ONLY)
 def ping(ctx: Context) -> PingResult:
     """Check the server: version, the database path and its task count, the default model, the
     worker's state in one line, and who is calling (your clientInfo name, version and kind)."""

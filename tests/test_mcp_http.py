@@ -1,0 +1,304 @@
+"""The HTTP side of the MCP server: streamable-http and sse live on a loopback port with the SDK
+client, progress during wait_for, a stale Mcp-Session-Id after a restart, and the security rules
+(bearer token on /mcp, /sse, /messages, /api; Host allowlist on every route; refusal to serve a
+non-loopback address without a token; the token never in a log)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import httpx2
+import pytest
+import uvicorn
+from starlette.testclient import TestClient
+
+import opencode_bridge_mcp as bridge
+import task_store
+from mcp import Client
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import Implementation
+
+TOKEN = "s3cret-token-value-for-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROTECTED = [("GET", "/api/status"), ("GET", "/api/tasks"), ("POST", "/mcp"), ("GET", "/mcp"),
+             ("GET", "/sse"), ("POST", "/messages/?session_id=0123")]
+OPEN = [("GET", "/health"), ("GET", "/")]
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                   "clientInfo": {"name": "raw-test", "version": "1"}}}
+MCP_HEADERS = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+
+@pytest.fixture(autouse=True)
+def token(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token-file"))
+    monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def wd(tmp_path) -> str:
+    (tmp_path / "project").mkdir()
+    return str(tmp_path / "project")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(port: int | None = None) -> Iterator[str]:
+    """build_app() under uvicorn in a thread on 127.0.0.1; yields the base URL."""
+    port = port or free_port()
+    config = uvicorn.Config(bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def http_client(base: str, **kw) -> Client:
+    transport = streamable_http_client(f"{base}/mcp", http_client=httpx2.AsyncClient(headers=AUTH, timeout=30))
+    return Client(transport, client_info=Implementation(name="claude-code", version="2.1.197"), **kw)
+
+
+def sse(base: str) -> Client:
+    return Client(sse_client(f"{base}/sse", headers=AUTH), mode="legacy",
+                  client_info=Implementation(name="openai-mcp", version="1.0.0"))
+
+
+def finish_later(task_id: str, delay: float) -> threading.Timer:
+    def finish() -> None:
+        claimed = task_store.claim_next("test-worker", task_id=task_id)
+        task_store.complete_attempt(task_id, claimed["run_marker"], result={"summary": "ok"})
+    timer = threading.Timer(delay, finish)
+    timer.start()
+    return timer
+
+
+# ---------------------------------------------------------------------------------------------
+# Live transports.
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_streamable_http_live(mode, wd):
+    with serving() as base:
+        async with http_client(base, mode=mode) as c:
+            assert len((await c.list_tools()).tools) == 17
+            sent = await c.call_tool("submit_task", {"title": "over http", "instructions": "x", "working_dir": wd})
+            assert not sent.is_error, sent.content[0].text
+            got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
+            ping = await c.call_tool("ping", {})
+            bad = await c.call_tool("get_task", {"task_id": "t_0404"})
+    assert got.structured_content["origin_name"] == "claude-code"
+    assert got.structured_content["origin_kind"] == "claude"
+    assert ping.structured_content["caller"]["version"] == "2.1.197"
+    assert bad.is_error and bad.content[0].text.startswith("task t_0404 not found")
+
+
+@pytest.mark.anyio
+async def test_sse_live(wd):
+    with serving() as base:
+        async with sse(base) as c:
+            assert len((await c.list_tools()).tools) == 17
+            sent = await c.call_tool("submit_task", {"title": "over sse", "instructions": "x", "working_dir": wd})
+            ping = await c.call_tool("ping", {})
+    assert sent.structured_content["origin_kind"] == "chatgpt"
+    assert ping.structured_content["caller"] == {"name": "openai-mcp", "version": "1.0.0", "kind": "chatgpt"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+async def test_progress_notifications_arrive_during_wait_for(transport, wd, monkeypatch):
+    monkeypatch.setattr(bridge, "PROGRESS_EVERY_SEC", 0.3)
+    progress: list[tuple] = []
+
+    async def on_progress(value, total, message):
+        progress.append((time.monotonic(), value, total, message))
+
+    with serving() as base:
+        async with (http_client(base, mode="legacy") if transport != "sse" else sse(base)) as c:
+            sent = await c.call_tool("submit_task", {"title": "slow", "instructions": "x", "working_dir": wd})
+            task_id = sent.structured_content["id"]
+            timer = finish_later(task_id, 1.6)
+            started = time.monotonic()
+            waited = await c.call_tool("wait_for", {"task_ids": [task_id], "timeout_sec": 60},
+                                       progress_callback=on_progress)
+            returned = time.monotonic()
+            timer.join()
+    assert not waited.is_error and waited.structured_content["met"] is True
+    assert 1.5 < returned - started < 5
+    assert len(progress) >= 3, progress
+    assert all(started < at < returned for at, *_ in progress)
+    assert progress[0][2] == 60 and f"{task_id} pending" in progress[0][3]
+
+
+@pytest.mark.anyio
+async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works(wd):
+    port = free_port()
+    with serving(port) as base:
+        async with http_client(base, mode="legacy") as c:
+            sent = await c.call_tool("submit_task", {"title": "survives", "instructions": "x", "working_dir": wd})
+        async with httpx2.AsyncClient(headers=AUTH | MCP_HEADERS) as raw:
+            first = await raw.post(f"{base}/mcp", json=INIT)
+            session = first.headers["mcp-session-id"]
+            assert first.status_code == 200 and session
+    with serving(port) as base:
+        async with httpx2.AsyncClient(headers=AUTH | MCP_HEADERS) as raw:
+            stale = await raw.post(f"{base}/mcp", headers={"mcp-session-id": session, "mcp-protocol-version": "2025-06-18"},
+                                   json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
+        assert stale.status_code == 404
+        async with http_client(base, mode="legacy") as c:
+            got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
+    assert got.structured_content["title"] == "survives"
+
+
+# ---------------------------------------------------------------------------------------------
+# Security (in-process ASGI).
+
+
+def asgi(host: str = "127.0.0.1:8765") -> TestClient:
+    return TestClient(bridge.build_app(), base_url=f"http://{host}")
+
+
+def call(client: TestClient, method: str, path: str, **kw):
+    if method == "POST":
+        kw.setdefault("json", INIT)
+        kw["headers"] = MCP_HEADERS | kw.get("headers", {})
+    return client.request(method, path, **kw)
+
+
+@pytest.mark.parametrize("method,path", PROTECTED)
+@pytest.mark.parametrize("sent", [None, "Bearer wrong-token", f"Basic {TOKEN}", f"Bearer {TOKEN}x", "Bearer "])
+def test_protected_routes_refuse_a_missing_or_wrong_token(method, path, sent):
+    headers = {"Authorization": sent} if sent else {}
+    response = call(asgi(), method, path, headers=headers)
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"].startswith('Bearer realm="taskbridge"')
+    assert "bearer token" in response.json()["error"] and TOKEN not in response.text
+
+
+@pytest.mark.parametrize("method,path", OPEN)
+def test_health_and_board_stay_open_and_health_reveals_nothing(method, path):
+    response = call(asgi(), method, path)
+    assert response.status_code == 200
+    if path == "/health":
+        assert response.json() == {"ok": True, "version": bridge.VERSION}
+    else:
+        assert "TaskBridge" in response.text and response.headers["content-type"].startswith("text/html")
+
+
+def test_api_with_the_token(wd):
+    task_store.submit_task(title="one", instructions="x", working_dir=wd, origin_name="claude-ai")
+    client = asgi()
+    status = client.get("/api/status", headers=AUTH)
+    assert status.status_code == 200 and status.json()["counts"]["pending"] == 1
+    assert status.json()["version"] == bridge.VERSION and status.json()["worker"]["seen"] is False
+    tasks = client.get("/api/tasks?limit=5&origin=claude", headers=AUTH).json()
+    assert tasks["total"] == 1 and tasks["tasks"][0]["id"] == "t_0001" and "instructions" not in tasks["tasks"][0]
+    assert client.get(f"/api/status?token={TOKEN}").status_code == 200     # connectors without headers
+    too_many = client.get("/api/tasks?limit=500", headers=AUTH)
+    assert too_many.status_code == 400 and "limit must be from 1 to 200" in too_many.json()["error"]
+    bogus = client.get("/api/tasks?status=bogus", headers=AUTH)
+    assert bogus.status_code == 400 and "'bogus'" in bogus.json()["error"]
+
+
+FOREIGN = ["evil.example.com", "evil.example.com:8765", "localhost.evil.com", "127.0.0.1.nip.io:80", "abc.ngrok-free.app"]
+
+
+@pytest.mark.parametrize("host", FOREIGN)
+@pytest.mark.parametrize("method,path", PROTECTED + OPEN)
+def test_a_foreign_host_gets_421_on_every_route(host, method, path):
+    response = call(asgi(host), method, path, headers=AUTH)
+    assert response.status_code == 421
+    assert "MCP_ALLOWED_HOSTS" in response.json()["error"]
+
+
+@pytest.mark.parametrize("host", ["abc.ngrok-free.app", "abc.ngrok-free.app:443", "ABC.Ngrok-Free.App",
+                                  "Tunnel.Example.org:8443", "localhost:9", "127.0.0.1", "[::1]:8765"])
+def test_allowed_hosts_any_port_any_case_reach_every_route(host, monkeypatch):
+    monkeypatch.setenv("MCP_ALLOWED_HOSTS", " abc.ngrok-free.app , https://tunnel.example.org ")
+    with asgi(host) as client:                   # runs the lifespan: /mcp reaches the SDK
+        assert client.get("/health").status_code == 200
+        assert client.get("/api/status", headers=AUTH).status_code == 200
+        init = call(client, "POST", "/mcp", headers=AUTH)
+        assert init.status_code == 200, init.text
+        assert "mcp-session-id" in init.headers and "taskbridge" in init.text
+
+
+def test_the_token_file_is_used_when_the_env_is_empty(tmp_path, monkeypatch):
+    monkeypatch.delenv("MCP_BEARER_TOKEN")
+    (tmp_path / "token").write_text("from-the-file\n")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "token"))
+    client = asgi()
+    assert client.get("/api/status").status_code == 401
+    assert client.get("/api/status", headers={"Authorization": "Bearer from-the-file"}).status_code == 200
+
+
+def test_without_any_token_loopback_stays_usable(monkeypatch):
+    monkeypatch.delenv("MCP_BEARER_TOKEN")
+    assert asgi().get("/api/status").status_code == 200
+    assert asgi("evil.example.com").get("/api/status").status_code == 421
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def start_cli(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(bridge.REPO_DIR / "opencode_bridge_mcp.py"), *args],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def test_refuses_a_public_address_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "MCP_BEARER_TOKEN"}
+    proc = start_cli("--transport", "streamable-http", "--host", "0.0.0.0", "--port", str(free_port()), env=env)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == b""
+    assert b"refusing to serve on 0.0.0.0 without a bearer token" in err and b"MCP_BEARER_TOKEN" in err
+
+
+@pytest.mark.parametrize("transport", ["sse", "streamable-http"])
+def test_the_cli_serves_one_port_and_never_logs_the_token(transport):
+    port = free_port()
+    proc = start_cli("--transport", transport, "--port", str(port), "--log-level", "DEBUG", env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx2.TransportError):
+                if httpx2.get(f"{base}/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.1)
+        assert httpx2.get(f"{base}/api/status?token={TOKEN}").status_code == 200
+        assert httpx2.get(f"{base}/api/status?token=wrong-{TOKEN}").status_code == 401
+        init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS, content=json.dumps(INIT))
+        assert init.status_code == 200 and "taskbridge" in init.text
+        with httpx2.stream("GET", f"{base}/sse", headers=AUTH) as stream:
+            assert stream.status_code == 200
+            assert next(stream.iter_lines()).startswith("event: endpoint")
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=30)
+    assert TOKEN.encode() not in err and TOKEN.encode() not in out
+    assert b"TaskBridge MCP" in err            # it did log, to stderr
