@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -1026,6 +1027,8 @@ def _detached_pass() -> dict[str, Any]:
     with out.open("ab") as sink:
         proc = subprocess.Popen(argv, cwd=str(REPO_DIR), stdin=subprocess.DEVNULL, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    # Reap it when it ends, so a long-lived server does not collect zombies.
+    threading.Thread(target=proc.wait, name=f"reap-worker-{proc.pid}", daemon=True).start()
     return {"method": "detached", "command": argv, "pid": proc.pid,
             "detail": f"no launchd agent or systemd unit found; started one detached worker pass "
                       f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}

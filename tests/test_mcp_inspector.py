@@ -1,0 +1,114 @@
+"""A client nobody here wrote: the MCP Inspector CLI (node_modules/.bin/mcp-inspector, pinned in
+package.json) lists the tools and calls submit_task, get_task and ping over stdio and over HTTP
+(streamable-http and sse) with the bearer token. Skipped when the binary is missing, except under
+CI=true where that is a failure. HOME points into tmp_path (the Inspector writes ~/.mcp-inspector)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2
+import pytest
+
+import opencode_bridge_mcp as bridge
+
+INSPECTOR = bridge.REPO_DIR / "node_modules" / ".bin" / "mcp-inspector"
+SCRIPT = str(bridge.REPO_DIR / "opencode_bridge_mcp.py")
+TOKEN = "inspector-token-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def inspector(tmp_path, monkeypatch):
+    if not INSPECTOR.exists():
+        message = "mcp-inspector not installed: run `npm ci` in the repo root"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
+
+
+@pytest.fixture
+def project(tmp_path) -> str:
+    (tmp_path / "project").mkdir()
+    return str(tmp_path / "project")
+
+
+def inspect(target: list[str], method: str, tool: str | None = None, args: dict | None = None,
+            extra: list[str] | None = None, is_error: bool = False) -> dict:
+    """Run the Inspector CLI; it exits 5 when a tool result has isError (expected with is_error)."""
+    argv = [str(INSPECTOR), "--cli", "-q", "--format", "json", *(extra or []), "--method", method]
+    if tool:
+        argv += ["--tool-name", tool, "--tool-args-json", json.dumps(args or {})]
+    proc = subprocess.run([*argv, *target], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL, env=dict(os.environ))
+    assert proc.returncode == (5 if is_error else 0), proc.stderr + proc.stdout
+    out = json.loads(proc.stdout)
+    return out.get("result", out)
+
+
+def exercise(target: list[str], project: str, extra: list[str] | None = None) -> None:
+    tools = inspect(target, "tools/list", extra=extra)["tools"]
+    assert len(tools) == 17 and {"submit_task", "get_task", "ping", "wait_for"} <= {t["name"] for t in tools}
+    sent = inspect(target, "tools/call", "submit_task",
+                   {"title": "12345", "instructions": '{"steps":[1]}', "working_dir": project, "timeout_sec": "600"},
+                   extra=extra)
+    assert sent["isError"] is False, sent
+    task = sent["structuredContent"]
+    assert task["title"] == "12345" and task["timeout_sec"] == 600
+    assert task["origin_name"] == "inspector-cli" and task["origin_kind"] == "other"
+    got = inspect(target, "tools/call", "get_task", {"task_id": task["id"]}, extra=extra)["structuredContent"]
+    assert got["instructions"] == '{"steps":[1]}'
+    ping = inspect(target, "tools/call", "ping", extra=extra)["structuredContent"]
+    assert ping["ok"] is True and ping["database"] == os.environ["TASK_DB_PATH"]
+    bad = inspect(target, "tools/call", "get_task", {"task_id": "t_0999"}, extra=extra, is_error=True)
+    assert bad["isError"] is True and "t_0999 not found" in bad["content"][0]["text"]
+
+
+def test_inspector_over_stdio(project):
+    env = [f"{k}={os.environ[k]}" for k in ("TASK_DB_PATH", "TASK_LOG_DIR", "MCP_TOKEN_FILE")]
+    extra = [flag for pair in env for flag in ("-e", pair)]
+    exercise(["--", sys.executable, SCRIPT, "--log-level", "DEBUG"], project, extra)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server():
+    port = free_port()
+    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN)
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--transport", "streamable-http", "--port", str(port)],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx2.TransportError):
+                if httpx2.get(f"{base}/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("path", ["/mcp", "/sse"])
+def test_inspector_over_http_with_the_token(path, project):
+    with http_server() as base:
+        exercise([f"{base}{path}"], project, ["--header", f"Authorization: Bearer {TOKEN}"])
+        refused = subprocess.run([str(INSPECTOR), "--cli", "-q", "--format", "json", "--method", "tools/list",
+                                  f"{base}{path}"], capture_output=True, text=True, timeout=120,
+                                 stdin=subprocess.DEVNULL)
+    assert refused.returncode != 0 and "17" not in refused.stdout
