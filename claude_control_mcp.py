@@ -1,0 +1,1228 @@
+"""The reverse bridge: a stdio MCP server whose six tools let an OpenCode agent ask Claude.
+
+Run it as a local MCP server (OpenCode starts it):   python claude_control_mcp.py
+Register it in OpenCode's config (idempotent):       python claude_control_mcp.py --register-opencode [--config PATH]
+
+Tools: ``claude_ask`` (answers synchronously), ``claude_submit`` / ``claude_poll`` /
+``claude_result`` / ``claude_cancel`` (background jobs, durable in the ``claude_jobs`` table of the
+TaskBridge queue), ``claude_status``.
+
+Backends: with ``ANTHROPIC_API_KEY`` set, the official ``anthropic`` SDK (it reads
+``ANTHROPIC_BASE_URL`` itself); otherwise ``claude -p --output-format json`` with stdin from
+``/dev/null`` (a prompt over ~100 KB goes on stdin instead), ``--`` before the prompt, its own
+process group and a hard timeout that kills the whole process tree.
+
+Env, read at call time:
+  ANTHROPIC_API_KEY        use the API (never logged, never returned)
+  CLAUDE_API_MODEL         API model when a call names none (default claude-opus-5-5)
+  CLAUDE_BACKEND           auto (default) | api | cli: force a backend
+  CLAUDE_BIN               the claude CLI (default: `claude` on PATH)
+  CLAUDE_CODE_MAX_RETRIES  retries on 429/5xx/529 (the CLI reads it itself; the SDK gets it too, default 2)
+  CLAUDE_STALL_SEC         seconds without a byte of the API stream before it counts as stalled (default 60)
+  CLAUDE_MAX_TOKENS        max_tokens of an API answer (default 8192)
+  CLAUDE_MAX_PARALLEL      background jobs that run at once; the rest wait queued (default 4)
+  CLAUDE_CONTROL_LOG_LEVEL log level on stderr (default WARNING)
+  TASK_DB_PATH             the queue database that holds the jobs (see task_store)
+
+Nothing but JSON-RPC is written to stdout: logs go to stderr, and every child process gets its
+own pipes (stdin from /dev/null), so it can never read or write the protocol stream.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio
+import anyio.to_thread
+import psutil
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
+from pydantic import Field
+from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
+
+import task_store
+
+log = logging.getLogger("claude_control")
+
+SERVER_NAME = "claude-control"
+SERVER_VERSION = "1.0.0"
+DEFAULT_API_MODEL = "claude-opus-5-5"
+DEFAULT_TIMEOUT_SEC = 120
+TIMEOUT_MAX_SEC = 3600
+PROMPT_MAX = 1_000_000
+SYSTEM_MAX = 100_000  # one argv string; Linux refuses single arguments over 128 KiB
+STDIN_PROMPT_BYTES = 100_000  # longer prompts go on stdin: argv strings are capped near 128 KiB
+KILL_GRACE_SEC = 1.5
+PROGRESS_EVERY_SEC = 5.0
+API_DEADLINE_SLACK_SEC = 1.0  # lets the SDK's own, more specific timeout errors win the race
+INTERRUPTED = "interrupted: the bridge server stopped before the job finished"
+NOT_LOGGED_IN = "claude CLI is not logged in: run `claude login` or set ANTHROPIC_API_KEY"
+MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-:/@\[\]]{0,119}$")
+ACTIVE = ("queued", "running")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration (read at call time).
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return max(lo, min(hi, int(raw)))
+    except ValueError:
+        log.warning("%s=%r is not a whole number; using %s", name, raw, default)
+        return default
+
+
+def api_key_present() -> bool:
+    return bool(os.environ.get("ANTHROPIC_API_KEY", "").strip())
+
+
+def api_model() -> str:
+    return os.environ.get("CLAUDE_API_MODEL", "").strip() or DEFAULT_API_MODEL
+
+
+def api_retries() -> int:
+    return _env_int("CLAUDE_CODE_MAX_RETRIES", 2, 0, 20)
+
+
+def stall_sec() -> int:
+    return _env_int("CLAUDE_STALL_SEC", 60, 1, TIMEOUT_MAX_SEC)
+
+
+def max_tokens() -> int:
+    return _env_int("CLAUDE_MAX_TOKENS", 8192, 1, 128_000)
+
+
+def max_parallel() -> int:
+    return _env_int("CLAUDE_MAX_PARALLEL", 4, 1, 64)
+
+
+def claude_bin() -> str | None:
+    """Absolute path of the claude CLI (``CLAUDE_BIN`` or ``claude`` on PATH), or None."""
+    wanted = os.environ.get("CLAUDE_BIN", "").strip() or "claude"
+    if os.sep in wanted:
+        path = Path(wanted).expanduser()
+        return str(path.absolute()) if path.is_file() and os.access(path, os.X_OK) else None
+    return shutil.which(wanted)
+
+
+def choose_backend() -> tuple[str, str]:
+    """``(backend, why)``: ``api`` or ``cli``. Raises BridgeError for a bad CLAUDE_BACKEND."""
+    forced = os.environ.get("CLAUDE_BACKEND", "").strip().lower()
+    if forced in ("api", "cli"):
+        return forced, f"CLAUDE_BACKEND={forced}"
+    if forced not in ("", "auto"):
+        raise BridgeError("config", f"CLAUDE_BACKEND must be auto, api or cli; got {forced!r}")
+    if api_key_present():
+        return "api", "ANTHROPIC_API_KEY is set, so the anthropic SDK answers"
+    return "cli", "ANTHROPIC_API_KEY is not set, so `claude -p` answers"
+
+
+# --------------------------------------------------------------------------------------------
+# Results and errors.
+
+class BridgeError(Exception):
+    """One Claude call failed. ``kind`` is a short code (auth, rate_limit, overloaded,
+    server_error, timeout, stalled, not_logged_in, no_backend, empty_answer, cli_output,
+    bad_request, connection, cancelled, config); ``str()`` is ``"kind: message"``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+class Usage(TypedDict):
+    """Tokens and cost of one answer; fields a backend does not report are null."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+    cache_creation_input_tokens: int | None
+    cache_read_input_tokens: int | None
+    cost_usd: float | None
+    duration_ms: int
+    num_turns: int | None
+    model: str | None
+    backend: str
+
+
+class Answer(TypedDict):
+    """Claude's answer: the text, the backend and model that gave it, and its usage."""
+
+    answer: str
+    backend: Literal["api", "cli"]
+    model: str | None
+    stop_reason: str | None
+    session_id: str | None
+    usage: Usage
+
+
+class JobState(TypedDict):
+    """A background job as claude_poll shows it. Times are ISO 8601 UTC; seconds are floats."""
+
+    job_id: int
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
+    backend: str
+    model: str | None
+    timeout_sec: int
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    elapsed_sec: float | None
+    answer_ready: bool
+    error: str | None
+
+
+class JobResult(TypedDict):
+    """A finished job's answer and usage."""
+
+    job_id: int
+    status: Literal["done"]
+    answer: str
+    backend: str
+    model: str | None
+    usage: Usage | None
+
+
+class CancelResult(TypedDict):
+    """What claude_cancel did: ``cancelled`` is false when the job had already finished."""
+
+    job_id: int
+    status: str
+    cancelled: bool
+    message: str
+
+
+class SubmitResult(TypedDict):
+    """A new background job: poll it with claude_poll, read it with claude_result."""
+
+    job_id: int
+    status: str
+    backend: str
+    timeout_sec: int
+
+
+class Status(TypedDict):
+    """Which backend answers and whether it can: never contains the key itself."""
+
+    backend: Literal["api", "cli"] | None
+    reason: str
+    ready: bool
+    problem: str | None
+    api_key_present: bool
+    base_url: str | None
+    model: str | None
+    claude_bin: str | None
+    claude_version: str | None
+    logged_in: bool | None
+    auth_method: str | None
+    sdk_version: str | None
+    active_jobs: int
+    server_pid: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """One question: prompt and optional system prompt (text), model name, timeout in seconds."""
+
+    prompt: str
+    system: str | None
+    model: str | None
+    timeout_sec: int
+
+
+def make_request(prompt: Any, system: Any = None, model: Any = None,
+                 timeout_sec: Any = DEFAULT_TIMEOUT_SEC) -> Request:
+    """Validate tool arguments (odd shapes such as ``"null"`` or ``"600"`` accepted).
+    Raises task_store.ValidationError with a message naming the field and the fix."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise task_store.ValidationError("prompt must be non-empty text: the question for Claude")
+    if len(prompt) > PROMPT_MAX:
+        raise task_store.ValidationError(
+            f"prompt is {len(prompt)} characters; the limit is {PROMPT_MAX}: shorten it or summarise the material")
+    system = task_store.optional(system)
+    if system is not None and (not isinstance(system, str) or len(system) > SYSTEM_MAX):
+        raise task_store.ValidationError(
+            f"system must be text of at most {SYSTEM_MAX} characters; put long material in the prompt")
+    model = task_store.optional(model)
+    if model is not None and (not isinstance(model, str) or not MODEL_RE.match(model.strip())):
+        raise task_store.ValidationError(
+            f"model must be a model name such as claude-sonnet-4-5 (or an alias such as sonnet); got {model!r}")
+    timeout = task_store.coerce_int("timeout_sec", task_store._or(timeout_sec, DEFAULT_TIMEOUT_SEC), 1,
+                                    TIMEOUT_MAX_SEC)
+    return Request(prompt, system, model.strip() if model else None, timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# Processes.
+
+def process_start(pid: int) -> float | None:
+    """The process's start time (Unix seconds), or None when it is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def same_process(pid: int | None, started: float | None) -> bool:
+    """True when ``pid`` is alive and is the process that started at ``started`` (pid reuse)."""
+    if not pid or started is None:
+        return False
+    actual = process_start(pid)
+    return actual is not None and abs(actual - started) < 1.0
+
+
+def kill_tree(pid: int, grace: float = KILL_GRACE_SEC) -> None:
+    """SIGTERM the process, its process group and every descendant, SIGKILL what is left after
+    ``grace`` seconds. A process already gone is not an error. ``pid`` must lead its own
+    process group (started with ``start_new_session=True``)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    _signal_all(pid, procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    _signal_all(pid, alive, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def _signal_all(pgid: int, procs: list[psutil.Process], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            proc.send_signal(sig)
+
+
+# --------------------------------------------------------------------------------------------
+# One call, cancellable from any thread.
+
+class Call:
+    """One question to one backend. ``run()`` blocks (call it in a worker thread) and returns an
+    Answer or raises BridgeError; ``cancel()`` from any thread ends it within seconds: the CLI's
+    process tree is killed, an SDK request is abandoned."""
+
+    def __init__(self, request: Request, backend: str, on_process: Any = None) -> None:
+        self.request = request
+        self.backend = backend
+        self.on_process = on_process  # called with (pid, start_time) once the CLI runs
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._client: Any = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def wait_cancel(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, waking at once on a cancel; True when cancelled."""
+        return self._cancel.wait(timeout)
+
+    def run(self) -> Answer:
+        if self.cancelled:
+            raise BridgeError("cancelled", "cancelled before it started")
+        return run_api(self) if self.backend == "api" else run_cli(self)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        with self._lock:
+            proc, client = self._proc, self._client
+        if proc is not None and proc.returncode is None:
+            kill_tree(proc.pid)
+        if client is not None:
+            self.close_client()
+
+    def close_client(self) -> None:
+        """Close the SDK client: an abandoned request fails soon instead of lingering."""
+        with self._lock:
+            client = self._client
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def attach_process(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._proc = proc
+        if self.on_process is not None:
+            self.on_process(proc.pid, process_start(proc.pid))
+        if self.cancelled:
+            kill_tree(proc.pid)
+
+    def attach_client(self, client: Any) -> None:
+        with self._lock:
+            self._client = client
+
+
+# --------------------------------------------------------------------------------------------
+# Backend: the claude CLI.
+
+def cli_command(binary: str, request: Request, prompt_on_stdin: bool) -> list[str]:
+    """The argv for ``claude -p``: JSON output, no tools (a pure question and answer), no saved
+    session; ``--`` ends the options so a prompt starting with ``-`` stays a prompt."""
+    argv = [binary, "-p", "--output-format", "json", "--tools", "", "--no-session-persistence"]
+    if request.model:
+        argv += ["--model", request.model]
+    if request.system:
+        argv += ["--system-prompt", request.system]
+    if not prompt_on_stdin:
+        argv += ["--", request.prompt]
+    return argv
+
+
+def run_cli(call: Call) -> Answer:
+    """Ask through ``claude -p``. Raises BridgeError (no_backend, timeout, cancelled, and every
+    error parse_cli_output finds)."""
+    binary = claude_bin()
+    if binary is None:
+        raise BridgeError("no_backend", _no_cli_message())
+    data = call.request.prompt.encode()
+    on_stdin = len(data) > STDIN_PROMPT_BYTES
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(cli_command(binary, call.request, on_stdin),
+                                stdin=subprocess.PIPE if on_stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        raise BridgeError("no_backend", f"cannot start {binary}: {exc}") from None
+    call.attach_process(proc)
+    out, err, stopped = _communicate(call, proc, data if on_stdin else None)
+    if stopped == "cancelled":
+        raise BridgeError("cancelled", "cancelled; the claude CLI process tree was killed")
+    if stopped == "timeout":
+        raise BridgeError("timeout", f"claude -p gave no answer within {call.request.timeout_sec} s (the API "
+                                     "may be slow or its stream stalled); its process tree was killed")
+    result = parse_cli_output(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), proc.returncode)
+    return _cli_answer(result, call.request, int((time.monotonic() - started) * 1000))
+
+
+def _no_cli_message() -> str:
+    wanted = os.environ.get("CLAUDE_BIN", "").strip()
+    where = f"CLAUDE_BIN={wanted} is not an executable file" if wanted else "`claude` is not on PATH"
+    return (f"ANTHROPIC_API_KEY is not set and {where}: set ANTHROPIC_API_KEY, or install the claude CLI "
+            "(npm install -g @anthropic-ai/claude-code), run `claude login`, and set CLAUDE_BIN if it is "
+            "not on PATH")
+
+
+def _communicate(call: Call, proc: subprocess.Popen, stdin_data: bytes | None) -> tuple[bytes, bytes, str | None]:
+    """Feed stdin and drain stdout/stderr in threads (``communicate()`` cannot be retried with
+    unsent input), wait for the exit, the deadline or a cancel. Returns (stdout, stderr, stop)
+    where stop is None, "timeout" or "cancelled"."""
+    pipes = _Pipes(proc, stdin_data)
+    deadline = time.monotonic() + call.request.timeout_sec
+    stop = None
+    while not _exited(proc.pid):
+        stop = "cancelled" if call.cancelled else "timeout" if time.monotonic() >= deadline else None
+        if stop:
+            kill_tree(proc.pid)
+            break
+        call.wait_cancel(0.1)
+    if stop is None:
+        _sweep_group(proc.pid)  # the CLI is a zombie here, so its group id cannot have been reused
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+    pipes.join(5)  # a descendant that escaped the group may hold a pipe open: do not wait for it forever
+    return pipes.stdout(), pipes.stderr(), "cancelled" if call.cancelled else stop
+
+
+def _exited(pid: int) -> bool:
+    """True once the child has exited, without reaping it (WNOWAIT)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped (a concurrent kill_tree waited for it)
+        return True
+
+
+class _Pipes:
+    """Threads that write the prompt to the child's stdin and collect its stdout and stderr."""
+
+    def __init__(self, proc: subprocess.Popen, stdin_data: bytes | None) -> None:
+        self._out, self._err = bytearray(), bytearray()
+        self._threads = [threading.Thread(target=self._drain, args=(proc.stdout, self._out), daemon=True),
+                         threading.Thread(target=self._drain, args=(proc.stderr, self._err), daemon=True)]
+        if stdin_data is not None:
+            self._threads.append(threading.Thread(target=self._feed, args=(proc.stdin, stdin_data), daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _drain(stream: Any, buffer: bytearray) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                buffer.extend(chunk)
+
+    @staticmethod
+    def _feed(stream: Any, data: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):  # the CLI may exit before reading it all
+            stream.write(data)
+            stream.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stdout(self) -> bytes:
+        return bytes(self._out)
+
+    def stderr(self) -> bytes:
+        return bytes(self._err)
+
+
+def _sweep_group(pgid: int) -> None:
+    # Anything the CLI left running in its group dies with the call.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def parse_cli_output(stdout: str, stderr: str, returncode: int) -> dict[str, Any]:
+    """The ``result`` event of ``claude -p --output-format json``, from any shape it prints: one
+    object, an array of events (``--verbose``), or JSON lines. Raises BridgeError for every
+    failure shape: is_error (at any exit code), an empty result, errors only, text instead of
+    JSON, truncated JSON, nothing at all."""
+    text = stdout.strip()
+    if not text:
+        raise _no_output_error(stderr, returncode)
+    parsed = _parse_json_shapes(text)
+    if parsed is None:
+        raise _plain_output_error(text, stderr, returncode)
+    result = _result_event(parsed)
+    if result is None:
+        raise BridgeError("cli_output", f"claude -p printed JSON without a result event (exit {returncode}): "
+                                        f"{_clip(text)}")
+    return _check_result(result, returncode)
+
+
+def _parse_json_shapes(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) > 1:
+        try:
+            return [json.loads(line) for line in lines]
+        except json.JSONDecodeError:
+            return None
+    return None
+
+
+def _result_event(parsed: Any) -> dict | None:
+    if isinstance(parsed, dict):
+        return parsed if parsed.get("type") == "result" or "is_error" in parsed or "result" in parsed else None
+    if isinstance(parsed, list):
+        results = [e for e in parsed if isinstance(e, dict) and e.get("type") == "result"]
+        return results[-1] if results else None
+    return None
+
+
+def _check_result(result: dict, returncode: int) -> dict:
+    answer = result.get("result")
+    message = answer if isinstance(answer, str) and answer.strip() else "; ".join(map(str, result.get("errors") or []))
+    if result.get("is_error"):
+        raise classify_cli_error(message or f"subtype {result.get('subtype')}", result.get("api_error_status"))
+    if returncode != 0:
+        raise classify_cli_error(message or f"claude -p exited {returncode}", result.get("api_error_status"),
+                                 returncode)
+    if not isinstance(answer, str):
+        why = message or f"subtype {result.get('subtype')!r}"
+        raise BridgeError("cli_output", f"claude -p returned no result ({why})")
+    if not answer.strip():
+        raise BridgeError("empty_answer", "claude -p returned an empty answer (is_error false, stop_reason "
+                                          f"{result.get('stop_reason')!r}); ask again or rephrase")
+    return result
+
+
+def classify_cli_error(message: str, status: Any = None, returncode: int | None = None) -> BridgeError:
+    """Map the CLI's error text (and ``api_error_status`` when given) to a BridgeError."""
+    lowered = message.lower()
+    if "not logged in" in lowered or "/login" in lowered:
+        return BridgeError("not_logged_in", NOT_LOGGED_IN)
+    code = status if isinstance(status, int) else _status_in_text(message)
+    kind = _kind_for_status(code) or ("auth" if "invalid api key" in lowered else None)
+    kind = kind or ("overloaded" if "overloaded" in lowered else "cli_error")
+    exit_note = f" (exit {returncode})" if returncode not in (None, 0, 1) else ""
+    return BridgeError(kind, f"claude -p: {message.strip().rstrip('.')}{exit_note}{_ADVICE.get(kind, '')}")
+
+
+_ADVICE = {
+    "auth": "; check ANTHROPIC_API_KEY or run `claude login`",
+    "rate_limit": "; wait a minute and ask again",
+    "overloaded": "; the API is overloaded, try again in a minute",
+    "server_error": "; a server-side error, usually temporary: try again",
+}
+
+
+def _status_in_text(message: str) -> int | None:
+    found = re.search(r"API Error:\D{0,30}?(\d{3})\b", message) or re.search(r"\((\d{3})\)", message)
+    return int(found.group(1)) if found else None
+
+
+def _kind_for_status(code: int | None) -> str | None:
+    if code in (401, 403):
+        return "auth"
+    if code == 429:
+        return "rate_limit"
+    if code == 529:
+        return "overloaded"
+    if code is not None and code >= 500:
+        return "server_error"
+    if code is not None and code >= 400:
+        return "bad_request"
+    return None
+
+
+def _no_output_error(stderr: str, returncode: int) -> BridgeError:
+    if "not logged in" in stderr.lower():
+        return BridgeError("not_logged_in", NOT_LOGGED_IN)
+    if returncode < 0:
+        return BridgeError("cli_output", f"claude -p was killed by {signal.Signals(-returncode).name} "
+                                         "before it printed anything")
+    return BridgeError("cli_output", f"claude -p printed nothing (exit {returncode}); stderr: "
+                                     f"{_clip(stderr) or '(empty)'}")
+
+
+def _plain_output_error(text: str, stderr: str, returncode: int) -> BridgeError:
+    if text[:1] in "{[":
+        return BridgeError("cli_output", f"claude -p printed JSON that does not parse (cut off after "
+                                         f"{len(text)} characters?), exit {returncode}: {_clip(text)}")
+    error = classify_cli_error(text, None, returncode)
+    if error.kind != "cli_error" or returncode != 0:
+        return error
+    return BridgeError("cli_output", f"claude -p printed text instead of JSON (exit 0): {_clip(text)}; is "
+                                     "CLAUDE_BIN a wrapper that drops --output-format json?")
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+def _cli_answer(result: dict, request: Request, duration_ms: int) -> Answer:
+    usage = result.get("usage") if isinstance(result.get("usage"), dict) else {}
+    models = list((result.get("modelUsage") or {}).keys())
+    model = re.sub(r"\[.*\]$", "", models[0]) if models else request.model
+    return Answer(
+        answer=result["result"], backend="cli", model=model, stop_reason=result.get("stop_reason"),
+        session_id=result.get("session_id"),
+        usage=Usage(input_tokens=usage.get("input_tokens"), output_tokens=usage.get("output_tokens"),
+                    cache_creation_input_tokens=usage.get("cache_creation_input_tokens"),
+                    cache_read_input_tokens=usage.get("cache_read_input_tokens"),
+                    cost_usd=result.get("total_cost_usd"), duration_ms=result.get("duration_ms") or duration_ms,
+                    num_turns=result.get("num_turns"), model=model, backend="cli"),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Backend: the anthropic SDK.
+
+def run_api(call: Call) -> Answer:
+    """Ask through the Messages API. The request runs in a daemon thread so a cancel or the
+    deadline returns at once (the abandoned request ends by its own read timeout). Raises
+    BridgeError."""
+    if not api_key_present():
+        raise BridgeError("no_backend", "CLAUDE_BACKEND=api but ANTHROPIC_API_KEY is not set: set it, or use "
+                                        "CLAUDE_BACKEND=cli with a logged-in claude CLI")
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["answer"] = _api_request(call)
+        except BaseException as exc:  # handed to the waiting thread, translated there
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="claude-api", daemon=True).start()
+    deadline = time.monotonic() + call.request.timeout_sec + API_DEADLINE_SLACK_SEC
+    while not done.wait(0.1):
+        if call.cancelled:
+            raise BridgeError("cancelled", "cancelled; the API request was abandoned")
+        if time.monotonic() >= deadline:
+            call.close_client()
+            raise BridgeError("timeout", f"no answer from the Anthropic API within {call.request.timeout_sec} s")
+    if "error" in box:
+        raise api_error(box["error"], call.request.timeout_sec)
+    return box["answer"]
+
+
+def _api_request(call: Call) -> Answer:
+    import anthropic
+    import httpx2
+
+    request = call.request
+    timeout = float(request.timeout_sec)
+    client = anthropic.Anthropic(
+        api_key=os.environ["ANTHROPIC_API_KEY"].strip(), max_retries=api_retries(),
+        timeout=httpx2.Timeout(min(float(stall_sec()), timeout), connect=min(10.0, timeout)))
+    call.attach_client(client)
+    model = request.model or api_model()
+    kwargs: dict[str, Any] = {"model": model, "max_tokens": max_tokens(),
+                              "messages": [{"role": "user", "content": request.prompt}]}
+    if request.system:
+        kwargs["system"] = request.system
+    started = time.monotonic()
+    try:
+        with client.messages.stream(**kwargs) as stream:
+            message = stream.get_final_message()
+    finally:
+        client.close()
+    return _api_answer(message, int((time.monotonic() - started) * 1000))
+
+
+def _api_answer(message: Any, duration_ms: int) -> Answer:
+    text = "".join(getattr(block, "text", "") for block in message.content if block.type == "text")
+    if not text.strip():
+        raise BridgeError("empty_answer", f"the API returned no text (stop_reason {message.stop_reason!r}); "
+                                          "ask again or rephrase")
+    usage = message.usage
+    return Answer(
+        answer=text, backend="api", model=message.model, stop_reason=message.stop_reason, session_id=message.id,
+        usage=Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                    cache_creation_input_tokens=getattr(usage, "cache_creation_input_tokens", None),
+                    cache_read_input_tokens=getattr(usage, "cache_read_input_tokens", None),
+                    cost_usd=None, duration_ms=duration_ms, num_turns=1, model=message.model, backend="api"),
+    )
+
+
+_API_ERROR_TYPES = {
+    "authentication_error": "auth", "permission_error": "auth", "rate_limit_error": "rate_limit",
+    "overloaded_error": "overloaded", "api_error": "server_error", "invalid_request_error": "bad_request",
+    "not_found_error": "bad_request", "request_too_large": "bad_request",
+}
+
+
+def api_error(exc: BaseException, timeout_sec: int) -> BridgeError:
+    """Translate an SDK or HTTP exception to a BridgeError with a clear message."""
+    import anthropic
+    import httpx2
+
+    if isinstance(exc, BridgeError):
+        return exc
+    if isinstance(exc, anthropic.APITimeoutError):
+        return BridgeError("timeout", f"no response from the Anthropic API within {timeout_sec} s")
+    if isinstance(exc, httpx2.TimeoutException):  # raised from inside the stream, not wrapped by the SDK
+        return BridgeError("stalled", f"the answer stream stalled: no data for {min(stall_sec(), timeout_sec)} s "
+                                      "(CLAUDE_STALL_SEC); try again")
+    if isinstance(exc, anthropic.APIStatusError):
+        return _status_error(exc)
+    if isinstance(exc, (anthropic.APIConnectionError, httpx2.TransportError)):
+        where = os.environ.get("ANTHROPIC_BASE_URL") or "https://api.anthropic.com"
+        return BridgeError("connection", f"cannot reach the Anthropic API at {where}: {exc}")
+    log.error("unexpected API failure", exc_info=exc)
+    return BridgeError("api_error", f"the Anthropic API call failed: {type(exc).__name__}: {exc}")
+
+
+def _status_error(exc: Any) -> BridgeError:
+    body = exc.body if isinstance(getattr(exc, "body", None), dict) else {}
+    error = body.get("error") if isinstance(body.get("error"), dict) else body
+    kind_name = str(error.get("type") or "")
+    detail = str(error.get("message") or exc.message)
+    status = exc.status_code
+    kind = _API_ERROR_TYPES.get(kind_name) or _kind_for_status(status) or "api_error"
+    label = f"HTTP {status} {kind_name}".strip() if status != 200 else f"stream error {kind_name}"
+    return BridgeError(kind, f"the Anthropic API answered {label}: {detail}{_ADVICE.get(kind, '')}")
+
+
+# --------------------------------------------------------------------------------------------
+# Background jobs.
+
+def server_identity() -> str:
+    """``host:pid:start`` of this process: what a job's ``owner`` column holds."""
+    me = psutil.Process()
+    return f"{socket.gethostname()}:{me.pid}:{me.create_time():.2f}"
+
+
+def owner_alive(owner: str | None) -> bool | None:
+    """Whether the server that owns a job still runs: None when it is on another host."""
+    try:
+        host, pid, started = (owner or "").rsplit(":", 2)
+        pid_n, started_f = int(pid), float(started)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return None
+    return same_process(pid_n, started_f)
+
+
+def settle_orphan(job: dict[str, Any]) -> dict[str, Any]:
+    """If ``job`` is queued/running but its server is gone, kill its CLI (pid and start time
+    checked) and mark it failed as interrupted. Returns the job as it now stands."""
+    if job["status"] not in ACTIVE or owner_alive(job.get("owner")) is not False:
+        return job
+    if same_process(job.get("pid"), job.get("pid_start")):
+        kill_tree(job["pid"])
+    log.warning("job %s: its server %s is gone; marking it failed", job["id"], job.get("owner"))
+    return task_store.finish_claude_job(job["id"], "failed", error=INTERRUPTED)
+
+
+def recover_interrupted_jobs() -> list[int]:
+    """Mark every job left queued/running by a dead server failed; returns their ids."""
+    settled = [settle_orphan(job) for job in task_store.list_claude_jobs(ACTIVE, limit=100_000)]
+    return [job["id"] for job in settled if job.get("error") == INTERRUPTED]
+
+
+class JobRunner:
+    """Runs background jobs in threads of this process (never on the event loop), at most
+    CLAUDE_MAX_PARALLEL at once; the rest wait ``queued``."""
+
+    def __init__(self) -> None:
+        self.owner = server_identity()
+        self._calls: dict[int, Call] = {}
+        self._threads: dict[int, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_parallel())
+
+    def submit(self, request: Request, backend: str) -> dict[str, Any]:
+        job = task_store.create_claude_job(request.prompt, backend, request.timeout_sec, system=request.system,
+                                           model=request.model, owner=self.owner)
+        job_id = job["id"]
+        call = Call(request, backend, on_process=lambda pid, start: task_store.start_claude_job(job_id, pid, start))
+        thread = threading.Thread(target=self._run, args=(job_id, call), name=f"claude-job-{job_id}", daemon=True)
+        with self._lock:
+            self._calls[job_id] = call
+            self._threads[job_id] = thread
+        thread.start()
+        return job
+
+    def active(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def _run(self, job_id: int, call: Call) -> None:
+        try:
+            answer = self._run_in_slot(job_id, call)
+            task_store.finish_claude_job(job_id, "done", answer=answer["answer"], usage=dict(answer["usage"]))
+        except BridgeError as exc:
+            status = "cancelled" if exc.kind == "cancelled" else "failed"
+            task_store.finish_claude_job(job_id, status, error=str(exc))
+        except Exception as exc:  # a bug must still end the job, visibly
+            log.exception("job %s crashed", job_id)
+            with contextlib.suppress(Exception):
+                task_store.finish_claude_job(job_id, "failed", error=f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._calls.pop(job_id, None)
+                self._threads.pop(job_id, None)
+
+    def _run_in_slot(self, job_id: int, call: Call) -> Answer:
+        while not self._slots.acquire(timeout=0.2):
+            if call.cancelled:
+                raise BridgeError("cancelled", "cancelled while queued")
+        try:
+            task_store.start_claude_job(job_id)
+            return call.run()
+        finally:
+            self._slots.release()
+
+    def cancel(self, job_id: int, wait_sec: float = 10.0) -> bool:
+        """Cancel a job of this process; True when it was running here."""
+        with self._lock:
+            call, thread = self._calls.get(job_id), self._threads.get(job_id)
+        if call is None:
+            return False
+        call.cancel()
+        if thread is not None:
+            thread.join(wait_sec)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop every job of this process and mark it failed as interrupted (server exit)."""
+        with self._lock:
+            calls = dict(self._calls)
+        for job_id, call in calls.items():
+            with contextlib.suppress(Exception):
+                task_store.finish_claude_job(job_id, "failed", error=INTERRUPTED)
+            call.cancel()
+
+
+def job_state(job: dict[str, Any]) -> JobState:
+    return JobState(job_id=job["id"], status=job["status"], backend=job["backend"], model=job.get("model"),
+                    timeout_sec=job["timeout_sec"], created_at=job["created_at"], started_at=job["started_at"],
+                    finished_at=job["finished_at"], elapsed_sec=_elapsed(job), answer_ready=job["status"] == "done",
+                    error=job.get("error"))
+
+
+def _elapsed(job: dict[str, Any]) -> float | None:
+    if not job.get("started_at"):
+        return None
+    start = datetime.fromisoformat(job["started_at"]).timestamp()
+    end = datetime.fromisoformat(job["finished_at"]).timestamp() if job.get("finished_at") else time.time()
+    return round(max(0.0, end - start), 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Status.
+
+_VERSION_CACHE: dict[tuple[str, float], str | None] = {}
+
+
+def cli_version(binary: str) -> str | None:
+    """``claude --version`` (cached per binary and mtime), or None when it fails."""
+    key = (binary, os.path.getmtime(binary))
+    if key not in _VERSION_CACHE:
+        out = _quick_run([binary, "--version"])
+        _VERSION_CACHE[key] = out.strip().splitlines()[0] if out and out.strip() else None
+    return _VERSION_CACHE[key]
+
+
+def cli_auth(binary: str) -> tuple[bool | None, str | None]:
+    """``(logged_in, auth_method)`` from ``claude auth status --json`` (~0.3 s); (None, None) when
+    the CLI cannot tell."""
+    out = _quick_run([binary, "auth", "status", "--json"])
+    try:
+        data = json.loads(out or "")
+    except json.JSONDecodeError:
+        return None, None
+    if not isinstance(data, dict) or "loggedIn" not in data:
+        return None, None
+    return bool(data["loggedIn"]), data.get("authMethod")
+
+
+def _quick_run(argv: list[str], timeout: float = 15) -> str | None:
+    try:
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                              start_new_session=True)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.decode("utf-8", "replace")
+
+
+def _sdk_version() -> str | None:
+    try:
+        import anthropic
+    except ImportError:
+        return None
+    return anthropic.__version__
+
+
+def status(runner: JobRunner) -> Status:
+    """What claude_status reports (runs the CLI twice when it is the backend: ~0.5 s)."""
+    binary = claude_bin()
+    info = Status(backend=None, reason="", ready=False, problem=None, api_key_present=api_key_present(),
+                  base_url=os.environ.get("ANTHROPIC_BASE_URL") or None, model=None, claude_bin=binary,
+                  claude_version=cli_version(binary) if binary else None, logged_in=None, auth_method=None,
+                  sdk_version=_sdk_version(), active_jobs=runner.active(), server_pid=os.getpid())
+    try:
+        info["backend"], info["reason"] = choose_backend()
+    except BridgeError as exc:
+        info["reason"], info["problem"] = str(exc), exc.message
+        return info
+    if info["backend"] == "api":
+        info["model"] = api_model()
+        info["ready"] = info["api_key_present"]
+        info["problem"] = None if info["ready"] else "ANTHROPIC_API_KEY is not set"
+        return info
+    return _cli_status(info, binary)
+
+
+def _cli_status(info: Status, binary: str | None) -> Status:
+    info["model"] = "the claude CLI's default (pass model to choose)"
+    if binary is None:
+        info["problem"] = _no_cli_message()
+        return info
+    info["logged_in"], info["auth_method"] = cli_auth(binary)
+    info["ready"] = info["logged_in"] is not False
+    info["problem"] = None if info["ready"] else NOT_LOGGED_IN
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# The MCP server.
+
+INSTRUCTIONS = """Ask Claude (the planner) for judgement while you work. claude_ask waits for the
+answer (up to timeout_sec); for long questions use claude_submit, then claude_poll until the status
+is done, failed or cancelled, then claude_result. claude_status says which backend answers."""
+
+Prompt = Annotated[str, Field(description="The question for Claude, as plain text (up to 1,000,000 characters).")]
+System = Annotated[str | None, Field(description="Optional system prompt (up to 100,000 characters).")]
+Model = Annotated[str | None, Field(description="Optional model name, e.g. claude-sonnet-4-5; default: "
+                                                "CLAUDE_API_MODEL for the API, the CLI's own default for claude -p.")]
+Timeout = Annotated[int, Field(ge=1, le=TIMEOUT_MAX_SEC, description="Seconds before the call is abandoned "
+                                                                     "(and the claude CLI killed); 1-3600.")]
+JobId = Annotated[int, Field(ge=1, description="A job id returned by claude_submit.")]
+
+
+def _new_call(prompt: Any, system: Any, model: Any, timeout_sec: Any) -> Call:
+    try:
+        request = make_request(prompt, system, model, timeout_sec)
+        backend, _ = choose_backend()
+    except (task_store.TaskStoreError, BridgeError) as exc:
+        raise ToolError(str(exc)) from None
+    return Call(request, backend)
+
+
+async def wait_for_call(call: Call, ctx: Context | None) -> Answer:
+    """Run ``call`` in a worker thread; report progress every few seconds; cancel the call if
+    the request is cancelled. Raises ToolError on any BridgeError."""
+    box: dict[str, Any] = {}
+
+    async def worker() -> None:
+        try:
+            box["answer"] = await anyio.to_thread.run_sync(call.run, abandon_on_cancel=True)
+        except BridgeError as exc:
+            box["error"] = exc
+        except Exception as exc:  # a bug: say so instead of "Error executing tool"
+            log.exception("claude_ask crashed")
+            box["error"] = BridgeError("internal", f"{type(exc).__name__}: {exc}")
+        group.cancel_scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(worker)
+            await _report_progress(call, ctx)
+    except anyio.get_cancelled_exc_class():
+        call.cancel()
+        raise
+    if "error" in box:
+        raise ToolError(str(box["error"]))
+    return box["answer"]
+
+
+async def _report_progress(call: Call, ctx: Context | None) -> None:
+    started = time.monotonic()
+    while True:
+        await anyio.sleep(PROGRESS_EVERY_SEC)
+        if ctx is not None:
+            elapsed = time.monotonic() - started
+            with contextlib.suppress(Exception):
+                await ctx.report_progress(elapsed, call.request.timeout_sec,
+                                          f"waiting for Claude ({elapsed:.0f} s of {call.request.timeout_sec} s)")
+
+
+def _get_job(job_id: Any) -> dict[str, Any]:
+    try:
+        return settle_orphan(task_store.get_claude_job(job_id))
+    except task_store.TaskStoreError as exc:
+        raise ToolError(str(exc)) from None
+
+
+def build_server(runner: JobRunner | None = None) -> MCPServer:
+    """The MCP server with its six tools; ``runner`` holds this process's background jobs."""
+    runner = runner or JobRunner()
+    mcp = MCPServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
+    read_only = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+
+    @mcp.tool()
+    async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
+                         timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC, ctx: Context | None = None) -> Answer:
+        """Ask Claude and wait for the answer (at most timeout_sec seconds, default 120).
+
+        Returns {answer, backend: "api"|"cli", model, stop_reason, session_id, usage: {input_tokens,
+        output_tokens, cache_*_input_tokens, cost_usd (claude -p only), duration_ms, num_turns, model,
+        backend}}. Errors (as tool errors, text "kind: message"): auth (401/403), rate_limit (429),
+        overloaded (529), server_error (5xx), timeout, stalled, not_logged_in, no_backend,
+        empty_answer, cli_output (odd claude -p output), bad_request, connection.
+        """
+        return await wait_for_call(_new_call(prompt, system, model, timeout_sec), ctx)
+
+    @mcp.tool()
+    def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
+                      timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC) -> SubmitResult:
+        """Start a background question to Claude and return at once with its job id.
+
+        Returns {job_id, status: "queued"|"running", backend, timeout_sec}. The job is stored in
+        the queue database and survives as a record: poll it with claude_poll(job_id), read the
+        answer with claude_result(job_id), stop it with claude_cancel(job_id). The timeout counts
+        from when the job starts running. Errors: invalid arguments, no backend configured.
+        """
+        call = _new_call(prompt, system, model, timeout_sec)
+        job = runner.submit(call.request, call.backend)
+        return SubmitResult(job_id=job["id"], status=job["status"], backend=job["backend"],
+                            timeout_sec=job["timeout_sec"])
+
+    @mcp.tool(annotations=read_only)
+    def claude_poll(job_id: JobId) -> JobState:
+        """The state of a background job: {job_id, status: queued|running|done|failed|cancelled,
+        backend, model, timeout_sec, created_at/started_at/finished_at (ISO 8601 UTC), elapsed_sec,
+        answer_ready, error}. Poll every few seconds until status is done, failed or cancelled.
+        A job whose server stopped shows failed with error "interrupted: ...". Errors: unknown id.
+        """
+        return job_state(_get_job(job_id))
+
+    @mcp.tool(annotations=read_only)
+    def claude_result(job_id: JobId) -> JobResult:
+        """The answer of a finished job: {job_id, status: "done", answer, backend, model, usage}.
+
+        Errors: the job is still queued/running (poll again), it failed (the error says why, e.g.
+        "overloaded: ..."), it was cancelled, or the id is unknown.
+        """
+        job = _get_job(job_id)
+        if job["status"] in ACTIVE:
+            raise ToolError(f"job {job['id']} is still {job['status']} ({_elapsed(job) or 0:.0f} s so far); "
+                            "call claude_poll until its status is done")
+        if job["status"] != "done":
+            raise ToolError(f"job {job['id']} {job['status']}: {job.get('error') or 'no reason recorded'}")
+        usage = job.get("usage") or None
+        return JobResult(job_id=job["id"], status="done", answer=job["answer"] or "", backend=job["backend"],
+                         model=(usage or {}).get("model") or job.get("model"), usage=usage)
+
+    @mcp.tool(annotations=ToolAnnotations(idempotent_hint=True, destructive_hint=True))
+    def claude_cancel(job_id: JobId) -> CancelResult:
+        """Cancel a background job: the claude CLI's process tree is killed within seconds (an API
+        request is abandoned) and the job is marked cancelled.
+
+        Returns {job_id, status, cancelled, message}; cancelled is false when the job had already
+        finished (its status is left as it was). Errors: unknown id.
+        """
+        return _cancel(runner, _get_job(job_id))
+
+    @mcp.tool(annotations=read_only)
+    def claude_status() -> Status:
+        """Which backend answers and why, and whether it can: {backend: "api"|"cli", reason, ready,
+        problem, api_key_present (never the key), base_url, model, claude_bin, claude_version,
+        logged_in (from `claude auth status`; null when unknown), auth_method, sdk_version,
+        active_jobs (running in this server), server_pid}."""
+        return status(runner)
+
+    return mcp
+
+
+def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
+    job_id = job["id"]
+    if job["status"] not in ACTIVE:
+        return CancelResult(job_id=job_id, status=job["status"], cancelled=False,
+                            message=f"job {job_id} had already finished ({job['status']}); nothing to cancel")
+    if not runner.cancel(job_id) and same_process(job.get("pid"), job.get("pid_start")):
+        kill_tree(job["pid"])  # a job of another live bridge server on this machine
+    job = task_store.finish_claude_job(job_id, "cancelled", error="cancelled by claude_cancel")
+    return CancelResult(job_id=job_id, status=job["status"], cancelled=job["status"] == "cancelled",
+                        message=f"job {job_id} is {job['status']}")
+
+
+# --------------------------------------------------------------------------------------------
+# Registration in OpenCode's config.
+
+def opencode_config_path() -> Path:
+    """``$XDG_CONFIG_HOME/opencode/opencode.json`` (XDG default ``~/.config``)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "opencode" / "opencode.json"
+
+
+def opencode_entry() -> dict[str, Any]:
+    """This server as an OpenCode local MCP server (absolute interpreter and script paths)."""
+    return {"type": "local", "command": [str(Path(sys.executable).absolute()), str(Path(__file__).resolve())],
+            "enabled": True}
+
+
+def register_opencode(path: Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """Merge ``{"mcp": {"claude-control": ...}}`` into OpenCode's config, keeping every other key;
+    idempotent. Returns (path, the mcp block). Raises ValueError for a config that is not a JSON
+    object (for example one with comments)."""
+    path = path or opencode_config_path()
+    config = _read_config(path)
+    servers = config.setdefault("mcp", {})
+    if not isinstance(servers, dict):
+        raise ValueError(f"{path}: \"mcp\" is not an object; fix it by hand, then run this again")
+    servers[SERVER_NAME] = opencode_entry()
+    config.setdefault("$schema", "https://opencode.ai/config.json")
+    _write_atomic(path, json.dumps(config, indent=2) + "\n")
+    return path, {"mcp": {SERVER_NAME: servers[SERVER_NAME]}}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text() or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not plain JSON ({exc}); if it has comments, add the block printed by "
+                         "--print-opencode-config by hand") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} does not hold a JSON object; fix it by hand, then run this again")
+    return config
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".opencode.", suffix=".json")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point.
+
+def serve() -> None:
+    """Serve MCP over stdio until stdin closes or SIGTERM; jobs in flight end as interrupted."""
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("CLAUDE_CONTROL_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s claude-control %(levelname)s %(message)s")
+    recovered = recover_interrupted_jobs()
+    if recovered:
+        log.warning("marked %d interrupted job(s) failed: %s", len(recovered), recovered)
+    runner = JobRunner()
+    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_soon(runner, 128 + signum))
+    try:
+        build_server(runner).run("stdio")
+    finally:
+        runner.shutdown()
+
+
+def _stop_soon(runner: JobRunner, code: int) -> None:
+    # A signal handler must not do the work itself (it may interrupt a thread holding a lock it
+    # needs), and unwinding the event loop would wait forever on the thread blocked reading stdin:
+    # so a helper thread marks the jobs interrupted, kills their CLIs and ends the process.
+    def stop() -> None:
+        runner.shutdown()
+        os._exit(code)
+
+    threading.Thread(target=stop, name="sigterm", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The reverse bridge: MCP tools with which OpenCode asks Claude. "
+                                                 "Without options it serves MCP on stdio.")
+    parser.add_argument("--register-opencode", action="store_true",
+                        help="add this server to OpenCode's config as a local MCP server (idempotent)")
+    parser.add_argument("--print-opencode-config", action="store_true",
+                        help="print the OpenCode config block without writing anything")
+    parser.add_argument("--config", type=Path, help="OpenCode config file to edit (default: "
+                                                     "$XDG_CONFIG_HOME/opencode/opencode.json)")
+    args = parser.parse_args(argv)
+    if args.print_opencode_config:
+        print(json.dumps({"mcp": {SERVER_NAME: opencode_entry()}}, indent=2))
+        return 0
+    if args.register_opencode:
+        return _register(args.config)
+    serve()
+    return 0
+
+
+def _register(path: Path | None) -> int:
+    try:
+        written, block = register_opencode(path)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"registered {SERVER_NAME} in {written}:")
+    print(json.dumps(block, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
