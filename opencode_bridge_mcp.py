@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 import anyio
 import pydantic
@@ -603,10 +604,12 @@ def worker_state() -> dict[str, Any]:
     age = beat.get("age_sec")
     recent = age is not None and age <= WORKER_RECENT_SEC
     state = beat.get("state")
-    summary = f"worker pid {beat.get('pid')} reported {state or 'in'} {age:.0f} s ago"
+    summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
     if beat.get("task"):
-        summary += f" (task {beat['task']})"
+        summary += f", task {beat['task']}"
     summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
+    if running is False and state == "pass":
+        summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if not recent:
         summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
     return {"seen": True, "state": state, "task": beat.get("task"), "pid": beat.get("pid"),
@@ -886,8 +889,8 @@ def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
 async def wait_for(
     task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
     ctx: Context,
-    timeout_sec: Annotated[int, Field(ge=WAIT_RANGE[0], le=WAIT_RANGE[1], description="seconds to wait at most")] = 600,
-    mode: Annotated[Literal["any", "all"], Field(description="any: return when one task needs attention; all: when every task does")] = "any",
+    timeout_sec: Annotated[int | None, Field(ge=WAIT_RANGE[0], le=WAIT_RANGE[1], description="seconds to wait at most")] = 600,
+    mode: Annotated[Literal["any", "all"] | None, Field(description="any: return when one task needs attention; all: when every task does")] = "any",
 ) -> WaitResult:
     """Block until tasks finish — no polling on your side. Returns as soon as, in mode "any", one
     task is done, failed, cancelled or waiting (asked a question), or in mode "all", every task is
@@ -896,6 +899,7 @@ async def wait_for(
     waits. Always returns every task's status, the ids that need attention (`ready`), the events
     seen while waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
     ids = _task_ids(task_ids)
+    timeout_sec, mode = timeout_sec or 600, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
     cursor = await anyio.to_thread.run_sync(store.last_event_id)
@@ -1057,7 +1061,7 @@ def add_task_note(
 @registry.tool(annotations=DESTRUCTIVE)
 def cancel_task(
     task_id: TaskId,
-    reason: Annotated[str, Field(description="why, recorded on the task")] = "cancelled by the planner",
+    reason: Annotated[OptText, Field(description="why, recorded on the task")] = "cancelled by the planner",
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
@@ -1237,7 +1241,6 @@ def _supplied_token(scope: dict) -> str | None:
     # Hosted connectors cannot send headers: the token may come as ?token=… (never logged).
     for part in scope.get("query_string", b"").decode("latin-1").split("&"):
         if part.startswith("token="):
-            from urllib.parse import unquote
             return unquote(part[6:])
     return None
 
@@ -1259,6 +1262,8 @@ class BearerGuard:
         supplied = _supplied_token(scope)
         if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
             return await self.app(scope, receive, send)
+        log.info("refused %s %s: %s bearer token (401)", scope.get("method"), scope.get("path"),
+                 "wrong" if supplied else "no")
         error = "invalid_token" if supplied else "invalid_request"
         await _plain(send, 401, {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
                                           "(MCP_BEARER_TOKEN or the .taskbridge/token file)"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -24,9 +25,20 @@ RECEIPT = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"
 
 
 def worker_pass() -> subprocess.Popen:
-    """One worker pass in the background, as launchd would start it."""
-    return subprocess.Popen([sys.executable, str(bridge.REPO_DIR / "worker.py")], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    """One worker pass in the background, as launchd would start it (output to a temp file, so a
+    chatty pass can never block on a full pipe while the test sits in wait_for)."""
+    sink = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, str(bridge.REPO_DIR / "worker.py")], stdin=subprocess.DEVNULL,
+                            stdout=sink, stderr=subprocess.STDOUT)
+    proc.sink = sink
+    return proc
+
+
+def finished(proc: subprocess.Popen) -> str:
+    """Wait for a worker pass; returns its output."""
+    proc.wait(timeout=120)
+    proc.sink.seek(0)
+    return proc.sink.read().decode(errors="replace")
 
 
 def client() -> Client:
@@ -60,7 +72,7 @@ async def test_submit_over_mcp_worker_pass_wait_for_and_result(opencode, tmp_pat
         waited = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300},
                             progress_callback=on_progress)
         woke = time.monotonic()
-        output = worker.communicate(timeout=120)[0].decode(errors="replace")
+        output = finished(worker)
         result = await call(c, "get_task_result", {"task_id": task["id"]})
         logs = await call(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 3})
         shown = await call(c, "get_task", {"task_id": task["id"]})
@@ -93,13 +105,13 @@ async def test_a_question_over_mcp_is_answered_and_the_task_resumes(opencode, tm
                                              "instructions": "Create hello.txt. SCRIPT:ask"})
         first = worker_pass()
         waited = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300, "mode": "all"})
-        first.communicate(timeout=120)
+        finished(first)
         assert waited["waiting"] == [task["id"]], waited
         assert "Which greeting" in waited["tasks"][0]["question"]
         await call(c, "answer_task", {"task_id": task["id"], "answer": "bonjour"})
         second = worker_pass()
         done = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300})
-        second.communicate(timeout=120)
+        finished(second)
         result = await call(c, "get_task_result", {"task_id": task["id"]})
     assert done["tasks"][0]["status"] == "done", done
     assert "bonjour" in result["diff"] and result["result"]["questions"][0]["answer"] == "bonjour"

@@ -144,7 +144,7 @@ async def test_odd_argument_shapes_are_accepted(mode, wd):
         assert plain["depends_on"] == ["t_0001", "t_0002"]
         batch = await ok(c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])})
         assert batch["tasks"][0]["timeout_sec"] == 60 and batch["tasks"][0]["priority"] == 0
-        waited = await ok(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1"})
+        waited = await ok(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1", "mode": "null"})
         assert [t["id"] for t in waited["tasks"]] == ["t_0001", "t_0002"]
         page = await ok(c, "list_tasks", {"status": '["pending"]', "limit": "2", "offset": "null"})
         assert page["total"] == 4 and len(page["tasks"]) == 2 and page["next_offset"] == 2
