@@ -22,6 +22,7 @@ def isolated_queue(tmp_path, monkeypatch):
     monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
     monkeypatch.setenv("WORKER_NOTIFY", "0")
     monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token-file"))
     monkeypatch.delenv("MCP_ALLOWED_HOSTS", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("WORKER_MODEL", raising=False)
