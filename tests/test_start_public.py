@@ -1,0 +1,81 @@
+"""start_public.sh: the tunnel's host is learnt and admitted, everything else keeps its guard.
+No tunnel can run offline here, so a stand-in `cloudflared` prints a quick-tunnel URL the way
+the real one does and then waits; the server it fronts is the real one."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from helpers import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(port: int, path: str, host: str, token: str | None = None) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Host": host})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture
+def fake_tunnel(tmp_path):
+    tunnel = tmp_path / "cloudflared"
+    tunnel.write_text("#!/bin/sh\necho 'INF |  https://quiet-river-42.trycloudflare.com  |' >&2\n"
+                      "exec sleep 300\n")
+    tunnel.chmod(0o755)
+    return tunnel
+
+
+def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):
+    if not (ROOT / ".venv" / "bin" / "python").exists():
+        pytest.skip("needs ./install.sh (the script runs .venv/bin/python)")
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), TUNNEL_BIN=str(fake_tunnel), MCP_BEARER_TOKEN="s3cret-token")
+    proc = subprocess.Popen(["bash", str(ROOT / "start_public.sh")], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if get(port, "/health", "127.0.0.1") == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        tunnel_host = "quiet-river-42.trycloudflare.com"
+        assert get(port, "/health", tunnel_host) == 200
+        assert get(port, "/health", tunnel_host.upper() + ":443") == 200
+        assert get(port, "/health", "evil.example.com") == 421
+        assert get(port, "/api/status", tunnel_host) == 401
+        assert get(port, "/api/status", tunnel_host, token="wrong") == 401
+        assert get(port, "/api/status", tunnel_host, token="s3cret-token") == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert f"https://{tunnel_host}/mcp" in err
+    assert "s3cret-token" not in err
+
+
+def test_public_start_without_a_tunnel_says_what_to_do(tmp_path):
+    env = dict(os.environ, PATH="/usr/bin:/bin", MCP_BEARER_TOKEN="x")
+    env.pop("TUNNEL_BIN", None)
+    result = subprocess.run(["bash", str(ROOT / "start_public.sh")], env=env, capture_output=True,
+                            text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert "no tunnel binary" in result.stderr and "cloudflared" in result.stderr
