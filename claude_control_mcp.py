@@ -137,6 +137,16 @@ def choose_backend() -> tuple[str, str]:
     return "cli", "ANTHROPIC_API_KEY is not set, so `claude -p` answers"
 
 
+def check_backend(backend: str) -> None:
+    """Raise BridgeError("no_backend") when ``backend`` cannot run at all (no key, no binary), so
+    a submit fails at once instead of leaving a job that fails later."""
+    if backend == "api" and not api_key_present():
+        raise BridgeError("no_backend", "CLAUDE_BACKEND=api but ANTHROPIC_API_KEY is not set: set it, or use "
+                                        "CLAUDE_BACKEND=cli with a logged-in claude CLI")
+    if backend == "cli" and claude_bin() is None:
+        raise BridgeError("no_backend", _no_cli_message())
+
+
 # --------------------------------------------------------------------------------------------
 # Results and errors.
 
@@ -269,7 +279,7 @@ def make_request(prompt: Any, system: Any = None, model: Any = None,
     model = task_store.optional(model)
     if model is not None and (not isinstance(model, str) or not MODEL_RE.match(model.strip())):
         raise task_store.ValidationError(
-            f"model must be a model name such as claude-sonnet-4-5 (or an alias such as sonnet); got {model!r}")
+            f"model must be a model name such as claude-sonnet-4-6 (or an alias such as sonnet); got {model!r}")
     timeout = task_store.coerce_int("timeout_sec", task_store._or(timeout_sec, DEFAULT_TIMEOUT_SEC), 1,
                                     TIMEOUT_MAX_SEC)
     return Request(prompt, system, model.strip() if model else None, timeout)
@@ -368,7 +378,10 @@ class Call:
         with self._lock:
             self._proc = proc
         if self.on_process is not None:
-            self.on_process(proc.pid, process_start(proc.pid))
+            try:
+                self.on_process(proc.pid, process_start(proc.pid))
+            except Exception:  # recording the pid is a nicety; the call must go on (and be killable)
+                log.warning("could not record the pid of %s", proc.pid, exc_info=True)
         if self.cancelled:
             kill_tree(proc.pid)
 
@@ -396,9 +409,8 @@ def cli_command(binary: str, request: Request, prompt_on_stdin: bool) -> list[st
 def run_cli(call: Call) -> Answer:
     """Ask through ``claude -p``. Raises BridgeError (no_backend, timeout, cancelled, and every
     error parse_cli_output finds)."""
-    binary = claude_bin()
-    if binary is None:
-        raise BridgeError("no_backend", _no_cli_message())
+    check_backend("cli")
+    binary = claude_bin() or "claude"
     data = call.request.prompt.encode()
     on_stdin = len(data) > STDIN_PROMPT_BYTES
     started = time.monotonic()
@@ -643,9 +655,7 @@ def run_api(call: Call) -> Answer:
     """Ask through the Messages API. The request runs in a daemon thread so a cancel or the
     deadline returns at once (the abandoned request ends by its own read timeout). Raises
     BridgeError."""
-    if not api_key_present():
-        raise BridgeError("no_backend", "CLAUDE_BACKEND=api but ANTHROPIC_API_KEY is not set: set it, or use "
-                                        "CLAUDE_BACKEND=cli with a logged-in claude CLI")
+    check_backend("api")
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -833,10 +843,14 @@ class JobRunner:
         while not self._slots.acquire(timeout=0.2):
             if call.cancelled:
                 raise BridgeError("cancelled", "cancelled while queued")
+        finished = threading.Event()
+        threading.Thread(target=_follow_record, args=(job_id, call, finished), name=f"claude-job-{job_id}-watch",
+                         daemon=True).start()
         try:
             task_store.start_claude_job(job_id)
             return call.run()
         finally:
+            finished.set()
             self._slots.release()
 
     def cancel(self, job_id: int, wait_sec: float = 10.0) -> bool:
@@ -858,6 +872,16 @@ class JobRunner:
             with contextlib.suppress(Exception):
                 task_store.finish_claude_job(job_id, "failed", error=INTERRUPTED)
             call.cancel()
+
+
+def _follow_record(job_id: int, call: Call, finished: threading.Event, every: float = 1.0) -> None:
+    """Cancel ``call`` once its job record is finished by someone else (another bridge server's
+    claude_cancel, or a restart that marked it interrupted), so no answer is paid for in vain."""
+    while not finished.wait(every):
+        with contextlib.suppress(task_store.TaskStoreError, OSError):
+            if task_store.get_claude_job(job_id)["status"] not in ACTIVE:
+                call.cancel()
+                return
 
 
 def job_state(job: dict[str, Any]) -> JobState:
@@ -960,7 +984,7 @@ is done, failed or cancelled, then claude_result. claude_status says which backe
 
 Prompt = Annotated[str, Field(description="The question for Claude, as plain text (up to 1,000,000 characters).")]
 System = Annotated[str | None, Field(description="Optional system prompt (up to 100,000 characters).")]
-Model = Annotated[str | None, Field(description="Optional model name, e.g. claude-sonnet-4-5; default: "
+Model = Annotated[str | None, Field(description="Optional model name, e.g. claude-sonnet-4-6; default: "
                                                 "CLAUDE_API_MODEL for the API, the CLI's own default for claude -p.")]
 Timeout = Annotated[int, Field(ge=1, le=TIMEOUT_MAX_SEC, description="Seconds before the call is abandoned "
                                                                      "(and the claude CLI killed); 1-3600.")]
@@ -971,6 +995,7 @@ def _new_call(prompt: Any, system: Any, model: Any, timeout_sec: Any) -> Call:
     try:
         request = make_request(prompt, system, model, timeout_sec)
         backend, _ = choose_backend()
+        check_backend(backend)
     except (task_store.TaskStoreError, BridgeError) as exc:
         raise ToolError(str(exc)) from None
     return Call(request, backend)
@@ -1104,14 +1129,19 @@ def build_server(runner: JobRunner | None = None) -> MCPServer:
 
 def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
     job_id = job["id"]
-    if job["status"] not in ACTIVE:
+    if job["status"] in ACTIVE:
+        # The record first: the running call's own late "failed" or "done" is then refused.
+        job = task_store.finish_claude_job(job_id, "cancelled", error="cancelled by claude_cancel")
+        active = job["status"] == "cancelled"
+    else:
+        active = False
+    if not active:
         return CancelResult(job_id=job_id, status=job["status"], cancelled=False,
                             message=f"job {job_id} had already finished ({job['status']}); nothing to cancel")
     if not runner.cancel(job_id) and same_process(job.get("pid"), job.get("pid_start")):
         kill_tree(job["pid"])  # a job of another live bridge server on this machine
-    job = task_store.finish_claude_job(job_id, "cancelled", error="cancelled by claude_cancel")
-    return CancelResult(job_id=job_id, status=job["status"], cancelled=job["status"] == "cancelled",
-                        message=f"job {job_id} is {job['status']}")
+    return CancelResult(job_id=job_id, status="cancelled", cancelled=True,
+                        message=f"job {job_id} cancelled" + (f"; claude (pid {job['pid']}) was killed" if job.get("pid") else ""))
 
 
 # --------------------------------------------------------------------------------------------

@@ -118,11 +118,12 @@ async def wait_status(client: Client, job_id: int, statuses: tuple[str, ...], ti
         await anyio.sleep(0.1)
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
+async def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    """Poll ``predicate`` without blocking the event loop (the in-memory server shares it)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
+        await anyio.sleep(0.05)
 
 
 def gone(pid: int) -> bool:
@@ -265,15 +266,18 @@ async def test_cancel_ends_a_running_job_within_seconds(server: Any, backend: st
     async with Client(server, mode="legacy") as client:
         job = await call(client, "claude_submit", prompt="MODE:stall:120 think hard", timeout_sec=600)
         await wait_status(client, job["job_id"], ("running",))
-        wait_for(lambda: fake.message_requests(), 20, "the request to reach the fake")
+        await wait_for(lambda: fake.message_requests(), 20, "the request to reach the fake")
         pid = task_store.get_claude_job(job["job_id"])["pid"]
         assert (pid is not None) == (backend == "cli")
+        if pid:  # where the stalled CLI is connected right now: the fake on loopback, nothing else
+            remote = {c.raddr.ip for c in psutil.Process(pid).net_connections("inet") if c.raddr}
+            assert remote <= {"127.0.0.1"}, remote
         started = time.monotonic()
         cancelled = await call(client, "claude_cancel", job_id=job["job_id"])
         assert cancelled["cancelled"] and cancelled["status"] == "cancelled"
         assert time.monotonic() - started < 5
         if pid:
-            wait_for(lambda: gone(pid), 5, f"claude pid {pid} to exit")
+            await wait_for(lambda: gone(pid), 5, f"claude pid {pid} to exit")
         state = await call(client, "claude_poll", job_id=job["job_id"])
         assert state["status"] == "cancelled"
         error = await call_error(client, "claude_result", job_id=job["job_id"])
@@ -404,18 +408,48 @@ async def test_timeout_and_cancel_kill_the_whole_tree(server: Any, fake_claude: 
         error = await call_error(client, "claude_ask", prompt="hang", timeout_sec=3)
         assert "timeout: claude -p gave no answer within 3 s" in error and time.monotonic() - started < 8
         pids = json.loads(pids_file.read_text())
-        wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the timeout")
+        await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the timeout")
 
         pids_file.unlink()
         job = await call(client, "claude_submit", prompt="hang", timeout_sec=600)
-        wait_for(pids_file.exists, 20, "the fake claude to start its children")
-        wait_for(lambda: len(pids_file.read_text()) > 2, 5, "the pids")
+        await wait_for(pids_file.exists, 20, "the fake claude to start its children")
+        await wait_for(lambda: len(pids_file.read_text()) > 2, 5, "the pids")
         pids = json.loads(pids_file.read_text())
         assert all(not gone(p) for p in pids)
         started = time.monotonic()
         assert (await call(client, "claude_cancel", job_id=job["job_id"]))["cancelled"]
-        wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the cancel")
+        await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the cancel")
         assert time.monotonic() - started < 6
+
+
+async def test_a_client_giving_up_on_claude_ask_kills_the_cli(server: Any, fake_claude: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake script hangs with a child and a grandchild; the client cancels its request."""
+    pids_file = tmp_path / "pids.json"
+    monkeypatch.setenv("FAKE_CLAUDE_PIDS", str(pids_file))
+    monkeypatch.setenv("FAKE_CLAUDE_SLEEP", "300")
+    async with Client(server, mode="legacy") as client:
+        with anyio.move_on_after(2):
+            await client.call_tool("claude_ask", {"prompt": "hang", "timeout_sec": 600})
+        pids = json.loads(pids_file.read_text())
+        await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the client gave up")
+        assert len((await client.list_tools()).tools) == 6
+
+
+async def test_a_job_cancelled_in_the_database_stops_here(server: Any, fake_claude: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another bridge server (or a restart) finishing the record stops the call running here."""
+    pids_file = tmp_path / "pids.json"
+    monkeypatch.setenv("FAKE_CLAUDE_PIDS", str(pids_file))
+    monkeypatch.setenv("FAKE_CLAUDE_SLEEP", "300")
+    async with Client(server, mode="legacy") as client:
+        job = await call(client, "claude_submit", prompt="hang", timeout_sec=600)
+        await wait_for(lambda: pids_file.exists() and len(pids_file.read_text()) > 2, 20, "the fake claude's children")
+        task_store.finish_claude_job(job["job_id"], "cancelled", error="cancelled elsewhere")
+        pids = json.loads(pids_file.read_text())
+        await wait_for(lambda: all(gone(p) for p in pids), 6, f"{pids} to die after the record was cancelled")
+        state = await call(client, "claude_poll", job_id=job["job_id"])
+    assert state["status"] == "cancelled" and state["error"] == "cancelled elsewhere"
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,7 +638,7 @@ async def test_job_in_flight_when_the_server_is_killed_fails_after_restart(backe
     try:
         first.initialize()
         job_id = first.tool("claude_submit", prompt="long thought", timeout_sec=600)["job_id"]
-        wait_for(lambda: task_store.get_claude_job(job_id)["status"] == "running" and fake.message_requests(),
+        await wait_for(lambda: task_store.get_claude_job(job_id)["status"] == "running" and fake.message_requests(),
                  20, "the job to run")
         cli_pid = task_store.get_claude_job(job_id)["pid"]
         first.proc.send_signal(signal.SIGKILL)
@@ -622,7 +656,7 @@ async def test_job_in_flight_when_the_server_is_killed_fails_after_restart(backe
         assert second.close() == 0
     assert state["status"] == "failed" and state["error"] == ccm.INTERRUPTED
     if backend == "cli":
-        wait_for(lambda: gone(cli_pid), 5, "the orphaned claude to be killed on restart")
+        await wait_for(lambda: gone(cli_pid), 5, "the orphaned claude to be killed on restart")
 
 
 async def test_sigterm_marks_jobs_interrupted_and_kills_the_cli(fake_claude: Path, tmp_path: Path) -> None:
@@ -631,7 +665,7 @@ async def test_sigterm_marks_jobs_interrupted_and_kills_the_cli(fake_claude: Pat
     try:
         raw.initialize()
         job_id = raw.tool("claude_submit", prompt="hang", timeout_sec=600)["job_id"]
-        wait_for(lambda: pids_file.exists() and len(pids_file.read_text()) > 2, 20, "the fake claude's children")
+        await wait_for(lambda: pids_file.exists() and len(pids_file.read_text()) > 2, 20, "the fake claude's children")
         pids = json.loads(pids_file.read_text())
         raw.proc.send_signal(signal.SIGTERM)
         raw.proc.wait(15)
@@ -639,7 +673,7 @@ async def test_sigterm_marks_jobs_interrupted_and_kills_the_cli(fake_claude: Pat
         raw.close()
     job = task_store.get_claude_job(job_id)
     assert job["status"] == "failed" and job["error"] == ccm.INTERRUPTED
-    wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die with the server")
+    await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die with the server")
 
 
 # --------------------------------------------------------------------------------------------
@@ -686,3 +720,27 @@ def test_real_opencode_connects_to_the_registered_server(tmp_path: Path) -> None
     listed = subprocess.run([binary, "mcp", "list"], env={**env, "PWD": str(tmp_path)}, cwd=tmp_path,
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert config.exists() and "claude-control" in listed.stdout and "connected" in listed.stdout, listed
+
+
+@pytest.mark.real_opencode
+def test_an_opencode_agent_asks_claude_through_the_bridge(claude_env: dict, fake: FakeAnthropic, opencode: Any,
+                                                          tmp_path: Path) -> None:
+    """The whole chain with real binaries: opencode run → this server (as configured by
+    --register-opencode) → the real claude CLI → the fake Messages API, and the answer back into
+    the agent's conversation."""
+    from fake_openai import text, tool_call
+
+    require_real_claude()
+    opencode.configure({"mcp": {"claude-control": ccm.opencode_entry()}})
+    opencode.env.update(claude_env, CLAUDE_BACKEND="cli", CLAUDE_BIN=str(REAL_CLAUDE))
+    opencode.model.script("ask", [tool_call("claude-control_claude_ask", {"prompt": "Which file first?"}),
+                                  text("Claude answered.")])
+    work = tmp_path / "work"
+    work.mkdir()
+    run = opencode.run("SCRIPT:ask decide with the planner", cwd=work, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    tools = [t["function"]["name"] for t in opencode.model.step_requests("ask")[0]["json"]["tools"]]
+    assert "claude-control_claude_ask" in tools, tools
+    assert fake.message_requests()[-1].user_text() == "Which file first?"
+    followup = json.dumps(opencode.model.step_requests("ask")[-1]["json"]["messages"])
+    assert f"{DEFAULT_ANSWER} | echo: Which file first?" in followup
