@@ -1046,85 +1046,119 @@ def _get_job(job_id: Any) -> dict[str, Any]:
         raise ToolError(str(exc)) from None
 
 
+READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
+ENDS_A_JOB = ToolAnnotations(idempotent_hint=True, destructive_hint=True)
+_RUNNER: list[JobRunner] = []  # this process's job runner, made by the first build_server()
+
+
+class ToolRegistry:
+    """Collects the tool functions as the module is read; no server exists until build_server()."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
+
+    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
+        def mark(fn: Any) -> Any:
+            self.entries.append((fn, annotations))
+            return fn
+        return mark
+
+
+registry = ToolRegistry()
+
+
 def build_server(runner: JobRunner | None = None) -> MCPServer:
-    """The MCP server with its six tools; ``runner`` holds this process's background jobs."""
-    runner = runner or JobRunner()
+    """A fresh MCPServer with the six tools. Background jobs belong to the process: ``runner``
+    (default: a new JobRunner) becomes the one every server of this process uses."""
+    _RUNNER[:] = [runner or (_RUNNER[0] if _RUNNER else JobRunner())]
     mcp = MCPServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
-    read_only = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
-
-    @mcp.tool()
-    async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
-                         timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC, ctx: Context | None = None) -> Answer:
-        """Ask Claude and wait for the answer (at most timeout_sec seconds, default 120).
-
-        Returns {answer, backend: "api"|"cli", model, stop_reason, session_id, usage: {input_tokens,
-        output_tokens, cache_*_input_tokens, cost_usd (claude -p only), duration_ms, num_turns, model,
-        backend}}. Errors (as tool errors, text "kind: message"): auth (401/403), rate_limit (429),
-        overloaded (529), server_error (5xx), timeout, stalled, not_logged_in, no_backend,
-        empty_answer, cli_output (odd claude -p output), bad_request, connection.
-        """
-        return await wait_for_call(_new_call(prompt, system, model, timeout_sec), ctx)
-
-    @mcp.tool()
-    def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
-                      timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC) -> SubmitResult:
-        """Start a background question to Claude and return at once with its job id.
-
-        Returns {job_id, status: "queued"|"running", backend, timeout_sec}. The job is stored in
-        the queue database and survives as a record: poll it with claude_poll(job_id), read the
-        answer with claude_result(job_id), stop it with claude_cancel(job_id). The timeout counts
-        from when the job starts running. Errors: invalid arguments, no backend configured.
-        """
-        call = _new_call(prompt, system, model, timeout_sec)
-        job = runner.submit(call.request, call.backend)
-        return SubmitResult(job_id=job["id"], status=job["status"], backend=job["backend"],
-                            timeout_sec=job["timeout_sec"])
-
-    @mcp.tool(annotations=read_only)
-    def claude_poll(job_id: JobId) -> JobState:
-        """The state of a background job: {job_id, status: queued|running|done|failed|cancelled,
-        backend, model, timeout_sec, created_at/started_at/finished_at (ISO 8601 UTC), elapsed_sec,
-        answer_ready, error}. Poll every few seconds until status is done, failed or cancelled.
-        A job whose server stopped shows failed with error "interrupted: ...". Errors: unknown id.
-        """
-        return job_state(_get_job(job_id))
-
-    @mcp.tool(annotations=read_only)
-    def claude_result(job_id: JobId) -> JobResult:
-        """The answer of a finished job: {job_id, status: "done", answer, backend, model, usage}.
-
-        Errors: the job is still queued/running (poll again), it failed (the error says why, e.g.
-        "overloaded: ..."), it was cancelled, or the id is unknown.
-        """
-        job = _get_job(job_id)
-        if job["status"] in ACTIVE:
-            raise ToolError(f"job {job['id']} is still {job['status']} ({_elapsed(job) or 0:.0f} s so far); "
-                            "call claude_poll until its status is done")
-        if job["status"] != "done":
-            raise ToolError(f"job {job['id']} {job['status']}: {job.get('error') or 'no reason recorded'}")
-        usage = job.get("usage") or None
-        return JobResult(job_id=job["id"], status="done", answer=job["answer"] or "", backend=job["backend"],
-                         model=(usage or {}).get("model") or job.get("model"), usage=usage)
-
-    @mcp.tool(annotations=ToolAnnotations(idempotent_hint=True, destructive_hint=True))
-    def claude_cancel(job_id: JobId) -> CancelResult:
-        """Cancel a background job: the claude CLI's process tree is killed within seconds (an API
-        request is abandoned) and the job is marked cancelled.
-
-        Returns {job_id, status, cancelled, message}; cancelled is false when the job had already
-        finished (its status is left as it was). Errors: unknown id.
-        """
-        return _cancel(runner, _get_job(job_id))
-
-    @mcp.tool(annotations=read_only)
-    def claude_status() -> Status:
-        """Which backend answers and why, and whether it can: {backend: "api"|"cli", reason, ready,
-        problem, api_key_present (never the key), base_url, model, claude_bin, claude_version,
-        logged_in (from `claude auth status`; null when unknown), auth_method, sdk_version,
-        active_jobs (running in this server), server_pid}."""
-        return status(runner)
-
+    for fn, annotations in registry.entries:
+        mcp.tool(annotations=annotations)(fn)
     return mcp
+
+
+def job_runner() -> JobRunner:
+    if not _RUNNER:
+        _RUNNER.append(JobRunner())
+    return _RUNNER[0]
+
+
+@registry.tool()
+async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
+                     timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC, ctx: Context | None = None) -> Answer:
+    """Ask Claude and wait for the answer (at most timeout_sec seconds, default 120).
+
+    Returns {answer, backend: "api"|"cli", model, stop_reason, session_id, usage: {input_tokens,
+    output_tokens, cache_*_input_tokens, cost_usd (claude -p only), duration_ms, num_turns, model,
+    backend}}. Errors (as tool errors, text "kind: message"): auth (401/403), rate_limit (429),
+    overloaded (529), server_error (5xx), timeout, stalled, not_logged_in, no_backend,
+    empty_answer, cli_output (odd claude -p output), bad_request, connection.
+    """
+    return await wait_for_call(_new_call(prompt, system, model, timeout_sec), ctx)
+
+
+@registry.tool()
+def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
+                  timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC) -> SubmitResult:
+    """Start a background question to Claude and return at once with its job id.
+
+    Returns {job_id, status: "queued"|"running", backend, timeout_sec}. The job is stored in the
+    queue database and survives as a record: poll it with claude_poll(job_id), read the answer
+    with claude_result(job_id), stop it with claude_cancel(job_id). The timeout counts from when
+    the job starts running. Errors: invalid arguments, no backend configured.
+    """
+    call = _new_call(prompt, system, model, timeout_sec)
+    job = job_runner().submit(call.request, call.backend)
+    return SubmitResult(job_id=job["id"], status=job["status"], backend=job["backend"],
+                        timeout_sec=job["timeout_sec"])
+
+
+@registry.tool(annotations=READ_ONLY)
+def claude_poll(job_id: JobId) -> JobState:
+    """The state of a background job: {job_id, status: queued|running|done|failed|cancelled,
+    backend, model, timeout_sec, created_at/started_at/finished_at (ISO 8601 UTC), elapsed_sec,
+    answer_ready, error}. Poll every few seconds until status is done, failed or cancelled. A job
+    whose server stopped shows failed with error "interrupted: ...". Errors: unknown id.
+    """
+    return job_state(_get_job(job_id))
+
+
+@registry.tool(annotations=READ_ONLY)
+def claude_result(job_id: JobId) -> JobResult:
+    """The answer of a finished job: {job_id, status: "done", answer, backend, model, usage}.
+
+    Errors: the job is still queued/running (poll again), it failed (the error says why, e.g.
+    "overloaded: ..."), it was cancelled, or the id is unknown.
+    """
+    job = _get_job(job_id)
+    if job["status"] in ACTIVE:
+        raise ToolError(f"job {job['id']} is still {job['status']} ({_elapsed(job) or 0:.0f} s so far); "
+                        "call claude_poll until its status is done")
+    if job["status"] != "done":
+        raise ToolError(f"job {job['id']} {job['status']}: {job.get('error') or 'no reason recorded'}")
+    usage = job.get("usage") or None
+    return JobResult(job_id=job["id"], status="done", answer=job["answer"] or "", backend=job["backend"],
+                     model=(usage or {}).get("model") or job.get("model"), usage=usage)
+
+
+@registry.tool(annotations=ENDS_A_JOB)
+def claude_cancel(job_id: JobId) -> CancelResult:
+    """Cancel a background job: the claude CLI's process tree is killed within seconds (an API
+    request is abandoned) and the job is marked cancelled.
+
+    Returns {job_id, status, cancelled, message}; cancelled is false when the job had already
+    finished (its status is left as it was). Errors: unknown id.
+    """
+    return _cancel(job_runner(), _get_job(job_id))
+
+
+@registry.tool(annotations=READ_ONLY)
+def claude_status() -> Status:
+    """Which backend answers and why, and whether it can: {backend: "api"|"cli", reason, ready,
+    problem, api_key_present (never the key), base_url, model, claude_bin, claude_version,
+    logged_in (from `claude auth status`; null when unknown), auth_method, sdk_version,
+    active_jobs (running in this server), server_pid}."""
+    return status(job_runner())
 
 
 def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
