@@ -9,8 +9,10 @@ CLAUDE_BIN; each such test says so.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
@@ -383,12 +385,32 @@ async def test_odd_cli_output_shapes(server: Any, fake_claude: Path, monkeypatch
         assert result.is_error and expected in result.content[0].text, result.content[0].text
 
 
+@contextlib.contextmanager
+def protocol_bytes_on_fd0() -> Iterator[None]:
+    """Make this process's fd 0 a pipe holding bytes, as a stdio server's stdin holds the
+    JSON-RPC stream (the MCP SDK's own stdio transport diverts fd 0 while it serves, so the
+    in-memory test is where a child inheriting stdin would show)."""
+    read_end, write_end = os.pipe()
+    saved = os.dup(0)
+    os.write(write_end, b'{"jsonrpc": "2.0", "method": "ping", "id": 99}\n')
+    os.dup2(read_end, 0)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read_end, write_end):
+            os.close(fd)
+
+
 async def test_cli_argv_and_stdin(server: Any, fake_claude: Path) -> None:
     """The fake script records its argv and stdin: JSON output, no tools, `--` before the prompt,
-    stdin from /dev/null (never the MCP stream); a long prompt comes on stdin instead."""
-    async with Client(server, mode="legacy") as client:
-        await call(client, "claude_ask", prompt="--help", model="sonnet", system="Be brief.")
-        await call(client, "claude_ask", prompt="x" * (ccm.STDIN_PROMPT_BYTES + 1))
+    stdin from /dev/null (never the server's own stdin); a long prompt comes on stdin instead."""
+    with protocol_bytes_on_fd0():
+        async with Client(server, mode="legacy") as client:
+            await call(client, "claude_ask", prompt="--help", model="sonnet", system="Be brief.")
+            await call(client, "claude_ask", prompt="x" * (ccm.STDIN_PROMPT_BYTES + 1))
+        assert select.select([0], [], [], 0)[0], "a child read the bytes waiting on the server's stdin"
+        assert os.read(0, 100).startswith(b'{"jsonrpc"')
     short, long = fake_claude_calls(fake_claude)
     assert short["argv"] == ["-p", "--output-format", "json", "--tools", "", "--no-session-persistence",
                              "--model", "sonnet", "--system-prompt", "Be brief.", "--", "--help"]
