@@ -57,6 +57,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
+import process_tree
 import task_store
 
 log = logging.getLogger("claude_control")
@@ -288,43 +289,9 @@ def make_request(prompt: Any, system: Any = None, model: Any = None,
 # --------------------------------------------------------------------------------------------
 # Processes.
 
-def process_start(pid: int) -> float | None:
-    """The process's start time (Unix seconds), or None when it is gone."""
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def same_process(pid: int | None, started: float | None) -> bool:
-    """True when ``pid`` is alive and is the process that started at ``started`` (pid reuse)."""
-    if not pid or started is None:
-        return False
-    actual = process_start(pid)
-    return actual is not None and abs(actual - started) < 1.0
-
-
-def kill_tree(pid: int, grace: float = KILL_GRACE_SEC) -> None:
-    """SIGTERM the process, its process group and every descendant, SIGKILL what is left after
-    ``grace`` seconds. A process already gone is not an error. ``pid`` must lead its own
-    process group (started with ``start_new_session=True``)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        procs = []
-    _signal_all(pid, procs, signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    _signal_all(pid, alive, signal.SIGKILL)
-    psutil.wait_procs(alive, timeout=grace)
-
-
-def _signal_all(pgid: int, procs: list[psutil.Process], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            proc.send_signal(sig)
+def kill_tree(target: int | psutil.Process) -> None:
+    """End a ``claude`` call's whole tree (our child's pid, or another server's verified process)."""
+    process_tree.kill_tree(target, KILL_GRACE_SEC)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +346,7 @@ class Call:
             self._proc = proc
         if self.on_process is not None:
             try:
-                self.on_process(proc.pid, process_start(proc.pid))
+                self.on_process(proc.pid, process_tree.start_time(proc.pid))
             except Exception:  # recording the pid is a nicety; the call must go on (and be killable)
                 log.warning("could not record the pid of %s", proc.pid, exc_info=True)
         if self.cancelled:
@@ -776,7 +743,7 @@ def owner_alive(owner: str | None) -> bool | None:
         return False
     if host != socket.gethostname():
         return None
-    return same_process(pid_n, started_f)
+    return process_tree.same_process(pid_n, started_f, tolerance=1.0) is not None
 
 
 def settle_orphan(job: dict[str, Any]) -> dict[str, Any]:
@@ -784,8 +751,9 @@ def settle_orphan(job: dict[str, Any]) -> dict[str, Any]:
     checked) and mark it failed as interrupted. Returns the job as it now stands."""
     if job["status"] not in ACTIVE or owner_alive(job.get("owner")) is not False:
         return job
-    if same_process(job.get("pid"), job.get("pid_start")):
-        kill_tree(job["pid"])
+    orphan = process_tree.same_process(job.get("pid"), job.get("pid_start"), tolerance=1.0)
+    if orphan:
+        kill_tree(orphan)
     log.warning("job %s: its server %s is gone; marking it failed", job["id"], job.get("owner"))
     return task_store.finish_claude_job(job["id"], "failed", error=INTERRUPTED)
 
@@ -1072,8 +1040,8 @@ def build_server(runner: JobRunner | None = None) -> MCPServer:
     (default: a new JobRunner) becomes the one every server of this process uses."""
     _RUNNER[:] = [runner or (_RUNNER[0] if _RUNNER else JobRunner())]
     mcp = MCPServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
-    for fn, annotations in registry.entries:
-        mcp.tool(annotations=annotations)(fn)
+    for fn, hints in registry.entries:
+        mcp.tool(annotations=hints)(fn)
     return mcp
 
 
@@ -1172,8 +1140,10 @@ def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
     if not active:
         return CancelResult(job_id=job_id, status=job["status"], cancelled=False,
                             message=f"job {job_id} had already finished ({job['status']}); nothing to cancel")
-    if not runner.cancel(job_id) and same_process(job.get("pid"), job.get("pid_start")):
-        kill_tree(job["pid"])  # a job of another live bridge server on this machine
+    other = None if runner.cancel(job_id) else process_tree.same_process(
+        job.get("pid"), job.get("pid_start"), tolerance=1.0)
+    if other:
+        kill_tree(other)  # a job of another live bridge server on this machine
     return CancelResult(job_id=job_id, status="cancelled", cancelled=True,
                         message=f"job {job_id} cancelled" + (f"; claude (pid {job['pid']}) was killed" if job.get("pid") else ""))
 

@@ -41,7 +41,9 @@ fi
 command -v npm >/dev/null || { echo "install.sh: npm (Node.js >= 20) is required for opencode" >&2; exit 1; }
 if [ "$want_test" = 1 ]; then
   say "installing the pinned opencode, claude and MCP Inspector into node_modules/"
-  npm ci --no-audit --no-fund --loglevel=error >&2
+  # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
+  # exact versions in package.json and the lock present, `npm install` installs the locked tree.
+  npm install --no-audit --no-fund --loglevel=error >&2
 elif [ ! -x node_modules/.bin/opencode ]; then
   say "installing the pinned opencode into node_modules/"
   version=$(.venv/bin/python -c 'import json; print(json.load(open("package.json"))["dependencies"]["opencode-ai"])')

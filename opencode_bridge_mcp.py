@@ -40,6 +40,7 @@ from typing_extensions import TypedDict
 
 import opencode_runner
 import task_store as store
+import worktrees
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.server.transport_security import TransportSecuritySettings
@@ -715,8 +716,8 @@ registry = ToolRegistry()
 def build_server() -> MCPServer:
     """A fresh MCPServer with the 17 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    for fn, annotations in registry.entries:
-        mcp.tool(annotations=annotations)(fn)
+    for fn, hints in registry.entries:
+        mcp.tool(annotations=hints)(fn)
     return mcp
 
 
@@ -1068,17 +1069,6 @@ def cancel_task(
     return _info(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
-def _remove_worktree(path: str) -> str | None:
-    """Remove a kept worktree (its branch stays). Returns a problem description, or None."""
-    if not os.path.isdir(path):
-        return None
-    common = _run_quiet(["git", "-C", path, "rev-parse", "--path-format=absolute", "--git-common-dir"])
-    if common.returncode != 0:
-        return f"{path}: not a git worktree any more; left in place"
-    proc = _run_quiet(["git", "--git-dir", common.stdout.strip(), "worktree", "remove", "--force", path])
-    return None if proc.returncode == 0 else f"{path}: {(proc.stderr or proc.stdout).strip()[:200]}"
-
-
 @registry.tool(annotations=DESTRUCTIVE)
 def clear_finished(
     older_than_sec: Annotated[int | None, Field(ge=0, description="only tasks finished at least this many seconds ago")] = 0,
@@ -1092,16 +1082,8 @@ def clear_finished(
     task depends on are kept. Their logs and kept worktrees are deleted only when asked; task
     branches always stay. Returns the removed ids. Errors: a status that is not a finished one."""
     removed = store.clear_finished(older_than_sec or 0, statuses or store.TERMINAL)
-    logs, trees, problems = 0, [], []
-    for task in removed:
-        if remove_logs and Path(task["log"]).exists():
-            Path(task["log"]).unlink()
-            logs += 1
-        if remove_worktrees and task.get("worktree_path"):
-            problem = _remove_worktree(task["worktree_path"])
-            (problems.append(problem) if problem else trees.append(task["worktree_path"]))
-    return {"removed": [t["id"] for t in removed], "count": len(removed), "logs_removed": logs,
-            "worktrees_removed": trees, "problems": problems}
+    purged = worktrees.purge_files(removed, bool(remove_logs), bool(remove_worktrees))
+    return {"removed": [t["id"] for t in removed], "count": len(removed)} | purged
 
 
 @registry.tool(annotations=READ_ONLY)

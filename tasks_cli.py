@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 import task_store
+import worktrees
 
 __version__ = "0.1.0"
 
@@ -670,8 +671,10 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
               help="Only tasks finished at least this many seconds ago.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files.")
+@click.option("--remove-worktrees", is_flag=True,
+              help="Also remove worktrees kept with --keep-worktree (task branches stay).")
 @json_option
-def clear(older_than: float, yes: bool, purge_logs: bool, as_json: bool) -> None:
+def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool, as_json: bool) -> None:
     """Remove finished tasks (done, failed, cancelled) from the queue; events stay as history."""
     finished = sum(task_store.counts()[s] for s in task_store.TERMINAL)
     if not finished:
@@ -680,21 +683,24 @@ def clear(older_than: float, yes: bool, purge_logs: bool, as_json: bool) -> None
         since = f" finished more than {older_than:g} s ago" if older_than else ""
         click.confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", abort=True, err=True)
     removed = task_store.clear_finished(older_than)
-    if purge_logs:
-        for item in removed:
-            Path(item["log"]).unlink(missing_ok=True)
+    purged = worktrees.purge_files(removed, purge_logs, remove_worktrees)
     if as_json:
         return emit_json(removed)
-    print_cleared(removed, purge_logs)
+    print_cleared(removed, purge_logs, purged)
 
 
-def print_cleared(removed: list[dict[str, Any]], purged: bool) -> None:
+def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict[str, Any]) -> None:
     """What clear removed, and what it left on disk."""
     ids = ", ".join(item["id"] for item in removed) or "none"
-    out().print(f"Removed {len(removed)} task(s): {ids}" + (" (logs deleted)" if purged and removed else ""))
+    out().print(f"Removed {len(removed)} task(s): {ids}" + (" (logs deleted)" if purged_logs and removed else ""))
+    for path in purged["worktrees_removed"]:
+        out().print(Text(f"Removed worktree {path} (its branch stays)."))
+    for problem in purged["problems"]:
+        err().print(Text(problem, style="yellow"))
     kept = [item["worktree_path"] for item in removed if item["worktree_path"] and os.path.isdir(item["worktree_path"])]
     if kept:
-        err().print(Text("Kept worktrees remain on disk (remove with git worktree remove): " + ", ".join(kept), style="dim"))
+        err().print(Text("Kept worktrees remain on disk (clear --remove-worktrees removes them): "
+                         + ", ".join(kept), style="dim"))
 
 
 @cli.command()

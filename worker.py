@@ -24,18 +24,19 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import filelock
 import psutil
 
 import opencode_runner as oc
+import process_tree
 import task_store as store
+import worktrees
+from worktrees import Workspace
 
 RECEIPT_PROTOCOL = """\
 When you are finished, end your final message with exactly one fenced JSON block:
@@ -67,10 +68,6 @@ class Knobs:
     lease_sec: float = field(default_factory=lambda: _env_float("WORKER_LEASE_SEC", 1))
 
 
-class Unrunnable(Exception):
-    """The task cannot run as given (missing directory, repo with no commits): fail, no retry."""
-
-
 class Flags:
     """Set by signal handlers only; the loops act on them."""
     stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
@@ -86,243 +83,6 @@ def _on_signal(signum: int, frame: Any) -> None:
 def log(message: str) -> None:
     """One line to stderr (launchd/systemd keep it); never stdout-sensitive."""
     print(f"[worker {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Processes.
-
-
-def process_matches(pid: int | None, start: float | None) -> psutil.Process | None:
-    """The live process with this pid *and* start time (seconds), or None: a recycled pid that
-    now belongs to another program never matches."""
-    if not pid or start is None:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        return proc if abs(proc.create_time() - start) < 0.05 else None
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-
-
-def tagged_processes(marker: str, queue: str) -> list[psutil.Process]:
-    """Processes whose environment carries this run marker and this queue's tag (a run's
-    descendants that left its process group, e.g. the bash tool's setsid commands)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-        if env.get(oc.MARKER_ENV) == marker and env.get(oc.QUEUE_ENV) == queue:
-            found.append(proc)
-    return found
-
-
-def kill_tree(root: psutil.Process | None, marker: str, queue: str, grace: float) -> int:
-    """End a run and everything it started: collect the descendants first (they may sit in
-    sessions of their own), SIGTERM them and the process group, wait ``grace`` seconds, SIGKILL
-    what is left, then sweep anything still tagged with the marker. "Already gone" is not an
-    error. Returns how many processes were signalled."""
-    procs: dict[int, psutil.Process] = {}
-    if root is not None:
-        try:
-            procs[root.pid] = root
-            procs.update({p.pid: p for p in root.children(recursive=True)})
-        except psutil.NoSuchProcess:
-            pass
-    procs.update({p.pid: p for p in tagged_processes(marker, queue)})
-    procs.pop(os.getpid(), None)
-    if root is not None:
-        try:
-            os.killpg(root.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for proc in procs.values():
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
-    for proc in alive + tagged_processes(marker, queue):
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=2)
-    return len(procs)
-
-
-# --------------------------------------------------------------------------------------------
-# Git and the workspace.
-
-
-def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None) -> str:
-    """Run git; return stdout stripped. Raises RuntimeError with git's message when ``check``."""
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, env=env)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()}")
-    return proc.stdout.strip() if proc.returncode == 0 else ""
-
-
-def worktree_root() -> Path:
-    """Where task worktrees live: ``$TASKBRIDGE_WORKTREE_ROOT`` or
-    ``~/.local/state/taskbridge/worktrees/<queue tag>`` — never inside the user's checkout."""
-    configured = os.environ.get("TASKBRIDGE_WORKTREE_ROOT")
-    if configured:
-        return Path(configured).expanduser().resolve()
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "taskbridge" / "worktrees" / store.queue_tag()
-
-
-@dataclass
-class Workspace:
-    """Where one attempt runs. ``mode``: ``worktree`` or ``in-place``."""
-    mode: str
-    cwd: str                       # the agent's working directory
-    top: str | None = None         # the worktree (or in-place repo) root
-    repo: str | None = None        # the user's repository root
-    branch: str | None = None
-    base_commit: str | None = None
-    note: str = ""
-    reused: bool = False
-
-
-def _repo_top(path: str) -> str | None:
-    top = git(["rev-parse", "--show-toplevel"], path, check=False)
-    return os.path.realpath(top) if top else None
-
-
-def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
-    """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
-    resuming after an answer), else in place. Raises Unrunnable with what to do."""
-    wd = task["working_dir"]
-    if not os.path.isdir(wd):
-        raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
-    top = _repo_top(wd)
-    if top is None:
-        return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
-    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
-    if not head:
-        raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
-                         "(git add -A && git commit -m init) and resubmit")
-    if not task["worktree"]:
-        return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
-                         note="worktree=false: ran in place in the user's checkout")
-    if not git(["symbolic-ref", "-q", "HEAD"], top, check=False):
-        raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
-    sub = os.path.relpath(wd, top)
-    path = worktree_root() / f"{Path(top).name}-{task['id']}"
-    branch = f"taskbridge/{task['id']}"
-    if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
-        return Workspace("worktree", str(path / sub), str(path), top, branch,
-                         task.get("base_commit") or head, reused=True)
-    base = task.get("base_commit") or head
-    _fresh_worktree(top, path, branch, base)
-    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base)
-
-
-def _is_registered(repo: str, path: Path) -> bool:
-    listing = git(["worktree", "list", "--porcelain"], repo, check=False)
-    return path.is_dir() and f"worktree {path}" in listing.splitlines()
-
-
-def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
-    """Create the worktree, recovering from a crash's leftovers first: a registered worktree
-    whose folder is gone, a folder nobody registered, a branch checked out at a vanished path."""
-    git(["worktree", "prune"], repo, check=False)
-    if _is_registered(repo, path):
-        git(["worktree", "remove", "--force", str(path)], repo, check=False)
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-    git(["worktree", "prune"], repo, check=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
-
-
-def remove_worktree(ws: Workspace) -> None:
-    """Remove a task's worktree (the branch stays)."""
-    if ws.mode == "worktree" and ws.repo and ws.top:
-        git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
-        shutil.rmtree(ws.top, ignore_errors=True)
-        git(["worktree", "prune"], ws.repo, check=False)
-
-
-def observed_changes(ws: Workspace) -> tuple[list[str], str]:
-    """Files changed since the base commit and the diff, untracked files included, computed
-    with a throw-away index so neither the user's index nor the worktree's is touched."""
-    if not ws.top or not ws.base_commit:
-        return [], ""
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
-        git(["read-tree", ws.base_commit], ws.top, env=env)
-        git(["add", "-A", "."], ws.top, env=env)
-        names = git(["diff", "--cached", "--name-only", ws.base_commit], ws.top, env=env)
-        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env)
-    return [n for n in names.splitlines() if n], diff
-
-
-def commit_changes(ws: Workspace, message: str) -> str | None:
-    """Commit everything in the worktree on the task branch; returns the commit id or None."""
-    if ws.mode != "worktree":
-        return None
-    git(["add", "-A", "."], ws.top)
-    if not git(["status", "--porcelain"], ws.top):
-        return None
-    identity = [] if git(["config", "user.email"], ws.top, check=False) else [
-        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
-    git([*identity, "commit", "-q", "--no-verify", "-m", message], ws.top)
-    return git(["rev-parse", "HEAD"], ws.top)
-
-
-def revert_changes(ws: Workspace, snapshot: dict[str, bytes] | None) -> list[str]:
-    """readonly: undo every change the run left. In a worktree, reset to the base commit and
-    remove new files; in place, restore from the pre-run snapshot. Returns the reverted files."""
-    if ws.mode == "worktree":
-        changed, _ = observed_changes(ws)
-        git(["reset", "-q", "--hard", ws.base_commit], ws.top)
-        git(["clean", "-q", "-fdx"], ws.top)
-        return changed
-    return restore_snapshot(ws.cwd, snapshot or {})
-
-
-SNAPSHOT_LIMIT_BYTES = 50 * 2**20
-
-
-def take_snapshot(root: str) -> dict[str, bytes] | None:
-    """Contents of every file under ``root`` (``.git`` excepted), or None past 50 MB."""
-    files: dict[str, bytes] = {}
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path) or not os.path.isfile(path):
-                continue
-            total += os.path.getsize(path)
-            if total > SNAPSHOT_LIMIT_BYTES:
-                return None
-            with open(path, "rb") as fh:
-                files[os.path.relpath(path, root)] = fh.read()
-    return files
-
-
-def restore_snapshot(root: str, snapshot: dict[str, bytes]) -> list[str]:
-    """Put ``root`` back as the snapshot saw it; returns the paths that differed."""
-    after = take_snapshot(root) or {}
-    reverted = []
-    for rel in sorted(set(after) | set(snapshot)):
-        if after.get(rel) == snapshot.get(rel):
-            continue
-        path = os.path.join(root, rel)
-        if rel in snapshot:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as fh:
-                fh.write(snapshot[rel])
-        else:
-            os.remove(path)
-        reverted.append(rel)
-    return reverted
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,13 +160,13 @@ class Supervisor:
             self.proc = subprocess.Popen(
                 self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            self.root = process_matches(self.proc.pid, _create_time(self.proc.pid))
             self._send_prompt()
             self._record_pid()
             try:
                 self._watch()
             finally:
-                kill_tree(self.root, self.marker, self.queue, self.knobs.kill_grace_sec)
+                process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
+                                       run_stragglers(self.marker, self.queue))
                 self._drain(final=True)
                 self.result.returncode = self.proc.wait()
         self.result.seconds = round(time.monotonic() - started, 2)
@@ -426,7 +186,7 @@ class Supervisor:
     def _record_pid(self) -> None:
         try:
             store.renew_lease(self.task["id"], self.marker, agent_pid=self.proc.pid,
-                              agent_pid_start=self.root.create_time() if self.root else None)
+                              agent_pid_start=process_tree.start_time(self.proc.pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
@@ -529,11 +289,9 @@ class Supervisor:
             pipe.close()
 
 
-def _create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
-        return None
+def run_stragglers(marker: str, queue: str):
+    """What else belongs to a run: processes tagged with its marker and this queue's tag."""
+    return lambda: process_tree.tagged_processes({oc.MARKER_ENV: marker, oc.QUEUE_ENV: queue})
 
 
 def failure_reason(run: RunResult) -> str | None:
@@ -570,14 +328,14 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     marker = task["run_marker"]
     resume = bool(task.get("answer") and task.get("session_id"))
     try:
-        ws = prepare_workspace(task, resume)
-    except (Unrunnable, RuntimeError) as exc:
+        ws = worktrees.prepare_workspace(task, resume)
+    except (worktrees.Unrunnable, RuntimeError) as exc:
         log(f"{task['id']} cannot run: {exc}")
         return _finish(store.fail_unrunnable, task, marker, str(exc))
     store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
                       branch=ws.branch, base_commit=ws.base_commit)
     notes = store.take_notes(task["id"], marker)
-    snapshot = take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+    snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
     model = task["model"] or store.default_model()
     session_note = None
     if resume and ws.reused:
@@ -613,14 +371,14 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
         log(f"{task['id']} attempt {marker} ended: {run.killed}")
         _cleanup_superseded(task, ws)
         return None
-    reverted = revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
-    files, diff = observed_changes(ws)
+    reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
+    files, diff = worktrees.observed_changes(ws)
     block = oc.parse_closing_block(run.stream.final_text)
     reason = failure_reason(run)
     receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
     usage = run.stream.usage()
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
-        remove_worktree(ws)
+        worktrees.remove_worktree(ws)
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
                        count_attempt=False)
@@ -629,9 +387,9 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
         return _finish(store.pause_for_question, task, marker, block["question"],
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
-        receipt["commit"] = commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
+        receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
         if not task["worktree_keep"]:
-            remove_worktree(ws)
+            worktrees.remove_worktree(ws)
             receipt["worktree_removed"] = ws.mode == "worktree"
         notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
         return _finish(store.complete_attempt, task, marker, result=receipt, diff=diff, usage=usage,
@@ -659,7 +417,7 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
     except store.TaskNotFound:
         current = {"status": "gone"}
     if current["status"] == "cancelled" and not task["worktree_keep"]:
-        remove_worktree(ws)
+        worktrees.remove_worktree(ws)
 
 
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
@@ -742,8 +500,8 @@ def reap(knobs: Knobs) -> int:
     tag). Fenced: each stale attempt is requeued exactly once. Returns how many were reaped."""
     reaped = 0
     for task in store.stale_leases(knobs.stale_sec):
-        agent = process_matches(task["agent_pid"], task["agent_pid_start"])
-        kill_tree(agent, task["run_marker"], store.queue_tag(), knobs.kill_grace_sec)
+        agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
+        process_tree.kill_tree(agent, knobs.kill_grace_sec, run_stragglers(task["run_marker"], store.queue_tag()))
         reason = (f"lease of attempt {task['run_marker']} went stale (no heartbeat since "
                   f"{task['heartbeat_at']}); its worker is gone")
         if _finish(store.requeue_attempt, task, task["run_marker"], reason):

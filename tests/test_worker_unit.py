@@ -14,6 +14,7 @@ import pytest
 import opencode_runner as oc
 import task_store
 import worker
+import worktrees
 from helpers import ROOT, checkout_state, git, make_repo, run_script
 
 
@@ -62,11 +63,11 @@ def test_worktree_outside_checkout_on_task_branch(tmp_path):
     repo = make_repo(tmp_path / "repo", {"src/a.py": "x = 1\n"})
     before = checkout_state(repo)
     task = claimed(tmp_path, repo / "src")
-    ws = worker.prepare_workspace(task, resume=False)
+    ws = worktrees.prepare_workspace(task, resume=False)
     assert ws.mode == "worktree" and ws.branch == "taskbridge/t_0001"
     assert not ws.top.startswith(str(repo)) and ws.cwd == os.path.join(ws.top, "src")
     (tmp_path / "worktrees" / "repo-t_0001" / "src" / "new.py").write_text("y = 2\n")
-    files, diff = worker.observed_changes(ws)
+    files, diff = worktrees.observed_changes(ws)
     assert files == ["src/new.py"] and "+y = 2" in diff
     assert checkout_state(repo) == before
 
@@ -86,7 +87,7 @@ def test_worktree_leftovers_from_a_crash_are_recovered(tmp_path, leftover):
     if leftover == "unregistered-folder":
         path.mkdir()
         (path / "junk.txt").write_text("from the crashed attempt")
-    ws = worker.prepare_workspace(task, resume=False)
+    ws = worktrees.prepare_workspace(task, resume=False)
     assert ws.top == str(path) and (path / "README.md").exists() and not (path / "junk.txt").exists()
     assert git(path, "rev-parse", "--abbrev-ref", "HEAD") == "taskbridge/t_0001"
     assert git(repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
@@ -95,7 +96,7 @@ def test_worktree_leftovers_from_a_crash_are_recovered(tmp_path, leftover):
 def test_not_a_git_repo_runs_in_place_and_says_so(tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
-    ws = worker.prepare_workspace(claimed(tmp_path, plain), resume=False)
+    ws = worktrees.prepare_workspace(claimed(tmp_path, plain), resume=False)
     assert ws.mode == "in-place" and ws.cwd == str(plain) and "not a git repository" in ws.note
 
 
@@ -104,11 +105,11 @@ def test_readonly_in_place_snapshot_restores(tmp_path):
     (plain / "d").mkdir(parents=True)
     (plain / "keep.txt").write_text("original")
     (plain / "d" / "gone.txt").write_text("was here")
-    snap = worker.take_snapshot(str(plain))
+    snap = worktrees.take_snapshot(str(plain))
     (plain / "keep.txt").write_text("changed")
     (plain / "d" / "gone.txt").unlink()
     (plain / "new.txt").write_text("added")
-    reverted = worker.restore_snapshot(str(plain), snap)
+    reverted = worktrees.restore_snapshot(str(plain), snap)
     assert reverted == ["d/gone.txt", "keep.txt", "new.txt"]
     assert (plain / "keep.txt").read_text() == "original" and not (plain / "new.txt").exists()
     assert (plain / "d" / "gone.txt").read_text() == "was here"
@@ -193,3 +194,18 @@ def test_a_failing_banner_never_fails_anything(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKER_NOTIFY", "0")
     worker.notify("silenced", "x")
     assert "silenced" not in calls.read_text()
+
+
+def test_clear_can_remove_a_kept_worktree_and_keeps_the_branch(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    task = claimed(tmp_path, repo, worktree_keep=True)
+    ws = worktrees.prepare_workspace(task, resume=False)
+    task_store.renew_lease(task["id"], task["run_marker"], worktree_path=ws.top, branch=ws.branch)
+    task_store.complete_attempt(task["id"], task["run_marker"])
+    removed = task_store.clear_finished()
+    assert worktrees.purge_files(removed, logs=False, kept_worktrees=False)["worktrees_removed"] == []
+    assert os.path.isdir(ws.top)
+    result = worktrees.purge_files(removed, logs=True, kept_worktrees=True)
+    assert result == {"logs_removed": 0, "worktrees_removed": [ws.top], "problems": []}
+    assert not os.path.isdir(ws.top) and str(ws.top) not in git(repo, "worktree", "list")
+    assert git(repo, "rev-parse", "--verify", "taskbridge/t_0001")

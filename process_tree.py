@@ -1,0 +1,104 @@
+"""Finding and ending process trees, shared by `worker.py` (OpenCode runs) and
+`claude_control_mcp.py` (`claude -p` calls).
+
+A process is identified by its pid *and* start time, so a recycled pid that now belongs to an
+unrelated program is never signalled. Ending a tree collects the descendants first (children
+that called setsid sit outside the process group), signals the group and each of them, waits a
+grace period, then SIGKILLs what is left. "Already gone" is never an error.
+
+Imports psutil and the standard library only; no SQL.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import Callable, Iterable
+
+import psutil
+
+_GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+
+
+def start_time(pid: int) -> float | None:
+    """The process's start time in Unix seconds (psutil ``create_time``), or None when gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except _GONE:
+        return None
+
+
+def same_process(pid: int | None, started: float | None, tolerance: float = 0.5) -> psutil.Process | None:
+    """The live process with this ``pid`` that started at ``started`` (seconds, within
+    ``tolerance``), or None: a pid reused by another program does not match."""
+    if not pid or started is None:
+        return None
+    try:
+        proc = psutil.Process(int(pid))
+        return proc if abs(proc.create_time() - float(started)) <= tolerance else None
+    except (*_GONE, ValueError):
+        return None
+
+
+def tagged_processes(tags: dict[str, str]) -> list[psutil.Process]:
+    """Live processes whose environment holds every ``tags`` key with its value (Linux reads
+    ``/proc/PID/environ``; processes we may not read are skipped). A run's tag is inherited by
+    every descendant, including those that left its process group."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (*_GONE, OSError):
+            continue
+        if all(env.get(key) == value for key, value in tags.items()):
+            found.append(proc)
+    return found
+
+
+def kill_tree(root: int | psutil.Process | None, grace: float,
+              stragglers: Callable[[], Iterable[psutil.Process]] | None = None) -> int:
+    """End ``root`` and everything it started; returns how many processes were signalled.
+
+    ``root``: our own child's pid (its process group is signalled even if it already exited,
+    since a group id cannot be reused while members remain), or a ``psutil.Process`` verified
+    with ``same_process``, or None. ``stragglers``: returns extra processes to end (e.g.
+    ``tagged_processes``); called before signalling and again after the grace period.
+    SIGTERM first, SIGKILL after ``grace`` seconds.
+    """
+    pgid, procs = _collect(root)
+    extra = list(stragglers()) if stragglers else []
+    procs.update({p.pid: p for p in extra})
+    procs.pop(os.getpid(), None)
+    _signal(pgid, procs.values(), signal.SIGTERM)
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
+    late = [p for p in (stragglers() if stragglers else []) if p.pid != os.getpid()]
+    _signal(pgid, [*alive, *late], signal.SIGKILL)
+    psutil.wait_procs([*alive, *late], timeout=2)
+    return len(procs)
+
+
+def _collect(root: int | psutil.Process | None) -> tuple[int | None, dict[int, psutil.Process]]:
+    if root is None:
+        return None, {}
+    pid = root if isinstance(root, int) else root.pid
+    procs: dict[int, psutil.Process] = {}
+    try:
+        proc = psutil.Process(pid) if isinstance(root, int) else root
+        procs[pid] = proc
+        procs.update({p.pid: p for p in proc.children(recursive=True)})
+    except _GONE:
+        pass
+    try:
+        leads_group = os.getpgid(pid) == pid
+    except (ProcessLookupError, PermissionError):
+        leads_group = isinstance(root, int)  # our exited child: its group may still hold members
+    return (pid if leads_group else None), procs
+
+
+def _signal(pgid: int | None, procs: Iterable[psutil.Process], sig: int) -> None:
+    if pgid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for proc in procs:
+        with contextlib.suppress(*_GONE):
+            proc.send_signal(sig)

@@ -1,0 +1,226 @@
+"""Git isolation for task runs: a worktree per task on branch ``taskbridge/t_0001`` outside
+the user's checkout, what changed in it (diff and files, untracked included), the commit on
+success, the revert for readonly tasks, and removal of kept worktrees.
+
+Shared by `worker.py` (runs), `tasks_cli.py` and `opencode_bridge_mcp.py` (clear_finished).
+Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``. No SQL here.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import task_store as store
+
+
+class Unrunnable(Exception):
+    """The task cannot run as given (missing directory, repo with no commits, detached HEAD):
+    fail at once, no retry. The message says what to do."""
+
+
+def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None) -> str:
+    """Run git; return stdout stripped. Raises RuntimeError with git's message when ``check``."""
+    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, env=env)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def worktree_root() -> Path:
+    """Where task worktrees live: ``$TASKBRIDGE_WORKTREE_ROOT`` or
+    ``~/.local/state/taskbridge/worktrees/<queue tag>`` — never inside the user's checkout."""
+    configured = os.environ.get("TASKBRIDGE_WORKTREE_ROOT")
+    if configured:
+        return Path(configured).expanduser().resolve()
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "taskbridge" / "worktrees" / store.queue_tag()
+
+
+@dataclass
+class Workspace:
+    """Where one attempt runs. ``mode``: ``worktree`` or ``in-place``."""
+    mode: str
+    cwd: str                       # the agent's working directory
+    top: str | None = None         # the worktree (or in-place repo) root
+    repo: str | None = None        # the user's repository root
+    branch: str | None = None
+    base_commit: str | None = None
+    note: str = ""
+    reused: bool = False
+
+
+def _repo_top(path: str) -> str | None:
+    top = git(["rev-parse", "--show-toplevel"], path, check=False)
+    return os.path.realpath(top) if top else None
+
+
+def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
+    """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
+    resuming after an answer), else in place. Raises Unrunnable with what to do."""
+    wd = task["working_dir"]
+    if not os.path.isdir(wd):
+        raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
+    top = _repo_top(wd)
+    if top is None:
+        return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
+    if not head:
+        raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
+                         "(git add -A && git commit -m init) and resubmit")
+    if not task["worktree"]:
+        return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
+                         note="worktree=false: ran in place in the user's checkout")
+    if not git(["symbolic-ref", "-q", "HEAD"], top, check=False):
+        raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
+    sub = os.path.relpath(wd, top)
+    path = worktree_root() / f"{Path(top).name}-{task['id']}"
+    branch = f"taskbridge/{task['id']}"
+    if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
+        return Workspace("worktree", str(path / sub), str(path), top, branch,
+                         task.get("base_commit") or head, reused=True)
+    base = task.get("base_commit") or head
+    _fresh_worktree(top, path, branch, base)
+    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base)
+
+
+def _is_registered(repo: str, path: Path) -> bool:
+    listing = git(["worktree", "list", "--porcelain"], repo, check=False)
+    return path.is_dir() and f"worktree {path}" in listing.splitlines()
+
+
+def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
+    """Create the worktree, recovering from a crash's leftovers first: a registered worktree
+    whose folder is gone, a folder nobody registered, a branch checked out at a vanished path."""
+    git(["worktree", "prune"], repo, check=False)
+    if _is_registered(repo, path):
+        git(["worktree", "remove", "--force", str(path)], repo, check=False)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+    git(["worktree", "prune"], repo, check=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
+
+
+def remove_worktree(ws: Workspace) -> None:
+    """Remove a task's worktree (the branch stays)."""
+    if ws.mode == "worktree" and ws.repo and ws.top:
+        git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
+        shutil.rmtree(ws.top, ignore_errors=True)
+        git(["worktree", "prune"], ws.repo, check=False)
+
+
+def observed_changes(ws: Workspace) -> tuple[list[str], str]:
+    """Files changed since the base commit and the diff, untracked files included, computed
+    with a throw-away index so neither the user's index nor the worktree's is touched."""
+    if not ws.top or not ws.base_commit:
+        return [], ""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        git(["read-tree", ws.base_commit], ws.top, env=env)
+        git(["add", "-A", "."], ws.top, env=env)
+        names = git(["diff", "--cached", "--name-only", ws.base_commit], ws.top, env=env)
+        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env)
+    return [n for n in names.splitlines() if n], diff
+
+
+def commit_changes(ws: Workspace, message: str) -> str | None:
+    """Commit everything in the worktree on the task branch; returns the commit id or None."""
+    if ws.mode != "worktree":
+        return None
+    git(["add", "-A", "."], ws.top)
+    if not git(["status", "--porcelain"], ws.top):
+        return None
+    identity = [] if git(["config", "user.email"], ws.top, check=False) else [
+        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
+    git([*identity, "commit", "-q", "--no-verify", "-m", message], ws.top)
+    return git(["rev-parse", "HEAD"], ws.top)
+
+
+def revert_changes(ws: Workspace, snapshot: dict[str, bytes] | None) -> list[str]:
+    """readonly: undo every change the run left. In a worktree, reset to the base commit and
+    remove new files; in place, restore from the pre-run snapshot. Returns the reverted files."""
+    if ws.mode == "worktree":
+        changed, _ = observed_changes(ws)
+        git(["reset", "-q", "--hard", ws.base_commit], ws.top)
+        git(["clean", "-q", "-fdx"], ws.top)
+        return changed
+    return restore_snapshot(ws.cwd, snapshot or {})
+
+
+SNAPSHOT_LIMIT_BYTES = 50 * 2**20
+
+
+def take_snapshot(root: str) -> dict[str, bytes] | None:
+    """Contents of every file under ``root`` (``.git`` excepted), or None past 50 MB."""
+    files: dict[str, bytes] = {}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            total += os.path.getsize(path)
+            if total > SNAPSHOT_LIMIT_BYTES:
+                return None
+            with open(path, "rb") as fh:
+                files[os.path.relpath(path, root)] = fh.read()
+    return files
+
+
+def restore_snapshot(root: str, snapshot: dict[str, bytes]) -> list[str]:
+    """Put ``root`` back as the snapshot saw it; returns the paths that differed."""
+    after = take_snapshot(root) or {}
+    reverted = []
+    for rel in sorted(set(after) | set(snapshot)):
+        if after.get(rel) == snapshot.get(rel):
+            continue
+        path = os.path.join(root, rel)
+        if rel in snapshot:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as fh:
+                fh.write(snapshot[rel])
+        else:
+            os.remove(path)
+        reverted.append(rel)
+    return reverted
+
+
+def remove_worktree_at(path: str) -> str | None:
+    """Remove a kept worktree by its path alone (``clear_finished``); its branch stays.
+    Returns None when removed or already gone, else what went wrong."""
+    if not os.path.isdir(path):
+        return None
+    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
+    if not common:
+        return f"{path}: not a git worktree any more; left in place"
+    try:
+        git(["--git-dir", common, "worktree", "remove", "--force", path], os.path.dirname(common))
+    except RuntimeError as exc:
+        return f"{path}: {str(exc)[:200]}"
+    return None
+
+
+def purge_files(removed: list[dict[str, Any]], logs: bool, kept_worktrees: bool) -> dict[str, Any]:
+    """After ``task_store.clear_finished``: delete the removed tasks' logs and/or kept worktrees
+    (branches always stay). Returns ``{"logs_removed": n, "worktrees_removed": [paths],
+    "problems": [text]}``."""
+    result: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "problems": []}
+    for task in removed:
+        if logs and Path(task["log"]).exists():
+            Path(task["log"]).unlink()
+            result["logs_removed"] += 1
+        if kept_worktrees and task.get("worktree_path") and os.path.isdir(task["worktree_path"]):
+            problem = remove_worktree_at(task["worktree_path"])
+            if problem:
+                result["problems"].append(problem)
+            else:
+                result["worktrees_removed"].append(task["worktree_path"])
+    return result
+
