@@ -337,23 +337,27 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     notes = store.take_notes(task["id"], marker)
     snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
     model = task["model"] or store.default_model()
-    session_note = None
+    run, session_note = _run_agent(task, ws, knobs, model, notes, resume)
+    return _conclude(task, ws, run, model, snapshot, session_note)
+
+
+def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
+               resume: bool) -> tuple[RunResult, str]:
+    """Resume the waiting session with the answer when it can; otherwise a new session whose
+    prompt carries the instructions (and, after a lost session, every question and answer)."""
     if resume and ws.reused:
         run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"])
-        if run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail):
-            session_note = "the earlier OpenCode session was gone; a new session got the history in its prompt"
-            run = None
-        else:
-            session_note = f"resumed OpenCode session {task['session_id']}"
+        if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
+            return run, f"resumed OpenCode session {task['session_id']}"
+        lost = "the earlier OpenCode session was gone"
     else:
-        run = None
-        if resume:
-            session_note = "the earlier worktree was gone; a new session got the history in its prompt"
-    if run is None:
-        history = store.get_task(task["id"])["questions"] if resume else []
-        all_notes = store.get_task(task["id"])["notes"] if resume else notes
-        run = _attempt(task, ws, knobs, model, build_prompt(task, ws, all_notes, history), None)
-    return _conclude(task, ws, run, model, snapshot, session_note)
+        lost = "the earlier worktree was gone"
+    if not resume:
+        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None), "new session"
+    current = store.get_task(task["id"])
+    prompt = build_prompt(task, ws, current["notes"], current["questions"])
+    return (_attempt(task, ws, knobs, model, prompt, None),
+            f"{lost}; a new session got the history in its prompt")
 
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
@@ -365,7 +369,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
 
 
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
-              snapshot: dict | None, session_note: str | None) -> dict[str, Any] | None:
+              snapshot: dict | None, session_note: str) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}")
@@ -421,9 +425,10 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
 
 
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
-                  files: list[str], reverted: list[str], session_note: str | None) -> dict[str, Any]:
+                  files: list[str], reverted: list[str], session_note: str) -> dict[str, Any]:
     """The receipt: what git and the event stream showed, beside what the agent says."""
     stream = run.stream
+    current = store.get_task(task["id"])
     if ws.mode == "in-place" and not ws.top:
         files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
                         if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
@@ -454,12 +459,12 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "base_commit": ws.base_commit,
         "worktree_path": ws.top if ws.mode == "worktree" else None,
         "session_id": stream.session_id,
-        "session": session_note or "new session",
+        "session": session_note,
         "exit_code": run.returncode,
         "agent_exited": run.agent_exited,
         "non_json_lines": stream.bad_lines,
-        "notes": [{"author": n["author"], "text": n["text"]} for n in store.get_task(task["id"])["notes"]],
-        "questions": store.get_task(task["id"])["questions"],
+        "notes": [{"author": n["author"], "text": n["text"]} for n in current["notes"]],
+        "questions": current["questions"],
     }
 
 
