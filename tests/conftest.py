@@ -1,7 +1,6 @@
 """Shared fixtures: every test gets its own database, log folder and worktree root."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

@@ -3,7 +3,6 @@ the Quick start is what CI runs."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

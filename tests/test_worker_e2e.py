@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import time
 
-import psutil
 import pytest
 
 import task_store

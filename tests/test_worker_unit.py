@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +13,7 @@ import opencode_runner as oc
 import task_store
 import worker
 import worktrees
-from helpers import ROOT, checkout_state, git, make_repo, run_script
+from helpers import checkout_state, git, make_repo, run_script
 
 
 def claimed(tmp_path, repo, **kw):
