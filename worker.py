@@ -3,6 +3,7 @@
     python worker.py            one pass: lock, reap, run every claimable task, exit
                                 (what launchd / the systemd timer fires every 60 s)
     python worker.py --watch    loop: picks new work up within a second, reaps every minute
+    --slots N                   run up to N tasks at once (each in its own worktree)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
@@ -11,7 +12,7 @@ lease renewed every second, and a receipt built from what git and the event stre
 
 Env (read at call time): TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
 TASKBRIDGE_WORKTREE_ROOT, WORKER_STALE_SEC, WORKER_INACTIVITY_SEC, WORKER_KILL_GRACE_SEC,
-WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC.
+WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC, WORKER_SLOTS.
 """
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +51,13 @@ end your message with a fenced question block instead, and stop:
 ```question
 your question, self-contained
 ```"""
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
 
 
 def _env_float(name: str, default: float) -> float:
@@ -219,7 +229,7 @@ class Supervisor:
                 store.renew_lease(self.task["id"], self.marker)
             except store.StaleAttempt as exc:
                 return self._end(str(exc), superseded=True)
-            store.write_worker_heartbeat({"task": self.task["id"], "marker": self.marker})
+            Beat.write()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
         if now > self.deadline:
@@ -533,9 +543,10 @@ def check_tools() -> str | None:
     return None
 
 
-def run_pass(watch: bool = False, max_tasks: int | None = None) -> int:
-    """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks. Returns the exit
-    code: 0 (also when another pass holds the lock), 1 when a required tool is missing."""
+def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) -> int:
+    """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks, up to ``slots`` at
+    once. Returns the exit code: 0 (also when another pass holds the lock), 1 when a required
+    tool is missing."""
     lock = filelock.FileLock(str(store.worker_lock_path()))
     try:
         lock.acquire(timeout=0)
@@ -545,56 +556,91 @@ def run_pass(watch: bool = False, max_tasks: int | None = None) -> int:
               f"(pid {holder.get('pid', '?')}); exiting", flush=True)
         return 0
     try:
-        return _loop(watch, max_tasks, Knobs())
+        return _loop(watch, max_tasks, Knobs(), slots)
     finally:
-        store.write_worker_heartbeat({"task": None, "state": "stopped"})
+        Beat.write("stopped")
         lock.release()
 
 
-def _loop(watch: bool, max_tasks: int | None, knobs: Knobs) -> int:
+class Beat:
+    """The worker heartbeat file: this process's state and the tasks it runs right now."""
+    lock = threading.Lock()
+    tasks: dict[str, str] = {}   # task id -> run marker
+    state = "starting"
+
+    @classmethod
+    def write(cls, state: str | None = None, **extra: Any) -> None:
+        with cls.lock:
+            cls.state = state or cls.state
+            ids = sorted(cls.tasks)
+            store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
+                                          "tasks": ids, **extra})
+
+    @classmethod
+    def running(cls, task: dict[str, Any], active: bool) -> None:
+        with cls.lock:
+            if active:
+                cls.tasks[task["id"]] = task["run_marker"]
+            else:
+                cls.tasks.pop(task["id"], None)
+        cls.write()
+
+
+def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
     problem = check_tools()
     if problem:
         log(problem)
-        store.write_worker_heartbeat({"task": None, "state": "error", "error": problem})
+        Beat.write("error", error=problem)
         return 1
     owner, pid, pid_start = worker_identity()
-    done, last_reap = 0, 0.0
-    while not Flags.stopping and (max_tasks is None or done < max_tasks):
-        if time.monotonic() - last_reap > (60 if watch else 0):
-            reap(knobs)
-            last_reap = time.monotonic()
-        store.write_worker_heartbeat({"task": None, "state": "idle" if watch else "pass"})
-        task = store.claim_next(owner, pid, pid_start)
-        if task is None:
-            if not watch:
+    started, last_reap, busy = 0, 0.0, set()
+    with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
+        while not Flags.stopping and (max_tasks is None or started < max_tasks):
+            busy = {f for f in busy if not f.done()}
+            if time.monotonic() - last_reap > (60 if watch else 0):
+                reap(knobs)
+                last_reap = time.monotonic()
+            Beat.write("running" if busy else "idle" if watch else "pass")
+            task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
+            if task is not None:
+                busy.add(pool.submit(_run_guarded, task, knobs))
+                started += 1
+            elif busy:
+                wait(busy, timeout=knobs.poll_sec, return_when=FIRST_COMPLETED)
+            elif watch:
+                time.sleep(knobs.poll_sec)
+            else:
                 break
-            time.sleep(knobs.poll_sec)
-            continue
-        store.write_worker_heartbeat({"task": task["id"], "marker": task["run_marker"], "state": "running"})
-        _run_guarded(task, knobs)
-        done += 1
+        wait(busy)  # first signal: the tasks in hand finish (a second one ends them at once)
     return 0
 
 
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
+    Beat.running(task, True)
     try:
         run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
         log(f"{task['id']}: internal error: {traceback.format_exc()}")
         _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
+    finally:
+        Beat.running(task, False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--watch", action="store_true", help="loop, picking new work up within a second")
-    parser.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks")
+    parser.add_argument("--max-tasks", type=int, default=None, help="stop after starting this many tasks")
+    parser.add_argument("--slots", type=int, default=_env_int("WORKER_SLOTS", 1),
+                        help="how many tasks run at once (default $WORKER_SLOTS or 1)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        return run_pass(watch=args.watch, max_tasks=args.max_tasks)
+        if not 1 <= args.slots <= 16:
+            parser.error(f"--slots must be from 1 to 16; got {args.slots}")
+        return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
     except store.TaskStoreError as exc:
         log(f"error: {exc}")
         return 1

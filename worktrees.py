@@ -11,11 +11,17 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import task_store as store
+
+
+# Worker slots run in threads: git's worktree bookkeeping (add, remove, prune) is not safe to run
+# concurrently on one repository, so those steps take this lock.
+_ADMIN = threading.Lock()
 
 
 class Unrunnable(Exception):
@@ -97,22 +103,24 @@ def _is_registered(repo: str, path: Path) -> bool:
 def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
     """Create the worktree, recovering from a crash's leftovers first: a registered worktree
     whose folder is gone, a folder nobody registered, a branch checked out at a vanished path."""
-    git(["worktree", "prune"], repo, check=False)
-    if _is_registered(repo, path):
-        git(["worktree", "remove", "--force", str(path)], repo, check=False)
-    if path.exists():
-        shutil.rmtree(path, ignore_errors=True)
-    git(["worktree", "prune"], repo, check=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
+    with _ADMIN:
+        git(["worktree", "prune"], repo, check=False)
+        if _is_registered(repo, path):
+            git(["worktree", "remove", "--force", str(path)], repo, check=False)
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        git(["worktree", "prune"], repo, check=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
 
 
 def remove_worktree(ws: Workspace) -> None:
     """Remove a task's worktree (the branch stays)."""
     if ws.mode == "worktree" and ws.repo and ws.top:
-        git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
-        shutil.rmtree(ws.top, ignore_errors=True)
-        git(["worktree", "prune"], ws.repo, check=False)
+        with _ADMIN:
+            git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
+            shutil.rmtree(ws.top, ignore_errors=True)
+            git(["worktree", "prune"], ws.repo, check=False)
 
 
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:

@@ -184,3 +184,25 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     assert not psutil.pid_exists(running["agent_pid"]) or \
         psutil.Process(running["agent_pid"]).status() == psutil.STATUS_ZOMBIE
     assert tagged() == []
+
+
+def test_slots_run_tasks_side_by_side(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("slow", [hang()])
+    tasks = [task_store.submit_task(title=f"slow {i}", instructions="SCRIPT:slow", working_dir=str(repo),
+                                    timeout_sec=6, max_retries=0) for i in range(2)]
+    started = time.monotonic()
+    result = run_script("worker.py", "--slots", "2")
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr
+    finals = [task_store.get_task(t["id"]) for t in tasks]
+    assert all(f["status"] == "failed" and "timed out after 6 s" in f["error"] for f in finals), finals
+    assert elapsed < 6 * 2, "two 6 s timeouts in one pass ran side by side"
+    first, second = sorted(finals, key=lambda f: f["started_at"])
+    assert second["started_at"] < first["finished_at"]
+    assert tagged() == []
+
+
+def test_bad_slots_value_is_refused(tmp_path):
+    result = run_script("worker.py", "--slots", "0")
+    assert result.returncode == 2 and "--slots must be from 1 to 16" in result.stderr
