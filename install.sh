@@ -44,10 +44,12 @@ if [ "$want_test" = 1 ]; then
   # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
   # exact versions in package.json and the lock present, `npm install` installs the locked tree.
   npm install --no-audit --no-fund --loglevel=error >&2
-elif [ ! -x node_modules/.bin/opencode ]; then
-  say "installing the pinned opencode into node_modules/"
+elif [ ! -x node_modules/.bin/opencode ] && [ ! -x .taskbridge/opencode/node_modules/.bin/opencode ]; then
+  # Only opencode (not the test binaries package.json also pins), in a folder of its own.
+  say "installing the pinned opencode into .taskbridge/opencode/"
   version=$(.venv/bin/python -c 'import json; print(json.load(open("package.json"))["dependencies"]["opencode-ai"])')
-  npm install --no-save --no-audit --no-fund --loglevel=error "opencode-ai@$version" >&2
+  npm install --no-save --no-audit --no-fund --loglevel=error --prefix "$here/.taskbridge/opencode" \
+    "opencode-ai@$version" >&2
 fi
 
 token_file="${MCP_TOKEN_FILE:-$here/.taskbridge/token}"

@@ -48,14 +48,18 @@ class OpencodeNotFound(RuntimeError):
 
 def opencode_bin() -> str:
     """The absolute path of the opencode binary: ``$OPENCODE_BIN``, else ``opencode`` on PATH,
-    else the pinned copy that install.sh puts in ``<repo>/node_modules/.bin``.
+    else the pinned copy install.sh put in ``<repo>/node_modules`` (``--test``) or
+    ``<repo>/.taskbridge/opencode/node_modules``.
 
     Raises OpencodeNotFound with a message naming PATH and OPENCODE_BIN (launchd's PATH is bare).
     """
     wanted = os.environ.get("OPENCODE_BIN") or "opencode"
     found = shutil.which(wanted)
-    if not found and not os.environ.get("OPENCODE_BIN"):
-        found = shutil.which(str(Path(__file__).resolve().parent / "node_modules" / ".bin" / "opencode"))
+    repo = Path(__file__).resolve().parent
+    for pinned in (repo / "node_modules", repo / ".taskbridge" / "opencode" / "node_modules"):
+        if found or os.environ.get("OPENCODE_BIN"):
+            break
+        found = shutil.which(str(pinned / ".bin" / "opencode"))
     if not found:
         raise OpencodeNotFound(
             f"opencode binary {wanted!r} not found (PATH={os.environ.get('PATH', '')}); install it "

@@ -42,6 +42,7 @@ PRIORITY_RANGE = (-1000, 1000)
 BATCH_MAX = 20
 RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
+MAX_ID = 2**63 - 1  # SQLite's INTEGER range
 TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d+)\s*$", re.IGNORECASE)
 
 
@@ -83,8 +84,15 @@ def db_path() -> Path:
 
 
 def log_dir() -> Path:
-    """The folder of per-task logs: ``$TASK_LOG_DIR`` or ``<repo>/task_logs``."""
-    return Path(os.environ.get("TASK_LOG_DIR") or REPO_DIR / "task_logs").expanduser().resolve()
+    """The folder of per-task logs: ``$TASK_LOG_DIR``; else ``<repo>/task_logs`` for the default
+    database, or ``<db folder>/<db name>_logs`` beside a ``$TASK_DB_PATH`` (two queues never share
+    log files)."""
+    if os.environ.get("TASK_LOG_DIR"):
+        return Path(os.environ["TASK_LOG_DIR"]).expanduser().resolve()
+    if not os.environ.get("TASK_DB_PATH"):
+        return REPO_DIR / "task_logs"
+    path = db_path()
+    return path.with_name(f"{path.stem}_logs")
 
 
 def log_path(task_id: int | str) -> Path:
@@ -113,16 +121,17 @@ def parse_task_id(value: Any) -> int:
 
     Raises ValidationError for anything else (the message shows the accepted shapes).
     """
+    shown = value
     if isinstance(value, bool):
         raise ValidationError(f"task id {value!r} is not valid; use t_0001, 0001 or 1")
-    if isinstance(value, int):
-        if value > 0:
-            return value
-    elif isinstance(value, str):
+    if isinstance(value, str):
         match = TASK_ID_RE.match(value)
-        if match and int(match.group(1)) > 0:
-            return int(match.group(1))
-    raise ValidationError(f"task id {value!r} is not valid; use t_0001, 0001 or 1")
+        value = int(match.group(1)) if match else None
+    if isinstance(value, int) and 0 < value <= MAX_ID:
+        return value
+    if isinstance(value, int) and value > MAX_ID:
+        raise ValidationError(f"task id {value} is too large (ids go up to {MAX_ID}); use t_0001, 0001 or 1")
+    raise ValidationError(f"task id {shown!r} is not valid; use t_0001, 0001 or 1")
 
 
 def now() -> float:
@@ -419,6 +428,8 @@ def validate_working_dir(value: Any) -> str:
     """An absolute path to an existing directory, normalised. Raises ValidationError otherwise."""
     if not isinstance(value, str) or not value.strip():
         raise ValidationError("working_dir must be an absolute path to an existing directory")
+    if "\x00" in value:
+        raise ValidationError("working_dir contains a NUL character; give a plain absolute path")
     if not os.path.isabs(value):
         raise ValidationError(
             f"working_dir {value!r} is relative; give an absolute path such as /home/me/project"
@@ -455,7 +466,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     if permission not in PERMISSIONS:
         raise ValidationError(f"permission {permission!r} is not one of {', '.join(PERMISSIONS)}")
     agent = optional(raw.get("agent"))
-    if agent is not None and (not isinstance(agent, str) or not re.fullmatch(r"[\w.\-]{1,64}", agent)):
+    if agent is not None and (not isinstance(agent, str) or not re.fullmatch(r"[A-Za-z0-9_][\w.\-]{0,63}", agent)):
         raise ValidationError(f"agent {agent!r} must be an OpenCode agent name such as build or plan")
     key = optional(raw.get("idempotency_key"))
     if key is not None:
@@ -1022,6 +1033,14 @@ def stale_leases(stale_after_sec: float, slack_sec: float = 60) -> list[dict[str
     return [task_dict(r) for r in rows]
 
 
+def running_leases() -> list[dict[str, Any]]:
+    """Every running task with its lease (owner, pid and pid start time, run marker): the reaper
+    also requeues one whose worker process on this host is gone, without waiting for staleness."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT * FROM tasks WHERE status = 'running' ORDER BY id").fetchall()
+    return [task_dict(r) for r in rows]
+
+
 def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
     """Cancel a pending, waiting or running task (a running attempt is fenced off at once; its
     worker notices at its next lease renewal, about a second, and kills the run). Dependents fail,
@@ -1141,6 +1160,7 @@ def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: 
     """Events with id > ``cursor`` (oldest first, at most ``limit``), optionally only for the
     given tasks. Each: ``{id, task_id, ts, kind, message}``."""
     limit = coerce_int("limit", limit, 1, 10_000)
+    cursor = coerce_int("cursor", cursor, 0, MAX_ID)
     with _reading() as conn:
         if task_ids is None:
             rows = conn.execute(

@@ -23,6 +23,7 @@ import selectors
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -510,19 +511,32 @@ def _applescript(text: str) -> str:
 
 
 def reap(knobs: Knobs) -> int:
-    """Requeue (or fail, when retries are spent) every running task whose lease is stale, after
-    killing its orphaned processes (identified by pid *and* start time, and by the run marker
-    tag). Fenced: each stale attempt is requeued exactly once. Returns how many were reaped."""
+    """Requeue (or fail, when retries are spent) every running task whose lease is dead: its
+    heartbeat is older than the stale limit, or it ran past its timeout, or the worker process
+    on this host that holds it is gone (pid *and* start time checked). Its orphaned processes
+    are killed first (the agent by pid and start time, the rest by the run marker tag). Fenced:
+    each attempt is requeued exactly once. Returns how many were reaped."""
     reaped = 0
-    for task in store.stale_leases(knobs.stale_sec):
+    for task, why in _dead_leases(knobs):
         agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
         process_tree.kill_tree(agent, knobs.kill_grace_sec, run_stragglers(task["run_marker"], store.queue_tag()))
-        reason = (f"lease of attempt {task['run_marker']} went stale (no heartbeat since "
-                  f"{task['heartbeat_at']}); its worker is gone")
+        reason = f"lease of attempt {task['run_marker']} ended: {why}"
         if _finish(store.requeue_attempt, task, task["run_marker"], reason):
             reaped += 1
             log(f"reaped {task['id']}: {reason}")
     return reaped
+
+
+def _dead_leases(knobs: Knobs) -> list[tuple[dict[str, Any], str]]:
+    dead = {t["id"]: (t, f"no heartbeat since {t['heartbeat_at']} or past its timeout")
+            for t in store.stale_leases(knobs.stale_sec)}
+    ours = f"worker:{socket.gethostname()}:"
+    for task in store.running_leases():
+        owner = task["lease_owner"] or ""
+        if task["id"] not in dead and owner.startswith(ours) and \
+                not process_tree.same_process(task["lease_pid"], task["lease_pid_start"]):
+            dead[task["id"]] = (task, f"its worker (pid {task['lease_pid']}) is gone")
+    return list(dead.values())
 
 
 def worker_identity() -> tuple[str, int, float]:
@@ -531,15 +545,24 @@ def worker_identity() -> tuple[str, int, float]:
     return f"worker:{socket.gethostname()}:{me.pid}", me.pid, me.create_time()
 
 
-def check_tools() -> str | None:
-    """None when opencode and git are reachable, else what is missing and how to fix it
-    (launchd's PATH is bare: /usr/bin:/bin:/usr/sbin:/sbin)."""
+def preflight() -> str | None:
+    """None when a pass can run; else what is missing and how to fix it, said before anything is
+    claimed: the opencode and git binaries (launchd's PATH is bare: /usr/bin:/bin:/usr/sbin:/sbin)
+    and the log and worktree folders."""
     try:
         oc.opencode_bin()
     except oc.OpencodeNotFound as exc:
         return str(exc)
     if not shutil.which("git"):
         return f"git not found on PATH ({os.environ.get('PATH', '')}); install git or fix PATH"
+    for what, folder, knob in (("log folder", store.log_dir(), "TASK_LOG_DIR"),
+                               ("worktree folder", worktrees.worktree_root(), "TASKBRIDGE_WORKTREE_ROOT")):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"the {what} {folder} cannot be created ({exc.strerror}); point {knob} at a writable folder"
+        if not os.access(folder, os.W_OK):
+            return f"the {what} {folder} is not writable; point {knob} at a writable folder"
     return None
 
 
@@ -556,6 +579,7 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               f"(pid {holder.get('pid', '?')}); exiting", flush=True)
         return 0
     try:
+        Beat.write("starting")
         return _loop(watch, max_tasks, Knobs(), slots)
     finally:
         Beat.write("stopped")
@@ -587,7 +611,7 @@ class Beat:
 
 
 def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
-    problem = check_tools()
+    problem = preflight()
     if problem:
         log(problem)
         Beat.write("error", error=problem)
@@ -643,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
     except store.TaskStoreError as exc:
         log(f"error: {exc}")
+        return 1
+    except (sqlite3.Error, OSError) as exc:
+        log(f"error: cannot use the queue database {store.db_path()}: {exc}; check TASK_DB_PATH "
+            "(a readable, writable SQLite file and folder)")
         return 1
 
 

@@ -86,13 +86,32 @@ def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
         raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
     sub = os.path.relpath(wd, top)
     path = worktree_root() / f"{Path(top).name}-{task['id']}"
-    branch = f"taskbridge/{task['id']}"
-    if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
-        return Workspace("worktree", str(path / sub), str(path), top, branch,
-                         task.get("base_commit") or head, reused=True)
     base = task.get("base_commit") or head
-    _fresh_worktree(top, path, branch, base)
+    if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
+        return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
+                         task.get("branch") or f"taskbridge/{task['id']}", base, reused=True)
+    branch = _fresh_worktree(top, path, task, base)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base)
+
+
+def _branch_tip(repo: str, branch: str) -> str:
+    return git(["rev-parse", "--verify", "-q", f"refs/heads/{branch}"], repo, check=False)
+
+
+def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
+    """The branch for a fresh attempt. The task's own branch from an earlier attempt is reused
+    while it still points at the base commit (nothing was committed on it); otherwise the first
+    of ``taskbridge/t_0001``, ``taskbridge/t_0001-<queue>``, ``…-<queue>-2``, … that does not
+    exist. An existing branch with other work on it (another queue's task t_0001, say) is never
+    reset."""
+    own = task.get("branch")
+    if own and _branch_tip(repo, own) in ("", base):
+        return own
+    name, queue = f"taskbridge/{task['id']}", store.queue_tag()
+    for candidate in [name, f"{name}-{queue}", *(f"{name}-{queue}-{n}" for n in range(2, 100))]:
+        if not _branch_tip(repo, candidate):
+            return candidate
+    raise Unrunnable(f"{repo} already has 100 branches named {name}-*; delete old ones and resubmit")
 
 
 def _is_registered(repo: str, path: Path) -> bool:
@@ -100,9 +119,10 @@ def _is_registered(repo: str, path: Path) -> bool:
     return path.is_dir() and f"worktree {path}" in listing.splitlines()
 
 
-def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
-    """Create the worktree, recovering from a crash's leftovers first: a registered worktree
-    whose folder is gone, a folder nobody registered, a branch checked out at a vanished path."""
+def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
+    """Create the worktree on a free branch (returned), recovering from a crash's leftovers
+    first: a registered worktree whose folder is gone, a folder nobody registered, a branch
+    checked out at a vanished path."""
     with _ADMIN:
         git(["worktree", "prune"], repo, check=False)
         if _is_registered(repo, path):
@@ -111,7 +131,9 @@ def _fresh_worktree(repo: str, path: Path, branch: str, base: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        git(["worktree", "add", "-f", "-B", branch, str(path), base], repo)
+        branch = _free_branch(repo, task, base)
+        git(["worktree", "add", "-B", branch, str(path), base], repo)
+        return branch
 
 
 def remove_worktree(ws: Workspace) -> None:

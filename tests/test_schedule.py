@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import plistlib
+import shlex
 import sys
 from pathlib import Path
 
@@ -57,8 +58,8 @@ def test_systemd_timer_written_and_enabled(fake_bins, tmp_path, monkeypatch):
     monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
     schedule.install()
     service = (tmp_path / "units" / "taskbridge-worker.service").read_text()
-    assert f"ExecStart={sys.executable} {ROOT / 'worker.py'}" in service
-    assert f"Environment=OPENCODE_BIN={bins / 'opencode'}" in service
+    assert f'ExecStart="{sys.executable}" "{ROOT / "worker.py"}"' in service
+    assert f'Environment="OPENCODE_BIN={bins / "opencode"}"' in service
     assert "OnUnitActiveSec=60" in (tmp_path / "units" / "taskbridge-worker.timer").read_text()
     assert "enable --now taskbridge-worker.timer" in calls.read_text()
     schedule.uninstall()
@@ -72,3 +73,19 @@ def test_missing_opencode_is_said_before_anything_is_written(tmp_path, monkeypat
     assert schedule.main(["install"]) == 1
     assert "OPENCODE_BIN" in capsys.readouterr().err
     assert not (tmp_path / "units").exists()
+
+
+def test_paths_with_spaces_and_markup_survive_every_format(fake_bins, tmp_path, monkeypatch):
+    odd = tmp_path / "my proj & <q>"
+    odd.mkdir()
+    monkeypatch.setenv("TASK_DB_PATH", str(odd / "tasks.db"))
+    monkeypatch.delenv("TASK_LOG_DIR")
+    monkeypatch.setenv("WORKER_MODEL", "anthropic/claude-sonnet-4-5")
+    monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(odd / "wt"))
+    env = plistlib.loads(schedule.plist())["EnvironmentVariables"]
+    assert env["TASK_DB_PATH"] == str(odd / "tasks.db") and env["WORKER_MODEL"] == "anthropic/claude-sonnet-4-5"
+    assert env["TASKBRIDGE_WORKTREE_ROOT"] == str(odd / "wt")
+    assert f'Environment="TASK_DB_PATH={odd / "tasks.db"}"' in schedule.service_unit()
+    words = shlex.split(schedule.cron_line().split(" ", 5)[5])
+    assert f"TASK_DB_PATH={odd / 'tasks.db'}" in words and f"TASK_LOG_DIR={odd / 'tasks_logs'}" in words
+    assert "WORKER_MODEL=anthropic/claude-sonnet-4-5" in words

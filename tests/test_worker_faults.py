@@ -65,20 +65,36 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert agent.is_running(), "the orphaned agent outlives its worker until the reaper comes"
-    monkeypatch.setenv("WORKER_STALE_SEC", "1")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
-    assert worker.reap(worker.Knobs()) == 0, "a fresh lease is not stale"
-    time.sleep(1.5)
+    # The default stale limit is 15 min, but the lease's worker (pid + start time) is gone.
     assert worker.reap(worker.Knobs()) == 1
     assert worker.reap(worker.Knobs()) == 0
     after = task_store.get_task(task["id"])
-    assert after["status"] == "pending" and "went stale" in after["error"]
+    assert after["status"] == "pending" and f"its worker (pid {proc.pid}) is gone" in after["error"]
     kinds = [e["kind"] for e in task_store.events_since(0, [task["id"]])]
     assert kinds.count("requeued") == 1
     assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
     assert tagged() == []
     with pytest.raises(task_store.StaleAttempt):
         task_store.complete_attempt(task["id"], running["run_marker"], result={"summary": "late"})
+
+
+def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(tmp_path, monkeypatch):
+    task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
+    task_store.claim_next("worker:another-host:4242", pid=4242, pid_start=1.0)
+    assert worker.reap(worker.Knobs()) == 0, "a live heartbeat from another host is respected"
+    monkeypatch.setenv("WORKER_STALE_SEC", "1")
+    time.sleep(1.2)
+    assert worker.reap(worker.Knobs()) == 1
+    assert "no heartbeat since" in task_store.get_task(task["id"])["error"]
+
+
+def test_a_live_workers_lease_is_not_reaped(tmp_path):
+    task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
+    owner, pid, start = worker.worker_identity()
+    task_store.claim_next(owner, pid, start)
+    assert worker.reap(worker.Knobs()) == 0
+    assert task_store.get_task("t_0001")["status"] == "running"
 
 
 def test_reaper_never_signals_a_recycled_pid(tmp_path, monkeypatch):

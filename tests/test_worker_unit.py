@@ -85,6 +85,7 @@ def test_worktree_leftovers_from_a_crash_are_recovered(tmp_path, leftover):
     if leftover == "unregistered-folder":
         path.mkdir()
         (path / "junk.txt").write_text("from the crashed attempt")
+    task = dict(task, branch="taskbridge/t_0001")  # recorded by the crashed attempt
     ws = worktrees.prepare_workspace(task, resume=False)
     assert ws.top == str(path) and (path / "README.md").exists() and not (path / "junk.txt").exists()
     assert git(path, "rev-parse", "--abbrev-ref", "HEAD") == "taskbridge/t_0001"
@@ -207,3 +208,76 @@ def test_clear_can_remove_a_kept_worktree_and_keeps_the_branch(tmp_path):
     assert result == {"logs_removed": 0, "worktrees_removed": [ws.top], "problems": []}
     assert not os.path.isdir(ws.top) and str(ws.top) not in git(repo, "worktree", "list")
     assert git(repo, "rev-parse", "--verify", "taskbridge/t_0001")
+
+
+def test_another_queues_finished_branch_is_never_reset(tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    first = claimed(tmp_path, repo)
+    ws = worktrees.prepare_workspace(first, resume=False)
+    (tmp_path / "worktrees" / "repo-t_0001" / "a.txt").write_text("queue A's work\n")
+    commit_a = worktrees.commit_changes(ws, "queue A")
+    # A second queue (another database) also has a task t_0001 on the same repository.
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "other" / "tasks.db"))
+    monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "other-worktrees"))
+    second = claimed(tmp_path, repo)
+    assert second["id"] == "t_0001"
+    ws_b = worktrees.prepare_workspace(second, resume=False)
+    assert ws_b.branch == f"taskbridge/t_0001-{task_store.queue_tag()}"
+    assert git(repo, "rev-parse", "taskbridge/t_0001") == commit_a
+    # A retry of the same task reuses its own branch while nothing was committed on it.
+    task_store.renew_lease(second["id"], second["run_marker"], branch=ws_b.branch)
+    retry = dict(task_store.get_task(second["id"]), run_marker=second["run_marker"])
+    assert worktrees.prepare_workspace(retry, resume=False).branch == ws_b.branch
+
+
+@pytest.mark.parametrize("breakage", ["corrupt", "directory"])
+def test_a_broken_database_is_named_without_a_traceback(tmp_path, breakage):
+    db = tmp_path / "broken.db"
+    if breakage == "corrupt":
+        db.write_bytes(b"this is not a database" * 100)
+    else:
+        db.mkdir()
+    result = run_script("worker.py", env=dict(os.environ, TASK_DB_PATH=str(db)))
+    assert result.returncode == 1
+    assert f"cannot use the queue database {db}" in result.stderr and "TASK_DB_PATH" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("knob", ["TASK_LOG_DIR", "TASKBRIDGE_WORKTREE_ROOT"])
+def test_an_unusable_folder_is_said_before_claiming(tmp_path, knob):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    result = run_script("worker.py", env=dict(os.environ, **{knob: str(blocker / "sub")}))
+    assert result.returncode == 1 and knob in result.stderr and "Traceback" not in result.stderr
+    task = task_store.get_task("t_0001")
+    assert task["status"] == "pending" and task["attempts"] == 0
+
+
+def test_queues_do_not_share_log_files_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("TASK_LOG_DIR")
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "qa.db"))
+    first = task_store.log_path(1)
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "qb.db"))
+    assert task_store.log_path(1) != first and first.parent.name == "qa_logs"
+    monkeypatch.delenv("TASK_DB_PATH")
+    assert task_store.log_dir() == task_store.REPO_DIR / "task_logs"
+
+
+@pytest.mark.parametrize("agent", ["--version", "-s", "--share", "a b", "x" * 65])
+def test_an_agent_name_can_never_become_an_option(tmp_path, agent):
+    with pytest.raises(task_store.ValidationError, match="agent"):
+        task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path), agent=agent)
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999", 2**63, "t_99999999999999999999"])
+def test_huge_task_ids_are_refused_clearly(value):
+    with pytest.raises(task_store.ValidationError, match="too large"):
+        task_store.get_task(value)
+    with pytest.raises(task_store.ValidationError, match="cursor"):
+        task_store.events_since(2**64)
+
+
+def test_nul_in_working_dir_is_refused(tmp_path):
+    with pytest.raises(task_store.ValidationError, match="NUL"):
+        task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path) + "\x00x")
