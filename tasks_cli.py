@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sqlite3
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,6 +37,9 @@ ORIGIN_NAME = "tasks_cli"
 FOLLOW_POLL_SEC = 0.5  # how often `logs --follow` looks for new lines and the task's status
 STALE_WORKER_SEC = 180  # the worker fires every 60 s; a heartbeat older than this is worth a hint
 FINISHED = set(task_store.TERMINAL)
+OLDER_THAN_MAX_SEC = 100 * 365 * 86_400  # `clear --older-than`: a century is the most that means anything
+PAGE_OFFSET_MAX = 10**9  # task_store.list_tasks refuses a larger offset
+TAIL_MAX = 10**9  # `logs --tail`: more lines than any log holds
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +60,8 @@ class CliError(click.ClickException):
     """A refusal shown to the person on stderr (exit 1); the message names the way out."""
 
     def show(self, file: Any = None) -> None:
-        err().print(Text(f"Error: {self.format_message()}", style="red"), soft_wrap=True)
+        # Store messages may quote task text (titles, owners), so they are made visible too.
+        err().print(Text(f"Error: {visible(self.format_message())}", style="red"), soft_wrap=True)
 
 
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
@@ -88,8 +93,14 @@ class TaskGroup(click.Group):
 
 
 def emit_json(value: Any) -> None:
-    """Print ``value`` as indented JSON on stdout (for scripts)."""
-    click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    """Print ``value`` as indented JSON on stdout (for scripts); it decodes to the exact stored text.
+
+    json.dumps escapes C0 controls itself but, with ensure_ascii off, leaves DEL, C1 (0x9b is a
+    one-byte CSI) and the bidi overrides raw; they can only sit inside strings, so they become
+    ``\\uXXXX`` escapes there and the JSON stays exact and terminal-safe.
+    """
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    click.echo(CONTROL_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
 
 
 def person(name: str | None = None) -> str:
@@ -104,6 +115,51 @@ def _login_name() -> str:
         return getpass.getuser()
     except (OSError, KeyError):
         return "person"
+
+
+# --------------------------------------------------------------------------------------------
+# Terminal safety: task text comes from planners, agents and repositories, so it never reaches the
+# terminal raw. An ESC in a title could otherwise clear the screen or retitle the window (OSC).
+
+# C0 controls, DEL, C1 controls (0x9b is a one-byte CSI), and the bidi overrides and isolates that
+# reorder what is shown ("Trojan Source").
+CONTROL_CHARS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+CONTROL_RE = re.compile(f"[{CONTROL_CHARS}]")
+CONTROL_OR_BREAK_RE = re.compile(rf"[{CONTROL_CHARS}\t\n]")
+
+
+def escape_char(match: re.Match) -> str:
+    """One control character as a visible escape: ``\\x1b``, ``\\n``, ``\\u202e``."""
+    code = ord(match.group())
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return named.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def visible(value: Any, *, multiline: bool = True) -> str:
+    """``value`` as text that is safe to print on a terminal.
+
+    Every C0/C1 control character, DEL and the bidi overrides become visible escapes (ESC is
+    shown as ``\\x1b``), so the text cannot move the cursor, clear the screen, retitle the window
+    or reorder itself. With ``multiline`` newline and tab stay (instructions, notes, errors); for
+    one-line fields (titles, names, paths) they are escaped too (CRLF in multi-line text is read
+    as a line break). The stored text is unchanged;
+    ``--json`` prints it exactly.
+    """
+    text = "" if value is None else str(value)
+    if multiline:
+        return CONTROL_RE.sub(escape_char, text.replace("\r\n", "\n"))
+    return CONTROL_OR_BREAK_RE.sub(escape_char, text)
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is a terminal (``logs`` and ``show --diff`` print exactly into pipes)."""
+    return sys.stdout.isatty()
+
+
+def raw_or_visible(text: str) -> str:
+    """Log and diff text: exact when piped or redirected, control characters made visible on a
+    terminal (the way ``ls`` hides them only on a terminal)."""
+    return visible(text) if stdout_is_terminal() else text
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +198,13 @@ def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         return task_store.validate_model(value)
     except task_store.ValidationError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+def finite_arg(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """Refuse ``nan``, which passes click's FloatRange (every comparison with it is false)."""
+    if value is not None and value != value:
+        raise click.BadParameter("nan is not a number of seconds; give one like 3600")
+    return value
 
 
 def db_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
@@ -197,12 +260,20 @@ def status_text(status: str) -> Text:
 
 
 def plain(value: Any) -> Text:
-    """Any value as literal text: never parsed as rich markup (titles may contain brackets)."""
+    """Any value as literal, terminal-safe text: never parsed as rich markup (titles may contain
+    brackets), control characters made visible. A list shows one item a line (each on one line)."""
     if value is None or value == "" or value == []:
         return Text("-", style="dim")
     if isinstance(value, (list, tuple)):
-        return Text("\n".join(flat(v) for v in value))
-    return Text(flat(value))
+        return Text("\n".join(visible(flat(v), multiline=False) for v in value))
+    return Text(visible(flat(value)))
+
+
+def line(value: Any, style: str = "") -> Text | None:
+    """A one-line field (title, name, path) as terminal-safe text; None when empty (row left out)."""
+    if value is None or value == "":
+        return None
+    return Text(visible(flat(value), multiline=False), style=style)
 
 
 def flat(value: Any) -> str:
@@ -236,10 +307,36 @@ def tasks_table(tasks: list[dict[str, Any]]) -> Table:
         detail = task.get("question") if task["status"] == "waiting" else task.get("error")
         table.add_row(
             Text(task["id"]), status_text(task["status"]), Text(str(task["priority"])),
-            Text(task["title"]), Text(f"{task['attempts']}/{task['max_retries'] + 1}"),
-            Text(origin_of(task)), Text(ago(task.get("created_at"))), Text(short(detail)),
+            line(task["title"]), Text(tries_cell(task)), line(origin_of(task)),
+            Text(ago(task.get("created_at"))), Text(visible(short(detail), multiline=False)),
         )
     return table
+
+
+def tries_cell(task: dict[str, Any]) -> str:
+    """``counted/allowed`` attempts for the list table, hand-backs (which do not count) as ``+N``.
+
+    A listing row without ``handbacks`` shows the bare attempt number once it passes the allowed
+    count, rather than an impossible ``3/2``.
+    """
+    allowed, attempts, handbacks = task["max_retries"] + 1, task["attempts"], task.get("handbacks")
+    if handbacks is None:
+        return f"{attempts}/{allowed}" if attempts <= allowed else str(attempts)
+    return f"{attempts - handbacks}/{allowed}" + (f" +{handbacks}" if handbacks else "")
+
+
+def attempts_text(task: dict[str, Any]) -> str:
+    """``attempt 3 (1 hand-back, which does not count); retries allowed 2`` for ``show``.
+
+    The store allows another try while ``attempts - handbacks <= max_retries``: a hand-back (the
+    worker stopping, not the task failing) keeps its attempt number but spends no retry.
+    """
+    attempts, handbacks = task["attempts"], task.get("handbacks") or 0
+    text = f"attempt {attempts}" if attempts else "not started yet"
+    if handbacks:
+        text += " (1 hand-back, which does not count)" if handbacks == 1 else \
+            f" ({handbacks} hand-backs, which do not count)"
+    return f"{text}; retries allowed {task['max_retries']}"
 
 
 def page_footer(page: dict[str, Any]) -> str:
@@ -258,7 +355,8 @@ def fields_table(rows: Iterable[tuple[str, Any]], title: str | None = None) -> T
     table.add_column(overflow="fold")
     for key, value in rows:
         if value not in (None, "", [], {}):
-            table.add_row(key, value if isinstance(value, Text) else plain(value))
+            # Keys can come from a receipt or the heartbeat file: literal and visible too.
+            table.add_row(line(key), value if isinstance(value, Text) else plain(value))
     return table
 
 
@@ -270,14 +368,14 @@ def when(value: str | None) -> str | None:
 def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """The task's identity, settings and timing."""
     return [
-        ("id", task["id"]), ("title", task["title"]), ("status", status_text(task["status"])),
-        ("working dir", task["working_dir"]), ("model", task["model"] or "(default at claim)"),
-        ("agent", task["agent"]), ("priority", task["priority"]), ("permission", task["permission"]),
+        ("id", task["id"]), ("title", line(task["title"])), ("status", status_text(task["status"])),
+        ("working dir", line(task["working_dir"])), ("model", line(task["model"] or "(default at claim)")),
+        ("agent", line(task["agent"])), ("priority", task["priority"]), ("permission", task["permission"]),
         ("worktree", "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
         ("timeout", f"{task['timeout_sec']} s per attempt"),
-        ("attempts", f"{task['attempts']} of {task['max_retries'] + 1} (hand-backs {task['handbacks']})"),
-        ("depends on", task.get("depends_on")), ("idempotency key", task["idempotency_key"]),
-        ("origin", f"{origin_of(task)} ({task['origin_kind']})" if task["origin_kind"] else origin_of(task)),
+        ("attempts", attempts_text(task)),
+        ("depends on", task.get("depends_on")), ("idempotency key", line(task["idempotency_key"])),
+        ("origin", line(f"{origin_of(task)} ({task['origin_kind']})" if task["origin_kind"] else origin_of(task))),
         ("created", when(task["created_at"])), ("started", when(task["started_at"])),
         ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
         ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
@@ -288,11 +386,11 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """Where and by whom the task runs or ran."""
     lease = task["lease_owner"] if task["status"] == "running" else None
     return [
-        ("lease", f"{lease} (pid {task['lease_pid']})" if lease and task["lease_pid"] else lease),
-        ("run marker", task["run_marker"]), ("agent pid", task["agent_pid"]),
-        ("session", task["session_id"]), ("branch", task["branch"]),
-        ("worktree path", task["worktree_path"]), ("base commit", task["base_commit"]),
-        ("error", Text(task["error"], style="red") if task["error"] else None),
+        ("lease", line(f"{lease} (pid {task['lease_pid']})" if lease and task["lease_pid"] else lease)),
+        ("run marker", line(task["run_marker"])), ("agent pid", task["agent_pid"]),
+        ("session", line(task["session_id"])), ("branch", line(task["branch"])),
+        ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
+        ("error", Text(visible(task["error"]), style="red") if task["error"] else None),
     ]
 
 
@@ -318,11 +416,11 @@ def notes_table(task: dict[str, Any]) -> Table:
     table = Table(title="Notes and questions", title_justify="left")
     for name in ("When", "Who", "Text"):
         table.add_column(name, overflow="fold")
-    rows = [(n["created_at"], Text(n["author"]), Text(n["text"])) for n in task["notes"]]
+    rows = [(n["created_at"], line(n["author"]), plain(n["text"])) for n in task["notes"]]
     for q in task["questions"]:
-        rows.append((q["asked_at"], Text(f"agent (attempt {q['attempt']})"), Text(f"Q: {q['question']}")))
+        rows.append((q["asked_at"], Text(f"agent (attempt {q['attempt']})"), Text(f"Q: {visible(q['question'])}")))
         if q["answer"] is not None:
-            rows.append((q["answered_at"], Text("answer"), Text(f"A: {q['answer']}")))
+            rows.append((q["answered_at"], Text("answer"), Text(f"A: {visible(q['answer'])}")))
     for stamp, who, text in sorted(rows, key=lambda r: r[0] or ""):
         table.add_row(Text(ago(stamp)), who, text)
     return table
@@ -340,7 +438,7 @@ def events_table(events: list[dict[str, Any]], with_task: bool = True) -> Table:
     for event in events:
         cells = [Text(str(event["id"])), Text(ago(event["ts"]))]
         cells += [plain(event["task_id"])] if with_task else []
-        table.add_row(*cells, Text(event["kind"]), Text(short(event["message"], 200)))
+        table.add_row(*cells, line(event["kind"]), Text(visible(short(event["message"], 200), multiline=False)))
     return table
 
 
@@ -356,7 +454,7 @@ def print_task(task: dict[str, Any]) -> None:
     print_fields(overview_rows(task), "Task")
     print_fields(run_rows(task), "Run")
     if task["status"] == "waiting":
-        console.print(Text(f"Question: {task['question']}", style="magenta"))
+        console.print(Text(f"Question: {visible(task['question'])}", style="magenta"))
         console.print(Text(f"Answer it: python tasks_cli.py answer {task['id']} \"...\"", style="dim"))
     if task["result"] or task["usage"] or task["diff"]:
         print_fields(receipt_rows(task), "Result")
@@ -370,7 +468,8 @@ def print_task(task: dict[str, Any]) -> None:
 def print_marker_help(task: dict[str, Any]) -> None:
     """After a hand claim: the marker and the commands that finish the attempt."""
     console = out()
-    console.print(Text(f"Claimed {task['id']} ({task['title']}) as {task['lease_owner']}", style="green"))
+    claimed = visible(f"Claimed {task['id']} ({task['title']}) as {task['lease_owner']}", multiline=False)
+    console.print(Text(claimed, style="green"))
     console.print(Text(f"run marker: {task['run_marker']}", style="bold"))
     console.print(Text(
         f"Finish with: python tasks_cli.py complete {task['id']} --summary \"...\"  "
@@ -383,30 +482,49 @@ def print_marker_help(task: dict[str, Any]) -> None:
 # Store lookups the commands share.
 
 
-def hand_lease(task_id: str, marker: str | None, action: str = "finish") -> tuple[dict[str, Any], str]:
+def hand_lease(task_id: str, marker: str | None, action: str) -> tuple[dict[str, Any], str]:
     """The task and the run marker a person's complete/fail/heartbeat names.
 
-    Without ``marker``: the task must be running under a ``cli:`` lease (a person's); a worker's
-    lease is refused, so nobody finishes a live run by accident. ``action`` names the command in
-    the refusal ("finish" offers --marker as the deliberate override). Raises CliError.
+    ``action`` is the command's verb: "complete", "fail" or "renew". A finished or waiting task is
+    refused whatever the marker. Without ``marker`` the task must be running under a ``cli:`` lease
+    (a person's); a worker's lease is refused, so nobody finishes a live run by accident (complete
+    and fail offer --marker as the deliberate override). Raises CliError.
     """
     task = task_store.get_task(task_id)
+    refuse_unless_running(task, action, marker_given=bool(marker))
     if marker:
         return task, marker
-    if task["status"] != "running":
-        raise CliError(
-            f"task {task_id} is {task['status']}, not running; claim it first "
-            f"(python tasks_cli.py claim {task_id})"
-        )
     owner = task["lease_owner"] or ""
     if not owner.startswith("cli:"):
         override = (", or if you really mean to override the worker, pass --marker with its run marker "
-                    "(shown by `show`)") if action == "finish" else ""
+                    "(shown by `show`)") if action != "renew" else ""
         raise CliError(
             f"task {task_id} is being run by {owner or 'a worker'}, not claimed by hand; refusing to "
             f"{action} a worker's attempt. Cancel it (python tasks_cli.py cancel {task_id}){override}"
         )
     return task, task["run_marker"]
+
+
+NOTHING_TO = {"complete": "nothing can be completed", "fail": "nothing can be marked failed",
+              "renew": "there is no lease to renew"}
+
+
+def refuse_unless_running(task: dict[str, Any], action: str, marker_given: bool) -> None:
+    """CliError naming why ``action`` cannot touch a task that is not running, and what to do.
+
+    A pending task with an explicit marker is left to the store (it names the stale attempt).
+    """
+    ident, status = task["id"], task["status"]
+    what = NOTHING_TO[action]
+    if status in FINISHED:
+        raise CliError(f"task {ident} is {status}: it has finished, so {what}; "
+                       f"`python tasks_cli.py show {ident}` tells what happened")
+    if status == "waiting":
+        raise CliError(f"task {ident} is waiting for an answer to its question, so {what}; answer it "
+                       f"(python tasks_cli.py answer {ident} \"...\") and it resumes")
+    if status == "pending" and not marker_given:
+        raise CliError(f"task {ident} is pending, not running; claim it first "
+                       f"(python tasks_cli.py claim {ident})")
 
 
 def read_text_source(instructions: str | None, file: Any) -> str | None:
@@ -416,7 +534,7 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
     if file is not None:
         return file.read()
     if instructions == "-":
-        return click.get_text_stream("stdin").read()
+        return sys.stdin.read()
     return instructions
 
 
@@ -445,6 +563,12 @@ def read_new(path: Path, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
+def echo_log_line(text: str) -> None:
+    """One line of an agent's log: exact into a pipe, control characters visible on a terminal."""
+    # color=True: click.echo would otherwise strip ESC[...m sequences from piped output.
+    click.echo(raw_or_visible(text), color=True)
+
+
 def follow_log(task_id: str, path: Path, offset: int) -> str:
     """Print lines appended to ``path`` until the task is finished or waiting; returns its status."""
     pending = b""
@@ -453,11 +577,11 @@ def follow_log(task_id: str, path: Path, offset: int) -> str:
         data, offset = read_new(path, offset)
         pending += data
         *complete, pending = pending.split(b"\n")
-        for line in complete:
-            click.echo(line.decode("utf-8", errors="replace"))
+        for text in complete:
+            echo_log_line(text.removesuffix(b"\r").decode("utf-8", errors="replace"))
         if status in FINISHED or status == "waiting":
             if pending:
-                click.echo(pending.decode("utf-8", errors="replace"))
+                echo_log_line(pending.decode("utf-8", errors="replace"))
             return status
         time.sleep(FOLLOW_POLL_SEC)
 
@@ -519,13 +643,15 @@ def submit(title: str, working_dir: str, instructions: str | None, file: Any, mo
     if as_json:
         return emit_json(task)
     verb = "Already queued as" if task["duplicate"] else "Submitted"
-    out().print(Text(f"{verb} {task['id']}: {task['title']} ({task['status']})", style="green"))
+    said = visible(f"{verb} {task['id']}: {task['title']} ({task['status']})", multiline=False)
+    out().print(Text(said, style="green"))
 
 
 def list_options(command: Callable) -> Callable:
     """--limit, --offset and --json, shared by list and pending."""
     command = json_option(command)
-    command = click.option("--offset", type=click.IntRange(0), default=0, help="Skip this many tasks (paging).")(command)
+    command = click.option("--offset", type=click.IntRange(0, PAGE_OFFSET_MAX), default=0,
+                           help=f"Skip this many tasks (paging; 0..{PAGE_OFFSET_MAX}).")(command)
     return click.option("--limit", type=click.IntRange(1, 500), default=50, show_default=True,
                         help="At most this many tasks (1..500).")(command)
 
@@ -558,7 +684,8 @@ def pending(limit: int, offset: int, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--diff", "diff_only", is_flag=True, help="Print only the task's diff (plain text, for patch or less).")
+@click.option("--diff", "diff_only", is_flag=True,
+              help="Print only the task's diff: exact when piped (for patch); on a terminal control characters show as escapes.")
 @json_option
 def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     """Show everything about one task: status, run, receipt, notes, questions, events."""
@@ -566,7 +693,7 @@ def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     if diff_only:
         if not task["diff"]:
             raise CliError(f"task {task_id} has no diff (it is {task['status']}); show {task_id} tells more")
-        return click.echo(task["diff"], nl=not task["diff"].endswith("\n"))
+        return click.echo(raw_or_visible(task["diff"]), nl=not task["diff"].endswith("\n"), color=True)
     if as_json:
         return emit_json(task)
     print_task(task)
@@ -595,7 +722,7 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 def complete(task_id: str, summary: str, marker: str | None) -> None:
     """Mark a task you claimed by hand as done."""
-    task, marker = hand_lease(task_id, marker)
+    task, marker = hand_lease(task_id, marker, "complete")
     receipt = {"summary": summary, "completed_by": _finisher(task)}
     done = task_store.complete_attempt(task_id, marker, result=receipt)
     out().print(Text(f"{done['id']} is done.", style="green"))
@@ -615,7 +742,7 @@ def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
     """Mark a task you claimed by hand as failed (requeued while retries remain)."""
     if not reason.strip():
         raise click.BadParameter("must not be empty; say why the attempt failed", param_hint="--reason")
-    task, marker = hand_lease(task_id, marker)
+    task, marker = hand_lease(task_id, marker, "fail")
     after = task_store.fail_attempt(task_id, marker, reason, retryable=not no_retry)
     if after["status"] == "pending":
         out().print(Text(f"{after['id']} failed this attempt; requeued for a retry.", style="yellow"))
@@ -638,7 +765,7 @@ def heartbeat(task_id: str) -> None:
 def answer(task_id: str, text: str) -> None:
     """Answer a waiting task's question; it requeues and resumes with the answer. TEXT '-' reads stdin."""
     if text == "-":
-        text = click.get_text_stream("stdin").read()
+        text = sys.stdin.read()
     task = task_store.answer_task(task_id, text, author=person())
     out().print(Text(f"Answered {task['id']}; it is {task['status']} again and resumes with your answer.", style="green"))
 
@@ -661,14 +788,15 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
     """Cancel a pending, waiting or running task (a running attempt is killed); dependents fail."""
     task = task_store.get_task(task_id)
     if not yes:
-        click.confirm(f"Cancel {task_id} ({task['status']}: {short(task['title'])})?", abort=True, err=True)
+        title = visible(short(task["title"]), multiline=False)
+        click.confirm(f"Cancel {task_id} ({task['status']}: {title})?", abort=True, err=True)
     done = task_store.cancel_task(task_id, f"{reason} ({person()})")
     out().print(Text(f"{done['id']} cancelled.", style="yellow"))
 
 
 @cli.command()
-@click.option("--older-than", type=click.FloatRange(0), default=0, show_default=True,
-              help="Only tasks finished at least this many seconds ago.")
+@click.option("--older-than", type=click.FloatRange(0, OLDER_THAN_MAX_SEC), default=0, show_default=True,
+              callback=finite_arg, help=f"Only tasks finished at least this many seconds ago (0..{OLDER_THAN_MAX_SEC}).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files.")
 @click.option("--remove-worktrees", is_flag=True,
@@ -694,26 +822,31 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
     ids = ", ".join(item["id"] for item in removed) or "none"
     out().print(f"Removed {len(removed)} task(s): {ids}" + (" (logs deleted)" if purged_logs and removed else ""))
     for path in purged["worktrees_removed"]:
-        out().print(Text(f"Removed worktree {path} (its branch stays)."))
+        # soft_wrap: a path cut by a hard line break cannot be copied.
+        out().print(Text(f"Removed worktree {visible(path, multiline=False)} (its branch stays)."), soft_wrap=True)
     for problem in purged["problems"]:
-        err().print(Text(problem, style="yellow"))
+        err().print(Text(visible(problem), style="yellow"), soft_wrap=True)
     kept = [item["worktree_path"] for item in removed if item["worktree_path"] and os.path.isdir(item["worktree_path"])]
     if kept:
         err().print(Text("Kept worktrees remain on disk (clear --remove-worktrees removes them): "
-                         + ", ".join(kept), style="dim"))
+                         + ", ".join(visible(path, multiline=False) for path in kept), style="dim"), soft_wrap=True)
 
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--tail", "-n", type=click.IntRange(0), help="Only the last N lines.")
+@click.option("--tail", "-n", type=click.IntRange(0, TAIL_MAX), help=f"Only the last N lines (0..{TAIL_MAX}).")
 @click.option("--follow", "-F", is_flag=True, help="Keep printing new lines until the task finishes (Ctrl-C stops).")
 def logs(task_id: str, tail: int | None, follow: bool) -> None:
-    """Print a task's agent log (its output as the worker streamed it)."""
+    """Print a task's agent log (its output as the worker streamed it).
+
+    On a terminal, control characters in the log (escape sequences from the agent or the project's
+    files) are shown as escapes like \\x1b; piped or redirected, the log is printed exactly.
+    """
     task = task_store.get_task(task_id)
     path = task_store.log_path(task_id)
     lines, offset = tail_lines(path, tail) if path.exists() else ([], 0)
-    for line in lines:
-        click.echo(line)
+    for text in lines:
+        echo_log_line(text)
     if not follow:
         if not path.exists():
             err().print(f"{task_id} has no log yet ({task['status']}); the worker writes {path} when it runs it.")
@@ -759,7 +892,8 @@ def worker_rows(worker: dict[str, Any] | None) -> list[tuple[str, Any]]:
 
 
 @cli.command()
-@click.option("--since", type=click.IntRange(0), help="Events after this event id (default: the most recent ones).")
+@click.option("--since", type=click.IntRange(0, task_store.MAX_ID),
+              help="Events after this event id (default: the most recent ones).")
 @click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many events.")
 @json_option
 def events(since: int | None, limit: int, as_json: bool) -> None:

@@ -493,3 +493,267 @@ def test_a_broken_database_is_a_clear_error(tmp_path, monkeypatch):
     assert result.exit_code == 1
     assert "task database" in result.stderr and str(broken) in result.stderr
     assert "--db" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Terminal safety: task text is shown with control characters made visible; --json stays exact.
+
+EVIL = "esc\x1b[2J\x1b]0;pwned\x07 c1\x9b31m rtl\u202eabc del\x7f"
+SHOWN = "esc\\x1b[2J\\x1b]0;pwned\\x07 c1\\x9b31m rtl\\u202eabc del\\x7f"
+RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\x7f")
+
+
+def assert_no_raw_controls(text: str) -> None:
+    for char in RAW:
+        assert char not in text, (repr(char), text)
+
+
+def test_visible_escapes_controls_and_keeps_line_breaks_only_where_they_make_sense():
+    assert tasks_cli.visible(EVIL) == SHOWN
+    assert tasks_cli.visible("a\tb\nc\r\nd\re") == "a\tb\nc\nd\\re"
+    assert tasks_cli.visible("a\tb\nc", multiline=False) == "a\\tb\\nc"
+    assert tasks_cli.visible("plain [red]text[/red] ünïcode") == "plain [red]text[/red] ünïcode"
+
+
+def evil_task(tmp_path: Path, monkeypatch) -> dict:
+    """A task whose every free-text field carries escape sequences, with a question, an answer,
+    a note, a failed attempt and a receipt."""
+    monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))
+    task = add(tmp_path, EVIL, instructions=f"do\n{EVIL}", origin_name=f"client{EVIL}",
+               idempotency_key=f"key{EVIL}", max_retries=3)
+    first = task_store.claim_next(f"worker{EVIL}", task_id=task["id"])
+    task_store.pause_for_question(task["id"], first["run_marker"], f"question {EVIL}")
+    task_store.answer_task(task["id"], f"answer {EVIL}", author=f"author{EVIL}")
+    task_store.add_note(task["id"], f"note {EVIL}", author=f"noter{EVIL}")
+    second = task_store.claim_next("worker@host", task_id=task["id"])
+    task_store.fail_attempt(task["id"], second["run_marker"], f"error {EVIL}",
+                            result={"summary": f"summary {EVIL}", "files_touched": [f"file{EVIL}.py"],
+                                    "commands": [f"cmd {EVIL}"], f"key{EVIL}": "value"})
+    return task
+
+
+def test_every_human_view_makes_control_characters_visible(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that table cells do not fold mid-text
+    evil_task(tmp_path, monkeypatch)
+    task_store.write_worker_heartbeat({"task": f"t_0001 {EVIL}", f"field{EVIL}": 1})
+    views = {args: run(*args) for args in (("list",), ("pending",), ("show", "1"), ("events",), ("status",))}
+    for args, result in views.items():
+        assert result.exit_code == 0, args
+        assert_no_raw_controls(result.output)
+    shown = squash(views[("show", "1")].stdout)
+    for text in (f"title{SHOWN}", f"error{SHOWN}", f"summary{SHOWN}", f"file{SHOWN}.py", f"cmd{SHOWN}",
+                 f"Q:question{SHOWN}", f"A:answer{SHOWN}", f"note{SHOWN}", f"noter{SHOWN}",
+                 f"client{SHOWN}", f"key{SHOWN}value", f"worker{SHOWN}"):
+        assert squash(text) in shown, text
+    assert squash(f"submitted{SHOWN}") in squash(views[("events",)].stdout)
+    assert squash(f"field{SHOWN}") in squash(views[("status",)].stdout)
+    assert squash(SHOWN) in squash(views[("list",)].stdout)
+
+
+def squash(text: str) -> str:
+    """Text without spaces, line breaks and table rules, so wrapped table cells compare whole."""
+    return "".join(c for c in text if not c.isspace() and c not in "│┃")
+
+
+def test_messages_and_prompts_that_quote_task_text_make_it_visible(tmp_path):
+    submitted = run("submit", EVIL, "-d", str(tmp_path))
+    assert SHOWN in submitted.stdout
+    claimed = run("claim", "1", "--as", f"me{EVIL}")
+    assert claimed.exit_code == 0 and SHOWN in claimed.stdout
+    add(tmp_path, EVIL)
+    prompt = run("cancel", "2", input="n\n")
+    assert "esc\\x1b[2J" in prompt.output
+    for result in (submitted, claimed, prompt):
+        assert_no_raw_controls(result.output)
+
+
+def test_json_stays_exact_and_terminal_safe(tmp_path, monkeypatch):
+    evil_task(tmp_path, monkeypatch)
+    for args in (("show", "1", "--json"), ("list", "--json"), ("events", "--json")):
+        result = run(*args)
+        assert_no_raw_controls(result.stdout)  # C0 by json.dumps, DEL/C1/bidi by emit_json
+    task = json.loads(run("show", "1", "--json").stdout)
+    assert task["title"] == EVIL and task["questions"][0]["question"] == f"question {EVIL}"
+    assert task["result"]["commands"] == [f"cmd {EVIL}"] and task["error"] == f"error {EVIL}"
+    assert json.loads(run("list", "--json").stdout)["tasks"][0]["title"] == EVIL
+
+
+def test_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_path, monkeypatch):
+    task = add(tmp_path)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    diff = f"--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+{EVIL}\n"
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"}, diff=diff)
+    write_log(1, f"line one\n{EVIL}\n")
+    assert run("logs", "1").stdout == f"line one\n{EVIL}\n"
+    assert run("show", "1", "--diff").stdout == diff
+    monkeypatch.setattr(tasks_cli, "stdout_is_terminal", lambda: True)
+    assert run("logs", "1").stdout == f"line one\n{SHOWN}\n"
+    assert run("show", "1", "--diff").stdout == diff.replace(EVIL, SHOWN)
+
+
+def test_errors_quoting_task_text_make_it_visible(tmp_path):
+    add(tmp_path)
+    task_store.claim_next(f"worker{EVIL}", task_id=1)
+    result = run("complete", "1")
+    assert result.exit_code == 1 and "worker" + SHOWN in result.stderr
+    assert_no_raw_controls(result.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# complete / fail / heartbeat on a task that is not running say why, not "claim it first".
+
+
+def finished_task(tmp_path: Path, status: str) -> dict:
+    task = add(tmp_path, max_retries=0)
+    if status == "cancelled":
+        return task_store.cancel_task(task["id"])
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    if status == "done":
+        return task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    return task_store.fail_attempt(task["id"], claimed["run_marker"], "broke", retryable=False)
+
+
+HAND_COMMANDS = [
+    (("complete", "1"), "nothing can be completed"),
+    (("complete", "1", "--marker", "br-1-a1"), "nothing can be completed"),
+    (("fail", "1", "--reason", "x"), "nothing can be marked failed"),
+    (("heartbeat", "1"), "there is no lease to renew"),
+]
+
+
+@pytest.mark.parametrize("status", ["cancelled", "done", "failed"])
+@pytest.mark.parametrize("args,says", HAND_COMMANDS)
+def test_finishing_a_finished_task_names_its_status(tmp_path, status, args, says):
+    finished_task(tmp_path, status)
+    before = snapshot()
+    result = run(*args)
+    assert result.exit_code == 1
+    assert f"task t_0001 is {status}: it has finished, so {says}" in result.stderr
+    assert "show t_0001" in result.stderr and "claim it first" not in result.stderr
+    assert snapshot() == before
+
+
+@pytest.mark.parametrize("args,says", HAND_COMMANDS)
+def test_finishing_a_waiting_task_points_to_answer(tmp_path, args, says):
+    waiting_task(tmp_path)
+    result = run(*args)
+    assert result.exit_code == 1
+    assert f"is waiting for an answer to its question, so {says}" in result.stderr
+    assert "tasks_cli.py answer t_0001" in result.stderr and "claim it first" not in result.stderr
+    assert task_store.get_task(1)["status"] == "waiting"
+
+
+# --------------------------------------------------------------------------------------------
+# Attempts: hand-backs do not spend a retry, and the view says so.
+
+
+def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypatch):
+    monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))
+    add(tmp_path, max_retries=1)
+    first = task_store.claim_next("worker@host", task_id=1)
+    task_store.requeue_attempt(1, first["run_marker"], "worker shut down", count_attempt=False)
+    second = task_store.claim_next("worker@host", task_id=1)
+    task_store.fail_attempt(1, second["run_marker"], "tests red")
+    task_store.claim_next("worker@host", task_id=1)
+    task = task_store.get_task(1)
+    assert (task["attempts"], task["handbacks"], task["max_retries"]) == (3, 1, 1)
+    shown = run("show", "1").stdout
+    assert "attempt 3 (1 hand-back, which does not count); retries allowed 1" in shown
+    assert "3 of 2" not in shown
+    assert "3/2" not in run("list").stdout
+
+
+def test_attempt_texts():
+    base = {"attempts": 0, "handbacks": 0, "max_retries": 2}
+    assert tasks_cli.attempts_text(base) == "not started yet; retries allowed 2"
+    assert tasks_cli.attempts_text(base | {"attempts": 1}) == "attempt 1; retries allowed 2"
+    assert tasks_cli.attempts_text(base | {"attempts": 4, "handbacks": 2}) == \
+        "attempt 4 (2 hand-backs, which do not count); retries allowed 2"
+    assert tasks_cli.tries_cell(base | {"attempts": 4, "handbacks": 2}) == "2/3 +2"
+    assert tasks_cli.tries_cell({"attempts": 2, "max_retries": 2}) == "2/3"
+    assert tasks_cli.tries_cell({"attempts": 3, "max_retries": 1}) == "3"  # listing without handbacks
+
+
+# --------------------------------------------------------------------------------------------
+# Absurd numbers: a clear message and exit 2, never an OverflowError.
+
+HUGE = "99999999999999999999999"
+HUGE_NUMBERS = [
+    (["show", HUGE], "is too large"),
+    (["show", f"t_{HUGE}"], "is too large"),
+    (["cancel", HUGE, "--yes"], "is too large"),
+    (["answer", HUGE, "yes"], "is too large"),
+    (["note", HUGE, "hi"], "is too large"),
+    (["complete", HUGE], "is too large"),
+    (["fail", HUGE, "--reason", "x"], "is too large"),
+    (["heartbeat", HUGE], "is too large"),
+    (["claim", HUGE], "is too large"),
+    (["logs", HUGE], "is too large"),
+    (["submit", "x", "--depends-on", HUGE], "is too large"),
+    (["events", "--since", HUGE], "not in the range"),
+    (["events", "--limit", HUGE], "not in the range"),
+    (["list", "--limit", HUGE], "not in the range"),
+    (["list", "--offset", HUGE], "not in the range"),
+    (["pending", "--offset", HUGE], "not in the range"),
+    (["logs", "1", "--tail", HUGE], "not in the range"),
+    (["clear", "--yes", "--older-than", HUGE], "not in the range"),
+    (["clear", "--yes", "--older-than", "inf"], "not in the range"),
+    (["clear", "--yes", "--older-than", "nan"], "nan is not a number of seconds"),
+    (["submit", "x", "--timeout", HUGE], "not in the range"),
+    (["submit", "x", "--priority", HUGE], "not in the range"),
+    (["submit", "x", "--priority", f"-{HUGE}"], "not in the range"),
+    (["submit", "x", "--max-retries", HUGE], "not in the range"),
+]
+
+
+@pytest.mark.parametrize("args,message", HUGE_NUMBERS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_absurd_numbers_are_refused_clearly(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    done = add(tmp_path)
+    task_store.cancel_task(done["id"])  # something clear could remove
+    before = snapshot()
+    result = CliRunner().invoke(cli, args)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert snapshot() == before
+
+
+def test_events_since_the_largest_id_is_simply_empty(tmp_path):
+    add(tmp_path)
+    result = run("events", "--since", str(2**63 - 1))
+    assert result.exit_code == 0 and "no events" in result.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# clear --remove-worktrees on a real git repository.
+
+
+def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp_path):
+    import worktrees
+    from helpers import git, make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    task = add(repo, "kept", worktree_keep=True)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    ws = worktrees.prepare_workspace(claimed, resume=False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch)
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    assert os.path.isdir(ws.top)
+
+    kept = run("clear", "--yes")
+    assert kept.exit_code == 0 and "t_0001" in kept.stdout
+    assert os.path.isdir(ws.top) and "clear --remove-worktrees removes them" in kept.stderr
+
+    task2 = add(repo, "kept too", worktree_keep=True)
+    claimed2 = task_store.claim_next("worker@host", task_id=task2["id"])
+    ws2 = worktrees.prepare_workspace(claimed2, resume=False)
+    task_store.renew_lease(task2["id"], claimed2["run_marker"], worktree_path=ws2.top, branch=ws2.branch)
+    task_store.complete_attempt(task2["id"], claimed2["run_marker"], result={"summary": "ok"})
+    removed = run("clear", "--yes", "--remove-worktrees")
+    assert removed.exit_code == 0, removed.output
+    assert f"Removed worktree {ws2.top} (its branch stays)." in removed.stdout
+    assert not os.path.exists(ws2.top)
+    assert ws2.top not in git(repo, "worktree", "list")
+    assert git(repo, "branch", "--list", ws2.branch).strip().endswith(ws2.branch)
+    assert task_store.counts()["done"] == 0
