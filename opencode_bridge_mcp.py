@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -34,15 +35,15 @@ from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
 import anyio
-import pydantic
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
+import mcp_errors
 import opencode_runner
 import task_store as store
 import worktrees
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import ToolAnnotations
 
@@ -493,79 +494,14 @@ def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: in
 
 
 # --------------------------------------------------------------------------------------------
-# Errors: anything a tool raises becomes one clear is_error text (never "Error executing tool").
+# Errors: anything a tool raises becomes one clear is_error text (never "Error executing tool");
+# the translation itself lives in mcp_errors, shared with the reverse bridge.
 
 
-def _loc(error: dict[str, Any]) -> str:
-    parts = [str(p) for p in error["loc"]
-             if isinstance(p, int) or not any(c in str(p) for c in "[(-") and str(p) not in
-             ("str", "int", "float", "bool", "list", "dict", "none", "literal")]
-    return ".".join(parts) or "arguments"
-
-
-def _phrase(error: dict[str, Any]) -> str:
-    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
-    shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
-    phrases = {
-        "missing": "is required",
-        "greater_than_equal": f"must be ≥ {ctx.get('ge')}; got {shown}",
-        "less_than_equal": f"must be ≤ {ctx.get('le')}; got {shown}",
-        "greater_than": f"must be > {ctx.get('gt')}; got {shown}",
-        "less_than": f"must be < {ctx.get('lt')}; got {shown}",
-        "int_parsing": f"must be a whole number; got {shown}",
-        "int_type": f"must be a whole number; got {shown}",
-        "int_from_float": f"must be a whole number; got {shown}",
-        "bool_parsing": f"must be true or false; got {shown}",
-        "bool_type": f"must be true or false; got {shown}",
-        "string_type": f"must be text (a JSON string); got {shown}",
-        "literal_error": f"must be one of {ctx.get('expected')}; got {shown}",
-        "enum": f"must be one of {ctx.get('expected')}; got {shown}",
-        "list_type": f"must be a list (a JSON array, or a string holding one); got {shown}",
-        "too_long": f"may hold at most {ctx.get('max_length')} items; got {ctx.get('actual_length')}",
-        "too_short": f"must hold at least {ctx.get('min_length')} item(s); got {ctx.get('actual_length')}",
-    }
-    if kind in phrases:
-        return phrases[kind]
-    message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
-    return message if "got " in message else f"{message} (got {shown})"
-
-
-def explain_validation(tool: str, exc: pydantic.ValidationError) -> str:
-    """One line naming every bad argument, what it must be and what was sent."""
-    seen: dict[str, str] = {}
-    for error in exc.errors(include_url=False):
-        seen.setdefault(_loc(error), _phrase(error))
-    fields = "; ".join(f"{loc} {phrase}" for loc, phrase in seen.items())
-    return f"invalid arguments for {tool}: {fields}. The tool's input schema lists each field."
-
-
-def translate_error(tool: str, exc: ToolError) -> ToolError:
-    """Turn what the SDK raised around a tool into the message the caller should read."""
-    cause = exc.__cause__
-    if type(exc) is ToolError and isinstance(cause, pydantic.ValidationError):
-        return ToolError(explain_validation(tool, cause))
-    if isinstance(cause, (store.TaskStoreError, opencode_runner.OpencodeNotFound)):
-        return ToolError(str(cause))
-    if isinstance(cause, ToolError) and not isinstance(cause, UnexpectedToolError):
-        return ToolError(str(cause))
-    if isinstance(exc, UnexpectedToolError) or cause is not None:
-        log.error("tool %s crashed", tool, exc_info=cause or exc)
-        kind = type(cause).__name__ if cause else "error"
-        return ToolError(f"{tool} failed with an internal error ({kind}); the server's log on stderr "
-                         "has the details. Check the arguments and try again")
-    return exc
-
-
-class BridgeServer(MCPServer):
+class BridgeServer(mcp_errors.TranslatingServer):
     """MCPServer whose tool errors read as the store's messages, never 'Error executing tool'."""
 
-    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
-        try:
-            return await super().call_tool(name, arguments, context)
-        except UnexpectedToolError as exc:
-            raise translate_error(name, exc) from None
-        except ToolError as exc:
-            raise translate_error(name, exc) from exc.__cause__
+    passthrough = (store.TaskStoreError, opencode_runner.OpencodeNotFound)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1159,22 +1095,44 @@ def bearer_token() -> str | None:
         return None
 
 
-def host_name(value: str) -> str:
-    """A Host header or allowlist entry reduced to its lower-case name: no scheme, path or port."""
+_HOST_RE = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?)(?::(?P<port>[0-9]{1,5}))?")
+
+
+def parse_host(value: str) -> tuple[str, str | None] | None:
+    """A Host header split into (lower-case name without a trailing dot, port or None); None when
+    it is malformed: anything but a DNS name, an IPv4 address or a bracketed IPv6 address,
+    optionally followed by ``:`` and a port of digits only (``localhost:evil.com`` and
+    ``127.0.0.1:1@evil.com`` are malformed, ``[::1]:8765`` is not)."""
+    match = _HOST_RE.fullmatch(value.strip().lower())
+    if match is None or (match["port"] is not None and int(match["port"]) > 65535):
+        return None
+    return match["name"].rstrip("."), match["port"]
+
+
+def host_name(value: str) -> str | None:
+    """An allowlist entry (a name, ``name:port``, a bare IPv6 address or a URL) reduced to its
+    lower-case name; None when it is not a host name at all."""
     name = value.strip().lower()
     if "://" in name:
         name = name.split("://", 1)[1]
     name = name.split("/", 1)[0]
-    if name.startswith("["):
-        return name.split("]", 1)[0] + "]"
-    if name.count(":") > 1:            # a bare IPv6 address
-        return f"[{name}]"
-    return name.split(":", 1)[0].rstrip(".")
+    if name.count(":") > 1 and not name.startswith("["):   # a bare IPv6 address
+        name = f"[{name}]"
+    parsed = parse_host(name)
+    return parsed[0] if parsed else None
 
 
 def allowed_hosts() -> frozenset[str]:
-    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case)."""
-    extra = [host_name(h) for h in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(",") if h.strip()]
+    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case). An entry that
+    is not a host name is skipped with a warning."""
+    extra = set()
+    for entry in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(","):
+        if entry.strip():
+            name = host_name(entry)
+            if name is None:
+                log.warning("MCP_ALLOWED_HOSTS: %r is not a host name; skipped", entry.strip())
+            else:
+                extra.add(name)
     return frozenset(LOOPBACK_NAMES) | frozenset(extra)
 
 
@@ -1197,8 +1155,9 @@ async def _plain(send: Any, status: int, body: dict[str, Any], headers: list[tup
 
 
 class HostGuard:
-    """Pure ASGI: 421 for a Host outside the allowlist, on every route. Lower-cases the Host
-    header on the way in so the SDK's own (case-sensitive) check agrees."""
+    """Pure ASGI: 421 for a malformed Host or one outside the allowlist, on every route. The Host
+    header goes on in its canonical form (lower case, ``name`` or ``name:port``), so the SDK's own
+    check (a prefix match on ``name:``) only ever sees a Host this guard has already judged."""
 
     def __init__(self, app: Any, hosts: frozenset[str]) -> None:
         self.app, self.hosts = app, hosts
@@ -1206,12 +1165,15 @@ class HostGuard:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
-        headers = [(k, v) for k, v in scope.get("headers", [])]
-        host = next((v.decode("latin-1") for k, v in headers if k == b"host"), "")
-        if not host or host_name(host) not in self.hosts:
+        headers = list(scope.get("headers", []))
+        values = [v.decode("latin-1") for k, v in headers if k == b"host"]
+        parsed = parse_host(values[0]) if len(values) == 1 else None
+        if parsed is None or parsed[0] not in self.hosts:
             log.warning("refused a request for a Host outside the allowlist (421)")
-            return await _plain(send, 421, {"error": "this Host is not allowed; add the name to MCP_ALLOWED_HOSTS"})
-        scope = dict(scope, headers=[(k, v.lower() if k == b"host" else v) for k, v in headers])
+            return await _plain(send, 421, {"error": "this Host is not allowed (a host name, then optionally "
+                                                     "':' and a port of digits); add the name to MCP_ALLOWED_HOSTS"})
+        canonical = (parsed[0] if parsed[1] is None else f"{parsed[0]}:{parsed[1]}").encode("latin-1")
+        scope = dict(scope, headers=[(k, canonical if k == b"host" else v) for k, v in headers])
         await self.app(scope, receive, send)
 
 

@@ -745,7 +745,7 @@ def list_tasks(
         where.append("instr(lower(title), lower(?)) > 0")
         params.append(search)
     clause = " AND ".join(where)
-    columns = ("id, title, working_dir, model, priority, status, permission, attempts, max_retries,"
+    columns = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks, max_retries,"
                " origin_name, origin_version, origin_kind, created_at, started_at, finished_at,"
                " heartbeat_at, error, branch, question, timeout_sec")
     with _reading() as conn:
