@@ -57,6 +57,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
+import mcp_errors
 import process_tree
 import task_store
 
@@ -956,7 +957,7 @@ Model = Annotated[str | None, Field(description="Optional model name, e.g. claud
                                                 "CLAUDE_API_MODEL for the API, the CLI's own default for claude -p.")]
 Timeout = Annotated[int, Field(ge=1, le=TIMEOUT_MAX_SEC, description="Seconds before the call is abandoned "
                                                                      "(and the claude CLI killed); 1-3600.")]
-JobId = Annotated[int, Field(ge=1, description="A job id returned by claude_submit.")]
+JobId = Annotated[int, Field(ge=1, le=task_store.MAX_ID, description="A job id returned by claude_submit.")]
 
 
 def _new_call(prompt: Any, system: Any, model: Any, timeout_sec: Any) -> Call:
@@ -1035,11 +1036,18 @@ class ToolRegistry:
 registry = ToolRegistry()
 
 
+class ControlServer(mcp_errors.TranslatingServer):
+    """MCPServer whose tool errors are one line each: bad arguments field by field, a Claude
+    failure as "kind: message", a broken queue database with its path and the fix."""
+
+    passthrough = (task_store.TaskStoreError, BridgeError)
+
+
 def build_server(runner: JobRunner | None = None) -> MCPServer:
     """A fresh MCPServer with the six tools. Background jobs belong to the process: ``runner``
     (default: a new JobRunner) becomes the one every server of this process uses."""
     _RUNNER[:] = [runner or (_RUNNER[0] if _RUNNER else JobRunner())]
-    mcp = MCPServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
+    mcp = ControlServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
     for fn, hints in registry.entries:
         mcp.tool(annotations=hints)(fn)
     return mcp
@@ -1202,13 +1210,38 @@ def _write_atomic(path: Path, text: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Entry point.
 
-def serve() -> None:
-    """Serve MCP over stdio until stdin closes or SIGTERM; jobs in flight end as interrupted."""
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("CLAUDE_CONTROL_LOG_LEVEL", "WARNING").upper(),
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging() -> None:
+    """Logs to stderr at ``$CLAUDE_CONTROL_LOG_LEVEL`` (default WARNING; an unknown level warns
+    and falls back to WARNING instead of stopping the server)."""
+    wanted = os.environ.get("CLAUDE_CONTROL_LOG_LEVEL", "").strip().upper() or "WARNING"
+    logging.basicConfig(stream=sys.stderr, level=wanted if wanted in LOG_LEVELS else "WARNING",
                         format="%(asctime)s claude-control %(levelname)s %(message)s")
-    recovered = recover_interrupted_jobs()
+    if wanted not in LOG_LEVELS:
+        log.warning("CLAUDE_CONTROL_LOG_LEVEL=%r is not one of %s; using WARNING", wanted, ", ".join(LOG_LEVELS))
+
+
+def recover_at_start() -> None:
+    """Settle the jobs a dead server left behind. A database that cannot be used is logged, not
+    fatal: the server still starts, lists its tools, and each tool names the problem."""
+    try:
+        recovered = recover_interrupted_jobs()
+    except Exception as exc:
+        problem = mcp_errors.database_problem(exc)
+        if problem is None:
+            raise
+        log.error("cannot check for interrupted jobs: %s", problem)
+        return
     if recovered:
         log.warning("marked %d interrupted job(s) failed: %s", len(recovered), recovered)
+
+
+def serve() -> None:
+    """Serve MCP over stdio until stdin closes or SIGTERM; jobs in flight end as interrupted."""
+    configure_logging()
+    recover_at_start()
     runner = JobRunner()
     signal.signal(signal.SIGTERM, lambda signum, frame: _stop_soon(runner, 128 + signum))
     try:

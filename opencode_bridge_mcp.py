@@ -53,6 +53,8 @@ REPO_DIR = Path(__file__).resolve().parent
 LAUNCHD_LABEL = "com.taskbridge.worker"
 SYSTEMD_UNIT = "taskbridge-worker.service"
 
+NUMBER_MAX = 2**63 - 1        # bound of every offset / age argument (SQLite's INTEGER range)
+ID_TEXT_MAX = 40               # characters of a task id given as text
 LOG_PAGE_MAX = 65_536          # bytes per get_task_logs page
 DIFF_PAGE_MAX = 65_536         # bytes per get_task_result diff page
 LIST_PAGE_MAX = 200            # rows per list_tasks / list_models page
@@ -94,13 +96,19 @@ def _as_list(value: Any) -> Any:
 
 OptText = Annotated[str, WrapValidator(_null_ok), WithJsonSchema({"type": ["string", "null"]})]
 def _id_shape(value: Any) -> Any:
-    if isinstance(value, (str, int)) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"must be a task id such as t_0001, 0001 or 1; got {value!r}")
+    """Ids pass on to the store, which parses them; only shapes it could not even read stop here
+    (Python refuses to turn more than 4300 digits into an int)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"must be a task id such as t_0001, 0001 or 1; got {value!r}")
+    if isinstance(value, int) and value > store.MAX_ID:
+        raise ValueError(f"must be a task id such as t_0001; ids go up to {store.MAX_ID}")
+    if isinstance(value, str) and len(value.strip()) > ID_TEXT_MAX:
+        raise ValueError(f"must be a task id such as t_0001; got {len(value)} characters")
+    return value
 
 
 TaskId = Annotated[str | int, BeforeValidator(_id_shape), Field(description="a task id: t_0001, 0001 or 1")]
-IdList = Annotated[list[str | int], BeforeValidator(_as_list)]
+IdList = Annotated[list[TaskId], BeforeValidator(_as_list)]
 Status = Literal["pending", "running", "waiting", "done", "failed", "cancelled"]
 Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 
@@ -757,7 +765,7 @@ def get_task(task_id: TaskId) -> TaskDetail:
 @registry.tool(annotations=READ_ONLY)
 def get_task_result(
     task_id: TaskId,
-    diff_offset: Annotated[int | None, Field(ge=0, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
+    diff_offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
     diff_max_bytes: Annotated[int | None, Field(ge=1, le=DIFF_PAGE_MAX, description="bytes of diff per page")] = 32_768,
 ) -> TaskResult:
     """A finished (or failed) task's outcome: the receipt (`result`: summary, files_touched,
@@ -789,7 +797,7 @@ def get_task_result(
 def get_task_logs(
     task_id: TaskId,
     tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
-    offset: Annotated[int | None, Field(ge=0, description="byte offset to read from instead of the tail (the next_offset of the previous call)")] = None,
+    offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset to read from instead of the tail (the next_offset of the previous call)")] = None,
     max_bytes: Annotated[int | None, Field(ge=1, le=LOG_PAGE_MAX, description="bytes per page")] = LOG_PAGE_MAX,
 ) -> LogPage:
     """The agent's raw run log (OpenCode's JSON event stream and stderr), capped at 65,536 bytes a
@@ -898,7 +906,7 @@ def list_tasks(
     origin: Annotated[OptText, Field(description="only tasks from this caller: a kind (claude, chatgpt, other) or a clientInfo name")] = None,
     search: Annotated[OptText, Field(description="only titles containing this text (case-insensitive)")] = None,
     limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="rows per page")] = 50,
-    offset: Annotated[int | None, Field(ge=0, description="rows to skip (next_offset of the previous page)")] = 0,
+    offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="rows to skip (next_offset of the previous page)")] = 0,
 ) -> TaskPage:
     """A page of tasks (running first, then waiting, pending, finished; by priority, newest first)
     with status, caller (origin_name/version/kind), times, error and question (cut to 300
@@ -1007,7 +1015,7 @@ def cancel_task(
 
 @registry.tool(annotations=DESTRUCTIVE)
 def clear_finished(
-    older_than_sec: Annotated[int | None, Field(ge=0, description="only tasks finished at least this many seconds ago")] = 0,
+    older_than_sec: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="only tasks finished at least this many seconds ago")] = 0,
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
                         BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                         Field(description="which finished statuses to remove; default all three")] = None,
@@ -1027,7 +1035,7 @@ def list_models(
     search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
     provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
     limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="models per page")] = 50,
-    offset: Annotated[int | None, Field(ge=0, description="models to skip")] = 0,
+    offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="models to skip")] = 0,
     refresh: Annotated[bool | None, Field(description="ask OpenCode again instead of the one-minute cache")] = False,
 ) -> ModelPage:
     """Models OpenCode can use here (from `opencode models --verbose`): id (provider/model), name,
@@ -1084,15 +1092,46 @@ def token_file() -> Path:
     return Path(os.environ.get("MCP_TOKEN_FILE") or REPO_DIR / ".taskbridge" / "token").expanduser()
 
 
+class TokenConfigError(Exception):
+    """A bearer token source is configured but unusable; the message names the source and the
+    fix, never the token."""
+
+
 def bearer_token() -> str | None:
-    """``$MCP_BEARER_TOKEN``, else the token file's content, else None (no token configured)."""
-    token = (os.environ.get("MCP_BEARER_TOKEN") or "").strip()
-    if token:
-        return token
+    """``$MCP_BEARER_TOKEN``, else the token file's content, else None (no token configured: the
+    variable is unset and the file does not exist). Raises TokenConfigError when the variable is
+    set but blank, or the file is a folder, unreadable, empty, or holds a token that an HTTP
+    header cannot carry (whitespace inside, non-ASCII)."""
+    if "MCP_BEARER_TOKEN" in os.environ:
+        token = os.environ["MCP_BEARER_TOKEN"].strip()
+        if not token:
+            raise TokenConfigError("MCP_BEARER_TOKEN is set but blank: put the token in it, or unset it "
+                                   f"to use the token file ({token_file()})")
+        return _checked_token(token, "MCP_BEARER_TOKEN")
+    path = token_file()
     try:
-        return token_file().read_text().strip() or None
-    except OSError:
+        token = path.read_text().strip()
+    except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        raise TokenConfigError(f"the token file {path} is a folder: point MCP_TOKEN_FILE at a file holding "
+                               "the token (install.sh writes one), or set MCP_BEARER_TOKEN") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "it is not text"
+        raise TokenConfigError(f"cannot read the token file {path} ({why}): fix its permissions for this "
+                               "user, point MCP_TOKEN_FILE elsewhere, or set MCP_BEARER_TOKEN") from None
+    if not token:
+        raise TokenConfigError(f"the token file {path} is empty: write a token in it (install.sh does), "
+                               "delete it, or set MCP_BEARER_TOKEN")
+    return _checked_token(token, f"the token file {path}")
+
+
+def _checked_token(token: str, source: str) -> str:
+    if not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
+        raise TokenConfigError(f"{source} holds a token with whitespace or non-ASCII characters, which no "
+                               "Authorization header can carry: use one line of printable ASCII "
+                               "(install.sh makes one with secrets.token_urlsafe)")
+    return token
 
 
 _HOST_RE = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?)(?::(?P<port>[0-9]{1,5}))?")
@@ -1236,24 +1275,42 @@ async def health(request: Any) -> Any:
 
 
 async def api_status(request: Any) -> Any:
-    """``GET /api/status``: what queue_status returns, plus the server version."""
-    from starlette.responses import JSONResponse
-    snapshot = await anyio.to_thread.run_sync(queue_snapshot)
-    return JSONResponse(snapshot | {"version": VERSION})
+    """``GET /api/status``: what queue_status returns, plus the server version (503 when the
+    database cannot be used)."""
+    return await _api_answer(lambda: queue_snapshot() | {"version": VERSION})
 
 
 async def api_tasks(request: Any) -> Any:
-    """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad input)."""
-    from starlette.responses import JSONResponse
+    """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad
+    input, 503 when the database cannot be used)."""
     query = request.query_params
-    try:
+
+    def page() -> dict[str, Any]:
         limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
-        page = await anyio.to_thread.run_sync(lambda: store.list_tasks(
-            status=query.get("status"), origin=query.get("origin"), search=query.get("search"),
-            limit=limit, offset=query.get("offset") or 0))
+        found = store.list_tasks(status=query.get("status"), origin=query.get("origin"),
+                                 search=query.get("search"), limit=limit, offset=query.get("offset") or 0)
+        return found | {"tasks": [_row(t) for t in found["tasks"]]}
+
+    return await _api_answer(page)
+
+
+async def _api_answer(work: Any) -> Any:
+    """Run ``work()`` off the event loop and answer JSON: its dict (200), a store error (400), a
+    database problem naming the file and the fix (503), anything else a one-line 500. Never a
+    traceback in the response."""
+    from starlette.responses import JSONResponse
+    try:
+        return JSONResponse(await anyio.to_thread.run_sync(work))
     except store.TaskStoreError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
-    return JSONResponse(page | {"tasks": [_row(t) for t in page["tasks"]]})
+    except Exception as exc:
+        problem = mcp_errors.database_problem(exc)
+        if problem:
+            log.warning("/api: %s", problem)
+            return JSONResponse({"error": problem}, status_code=503)
+        log.error("/api request crashed", exc_info=exc)
+        return JSONResponse({"error": f"internal error ({type(exc).__name__}); the server's log on stderr "
+                                      "has the details"}, status_code=500)
 
 
 def http_routes() -> list[Any]:
@@ -1306,12 +1363,38 @@ def configure_logging(level: str) -> None:
     root.setLevel(level)
 
 
+def port_number(text: str) -> int:
+    """argparse type of ``--port``: a whole number 0..65535 (0 lets the system pick)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give 0-65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number: give 0-65535 (0 picks a free port)")
+    return port
+
+
+def bind_address(text: str) -> str:
+    """argparse type of ``--host``: a name or address this machine can bind (checked with getaddrinfo)."""
+    host = text.strip()
+    if not host:
+        raise argparse.ArgumentTypeError("the address is empty: give 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    try:
+        socket.getaddrinfo(host.strip("[]"), None)
+    except (OSError, UnicodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot bind to {host!r} ({getattr(exc, 'strerror', None) or exc}): "
+                                         "give an address of this machine such as 127.0.0.1") from None
+    return host
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; a bad value ends with argparse's usage message and exit status 2."""
     parser = argparse.ArgumentParser(description="TaskBridge MCP server (stdio by default).")
     parser.add_argument("--transport", choices=("stdio", "streamable-http", "sse"), default="stdio",
                         help="stdio (Claude Desktop) or HTTP; either HTTP choice serves /mcp and /sse on one port")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
+    parser.add_argument("--host", type=bind_address, default="127.0.0.1",
+                        help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=port_number, default=8765, help="HTTP port, 0-65535 (default 8765)")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="stderr log level")
     return parser.parse_args(argv)
@@ -1324,7 +1407,12 @@ def main(argv: list[str] | None = None) -> int:
         log.info("TaskBridge MCP %s on stdio; database %s", VERSION, store.db_path())
         build_server().run("stdio")
         return 0
-    if not _is_loopback(args.host) and not bearer_token():
+    try:
+        token = bearer_token()
+    except TokenConfigError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
+    if not _is_loopback(args.host) and not token:
         print(f"refusing to serve on {args.host} without a bearer token: set MCP_BEARER_TOKEN or create "
               f"{token_file()} (install.sh does), or bind to 127.0.0.1", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 import threading
 import time
@@ -263,6 +264,126 @@ async def test_a_crash_inside_a_tool_is_logged_not_leaked(monkeypatch, caplog):
         text = await err(c, "queue_status", {})
     assert "internal error (RuntimeError)" in text and "secret" not in text
     assert "secret internals" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# A broken database: every tool that reads the queue names the file and the way out.
+
+
+def break_database(kind: str, tmp_path: Path, monkeypatch) -> str:
+    """Make the queue database unusable; returns the text the error must name."""
+    path = tmp_path / "broken.db"
+    if kind == "corrupt":
+        path.write_bytes(b"this is not a SQLite file\n" * 200)
+    elif kind == "directory":
+        path.mkdir()
+    else:   # read-only: tests may run as root, whom file modes do not stop, so SQLite's error is played
+        def readonly(*args, **kwargs):
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        monkeypatch.setattr(task_store, "connect", readonly)
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    return str(path)
+
+
+DB_TOOLS = [
+    ("submit_task", None), ("submit_batch", None), ("get_task", {"task_id": 1}),
+    ("get_task_result", {"task_id": 1}), ("get_task_logs", {"task_id": 1}),
+    ("wait_for", {"task_ids": [1], "timeout_sec": 1}), ("answer_task", {"task_id": 1, "answer": "yes"}),
+    ("list_tasks", {}), ("queue_status", {}), ("add_task_note", {"task_id": 1, "text": "hi"}),
+    ("cancel_task", {"task_id": 1}), ("clear_finished", {}), ("ping", {}), ("list_models", {}),
+    ("set_default_model", {"model": "fake/model"}),
+]
+WAY_OUT = {"corrupt": "restore it from a backup", "directory": "must name a file (not a folder)",
+           "readonly": "fix the permissions"}
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "directory", "readonly"])
+async def test_a_broken_database_is_named_with_the_way_out_by_every_tool(kind, wd, tmp_path, monkeypatch,
+                                                                         fake_opencode):
+    path = break_database(kind, tmp_path, monkeypatch)
+    async with client("legacy") as c:
+        for tool, args in DB_TOOLS:
+            args = {"tasks": [task_args(wd)]} if tool == "submit_batch" else task_args(wd) if args is None else args
+            text = await err(c, tool, args)
+            assert f"the task database {path} cannot be used" in text, (tool, text)
+            assert WAY_OUT[kind] in text and "TASK_DB_PATH" in text, (tool, text)
+            assert "internal error" not in text and "arguments" not in text, (tool, text)
+        assert not (await c.call_tool("worker_heartbeat", {})).is_error     # needs no database
+
+
+# ---------------------------------------------------------------------------------------------
+# Odd numbers and NUL characters never reach the client as an internal error.
+
+
+ODD_NUMBERS = [10**23, -(10**23), 2**63, 2**63 - 1, 10**400, "99999999999999999999999", "9" * 5000, -1, 0,
+               1.5, 1e300, -1e300, "1e3", "0x10", " 7 ", True, [], {}, "", "null", None]
+
+
+def numeric_fields(schema: dict) -> list[str]:
+    def numeric(prop: dict) -> bool:
+        kinds = [prop.get("type")] + [p.get("type") for p in prop.get("anyOf", [])]
+        return any(k in ("integer", "number") for k in kinds) or (
+            prop.get("type") == "array" and numeric(prop.get("items", {})))
+    return [name for name, prop in schema.get("properties", {}).items() if numeric(prop)]
+
+
+def base_args(tool: str, wd: str) -> dict:
+    return {"submit_task": task_args(wd), "submit_batch": {"tasks": [task_args(wd)]},
+            "answer_task": {"task_id": 1, "answer": "yes"}, "add_task_note": {"task_id": 1, "text": "hi"},
+            "set_default_model": {"model": "fake/model"}}.get(tool, {"task_id": 1} if tool.startswith(("get_", "cancel"))
+                                                             else {"task_ids": [1], "timeout_sec": 1} if tool == "wait_for" else {})
+
+
+def assert_clear(result, tool: str, args: dict) -> None:
+    if result.is_error:
+        text = result.content[0].text
+        assert "internal error" not in text and "Error executing tool" not in text, (tool, args, text)
+        assert "\n" not in text and "pydantic" not in text, (tool, args, text)
+
+
+async def test_every_numeric_argument_of_every_tool_refuses_odd_numbers_clearly(wd, fake_opencode, monkeypatch):
+    task_store.submit_task(title="one", instructions="x", working_dir=wd)
+    finish("t_0001")                  # wait_for([1]) returns at once; other ids wait timeout_sec=1 at most
+    async with client("legacy") as c:
+        tools = (await c.list_tools()).tools
+        fields = {t.name: numeric_fields(t.input_schema) for t in tools if t.name != "restart_worker"}
+        assert fields["get_task"] == ["task_id"] and "offset" in fields["list_tasks"]
+        assert set(fields["get_task_logs"]) == {"task_id", "tail_lines", "offset", "max_bytes"}
+        for tool, names in fields.items():
+            for name in names:
+                for value in ODD_NUMBERS:
+                    args = base_args(tool, wd) | {name: value}
+                    result = await c.call_tool(tool, args)
+                    assert_clear(result, tool, args)
+                    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63 - 1:
+                        assert result.is_error, (tool, name, value)
+        batch_fields = ["priority", "timeout_sec", "max_retries", "depends_on"]
+        for name in batch_fields:
+            for value in [v for v in ODD_NUMBERS if v != "9" * 5000]:   # see the store's coerce_int
+                args = {"tasks": [task_args(wd, **{name: [value] if name == "depends_on" else value})]}
+                assert_clear(await c.call_tool("submit_batch", args), "submit_batch", args)
+
+
+@pytest.mark.parametrize("tool,field", [
+    ("submit_task", "title"), ("submit_task", "instructions"), ("submit_task", "working_dir"),
+    ("submit_task", "model"), ("submit_task", "agent"), ("submit_task", "idempotency_key"),
+    ("submit_batch", "tasks.0.title"), ("submit_batch", "tasks.0.working_dir"), ("answer_task", "answer"),
+    ("add_task_note", "text"), ("cancel_task", "reason"), ("get_task", "task_id"), ("list_tasks", "search"),
+    ("list_tasks", "origin"), ("list_models", "provider"), ("list_models", "search"),
+    ("set_default_model", "model"), ("wait_for", "task_ids.0"),
+])
+async def test_a_nul_character_in_any_text_is_refused_naming_the_field(tool, field, wd, fake_opencode):
+    args = base_args(tool, wd)
+    if field == "task_ids.0":
+        args["task_ids"] = ["t_00\x001"]
+    elif field.startswith("tasks.0."):
+        args["tasks"][0][field.split(".")[-1]] = wd + "/a\x00b"
+    else:
+        args[field] = (wd if field == "working_dir" else "x") + "\x00y"
+    async with client("legacy") as c:
+        text = await err(c, tool, args)
+    assert f"{field} contains a NUL character" in text and "internal error" not in text
+    assert sum(task_store.counts().values()) == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,3 +781,23 @@ def test_host_names_are_normalised():
     assert bridge.host_name("https://Tunnel.example.com/mcp") == "tunnel.example.com"
     assert bridge.host_name("[::1]:8765") == "[::1]" and bridge.host_name("::1") == "[::1]"
     assert bridge.host_name("localhost.") == "localhost"
+    assert bridge.host_name("localhost:evil.com") is None and bridge.host_name("a@b") is None
+
+
+@pytest.mark.parametrize("header,parsed", [
+    ("localhost", ("localhost", None)), ("LOCALHOST.:8765", ("localhost", "8765")),
+    ("127.0.0.1:80", ("127.0.0.1", "80")), ("[::1]:8765", ("[::1]", "8765")), ("[::1]", ("[::1]", None)),
+    ("abc.ngrok-free.app:443", ("abc.ngrok-free.app", "443")),
+    ("localhost:evil.com", None), ("127.0.0.1:1@evil.com", None), ("localhost:1@evil.com", None),
+    ("localhost:", None), ("localhost:99999", None), ("localhost:80:80", None), ("localhost:+80", None),
+    ("user@localhost", None), ("localhost/x", None), ("local host", None), ("", None), ("[::1]:x", None),
+    ("::1", None), ("[evil.com]", None), ("localhost:٨٠", None), ("-localhost", None),
+])
+def test_a_host_header_is_a_name_and_an_optional_port_of_digits(header, parsed):
+    assert bridge.parse_host(header) == parsed
+
+
+def test_a_malformed_allowed_hosts_entry_is_skipped_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("MCP_ALLOWED_HOSTS", "good.example.org, localhost:evil.com ,")
+    assert bridge.allowed_hosts() == frozenset(bridge.LOOPBACK_NAMES) | {"good.example.org"}
+    assert "'localhost:evil.com' is not a host name" in caplog.text
