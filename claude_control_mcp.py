@@ -21,8 +21,12 @@ Env, read at call time:
   CLAUDE_STALL_SEC         seconds without a byte of the API stream before it counts as stalled (default 60)
   CLAUDE_MAX_TOKENS        max_tokens of an API answer (default 8192)
   CLAUDE_MAX_PARALLEL      background jobs that run at once; the rest wait queued (default 4)
-  CLAUDE_CONTROL_LOG_LEVEL log level on stderr (default WARNING)
+  CLAUDE_CONTROL_LOG_LEVEL log level on stderr (default WARNING; an unknown level warns and uses WARNING)
   TASK_DB_PATH             the queue database that holds the jobs (see task_store)
+
+Tool errors are one line (mcp_errors): a bad argument named with what it must be, a Claude
+failure as "kind: message", a queue database that cannot be used named with its path and the way
+out (the server still starts and lists its tools then). A NUL character in any argument is refused.
 
 Nothing but JSON-RPC is written to stdout: logs go to stderr, and every child process gets its
 own pipes (stdin from /dev/null), so it can never read or write the protocol stream.

@@ -9,11 +9,14 @@ Run:
 Env read at call time: TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL (through task_store); OPENCODE_BIN
 (list_models); MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_WAIT_POLL_SEC
-(how often wait_for reads the events log, default 0.2 s).
+(how often wait_for reads the events log, default 0.2 s). A token source that is set but unusable
+(a blank MCP_BEARER_TOKEN; a token file that is a folder, unreadable or empty) stops the HTTP
+server with exit status 2, on loopback too; a bad --port or --host is a usage error (exit 2).
 
 All queue logic lives in task_store; the tools here are thin typed wrappers whose docstrings are
 what the planner reads. Store errors reach the client as `is_error` results carrying the store's
-message; malformed arguments get one message naming each bad field and the allowed values.
+message; malformed arguments get one message naming each bad field and the allowed values; a
+database that cannot be used is named with its path and the way out (see mcp_errors).
 """
 from __future__ import annotations
 

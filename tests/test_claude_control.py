@@ -526,6 +526,87 @@ async def test_bad_arguments_are_refused_clearly(server: Any, claude_env: dict, 
     assert task_store.list_claude_jobs() == []
 
 
+@pytest.mark.parametrize("tool, arguments, fragments", [
+    ("claude_poll", {"job_id": "x"}, ["job_id must be a whole number; got 'x'"]),
+    ("claude_result", {}, ["job_id is required"]),
+    ("claude_cancel", {"job_id": 0}, ["job_id must be ≥ 1; got 0"]),
+    ("claude_ask", {"prompt": "hi", "timeout_sec": 3601, "model": 5},
+     ["timeout_sec must be ≤ 3600; got 3601", "model "]),
+    ("claude_submit", {"prompt": ["a"]}, ["prompt must be text (a JSON string)"]),
+])
+async def test_schema_failures_are_one_line_per_bad_argument(server: Any, claude_env: dict, tool: str,
+                                                             arguments: dict, fragments: list[str]) -> None:
+    async with Client(server, mode="legacy") as client:
+        error = await call_error(client, tool, **arguments)
+    assert error.startswith(f"invalid arguments for {tool}: ") and "\n" not in error, error
+    assert all(f in error for f in fragments), error
+    assert "validation error" not in error and "pydantic" not in error and "Error executing tool" not in error
+
+
+ODD_NUMBERS = [10**23, -(10**23), 2**63, 10**400, "99999999999999999999999", "9" * 5000, -1, 0, 1.5, 1e300,
+               "1e3", "0x10", True, [], {}, "", None]
+
+
+async def test_every_numeric_argument_refuses_odd_numbers_clearly(server: Any, claude_env: dict) -> None:
+    async with Client(server, mode="legacy") as client:
+        for value in ODD_NUMBERS:
+            for tool, arguments in [("claude_poll", {"job_id": value}), ("claude_result", {"job_id": value}),
+                                    ("claude_cancel", {"job_id": value}),
+                                    ("claude_submit", {"prompt": "p", "timeout_sec": value}),
+                                    ("claude_ask", {"prompt": "p", "timeout_sec": value})]:
+                result = await client.call_tool(tool, arguments)
+                text = result.content[0].text
+                assert "internal" not in text and "Error executing tool" not in text, (tool, value, text)
+                if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63 - 1:
+                    assert result.is_error and "must be" in text, (tool, value, text)
+
+
+@pytest.mark.parametrize("field", ["prompt", "system", "model"])
+async def test_a_nul_character_is_refused_naming_the_field(server: Any, claude_env: dict, field: str) -> None:
+    arguments = {"prompt": "hello"} | {field: "a\x00b"}
+    async with Client(server, mode="legacy") as client:
+        for tool in ("claude_ask", "claude_submit"):
+            error = await call_error(client, tool, **arguments)
+            assert f"{field} contains a NUL character" in error and "internal" not in error, error
+    assert task_store.list_claude_jobs() == []
+
+
+def break_database(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> Path:
+    path = tmp_path / "broken.db"
+    path.write_bytes(b"not a database\n" * 100) if kind == "corrupt" else path.mkdir()
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "directory"])
+async def test_a_broken_database_is_named_with_the_way_out(server: Any, claude_env: dict, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    path = break_database(tmp_path, monkeypatch, kind)
+    async with Client(server, mode="legacy") as client:
+        for tool, arguments in [("claude_submit", {"prompt": "p"}), ("claude_poll", {"job_id": 1}),
+                                ("claude_result", {"job_id": 1}), ("claude_cancel", {"job_id": 1})]:
+            error = await call_error(client, tool, **arguments)
+            assert f"the task database {path} cannot be used" in error and "TASK_DB_PATH" in error, error
+            assert "internal" not in error and "arguments" not in error
+        assert (await call(client, "claude_status"))["backend"] == "api"          # needs no database
+
+
+async def test_with_a_broken_database_the_stdio_server_starts_and_lists_its_tools(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"not a database\n" * 100)
+    raw = RawStdio(server_env(TASK_DB_PATH=str(broken), CLAUDE_CONTROL_LOG_LEVEL="chatty"))
+    try:
+        raw.initialize()
+        assert len(raw.send("tools/list")["result"]["tools"]) == 6
+        polled = raw.send("tools/call", {"name": "claude_poll", "arguments": {"job_id": 1}})["result"]
+        assert polled["isError"] and f"the task database {broken} cannot be used" in polled["content"][0]["text"]
+    finally:
+        assert raw.close() == 0
+    err = raw.proc.stderr.read()
+    assert "CLAUDE_CONTROL_LOG_LEVEL='CHATTY' is not one of" in err and "cannot check for interrupted jobs" in err
+    assert "Traceback" not in err
+
+
 async def test_unknown_and_unfinished_jobs(server: Any, claude_env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ANTHROPIC_CUSTOM_HEADERS", "x-fake-mode: slow:30")
     async with Client(server, mode="legacy") as client:

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Iterator
 
+import anyio
 import httpx2
 import pytest
 import uvicorn
@@ -245,6 +246,42 @@ def test_allowed_hosts_any_port_any_case_reach_every_route(host, monkeypatch):
         assert "mcp-session-id" in init.headers and "taskbridge" in init.text
 
 
+MALFORMED = ["localhost:evil.com", "127.0.0.1:1@evil.com", "localhost:1@evil.com", "[::1]:1@evil.com",
+             "127.0.0.1:8765:80", "localhost:", "localhost:99999", "localhost:-1", "user@localhost",
+             "localhost/evil", "localhost evil", "[::1]evil", "::1"]
+
+
+@pytest.mark.parametrize("host", MALFORMED)
+def test_a_host_with_anything_but_digits_after_the_colon_gets_421_on_every_route(host):
+    with asgi() as client:                       # the lifespan runs: /mcp would reach the SDK
+        for method, path in PROTECTED + OPEN:
+            response = call(client, method, path, headers=AUTH | {"Host": host})
+            assert response.status_code == 421, (host, method, path, response.text)
+            assert "MCP_ALLOWED_HOSTS" in response.json()["error"]
+
+
+def test_two_host_headers_get_421():
+    scope_headers = [(b"host", b"127.0.0.1:8765"), (b"host", b"evil.example.com")]
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def app(scope, receive, send):          # never reached
+        raise AssertionError("the request got through")
+
+    guard = bridge.HostGuard(app, bridge.allowed_hosts())
+    anyio.run(guard, {"type": "http", "headers": scope_headers, "path": "/health"}, None, send)
+    assert sent[0]["status"] == 421
+
+
+@pytest.mark.parametrize("host", ["LOCALHOST.:8765", "Localhost", "[::1]", "127.0.0.1:0080"])
+def test_the_sdk_sees_the_canonical_host_so_both_checks_agree(host):
+    with asgi() as client:
+        init = call(client, "POST", "/mcp", headers=AUTH | {"Host": host})
+        assert init.status_code == 200, init.text
+
+
 def test_the_token_file_is_used_when_the_env_is_empty(tmp_path, monkeypatch):
     monkeypatch.delenv("MCP_BEARER_TOKEN")
     (tmp_path / "token").write_text("from-the-file\n")
@@ -258,6 +295,77 @@ def test_without_any_token_loopback_stays_usable(monkeypatch):
     monkeypatch.delenv("MCP_BEARER_TOKEN")
     assert asgi().get("/api/status").status_code == 200
     assert asgi("evil.example.com").get("/api/status").status_code == 421
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "directory"])
+def test_the_api_answers_a_broken_database_with_503_naming_the_file(kind, tmp_path, monkeypatch):
+    path = tmp_path / "broken.db"
+    path.write_bytes(b"not sqlite\n" * 100) if kind == "corrupt" else path.mkdir()
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    client = TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765", raise_server_exceptions=False)
+    for route in ("/api/status", "/api/tasks", "/api/tasks?limit=5&status=pending"):
+        response = client.get(route, headers=AUTH)
+        assert response.status_code == 503, (route, response.text)
+        error = response.json()["error"]
+        assert f"the task database {path} cannot be used" in error and "TASK_DB_PATH" in error
+        assert "Traceback" not in response.text
+    assert client.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Token configuration: a token source that is set but unusable stops the server.
+
+
+def unusable_token(kind: str, tmp_path, monkeypatch) -> str:
+    """Configure an unusable token source; returns what the refusal must say."""
+    path = tmp_path / "token"
+    if kind in ("blank", "spaces"):
+        monkeypatch.setenv("MCP_BEARER_TOKEN", "" if kind == "blank" else " \t ")
+        return "MCP_BEARER_TOKEN is set but blank"
+    monkeypatch.delenv("MCP_BEARER_TOKEN")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(path))
+    if kind == "directory":
+        path.mkdir()
+        return f"the token file {path} is a folder"
+    if kind == "empty":
+        path.write_text("  \n")
+        return f"the token file {path} is empty"
+    if kind == "two-lines":
+        path.write_text("first-token\nsecond-token\n")
+        return "whitespace or non-ASCII"
+    if kind == "not-text":
+        path.write_bytes(b"\xff\xfe\x00bad")
+        return f"cannot read the token file {path}"
+    (tmp_path / "file").write_text("x")              # unreadable: its folder is a file
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "file" / "token"))
+    return f"cannot read the token file {tmp_path / 'file' / 'token'}"
+
+
+TOKEN_KINDS = ["blank", "spaces", "directory", "empty", "two-lines", "not-text", "unreadable"]
+
+
+@pytest.mark.parametrize("kind", TOKEN_KINDS)
+def test_an_unusable_token_source_is_refused_by_name(kind, tmp_path, monkeypatch):
+    needle = unusable_token(kind, tmp_path, monkeypatch)
+    with pytest.raises(bridge.TokenConfigError) as refused:
+        bridge.bearer_token()
+    assert needle in str(refused.value) and "second-token" not in str(refused.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_a_token_file_without_read_permission_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("MCP_BEARER_TOKEN")
+    (tmp_path / "token").write_text("secret\n")
+    (tmp_path / "token").chmod(0)
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "token"))
+    with pytest.raises(bridge.TokenConfigError, match="cannot read the token file"):
+        bridge.bearer_token()
+
+
+def test_no_token_source_at_all_is_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("MCP_BEARER_TOKEN")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "missing" / "token"))
+    assert bridge.bearer_token() is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,6 +383,41 @@ def test_refuses_a_public_address_without_a_token():
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and out == b""
     assert b"refusing to serve on 0.0.0.0 without a bearer token" in err and b"MCP_BEARER_TOKEN" in err
+
+
+@pytest.mark.parametrize("kind", ["blank", "directory", "empty", "unreadable"])
+def test_the_cli_refuses_to_start_on_loopback_with_an_unusable_token(kind, tmp_path, monkeypatch):
+    needle = unusable_token(kind, tmp_path, monkeypatch)
+    proc = start_cli("--transport", "streamable-http", "--port", str(free_port()), env=dict(os.environ))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == b"", err.decode()
+    assert b"refusing to start: " + needle.encode() in err and b"Traceback" not in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--port", "99999"], "99999 is not a port number: give 0-65535"),
+    (["--port", "-1"], "-1 is not a port number"),
+    (["--port", "65536"], "65536 is not a port number"),
+    (["--port", "80x"], "'80x' is not a port number"),
+    (["--host", ""], "the address is empty"),
+    (["--host", "no such host.invalid"], "cannot bind to 'no such host.invalid'"),
+    (["--log-level", "LOUD"], "invalid choice: 'LOUD'"),
+    (["--transport", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
+])
+def test_bad_command_line_values_end_in_a_usage_error(args, needle, capsys):
+    with pytest.raises(SystemExit) as ended:
+        bridge.parse_args(args)
+    assert ended.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_extreme_ports_are_accepted():
+    assert bridge.parse_args(["--port", "0"]).port == 0 and bridge.parse_args(["--port", "65535"]).port == 65535
+
+
+def test_a_port_out_of_range_on_the_command_line_is_a_usage_error_not_a_traceback():
+    proc = start_cli("--transport", "streamable-http", "--port", "99999", env=dict(os.environ))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and b"Traceback" not in err and b"not a port number" in err
 
 
 @pytest.mark.parametrize("transport", ["sse", "streamable-http"])

@@ -152,3 +152,21 @@ async def test_the_sdk_client_over_stdio(mode, env, tmp_path):
     assert not sent.is_error and sent.structured_content["origin_kind"] == "claude"
     assert listed.structured_content["total"] == 1
     assert ping.structured_content["database"] == env["TASK_DB_PATH"]
+
+
+def test_with_a_broken_database_the_server_starts_lists_its_tools_and_names_the_problem(env, tmp_path):
+    broken = tmp_path / "broken.db"
+    broken.write_bytes(b"not a database\n" * 100)
+    s = StdioSession(env | {"TASK_DB_PATH": str(broken)})
+    try:
+        s.request(1, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
+                                    "clientInfo": {"name": "claude-ai", "version": "1"}})
+        s.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        assert len(s.request(2, "tools/list")["result"]["tools"]) == 17
+        ping = s.call(3, "ping", {})
+        text = ping["content"][0]["text"]
+        assert ping["isError"] and f"the task database {broken} cannot be used" in text, text
+        assert "restore it from a backup" in text and "internal error" not in text
+    finally:
+        code = s.close()
+    assert code == 0 and b"Traceback" not in s.stderr
