@@ -798,19 +798,22 @@ class JobRunner:
 
     def _run(self, job_id: int, call: Call) -> None:
         try:
-            answer = self._run_in_slot(job_id, call)
-            task_store.finish_claude_job(job_id, "done", answer=answer["answer"], usage=dict(answer["usage"]))
-        except BridgeError as exc:
-            status = "cancelled" if exc.kind == "cancelled" else "failed"
-            task_store.finish_claude_job(job_id, status, error=str(exc))
-        except Exception as exc:  # a bug must still end the job, visibly
-            log.exception("job %s crashed", job_id)
-            with contextlib.suppress(Exception):
-                task_store.finish_claude_job(job_id, "failed", error=f"internal error: {type(exc).__name__}: {exc}")
+            _record_end(job_id, self._outcome(job_id, call))
         finally:
             with self._lock:
                 self._calls.pop(job_id, None)
                 self._threads.pop(job_id, None)
+
+    def _outcome(self, job_id: int, call: Call) -> dict[str, Any]:
+        """How the call ended, as finish_claude_job's keyword arguments."""
+        try:
+            answer = self._run_in_slot(job_id, call)
+            return {"status": "done", "answer": answer["answer"], "usage": dict(answer["usage"])}
+        except BridgeError as exc:
+            return {"status": "cancelled" if exc.kind == "cancelled" else "failed", "error": str(exc)}
+        except Exception as exc:  # a bug must still end the job, visibly
+            log.exception("job %s crashed", job_id)
+            return {"status": "failed", "error": f"internal error: {type(exc).__name__}: {exc}"}
 
     def _run_in_slot(self, job_id: int, call: Call) -> Answer:
         while not self._slots.acquire(timeout=0.2):
@@ -845,6 +848,16 @@ class JobRunner:
             with contextlib.suppress(Exception):
                 task_store.finish_claude_job(job_id, "failed", error=INTERRUPTED)
             call.cancel()
+
+
+def _record_end(job_id: int, outcome: dict[str, Any]) -> None:
+    """Write a job's end. A database that cannot take it (broken, replaced, the row gone) is
+    logged, never raised: the job's thread must end quietly whatever the queue's state."""
+    try:
+        task_store.finish_claude_job(job_id, **outcome)
+    except Exception as exc:
+        problem = mcp_errors.database_problem(exc) or f"{type(exc).__name__}: {exc}"
+        log.error("job %s ended %s but that could not be recorded: %s", job_id, outcome["status"], problem)
 
 
 def _follow_record(job_id: int, call: Call, finished: threading.Event, every: float = 1.0) -> None:

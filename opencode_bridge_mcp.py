@@ -25,6 +25,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -822,10 +823,13 @@ def _wait_met(statuses: dict[str, str], mode: str) -> bool:
 
 
 def _poll_sec() -> float:
+    """``$MCP_WAIT_POLL_SEC`` clamped to 0.01..5 s; 0.2 when unset or not a finite number ("nan"
+    would otherwise turn wait_for into a busy loop)."""
     try:
-        return min(max(float(os.environ.get("MCP_WAIT_POLL_SEC") or 0.2), 0.01), 5.0)
+        value = float(os.environ.get("MCP_WAIT_POLL_SEC") or 0.2)
     except ValueError:
         return 0.2
+    return min(max(value, 0.01), 5.0) if math.isfinite(value) else 0.2
 
 
 def _progress_text(statuses: dict[str, str], elapsed: float) -> str:

@@ -591,6 +591,18 @@ async def test_a_broken_database_is_named_with_the_way_out(server: Any, claude_e
         assert (await call(client, "claude_status"))["backend"] == "api"          # needs no database
 
 
+@pytest.mark.parametrize("kind", ["corrupt", "missing-row"])
+def test_a_job_whose_end_cannot_be_recorded_ends_quietly(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    if kind == "corrupt":
+        path = break_database(tmp_path, monkeypatch, "corrupt")
+        needle = f"the task database {path} cannot be used"
+    else:
+        needle = "Claude job 7 not found"
+    ccm._record_end(7, {"status": "failed", "error": "overloaded: busy"})     # no exception escapes the thread
+    assert "job 7 ended failed but that could not be recorded" in caplog.text and needle in caplog.text
+
+
 async def test_with_a_broken_database_the_stdio_server_starts_and_lists_its_tools(tmp_path: Path) -> None:
     broken = tmp_path / "broken.db"
     broken.write_bytes(b"not a database\n" * 100)

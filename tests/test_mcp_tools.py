@@ -764,6 +764,13 @@ async def test_list_models_without_opencode_says_how_to_fix_it(monkeypatch):
 # Pure helpers.
 
 
+@pytest.mark.parametrize("raw,seconds", [("nan", 0.2), ("inf", 0.2), ("-inf", 0.2), ("soon", 0.2), ("", 0.2),
+                                         ("0", 0.01), ("1e9", 5.0), ("0.5", 0.5)])
+def test_the_wait_poll_interval_is_finite_and_clamped(raw, seconds, monkeypatch):
+    monkeypatch.setenv("MCP_WAIT_POLL_SEC", raw)
+    assert bridge._poll_sec() == seconds
+
+
 @pytest.mark.parametrize("limit", [1, 2, 3, 5, 7, 64])
 def test_page_utf8_never_splits_a_character(limit):
     text = "aé日🚀" * 50
