@@ -16,6 +16,10 @@ port="${PORT:-8765}"
 python=".venv/bin/python"
 [ -x "$python" ] || { echo "start_public.sh: run ./install.sh first" >&2; exit 1; }
 token_file="${MCP_TOKEN_FILE:-$(pwd)/.taskbridge/token}"
+if [ -n "${MCP_BEARER_TOKEN+set}" ] && [ -z "$(printf '%s' "$MCP_BEARER_TOKEN" | tr -d '[:space:]')" ]; then
+  echo "start_public.sh: MCP_BEARER_TOKEN is set but blank; unset it (the token file is used) or give a token" >&2
+  exit 1
+fi
 if [ -z "${MCP_BEARER_TOKEN:-}" ] && [ ! -s "$token_file" ]; then
   echo "start_public.sh: no bearer token; run ./install.sh (writes $token_file) or set MCP_BEARER_TOKEN" >&2
   exit 1

@@ -43,7 +43,7 @@ BATCH_MAX = 20
 RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range
-TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d+)\s*$", re.IGNORECASE)
+TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d{1,30})\s*$", re.IGNORECASE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def coerce_int(name: str, value: Any, lo: int, hi: int) -> int:
 
     Raises ValidationError naming the field, the bounds and what was sent.
     """
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?0*\d{1,30}\s*", value):
         value = int(value)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -406,6 +406,8 @@ def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | 
         raise ValidationError(f"{name} must be text; got {type(value).__name__}")
     if required and not value.strip():
         raise ValidationError(f"{name} must not be empty")
+    if "\x00" in value:
+        raise ValidationError(f"{name} contains a NUL character; send plain text")
     if len(value) > limit:
         raise ValidationError(f"{name} is {len(value)} characters; the limit is {limit}")
     return value

@@ -79,3 +79,10 @@ def test_public_start_without_a_tunnel_says_what_to_do(tmp_path):
                             text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert result.returncode == 1
     assert "no tunnel binary" in result.stderr and "cloudflared" in result.stderr
+
+
+def test_public_start_refuses_a_blank_token(tmp_path):
+    env = dict(os.environ, MCP_BEARER_TOKEN="   ", TUNNEL_BIN="/bin/true")
+    result = subprocess.run(["bash", str(ROOT / "start_public.sh")], env=env, capture_output=True,
+                            text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and "MCP_BEARER_TOKEN is set but blank" in result.stderr

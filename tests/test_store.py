@@ -249,3 +249,22 @@ def test_cancel_waiting_task_says_where_its_work_stays(tmp_path):
                                  "worktree /wt/repo-t_0001")
     assert "branch taskbridge/t_0001 kept" in store.get_task(task["id"])["events"][-1]["message"]
     assert store.cancel_task(submit(tmp_path)["id"])["kept"] is None
+
+
+@pytest.mark.parametrize("field", ["priority", "timeout_sec", "depends_on"])
+def test_numbers_with_thousands_of_digits_are_refused_clearly(tmp_path, field):
+    value = ["9" * 5000] if field == "depends_on" else "9" * 5000
+    with pytest.raises(store.ValidationError):
+        submit(tmp_path, **{field: value})
+    with pytest.raises(store.ValidationError):
+        store.get_task("1" * 5000)
+
+
+@pytest.mark.parametrize("field", ["title", "instructions"])
+def test_nul_in_text_is_refused_by_the_store(tmp_path, field):
+    fields = {"title": "t", "instructions": "i", "working_dir": str(tmp_path), field: "a\x00b"}
+    with pytest.raises(store.ValidationError, match=f"{field} contains a NUL"):
+        store.submit_task(**fields)
+    task = submit(tmp_path)
+    with pytest.raises(store.ValidationError, match="NUL"):
+        store.add_note(task["id"], "x\x00")
