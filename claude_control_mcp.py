@@ -24,7 +24,7 @@ Env, read at call time:
   CLAUDE_CONTROL_LOG_LEVEL log level on stderr (default WARNING; an unknown level warns and uses WARNING)
   TASK_DB_PATH             the queue database that holds the jobs (see task_store)
 
-Tool errors are one line (mcp_errors): a bad argument named with what it must be, a Claude
+Tool errors are one line (mcp_shared): a bad argument named with what it must be, a Claude
 failure as "kind: message", a queue database that cannot be used named with its path and the way
 out (the server still starts and lists its tools then). A NUL character in any argument is refused.
 
@@ -61,7 +61,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
-import mcp_errors
+import mcp_shared
 import process_tree
 import task_store
 
@@ -856,7 +856,7 @@ def _record_end(job_id: int, outcome: dict[str, Any]) -> None:
     try:
         task_store.finish_claude_job(job_id, **outcome)
     except Exception as exc:
-        problem = mcp_errors.database_problem(exc) or f"{type(exc).__name__}: {exc}"
+        problem = mcp_shared.database_problem(exc) or f"{type(exc).__name__}: {exc}"
         log.error("job %s ended %s but that could not be recorded: %s", job_id, outcome["status"], problem)
 
 
@@ -1037,23 +1037,10 @@ ENDS_A_JOB = ToolAnnotations(idempotent_hint=True, destructive_hint=True)
 _RUNNER: list[JobRunner] = []  # this process's job runner, made by the first build_server()
 
 
-class ToolRegistry:
-    """Collects the tool functions as the module is read; no server exists until build_server()."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
-
-    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
-        def mark(fn: Any) -> Any:
-            self.entries.append((fn, annotations))
-            return fn
-        return mark
+registry = mcp_shared.ToolRegistry()
 
 
-registry = ToolRegistry()
-
-
-class ControlServer(mcp_errors.TranslatingServer):
+class ControlServer(mcp_shared.TranslatingServer):
     """MCPServer whose tool errors are one line each: bad arguments field by field, a Claude
     failure as "kind: message", a broken queue database with its path and the fix."""
 
@@ -1246,7 +1233,7 @@ def recover_at_start() -> None:
     try:
         recovered = recover_interrupted_jobs()
     except Exception as exc:
-        problem = mcp_errors.database_problem(exc)
+        problem = mcp_shared.database_problem(exc)
         if problem is None:
             raise
         log.error("cannot check for interrupted jobs: %s", problem)

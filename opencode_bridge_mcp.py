@@ -16,7 +16,7 @@ server with exit status 2, on loopback too; a bad --port or --host is a usage er
 All queue logic lives in task_store; the tools here are thin typed wrappers whose docstrings are
 what the planner reads. Store errors reach the client as `is_error` results carrying the store's
 message; malformed arguments get one message naming each bad field and the allowed values; a
-database that cannot be used is named with its path and the way out (see mcp_errors).
+database that cannot be used is named with its path and the way out (see mcp_shared).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import anyio
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
-import mcp_errors
+import mcp_shared
 import opencode_runner
 import task_store as store
 import worktrees
@@ -507,10 +507,10 @@ def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: in
 
 # --------------------------------------------------------------------------------------------
 # Errors: anything a tool raises becomes one clear is_error text (never "Error executing tool");
-# the translation itself lives in mcp_errors, shared with the reverse bridge.
+# the translation itself lives in mcp_shared, shared with the reverse bridge.
 
 
-class BridgeServer(mcp_errors.TranslatingServer):
+class BridgeServer(mcp_shared.TranslatingServer):
     """MCPServer whose tool errors read as the store's messages, never 'Error executing tool'."""
 
     passthrough = (store.TaskStoreError, opencode_runner.OpencodeNotFound)
@@ -645,20 +645,7 @@ DESTRUCTIVE = ToolAnnotations(destructive_hint=True)
 IDEMPOTENT = ToolAnnotations(idempotent_hint=True)
 
 
-class ToolRegistry:
-    """Collects the tool functions as the module is read; no server exists until build_server()."""
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
-
-    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
-        def mark(fn: Any) -> Any:
-            self.entries.append((fn, annotations))
-            return fn
-        return mark
-
-
-registry = ToolRegistry()
+registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
@@ -1311,7 +1298,7 @@ async def _api_answer(work: Any) -> Any:
     except store.TaskStoreError as exc:
         return JSONResponse({"error": str(exc)}, status_code=400)
     except Exception as exc:
-        problem = mcp_errors.database_problem(exc)
+        problem = mcp_shared.database_problem(exc)
         if problem:
             log.warning("/api: %s", problem)
             return JSONResponse({"error": problem}, status_code=503)

@@ -1,8 +1,10 @@
-"""How TaskBridge's two MCP servers turn failures into messages a model can act on.
+"""What TaskBridge's two MCP servers share: tool registration, and turning failures into
+messages a model can act on.
 
 Shared by opencode_bridge_mcp.py (the 17 queue tools) and claude_control_mcp.py (the reverse
 bridge), so neither server imports the other's internals. Nothing happens at import time.
 
+- ``ToolRegistry``: collects a module's tool functions so each ``build_server()`` makes a fresh server.
 - ``TranslatingServer``: an MCPServer whose tool errors read as one clear line, never the SDK's
   "Error executing tool …" or pydantic's multi-line dump; arguments holding a NUL character are
   refused before any tool runs.
@@ -21,6 +23,7 @@ from typing import Any
 import pydantic
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.types import ToolAnnotations
 
 import task_store
 
@@ -198,3 +201,16 @@ class TranslatingServer(MCPServer):
             raise translate(name, exc, self.passthrough) from None
         except ToolError as exc:
             raise translate(name, exc, self.passthrough) from exc.__cause__
+
+
+class ToolRegistry:
+    """Collects the tool functions as the module is read; no server exists until build_server()."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
+
+    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
+        def mark(fn: Any) -> Any:
+            self.entries.append((fn, annotations))
+            return fn
+        return mark
