@@ -78,3 +78,40 @@ def step_finish_sums(log_text: str) -> dict:
             sums["cache_write"] += tokens["cache"]["write"]
             sums["cost"] += event["part"]["cost"]
     return sums
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def require_pinned(binary: str | None, what: str) -> str:
+    """A pinned real binary the tests drive (`./install.sh --test` installs them); a missing one
+    skips the test locally and fails it under CI=true, where it must never be silently skipped."""
+    import pytest
+    if binary and os.access(binary, os.X_OK):
+        return binary
+    message = f"{what} is not installed: run ./install.sh --test (pinned in package.json)"
+    if os.environ.get("CI", "").strip().lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 30) -> None:
+    """Wait until a server started as `proc` answers 200 on `base`/health (Host 127.0.0.1);
+    fail with its stderr if it exits or does not come up in `timeout` seconds."""
+    import time
+
+    import httpx2
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx2.get(f"{base}/health").status_code == 200:
+                return
+        except httpx2.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        time.sleep(0.1)

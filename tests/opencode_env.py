@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import pytest
 
 from fake_openai import ScriptedModel
+from helpers import require_pinned
 
 OPENCODE_VERSION = "1.18.33"
 MODEL = "fake/model"
@@ -191,14 +192,7 @@ class OpenCode:
 
 def require_opencode_bin() -> str:
     """The binary `opencode_bin()` finds; else skip the test, or fail it when CI=true."""
-    binary = opencode_bin()
-    if binary is not None:
-        return binary
-    message = ("opencode binary not found: run `npm ci` in the repo root (pinned "
-               f"opencode-ai {OPENCODE_VERSION}) or set OPENCODE_BIN")
-    if os.environ.get("CI", "").strip().lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    return require_pinned(opencode_bin(), f"opencode (opencode-ai {OPENCODE_VERSION}, or set OPENCODE_BIN)")
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from mcp import Client, StdioServerParameters
 import claude_control_mcp as ccm
 import task_store
 from fake_anthropic import DEFAULT_ANSWER, FakeAnthropic
+from helpers import require_pinned
 
 pytestmark = pytest.mark.anyio
 
@@ -44,12 +45,7 @@ BACKENDS = ["cli", "api"]
 
 def require_real_claude() -> str:
     """The pinned claude binary; skip when missing, fail when CI=true."""
-    if REAL_CLAUDE.exists() and os.access(REAL_CLAUDE, os.X_OK):
-        return str(REAL_CLAUDE)
-    message = "the claude CLI is not installed: run `npm ci` in the repo root (pinned @anthropic-ai/claude-code)"
-    if os.environ.get("CI", "").strip().lower() == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+    return require_pinned(str(REAL_CLAUDE), "the claude CLI (@anthropic-ai/claude-code)")
 
 
 @pytest.fixture

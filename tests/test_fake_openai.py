@@ -384,7 +384,7 @@ def test_missing_binary_skips_but_fails_under_ci(tmp_path: Path, monkeypatch: py
     monkeypatch.delenv("OPENCODE_BIN", raising=False)
     monkeypatch.delenv("CI", raising=False)
     assert oc_env.opencode_bin() is None
-    with pytest.raises(pytest.skip.Exception, match="npm ci"):
+    with pytest.raises(pytest.skip.Exception, match="install.sh --test"):
         oc_env.require_opencode_bin()
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="OPENCODE_BIN"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
+from helpers import free_port, wait_healthy
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -48,12 +48,6 @@ def token(tmp_path, monkeypatch):
 def wd(tmp_path) -> str:
     (tmp_path / "project").mkdir()
     return str(tmp_path / "project")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -426,13 +420,7 @@ def test_the_cli_serves_one_port_and_never_logs_the_token(transport):
     proc = start_cli("--transport", transport, "--port", str(port), "--log-level", "DEBUG", env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx2.TransportError):
-                if httpx2.get(f"{base}/health").status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-            time.sleep(0.1)
+        wait_healthy(proc, base)
         assert httpx2.get(f"{base}/api/status?token={TOKEN}").status_code == 200
         assert httpx2.get(f"{base}/api/status?token=wrong-{TOKEN}").status_code == 401
         init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS, content=json.dumps(INIT))

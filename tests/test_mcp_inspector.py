@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx2
 import pytest
 
 import opencode_bridge_mcp as bridge
+from helpers import free_port, require_pinned, wait_healthy
 
 INSPECTOR = bridge.REPO_DIR / "node_modules" / ".bin" / "mcp-inspector"
 SCRIPT = str(bridge.REPO_DIR / "opencode_bridge_mcp.py")
@@ -24,11 +22,7 @@ TOKEN = "inspector-token-0123456789"
 
 @pytest.fixture(autouse=True)
 def inspector(tmp_path, monkeypatch):
-    if not INSPECTOR.exists():
-        message = "mcp-inspector not installed: run `npm ci` in the repo root"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
+    require_pinned(str(INSPECTOR), "the MCP Inspector (@modelcontextprotocol/inspector)")
     (tmp_path / "home").mkdir()
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
@@ -77,12 +71,6 @@ def test_inspector_over_stdio(project):
     exercise(["--", sys.executable, SCRIPT, "--log-level", "DEBUG"], project, extra)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def http_server():
     port = free_port()
@@ -91,13 +79,7 @@ def http_server():
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx2.TransportError):
-                if httpx2.get(f"{base}/health").status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-            time.sleep(0.1)
+        wait_healthy(proc, base)
         yield base
     finally:
         proc.terminate()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -13,13 +12,7 @@ import urllib.request
 
 import pytest
 
-from helpers import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import ROOT, free_port
 
 
 def get(port: int, path: str, host: str, token: str | None = None) -> int:
