@@ -859,11 +859,13 @@ def _explain_unclaimable(conn: sqlite3.Connection, num: int) -> None:
 
 def _fenced(conn: sqlite3.Connection, num: int, marker: str) -> sqlite3.Row:
     row = _row(conn, num)
-    if row["status"] != "running" or row["run_marker"] != marker:
-        raise StaleAttempt(
-            f"attempt {marker} of task {format_task_id(num)} is no longer current "
-            f"(task is {row['status']}, current attempt {row['run_marker']}); its write was refused"
-        )
+    name = format_task_id(num)
+    if row["run_marker"] != marker:
+        raise StaleAttempt(f"attempt {marker} of task {name} is not the current attempt (current: "
+                           f"{row['run_marker']}, task is {row['status']}); its write was refused")
+    if row["status"] != "running":
+        raise StaleAttempt(f"attempt {marker} of task {name} was ended from outside: the task is "
+                           f"now {row['status']}; its write was refused")
     return row
 
 
@@ -905,11 +907,11 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
     ``usage`` (tokens, cost_usd). Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     with _writing() as conn:
-        _fenced(conn, num, marker)
+        row = _fenced(conn, num, marker)
         conn.execute(
             "UPDATE tasks SET status = 'done', finished_at = ?, result = ?, diff = ?, usage = ?,"
             " session_id = coalesce(?, session_id), error = NULL WHERE id = ?",
-            (now(), _json(result), diff, _json(usage), session_id, num),
+            (now(), _json(result), diff, _total_usage(row, usage), session_id, num),
         )
         summary = (result or {}).get("summary") or ""
         _event(conn, num, "done", summary[:500])
@@ -926,7 +928,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _fenced(conn, num, marker)
-        values = (error, _json(result), diff, _json(usage), session_id, num)
+        values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
         if retryable and _retries_left(row):
             backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** (row["attempts"] - 1), RETRY_BACKOFF_SEC[1])
             conn.execute(
@@ -957,8 +959,8 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         row = _fenced(conn, num, marker)
         conn.execute(
             "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
-            " session_id = coalesce(?, session_id) WHERE id = ?",
-            (question, _json(result), _json(usage), session_id, num),
+            " session_id = coalesce(?, session_id), handbacks = handbacks + 1 WHERE id = ?",
+            (question, _json(result), _total_usage(row, usage), session_id, num),
         )
         conn.execute(
             "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
@@ -1018,7 +1020,8 @@ def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bo
 
 
 def _retries_left(row: sqlite3.Row) -> bool:
-    # A hand-back (worker shutdown) does not spend a retry; attempt numbers stay unique for fencing.
+    # Only failures spend retries: a hand-back (worker shutdown) or an attempt that ended asking a
+    # question is counted in handbacks. Attempt numbers stay unique for fencing.
     return row["attempts"] - row["handbacks"] <= row["max_retries"]
 
 
@@ -1094,6 +1097,25 @@ def _fail_dependents(conn: sqlite3.Connection, num: int, why: str) -> None:
 def fail_unrunnable(task_id: Any, marker: str, error: str) -> dict[str, Any]:
     """Fail an attempt at once without retrying (a missing directory, a repo with no commits)."""
     return fail_attempt(task_id, marker, error, retryable=False)
+
+
+def _total_usage(row: sqlite3.Row, attempt: dict | None) -> str | None:
+    """The task's usage over all its attempts: tokens, cost_usd and steps summed, and each
+    attempt's own figures under ``by_attempt`` (an attempt that asked a question, failed or was
+    resumed keeps its cost in the total)."""
+    if attempt is None:
+        return row["usage"]
+    total = json.loads(row["usage"]) if row["usage"] else {}
+    tokens = dict(total.get("tokens") or {})
+    for key, value in (attempt.get("tokens") or {}).items():
+        both_numbers = all(isinstance(v, (int, float)) for v in (value, tokens.get(key, 0)))
+        tokens[key] = tokens.get(key, 0) + value if both_numbers else value
+    return _json({
+        "tokens": tokens,
+        "cost_usd": round(float(total.get("cost_usd") or 0) + float(attempt.get("cost_usd") or 0), 8),
+        "steps": int(total.get("steps") or 0) + int(attempt.get("steps") or 0),
+        "by_attempt": list(total.get("by_attempt") or []) + [dict(attempt, attempt=row["attempts"])],
+    })
 
 
 def _json(value: Any) -> str | None:

@@ -29,13 +29,19 @@ class Unrunnable(Exception):
     fail at once, no retry. The message says what to do."""
 
 
-def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None) -> str:
-    """Run git; return stdout stripped. Raises RuntimeError with git's message when ``check``."""
-    proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, env=env)
+def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
+        strip: bool = True) -> str:
+    """Run git (paths unquoted: ``core.quotePath=false``); return stdout, stripped unless
+    ``strip=False`` (a diff must keep its last newline to apply). Bytes that are not UTF-8 (a
+    Latin-1 file in a diff) are replaced, never fatal. Raises RuntimeError with git's message
+    when ``check``."""
+    proc = subprocess.run(["git", "-c", "core.quotePath=false", *args], cwd=cwd, capture_output=True,
+                          text=True, encoding="utf-8", errors="replace", stdin=subprocess.DEVNULL, env=env)
     if check and proc.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()}")
-    return proc.stdout.strip() if proc.returncode == 0 else ""
+    if proc.returncode != 0:
+        return ""
+    return proc.stdout.strip() if strip else proc.stdout
 
 
 def worktree_root() -> Path:
@@ -155,7 +161,7 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
         git(["read-tree", ws.base_commit], ws.top, env=env)
         git(["add", "-A", "."], ws.top, env=env)
         names = git(["diff", "--cached", "--name-only", ws.base_commit], ws.top, env=env)
-        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env)
+        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
 
 

@@ -225,7 +225,7 @@ def test_complete_with_a_stale_marker_is_refused(tmp_path):
     add(tmp_path)
     run("claim", "1")
     result = run("complete", "1", "--marker", "br-1-a9")
-    assert result.exit_code == 1 and "no longer current" in result.stderr
+    assert result.exit_code == 1 and "is not the current attempt" in result.stderr
     assert task_store.get_task(1)["status"] == "running"
 
 

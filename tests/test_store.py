@@ -127,7 +127,7 @@ def test_fencing_refuses_a_superseded_attempt(tmp_path):
         store.requeue_attempt(task["id"], first["run_marker"], "twice")
     second = store.claim_next("w2")
     assert second["run_marker"] == "br-1-a2"
-    with pytest.raises(store.StaleAttempt, match="br-1-a1 .* no longer current"):
+    with pytest.raises(store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"):
         store.complete_attempt(task["id"], first["run_marker"], result={"summary": "late"})
     with pytest.raises(store.StaleAttempt):
         store.renew_lease(task["id"], first["run_marker"])
@@ -268,3 +268,32 @@ def test_nul_in_text_is_refused_by_the_store(tmp_path, field):
     task = submit(tmp_path)
     with pytest.raises(store.ValidationError, match="NUL"):
         store.add_note(task["id"], "x\x00")
+
+
+def test_a_question_does_not_spend_a_retry_and_usage_adds_up(tmp_path):
+    task = submit(tmp_path, max_retries=0)
+    first = store.claim_next("w")
+    usage = {"tokens": {"input": 900, "output": 50}, "cost_usd": 0.00101, "steps": 1}
+    store.pause_for_question(task["id"], first["run_marker"], "Which port?", usage=usage)
+    store.answer_task(task["id"], "8080")
+    second = store.claim_next("w")
+    after = store.fail_attempt(task["id"], second["run_marker"], "model error", usage=usage)
+    assert after["status"] == "failed", "max_retries=0: the failure after the answer is the only one"
+    third_task = submit(tmp_path, max_retries=1)
+    claimed = store.claim_next("w")
+    store.pause_for_question(third_task["id"], claimed["run_marker"], "Tabs?", usage=usage)
+    store.answer_task(third_task["id"], "spaces")
+    again = store.claim_next("w")
+    retried = store.fail_attempt(third_task["id"], again["run_marker"], "flaky", usage=usage)
+    assert retried["status"] == "pending", "the question did not use up the one retry"
+    total = store.get_task(task["id"])["usage"]
+    assert total["tokens"] == {"input": 1800, "output": 100} and total["cost_usd"] == pytest.approx(0.00202)
+    assert [a["attempt"] for a in total["by_attempt"]] == [1, 2]
+
+
+def test_a_cancelled_attempt_is_told_so_plainly(tmp_path):
+    task = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.cancel_task(task["id"])
+    with pytest.raises(store.StaleAttempt, match="was ended from outside: the task is now cancelled"):
+        store.complete_attempt(task["id"], claimed["run_marker"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -281,3 +282,20 @@ def test_huge_task_ids_are_refused_clearly(value):
 def test_nul_in_working_dir_is_refused(tmp_path):
     with pytest.raises(task_store.ValidationError, match="NUL"):
         task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path) + "\x00x")
+
+
+def test_diff_applies_and_names_odd_files_as_they_are(tmp_path):
+    repo = make_repo(tmp_path / "repo", {"a.txt": "one\n"})
+    ws = worktrees.prepare_workspace(claimed(tmp_path, repo), resume=False)
+    top = tmp_path / "worktrees" / "repo-t_0001"
+    (top / "a.txt").write_text("one\ntwo")  # no final newline
+    (top / "café menu.txt").write_text("soup\n")
+    (top / "latin.txt").write_bytes(b"caf\xe9\n")  # not UTF-8
+    files, diff = worktrees.observed_changes(ws)
+    assert files == ["a.txt", "café menu.txt", "latin.txt"]
+    assert diff.endswith("\n") and "\ufffd" in diff
+    patch = tmp_path / "p.diff"
+    patch.write_text(diff)
+    check = subprocess.run(["git", "apply", "--check", "--exclude=latin.txt", str(patch)], cwd=repo,
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
