@@ -530,16 +530,6 @@ def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
     return (info.name, info.version) if info is not None else (None, None)
 
 
-def _pid_running(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except PermissionError:
-        return True
-    except (OSError, ValueError, TypeError):
-        return False
-    return True
-
-
 def worker_state() -> dict[str, Any]:
     """The worker heartbeat file, judged: seen, age, whether its pid still runs here, a summary."""
     beat = store.read_worker_heartbeat()
@@ -548,8 +538,7 @@ def worker_state() -> dict[str, Any]:
                 "age_sec": None, "pid_running": None, "recent": False,
                 "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
                            "`python worker.py --watch`, or the restart_worker tool"}
-    here = beat.get("host") == socket.gethostname()
-    running = _pid_running(beat.get("pid")) if here else None
+    running = beat["pid_running"]
     age = beat.get("age_sec")
     recent = age is not None and age <= WORKER_RECENT_SEC
     state = beat.get("state")

@@ -31,7 +31,8 @@ _PERMISSION_RULES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "readonly": (
         {"edit": "deny"},
         {"file writes": "enforced (edit/write tools denied) and reverted after the run",
-         "shell writes": "reverted after the run (the shell itself still runs)"},
+         "shell writes": "inside the worktree: reverted after the run; elsewhere: not prevented "
+                         "(prompt-level; your checkout is checked and changes reported)"},
     ),
     "no-shell": ({"bash": "deny"}, {"shell": "enforced (bash tool denied)"}),
     "no-network": (

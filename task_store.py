@@ -1286,14 +1286,28 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
 
 
 def read_worker_heartbeat() -> dict[str, Any] | None:
-    """The last worker heartbeat, with ``age_sec`` added, or None if no worker ever ran here."""
+    """The last worker heartbeat, with ``age_sec``, ``at`` and ``pid_running`` added (True or
+    False when the worker wrote it on this host, None for another host), or None if no worker
+    ever ran here."""
     try:
         state = json.loads(state_path("worker.json").read_text())
     except (OSError, ValueError):
         return None
     state["age_sec"] = round(now() - float(state.get("ts", 0)), 1)
     state["at"] = iso(float(state.get("ts", 0)))
+    here = state.get("host") == socket.gethostname()
+    state["pid_running"] = _pid_running(state.get("pid")) if here else None
     return state
+
+
+def _pid_running(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------

@@ -871,6 +871,10 @@ def status(as_json: bool) -> None:
     if worker is None or worker["age_sec"] > STALE_WORKER_SEC:
         err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
                          "running? (python worker.py runs one pass by hand)", style="yellow"))
+    elif worker["pid_running"] is False and worker.get("state") not in ("stopped", "pass"):
+        err().print(Text(f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
+                         "mid-run. The next pass requeues its task (python worker.py runs one now).",
+                         style="yellow"))
 
 
 def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:

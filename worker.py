@@ -348,8 +348,10 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     notes = store.take_notes(task["id"], marker)
     snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
     model = task["model"] or store.default_model()
+    checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
     run, session_note = _run_agent(task, ws, knobs, model, notes, resume)
-    return _conclude(task, ws, run, model, snapshot, session_note)
+    outside = worktrees.changed_outside(checkout_before, ws.repo) if ws.mode == "worktree" else []
+    return _conclude(task, ws, run, model, snapshot, session_note, outside)
 
 
 def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
@@ -380,7 +382,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
 
 
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
-              snapshot: dict | None, session_note: str) -> dict[str, Any] | None:
+              snapshot: dict | None, session_note: str, outside: list[str]) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}")
@@ -391,6 +393,9 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
     block = oc.parse_closing_block(run.stream.final_text)
     reason = failure_reason(run)
     receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
+    receipt["changed_outside_worktree"] = outside
+    if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
+        receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
     usage = run.stream.usage()
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
         worktrees.remove_worktree(ws)
@@ -443,10 +448,10 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
     if ws.mode == "in-place" and not ws.top:
         files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
                         if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
-    sandbox = {"isolation": ws.note or f"git worktree on {ws.branch}", "permission": task["permission"],
+    isolation = ws.note or (f"git worktree on {ws.branch}; writes outside it are not prevented "
+                            "(prompt-level): changes to your checkout are listed in changed_outside_worktree")
+    sandbox = {"isolation": isolation, "permission": task["permission"],
                **oc.sandbox_labels(task["permission"])}
-    if task["permission"] == "readonly" and ws.mode == "in-place" and ws.top is None and not ws.note:
-        sandbox["file writes"] = "not reverted (directory too large to snapshot)"
     denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
     return {
         "summary": block.get("summary") or block.get("question") or "",

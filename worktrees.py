@@ -165,6 +165,30 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     return [n for n in names.splitlines() if n], diff
 
 
+def checkout_state(repo: str | None) -> dict[str, tuple]:
+    """The user's checkout as git sees it: every changed or untracked path with its status,
+    size and mtime. Taken before and after a run, it shows what an agent changed outside its
+    worktree (which nothing prevents: the bash tool can write anywhere)."""
+    if not repo:
+        return {}
+    out = git(["status", "--porcelain", "-z", "--untracked-files=all"], repo, check=False, strip=False)
+    state = {}
+    for entry in filter(None, out.split("\0")):
+        path = entry[3:]
+        try:
+            info = os.stat(os.path.join(repo, path))
+            state[path] = (entry[:2], info.st_size, info.st_mtime_ns)
+        except OSError:
+            state[path] = (entry[:2], None, None)
+    return state
+
+
+def changed_outside(before: dict[str, tuple], repo: str | None) -> list[str]:
+    """Paths of the user's checkout whose state differs from ``before`` (see checkout_state)."""
+    after = checkout_state(repo)
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+
+
 def commit_changes(ws: Workspace, message: str) -> str | None:
     """Commit everything in the worktree on the task branch; returns the commit id or None."""
     if ws.mode != "worktree":

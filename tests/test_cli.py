@@ -757,3 +757,14 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     assert ws2.top not in git(repo, "worktree", "list")
     assert git(repo, "branch", "--list", ws2.branch).strip().endswith(ws2.branch)
     assert task_store.counts()["done"] == 0
+
+
+def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
+                             "{'state': 'running', 'task': 't_0001'})"])
+    dead.wait()
+    result = CliRunner().invoke(tasks_cli.cli, ["status"])
+    assert result.exit_code == 0
+    assert f"The worker (pid {dead.pid}) that wrote this heartbeat is gone" in result.stderr

@@ -86,7 +86,8 @@ def test_readonly_denies_writes_and_reverts_shell_writes(opencode, tmp_path):
     before = checkout_state(repo)
     opencode.model.script("ro", [
         tool_call("write", {"filePath": "{cwd}/blocked.txt", "content": "should not exist"}),
-        tool_call("bash", {"command": "echo sneaky > via_shell.txt", "description": "write via shell"}),
+        tool_call("bash", {"command": f"echo sneaky > via_shell.txt; echo escaped > {repo}/escaped.txt",
+                           "description": "write via shell, inside and outside the worktree"}),
         text("Tried.\n" + DONE),
     ])
     task = task_store.submit_task(title="ro", instructions="SCRIPT:ro", working_dir=str(repo),
@@ -101,6 +102,10 @@ def test_readonly_denies_writes_and_reverts_shell_writes(opencode, tmp_path):
     assert "enforced" in receipt["sandbox"]["file writes"]
     assert not (tmp_path / "worktrees" / f"repo-{task['id']}" / "blocked.txt").exists()
     assert not (tmp_path / "worktrees" / f"repo-{task['id']}" / "via_shell.txt").exists()
+    # Nothing stops the shell writing into the user's checkout: the receipt must say so.
+    assert receipt["changed_outside_worktree"] == ["escaped.txt"]
+    assert "elsewhere: not prevented" in receipt["sandbox"]["shell writes"]
+    (repo / "escaped.txt").unlink()
     assert checkout_state(repo) == before
 
 
