@@ -150,6 +150,25 @@ class RunResult:
     seconds: float = 0.0
 
 
+START_GATE_SEC = 3
+
+
+class StartGate:
+    """With several slots, one `opencode run` starts at a time: runs that start together on a
+    fresh OpenCode data directory race on its own database migrations ("Failed query: CREATE
+    TABLE"). A run holds the gate until its first event or for START_GATE_SEC seconds (the binary
+    starts in ~1.7 s here), so slots still overlap for all but the first seconds."""
+    _lock = threading.Lock()
+
+    @classmethod
+    def enter(cls) -> None:
+        cls._lock.acquire()
+
+    @classmethod
+    def leave(cls) -> None:
+        cls._lock.release()
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -161,6 +180,7 @@ class Supervisor:
         self.result = RunResult(oc.EventStream())
         self.partial: dict[int, bytes] = {}
         self.stop = False
+        self.gate_open_at: float | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -168,20 +188,28 @@ class Supervisor:
         with open(store.log_path(self.task["id"]), "ab") as self.log:
             self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
+            StartGate.enter()
             self.proc = subprocess.Popen(
                 self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self.gate_open_at = time.monotonic() + START_GATE_SEC
             self._send_prompt()
             self._record_pid()
             try:
                 self._watch()
             finally:
+                self._leave_gate()
                 process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
                                        run_stragglers(self.marker, self.queue))
                 self._drain(final=True)
                 self.result.returncode = self.proc.wait()
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
+
+    def _leave_gate(self) -> None:
+        if self.gate_open_at is not None:
+            self.gate_open_at = None
+            StartGate.leave()
 
     def _send_prompt(self) -> None:
         try:
@@ -224,6 +252,8 @@ class Supervisor:
 
     def _check(self, now: float) -> None:
         knobs = self.knobs
+        if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
+            self._leave_gate()
         if now - self.last_renew >= knobs.lease_sec:
             self.last_renew = now
             try:

@@ -203,6 +203,8 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
 
 
 def test_slots_run_tasks_side_by_side(opencode, tmp_path):
+    """Also the start race: two runs starting together on a fresh OpenCode data directory used to
+    fail one of them on OpenCode's own migrations ("Failed query: CREATE TABLE")."""
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("slow", [hang()])
     tasks = [task_store.submit_task(title=f"slow {i}", instructions="SCRIPT:slow", working_dir=str(repo),
@@ -212,7 +214,8 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     finals = [task_store.get_task(t["id"]) for t in tasks]
-    assert all(f["status"] == "failed" and "timed out after 6 s" in f["error"] for f in finals), finals
+    assert all(f["status"] == "failed" and "timed out after 6 s" in f["error"] for f in finals), \
+        [(f["status"], f["error"]) for f in finals]
     assert elapsed < 6 * 2, "two 6 s timeouts in one pass ran side by side"
     first, second = sorted(finals, key=lambda f: f["started_at"])
     assert second["started_at"] < first["finished_at"]
