@@ -1022,7 +1022,7 @@ def list_models(
     refresh: Annotated[bool | None, Field(description="ask OpenCode again instead of the one-minute cache")] = False,
 ) -> ModelPage:
     """Models OpenCode can use here (from `opencode models --verbose`): id (provider/model), name,
-    cost (USD per million tokens: input, output, cache_read, cache_write), context and output
+    cost (USD per million tokens, as OpenCode reports it: input, output, cache.read, cache.write), context and output
     limits (tokens). `resolved` is the full id when `search` is a plain model name that exactly one
     provider offers. Errors: OpenCode not installed, unknown provider."""
     models = known_models(store.optional(provider), bool(refresh))
