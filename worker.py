@@ -503,6 +503,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "isolation": ws.mode,
         "branch": ws.branch,
         "base_commit": ws.base_commit,
+        "base_from": ws.base_from or None,
         "worktree_path": ws.top if ws.mode == "worktree" else None,
         "session_id": stream.session_id,
         "session": session_note,

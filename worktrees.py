@@ -65,6 +65,7 @@ class Workspace:
     base_commit: str | None = None
     note: str = ""
     reused: bool = False
+    base_from: str = ""
 
 
 def _repo_top(path: str) -> str | None:
@@ -92,12 +93,39 @@ def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
         raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
     sub = os.path.relpath(wd, top)
     path = worktree_root() / f"{Path(top).name}-{task['id']}"
-    base = task.get("base_commit") or head
+    base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
+        dependency_base(task, top, head)
     if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
-                         task.get("branch") or f"taskbridge/{task['id']}", base, reused=True)
+                         task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
+                         base_from=base_from)
     branch = _fresh_worktree(top, path, task, base)
-    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base)
+    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
+                     base_from=base_from)
+
+
+def dependency_base(task: dict[str, Any], top: str, head: str) -> tuple[str, str]:
+    """Where a task's branch starts: the commit of the dependency it builds on, when its
+    dependencies that committed in this same repository end in one commit that contains the
+    others; else the checkout's HEAD. Returns (commit, why)."""
+    commits = []
+    for dep_id in task.get("depends_on") or []:
+        dep = store.get_task(dep_id)
+        commit = (dep.get("result") or {}).get("commit")
+        if commit and _repo_top(dep["working_dir"]) == top:
+            commits.append((dep["id"], commit))
+    if not commits:
+        return head, "HEAD of the checkout"
+    for dep_id, commit in commits:
+        if all(_is_ancestor(top, other, commit) for _, other in commits):
+            return commit, f"the commit of dependency {dep_id}"
+    return head, "HEAD of the checkout (the dependencies' commits diverge; merge them to build on both)"
+
+
+def _is_ancestor(repo: str, ancestor: str, commit: str) -> bool:
+    proc = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=repo,
+                          capture_output=True, stdin=subprocess.DEVNULL)
+    return proc.returncode == 0
 
 
 def _branch_tip(repo: str, branch: str) -> str:

@@ -299,3 +299,39 @@ def test_diff_applies_and_names_odd_files_as_they_are(tmp_path):
     check = subprocess.run(["git", "apply", "--check", "--exclude=latin.txt", str(patch)], cwd=repo,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+def test_a_dependent_task_starts_from_its_dependencys_commit(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    head = git(repo, "rev-parse", "HEAD")
+    first = task_store.submit_task(title="lib", instructions="i", working_dir=str(repo))
+    second = task_store.submit_task(title="use lib", instructions="i", working_dir=str(repo),
+                                    depends_on=[first["id"]])
+    a = task_store.claim_next("test")
+    ws_a = worktrees.prepare_workspace(a, resume=False)
+    assert ws_a.base_commit == head and ws_a.base_from == "HEAD of the checkout"
+    (tmp_path / "worktrees" / "repo-t_0001" / "lib.py").write_text("X = 1\n")
+    commit = worktrees.commit_changes(ws_a, "lib")
+    task_store.complete_attempt(a["id"], a["run_marker"], result={"commit": commit})
+    b = task_store.claim_next("test")
+    assert b["id"] == second["id"]
+    ws_b = worktrees.prepare_workspace(b, resume=False)
+    assert ws_b.base_commit == commit and ws_b.base_from == "the commit of dependency t_0001"
+    assert (tmp_path / "worktrees" / "repo-t_0002" / "lib.py").read_text() == "X = 1\n"
+    files, _ = worktrees.observed_changes(ws_b)
+    assert files == [], "the receipt shows only the dependent task's own changes"
+    assert git(repo, "rev-parse", "HEAD") == head
+
+
+def test_diverging_dependencies_start_from_head_and_say_why(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    ids = [task_store.submit_task(title=f"d{i}", instructions="i", working_dir=str(repo))["id"] for i in range(2)]
+    for n in range(2):
+        task = task_store.claim_next("test")
+        ws = worktrees.prepare_workspace(task, resume=False)
+        (tmp_path / "worktrees" / f"repo-{task['id']}" / f"f{n}.txt").write_text("x\n")
+        task_store.complete_attempt(task["id"], task["run_marker"],
+                                    result={"commit": worktrees.commit_changes(ws, "d")})
+    task_store.submit_task(title="both", instructions="i", working_dir=str(repo), depends_on=ids)
+    ws = worktrees.prepare_workspace(task_store.claim_next("test"), resume=False)
+    assert ws.base_commit == git(repo, "rev-parse", "HEAD") and "diverge" in ws.base_from
