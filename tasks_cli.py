@@ -712,7 +712,10 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
     if as_json:
         return emit_json(task)
     if task is None:
-        return err().print("Nothing to claim: no pending task is ready (see `list --status pending`).")
+        waiting = task_store.counts()["pending"]
+        hint = (f" {waiting} pending task(s) wait for dependencies or a retry back-off (see `list --status pending`)."
+                if waiting else "")
+        return err().print("Nothing to claim: no pending task is ready." + hint)
     print_marker_help(task)
 
 
@@ -849,7 +852,11 @@ def logs(task_id: str, tail: int | None, follow: bool) -> None:
         echo_log_line(text)
     if not follow:
         if not path.exists():
-            err().print(f"{task_id} has no log yet ({task['status']}); the worker writes {path} when it runs it.")
+            if task["status"] in task_store.TERMINAL:
+                err().print(f"{task_id} has no log: it is {task['status']} and no worker ever ran it "
+                            "(finished by hand or before a run).")
+            else:
+                err().print(f"{task_id} has no log yet ({task['status']}); the worker writes {path} when it runs it.")
         return
     try:
         status = follow_log(task_id, path, offset)
