@@ -121,23 +121,18 @@ Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 # Result shapes (structured output).
 
 
-class TaskInfo(TypedDict):
-    """A task as submit/answer/cancel return it (times ISO 8601 UTC; durations seconds)."""
+class TaskRow(TypedDict):
+    """A task as list_tasks shows it (times ISO 8601 UTC; durations seconds)."""
     id: str
     title: str
     status: str
     priority: int
     model: str | None
-    agent: str | None
     working_dir: str
     permission: str
-    worktree: bool
-    worktree_keep: bool
-    timeout_sec: int
-    max_retries: int
     attempts: int
-    depends_on: list[str]
-    idempotency_key: str | None
+    max_retries: int
+    timeout_sec: int
     origin_name: str | None
     origin_version: str | None
     origin_kind: str | None
@@ -147,8 +142,17 @@ class TaskInfo(TypedDict):
     heartbeat_at: str | None
     error: str | None
     question: str | None
-    answer: str | None
     branch: str | None
+
+
+class TaskInfo(TaskRow):
+    """A task as submit/answer/cancel return it (times ISO 8601 UTC; durations seconds)."""
+    agent: str | None
+    worktree: bool
+    worktree_keep: bool
+    depends_on: list[str]
+    idempotency_key: str | None
+    answer: str | None
     worktree_path: str | None
     session_id: str | None
 
@@ -191,29 +195,6 @@ class TaskDetail(TaskInfo):
     usage: dict[str, Any] | None
     diff_bytes: int
     log_bytes: int
-
-
-class TaskRow(TypedDict):
-    id: str
-    title: str
-    status: str
-    priority: int
-    model: str | None
-    working_dir: str
-    permission: str
-    attempts: int
-    max_retries: int
-    timeout_sec: int
-    origin_name: str | None
-    origin_version: str | None
-    origin_kind: str | None
-    created_at: str | None
-    started_at: str | None
-    finished_at: str | None
-    heartbeat_at: str | None
-    error: str | None
-    question: str | None
-    branch: str | None
 
 
 class TaskPage(TypedDict):

@@ -1161,11 +1161,6 @@ def take_notes(task_id: Any, marker: str) -> list[dict[str, Any]]:
             for r in sorted(rows, key=lambda r: r["id"])]
 
 
-def notes_of(task_id: Any) -> list[dict[str, Any]]:
-    """Every note of a task in order."""
-    return get_task(task_id)["notes"]
-
-
 # --------------------------------------------------------------------------------------------
 # Events.
 
