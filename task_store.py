@@ -7,7 +7,8 @@ migrates the schema on open (``PRAGMA user_version``), and closes it again; ever
 ``BEGIN IMMEDIATE`` transaction or is a single statement, so concurrent processes (MCP server, CLI,
 worker passes) never hit "database is locked" from a deferred read-then-write upgrade.
 
-Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``WORKER_MODEL``.
+Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``WORKER_MODEL``, ``TASK_DB_JOURNAL``,
+``TASKBRIDGE_MOUNTINFO``.
 
 Imports the standard library only.
 """
@@ -281,11 +282,90 @@ def _migrate(conn: sqlite3.Connection) -> None:
         raise
 
 
+# SQLite's WAL keeps its index in shared memory (a mmap'd -shm file) that these filesystems do not
+# share between processes or machines; users report corrupted queues on them. "fuse" matches
+# every FUSE type (fuse.sshfs, fuse.s3fs, fuseblk, ...).
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "9p", "virtiofs",
+                       "fuse", "afs", "ncpfs", "ceph", "glusterfs", "lustre", "gpfs", "vboxsf",
+                       "vmhgfs", "prl_fs", "davfs", "webdav", "autofs", "osxfuse", "macfuse")
+JOURNAL_CHOICES = ("auto", "wal", "delete")
+
+
+def db_filesystem(folder: Path | str) -> tuple[str, str] | None:
+    """``(filesystem type, mount point)`` of the mount holding ``folder`` (resolved), from
+    ``/proc/self/mountinfo`` on Linux (or the file ``$TASKBRIDGE_MOUNTINFO`` names, in the same
+    format), else ``psutil.disk_partitions(all=True)`` (macOS: getfsstat). None when unknown."""
+    folder = os.path.realpath(folder)
+    table = os.environ.get("TASKBRIDGE_MOUNTINFO") or "/proc/self/mountinfo"
+    mounts: list[tuple[str, str]] = []
+    try:
+        with open(table, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                fields = line.split()
+                if " - " in line and len(fields) >= 5:
+                    fstype = line.split(" - ", 1)[1].split()[0]
+                    mounts.append((_unescape_mount(fields[4]), fstype))
+    except OSError:
+        mounts = _psutil_mounts()
+    best: tuple[str, str] | None = None
+    for point, fstype in mounts:
+        inside = folder == point or folder.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[1])):
+            best = (fstype, point)
+    return best
+
+
+def _unescape_mount(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040 ...).
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _psutil_mounts() -> list[tuple[str, str]]:
+    try:
+        import psutil  # only where /proc is missing (macOS); the store is stdlib-only otherwise
+        return [(p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True)]
+    except Exception:  # noqa: BLE001 - detection is best effort; unknown means local
+        return []
+
+
+def is_network_filesystem(fstype: str) -> bool:
+    """True for a filesystem type on which SQLite's WAL is unsafe (see NETWORK_FILESYSTEMS)."""
+    fstype = fstype.lower()
+    return any(fstype == name or fstype.startswith(name + ".") or
+               (name == "fuse" and fstype.startswith("fuse")) for name in NETWORK_FILESYSTEMS)
+
+
+def journal_mode(path: Path | str) -> str:
+    """The journal mode for the database at ``path``: ``wal`` on a local disk; on a network or
+    virtual filesystem (NFS, SMB/CIFS, 9p, virtiofs, FUSE, ...) a ValidationError naming the
+    filesystem, the folder and the ways out. ``TASK_DB_JOURNAL`` overrides: ``auto`` (default, as
+    described), ``wal`` (keep WAL: you know the mount is safe) or ``delete`` (a rollback journal:
+    slower, no concurrent readers during a write, for one machine only)."""
+    choice = (os.environ.get("TASK_DB_JOURNAL") or "auto").strip().lower()
+    if choice not in JOURNAL_CHOICES:
+        raise ValidationError(f"TASK_DB_JOURNAL={choice!r} is not one of {', '.join(JOURNAL_CHOICES)}; "
+                              "unset it for the default (auto)")
+    if choice != "auto":
+        return choice
+    folder = Path(path).parent
+    found = db_filesystem(folder)
+    if found and is_network_filesystem(found[0]):
+        raise ValidationError(
+            f"the queue database folder {folder} is on a {found[0]} filesystem (mounted at "
+            f"{found[1]}), where SQLite's WAL is unsafe (its shared memory is not shared there) and "
+            "queues get corrupted; point TASK_DB_PATH at a local disk, or set TASK_DB_JOURNAL=delete "
+            "to use a rollback journal there (one machine only), or TASK_DB_JOURNAL=wal if you know "
+            "this mount is safe")
+    return "wal"
+
+
 def connect(path: Path | str | None = None) -> sqlite3.Connection:
-    """Open the database (creating its folder), set WAL, busy timeout and foreign keys, migrate.
+    """Open the database (creating its folder), set the journal (WAL; see ``journal_mode``), busy
+    timeout and foreign keys, migrate.
 
     The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
-    The caller closes it. Raises sqlite3.Error if the file cannot be opened.
+    The caller closes it. Raises sqlite3.Error if the file cannot be opened, ValidationError when
+    the folder is on a filesystem where WAL is unsafe (see ``journal_mode``).
     """
     path = Path(path) if path else db_path()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,8 +373,9 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")
-    if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-        conn.execute("PRAGMA journal_mode = WAL")
+    mode = journal_mode(path)
+    if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
+        conn.execute(f"PRAGMA journal_mode = {mode}")
     conn.execute("PRAGMA synchronous = NORMAL")
     _migrate(conn)
     return conn
