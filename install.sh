@@ -2,8 +2,8 @@
 # TaskBridge set-up: a virtualenv with the runtime dependencies, the pinned opencode binary,
 # and the HTTP bearer token. Safe to run again (idempotent).
 #
-#   ./install.sh              runtime: .venv + requirements.txt, opencode (npm, pinned), token
-#   ./install.sh --test       also the test dependencies and the pinned real binaries the tests drive
+#   ./install.sh              runtime: .venv + requirements.txt, opencode (npm, pinned, node_modules/), token
+#   ./install.sh --test       also the test dependencies and the other pinned binaries the tests drive
 #   ./install.sh --schedule   also install the every-60-s worker schedule (launchd on macOS,
 #                             a systemd user timer on Linux, else print a cron line)
 #
@@ -39,17 +39,20 @@ if [ "$want_test" = 1 ]; then
 fi
 
 command -v npm >/dev/null || { echo "install.sh: npm (Node.js >= 20) is required for opencode" >&2; exit 1; }
+# One copy of opencode, in node_modules/, for the worker and the tests alike: package.json pins it
+# as the only runtime dependency; claude and the MCP Inspector are devDependencies (tests only).
 if [ "$want_test" = 1 ]; then
   say "installing the pinned opencode, claude and MCP Inspector into node_modules/"
   # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
   # exact versions in package.json and the lock present, `npm install` installs the locked tree.
   npm install --no-audit --no-fund --loglevel=error >&2
-elif [ ! -x node_modules/.bin/opencode ] && [ ! -x .taskbridge/opencode/node_modules/.bin/opencode ]; then
-  # Only opencode (not the test binaries package.json also pins), in a folder of its own.
-  say "installing the pinned opencode into .taskbridge/opencode/"
-  version=$(.venv/bin/python -c 'import json; print(json.load(open("package.json"))["dependencies"]["opencode-ai"])')
-  npm install --no-save --no-audit --no-fund --loglevel=error --prefix "$here/.taskbridge/opencode" \
-    "opencode-ai@$version" >&2
+elif [ ! -x node_modules/.bin/opencode ]; then
+  say "installing the pinned opencode into node_modules/"
+  npm install --omit=dev --no-audit --no-fund --loglevel=error >&2
+fi
+if [ -d .taskbridge/opencode ] && [ -x node_modules/.bin/opencode ]; then
+  say "removing the second copy of opencode an older install.sh put in .taskbridge/opencode/"
+  rm -rf .taskbridge/opencode
 fi
 
 token_file="${MCP_TOKEN_FILE:-$here/.taskbridge/token}"

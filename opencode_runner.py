@@ -49,22 +49,19 @@ class OpencodeNotFound(RuntimeError):
 
 def opencode_bin() -> str:
     """The absolute path of the opencode binary: ``$OPENCODE_BIN``, else ``opencode`` on PATH,
-    else the pinned copy install.sh put in ``<repo>/node_modules`` (``--test``) or
-    ``<repo>/.taskbridge/opencode/node_modules``.
+    else the pinned copy install.sh put in ``<repo>/node_modules`` (one copy, which the tests
+    drive too).
 
     Raises OpencodeNotFound with a message naming PATH and OPENCODE_BIN (launchd's PATH is bare).
     """
     wanted = os.environ.get("OPENCODE_BIN") or "opencode"
     found = shutil.which(wanted)
-    repo = Path(__file__).resolve().parent
-    for pinned in (repo / "node_modules", repo / ".taskbridge" / "opencode" / "node_modules"):
-        if found or os.environ.get("OPENCODE_BIN"):
-            break
-        found = shutil.which(str(pinned / ".bin" / "opencode"))
+    if not found and not os.environ.get("OPENCODE_BIN"):
+        found = shutil.which(str(Path(__file__).resolve().parent / "node_modules" / ".bin" / "opencode"))
     if not found:
         raise OpencodeNotFound(
-            f"opencode binary {wanted!r} not found (PATH={os.environ.get('PATH', '')}); install it "
-            "with `npm install -g opencode-ai` or set OPENCODE_BIN to its absolute path"
+            f"opencode binary {wanted!r} not found (PATH={os.environ.get('PATH', '')}); run ./install.sh "
+            "(it pins opencode in node_modules/), or set OPENCODE_BIN to its absolute path"
         )
     return found
 
