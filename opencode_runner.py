@@ -170,11 +170,9 @@ class EventStream:
             "status": state.get("status"),
             "input": state.get("input") or {},
         }
-        if call["tool"] == "invalid" and isinstance(call["input"].get("tool"), str):
-            # A denied tool is removed from the model's tools; calling it anyway comes back as the
-            # "invalid" tool naming the one that was asked for.
-            call = {"tool": call["input"]["tool"], "status": "denied", "input": {},
-                    "error": str(call["input"].get("error"))[:500]}
+        denied = _denied_tool(part)
+        if denied:
+            call = {"tool": denied[0], "status": "denied", "input": {}, "error": denied[1][:500]}
         if state.get("status") == "error":
             call["error"] = str(state.get("error"))[:500]
         exit_code = (state.get("metadata") or {}).get("exit")
@@ -198,11 +196,7 @@ class EventStream:
             self.finished = True
 
     def _on_error(self, part: dict, event: dict) -> None:
-        error = event.get("error") or {}
-        data = error.get("data") or {}
-        message = data.get("message") or error.get("message") or json.dumps(error)[:500]
-        name = error.get("name") or "error"
-        self.errors.append(f"{name}: {message}")
+        self.errors.append(error_text(event))
 
     @property
     def commands(self) -> list[dict[str, Any]]:
@@ -215,6 +209,162 @@ class EventStream:
     def usage(self) -> dict[str, Any]:
         """Tokens summed over step_finish events and cost in USD (OpenCode's own figure)."""
         return {"tokens": dict(self.tokens), "cost_usd": round(self.cost_usd, 8), "steps": self.steps}
+
+
+def error_text(event: dict[str, Any]) -> str:
+    """An ``error`` event as ``"Name: message"`` (``error.name``, ``error.data.message``)."""
+    error = event.get("error") or {}
+    if not isinstance(error, dict):
+        return f"error: {str(error)[:500]}"
+    data = _dict(error.get("data"))
+    message = data.get("message") or error.get("message") or json.dumps(error)[:500]
+    return f"{error.get('name') or 'error'}: {message}"
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """``value`` when it is a dict, else an empty one (an event's fields are not trusted)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _denied_tool(part: dict[str, Any]) -> tuple[str, str] | None:
+    """(tool asked for, OpenCode's message) when a tool call was refused as not allowed.
+
+    A denied tool is removed from the model's tools; calling it anyway comes back as the
+    ``invalid`` tool naming the one that was asked for."""
+    state = _dict(part.get("state"))
+    given = _dict(state.get("input"))
+    if part.get("tool") == "invalid" and isinstance(given.get("tool"), str):
+        return given["tool"], str(given.get("error") or "not allowed")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The task log rendered for people: the board's log view and `tasks_cli.py logs` share this.
+
+LOG_OUTPUT_MAX = 4000  # characters of a tool's output kept in a rendered line
+# Input keys that say what a tool call was about when OpenCode gave it no title.
+_TOOL_SUBJECT_KEYS = ("command", "filePath", "pattern", "url", "path", "description")
+
+
+def render_log_line(line: str) -> dict[str, Any] | None:
+    """One line of a task log (``task_logs/t_0001.log``) as a readable entry, or None for a line
+    that shows nothing (blank, ``step_start``).
+
+    The log holds the worker's own lines (``=== <marker> <time> cwd=…`` at each attempt, ``$ argv``,
+    ``[worker] …``), OpenCode's stderr as ``[stderr] …`` and its ``--format json`` events, one per
+    line. Every entry has ``kind`` and ``text`` (one readable line; an agent's text keeps its line
+    breaks); events also carry ``ts`` (Unix seconds, from the event's ``timestamp`` in ms):
+
+    - ``text`` / ``reasoning``: the agent's words.
+    - ``tool``: ``tool`` (OpenCode's tool name), ``status`` (``completed``, ``error`` or
+      ``denied``: the permission config removed the tool and the model called it anyway),
+      ``title`` (OpenCode's title: the command, the file), ``exit`` (bash's exit code or None),
+      ``detail`` (the error message, or None) and ``output`` (the tool's output, at most
+      4,000 characters, or None).
+    - ``step``: a model call finished: ``reason`` (``tool-calls``, ``stop``…), ``tokens``
+      (``total``, ``input``, ``output``, ``reasoning``, ``cache_read``, ``cache_write``) and
+      ``cost_usd`` (OpenCode's figure, USD).
+    - ``error``: an ``error`` event (``Name: message``); ``status_code`` when OpenCode gave one.
+    - ``stderr``, ``worker``: those lines without their prefix; ``attempt`` for the ``===``
+      header (``marker``, ``at``, ``cwd``).
+    - ``other``: anything else (a non-JSON line, an event type this version does not know), as is.
+
+    Text is returned as logged: escaping control characters is the caller's job (terminal, HTML).
+    """
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return None
+    for prefix, kind in (("[stderr] ", "stderr"), ("[worker] ", "worker")):
+        if line.startswith(prefix):
+            return {"kind": kind, "text": line[len(prefix):]}
+    if line.startswith("=== "):
+        return _attempt_header(line)
+    if line.startswith("$ "):
+        return {"kind": "worker", "text": line}
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+        return {"kind": "other", "text": line}
+    return _render_event(event)
+
+
+def render_log(text: str) -> list[dict[str, Any]]:
+    """Every line of a log chunk rendered with ``render_log_line`` (lines that show nothing are
+    left out). A chunk that ends mid-line renders that part too: pass whole lines when following."""
+    return [entry for entry in map(render_log_line, text.splitlines()) if entry is not None]
+
+
+def _attempt_header(line: str) -> dict[str, Any]:
+    marker, _, rest = line[4:].partition(" ")
+    at, _, cwd = rest.partition(" cwd=")
+    return {"kind": "attempt", "marker": marker, "at": at, "cwd": cwd,
+            "text": f"attempt {marker} started {at}" + (f" in {cwd}" if cwd else "")}
+
+
+def _render_event(event: dict[str, Any]) -> dict[str, Any] | None:
+    kind = event["type"]
+    part = _dict(event.get("part"))
+    if kind == "step_start":
+        return None
+    if kind in ("text", "reasoning"):
+        entry = {"kind": kind, "text": str(part.get("text") or "").strip()}
+    elif kind == "tool_use":
+        entry = _render_tool(part)
+    elif kind == "step_finish":
+        entry = _render_step(part)
+    elif kind == "error":
+        data = _dict(_dict(event.get("error")).get("data"))
+        entry = {"kind": "error", "text": error_text(event), "status_code": data.get("statusCode")}
+        if entry["status_code"]:
+            entry["text"] += f" (HTTP {entry['status_code']})"
+    else:
+        entry = {"kind": "other", "text": f"{kind} event"}
+    if isinstance(event.get("timestamp"), (int, float)):
+        entry["ts"] = event["timestamp"] / 1000
+    return entry
+
+
+def _render_tool(part: dict[str, Any]) -> dict[str, Any]:
+    state = _dict(part.get("state"))
+    given = _dict(state.get("input"))
+    tool, status = str(part.get("tool") or "tool"), str(state.get("status") or "unknown")
+    title = state.get("title") or next((str(given[k]) for k in _TOOL_SUBJECT_KEYS if given.get(k)), "")
+    metadata = _dict(state.get("metadata"))
+    exit_code, output = metadata.get("exit"), state.get("output")
+    detail = str(state.get("error")) if status == "error" else None
+    denied = _denied_tool(part)
+    if denied:
+        tool, status, title, detail, output = denied[0], "denied", "", denied[1], None
+    text = f"{tool} {title}".strip()
+    if status == "denied":
+        text += f": denied ({detail})"
+    elif status == "error":
+        text += f": error: {detail}"
+    elif exit_code not in (None, 0):
+        text += f" (exit {exit_code})"
+    if isinstance(output, str) and len(output) > LOG_OUTPUT_MAX:
+        output = output[:LOG_OUTPUT_MAX] + f"\n… {len(output) - LOG_OUTPUT_MAX} more characters"
+    return {"kind": "tool", "text": text, "tool": tool, "status": status, "title": str(title),
+            "exit": exit_code, "detail": detail, "output": output if isinstance(output, str) else None}
+
+
+def _render_step(part: dict[str, Any]) -> dict[str, Any]:
+    raw = _dict(part.get("tokens"))
+    cache = _dict(raw.get("cache"))
+    tokens = {"total": raw.get("total"), "input": raw.get("input"), "output": raw.get("output"),
+              "reasoning": raw.get("reasoning"), "cache_read": cache.get("read"),
+              "cache_write": cache.get("write")}
+    tokens = {key: int(value) if isinstance(value, (int, float)) else 0 for key, value in tokens.items()}
+    cost = float(part.get("cost") or 0) if isinstance(part.get("cost"), (int, float)) else 0.0
+    reason = str(part.get("reason") or "")
+    detail = f"{tokens['input']:,} in, {tokens['output']:,} out"
+    detail += f", {tokens['reasoning']:,} reasoning" if tokens["reasoning"] else ""
+    detail += f", {tokens['cache_read']:,} cache read" if tokens["cache_read"] else ""
+    detail += f", {tokens['cache_write']:,} cache write" if tokens["cache_write"] else ""
+    text = f"step finished ({reason or 'no reason given'}): {tokens['total']:,} tokens ({detail}), ${cost:.6f}"
+    return {"kind": "step", "text": text, "reason": reason, "tokens": tokens, "cost_usd": cost}
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+import opencode_runner
 import task_store
 import worktrees
 
@@ -542,13 +543,6 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
 # Log following.
 
 
-def tail_lines(path: Path, count: int | None) -> tuple[list[str], int]:
-    """The last ``count`` lines of ``path`` (all when None) and the byte offset read up to."""
-    data = path.read_bytes()
-    lines = data.decode("utf-8", errors="replace").splitlines()
-    return (lines if count is None else lines[-count:] if count else []), len(data)
-
-
 def read_new(path: Path, offset: int) -> tuple[bytes, int]:
     """Bytes appended to ``path`` since ``offset`` (a shrunk file is read from the start)."""
     try:
@@ -563,25 +557,77 @@ def read_new(path: Path, offset: int) -> tuple[bytes, int]:
     return data, offset + len(data)
 
 
-def echo_log_line(text: str) -> None:
-    """One line of an agent's log: exact into a pipe, control characters visible on a terminal."""
-    # color=True: click.echo would otherwise strip ESC[...m sequences from piped output.
-    click.echo(raw_or_visible(text), color=True)
+def write_raw(data: bytes) -> None:
+    """Log bytes exactly as stored into a pipe; on a terminal control characters made visible."""
+    if not data:
+        return
+    if stdout_is_terminal():
+        click.echo(visible(data.decode("utf-8", errors="replace")), nl=False)
+        return
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
 
 
-def follow_log(task_id: str, path: Path, offset: int) -> str:
-    """Print lines appended to ``path`` until the task is finished or waiting; returns its status."""
+LOG_STYLE = {"text": "", "reasoning": "dim italic", "step": "dim", "error": "bold red", "stderr": "yellow",
+             "worker": "dim", "attempt": "bold cyan", "other": ""}
+TOOL_STATUS_STYLE = {"completed": "green", "error": "red", "denied": "yellow"}
+LOG_OUTPUT_LINES = 10  # lines of a tool's output shown under it
+
+
+def log_entry_text(entry: dict[str, Any]) -> Text:
+    """One rendered log entry (see opencode_runner.render_log_line) as terminal-safe rich text."""
+    kind = entry["kind"]
+    if kind == "tool":
+        return tool_entry_text(entry)
+    prefix = {"error": "Error: ", "stderr": "stderr: ", "attempt": "── ", "step": "   "}.get(kind, "")
+    return Text(prefix + visible(entry["text"]), style=LOG_STYLE.get(kind, ""))
+
+
+def tool_entry_text(entry: dict[str, Any]) -> Text:
+    """``| bash     cat hello.txt`` in the status's colour, the error or a short output below."""
+    failed = entry["status"] != "completed" or entry.get("exit") not in (None, 0)
+    style = "red" if failed and entry["status"] == "completed" else TOOL_STATUS_STYLE.get(entry["status"], "red")
+    text = Text("| ", style=style)
+    text.append(f"{visible(entry['tool'], multiline=False):<8}", style=f"bold {style}")
+    if entry["title"]:
+        text.append(" " + visible(entry["title"], multiline=False))
+    if entry["status"] == "denied":
+        text.append(f"  denied: {visible(entry['detail'] or '')}", style=style)
+    elif entry["status"] == "error":
+        text.append(f"  error: {visible(entry['detail'] or '')}", style=style)
+    elif entry.get("exit") not in (None, 0):
+        text.append(f"  (exit {entry['exit']})", style=style)
+    lines = (entry.get("output") or "").rstrip("\n").splitlines() if entry["tool"] == "bash" else []
+    for out_line in lines[:LOG_OUTPUT_LINES]:
+        text.append("\n  " + visible(out_line, multiline=False), style="dim")
+    if len(lines) > LOG_OUTPUT_LINES:
+        text.append(f"\n  … {len(lines) - LOG_OUTPUT_LINES} more line(s) (logs --raw has them all)", style="dim")
+    return text
+
+
+def print_log_entry(entry: dict[str, Any]) -> None:
+    """Print one rendered log entry on stdout (never hard-wrapped: paths stay copyable)."""
+    out().print(log_entry_text(entry), soft_wrap=True)
+
+
+def follow_log(task_id: str, path: Path, offset: int, raw: bool = False) -> str:
+    """Print lines appended to ``path`` until the task is finished or waiting (rendered, or as
+    stored with ``raw``); returns its status."""
     pending = b""
     while True:
         status = task_store.get_task(task_id)["status"]
         data, offset = read_new(path, offset)
         pending += data
-        *complete, pending = pending.split(b"\n")
-        for text in complete:
-            echo_log_line(text.removesuffix(b"\r").decode("utf-8", errors="replace"))
-        if status in FINISHED or status == "waiting":
-            if pending:
-                echo_log_line(pending.decode("utf-8", errors="replace"))
+        done = status in FINISHED or status == "waiting"
+        cut = len(pending) if done else pending.rfind(b"\n") + 1
+        chunk, pending = pending[:cut], pending[cut:]
+        if raw:
+            write_raw(chunk)
+        else:
+            for entry in opencode_runner.render_log(chunk.decode("utf-8", errors="replace")):
+                print_log_entry(entry)
+        if done:
             return status
         time.sleep(FOLLOW_POLL_SEC)
 
@@ -837,32 +883,66 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--tail", "-n", type=click.IntRange(0, TAIL_MAX), help=f"Only the last N lines (0..{TAIL_MAX}).")
+@click.option("--tail", "-n", type=click.IntRange(0, TAIL_MAX),
+              help=f"Only the last N entries (with --raw: lines) (0..{TAIL_MAX}).")
 @click.option("--follow", "-F", is_flag=True, help="Keep printing new lines until the task finishes (Ctrl-C stops).")
-def logs(task_id: str, tail: int | None, follow: bool) -> None:
-    """Print a task's agent log (its output as the worker streamed it).
+@click.option("--raw", is_flag=True,
+              help="Print the log file as stored (OpenCode's JSON events, stderr lines): byte for byte when "
+                   "piped; on a terminal control characters show as escapes.")
+def logs(task_id: str, tail: int | None, follow: bool, raw: bool) -> None:
+    """Show a task's agent log the way `opencode run` shows a session.
 
-    On a terminal, control characters in the log (escape sequences from the agent or the project's
-    files) are shown as escapes like \\x1b; piped or redirected, the log is printed exactly.
+    The agent's text, its tool calls with their titles and status (completed, error, denied), errors,
+    and each model call's tokens and cost. Control characters from the agent or the project's files
+    are shown as escapes like \\x1b. --raw prints the stored event stream instead.
     """
     task = task_store.get_task(task_id)
     path = task_store.log_path(task_id)
-    lines, offset = tail_lines(path, tail) if path.exists() else ([], 0)
-    for text in lines:
-        echo_log_line(text)
+    offset = print_log(path, tail, raw) if path.exists() else 0
+    if not path.exists() and not say_why_no_log(task, path, follow):
+        return
     if not follow:
-        if not path.exists():
-            if task["status"] in task_store.TERMINAL:
-                err().print(f"{task_id} has no log: it is {task['status']} and no worker ever ran it "
-                            "(finished by hand or before a run).")
-            else:
-                err().print(f"{task_id} has no log yet ({task['status']}); the worker writes {path} when it runs it.")
         return
     try:
-        status = follow_log(task_id, path, offset)
+        status = follow_log(task_id, path, offset, raw)
     except KeyboardInterrupt:
         return
     err().print(Text(f"{task_id} is {status}; log ends.", style="dim"))
+
+
+def say_why_no_log(task: dict[str, Any], path: Path, follow: bool) -> bool:
+    """Tell the person why a task has no log; True when following it still makes sense."""
+    ident, status = task["id"], task["status"]
+    owner = task.get("lease_owner") or ""
+    if status in task_store.TERMINAL:
+        err().print(f"{ident} has no log: it is {status} and no worker ever ran it (finished by hand or before a run).",
+                    soft_wrap=True)
+        return False
+    if status == "running" and owner.startswith("cli:"):
+        err().print(f"{ident} is claimed by hand by {visible(owner, multiline=False)}: no worker runs it, so it has no log.",
+                    soft_wrap=True)
+        return False
+    if status == "pending":
+        wait = "; waiting for a worker to start it (Ctrl-C stops)" if follow else ""
+        err().print(f"{ident} is pending: no worker has run it yet, so it has no log{wait}. "
+                    f"The worker writes {path} when it runs it.", soft_wrap=True)
+    else:
+        err().print(f"{ident} has no log yet ({status}); the worker writes {path} when it runs it.", soft_wrap=True)
+    return True
+
+
+def print_log(path: Path, tail: int | None, raw: bool) -> int:
+    """Print the log (rendered, or raw), its last ``tail`` entries when given; returns the byte
+    offset read up to (where --follow goes on)."""
+    data = path.read_bytes()
+    if raw:
+        lines = data.splitlines(keepends=True)
+        write_raw(b"".join(lines if tail is None else lines[-tail:] if tail else []))
+    else:
+        entries = opencode_runner.render_log(data.decode("utf-8", errors="replace"))
+        for entry in entries if tail is None else entries[-tail:] if tail else []:
+            print_log_entry(entry)
+    return len(data)
 
 
 @cli.command()

@@ -315,7 +315,7 @@ def test_logs_prints_whole_file_and_tail(tmp_path):
     assert run("logs", "1", "--tail", "2").stdout == "two\nthree [red]x[/red]\n"
     add(tmp_path, "never ran")
     empty = run("logs", "2")
-    assert empty.exit_code == 0 and empty.stdout == "" and "no log yet" in empty.stderr
+    assert empty.exit_code == 0 and empty.stdout == "" and "no worker has run it yet" in empty.stderr
 
 
 def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
@@ -578,15 +578,17 @@ def test_json_stays_exact_and_terminal_safe(tmp_path, monkeypatch):
     assert json.loads(run("list", "--json").stdout)["tasks"][0]["title"] == EVIL
 
 
-def test_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_path, monkeypatch):
+def test_raw_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_path, monkeypatch):
     task = add(tmp_path)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     diff = f"--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+{EVIL}\n"
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"}, diff=diff)
     write_log(1, f"line one\n{EVIL}\n")
-    assert run("logs", "1").stdout == f"line one\n{EVIL}\n"
+    assert run("logs", "1", "--raw").stdout == f"line one\n{EVIL}\n"
+    assert run("logs", "1").stdout == f"line one\n{SHOWN}\n"  # rendered for people: always visible
     assert run("show", "1", "--diff").stdout == diff
     monkeypatch.setattr(tasks_cli, "stdout_is_terminal", lambda: True)
+    assert run("logs", "1", "--raw").stdout == f"line one\n{SHOWN}\n"
     assert run("logs", "1").stdout == f"line one\n{SHOWN}\n"
     assert run("show", "1", "--diff").stdout == diff.replace(EVIL, SHOWN)
 
