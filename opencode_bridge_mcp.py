@@ -17,17 +17,17 @@ All queue logic lives in task_store; the tools here are thin typed wrappers whos
 what the planner reads. Store errors reach the client as `is_error` results carrying the store's
 message; malformed arguments get one message naming each bad field and the allowed values; a
 database that cannot be used is named with its path and the way out (see mcp_shared).
+The HTTP side (guards, routes) is http_app; the board and /api are board_api; the shapes shared
+with the CLI and the board are task_views.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hmac
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -36,22 +36,29 @@ import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote
 
 import anyio
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
+import http_app
 import mcp_shared
 import opencode_runner
 import task_store as store
+import task_views
 import worktrees
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import ToolAnnotations
+# The HTTP side and the shared views; names re-exported here are what this server's callers and
+# tests have always found on it.
+from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
+                      bearer_token, host_name, is_loopback, parse_host, token_file)
+from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
+                        WorkerState, cap_json, file_size, info, page_utf8, queue_snapshot, read_log_page,
+                        row, short, worker_state)
 
-VERSION = "0.1.0"
+VERSION = task_views.VERSION
 SERVER_NAME = "taskbridge"
 REPO_DIR = Path(__file__).resolve().parent
 LAUNCHD_LABEL = "com.taskbridge.worker"
@@ -63,14 +70,10 @@ LOG_PAGE_MAX = 65_536          # bytes per get_task_logs page
 DIFF_PAGE_MAX = 65_536         # bytes per get_task_result diff page
 LIST_PAGE_MAX = 200            # rows per list_tasks / list_models page
 INSTRUCTIONS_SHOWN = 20_000    # characters of instructions get_task shows
-ROW_TEXT_MAX = 300             # characters of error/question per list row
 WAIT_RANGE = (1, 3600)         # wait_for timeout_sec
 WAIT_IDS_MAX = 100
 PROGRESS_EVERY_SEC = 3.0
 MODELS_CACHE_SEC = 60.0
-WORKER_RECENT_SEC = 180        # a heartbeat younger than this counts as a recent worker
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
 ATTENTION = frozenset(store.TERMINAL) | {"waiting"}
 
 log = logging.getLogger("taskbridge.mcp")
@@ -119,42 +122,6 @@ Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 
 # --------------------------------------------------------------------------------------------
 # Result shapes (structured output).
-
-
-class TaskRow(TypedDict):
-    """A task as list_tasks shows it (times ISO 8601 UTC; durations seconds)."""
-    id: str
-    title: str
-    status: str
-    priority: int
-    model: str | None
-    working_dir: str
-    permission: str
-    attempts: int
-    max_retries: int
-    timeout_sec: int
-    origin_name: str | None
-    origin_version: str | None
-    origin_kind: str | None
-    created_at: str | None
-    started_at: str | None
-    finished_at: str | None
-    heartbeat_at: str | None
-    error: str | None
-    question: str | None
-    branch: str | None
-
-
-class TaskInfo(TaskRow):
-    """A task as submit/answer/cancel return it (times ISO 8601 UTC; durations seconds)."""
-    agent: str | None
-    worktree: bool
-    worktree_keep: bool
-    depends_on: list[str]
-    idempotency_key: str | None
-    answer: str | None
-    worktree_path: str | None
-    session_id: str | None
 
 
 class SubmittedTask(TaskInfo):
@@ -277,30 +244,6 @@ class ClearResult(TypedDict):
     problems: list[str]
 
 
-class WorkerState(TypedDict):
-    seen: bool
-    state: str | None
-    task: str | None
-    pid: int | None
-    host: str | None
-    at: str | None
-    age_sec: float | None
-    pid_running: bool | None
-    recent: bool
-    summary: str
-
-
-class QueueStatus(TypedDict):
-    counts: dict[str, int]
-    total: int
-    claimable: int
-    oldest_pending: str | None
-    oldest_pending_age_sec: float | None
-    default_model: str
-    worker: WorkerState
-    database: str
-
-
 class RestartResult(TypedDict):
     method: Literal["launchctl", "systemctl", "detached"]
     command: list[str]
@@ -368,122 +311,12 @@ class BatchTask(TypedDict, total=False):
     idempotency_key: str
 
 
-# --------------------------------------------------------------------------------------------
-# Shaping store dicts into the result shapes.
-
-_INFO_KEYS = tuple(TaskInfo.__annotations__)
-_ROW_KEYS = tuple(TaskRow.__annotations__)
-
-
-def _info(task: dict[str, Any]) -> dict[str, Any]:
-    return {key: task.get(key, [] if key == "depends_on" else None) for key in _INFO_KEYS}
-
-
-def _short(text: str | None, limit: int = ROW_TEXT_MAX) -> str | None:
-    if text is None or len(text) <= limit:
-        return text
-    return text[: limit - 1] + "…"
-
-
-def _row(task: dict[str, Any]) -> dict[str, Any]:
-    row = {key: task.get(key) for key in _ROW_KEYS}
-    row["error"], row["question"] = _short(row["error"]), _short(row["question"])
-    return row
-
-
 def _submitted(task: dict[str, Any]) -> dict[str, Any]:
     hint = (f"the worker picks it up on its next pass; wait_for(['{task['id']}']) blocks until it "
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
-    return _info(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
-
-
-def _cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool]:
-    """Shorten long lists and strings inside a receipt; returns (value, whether anything was cut)."""
-    if isinstance(value, str):
-        return (value, False) if len(value) <= chars else (value[:chars] + "…", True)
-    if isinstance(value, list):
-        capped = [_cap_json(v, items, chars) for v in value[-items:]]
-        return [v for v, _ in capped], len(value) > items or any(c for _, c in capped)
-    if isinstance(value, dict):
-        capped_d = {k: _cap_json(v, items, chars) for k, v in value.items()}
-        return {k: v for k, (v, _) in capped_d.items()}, any(c for _, c in capped_d.values())
-    return value, False
-
-
-# --------------------------------------------------------------------------------------------
-# Paging text by bytes without splitting a UTF-8 character.
-
-
-def _char_start(data: bytes, pos: int) -> int:
-    """The first character boundary at or after ``pos`` (skips UTF-8 continuation bytes)."""
-    while pos < len(data) and data[pos] & 0xC0 == 0x80:
-        pos += 1
-    return pos
-
-
-def _char_end(data: bytes, pos: int) -> int:
-    """The last character boundary at or before ``pos``."""
-    while 0 < pos < len(data) and data[pos] & 0xC0 == 0x80:
-        pos -= 1
-    return pos
-
-
-def page_utf8(data: bytes, offset: int, limit: int) -> tuple[str, int, int]:
-    """A page of ``data`` from byte ``offset``, at most ``limit`` bytes, cut on character
-    boundaries (a page always holds at least one character). Returns (text, start, end) with byte
-    offsets; ``end`` is the next page's offset."""
-    start = _char_start(data, min(offset, len(data)))
-    end = min(len(data), start + limit)
-    if end < len(data):
-        end = _char_end(data, end)
-        if end <= start < len(data):        # a limit below one character: return that character
-            end = _char_start(data, start + 1)
-    return data[start:end].decode("utf-8", errors="replace"), start, end
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: int) -> dict[str, Any]:
-    """Either ``max_bytes`` from byte ``offset`` on, or the last ``tail_lines`` lines (at most
-    ``max_bytes``). Returns {exists, size, offset, next_offset, truncated, text}.
-    Raises store.ValidationError when ``offset`` is past the end of the file."""
-    if not path.exists():
-        if offset:
-            raise store.ValidationError(f"offset {offset} is past the end of the log (it has no bytes yet)")
-        return {"exists": False, "size": 0, "offset": 0, "next_offset": 0, "truncated": False, "text": ""}
-    with path.open("rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if offset is not None:
-            if offset > size:
-                raise store.ValidationError(
-                    f"offset {offset} is past the end of the log ({size} bytes); pass the next_offset "
-                    "of your last call, or leave offset out to get the tail")
-            handle.seek(offset)
-            data = handle.read(max_bytes + 4)
-            text, start, end = page_utf8(data, 0, max_bytes)
-            start, end = offset + start, offset + end
-            return {"exists": True, "size": size, "offset": start, "next_offset": end,
-                    "truncated": end < size, "text": text}
-        begin = max(0, size - max_bytes)
-        handle.seek(begin)
-        data = handle.read(size - begin)
-    skip = _char_start(data, 0)
-    text = data[skip:].decode("utf-8", errors="replace")
-    lines = text.splitlines(keepends=True)
-    if begin > 0 and len(lines) > 1:
-        lines = lines[1:]                          # the block began mid-line: show whole lines only
-    kept = lines[-tail_lines:]
-    shown = "".join(kept)
-    cut = len(kept) < tail_lines and begin > 0     # wanted more lines than the byte cap allowed
-    return {"exists": True, "size": size, "offset": size - len(shown.encode("utf-8", errors="replace")),
-            "next_offset": size, "truncated": cut, "text": shown}
+    return info(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
 
 
 # --------------------------------------------------------------------------------------------
@@ -507,40 +340,8 @@ def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
         params = ctx.session.client_params if ctx is not None else None
     except (AttributeError, ValueError, RuntimeError):
         return None, None
-    info = params.client_info if params is not None else None
-    return (info.name, info.version) if info is not None else (None, None)
-
-
-def worker_state() -> dict[str, Any]:
-    """The worker heartbeat file, judged: seen, age, whether its pid still runs here, a summary."""
-    beat = store.read_worker_heartbeat()
-    if beat is None:
-        return {"seen": False, "state": None, "task": None, "pid": None, "host": None, "at": None,
-                "age_sec": None, "pid_running": None, "recent": False,
-                "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
-                           "`python worker.py --watch`, or the restart_worker tool"}
-    running = beat["pid_running"]
-    age = beat.get("age_sec")
-    recent = age is not None and age <= WORKER_RECENT_SEC
-    state = beat.get("state")
-    summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
-    if beat.get("task"):
-        summary += f", task {beat['task']}"
-    summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
-    if running is False and state == "pass":
-        summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
-    if not recent:
-        summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
-    return {"seen": True, "state": state, "task": beat.get("task"), "pid": beat.get("pid"),
-            "host": beat.get("host"), "at": beat.get("at"), "age_sec": age, "pid_running": running,
-            "recent": recent, "summary": summary}
-
-
-def queue_snapshot() -> dict[str, Any]:
-    """Tallies, oldest pending, default model, worker liveness (the queue_status tool and /api/status)."""
-    summary = store.queue_summary()
-    return summary | {"total": sum(summary["counts"].values()), "default_model": store.default_model(),
-                      "worker": worker_state(), "database": str(store.db_path())}
+    client = params.client_info if params is not None else None
+    return (client.name, client.version) if client is not None else (None, None)
 
 
 _models_cache: dict[tuple, tuple[float, list[dict[str, Any]]]] = {}
@@ -712,14 +513,14 @@ def get_task(task_id: TaskId) -> TaskDetail:
     task = store.get_task(task_id)
     result = task.get("result") or {}
     instructions = task["instructions"]
-    return _info(task) | {
+    return info(task) | {
         "instructions": instructions[:INSTRUCTIONS_SHOWN],
         "instructions_truncated": len(instructions) > INSTRUCTIONS_SHOWN,
         "notes": task["notes"], "questions": task["questions"], "events": task["events"],
         "summary": result.get("summary") if isinstance(result, dict) else None,
         "usage": task.get("usage"),
         "diff_bytes": len((task.get("diff") or "").encode()),
-        "log_bytes": _file_size(store.log_path(task_id)),
+        "log_bytes": file_size(store.log_path(task_id)),
     }
 
 
@@ -740,7 +541,7 @@ def get_task_result(
     if offset > len(diff):
         raise ToolError(f"diff_offset {offset} is past the end of the diff ({len(diff)} bytes)")
     text, start, end = page_utf8(diff, offset, diff_max_bytes or 32_768)
-    result, cut = _cap_json(task.get("result"))
+    result, cut = cap_json(task.get("result"))
     hint = {"done": "finished; the diff is committed on the branch",
             "failed": "failed; `error` says why (get_task_logs shows the run)",
             "waiting": "waiting for an answer: read `question` with get_task, reply with answer_task",
@@ -836,7 +637,7 @@ async def wait_for(
 
 def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,
                  events: list[dict[str, Any]]) -> dict[str, Any]:
-    rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": _short(t.get("error")),
+    rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": short(t.get("error")),
              "question": t.get("question"), "finished_at": t.get("finished_at")} for t in tasks]
     ready = [r["id"] for r in rows if r["status"] in ATTENTION]
     waiting = [r["id"] for r in rows if r["status"] == "waiting"]
@@ -860,7 +661,7 @@ def answer_task(
     """Answer the question of a task in status `waiting`: it goes back to pending and its next
     attempt resumes the same OpenCode session with your answer. Errors: unknown id, empty answer,
     the task is not waiting (add_task_note reaches a task at its next attempt instead)."""
-    return _info(store.answer_task(task_id, answer, author="planner"))
+    return info(store.answer_task(task_id, answer, author="planner"))
 
 
 @registry.tool(annotations=READ_ONLY)
@@ -878,7 +679,7 @@ def list_tasks(
     (null at the end). Errors: an unknown status."""
     page = store.list_tasks(status=status or None, origin=origin, search=search,
                             limit=limit or 50, offset=offset or 0)
-    return {"tasks": [_row(t) for t in page["tasks"]], "total": page["total"],
+    return {"tasks": [row(t) for t in page["tasks"]], "total": page["total"],
             "offset": page["offset"], "next_offset": page["next_offset"]}
 
 
@@ -974,7 +775,7 @@ def cancel_task(
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
-    return _info(store.cancel_task(task_id, reason or "cancelled by the planner"))
+    return info(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
 @registry.tool(annotations=DESTRUCTIVE)
@@ -1048,274 +849,13 @@ def ping(ctx: Context) -> PingResult:
 
 
 # --------------------------------------------------------------------------------------------
-# HTTP: one Starlette app for /mcp, /sse, /messages/, /health, / and /api/*.
-
-
-def token_file() -> Path:
-    """The bearer token file: ``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token``."""
-    return Path(os.environ.get("MCP_TOKEN_FILE") or REPO_DIR / ".taskbridge" / "token").expanduser()
-
-
-class TokenConfigError(Exception):
-    """A bearer token source is configured but unusable; the message names the source and the
-    fix, never the token."""
-
-
-def bearer_token() -> str | None:
-    """``$MCP_BEARER_TOKEN``, else the token file's content, else None (no token configured: the
-    variable is unset and the file does not exist). Raises TokenConfigError when the variable is
-    set but blank, or the file is a folder, unreadable, empty, or holds a token that an HTTP
-    header cannot carry (whitespace inside, non-ASCII)."""
-    if "MCP_BEARER_TOKEN" in os.environ:
-        token = os.environ["MCP_BEARER_TOKEN"].strip()
-        if not token:
-            raise TokenConfigError("MCP_BEARER_TOKEN is set but blank: put the token in it, or unset it "
-                                   f"to use the token file ({token_file()})")
-        return _checked_token(token, "MCP_BEARER_TOKEN")
-    path = token_file()
-    try:
-        token = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    except IsADirectoryError:
-        raise TokenConfigError(f"the token file {path} is a folder: point MCP_TOKEN_FILE at a file holding "
-                               "the token (install.sh writes one), or set MCP_BEARER_TOKEN") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "it is not text"
-        raise TokenConfigError(f"cannot read the token file {path} ({why}): fix its permissions for this "
-                               "user, point MCP_TOKEN_FILE elsewhere, or set MCP_BEARER_TOKEN") from None
-    if not token:
-        raise TokenConfigError(f"the token file {path} is empty: write a token in it (install.sh does), "
-                               "delete it, or set MCP_BEARER_TOKEN")
-    return _checked_token(token, f"the token file {path}")
-
-
-def _checked_token(token: str, source: str) -> str:
-    if not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
-        raise TokenConfigError(f"{source} holds a token with whitespace or non-ASCII characters, which no "
-                               "Authorization header can carry: use one line of printable ASCII "
-                               "(install.sh makes one with secrets.token_urlsafe)")
-    return token
-
-
-_HOST_RE = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?)(?::(?P<port>[0-9]{1,5}))?")
-
-
-def parse_host(value: str) -> tuple[str, str | None] | None:
-    """A Host header split into (lower-case name without a trailing dot, port or None); None when
-    it is malformed: anything but a DNS name, an IPv4 address or a bracketed IPv6 address,
-    optionally followed by ``:`` and a port of digits only (``localhost:evil.com`` and
-    ``127.0.0.1:1@evil.com`` are malformed, ``[::1]:8765`` is not)."""
-    match = _HOST_RE.fullmatch(value.strip().lower())
-    if match is None or (match["port"] is not None and int(match["port"]) > 65535):
-        return None
-    return match["name"].rstrip("."), match["port"]
-
-
-def host_name(value: str) -> str | None:
-    """An allowlist entry (a name, ``name:port``, a bare IPv6 address or a URL) reduced to its
-    lower-case name; None when it is not a host name at all."""
-    name = value.strip().lower()
-    if "://" in name:
-        name = name.split("://", 1)[1]
-    name = name.split("/", 1)[0]
-    if name.count(":") > 1 and not name.startswith("["):   # a bare IPv6 address
-        name = f"[{name}]"
-    parsed = parse_host(name)
-    return parsed[0] if parsed else None
-
-
-def allowed_hosts() -> frozenset[str]:
-    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case). An entry that
-    is not a host name is skipped with a warning."""
-    extra = set()
-    for entry in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(","):
-        if entry.strip():
-            name = host_name(entry)
-            if name is None:
-                log.warning("MCP_ALLOWED_HOSTS: %r is not a host name; skipped", entry.strip())
-            else:
-                extra.add(name)
-    return frozenset(LOOPBACK_NAMES) | frozenset(extra)
-
-
-def transport_security(hosts: frozenset[str]) -> TransportSecuritySettings:
-    """The SDK's own Host/Origin check with the same names (bare and any port)."""
-    names = sorted(hosts)
-    return TransportSecuritySettings(
-        enable_dns_rebinding_protection=True,
-        allowed_hosts=[h for n in names for h in (n, f"{n}:*")],
-        allowed_origins=[o for n in names for s in ("http", "https") for o in (f"{s}://{n}", f"{s}://{n}:*")],
-    )
-
-
-async def _plain(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": data})
-
-
-class HostGuard:
-    """Pure ASGI: 421 for a malformed Host or one outside the allowlist, on every route. The Host
-    header goes on in its canonical form (lower case, ``name`` or ``name:port``), so the SDK's own
-    check (a prefix match on ``name:``) only ever sees a Host this guard has already judged."""
-
-    def __init__(self, app: Any, hosts: frozenset[str]) -> None:
-        self.app, self.hosts = app, hosts
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            return await self.app(scope, receive, send)
-        headers = list(scope.get("headers", []))
-        values = [v.decode("latin-1") for k, v in headers if k == b"host"]
-        parsed = parse_host(values[0]) if len(values) == 1 else None
-        if parsed is None or parsed[0] not in self.hosts:
-            log.warning("refused a request for a Host outside the allowlist (421)")
-            return await _plain(send, 421, {"error": "this Host is not allowed (a host name, then optionally "
-                                                     "':' and a port of digits); add the name to MCP_ALLOWED_HOSTS"})
-        canonical = (parsed[0] if parsed[1] is None else f"{parsed[0]}:{parsed[1]}").encode("latin-1")
-        scope = dict(scope, headers=[(k, canonical if k == b"host" else v) for k, v in headers])
-        await self.app(scope, receive, send)
-
-
-def _supplied_token(scope: dict) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    # Hosted connectors cannot send headers: the token may come as ?token=… (never logged).
-    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
-        if part.startswith("token="):
-            return unquote(part[6:])
-    return None
-
-
-def _protected(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
-
-
-class BearerGuard:
-    """Pure ASGI: /mcp, /sse, /messages, /api need the bearer token (constant-time compare);
-    401 with WWW-Authenticate otherwise. The token is never logged."""
-
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, (token or "").encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.token or not _protected(scope.get("path", "")):
-            return await self.app(scope, receive, send)
-        supplied = _supplied_token(scope)
-        if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
-            return await self.app(scope, receive, send)
-        log.info("refused %s %s: %s bearer token (401)", scope.get("method"), scope.get("path"),
-                 "wrong" if supplied else "no")
-        error = "invalid_token" if supplied else "invalid_request"
-        await _plain(send, 401, {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
-                                          "(MCP_BEARER_TOKEN or the .taskbridge/token file)"},
-                     [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())])
-
-
-BOARD_PLACEHOLDER = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>TaskBridge</title></head>
-<body><h1>TaskBridge</h1>
-<p>The dispatch board is coming. Meanwhile: <code>/api/status</code> and <code>/api/tasks</code>
-(with the bearer token), <code>/health</code>, and the MCP endpoints <code>/mcp</code> and <code>/sse</code>.</p>
-</body></html>
-"""
-
-
-async def board_page(request: Any) -> Any:
-    """``GET /``: the dispatch board's shell (a placeholder until the board issue)."""
-    from starlette.responses import HTMLResponse
-    return HTMLResponse(BOARD_PLACEHOLDER)
-
-
-async def health(request: Any) -> Any:
-    """``GET /health``: open, and reveals nothing private."""
-    from starlette.responses import JSONResponse
-    return JSONResponse({"ok": True, "version": VERSION})
-
-
-async def api_status(request: Any) -> Any:
-    """``GET /api/status``: what queue_status returns, plus the server version (503 when the
-    database cannot be used)."""
-    return await _api_answer(lambda: queue_snapshot() | {"version": VERSION})
-
-
-async def api_tasks(request: Any) -> Any:
-    """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad
-    input, 503 when the database cannot be used)."""
-    query = request.query_params
-
-    def page() -> dict[str, Any]:
-        limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
-        found = store.list_tasks(status=query.get("status"), origin=query.get("origin"),
-                                 search=query.get("search"), limit=limit, offset=query.get("offset") or 0)
-        return found | {"tasks": [_row(t) for t in found["tasks"]]}
-
-    return await _api_answer(page)
-
-
-async def _api_answer(work: Any) -> Any:
-    """Run ``work()`` off the event loop and answer JSON: its dict (200), a store error (400), a
-    database problem naming the file and the fix (503), anything else a one-line 500. Never a
-    traceback in the response."""
-    from starlette.responses import JSONResponse
-    try:
-        return JSONResponse(await anyio.to_thread.run_sync(work))
-    except store.TaskStoreError as exc:
-        return JSONResponse({"error": str(exc)}, status_code=400)
-    except Exception as exc:
-        problem = mcp_shared.database_problem(exc)
-        if problem:
-            log.warning("/api: %s", problem)
-            return JSONResponse({"error": problem}, status_code=503)
-        log.error("/api request crashed", exc_info=exc)
-        return JSONResponse({"error": f"internal error ({type(exc).__name__}); the server's log on stderr "
-                                      "has the details"}, status_code=500)
-
-
-def http_routes() -> list[Any]:
-    """The non-MCP routes (the board issue extends this list)."""
-    from starlette.routing import Route
-    return [Route("/", board_page), Route("/health", health),
-            Route("/api/status", api_status), Route("/api/tasks", api_tasks)]
-
-
-def build_app(server: MCPServer | None = None) -> Any:
-    """The one Starlette app for every HTTP transport; reads the token and allowlist now.
-
-    Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
-    from starlette.applications import Starlette
-    from starlette.middleware import Middleware
-
-    server = server or build_server()
-    hosts = allowed_hosts()
-    security = transport_security(hosts)
-    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
-    sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
-    manager = server.session_manager
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any):
-        async with manager.run():
-            yield
-
-    token = bearer_token()
-    if not token:
-        log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
-    return Starlette(routes=[*streamable.routes, *sse.routes, *http_routes()], lifespan=lifespan,
-                     middleware=[Middleware(HostGuard, hosts=hosts), Middleware(BearerGuard, token=token)])
-
-
-# --------------------------------------------------------------------------------------------
 # Entry point.
 
 
-def _is_loopback(host: str) -> bool:
-    return host_name(host) in LOOPBACK_NAMES or host.startswith("127.")
+def build_app(server: MCPServer | None = None) -> Any:
+    """The one Starlette app for every HTTP transport (http_app.build_app) around ``server``, by
+    default a fresh one with the 17 tools; reads the token and allowlist now."""
+    return http_app.build_app(server or build_server())
 
 
 def configure_logging(level: str) -> None:
@@ -1376,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     except TokenConfigError as exc:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
-    if not _is_loopback(args.host) and not token:
+    if not is_loopback(args.host) and not token:
         print(f"refusing to serve on {args.host} without a bearer token: set MCP_BEARER_TOKEN or create "
               f"{token_file()} (install.sh does), or bind to 127.0.0.1", file=sys.stderr)
         return 2

@@ -30,13 +30,13 @@ from rich.text import Text
 
 import opencode_runner
 import task_store
+import task_views
 import worktrees
 
 __version__ = "0.1.0"
 
 ORIGIN_NAME = "tasks_cli"
 FOLLOW_POLL_SEC = 0.5  # how often `logs --follow` looks for new lines and the task's status
-STALE_WORKER_SEC = 180  # the worker fires every 60 s; a heartbeat older than this is worth a hint
 FINISHED = set(task_store.TERMINAL)
 OLDER_THAN_MAX_SEC = 100 * 365 * 86_400  # `clear --older-than`: a century is the most that means anything
 PAGE_OFFSET_MAX = 10**9  # task_store.list_tasks refuses a larger offset
@@ -950,15 +950,15 @@ def print_log(path: Path, tail: int | None, raw: bool) -> int:
 def status(as_json: bool) -> None:
     """Show the queue's counts and the worker's last heartbeat."""
     summary = task_store.queue_summary()
-    worker = task_store.read_worker_heartbeat()
+    worker = task_views.worker_state()
     if as_json:
         return emit_json(summary | {"worker": worker, "db": str(task_store.db_path())})
     out().print(fields_table(queue_rows(summary), title="Queue"))
     out().print(fields_table(worker_rows(worker), title="Worker"))
-    if worker is None or worker["age_sec"] > STALE_WORKER_SEC:
+    if not worker["recent"]:
         err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
                          "running? (python worker.py runs one pass by hand)", style="yellow"))
-    elif worker["pid_running"] is False and worker.get("state") not in ("stopped", "pass"):
+    elif worker["died"]:
         err().print(Text(f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
                          "mid-run. The next pass requeues its task (python worker.py runs one now).",
                          style="yellow"))
@@ -974,12 +974,13 @@ def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
-def worker_rows(worker: dict[str, Any] | None) -> list[tuple[str, Any]]:
-    """The heartbeat file's fields, its age first."""
-    if worker is None:
+def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The judged heartbeat (task_views.worker_state), its age first."""
+    if not worker["seen"]:
         return [("heartbeat", "none: no worker pass has run against this queue")]
     rows = [("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")]
-    return rows + [(k, v) for k, v in worker.items() if k not in ("age_sec", "at", "ts")]
+    rows += [(k, v) for k, v in worker.items() if k not in ("age_sec", "at", "seen", "summary", "extra")]
+    return rows + list(worker["extra"].items())
 
 
 @cli.command()

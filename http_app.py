@@ -1,0 +1,244 @@
+"""TaskBridge's HTTP side: one Starlette app on one port for the MCP transports (/mcp
+streamable-http; /sse and /messages/ sse), /health, the board's shell (GET /, /board/*) and its
+JSON API (/api/*, see board_api).
+
+Guards, outermost first: HostGuard (421 for a malformed Host or one outside the allowlist, on
+every route) and BearerGuard (401 without the bearer token on /mcp, /sse, /messages and /api;
+constant-time compare; the token is never logged). /health and the board's static shell stay
+open and hold no data.
+
+Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
+<repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list). Nothing happens at
+import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import board_api
+import task_views
+from mcp.server.mcpserver import MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
+
+REPO_DIR = Path(__file__).resolve().parent
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
+
+log = logging.getLogger("taskbridge.mcp")
+
+
+def token_file() -> Path:
+    """The bearer token file: ``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token``."""
+    return Path(os.environ.get("MCP_TOKEN_FILE") or REPO_DIR / ".taskbridge" / "token").expanduser()
+
+
+class TokenConfigError(Exception):
+    """A bearer token source is configured but unusable; the message names the source and the
+    fix, never the token."""
+
+
+def bearer_token() -> str | None:
+    """``$MCP_BEARER_TOKEN``, else the token file's content, else None (no token configured: the
+    variable is unset and the file does not exist). Raises TokenConfigError when the variable is
+    set but blank, or the file is a folder, unreadable, empty, or holds a token that an HTTP
+    header cannot carry (whitespace inside, non-ASCII)."""
+    if "MCP_BEARER_TOKEN" in os.environ:
+        token = os.environ["MCP_BEARER_TOKEN"].strip()
+        if not token:
+            raise TokenConfigError("MCP_BEARER_TOKEN is set but blank: put the token in it, or unset it "
+                                   f"to use the token file ({token_file()})")
+        return _checked_token(token, "MCP_BEARER_TOKEN")
+    path = token_file()
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        raise TokenConfigError(f"the token file {path} is a folder: point MCP_TOKEN_FILE at a file holding "
+                               "the token (install.sh writes one), or set MCP_BEARER_TOKEN") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "it is not text"
+        raise TokenConfigError(f"cannot read the token file {path} ({why}): fix its permissions for this "
+                               "user, point MCP_TOKEN_FILE elsewhere, or set MCP_BEARER_TOKEN") from None
+    if not token:
+        raise TokenConfigError(f"the token file {path} is empty: write a token in it (install.sh does), "
+                               "delete it, or set MCP_BEARER_TOKEN")
+    return _checked_token(token, f"the token file {path}")
+
+
+def _checked_token(token: str, source: str) -> str:
+    if not token.isascii() or any(c.isspace() or not c.isprintable() for c in token):
+        raise TokenConfigError(f"{source} holds a token with whitespace or non-ASCII characters, which no "
+                               "Authorization header can carry: use one line of printable ASCII "
+                               "(install.sh makes one with secrets.token_urlsafe)")
+    return token
+
+
+_HOST_RE = re.compile(r"(?P<name>\[[0-9a-f:.]+\]|[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?)(?::(?P<port>[0-9]{1,5}))?")
+
+
+def parse_host(value: str) -> tuple[str, str | None] | None:
+    """A Host header split into (lower-case name without a trailing dot, port or None); None when
+    it is malformed: anything but a DNS name, an IPv4 address or a bracketed IPv6 address,
+    optionally followed by ``:`` and a port of digits only (``localhost:evil.com`` and
+    ``127.0.0.1:1@evil.com`` are malformed, ``[::1]:8765`` is not)."""
+    match = _HOST_RE.fullmatch(value.strip().lower())
+    if match is None or (match["port"] is not None and int(match["port"]) > 65535):
+        return None
+    return match["name"].rstrip("."), match["port"]
+
+
+def host_name(value: str) -> str | None:
+    """An allowlist entry (a name, ``name:port``, a bare IPv6 address or a URL) reduced to its
+    lower-case name; None when it is not a host name at all."""
+    name = value.strip().lower()
+    if "://" in name:
+        name = name.split("://", 1)[1]
+    name = name.split("/", 1)[0]
+    if name.count(":") > 1 and not name.startswith("["):   # a bare IPv6 address
+        name = f"[{name}]"
+    parsed = parse_host(name)
+    return parsed[0] if parsed else None
+
+
+def allowed_hosts() -> frozenset[str]:
+    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case). An entry that
+    is not a host name is skipped with a warning."""
+    extra = set()
+    for entry in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(","):
+        if entry.strip():
+            name = host_name(entry)
+            if name is None:
+                log.warning("MCP_ALLOWED_HOSTS: %r is not a host name; skipped", entry.strip())
+            else:
+                extra.add(name)
+    return frozenset(LOOPBACK_NAMES) | frozenset(extra)
+
+
+def transport_security(hosts: frozenset[str]) -> TransportSecuritySettings:
+    """The SDK's own Host/Origin check with the same names (bare and any port)."""
+    names = sorted(hosts)
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[h for n in names for h in (n, f"{n}:*")],
+        allowed_origins=[o for n in names for s in ("http", "https") for o in (f"{s}://{n}", f"{s}://{n}:*")],
+    )
+
+
+async def _plain(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": data})
+
+
+class HostGuard:
+    """Pure ASGI: 421 for a malformed Host or one outside the allowlist, on every route. The Host
+    header goes on in its canonical form (lower case, ``name`` or ``name:port``), so the SDK's own
+    check (a prefix match on ``name:``) only ever sees a Host this guard has already judged."""
+
+    def __init__(self, app: Any, hosts: frozenset[str]) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = list(scope.get("headers", []))
+        values = [v.decode("latin-1") for k, v in headers if k == b"host"]
+        parsed = parse_host(values[0]) if len(values) == 1 else None
+        if parsed is None or parsed[0] not in self.hosts:
+            log.warning("refused a request for a Host outside the allowlist (421)")
+            return await _plain(send, 421, {"error": "this Host is not allowed (a host name, then optionally "
+                                                     "':' and a port of digits); add the name to MCP_ALLOWED_HOSTS"})
+        canonical = (parsed[0] if parsed[1] is None else f"{parsed[0]}:{parsed[1]}").encode("latin-1")
+        scope = dict(scope, headers=[(k, canonical if k == b"host" else v) for k, v in headers])
+        await self.app(scope, receive, send)
+
+
+def _supplied_token(scope: dict) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    # Hosted connectors cannot send headers: the token may come as ?token=… (never logged).
+    for part in scope.get("query_string", b"").decode("latin-1").split("&"):
+        if part.startswith("token="):
+            return unquote(part[6:])
+    return None
+
+
+def _protected(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
+
+
+class BearerGuard:
+    """Pure ASGI: /mcp, /sse, /messages, /api need the bearer token (constant-time compare);
+    401 with WWW-Authenticate otherwise. The token is never logged."""
+
+    def __init__(self, app: Any, token: str | None) -> None:
+        self.app, self.token = app, (token or "").encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.token or not _protected(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        supplied = _supplied_token(scope)
+        if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
+            return await self.app(scope, receive, send)
+        log.info("refused %s %s: %s bearer token (401)", scope.get("method"), scope.get("path"),
+                 "wrong" if supplied else "no")
+        error = "invalid_token" if supplied else "invalid_request"
+        await _plain(send, 401, {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
+                                          "(MCP_BEARER_TOKEN or the .taskbridge/token file)"},
+                     [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())])
+
+
+async def health(request: Any) -> Any:
+    """``GET /health``: open, and reveals nothing private."""
+    from starlette.responses import JSONResponse
+    return JSONResponse({"ok": True, "version": task_views.VERSION})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address only reaches this machine."""
+    return host_name(host) in LOOPBACK_NAMES or host.startswith("127.")
+
+
+def build_app(server: MCPServer) -> Any:
+    """The one Starlette app for every HTTP transport around ``server`` (the MCP server whose
+    transports it mounts); reads the token and allowlist now.
+
+    Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    hosts = allowed_hosts()
+    security = transport_security(hosts)
+    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
+    manager = server.session_manager
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        async with manager.run():
+            yield
+
+    token = bearer_token()
+    if not token:
+        log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
+    return Starlette(routes=[*streamable.routes, *sse.routes, *http_routes()], lifespan=lifespan,
+                     middleware=[Middleware(HostGuard, hosts=hosts), Middleware(BearerGuard, token=token)])
+
+
+def http_routes() -> list[Any]:
+    """The routes beside the MCP transports: /health, then the board's shell and API."""
+    from starlette.routing import Route
+    return [Route("/health", health), *board_api.routes()]

@@ -1,0 +1,256 @@
+"""How a task, the queue and the worker look from outside: the shapes the MCP tools, the board's
+HTTP API and the CLI all show, built once here.
+
+- ``info`` / ``row``: a task as the tools return it (a full record, or a list row with long
+  error and question text cut); ``cap_json`` shortens long lists and strings in a receipt.
+- ``worker_state``: the worker's heartbeat judged once (seen, recent, whether its process still
+  runs, whether it died mid-run) with a one-line summary; ``queue_snapshot``: tallies, the oldest
+  pending task, the default model and that worker state.
+- ``page_utf8`` / ``read_log_page``: text paged by bytes, never splitting a UTF-8 character.
+
+No SQL here (it lives in task_store); nothing happens at import time. Env: none of its own (the
+store reads TASK_DB_PATH and TASK_LOG_DIR at call time).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import TypedDict
+
+import task_store as store
+
+VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
+ROW_TEXT_MAX = 300              # characters of error/question per list row
+WORKER_RECENT_SEC = 180         # a heartbeat younger than this counts as a recent worker (it fires every 60 s)
+QUIET_STATES = ("stopped", "pass")   # states in which a worker's process may end without dying mid-run
+
+
+class TaskRow(TypedDict):
+    """A task as list_tasks shows it (times ISO 8601 UTC; durations seconds)."""
+    id: str
+    title: str
+    status: str
+    priority: int
+    model: str | None
+    working_dir: str
+    permission: str
+    attempts: int
+    max_retries: int
+    timeout_sec: int
+    origin_name: str | None
+    origin_version: str | None
+    origin_kind: str | None
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    heartbeat_at: str | None
+    error: str | None
+    question: str | None
+    branch: str | None
+
+
+class TaskInfo(TaskRow):
+    """A task as submit/answer/cancel return it (times ISO 8601 UTC; durations seconds)."""
+    agent: str | None
+    worktree: bool
+    worktree_keep: bool
+    depends_on: list[str]
+    idempotency_key: str | None
+    answer: str | None
+    worktree_path: str | None
+    session_id: str | None
+
+
+class WorkerState(TypedDict):
+    """The worker's heartbeat, judged (ages in seconds; ``at`` ISO 8601 UTC)."""
+    seen: bool
+    state: str | None
+    task: str | None
+    tasks: list[str]
+    slots: int | None
+    pid: int | None
+    host: str | None
+    at: str | None
+    age_sec: float | None
+    pid_running: bool | None
+    recent: bool
+    died: bool
+    summary: str
+    extra: dict[str, Any]
+
+
+class QueueStatus(TypedDict):
+    counts: dict[str, int]
+    total: int
+    claimable: int
+    oldest_pending: str | None
+    oldest_pending_age_sec: float | None
+    default_model: str
+    worker: WorkerState
+    database: str
+
+
+# --------------------------------------------------------------------------------------------
+# A task as a dict.
+
+_INFO_KEYS = tuple(TaskInfo.__annotations__)
+_ROW_KEYS = tuple(TaskRow.__annotations__)
+
+
+def info(task: dict[str, Any]) -> dict[str, Any]:
+    """A store task dict reduced to the TaskInfo fields."""
+    return {key: task.get(key, [] if key == "depends_on" else None) for key in _INFO_KEYS}
+
+
+def short(text: str | None, limit: int = ROW_TEXT_MAX) -> str | None:
+    """``text`` cut to ``limit`` characters (ending in …); None stays None."""
+    if text is None or len(text) <= limit:
+        return text
+    return text[: limit - 1] + "…"
+
+
+def row(task: dict[str, Any]) -> dict[str, Any]:
+    """A store task dict as a list row (TaskRow; error and question cut to 300 characters)."""
+    shaped = {key: task.get(key) for key in _ROW_KEYS}
+    shaped["error"], shaped["question"] = short(shaped["error"]), short(shaped["question"])
+    return shaped
+
+
+def cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool]:
+    """Shorten long lists (to their last ``items``) and strings (to ``chars``) inside a receipt;
+    returns (value, whether anything was cut)."""
+    if isinstance(value, str):
+        return (value, False) if len(value) <= chars else (value[:chars] + "…", True)
+    if isinstance(value, list):
+        capped = [cap_json(v, items, chars) for v in value[-items:]]
+        return [v for v, _ in capped], len(value) > items or any(c for _, c in capped)
+    if isinstance(value, dict):
+        capped_d = {k: cap_json(v, items, chars) for k, v in value.items()}
+        return {k: v for k, (v, _) in capped_d.items()}, any(c for _, c in capped_d.values())
+    return value, False
+
+
+# --------------------------------------------------------------------------------------------
+# The worker and the queue.
+
+
+_BEAT_KEYS = frozenset(WorkerState.__annotations__) | {"ts"}
+
+
+def worker_state() -> dict[str, Any]:
+    """The worker heartbeat file, judged (WorkerState): ``recent`` when younger than 180 s,
+    ``pid_running`` (None when it was written on another host), ``died`` when its process is gone
+    although it was not stopped or between passes, a one-line summary saying what to do, and in ``extra`` any other field the worker
+    wrote (an ``error``, for one)."""
+    beat = store.read_worker_heartbeat()
+    if beat is None:
+        return {"seen": False, "state": None, "task": None, "tasks": [], "slots": None, "pid": None,
+                "host": None, "at": None, "age_sec": None, "pid_running": None, "recent": False,
+                "died": False, "extra": {},
+                "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
+                           "`python worker.py --watch`, or the restart_worker tool"}
+    running = beat["pid_running"]
+    age = beat.get("age_sec")
+    recent = age is not None and age <= WORKER_RECENT_SEC
+    state = beat.get("state")
+    died = running is False and state not in QUIET_STATES
+    summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
+    if beat.get("task"):
+        summary += f", task {beat['task']}"
+    summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
+    if running is False and state == "pass":
+        summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
+    if not recent:
+        summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
+    tasks = beat.get("tasks")
+    return {"seen": True, "state": state, "task": beat.get("task"),
+            "tasks": tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t],
+            "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
+            "at": beat.get("at"), "age_sec": age, "pid_running": running, "recent": recent,
+            "died": died, "summary": summary,
+            "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
+
+
+def queue_snapshot() -> dict[str, Any]:
+    """Tallies, oldest pending, default model, worker liveness (QueueStatus: the queue_status tool,
+    /api/status)."""
+    summary = store.queue_summary()
+    return summary | {"total": sum(summary["counts"].values()), "default_model": store.default_model(),
+                      "worker": worker_state(), "database": str(store.db_path())}
+
+
+# --------------------------------------------------------------------------------------------
+# Paging text by bytes without splitting a UTF-8 character.
+
+
+def _char_start(data: bytes, pos: int) -> int:
+    """The first character boundary at or after ``pos`` (skips UTF-8 continuation bytes)."""
+    while pos < len(data) and data[pos] & 0xC0 == 0x80:
+        pos += 1
+    return pos
+
+
+def _char_end(data: bytes, pos: int) -> int:
+    """The last character boundary at or before ``pos``."""
+    while 0 < pos < len(data) and data[pos] & 0xC0 == 0x80:
+        pos -= 1
+    return pos
+
+
+def page_utf8(data: bytes, offset: int, limit: int) -> tuple[str, int, int]:
+    """A page of ``data`` from byte ``offset``, at most ``limit`` bytes, cut on character
+    boundaries (a page always holds at least one character). Returns (text, start, end) with byte
+    offsets; ``end`` is the next page's offset."""
+    start = _char_start(data, min(offset, len(data)))
+    end = min(len(data), start + limit)
+    if end < len(data):
+        end = _char_end(data, end)
+        if end <= start < len(data):        # a limit below one character: return that character
+            end = _char_start(data, start + 1)
+    return data[start:end].decode("utf-8", errors="replace"), start, end
+
+
+def file_size(path: Path) -> int:
+    """Size of ``path`` in bytes; 0 when it does not exist or cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: int) -> dict[str, Any]:
+    """Either ``max_bytes`` from byte ``offset`` on, or the last ``tail_lines`` lines (at most
+    ``max_bytes``). Returns {exists, size, offset, next_offset, truncated, text}.
+    Raises store.ValidationError when ``offset`` is past the end of the file."""
+    if not path.exists():
+        if offset:
+            raise store.ValidationError(f"offset {offset} is past the end of the log (it has no bytes yet)")
+        return {"exists": False, "size": 0, "offset": 0, "next_offset": 0, "truncated": False, "text": ""}
+    with path.open("rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if offset is not None:
+            if offset > size:
+                raise store.ValidationError(
+                    f"offset {offset} is past the end of the log ({size} bytes); pass the next_offset "
+                    "of your last call, or leave offset out to get the tail")
+            handle.seek(offset)
+            data = handle.read(max_bytes + 4)
+            text, start, end = page_utf8(data, 0, max_bytes)
+            start, end = offset + start, offset + end
+            return {"exists": True, "size": size, "offset": start, "next_offset": end,
+                    "truncated": end < size, "text": text}
+        begin = max(0, size - max_bytes)
+        handle.seek(begin)
+        data = handle.read(size - begin)
+    skip = _char_start(data, 0)
+    text = data[skip:].decode("utf-8", errors="replace")
+    lines = text.splitlines(keepends=True)
+    if begin > 0 and len(lines) > 1:
+        lines = lines[1:]                          # the block began mid-line: show whole lines only
+    kept = lines[-tail_lines:]
+    shown = "".join(kept)
+    cut = len(kept) < tail_lines and begin > 0     # wanted more lines than the byte cap allowed
+    return {"exists": True, "size": size, "offset": size - len(shown.encode("utf-8", errors="replace")),
+            "next_offset": size, "truncated": cut, "text": shown}
