@@ -4,6 +4,7 @@
 #
 #   ./install.sh              runtime: .venv + requirements.txt, opencode (npm, pinned, node_modules/), token
 #   ./install.sh --test       also the test dependencies and the other pinned binaries the tests drive
+#                             (and, as root on Debian, chromium + chromium-driver for the board's browser tests)
 #   ./install.sh --schedule   also install the every-60-s worker schedule (launchd on macOS,
 #                             a systemd user timer on Linux, else print a cron line)
 #
@@ -54,6 +55,20 @@ if [ -d .taskbridge/opencode ] && [ -x node_modules/.bin/opencode ]; then
   say "removing the second copy of opencode an older install.sh put in .taskbridge/opencode/"
   rm -rf .taskbridge/opencode
 fi
+
+# --- The board's browser tests (pytest -m browser): Debian's chromium and chromium-driver. ---
+if [ "$want_test" = 1 ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing chromium and chromium-driver (apt-get) for the board's browser tests"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >&2 || \
+      say "apt-get could not install chromium/chromium-driver: the browser tests skip (and fail under CI=true)"
+  else
+    say "the board's browser tests need chromium and chromedriver on PATH: run as root to apt-get them" \
+        "(apt-get install chromium chromium-driver); without them they skip (and fail under CI=true)"
+  fi
+fi
+# --- end of the browser block ---
 
 token_file="${MCP_TOKEN_FILE:-$here/.taskbridge/token}"
 if [ ! -s "$token_file" ]; then
