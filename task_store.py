@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import sqlite3
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -264,7 +265,40 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
     _run_script(conn, SCHEMA_V1)
 
 
-MIGRATIONS = [_migrate_v1]
+# The order list_tasks shows: running, waiting, pending, then finished; higher priority first;
+# newest first. An expression index serves it, so a page costs the rows it returns.
+LIST_RANK = ("(CASE status WHEN 'running' THEN 0 WHEN 'waiting' THEN 1 WHEN 'pending' THEN 2"
+             " ELSE 3 END)")
+
+SCHEMA_V2 = [
+    "CREATE INDEX notes_task ON notes (task_id, id)",
+    "CREATE INDEX questions_task ON questions (task_id, id)",
+    f"CREATE INDEX tasks_list ON tasks ({LIST_RANK}, priority DESC, id DESC)",
+    "CREATE INDEX claude_jobs_status ON claude_jobs (status, id)",
+    "CREATE INDEX tasks_pending_age ON tasks (created_at, id) WHERE status = 'pending'",
+    # Tasks per status, kept by triggers in the same transaction as the change: counts cost one
+    # small read instead of a scan of the status index.
+    "CREATE TABLE task_counts (status TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+    "INSERT INTO task_counts (status, n) SELECT column1, (SELECT count(*) FROM tasks WHERE status = column1)"
+    " FROM (VALUES ('pending'), ('running'), ('waiting'), ('done'), ('failed'), ('cancelled'))",
+    "CREATE TRIGGER task_counts_insert AFTER INSERT ON tasks BEGIN"
+    " UPDATE task_counts SET n = n + 1 WHERE status = NEW.status; END",
+    "CREATE TRIGGER task_counts_delete AFTER DELETE ON tasks BEGIN"
+    " UPDATE task_counts SET n = n - 1 WHERE status = OLD.status; END",
+    "CREATE TRIGGER task_counts_update AFTER UPDATE OF status ON tasks WHEN OLD.status != NEW.status BEGIN"
+    " UPDATE task_counts SET n = n - 1 WHERE status = OLD.status;"
+    " UPDATE task_counts SET n = n + 1 WHERE status = NEW.status; END",
+]
+
+
+def _migrate_v2(conn: sqlite3.Connection) -> None:
+    """Indexes for every lookup (notes and questions by task, the list order, jobs by status) and
+    the per-status counts table."""
+    for statement in SCHEMA_V2:
+        conn.execute(statement)
+
+
+MIGRATIONS = [_migrate_v1, _migrate_v2]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -360,16 +394,18 @@ def journal_mode(path: Path | str) -> str:
 
 
 def connect(path: Path | str | None = None) -> sqlite3.Connection:
-    """Open the database (creating its folder), set the journal (WAL; see ``journal_mode``), busy
-    timeout and foreign keys, migrate.
+    """Open a new connection (creating its folder): the journal (WAL; see ``journal_mode``), busy
+    timeout, foreign keys; migrated.
 
     The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
-    The caller closes it. Raises sqlite3.Error if the file cannot be opened, ValidationError when
-    the folder is on a filesystem where WAL is unsafe (see ``journal_mode``).
+    The caller closes it (the store's own functions use ``_kept()`` instead). Raises sqlite3.Error
+    if the file cannot be opened, ValidationError when the folder is on a filesystem where WAL is
+    unsafe (see ``journal_mode``).
     """
     path = Path(path) if path else db_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False,
+                           cached_statements=256)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")
@@ -381,19 +417,118 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection:
     return conn
 
 
+# Kept connections. Opening a connection per call cost ~1 ms (pragmas, schema check) and the last
+# close checkpointed and deleted the WAL every time; a kept one costs a dict lookup and a stat.
+# One connection per (thread, database file), owned by this process: a thread never shares its
+# connection (the worker's slot threads and the MCP server's threads each write in their own
+# transactions), and a process never uses one it inherited through fork (SQLite forbids carrying
+# a connection across fork; the child opens its own). The WAL is checkpointed by SQLite's own
+# autocheckpoint (every 1000 pages) and by ``checkpoint()``, which the worker calls each minute.
+_KEPT: dict[tuple[int, str], tuple[sqlite3.Connection, tuple[int, int] | None]] = {}
+_KEPT_LOCK = threading.Lock()
+_KEPT_PID = [os.getpid()]
+_INHERITED: list[sqlite3.Connection] = []   # held, never used or closed: they belong to the parent
+KEPT_MAX = 32  # connections one process keeps (threads x databases); the oldest are closed past it
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _kept() -> sqlite3.Connection:
+    """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
+    again when the process forked, the file was replaced or removed, or the last use broke it."""
+    if _KEPT_PID[0] != os.getpid():
+        _forget_inherited()
+    path = db_path()
+    key = (threading.get_ident(), str(path))
+    entry = _KEPT.get(key)
+    if entry is not None and entry[1] is not None and entry[1] == _file_id(path):
+        return entry[0]
+    if entry is not None:
+        _discard(key)
+    conn = connect(path)
+    with _KEPT_LOCK:
+        _KEPT[key] = (conn, _file_id(path))
+        if len(_KEPT) > KEPT_MAX:
+            _prune()
+    return conn
+
+
+def _forget_inherited() -> None:
+    # Runs in a forked child: the parent's connections are kept referenced (so no finaliser closes
+    # them here, which would touch the parent's locks) and never used.
+    with _KEPT_LOCK:
+        if _KEPT_PID[0] != os.getpid():
+            _INHERITED.extend(conn for conn, _ in _KEPT.values())
+            _KEPT.clear()
+            _KEPT_PID[0] = os.getpid()
+
+
+def _prune() -> None:
+    """Close the connections of threads that ended, then this thread's oldest, down to KEPT_MAX
+    (lock held). Another live thread's connection is never closed under it."""
+    alive = {t.ident for t in threading.enumerate()}
+    me = threading.get_ident()
+    ended = [k for k in _KEPT if k[0] not in alive]
+    mine = [k for k in _KEPT if k[0] == me][:-1]
+    for key in ended + mine[:max(0, len(_KEPT) - len(ended) - KEPT_MAX)]:
+        _close_quietly(_KEPT.pop(key)[0])
+
+
+def _discard(key: tuple[int, str] | None = None) -> None:
+    """Close and forget this thread's connection to ``db_path()`` (or ``key``'s)."""
+    key = key or (threading.get_ident(), str(db_path()))
+    with _KEPT_LOCK:
+        entry = _KEPT.pop(key, None)
+    if entry is not None:
+        _close_quietly(entry[0])
+
+
+def _close_quietly(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.close()
+
+
+def close_connections() -> None:
+    """Close every connection this process keeps (tests, and a process about to exit or to stop
+    using a database file). The next store call opens a new one."""
+    with _KEPT_LOCK:
+        if _KEPT_PID[0] != os.getpid():
+            return
+        entries = list(_KEPT.values())
+        _KEPT.clear()
+    for conn, _ in entries:
+        _close_quietly(conn)
+
+
+def checkpoint() -> None:
+    """Copy the WAL back into the database without waiting for readers (``PASSIVE``); SQLite
+    also does this by itself every 1000 pages. The worker calls it once a minute."""
+    with _reading() as conn:
+        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+
 @contextlib.contextmanager
 def _reading() -> Iterator[sqlite3.Connection]:
-    conn = connect()
+    conn = _kept()
     try:
         yield conn
-    finally:
-        conn.close()
+    except sqlite3.DatabaseError as exc:
+        _drop_if_broken(exc)
+        raise
 
 
 @contextlib.contextmanager
 def _writing() -> Iterator[sqlite3.Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read."""
-    conn = connect()
+    conn = _kept()
+    if conn.in_transaction:  # a store function called another inside its transaction: a bug
+        raise RuntimeError("task_store: a write transaction was opened inside another one")
     try:
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -402,8 +537,19 @@ def _writing() -> Iterator[sqlite3.Connection]:
             conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
-    finally:
-        conn.close()
+    except BaseException as exc:
+        if conn.in_transaction:  # ROLLBACK itself failed: never reuse a connection mid-transaction
+            _discard()
+        elif isinstance(exc, sqlite3.DatabaseError):
+            _drop_if_broken(exc)
+        raise
+
+
+def _drop_if_broken(exc: sqlite3.DatabaseError) -> None:
+    # A busy/locked database or a constraint is no fault of the connection; anything else (disk
+    # I/O, corruption, a file gone read-only) reopens on the next call.
+    if not isinstance(exc, sqlite3.IntegrityError) and "locked" not in str(exc) and "busy" not in str(exc):
+        _discard()
 
 
 def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
@@ -802,24 +948,43 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
     ]
 
 
+_LIST_COLUMNS = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks,"
+                 " max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
+                 " finished_at, heartbeat_at, error, branch, question, timeout_sec, "
+                 + LIST_RANK + " AS rank")
+_LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
+CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
+
+
 def list_tasks(
     status: str | Iterable[str] | None = None,
     origin: str | None = None,
     limit: int = 50,
     offset: int = 0,
     search: str | None = None,
+    cursor: str | None = None,
 ) -> dict[str, Any]:
-    """A page of tasks, highest priority then oldest first.
+    """A page of tasks: running, waiting, pending, then finished; higher priority first; newest first.
 
     ``status``: one status, a list, or None for all; ``origin``: a caller kind (claude, chatgpt,
-    other) or clientInfo name; ``limit`` 1..500, ``offset`` ≥ 0; ``search``: substring of the title.
-    Returns ``{"tasks": [...], "total": N, "offset": o, "next_offset": o2 | None}`` (tasks without
-    instructions/diff/result, to stay small). Raises ValidationError.
+    other) or clientInfo name; ``limit`` 1..500; ``search``: substring of the title. Page either by
+    ``cursor`` (the ``next_cursor`` of the previous page: each page costs its own rows, however
+    deep) or by ``offset`` ≥ 0 (rows to skip; deep offsets walk the skipped rows).
+    Returns ``{"tasks": [...], "total": N, "offset": o, "next_offset": o2 | None,
+    "next_cursor": str | None}`` (tasks without instructions/diff/result, to stay small;
+    ``next_offset`` only when paging by offset). ``total`` counts every match (kept per status, so
+    cheap unless origin or search is given). Raises ValidationError.
     """
     statuses = _statuses(status)
     limit = coerce_int("limit", limit, 1, 500)
-    offset = coerce_int("offset", offset, 0, 10**9)
-    where, params = ["status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
+    offset = coerce_int("offset", _or(offset, 0), 0, 10**9)
+    cursor = optional(cursor)
+    after = _parse_cursor(cursor) if cursor is not None else None
+    # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
+    # the list-order index (no sort of every match); a filter of live statuses only reads those
+    # few rows through the status index and sorts them.
+    unary = "+" if "done" in statuses else ""
+    where, params = [f"{unary}status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
     origin = optional(origin)
     if origin:
         where.append("(origin_kind = ? OR origin_name = ?)")
@@ -828,26 +993,62 @@ def list_tasks(
         where.append("instr(lower(title), lower(?)) > 0")
         params.append(search)
     clause = " AND ".join(where)
-    columns = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks, max_retries,"
-               " origin_name, origin_version, origin_kind, created_at, started_at, finished_at,"
-               " heartbeat_at, error, branch, question, timeout_sec")
     with _reading() as conn:
-        total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
-        rows = conn.execute(
-            f"SELECT {columns} FROM tasks WHERE {clause}"
-            " ORDER BY CASE status WHEN 'running' THEN 0 WHEN 'waiting' THEN 1"
-            " WHEN 'pending' THEN 2 ELSE 3 END, priority DESC, id DESC LIMIT ? OFFSET ?",
-            params + [limit, offset],
-        ).fetchall()
-    tasks = []
-    for row in rows:
-        task = dict(row)
-        task["num"], task["id"] = task["id"], format_task_id(task["id"])
-        for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
-            task[column] = iso(task[column])
-        tasks.append(task)
-    next_offset = offset + len(rows) if offset + len(rows) < total else None
-    return {"tasks": tasks, "total": total, "offset": offset, "next_offset": next_offset}
+        if len(where) == 1:
+            total = conn.execute("SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN (%s)"
+                                 % ",".join("?" * len(statuses)), statuses).fetchone()[0]
+        else:
+            total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
+        if after is None:
+            rows = conn.execute(f"SELECT {_LIST_COLUMNS} FROM tasks WHERE {clause}{_LIST_ORDER} LIMIT ? OFFSET ?",
+                                params + [limit + 1, offset]).fetchall()
+        else:
+            rows = _rows_after(conn, clause, params, after, limit + 1)
+    more, rows = len(rows) > limit, rows[:limit]
+    tasks = [_list_row(row) for row in rows]
+    last = rows[-1] if rows and more else None
+    return {
+        "tasks": tasks, "total": total, "offset": offset,
+        "next_offset": offset + len(rows) if more and after is None else None,
+        "next_cursor": f"{last['rank']}.{last['priority']}.{last['id']}" if last else None,
+    }
+
+
+def _parse_cursor(cursor: Any) -> tuple[int, int, int]:
+    match = CURSOR_RE.match(cursor) if isinstance(cursor, str) else None
+    if match is None:
+        raise ValidationError(f"cursor {cursor!r} is not one list_tasks returned; pass next_cursor "
+                              "exactly as given, or leave it out for the first page")
+    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+
+
+def _rows_after(conn: sqlite3.Connection, clause: str, params: list, after: tuple[int, int, int],
+                limit: int) -> list[sqlite3.Row]:
+    """Rows after ``(rank, priority, id)`` in list order: three index range reads (the rest of that
+    priority, the rest of that rank, the later ranks), each stopping at ``limit`` rows."""
+    rank, priority, num = after
+    # Each ORDER BY leaves out the terms its WHERE holds constant: SQLite would otherwise sort.
+    steps = (
+        (f" AND {LIST_RANK} = ? AND priority = ? AND id < ? ORDER BY priority DESC, id DESC", [rank, priority, num]),
+        (f" AND {LIST_RANK} = ? AND priority < ? ORDER BY priority DESC, id DESC", [rank, priority]),
+        (f" AND {LIST_RANK} > ?{_LIST_ORDER}", [rank]),
+    )
+    rows: list[sqlite3.Row] = []
+    for extra, values in steps:
+        if len(rows) >= limit:
+            break
+        rows += conn.execute(f"SELECT {_LIST_COLUMNS} FROM tasks WHERE {clause}{extra} LIMIT ?",
+                             params + values + [limit - len(rows)]).fetchall()
+    return rows
+
+
+def _list_row(row: sqlite3.Row) -> dict[str, Any]:
+    task = dict(row)
+    del task["rank"]
+    task["num"], task["id"] = task["id"], format_task_id(task["id"])
+    for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
+        task[column] = iso(task[column])
+    return task
 
 
 def _statuses(status: str | Iterable[str] | None) -> list[str]:
@@ -864,7 +1065,7 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
 def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
-        rows = conn.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall()
+        rows = conn.execute("SELECT status, n FROM task_counts").fetchall()
     return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
 
 
@@ -872,8 +1073,9 @@ def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     tallies = counts()
     with _reading() as conn:
-        oldest = conn.execute(
-            "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1"
+        oldest = conn.execute(  # the partial index tasks_pending_age holds exactly these rows
+            "SELECT id, created_at FROM tasks INDEXED BY tasks_pending_age WHERE status = 'pending'"
+            " ORDER BY created_at, id LIMIT 1"
         ).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_CLAIMABLE}", {"now": now()}).fetchone()[0]
     return {

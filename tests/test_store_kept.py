@@ -1,0 +1,189 @@
+"""The store's fast paths keep its guarantees: kept connections under processes, threads and fork;
+cursor paging; counts kept by triggers; the schema migration; wake-ups on change."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import task_store as store
+from helpers import ROOT
+
+
+def submit_many(tmp_path: Path, count: int, **fields) -> None:
+    for start in range(0, count, store.BATCH_MAX):
+        store.submit_batch([{"title": f"t{start + i}", "instructions": "i", "working_dir": str(tmp_path)} | fields
+                            for i in range(min(store.BATCH_MAX, count - start))])
+
+
+CLAIMER = """
+import json, sys, task_store
+got = []
+while True:
+    task = task_store.claim_next(sys.argv[1])
+    if task is None:
+        break
+    got.append(task["id"])
+    task_store.renew_lease(task["id"], task["run_marker"], session_id="s")
+    task_store.complete_attempt(task["id"], task["run_marker"])
+print(json.dumps(got))
+"""
+
+
+def test_eight_processes_claim_4000_tasks_exactly_once_on_kept_connections(tmp_path):
+    """8 processes x ~500 claims each: every task claimed once, none lost, no 'locked' error."""
+    submit_many(tmp_path, 4000)
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, f"w{i}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(8)]
+    claimed = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0 and "locked" not in err, err
+        claimed += json.loads(out)
+    assert len(claimed) == 4000 and len(set(claimed)) == 4000
+    assert store.counts() == {s: 0 for s in store.STATUSES} | {"done": 4000}
+    events = store.events_since(0, limit=10_000)
+    events += store.events_since(events[-1]["id"], limit=10_000)
+    claims = [e for e in events if e["kind"] == "claimed"]
+    assert len(claims) == 4000 and len({e["task_id"] for e in claims}) == 4000
+
+
+def test_threads_each_use_their_own_connection_and_claim_exactly_once(tmp_path):
+    """The worker's --slots threads and the MCP server's threads: one connection per thread, no
+    transaction of one thread ever runs on another's connection."""
+    submit_many(tmp_path, 400)
+    got: list[list[str]] = [[] for _ in range(8)]
+    conns: list[int] = [0] * 8
+    errors: list[BaseException] = []
+
+    def claimer(slot: int) -> None:
+        try:
+            conns[slot] = id(store._kept())
+            while (task := store.claim_next(f"slot{slot}")) is not None:
+                got[slot].append(task["id"])
+                store.get_task(task["id"])
+                store.complete_attempt(task["id"], task["run_marker"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    flat = [t for slot in got for t in slot]
+    assert len(flat) == 400 and len(set(flat)) == 400
+    assert len(set(conns)) == 8
+    assert store.counts()["done"] == 400
+
+
+def test_a_forked_child_never_uses_its_parents_connection(tmp_path):
+    submit_many(tmp_path, 3)
+    parent_conn = store._kept()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its store calls must open a connection of its own
+        try:
+            task = store.claim_next("child")
+            report = {"own": store._kept() is not parent_conn, "claimed": task["id"]}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            report = {"error": repr(exc)}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        report = json.loads(pipe.read())
+    assert status == 0 and report == {"own": True, "claimed": "t_0001"}
+    # The parent's connection still works and sees the child's write.
+    assert store._kept() is parent_conn
+    assert store.get_task("t_0001")["status"] == "running"
+    assert store.claim_next("parent")["id"] == "t_0002"
+
+
+def test_a_replaced_database_file_is_reopened_not_written_through_a_stale_connection(tmp_path):
+    submit_many(tmp_path, 2)
+    path = store.db_path()
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(path) + suffix).unlink(missing_ok=True)
+    assert store.counts() == {s: 0 for s in store.STATUSES}
+    store.submit_task(title="fresh", instructions="i", working_dir=str(tmp_path))
+    assert path.exists() and store.get_task("t_0001")["title"] == "fresh"
+
+
+def test_a_failed_transaction_leaves_the_kept_connection_usable(tmp_path):
+    with pytest.raises(store.ValidationError):
+        store.submit_batch([{"title": "ok", "instructions": "i", "working_dir": str(tmp_path)},
+                            {"title": "bad", "instructions": "i", "working_dir": str(tmp_path),
+                             "depends_on": ["t_0099"]}])
+    assert store.counts()["pending"] == 0 and not store._kept().in_transaction
+    assert store.submit_task(title="next", instructions="i", working_dir=str(tmp_path))["id"] == "t_0001"
+
+
+def test_cursor_pages_walk_the_same_rows_as_offset_pages(tmp_path):
+    submit_many(tmp_path, 45)
+    submit_many(tmp_path, 7, priority=5)
+    submit_many(tmp_path, 6, priority=-2)
+    for _ in range(5):
+        task = store.claim_next("w")
+        store.complete_attempt(task["id"], task["run_marker"])
+    store.claim_next("w")
+    store.cancel_task("t_0030")
+    for status in (None, "done", ["pending", "cancelled"]):
+        whole = [t["id"] for t in store.list_tasks(status, limit=500)["tasks"]]
+        walked, cursor = [], None
+        while True:
+            page = store.list_tasks(status, limit=4, cursor=cursor)
+            walked += [t["id"] for t in page["tasks"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert walked == whole and len(whole) == page["total"]
+        by_offset = store.list_tasks(status, limit=4, offset=8)
+        assert [t["id"] for t in by_offset["tasks"]] == whole[8:12]
+    assert store.list_tasks(limit=500)["tasks"][0]["status"] == "running"
+    with pytest.raises(store.ValidationError, match="next_cursor exactly as given"):
+        store.list_tasks(cursor="3.0.x")
+
+
+def test_counts_follow_every_change(tmp_path):
+    def listed() -> dict[str, int]:
+        return {s: len(store.list_tasks(s, limit=500)["tasks"]) for s in store.STATUSES}
+
+    submit_many(tmp_path, 6)
+    store.submit_task(title="dep", instructions="i", working_dir=str(tmp_path), depends_on=["t_0001"])
+    first = store.claim_next("w")
+    store.fail_attempt(first["id"], first["run_marker"], "boom", retryable=False)  # fails its dependent too
+    second = store.claim_next("w")
+    store.pause_for_question(second["id"], second["run_marker"], "why?")
+    third = store.claim_next("w")
+    store.complete_attempt(third["id"], third["run_marker"])
+    store.claim_next("w")
+    store.cancel_task("t_0006")
+    assert store.counts() == listed() == {"pending": 1, "running": 1, "waiting": 1, "done": 1,
+                                           "failed": 2, "cancelled": 1}
+    store.clear_finished()
+    assert store.counts() == listed() == {"pending": 1, "running": 1, "waiting": 1, "done": 0,
+                                           "failed": 0, "cancelled": 0}
+    assert store.list_tasks()["total"] == 3
+
+
+def test_a_version_1_database_migrates_with_its_counts(tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "MIGRATIONS", store.MIGRATIONS[:1])
+    submit_many(tmp_path, 5)
+    task = store.claim_next("w")
+    store.complete_attempt(task["id"], task["run_marker"])
+    store.close_connections()
+    path = store.db_path()
+    monkeypatch.undo()  # also undoes the autouse fixture's env: point at the same file again
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    assert store.counts() == {s: 0 for s in store.STATUSES} | {"pending": 4, "done": 1}
+    assert store.get_task("t_0001")["status"] == "done"
