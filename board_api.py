@@ -4,26 +4,45 @@
 The shell is plain files in ``board/`` (HTML, JS, CSS; no build step, no CDN) served with a
 Content-Security-Policy that forbids inline script; it holds no data. Every /api/* route needs the
 bearer token (http_app's BearerGuard) and answers JSON: 200 with the data, 400 with the store's
-one-line message for bad input or a refused action, 503 naming the database and the fix when it
-cannot be used, a one-line 500 for anything else (never a traceback).
+one-line message for bad input or a refused action, 404 for an unknown task, 415 for an action
+without a JSON body, 503 naming the database and the fix when it cannot be used, a one-line 500
+for anything else (never a traceback). GET never changes anything; actions are POST with a JSON
+object body and go through the same store functions as the MCP tools and the CLI.
+
+Reads:  /api/status, /api/tasks, /api/tasks/{id}, /api/tasks/{id}/log, /api/events, /api/jobs,
+        /api/engine, /api/changes (long poll: returns within ~0.25 s of a change, else after
+        ``wait`` seconds; a stat of the database files decides whether the database is asked).
+Writes: POST /api/tasks/{id}/answer {"answer"}, /note {"text"}, /cancel {"reason"?}, /retry {}.
 
 Env: none of its own (the store reads TASK_DB_PATH and TASK_LOG_DIR at call time). Nothing
 happens at import time.
 """
 from __future__ import annotations
 
+import json
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import anyio
 
 import mcp_shared
+import opencode_runner
 import task_store as store
 import task_views
 
 BOARD_DIR = Path(__file__).resolve().parent / "board"
 LIST_PAGE_MAX = 200            # rows per /api/tasks page
+LOG_CHUNK = 65_536             # bytes of a task log or the engine log per call
+DIFF_SHOWN = 512 * 1024        # bytes of diff a task page carries
+TEXT_SHOWN = 2_000             # characters of a job's prompt/answer head
+EVENTS_MAX = 200               # events per /api/events or /api/changes answer
+CHANGE_POLL_SEC = 0.25         # how often /api/changes looks (a few stat calls)
+CHANGE_RECHECK_SEC = 5.0       # ...and asks the database even when the files look unchanged
+WAIT_MAX_SEC = 30              # longest /api/changes wait
+BODY_MAX = 300_000             # bytes of an action's JSON body
 # The shell's policy: scripts and styles only from this origin, no inline script, no framing.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -31,6 +50,17 @@ STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
           "board.css": "text/css; charset=utf-8"}
 
 log = logging.getLogger("taskbridge.board")
+# Set when the server begins to stop (http_app.serve): open long polls answer at once instead of
+# holding the shutdown until they are cancelled.
+STOPPING = threading.Event()
+
+
+class NotJson(Exception):
+    """An action's body is not a JSON object (415 / 400)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,50 +90,330 @@ async def board_file(request: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# The API.
+# Answering.
 
 
 async def answer_json(work: Callable[[], Any]) -> Any:
-    """Run ``work()`` off the event loop and answer JSON: its dict (200), a store error (400), a
-    database problem naming the file and the fix (503), anything else a one-line 500. Never a
-    traceback in the response."""
+    """Run ``work()`` off the event loop and answer JSON: its dict (200) or ``error_response``."""
     from starlette.responses import JSONResponse
     try:
         return JSONResponse(await anyio.to_thread.run_sync(work))
-    except store.TaskStoreError as exc:
-        return JSONResponse({"error": str(exc)}, status_code=400)
     except Exception as exc:
-        problem = mcp_shared.database_problem(exc)
-        if problem:
-            log.warning("/api: %s", problem)
-            return JSONResponse({"error": problem}, status_code=503)
-        log.error("/api request crashed", exc_info=exc)
-        return JSONResponse({"error": f"internal error ({type(exc).__name__}); the server's log on stderr "
-                                      "has the details"}, status_code=500)
+        return error_response(exc)
+
+
+def error_response(exc: Exception) -> Any:
+    """A failure as a one-line JSON error: an unknown task 404, another store error 400, a bad
+    body its own status, a database problem naming the file and the fix 503, anything else 500.
+    Never a traceback in the response."""
+    from starlette.responses import JSONResponse
+    if isinstance(exc, store.TaskNotFound):
+        return JSONResponse({"error": str(exc)}, status_code=404)
+    if isinstance(exc, store.TaskStoreError):
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    if isinstance(exc, NotJson):
+        return JSONResponse({"error": str(exc)}, status_code=exc.status)
+    problem = mcp_shared.database_problem(exc)
+    if problem:
+        log.warning("/api: %s", problem)
+        return JSONResponse({"error": problem}, status_code=503)
+    log.error("/api request crashed", exc_info=exc)
+    return JSONResponse({"error": f"internal error ({type(exc).__name__}); the server's log on stderr "
+                                  "has the details"}, status_code=500)
+
+
+def _offset(value: str | None) -> int | None:
+    return None if value in (None, "") else store.coerce_int("offset", value, 0, 2**63 - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Reads.
 
 
 async def api_status(request: Any) -> Any:
-    """``GET /api/status``: what queue_status returns, plus the server version (503 when the
-    database cannot be used)."""
-    return await answer_json(lambda: task_views.queue_snapshot() | {"version": task_views.VERSION})
+    """``GET /api/status``: what queue_status returns, plus the server version and the change
+    marks (``marks.events`` is the newest event id: the feed's cursor)."""
+    return await answer_json(lambda: task_views.queue_snapshot()
+                             | {"version": task_views.VERSION, "marks": store.change_marks()})
+
+
+def task_page(query: Any) -> dict[str, Any]:
+    """A page of list rows for ``status`` (one or a comma list), ``origin``, ``search``,
+    ``limit`` (1..200) and ``offset``."""
+    limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
+    status = query.get("status") or None
+    found = store.list_tasks(status=status.split(",") if status else None, origin=query.get("origin"),
+                             search=query.get("search"), limit=limit, offset=query.get("offset") or 0)
+    return found | {"tasks": [task_views.row(t) | {"cost_usd": t.get("cost_usd")} for t in found["tasks"]]}
 
 
 async def api_tasks(request: Any) -> Any:
     """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad
     input, 503 when the database cannot be used)."""
+    return await answer_json(lambda: task_page(request.query_params))
+
+
+def diff_files(diff: str) -> list[dict[str, Any]]:
+    """The files of a git diff with their added and removed line counts, in diff order:
+    ``[{"path", "added", "removed"}]`` (path from the ``diff --git a/… b/…`` header's b side)."""
+    files: list[dict[str, Any]] = []
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            path = line[len("diff --git "):]
+            path = path.split(" b/", 1)[1] if " b/" in path else path
+            files.append({"path": path, "added": 0, "removed": 0})
+        elif files and line.startswith("+") and not line.startswith("+++"):
+            files[-1]["added"] += 1
+        elif files and line.startswith("-") and not line.startswith("---"):
+            files[-1]["removed"] += 1
+    return files
+
+
+def task_detail(task_id: str) -> dict[str, Any]:
+    """Everything a task page shows: the task (TaskInfo), instructions, notes, questions, its
+    last events, the receipt (long lists and strings cut), usage, the diff (first 512 KiB) with
+    its file list, and the log's size in bytes."""
+    task = store.get_task(task_id)
+    diff = task.get("diff") or ""
+    data = diff.encode()
+    shown, _, end = task_views.page_utf8(data, 0, DIFF_SHOWN)
+    result, cut = task_views.cap_json(task.get("result"))
+    return task_views.info(task) | {
+        "instructions": task["instructions"], "notes": task["notes"], "questions": task["questions"],
+        "events": task["events"], "result": result, "result_truncated": cut, "usage": task.get("usage"),
+        "base_commit": task.get("base_commit"), "diff": shown, "diff_bytes": len(data),
+        "diff_truncated": end < len(data), "diff_files": diff_files(diff),
+        "log_bytes": task_views.file_size(store.log_path(task["id"])),
+    }
+
+
+async def api_task(request: Any) -> Any:
+    """``GET /api/tasks/{id}``: one task's page (404 unknown id, 400 malformed id)."""
+    return await answer_json(lambda: task_detail(request.path_params["task_id"]))
+
+
+def whole_lines(path: Path, offset: int | None, chunk: int = LOG_CHUNK) -> dict[str, Any]:
+    """Whole lines of a growing file: from byte ``offset`` (at most ``chunk`` bytes, ending at the
+    last complete line, so a line being written is read next time), or without offset the tail
+    (the last ``chunk`` bytes' whole lines). Returns {text, offset, next_offset, size}."""
+    if offset is None:
+        page = task_views.read_log_page(path, None, 10**9, chunk)
+    else:
+        page = task_views.read_log_page(path, offset, 1, chunk)
+    text, start = page["text"], page["offset"]
+    complete = text[: text.rfind("\n") + 1]
+    if not complete and len(text.encode()) >= chunk:
+        complete = text                   # one line longer than a chunk: show it as it is
+    return {"text": complete, "offset": start, "next_offset": start + len(complete.encode()),
+            "size": page["size"]}
+
+
+def task_log(task_id: str, offset: int | None) -> dict[str, Any]:
+    """A task log's whole lines from ``offset`` (or its tail) as readable entries
+    (opencode_runner.render_log_line shapes)."""
+    task_id = next(iter(store.statuses_of([task_id])))
+    part = whole_lines(store.log_path(task_id), offset)
+    return {"task_id": task_id, "entries": opencode_runner.render_log(part.pop("text"))} | part
+
+
+async def api_task_log(request: Any) -> Any:
+    """``GET /api/tasks/{id}/log?offset=``: the log as readable lines from a byte offset (the
+    last call's next_offset) or, without one, its tail."""
+    return await answer_json(lambda: task_log(request.path_params["task_id"],
+                                              _offset(request.query_params.get("offset"))))
+
+
+def engine_log(offset: int | None) -> dict[str, Any]:
+    """The worker's own log (``worker.log`` beside the queue) as lines from ``offset`` or its tail."""
+    part = whole_lines(store.state_path("worker.log"), offset)
+    return {"lines": part.pop("text").splitlines()} | part
+
+
+async def api_engine(request: Any) -> Any:
+    """``GET /api/engine?offset=``: the worker's recent log lines."""
+    return await answer_json(lambda: engine_log(_offset(request.query_params.get("offset"))))
+
+
+def recent_events(after: int | None, limit: int) -> dict[str, Any]:
+    """Events after the cursor ``after`` (oldest first), or without it the last ``limit``."""
+    if after is None:
+        after = max(0, store.last_event_id() - limit)
+    events = store.events_since(after, limit=limit)
+    return {"events": events, "cursor": events[-1]["id"] if events else after}
+
+
+async def api_events(request: Any) -> Any:
+    """``GET /api/events?after=&limit=``: the events feed (ids are the cursor)."""
+    query = request.query_params
+    return await answer_json(lambda: recent_events(
+        None if not query.get("after") else store.coerce_int("after", query["after"], 0, store.MAX_ID),
+        store.coerce_int("limit", query.get("limit") or 50, 1, EVENTS_MAX)))
+
+
+def job_rows(limit: int) -> dict[str, Any]:
+    """The reverse bridge's newest jobs: id, status, backend, model, prompt and answer heads
+    (2,000 characters), error, times."""
+    rows = []
+    for job in store.list_claude_jobs(limit=limit):
+        rows.append({"id": job["id"], "status": job["status"], "backend": job.get("backend"),
+                     "model": job.get("model"), "prompt": task_views.short(job.get("prompt"), TEXT_SHOWN),
+                     "answer": task_views.short(job.get("answer"), TEXT_SHOWN),
+                     "error": task_views.short(job.get("error"), TEXT_SHOWN),
+                     "created_at": job.get("created_at"), "finished_at": job.get("finished_at")})
+    return {"jobs": rows}
+
+
+async def api_jobs(request: Any) -> Any:
+    """``GET /api/jobs?limit=``: the reverse bridge's jobs (claude_submit and friends)."""
+    return await answer_json(lambda: job_rows(
+        store.coerce_int("limit", request.query_params.get("limit") or 20, 1, LIST_PAGE_MAX)))
+
+
+# --------------------------------------------------------------------------------------------
+# Live: a long poll on cheap marks.
+
+
+def _stamp(*paths: Path) -> tuple:
+    """(mtime_ns, size) of each file: SQLite writes the database or its -wal file on every commit,
+    so an unchanged stamp means nothing was committed (checked again every 5 s regardless)."""
+    out = []
+    for path in paths:
+        try:
+            st = path.stat()
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+class Watch:
+    """What one /api/changes call compares: the marks it was given and the files it follows."""
+
+    def __init__(self, query: Any) -> None:
+        self.cursor = store.coerce_int("cursor", query.get("cursor") or 0, 0, store.MAX_ID)
+        self.jobs = query.get("jobs") or ""
+        task = query.get("task") or None
+        self.log = store.log_path(store.format_task_id(store.parse_task_id(task))) if task else None
+        self.log_seen = _offset(query.get("log"))
+        self.engine_seen = _offset(query.get("engine"))
+        db = store.db_path()
+        self.db_files = (db, db.with_name(db.name + "-wal"))
+        self.stamp: tuple | None = None
+        self.asked = 0.0
+        self.marks: dict[str, Any] = {}
+
+    def sizes(self) -> dict[str, int]:
+        return {"log_size": task_views.file_size(self.log) if self.log else 0,
+                "engine_size": task_views.file_size(store.state_path("worker.log"))}
+
+    def changed(self) -> bool:
+        sizes = self.sizes()
+        if self.log_seen is not None and sizes["log_size"] != self.log_seen:
+            return True
+        if self.engine_seen is not None and sizes["engine_size"] != self.engine_seen:
+            return True
+        stamp = _stamp(*self.db_files)
+        if stamp == self.stamp and time.monotonic() - self.asked < CHANGE_RECHECK_SEC:
+            return False
+        self.stamp, self.asked = stamp, time.monotonic()
+        self.marks = store.change_marks()
+        return self.marks["events"] != self.cursor or self.marks["jobs"] != self.jobs
+
+    def answer(self) -> dict[str, Any]:
+        marks = self.marks or store.change_marks()
+        events = store.events_since(self.cursor, limit=EVENTS_MAX) if marks["events"] > self.cursor else []
+        return {"cursor": events[-1]["id"] if events else marks["events"], "events": events,
+                "jobs": marks["jobs"], "more": len(events) == EVENTS_MAX} | self.sizes()
+
+
+async def api_changes(request: Any) -> Any:
+    """``GET /api/changes?cursor=&jobs=&task=&log=&engine=&wait=``: answers as soon as the events
+    cursor or the jobs mark moved, or the followed task log (``task``, size ``log``) or the engine
+    log (size ``engine``) changed size, else after ``wait`` seconds (0..30, default 20). Returns
+    {cursor, events (new ones, oldest first), jobs, log_size, engine_size, more}. While nothing
+    changes it costs a few stat calls every 0.25 s and one small query every 5 s."""
     query = request.query_params
 
-    def page() -> dict[str, Any]:
-        limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
-        found = store.list_tasks(status=query.get("status"), origin=query.get("origin"),
-                                 search=query.get("search"), limit=limit, offset=query.get("offset") or 0)
-        return found | {"tasks": [task_views.row(t) for t in found["tasks"]]}
+    try:
+        wait = store.coerce_int("wait", query.get("wait") or 20, 0, WAIT_MAX_SEC)
+        watch = await anyio.to_thread.run_sync(Watch, query)
+        deadline = time.monotonic() + wait
+        while not STOPPING.is_set() and not await anyio.to_thread.run_sync(watch.changed) \
+                and time.monotonic() < deadline:
+            await anyio.sleep(CHANGE_POLL_SEC)
+    except Exception as exc:
+        return error_response(exc)
+    return await answer_json(watch.answer)
 
-    return await answer_json(page)
+
+# --------------------------------------------------------------------------------------------
+# Actions: POST with a JSON object body, through the same store functions as the MCP tools.
+
+
+async def _body(request: Any) -> dict[str, Any]:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise NotJson("send the action as a JSON object with Content-Type: application/json", 415)
+    raw = await request.body()
+    if len(raw) > BODY_MAX:
+        raise NotJson(f"the body is {len(raw)} bytes; at most {BODY_MAX} are accepted")
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise NotJson("the body is not valid JSON: send a JSON object such as {\"answer\": \"...\"}") from None
+    if not isinstance(body, dict):
+        raise NotJson("the body must be a JSON object such as {\"answer\": \"...\"}")
+    return body
+
+
+def _text_field(body: dict[str, Any], name: str, required: bool = True) -> Any:
+    value = body.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise store.ValidationError(f"{name} must be text (a JSON string); send {{\"{name}\": \"...\"}}")
+    return value
+
+
+def retry_action(task_id: str) -> dict[str, Any]:
+    """Queue a failed or cancelled task again, through the store's retry (as the CLI does)."""
+    retry = getattr(store, "retry_task", None)
+    if retry is None:
+        raise store.InvalidTransition("this TaskBridge cannot retry tasks yet: submit the task again")
+    return retry(task_id)
+
+
+ACTIONS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
+    "answer": lambda tid, body: task_views.info(
+        store.answer_task(tid, _text_field(body, "answer"), author="board")),
+    "note": lambda tid, body: store.add_note(tid, _text_field(body, "text"), author="board"),
+    "cancel": lambda tid, body: task_views.info(
+        store.cancel_task(tid, _text_field(body, "reason", False) or "cancelled from the board")),
+    "retry": lambda tid, body: task_views.info(retry_action(tid)),
+}
+
+
+async def api_action(request: Any) -> Any:
+    """``POST /api/tasks/{id}/{answer|note|cancel|retry}`` with a JSON object body: the store's
+    answer_task, add_note, cancel_task or retry; a refusal answers 400 with the store's message,
+    an unknown action 404."""
+    from starlette.responses import JSONResponse
+    name, task_id = request.path_params["action"], request.path_params["task_id"]
+    if name not in ACTIONS:
+        return JSONResponse({"error": f"no action {name!r}: use one of {', '.join(ACTIONS)}"}, status_code=404)
+    try:
+        body = await _body(request)
+    except NotJson as exc:
+        return error_response(exc)
+    return await answer_json(lambda: ACTIONS[name](task_id, body))
 
 
 def routes() -> list[Any]:
     """The board's routes: the shell and /api/*."""
     from starlette.routing import Route
     return [Route("/", board_page), Route("/board/{name}", board_file),
-            Route("/api/status", api_status), Route("/api/tasks", api_tasks)]
+            Route("/api/status", api_status), Route("/api/tasks", api_tasks),
+            Route("/api/tasks/{task_id}", api_task), Route("/api/tasks/{task_id}/log", api_task_log),
+            Route("/api/tasks/{task_id}/{action}", api_action, methods=["POST"]),
+            Route("/api/events", api_events), Route("/api/jobs", api_jobs),
+            Route("/api/engine", api_engine), Route("/api/changes", api_changes)]

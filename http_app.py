@@ -242,3 +242,18 @@ def http_routes() -> list[Any]:
     """The routes beside the MCP transports: /health, then the board's shell and API."""
     from starlette.routing import Route
     return [Route("/health", health), *board_api.routes()]
+
+
+def serve(app: Any, host: str, port: int, log_level: str) -> None:
+    """Run ``app`` under uvicorn on host:port until SIGINT/SIGTERM (access log off: URLs may carry
+    ?token=). At the first signal the board's long polls answer at once, so the shutdown neither
+    waits for them nor cancels them mid-request."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            board_api.STOPPING.set()
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
+                          log_level=log_level, timeout_graceful_shutdown=3)).run()

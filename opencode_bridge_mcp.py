@@ -920,11 +920,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to serve on {args.host} without a bearer token: set MCP_BEARER_TOKEN or create "
               f"{token_file()} (install.sh does), or bind to 127.0.0.1", file=sys.stderr)
         return 2
-    import uvicorn
     log.info("TaskBridge MCP %s on http://%s:%d (/mcp, /sse, /health, /api); database %s",
              VERSION, args.host, args.port, store.db_path())
-    uvicorn.run(build_app(), host=args.host, port=args.port, log_config=None, access_log=False,
-                log_level=args.log_level.lower(), timeout_graceful_shutdown=3)
+    http_app.serve(build_app(), args.host, args.port, args.log_level.lower())
     return 0
 
 

@@ -950,8 +950,8 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 
 _LIST_COLUMNS = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks,"
                  " max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
-                 " finished_at, heartbeat_at, error, branch, question, timeout_sec, "
-                 + LIST_RANK + " AS rank")
+                 " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, " + LIST_RANK + " AS rank")
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
 
@@ -971,7 +971,8 @@ def list_tasks(
     ``cursor`` (the ``next_cursor`` of the previous page: each page costs its own rows, however
     deep) or by ``offset`` ≥ 0 (rows to skip; deep offsets walk the skipped rows).
     Returns ``{"tasks": [...], "total": N, "offset": o, "next_offset": o2 | None,
-    "next_cursor": str | None}`` (tasks without instructions/diff/result, to stay small;
+    "next_cursor": str | None}`` (tasks without instructions/diff/result, to stay small, with
+    ``cost_usd`` from the usage (USD, or None);
     ``next_offset`` only when paging by offset). ``total`` counts every match (kept per status, so
     cheap unless origin or search is given). Raises ValidationError.
     """
@@ -1481,6 +1482,20 @@ def last_event_id() -> int:
     """The newest event id (0 when none): a cursor for ``events_since``."""
     with _reading() as conn:
         return conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+
+
+def change_marks() -> dict[str, Any]:
+    """What a watcher (the board) compares to know whether anything it shows moved, in one
+    statement: ``events`` (the newest event id, as ``last_event_id``) and ``jobs`` (the reverse
+    bridge's jobs as ``"<newest id>:<queued>:<running>"``, which changes when a job is created,
+    starts or ends)."""
+    with _reading() as conn:
+        row = conn.execute(
+            "SELECT (SELECT coalesce(max(id), 0) FROM events),"
+            " (SELECT coalesce(max(id), 0) FROM claude_jobs),"
+            " (SELECT count(*) FROM claude_jobs WHERE status = 'queued'),"
+            " (SELECT count(*) FROM claude_jobs WHERE status = 'running')").fetchone()
+    return {"events": row[0], "jobs": f"{row[1]}:{row[2]}:{row[3]}"}
 
 
 def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:

@@ -1,1 +1,461 @@
+// TaskBridge dispatch board. Plain script, no framework, no build step.
+// Rules: every string from the API reaches the page as a text node or textContent (never as markup);
+// the bearer token travels only in the Authorization header; GET reads, POST acts.
 "use strict";
+
+(function () {
+  const TOKEN_KEY = "taskbridge.token";
+  const STATUSES = ["pending", "running", "waiting", "done", "failed", "cancelled"];
+  const FINISHED = ["done", "failed", "cancelled"];
+  const FEED_MAX = 100;
+  const ENGINE_MAX = 200;
+  const LOG_MAX = 2000;
+
+  const S = {
+    token: null, cursor: 0, jobsMark: "", live: 0,
+    list: { status: "", origin: "", search: "", offset: 0, limit: 50, total: 0, next: null },
+    task: null, logNext: null, logSize: null, engineNext: null, engineSize: null,
+    refreshTimer: null,
+  };
+
+  const $ = (id) => document.getElementById(id);
+
+  // ---- DOM building: text only -------------------------------------------------------------
+  function el(tag, props, ...kids) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(props || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === "class") node.className = value;
+      else if (key === "text") node.textContent = String(value);
+      else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+      else node.setAttribute(key, String(value));
+    }
+    for (const kid of kids.flat(Infinity)) {
+      if (kid === null || kid === undefined || kid === false) continue;
+      node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+    }
+    return node;
+  }
+  function clear(node) { while (node.firstChild) node.removeChild(node.firstChild); return node; }
+  function taskLink(id) {
+    // Ids come from the server as t_0001; the href is built from a fixed prefix, never taken whole.
+    return el("a", { href: "#/task/" + encodeURIComponent(String(id)), class: "tid" }, String(id));
+  }
+
+  // ---- formatting --------------------------------------------------------------------------
+  function age(iso) {
+    if (!iso) return "";
+    const sec = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
+    if (sec < 60) return Math.round(sec) + " s";
+    if (sec < 3600) return Math.round(sec / 60) + " min";
+    if (sec < 86400) return (sec / 3600).toFixed(1) + " h";
+    return (sec / 86400).toFixed(1) + " d";
+  }
+  function usd(value) { return typeof value === "number" ? "$" + value.toFixed(value < 0.01 ? 4 : 2) : ""; }
+  function caller(t) { return [t.origin_name, t.origin_version].filter(Boolean).join(" ") || "-"; }
+
+  // ---- the API -----------------------------------------------------------------------------
+  class AuthError extends Error {}
+
+  async function api(path, body) {
+    const init = { headers: { Authorization: "Bearer " + S.token }, cache: "no-store" };
+    if (body !== undefined) {
+      init.method = "POST";
+      init.headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(body);
+    }
+    const response = await fetch(path, init);
+    if (response.status === 401) throw new AuthError("the token was refused");
+    let data = null;
+    try { data = await response.json(); } catch (e) { data = null; }
+    if (!response.ok) throw new Error((data && data.error) || ("HTTP " + response.status));
+    return data;
+  }
+
+  function showError(err) {
+    if (err instanceof AuthError) return askToken("The token was refused: paste the current one.");
+    const box = $("error");
+    box.textContent = String(err && err.message ? err.message : err);
+    box.hidden = false;
+    setTimeout(() => { box.hidden = true; }, 6000);
+  }
+
+  // ---- token -------------------------------------------------------------------------------
+  function takeFragmentToken() {
+    const match = /^#token=([^&]+)/.exec(location.hash);
+    if (!match) return;
+    localStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+
+  function askToken(message) {
+    S.token = null;
+    S.live += 1;                               // ends the running live loop
+    localStorage.removeItem(TOKEN_KEY);
+    $("board").hidden = true;
+    $("logout").hidden = true;
+    clear($("tallies")); clear($("worker"));
+    $("login").hidden = false;
+    $("login-msg").textContent = message || "";
+    $("token-input").focus();
+  }
+
+  async function start() {
+    S.token = localStorage.getItem(TOKEN_KEY);
+    if (!S.token) return askToken("");
+    try {
+      const status = await api("/api/status");
+      $("login").hidden = true;
+      $("board").hidden = false;
+      $("logout").hidden = false;
+      renderStatus(status);
+      S.cursor = status.marks.events;
+      S.jobsMark = status.marks.jobs;
+      await Promise.all([loadList(), loadFeed(), loadJobs(), loadEngine(), route()]);
+      liveLoop(++S.live);
+    } catch (err) {
+      showError(err);
+    }
+  }
+
+  // ---- status: tallies and worker ----------------------------------------------------------
+  function renderStatus(status) {
+    const box = clear($("tallies"));
+    for (const name of STATUSES) {
+      const count = (status.counts && status.counts[name]) || 0;
+      box.append(el("button", { type: "button", class: "tally s-" + name, "data-status": name,
+        onclick: () => { $("f-status").value = name; filtersChanged(); location.hash = "#/"; } },
+        el("span", { class: "n", id: "tally-" + name }, String(count)), " " + name));
+    }
+    const w = status.worker || {};
+    let state = "never seen";
+    if (w.seen) state = w.recent && !w.died ? "online" : "stale";
+    const parts = [el("span", { class: "badge w-" + state.replace(" ", "-"), id: "worker-state" }, "worker " + state)];
+    if (w.seen) {
+      parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + ", " + age(w.at) + " ago");
+      if (w.tasks && w.tasks.length) parts.push(", runs ", ...w.tasks.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
+      if (w.slots) parts.push(", " + w.slots + " slot(s)");
+    }
+    clear($("worker")).append(el("span", { title: w.summary || "" }, parts));
+  }
+
+  async function loadStatus() { renderStatus(await api("/api/status")); }
+
+  // ---- the task list -----------------------------------------------------------------------
+  function filtersChanged() {
+    S.list.status = $("f-status").value;
+    S.list.origin = $("f-origin").value.trim();
+    S.list.search = $("f-search").value.trim();
+    S.list.offset = 0;
+    loadList().catch(showError);
+  }
+
+  async function loadList() {
+    const q = new URLSearchParams({ limit: S.list.limit, offset: S.list.offset });
+    for (const key of ["status", "origin", "search"]) if (S.list[key]) q.set(key, S.list[key]);
+    const page = await api("/api/tasks?" + q);
+    S.list.total = page.total;
+    S.list.next = page.next_offset;
+    const body = clear($("tasks").tBodies[0]);
+    for (const t of page.tasks) {
+      body.append(el("tr", { class: "s-" + t.status, "data-id": t.id, onclick: (e) => {
+        if (e.target.tagName !== "A") location.hash = "#/task/" + encodeURIComponent(t.id);
+      } },
+        el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title),
+        el("td", {}, el("span", { class: "status s-" + t.status }, t.status)), el("td", {}, caller(t)),
+        el("td", {}, t.model || ""), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
+        el("td", {}, age(t.created_at)), el("td", {}, usd(t.cost_usd))));
+    }
+    if (!page.tasks.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no tasks")));
+    const last = S.list.offset + page.tasks.length;
+    $("page-info").textContent = page.total ? (S.list.offset + 1) + "–" + last + " of " + page.total : "";
+    $("prev").disabled = S.list.offset === 0;
+    $("next").disabled = page.next_offset === null;
+  }
+
+  // ---- feed, jobs, engine ------------------------------------------------------------------
+  function addEvents(events) {
+    const feed = $("feed");
+    for (const ev of events) {
+      feed.prepend(el("li", { class: "ev k-" + String(ev.kind).replace(/[^a-z_]/gi, "") },
+        el("time", {}, (ev.ts || "").slice(11, 19)), " ", ev.task_id ? taskLink(ev.task_id) : "", " ",
+        el("b", {}, ev.kind), " ", el("span", { class: "m" }, ev.message || "")));
+    }
+    while (feed.children.length > FEED_MAX) feed.lastChild.remove();
+  }
+
+  async function loadFeed() {
+    const data = await api("/api/events?limit=50");
+    clear($("feed"));
+    addEvents(data.events);
+  }
+
+  async function loadJobs() {
+    const data = await api("/api/jobs?limit=20");
+    const body = clear($("jobs").tBodies[0]);
+    for (const j of data.jobs) {
+      body.append(el("tr", { class: "s-" + j.status },
+        el("td", {}, "#" + j.id), el("td", {}, el("span", { class: "status s-" + j.status }, j.status)),
+        el("td", {}, age(j.created_at)),
+        el("td", { class: "head" }, el("div", {}, j.prompt || ""),
+          j.answer ? el("div", { class: "answer" }, "→ " + j.answer) : "",
+          j.error ? el("div", { class: "err" }, "✗ " + j.error) : "")));
+    }
+    if (!data.jobs.length) body.append(el("tr", {}, el("td", { class: "empty" }, "no jobs")));
+  }
+
+  async function loadEngine() {
+    const q = S.engineNext === null ? "" : "?offset=" + S.engineNext;
+    const data = await api("/api/engine" + q);
+    const box = $("engine");
+    if (S.engineNext === null) clear(box);
+    for (const line of data.lines) box.append(el("div", { class: "line" }, line));
+    while (box.children.length > ENGINE_MAX) box.firstChild.remove();
+    if (!box.children.length) box.textContent = "";
+    S.engineNext = data.next_offset;
+    S.engineSize = data.size;
+    box.scrollTop = box.scrollHeight;
+  }
+
+  // ---- the task page -----------------------------------------------------------------------
+  async function route() {
+    const match = /^#\/task\/([^/]+)$/.exec(location.hash);
+    if (!match) {
+      S.task = null;
+      $("task-view").hidden = true;
+      $("list-view").hidden = false;
+      return;
+    }
+    S.task = decodeURIComponent(match[1]);
+    S.logNext = null; S.logSize = null;
+    $("list-view").hidden = true;
+    const view = $("task-view");
+    view.hidden = false;
+    clear(view).append(el("p", {}, "loading " + S.task + "…"));
+    await loadTask();
+    await loadLog();
+  }
+
+  function section(title, ...kids) { return el("section", { class: "part" }, el("h3", {}, title), kids); }
+  function fields(rows) {
+    return el("dl", { class: "fields" }, rows.filter(([, v]) => v !== null && v !== undefined && v !== "")
+      .map(([k, v]) => [el("dt", {}, k), el("dd", {}, v instanceof Node ? v : String(v))]));
+  }
+  function list(items, render) {
+    if (!items || !items.length) return el("p", { class: "empty" }, "none");
+    return el("ul", {}, items.map((item) => el("li", {}, render ? render(item) : String(item))));
+  }
+  function show(value) { return typeof value === "string" ? value : JSON.stringify(value); }
+
+  async function loadTask() {
+    if (!S.task) return;
+    const t = await api("/api/tasks/" + encodeURIComponent(S.task));
+    const open = !FINISHED.includes(t.status);
+    // The page is rebuilt on every change of the task: keep what the person is typing.
+    const typed = {};
+    for (const id of ["answer-text", "note-text"]) if ($(id)) typed[id] = $(id).value;
+    const view = clear($("task-view"));
+    view.append(el("p", {}, el("a", { href: "#/" }, "← all tasks")),
+      el("h2", { id: "task-title" }, el("span", { class: "tid" }, t.id), " ", t.title, " ",
+        el("span", { class: "status s-" + t.status, id: "task-status" }, t.status)),
+      actions(t, open),
+      section("Task", fields([["caller", caller(t)], ["model", t.model], ["agent", t.agent],
+        ["working dir", t.working_dir], ["permission", t.permission], ["priority", t.priority],
+        ["attempts", t.attempts + " of " + (t.max_retries + 1)], ["timeout", t.timeout_sec + " s"],
+        ["branch", t.branch], ["worktree", t.worktree_path], ["created", t.created_at],
+        ["started", t.started_at], ["finished", t.finished_at], ["error", t.error]])),
+      section("Instructions", el("pre", { class: "text", id: "instructions" }, t.instructions)),
+      section("Dependencies", list(t.depends_on, (d) => taskLink(d))),
+      section("Notes", list(t.notes, (n) => [el("b", {}, n.author), " ", el("time", {}, n.created_at || ""),
+        n.delivered ? " (delivered)" : " (not yet delivered)", el("pre", { class: "text note" }, n.text)])),
+      section("Questions", list(t.questions, (q) => [el("pre", { class: "text question" }, "Q: " + q.question),
+        el("pre", { class: "text answer" }, q.answer === null ? "(no answer yet)" : "A: " + q.answer)])),
+      receipt(t), usage(t), diff(t),
+      section("Log", el("div", { id: "log", class: "log" })),
+      section("Events", list(t.events, (e) => [el("time", {}, (e.ts || "").slice(11, 19)), " ",
+        el("b", {}, e.kind), " ", e.message])));
+    for (const [id, value] of Object.entries(typed)) if ($(id)) $(id).value = value;
+  }
+
+  function actions(t, open) {
+    const box = el("div", { class: "actions" });
+    const msg = el("p", { class: "msg", id: "action-msg" });
+    async function act(name, body, done) {
+      try {
+        await api("/api/tasks/" + encodeURIComponent(t.id) + "/" + name, body);
+        msg.textContent = name + ": done";
+        if (done) done();
+        await Promise.all([loadTask(), loadStatus(), loadList()]);
+      } catch (err) {
+        if (err instanceof AuthError) return showError(err);
+        msg.textContent = name + " refused: " + err.message;
+      }
+    }
+    if (t.status === "waiting") {
+      const text = el("textarea", { id: "answer-text", rows: 3, placeholder: "your answer" });
+      box.append(el("div", { class: "question-now" }, el("b", {}, "The agent asks: "),
+        el("pre", { class: "text question", id: "question" }, t.question || "")),
+        text, el("button", { type: "button", id: "answer-send", onclick: () => act("answer", { answer: text.value }) }, "Answer"));
+    }
+    if (open) {
+      const note = el("textarea", { id: "note-text", rows: 2, placeholder: "a note for the agent's next prompt" });
+      box.append(note, el("button", { type: "button", id: "note-send", onclick: () => act("note", { text: note.value }) }, "Add note"),
+        el("button", { type: "button", id: "cancel", class: "danger", onclick: (e) => {
+          // Two clicks, no dialog: the first arms the button.
+          if (e.target.dataset.armed) act("cancel", {});
+          else { e.target.dataset.armed = "1"; e.target.textContent = "Click again to cancel " + t.id; }
+        } }, "Cancel task"));
+    }
+    if (t.status === "failed" || t.status === "cancelled") {
+      box.append(el("button", { type: "button", id: "retry", onclick: () => act("retry", {}) }, "Retry"));
+    }
+    box.append(msg);
+    return box;
+  }
+
+  function receipt(t) {
+    const r = t.result;
+    if (!r || typeof r !== "object") return section("Receipt", el("p", { class: "empty" }, "no receipt yet"));
+    const commands = (r.commands || []).map((c) => (typeof c === "object" && c)
+      ? (c.command || c.title || show(c)) + (c.exit === undefined || c.exit === null ? "" : "  → exit " + c.exit) : show(c));
+    const sandbox = r.sandbox && typeof r.sandbox === "object"
+      ? Object.entries(r.sandbox).map(([k, v]) => k + ": " + show(v)) : [];
+    return section("Receipt", el("pre", { class: "text", id: "summary" }, r.summary || ""),
+      el("h4", {}, "Files touched"), list(r.files_touched),
+      el("h4", {}, "Commands run"), list(commands),
+      el("h4", {}, "Tests"), list((r.tests_run || []).map(show)),
+      el("h4", {}, "Open questions"), list((r.open_questions || []).map(show)),
+      el("h4", {}, "Sandbox"), list(sandbox),
+      t.result_truncated ? el("p", { class: "empty" }, "long lists were cut to their last 100 items") : "");
+  }
+
+  function usage(t) {
+    const u = t.usage || {};
+    const r = (t.result && typeof t.result === "object") ? t.result : {};
+    const tokens = u.tokens && typeof u.tokens === "object"
+      ? Object.entries(u.tokens).map(([k, v]) => k + " " + show(v)).join(", ") : "";
+    return section("Usage", fields([["model", r.model || t.model], ["latency", r.latency_sec ? r.latency_sec + " s" : ""],
+      ["attempts", t.attempts], ["tokens", tokens], ["cost", usd(u.cost_usd)]]));
+  }
+
+  function diff(t) {
+    if (!t.diff) return section("Diff", el("p", { class: "empty" }, "no changes recorded"));
+    const files = el("ul", { class: "files", id: "diff-files" }, t.diff_files.map((f) =>
+      el("li", {}, f.path, " ", el("span", { class: "add" }, "+" + f.added), " ",
+        el("span", { class: "del" }, "-" + f.removed))));
+    const pre = el("pre", { class: "diff", id: "diff" });
+    for (const line of t.diff.split("\n")) {
+      let kind = "ctx";
+      if (line.startsWith("diff --git") || line.startsWith("+++") || line.startsWith("---")) kind = "file";
+      else if (line.startsWith("@@")) kind = "hunk";
+      else if (line.startsWith("+")) kind = "add";
+      else if (line.startsWith("-")) kind = "del";
+      pre.append(el("span", { class: kind }, line + "\n"));
+    }
+    return section("Diff", files, pre,
+      t.diff_truncated ? el("p", { class: "empty" }, "the diff is longer: the first 512 KiB are shown") : "");
+  }
+
+  function logEntry(e) {
+    let text = e.text || "";
+    if (e.kind === "tool") {
+      text = (e.tool || "tool") + (e.title ? ": " + e.title : "") + (e.status ? " [" + e.status + "]" : "")
+        + (e.exit === null || e.exit === undefined ? "" : " exit " + e.exit) + (e.detail ? " — " + e.detail : "");
+    }
+    return el("div", { class: "entry k-" + String(e.kind).replace(/[^a-z_]/gi, "") },
+      el("span", { class: "kind" }, e.kind), " ", el("span", { class: "t" }, text));
+  }
+
+  async function loadLog() {
+    if (!S.task) return;
+    const q = S.logNext === null ? "" : "?offset=" + S.logNext;
+    const data = await api("/api/tasks/" + encodeURIComponent(S.task) + "/log" + q);
+    const box = $("log");
+    if (!box) return;
+    if (S.logNext === null) clear(box);
+    for (const entry of data.entries) box.append(logEntry(entry));
+    while (box.children.length > LOG_MAX) box.firstChild.remove();
+    S.logNext = data.next_offset;
+    S.logSize = data.size;
+    box.scrollTop = box.scrollHeight;
+  }
+
+  // ---- live: a long poll on the events cursor ----------------------------------------------
+  function refreshSoon(taskToo) {
+    if (taskToo) S.taskDirty = true;
+    if (S.refreshTimer) return;
+    S.refreshTimer = setTimeout(async () => {
+      S.refreshTimer = null;
+      const jobs = [loadStatus(), loadList()];
+      if (S.taskDirty && S.task) jobs.push(loadTask().then(loadLogKeep));
+      S.taskDirty = false;
+      try { await Promise.all(jobs); } catch (err) { showError(err); }
+    }, 100);
+  }
+  async function loadLogKeep() {
+    // loadTask rebuilt the page: re-read the log from its start so the box is whole again.
+    S.logNext = null;
+    await loadLog();
+  }
+
+  async function liveLoop(generation) {
+    while (generation === S.live && S.token) {
+      try {
+        const q = new URLSearchParams({ cursor: S.cursor, jobs: S.jobsMark, wait: 20 });
+        if (S.engineSize !== null) q.set("engine", S.engineSize);
+        if (S.task) { q.set("task", S.task); if (S.logSize !== null) q.set("log", S.logSize); }
+        const ch = await api("/api/changes?" + q);
+        if (generation !== S.live) return;
+        if (ch.events.length) {
+          S.cursor = ch.cursor;
+          addEvents(ch.events);
+          refreshSoon(ch.events.some((e) => e.task_id === S.task));
+        } else if (ch.cursor !== S.cursor) {
+          S.cursor = ch.cursor;
+        }
+        if (ch.jobs !== S.jobsMark) { S.jobsMark = ch.jobs; await loadJobs(); }
+        if (S.task && S.logSize !== null && ch.log_size !== S.logSize) await loadLog();
+        if (S.engineSize !== null && ch.engine_size !== S.engineSize) await loadEngine();
+      } catch (err) {
+        if (err instanceof AuthError) return showError(err);
+        showError(err);
+        await new Promise((resolve) => setTimeout(resolve, 2000));
+      }
+    }
+  }
+
+  // ---- wiring ------------------------------------------------------------------------------
+  function wire() {
+    $("login-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      const token = $("token-input").value.trim();
+      if (!token) return;
+      localStorage.setItem(TOKEN_KEY, token);
+      $("token-input").value = "";
+      start();
+    });
+    $("logout").addEventListener("click", () => askToken("Token forgotten."));
+    $("filters").addEventListener("submit", (e) => e.preventDefault());
+    $("f-status").addEventListener("change", filtersChanged);
+    let typing = null;
+    for (const id of ["f-origin", "f-search"]) {
+      $(id).addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(filtersChanged, 250); });
+    }
+    $("prev").addEventListener("click", () => {
+      S.list.offset = Math.max(0, S.list.offset - S.list.limit); loadList().catch(showError);
+    });
+    $("next").addEventListener("click", () => {
+      if (S.list.next !== null) { S.list.offset = S.list.next; loadList().catch(showError); }
+    });
+    window.addEventListener("hashchange", () => {
+      if (/^#token=/.test(location.hash)) { takeFragmentToken(); start(); return; }
+      if (S.token) route().catch(showError);
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    takeFragmentToken();
+    wire();
+    start();
+  });
+})();

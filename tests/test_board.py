@@ -1,0 +1,209 @@
+"""The board's HTTP API and shell without a browser: the shell is open and holds no data, /api/*
+needs the token, a foreign Host gets 421, actions are POST with a JSON body and refused with the
+store's message, the live long poll answers on a change, logs are read as whole readable lines."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+import board_api
+import opencode_bridge_mcp as bridge
+import task_store
+
+TOKEN = "board-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"><a href="javascript:window.__pwned=3">x</a>'
+
+
+@pytest.fixture(autouse=True)
+def token(monkeypatch):
+    monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
+
+
+@pytest.fixture
+def client() -> TestClient:
+    return TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
+
+
+def submit(tmp_path, **fields):
+    return task_store.submit_task(**({"title": "t", "instructions": "i", "working_dir": str(tmp_path)} | fields))
+
+
+def finish(task, diff="", question=None):
+    claimed = task_store.claim_next("test-worker", task_id=task["id"])
+    if question:
+        return task_store.pause_for_question(task["id"], claimed["run_marker"], question)
+    return task_store.complete_attempt(task["id"], claimed["run_marker"], diff=diff,
+                                       result={"summary": "ok", "files_touched": ["a.txt"]},
+                                       usage={"cost_usd": 0.25, "tokens": {"input": 3}})
+
+
+def test_shell_is_open_holds_no_data_and_forbids_inline_script(client, tmp_path):
+    submit(tmp_path, title="secret-title-xyz")
+    page = client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "secret-title-xyz" not in page.text and "t_0001" not in page.text
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp
+    assert "<script>" not in page.text.replace('<script src="/board/app.js" defer></script>', "")
+    for name in ("app.js", "board.css"):
+        assert client.get(f"/board/{name}").status_code == 200
+    assert client.get("/board/..%2Ftask_store.py").status_code == 404
+    assert "innerHTML" not in client.get("/board/app.js").text
+
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/api/status"), ("GET", "/api/tasks"), ("GET", "/api/tasks/1"), ("GET", "/api/tasks/1/log"),
+    ("GET", "/api/events"), ("GET", "/api/jobs"), ("GET", "/api/engine"), ("GET", "/api/changes?wait=0"),
+    ("POST", "/api/tasks/1/answer"), ("POST", "/api/tasks/1/note"), ("POST", "/api/tasks/1/cancel"),
+    ("POST", "/api/tasks/1/retry")])
+def test_every_api_route_needs_the_token_and_an_allowed_host(client, tmp_path, method, path):
+    submit(tmp_path)
+    assert client.request(method, path).status_code == 401
+    assert client.request(method, path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    foreign = TestClient(bridge.build_app(), base_url="http://evil.example.com")
+    assert foreign.request(method, path, headers=AUTH).status_code == 421
+    assert foreign.get("/").status_code == 421
+    assert task_store.get_task(1)["status"] == "pending"        # nothing acted without the token
+
+
+def test_task_page_api_has_everything_the_page_shows(client, tmp_path):
+    dep = submit(tmp_path, title="dep")
+    task = submit(tmp_path, title=HOSTILE, instructions=HOSTILE, depends_on=[dep["id"]])
+    task_store.add_note(task["id"], HOSTILE)
+    finish(dep)
+    diff = ("diff --git a/a.txt b/a.txt\n--- a/a.txt\n+++ b/a.txt\n@@ -1 +1,2 @@\n-old\n+new\n+" + HOSTILE + "\n"
+            "diff --git a/b c.txt b/b c.txt\n+++ b/b c.txt\n+x\n")
+    finish(task, diff=diff)
+    page = client.get(f"/api/tasks/{task['id']}", headers=AUTH).json()
+    assert page["title"] == HOSTILE and page["instructions"] == HOSTILE       # as stored: the page escapes
+    assert page["depends_on"] == [dep["id"]] and page["notes"][0]["text"] == HOSTILE
+    assert page["result"]["summary"] == "ok" and page["usage"]["cost_usd"] == 0.25
+    assert page["diff"] == diff and page["diff_truncated"] is False
+    assert page["diff_files"] == [{"path": "a.txt", "added": 2, "removed": 1},
+                                  {"path": "b c.txt", "added": 1, "removed": 0}]
+    rows = client.get("/api/tasks?status=done", headers=AUTH).json()["tasks"]
+    assert {r["id"] for r in rows} == {dep["id"], task["id"]} and rows[0]["cost_usd"] == 0.25
+    assert client.get("/api/tasks?status=done,pending&search=dep", headers=AUTH).json()["total"] == 1
+    assert client.get("/api/tasks/t_0999", headers=AUTH).status_code == 404
+    assert "task id" in client.get("/api/tasks/nonsense", headers=AUTH).json()["error"]
+
+
+def test_actions_go_through_the_store_and_are_refused_with_its_message(client, tmp_path):
+    task = submit(tmp_path)
+    post = lambda action, body: client.post(f"/api/tasks/{task['id']}/{action}", headers=AUTH, json=body)
+    refused = post("answer", {"answer": "42"})
+    assert refused.status_code == 400 and "not waiting" in refused.json()["error"]
+    finish(task, question="Which port?")
+    assert post("answer", {"answer": 42}).status_code == 400                     # not text
+    answered = post("answer", {"answer": "8080"})
+    assert answered.status_code == 200 and answered.json()["status"] == "pending"
+    assert task_store.get_task(task["id"])["questions"][-1]["answer"] == "8080"
+    noted = post("note", {"text": "use tabs"})
+    assert noted.status_code == 200 and task_store.get_task(task["id"])["notes"][0]["author"] == "board"
+    assert post("cancel", {}).json()["status"] == "cancelled"
+    again = post("cancel", {})
+    assert again.status_code == 400 and again.json()["error"] == _store_refusal(task_store.cancel_task, task["id"])
+    assert client.post(f"/api/tasks/{task['id']}/explode", headers=AUTH, json={}).status_code == 404
+
+
+def _store_refusal(fn, *args) -> str:
+    with pytest.raises(task_store.TaskStoreError) as caught:
+        fn(*args)
+    return str(caught.value)
+
+
+def test_actions_need_a_json_object_body_and_get_changes_nothing(client, tmp_path):
+    task = submit(tmp_path)
+    url = f"/api/tasks/{task['id']}/cancel"
+    form = client.post(url, headers=AUTH, data={"reason": "x"})
+    assert form.status_code == 415 and "application/json" in form.json()["error"]
+    bad = client.post(url, headers=AUTH | {"Content-Type": "application/json"}, content=b"{nope")
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]
+    listed = client.post(url, headers=AUTH, json=["x"])
+    assert listed.status_code == 400 and "JSON object" in listed.json()["error"]
+    assert client.get(url, headers=AUTH).status_code == 405
+    assert task_store.get_task(task["id"])["status"] == "pending"
+
+
+def test_log_tail_and_offsets_return_whole_readable_lines(client, tmp_path):
+    task = submit(tmp_path)
+    path = task_store.log_path(task["id"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    event = json.dumps({"type": "text", "timestamp": 1, "part": {"text": HOSTILE}})
+    path.write_text(f"[worker] starting\n{event}\n[stderr] half a li")
+    first = client.get(f"/api/tasks/{task['id']}/log", headers=AUTH).json()
+    assert [e["kind"] for e in first["entries"]] == ["worker", "text"]
+    assert first["entries"][1]["text"] == HOSTILE
+    assert first["next_offset"] == len(f"[worker] starting\n{event}\n".encode()) < first["size"]
+    with path.open("a") as handle:
+        handle.write("ne\n")
+    more = client.get(f"/api/tasks/{task['id']}/log?offset={first['next_offset']}", headers=AUTH).json()
+    assert more["entries"] == [{"kind": "stderr", "text": "half a line"}]
+    past = client.get(f"/api/tasks/{task['id']}/log?offset=999999", headers=AUTH)
+    assert past.status_code == 400 and "past the end" in past.json()["error"]
+
+
+def test_engine_tail_reads_the_worker_log_from_an_offset(client):
+    assert client.get("/api/engine", headers=AUTH).json()["lines"] == []
+    path = task_store.state_path("worker.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("10:00 pass started\n10:01 claimed t_0001\n")
+    tail = client.get("/api/engine", headers=AUTH).json()
+    assert tail["lines"] == ["10:00 pass started", "10:01 claimed t_0001"]
+    with path.open("a") as handle:
+        handle.write("10:02 done t_0001\n")
+    assert client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()["lines"] == ["10:02 done t_0001"]
+
+
+def test_jobs_and_events_feed(client, tmp_path):
+    job = task_store.create_claude_job("review " + HOSTILE, "cli", 60)
+    jobs = client.get("/api/jobs", headers=AUTH).json()["jobs"]
+    assert jobs[0]["id"] == job["id"] and jobs[0]["prompt"].startswith("review <script>")
+    submit(tmp_path)
+    feed = client.get("/api/events?limit=5", headers=AUTH).json()
+    assert [e["kind"] for e in feed["events"]] == ["claude_job", "submitted"] and feed["cursor"] == feed["events"][-1]["id"]
+    assert client.get(f"/api/events?after={feed['cursor']}", headers=AUTH).json()["events"] == []
+
+
+def test_changes_answers_within_a_second_of_an_event_and_waits_while_idle(client, tmp_path):
+    status = client.get("/api/status", headers=AUTH).json()
+    cursor, jobs = status["marks"]["events"], status["marks"]["jobs"]
+    started = time.monotonic()
+    idle = client.get(f"/api/changes?cursor={cursor}&jobs={jobs}&wait=1", headers=AUTH).json()
+    assert time.monotonic() - started >= 0.9 and idle["events"] == []
+    timer = threading.Timer(0.5, lambda: submit(tmp_path, title="late"))
+    timer.start()
+    started = time.monotonic()
+    woke = client.get(f"/api/changes?cursor={cursor}&jobs={jobs}&wait=10", headers=AUTH).json()
+    took = time.monotonic() - started
+    timer.join()
+    assert [e["kind"] for e in woke["events"]] == ["submitted"] and woke["cursor"] > cursor
+    assert took < 1.5, f"the change reached the poll after {took:.2f} s"
+    task_store.create_claude_job("hello", "cli", 60)
+    moved = client.get(f"/api/changes?cursor={woke['cursor']}&jobs={jobs}&wait=5", headers=AUTH).json()
+    assert moved["jobs"] != jobs
+    bad = client.get("/api/changes?cursor=-1", headers=AUTH)
+    assert bad.status_code == 400 and "cursor" in bad.json()["error"]
+
+
+def test_changes_follows_a_task_log_and_the_engine_log(client, tmp_path):
+    task = submit(tmp_path)
+    marks = client.get("/api/status", headers=AUTH).json()["marks"]
+    base = f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&task={task['id']}&log=0&engine=0&wait=5"
+    path = task_store.log_path(task["id"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    threading.Timer(0.3, lambda: path.write_text("[worker] hello\n")).start()
+    started = time.monotonic()
+    seen = client.get(base, headers=AUTH).json()
+    assert seen["log_size"] == len("[worker] hello\n") and time.monotonic() - started < 2
+
+
+def test_diff_files_counts_lines_per_file():
+    diff = "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+b\n"
+    assert board_api.diff_files(diff) == [{"path": "x.py", "added": 1, "removed": 1}]
+    assert board_api.diff_files("") == []
