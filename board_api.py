@@ -139,17 +139,19 @@ async def api_status(request: Any) -> Any:
 
 def task_page(query: Any) -> dict[str, Any]:
     """A page of list rows for ``status`` (one or a comma list), ``origin``, ``search``,
-    ``limit`` (1..200) and ``offset``."""
+    ``limit`` (1..200) and either ``cursor`` (the previous page's next_cursor: an index range
+    read however deep) or ``offset``."""
     limit = store.coerce_int("limit", query.get("limit") or 50, 1, LIST_PAGE_MAX)
     status = query.get("status") or None
     found = store.list_tasks(status=status.split(",") if status else None, origin=query.get("origin"),
-                             search=query.get("search"), limit=limit, offset=query.get("offset") or 0)
+                             search=query.get("search"), limit=limit, offset=query.get("offset") or 0,
+                             cursor=query.get("cursor") or None)
     return found | {"tasks": [task_views.row(t) | {"cost_usd": t.get("cost_usd")} for t in found["tasks"]]}
 
 
 async def api_tasks(request: Any) -> Any:
-    """``GET /api/tasks?status=&origin=&search=&limit=&offset=``: a page of tasks (400 on bad
-    input, 503 when the database cannot be used)."""
+    """``GET /api/tasks?status=&origin=&search=&limit=&cursor=|offset=``: a page of tasks with
+    ``next_cursor`` (400 on bad input, 503 when the database cannot be used)."""
     return await answer_json(lambda: task_page(request.query_params))
 
 

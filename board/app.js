@@ -13,7 +13,8 @@
 
   const S = {
     token: null, cursor: 0, jobsMark: "", live: 0,
-    list: { status: "", origin: "", search: "", offset: 0, limit: 50, total: 0, next: null },
+    // Keyset paging: `cursor` is this page's start, `back` the starts of the pages before it.
+    list: { status: "", origin: "", search: "", cursor: null, back: [], limit: 50, total: 0, next: null },
     task: null, logNext: null, logSize: null, engineNext: null, engineSize: null,
     refreshTimer: null,
   };
@@ -146,16 +147,18 @@
     S.list.status = $("f-status").value;
     S.list.origin = $("f-origin").value.trim();
     S.list.search = $("f-search").value.trim();
-    S.list.offset = 0;
+    S.list.cursor = null;
+    S.list.back = [];
     loadList().catch(showError);
   }
 
   async function loadList() {
-    const q = new URLSearchParams({ limit: S.list.limit, offset: S.list.offset });
+    const q = new URLSearchParams({ limit: S.list.limit });
+    if (S.list.cursor) q.set("cursor", S.list.cursor);
     for (const key of ["status", "origin", "search"]) if (S.list[key]) q.set(key, S.list[key]);
     const page = await api("/api/tasks?" + q);
     S.list.total = page.total;
-    S.list.next = page.next_offset;
+    S.list.next = page.next_cursor;
     const body = clear($("tasks").tBodies[0]);
     for (const t of page.tasks) {
       body.append(el("tr", { class: "s-" + t.status, "data-id": t.id, onclick: (e) => {
@@ -167,10 +170,10 @@
         el("td", {}, age(t.created_at)), el("td", {}, usd(t.cost_usd))));
     }
     if (!page.tasks.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no tasks")));
-    const last = S.list.offset + page.tasks.length;
-    $("page-info").textContent = page.total ? (S.list.offset + 1) + "–" + last + " of " + page.total : "";
-    $("prev").disabled = S.list.offset === 0;
-    $("next").disabled = page.next_offset === null;
+    const first = S.list.back.length * S.list.limit;
+    $("page-info").textContent = page.total ? (first + 1) + "–" + (first + page.tasks.length) + " of " + page.total : "";
+    $("prev").disabled = S.list.back.length === 0;
+    $("next").disabled = !page.next_cursor;
   }
 
   // ---- feed, jobs, engine ------------------------------------------------------------------
@@ -442,10 +445,10 @@
       $(id).addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(filtersChanged, 250); });
     }
     $("prev").addEventListener("click", () => {
-      S.list.offset = Math.max(0, S.list.offset - S.list.limit); loadList().catch(showError);
+      if (S.list.back.length) { S.list.cursor = S.list.back.pop(); loadList().catch(showError); }
     });
     $("next").addEventListener("click", () => {
-      if (S.list.next !== null) { S.list.offset = S.list.next; loadList().catch(showError); }
+      if (S.list.next) { S.list.back.push(S.list.cursor); S.list.cursor = S.list.next; loadList().catch(showError); }
     });
     window.addEventListener("hashchange", () => {
       if (/^#token=/.test(location.hash)) { takeFragmentToken(); start(); return; }

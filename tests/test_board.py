@@ -207,3 +207,18 @@ def test_diff_files_counts_lines_per_file():
     diff = "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-a\n+b\n"
     assert board_api.diff_files(diff) == [{"path": "x.py", "added": 1, "removed": 1}]
     assert board_api.diff_files("") == []
+
+
+def test_task_list_pages_by_cursor_without_gaps_or_repeats(client, tmp_path):
+    for n in range(7):
+        submit(tmp_path, title=f"task {n}")
+    seen, cursor = [], None
+    while True:
+        page = client.get("/api/tasks?limit=3" + (f"&cursor={cursor}" if cursor else ""), headers=AUTH).json()
+        seen += [t["id"] for t in page["tasks"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert seen == [f"t_{n:04d}" for n in range(7, 0, -1)] and page["total"] == 7
+    bad = client.get("/api/tasks?cursor=nonsense", headers=AUTH)
+    assert bad.status_code == 400 and "cursor" in bad.json()["error"]
