@@ -1,83 +1,186 @@
 #!/usr/bin/env bash
-# TaskBridge set-up: a virtualenv with the runtime dependencies, the pinned opencode binary,
-# and the HTTP bearer token. Safe to run again (idempotent).
+# TaskBridge: set up, then serve. Safe to run again (idempotent).
 #
-#   ./install.sh              runtime: .venv + requirements.txt, opencode (npm, pinned, node_modules/), token
-#   ./install.sh --test       also the test dependencies and the other pinned binaries the tests drive
-#                             (and, as root on Debian, chromium + chromium-driver for the board's browser tests)
-#   ./install.sh --schedule   also install the every-60-s worker schedule (launchd on macOS,
-#                             a systemd user timer on Linux, else print a cron line)
+#   curl -fsSL <url>/install.sh | bash       clone into ~/TaskBridge first, then as below
+#   ./install.sh                  set up (.venv, pinned opencode, token), then serve in the foreground:
+#                                 MCP (/mcp, /sse) and the board on 127.0.0.1:8765, a worker beside
+#                                 it; Ctrl-C stops all of it
+#   ./install.sh --setup-only     set up and print the client snippets; serve nothing
+#   ./install.sh --test           set up with the test dependencies and binaries; serve nothing (CI)
+#   ./install.sh --schedule       set up and install the every-60-s worker schedule; serve nothing
+#   --tunnel none|cloudflare|ngrok   public mode (asked in a terminal; never public unless asked)
+#   --rotate                      a new bearer token (says which clients to update)
+#   --port N                      the loopback port (default 8765)
+#   --write-claude-desktop        merge the taskbridge entry into Claude Desktop's config (backup kept)
 #
-# Env: PYTHON (default python3), MCP_TOKEN_FILE (default .taskbridge/token).
+# Env: TASKBRIDGE_REPO (what the one-liner clones), TASKBRIDGE_DIR (where; default ~/TaskBridge),
+#      PYTHON (a Python >= 3.11), OPENCODE_BIN (an opencode to use instead of installing one),
+#      PORT, MCP_TOKEN_FILE (default .taskbridge/token), TUNNEL_BIN, TUNNEL_HOST.
 set -euo pipefail
-cd "$(dirname "$0")"
-here="$(pwd)"
-python="${PYTHON:-python3}"
-want_test=0
-want_schedule=0
-for arg in "$@"; do
-  case "$arg" in
-    --test) want_test=1 ;;
-    --schedule) want_schedule=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) echo "install.sh: unknown option $arg (try --help)" >&2; exit 2 ;;
-  esac
-done
+
+# Everything sits in functions called on the last line: piped into bash, the whole script is read
+# before any command runs, so nothing can swallow the rest of it from stdin.
 
 say() { printf '==> %s\n' "$*" >&2; }
+die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 
-"$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' || {
-  echo "install.sh: Python >= 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+os_name() { case "$(uname -s)" in Darwin) echo macos ;; Linux) echo linux ;; *) echo other ;; esac; }
 
-if [ ! -x .venv/bin/python ]; then
-  say "creating .venv"
-  "$python" -m venv .venv
-fi
-say "installing Python dependencies"
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
-if [ "$want_test" = 1 ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-fi
+advice() {  # advice WHAT: the exact way to get it on this system
+  local os; os="$(os_name)"
+  case "$1:$os" in
+    python:macos) echo "brew install python@3.12   (Homebrew: https://brew.sh), or the installer from https://www.python.org/downloads/" ;;
+    python:linux) echo "Debian/Ubuntu: sudo apt install python3.11 python3.11-venv (Ubuntu 22.04: first sudo add-apt-repository ppa:deadsnakes/ppa); Fedora: sudo dnf install python3.12" ;;
+    venv:linux)   echo "Debian/Ubuntu: sudo apt install python3-venv (or python3.11-venv for that version)" ;;
+    git:macos)    echo "xcode-select --install   (or brew install git)" ;;
+    git:linux)    echo "Debian/Ubuntu: sudo apt install git; Fedora: sudo dnf install git" ;;
+    node:macos)   echo "brew install node   (Node.js >= 20 with npm), or https://nodejs.org/en/download" ;;
+    node:linux)   echo "Node.js >= 20 with npm: https://nodejs.org/en/download (or nvm: nvm install 22); distro packages are often older than 20" ;;
+    *)            echo "see https://www.python.org/downloads/, https://git-scm.com/downloads and https://nodejs.org/en/download" ;;
+  esac
+}
 
-command -v npm >/dev/null || { echo "install.sh: npm (Node.js >= 20) is required for opencode" >&2; exit 1; }
-# One copy of opencode, in node_modules/, for the worker and the tests alike: package.json pins it
-# as the only runtime dependency; claude and the MCP Inspector are devDependencies (tests only).
-if [ "$want_test" = 1 ]; then
-  say "installing the pinned opencode, claude and MCP Inspector into node_modules/"
-  # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
-  # exact versions in package.json and the lock present, `npm install` installs the locked tree.
-  npm install --no-audit --no-fund --loglevel=error >&2
-elif [ ! -x node_modules/.bin/opencode ]; then
-  say "installing the pinned opencode into node_modules/"
-  npm install --omit=dev --no-audit --no-fund --loglevel=error >&2
-fi
-if [ -d .taskbridge/opencode ] && [ -x node_modules/.bin/opencode ]; then
-  say "removing the second copy of opencode an older install.sh put in .taskbridge/opencode/"
-  rm -rf .taskbridge/opencode
-fi
+find_python() {  # prints a Python >= 3.11 with venv, or nothing
+  local candidate
+  for candidate in ${PYTHON:-} python3 python3.13 python3.12 python3.11; do
+    command -v "$candidate" >/dev/null 2>&1 || continue
+    "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || continue
+    echo "$candidate"; return 0
+  done
+}
 
-# --- The board's browser tests (pytest -m browser): Debian's chromium and chromium-driver. ---
-if [ "$want_test" = 1 ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing chromium and chromium-driver (apt-get) for the board's browser tests"
-    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >&2 || \
-      say "apt-get could not install chromium/chromium-driver: the browser tests skip (and fail under CI=true)"
-  else
-    say "the board's browser tests need chromium and chromedriver on PATH: run as root to apt-get them" \
-        "(apt-get install chromium chromium-driver); without them they skip (and fail under CI=true)"
+check_prerequisites() {  # one message naming everything that is missing and how to get it
+  local need_node=$1 missing=()
+  python="$(find_python)"
+  if [ -z "$python" ]; then
+    missing+=("Python >= 3.11 (found: $( (${PYTHON:-python3} --version) 2>&1 | head -n1 || echo none)); $(advice python); then PYTHON=/path/to/python3.12 ./install.sh")
+  elif ! "$python" -c 'import venv, ensurepip' 2>/dev/null; then
+    missing+=("the venv module of $python; $(advice venv)")
   fi
-fi
-# --- end of the browser block ---
+  command -v git >/dev/null 2>&1 || missing+=("git; $(advice git)")
+  if [ "$need_node" = 1 ]; then
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+      missing+=("Node.js >= 20 and npm (they install the pinned opencode); $(advice node); or set OPENCODE_BIN to an opencode you have")
+    elif ! node -e 'process.exit(parseInt(process.versions.node) >= 20 ? 0 : 1)' 2>/dev/null; then
+      missing+=("Node.js >= 20 (found $(node --version)); $(advice node)")
+    fi
+  fi
+  if [ ${#missing[@]} -gt 0 ]; then
+    printf 'install.sh: missing:\n' >&2
+    printf '  - %s\n' "${missing[@]}" >&2
+    exit 1
+  fi
+}
 
-token_file="${MCP_TOKEN_FILE:-$here/.taskbridge/token}"
-if [ ! -s "$token_file" ]; then
-  say "writing a new bearer token to $token_file"
-  mkdir -p "$(dirname "$token_file")"
-  (umask 077; .venv/bin/python -c 'import secrets; print(secrets.token_urlsafe(32))' > "$token_file")
-fi
+bootstrap() {  # piped into bash (or run outside a checkout): clone, then run the clone's install.sh
+  local repo="${TASKBRIDGE_REPO:-https://github.com/taskbridge/taskbridge.git}"
+  local dir="${TASKBRIDGE_DIR:-$HOME/TaskBridge}"
+  command -v git >/dev/null 2>&1 || die "git is required to fetch TaskBridge; $(advice git)"
+  if [ -d "$dir/.git" ]; then
+    say "updating the TaskBridge checkout in $dir"
+    git -C "$dir" pull --ff-only -q || die "cannot update $dir (local changes?); update it yourself, then run $dir/install.sh"
+  elif [ -e "$dir" ] && [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then
+    die "$dir exists and is not a TaskBridge checkout; set TASKBRIDGE_DIR to another folder"
+  else
+    say "cloning $repo into $dir"
+    git clone -q "$repo" "$dir" || die "cannot clone $repo; check the URL (TASKBRIDGE_REPO) and your network"
+  fi
+  # A prompt needs the terminal: piped, stdin was the script.
+  if (exec </dev/tty) 2>/dev/null; then
+    exec bash "$dir/install.sh" "$@" </dev/tty
+  fi
+  exec bash "$dir/install.sh" "$@" </dev/null
+}
 
-if [ "$want_schedule" = 1 ]; then
-  .venv/bin/python launchd/schedule.py install
-fi
-say "ready: .venv/bin/python worker.py --watch (or tasks_cli.py, opencode_bridge_mcp.py; see README)"
+install_opencode() {
+  # One copy of opencode, in node_modules/, for the worker and the tests alike: package.json pins it
+  # as the only runtime dependency; claude and the MCP Inspector are devDependencies (tests only).
+  if [ "$want_test" = 1 ]; then
+    say "installing the pinned opencode, claude and MCP Inspector into node_modules/"
+    # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
+    # exact versions in package.json and the lock present, `npm install` installs the locked tree.
+    npm install --no-audit --no-fund --loglevel=error >&2
+  elif [ -n "${OPENCODE_BIN:-}" ]; then
+    [ -x "$OPENCODE_BIN" ] || command -v "$OPENCODE_BIN" >/dev/null || die "OPENCODE_BIN=$OPENCODE_BIN is not an executable"
+  elif [ ! -x node_modules/.bin/opencode ]; then
+    say "installing the pinned opencode into node_modules/"
+    npm install --omit=dev --no-audit --no-fund --loglevel=error >&2
+  fi
+  if [ -d .taskbridge/opencode ] && [ -x node_modules/.bin/opencode ]; then
+    say "removing the second copy of opencode an older install.sh put in .taskbridge/opencode/"
+    rm -rf .taskbridge/opencode
+  fi
+}
+
+install_browser() {  # the board's browser tests (pytest -m browser)
+  # --- The board's browser tests (pytest -m browser): Debian's chromium and chromium-driver. ---
+  if [ "$want_test" = 1 ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "installing chromium and chromium-driver (apt-get) for the board's browser tests"
+      { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >&2 || \
+        say "apt-get could not install chromium/chromium-driver: the browser tests skip (and fail under CI=true)"
+    else
+      say "the board's browser tests need chromium and chromedriver on PATH: run as root to apt-get them" \
+          "(apt-get install chromium chromium-driver); without them they skip (and fail under CI=true)"
+    fi
+  fi
+  # --- end of the browser block ---
+}
+
+main() {
+  local script="${BASH_SOURCE[0]:-}"
+  if [ -z "$script" ] || [ ! -f "$script" ] || [ ! -f "$(dirname "$script")/worker.py" ]; then
+    bootstrap "$@"
+  fi
+  cd "$(dirname "$script")"
+  here="$(pwd)"
+  want_test=0; want_schedule=0; setup_only=0
+  local serve_args=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --test) want_test=1 ;;
+      --schedule) want_schedule=1 ;;
+      --setup-only) setup_only=1 ;;
+      --rotate|--write-claude-desktop) serve_args+=("$1") ;;
+      --tunnel|--port)
+        [ $# -ge 2 ] || die "$1 needs a value (try --help)"
+        serve_args+=("$1" "$2"); shift ;;
+      --tunnel=*|--port=*) serve_args+=("$1") ;;
+      -h|--help) sed -n '2,20p' "$here/install.sh"; exit 0 ;;
+      *) die "unknown option $1 (try --help)" ;;
+    esac
+    shift
+  done
+  local need_node=0   # npm installs opencode (and, for --test, the test binaries)
+  if [ "$want_test" = 1 ] || { [ -z "${OPENCODE_BIN:-}" ] && [ ! -x node_modules/.bin/opencode ]; }; then
+    need_node=1
+  fi
+  check_prerequisites "$need_node"
+
+  if [ ! -x .venv/bin/python ]; then
+    say "creating .venv with $python"
+    "$python" -m venv .venv
+  fi
+  say "installing Python dependencies"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+  if [ "$want_test" = 1 ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+  fi
+  install_opencode
+  install_browser
+
+  if [ "$want_test" = 1 ]; then
+    exec .venv/bin/python serve.py --setup-only --quiet ${serve_args[@]+"${serve_args[@]}"}
+  fi
+  if [ "$want_schedule" = 1 ]; then
+    .venv/bin/python serve.py --setup-only ${serve_args[@]+"${serve_args[@]}"}
+    exec .venv/bin/python launchd/schedule.py install
+  fi
+  if [ "$setup_only" = 1 ]; then
+    exec .venv/bin/python serve.py --setup-only ${serve_args[@]+"${serve_args[@]}"}
+  fi
+  exec .venv/bin/python serve.py ${serve_args[@]+"${serve_args[@]}"}
+}
+
+main "$@"

@@ -25,7 +25,7 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -100,6 +100,21 @@ def log_dir() -> Path:
 def log_path(task_id: int | str) -> Path:
     """The log file of one task: ``<TASK_LOG_DIR>/t_0001.log``."""
     return log_dir() / f"{format_task_id(parse_task_id(task_id))}.log"
+
+
+def open_task_log(task_id: int | str) -> BinaryIO:
+    """One task's log file opened for appending (binary). A new log folder is 0700 and a new log
+    0600: logs hold instructions, diffs and tool output, for this user only."""
+    folder = log_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.fdopen(os.open(log_path(task_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
+def _create_private(path: Path) -> None:
+    """Create an empty file readable by this user only, unless it exists (SQLite gives its WAL
+    and shared-memory files the database file's mode)."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def state_path(name: str) -> Path:
@@ -403,7 +418,9 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection:
     unsafe (see ``journal_mode``).
     """
     path = Path(path) if path else db_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if str(path) != ":memory:" and not path.exists():
+        _create_private(path)
     conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False,
                            cached_statements=256)
     conn.row_factory = sqlite3.Row
@@ -1574,7 +1591,8 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     path = state_path("worker.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+        handle.write(json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
     os.replace(tmp, path)
 
 

@@ -999,6 +999,27 @@ def events(since: int | None, limit: int, as_json: bool) -> None:
     out().print(Text(f"next: --since {rows[-1]['id']}" if rows else "no events", style="dim"))
 
 
+@cli.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=8765, envvar="PORT", show_default=True,
+              help="The port ./install.sh serves on (for the HTTP snippets).")
+@click.option("--public-url", help="The public https://host of your tunnel, for claude.ai / ChatGPT connectors.")
+@click.option("--write-claude-desktop", is_flag=True,
+              help="Merge the taskbridge entry into Claude Desktop's config (other servers kept, backup made).")
+def connect(port: int, public_url: str | None, write_claude_desktop: bool) -> None:
+    """Print how each MCP client connects: Claude Desktop, Claude Code, OpenCode, claude.ai / ChatGPT."""
+    import connectors
+    if public_url and not re.fullmatch(r"https://[A-Za-z0-9.-]+(:[0-9]+)?/?", public_url):
+        raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com", param_hint="--public-url")
+    click.echo(connectors.snippets(port, public_url))
+    if write_claude_desktop:
+        try:
+            path, backup = connectors.write_claude_desktop()
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
+        err().print(f"Claude Desktop: added taskbridge to {path}" + (f" (backup: {backup})" if backup else "")
+                    + "; restart Claude Desktop.", markup=False, highlight=False)
+
+
 def main() -> None:
     """Entry point: ``python tasks_cli.py``."""
     cli(prog_name="tasks_cli.py")

@@ -184,8 +184,7 @@ class Supervisor:
 
     def run(self) -> RunResult:
         started = time.monotonic()
-        store.log_dir().mkdir(parents=True, exist_ok=True)
-        with open(store.log_path(self.task["id"]), "ab") as self.log:
+        with store.open_task_log(self.task["id"]) as self.log:
             self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
             StartGate.enter()

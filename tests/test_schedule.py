@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import plistlib
 import shlex
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,3 +91,77 @@ def test_paths_with_spaces_and_markup_survive_every_format(fake_bins, tmp_path, 
     words = shlex.split(schedule.cron_line().split(" ", 5)[5])
     assert f"TASK_DB_PATH={odd / 'tasks.db'}" in words and f"TASK_LOG_DIR={odd / 'tasks_logs'}" in words
     assert "WORKER_MODEL=anthropic/claude-sonnet-4-5" in words
+
+
+def stand_in_loginctl(bins: Path, linger: str) -> None:
+    """loginctl needs a running systemd-logind, which this machine lacks: a stand-in prints what
+    `loginctl show-user USER -p Linger` prints."""
+    (bins / "loginctl").write_text(f"#!/bin/sh\necho Linger={linger}\n")
+    (bins / "loginctl").chmod(0o755)
+
+
+def test_linger_off_is_said_with_the_command_that_fixes_it(fake_bins, tmp_path, monkeypatch):
+    bins, _ = fake_bins
+    stand_in_loginctl(bins, "no")
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
+    message = schedule.install()
+    user = schedule.user_name()
+    assert "stops at logout" in message and f"loginctl enable-linger {user}" in message
+    assert "stops at logout" in schedule.status()
+    stand_in_loginctl(bins, "yes")
+    assert "enable-linger" not in schedule.install()
+    assert "keeps running after logout" in schedule.status()
+
+
+def test_status_says_what_is_installed_and_the_last_pass(fake_bins, tmp_path, monkeypatch):
+    bins, _ = fake_bins
+    stand_in_loginctl(bins, "yes")
+    (bins / "systemctl").write_text(
+        "#!/bin/sh\ncase \"$*\" in\n"
+        "  *show*timer*) printf 'ActiveState=active\\nLastTriggerUSec=Mon 2026-11-30 10:00:00 UTC\\n' ;;\n"
+        "  *show*service*) printf 'Result=success\\nExecMainStatus=0\\nExecMainExitTimestamp=Mon 2026-11-30 10:00:02 UTC\\n' ;;\n"
+        "esac\n")
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
+    assert "not installed" in schedule.status()
+    schedule.install()
+    import task_store
+    task_store.write_worker_heartbeat({"state": "pass"})
+    text = schedule.status()
+    assert "installed in" in text and "last fired Mon 2026-11-30 10:00:00 UTC" in text
+    assert "result success, exit status 0" in text and "worker heartbeat: pass" in text
+
+
+def test_systemd_units_pass_systemd_analyze_verify(fake_bins, tmp_path, monkeypatch):
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed here")
+    odd = tmp_path / "my proj 100%"
+    odd.mkdir()
+    monkeypatch.setenv("TASK_DB_PATH", str(odd / "tasks.db"))
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / "taskbridge-worker.service").write_text(schedule.service_unit())
+    shutil.copy(ROOT / "launchd" / "taskbridge-worker.timer", units)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    result = subprocess.run(["systemd-analyze", "--user", "verify", str(units / "taskbridge-worker.service"),
+                             str(units / "taskbridge-worker.timer")], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, XDG_RUNTIME_DIR=str(runtime)), cwd=units)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_launchd_plist_parses_and_runs_the_worker_every_60_s_with_a_path(fake_bins, monkeypatch):
+    data = plistlib.loads(schedule.plist())
+    assert data["StartInterval"] == 60 and data["ProgramArguments"][1] == str(ROOT / "worker.py")
+    assert all(Path(arg).is_absolute() for arg in data["ProgramArguments"])
+    assert Path(data["WorkingDirectory"]).is_absolute() and "/usr/bin" in data["EnvironmentVariables"]["PATH"]
+
+
+def test_schedule_status_from_the_command_line(fake_bins, tmp_path, monkeypatch, capsys):
+    bins, _ = fake_bins
+    stand_in_loginctl(bins, "no")
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
+    monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
+    assert schedule.main(["status"]) == 0
+    assert "loginctl enable-linger" in capsys.readouterr().out

@@ -62,7 +62,7 @@ def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     assert f"https://{tunnel_host}/mcp" in err
-    assert "s3cret-token" not in err
+    assert "Token:              s3cret-token" in err, "the box shows the token to copy"
 
 
 def test_public_start_without_a_tunnel_says_what_to_do(tmp_path):

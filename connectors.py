@@ -1,0 +1,120 @@
+"""What each MCP client needs to reach TaskBridge: the set-up snippets, and the merge of our entry
+into Claude Desktop's config file.
+
+    .venv/bin/python tasks_cli.py connect [--port 8765] [--public-url URL] [--write-claude-desktop]
+
+(``./install.sh`` prints the same snippets.) Every path in a snippet is absolute: Claude Desktop
+and OpenCode start servers with a bare environment and an unknown working directory.
+
+Env read at call time: CLAUDE_DESKTOP_CONFIG (the config file to merge into; default: macOS
+``~/Library/Application Support/Claude/claude_desktop_config.json``, elsewhere
+``$XDG_CONFIG_HOME/Claude/claude_desktop_config.json``), MCP_TOKEN_FILE, TASK_DB_PATH,
+OPENCODE_BIN (through task_store / opencode_runner).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import opencode_runner
+import task_store
+
+REPO = Path(__file__).resolve().parent
+SERVER_KEY = "taskbridge"
+
+
+def python_path() -> str:
+    """The virtualenv's interpreter (not resolved: a venv's python is a symlink whose target
+    lacks the venv's packages), else the running interpreter."""
+    venv = REPO / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else os.path.abspath(sys.executable)
+
+
+def token_file() -> Path:
+    """``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token`` (where install.sh keeps the token)."""
+    return Path(os.environ.get("MCP_TOKEN_FILE") or REPO / ".taskbridge" / "token").expanduser().absolute()
+
+
+def claude_desktop_entry() -> dict[str, Any]:
+    """Our ``mcpServers`` entry for Claude Desktop: stdio, absolute paths, the queue's database and
+    the opencode binary (list_models needs it; Claude Desktop's PATH is bare)."""
+    env = {"TASK_DB_PATH": str(task_store.db_path())}
+    try:
+        env["OPENCODE_BIN"] = opencode_runner.opencode_bin()
+    except opencode_runner.OpencodeNotFound:
+        pass
+    return {"command": python_path(), "args": [str(REPO / "opencode_bridge_mcp.py")], "env": env}
+
+
+def opencode_entry() -> dict[str, Any]:
+    """The reverse bridge as an OpenCode local MCP server (what ``claude_control_mcp.py
+    --register-opencode`` merges into OpenCode's config)."""
+    return {"type": "local", "command": [python_path(), str(REPO / "claude_control_mcp.py")], "enabled": True}
+
+
+def snippets(port: int = 8765, public_url: str | None = None) -> str:
+    """Every client's set-up as text to print: Claude Desktop's JSON, Claude Code's ``claude mcp
+    add`` (stdio and HTTP), the OpenCode config of the reverse bridge, and the URL for claude.ai /
+    ChatGPT connectors (``public_url`` is the tunnel's ``https://host``, or None)."""
+    py, server, token = python_path(), str(REPO / "opencode_bridge_mcp.py"), token_file()
+    desktop = json.dumps({"mcpServers": {SERVER_KEY: claude_desktop_entry()}}, indent=2)
+    opencode = json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2)
+    header = f'"Authorization: Bearer $(cat {shlex.quote(str(token))})"'
+    remote = (f"  URL: {public_url.rstrip('/')}/mcp   (the consent page asks for the token once)" if public_url
+              else "  needs a public URL: ./install.sh --tunnel cloudflare (or ngrok), then use https://<host>/mcp")
+    return "\n".join([
+        f"Claude Desktop (stdio): merge into {claude_desktop_config()} "
+        "(or run: .venv/bin/python tasks_cli.py connect --write-claude-desktop)",
+        desktop, "",
+        "Claude Code, stdio:",
+        f"  claude mcp add {SERVER_KEY} -- {shlex.quote(py)} {shlex.quote(server)}",
+        f"Claude Code, HTTP (while ./install.sh serves on port {port}):",
+        f"  claude mcp add --transport http {SERVER_KEY} http://127.0.0.1:{port}/mcp --header {header}", "",
+        "OpenCode, the reverse bridge (agents ask Claude); merge into ~/.config/opencode/opencode.json "
+        "(or run: .venv/bin/python claude_control_mcp.py --register-opencode):",
+        opencode, "",
+        "claude.ai / ChatGPT custom connector:", remote,
+    ])
+
+
+def claude_desktop_config() -> Path:
+    """Claude Desktop's config file: ``$CLAUDE_DESKTOP_CONFIG``, else its per-platform place."""
+    if os.environ.get("CLAUDE_DESKTOP_CONFIG"):
+        return Path(os.environ["CLAUDE_DESKTOP_CONFIG"]).expanduser()
+    if platform.system() == "Darwin":
+        return Path.home() / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "Claude" / "claude_desktop_config.json"
+
+
+def write_claude_desktop(path: Path | None = None) -> tuple[Path, Path | None]:
+    """Merge our entry into Claude Desktop's config (``mcpServers.taskbridge``), keeping every
+    other server and key; the previous file is copied to ``<name>.bak-<UTC time>`` first. Returns
+    (the config, the backup or None when there was no file). Raises ValueError, naming the file,
+    when it is not a JSON object (nothing is written then)."""
+    path = path or claude_desktop_config()
+    config: dict[str, Any] = {}
+    backup = None
+    if path.exists():
+        try:
+            config = json.loads(path.read_text() or "{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); fix it, or add the entry printed by "
+                             "`tasks_cli.py connect` by hand") from None
+        if not isinstance(config, dict) or not isinstance(config.get("mcpServers", {}), dict):
+            raise ValueError(f"{path}: expected a JSON object whose \"mcpServers\" is an object; fix it by hand")
+        backup = path.with_name(f"{path.name}.bak-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        shutil.copy2(path, backup)
+    config.setdefault("mcpServers", {})[SERVER_KEY] = claude_desktop_entry()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path, backup

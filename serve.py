@@ -1,0 +1,473 @@
+"""Run TaskBridge in the foreground: the MCP server (streamable-http at /mcp, sse at /sse), the
+board and /api on 127.0.0.1, and a worker in --watch beside it; with a tunnel, a public URL in
+front. One line per task event; one Ctrl-C stops all of it (a task in hand is handed back to the
+queue without spending a retry).
+
+    .venv/bin/python serve.py [--port 8765] [--tunnel none|cloudflare|ngrok|auto] [--rotate]
+    .venv/bin/python serve.py --setup-only [--rotate] [--write-claude-desktop]
+
+``./install.sh`` runs it after set-up; ``./start_public.sh`` runs it with a tunnel. Never public
+unless asked: without ``--tunnel`` it asks when run in a terminal and serves on loopback otherwise.
+
+The token is made once (``secrets.token_urlsafe(32)``, a 0600 file in a 0700 folder) and reused
+on every run; ``--rotate`` replaces it, which also revokes every OAuth token issued to remote
+connectors (they are signed with it).
+
+Env: PORT (default 8765); TUNNEL_BIN (the cloudflared or ngrok executable; default: on PATH);
+TUNNEL_HOST (the public host of a tunnel or proxy you run yourself: none is started);
+MCP_TOKEN_FILE / MCP_BEARER_TOKEN (the token); MCP_ALLOWED_HOSTS (kept, the tunnel's host added);
+``.ngrok-domain`` in the repository (a reserved ngrok domain). The server's and the worker's own
+knobs pass through to them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import secrets
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import connectors
+import task_store as store
+
+REPO = Path(__file__).resolve().parent
+TUNNEL_WAIT_SEC = 30
+HEALTH_WAIT_SEC = 30
+STOP_GRACE_SEC = 20
+SHOWN_KINDS = ("submitted", "claimed", "done", "failed", "retry", "waiting", "answered", "cancelled", "requeued")
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Quick tunnels print their URL among other https URLs (api.trycloudflare.com in errors).
+CLOUDFLARE_URL_RE = re.compile(r"https://(?!api\.)([a-z0-9-]+\.trycloudflare\.com)\b", re.I)
+NGROK_URL_RE = re.compile(r"\burl=https://([A-Za-z0-9.-]+)")
+
+
+class SetupError(Exception):
+    """Serving cannot start; the message says what is wrong and the way out."""
+
+
+def say(message: str) -> None:
+    print(f"==> {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The token and private files.
+
+
+def token_file() -> Path:
+    return connectors.token_file()
+
+
+def private_folder(path: Path) -> None:
+    """Create ``path`` (and parents) with mode 0700; an existing folder of ours is made 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _tighten(path, 0o700)
+
+
+def _tighten(path: Path, mode: int) -> bool:
+    """chmod ``path`` to ``mode`` when this user owns it and others could read it; True if changed."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077 == 0:
+        return False
+    path.chmod(mode)
+    return True
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically as a 0600 file (never readable by others, not even
+    for a moment)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def ensure_token(rotate: bool = False) -> tuple[str, str]:
+    """The bearer token and what happened: ``"env"`` (MCP_BEARER_TOKEN is used), ``"kept"``,
+    ``"new"`` or ``"rotated"``. Raises SetupError for a blank MCP_BEARER_TOKEN, a rotation asked
+    while MCP_BEARER_TOKEN is set, or a token file that cannot be read or written."""
+    if "MCP_BEARER_TOKEN" in os.environ:
+        token = os.environ["MCP_BEARER_TOKEN"].strip()
+        if not token:
+            raise SetupError("MCP_BEARER_TOKEN is set but blank; unset it (the token file is used) or give a token")
+        if rotate:
+            raise SetupError("--rotate changes the token file, but MCP_BEARER_TOKEN is set: change that "
+                             "variable yourself, or unset it to use the file")
+        return token, "env"
+    path = token_file()
+    try:
+        private_folder(path.parent)
+        if not rotate and path.is_file() and path.read_text().strip():
+            if _tighten(path, 0o600):
+                say(f"the token file {path} was readable by others; made it 0600")
+            return path.read_text().strip(), "kept"
+        existed = path.exists()
+        token = secrets.token_urlsafe(32)
+        write_private(path, token + "\n")
+    except OSError as exc:
+        raise SetupError(f"cannot use the token file {path} ({exc.strerror or exc}); fix its folder's "
+                         "permissions or point MCP_TOKEN_FILE elsewhere") from None
+    return token, "rotated" if rotate and existed else "new"
+
+
+def rotation_notice(port: int) -> str:
+    """Who must be told about a new token."""
+    return ("the bearer token was rotated; the old one no longer works. Update:\n"
+            f"  - Claude Code over HTTP: claude mcp remove taskbridge, then the `claude mcp add --transport http` "
+            f"line from `tasks_cli.py connect` (port {port})\n"
+            "  - any client sending the old Authorization header or ?token=\n"
+            "  - claude.ai / ChatGPT connectors: their OAuth tokens are revoked; they ask you to connect again "
+            "(the consent page wants the new token)\n"
+            "  Claude Desktop and Claude Code over stdio need nothing.")
+
+
+def tighten_modes() -> list[str]:
+    """Folders 0700 and files 0600 for what holds task data: the token's folder, the database
+    (and its WAL files, lock and heartbeat), the log folder and its logs. Only paths this user
+    owns; returns those changed."""
+    changed = []
+    db = store.db_path()
+    candidates = [(token_file().parent, 0o700), (token_file(), 0o600), (store.log_dir(), 0o700)]
+    candidates += [(db.with_name(db.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")]
+    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock")]
+    if store.log_dir().is_dir():
+        candidates += [(p, 0o600) for p in store.log_dir().iterdir() if p.is_file()]
+    for path, mode in candidates:
+        if _tighten(path, mode):
+            changed.append(str(path))
+    return changed
+
+
+# --------------------------------------------------------------------------------------------
+# Tunnels.
+
+
+class Tunnel:
+    """A tunnel process (own session) whose output is read by a thread: the public host once it
+    is printed, and the last lines for error messages."""
+
+    def __init__(self, kind: str, binary: str, port: int) -> None:
+        self.kind, self.binary = kind, binary
+        self.lines: collections.deque[str] = collections.deque(maxlen=40)
+        self.host: str | None = None
+        self.found = threading.Event()
+        self.proc = subprocess.Popen(tunnel_argv(kind, binary, port), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace", start_new_session=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        pattern = NGROK_URL_RE if self.kind == "ngrok" else CLOUDFLARE_URL_RE
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = pattern.search(line)
+            if match and not self.found.is_set():
+                self.host = match.group(1).lower()
+                self.found.set()
+
+    def wait_for_host(self, seconds: float) -> str:
+        """The public host name; raises SetupError when the tunnel exits or prints none in time."""
+        deadline = time.monotonic() + seconds
+        while not self.found.wait(0.2):
+            if self.proc.poll() is not None:
+                time.sleep(0.2)   # let the reader take the last lines
+                raise SetupError(f"the {self.kind} tunnel exited (status {self.proc.returncode}):\n"
+                                 + "\n".join(self.lines))
+            if time.monotonic() > deadline:
+                raise SetupError(f"the {self.kind} tunnel printed no public URL in {seconds:.0f} s; its output:\n"
+                                 + "\n".join(self.lines))
+        return self.host or ""
+
+
+def tunnel_argv(kind: str, binary: str, port: int) -> list[str]:
+    """argv of a tunnel to ``127.0.0.1:port``. ngrok runs with its request inspector off (it would
+    keep every request's headers, the token among them, for any local process to read) and with
+    the reserved domain from ``.ngrok-domain`` when that file exists."""
+    if kind == "ngrok":
+        argv = [binary, "http", f"127.0.0.1:{port}", "--inspect=false", "--log", "stdout", "--log-format", "logfmt"]
+        domain = ngrok_domain()
+        return argv + ([f"--domain={domain}"] if domain else [])
+    return [binary, "tunnel", "--no-autoupdate", "--url", f"http://127.0.0.1:{port}"]
+
+
+def ngrok_domain() -> str | None:
+    path = REPO / ".ngrok-domain"
+    if not path.is_file():
+        return None
+    domain = path.read_text().strip().removeprefix("https://").strip("/")
+    return domain or None
+
+
+INSTALL_HINTS = {
+    "cloudflare": "install cloudflared (macOS: brew install cloudflared; Linux: the package from "
+                  "https://developers.cloudflare.com/cloudflare-one/connections/connect-networks/downloads/); "
+                  "no account is needed for a quick tunnel",
+    "ngrok": "install ngrok (https://ngrok.com/download), then `ngrok config add-authtoken <token>` once",
+}
+
+
+def tunnel_binary(kind: str) -> tuple[str, str]:
+    """(kind, executable) for ``cloudflare``, ``ngrok`` or ``auto`` (TUNNEL_BIN, else cloudflared,
+    else ngrok on PATH). Raises SetupError naming how to install one."""
+    given = os.environ.get("TUNNEL_BIN")
+    if kind == "auto":
+        binary = given or shutil.which("cloudflared") or shutil.which("ngrok")
+        if not binary:
+            raise SetupError("no tunnel binary: install cloudflared or ngrok, or set TUNNEL_BIN; or run your "
+                             f"own tunnel and set TUNNEL_HOST.\n  cloudflared: {INSTALL_HINTS['cloudflare']}\n"
+                             f"  ngrok: {INSTALL_HINTS['ngrok']}")
+        return ("ngrok" if Path(binary).name.startswith("ngrok") else "cloudflare"), binary
+    name = "ngrok" if kind == "ngrok" else "cloudflared"
+    binary = given if given and Path(given).name.startswith(name) else shutil.which(name)
+    if not binary:
+        raise SetupError(f"--tunnel {kind}: {name} is not on PATH; {INSTALL_HINTS[kind]}")
+    return kind, binary
+
+
+def ask_tunnel() -> str:
+    """In a terminal: which public mode, if any (default none)."""
+    print("Serve on a public URL too (for claude.ai / ChatGPT connectors)?\n"
+          "  [n] no, this machine only (default)\n  [c] Cloudflare quick tunnel (no account)\n"
+          "  [g] ngrok (your account; a reserved domain from .ngrok-domain)", file=sys.stderr)
+    try:
+        answer = input("choice [n/c/g]: ").strip().lower()
+    except EOFError:
+        return "none"
+    return {"c": "cloudflare", "g": "ngrok"}.get(answer[:1], "none")
+
+
+# --------------------------------------------------------------------------------------------
+# Serving.
+
+
+def connector_box(port: int, token: str, host: str | None) -> str:
+    """The box printed once everything answers: URLs, the token and how to copy it."""
+    local = f"http://127.0.0.1:{port}"
+    copy = (f"pbcopy < {token_file()}" if sys.platform == "darwin"
+            else f"xclip -selection clipboard < {token_file()}   (or wl-copy < {token_file()})")
+    rows = []
+    if host:
+        rows += [f"MCP connector URL:  https://{host}/mcp", f"SSE (older clients): https://{host}/sse",
+                 f"Board:              https://{host}/",
+                 "claude.ai / ChatGPT: add a custom connector with that URL; its sign-in page asks",
+                 "                    for the token below once."]
+    rows += [f"Local MCP:          {local}/mcp   (sse: {local}/sse)", f"Local board:        {local}/",
+             f"Token:              {token}", "Header clients:     Authorization: Bearer <token>",
+             f"Copy the token:     {copy}" if "MCP_BEARER_TOKEN" not in os.environ else
+             "Copy the token:     it is $MCP_BEARER_TOKEN",
+             "Client set-up:      .venv/bin/python tasks_cli.py connect",
+             "Stop:               Ctrl-C (server, worker" + (" and tunnel)" if host else ")")]
+    rule = "+" + "-" * 86 + "+"
+    return "\n".join([rule, *("  " + r for r in rows), rule])
+
+
+def wait_healthy(port: int, server: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SetupError(f"the MCP server exited (status {server.returncode}); its error is above "
+                             f"(port {port} in use? set PORT or --port)")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.2)
+    raise SetupError(f"the MCP server did not answer /health on port {port} in {seconds:.0f} s")
+
+
+class Supervisor:
+    """The server, the worker and the tunnel, each in a session of its own so the terminal's
+    Ctrl-C reaches only this process, which then stops them in order."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stop_asked = threading.Event()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        self.children[name] = proc
+        return proc
+
+    def adopt(self, name: str, proc: subprocess.Popen) -> None:
+        self.children[name] = proc
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        self.stop_asked.set()
+
+    def first_exit(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
+
+    def stop(self) -> None:
+        """The worker first (twice: a task in hand is ended and handed back without spending a
+        retry), then the server and the tunnel; whatever outlives the grace period is killed with
+        its process group."""
+        worker = self.children.get("worker")
+        if worker and worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+        for name in ("server", "tunnel"):
+            proc = self.children.get(name)
+            if proc and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SEC
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"the {name} did not stop in {STOP_GRACE_SEC} s; killing it")
+            with_group_killed(proc)
+
+
+def with_group_killed(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the child's process group (it leads its own session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def event_line(event: dict) -> str:
+    message = CONTROL_RE.sub(" ", event.get("message") or "")
+    if len(message) > 110:
+        message = message[:107] + "..."
+    return f"[{time.strftime('%H:%M:%S')}] {event['task_id']} {event['kind']}: {message}"
+
+
+def print_events(cursor: int) -> int:
+    """Print one line per task event after ``cursor``; returns the new cursor. A database that
+    cannot be read is skipped quietly (the server and worker say why)."""
+    try:
+        events = store.events_since(cursor, limit=200)
+    except Exception:  # noqa: BLE001 - a status line must never stop the serving
+        return cursor
+    for event in events:
+        if event["task_id"] and event["kind"] in SHOWN_KINDS:
+            print(event_line(event), file=sys.stderr, flush=True)
+    return events[-1]["id"] if events else cursor
+
+
+def serve(port: int, tunnel_kind: str, token: str) -> int:
+    """Start everything, print the box, show task events until Ctrl-C or a child's exit, stop
+    everything. Returns the exit status: 0 after Ctrl-C, 1 when a part stopped by itself."""
+    sup = Supervisor()
+    signal.signal(signal.SIGINT, sup.on_signal)
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    env = dict(os.environ)
+    host = os.environ.get("TUNNEL_HOST", "").strip().lower() or None
+    try:
+        if tunnel_kind != "none" and not host:
+            kind, binary = tunnel_binary(tunnel_kind)
+            say(f"starting the {kind} tunnel ({binary})")
+            tunnel = Tunnel(kind, binary, port)
+            sup.adopt("tunnel", tunnel.proc)
+            host = tunnel.wait_for_host(TUNNEL_WAIT_SEC)
+        if host:
+            env["MCP_ALLOWED_HOSTS"] = ",".join(filter(None, [env.get("MCP_ALLOWED_HOSTS", ""), host]))
+            env["MCP_PUBLIC_URL"] = f"https://{host}"
+        server = sup.start("server", [sys.executable, str(REPO / "opencode_bridge_mcp.py"), "--transport",
+                                      "streamable-http", "--host", "127.0.0.1", "--port", str(port),
+                                      "--log-level", "WARNING"], env)
+        wait_healthy(port, server, HEALTH_WAIT_SEC)
+        cursor = store.last_event_id()
+        sup.start("worker", [sys.executable, str(REPO / "worker.py"), "--watch"], env)
+    except SetupError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        sup.stop()
+        return 1
+    print(connector_box(port, token, host), file=sys.stderr, flush=True)
+    status = 0
+    while not sup.stop_asked.wait(1.0):
+        cursor = print_events(cursor)
+        ended = sup.first_exit()
+        if ended:
+            name, code = ended
+            say(f"the {name} stopped by itself (status {code}); its message is above. Stopping everything.")
+            status = 1
+            break
+    print_events(cursor)
+    say("stopping the worker (a task in hand goes back to the queue), the server" + (" and the tunnel" if host else ""))
+    sup.stop()
+    say("stopped")
+    return status
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point.
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 8765),
+                        help="loopback port of the server (default $PORT or 8765)")
+    parser.add_argument("--tunnel", choices=("none", "cloudflare", "ngrok", "auto"), default=None,
+                        help="public mode: none (default), cloudflare, ngrok, auto (whichever is installed)")
+    parser.add_argument("--rotate", action="store_true", help="make a new token (old clients must be updated)")
+    parser.add_argument("--setup-only", action="store_true", help="token, file modes and client set-up; serve nothing")
+    parser.add_argument("--quiet", action="store_true", help="with --setup-only: print no client snippets")
+    parser.add_argument("--write-claude-desktop", action="store_true",
+                        help="merge the taskbridge entry into Claude Desktop's config (a backup is kept)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be 1-65535; got {args.port}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        token, how = ensure_token(args.rotate)
+    except SetupError as exc:
+        print(f"serve: {exc}", file=sys.stderr)
+        return 1
+    if how in ("new", "rotated"):
+        say(f"wrote a new bearer token to {token_file()} (mode 0600)")
+    if how == "rotated":
+        say(rotation_notice(args.port))
+    for path in tighten_modes():
+        say(f"made {path} private to this user")
+    if args.write_claude_desktop:
+        try:
+            path, backup = connectors.write_claude_desktop()
+        except (ValueError, OSError) as exc:
+            print(f"serve: {exc}", file=sys.stderr)
+            return 1
+        say(f"Claude Desktop: added taskbridge to {path}" + (f" (backup: {backup})" if backup else "")
+            + "; restart Claude Desktop")
+    if args.setup_only or how == "new":   # the snippets on the first run; `tasks_cli.py connect` later
+        if not args.quiet:
+            print(connectors.snippets(args.port), file=sys.stderr)
+    if args.setup_only:
+        return 0
+    tunnel = args.tunnel
+    if tunnel is None:
+        tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"
+    return serve(args.port, tunnel, token)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Set-up without serving: client snippets and the Claude Desktop merge, the token file, the modes
+of everything that holds task data, and a worker started with a bare environment."""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import connectors
+import serve
+import task_store
+import tasks_cli
+from helpers import ROOT, run_script
+
+OTHER_USER = "tbother"
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# --------------------------------------------------------------------------------------------
+# Client snippets.
+
+
+def test_connect_prints_every_clients_setup_with_absolute_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENCODE_BIN", sys.executable)   # any executable: the entry names it
+    result = CliRunner().invoke(tasks_cli.cli, ["connect", "--port", "9876", "--public-url",
+                                                "https://abc.trycloudflare.com"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    desktop = json.loads(out[out.index("{"):out.index("\n}\n") + 2])["mcpServers"]["taskbridge"]
+    assert Path(desktop["command"]).is_absolute() and desktop["args"] == [str(ROOT / "opencode_bridge_mcp.py")]
+    assert desktop["env"]["TASK_DB_PATH"] == os.environ["TASK_DB_PATH"]
+    assert f"claude mcp add taskbridge -- {desktop['command']} {ROOT / 'opencode_bridge_mcp.py'}" in out
+    assert "claude mcp add --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
+    assert str(ROOT / "claude_control_mcp.py") in out and '"claude-control"' in out
+    assert "https://abc.trycloudflare.com/mcp" in out
+
+
+def test_connect_refuses_a_public_url_that_is_not_a_base_url():
+    result = CliRunner().invoke(tasks_cli.cli, ["connect", "--public-url", "abc.trycloudflare.com/mcp"])
+    assert result.exit_code == 2 and "https://abc.trycloudflare.com" in result.output
+
+
+def test_write_claude_desktop_keeps_other_servers_and_a_backup(tmp_path, monkeypatch):
+    config = tmp_path / "Claude" / "claude_desktop_config.json"
+    config.parent.mkdir()
+    original = {"mcpServers": {"github": {"command": "npx", "args": ["-y", "@modelcontextprotocol/server-github"]},
+                               "files": {"command": "/usr/bin/mcp-files", "env": {"ROOT": "/srv"}}},
+                "globalShortcut": "Ctrl+Space"}
+    config.write_text(json.dumps(original, indent=2))
+    monkeypatch.setenv("CLAUDE_DESKTOP_CONFIG", str(config))
+    result = CliRunner().invoke(tasks_cli.cli, ["connect", "--write-claude-desktop"])
+    assert result.exit_code == 0, result.output
+    merged = json.loads(config.read_text())
+    assert merged["mcpServers"]["github"] == original["mcpServers"]["github"]
+    assert merged["mcpServers"]["files"] == original["mcpServers"]["files"]
+    assert merged["globalShortcut"] == "Ctrl+Space"
+    assert merged["mcpServers"]["taskbridge"]["args"] == [str(ROOT / "opencode_bridge_mcp.py")]
+    backups = list(config.parent.glob("claude_desktop_config.json.bak-*"))
+    assert len(backups) == 1 and json.loads(backups[0].read_text()) == original
+
+
+def test_write_claude_desktop_leaves_a_broken_config_alone(tmp_path, monkeypatch):
+    config = tmp_path / "claude_desktop_config.json"
+    config.write_text('{"mcpServers": {"github": ')
+    monkeypatch.setenv("CLAUDE_DESKTOP_CONFIG", str(config))
+    result = CliRunner().invoke(tasks_cli.cli, ["connect", "--write-claude-desktop"])
+    assert result.exit_code == 1 and "is not valid JSON" in result.output
+    assert config.read_text() == '{"mcpServers": {"github": ' and list(tmp_path.glob("*.bak-*")) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The token.
+
+
+def test_token_is_made_once_private_and_rotated_on_request(tmp_path, monkeypatch):
+    token_file = tmp_path / "state" / "token"
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token_file))
+    first, how = serve.ensure_token()
+    assert how == "new" and len(first) >= 40 and mode(token_file) == 0o600 and mode(token_file.parent) == 0o700
+    assert serve.ensure_token() == (first, "kept")
+    second, how = serve.ensure_token(rotate=True)
+    assert how == "rotated" and second != first and token_file.read_text().strip() == second
+
+
+def test_a_token_file_readable_by_others_is_made_private_and_said(tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text("abc-token\n")
+    token_file.chmod(0o644)
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token_file))
+    result = run_script("serve.py", "--setup-only", "--quiet", env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    assert "was readable by others; made it 0600" in result.stderr and mode(token_file) == 0o600
+
+
+def test_rotation_refused_while_the_token_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MCP_BEARER_TOKEN", "from-env")
+    with pytest.raises(serve.SetupError, match="MCP_BEARER_TOKEN is set"):
+        serve.ensure_token(rotate=True)
+
+
+# --------------------------------------------------------------------------------------------
+# File modes: folders 0700, files 0600; checked against another local user.
+
+
+def other_user() -> str | None:
+    """A non-root user to read as (created when the tests run as root, as CI does)."""
+    try:
+        pwd.getpwnam(OTHER_USER)
+        return OTHER_USER
+    except KeyError:
+        pass
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        return None
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER_USER], capture_output=True)
+    return OTHER_USER
+
+
+def test_queue_files_token_and_logs_are_private(monkeypatch):
+    user = other_user()
+    if user is None:
+        pytest.skip(f"needs root (to create the user {OTHER_USER}) or that user")
+    if not shutil.which("runuser"):
+        pytest.skip("needs runuser to read as another user")
+    # A folder every user can enter, so only the modes set by TaskBridge stand in the way.
+    root = Path(tempfile.mkdtemp(prefix="tb-modes-"))
+    try:
+        root.chmod(0o755)
+        monkeypatch.setenv("TASK_DB_PATH", str(root / "tasks.db"))
+        monkeypatch.setenv("TASK_LOG_DIR", str(root / "task_logs"))
+        monkeypatch.setenv("MCP_TOKEN_FILE", str(root / ".taskbridge" / "token"))
+        serve.ensure_token()
+        task = task_store.submit_task(title="secret plan", instructions="the secret", working_dir=str(root))
+        with task_store.open_task_log(task["id"]) as log:
+            log.write(b"secret output\n")
+        task_store.write_worker_heartbeat({"state": "idle"})
+        held = task_store.connect()   # the WAL files exist while a connection is open
+        held.execute("SELECT count(*) FROM tasks").fetchone()
+        assert mode(root / ".taskbridge") == 0o700 and mode(root / ".taskbridge" / "token") == 0o600
+        assert mode(root / "tasks.db") == 0o600 and mode(root / "tasks.db-wal") == 0o600 \
+            and mode(root / "tasks.db-shm") == 0o600
+        assert mode(root / "task_logs") == 0o700 and mode(root / "task_logs" / "t_0001.log") == 0o600
+        assert mode(root / "tasks.worker.json") == 0o600
+        for path in ("tasks.db", "tasks.db-wal", "tasks.db-shm", ".taskbridge/token", "task_logs/t_0001.log", "tasks.worker.json"):
+            read = subprocess.run(["runuser", "-u", user, "--", "cat", str(root / path)], capture_output=True, text=True)
+            assert read.returncode != 0 and "Permission denied" in read.stderr, (path, read)
+        held.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_setup_tightens_an_older_install_that_left_files_readable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "tb" / "token"))
+    task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    log = task_store.log_path(task["id"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("old log\n")
+    for path, old in ((task_store.db_path(), 0o644), (log, 0o644), (log.parent, 0o755)):
+        path.chmod(old)
+    result = run_script("serve.py", "--setup-only", "--quiet", env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    assert mode(task_store.db_path()) == 0o600 and mode(log) == 0o600 and mode(log.parent) == 0o700
+    assert f"made {task_store.db_path()} private" in result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A worker started by a scheduler with a bare environment.
+
+
+def test_worker_with_a_bare_environment_and_opencode_elsewhere_says_so_and_claims_nothing(tmp_path):
+    # A copy of the code without node_modules/: opencode is installed elsewhere (as with
+    # `npm install -g` into ~/.npm-global), which PATH=/usr/bin:/bin does not reach.
+    code = tmp_path / "code"
+    code.mkdir()
+    for name in ("worker.py", "task_store.py", "opencode_runner.py", "worktrees.py", "process_tree.py"):
+        shutil.copy2(ROOT / name, code / name)
+    db = tmp_path / "q" / "tasks.db"
+    task = task_store.submit_task(title="t", instructions="do it", working_dir=str(tmp_path))
+    assert Path(os.environ["TASK_DB_PATH"]) == db
+    if shutil.which("opencode", path="/usr/bin:/bin"):
+        pytest.skip("opencode is installed in /usr/bin or /bin here")
+    result = subprocess.run(["env", "-i", "PATH=/usr/bin:/bin", f"TASK_DB_PATH={db}", "WORKER_NOTIFY=0",
+                             f"HOME={tmp_path}", sys.executable, str(code / "worker.py")],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result
+    assert "opencode" in result.stderr and "OPENCODE_BIN" in result.stderr and "PATH=/usr/bin:/bin" in result.stderr
+    assert "Traceback" not in result.stderr
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and after["attempts"] == 0
