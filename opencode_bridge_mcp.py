@@ -612,27 +612,51 @@ async def wait_for(
     timeout_sec, mode = timeout_sec or 600, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
-    cursor = await anyio.to_thread.run_sync(store.last_event_id)
-    statuses = await anyio.to_thread.run_sync(store.statuses_of, ids)
+    # Store reads on a kept connection take microseconds: they run on the event loop. The wait
+    # itself sleeps on the database's change notification (inotify), polling only as a fallback.
+    cursor = store.last_event_id()
+    statuses = store.statuses_of(ids)
     started = time.monotonic()
     deadline, next_progress, poll = started + timeout_sec, started + PROGRESS_EVERY_SEC, _poll_sec()
     seen: list[dict[str, Any]] = []
     timed_out = False
-    while not _wait_met(statuses, mode):
-        now = time.monotonic()
-        if now >= deadline:
-            timed_out = True
-            break
-        if now >= next_progress:
-            await ctx.report_progress(round(now - started, 1), timeout_sec, _progress_text(statuses, now - started))
-            next_progress += PROGRESS_EVERY_SEC
-        await anyio.sleep(max(0.0, min(poll, deadline - now, next_progress - now)))
-        new = await anyio.to_thread.run_sync(lambda: store.events_since(cursor, ids, 1000))
-        if new:
-            cursor, seen = new[-1]["id"], (seen + new)[-50:]
-            statuses = await anyio.to_thread.run_sync(store.statuses_of, ids)
-    tasks = await anyio.to_thread.run_sync(lambda: [store.get_task(t) for t in ids])
+    with store.change_watch() as watch:
+        while not _wait_met(statuses, mode):
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                break
+            if now >= next_progress:
+                await ctx.report_progress(round(now - started, 1), timeout_sec, _progress_text(statuses, now - started))
+                next_progress += PROGRESS_EVERY_SEC
+            newest = await _next_change(watch, cursor, min(poll, deadline - now, next_progress - now))
+            if newest > cursor:
+                new = store.events_since(cursor, ids, 1000)
+                cursor = new[-1]["id"] if len(new) == 1000 else newest
+                if new:
+                    seen = (seen + new)[-50:]
+                    statuses = store.statuses_of(ids)
+    tasks = [store.get_task(t) for t in ids]
     return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen)
+
+
+async def _next_change(watch: Any, since: int, timeout: float) -> int:
+    """The newest event id once it passes ``since``, or after ``timeout`` seconds (the poll)."""
+    newest = store.last_event_id()
+    if newest > since or timeout <= 0:
+        return newest
+    if not watch.available:
+        await anyio.sleep(timeout)
+        return store.last_event_id()
+    with anyio.move_on_after(timeout):
+        while True:
+            await anyio.wait_readable(watch.fd)
+            if watch.drain():
+                for pause in store.SETTLE_PAUSES:
+                    await anyio.sleep(pause)
+                    if store.last_event_id() > since:
+                        return store.last_event_id()
+    return store.last_event_id()
 
 
 def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -25,7 +26,10 @@ import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
+
+if TYPE_CHECKING:
+    from file_watch import FolderWatch
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -1513,6 +1517,44 @@ def change_marks() -> dict[str, Any]:
             " (SELECT count(*) FROM claude_jobs WHERE status = 'queued'),"
             " (SELECT count(*) FROM claude_jobs WHERE status = 'running')").fetchone()
     return {"events": row[0], "jobs": f"{row[1]}:{row[2]}:{row[3]}"}
+
+
+def wait_for_change(since: int, timeout: float, poll: float = 0.5) -> int:
+    """Block until an event newer than ``since`` (an event id, as ``last_event_id`` returns) is
+    recorded by any process, or ``timeout`` seconds pass; returns the newest event id then.
+
+    Every change a waiter cares about (submit, claim, finish, question, answer, note, cancel)
+    records an event in the same transaction. On Linux the wait sleeps on an inotify watch of the
+    database's folder (SQLite writes each commit to the ``-wal`` file) and wakes within about a
+    millisecond of the commit; it also re-checks every ``poll`` seconds (0.01..5), the only
+    schedule where inotify is missing (macOS) or says nothing (a network filesystem)."""
+    poll = min(max(float(poll), 0.01), 5.0) if math.isfinite(float(poll)) else 0.5
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    with change_watch() as watch:
+        while True:
+            newest = last_event_id()
+            left = deadline - time.monotonic()
+            if newest > since or left <= 0:
+                return newest
+            if watch.wait(min(left, poll)):
+                for pause in SETTLE_PAUSES:
+                    time.sleep(pause)
+                    if last_event_id() > since:
+                        break
+
+
+# The -wal write that wakes a waiter lands just before SQLite publishes the commit in shared
+# memory: a woken waiter looks again over these pauses (seconds) before going back to sleep.
+SETTLE_PAUSES = (0, 0.001, 0.002, 0.005, 0.01)
+
+
+def change_watch() -> "FolderWatch":
+    """A ``file_watch.FolderWatch`` on the files SQLite writes at each commit to this queue's
+    database (the ``-wal`` file; the database itself in rollback-journal mode). Close it after use
+    (a context manager). For async waiters; threads use ``wait_for_change``."""
+    from file_watch import FolderWatch  # imported by waiting processes only
+    path = db_path()
+    return FolderWatch(path.parent, (path.name, f"{path.name}-wal", f"{path.name}-journal"))
 
 
 def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:

@@ -658,16 +658,21 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             busy = {f for f in busy if not f.done()}
             if time.monotonic() - last_reap > (60 if watch else 0):
                 reap(knobs)
+                if watch:
+                    store.checkpoint()
                 last_reap = time.monotonic()
             Beat.write("running" if busy else "idle" if watch else "pass")
+            mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
             task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
             if task is not None:
                 busy.add(pool.submit(_run_guarded, task, knobs))
                 started += 1
-            elif busy:
+            elif len(busy) >= slots:
                 wait(busy, timeout=knobs.poll_sec, return_when=FIRST_COMPLETED)
-            elif watch:
-                time.sleep(knobs.poll_sec)
+            elif busy or watch:
+                # A submit, an answer or a slot's end records an event: the wait wakes within
+                # milliseconds; the poll is the fallback (back-off ends, no inotify).
+                store.wait_for_change(mark, knobs.poll_sec, knobs.poll_sec)
             else:
                 break
         wait(busy)  # first signal: the tasks in hand finish (a second one ends them at once)
