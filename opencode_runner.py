@@ -6,7 +6,7 @@ of `opencode run`, its environment (run marker, permissions), the JSON event str
 receipt-block parser, and `opencode models`.
 
 Env read at call time: ``OPENCODE_BIN`` (default ``opencode`` on PATH), ``OPENCODE_CONFIG_CONTENT``
-(merged, never replaced).
+(merged, never replaced), ``OPENCODE_AUTO_SHARE`` (dropped: sharing is always off).
 
 No SQL here; imports the standard library only.
 """
@@ -30,21 +30,36 @@ _PERMISSION_RULES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "auto": ({}, {}),
     "readonly": (
         {"edit": "deny"},
-        {"file writes": "enforced (edit/write tools denied) and reverted after the run",
+        {"file writes": "enforced (edit/write tools denied for every agent, pinned over OpenCode's "
+                        "own config) and reverted after the run",
          "shell writes": "inside the worktree: reverted after the run; elsewhere: not prevented "
                          "(prompt-level; your checkout is checked and changes reported)"},
     ),
-    "no-shell": ({"bash": "deny"}, {"shell": "enforced (bash tool denied)"}),
+    "no-shell": ({"bash": "deny"}, {"shell": "enforced (bash tool denied for every agent, pinned over "
+                                              "OpenCode's own config)"}),
     "no-network": (
         {"webfetch": "deny", "websearch": "deny"},
-        {"web tools": "enforced (webfetch/websearch denied)",
+        {"web tools": "enforced (webfetch/websearch denied for every agent, pinned over OpenCode's "
+                      "own config)",
          "shell network": "prompt-level (the agent is told; nothing stops curl in bash)"},
     ),
 }
+# OpenCode's agents that exist without any config (build and plan are primary; the rest are
+# sub-agents the task tool can start).
+NATIVE_AGENTS = ("build", "plan", "general", "explore")
+# Files a project's OpenCode config can come from, looked up from the run's folder upwards.
+PROJECT_CONFIG_FILES = ("opencode.json", "opencode.jsonc", ".opencode/opencode.json",
+                        ".opencode/opencode.jsonc")
+# OpenCode adds this line to a project config that lacks it, the first time it loads it.
+SCHEMA_LINE = '{\n  "$schema": "https://opencode.ai/config.json",'
 
 
 class OpencodeNotFound(RuntimeError):
     """The `opencode` binary cannot be found (set OPENCODE_BIN or fix PATH)."""
+
+
+class ConfigProblem(RuntimeError):
+    """OpenCode's configuration keeps a task from running as labelled; retrying cannot help."""
 
 
 def opencode_bin() -> str:
@@ -83,32 +98,265 @@ def sandbox_labels(permission: str) -> dict[str, str]:
     return dict(_PERMISSION_RULES[permission][1])
 
 
-def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission: str) -> dict[str, str]:
+def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission: str,
+            agent: str | None = None) -> dict[str, str]:
     """The environment of one run: ``PWD`` (OpenCode trusts it over the real cwd), the run marker
-    and queue tag (inherited by every descendant, so a sweep can find stragglers), and the
-    permission rules merged over any ``OPENCODE_CONFIG_CONTENT`` (highest precedence). A restricted
-    task also disables the repository's own opencode.json so it cannot loosen the rules."""
+    and queue tag (inherited by every descendant, so a sweep can find stragglers), sharing off
+    (``OPENCODE_DISABLE_SHARE=1`` and ``"share": "disabled"`` over every config: no session goes
+    to OpenCode's public share service, whatever the user's or the repository's config says), and
+    for a restricted task its rules pinned for every agent (see ``pin_rules``) inside
+    ``OPENCODE_CONFIG_CONTENT`` (merged over the user's own content, never replacing it).
+
+    A restricted task reads OpenCode's resolved config once (``opencode debug config``, ~1.5 s).
+    Raises ConfigProblem when the rules cannot be pinned or that config cannot be read.
+    """
     env = dict(base)
     env["PWD"] = cwd
     env[MARKER_ENV] = marker
     env[QUEUE_ENV] = queue
+    env.pop("OPENCODE_AUTO_SHARE", None)
+    env["OPENCODE_DISABLE_SHARE"] = "1"
+    content = _config_content(env)
+    content["share"] = "disabled"
+    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     rules = _PERMISSION_RULES[permission][0]
     if rules:
-        try:
-            content = json.loads(env.get("OPENCODE_CONFIG_CONTENT") or "{}")
-        except ValueError:
-            content = {}
-        permissions = content.get("permission")
-        if not isinstance(permissions, dict):
-            permissions = {"*": permissions} if isinstance(permissions, str) else {}
-        content["permission"] = permissions | rules
-        # An agent-level permission block would override the global one; pin it for the build agent.
-        for agent in ("build", "plan", "general"):
-            agent_cfg = content.setdefault("agent", {}).setdefault(agent, {})
-            agent_cfg["permission"] = (agent_cfg.get("permission") or {}) | rules
+        content = pin_rules(content, resolved_config(env, cwd), rules, agent, permission)
         env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
-        env["OPENCODE_DISABLE_PROJECT_CONFIG"] = "1"
     return env
+
+
+def _config_content(env: dict[str, str]) -> dict[str, Any]:
+    try:
+        content = json.loads(env.get("OPENCODE_CONFIG_CONTENT") or "{}")
+    except ValueError:
+        raise ConfigProblem("OPENCODE_CONFIG_CONTENT is not valid JSON; fix or unset it") from None
+    if not isinstance(content, dict):
+        raise ConfigProblem("OPENCODE_CONFIG_CONTENT is not a JSON object; fix or unset it")
+    return content
+
+
+def resolved_config(env: dict[str, str], cwd: str, timeout_sec: float = 60) -> dict[str, Any]:
+    """OpenCode's own view of its merged config for a run in ``cwd`` with ``env``
+    (``opencode debug config``: global, ``OPENCODE_CONFIG``, project files, agent folders, inline
+    content, in OpenCode's order). Raises ConfigProblem with OpenCode's message when it fails."""
+    try:
+        proc = subprocess.run([opencode_bin(), "debug", "config"], cwd=cwd, env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout_sec)
+    except subprocess.TimeoutExpired:
+        raise ConfigProblem(f"`opencode debug config` did not answer in {timeout_sec:g} s") from None
+    start = proc.stdout.find("{")
+    try:
+        if proc.returncode == 0 and start >= 0:
+            return json.loads(proc.stdout[start:])
+    except ValueError:
+        pass
+    lines = [line for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip()]
+    raise ConfigProblem("cannot read OpenCode's resolved config (`opencode debug config` exited "
+                        f"{proc.returncode}: {environment_fault(lines) or (lines[-1] if lines else 'no output')})")
+
+
+def pin_rules(content: dict[str, Any], resolved: dict[str, Any], rules: dict[str, str],
+              agent: str | None, permission: str) -> dict[str, Any]:
+    """``content`` (the inline config) with ``rules`` pinned globally and for every agent.
+
+    OpenCode evaluates an agent's permissions as defaults, then the global block, then the agent's
+    own block, and the LAST matching rule wins; configs are deep-merged, so a key that already
+    exists keeps its place. A user agent whose block says ``{"bash": "deny", "*": "allow"}`` would
+    keep bash allowed if we only set ``bash``. Each rule is therefore added under a key the block
+    does not have yet (``bash``, else an equivalent wildcard such as ``bas?``), which lands last.
+    Every agent in ``resolved`` (user agents, markdown agents, sub-agents the task tool can start)
+    and OpenCode's native ones is pinned; then the result is checked rule by rule.
+    Raises ConfigProblem naming the agent and the rule when a rule would not be the last word.
+    """
+    content = json.loads(json.dumps(content))
+    agents = dict.fromkeys([*NATIVE_AGENTS, *((resolved.get("agent") or {}).keys())])
+    if agent and agent not in agents:
+        raise ConfigProblem(f"agent {agent!r} is not defined in OpenCode's config for this folder "
+                            f"(known: {', '.join(agents)}); a {permission} task cannot pin its rules "
+                            "for it; define it or drop --agent")
+    targets = [(content, resolved.get("permission"), "the global permission block")]
+    for name in agents:
+        block = ((resolved.get("agent") or {}).get(name) or {})
+        if block.get("disable"):
+            continue
+        slot = content.setdefault("agent", {}).setdefault(name, {})
+        if not isinstance(slot, dict):
+            raise ConfigProblem(f"OPENCODE_CONFIG_CONTENT's agent.{name} is not an object")
+        targets.append((slot, block.get("permission"), f"agent {name!r}"))
+    for slot, existing, where in targets:
+        slot["permission"] = _pinned_block(slot.get("permission"), existing, rules)
+        final = _merged_block(existing, slot["permission"])
+        for key, action in rules.items():
+            if _last_action(final, key) != action:
+                raise ConfigProblem(f"cannot pin {key}={action} for {where} in OpenCode's config (a "
+                                    f"{permission} task); simplify that agent's permission block or "
+                                    "run the task with permission auto")
+    return content
+
+
+def _pinned_block(ours: Any, existing: Any, rules: dict[str, str]) -> dict[str, Any]:
+    block: dict[str, Any] = dict(ours) if isinstance(ours, dict) else {}
+    if isinstance(existing, str) and "*" not in block:
+        block["*"] = existing  # an object replaces a bare action when configs merge: keep its word
+    taken = set(existing) if isinstance(existing, dict) else set()
+    for key, action in rules.items():
+        alias = next(k for k in _aliases(key) if k not in taken)
+        block.pop(alias, None)
+        block[alias] = action
+    return block
+
+
+def _aliases(key: str) -> list[str]:
+    """Permission names that match exactly ``key`` in OpenCode's wildcard syntax (``?`` is one
+    character): ``bash``, ``bas?``, ``ba?h``, ... and finally ``key*`` forms."""
+    found = [key] + [key[:i] + "?" + key[i + 1:] for i in range(len(key) - 1, -1, -1)]
+    return found + [key + "*" * n for n in range(1, 8)]
+
+
+def _merged_block(existing: Any, ours: dict[str, Any]) -> dict[str, Any]:
+    # OpenCode's deep merge: keys already present keep their place, new keys go last.
+    merged: dict[str, Any] = dict(existing) if isinstance(existing, dict) else {}
+    merged.update(ours)
+    return merged
+
+
+def wildcard_match(text: str, pattern: str) -> bool:
+    """OpenCode's permission wildcard: ``*`` any run of characters, ``?`` one, all else literal."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, text, re.DOTALL) is not None
+
+
+def _last_action(block: dict[str, Any], permission: str) -> str | None:
+    """The action of the last key in ``block`` that matches ``permission`` (a pattern map counts
+    only when every pattern in it has the same action)."""
+    action = None
+    for key, value in block.items():
+        if wildcard_match(permission, key):
+            actions = set(value.values()) if isinstance(value, dict) else {value}
+            action = actions.pop() if len(actions) == 1 else None
+    return action
+
+
+def environment_fault(lines: list[str]) -> str | None:
+    """The line naming an operating-system fault (``EACCES: permission denied, mkdir '…'``) in
+    OpenCode's output, if any: Bun prints it above a stack and a version banner."""
+    for line in lines:
+        match = re.search(r"\b(E[A-Z]{3,})\b[:,]", line)
+        if match and match.group(1) in ENV_FAULTS:
+            return line.strip()[:500]
+    return None
+
+
+# Faults of the machine, not of the run: a retry seconds later meets the same folder.
+ENV_FAULTS = ("EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC", "EDQUOT", "ENAMETOOLONG", "ELOOP",
+              "EISDIR")
+
+
+# --------------------------------------------------------------------------------------------
+# The repository's own OpenCode config.
+
+
+def project_config_files(cwd: str, top: str | None) -> dict[str, str]:
+    """``{path: text}`` of every project OpenCode config file OpenCode reads for a run in ``cwd``
+    (``opencode.json[c]`` and ``.opencode/opencode.json[c]`` from ``cwd`` up to ``top``)."""
+    found: dict[str, str] = {}
+    folder, stop = Path(cwd).resolve(), Path(top).resolve() if top else Path(cwd).resolve()
+    while True:
+        for name in PROJECT_CONFIG_FILES:
+            path = folder / name
+            try:
+                found[str(path)] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError):
+                continue
+        if folder == stop or folder.parent == folder or stop not in folder.parents:
+            return found
+        folder = folder.parent
+
+
+def repo_restrictions(files: dict[str, str], root: str | None = None) -> list[str]:
+    """What the repository's OpenCode config takes away from the agent, one line each:
+    ``opencode.json: permission.bash = deny``, ``... agent.build.tools.webfetch = false``. Rules
+    that allow are left out (TaskBridge's own pins win over them for a restricted task)."""
+    found = []
+    for path, text in files.items():
+        data = loads_jsonc(text)
+        name = os.path.relpath(path, root) if root else path
+        if not isinstance(data, dict):
+            continue
+        scopes = [("", data)] + [(f"agent.{a}.", v) for a, v in (data.get("agent") or {}).items()
+                                 if isinstance(v, dict)]
+        for prefix, scope in scopes:
+            found += [f"{name}: {prefix}{line}" for line in _restrictions_in(scope)]
+    return found
+
+
+def _restrictions_in(scope: dict[str, Any]) -> list[str]:
+    lines = []
+    permission = scope.get("permission")
+    if isinstance(permission, str) and permission != "allow":
+        lines.append(f"permission = {permission}")
+    for tool, value in (permission.items() if isinstance(permission, dict) else []):
+        if isinstance(value, str) and value != "allow":
+            lines.append(f"permission.{tool} = {value}")
+        elif isinstance(value, dict):
+            lines += [f"permission.{tool}[{pat}] = {act}" for pat, act in value.items() if act != "allow"]
+    for tool, enabled in (scope.get("tools") or {}).items() if isinstance(scope.get("tools"), dict) else []:
+        if enabled is False:
+            lines.append(f"tools.{tool} = false")
+    if scope.get("disable") is True:
+        lines.append("disable = true")
+    return lines
+
+
+def loads_jsonc(text: str) -> Any:
+    """JSON with comments and trailing commas (OpenCode's ``.jsonc``); None when unreadable."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            i = text.find("\n", i) if "\n" in text[i:] else n
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+        else:
+            out.append(c)
+            i += 1
+    try:
+        return json.loads(re.sub(r",(\s*[}\]])", r"\1", "".join(out)))
+    except ValueError:
+        return None
+
+
+def undo_housekeeping(before: dict[str, str]) -> list[str]:
+    """Take back OpenCode's own edit of project config files: the ``$schema`` line it inserts into
+    a file that lacks one when it loads it. ``before``: ``project_config_files`` taken before the
+    run. Any change the agent made beside it stays. Returns the paths restored."""
+    restored = []
+    for path, old in before.items():
+        try:
+            now = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if now == old or '"$schema"' in old or not now.startswith(SCHEMA_LINE):
+            continue
+        head = old[:len(old) - len(old.lstrip())]
+        if not old.lstrip().startswith("{"):
+            continue
+        Path(path).write_text(head + "{" + now[len(SCHEMA_LINE):], encoding="utf-8")
+        restored.append(path)
+    return restored
 
 
 # --------------------------------------------------------------------------------------------

@@ -334,6 +334,14 @@ def run_stragglers(marker: str, queue: str):
     return lambda: process_tree.tagged_processes({oc.MARKER_ENV: marker, oc.QUEUE_ENV: queue})
 
 
+def environment_fault(run: RunResult) -> str | None:
+    """The operating-system fault line (``EACCES … mkdir …``) of a run that did not finish, if
+    OpenCode printed one: no retry can fix it (see ``oc.ENV_FAULTS``)."""
+    if run.stream.finished or run.killed:
+        return None
+    return oc.environment_fault(run.stderr_tail)
+
+
 def failure_reason(run: RunResult) -> str | None:
     """None when the run succeeded by its events; else the specific reason it failed."""
     stream = run.stream
@@ -349,6 +357,10 @@ def failure_reason(run: RunResult) -> str | None:
         return "Session not found: the OpenCode session to resume no longer exists"
     if run.returncode and run.returncode < 0:
         return f"opencode was killed by {signal.Signals(-run.returncode).name} before it finished"
+    fault = environment_fault(run)
+    if fault:
+        return (f"opencode exited with code {run.returncode}: {fault} (a fault of this machine's "
+                "environment, not retried: fix it, then retry the task)")
     last = run.stderr_tail[-1].strip() if run.stderr_tail else ""
     if run.returncode:
         return f"opencode exited with code {run.returncode}" + (f": {last}" if last else "")
@@ -377,41 +389,53 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     notes = store.take_notes(task["id"], marker)
     snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
     model = task["model"] or store.default_model()
+    config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
+    try:
+        env = oc.run_env(dict(os.environ), ws.cwd, marker, store.queue_tag(), task["permission"],
+                         task.get("agent"))
+    except oc.ConfigProblem as exc:
+        oc.undo_housekeeping(config_files)
+        if not task["worktree_keep"]:
+            worktrees.remove_worktree(ws)
+        log(f"{task['id']} cannot run: {exc}")
+        return _finish(store.fail_unrunnable, task, marker, str(exc))
     checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
-    run, session_note = _run_agent(task, ws, knobs, model, notes, resume)
+    run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env)
     outside = worktrees.changed_outside(checkout_before, ws.repo) if ws.mode == "worktree" else []
-    return _conclude(task, ws, run, model, snapshot, session_note, outside)
+    repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
+                   "restrictions": oc.repo_restrictions(config_files, ws.cwd),
+                   "housekeeping_undone": [os.path.relpath(p, ws.cwd) for p in oc.undo_housekeeping(config_files)]}
+    return _conclude(task, ws, run, model, snapshot, session_note, outside, repo_config)
 
 
 def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
-               resume: bool) -> tuple[RunResult, str]:
+               resume: bool, env: dict[str, str]) -> tuple[RunResult, str]:
     """Resume the waiting session with the answer when it can; otherwise a new session whose
     prompt carries the instructions (and, after a lost session, every question and answer)."""
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"])
+        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"], env)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
     if not resume:
-        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None), "new session"
+        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env), "new session"
     current = store.get_task(task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"])
-    return (_attempt(task, ws, knobs, model, prompt, None),
+    return (_attempt(task, ws, knobs, model, prompt, None, env),
             f"{lost}; a new session got the history in its prompt")
 
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
-             session_id: str | None) -> RunResult:
+             session_id: str | None, env: dict[str, str]) -> RunResult:
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
-    env = oc.run_env(dict(os.environ), ws.cwd, task["run_marker"], store.queue_tag(), task["permission"])
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})")
     return Supervisor(task, argv, env, ws.cwd, prompt, knobs).run()
 
 
-def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
-              snapshot: dict | None, session_note: str, outside: list[str]) -> dict[str, Any] | None:
+def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
+              session_note: str, outside: list[str], repo_config: dict[str, Any]) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}")
@@ -423,6 +447,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
     reason = failure_reason(run)
     receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
     receipt["changed_outside_worktree"] = outside
+    receipt["repo_config"] = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
     usage = run.stream.usage()
@@ -445,7 +470,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str,
                        session_id=run.stream.session_id)
     log(f"{task['id']} attempt failed: {reason}")
     final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
-                    session_id=run.stream.session_id)
+                    session_id=run.stream.session_id, retryable=environment_fault(run) is None)
     if final and final["status"] == "failed":
         notify(f"TaskBridge {task['id']} failed", reason[:200])
     return final
