@@ -541,8 +541,14 @@ def _check_result(result: dict, returncode: int) -> dict:
 
 
 def classify_cli_error(message: str, status: Any = None, returncode: int | None = None) -> BridgeError:
-    """Map the CLI's error text (and ``api_error_status`` when given) to a BridgeError."""
+    """Map the CLI's error text (and ``api_error_status`` when given) to a BridgeError.
+
+    An ``api_error_status`` means the API answered: its status decides, whatever the CLI's text
+    says (a refused ANTHROPIC_AUTH_TOKEN or expired login comes back as "Not logged in · Please run
+    /login" with status 401). Only with no status is "not logged in" taken at its word."""
     lowered = message.lower()
+    if isinstance(status, int) and not isinstance(status, bool) and status >= 400:
+        return _api_status_error(status, message, returncode)
     if "not logged in" in lowered or "/login" in lowered:
         return BridgeError("not_logged_in", NOT_LOGGED_IN)
     code = status if isinstance(status, int) else _status_in_text(message)
@@ -558,6 +564,31 @@ _ADVICE = {
     "overloaded": "; the API is overloaded, try again in a minute",
     "server_error": "; a server-side error, usually temporary: try again",
 }
+
+
+# The Messages API's error type for each status (https://docs.anthropic.com/en/api/errors); the
+# CLI's JSON result carries the status only.
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                 500: "api_error", 529: "overloaded_error"}
+_STATUS_ADVICE = {
+    401: "the API refused the credentials: check ANTHROPIC_API_KEY (or ANTHROPIC_AUTH_TOKEN), or "
+         "run `claude login` again",
+    403: "the credentials are valid but may not use this model or resource: pick another model or "
+         "check the key's workspace permissions",
+    429: "rate limited: wait a minute and ask again",
+    529: "the API is overloaded: try again in a minute",
+}
+
+
+def _api_status_error(status: int, message: str, returncode: int | None) -> BridgeError:
+    kind = _kind_for_status(status) or "cli_error"
+    error_type = _STATUS_TYPES.get(status) or ("api_error" if status >= 500 else "error")
+    advice = _STATUS_ADVICE.get(status) or _ADVICE.get(kind, "").lstrip("; ")
+    exit_note = f", exit {returncode}" if returncode not in (None, 0, 1) else ""
+    said = message.strip().rstrip(".")
+    return BridgeError(kind, f"claude -p: the Anthropic API answered HTTP {status} {error_type}"
+                             f" (the CLI said: {_clip(said)}{exit_note})" + (f"; {advice}" if advice else ""))
 
 
 def _status_in_text(message: str) -> int | None:

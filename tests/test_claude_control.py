@@ -347,9 +347,11 @@ ODD_SHAPES = [
     ("json-lines", json.dumps({"type": "system"}) + "\n" + result_json(result="from lines"), "", 0, "=from lines"),
     ("empty-result", result_json(result=""), "", 0, "empty_answer: claude -p returned an empty answer"),
     ("is-error-exit-0", result_json(is_error=True, result="API Error: 529 Overloaded", api_error_status=529), "", 0,
-     "overloaded: claude -p: API Error: 529 Overloaded"),
+     "overloaded: claude -p: the Anthropic API answered HTTP 529 overloaded_error (the CLI said: API Error: 529 "
+     "Overloaded)"),
     ("is-error-401", result_json(is_error=True, result="Invalid API key · Fix external API key",
-                                 api_error_status=401), "", 1, "auth: claude -p: Invalid API key"),
+                                 api_error_status=401), "", 1,
+     "auth: claude -p: the Anthropic API answered HTTP 401 authentication_error (the CLI said: Invalid API key"),
     ("error-only-on-stdout", "API Error: Request rejected (429) · rate limited\n", "", 1, "rate_limit: claude -p:"),
     ("not-logged-in-text", "Not logged in · Please run /login\n", "", 1, ccm.NOT_LOGGED_IN),
     ("truncated-json", result_json(result="cut")[:40], "", 0, "cli_output: claude -p printed JSON that does not parse"),
