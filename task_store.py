@@ -160,6 +160,20 @@ def now() -> float:
     return time.time()
 
 
+ERROR_MAX = 4_000  # characters of a stored error; the whole text stays in the task's log
+
+
+def clip(text: str, limit: int, where: str) -> str:
+    """``text`` unchanged when it has at most ``limit`` characters; else its head and its tail
+    around a note giving the full length and ``where`` the whole text is (e.g. the task's log),
+    so the result has about ``limit`` characters plus the note."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit - limit * 2 // 3
+    return (text[:head] + f"\n… [clipped: {len(text):,} characters in all; the whole text is in {where}] …\n"
+            + text[len(text) - tail:])
+
+
 def iso(ts: float | None) -> str | None:
     """Unix seconds -> ISO 8601 UTC with seconds precision, or None."""
     if ts is None:
@@ -1231,6 +1245,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     bounded back-off (each retry gets the full timeout again); else it is ``failed`` and its
     dependents fail too, naming it. Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
+    error = clip(error, ERROR_MAX, f"the task's log {log_path(num)}")
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
