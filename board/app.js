@@ -166,7 +166,7 @@
       } },
         el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title),
         el("td", {}, el("span", { class: "status s-" + t.status }, t.status)), el("td", {}, caller(t)),
-        el("td", {}, t.model || ""), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
+        el("td", {}, t.model || el("span", { class: "empty" }, "default")), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
         el("td", {}, age(t.created_at)), el("td", {}, usd(t.cost_usd))));
     }
     if (!page.tasks.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no tasks")));
@@ -262,19 +262,20 @@
       el("h2", { id: "task-title" }, el("span", { class: "tid" }, t.id), " ", t.title, " ",
         el("span", { class: "status s-" + t.status, id: "task-status" }, t.status)),
       actions(t, open),
-      section("Task", fields([["caller", caller(t)], ["model", t.model], ["agent", t.agent],
-        ["working dir", t.working_dir], ["permission", t.permission], ["priority", t.priority],
-        ["attempts", t.attempts + " of " + (t.max_retries + 1)], ["timeout", t.timeout_sec + " s"],
-        ["branch", t.branch], ["worktree", t.worktree_path], ["created", t.created_at],
-        ["started", t.started_at], ["finished", t.finished_at], ["error", t.error]])),
+      t.questions && t.questions.length ? section("Questions", list(t.questions, (q) => [
+        el("pre", { class: "text question" }, "Q: " + q.question),
+        el("pre", { class: "text answer" }, q.answer === null ? "(no answer yet)" : "A: " + q.answer)])) : "",
+      receipt(t), usage(t), diff(t),
+      section("Log", el("div", { id: "log", class: "log" })),
       section("Instructions", el("pre", { class: "text", id: "instructions" }, t.instructions)),
       section("Dependencies", list(t.depends_on, (d) => taskLink(d))),
       section("Notes", list(t.notes, (n) => [el("b", {}, n.author), " ", el("time", {}, n.created_at || ""),
         n.delivered ? " (delivered)" : " (not yet delivered)", el("pre", { class: "text note" }, n.text)])),
-      section("Questions", list(t.questions, (q) => [el("pre", { class: "text question" }, "Q: " + q.question),
-        el("pre", { class: "text answer" }, q.answer === null ? "(no answer yet)" : "A: " + q.answer)])),
-      receipt(t), usage(t), diff(t),
-      section("Log", el("div", { id: "log", class: "log" })),
+      section("Task", fields([["caller", caller(t)], ["model", t.model || "(the default model)"], ["agent", t.agent],
+        ["working dir", t.working_dir], ["permission", t.permission], ["priority", t.priority],
+        ["attempts", t.attempts + " of " + (t.max_retries + 1)], ["timeout", t.timeout_sec + " s"],
+        ["branch", t.branch], ["worktree", t.worktree_path], ["created", t.created_at],
+        ["started", t.started_at], ["finished", t.finished_at], ["error", t.error]])),
       section("Events", list(t.events, (e) => [el("time", {}, (e.ts || "").slice(11, 19)), " ",
         el("b", {}, e.kind), " ", e.message])));
     for (const [id, value] of Object.entries(typed)) if ($(id)) $(id).value = value;
@@ -313,6 +314,7 @@
       box.append(el("button", { type: "button", id: "retry", onclick: () => act("retry", {}) }, "Retry"));
     }
     box.append(msg);
+    box.hidden = box.children.length === 1;          // a finished, un-retryable task: nothing to do
     return box;
   }
 

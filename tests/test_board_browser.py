@@ -1,0 +1,303 @@
+"""The dispatch board in real headless Chromium (Debian's chromium + chromedriver, driven by
+Selenium) against the real server process: the token prompt, live tallies and feed, a real worker
+pass (real opencode, scripted model) whose log lines and diff appear on the open page, answering a
+waiting task from the page, screenshots that are not blank, and hostile strings that stay text.
+
+`./install.sh --test` installs chromium, chromium-driver and selenium; a missing one skips these
+tests locally and fails them under CI=true."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+import task_store
+from fake_openai import text, tool_call
+from helpers import ROOT, free_port, make_repo, run_script
+
+pytestmark = pytest.mark.browser
+
+TOKEN = "browser-test-token-0123456789"
+HOSTILE = ('<script>window.__pwned="script"</script><img src=x onerror="window.__pwned=\'img\';alert(1)">'
+           '<a href="javascript:window.__pwned=\'link\'">click me</a>')
+FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1400,1000")
+RECEIPT = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], ' \
+          '"tests_run": ["cat hello.txt"], "open_questions": []}\n```'
+
+
+def _missing(what: str) -> None:
+    message = f"{what} is missing: run ./install.sh --test (as root it apt-gets chromium and chromium-driver)"
+    if os.environ.get("CI", "").strip().lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """A fresh headless Chromium (its own profile under tmp_path) driven through chromedriver."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _missing("selenium (requirements-dev.txt)")
+    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not driver_bin:
+        _missing("chromium or chromedriver (Debian packages chromium, chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    driver = webdriver.Chrome(service=Service(executable_path=driver_bin), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def board(tmp_path, monkeypatch):
+    """The real server (`opencode_bridge_mcp.py --transport streamable-http`) on a free port."""
+    monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
+    port = free_port()
+    errors = tmp_path / "server.err"
+    with errors.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--transport",
+                                 "streamable-http", "--port", str(port)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=sink, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not _healthy(base):
+            assert proc.poll() is None and time.monotonic() < deadline, errors.read_text()
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "Traceback" not in errors.read_text(), errors.read_text()
+
+
+def _healthy(base: str) -> bool:
+    import httpx2
+    try:
+        return httpx2.get(f"{base}/health").status_code == 200
+    except httpx2.TransportError:
+        return False
+
+
+def wait(driver, condition, timeout: float = 30, what: str = "the page"):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition(d), message=what)
+
+
+def by_id(driver, name: str):
+    from selenium.webdriver.common.by import By
+    found = driver.find_elements(By.ID, name)
+    return found[0] if found else None
+
+
+def text_of(driver, name: str) -> str:
+    try:
+        node = by_id(driver, name)
+        return node.text if node is not None else ""
+    except Exception:           # replaced while read (the page re-renders): read again
+        return ""
+
+
+def log_in(driver, base: str) -> None:
+    driver.get(base + "/")
+    wait(driver, lambda d: by_id(d, "token-input").is_displayed(), what="the token prompt")
+    by_id(driver, "token-input").send_keys(TOKEN)
+    by_id(driver, "token-save").click()
+    wait(driver, lambda d: text_of(d, "tally-pending") != "", what="the tallies")
+
+
+def png_colours(path: Path) -> int:
+    """How many distinct pixel values an 8-bit RGB/RGBA PNG holds (decoded here: no imaging
+    library needed). A blank screenshot has one."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    pos, chunks, head = 8, [], None
+    while pos < len(data):
+        size, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + size]
+        if kind == b"IHDR":
+            head = struct.unpack(">IIBB", body[:10])
+        elif kind == b"IDAT":
+            chunks.append(body)
+        pos += 12 + size
+    width, height, depth, colour = head
+    assert depth == 8 and colour in (2, 6), f"unexpected PNG format {depth}/{colour}"
+    bpp = 3 if colour == 2 else 4
+    raw, stride, prev, seen = zlib.decompress(b"".join(chunks)), width * bpp, bytearray(width * bpp), set()
+    for row in range(height):
+        start = row * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif kind == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        if row % 7 == 0:
+            seen.update(bytes(line[i:i + bpp]) for i in range(0, stride, bpp * 5))
+        prev = line
+    return len(seen)
+
+
+def screenshot(driver, path: Path) -> Path:
+    driver.save_screenshot(str(path))
+    assert png_colours(path) > 20, f"{path} looks blank"
+    return path
+
+
+def no_script_ran(driver) -> None:
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+    with pytest.raises(NoAlertPresentException):
+        driver.switch_to.alert.text
+    assert driver.execute_script("return window.__pwned === undefined")
+    assert driver.find_elements(By.CSS_SELECTOR, "img") == []
+    assert driver.find_elements(By.CSS_SELECTOR, "a[href^='javascript']") == []
+    assert len(driver.find_elements(By.TAG_NAME, "script")) == 1
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.real_opencode
+def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("write-run", [
+        tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "hello from the agent\n"}),
+        tool_call("bash", {"command": "cat hello.txt", "description": "check"}),
+        text("All done.\n" + RECEIPT),
+    ])
+    opencode.model.script("ask", [text("One thing first.\n```question\nWhich port should the server use?\n```")])
+    log_in(browser, board)
+    assert "token" not in browser.current_url
+    assert browser.execute_script("return localStorage.getItem('taskbridge.token')") == TOKEN
+    assert text_of(browser, "tally-pending") == "0" and "never seen" in text_of(browser, "worker")
+
+    submitted = run_script("tasks_cli.py", "submit", "Write hello", "--dir", str(repo), "--instructions",
+                           "Create hello.txt. SCRIPT:write-run", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    seen_at = time.monotonic()
+    wait(browser, lambda d: text_of(d, "tally-pending") == "1" and "submitted" in text_of(d, "feed"),
+         timeout=10, what="the new task in the tallies and the feed")
+    lag = time.monotonic() - seen_at
+    assert lag < 2.0, f"the board showed the new task after {lag:.2f} s"
+    first = json.loads(submitted.stdout)["id"]
+    asked = run_script("tasks_cli.py", "submit", "Ask first", "--dir", str(repo), "--instructions",
+                       "Ask which port. SCRIPT:ask", "--json")
+    second = json.loads(asked.stdout)["id"]
+    wait(browser, lambda d: text_of(d, "tally-pending") == "2", timeout=10, what="two pending")
+
+    from selenium.webdriver.common.by import By
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{first}'] a").click()
+    wait(browser, lambda d: first in text_of(d, "task-title"), what="the task page")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait(browser, lambda d: "hello.txt" in text_of(d, "log"), timeout=120, what="log lines of the run")
+        wait(browser, lambda d: "hello from the agent" in text_of(d, "diff"), timeout=120, what="the diff")
+        assert "hello.txt" in text_of(browser, "diff-files") and text_of(browser, "task-status") == "done"
+        log_text = text_of(browser, "log")
+        assert "write" in log_text and "cat hello.txt" in log_text and '"type"' not in log_text
+        added = browser.find_elements(By.CSS_SELECTOR, "#diff span.add")
+        assert any("hello from the agent" in s.text for s in added)
+        screenshot(browser, tmp_path / "task.png")
+        worker.wait(180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 0, worker.stdout.read().decode()
+
+    browser.find_element(By.LINK_TEXT, "← all tasks").click()
+    wait(browser, lambda d: text_of(d, "tally-waiting") == "1" and text_of(d, "tally-done") == "1",
+         timeout=20, what="the waiting and done tallies")
+    shot = screenshot(browser, tmp_path / "list.png")
+    (ROOT / "docs").mkdir(exist_ok=True)
+    shutil.copyfile(shot, ROOT / "docs" / "board.png")
+
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{second}'] a").click()
+    wait(browser, lambda d: "Which port" in text_of(d, "question"), what="the question")
+    by_id(browser, "answer-text").send_keys("Use 8080")
+    by_id(browser, "answer-send").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task requeued")
+    task = task_store.get_task(second)
+    assert task["status"] == "pending" and task["questions"][-1]["answer"] == "Use 8080"
+    wait(browser, lambda d: text_of(d, "tally-waiting") == "0", what="the waiting tally")
+
+
+def _hostile_queue(tmp_path: Path) -> tuple[str, str]:
+    """A waiting task and a done task whose every shown string carries the hostile payload."""
+    asking = task_store.submit_task(title="Q " + HOSTILE, instructions=HOSTILE, working_dir=str(tmp_path))
+    task_store.add_note(asking["id"], HOSTILE)
+    claimed = task_store.claim_next("test-worker", task_id=asking["id"])
+    task_store.pause_for_question(asking["id"], claimed["run_marker"], HOSTILE)
+    done = task_store.submit_task(title="D " + HOSTILE, instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("test-worker", task_id=done["id"])
+    diff = f"diff --git a/x.html b/x.html\n+++ b/x.html\n@@ -0,0 +1 @@\n+{HOSTILE}\n"
+    task_store.complete_attempt(done["id"], claimed["run_marker"], diff=diff,
+                                result={"summary": HOSTILE, "files_touched": [HOSTILE]})
+    log = task_store.log_path(done["id"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(f"[worker] {HOSTILE}\n" + json.dumps({"type": "text", "part": {"text": HOSTILE}}) + "\n")
+    engine = task_store.state_path("worker.log")
+    engine.write_text(f"engine {HOSTILE}\n")
+    task_store.create_claude_job("job " + HOSTILE, "cli", 60)
+    return asking["id"], done["id"]
+
+
+def test_hostile_strings_stay_text_and_run_nothing(board, browser, tmp_path):
+    asking, done = _hostile_queue(tmp_path)
+    browser.get(f"{board}/#token={TOKEN}")
+    wait(browser, lambda d: text_of(d, "tally-waiting") == "1", what="the tallies")
+    assert "token" not in browser.current_url, "the token stays in the address bar"
+    wait(browser, lambda d: HOSTILE in text_of(d, "tasks") and HOSTILE in text_of(d, "jobs")
+         and HOSTILE in text_of(d, "engine") and HOSTILE in text_of(d, "feed"), what="hostile rows as text")
+    no_script_ran(browser)
+
+    browser.get(f"{board}/#/task/{asking}")
+    wait(browser, lambda d: HOSTILE in text_of(d, "question"), what="the question as text")
+    assert text_of(browser, "instructions") == HOSTILE and HOSTILE in text_of(browser, "task-view")
+    no_script_ran(browser)
+
+    browser.get(f"{board}/#/task/{done}")
+    wait(browser, lambda d: HOSTILE in text_of(d, "diff") and HOSTILE in text_of(d, "log"), what="diff and log")
+    assert HOSTILE in text_of(browser, "summary")
+    assert text_of(browser, "task-view").count(HOSTILE) >= 5     # summary, files touched, diff, 2 log lines
+    no_script_ran(browser)
+
+
+def test_a_refused_token_goes_back_to_the_prompt(board, browser):
+    browser.get(board + "/")
+    browser.execute_script("localStorage.setItem('taskbridge.token', 'stale-token')")
+    browser.get(board + "/")
+    wait(browser, lambda d: by_id(d, "token-input").is_displayed(), what="the token prompt")
+    assert "refused" in text_of(browser, "login-msg")
+    assert browser.execute_script("return localStorage.getItem('taskbridge.token')") is None
+    assert not by_id(browser, "board").is_displayed()
