@@ -1,4 +1,4 @@
-"""TaskBridge's MCP server: the 17 tools with which Claude (or any MCP client) drives the queue.
+"""TaskBridge's MCP server: the 19 tools with which Claude (or any MCP client) drives the queue.
 
 Run:
     python opencode_bridge_mcp.py                                  # stdio (what Claude Desktop runs)
@@ -244,6 +244,24 @@ class ClearResult(TypedDict):
     problems: list[str]
 
 
+class RetryResult(TaskInfo):
+    requeued_dependents: list[str]
+
+
+class ApplyResult(TypedDict):
+    """What apply_task did in the user's checkout (commits are full git ids)."""
+    task_id: str
+    mode: str
+    status: str
+    branch: str
+    tip: str
+    repo: str
+    into: str
+    before: str
+    head: str
+    files: list[str]
+
+
 class RestartResult(TypedDict):
     method: Literal["launchctl", "systemctl", "detached"]
     command: list[str]
@@ -420,7 +438,7 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 17 TaskBridge tools (nothing is opened until a tool runs)."""
+    """A fresh MCPServer with the 19 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
     for fn, hints in registry.entries:
         mcp.tool(annotations=hints)(fn)
@@ -800,6 +818,43 @@ def cancel_task(
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
     return info(store.cancel_task(task_id, reason or "cancelled by the planner"))
+
+
+@registry.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
+                                           idempotent_hint=False, open_world_hint=False))
+def retry_task(
+    task_id: TaskId,
+    model: Annotated[OptText, Field(description="provider/model (or a plain model name one provider offers) to use from now on; default: keep the task's")] = None,
+    note: Annotated[OptText, Field(description="extra instructions (≤20,000 characters) the agent gets in its next prompt, stored exactly as sent")] = None,
+) -> RetryResult:
+    """Requeue a failed or cancelled task with a fresh budget: it is pending again, may fail
+    `max_retries` more times before it fails for good, and its next attempt starts a new OpenCode
+    session (attempt numbers go on). `model` replaces its model; `note` adds instructions as a note.
+    Tasks that failed only because this one failed or was cancelled are requeued too
+    (`requeued_dependents`). Then wait_for([id]) as after a submit.
+    Errors (nothing is written then): unknown id, a task that is not failed or cancelled (done:
+    submit a follow-up task; pending, running or waiting: cancel it first), a bad model, an empty
+    or too long note."""
+    task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
+    return info(task) | {"requeued_dependents": task["requeued_dependents"]}
+
+
+@registry.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
+                                           idempotent_hint=False, open_world_hint=False))
+def apply_task(
+    task_id: TaskId,
+    mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
+                    Field(description="merge: a merge commit (or fast-forward); squash: one new commit; cherry-pick: copy the task's commits")] = "merge",
+) -> ApplyResult:
+    """Bring a done task's work (its branch taskbridge/<id>) into the current branch of the user's
+    checkout at the task's working_dir. Returns `status` "applied" (with `files` changed and the new
+    `head`) or "already-applied" (the branch was in HEAD already; nothing changed), and `before`, the
+    commit to reset to in order to undo it.
+    Errors (the checkout untouched): the task is not done, has no branch or made no commit, its
+    branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an
+    unfinished merge or rebase, or is on the task's branch. A conflict aborts the apply: the error
+    names the conflicting files and the checkout is exactly as it was (HEAD, index, files)."""
+    return worktrees.apply_branch(store.get_task(task_id), mode or "merge")
 
 
 @registry.tool(annotations=DESTRUCTIVE)

@@ -331,7 +331,13 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
-MIGRATIONS = [_migrate_v1, _migrate_v2]
+def _migrate_v3_retry_budget(conn: sqlite3.Connection) -> None:
+    # retry_task gives a failed task a fresh budget without reusing attempt numbers (run markers
+    # and fencing need them unique): the attempts counted before the retry are set aside here.
+    conn.execute("ALTER TABLE tasks ADD COLUMN spent_before_retry INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -984,7 +990,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 
 
 _LIST_COLUMNS = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks,"
-                 " max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
+                 " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
                  " json_extract(usage, '$.cost_usd') AS cost_usd, " + LIST_RANK + " AS rank")
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
@@ -1250,7 +1256,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
         if retryable and _retries_left(row):
-            backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** (row["attempts"] - 1), RETRY_BACKOFF_SEC[1])
+            backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** max(_counted_attempts(row) - 1, 0), RETRY_BACKOFF_SEC[1])
             conn.execute(
                 "UPDATE tasks SET status = 'pending', not_before = ?, error = ?, result = ?, diff = ?,"
                 " usage = ?, session_id = coalesce(?, session_id), lease_owner = NULL WHERE id = ?",
@@ -1342,7 +1348,86 @@ def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bo
 def _retries_left(row: sqlite3.Row) -> bool:
     # Only failures spend retries: a hand-back (worker shutdown) or an attempt that ended asking a
     # question is counted in handbacks. Attempt numbers stay unique for fencing.
-    return row["attempts"] - row["handbacks"] <= row["max_retries"]
+    return _counted_attempts(row) <= row["max_retries"]
+
+
+def _counted_attempts(row: sqlite3.Row) -> int:
+    """Attempts that spent the retry budget: neither hand-backs nor those before a retry_task."""
+    return row["attempts"] - row["handbacks"] - row["spent_before_retry"]
+
+
+RETRYABLE = ("failed", "cancelled")
+
+
+def retry_task(task_id: Any, *, model: str | None = None, note: str | None = None,
+               author: str = "planner") -> dict[str, Any]:
+    """Requeue a failed or cancelled task with a fresh budget: it is pending again, its next
+    attempt starts a new OpenCode session on a fresh worktree, and it may fail ``max_retries`` more
+    times before it fails for good (attempt numbers go on, so run markers stay unique). ``model``
+    (``provider/model``) replaces the task's model; ``note`` reaches the agent's next prompt as a
+    note by ``author``. Tasks that failed only because this one failed or was cancelled
+    (``dependency t_0001 failed``) are requeued too, as far down as that goes.
+
+    One transaction with a ``retried`` event row (and a ``note`` event). Returns the task dict
+    plus ``requeued_dependents`` (ids). Raises TaskNotFound, ValidationError (bad model, empty or
+    too long note), InvalidTransition (the task is not failed or cancelled)."""
+    num = parse_task_id(task_id)
+    model = validate_model(model)
+    note = None if note is None else _text("note", note, NOTE_MAX)
+    author = _text("author", author, 100)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] not in RETRYABLE:
+            raise InvalidTransition(_not_retryable(num, row["status"]))
+        _requeue_fresh(conn, row, model)
+        if note is not None:
+            conn.execute("INSERT INTO notes (task_id, author, text, created_at) VALUES (?, ?, ?, ?)",
+                         (num, author, note, now()))
+            _event(conn, num, "note", f"{author}: {note[:400]}")
+        said = f"by {author}: was {row['status']}; fresh budget of {row['max_retries'] + 1} attempt(s)"
+        _event(conn, num, "retried", said + (f"; model {model}" if model else ""))
+        dependents = _requeue_dependents(conn, num)
+        return task_dict(_row(conn, num), _deps(conn, num)) | {
+            "requeued_dependents": [format_task_id(d) for d in dependents]}
+
+
+def _not_retryable(num: int, status: str) -> str:
+    ident = format_task_id(num)
+    if status == "done":
+        return (f"task {ident} is done; only a failed or cancelled task can be retried (submit a "
+                "follow-up task to change its work)")
+    return (f"task {ident} is {status}, not failed or cancelled, so there is nothing to retry "
+            f"(cancel it first to start it over)")
+
+
+def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None) -> None:
+    # The OpenCode session, question and answer go: the next attempt starts afresh. The worktree
+    # path and base commit stay so the worker reuses the task's branch while it is unchanged.
+    conn.execute(
+        "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
+        " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
+        " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
+        " answer = NULL, spent_before_retry = attempts - handbacks WHERE id = ?",
+        (model, row["id"]),
+    )
+
+
+def _requeue_dependents(conn: sqlite3.Connection, num: int) -> list[int]:
+    """Requeue the tasks that failed because ``num`` failed or was cancelled (and theirs)."""
+    requeued, parents = [], [num]
+    while parents:
+        parent = parents.pop()
+        reasons = [f"dependency {format_task_id(parent)} {why}" for why in ("failed", "cancelled")]
+        rows = conn.execute(
+            "SELECT t.* FROM task_deps d JOIN tasks t ON t.id = d.task_id"
+            " WHERE d.depends_on = ? AND t.status = 'failed' AND t.error IN (?, ?)", (parent, *reasons)
+        ).fetchall()
+        for row in rows:
+            _requeue_fresh(conn, row, None)
+            _event(conn, row["id"], "retried", f"its dependency {format_task_id(num)} was retried")
+            requeued.append(row["id"])
+            parents.append(row["id"])
+    return requeued
 
 
 def stale_leases(stale_after_sec: float, slack_sec: float = 60) -> list[dict[str, Any]]:

@@ -323,7 +323,8 @@ def tries_cell(task: dict[str, Any]) -> str:
     allowed, attempts, handbacks = task["max_retries"] + 1, task["attempts"], task.get("handbacks")
     if handbacks is None:
         return f"{attempts}/{allowed}" if attempts <= allowed else str(attempts)
-    return f"{attempts - handbacks}/{allowed}" + (f" +{handbacks}" if handbacks else "")
+    uncounted = handbacks + (task.get("spent_before_retry") or 0)
+    return f"{attempts - uncounted}/{allowed}" + (f" +{uncounted}" if uncounted else "")
 
 
 def attempts_text(task: dict[str, Any]) -> str:
@@ -337,6 +338,8 @@ def attempts_text(task: dict[str, Any]) -> str:
     if handbacks:
         text += " (1 hand-back, which does not count)" if handbacks == 1 else \
             f" ({handbacks} hand-backs, which do not count)"
+    if task.get("spent_before_retry"):
+        text += f" ({task['spent_before_retry']} before a retry, which do not count)"
     return f"{text}; retries allowed {task['max_retries']}"
 
 
@@ -908,6 +911,102 @@ def logs(task_id: str, tail: int | None, follow: bool, raw: bool) -> None:
     except KeyboardInterrupt:
         return
     err().print(Text(f"{task_id} is {status}; log ends.", style="dim"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--stat", is_flag=True, help="Only the files changed, with lines added and removed.")
+@json_option
+def diff(task_id: str, stat: bool, as_json: bool) -> None:
+    """Print a task's diff, from its receipt (exact when piped, for git apply / patch).
+
+    On a terminal control characters show as escapes. --stat lists the files instead.
+    """
+    task = task_store.get_task(task_id)
+    if not task["diff"]:
+        made = "it changed no files" if task["status"] == "done" else f"it is {task['status']}"
+        raise CliError(f"task {task_id} has no diff ({made}); `python tasks_cli.py show {task_id}` tells more")
+    if as_json:
+        return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
+    if not stat:
+        return click.echo(raw_or_visible(task["diff"]), nl=not task["diff"].endswith("\n"), color=True)
+    summary = worktrees.diff_stat(task["diff"])
+    for item in summary["files"]:
+        counts = "binary" if item["binary"] else f"+{item['added']} -{item['removed']}"
+        out().print(Text(f"{visible(item['path'], multiline=False)}  {counts}"), soft_wrap=True)
+    out().print(Text(f"{len(summary['files'])} file(s) changed, {summary['added']} insertion(s)(+), "
+                     f"{summary['removed']} deletion(s)(-)", style="dim"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@json_option
+def branch(task_id: str, as_json: bool) -> None:
+    """Show the git branch holding a task's work, its commit, and how to check it out or apply it."""
+    task = task_store.get_task(task_id)
+    if not task["branch"]:
+        raise CliError(f"task {task_id} has no branch ({task['status']}; it ran in place or has not run "
+                       "yet); its changes, if any, are in its directory")
+    info = worktrees.branch_info(task)
+    if as_json:
+        return emit_json(info)
+    rows = [("branch", line(info["branch"])), ("commit", line(info["commit"] or "none (no changes committed)")),
+            ("tip now", line(info["tip"] or "the branch no longer exists")), ("base commit", line(info["base_commit"])),
+            ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),
+            ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else "no"),
+            ("kept worktree", line(info["worktree_path"]))]
+    rows += [(name, line(command)) for name, command in info["commands"].items()]
+    out().print(fields_table(rows, title=f"Work of {task_id}"))
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--squash", is_flag=True, help="One new commit with all the task's changes (instead of a merge).")
+@click.option("--cherry-pick", "cherry_pick", is_flag=True,
+              help="Copy the task's commits onto the current branch (instead of a merge).")
+@json_option
+def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
+    """Bring a done task's branch into the current branch of its checkout (a git merge by default).
+
+    Refused on a checkout with uncommitted changes, a detached HEAD or an unfinished merge. A
+    conflict aborts the apply and leaves the checkout exactly as it was, naming the conflicting files.
+    """
+    if squash and cherry_pick:
+        raise click.UsageError("give --squash or --cherry-pick, not both (neither: a merge)")
+    mode = "squash" if squash else "cherry-pick" if cherry_pick else "merge"
+    result = worktrees.apply_branch(task_store.get_task(task_id), mode)
+    if as_json:
+        return emit_json(result)
+    where = visible(f"{result['into']} of {result['repo']}", multiline=False)
+    if result["status"] == "already-applied":
+        return out().print(Text(f"{result['branch']} is already in {where}; nothing to do.", style="yellow"),
+                           soft_wrap=True)
+    verb = {"merge": "Merged", "squash": "Squashed", "cherry-pick": "Cherry-picked"}[mode]
+    out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: "
+                     f"{len(result['files'])} file(s) changed; HEAD is now {result['head'][:12]}.", style="green"),
+                soft_wrap=True)
+    out().print(Text(f"Undo with: git -C {visible(result['repo'], multiline=False)} reset --hard {result['before'][:12]}",
+                     style="dim"), soft_wrap=True)
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--model", "-m", callback=model_arg, help="Run it with this model (provider/model) from now on.")
+@click.option("--note", help="Extra instructions for the agent; they reach its next prompt as a note.")
+@json_option
+def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> None:
+    """Requeue a failed or cancelled task with a fresh budget of attempts.
+
+    Its next attempt starts a new OpenCode session; tasks that failed only because it failed are
+    requeued too.
+    """
+    task = task_store.retry_task(task_id, model=model, note=note, author=person())
+    if as_json:
+        return emit_json(task)
+    said = f"{task['id']} is pending again with {task['max_retries'] + 1} fresh attempt(s)"
+    said += f", model {task['model']}" if model else ""
+    said += f"; requeued with it: {', '.join(task['requeued_dependents'])}" if task["requeued_dependents"] else ""
+    out().print(Text(visible(said + ".", multiline=False), style="green"), soft_wrap=True)
 
 
 def say_why_no_log(task: dict[str, Any], path: Path, follow: bool) -> bool:

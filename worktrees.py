@@ -312,3 +312,191 @@ def purge_files(removed: list[dict[str, Any]], logs: bool, kept_worktrees: bool)
                 result["worktrees_removed"].append(task["worktree_path"])
     return result
 
+
+
+# --------------------------------------------------------------------------------------------
+# Getting a task's work back into the user's checkout (`tasks_cli.py apply`, MCP `apply_task`).
+
+APPLY_MODES = ("merge", "squash", "cherry-pick")
+
+
+class ApplyRefused(store.TaskStoreError):
+    """A task's branch cannot be applied to its checkout; the message says why and what to do.
+    ``conflicts`` lists the conflicting files when the merge conflicted (the checkout was restored)."""
+
+    def __init__(self, message: str, conflicts: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.conflicts = conflicts or []
+
+
+def branch_info(task: dict[str, Any]) -> dict[str, Any]:
+    """Where a task's work is: ``branch``, ``commit`` (the receipt's), ``tip`` (the branch's commit
+    now, None when deleted), ``base_commit``, ``repo`` (the user's checkout, None when not a git
+    repository), ``checkout_branch`` (what the checkout is on), ``applied`` (the tip is already in
+    the checkout's HEAD), ``worktree_path`` (a kept worktree that still exists, else None) and
+    ``commands`` (git command lines to look at it, check it out, apply it)."""
+    repo = _repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
+    branch, base = task.get("branch"), task.get("base_commit")
+    tip = _branch_tip(repo, branch) if repo and branch else ""
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], repo, check=False) if repo else ""
+    kept = task.get("worktree_path") if task.get("worktree_path") and os.path.isdir(task["worktree_path"]) else None
+    commands: dict[str, str] = {}
+    if repo and tip:
+        commands = {"log": f"git -C {repo} log -p {base + '..' if base else ''}{branch}",
+                    "switch": f"git -C {repo} switch {branch}",
+                    "worktree": f"git -C {repo} worktree add ../{Path(repo).name}-{task['id']} {branch}",
+                    "apply": f"python tasks_cli.py apply {task['id']}"}
+    return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
+            "tip": tip or None, "base_commit": base, "repo": repo,
+            "checkout_branch": git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
+            "applied": bool(tip and head and _is_ancestor(repo, tip, head)),
+            "worktree_path": kept, "commands": commands}
+
+
+def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
+    """Bring a done task's branch into the current branch of its user checkout: ``merge`` (a merge
+    commit, or a fast-forward), ``squash`` (one new commit) or ``cherry-pick`` (the task's commits
+    since its base, copied). Returns ``{"task_id", "mode", "status": "applied" | "already-applied",
+    "branch", "tip", "repo", "into" (the checkout's branch), "before", "head" (commits),
+    "files" (paths changed by the apply)}``.
+
+    Raises ApplyRefused, the checkout untouched, when: the task is not done, has no branch or
+    commit (ran in place, or changed nothing), its branch was deleted, the checkout is not a git
+    repository, has a detached HEAD, is on the task's branch, is mid merge/rebase/cherry-pick, or
+    has uncommitted changes to tracked files; and when git stops the apply (a conflict — the
+    conflicting files are in ``conflicts`` — or untracked files in the way): the apply is aborted
+    and HEAD, index and files are as they were. Raises store.ValidationError for an unknown mode.
+    """
+    if mode not in APPLY_MODES:
+        raise store.ValidationError(f"mode {mode!r} is not one of {', '.join(APPLY_MODES)}")
+    repo, branch, tip, into = _apply_target(task)
+    _refuse_unclean(repo, task["id"])
+    before = git(["rev-parse", "HEAD"], repo)
+    result = {"task_id": task["id"], "mode": mode, "branch": branch, "tip": tip, "repo": repo,
+              "into": into, "before": before}
+    if _is_ancestor(repo, tip, before):
+        return result | {"status": "already-applied", "head": before, "files": []}
+    try:
+        _run_apply(repo, mode, task, branch, tip)
+    except RuntimeError as exc:
+        conflicts = git(["diff", "--name-only", "--diff-filter=U"], repo, check=False).splitlines()
+        _undo_apply(repo, before)
+        raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
+    head = git(["rev-parse", "HEAD"], repo)
+    files = git(["diff", "--name-only", before, head], repo, check=False).splitlines()
+    return result | {"status": "applied", "head": head, "files": files}
+
+
+def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
+    """(checkout, branch, branch tip, checkout's branch) or ApplyRefused naming what is missing."""
+    ident, status = task["id"], task["status"]
+    if status != "done":
+        hint = f"retry it (tasks_cli.py retry {ident}) and apply once it is done" if status in ("failed", "cancelled") \
+            else "wait until it is done (wait_for, or tasks_cli.py logs --follow)"
+        raise ApplyRefused(f"task {ident} is {status}, not done; only a done task's work can be applied: {hint}")
+    branch, commit = task.get("branch"), (task.get("result") or {}).get("commit")
+    if not branch:
+        raise ApplyRefused(f"task {ident} has no branch: it ran in place (worktree=false or not a git "
+                           "repository), so its changes are already in its directory")
+    if not commit:
+        raise ApplyRefused(f"task {ident} committed nothing on {branch} (it changed no files): nothing to apply")
+    wd = task["working_dir"]
+    repo = _repo_top(wd) if os.path.isdir(wd) else None
+    if not repo:
+        raise ApplyRefused(f"{wd} is not a git repository (any more); task {ident}'s work is on branch {branch}")
+    tip = _branch_tip(repo, branch)
+    if not tip:
+        raise ApplyRefused(f"branch {branch} of task {ident} no longer exists in {repo}; nothing to apply")
+    into = git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False)
+    if not into:
+        raise ApplyRefused(f"{repo} has a detached HEAD; check out the branch to apply to (git switch main) and apply again")
+    if into == branch:
+        raise ApplyRefused(f"{repo} is on the task's own branch {branch}; switch to the branch to apply it to and apply again")
+    return repo, branch, tip, into
+
+
+def _refuse_unclean(repo: str, ident: str) -> None:
+    git_dir = Path(git(["rev-parse", "--absolute-git-dir"], repo))
+    for name, what in (("MERGE_HEAD", "a merge"), ("CHERRY_PICK_HEAD", "a cherry-pick"), ("REVERT_HEAD", "a revert"),
+                       ("rebase-merge", "a rebase"), ("rebase-apply", "a rebase or am")):
+        if (git_dir / name).exists():
+            raise ApplyRefused(f"{repo} is in the middle of {what}; finish or abort it first, then apply {ident} again")
+    out = git(["status", "--porcelain", "-z", "--untracked-files=no"], repo, check=False, strip=False)
+    dirty, entries = [], iter(out.split("\0"))
+    for entry in entries:
+        if entry:
+            dirty.append(entry)
+            if entry[0] in "RC":
+                next(entries, None)  # a rename or copy is followed by its source path
+    if dirty:
+        shown = ", ".join(entry[3:] for entry in dirty[:10]) + (f" and {len(dirty) - 10} more" if len(dirty) > 10 else "")
+        raise ApplyRefused(f"{repo} has uncommitted changes ({shown}); commit or stash them (git stash) "
+                           f"and apply {ident} again")
+
+
+def _identity(repo: str) -> list[str]:
+    """A committer identity for git when the user has none configured (as commit_changes does)."""
+    return [] if git(["config", "user.email"], repo, check=False) else [
+        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
+
+
+def _run_apply(repo: str, mode: str, task: dict[str, Any], branch: str, tip: str) -> None:
+    title = " ".join(str(task.get("title") or "").split())[:200]
+    who = _identity(repo)
+    if mode == "merge":
+        git([*who, "merge", "--no-edit", "-m", f"Merge {branch}: {title} (TaskBridge {task['id']})", tip], repo)
+    elif mode == "squash":
+        git([*who, "merge", "--squash", tip], repo)
+        git([*who, "commit", "-q", "--no-edit", "-m", f"{title} (TaskBridge {task['id']}, squashed from {branch})"], repo)
+    else:
+        base = task.get("base_commit")
+        picks = f"{base}..{tip}" if base and _is_ancestor(repo, base, tip) else tip
+        git([*who, "cherry-pick", "--allow-empty", picks], repo)
+
+
+def _undo_apply(repo: str, before: str) -> None:
+    """Put the checkout back as it was before a failed apply (HEAD, index, tracked files)."""
+    git_dir = Path(git(["rev-parse", "--absolute-git-dir"], repo))
+    if (git_dir / "CHERRY_PICK_HEAD").exists() or (git_dir / "sequencer").exists():
+        git(["cherry-pick", "--abort"], repo, check=False)
+    if (git_dir / "MERGE_HEAD").exists():
+        git(["merge", "--abort"], repo, check=False)
+    # A squash leaves no MERGE_HEAD; and a cherry-pick of several commits may have made some.
+    git(["reset", "-q", "--merge", before], repo, check=False)
+
+
+def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, conflicts: list[str],
+                  exc: Exception) -> str:
+    restored = git(["rev-parse", "HEAD"], repo, check=False) == before and not \
+        git(["status", "--porcelain", "--untracked-files=no"], repo, check=False)
+    state = (f"the checkout is as it was (HEAD {before[:12]})" if restored else
+             f"the checkout could NOT be fully restored: check `git -C {repo} status` (HEAD was {before[:12]})")
+    if conflicts:
+        shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
+        return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "
+                f"Resolve it by hand (git -C {repo} merge {task['branch']}) or retry the task on the current code")
+    reason = str(exc).split("failed: ", 1)[-1].strip().replace("\n", " ")[:500]
+    return f"git refused to apply task {task['id']} ({mode} of {task['branch']}): {reason}; {state}"
+
+
+def diff_stat(diff: str) -> dict[str, Any]:
+    """Per file of a git diff text: ``{"files": [{"path", "added", "removed", "binary"}],
+    "added", "removed"}`` (lines; a binary file counts none)."""
+    files: list[dict[str, Any]] = []
+    in_hunk = False
+    for line in (diff or "").splitlines():
+        if line.startswith("diff --git "):
+            path = line.split(" b/", 1)[-1] if " b/" in line else line[len("diff --git "):]
+            files.append({"path": path, "added": 0, "removed": 0, "binary": False})
+            in_hunk = False
+        elif not files:
+            continue
+        elif line.startswith("@@"):
+            in_hunk = True
+        elif not in_hunk:
+            files[-1]["binary"] |= line.startswith(("Binary files ", "GIT binary patch"))
+        elif line.startswith("+"):
+            files[-1]["added"] += 1
+        elif line.startswith("-"):
+            files[-1]["removed"] += 1
+    return {"files": files, "added": sum(f["added"] for f in files), "removed": sum(f["removed"] for f in files)}

@@ -1,4 +1,4 @@
-"""The 17 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
+"""The 19 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
 auto), including the bad-input list of issue 3 and the caps on huge logs, diffs and lists."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ TOOLS = {
     "submit_task", "submit_batch", "get_task", "get_task_result", "get_task_logs", "wait_for",
     "answer_task", "list_tasks", "queue_status", "worker_heartbeat", "restart_worker",
     "add_task_note", "cancel_task", "clear_finished", "list_models", "set_default_model", "ping",
+    "retry_task", "apply_task",
 }
 CLAUDE = Implementation(name="claude-ai", version="0.14.2")
 

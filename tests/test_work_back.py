@@ -14,7 +14,7 @@ import opencode_runner
 import task_store
 import tasks_cli
 from fake_openai import http_error, text, tool_call
-from helpers import make_repo, run_script
+from helpers import checkout_state, git, make_repo, run_script
 
 RECEIPT = '```json\n{"summary": "Tried a few things", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
@@ -89,3 +89,257 @@ def test_render_log_line_kinds_and_fields():
     chunk = "=== br-2-a1 2026-01-01T00:00:00+00:00 cwd=/x\n$ opencode run\n" + step + "\n"
     assert [e["kind"] for e in opencode_runner.render_log(chunk)] == ["attempt", "worker", "step"]
     assert opencode_runner.render_log(chunk)[0]["cwd"] == "/x"
+
+
+# --------------------------------------------------------------------------------------------
+# apply, diff, branch.
+
+DONE = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], "tests_run": [], ' \
+       '"open_questions": []}\n```'
+
+
+def finished_by_hand(repo, files: dict[str, str], title: str = "hand work") -> dict:
+    """A done task whose branch holds one commit with ``files`` (played without a worker)."""
+    task = task_store.submit_task(title=title, instructions="i", working_dir=str(repo))
+    claimed = task_store.claim_next("test-worker", task_id=task["id"])
+    branch, base = f"taskbridge/{task['id']}", git(repo, "rev-parse", "HEAD")
+    work = repo.parent / f"wt-{task['id']}"
+    git(repo, "worktree", "add", "-q", "-b", branch, str(work), base)
+    for name, content in files.items():
+        (work / name).write_text(content)
+    git(work, "add", "-A")
+    git(work, "commit", "-q", "-m", f"taskbridge {task['id']}")
+    commit = git(work, "rev-parse", "HEAD")
+    diff = git(work, "diff", base, commit) + "\n"
+    git(repo, "worktree", "remove", "--force", str(work))
+    task_store.renew_lease(task["id"], claimed["run_marker"], branch=branch, base_commit=base)
+    return task_store.complete_attempt(task["id"], claimed["run_marker"], diff=diff,
+                                       result={"summary": "ok", "commit": commit})
+
+
+@pytest.mark.real_opencode
+def test_apply_merges_a_finished_run_refuses_a_dirty_checkout_and_a_conflict_changes_nothing(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo", {"README.md": "# demo\n", "notes.txt": "a\n"})
+    opencode.model.script("hello", [
+        tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "hello from the agent\n"}),
+        text("Done.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="hello", instructions="SCRIPT:hello", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+
+    (repo / "notes.txt").write_text("edited, not committed\n")
+    dirty = checkout_state(repo)
+    refused = cli("apply", task["id"])
+    assert refused.exit_code == 1 and "uncommitted changes (notes.txt)" in refused.stderr
+    assert "git stash" in refused.stderr and checkout_state(repo) == dirty
+    git(repo, "checkout", "notes.txt")
+
+    # A conflicting commit on main: the merge stops, is aborted, and nothing moved.
+    (repo / "hello.txt").write_text("hello from the person\n")
+    (repo / "untracked.txt").write_text("mine\n")
+    git(repo, "add", "hello.txt")
+    git(repo, "commit", "-q", "-m", "person's hello")
+    before = checkout_state(repo)
+    for args in ((), ("--squash",), ("--cherry-pick",)):
+        conflict = cli("apply", task["id"], *args)
+        assert conflict.exit_code == 1, conflict.stdout
+        assert "conflicts in hello.txt" in conflict.stderr and "the checkout is as it was" in conflict.stderr
+        assert checkout_state(repo) == before
+        assert not (repo / ".git" / "MERGE_HEAD").exists() and not (repo / ".git" / "CHERRY_PICK_HEAD").exists()
+
+    git(repo, "reset", "-q", "--hard", "HEAD~1")
+    head = git(repo, "rev-parse", "HEAD")
+    merged = cli("apply", task["id"])
+    assert merged.exit_code == 0, merged.stderr
+    assert f"Merged taskbridge/{task['id']}" in merged.stdout and "1 file(s) changed" in merged.stdout
+    assert (repo / "hello.txt").read_text() == "hello from the agent\n"
+    assert git(repo, "merge-base", "--is-ancestor", done["result"]["commit"], "HEAD") == ""
+    assert git(repo, "status", "--porcelain", "--untracked-files=no") == ""
+    assert f"reset --hard {head[:12]}" in merged.stdout
+    again = cli("apply", task["id"], "--json")
+    assert json.loads(again.stdout)["status"] == "already-applied"
+
+    info = json.loads(cli("branch", task["id"], "--json").stdout)
+    assert info["branch"] == f"taskbridge/{task['id']}" and info["commit"] == done["result"]["commit"]
+    assert info["applied"] is True and info["commands"]["switch"].endswith(f"switch taskbridge/{task['id']}")
+    assert cli("diff", task["id"]).stdout == done["diff"]
+    assert "hello.txt  +1 -0" in cli("diff", task["id"], "--stat").stdout
+
+
+def test_apply_squash_and_cherry_pick(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    first = finished_by_hand(repo, {"a.txt": "a\n"}, title="add a")
+    second = finished_by_hand(repo, {"b.txt": "b\n"}, title="add b")
+    squashed = cli("apply", first["id"], "--squash", "--json")
+    assert squashed.exit_code == 0, squashed.stderr
+    result = json.loads(squashed.stdout)
+    assert result["status"] == "applied" and result["files"] == ["a.txt"] and result["mode"] == "squash"
+    assert git(repo, "log", "-1", "--format=%s") == f"add a (TaskBridge {first['id']}, squashed from taskbridge/{first['id']})"
+    assert git(repo, "rev-list", "--count", "HEAD") == "2"  # one new commit, no merge
+    picked = cli("apply", second["id"], "--cherry-pick")
+    assert picked.exit_code == 0 and f"Cherry-picked taskbridge/{second['id']}" in picked.stdout
+    assert git(repo, "log", "-1", "--format=%s") == f"taskbridge {second['id']}"
+    assert (repo / "a.txt").exists() and (repo / "b.txt").exists()
+    both = cli("apply", first["id"], "--squash", "--cherry-pick")
+    assert both.exit_code == 2 and "not both" in both.stderr
+
+
+def test_apply_refusals_leave_the_checkout_alone(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    done = finished_by_hand(repo, {"a.txt": "a\n"})
+    pending = task_store.submit_task(title="p", instructions="i", working_dir=str(repo))
+    plain_dir = tmp_path / "plain"
+    plain_dir.mkdir()
+    in_place = task_store.submit_task(title="q", instructions="i", working_dir=str(plain_dir))
+    claimed = task_store.claim_next("w", task_id=in_place["id"])
+    task_store.complete_attempt(in_place["id"], claimed["run_marker"], result={"summary": "ok"})
+    before = checkout_state(repo)
+    assert "is pending, not done" in cli("apply", pending["id"]).stderr
+    assert "has no branch: it ran in place" in cli("apply", in_place["id"]).stderr
+    assert "has no branch" in cli("branch", in_place["id"]).stderr
+    assert "has no diff" in cli("diff", pending["id"]).stderr
+    git(repo, "checkout", "-q", "--detach")
+    assert "detached HEAD" in cli("apply", done["id"]).stderr
+    git(repo, "checkout", "-q", "main")
+    git(repo, "checkout", "-q", f"taskbridge/{done['id']}")
+    assert "on the task's own branch" in cli("apply", done["id"]).stderr
+    git(repo, "checkout", "-q", "main")
+    assert checkout_state(repo) == before
+    git(repo, "branch", "-q", "-D", f"taskbridge/{done['id']}")
+    gone = cli("apply", done["id"])
+    assert gone.exit_code == 1 and "no longer exists" in gone.stderr
+    assert checkout_state(repo) == before
+
+
+# --------------------------------------------------------------------------------------------
+# retry.
+
+
+@pytest.mark.real_opencode
+def test_retry_reruns_a_failed_task_to_done_with_a_note_and_a_fresh_budget(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("flaky", [http_error(400, "the scripted model is not ready yet")])
+    task = task_store.submit_task(title="flaky", instructions="SCRIPT:flaky", working_dir=str(repo), max_retries=0)
+    assert run_script("worker.py").returncode == 0
+    failed = task_store.get_task(task["id"])
+    assert failed["status"] == "failed" and "not ready yet" in failed["error"]
+
+    opencode.model.script("flaky", [
+        tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "second time lucky\n"}),
+        text("Done.\n" + DONE),
+    ])
+    retried = cli("retry", task["id"], "--note", "Use the word lucky.")
+    assert retried.exit_code == 0, retried.stderr
+    assert f"{task['id']} is pending again with 1 fresh attempt(s)" in retried.stdout
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["attempts"] == 2 and done["run_marker"] == "br-1-a2"  # attempt numbers go on
+    assert "second time lucky" in done["diff"]
+    prompt = json.dumps(opencode.model.requests_for("flaky")[-1])
+    assert "Use the word lucky." in prompt
+    kinds = [e["kind"] for e in done["events"]]
+    assert kinds.index("retried") > kinds.index("failed") and kinds[-1] == "done"
+
+
+def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
+    first = task_store.submit_task(title="a", instructions="i", working_dir=str(tmp_path), max_retries=1)
+    child = task_store.submit_task(title="b", instructions="i", working_dir=str(tmp_path), depends_on=[first["id"]])
+    grandchild = task_store.submit_task(title="c", instructions="i", working_dir=str(tmp_path), depends_on=[child["id"]])
+    for _ in range(2):
+        claimed = task_store.claim_next("w", task_id=first["id"])
+        task_store.fail_attempt(first["id"], claimed["run_marker"], "broke")
+        task_store.connect().execute("UPDATE tasks SET not_before = NULL")
+    assert task_store.get_task(first["id"])["status"] == "failed"
+    assert task_store.get_task(grandchild["id"])["error"] == f"dependency {child['id']} failed"
+
+    events = task_store.last_event_id()
+    for bad in ({"model": "no-slash"}, {"note": "   "}, {"note": "x" * (task_store.NOTE_MAX + 1)}):
+        with pytest.raises(task_store.ValidationError):
+            task_store.retry_task(first["id"], **bad)
+    assert task_store.last_event_id() == events and task_store.get_task(first["id"])["status"] == "failed"
+
+    retried = task_store.retry_task(first["id"], model="fake/other", note="try harder", author="cli:me")
+    assert retried["status"] == "pending" and retried["model"] == "fake/other"
+    assert retried["requeued_dependents"] == [child["id"], grandchild["id"]]
+    assert task_store.get_task(grandchild["id"])["status"] == "pending"
+    assert [n["text"] for n in task_store.get_task(first["id"])["notes"]] == ["try harder"]
+    # A fresh budget: it may fail once more and be requeued before it fails for good.
+    claimed = task_store.claim_next("w", task_id=first["id"])
+    assert claimed["run_marker"] == "br-1-a3"
+    assert task_store.fail_attempt(first["id"], claimed["run_marker"], "again")["status"] == "pending"
+    row = next(t for t in task_store.list_tasks()["tasks"] if t["id"] == first["id"])
+    assert tasks_cli.tries_cell(row) == "1/2 +2"
+    assert "(2 before a retry, which do not count)" in tasks_cli.attempts_text(task_store.get_task(first["id"]))
+
+    with pytest.raises(task_store.InvalidTransition, match="not failed or cancelled"):
+        task_store.retry_task(first["id"])
+    done = task_store.submit_task(title="d", instructions="i", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("w", task_id=done["id"])
+    task_store.complete_attempt(done["id"], claimed["run_marker"], result={"summary": "ok"})
+    with pytest.raises(task_store.InvalidTransition, match="is done; only a failed or cancelled"):
+        task_store.retry_task(done["id"])
+    with pytest.raises(task_store.TaskNotFound):
+        task_store.retry_task(99)
+    cancelled = task_store.cancel_task(task_store.submit_task(title="e", instructions="i", working_dir=str(tmp_path))["id"])
+    assert task_store.retry_task(cancelled["id"])["status"] == "pending"
+    refused = cli("retry", done["id"])
+    assert refused.exit_code == 1 and "is done" in refused.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# The MCP tools, through the SDK client in memory.
+
+
+@pytest.mark.anyio
+async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
+    import opencode_bridge_mcp as bridge
+    from mcp import Client
+
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
+    repo = make_repo(tmp_path / "repo")
+    done = finished_by_hand(repo, {"a.txt": "a\n"}, title="add a")
+    failing = task_store.submit_task(title="f", instructions="i", working_dir=str(repo), max_retries=0)
+    claimed = task_store.claim_next("w", task_id=failing["id"])
+    task_store.fail_attempt(failing["id"], claimed["run_marker"], "broke", retryable=False)
+
+    async with Client(bridge.build_server()) as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        assert tools["apply_task"].annotations.read_only_hint is False
+        assert tools["retry_task"].annotations.destructive_hint is False
+        assert set(tools["apply_task"].input_schema["properties"]) == {"task_id", "mode"}
+        assert set(tools["retry_task"].input_schema["properties"]) == {"task_id", "model", "note"}
+
+        async def call(name, args):
+            return await c.call_tool(name, args)
+
+        before = checkout_state(repo)
+        (repo / "README.md").write_text("dirty\n")
+        dirty = await call("apply_task", {"task_id": done["id"]})
+        assert dirty.is_error and "uncommitted changes (README.md)" in dirty.content[0].text
+        git(repo, "checkout", "README.md")
+        assert checkout_state(repo) == before
+        bad_mode = await call("apply_task", {"task_id": done["id"], "mode": "rebase"})
+        assert bad_mode.is_error and "mode must be one of" in bad_mode.content[0].text
+        not_done = await call("apply_task", {"task_id": failing["id"]})
+        assert not_done.is_error and "is failed, not done" in not_done.content[0].text
+        assert checkout_state(repo) == before
+
+        applied = await call("apply_task", {"task_id": done["id"], "mode": "squash"})
+        assert not applied.is_error, applied.content[0].text
+        result = applied.structured_content
+        assert result["status"] == "applied" and result["files"] == ["a.txt"]
+        assert result["head"] == git(repo, "rev-parse", "HEAD") and result["before"] == before[0]
+
+        retried = await call("retry_task", {"task_id": failing["id"], "note": "look again"})
+        assert not retried.is_error, retried.content[0].text
+        assert retried.structured_content["status"] == "pending"
+        assert retried.structured_content["requeued_dependents"] == []
+        twice = await call("retry_task", {"task_id": failing["id"]})
+        assert twice.is_error and "is pending, not failed or cancelled" in twice.content[0].text
+        unknown = await call("retry_task", {"task_id": "t_0099"})
+        assert unknown.is_error and "t_0099 not found" in unknown.content[0].text
+        extra = await call("retry_task", {"task_id": failing["id"], "budget": 3})
+        assert extra.is_error
