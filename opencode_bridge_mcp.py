@@ -432,6 +432,9 @@ and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes;
 READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
 DESTRUCTIVE = ToolAnnotations(destructive_hint=True)
 IDEMPOTENT = ToolAnnotations(idempotent_hint=True)
+# Writes that add (a requeue, a merge into the user's checkout) and are refused when repeated
+# (retry_task) or may add again (a squash): neither read-only, destructive nor idempotent.
+ADDS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
 
 
 registry = mcp_shared.ToolRegistry()
@@ -820,8 +823,7 @@ def cancel_task(
     return info(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
-@registry.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
-                                           idempotent_hint=False, open_world_hint=False))
+@registry.tool(annotations=ADDS)
 def retry_task(
     task_id: TaskId,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name one provider offers) to use from now on; default: keep the task's")] = None,
@@ -839,8 +841,7 @@ def retry_task(
     return info(task) | {"requeued_dependents": task["requeued_dependents"]}
 
 
-@registry.tool(annotations=ToolAnnotations(read_only_hint=False, destructive_hint=False,
-                                           idempotent_hint=False, open_world_hint=False))
+@registry.tool(annotations=ADDS)
 def apply_task(
     task_id: TaskId,
     mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
@@ -933,7 +934,7 @@ def ping(ctx: Context) -> PingResult:
 
 def build_app(server: MCPServer | None = None) -> Any:
     """The one Starlette app for every HTTP transport (http_app.build_app) around ``server``, by
-    default a fresh one with the 17 tools; reads the token and allowlist now."""
+    default a fresh one with the 19 tools; reads the token and allowlist now."""
     return http_app.build_app(server or build_server())
 
 
