@@ -639,6 +639,7 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               f"(pid {holder.get('pid', '?')}); exiting", flush=True)
         return 0
     try:
+        Beat.slots = slots
         Beat.write("starting")
         return _loop(watch, max_tasks, Knobs(), slots)
     finally:
@@ -651,6 +652,7 @@ class Beat:
     lock = threading.Lock()
     tasks: dict[str, str] = {}   # task id -> run marker
     state = "starting"
+    slots = 1                    # how many tasks this pass may run at once (the board shows it)
 
     @classmethod
     def write(cls, state: str | None = None, **extra: Any) -> None:
@@ -658,7 +660,7 @@ class Beat:
             cls.state = state or cls.state
             ids = sorted(cls.tasks)
             store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                          "tasks": ids, **extra})
+                                          "tasks": ids, "slots": cls.slots, **extra})
 
     @classmethod
     def running(cls, task: dict[str, Any], active: bool) -> None:

@@ -222,3 +222,21 @@ def test_task_list_pages_by_cursor_without_gaps_or_repeats(client, tmp_path):
     assert seen == [f"t_{n:04d}" for n in range(7, 0, -1)] and page["total"] == 7
     bad = client.get("/api/tasks?cursor=nonsense", headers=AUTH)
     assert bad.status_code == 400 and "cursor" in bad.json()["error"]
+
+
+def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(client):
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    import tasks_cli
+    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
+                             "{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001'], 'slots': 2})"])
+    dead.wait()
+    board = client.get("/api/status", headers=AUTH).json()["worker"]
+    cli = json.loads(CliRunner().invoke(tasks_cli.cli, ["status", "--json"]).stdout)["worker"]
+    tool = bridge.worker_heartbeat()
+    for view in (board, cli, tool):
+        assert view["died"] is True and view["recent"] is True and view["pid"] == dead.pid
+        assert view["tasks"] == ["t_0001"] and view["slots"] == 2 and "gone" in view["summary"]
