@@ -73,7 +73,6 @@ INSTRUCTIONS_SHOWN = 20_000    # characters of instructions get_task shows
 WAIT_RANGE = (1, 3600)         # wait_for timeout_sec
 WAIT_IDS_MAX = 100
 PROGRESS_EVERY_SEC = 3.0
-MODELS_CACHE_SEC = 60.0
 ATTENTION = frozenset(store.TERMINAL) | {"waiting"}
 
 log = logging.getLogger("taskbridge.mcp")
@@ -283,13 +282,13 @@ class ModelPage(TypedDict):
     total: int
     offset: int
     next_offset: int | None
-    default_model: str
+    default_model: str | None
     resolved: str | None
 
 
 class DefaultModel(TypedDict):
     model: str
-    previous: str
+    previous: str | None
     resolved_from: str | None
 
 
@@ -305,7 +304,7 @@ class PingResult(TypedDict):
     version: str
     database: str
     tasks: int
-    default_model: str
+    default_model: str | None
     worker: str
     caller: Caller
     protocol_version: str | None
@@ -362,53 +361,43 @@ def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
     return (client.name, client.version) if client is not None else (None, None)
 
 
-_models_cache: dict[tuple, tuple[float, list[dict[str, Any]]]] = {}
-
-
 def known_models(provider: str | None = None, refresh: bool = False) -> list[dict[str, Any]]:
-    """``opencode models --verbose`` (cached for a minute per provider and OpenCode config).
+    """``opencode models --verbose`` (cached for a minute per provider and OpenCode setup).
     Raises ToolError when OpenCode is missing or refuses."""
-    key = (provider, *(os.environ.get(k) for k in ("OPENCODE_BIN", "OPENCODE_CONFIG",
-                                                      "OPENCODE_CONFIG_CONTENT", "PATH")))
-    hit = _models_cache.get(key)
-    if hit and not refresh and time.monotonic() - hit[0] < MODELS_CACHE_SEC:
-        return hit[1]
     try:
-        models = opencode_runner.list_models(provider)
+        return opencode_runner.known_models(provider, refresh=refresh, cache_file=task_views.models_cache_file())
     except opencode_runner.OpencodeNotFound as exc:
         raise ToolError(str(exc)) from None
     except subprocess.TimeoutExpired:
         raise ToolError("`opencode models` did not answer within 60 s; try again") from None
     except (RuntimeError, OSError) as exc:
         raise ToolError(f"`opencode models` failed: {exc}") from None
-    _models_cache[key] = (time.monotonic(), models)
-    return models
 
 
 def resolve_model(name: str, models: list[dict[str, Any]]) -> str:
     """A full ``provider/model`` id for ``name``: an exact id, or a plain model name that exactly
-    one provider offers (case-insensitive). Raises ToolError listing candidates otherwise."""
-    wanted = name.strip()
-    ids = [m["id"] for m in models]
-    exact = [i for i in ids if i.lower() == wanted.lower()]
-    if exact:
-        return exact[0]
-    plain = [i for i in ids if i.split("/", 1)[1].lower() == wanted.lower()] if "/" not in wanted else []
-    if len(plain) == 1:
-        return plain[0]
-    if len(plain) > 1:
-        raise ToolError(f"model name {wanted!r} is ambiguous: {', '.join(plain)}; give one of these ids")
-    near = [i for i in ids if wanted.lower() in i.lower()][:10]
-    hint = f"; similar: {', '.join(near)}" if near else "; list_models shows what is available"
-    raise ToolError(f"model {wanted!r} is not offered by OpenCode here{hint}")
+    one provider offers (case-insensitive). Raises ToolError naming the closest ids otherwise."""
+    try:
+        return opencode_runner.match_model(name, models)
+    except opencode_runner.UnknownModel as exc:
+        raise ToolError(str(exc)) from None
 
 
 def _model_arg(model: str | None) -> str | None:
-    """A plain model name (no provider) resolves through ``opencode models``; ids pass as given."""
+    """A model given at submit, checked against ``opencode models`` (cached for a minute): an
+    unknown one is refused with the closest ids; a plain name resolves to its full id. When
+    OpenCode cannot be asked, a full ``provider/model`` id passes unchecked (the worker's run
+    says what OpenCode thinks of it); a plain name cannot."""
     model = store.optional(model)
-    if model is None or "/" in model:
+    if model is None or not isinstance(model, str):
         return model
-    return resolve_model(model, known_models())
+    try:
+        models = known_models()
+    except ToolError:
+        if "/" in model:
+            return model
+        raise
+    return resolve_model(model, models)
 
 
 def _task_ids(values: list[Any]) -> list[str]:
@@ -470,7 +459,7 @@ def submit_task(
     The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
     and records a receipt. Then call wait_for([id]) and get_task_result(id).
     Errors (nothing is written then): a relative or missing working_dir, an unknown dependency,
-    a value out of range, an unknown model name.
+    a value out of range, a model `opencode models` does not list (the closest ids are named).
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
@@ -731,8 +720,10 @@ def list_tasks(
 @registry.tool(annotations=READ_ONLY)
 def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
-    pending task and its age in seconds, the default model, and the worker's liveness (last
-    heartbeat age in seconds, whether its process runs, a one-line summary)."""
+    pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
+    user's OpenCode config as last seen; null until list_models or a worker has asked OpenCode),
+    and the worker's liveness (last heartbeat age in seconds, whether its process runs, a
+    one-line summary)."""
     return queue_snapshot()
 
 
@@ -898,7 +889,7 @@ def list_models(
     page = chosen[start:start + size]
     return {"models": page, "total": len(chosen), "offset": start,
             "next_offset": start + size if start + size < len(chosen) else None,
-            "default_model": store.default_model(), "resolved": resolved}
+            "default_model": task_views.current_default_model(ask=True), "resolved": resolved}
 
 
 @registry.tool(annotations=IDEMPOTENT)
@@ -909,7 +900,7 @@ def set_default_model(
     queue's settings (it outlives restarts and beats WORKER_MODEL). Errors: unknown model, an
     ambiguous plain name (the candidates are listed), OpenCode not installed."""
     resolved = resolve_model(model, known_models())
-    previous = store.default_model()
+    previous = task_views.current_default_model(ask=True)
     store.set_setting("default_model", resolved)
     return {"model": resolved, "previous": previous,
             "resolved_from": model if resolved != model.strip() else None}

@@ -12,11 +12,14 @@ No SQL here; imports the standard library only.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
 import shutil
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,14 +86,34 @@ def opencode_bin() -> str:
 
 def run_command(model: str, marker: str, *, session_id: str | None = None,
                 agent: str | None = None) -> list[str]:
-    """argv of one headless run: ``opencode run --auto --format json -m MODEL --title MARKER``
-    (plus ``-s SESSION`` to resume, ``--agent`` when given). The prompt goes on stdin."""
-    argv = [opencode_bin(), "run", "--auto", "--format", "json", "-m", model, "--title", marker]
+    """argv of one headless run: ``opencode run --auto --format json -m MODEL --title MARKER
+    --print-logs --log-level ERROR`` (plus ``-s SESSION`` to resume, ``--agent`` when given). The
+    prompt goes on stdin. The ERROR log lines on stderr carry the cause an ``error`` event hides
+    behind "Unexpected server error" (see `logged_errors`)."""
+    argv = [opencode_bin(), "run", "--auto", "--format", "json", "-m", model, "--title", marker,
+            "--print-logs", "--log-level", "ERROR"]
     if session_id:
         argv += ["-s", session_id]
     if agent:
         argv += ["--agent", agent]
     return argv
+
+
+_LOGGED_ERROR = re.compile(r'\blevel=ERROR\b.*?\berror="((?:[^"\\]|\\.)*)"')
+_MODEL_MISSING = re.compile(r"ProviderModelNotFoundError|Model not found", re.IGNORECASE)
+
+
+def logged_errors(stderr_lines: list[str]) -> list[str]:
+    """OpenCode's own error messages from the ERROR log lines a run prints on stderr
+    (``... level=ERROR ... error="ProviderModelNotFoundError: Model not found: x/y."``), in order,
+    each once: the cause behind an ``UnknownError: Unexpected server error`` event."""
+    found = [m.group(1).replace('\\"', '"') for line in stderr_lines if (m := _LOGGED_ERROR.search(line))]
+    return list(dict.fromkeys(found))
+
+
+def model_missing(text: str) -> bool:
+    """Whether OpenCode's error text says the model is not one it offers."""
+    return bool(_MODEL_MISSING.search(text or ""))
 
 
 def sandbox_labels(permission: str) -> dict[str, str]:
@@ -682,6 +705,24 @@ def _strip_blocks(text: str) -> str:
 # Models.
 
 
+MODELS_CACHE_SEC = 60.0   # how long `opencode models` / `opencode debug config` answers are reused
+
+
+class UnknownModel(ValueError):
+    """A model OpenCode does not offer here; the message names the closest ids and the way out."""
+
+
+class NoDefaultModel(RuntimeError):
+    """No model to run with: none chosen, none in OpenCode's config, none listed by OpenCode."""
+
+
+@dataclass
+class ModelChoice:
+    """The model a task without one runs with, and where that choice came from."""
+    model: str
+    source: str   # "set_default_model", "WORKER_MODEL", "OpenCode config", "opencode models"
+
+
 def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[dict[str, Any]]:
     """Models OpenCode knows, from ``opencode models [PROVIDER] --verbose`` (an id line followed
     by a pretty-printed JSON object; not JSON Lines). Each: ``{"id": "provider/model", "provider",
@@ -694,9 +735,191 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=timeout_sec)
     if proc.returncode != 0:
-        message = (proc.stderr or proc.stdout).strip().splitlines()
-        raise RuntimeError(message[-1] if message else f"opencode models exited {proc.returncode}")
+        raise RuntimeError(_opencode_error(proc, "opencode models"))
     return _parse_verbose_models(proc.stdout)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:
+    """OpenCode's own error line (``Error: ...``) from a failed command, colours removed."""
+    lines = [_ANSI.sub("", line).strip() for line in (proc.stderr or proc.stdout or "").splitlines()]
+    lines = [line for line in lines if line]
+    said = next((line for line in lines if line.startswith("Error")), lines[-1] if lines else "")
+    return said or f"{what} exited {proc.returncode}"
+
+
+def _setup_key(*extra: Any) -> str:
+    """What an answer of OpenCode's depends on: its binary, config env and config files' mtimes."""
+    names = ("OPENCODE_BIN", "OPENCODE_CONFIG", "OPENCODE_CONFIG_CONTENT", "OPENCODE_CONFIG_DIR",
+             "OPENCODE_DISABLE_PROJECT_CONFIG", "PATH", "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")
+    parts: list[Any] = [os.environ.get(name) for name in names]
+    home = Path(os.environ.get("HOME") or Path.home())
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
+    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
+    files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
+    if os.environ.get("OPENCODE_CONFIG"):
+        files.append(Path(os.environ["OPENCODE_CONFIG"]))
+    for path in files:
+        try:
+            parts.append(path.stat().st_mtime_ns)
+        except OSError:
+            parts.append(None)
+    return json.dumps(parts + list(extra), default=str)
+
+
+_memory_cache: dict[str, tuple[float, Any]] = {}
+
+
+def _cached(key: str, compute: Any, refresh: bool, cache_file: Path | None, ask: bool = True) -> Any:
+    """``compute()``, reused for MODELS_CACHE_SEC seconds per key: in memory, and in
+    ``cache_file`` (JSON) when given, so short-lived processes (the CLI) share one answer.
+    With ``ask`` false only a cached answer is returned; none raises LookupError."""
+    now = time.time()
+    hit = _memory_cache.get(key)
+    if hit is None and cache_file is not None:
+        try:
+            stored = json.loads(cache_file.read_text()).get(key)
+            hit = (float(stored[0]), stored[1]) if stored else None
+        except (OSError, ValueError, TypeError, AttributeError, IndexError):
+            hit = None
+    if hit and not refresh and 0 <= now - hit[0] < MODELS_CACHE_SEC:
+        return hit[1]
+    if not ask:
+        raise LookupError(key)
+    value = compute()
+    _memory_cache[key] = (now, value)
+    if cache_file is not None:
+        _store_cache(cache_file, key, now, value)
+    return value
+
+
+def _store_cache(cache_file: Path, key: str, now: float, value: Any) -> None:
+    try:
+        entries = json.loads(cache_file.read_text())
+        entries = {k: v for k, v in entries.items() if now - float(v[0]) < MODELS_CACHE_SEC}
+    except (OSError, ValueError, TypeError, AttributeError, IndexError):
+        entries = {}
+    entries[key] = [now, value]
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass   # a cache that cannot be written only costs time
+
+
+def known_models(provider: str | None = None, *, refresh: bool = False,
+                 cache_file: Path | None = None, ask: bool = True) -> list[dict[str, Any]]:
+    """`list_models`, cached for MODELS_CACHE_SEC (60) seconds per provider and OpenCode setup
+    (binary, config env, config files): in memory and in ``cache_file`` when given. ``refresh``
+    asks OpenCode again; ``ask`` false answers only from the cache (LookupError when nothing is
+    cached). Raises as `list_models` (and subprocess.TimeoutExpired after 60 s)."""
+    return _cached("models " + _setup_key(provider), lambda: list_models(provider), refresh, cache_file, ask)
+
+
+def configured_model(cwd: str | None = None, *, refresh: bool = False,
+                     cache_file: Path | None = None, ask: bool = True) -> str | None:
+    """The ``model`` of OpenCode's own resolved config, as ``opencode debug config`` prints it
+    in ``cwd`` (default: the temp folder, outside any project): the global config
+    (``$XDG_CONFIG_HOME/opencode/opencode.json[c]``), ``OPENCODE_CONFIG``, the project's
+    ``opencode.json`` and ``OPENCODE_CONFIG_CONTENT``, merged the way OpenCode merges them.
+    None when no model is set. Cached like `known_models`.
+
+    Raises OpencodeNotFound, or RuntimeError with OpenCode's message (a config that is not valid
+    JSON(C), for example)."""
+    where = os.path.abspath(cwd or tempfile.gettempdir())
+
+    def run() -> str | None:
+        proc = subprocess.run([opencode_bin(), "debug", "config"], stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=60, cwd=where,
+                              env={**os.environ, "PWD": where})
+        if proc.returncode != 0:
+            raise RuntimeError(_opencode_error(proc, "opencode debug config"))
+        try:
+            model = json.loads(proc.stdout).get("model")
+        except (ValueError, AttributeError):
+            raise RuntimeError("opencode debug config printed no JSON") from None
+        return model.strip() if isinstance(model, str) and model.strip() else None
+
+    return _cached("config " + _setup_key(where), run, refresh, cache_file, ask)
+
+
+def first_usable(models: list[dict[str, Any]]) -> str | None:
+    """The model to fall back on: the first of a provider the user set up (any provider but
+    OpenCode's built-in ``opencode``, which is listed without a key), else the first free
+    ``opencode/*`` one, else the first listed; None for an empty list."""
+    own = [m for m in models if m["provider"] != "opencode"]
+    free = [m for m in models if not any((m.get("cost") or {}).get(k) for k in ("input", "output"))]
+    chosen = own or free or models
+    return chosen[0]["id"] if chosen else None
+
+
+def default_model(setting: str | None = None, cwd: str | None = None, *,
+                  cache_file: Path | None = None, ask: bool = True) -> ModelChoice:
+    """The model for a task that names none, first found of:
+
+    1. ``setting``: the queue's setting (``set_default_model``), a choice made for this queue;
+    2. ``$WORKER_MODEL``: a choice made for this worker's environment;
+    3. the ``model`` of the user's own OpenCode config (`configured_model`, in ``cwd``);
+    4. the first usable model ``opencode models`` lists (`first_usable`).
+
+    Never a hard-coded name. Raises NoDefaultModel naming how to set one (OpencodeNotFound when
+    the binary is missing and 3–4 are needed). With ``ask`` false OpenCode is not run: 3–4 come
+    from the cache only, LookupError when they are not there."""
+    if setting and setting.strip():
+        return ModelChoice(setting.strip(), "set_default_model")
+    if os.environ.get("WORKER_MODEL", "").strip():
+        return ModelChoice(os.environ["WORKER_MODEL"].strip(), "WORKER_MODEL")
+    try:
+        configured = configured_model(cwd, cache_file=cache_file, ask=ask)
+        if configured:
+            return ModelChoice(configured, "OpenCode config")
+        listed = first_usable(known_models(cache_file=cache_file, ask=ask))
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise NoDefaultModel(f"no model to run with: OpenCode could not be asked ({exc}); "
+                             "fix that or set WORKER_MODEL / set_default_model") from None
+    if listed:
+        return ModelChoice(listed, "opencode models")
+    raise NoDefaultModel("no model to run with: OpenCode lists none; run `opencode auth login` or "
+                         "configure a provider in OpenCode's config (see the README, "
+                         "\"Use your own model\"), or set WORKER_MODEL / set_default_model")
+
+
+def match_model(name: str, models: list[dict[str, Any]]) -> str:
+    """A full ``provider/model`` id for ``name``: an exact id (case-insensitive), or a plain
+    model name that exactly one provider offers.
+
+    Raises UnknownModel naming the closest ids (substring matches, then difflib's closest) or,
+    for a plain name several providers offer, every candidate."""
+    wanted = name.strip()
+    ids = [m["id"] for m in models]
+    exact = [i for i in ids if i.lower() == wanted.lower()]
+    if exact:
+        return exact[0]
+    plain = [i for i in ids if i.split("/", 1)[1].lower() == wanted.lower()] if "/" not in wanted else []
+    if len(plain) == 1:
+        return plain[0]
+    if len(plain) > 1:
+        raise UnknownModel(f"model name {wanted!r} is ambiguous: {', '.join(plain)}; give one of these ids")
+    near = closest_models(wanted, ids)
+    hint = f"; similar: {', '.join(near)}" if near else ""
+    raise UnknownModel(f"model {wanted!r} is not offered by OpenCode here{hint} "
+                       "(`tasks_cli.py models` or list_models shows what is)")
+
+
+def closest_models(wanted: str, ids: list[str], count: int = 5) -> list[str]:
+    """Up to ``count`` ids near ``wanted``: those containing it first, then difflib's closest by
+    the whole id and by the model part."""
+    low = wanted.lower()
+    found = [i for i in ids if low in i.lower()]
+    by_id = {i.lower(): i for i in ids}
+    by_name = {i.split("/", 1)[1].lower(): i for i in ids}
+    found += [by_id[m] for m in difflib.get_close_matches(low, list(by_id), n=count, cutoff=0.5)]
+    found += [by_name[m] for m in difflib.get_close_matches(low.split("/")[-1], list(by_name), n=count, cutoff=0.5)]
+    return list(dict.fromkeys(found))[:count]
 
 
 def _parse_verbose_models(out: str) -> list[dict[str, Any]]:

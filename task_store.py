@@ -7,7 +7,7 @@ migrates the schema on open (``PRAGMA user_version``), and closes it again; ever
 ``BEGIN IMMEDIATE`` transaction or is a single statement, so concurrent processes (MCP server, CLI,
 worker passes) never hit "database is locked" from a deferred read-then-write upgrade.
 
-Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``WORKER_MODEL``, ``TASK_DB_JOURNAL``,
+Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_MOUNTINFO``.
 
 Imports the standard library only.
@@ -36,7 +36,6 @@ REPO_DIR = Path(__file__).resolve().parent
 STATUSES = ("pending", "running", "waiting", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
 PERMISSIONS = ("auto", "readonly", "no-shell", "no-network")
-DEFAULT_MODEL = "opencode/cat-jam-free"
 
 TITLE_MAX = 200
 INSTRUCTIONS_MAX = 200_000
@@ -689,7 +688,7 @@ def validate_model(model: Any) -> str | None:
     if not isinstance(model, str) or not MODEL_RE.match(model.strip()):
         raise ValidationError(
             f"model {model!r} is not of the form provider/model (for example "
-            f"opencode/cat-jam-free); list_models shows what is available"
+            f"anthropic/claude-sonnet-4-5); list_models or `tasks_cli.py models` shows what is available"
         )
     return model.strip()
 
@@ -1691,10 +1690,10 @@ def set_setting(key: str, value: str) -> None:
         _event(conn, None, "setting", f"{key} = {value}")
 
 
-def default_model() -> str:
-    """The model for tasks that name none: the stored setting (``set_default_model``), else
-    ``$WORKER_MODEL``, else ``opencode/cat-jam-free``."""
-    return get_setting("default_model") or os.environ.get("WORKER_MODEL") or DEFAULT_MODEL
+def default_model() -> str | None:
+    """The queue's own default model setting (``set_default_model``), or None. The model a task
+    without one runs with is chosen by ``opencode_runner.default_model``, which puts this first."""
+    return get_setting("default_model")
 
 
 def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL) -> list[dict[str, Any]]:

@@ -5,7 +5,8 @@ HTTP API and the CLI all show, built once here.
   error and question text cut); ``cap_json`` shortens long lists and strings in a receipt.
 - ``worker_state``: the worker's heartbeat judged once (seen, recent, whether its process still
   runs, whether it died mid-run) with a one-line summary; ``queue_snapshot``: tallies, the oldest
-  pending task, the default model and that worker state.
+  pending task, the default model and that worker state; ``current_default_model``: the model
+  a task without one runs with (from ``opencode_runner.default_model``, cached answers only).
 - ``page_utf8`` / ``read_log_page``: text paged by bytes, never splitting a UTF-8 character.
 
 No SQL here (it lives in task_store); nothing happens at import time. Env: none of its own (the
@@ -14,11 +15,13 @@ store reads TASK_DB_PATH and TASK_LOG_DIR at call time).
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from typing_extensions import TypedDict
 
+import opencode_runner as oc
 import task_store as store
 
 VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
@@ -87,7 +90,7 @@ class QueueStatus(TypedDict):
     claimable: int
     oldest_pending: str | None
     oldest_pending_age_sec: float | None
-    default_model: str
+    default_model: str | None
     worker: WorkerState
     database: str
 
@@ -173,11 +176,27 @@ def worker_state() -> dict[str, Any]:
             "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
 
 
+def models_cache_file() -> Path:
+    """Where answers of `opencode models` / `opencode debug config` are kept for a minute,
+    beside the database (the MCP server, the CLI and the worker share it)."""
+    return store.state_path("models.json")
+
+
+def current_default_model(ask: bool = False) -> str | None:
+    """The model a task without one runs with (``opencode_runner.default_model``); None when it
+    cannot be told. Without ``ask`` OpenCode is not run: only cached answers count (a status
+    view must not wait seconds on it)."""
+    try:
+        return oc.default_model(store.default_model(), cache_file=models_cache_file(), ask=ask).model
+    except (LookupError, oc.NoDefaultModel, oc.OpencodeNotFound, OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def queue_snapshot() -> dict[str, Any]:
     """Tallies, oldest pending, default model, worker liveness (QueueStatus: the queue_status tool,
     /api/status)."""
     summary = store.queue_summary()
-    return summary | {"total": sum(summary["counts"].values()), "default_model": store.default_model(),
+    return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
                       "worker": worker_state(), "database": str(store.db_path())}
 
 

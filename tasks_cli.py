@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sqlite3
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -179,18 +180,50 @@ def task_id_arg(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
         raise click.BadParameter(str(exc)) from None
 
 
-def working_dir_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
-    """An absolute path to an existing directory (default: the current directory)."""
+def working_dir_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An existing directory as an absolute path; a relative one (``.``, ``../app``) is taken from
+    the current directory. None when ``--dir`` was not given (submit then asks about the cwd)."""
     if value is None:
-        return os.getcwd()
-    if not os.path.isabs(value):
-        raise click.BadParameter(
-            f"{value!r} is relative; give an absolute path, for example --dir {os.path.abspath(value)}"
-        )
+        return None
+    path = os.path.abspath(os.path.expanduser(value))
     try:
-        return task_store.validate_working_dir(value)
+        return task_store.validate_working_dir(path)
     except task_store.ValidationError as exc:
         raise click.BadParameter(f"{exc}; create it first or point --dir at the project folder") from None
+
+
+def default_working_dir(yes: bool) -> str:
+    """The current directory as the task's folder when ``--dir`` is omitted. Outside a git
+    repository the agent would work in place (no worktree, no branch), so a person confirms it
+    (``--yes`` skips the question; without a terminal to ask on it is refused)."""
+    cwd = os.getcwd()
+    if yes or worktrees.git(["rev-parse", "--show-toplevel"], cwd, check=False):
+        return cwd
+    question = (f"{cwd} is not a git repository: the agent would change files in place there "
+                "(no worktree, no branch). Queue it anyway?")
+    if not sys.stdin.isatty():
+        raise CliError(f"{cwd} is not a git repository, so the agent would change files in place; "
+                       "pass --dir PATH for the project, or --yes to run here")
+    click.confirm(question, abort=True, err=True)
+    return cwd
+
+
+def checked_model(model: str | None) -> str | None:
+    """A model given at submit, checked against ``opencode models`` (cached for a minute beside
+    the database): an unknown one is refused (exit 2) naming the closest ids. When OpenCode
+    cannot be asked the model is queued unchecked, with a warning on stderr."""
+    if model is None:
+        return None
+    try:
+        models = opencode_runner.known_models(cache_file=task_views.models_cache_file())
+    except (opencode_runner.OpencodeNotFound, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        err().print(Text(visible(f"Could not check {model} against OpenCode ({exc}); queued unchecked."),
+                         style="yellow"), soft_wrap=True)
+        return model
+    try:
+        return opencode_runner.match_model(model, models)
+    except opencode_runner.UnknownModel as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
 
 
 def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -654,10 +687,12 @@ def cli() -> None:
 @cli.command()
 @click.argument("title")
 @click.option("--dir", "-d", "working_dir", callback=working_dir_arg,
-              help="Absolute path of the project the agent works in (default: the current directory).")
+              help="The project folder the agent works in; relative paths start from the current folder "
+                   "(default: the current folder, confirmed when it is not a git repository).")
 @click.option("--instructions", "-i", help="What the agent should do; '-' reads stdin (default: the title).")
 @click.option("--file", "-f", type=click.File("r", encoding="utf-8"), help="Read the instructions from a file; '-' is stdin.")
-@click.option("--model", "-m", callback=model_arg, help="Model as provider/model (default: the queue's default at claim).")
+@click.option("--model", "-m", callback=model_arg,
+              help="Model as provider/model, checked against `opencode models` (default: chosen at claim; see `models`).")
 @click.option("--priority", "-p", type=click.IntRange(*task_store.PRIORITY_RANGE), default=0, show_default=True,
               help="Higher runs first (-1000..1000).")
 @click.option("--depends-on", multiple=True, callback=task_id_arg, help="A task that must be done first (repeatable).")
@@ -671,17 +706,20 @@ def cli() -> None:
 @click.option("--keep-worktree", is_flag=True, help="Keep the worktree after a successful run (the branch always stays).")
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
 @click.option("--key", "idempotency_key", help="Idempotency key: submitting the same key again returns the first task.")
+@click.option("--yes", "-y", is_flag=True, help="Without --dir, queue for the current folder even when it is not a git repository.")
 @json_option
-def submit(title: str, working_dir: str, instructions: str | None, file: Any, model: str | None,
+def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
            permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
-           idempotency_key: str | None, as_json: bool) -> None:
+           idempotency_key: str | None, yes: bool, as_json: bool) -> None:
     """Queue a task for the worker.
 
     TITLE is a short name (up to 200 characters). The instructions come from --instructions,
     --file, or stdin ('-'); without them the title is the instruction.
     """
     text = read_text_source(instructions, file)
+    working_dir = working_dir or default_working_dir(yes)
+    model = checked_model(model)
     task = task_store.submit_task(
         title=title, instructions=text if text is not None and text.strip() else title,
         working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),

@@ -349,7 +349,11 @@ def failure_reason(run: RunResult) -> str | None:
         signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
         return run.killed + signal_note
     if stream.errors:
-        return "model error: " + "; ".join(stream.errors)[:2000]
+        said = "; ".join(stream.errors)
+        logged = oc.logged_errors(run.stderr_tail)
+        if logged and "Unexpected server error" in said:
+            said += " (OpenCode's log: " + "; ".join(logged) + ")"
+        return "model error: " + said[:2000]
     if stream.finished:
         return None
     stderr = "\n".join(run.stderr_tail)
@@ -380,6 +384,11 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     marker = task["run_marker"]
     resume = bool(task.get("answer") and task.get("session_id"))
     try:
+        model = task_model(task)
+    except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
+        log(f"{task['id']} cannot run: {exc}")
+        return _finish(store.fail_unrunnable, task, marker, str(exc))
+    try:
         ws = worktrees.prepare_workspace(task, resume)
     except (worktrees.Unrunnable, RuntimeError) as exc:
         log(f"{task['id']} cannot run: {exc}")
@@ -388,7 +397,6 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                       branch=ws.branch, base_commit=ws.base_commit)
     notes = store.take_notes(task["id"], marker)
     snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
-    model = task["model"] or store.default_model()
     config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
     try:
         env = oc.run_env(dict(os.environ), ws.cwd, marker, store.queue_tag(), task["permission"],
@@ -406,6 +414,18 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                    "restrictions": oc.repo_restrictions(config_files, ws.cwd),
                    "housekeeping_undone": [os.path.relpath(p, ws.cwd) for p in oc.undo_housekeeping(config_files)]}
     return _conclude(task, ws, run, model, snapshot, session_note, outside, repo_config)
+
+
+def task_model(task: dict[str, Any]) -> str:
+    """The task's own model, else the default (``opencode_runner.default_model``: the queue's
+    setting, WORKER_MODEL, the user's OpenCode config as seen from the task's folder, the first
+    usable listed model). Raises oc.NoDefaultModel / oc.OpencodeNotFound."""
+    if task["model"]:
+        return task["model"]
+    cwd = task["working_dir"] if os.path.isdir(task["working_dir"]) else None
+    choice = oc.default_model(store.default_model(), cwd, cache_file=store.state_path("models.json"))
+    log(f"{task['id']} runs with {choice.model} (default from {choice.source})")
+    return choice.model
 
 
 def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
@@ -468,9 +488,15 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
         return _finish(store.complete_attempt, task, marker, result=receipt, diff=diff, usage=usage,
                        session_id=run.stream.session_id)
+    retryable = not oc.model_missing(reason)
+    if not retryable:
+        # Retrying cannot bring the model back: fail once, naming it and quoting OpenCode.
+        reason = (f"model {model} is not offered by OpenCode here (not retried; pick one with "
+                  f"`tasks_cli.py models` and resubmit): {reason}")
     log(f"{task['id']} attempt failed: {reason}")
     final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
-                    session_id=run.stream.session_id, retryable=environment_fault(run) is None)
+                    session_id=run.stream.session_id,
+                    retryable=retryable and environment_fault(run) is None)
     if final and final["status"] == "failed":
         notify(f"TaskBridge {task['id']} failed", reason[:200])
     return final

@@ -75,12 +75,16 @@ def test_script_runs_as_python_tasks_cli(tmp_path):
 # Submit, list, show.
 
 
-def test_submit_list_show_round_trip(tmp_path):
+def test_submit_list_show_round_trip(tmp_path, monkeypatch):
+    # Without OpenCode here the model cannot be checked: it is queued with a warning saying so.
+    monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "no-opencode"))
     result = run("submit", "Add a [/red] test", "-d", str(tmp_path), "-i", "write tests", "-p", "7",
                  "--timeout", "600", "--max-retries", "2", "--permission", "readonly",
                  "--no-worktree", "--agent", "build", "--model", "opencode/cat-jam-free")
     assert result.exit_code == 0, result.output
     assert "Submitted t_0001" in result.stdout
+    assert "Could not check opencode/cat-jam-free against OpenCode" in result.stderr
+    assert "queued unchecked" in result.stderr
     task = task_store.get_task(1)
     assert (task["title"], task["instructions"], task["working_dir"]) == ("Add a [/red] test", "write tests", str(tmp_path))
     assert (task["priority"], task["timeout_sec"], task["max_retries"]) == (7, 600, 2)
@@ -105,11 +109,16 @@ def test_submit_list_show_round_trip(tmp_path):
 
 def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    result = run("submit", "From stdin", "--file", "-", "--json", input="line one\nline two\n")
+    # Not a git repository: the agent would run in place, so it takes --yes (no terminal to ask on).
+    refused = run("submit", "Here", input="")
+    assert refused.exit_code == 1 and "is not a git repository" in refused.stderr
+    assert "--yes" in refused.stderr and task_store.counts()["pending"] == 0
+    result = run("submit", "From stdin", "--file", "-", "--json", "--yes", input="line one\nline two\n")
     task = json.loads(result.stdout)
     assert task["working_dir"] == str(tmp_path)
     assert task_store.get_task(task["id"])["instructions"] == "line one\nline two\n"
-    plain = run("submit", "Title only", "--json")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    plain = run("submit", "Title only", "--json")        # a git repository: no question
     assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
 
 
@@ -404,7 +413,7 @@ def test_ages_read_for_people():
 
 BAD_SUBMITS = [
     (["-d", "/no/such/dir/anywhere"], 2, "does not exist"),
-    (["-d", "relative/path"], 2, "is relative; give an absolute path"),
+    (["-d", "relative/path"], 2, "/relative/path' does not exist"),
     (["--timeout", "-5"], 2, "-5 is not in the range"),
     (["--priority", "high"], 2, "'high' is not a valid integer"),
     (["--max-retries", "99"], 2, "99 is not in the range"),
@@ -428,13 +437,14 @@ def test_bad_submit_is_refused_and_writes_nothing(tmp_path, extra, code, message
     assert snapshot() == before
 
 
-def test_relative_dir_is_refused_with_the_absolute_path_to_use(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_relative_dir_is_taken_from_the_current_folder(tmp_path, monkeypatch):
     (tmp_path / "proj").mkdir()
-    result = run("submit", "Title", "-d", "proj")
-    assert result.exit_code == 2
-    assert f"'proj' is relative; give an absolute path, for example --dir {tmp_path}/proj" in result.stderr
-    assert task_store.counts()["pending"] == 0
+    monkeypatch.chdir(tmp_path / "proj")
+    for given, expected in ((".", tmp_path / "proj"), ("..", tmp_path), ("../proj/", tmp_path / "proj")):
+        task = json.loads(run("submit", "Title", "-d", given, "--json").stdout)
+        assert task["working_dir"] == str(expected)
+    missing = run("submit", "Title", "-d", "nope")
+    assert missing.exit_code == 2 and f"{tmp_path}/proj/nope' does not exist" in missing.stderr
 
 
 BAD_COMMANDS = [

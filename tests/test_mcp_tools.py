@@ -622,7 +622,7 @@ async def test_queue_status_and_worker_heartbeat(mode, wd):
         beat = await ok(c, "worker_heartbeat")
     assert status["counts"]["pending"] == 1 and status["total"] == 1 and status["claimable"] == 1
     assert status["oldest_pending"] == "t_0001" and status["oldest_pending_age_sec"] >= 0
-    assert status["default_model"] == "opencode/cat-jam-free"
+    assert status["default_model"] is None   # no setting, no WORKER_MODEL, OpenCode not asked yet
     assert beat["seen"] and beat["pid"] == os.getpid() and beat["pid_running"] is True
     assert beat["recent"] and beat["state"] == "running" and beat["task"] == "t_0001"
     assert "t_0001" in beat["summary"] and beat["age_sec"] < 60
@@ -716,6 +716,7 @@ def fake_opencode(tmp_path, monkeypatch):
     the end-to-end test); an unknown provider fails as OpenCode does."""
     (tmp_path / "models.txt").write_text(MODELS_OUT)
     binary = fake_bin(tmp_path / "oc", "opencode",
+                      'if [ "$1" = "debug" ]; then echo \'{"model": "other/model"}\'; exit 0; fi\n'
                       'if [ "$2" = "nope" ]; then echo "Error: Provider not found: nope" >&2; exit 1; fi\n'
                       f'cat {tmp_path / "models.txt"}\n')
     monkeypatch.setenv("OPENCODE_BIN", str(binary))
@@ -743,7 +744,8 @@ async def test_set_default_model_validates_resolves_and_persists(mode, fake_open
         assert "similar: opencode/cat-jam-free" in await err(c, "set_default_model", {"model": "cat-jam"})
         assert "not offered" in await err(c, "set_default_model", {"model": "nobody/nothing"})
         chosen = await ok(c, "set_default_model", {"model": "cat-jam-free"})
-        assert chosen == {"model": "opencode/cat-jam-free", "previous": "opencode/cat-jam-free",
+        # Before any setting the default is the user's OpenCode config's model.
+        assert chosen == {"model": "opencode/cat-jam-free", "previous": "other/model",
                           "resolved_from": "cat-jam-free"}
         chosen = await ok(c, "set_default_model", {"model": "fake/model"})
         assert chosen["resolved_from"] is None and task_store.default_model() == "fake/model"
@@ -751,7 +753,12 @@ async def test_set_default_model_validates_resolves_and_persists(mode, fake_open
         task = await ok(c, "submit_task", task_args(wd, model="cat-jam-free"))
         assert task["model"] == "opencode/cat-jam-free"
         assert "ambiguous" in await err(c, "submit_task", task_args(wd, model="model"))
+        refused = await err(c, "submit_task", task_args(wd, model="fake/modle"))
+        assert "'fake/modle' is not offered by OpenCode" in refused and "similar: fake/model" in refused
+        batch = [task_args(wd), task_args(wd, model="othr/model")]
+        assert "similar: other/model" in await err(c, "submit_batch", {"tasks": batch})
     assert task_store.get_setting("default_model") == "fake/model"
+    assert task_store.counts()["pending"] == 1      # the refused ones wrote nothing
 
 
 async def test_list_models_without_opencode_says_how_to_fix_it(monkeypatch):

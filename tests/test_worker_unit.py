@@ -169,6 +169,7 @@ def test_agent_that_stays_alive_after_its_terminal_event(tmp_path, monkeypatch):
     fake.write_text(f"#!/bin/sh\ncat > /dev/null\necho '{STEP_STOP}'\nexec sleep 300\n")
     fake.chmod(0o755)
     monkeypatch.setenv("OPENCODE_BIN", str(fake))
+    monkeypatch.setenv("WORKER_MODEL", "fake/model")   # the stand-in cannot answer `debug config`
     monkeypatch.setenv("WORKER_EXIT_GRACE_SEC", "1")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "1")
     plain = tmp_path / "plain"

@@ -1,0 +1,93 @@
+"""Which model a task runs with, and what happens to a model OpenCode does not offer: the real
+`opencode` binary, a scripted model on 127.0.0.1, real git repositories and real MCP clients."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+import opencode_bridge_mcp
+import opencode_runner
+import task_store
+from fake_openai import text
+from helpers import make_repo, run_script
+from opencode_env import opencode_config
+
+pytestmark = pytest.mark.real_opencode
+
+OTHER = {"provider": {"fake": {"models": {"other": {"name": "Other", "limit": {"context": 64000, "output": 4096}}}}}}
+RECEIPT = '```json\n{"summary": "nothing to do", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+
+
+def models_asked(model) -> list[str]:
+    """The `model` field of every agent step request the scripted server answered."""
+    return [r["json"]["model"] for r in model.requests if r["kind"] == "step" and r["json"]]
+
+
+def test_default_model_follows_the_users_opencode_config(opencode, tmp_path, monkeypatch):
+    monkeypatch.delenv("WORKER_MODEL")
+    opencode.configure(OTHER | {"model": "fake/other"})        # the user's own OpenCode choice
+    choice = opencode_runner.default_model()
+    assert (choice.model, choice.source) == ("fake/other", "OpenCode config")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("cfg", [text("Nothing to change.\n" + RECEIPT)])
+    task = task_store.submit_task(title="cfg", instructions="SCRIPT:cfg", working_dir=str(repo))
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["result"]["model"] == "fake/other"
+    assert models_asked(opencode.model) == ["other"]
+    assert "runs with fake/other (default from OpenCode config)" in passed.stderr
+
+    # The precedence: WORKER_MODEL beats the config, the queue's setting beats both.
+    monkeypatch.setenv("WORKER_MODEL", "fake/model")
+    assert opencode_runner.default_model().source == "WORKER_MODEL"
+    assert opencode_runner.default_model("fake/other").source == "set_default_model"
+    # No model in the config: the first model a provider the user set up offers.
+    monkeypatch.delenv("WORKER_MODEL")
+    config = opencode_config(opencode.model.url, extra_config=OTHER)
+    del config["model"]
+    Path(opencode.env["OPENCODE_CONFIG"]).write_text(json.dumps(config))
+    assert opencode_runner.default_model() == opencode_runner.ModelChoice("fake/model", "opencode models")
+
+
+def test_unknown_model_is_refused_at_submit_over_the_cli_with_close_names(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    refused = run_script("tasks_cli.py", "submit", "x", "--dir", str(repo), "--model", "fake/modle")
+    assert refused.returncode == 2
+    assert "model 'fake/modle' is not offered by OpenCode here; similar: fake/model" in refused.stderr
+    assert "Traceback" not in refused.stderr and task_store.counts()["pending"] == 0
+    accepted = run_script("tasks_cli.py", "submit", "x", "--dir", str(repo), "--model", "FAKE/model", "--json")
+    assert accepted.returncode == 0, accepted.stderr
+    assert json.loads(accepted.stdout)["model"] == "fake/model"
+    assert task_store.state_path("models.json").exists()      # the answer is kept for a minute
+
+
+@pytest.mark.anyio
+async def test_unknown_model_is_refused_at_submit_over_mcp_with_close_names(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    args = {"title": "x", "instructions": "y", "working_dir": str(repo)}
+    async with Client(opencode_bridge_mcp.build_server()) as client:
+        single = await client.call_tool("submit_task", args | {"model": "fake/mdoel"})
+        batch = await client.call_tool("submit_batch", {"tasks": [args, args | {"model": "fakes/model"}]})
+        good = await client.call_tool("submit_task", args | {"model": "fake/model"})
+    assert single.is_error and "similar: fake/model" in single.content[0].text
+    assert batch.is_error and "similar: fake/model" in batch.content[0].text
+    assert not good.is_error and task_store.counts()["pending"] == 1
+
+
+def test_a_model_removed_after_submit_fails_once_naming_it(opencode, tmp_path):
+    opencode.configure(OTHER)
+    repo = make_repo(tmp_path / "repo")
+    submitted = run_script("tasks_cli.py", "submit", "gone", "--dir", str(repo), "--model", "fake/other", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    opencode.configure({})                                   # the user drops the model from their config
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    task = task_store.get_task(json.loads(submitted.stdout)["id"])
+    assert task["status"] == "failed" and task["attempts"] == 1       # not retried (max_retries is 1)
+    assert task["error"].startswith("model fake/other is not offered by OpenCode here (not retried")
+    assert "ProviderModelNotFoundError: Model not found: fake/other" in task["error"]   # OpenCode's own words
