@@ -879,10 +879,9 @@ def list_models(
     limits (tokens). `resolved` is the full id when `search` is a plain model name that exactly one
     provider offers. Errors: OpenCode not installed, unknown provider."""
     models = known_models(store.optional(provider), bool(refresh))
-    words = (store.optional(search) or "").lower().split()
-    chosen = [m for m in models if all(w in f"{m['id']} {m['name']}".lower() for w in words)]
+    chosen = opencode_runner.search_models(models, store.optional(search))
     resolved = None
-    if words:
+    if (store.optional(search) or "").split():
         with contextlib.suppress(ToolError):
             resolved = resolve_model(search or "", models)
     start, size = offset or 0, limit or 50

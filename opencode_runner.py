@@ -852,7 +852,7 @@ def first_usable(models: list[dict[str, Any]]) -> str | None:
     OpenCode's built-in ``opencode``, which is listed without a key), else the first free
     ``opencode/*`` one, else the first listed; None for an empty list."""
     own = [m for m in models if m["provider"] != "opencode"]
-    free = [m for m in models if not any((m.get("cost") or {}).get(k) for k in ("input", "output"))]
+    free = [m for m in models if is_free(m)]
     chosen = own or free or models
     return chosen[0]["id"] if chosen else None
 
@@ -886,6 +886,19 @@ def default_model(setting: str | None = None, cwd: str | None = None, *,
     raise NoDefaultModel("no model to run with: OpenCode lists none; run `opencode auth login` or "
                          "configure a provider in OpenCode's config (see the README, "
                          "\"Use your own model\"), or set WORKER_MODEL / set_default_model")
+
+
+def search_models(models: list[dict[str, Any]], query: str | None) -> list[dict[str, Any]]:
+    """The models whose id or name contains every word of ``query`` (case-insensitive), in
+    OpenCode's order; all of them for an empty query. (`list_models` and `tasks_cli.py models`.)"""
+    words = (query or "").lower().split()
+    return [m for m in models if all(w in f"{m['id']} {m['name']}".lower() for w in words)]
+
+
+def is_free(model: dict[str, Any]) -> bool:
+    """Whether OpenCode prices the model at 0 USD for input and output (or gives no price)."""
+    cost = model.get("cost") or {}
+    return not any(cost.get(k) for k in ("input", "output"))
 
 
 def match_model(name: str, models: list[dict[str, Any]]) -> str:

@@ -1083,6 +1083,58 @@ def print_log(path: Path, tail: int | None, raw: bool) -> int:
 
 
 @cli.command()
+@click.argument("query", required=False)
+@click.option("--provider", help="Only this provider's models (for example anthropic).")
+@click.option("--refresh", is_flag=True, help="Ask OpenCode again instead of using its answer from the last minute.")
+@json_option
+def models(query: str | None, provider: str | None, refresh: bool, as_json: bool) -> None:
+    """List the models OpenCode offers here: provider, name, context, price, free.
+
+    QUERY words must all appear in the id or name (as list_models searches). The last line names
+    the model a task without one runs with, and where that choice comes from.
+    """
+    try:
+        found = opencode_runner.known_models(provider, refresh=refresh, cache_file=task_views.models_cache_file())
+    except (opencode_runner.OpencodeNotFound, RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise CliError(f"cannot list OpenCode's models: {exc}") from None
+    chosen = opencode_runner.search_models(found, query)
+    default = default_model_choice()
+    if as_json:
+        return emit_json({"models": chosen, "total": len(chosen),
+                          "default_model": default.model if default else None,
+                          "default_from": default.source if default else None})
+    if chosen:
+        out().print(models_table(chosen))
+    said = f"{len(chosen)} of {len(found)} model(s)" if query else f"{len(found)} model(s)"
+    out().print(Text(said + (f"; tasks without a model run with {default.model} (from {default.source})"
+                             if default else "; no default model: see the README, Use your own model"),
+                     style="dim"), soft_wrap=True)
+
+
+def default_model_choice() -> opencode_runner.ModelChoice | None:
+    """The default model and its source, or None when there is none (OpenCode lists nothing)."""
+    try:
+        return opencode_runner.default_model(task_store.default_model(), cache_file=task_views.models_cache_file())
+    except (opencode_runner.NoDefaultModel, opencode_runner.OpencodeNotFound):
+        return None
+
+
+def models_table(models: list[dict[str, Any]]) -> Table:
+    """One row per model: id, provider, name, context (tokens), price (USD per million tokens)."""
+    table = Table()
+    for name, opts in (("Model", {"no_wrap": True}), ("Provider", {}), ("Name", {"overflow": "fold"}),
+                       ("Context", {"justify": "right"}), ("USD/M in / out", {"justify": "right"}), ("Free", {})):
+        table.add_column(name, **opts)
+    for model in models:
+        cost = model.get("cost") or {}
+        price = f"{cost.get('input', 0):g} / {cost.get('output', 0):g}" if cost else "-"
+        table.add_row(line(model["id"]), line(model["provider"]), line(model["name"]),
+                      Text(f"{model['context']:,}" if model.get("context") else "-"), Text(price),
+                      Text("yes" if opencode_runner.is_free(model) else "", style="green"))
+    return table
+
+
+@cli.command()
 @json_option
 def status(as_json: bool) -> None:
     """Show the queue's counts and the worker's last heartbeat."""

@@ -91,3 +91,17 @@ def test_a_model_removed_after_submit_fails_once_naming_it(opencode, tmp_path):
     assert task["status"] == "failed" and task["attempts"] == 1       # not retried (max_retries is 1)
     assert task["error"].startswith("model fake/other is not offered by OpenCode here (not retried")
     assert "ProviderModelNotFoundError: Model not found: fake/other" in task["error"]   # OpenCode's own words
+
+
+def test_models_command_lists_and_searches_what_opencode_offers(opencode):
+    opencode.configure(OTHER)
+    listed = run_script("tasks_cli.py", "models")
+    assert listed.returncode == 0, listed.stderr
+    assert "fake/model" in listed.stdout and "fake/other" in listed.stdout
+    assert "128,000" in listed.stdout and "1 / 2" in listed.stdout          # context, USD/M in / out
+    assert "tasks without a model run with fake/model (from WORKER_MODEL)" in listed.stdout
+    found = json.loads(run_script("tasks_cli.py", "models", "OTH", "--json").stdout)
+    assert [m["id"] for m in found["models"]] == ["fake/other"] and found["total"] == 1
+    assert found["models"][0]["context"] == 64000 and found["default_from"] == "WORKER_MODEL"
+    nope = run_script("tasks_cli.py", "models", "--provider", "nope")
+    assert nope.returncode == 1 and "cannot list OpenCode's models" in nope.stderr and "nope" in nope.stderr
