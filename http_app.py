@@ -14,6 +14,7 @@ import time. Run it through ``python opencode_bridge_mcp.py --transport streamab
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -31,6 +32,11 @@ from mcp.server.transport_security import TransportSecuritySettings
 REPO_DIR = Path(__file__).resolve().parent
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
+REQUEST_HEAD_SEC = 10.0        # a connection must send a complete request head this soon, or it is closed
+KEEP_ALIVE_SEC = 5             # idle time between requests on one connection
+MAX_CONNECTIONS = 128          # open connections; more are closed at once (macOS's default ulimit -n is 256)
+MAX_HEAD_BYTES = 16 * 1024     # a request head larger than this is refused (h11)
+LOGGED_CHARS = 120             # of a request path in a log line
 
 log = logging.getLogger("taskbridge.mcp")
 
@@ -71,7 +77,25 @@ def bearer_token() -> str | None:
     if not token:
         raise TokenConfigError(f"the token file {path} is empty: write a token in it (install.sh does), "
                                "delete it, or set MCP_BEARER_TOKEN")
+    _warn_if_readable(path)
     return _checked_token(token, f"the token file {path}")
+
+
+def _warn_if_readable(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning("the token file %s is readable by other users (mode %o): run chmod 600 %s "
+                        "(./install.sh does)", loggable(str(path)), mode, loggable(str(path)))
+
+
+def loggable(text: str, limit: int = LOGGED_CHARS) -> str:
+    """``text`` safe for one log line: control and other non-printable characters as ``\\xNN`` /
+    ``\\uNNNN`` escapes (no fake line, no terminal escape sequence reaches a terminal), cut to
+    ``limit`` characters with ``…`` when longer."""
+    escaped = "".join(c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+                      for c in text[:limit * 2])
+    return escaped if len(escaped) <= limit and len(text) <= limit * 2 else escaped[:limit] + "…"
 
 
 def _checked_token(token: str, source: str) -> str:
@@ -182,23 +206,43 @@ def _protected(path: str) -> bool:
 
 class BearerGuard:
     """Pure ASGI: /mcp, /sse, /messages, /api need the bearer token (constant-time compare);
-    401 with WWW-Authenticate otherwise. The token is never logged."""
+    401 with WWW-Authenticate otherwise, for plain HTTP and WebSocket requests alike (no route
+    takes a WebSocket today; one added later must not be open). The token is never logged, and a
+    refused path is logged escaped and cut short."""
 
     def __init__(self, app: Any, token: str | None) -> None:
         self.app, self.token = app, (token or "").encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.token or not _protected(scope.get("path", "")):
+        if scope["type"] == "lifespan" or (scope["type"] in ("http", "websocket")
+                                           and (not self.token or not _protected(scope.get("path", "")))):
             return await self.app(scope, receive, send)
-        supplied = _supplied_token(scope)
+        supplied = _supplied_token(scope) if scope["type"] in ("http", "websocket") else None
         if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
             return await self.app(scope, receive, send)
-        log.info("refused %s %s: %s bearer token (401)", scope.get("method"), scope.get("path"),
-                 "wrong" if supplied else "no")
+        log.info("refused %s %s: %s bearer token (401)", loggable(str(scope.get("method", scope["type"]))),
+                 loggable(scope.get("path", "")), "wrong" if supplied else "no")
         error = "invalid_token" if supplied else "invalid_request"
-        await _plain(send, 401, {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
-                                          "(MCP_BEARER_TOKEN or the .taskbridge/token file)"},
-                     [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())])
+        headers = [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())]
+        body = {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
+                         "(MCP_BEARER_TOKEN or the .taskbridge/token file)"}
+        if scope["type"] == "http":
+            return await _plain(send, 401, body, headers)
+        if scope["type"] == "websocket":
+            return await _deny_websocket(scope, receive, send, headers)
+
+
+async def _deny_websocket(scope: dict, receive: Any, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
+    """Refuse a WebSocket handshake: a 401 where the server supports ASGI's denial response,
+    else a close before accepting (the server answers 403)."""
+    await receive()   # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        data = b'{"error": "a valid bearer token is required"}'
+        await send({"type": "websocket.http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), *headers]})
+        await send({"type": "websocket.http.response.body", "body": data})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
 
 
 async def health(request: Any) -> Any:
@@ -232,6 +276,12 @@ def build_app(server: MCPServer) -> Any:
             yield
 
     token = bearer_token()
+    beyond = sorted(h for h in hosts if h not in LOOPBACK_NAMES)
+    if not token and beyond:
+        raise TokenConfigError(f"MCP_ALLOWED_HOSTS admits {', '.join(beyond)} (beyond this machine) but no bearer "
+                               "token is configured: anyone reaching that host could queue work that runs on this "
+                               "machine. Run ./install.sh (it writes the token) or set MCP_BEARER_TOKEN, or drop "
+                               "those names")
     if not token:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
     return Starlette(routes=[*streamable.routes, *sse.routes, *http_routes()], lifespan=lifespan,
@@ -255,5 +305,74 @@ def serve(app: Any, host: str, port: int, log_level: str) -> None:
             board_api.STOPPING.set()
             super().handle_exit(sig, frame)
 
+    logging.getLogger("uvicorn.error").addFilter(_quiet_upgrade_warnings)
     Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                          log_level=log_level, timeout_graceful_shutdown=3)).run()
+                          log_level=log_level, timeout_graceful_shutdown=3, **connection_limits())).run()
+
+
+def connection_limits() -> dict[str, Any]:
+    """uvicorn settings that keep idle or hostile connections from holding the port: the h11
+    protocol with a request-head deadline, the keep-alive idle time, a cap on connections and on
+    a request head's size. WebSocket upgrades are not served (no route takes one): such a request
+    reaches the guards as plain HTTP, so a protected path answers 401."""
+    return {"http": deadline_protocol(), "ws": "none", "timeout_keep_alive": KEEP_ALIVE_SEC,
+            "limit_concurrency": MAX_CONNECTIONS, "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+
+
+def _quiet_upgrade_warnings(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's per-request advice to install a WebSocket library: not serving them is on purpose."""
+    text = record.getMessage()
+    return not (text.startswith("Unsupported upgrade request") or text.startswith("No supported WebSocket library"))
+
+
+@functools.cache
+def deadline_protocol() -> type:
+    """uvicorn's h11 protocol class with the request-head deadline and the connection cap."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        """uvicorn's h11 protocol plus a deadline for each request head: a connection that sends
+        no complete request line and headers within REQUEST_HEAD_SEC of connecting (or of its
+        previous response) is closed. uvicorn arms its idle timer only after a response, so a
+        client that connects and says nothing, or trickles a header, held a descriptor forever.
+        Connections past MAX_CONNECTIONS are closed at once."""
+
+        head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > MAX_CONNECTIONS:
+                log.warning("more than %d open connections: closed a new one", MAX_CONNECTIONS)
+                transport.close()
+                return
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.head_timer = self.loop.call_later(REQUEST_HEAD_SEC, self._head_overdue)
+
+        def _disarm(self) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _head_overdue(self) -> None:
+            self.head_timer = None
+            waiting = self.cycle is None or self.cycle.response_complete
+            if waiting and not self.transport.is_closing() and self.transport.get_protocol() is self:
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._arm()
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol

@@ -990,9 +990,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to serve on {args.host} without a bearer token: set MCP_BEARER_TOKEN or create "
               f"{token_file()} (install.sh does), or bind to 127.0.0.1", file=sys.stderr)
         return 2
+    try:
+        app = build_app()
+    except TokenConfigError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
     log.info("TaskBridge MCP %s on http://%s:%d (/mcp, /sse, /health, /api); database %s",
              VERSION, args.host, args.port, store.db_path())
-    http_app.serve(build_app(), args.host, args.port, args.log_level.lower())
+    http_app.serve(app, args.host, args.port, args.log_level.lower())
     return 0
 
 
