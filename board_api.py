@@ -12,7 +12,8 @@ object body and go through the same store functions as the MCP tools and the CLI
 Reads:  /api/status, /api/tasks, /api/tasks/{id}, /api/tasks/{id}/log, /api/events, /api/jobs,
         /api/engine, /api/changes (long poll: returns within ~0.25 s of a change, else after
         ``wait`` seconds; a stat of the database files decides whether the database is asked).
-Writes: POST /api/tasks/{id}/answer {"answer"}, /note {"text"}, /cancel {"reason"?}, /retry {}.
+Writes: POST /api/tasks/{id}/answer {"answer"}, /note {"text"}, /cancel {"reason"?},
+        /retry {"model"?, "note"?}.
 
 Env: none of its own (the store reads TASK_DB_PATH and TASK_LOG_DIR at call time). Nothing
 happens at import time.
@@ -377,12 +378,12 @@ def _text_field(body: dict[str, Any], name: str, required: bool = True) -> Any:
     return value
 
 
-def retry_action(task_id: str) -> dict[str, Any]:
-    """Queue a failed or cancelled task again, through the store's retry (as the CLI does)."""
-    retry = getattr(store, "retry_task", None)
-    if retry is None:
-        raise store.InvalidTransition("this TaskBridge cannot retry tasks yet: submit the task again")
-    return retry(task_id)
+def retry_action(task_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Requeue a failed or cancelled task with a fresh budget (store.retry_task, as the MCP tool
+    and the CLI): optional ``model`` (provider/model) and ``note``."""
+    task = store.retry_task(task_id, model=_text_field(body, "model", False),
+                            note=_text_field(body, "note", False), author="board")
+    return task_views.info(task) | {"requeued_dependents": task["requeued_dependents"]}
 
 
 ACTIONS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
@@ -391,7 +392,7 @@ ACTIONS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
     "note": lambda tid, body: store.add_note(tid, _text_field(body, "text"), author="board"),
     "cancel": lambda tid, body: task_views.info(
         store.cancel_task(tid, _text_field(body, "reason", False) or "cancelled from the board")),
-    "retry": lambda tid, body: task_views.info(retry_action(tid)),
+    "retry": retry_action,
 }
 
 

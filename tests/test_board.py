@@ -108,6 +108,11 @@ def test_actions_go_through_the_store_and_are_refused_with_its_message(client, t
     assert post("cancel", {}).json()["status"] == "cancelled"
     again = post("cancel", {})
     assert again.status_code == 400 and again.json()["error"] == _store_refusal(task_store.cancel_task, task["id"])
+    retried = post("retry", {"note": "try again with tabs"})
+    assert retried.status_code == 200 and retried.json()["status"] == "pending"
+    assert task_store.get_task(task["id"])["notes"][-1]["text"] == "try again with tabs"
+    refused = post("retry", {})
+    assert refused.status_code == 400 and refused.json()["error"] == _store_refusal(task_store.retry_task, task["id"])
     assert client.post(f"/api/tasks/{task['id']}/explode", headers=AUTH, json={}).status_code == 404
 
 

@@ -301,3 +301,23 @@ def test_a_refused_token_goes_back_to_the_prompt(board, browser):
     assert "refused" in text_of(browser, "login-msg")
     assert browser.execute_script("return localStorage.getItem('taskbridge.token')") is None
     assert not by_id(browser, "board").is_displayed()
+
+
+def test_cancel_then_retry_from_the_page_and_a_refusal_shows_the_store_message(board, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    task = task_store.submit_task(title="to cancel", instructions="x", working_dir=str(tmp_path))
+    log_in(browser, board)
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
+    by_id(browser, "note-text").send_keys("   ")
+    by_id(browser, "note-send").click()
+    wait(browser, lambda d: "note refused" in text_of(d, "action-msg"), what="the store's refusal")
+    by_id(browser, "cancel").click()                       # arms the button
+    assert task_store.get_task(task["id"])["status"] == "pending"
+    by_id(browser, "cancel").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task cancelled")
+    wait(browser, lambda d: text_of(d, "tally-cancelled") == "1", what="the cancelled tally")
+    by_id(browser, "retry").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task retried")
+    assert task_store.get_task(task["id"])["status"] == "pending"
+    no_script_ran(browser)
