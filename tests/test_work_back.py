@@ -345,3 +345,49 @@ async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
         assert unknown.is_error and "t_0099 not found" in unknown.content[0].text
         extra = await call("retry_task", {"task_id": failing["id"], "budget": 3})
         assert extra.is_error
+
+
+def test_logs_follow_renders_events_as_they_come_and_says_why_there_is_no_log(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    task = task_store.submit_task(title="f", instructions="i", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    path = task_store.log_path(task["id"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("=== br-1-a1 2026-01-01T00:00:00+00:00 cwd=/w\n")
+    tool = json.dumps({"type": "tool_use", "part": {"tool": "bash", "state": {
+        "status": "completed", "title": "make test", "input": {"command": "make test"},
+        "output": "ok\n", "metadata": {"exit": 0}}}})
+    said = json.dumps({"type": "text", "part": {"text": "All green."}})
+
+    def agent() -> None:
+        for piece in (tool[:40], tool[40:] + "\n", said + "\n"):
+            time.sleep(0.1)
+            with path.open("a") as handle:
+                handle.write(piece)
+        time.sleep(0.1)
+        task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    followed = cli("logs", task["id"], "--follow")
+    thread.join()
+    assert followed.stdout.splitlines() == [
+        "── attempt br-1-a1 started 2026-01-01T00:00:00+00:00 in /w", "| bash     make test", "  ok", "All green."]
+    assert "t_0001 is done; log ends" in followed.stderr
+    # A pending task: the person is told no worker has run it yet, and the follow waits for one.
+    waiting = task_store.submit_task(title="w", instructions="i", working_dir=str(tmp_path))
+    later = threading.Timer(0.3, task_store.cancel_task, args=(waiting["id"],))
+    later.start()
+    pending = cli("logs", waiting["id"], "--follow")
+    later.join()
+    assert "is pending: no worker has run it yet, so it has no log; waiting for a worker to start it" \
+        in " ".join(pending.stderr.split())
+    assert "t_0002 is cancelled; log ends" in pending.stderr
+
+    by_hand = task_store.submit_task(title="h", instructions="i", working_dir=str(tmp_path))
+    task_store.claim_next("cli:alice", task_id=by_hand["id"])
+    hand = cli("logs", by_hand["id"], "--follow")
+    assert hand.exit_code == 0 and "claimed by hand by cli:alice: no worker runs it" in hand.stderr
