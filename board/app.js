@@ -230,7 +230,7 @@
       return;
     }
     S.task = decodeURIComponent(match[1]);
-    S.logNext = null; S.logSize = null;
+    S.logNext = null; S.logSize = null; S.taskSeen = null; S.actionMsg = "";
     $("list-view").hidden = true;
     const view = $("task-view");
     view.hidden = false;
@@ -253,6 +253,10 @@
   async function loadTask() {
     if (!S.task) return;
     const t = await api("/api/tasks/" + encodeURIComponent(S.task));
+    // Unchanged data: keep the page as it is (no flicker, buttons and focus stay).
+    const seen = JSON.stringify(t);
+    if (seen === S.taskSeen && $("task-title")) return false;
+    S.taskSeen = seen;
     const open = !FINISHED.includes(t.status);
     // The page is rebuilt on every change of the task: keep what the person is typing.
     const typed = {};
@@ -279,20 +283,21 @@
       section("Events", list(t.events, (e) => [el("time", {}, (e.ts || "").slice(11, 19)), " ",
         el("b", {}, e.kind), " ", e.message])));
     for (const [id, value] of Object.entries(typed)) if ($(id)) $(id).value = value;
+    return true;
   }
 
   function actions(t, open) {
     const box = el("div", { class: "actions" });
-    const msg = el("p", { class: "msg", id: "action-msg" });
+    const msg = el("p", { class: "msg", id: "action-msg" }, S.actionMsg || "");
     async function act(name, body, done) {
       try {
         await api("/api/tasks/" + encodeURIComponent(t.id) + "/" + name, body);
-        msg.textContent = name + ": done";
+        msg.textContent = S.actionMsg = name + ": done";
         if (done) done();
-        await Promise.all([loadTask(), loadStatus(), loadList()]);
+        await Promise.all([loadTask().then((rebuilt) => rebuilt && loadLogKeep()), loadStatus(), loadList()]);
       } catch (err) {
         if (err instanceof AuthError) return showError(err);
-        msg.textContent = name + " refused: " + err.message;
+        msg.textContent = S.actionMsg = name + " refused: " + err.message;
       }
     }
     if (t.status === "waiting") {
@@ -392,7 +397,7 @@
     S.refreshTimer = setTimeout(async () => {
       S.refreshTimer = null;
       const jobs = [loadStatus(), loadList()];
-      if (S.taskDirty && S.task) jobs.push(loadTask().then(loadLogKeep));
+      if (S.taskDirty && S.task) jobs.push(loadTask().then((rebuilt) => rebuilt && loadLogKeep()));
       S.taskDirty = false;
       try { await Promise.all(jobs); } catch (err) { showError(err); }
     }, 100);
