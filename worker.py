@@ -4,11 +4,15 @@
                                 (what launchd / the systemd timer fires every 60 s)
     python worker.py --watch    loop: picks new work up within a second, reaps every minute
     --slots N                   run up to N tasks at once (each in its own worktree)
+    -q / -v                     say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
 checkout), in its own process group, with its output streamed into ``task_logs/t_0001.log``, its
 lease renewed every second, and a receipt built from what git and the event stream show.
+It says what it does (worker_talk): a start line, a line when a task is claimed and when it ends,
+a live line on a terminal, what a first and a second Ctrl-C / SIGTERM do; the same lines go to the
+worker log beside the database (``tasks.worker.log``).
 
 Env (read at call time): TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
 TASKBRIDGE_WORKTREE_ROOT, WORKER_STALE_SEC, WORKER_INACTIVITY_SEC, WORKER_KILL_GRACE_SEC,
@@ -39,7 +43,9 @@ import psutil
 import opencode_runner as oc
 import process_tree
 import task_store as store
+import worker_talk as talk
 import worktrees
+from worker_talk import Talk
 from worktrees import Workspace
 
 RECEIPT_PROTOCOL = """\
@@ -91,9 +97,10 @@ def _on_signal(signum: int, frame: Any) -> None:
     Flags.stopping = True
 
 
-def log(message: str) -> None:
-    """One line to stderr (launchd/systemd keep it); never stdout-sensitive."""
-    print(f"[worker {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+def log(message: str, level: int = talk.NORMAL) -> None:
+    """One line to stderr (launchd/systemd keep it) at ``level`` (``-q`` / ``-v``), also in the
+    worker log beside the database unless verbose-only (see worker_talk)."""
+    Talk.say(message, level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,6 +316,8 @@ class Supervisor:
             event = self.result.stream.feed(line.decode(errors="replace"))
             if event is None and line.strip():
                 self.log.write(b"[worker] skipped a non-JSON line above\n")
+            elif event is not None:
+                Talk.event(self.task["id"], event)
         self.log.flush()
 
     def _drain(self, final: bool) -> None:
@@ -386,12 +395,12 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     try:
         model = task_model(task)
     except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
-        log(f"{task['id']} cannot run: {exc}")
+        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
         return _finish(store.fail_unrunnable, task, marker, str(exc))
     try:
         ws = worktrees.prepare_workspace(task, resume)
     except (worktrees.Unrunnable, RuntimeError) as exc:
-        log(f"{task['id']} cannot run: {exc}")
+        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
         return _finish(store.fail_unrunnable, task, marker, str(exc))
     store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
                       branch=ws.branch, base_commit=ws.base_commit)
@@ -405,7 +414,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         oc.undo_housekeeping(config_files)
         if not task["worktree_keep"]:
             worktrees.remove_worktree(ws)
-        log(f"{task['id']} cannot run: {exc}")
+        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
         return _finish(store.fail_unrunnable, task, marker, str(exc))
     checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
     run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env)
@@ -424,7 +433,7 @@ def task_model(task: dict[str, Any]) -> str:
         return task["model"]
     cwd = task["working_dir"] if os.path.isdir(task["working_dir"]) else None
     choice = oc.default_model(store.default_model(), cwd, cache_file=store.state_path("models.json"))
-    log(f"{task['id']} runs with {choice.model} (default from {choice.source})")
+    log(f"{task['id']} runs with {choice.model} (default from {choice.source})", talk.VERBOSE)
     return choice.model
 
 
@@ -450,7 +459,7 @@ def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
              session_id: str | None, env: dict[str, str]) -> RunResult:
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
-    log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})")
+    log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})", talk.VERBOSE)
     return Supervisor(task, argv, env, ws.cwd, prompt, knobs).run()
 
 
@@ -458,7 +467,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
               session_note: str, outside: list[str], repo_config: dict[str, Any]) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
-        log(f"{task['id']} attempt {marker} ended: {run.killed}")
+        log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
         _cleanup_superseded(task, ws)
         return None
     reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
@@ -493,7 +502,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         # Retrying cannot bring the model back: fail once, naming it and quoting OpenCode.
         reason = (f"model {model} is not offered by OpenCode here (not retried; pick one with "
                   f"`tasks_cli.py models` and resubmit): {reason}")
-    log(f"{task['id']} attempt failed: {reason}")
+    log(f"{task['id']} attempt failed: {reason}", talk.VERBOSE)
     final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
                     session_id=run.stream.session_id,
                     retryable=retryable and environment_fault(run) is None)
@@ -701,13 +710,15 @@ class Beat:
 def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
     problem = preflight()
     if problem:
-        log(problem)
+        log(problem, talk.QUIET)
         Beat.write("error", error=problem)
         return 1
     owner, pid, pid_start = worker_identity()
     started, last_reap, busy = 0, 0.0, set()
+    announced = watch and announce_start(watch, slots)   # a one-pass says it once it has work
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
         while not Flags.stopping and (max_tasks is None or started < max_tasks):
+            Talk.signals(Flags.stopping, Flags.stop_now)
             busy = {f for f in busy if not f.done()}
             if time.monotonic() - last_reap > (60 if watch else 0):
                 reap(knobs)
@@ -718,6 +729,8 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
             task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
             if task is not None:
+                announced = announced or announce_start(watch, slots)
+                Talk.claimed(task)
                 busy.add(pool.submit(_run_guarded, task, knobs))
                 started += 1
             elif len(busy) >= slots:
@@ -728,20 +741,36 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                 store.wait_for_change(mark, knobs.poll_sec, knobs.poll_sec)
             else:
                 break
-        wait(busy)  # first signal: the tasks in hand finish (a second one ends them at once)
+        while busy:  # first signal: the tasks in hand finish (a second one ends them at once)
+            Talk.signals(Flags.stopping, Flags.stop_now)
+            busy = wait(busy, timeout=0.2).not_done
+        Talk.signals(Flags.stopping, Flags.stop_now)
     return 0
+
+
+def announce_start(watch: bool, slots: int) -> bool:
+    """The start line: queue, default model (and where it comes from), slots, mode. Returns True."""
+    try:
+        choice = oc.default_model(store.default_model(), cache_file=store.state_path("models.json"))
+        model = f"{choice.model} (default from {choice.source})"
+    except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
+        model = f"none ({exc}); tasks that name no model will fail"
+    Talk.started(str(store.db_path()), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    return True
 
 
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
     Beat.running(task, True)
+    began, final = time.monotonic(), None
     try:
-        run_task(task, knobs)
+        final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
-        log(f"{task['id']}: internal error: {traceback.format_exc()}")
-        _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
+        log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
+        final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
         Beat.running(task, False)
+        Talk.ended(task, final, time.monotonic() - began, handed_back=Flags.stop_now)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -751,7 +780,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tasks", type=int, default=None, help="stop after starting this many tasks")
     parser.add_argument("--slots", type=int, default=_env_int("WORKER_SLOTS", 1),
                         help="how many tasks run at once (default $WORKER_SLOTS or 1)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="say only failures, errors and what a Ctrl-C does")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also say each attempt's details and every tool call the agent makes")
     args = parser.parse_args(argv)
+    Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
@@ -759,12 +792,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--slots must be from 1 to 16; got {args.slots}")
         return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
     except store.TaskStoreError as exc:
-        log(f"error: {exc}")
+        log(f"error: {exc}", talk.QUIET)
         return 1
     except (sqlite3.Error, OSError) as exc:
         log(f"error: cannot use the queue database {store.db_path()}: {exc}; check TASK_DB_PATH "
-            "(a readable, writable SQLite file and folder)")
+            "(a readable, writable SQLite file and folder)", talk.QUIET)
         return 1
+    finally:
+        Talk.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,240 @@
+"""What the worker says while it works: one line at start, one when a task is claimed and one when
+it ends, what a Ctrl-C does, and on a terminal a live line with each running task's current step.
+
+Used by ``worker.py`` only. Lines go to stderr (launchd and systemd keep it): on a terminal through
+rich, with a spinner line under them naming each running task's latest tool call; into a pipe or
+a file as plain ``[HH:MM:SS] message`` lines, and no spinner. Levels: ``quiet`` (``-q``: errors,
+the signal lines, nothing else), ``normal``, ``verbose`` (``-v``: also each attempt's details and
+every tool call). Whatever the level, the normal lines are also appended to the worker log beside
+the database (``store.state_path("worker.log")``), one ``<ISO time> <message>`` line each, kept
+under ``LOG_MAX_BYTES`` (its older half is dropped); the board shows its tail.
+
+Task text (titles, tool inputs) is shown with control characters escaped. Env: none of its own.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+import task_store as store
+
+QUIET, NORMAL, VERBOSE = 0, 1, 2
+LOG_MAX_BYTES = 256 * 1024    # the worker log is cut to its newer half past this size
+LIVE_REFRESH_PER_SEC = 4
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(value: Any, limit: int = 120) -> str:
+    """``value`` on one line, control characters escaped (``\\x1b``), cut to ``limit`` characters."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                        else f"\\u{ord(m.group()):04x}", str(value if value is not None else ""))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class Running:
+    """A task in hand, as the live line shows it."""
+    task_id: str
+    title: str
+    started: float = field(default_factory=time.monotonic)
+    steps: int = 0             # model calls so far
+    last_tool: str = ""        # the latest finished tool call (OpenCode reports a call when it ends)
+
+    def status(self) -> str:
+        seconds = int(time.monotonic() - self.started)
+        parts = [f"{self.task_id} {seconds}s", f"model call {self.steps}" if self.steps else "starting opencode"]
+        if self.last_tool:
+            parts.append(f"last tool: {self.last_tool}")
+        return " · ".join(parts)
+
+
+class Talk:
+    """The worker's voice (one per process; class state like ``worker.Beat``)."""
+    level = NORMAL
+    lock = threading.RLock()
+    console: Console | None = None
+    live: Live | None = None
+    running: dict[str, Running] = {}
+    announced = 0      # how many stop signals have been announced
+
+    @classmethod
+    def setup(cls, level: int = NORMAL, terminal: bool | None = None) -> None:
+        """Choose the level, and rich plus a live line when stderr is a terminal."""
+        cls.level = level
+        cls.running, cls.announced = {}, 0
+        terminal = sys.stderr.isatty() if terminal is None else terminal
+        cls.console = Console(stderr=True, highlight=False) if terminal else None
+
+    # -- lines ------------------------------------------------------------------------------
+
+    @classmethod
+    def say(cls, message: str, level: int = NORMAL, style: str = "") -> None:
+        """One line (shown at ``level`` and above); normal and quiet lines also go to the worker log."""
+        if level <= NORMAL:
+            write_log_line(message)
+        if level > cls.level:
+            return
+        # No lock of ours around printing: rich's live refresh holds the console's lock while it
+        # renders the live line, so holding ours here as well could deadlock.
+        console = cls.console
+        if console is not None:
+            console.print(Text(f"[{time.strftime('%H:%M:%S')}] ", style="dim") + Text(message, style=style),
+                          soft_wrap=True)
+        else:
+            print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+    @classmethod
+    def started(cls, queue: str, model: str, slots: int, mode: str) -> None:
+        cls.say(f"worker started (pid {os.getpid()}): queue {queue}; model {model}; "
+                f"{slots} slot{'s' if slots != 1 else ''}; {mode}", style="bold")
+
+    @classmethod
+    def claimed(cls, task: dict[str, Any]) -> None:
+        allowed = task["max_retries"] + 1
+        model = task["model"] or "the default"
+        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} (attempt {task['attempts']} of {allowed}, "
+                f"model {model})", style="cyan")
+        with cls.lock:
+            cls.running[task["id"]] = Running(task["id"], plain(task["title"], 40))
+        cls._refresh()
+
+    @classmethod
+    def ended(cls, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
+              handed_back: bool = False) -> None:
+        """The task's end line: status, duration, cost, branch (or why it failed or waits)."""
+        with cls.lock:
+            cls.running.pop(task["id"], None)
+        cls._refresh()
+        message, style = ended_line(task, final, seconds, handed_back)
+        cls.say(message, level=QUIET if style == "red" else NORMAL, style=style)
+
+    @classmethod
+    def signals(cls, stopping: bool, stop_now: bool) -> None:
+        """Announce each stop signal once, naming what happens to the tasks in hand."""
+        seen = 2 if stop_now else 1 if stopping else 0
+        if seen <= cls.announced:
+            return
+        with cls.lock:
+            ids = ", ".join(sorted(cls.running))
+        if cls.announced < 1:
+            cls.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
+                    else "stopping: no task in hand", level=QUIET, style="yellow")
+        if seen == 2:
+            cls.say(f"stopping now: ending the run of {ids} and handing it back to the queue "
+                    "(no retry spent)" if ids else "stopping now", level=QUIET, style="yellow")
+        cls.announced = seen
+
+    # -- the live line --------------------------------------------------------------------
+
+    @classmethod
+    def event(cls, task_id: str, event: dict[str, Any]) -> None:
+        """An event of a task's stream: the live line shows it; ``-v`` prints tool calls too."""
+        kind = event.get("type")
+        with cls.lock:
+            run = cls.running.get(task_id)
+            if run is not None and kind == "step_start":
+                run.steps += 1
+        if kind != "tool_use":
+            return
+        tool = tool_text(event)
+        with cls.lock:
+            if run is not None:
+                run.last_tool = tool
+        cls.say(f"{task_id} {tool}", level=VERBOSE, style="dim")
+
+    @classmethod
+    def _refresh(cls) -> None:
+        if cls.console is None or cls.level == QUIET:
+            return
+        with cls.lock:
+            if cls.running and cls.live is None:
+                cls.live = Live(cls._render(), console=cls.console, transient=True,
+                                refresh_per_second=LIVE_REFRESH_PER_SEC, get_renderable=cls._render)
+                cls.live.start()
+            elif not cls.running and cls.live is not None:
+                cls.live.stop()
+                cls.live = None
+
+    @classmethod
+    def _render(cls) -> Table:
+        grid = Table.grid(padding=(0, 1))
+        for run in list(cls.running.values()):   # a copy, without our lock (see `say`)
+            grid.add_row(Spinner("dots", style="cyan"), Text(run.status(), overflow="ellipsis", no_wrap=True))
+        return grid
+
+    @classmethod
+    def close(cls) -> None:
+        with cls.lock:
+            if cls.live is not None:
+                cls.live.stop()
+                cls.live = None
+
+
+def tool_text(event: dict[str, Any]) -> str:
+    """A finished tool call in a few words: ``bash: npm test``, ``write: /w/app.py (error)``."""
+    part = event.get("part") or {}
+    state = part.get("state") or {}
+    args = state.get("input") or {}
+    what = state.get("title") or args.get("command") or args.get("filePath") or args.get("pattern") or ""
+    status = state.get("status") or ""
+    return plain(f"{part.get('tool')}: {what}" + (f" ({status})" if status and status != "completed" else ""), 100)
+
+
+def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
+               handed_back: bool = False) -> tuple[str, str]:
+    """The end-of-task line and its style, from the task as claimed and as it ended
+    (``handed_back``: the worker was told to stop at once and requeued it)."""
+    ident = task["id"]
+    took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
+    if final is None:
+        return f"{ident} attempt ended after {took}: cancelled or taken over elsewhere", "yellow"
+    usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}
+    cost = f", ${usage.get('cost_usd', 0):.4f}" if usage else ""
+    status = final["status"]
+    if status == "done":
+        branch = f", branch {final['branch']}" if final.get("branch") else " (in place)"
+        return f"{ident} done in {took}{cost}{branch}", "green"
+    if status == "pending" and handed_back:
+        return f"{ident} handed back to the queue after {took} (worker stopped; no retry spent)", "yellow"
+    if status == "pending":
+        return f"{ident} failed attempt {task['attempts']} after {took}{cost}; requeued for a retry: " \
+               f"{plain(final.get('error'), 200)}", "yellow"
+    if status == "waiting":
+        return f"{ident} waiting after {took}{cost}: it asks {plain(final.get('question'), 160)}", "magenta"
+    if status == "cancelled":
+        return f"{ident} cancelled after {took}", "yellow"
+    return f"{ident} {status} after {took}{cost}: {plain(final.get('error'), 300)}", "red"
+
+
+_log_lock = threading.Lock()
+
+
+def write_log_line(message: str) -> None:
+    """Append ``<ISO time> <message>`` to the worker log beside the database, cut to its newer
+    half once it passes LOG_MAX_BYTES. A log that cannot be written is skipped (never fatal)."""
+    path = store.state_path("worker.log")
+    entry = f"{store.iso(time.time())} {plain(message, 2000)}\n".encode()
+    with _log_lock:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab") as handle:
+                handle.write(entry)
+                size = handle.tell()
+            if size > LOG_MAX_BYTES:
+                data = path.read_bytes()[-LOG_MAX_BYTES // 2:]
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_bytes(data[data.find(b"\n") + 1:])
+                os.replace(tmp, path)
+        except OSError:
+            pass
