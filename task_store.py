@@ -1408,7 +1408,8 @@ RETRYABLE = ("failed", "cancelled")
 def retry_task(task_id: Any, *, model: str | None = None, note: str | None = None,
                author: str = "planner") -> dict[str, Any]:
     """Requeue a failed or cancelled task with a fresh budget: it is pending again, its next
-    attempt starts a new OpenCode session on a fresh worktree, and it may fail ``max_retries`` more
+    attempt starts a new OpenCode session on a fresh worktree from the checkout's HEAD at that
+    time (or its dependency's commit), and it may fail ``max_retries`` more
     times before it fails for good (attempt numbers go on, so run markers stay unique). ``model``
     (``provider/model``) replaces the task's model; ``note`` reaches the agent's next prompt as a
     note by ``author``. Tasks that failed only because this one failed or was cancelled
@@ -1447,13 +1448,14 @@ def _not_retryable(num: int, status: str) -> str:
 
 
 def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None) -> None:
-    # The OpenCode session, question and answer go: the next attempt starts afresh. The worktree
-    # path and base commit stay so the worker reuses the task's branch while it is unchanged.
+    # The OpenCode session, question, answer and base commit go: the next attempt starts afresh
+    # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
+    # branch name stays, and the worker moves it there when that loses no commit.
     conn.execute(
         "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
         " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
-        " answer = NULL, spent_before_retry = attempts - handbacks WHERE id = ?",
+        " answer = NULL, base_commit = NULL, spent_before_retry = attempts - handbacks WHERE id = ?",
         (model, row["id"]),
     )
 

@@ -137,10 +137,13 @@ def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
     while it still points at the base commit (nothing was committed on it); otherwise the first
     of ``taskbridge/t_0001``, ``taskbridge/t_0001-<queue>``, ``…-<queue>-2``, … that does not
     exist. An existing branch with other work on it (another queue's task t_0001, say) is never
-    reset."""
+    reset. The task's own branch is also reused when its tip is already in the base (a retried
+    task starting again from a newer HEAD): moving it there loses no commit."""
     own = task.get("branch")
-    if own and _branch_tip(repo, own) in ("", base):
-        return own
+    if own:
+        tip = _branch_tip(repo, own)
+        if tip in ("", base) or _is_ancestor(repo, tip, base):
+            return own
     name, queue = f"taskbridge/{task['id']}", store.queue_tag()
     for candidate in [name, f"{name}-{queue}", *(f"{name}-{queue}-{n}" for n in range(2, 100))]:
         if not _branch_tip(repo, candidate):

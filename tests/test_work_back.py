@@ -230,6 +230,12 @@ def test_retry_reruns_a_failed_task_to_done_with_a_note_and_a_fresh_budget(openc
         tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "second time lucky\n"}),
         text("Done.\n" + DONE),
     ])
+    assert failed["branch"] == f"taskbridge/{task['id']}" and failed["base_commit"] == git(repo, "rev-parse", "HEAD")
+    # The person fixes something on main meanwhile: the retry starts from there, on the same branch.
+    (repo / "fix.txt").write_text("fixed\n")
+    git(repo, "add", "fix.txt")
+    git(repo, "commit", "-q", "-m", "fix")
+    fixed = git(repo, "rev-parse", "HEAD")
     retried = cli("retry", task["id"], "--note", "Use the word lucky.")
     assert retried.exit_code == 0, retried.stderr
     assert f"{task['id']} is pending again with 1 fresh attempt(s)" in retried.stdout
@@ -237,7 +243,9 @@ def test_retry_reruns_a_failed_task_to_done_with_a_note_and_a_fresh_budget(openc
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
     assert done["attempts"] == 2 and done["run_marker"] == "br-1-a2"  # attempt numbers go on
-    assert "second time lucky" in done["diff"]
+    assert "second time lucky" in done["diff"] and "fix.txt" not in done["diff"]
+    assert done["base_commit"] == fixed and done["branch"] == f"taskbridge/{task['id']}"
+    assert git(repo, "merge-base", "--is-ancestor", fixed, done["branch"]) == ""
     prompt = json.dumps(opencode.model.requests_for("flaky")[-1])
     assert "Use the word lucky." in prompt
     kinds = [e["kind"] for e in done["events"]]
