@@ -519,6 +519,9 @@ def get_task(task_id: TaskId) -> TaskDetail:
     """One task in full: settings, status, caller, dependencies, notes, questions and answers,
     its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
     of its diff and log. Instructions beyond 20,000 characters are cut (instructions_truncated).
+    Bounded: the last 20 notes and the last 10 questions, each text cut at 2,000 characters
+    (`tasks_cli.py show ID --json` has them whole); receipt texts are clipped when stored, with a
+    note naming the log that holds the whole text.
     Errors: unknown or malformed id."""
     task = store.get_task(task_id)
     result = task.get("result") or {}
@@ -526,7 +529,9 @@ def get_task(task_id: TaskId) -> TaskDetail:
     return info(task) | {
         "instructions": instructions[:INSTRUCTIONS_SHOWN],
         "instructions_truncated": len(instructions) > INSTRUCTIONS_SHOWN,
-        "notes": task["notes"], "questions": task["questions"], "events": task["events"],
+        "notes": cap_json(task["notes"], items=20, chars=2000)[0],
+        "questions": cap_json(task["questions"], items=10, chars=2000)[0],
+        "events": task["events"],
         "summary": result.get("summary") if isinstance(result, dict) else None,
         "usage": task.get("usage"),
         "diff_bytes": len((task.get("diff") or "").encode()),

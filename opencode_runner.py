@@ -386,6 +386,17 @@ def undo_housekeeping(before: dict[str, str]) -> list[str]:
 # The event stream.
 
 TOKEN_KEYS = ("input", "output", "reasoning", "cache_read", "cache_write", "total")
+TEXT_KEEP = 262_144      # characters of the final step's text held in memory (its tail)
+INPUT_KEEP = 4_000       # characters of a tool call's command / path kept for the receipt
+
+
+def _slim_input(data: Any) -> dict[str, Any]:
+    """What the receipt needs of a tool call's input (command, filePath; the denied tool's name
+    and error), clipped: a write call's whole file content is not kept in memory."""
+    if not isinstance(data, dict):
+        return {}
+    return {k: v[:INPUT_KEEP] if isinstance(v, str) else v for k, v in data.items()
+            if k in ("command", "filePath", "tool", "error", "description")}
 
 
 @dataclass
@@ -405,7 +416,10 @@ class EventStream:
     finished: bool = False          # a step_finish with reason "stop" was seen
     last_reason: str | None = None
     _step_texts: list[str] = field(default_factory=list)
-    final_text: str = ""
+    final_text: str = ""            # the last step's text: its last TEXT_KEEP characters only
+    final_text_chars: int = 0       # the last step's whole text length (the whole is in the log)
+    _step_chars: int = 0
+    _kept_chars: int = 0
 
     def feed(self, line: str) -> dict[str, Any] | None:
         """Parse one stdout line; a non-JSON line is counted and skipped. Returns the event."""
@@ -428,18 +442,24 @@ class EventStream:
         return event
 
     def _on_step_start(self, part: dict, event: dict) -> None:
-        self._step_texts = []
+        self._step_texts, self._step_chars, self._kept_chars = [], 0, 0
 
     def _on_text(self, part: dict, event: dict) -> None:
         if part.get("text"):
+            # Only a bounded tail is kept: the closing block sits at the end, the log has it all.
+            self._step_chars += len(part["text"]) + (1 if self._step_texts else 0)
             self._step_texts.append(part["text"])
+            self._kept_chars += len(part["text"]) + 1
+            if self._kept_chars > TEXT_KEEP:
+                self._step_texts = ["\n".join(self._step_texts)[-TEXT_KEEP:]]
+                self._kept_chars = len(self._step_texts[0])
 
     def _on_tool_use(self, part: dict, event: dict) -> None:
         state = part.get("state") or {}
         call = {
             "tool": part.get("tool"),
             "status": state.get("status"),
-            "input": state.get("input") or {},
+            "input": _slim_input(state.get("input")),
         }
         denied = _denied_tool(part)
         if denied:
@@ -463,6 +483,7 @@ class EventStream:
         self.last_reason = part.get("reason")
         if self._step_texts:
             self.final_text = "\n".join(self._step_texts)
+            self.final_text_chars = self._step_chars
         if self.last_reason == "stop":
             self.finished = True
 

@@ -21,6 +21,7 @@ WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC, WORKER_SLOTS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import selectors
@@ -30,6 +31,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -158,6 +160,14 @@ class RunResult:
 
 
 START_GATE_SEC = 3
+SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
+LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
+STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
+# Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
+SUMMARY_MAX = 8_000
+QUESTION_MAX = 20_000
+ITEM_MAX = 2_000              # one open question, test command, claimed file
+ITEMS_MAX = 100               # items of each list
 
 
 class StartGate:
@@ -185,7 +195,8 @@ class Supervisor:
         self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream())
-        self.partial: dict[int, bytes] = {}
+        self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
+        self.oversized: set[str] = set()           # streams in the middle of a line over LINE_MAX
         self.stop = False
         self.gate_open_at: float | None = None
 
@@ -195,9 +206,16 @@ class Supervisor:
             self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
             StartGate.enter()
-            self.proc = subprocess.Popen(
-                self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
+                    stdout=writer, stderr=subprocess.PIPE, start_new_session=True)
+            except BaseException:
+                os.close(self.spool)
+                raise
+            finally:
+                os.close(writer)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
             self._send_prompt()
             self._record_pid()
@@ -237,9 +255,8 @@ class Supervisor:
 
     def _watch(self) -> None:
         self.selector = selectors.DefaultSelector()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            os.set_blocking(pipe.fileno(), False)
-            self.selector.register(pipe, selectors.EVENT_READ)
+        os.set_blocking(self.proc.stderr.fileno(), False)
+        self.selector.register(self.proc.stderr, selectors.EVENT_READ)
         now = time.monotonic()
         self.deadline = now + self.task["timeout_sec"]
         self.last_activity = self.last_renew = now
@@ -286,29 +303,59 @@ class Supervisor:
         self.result.interrupted = interrupted
 
     def _pump(self, timeout: float) -> None:
-        for key, _ in self.selector.select(timeout):
-            self._read(key.fileobj)
+        for _ in self.selector.select(timeout):
+            self._read_stderr()
+        self._read_spool()
 
-    def _read(self, pipe: Any) -> None:
+    def _read_spool(self) -> None:
+        """Everything OpenCode wrote to its stdout file since the last call."""
+        while data := os.read(self.spool, SPOOL_READ):
+            self.last_activity = time.monotonic()
+            self._feed("out", data)
+
+    def _read_stderr(self) -> None:
         try:
-            data = os.read(pipe.fileno(), 65536)
+            data = os.read(self.proc.stderr.fileno(), 65536)
         except BlockingIOError:
             return
-        fd = pipe.fileno()
         if not data:
-            self.selector.unregister(pipe)
-            if self.partial.get(fd):
-                self._line(pipe, self.partial.pop(fd))
+            self.selector.unregister(self.proc.stderr)
             return
         self.last_activity = time.monotonic()
-        lines = (self.partial.pop(fd, b"") + data).split(b"\n")
-        self.partial[fd] = lines.pop()
-        for line in lines:
-            self._line(pipe, line)
+        self._feed("err", data)
 
-    def _line(self, pipe: Any, line: bytes) -> None:
-        if pipe is self.proc.stderr:
-            text = line.decode(errors="replace")
+    def _feed(self, stream: str, data: bytes) -> None:
+        start = 0
+        while (newline := data.find(b"\n", start)) >= 0:
+            self._take(stream, data[start:newline], end=True)
+            start = newline + 1
+        if start < len(data):
+            self._take(stream, data[start:], end=False)
+
+    def _take(self, stream: str, piece: bytes, end: bool) -> None:
+        """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
+        past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
+        if stream in self.oversized:
+            self.log.write(piece)
+            if end:
+                self.oversized.discard(stream)
+                self.result.stream.bad_lines += 1
+                self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
+            return
+        buf = self.partial.setdefault(stream, bytearray())
+        buf += piece
+        if end:
+            line = bytes(buf)
+            buf.clear()
+            self._line(stream, line)
+        elif len(buf) > LINE_MAX:
+            self.log.write((b"[stderr] " if stream == "err" else b"") + bytes(buf))
+            buf.clear()
+            self.oversized.add(stream)
+
+    def _line(self, stream: str, line: bytes) -> None:
+        if stream == "err":
+            text = line[:STDERR_LINE_KEEP].decode(errors="replace")
             self.log.write(b"[stderr] " + line + b"\n")
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
         else:
@@ -321,21 +368,33 @@ class Supervisor:
         self.log.flush()
 
     def _drain(self, final: bool) -> None:
-        """Read what is left in the pipes after the tree is gone, then close them."""
+        """Read what is left after the tree is gone (stderr for up to a second: a stray process
+        may hold it open; the stdout file to its end), finish partial lines, close both."""
         end = time.monotonic() + 1.0
         while self.selector.get_map() and time.monotonic() < end:
             self._pump(0.1)
-        for fd, partial in list(self.partial.items()):
-            if partial:
-                pipe = self.proc.stderr if fd == self.proc.stderr.fileno() else self.proc.stdout
-                self._line(pipe, partial)
+        self._read_spool()
+        for stream in ("out", "err"):
+            if self.partial.get(stream) or stream in self.oversized:
+                self._take(stream, b"", end=True)
         self.partial.clear()
-        for pipe in (self.proc.stdout, self.proc.stderr):
-            try:
-                self.selector.unregister(pipe)
-            except (KeyError, ValueError):
-                pass
-            pipe.close()
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(self.proc.stderr)
+        self.proc.stderr.close()
+        os.close(self.spool)
+
+
+def _spool_file(folder: Any) -> tuple[int, int]:
+    """(read fd, write fd) of a fresh unlinked file in ``folder`` for OpenCode's stdout. A file,
+    not a pipe: Bun drops what is still queued for a pipe when `opencode run` exits, so a reader
+    a little slower than a 20 MB event line lost its tail (measured: a reader pausing 5 ms per
+    64 KB got 0.5 MB of 21 MB); a file keeps every byte and is read as it grows."""
+    reader, path = tempfile.mkstemp(prefix=".opencode-", suffix=".stdout", dir=folder)
+    try:
+        writer = os.open(path, os.O_WRONLY | os.O_APPEND)
+    finally:
+        os.unlink(path)
+    return reader, writer
 
 
 def run_stragglers(marker: str, queue: str):
@@ -487,7 +546,8 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        count_attempt=False)
     if reason is None and block["kind"] == "question":
         notify(f"TaskBridge {task['id']} asks", block["question"][:200])
-        return _finish(store.pause_for_question, task, marker, block["question"],
+        question = store.clip(block["question"], QUESTION_MAX, _whole_text_at(task, run))
+        return _finish(store.pause_for_question, task, marker, question,
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
@@ -529,6 +589,21 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
         worktrees.remove_worktree(ws)
 
 
+def _whole_text_at(task: dict, run: RunResult) -> str:
+    """Where a clipped receipt text can be read whole: the task's log (the raw event stream)."""
+    size = run.stream.final_text_chars
+    return f"the task's log {store.log_path(task['id'])}" + (
+        f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
+
+
+def _clip_items(items: list[str], where: str) -> list[str]:
+    """At most ITEMS_MAX items of at most ITEM_MAX characters each; a last item says what was cut."""
+    kept = [store.clip(item, ITEM_MAX, where) for item in items[:ITEMS_MAX]]
+    if len(items) > ITEMS_MAX:
+        kept.append(f"… [{len(items) - ITEMS_MAX:,} more items; all are in {where}]")
+    return kept
+
+
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
                   files: list[str], reverted: list[str], session_note: str) -> dict[str, Any]:
     """The receipt: what git and the event stream showed, beside what the agent says."""
@@ -542,17 +617,18 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
     sandbox = {"isolation": isolation, "permission": task["permission"],
                **oc.sandbox_labels(task["permission"])}
     denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
+    where = _whole_text_at(task, run)
     return {
-        "summary": block.get("summary") or block.get("question") or "",
+        "summary": store.clip(block.get("summary") or block.get("question") or "", SUMMARY_MAX, where),
         "block_found": block.get("block_found", block["kind"] == "question"),
         "files_touched": files,
-        "files_claimed": block.get("files_touched", []),
+        "files_claimed": _clip_items(block.get("files_touched", []), where),
         "files_reverted": reverted,
         "commands": stream.commands,
         "tool_calls": len(stream.tool_calls),
         "tool_errors": [{"tool": c["tool"], "status": c["status"], "error": c.get("error")} for c in denied],
-        "tests_run": block.get("tests_run", []),
-        "open_questions": block.get("open_questions", []),
+        "tests_run": _clip_items(block.get("tests_run", []), where),
+        "open_questions": _clip_items(block.get("open_questions", []), where),
         "usage": stream.usage(),
         "model": model,
         "latency_sec": run.seconds,
