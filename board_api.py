@@ -43,6 +43,7 @@ EVENTS_MAX = 200               # events per /api/events or /api/changes answer
 CHANGE_POLL_SEC = 0.25         # how often /api/changes looks (a few stat calls)
 CHANGE_RECHECK_SEC = 5.0       # ...and asks the database even when the files look unchanged
 WAIT_MAX_SEC = 30              # longest /api/changes wait
+FOLLOW_MAX = 16                # running tasks' logs one /api/changes call follows for the feed
 BODY_MAX = 300_000             # bytes of an action's JSON body
 # The shell's policy: scripts and styles only from this origin, no inline script, no framing.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -299,18 +300,22 @@ class Watch:
         self.log = store.log_path(store.format_task_id(store.parse_task_id(task))) if task else None
         self.log_seen = _offset(query.get("log"))
         self.engine_seen = _offset(query.get("engine"))
+        self.follow = _follow_arg(query.get("follow") or "")
         db = store.db_path()
         self.db_files = (db, db.with_name(db.name + "-wal"))
         self.stamp: tuple | None = None
         self.asked = 0.0
         self.marks: dict[str, Any] = {}
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> dict[str, Any]:
         return {"log_size": task_views.file_size(self.log) if self.log else 0,
-                "engine_size": task_views.file_size(store.state_path("worker.log"))}
+                "engine_size": task_views.file_size(store.state_path("worker.log")),
+                "follow": {tid: task_views.file_size(store.log_path(tid)) for tid in self.follow}}
 
     def changed(self) -> bool:
         sizes = self.sizes()
+        if any(sizes["follow"][tid] != seen for tid, seen in self.follow.items()):
+            return True
         if self.log_seen is not None and sizes["log_size"] != self.log_seen:
             return True
         if self.engine_seen is not None and sizes["engine_size"] != self.engine_seen:
@@ -329,12 +334,25 @@ class Watch:
                 "jobs": marks["jobs"], "more": len(events) == EVENTS_MAX} | self.sizes()
 
 
+def _follow_arg(text: str) -> dict[str, int]:
+    """``t_0001:1234,t_0002:0`` (task id and the log size the page has seen) as a dict; at most 16."""
+    follow: dict[str, int] = {}
+    for item in filter(None, text.split(",")):
+        task_id, _, size = item.partition(":")
+        follow[store.format_task_id(store.parse_task_id(task_id))] = store.coerce_int("follow size", size, 0, 2**63 - 1)
+    if len(follow) > FOLLOW_MAX:
+        raise store.ValidationError(f"follow names {len(follow)} task logs; at most {FOLLOW_MAX}")
+    return follow
+
+
 async def api_changes(request: Any) -> Any:
-    """``GET /api/changes?cursor=&jobs=&task=&log=&engine=&wait=``: answers as soon as the events
-    cursor or the jobs mark moved, or the followed task log (``task``, size ``log``) or the engine
-    log (size ``engine``) changed size, else after ``wait`` seconds (0..30, default 20). Returns
-    {cursor, events (new ones, oldest first), jobs, log_size, engine_size, more}. While nothing
-    changes it costs a few stat calls every 0.25 s and one small query every 5 s."""
+    """``GET /api/changes?cursor=&jobs=&task=&log=&engine=&follow=&wait=``: answers as soon as the
+    events cursor or the jobs mark moved, or a log changed size: the open task's (``task``, size
+    ``log``), the engine log (size ``engine``), or a running task's the feed follows (``follow``:
+    ``t_0001:size,…``, at most 16), else after ``wait`` seconds (0..30, default 20). Returns
+    {cursor, events (new ones, oldest first), jobs, log_size, engine_size, follow: {id: size},
+    more}. While nothing changes it costs a few stat calls every 0.25 s and one small query
+    every 5 s."""
     query = request.query_params
 
     try:

@@ -16,6 +16,7 @@
     // Keyset paging: `cursor` is this page's start, `back` the starts of the pages before it.
     list: { status: "", origin: "", search: "", cursor: null, back: [], limit: 50, total: 0, next: null },
     task: null, logNext: null, logSize: null, engineNext: null, engineSize: null,
+    follow: {},                                  // running task id -> {next, size} of its log, for the feed
     refreshTimer: null,
   };
 
@@ -112,7 +113,7 @@
       renderStatus(status);
       S.cursor = status.marks.events;
       S.jobsMark = status.marks.jobs;
-      await Promise.all([loadList(), loadFeed(), loadJobs(), loadEngine(), route()]);
+      await Promise.all([loadList(), loadFeed(), loadJobs(), loadEngine(), loadRunning(), route()]);
       liveLoop(++S.live);
     } catch (err) {
       showError(err);
@@ -185,6 +186,42 @@
         el("b", {}, ev.kind), " ", el("span", { class: "m" }, ev.message || "")));
     }
     while (feed.children.length > FEED_MAX) feed.lastChild.remove();
+  }
+
+  function addToolLines(taskId, entries) {
+    const feed = $("feed");
+    for (const e of entries) {
+      if (e.kind !== "tool" && e.kind !== "error") continue;
+      feed.prepend(el("li", { class: "ev k-" + (e.kind === "tool" ? "tool" : "error") },
+        el("time", {}, new Date().toISOString().slice(11, 19)), " ", taskLink(taskId), " ",
+        el("b", {}, e.kind === "tool" ? "tool call" : "error"), " ", el("span", { class: "m" }, logEntryText(e))));
+    }
+    while (feed.children.length > FEED_MAX) feed.lastChild.remove();
+  }
+
+  // The feed follows the logs of the tasks running now, for their tool calls: new ones start at
+  // the log's current end; finished ones are dropped.
+  async function loadRunning() {
+    const page = await api("/api/tasks?status=running&limit=16");
+    const ids = page.tasks.map((t) => t.id);
+    for (const id of Object.keys(S.follow)) if (!ids.includes(id)) delete S.follow[id];
+    for (const id of ids) {
+      if (S.follow[id]) continue;
+      S.follow[id] = { next: null, size: null };
+      const d = await api("/api/tasks/" + encodeURIComponent(id) + "/log");
+      if (S.follow[id]) S.follow[id] = { next: d.next_offset, size: d.size };
+    }
+  }
+
+  async function followLogs(sizes) {
+    for (const [id, size] of Object.entries(sizes || {})) {
+      const f = S.follow[id];
+      if (!f || f.size === null || size === f.size) continue;
+      const d = await api("/api/tasks/" + encodeURIComponent(id) + "/log?offset=" + f.next);
+      if (!S.follow[id]) continue;
+      S.follow[id] = { next: d.next_offset, size: d.size };
+      addToolLines(id, d.entries);
+    }
   }
 
   async function loadFeed() {
@@ -366,14 +403,15 @@
       t.diff_truncated ? el("p", { class: "empty" }, "the diff is longer: the first 512 KiB are shown") : "");
   }
 
+  function logEntryText(e) {
+    if (e.kind !== "tool") return e.text || "";
+    return (e.tool || "tool") + (e.title ? ": " + e.title : "") + (e.status ? " [" + e.status + "]" : "")
+      + (e.exit === null || e.exit === undefined ? "" : " exit " + e.exit) + (e.detail ? " — " + e.detail : "");
+  }
+
   function logEntry(e) {
-    let text = e.text || "";
-    if (e.kind === "tool") {
-      text = (e.tool || "tool") + (e.title ? ": " + e.title : "") + (e.status ? " [" + e.status + "]" : "")
-        + (e.exit === null || e.exit === undefined ? "" : " exit " + e.exit) + (e.detail ? " — " + e.detail : "");
-    }
     return el("div", { class: "entry k-" + String(e.kind).replace(/[^a-z_]/gi, "") },
-      el("span", { class: "kind" }, e.kind), " ", el("span", { class: "t" }, text));
+      el("span", { class: "kind" }, e.kind), " ", el("span", { class: "t" }, logEntryText(e)));
   }
 
   async function loadLog() {
@@ -396,7 +434,7 @@
     if (S.refreshTimer) return;
     S.refreshTimer = setTimeout(async () => {
       S.refreshTimer = null;
-      const jobs = [loadStatus(), loadList()];
+      const jobs = [loadStatus(), loadList(), loadRunning()];
       if (S.taskDirty && S.task) jobs.push(loadTask().then((rebuilt) => rebuilt && loadLogKeep()));
       S.taskDirty = false;
       try { await Promise.all(jobs); } catch (err) { showError(err); }
@@ -414,6 +452,8 @@
         const q = new URLSearchParams({ cursor: S.cursor, jobs: S.jobsMark, wait: 20 });
         if (S.engineSize !== null) q.set("engine", S.engineSize);
         if (S.task) { q.set("task", S.task); if (S.logSize !== null) q.set("log", S.logSize); }
+        const follow = Object.entries(S.follow).filter(([, f]) => f.size !== null).map(([id, f]) => id + ":" + f.size);
+        if (follow.length) q.set("follow", follow.join(","));
         const ch = await api("/api/changes?" + q);
         if (generation !== S.live) return;
         if (ch.events.length) {
@@ -426,6 +466,7 @@
         if (ch.jobs !== S.jobsMark) { S.jobsMark = ch.jobs; await loadJobs(); }
         if (S.task && S.logSize !== null && ch.log_size !== S.logSize) await loadLog();
         if (S.engineSize !== null && ch.engine_size !== S.engineSize) await loadEngine();
+        await followLogs(ch.follow);
       } catch (err) {
         if (err instanceof AuthError) return showError(err);
         showError(err);

@@ -206,6 +206,15 @@ def test_changes_follows_a_task_log_and_the_engine_log(client, tmp_path):
     started = time.monotonic()
     seen = client.get(base, headers=AUTH).json()
     assert seen["log_size"] == len("[worker] hello\n") and time.monotonic() - started < 2
+    other = submit(tmp_path)
+    marks = client.get("/api/status", headers=AUTH).json()["marks"]
+    other_log = task_store.log_path(other["id"])
+    threading.Timer(0.3, lambda: other_log.write_text("[worker] running\n")).start()
+    followed = client.get(f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&follow={other['id']}:0&wait=5",
+                          headers=AUTH).json()
+    assert followed["follow"] == {other["id"]: len("[worker] running\n")}
+    too_many = ",".join(f"{n}:0" for n in range(1, 18))
+    assert "at most 16" in client.get(f"/api/changes?follow={too_many}", headers=AUTH).json()["error"]
 
 
 def test_diff_files_counts_lines_per_file():

@@ -224,6 +224,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         wait(browser, lambda d: "hello.txt" in text_of(d, "log"), timeout=120, what="log lines of the run")
+        wait(browser, lambda d: "tool call" in text_of(d, "feed"), timeout=60, what="tool calls in the feed")
         wait(browser, lambda d: "hello from the agent" in text_of(d, "diff"), timeout=120, what="the diff")
         assert "hello.txt" in text_of(browser, "diff-files") and text_of(browser, "task-status") == "done"
         log_text = text_of(browser, "log")
