@@ -124,8 +124,9 @@ def error_response(exc: Exception) -> Any:
                                   "has the details"}, status_code=500)
 
 
-def _offset(value: str | None) -> int | None:
-    return None if value in (None, "") else store.coerce_int("offset", value, 0, 2**63 - 1)
+def _offset(value: str | None, name: str = "offset") -> int | None:
+    """A byte offset or size from the query (``name`` for the message), or None when absent."""
+    return None if value in (None, "") else store.coerce_int(name, value, 0, 2**63 - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,8 +299,8 @@ class Watch:
         self.jobs = query.get("jobs") or ""
         task = query.get("task") or None
         self.log = store.log_path(store.format_task_id(store.parse_task_id(task))) if task else None
-        self.log_seen = _offset(query.get("log"))
-        self.engine_seen = _offset(query.get("engine"))
+        self.log_seen = _offset(query.get("log"), "log")
+        self.engine_seen = _offset(query.get("engine"), "engine")
         self.follow = _follow_arg(query.get("follow") or "")
         db = store.db_path()
         self.db_files = (db, db.with_name(db.name + "-wal"))

@@ -254,3 +254,14 @@ def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(clie
     for view in (board, cli, tool):
         assert view["died"] is True and view["recent"] is True and view["pid"] == dead.pid
         assert view["tasks"] == ["t_0001"] and view["slots"] == 2 and "gone" in view["summary"]
+
+
+@pytest.mark.parametrize("path,named", [
+    ("/api/changes?log=abc&task=1", "log"), ("/api/changes?engine=-5", "engine"), ("/api/changes?wait=99", "wait"),
+    ("/api/changes?task=zzz", "task id"), ("/api/tasks/1/log?offset=-1", "offset"), ("/api/engine?offset=x", "offset"),
+    ("/api/events?after=x", "after"), ("/api/jobs?limit=0", "limit"), ("/api/tasks?limit=abc", "limit")])
+def test_bad_query_values_get_one_line_naming_the_parameter(client, tmp_path, path, named):
+    submit(tmp_path)
+    answer = client.get(path, headers=AUTH)
+    assert answer.status_code == 400 and named in answer.json()["error"]
+    assert "\n" not in answer.json()["error"] and "Traceback" not in answer.text
