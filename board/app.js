@@ -248,10 +248,10 @@
     const q = S.engineNext === null ? "" : "?offset=" + S.engineNext;
     const data = await api("/api/engine" + q);
     const box = $("engine");
-    if (S.engineNext === null) clear(box);
+    if (S.engineNext === null || box.dataset.empty) { clear(box); delete box.dataset.empty; }
     for (const line of data.lines) box.append(el("div", { class: "line" }, line));
     while (box.children.length > ENGINE_MAX) box.firstChild.remove();
-    if (!box.children.length) box.textContent = "";
+    if (!box.children.length) { box.textContent = "the worker has written no log here yet"; box.dataset.empty = "1"; }
     S.engineNext = data.next_offset;
     S.engineSize = data.size;
     box.scrollTop = box.scrollHeight;
