@@ -864,10 +864,10 @@ def clear_finished(
     remove_worktrees: Annotated[bool | None, Field(description="also remove worktrees kept with worktree_keep (branches stay)")] = False,
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
-    task depends on are kept. Their logs and kept worktrees are deleted only when asked; task
-    branches always stay. Returns the removed ids. Errors: a status that is not a finished one."""
-    removed = store.clear_finished(older_than_sec or 0, statuses or store.TERMINAL)
-    purged = worktrees.purge_files(removed, bool(remove_logs), bool(remove_worktrees))
+    task depends on are kept. Their logs and kept worktrees are deleted only when asked (a task whose
+    worktree could not be removed stays in the queue, named in `problems`); task branches always stay. Returns the removed ids. Errors: a status that is not a finished one."""
+    removed, purged = worktrees.clear_finished(older_than_sec or 0, statuses or store.TERMINAL,
+                                               remove_logs=bool(remove_logs), remove_worktrees=bool(remove_worktrees))
     return {"removed": [t["id"] for t in removed], "count": len(removed)} | purged
 
 

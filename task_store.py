@@ -1745,23 +1745,30 @@ def default_model() -> str | None:
     return get_setting("default_model")
 
 
-def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL) -> list[dict[str, Any]]:
+def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL, *,
+                   dry_run: bool = False, only_ids: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
     questions and dependency rows go with them; events stay as history). Returns the removed
     tasks' ``{id, branch, worktree_path, log}`` so the caller may remove files.
-    A task that a not-finished task still depends on is kept. Raises ValidationError."""
+    A task that a not-finished task still depends on is kept. ``dry_run``: only list what would
+    go; ``only_ids``: remove no task outside these ids. Raises ValidationError."""
     chosen = _statuses(list(statuses))
     if any(s not in TERMINAL for s in chosen):
         raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
+    nums = None if only_ids is None else [parse_task_id(i) for i in only_ids]
+    where = ("status IN (%s) AND finished_at <= ?"
+             " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
+             " WHERE t.status NOT IN ('done','failed','cancelled'))" % ",".join("?" * len(chosen)))
+    if nums is not None:
+        where += " AND id IN (%s)" % ",".join("?" * len(nums))
+    params = [*chosen, now() - older_than_sec, *(nums or [])]
     with _writing() as conn:
-        rows = conn.execute(
-            "DELETE FROM tasks WHERE status IN (%s) AND finished_at <= ?"
-            " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
-            " WHERE t.status NOT IN ('done','failed','cancelled'))"
-            " RETURNING id, branch, worktree_path" % ",".join("?" * len(chosen)),
-            [*chosen, now() - older_than_sec],
-        ).fetchall()
-        if rows:
+        if dry_run:
+            rows = conn.execute(f"SELECT id, branch, worktree_path FROM tasks WHERE {where}", params).fetchall()
+        else:
+            rows = conn.execute(f"DELETE FROM tasks WHERE {where} RETURNING id, branch, worktree_path",
+                                params).fetchall()
+        if rows and not dry_run:
             _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
     return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
              "log": str(log_path(r["id"]))} for r in rows]

@@ -900,8 +900,7 @@ def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool
     if not yes:
         since = f" finished more than {older_than:g} s ago" if older_than else ""
         click.confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", abort=True, err=True)
-    removed = task_store.clear_finished(older_than)
-    purged = worktrees.purge_files(removed, purge_logs, remove_worktrees)
+    removed, purged = worktrees.clear_finished(older_than, remove_logs=purge_logs, remove_worktrees=remove_worktrees)
     if as_json:
         return emit_json(removed)
     print_cleared(removed, purge_logs, purged)

@@ -190,6 +190,7 @@ class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
     cancel (fencing) and shutdown; ends the whole process tree whatever happens."""
+    deadline_at: float | None = None   # time.monotonic() at which the attempt's timeout ends
 
     def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs):
         self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
@@ -258,7 +259,8 @@ class Supervisor:
         os.set_blocking(self.proc.stderr.fileno(), False)
         self.selector.register(self.proc.stderr, selectors.EVENT_READ)
         now = time.monotonic()
-        self.deadline = now + self.task["timeout_sec"]
+        # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
+        self.deadline = self.deadline_at or now + self.task["timeout_sec"]
         self.last_activity = self.last_renew = now
         self.finished_at: float | None = None
         self.exited_at: float | None = None
@@ -446,42 +448,96 @@ def failure_reason(run: RunResult) -> str | None:
 # One task.
 
 
+BOOKKEEPING_MIN_SEC = 60
+
+
+class Phases:
+    """The watcher of one attempt's phases outside the agent run (workspace preparation, receipt,
+    commit, cleanup), called by `worktrees.git` while a git command runs and between steps: it
+    renews the lease every WORKER_LEASE_SEC and says stop when the attempt was cancelled or
+    reaped, its timeout passed, or the worker must stop at once."""
+
+    def __init__(self, task: dict[str, Any], knobs: Knobs):
+        self.task, self.knobs = task, knobs
+        self.deadline = time.monotonic() + task["timeout_sec"]
+        self.last_renew = time.monotonic()
+        self.superseded = self.interrupted = False
+
+    def check(self) -> str | None:
+        now = time.monotonic()
+        if now - self.last_renew >= self.knobs.lease_sec:
+            self.last_renew = now
+            try:
+                store.renew_lease(self.task["id"], self.task["run_marker"])
+            except store.StaleAttempt as exc:
+                self.superseded = True
+                return str(exc)
+            Beat.write()
+        if Flags.stop_now:
+            self.interrupted = True
+            return "the worker was told to stop at once"
+        if now > self.deadline:
+            return f"timed out after {self.task['timeout_sec']} s"
+        return None
+
+    def after_run(self) -> None:
+        """The receipt, commit and cleanup get what is left of the timeout, and at least
+        BOOKKEEPING_MIN_SEC: an agent that finished just in time is not thrown away."""
+        self.deadline = max(self.deadline, time.monotonic() + BOOKKEEPING_MIN_SEC)
+
+
 def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     """Run one claimed attempt to its end and record the outcome (fenced by its run marker).
-    Returns the task's final dict, or None if the attempt was superseded."""
+    Every phase renews the lease and honours the timeout and a cancel (see Phases). Returns the
+    task's final dict, or None if the attempt was superseded."""
     marker = task["run_marker"]
     resume = bool(task.get("answer") and task.get("session_id"))
-    try:
-        model = task_model(task)
-    except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
-        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-        return _finish(store.fail_unrunnable, task, marker, str(exc))
-    try:
-        ws = worktrees.prepare_workspace(task, resume)
-    except (worktrees.Unrunnable, RuntimeError) as exc:
-        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-        return _finish(store.fail_unrunnable, task, marker, str(exc))
-    store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
-                      branch=ws.branch, base_commit=ws.base_commit)
-    notes = store.take_notes(task["id"], marker)
-    snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
-    config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
-    try:
-        env = oc.run_env(dict(os.environ), ws.cwd, marker, store.queue_tag(), task["permission"],
-                         task.get("agent"))
-    except oc.ConfigProblem as exc:
-        oc.undo_housekeeping(config_files)
-        if not task["worktree_keep"]:
-            worktrees.remove_worktree(ws)
-        log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-        return _finish(store.fail_unrunnable, task, marker, str(exc))
-    checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
-    run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env)
-    outside = worktrees.changed_outside(checkout_before, ws.repo) if ws.mode == "worktree" else []
-    repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
-                   "restrictions": oc.repo_restrictions(config_files, ws.cwd),
-                   "housekeeping_undone": [os.path.relpath(p, ws.cwd) for p in oc.undo_housekeeping(config_files)]}
-    return _conclude(task, ws, run, model, snapshot, session_note, outside, repo_config)
+    phases = Phases(task, knobs)
+    with worktrees.watched(phases.check):
+        try:
+            model = task_model(task)
+        except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
+            log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+            return _finish(store.fail_unrunnable, task, marker, str(exc))
+        try:
+            ws = worktrees.prepare_workspace(task, resume)
+            store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
+                              branch=ws.branch, base_commit=ws.base_commit)
+        except worktrees.GitStopped as exc:
+            return _stopped_early(task, phases, f"preparing the workspace: {exc}")
+        except (worktrees.Unrunnable, worktrees.GitError) as exc:
+            log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+            return _finish(store.fail_unrunnable, task, marker, str(exc))
+        try:
+            notes = store.take_notes(task["id"], marker)
+            snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+            config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
+            try:
+                env = oc.run_env(dict(os.environ), ws.cwd, marker, store.queue_tag(), task["permission"],
+                                 task.get("agent"))
+            except oc.ConfigProblem as exc:
+                oc.undo_housekeeping(config_files)
+                if not task["worktree_keep"]:
+                    worktrees.remove_worktree(ws)
+                log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+                return _finish(store.fail_unrunnable, task, marker, str(exc))
+            checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
+        except worktrees.GitStopped as exc:
+            return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
+        run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, phases.deadline)
+        phases.after_run()
+        try:
+            repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
+                           "restrictions": oc.repo_restrictions(config_files, ws.cwd),
+                           "housekeeping_undone": [os.path.relpath(p, ws.cwd)
+                                                   for p in oc.undo_housekeeping(config_files)]}
+            return _conclude(task, ws, run, model, snapshot, session_note, checkout_before, repo_config, phases)
+        except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
+            if run.superseded or run.interrupted or failure_reason(run) is not None:
+                raise
+            log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
+            return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
+                                       "recording the result", exc, phases)
 
 
 def task_model(task: dict[str, Any]) -> str:
@@ -496,51 +552,77 @@ def task_model(task: dict[str, Any]) -> str:
     return choice.model
 
 
+def _stopped_early(task: dict, phases: Phases, message: str, ws: Workspace | None = None) -> dict | None:
+    """A phase before the agent ran was ended: cancelled or reaped (nothing to write), the
+    worker stopping at once (handed back), or the timeout or a hung git step (a failed attempt,
+    named)."""
+    log(f"{task['id']} attempt {task['run_marker']} ended {message}")
+    if phases.superseded:
+        if ws is not None:
+            _cleanup_superseded(task, ws)
+        return None
+    if phases.interrupted:
+        return _finish(store.requeue_attempt, task, task["run_marker"],
+                       "worker stopped at once (second signal) while preparing; handed back", count_attempt=False)
+    return _finish(store.fail_attempt, task, task["run_marker"], message)
+
+
 def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
-               resume: bool, env: dict[str, str]) -> tuple[RunResult, str]:
+               resume: bool, env: dict[str, str], deadline: float | None = None) -> tuple[RunResult, str]:
     """Resume the waiting session with the answer when it can; otherwise a new session whose
     prompt carries the instructions (and, after a lost session, every question and answer)."""
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"], env)
+        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"], env,
+                       deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
     if not resume:
-        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env), "new session"
+        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env, deadline), "new session"
     current = store.get_task(task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"])
-    return (_attempt(task, ws, knobs, model, prompt, None, env),
+    return (_attempt(task, ws, knobs, model, prompt, None, env, deadline),
             f"{lost}; a new session got the history in its prompt")
 
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
-             session_id: str | None, env: dict[str, str]) -> RunResult:
+             session_id: str | None, env: dict[str, str], deadline: float | None = None) -> RunResult:
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})", talk.VERBOSE)
-    return Supervisor(task, argv, env, ws.cwd, prompt, knobs).run()
+    supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs)
+    supervisor.deadline_at = deadline
+    return supervisor.run()
 
 
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
-              session_note: str, outside: list[str], repo_config: dict[str, Any]) -> dict[str, Any] | None:
+              session_note: str, checkout_before: dict, repo_config: dict[str, Any],
+              phases: Phases) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
         _cleanup_superseded(task, ws)
         return None
-    reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
-    files, diff = worktrees.observed_changes(ws)
-    block = oc.parse_closing_block(run.stream.final_text)
     reason = failure_reason(run)
+    block = oc.parse_closing_block(run.stream.final_text)
+    reverted, files, diff, problem = _observe(task, ws, snapshot)
     receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
-    receipt["changed_outside_worktree"] = outside
+    receipt["changed_outside_worktree"] = worktrees.changed_outside(checkout_before, ws.repo) \
+        if ws.mode == "worktree" and problem is None else []
     receipt["repo_config"] = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
     usage = run.stream.usage()
+    if phases.superseded:
+        _cleanup_superseded(task, ws)
+        return None
+    if problem is not None and reason is None and not run.interrupted:
+        return _bookkeeping_failed(task, ws, run, receipt, None, "building the receipt (git diff)", problem, phases)
+    if problem is not None:
+        receipt["diff_error"] = str(problem)
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
-        worktrees.remove_worktree(ws)
+        _remove(ws, receipt)
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
                        count_attempt=False)
@@ -550,13 +632,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         return _finish(store.pause_for_question, task, marker, question,
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
-        receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
-        if not task["worktree_keep"]:
-            worktrees.remove_worktree(ws)
-            receipt["worktree_removed"] = ws.mode == "worktree"
-        notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
-        return _finish(store.complete_attempt, task, marker, result=receipt, diff=diff, usage=usage,
-                       session_id=run.stream.session_id)
+        return _commit_and_finish(task, ws, run, receipt, diff, phases)
     retryable = not oc.model_missing(reason)
     if not retryable:
         # Retrying cannot bring the model back: fail once, naming it and quoting OpenCode.
@@ -568,6 +644,69 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                     retryable=retryable and environment_fault(run) is None)
     if final and final["status"] == "failed":
         notify(f"TaskBridge {task['id']} failed", reason[:200])
+    return final
+
+
+def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[list[str], list[str], str | None, Exception | None]:
+    """(reverted files, changed files, diff, None), or the git failure that stopped it."""
+    try:
+        reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
+        files, diff = worktrees.observed_changes(ws)
+    except (worktrees.GitError, OSError) as exc:
+        return [], [], None, exc
+    return reverted, files, diff, None
+
+
+def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+                       phases: Phases) -> dict[str, Any] | None:
+    """The agent succeeded: commit on the task branch, remove the worktree (checked), done. A
+    failed commit is bookkeeping: never a rerun of the agent."""
+    try:
+        receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
+    except worktrees.GitError as exc:
+        return _bookkeeping_failed(task, ws, run, receipt, diff, "the commit", exc, phases)
+    if not task["worktree_keep"]:
+        try:
+            _remove(ws, receipt)
+        except worktrees.GitError as exc:   # stopped: the work is committed; say what is left
+            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+    notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
+    return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=diff,
+                   usage=run.stream.usage(), session_id=run.stream.session_id)
+
+
+def _remove(ws: Workspace, receipt: dict) -> None:
+    """Remove the worktree and record in the receipt whether it is really gone, and what is
+    left when it is not (the task keeps its worktree_path, so clear --remove-worktrees can
+    retry)."""
+    if ws.mode != "worktree":
+        return
+    left = worktrees.remove_worktree(ws)
+    receipt["worktree_removed"] = left is None
+    if left:
+        receipt["worktree_left"] = left
+        log(left)
+
+
+def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+                        step: str, exc: BaseException, phases: Phases) -> dict[str, Any] | None:
+    """The agent finished but recording its work did not: the receipt is stored, the step and
+    git's reason are named, the worktree is kept for the person, and the (paid) agent run is
+    not repeated: the task fails without a retry."""
+    if phases.superseded:
+        _cleanup_superseded(task, ws)
+        return None
+    where = (f"its work is kept in the worktree {ws.top} on branch {ws.branch}: commit it there "
+             f"(git -C {ws.top} add -A && git -C {ws.top} commit)") if ws.mode == "worktree" else \
+        f"its changes are in {ws.cwd}"
+    error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
+    receipt["bookkeeping_error"] = error
+    receipt["worktree_kept"] = ws.mode == "worktree"
+    log(f"{task['id']}: {error}")
+    final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
+                    diff=diff, usage=run.stream.usage(), session_id=run.stream.session_id)
+    if final:
+        notify(f"TaskBridge {task['id']} needs you", error[:200])
     return final
 
 
@@ -586,7 +725,10 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
     except store.TaskNotFound:
         current = {"status": "gone"}
     if current["status"] == "cancelled" and not task["worktree_keep"]:
-        worktrees.remove_worktree(ws)
+        with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
+            left = worktrees.remove_worktree(ws)
+        if left:
+            log(left)
 
 
 def _whole_text_at(task: dict, run: RunResult) -> str:
@@ -639,6 +781,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "branch": ws.branch,
         "base_commit": ws.base_commit,
         "base_from": ws.base_from or None,
+        "submodules": ws.submodules,
         "worktree_path": ws.top if ws.mode == "worktree" else None,
         "session_id": stream.session_id,
         "session": session_note,
@@ -707,7 +850,16 @@ def _dead_leases(knobs: Knobs) -> list[tuple[dict[str, Any], str]]:
         if task["id"] not in dead and owner.startswith(ours) and \
                 not process_tree.same_process(task["lease_pid"], task["lease_pid_start"]):
             dead[task["id"]] = (task, f"its worker (pid {task['lease_pid']}) is gone")
-    return list(dead.values())
+    return [(t, why) for t, why in dead.values() if not _own_live_attempt(t)]
+
+
+def _own_live_attempt(task: dict[str, Any]) -> bool:
+    """This very process holds the lease and one of its slots runs that attempt now: its own
+    supervision ends it (timeout, cancel); reaping it would start a second attempt beside it."""
+    with Beat.lock:
+        running = Beat.tasks.get(task["id"]) == task["run_marker"]
+    return running and task["lease_pid"] == os.getpid() and \
+        process_tree.same_process(task["lease_pid"], task["lease_pid_start"]) is not None
 
 
 def worker_identity() -> tuple[str, int, float]:

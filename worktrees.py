@@ -1,21 +1,32 @@
 """Git isolation for task runs: a worktree per task on branch ``taskbridge/t_0001`` outside
-the user's checkout, what changed in it (diff and files, untracked included), the commit on
-success, the revert for readonly tasks, and removal of kept worktrees.
+the user's checkout (its submodules initialised from what the repository has locally), what
+changed in it (diff and files, untracked included), the commit on success, the revert for
+readonly tasks, and removal of worktrees that checks the folder is really gone.
+
+Every git command TaskBridge itself runs goes through `git()`: the user's hooks, signing, editor,
+pager, credential prompts, locale, colour, diff and identity settings do not reach it, and each
+command is bounded in time (its whole process tree is ended). The agent's own git commands are
+not ours and stay as they are.
 
 Shared by `worker.py` (runs), `tasks_cli.py` and `opencode_bridge_mcp.py` (clear_finished).
-Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``. No SQL here.
+Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``,
+``TASKBRIDGE_GIT_TIMEOUT_SEC``. No SQL here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
+import process_tree
 import task_store as store
 
 
@@ -25,23 +36,150 @@ _ADMIN = threading.Lock()
 
 
 class Unrunnable(Exception):
-    """The task cannot run as given (missing directory, repo with no commits, detached HEAD):
-    fail at once, no retry. The message says what to do."""
+    """The task cannot run as given (missing directory, repo with no commits, detached HEAD, a
+    repository git refuses to read, a bare repository): fail at once, no retry. The message says
+    what to do."""
+
+
+class GitError(RuntimeError):
+    """A git command TaskBridge ran failed; the message names the command and git's reason."""
+
+
+class GitStopped(GitError):
+    """A git command was ended before it finished (its time limit, or the phase's watcher said
+    stop: timeout, cancel, shutdown); its whole process tree was ended. ``reason`` says why."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+GIT_TIMEOUT_SEC = 300
+
+# Command-line ``-c`` settings win over every config file, so these neutralise what in the
+# user's (or the repository's) configuration would run their programs, sign, wait on a person or
+# reshape a diff, while the rest of it still applies: ``safe.directory`` (their security
+# decision, reported, never overridden), ``core.excludesFile``, ``core.autocrlf``, the
+# repository's own .gitattributes and filters (bounded in time like everything else).
+NEUTRAL_CONFIG = (
+    "core.hooksPath=/dev/null", "core.fsmonitor=false", "core.pager=cat", "core.editor=true",
+    "core.quotePath=false", "sequence.editor=true",
+    "commit.gpgSign=false", "tag.gpgSign=false", "tag.forceSignAnnotated=false",
+    "log.showSignature=false",
+    "color.ui=never", "color.diff=never", "color.status=never", "color.branch=never",
+    "diff.noprefix=false", "diff.mnemonicPrefix=false", "diff.srcPrefix=a/", "diff.dstPrefix=b/",
+    "diff.relative=false", "diff.suppressBlankEmpty=false",
+    "submodule.recurse=false", "gc.auto=0", "maintenance.auto=false",
+    "credential.interactive=never", "advice.detachedHead=false",
+)
+# Inherited variables that would point our commands at another repository or index, or carry
+# settings past the -c flags above.
+_DROPPED_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_NAMESPACE",
+                "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_PREFIX",
+                "GIT_CEILING_DIRECTORIES", "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_CONFIG_PARAMETERS",
+                "GIT_CONFIG_COUNT", "GIT_PAGER", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "SSH_ASKPASS",
+                "LANGUAGE", "LANG")
+# Options that keep a diff in the one shape `git apply` takes whatever the configuration says.
+DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/")
+FALLBACK_IDENTITY = {"user.name": "TaskBridge", "user.email": "taskbridge@localhost"}
+
+_watch = threading.local()
+
+
+def git_timeout() -> float:
+    """Seconds one git command may take (``TASKBRIDGE_GIT_TIMEOUT_SEC``, default 300)."""
+    try:
+        value = float(os.environ.get("TASKBRIDGE_GIT_TIMEOUT_SEC") or GIT_TIMEOUT_SEC)
+    except ValueError:
+        return GIT_TIMEOUT_SEC
+    return value if value > 0 else GIT_TIMEOUT_SEC
+
+
+def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of TaskBridge's own git commands: the caller's, without variables that
+    redirect git, with no terminal prompt, no editor, no pager, the C locale (git's messages are
+    read), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _DROPPED_ENV and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))}
+    env.update({"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "", "GCM_INTERACTIVE": "never",
+                "GIT_EDITOR": "true", "GIT_SEQUENCE_EDITOR": "true", "GIT_PAGER": "cat", "PAGER": "cat",
+                "LC_ALL": "C", "GIT_OPTIONAL_LOCKS": "0"})
+    env.update(extra or {})
+    return env
+
+
+@contextlib.contextmanager
+def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
+    """While inside, every `git()` call of this thread calls ``check`` about five times a second;
+    when it returns a reason (the task timed out, was cancelled, the worker must stop), the git
+    command's process tree is ended and GitStopped raised. The worker renews its lease there.
+    ``None``: no watcher (only git's own time limit applies)."""
+    previous = getattr(_watch, "check", None)
+    _watch.check = check
+    try:
+        yield
+    finally:
+        _watch.check = previous
+
+
+def check_watch() -> None:
+    """Call the current thread's watcher (see `watched`) between steps that are not git
+    commands; raises GitStopped with its reason."""
+    check = getattr(_watch, "check", None)
+    reason = check() if check else None
+    if reason:
+        raise GitStopped(reason, reason)
 
 
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
-        strip: bool = True) -> str:
-    """Run git (paths unquoted: ``core.quotePath=false``); return stdout, stripped unless
-    ``strip=False`` (a diff must keep its last newline to apply). Bytes that are not UTF-8 (a
-    Latin-1 file in a diff) are replaced, never fatal. Raises RuntimeError with git's message
-    when ``check``."""
-    proc = subprocess.run(["git", "-c", "core.quotePath=false", *args], cwd=cwd, capture_output=True,
-                          text=True, encoding="utf-8", errors="replace", stdin=subprocess.DEVNULL, env=env)
+        strip: bool = True, config: tuple[str, ...] = ()) -> str:
+    """Run one of TaskBridge's own git commands (see NEUTRAL_CONFIG and `git_env`; ``env``: extra
+    variables, ``config``: extra ``-c`` settings) with stdin from /dev/null, in its own process
+    group, bounded by ``git_timeout()`` and the thread's watcher. Returns stdout, stripped unless
+    ``strip=False`` (a diff must keep its last newline to apply); bytes that are not UTF-8 are
+    replaced, never fatal. Raises GitError with git's message when ``check`` (else returns ""),
+    and GitStopped, whatever ``check`` says, when the command was ended."""
+    flags = [item for setting in (*NEUTRAL_CONFIG, *config) for item in ("-c", setting)]
+    command = f"git {' '.join(args)}"
+    try:
+        proc = subprocess.Popen(["git", *flags, *args], cwd=cwd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=git_env(env),
+                                start_new_session=True)
+    except OSError as exc:  # git missing, or cwd gone
+        if check:
+            raise GitError(f"{command} could not start in {cwd}: {exc.strerror or exc}") from exc
+        return ""
+    out, err = _supervise(proc, command)
+    out_text, err_text = (b.decode("utf-8", errors="replace") for b in (out, err))
     if check and proc.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} failed: {(proc.stderr or proc.stdout).strip()}")
+        raise GitError(f"{command} failed: {(err_text or out_text).strip()}")
     if proc.returncode != 0:
         return ""
-    return proc.stdout.strip() if strip else proc.stdout
+    return out_text.strip() if strip else out_text
+
+
+def _supervise(proc: subprocess.Popen, command: str) -> tuple[bytes, bytes]:
+    """Collect a git command's output while watching its time limit and the thread's watcher;
+    end its process tree (a filter or helper it started included) when either says stop."""
+    limit = git_timeout()
+    deadline = time.monotonic() + limit
+    watcher = getattr(_watch, "check", None)
+    while True:
+        try:
+            return proc.communicate(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            reason = watcher() if watcher else None
+        except BaseException:
+            process_tree.kill_tree(proc.pid, 2)
+            raise
+        if reason is None and time.monotonic() > deadline:
+            reason = f"did not finish in {limit:g} s (TASKBRIDGE_GIT_TIMEOUT_SEC)"
+        if reason:
+            process_tree.kill_tree(proc.pid, 2)
+            proc.communicate()
+            raise GitStopped(f"{command} was ended with its process tree: {reason}", reason)
 
 
 def worktree_root() -> Path:
@@ -66,11 +204,44 @@ class Workspace:
     note: str = ""
     reused: bool = False
     base_from: str = ""
+    submodules: dict[str, Any] | None = None   # see init_submodules; None: the repo has none
 
 
 def _repo_top(path: str) -> str | None:
-    top = git(["rev-parse", "--show-toplevel"], path, check=False)
-    return os.path.realpath(top) if top else None
+    """The root of the repository holding ``path``, or None only when git says it is not inside
+    one. Any other refusal (a repository owned by another user, a bare repository, a broken
+    .git) raises Unrunnable with git's reason and the way out: the task must never fall back to
+    running in place in a checkout git merely would not read."""
+    try:
+        return os.path.realpath(git(["rev-parse", "--show-toplevel"], path))
+    except GitStopped:
+        raise
+    except GitError as exc:
+        reason = str(exc).split(" failed: ", 1)[-1]
+    if "not a git repository" in reason:
+        return None
+    if "dubious ownership" in reason or "unsafe repository" in reason:
+        raise Unrunnable(f"git refuses to read the repository at {path}: it belongs to another user "
+                         f"(git: {_one_line(reason)}). If you trust it, mark it safe with the "
+                         "`git config --global --add safe.directory` command git names above and "
+                         "resubmit, or run the worker as the repository's owner")
+    if "must be run in a work tree" in reason:
+        raise Unrunnable(f"{path} is a bare repository or inside a .git folder, which has no working "
+                         "tree to run in: use one of its worktrees (git worktree add PATH BRANCH) or "
+                         "a clone and resubmit with that folder")
+    raise Unrunnable(f"git cannot read the repository at {path} ({_one_line(reason)}); fix the "
+                     "repository (or its permissions) and resubmit; the task was not run in place")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())[:600]
+
+
+def _repo_top_or_none(path: str) -> str | None:
+    try:
+        return _repo_top(path)
+    except (Unrunnable, GitError):
+        return None
 
 
 def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
@@ -100,8 +271,9 @@ def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
                          task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
                          base_from=base_from)
     branch = _fresh_worktree(top, path, task, base)
+    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
-                     base_from=base_from)
+                     base_from=base_from, submodules=init_submodules(str(path), common))
 
 
 def dependency_base(task: dict[str, Any], top: str, head: str) -> tuple[str, str]:
@@ -112,7 +284,7 @@ def dependency_base(task: dict[str, Any], top: str, head: str) -> tuple[str, str
     for dep_id in task.get("depends_on") or []:
         dep = store.get_task(dep_id)
         commit = (dep.get("result") or {}).get("commit")
-        if commit and _repo_top(dep["working_dir"]) == top:
+        if commit and _repo_top_or_none(dep["working_dir"]) == top:
             commits.append((dep["id"], commit))
     if not commits:
         return head, "HEAD of the checkout"
@@ -123,9 +295,13 @@ def dependency_base(task: dict[str, Any], top: str, head: str) -> tuple[str, str
 
 
 def _is_ancestor(repo: str, ancestor: str, commit: str) -> bool:
-    proc = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, commit], cwd=repo,
-                          capture_output=True, stdin=subprocess.DEVNULL)
-    return proc.returncode == 0
+    try:
+        git(["merge-base", "--is-ancestor", ancestor, commit], repo)
+    except GitStopped:
+        raise
+    except GitError:
+        return False
+    return True
 
 
 def _branch_tip(repo: str, branch: str) -> str:
@@ -164,8 +340,8 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         git(["worktree", "prune"], repo, check=False)
         if _is_registered(repo, path):
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
-        if path.exists():
-            shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):
+            _force_rmtree(str(path))
         git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         branch = _free_branch(repo, task, base)
@@ -173,13 +349,98 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         return branch
 
 
-def remove_worktree(ws: Workspace) -> None:
-    """Remove a task's worktree (the branch stays)."""
+def init_submodules(worktree: str, source_git_dir: str) -> dict[str, Any] | None:
+    """Check out a fresh worktree's submodules (recursively) from the clones the user's
+    repository already holds under ``<git dir>/modules/<name>``, never from the network and
+    without writing to the user's configuration. Returns None when there are none, else
+    ``{"initialised": [path], "not_initialised": [{"path", "why"}]}`` (paths relative to the
+    worktree) for the receipt."""
+    if not os.path.isfile(os.path.join(worktree, ".gitmodules")):
+        return None
+    result: dict[str, Any] = {"initialised": [], "not_initialised": []}
+    _init_level(worktree, source_git_dir, "", result)
+    return result
+
+
+def _init_level(tree: str, source_git_dir: str, prefix: str, result: dict[str, Any]) -> None:
+    listing = git(["config", "-f", ".gitmodules", "--get-regexp", r"^submodule\..*\.path$"], tree, check=False)
+    for line in listing.splitlines():
+        key, _, rel = line.partition(" ")
+        name = key[len("submodule."):-len(".path")]
+        shown = f"{prefix}{rel}"
+        local = os.path.join(source_git_dir, "modules", name)
+        if not os.path.isdir(local):
+            result["not_initialised"].append({"path": shown, "why": "the repository has no local copy "
+                                              "(run git submodule update --init in your checkout first)"})
+            continue
+        try:
+            git(["submodule", "update", "--init", "--", rel], tree,
+                config=("protocol.file.allow=always", f"submodule.{name}.url={local}"))
+        except GitStopped:
+            raise
+        except GitError as exc:
+            result["not_initialised"].append({"path": shown, "why": _one_line(str(exc))[:300]})
+            continue
+        result["initialised"].append(shown)
+        if os.path.isfile(os.path.join(tree, rel, ".gitmodules")):
+            _init_level(os.path.join(tree, rel), local, f"{shown}/", result)
+
+
+def remove_worktree(ws: Workspace) -> str | None:
+    """Remove a task's worktree (the branch stays) and check that its folder is gone. Returns
+    None when it is (or there was none), else what is left and why."""
     if ws.mode == "worktree" and ws.repo and ws.top:
-        with _ADMIN:
-            git(["worktree", "remove", "--force", ws.top], ws.repo, check=False)
-            shutil.rmtree(ws.top, ignore_errors=True)
-            git(["worktree", "prune"], ws.repo, check=False)
+        return _remove_tree(ws.top, ws.repo)
+    return None
+
+
+def _remove_tree(path: str, repo: str | None) -> str | None:
+    """Remove the linked worktree at ``path`` for real: git's own removal, then whatever is left
+    (read-only folders made writable first, as build tools and package managers leave them),
+    then git's bookkeeping. Never touches a main checkout (a folder with a ``.git`` folder)."""
+    if os.path.isdir(os.path.join(path, ".git")):
+        return f"{path} is a repository's main checkout, not a task worktree; left in place"
+    with _ADMIN:
+        if repo:
+            git(["worktree", "remove", "--force", "--force", path], repo, check=False)
+        problems = _force_rmtree(path) if os.path.lexists(path) else []
+        if repo:
+            git(["worktree", "prune"], repo, check=False)
+    return _leftover(path, problems)
+
+
+def _force_rmtree(path: str) -> list[str]:
+    """Delete ``path``'s tree, giving the owner write and search permission on each folder first
+    (a non-root user cannot empty a ``chmod 555`` folder). Returns the errors met."""
+    problems: list[str] = []
+    for dirpath, dirnames, _ in os.walk(path, onerror=lambda exc: problems.append(f"{exc.filename}: {exc.strerror}")):
+        for folder in [dirpath, *(os.path.join(dirpath, d) for d in dirnames)]:
+            _owner_rwx(folder)
+    shutil.rmtree(path, onerror=lambda _fn, where, info: problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
+    return problems
+
+
+def _owner_rwx(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        mode = os.lstat(folder).st_mode
+        if stat.S_ISDIR(mode) and mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(folder, mode | stat.S_IRWXU)
+
+
+def _leftover(path: str, problems: list[str]) -> str | None:
+    """None when ``path`` is gone; else how much is left, a few of its paths and the errors."""
+    if not os.path.lexists(path):
+        return None
+    left = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        left += [os.path.join(dirpath, n) for n in (*dirnames, *filenames)]
+        if len(left) > 1000:
+            break
+    sample = ", ".join(os.path.relpath(p, path) for p in left[:5]) or "the empty folder itself"
+    why = "; ".join(dict.fromkeys(problems))[:400] or "unknown"
+    return (f"{path} could not be removed: {len(left)}{'+' if len(left) > 1000 else ''} entries left "
+            f"({sample}); errors: {why}. Fix the permissions and remove it "
+            f"(chmod -R u+rwx {path} && rm -rf {path}), or run clear --remove-worktrees again")
 
 
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
@@ -188,11 +449,12 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     if not ws.top or not ws.base_commit:
         return [], ""
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
         git(["read-tree", ws.base_commit], ws.top, env=env)
         git(["add", "-A", "."], ws.top, env=env)
-        names = git(["diff", "--cached", "--name-only", ws.base_commit], ws.top, env=env)
-        diff = git(["diff", "--cached", "--binary", ws.base_commit], ws.top, env=env, strip=False)
+        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, ws.base_commit], ws.top, env=env)
+        diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, ws.base_commit], ws.top,
+                   env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
 
 
@@ -221,15 +483,19 @@ def changed_outside(before: dict[str, tuple], repo: str | None) -> list[str]:
 
 
 def commit_changes(ws: Workspace, message: str) -> str | None:
-    """Commit everything in the worktree on the task branch; returns the commit id or None."""
+    """Commit everything in the worktree on the task branch; returns the commit id or None when
+    nothing changed. No hook runs, nothing is signed, no editor opens; the user's identity is
+    used where configured, and TaskBridge's fills in a missing name or email (so
+    ``user.useConfigOnly`` cannot refuse it). Raises GitError / GitStopped."""
     if ws.mode != "worktree":
         return None
     git(["add", "-A", "."], ws.top)
-    if not git(["status", "--porcelain"], ws.top):
+    if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
         return None
-    identity = [] if git(["config", "user.email"], ws.top, check=False) else [
-        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
-    git([*identity, "commit", "-q", "--no-verify", "-m", message], ws.top)
+    identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
+                     if not git(["config", "--get", key], ws.top, check=False))
+    git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], ws.top,
+        config=identity)
     return git(["rev-parse", "HEAD"], ws.top)
 
 
@@ -285,29 +551,64 @@ def restore_snapshot(root: str, snapshot: dict[str, bytes]) -> list[str]:
 
 def remove_worktree_at(path: str) -> str | None:
     """Remove a kept worktree by its path alone (``clear_finished``); its branch stays.
-    Returns None when removed or already gone, else what went wrong."""
-    if not os.path.isdir(path):
+    Returns None when removed (checked) or already gone, else what is left and why."""
+    if not os.path.lexists(path):
         return None
-    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
-    if not common:
-        return f"{path}: not a git worktree any more; left in place"
+    repo = None
+    if os.path.isfile(os.path.join(path, ".git")):
+        common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
+        repo = os.path.dirname(common) if common else None
+    elif not _inside(path, worktree_root()):
+        return f"{path}: not a git worktree any more and not under {worktree_root()}; left in place"
     try:
-        git(["--git-dir", common, "worktree", "remove", "--force", path], os.path.dirname(common))
-    except RuntimeError as exc:
-        return f"{path}: {str(exc)[:200]}"
-    return None
+        return _remove_tree(path, repo)
+    except GitError as exc:
+        return f"{path}: {str(exc)[:300]}"
+
+
+def _inside(path: str, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real != base and real.startswith(base + os.sep)
+
+
+def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, remove_logs: bool = False,
+                   remove_worktrees: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Remove finished tasks (``task_store.clear_finished``) and, when asked, their logs and
+    worktrees (branches always stay). A task whose worktree could not be removed stays in the
+    queue, so its path is never forgotten; the problem says what is left. Returns (removed
+    tasks, ``{"logs_removed": n, "worktrees_removed": [paths], "problems": [text]}``)."""
+    only = None
+    purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "problems": []}
+    if remove_worktrees:
+        only = []
+        for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
+            path = task.get("worktree_path")
+            if path and os.path.lexists(path):
+                problem = remove_worktree_at(path)
+                if problem:
+                    purged["problems"].append(f"{task['id']} stays in the queue: {problem}")
+                    continue
+                purged["worktrees_removed"].append(path)
+            only.append(task["id"])
+    removed = store.clear_finished(older_than_sec, statuses, only_ids=only)
+    for task in removed:
+        if remove_logs and Path(task["log"]).exists():
+            Path(task["log"]).unlink()
+            purged["logs_removed"] += 1
+    return removed, purged
 
 
 def purge_files(removed: list[dict[str, Any]], logs: bool, kept_worktrees: bool) -> dict[str, Any]:
     """After ``task_store.clear_finished``: delete the removed tasks' logs and/or kept worktrees
     (branches always stay). Returns ``{"logs_removed": n, "worktrees_removed": [paths],
-    "problems": [text]}``."""
+    "problems": [text]}``. Prefer `clear_finished`, which keeps a task whose worktree could not
+    be removed."""
     result: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "problems": []}
     for task in removed:
         if logs and Path(task["log"]).exists():
             Path(task["log"]).unlink()
             result["logs_removed"] += 1
-        if kept_worktrees and task.get("worktree_path") and os.path.isdir(task["worktree_path"]):
+        if kept_worktrees and task.get("worktree_path") and os.path.lexists(task["worktree_path"]):
             problem = remove_worktree_at(task["worktree_path"])
             if problem:
                 result["problems"].append(problem)
@@ -338,7 +639,7 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     repository), ``checkout_branch`` (what the checkout is on), ``applied`` (the tip is already in
     the checkout's HEAD), ``worktree_path`` (a kept worktree that still exists, else None) and
     ``commands`` (git command lines to look at it, check it out, apply it)."""
-    repo = _repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
+    repo = _repo_top_or_none(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
     branch, base = task.get("branch"), task.get("base_commit")
     tip = _branch_tip(repo, branch) if repo and branch else ""
     head = git(["rev-parse", "--verify", "-q", "HEAD"], repo, check=False) if repo else ""
@@ -404,7 +705,10 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     if not commit:
         raise ApplyRefused(f"task {ident} committed nothing on {branch} (it changed no files): nothing to apply")
     wd = task["working_dir"]
-    repo = _repo_top(wd) if os.path.isdir(wd) else None
+    try:
+        repo = _repo_top(wd) if os.path.isdir(wd) else None
+    except Unrunnable as exc:
+        raise ApplyRefused(f"task {ident}'s work is on branch {branch}, but {exc}") from None
     if not repo:
         raise ApplyRefused(f"{wd} is not a git repository (any more); task {ident}'s work is on branch {branch}")
     tip = _branch_tip(repo, branch)
@@ -438,9 +742,9 @@ def _refuse_unclean(repo: str, ident: str) -> None:
 
 
 def _identity(repo: str) -> list[str]:
-    """A committer identity for git when the user has none configured (as commit_changes does)."""
-    return [] if git(["config", "user.email"], repo, check=False) else [
-        "-c", "user.name=TaskBridge", "-c", "user.email=taskbridge@localhost"]
+    """The user's identity, with TaskBridge's filling a missing name or email (as commit_changes does)."""
+    return [item for key, value in FALLBACK_IDENTITY.items()
+            if not git(["config", "--get", key], repo, check=False) for item in ("-c", f"{key}={value}")]
 
 
 def _run_apply(repo: str, mode: str, task: dict[str, Any], branch: str, tip: str) -> None:

@@ -1,0 +1,185 @@
+"""TaskBridge's own git commands on a developer's machine set up the way real ones are: a global
+git configuration that signs commits with a key the worker cannot use, hooks that reopen the
+terminal, colour and diff settings that reshape `git diff`, an identity with only an email and
+`user.useConfigOnly`. Each test drives a real worker pass with the real opencode and the scripted
+model, in a real repository, and checks the task is done, committed and its diff applies."""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+import task_store
+from fake_openai import text, tool_call
+from helpers import checkout_state, make_repo, run_script, tagged
+
+pytestmark = pytest.mark.real_opencode
+DONE = '```json\n{"summary": "added notes", "files_touched": ["notes.txt"], "tests_run": [], "open_questions": []}\n```'
+
+
+def clean_git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """git with no user configuration at all: how the test itself looks at results."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(GIT_CONFIG_GLOBAL="/dev/null", GIT_CONFIG_NOSYSTEM="1")
+    return subprocess.run(["git", "-c", "user.name=Test", "-c", "user.email=test@example.com", *args],
+                          cwd=cwd, env=env, check=check, capture_output=True, text=True)
+
+
+def hostile_config(tmp_path: Path) -> tuple[Path, Path]:
+    """A global git config as found on real machines (and a log file its programs write to
+    when they run, with the run marker of the agent whose git ran them, or "none": TaskBridge's
+    own). Returns (config file, log file)."""
+    tools = tmp_path / "user-tools"
+    tools.mkdir()
+    ran = tmp_path / "user-programs-ran.log"
+    external = tools / "external-diff"
+    external.write_text(f"#!/bin/sh\necho external-diff run=${{TASKBRIDGE_RUN:-none}} >> {ran}\necho 'EXTERNAL DIFF OUTPUT'\n")
+    fsmonitor = tools / "fsmonitor"
+    fsmonitor.write_text(f"#!/bin/sh\necho fsmonitor run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nsleep 30\n")
+    hooks = tmp_path / "user-hooks"
+    hooks.mkdir()
+    for hook in ("pre-commit", "prepare-commit-msg", "commit-msg", "post-commit"):
+        # What commit-message helpers install: reopen the terminal (fails without one).
+        (hooks / hook).write_text(f"#!/bin/sh\necho {hook} run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nexec < /dev/tty\nexit 1\n")
+    for script in [external, fsmonitor, *hooks.iterdir()]:
+        script.chmod(0o755)
+    config = tmp_path / "hostile.gitconfig"
+    config.write_text(f"""\
+[user]
+\temail = dev@example.com
+\tuseConfigOnly = true
+\tsigningkey = DEADBEEFDEADBEEF
+[commit]
+\tgpgsign = true
+[tag]
+\tgpgsign = true
+[gpg]
+\tprogram = {tools}/no-such-gpg
+[core]
+\thooksPath = {hooks}
+\tpager = less -R
+\teditor = vim
+\tfsmonitor = {fsmonitor}
+[color]
+\tui = always
+\tdiff = always
+[diff]
+\tnoprefix = true
+\tmnemonicPrefix = true
+\texternal = {external}
+\trelative = true
+[status]
+\tshowUntrackedFiles = no
+[gc]
+\tauto = 1
+""")
+    return config, ran
+
+
+def applies_to_fresh_clone(repo: Path, base: str, diff: str, tmp_path: Path) -> Path:
+    """Clone `repo`, check out `base`, apply `diff` with plain `git apply`; returns the clone."""
+    clone = tmp_path / "fresh-clone"
+    clean_git(tmp_path, "clone", "-q", str(repo), str(clone))
+    clean_git(clone, "checkout", "-q", base)
+    patch = tmp_path / "receipt.diff"
+    patch.write_text(diff)
+    check = clean_git(clone, "apply", "--check", str(patch), check=False)
+    assert check.returncode == 0, check.stderr
+    clean_git(clone, "apply", str(patch))
+    return clone
+
+
+def test_hostile_global_git_config_does_not_reach_taskbridges_git(opencode, tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo", {"README.md": "# demo\n", "src/app.py": "print('hi')\n"})
+    before = checkout_state(repo)
+    config, ran = hostile_config(tmp_path)
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("TASKBRIDGE_GIT_TIMEOUT_SEC", "60")
+    opencode.model.script("notes", [
+        tool_call("write", {"filePath": "{cwd}/notes.txt", "content": "first line\nsecond line\n"}),
+        tool_call("edit", {"filePath": "{cwd}/app.py", "oldString": "print('hi')",
+                           "newString": "print('hello')"}),
+        text("Done.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="notes", instructions="Write notes. SCRIPT:notes",
+                                  working_dir=str(repo / "src"), max_retries=2)
+    result = run_script("worker.py")
+    assert result.returncode == 0, result.stderr
+
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    assert final["attempts"] == 1
+    receipt = final["result"]
+    branch = f"taskbridge/{task['id']}"
+    assert receipt["commit"] == clean_git(repo, "rev-parse", branch).stdout.strip()
+    raw = clean_git(repo, "cat-file", "commit", receipt["commit"]).stdout
+    assert "gpgsig" not in raw, "TaskBridge's commit was not signed"
+    author = clean_git(repo, "log", "-1", "--format=%an <%ae>", branch).stdout.strip()
+    assert author == "TaskBridge <dev@example.com>", "the user's email is kept, the missing name filled in"
+    ours = [line for line in (ran.read_text() if ran.exists() else "").splitlines() if "run=none" in line]
+    assert ours == [], "TaskBridge's own git ran the user's programs"
+
+    diff = final["diff"]
+    assert "\x1b[" not in diff and "EXTERNAL DIFF OUTPUT" not in diff
+    assert "--- a/src/app.py\n+++ b/src/app.py" in diff and "+++ b/src/notes.txt" in diff
+    assert sorted(receipt["files_touched"]) == ["src/app.py", "src/notes.txt"]
+    clone = applies_to_fresh_clone(repo, receipt["base_commit"], diff, tmp_path)
+    assert (clone / "src/notes.txt").read_text() == "first line\nsecond line\n"
+    assert (clone / "src/app.py").read_text() == "print('hello')\n"
+
+    assert receipt["worktree_removed"] is True and not Path(receipt["worktree_path"]).exists()
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL")
+    assert checkout_state(repo) == before
+    assert tagged() == []
+
+
+def test_a_failed_commit_after_a_successful_run_never_reruns_the_agent(opencode, tmp_path):
+    """Git refuses the commit (another git process's index.lock in the worktree): the receipt
+    is stored, the failing step named, the worktree kept, and the paid run is not repeated."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("locked", [
+        tool_call("write", {"filePath": "{cwd}/notes.txt", "content": "the agent's work\n"}),
+        tool_call("bash", {"command": 'touch "$(git rev-parse --git-path index.lock)"', "description": "lock"}),
+        text("Done.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="locked", instructions="SCRIPT:locked", working_dir=str(repo),
+                                  max_retries=3)
+    assert run_script("worker.py").returncode == 0
+    assert run_script("worker.py").returncode == 0   # a later pass finds nothing to rerun
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and final["attempts"] == 1
+    assert final["error"].startswith("the agent finished, but the commit failed")
+    assert "index.lock" in final["error"] and "not run again" in final["error"]
+    receipt = final["result"]
+    assert receipt["summary"] == "added notes" and receipt["worktree_kept"] is True
+    assert "the agent's work" in final["diff"]
+    worktree = Path(receipt["worktree_path"])
+    assert (worktree / "notes.txt").read_text() == "the agent's work\n"
+    assert len(opencode.model.step_requests("locked")) == 3, "one run of three model steps, no rerun"
+
+
+def test_a_hanging_git_step_is_ended_with_its_tree_and_named(opencode, tmp_path, monkeypatch):
+    """A clean filter (the repository's own setting) that hangs while the receipt is built:
+    the git command and the filter it started are ended at TASKBRIDGE_GIT_TIMEOUT_SEC, the step
+    is named, and the finished run is not repeated."""
+    nonce = f"{random.randint(100000, 999999)}"
+    repo = make_repo(tmp_path / "repo", {".gitattributes": "*.slow filter=slow\n", "README.md": "x\n"})
+    clean_git(repo, "config", "filter.slow.clean", f"sleep 300.{nonce}")
+    monkeypatch.setenv("TASKBRIDGE_GIT_TIMEOUT_SEC", "3")
+    opencode.model.script("slowfilter", [
+        tool_call("write", {"filePath": "{cwd}/data.slow", "content": "payload\n"}),
+        text("Done.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="slow", instructions="SCRIPT:slowfilter", working_dir=str(repo),
+                                  max_retries=2)
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and final["attempts"] == 1
+    assert "the agent finished, but building the receipt" in final["error"]
+    assert "git add -A . was ended with its process tree: did not finish in 3 s" in final["error"]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", f"300.{nonce}"]]
+    assert len(opencode.model.step_requests("slowfilter")) == 2
