@@ -14,6 +14,7 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sqlite3
@@ -23,7 +24,7 @@ from typing import Any
 import pydantic
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp.types import ToolAnnotations
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 import task_store
 
@@ -184,6 +185,53 @@ def translate(tool: str, exc: ToolError, passthrough: tuple[type[BaseException],
     return exc
 
 
+# Characters a tool answer may have, counting both forms a client gets (structured content and its
+# JSON text). The tools keep well under it by their own limits and paging; this is the last guard.
+RESPONSE_MAX = 1_000_000
+
+
+def _answer_size(result: CallToolResult) -> int:
+    text = sum(len(getattr(block, "text", "") or "") for block in result.content)
+    return text + (len(json.dumps(result.structured_content, default=str))
+                   if result.structured_content is not None else 0)
+
+
+def _shrink(value: Any, chars: int, items: int) -> Any:
+    if isinstance(value, str) and len(value) > chars:
+        return value[:chars] + f"… [cut: {len(value):,} characters; the answer was over its size cap]"
+    if isinstance(value, list):
+        return [_shrink(v, chars, items) for v in (value[-items:] if items else value)]
+    if isinstance(value, dict):
+        return {k: _shrink(v, chars, items) for k, v in value.items()}
+    return value
+
+
+def cap_result(name: str, result: Any) -> Any:
+    """``result`` as it is when it has at most RESPONSE_MAX characters; else the same shape with
+    its long strings cut (each cut says so), then, if that is not enough, long lists reduced to
+    their last items, the text form rewritten from it, until it fits."""
+    if not isinstance(result, CallToolResult) or _answer_size(result) <= RESPONSE_MAX:
+        return result
+    before = _answer_size(result)
+    for chars, items in ((4000, 0), (1000, 0), (200, 100), (50, 20)):
+        if result.structured_content is not None:
+            data = _shrink(result.structured_content, chars, items)
+            blocks = [TextContent(type="text", text=json.dumps(data, indent=2, ensure_ascii=False, default=str))]
+        else:
+            data, blocks = None, [_shrink_block(b, RESPONSE_MAX // (2 * max(1, len(result.content))))
+                                  for b in result.content]
+        result = result.model_copy(update={"structured_content": data, "content": blocks})
+        if _answer_size(result) <= RESPONSE_MAX:
+            break
+    log.warning("%s answered %d characters; cut to %d (RESPONSE_MAX)", name, before, _answer_size(result))
+    return result
+
+
+def _shrink_block(block: Any, chars: int) -> Any:
+    text = getattr(block, "text", None)
+    return block.model_copy(update={"text": _shrink(text, chars, 0)}) if isinstance(text, str) else block
+
+
 class TranslatingServer(MCPServer):
     """MCPServer whose tool errors are one clear line (see ``translate``). Subclasses list in
     ``passthrough`` the exception types whose message is written for the caller."""
@@ -196,7 +244,7 @@ class TranslatingServer(MCPServer):
             raise ToolError(f"invalid arguments for {name}: {bad} contains a NUL character (\\u0000), which "
                             "no path, command line or prompt can carry; remove it")
         try:
-            return await super().call_tool(name, arguments, context)
+            return cap_result(name, await super().call_tool(name, arguments, context))
         except UnexpectedToolError as exc:
             raise translate(name, exc, self.passthrough) from None
         except ToolError as exc:

@@ -4,6 +4,7 @@ say where the whole text is; get_task (MCP) and `tasks_cli.py show` stay small."
 from __future__ import annotations
 
 import json
+from typing import TypedDict
 
 import pytest
 from mcp import Client
@@ -88,3 +89,30 @@ async def test_get_task_stays_small_with_many_long_notes(tmp_path):
     assert len(notes) == 20 and notes[-1]["text"].startswith("note 39")
     size = len(json.dumps(got.structured_content))
     assert size < 80_000, f"get_task answered {size:,} characters"
+
+
+class BigAnswer(TypedDict):
+    summary: str
+    items: list[str]
+
+
+@pytest.mark.anyio
+async def test_every_tool_answer_has_a_size_cap():
+    """No real tool can be made to answer a megabyte any more (their texts are bounded at the
+    source), so the last guard is shown on a tool registered on the same server class."""
+    import mcp_shared
+
+    server = mcp_shared.TranslatingServer("cap-test")
+
+    @server.tool()
+    def big() -> BigAnswer:
+        """A tool that answers 3 MB."""
+        return {"summary": "s" * 3_000_000, "items": ["i" * 10] * 10}
+
+    async with Client(server, mode="legacy") as client:
+        got = await client.call_tool("big", {})
+    assert not got.is_error
+    size = len(json.dumps(got.structured_content)) + sum(len(c.text) for c in got.content)
+    assert size <= mcp_shared.RESPONSE_MAX
+    assert "3,000,000 characters" in got.structured_content["summary"]
+    assert got.structured_content["items"] == ["i" * 10] * 10
