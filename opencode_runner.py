@@ -756,14 +756,14 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                           timeout=timeout_sec)
     if proc.returncode != 0:
-        raise RuntimeError(_opencode_error(proc, "opencode models"))
+        raise RuntimeError(opencode_error(proc, "opencode models"))
     return _parse_verbose_models(proc.stdout)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def _opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:
+def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:
     """OpenCode's own error line (``Error: ...``) from a failed command, colours removed."""
     lines = [_ANSI.sub("", line).strip() for line in (proc.stderr or proc.stdout or "").splitlines()]
     lines = [line for line in lines if line]
@@ -858,7 +858,7 @@ def configured_model(cwd: str | None = None, *, refresh: bool = False,
                               capture_output=True, text=True, timeout=60, cwd=where,
                               env={**os.environ, "PWD": where})
         if proc.returncode != 0:
-            raise RuntimeError(_opencode_error(proc, "opencode debug config"))
+            raise RuntimeError(opencode_error(proc, "opencode debug config"))
         try:
             model = json.loads(proc.stdout).get("model")
         except (ValueError, AttributeError):

@@ -470,6 +470,23 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection:
     return conn
 
 
+def database_health(path: Path | str | None = None) -> dict[str, Any]:
+    """What `tasks_cli.py doctor` reports about the queue database: ``{"path", "integrity"
+    ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount point) | None,
+    "tasks"}``. Opens (and migrates) it like every entry point: raises sqlite3.Error when the file
+    cannot be used as a database, ValidationError on a filesystem where WAL is unsafe."""
+    path = Path(path) if path else db_path()
+    conn = connect(path)
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA integrity_check(5)")]
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+    finally:
+        conn.close()
+    return {"path": str(path), "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
+            "journal_mode": mode, "filesystem": db_filesystem(path.parent), "tasks": tasks}
+
+
 # Kept connections. Opening a connection per call cost ~1 ms (pragmas, schema check) and the last
 # close checkpointed and deleted the WAL every time; a kept one costs a dict lookup and a stat.
 # One connection per (thread, database file), owned by this process: a thread never shares its

@@ -1081,6 +1081,35 @@ def print_log(path: Path, tail: int | None, raw: bool) -> int:
     return len(data)
 
 
+STATUS_MARK = {"ok": ("ok  ", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "red")}
+
+
+@cli.command()
+@click.option("--live", is_flag=True, help="Also run a one-line prompt through the default model (costs a request).")
+@json_option
+def doctor(live: bool, as_json: bool) -> None:
+    """Check the set-up: one line per part, ok / warn / fail, with the fix. Exit 1 on a fail.
+
+    Python and packages, opencode and its version, the default model (listed; --live runs a
+    prompt), the database, the worker and its schedule, the token file, a running MCP server,
+    the reverse bridge's backend.
+    """
+    import doctor as checks   # the checks import the HTTP and reverse-bridge modules: only here
+    results = checks.run_checks(live)
+    failed = any(r.status == "fail" for r in results)
+    if as_json:
+        emit_json({"ok": not failed, "checks": [r.as_dict() for r in results]})
+    else:
+        for result in results:
+            mark, style = STATUS_MARK[result.status]
+            said = Text(f"{mark}  {result.name:<15}", style=style) + Text(visible(result.detail, multiline=False))
+            if result.fix and result.status != "ok":
+                said += Text(f"  → {visible(result.fix, multiline=False)}", style="dim")
+            out().print(said, soft_wrap=True)
+    if failed:
+        sys.exit(1)
+
+
 @cli.command()
 @click.argument("query", required=False)
 @click.option("--provider", help="Only this provider's models (for example anthropic).")

@@ -1,0 +1,86 @@
+"""`tasks_cli.py doctor` on a healthy set-up and on broken ones: the real opencode with a scripted
+model, real SQLite files, the CLI run as a separate process."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import task_store
+from fake_openai import http_error, text
+from helpers import run_script
+
+pytestmark = pytest.mark.real_opencode
+
+
+def doctor(*args: str):
+    result = run_script("tasks_cli.py", "doctor", *args)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def line_of(output: str, name: str) -> str:
+    """The report line of check ``name``."""
+    found = [line for line in output.splitlines() if re.match(rf"^(ok|warn|FAIL)\s+{name}\s", line)]
+    assert len(found) == 1, output
+    return found[0]
+
+
+def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
+    opencode.model.script("default", [text("ok")])
+    task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path))
+    result = doctor("--live")
+    assert result.returncode == 0, result.stdout
+    assert line_of(result.stdout, "python").startswith("ok") and "packages installed" in result.stdout
+    assert line_of(result.stdout, "opencode").startswith("ok") and "opencode 1.18.33" in result.stdout
+    model = line_of(result.stdout, "default model")
+    assert model.startswith("ok") and "fake/model (from WORKER_MODEL) answered a one-line prompt" in model
+    database = line_of(result.stdout, "database")
+    assert database.startswith("ok") and "1 task(s), integrity ok, journal wal" in database
+    assert line_of(result.stdout, "worker").startswith("warn")        # no worker has run here yet
+    assert "FAIL" not in result.stdout
+    report = json.loads(doctor("--json").stdout)
+    assert report["ok"] is True and [c["name"] for c in report["checks"]] == [
+        "python", "opencode", "default model", "database", "worker", "token", "mcp server", "reverse bridge"]
+
+
+def test_doctor_with_opencode_missing(opencode, monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "no-such-opencode"))
+    result = doctor()
+    assert result.returncode == 1
+    missing = line_of(result.stdout, "opencode")
+    assert missing.startswith("FAIL") and "not found" in missing and "./install.sh" in missing
+    model = line_of(result.stdout, "default model")
+    assert model.startswith("FAIL") and "cannot be chosen or checked: opencode is missing" in model
+    assert line_of(result.stdout, "database").startswith("ok")          # the rest is still checked
+
+
+def test_doctor_with_a_broken_database(opencode):
+    path = task_store.db_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"this is not a SQLite database at all\n" * 200)
+    result = doctor()
+    assert result.returncode == 1
+    broken = line_of(result.stdout, "database")
+    assert broken.startswith("FAIL") and "file is not a database" in broken and f"mv {path} {path}.broken" in broken
+    assert path.read_bytes().startswith(b"this is not")       # the doctor changes nothing
+
+
+def test_doctor_with_an_unusable_default_model(opencode, monkeypatch):
+    monkeypatch.setenv("WORKER_MODEL", "fake/modle")
+    result = doctor()
+    assert result.returncode == 1
+    model = line_of(result.stdout, "default model")
+    assert model.startswith("FAIL") and "fake/modle (from WORKER_MODEL) is not offered by OpenCode here" in model
+    assert "similar: fake/model" in model and "WORKER_MODEL" in model.split("→")[1]
+
+    # Listed, but the provider refuses it: only --live finds out, quoting the provider's error.
+    monkeypatch.setenv("WORKER_MODEL", "fake/model")
+    opencode.model.script("default", [http_error(401, "invalid api key for the scripted model")])
+    assert doctor().returncode == 0
+    live = doctor("--live")
+    assert live.returncode == 1
+    refused = line_of(live.stdout, "default model")
+    assert refused.startswith("FAIL") and "a one-line prompt failed" in refused
+    assert "invalid api key for the scripted model" in refused
