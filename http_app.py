@@ -4,12 +4,15 @@ JSON API (/api/*, see board_api).
 
 Guards, outermost first: HostGuard (421 for a malformed Host or one outside the allowlist, on
 every route) and BearerGuard (401 without the bearer token on /mcp, /sse, /messages and /api;
-constant-time compare; the token is never logged). /health and the board's static shell stay
-open and hold no data.
+constant-time compare; the token is never logged; an OAuth access token from the oauth module is
+accepted too). /health, the board's static shell and the OAuth endpoints stay open and hold no
+data. uvicorn runs with a request-head deadline, idle time-outs and a connection cap
+(connection_limits).
 
 Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
-<repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list). Nothing happens at
-import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
+<repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_PUBLIC_URL (the
+public base URL: its host is allowed, and OAuth for remote connectors is served). Nothing happens
+at import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import board_api
+import oauth
 import task_views
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
@@ -134,10 +138,11 @@ def host_name(value: str) -> str | None:
 
 
 def allowed_hosts() -> frozenset[str]:
-    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case). An entry that
-    is not a host name is skipped with a warning."""
+    """Loopback names plus ``$MCP_ALLOWED_HOSTS`` (comma list; any port, any case) and the host of
+    ``$MCP_PUBLIC_URL``. An entry that is not a host name is skipped with a warning."""
     extra = set()
-    for entry in (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(","):
+    entries = (os.environ.get("MCP_ALLOWED_HOSTS") or "").split(",") + [os.environ.get("MCP_PUBLIC_URL") or ""]
+    for entry in entries:
         if entry.strip():
             name = host_name(entry)
             if name is None:
@@ -210,8 +215,11 @@ class BearerGuard:
     takes a WebSocket today; one added later must not be open). The token is never logged, and a
     refused path is logged escaped and cut short."""
 
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, (token or "").encode()
+    def __init__(self, app: Any, token: str | None, provider: Any = None) -> None:
+        self.app, self.token, self.oauth = app, (token or "").encode(), provider
+        self.challenge = 'Bearer realm="taskbridge"'
+        if provider is not None:   # where OAuth clients discover the authorization server (RFC 9728)
+            self.challenge += f', resource_metadata="{oauth.resource_metadata_url(provider)}"'
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan" or (scope["type"] in ("http", "websocket")
@@ -220,10 +228,12 @@ class BearerGuard:
         supplied = _supplied_token(scope) if scope["type"] in ("http", "websocket") else None
         if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
             return await self.app(scope, receive, send)
+        if supplied and self.oauth is not None and await self.oauth.load_access_token(supplied) is not None:
+            return await self.app(scope, receive, send)
         log.info("refused %s %s: %s bearer token (401)", loggable(str(scope.get("method", scope["type"]))),
                  loggable(scope.get("path", "")), "wrong" if supplied else "no")
         error = "invalid_token" if supplied else "invalid_request"
-        headers = [(b"www-authenticate", f'Bearer realm="taskbridge", error="{error}"'.encode())]
+        headers = [(b"www-authenticate", f'{self.challenge}, error="{error}"'.encode())]
         body = {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
                          "(MCP_BEARER_TOKEN or the .taskbridge/token file)"}
         if scope["type"] == "http":
@@ -284,8 +294,24 @@ def build_app(server: MCPServer) -> Any:
                                "those names")
     if not token:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
-    return Starlette(routes=[*streamable.routes, *sse.routes, *http_routes()], lifespan=lifespan,
-                     middleware=[Middleware(HostGuard, hosts=hosts), Middleware(BearerGuard, token=token)])
+    provider = oauth_provider(token)
+    auth_routes = oauth.routes(provider) if provider else []
+    return Starlette(routes=[*streamable.routes, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
+                     middleware=[Middleware(HostGuard, hosts=hosts),
+                                 Middleware(BearerGuard, token=token, provider=provider)])
+
+
+def oauth_provider(token: str | None) -> Any:
+    """The OAuth provider for remote connectors when ``$MCP_PUBLIC_URL`` is set and a bearer token
+    exists (the consent page asks for it), else None. Raises TokenConfigError for a public URL
+    that cannot be an OAuth issuer."""
+    try:
+        base = oauth.public_url()
+    except oauth.OAuthConfigError as exc:
+        raise TokenConfigError(str(exc)) from None
+    if not base or not token:
+        return None
+    return oauth.Provider(token, base, token_file().parent / "oauth.json")
 
 
 def http_routes() -> list[Any]:

@@ -180,6 +180,11 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
         assert ping["ok"] and ping["caller"]["name"] == "claude-ai"
         assert status_of(port, "/health", "evil.example.com", None) == 421
         assert status_of(port, "/api/status", CLOUDFLARE_HOST, None) == 401
+        # Remote connectors find the OAuth server at the public URL.
+        metadata = httpx2.get(f"http://127.0.0.1:{port}/.well-known/oauth-authorization-server",
+                              headers={"Host": CLOUDFLARE_HOST}, timeout=10).json()
+        assert metadata["issuer"] == f"https://{CLOUDFLARE_HOST}"
+        assert metadata["authorization_endpoint"] == f"https://{CLOUDFLARE_HOST}/authorize"
     finally:
         assert piped.ctrl_c() == 0, piped.output
     no_leftovers(mark)

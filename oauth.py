@@ -1,0 +1,341 @@
+"""OAuth for remote MCP connectors that cannot send a header (claude.ai's and ChatGPT's custom
+connectors), as the MCP authorization specification defines it, on the MCP SDK's own
+authorization-server support (``mcp.server.auth``).
+
+The SDK serves the protocol: authorization-server metadata (RFC 8414), dynamic client
+registration (RFC 7591), ``/authorize`` with PKCE (S256 only), ``/token`` (authorization code and
+refresh grants), ``/revoke``, and the protected-resource metadata (RFC 9728) naming this server as
+the authorization server of ``<public URL>/mcp``. This module is the provider the SDK asks for
+clients, codes and tokens, plus the one page the SDK leaves to us: consent.
+
+Consent: ``/authorize`` sends the person's browser to ``/oauth/consent``, which asks once for the
+bearer token (``.taskbridge/token``; whoever holds it may queue work here anyway). The right token
+issues a one-time code (valid CODE_SEC); five wrong ones end the request.
+
+Tokens: access tokens live ACCESS_TOKEN_SEC (1 h), refresh tokens REFRESH_TOKEN_SEC (30 days; each
+refresh replaces both). Both are signed (HMAC-SHA256) with a key derived from the bearer token,
+so rotating it (``./install.sh --rotate``) revokes every one, while a restart keeps them.
+Registered clients and revoked grants persist in ``oauth.json`` beside the token file (0600).
+
+Env, read when the app is built: MCP_PUBLIC_URL (the issuer and resource base, e.g.
+``https://abc.trycloudflare.com``; OAuth is served only when it is set and a bearer token exists).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import html
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
+                                      RefreshToken, TokenError, construct_redirect_uri)
+from mcp.shared.auth import OAuthClientInformationFull, OAuthToken
+
+log = logging.getLogger("taskbridge.oauth")
+
+ACCESS_TOKEN_SEC = 3600
+REFRESH_TOKEN_SEC = 30 * 86400
+CODE_SEC = 300
+CONSENT_SEC = 600             # a consent page answers for this long
+CONSENT_TRIES = 5
+MAX_CLIENTS = 200             # registration is open to anyone: the oldest registrations go first
+MAX_PENDING = 100
+
+
+class OAuthConfigError(Exception):
+    """MCP_PUBLIC_URL cannot serve as the OAuth issuer; the message says what it must be."""
+
+
+def public_url() -> str | None:
+    """``$MCP_PUBLIC_URL`` without a trailing slash, or None. Raises OAuthConfigError unless it is
+    ``https://host[:port]`` (``http://`` only for 127.0.0.1 / localhost) with no path or query."""
+    value = (os.environ.get("MCP_PUBLIC_URL") or "").strip().rstrip("/")
+    if not value:
+        return None
+    parsed = urlparse(value)
+    local = parsed.hostname in ("127.0.0.1", "localhost", "::1")
+    if parsed.scheme not in ("https", "http") or (parsed.scheme == "http" and not local) or not parsed.hostname \
+            or parsed.path or parsed.query or parsed.fragment:
+        raise OAuthConfigError(f"MCP_PUBLIC_URL={value!r} must be the public base URL, https://host "
+                               "(http:// only for 127.0.0.1 or localhost), without a path")
+    return value
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class Provider:
+    """The SDK's OAuthAuthorizationServerProvider for TaskBridge (see the module docstring)."""
+
+    def __init__(self, bearer: str, base_url: str, state_file: Path) -> None:
+        self.bearer, self.base_url, self.state_file = bearer, base_url, state_file
+        self.resource = f"{base_url}/mcp"
+        self.key = hmac.new(bearer.encode(), b"taskbridge oauth v1", hashlib.sha256).digest()
+        self.codes: dict[str, AuthorizationCode] = {}
+        self.pending: dict[str, dict[str, Any]] = {}
+        state = self._load()
+        self.clients: dict[str, dict[str, Any]] = state.get("clients", {})
+        self.revoked: dict[str, float] = state.get("revoked", {})
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        # Grants signed with another bearer token are dead anyway: start clean after a rotation.
+        return state if state.get("key_id") == self._key_id() else {}
+
+    def _key_id(self) -> str:
+        return _b64(hmac.new(self.key, b"key id", hashlib.sha256).digest()[:9])
+
+    def _save(self) -> None:
+        now = time.time()
+        self.revoked = {g: exp for g, exp in self.revoked.items() if exp > now}
+        data = json.dumps({"key_id": self._key_id(), "clients": self.clients, "revoked": self.revoked})
+        self.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+            handle.write(data)
+        os.replace(tmp, self.state_file)
+
+    # -- clients -------------------------------------------------------------------------------
+
+    async def get_client(self, client_id: str) -> OAuthClientInformationFull | None:
+        found = self.clients.get(client_id)
+        return OAuthClientInformationFull.model_validate(found) if found else None
+
+    async def register_client(self, client_info: OAuthClientInformationFull) -> None:
+        self.clients[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
+        while len(self.clients) > MAX_CLIENTS:
+            self.clients.pop(next(iter(self.clients)))
+        self._save()
+        log.info("OAuth client registered: %r", (client_info.client_name or "")[:80])
+
+    # -- authorization and consent -------------------------------------------------------------
+
+    async def authorize(self, client: OAuthClientInformationFull, params: AuthorizationParams) -> str:
+        if params.resource and params.resource.rstrip("/") != self.resource:
+            raise AuthorizeError("invalid_target", f"this server is the resource {self.resource}")
+        now = time.time()
+        self.pending = {k: v for k, v in self.pending.items() if v["expires"] > now}
+        if len(self.pending) >= MAX_PENDING:
+            raise AuthorizeError("temporarily_unavailable", "too many sign-ins waiting; try again in a few minutes")
+        request_id = secrets.token_urlsafe(24)
+        self.pending[request_id] = {"client": client, "params": params, "expires": now + CONSENT_SEC, "tries": 0}
+        return f"{self.base_url}/oauth/consent?request={request_id}"
+
+    def consent_request(self, request_id: str) -> dict[str, Any] | None:
+        found = self.pending.get(request_id)
+        return found if found and found["expires"] > time.time() else None
+
+    def approve(self, request_id: str, token: str) -> str | None:
+        """The redirect URL carrying a one-time code when ``token`` is the bearer token; None when
+        it is not (the request ends after CONSENT_TRIES wrong tokens)."""
+        request = self.consent_request(request_id)
+        if request is None:
+            return None
+        if not hmac.compare_digest(token.strip().encode(), self.bearer.encode()):
+            request["tries"] += 1
+            if request["tries"] >= CONSENT_TRIES:
+                self.pending.pop(request_id, None)
+            return None
+        self.pending.pop(request_id, None)
+        params: AuthorizationParams = request["params"]
+        code = secrets.token_urlsafe(32)
+        self.codes[code] = AuthorizationCode(
+            code=code, scopes=params.scopes or [], expires_at=time.time() + CODE_SEC,
+            client_id=request["client"].client_id, code_challenge=params.code_challenge,
+            redirect_uri=params.redirect_uri, redirect_uri_provided_explicitly=params.redirect_uri_provided_explicitly,
+            resource=params.resource)
+        return construct_redirect_uri(str(params.redirect_uri), code=code, state=params.state)
+
+    def deny(self, request_id: str) -> str | None:
+        request = self.pending.pop(request_id, None)
+        if request is None:
+            return None
+        params: AuthorizationParams = request["params"]
+        return construct_redirect_uri(str(params.redirect_uri), error="access_denied", state=params.state)
+
+    # -- codes and tokens ----------------------------------------------------------------------
+
+    async def load_authorization_code(self, client: OAuthClientInformationFull, code: str) -> AuthorizationCode | None:
+        found = self.codes.get(code)
+        return found if found is not None and found.client_id == client.client_id else None
+
+    async def exchange_authorization_code(self, client: OAuthClientInformationFull,
+                                          authorization_code: AuthorizationCode) -> OAuthToken:
+        if self.codes.pop(authorization_code.code, None) is None:
+            raise TokenError("invalid_grant", "this authorization code was already used")
+        return self._issue(client.client_id, authorization_code.scopes, authorization_code.resource)
+
+    async def load_refresh_token(self, client: OAuthClientInformationFull, refresh_token: str) -> RefreshToken | None:
+        claims = self._verify(refresh_token, "r")
+        if claims is None or claims["c"] != client.client_id:
+            return None
+        return RefreshToken(token=refresh_token, client_id=claims["c"], scopes=claims["s"], expires_at=claims["e"],
+                            resource=claims.get("r"))
+
+    async def exchange_refresh_token(self, client: OAuthClientInformationFull, refresh_token: RefreshToken,
+                                     scopes: list[str]) -> OAuthToken:
+        claims = self._verify(refresh_token.token, "r")
+        if claims is None:
+            raise TokenError("invalid_grant", "this refresh token is no longer valid")
+        self._revoke(claims)   # a refresh replaces the whole grant: the old tokens stop working
+        return self._issue(client.client_id, scopes, refresh_token.resource)
+
+    async def load_access_token(self, token: str) -> AccessToken | None:
+        claims = self._verify(token, "a")
+        if claims is None:
+            return None
+        return AccessToken(token=token, client_id=claims["c"], scopes=claims["s"], expires_at=claims["e"],
+                           resource=claims.get("r"))
+
+    async def revoke_token(self, token: AccessToken | RefreshToken) -> None:
+        claims = self._verify(token.token, "a") or self._verify(token.token, "r")
+        if claims is not None:
+            self._revoke(claims)
+
+    async def exchange_identity_assertion(self, client: Any, params: Any) -> OAuthToken:
+        raise TokenError("unsupported_grant_type", "identity assertions are not accepted here")
+
+    def _issue(self, client_id: str, scopes: list[str], resource: str | None) -> OAuthToken:
+        now, grant = int(time.time()), secrets.token_urlsafe(12)
+        base = {"c": client_id, "s": scopes, "r": resource, "g": grant}
+        access = self._sign(base | {"k": "a", "e": now + ACCESS_TOKEN_SEC})
+        refresh = self._sign(base | {"k": "r", "e": now + REFRESH_TOKEN_SEC})
+        return OAuthToken(access_token=access, token_type="Bearer", expires_in=ACCESS_TOKEN_SEC,
+                          refresh_token=refresh, scope=" ".join(scopes) or None)
+
+    def _sign(self, claims: dict[str, Any]) -> str:
+        body = _b64(json.dumps(claims, separators=(",", ":")).encode())
+        return f"tb1.{body}.{_b64(hmac.new(self.key, body.encode(), hashlib.sha256).digest())}"
+
+    def _verify(self, token: str, kind: str) -> dict[str, Any] | None:
+        """The claims of a token this server signed with the current key, of ``kind``, unexpired
+        and not revoked; else None."""
+        parts = token.split(".")
+        if len(parts) != 3 or parts[0] != "tb1" or len(token) > 4096:
+            return None
+        expected = _b64(hmac.new(self.key, parts[1].encode(), hashlib.sha256).digest())
+        if not hmac.compare_digest(expected, parts[2]):
+            return None
+        try:
+            claims = json.loads(_unb64(parts[1]))
+        except ValueError:
+            return None
+        if claims.get("k") != kind or claims.get("e", 0) < time.time() or claims.get("g") in self.revoked:
+            return None
+        return claims
+
+    def _revoke(self, claims: dict[str, Any]) -> None:
+        self.revoked[claims["g"]] = time.time() + REFRESH_TOKEN_SEC
+        self._save()
+
+
+# --------------------------------------------------------------------------------------------
+# The consent page (the only page the SDK leaves to the server).
+
+
+CONSENT_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
+<title>Connect to TaskBridge</title>
+<style>body{{font:16px system-ui,sans-serif;max-width:34em;margin:3em auto;padding:0 1em}}
+input[type=password]{{width:100%;padding:.5em;font:inherit}}button{{padding:.5em 1.2em;font:inherit;margin:.8em .5em 0 0}}
+.error{{color:#b00020}}code{{background:#f3f3f3;padding:0 .2em}}</style></head>
+<body><h1>Connect to TaskBridge</h1>
+<p><b>{client}</b> wants to use the TaskBridge server on this machine: queue coding tasks that run
+with your user's rights, and read their results. It will return to <code>{redirect}</code>.</p>
+<p>To allow it, paste the bearer token once (on the machine running TaskBridge:
+<code>cat .taskbridge/token</code>, or the <i>Token</i> line of the box ./install.sh printed).</p>
+{error}
+<form method="post" action="/oauth/consent">
+<input type="hidden" name="request" value="{request}">
+<label>Bearer token <input type="password" name="token" autocomplete="off" autofocus></label>
+<button name="action" value="allow">Allow</button><button name="action" value="deny">Deny</button>
+</form></body></html>
+"""
+
+PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                "form-action 'self'; frame-ancestors 'none'", "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+
+
+def consent_routes(provider: Provider) -> list[Any]:
+    """``GET /oauth/consent`` (the page) and ``POST /oauth/consent`` (allow or deny)."""
+    from starlette.responses import HTMLResponse, RedirectResponse
+    from starlette.routing import Route
+
+    def page(request_id: str, request: dict[str, Any], error: str = "", status: int = 200) -> Any:
+        client = request["client"]
+        redirect = urlparse(str(request["params"].redirect_uri))
+        text = CONSENT_PAGE.format(client=html.escape((client.client_name or "An MCP client")[:100]),
+                                   redirect=html.escape(f"{redirect.scheme}://{redirect.netloc}"),
+                                   request=html.escape(request_id), error=error)
+        return HTMLResponse(text, status_code=status, headers=PAGE_HEADERS)
+
+    def gone() -> Any:
+        return HTMLResponse("<!doctype html><title>TaskBridge</title><p>This sign-in request has expired or "
+                            "was ended. Start connecting again from your MCP client.</p>", status_code=400,
+                            headers=PAGE_HEADERS)
+
+    async def show(request: Any) -> Any:
+        request_id = request.query_params.get("request", "")
+        found = provider.consent_request(request_id)
+        return page(request_id, found) if found else gone()
+
+    async def answer(request: Any) -> Any:
+        form = await request.form()
+        request_id, token = str(form.get("request", "")), str(form.get("token", ""))
+        if form.get("action") == "deny":
+            target = provider.deny(request_id)
+            return RedirectResponse(target, status_code=302) if target else gone()
+        found = provider.consent_request(request_id)
+        if found is None:
+            return gone()
+        target = provider.approve(request_id, token)
+        if target:
+            log.info("OAuth consent given to %r", (found["client"].client_name or "")[:80])
+            return RedirectResponse(target, status_code=302, headers={"Cache-Control": "no-store"})
+        log.warning("OAuth consent refused: a wrong bearer token was entered")
+        if provider.consent_request(request_id) is None:
+            return gone()
+        return page(request_id, found, '<p class="error">That is not the bearer token. Try again.</p>', 401)
+
+    return [Route("/oauth/consent", show, methods=["GET"]), Route("/oauth/consent", answer, methods=["POST"])]
+
+
+def routes(provider: Provider) -> list[Any]:
+    """Every OAuth route: the SDK's authorization server and protected-resource metadata (also at
+    the root well-known path, where some clients look first), and the consent page."""
+    from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
+    from mcp.server.auth.settings import AuthSettings, ClientRegistrationOptions, RevocationOptions
+    from starlette.routing import Route
+
+    # AuthSettings keeps a path-less issuer without a trailing slash (RFC 8414 compares exactly).
+    settings = AuthSettings(issuer_url=provider.base_url, resource_server_url=provider.resource,
+                            validate_token_resource=True)
+    issuer = settings.issuer_url
+    server = create_auth_routes(provider, issuer, client_registration_options=ClientRegistrationOptions(enabled=True),
+                                revocation_options=RevocationOptions(enabled=True))
+    resource = create_protected_resource_routes(settings.resource_server_url, [issuer], resource_name="TaskBridge")
+    root = Route("/.well-known/oauth-protected-resource", endpoint=resource[0].endpoint, methods=["GET", "OPTIONS"])
+    return [*server, *resource, root, *consent_routes(provider)]
+
+
+def resource_metadata_url(provider: Provider) -> str:
+    """Where a client finds the protected-resource metadata (named in 401 answers)."""
+    return f"{provider.base_url}/.well-known/oauth-protected-resource/mcp"
