@@ -44,7 +44,8 @@ REPO = Path(__file__).resolve().parent
 TUNNEL_WAIT_SEC = 30
 HEALTH_WAIT_SEC = 30
 STOP_GRACE_SEC = 20
-SHOWN_KINDS = ("submitted", "claimed", "done", "failed", "retry", "waiting", "answered", "cancelled", "requeued")
+# The worker prints its own line when it claims and ends a task; these come from elsewhere.
+SHOWN_KINDS = ("submitted", "answered", "cancelled", "note")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # Quick tunnels print their URL among other https URLs (api.trycloudflare.com in errors).
 CLOUDFLARE_URL_RE = re.compile(r"https://(?!api\.)([a-z0-9-]+\.trycloudflare\.com)\b", re.I)
@@ -142,7 +143,7 @@ def tighten_modes() -> list[str]:
     db = store.db_path()
     candidates = [(token_file().parent, 0o700), (token_file(), 0o600), (store.log_dir(), 0o700)]
     candidates += [(db.with_name(db.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")]
-    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock")]
+    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock", "worker.log")]
     if store.log_dir().is_dir():
         candidates += [(p, 0o600) for p in store.log_dir().iterdir() if p.is_file()]
     for path, mode in candidates:

@@ -19,6 +19,7 @@ import connectors
 import serve
 import task_store
 import tasks_cli
+import worker_talk
 from helpers import ROOT, run_script
 
 OTHER_USER = "tbother"
@@ -145,14 +146,16 @@ def test_queue_files_token_and_logs_are_private(monkeypatch):
         with task_store.open_task_log(task["id"]) as log:
             log.write(b"secret output\n")
         task_store.write_worker_heartbeat({"state": "idle"})
+        worker_talk.write_log_line("t_0001 claimed: secret plan")
         held = task_store.connect()   # the WAL files exist while a connection is open
         held.execute("SELECT count(*) FROM tasks").fetchone()
         assert mode(root / ".taskbridge") == 0o700 and mode(root / ".taskbridge" / "token") == 0o600
         assert mode(root / "tasks.db") == 0o600 and mode(root / "tasks.db-wal") == 0o600 \
             and mode(root / "tasks.db-shm") == 0o600
         assert mode(root / "task_logs") == 0o700 and mode(root / "task_logs" / "t_0001.log") == 0o600
-        assert mode(root / "tasks.worker.json") == 0o600
-        for path in ("tasks.db", "tasks.db-wal", "tasks.db-shm", ".taskbridge/token", "task_logs/t_0001.log", "tasks.worker.json"):
+        assert mode(root / "tasks.worker.json") == 0o600 and mode(root / "tasks.worker.log") == 0o600
+        for path in ("tasks.db", "tasks.db-wal", "tasks.db-shm", ".taskbridge/token", "task_logs/t_0001.log", "tasks.worker.json",
+                     "tasks.worker.log"):
             read = subprocess.run(["runuser", "-u", user, "--", "cat", str(root / path)], capture_output=True, text=True)
             assert read.returncode != 0 and "Permission denied" in read.stderr, (path, read)
         held.close()
@@ -183,8 +186,8 @@ def test_worker_with_a_bare_environment_and_opencode_elsewhere_says_so_and_claim
     # `npm install -g` into ~/.npm-global), which PATH=/usr/bin:/bin does not reach.
     code = tmp_path / "code"
     code.mkdir()
-    for name in ("worker.py", "task_store.py", "opencode_runner.py", "worktrees.py", "process_tree.py"):
-        shutil.copy2(ROOT / name, code / name)
+    for source in ROOT.glob("*.py"):
+        shutil.copy2(source, code / source.name)
     db = tmp_path / "q" / "tasks.db"
     task = task_store.submit_task(title="t", instructions="do it", working_dir=str(tmp_path))
     assert Path(os.environ["TASK_DB_PATH"]) == db
