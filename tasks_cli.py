@@ -1037,7 +1037,7 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     Its next attempt starts a new OpenCode session; tasks that failed only because it failed are
     requeued too.
     """
-    task = task_store.retry_task(task_id, model=model, note=note, author=person())
+    task = task_store.retry_task(task_id, model=checked_model(model), note=note, author=person())
     if as_json:
         return emit_json(task)
     said = f"{task['id']} is pending again with {task['max_retries'] + 1} fresh attempt(s)"

@@ -64,6 +64,12 @@ def test_unknown_model_is_refused_at_submit_over_the_cli_with_close_names(openco
     assert accepted.returncode == 0, accepted.stderr
     assert json.loads(accepted.stdout)["model"] == "fake/model"
     assert task_store.state_path("models.json").exists()      # the answer is kept for a minute
+    # retry --model is checked the same way.
+    task = task_store.claim_next("cli:test", task_id=json.loads(accepted.stdout)["id"])
+    task_store.fail_attempt(task["id"], task["run_marker"], "by hand", retryable=False)
+    again = run_script("tasks_cli.py", "retry", task["id"], "--model", "fake/mdel")
+    assert again.returncode == 2 and "similar: fake/model" in again.stderr
+    assert task_store.get_task(task["id"])["status"] == "failed"
 
 
 @pytest.mark.anyio
