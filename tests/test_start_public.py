@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -79,3 +80,34 @@ def test_public_start_refuses_a_blank_token(tmp_path):
     result = subprocess.run(["bash", str(ROOT / "start_public.sh")], env=env, capture_output=True,
                             text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert result.returncode == 1 and "MCP_BEARER_TOKEN is set but blank" in result.stderr
+
+
+@pytest.mark.parametrize("answer,public", [("c", True), ("", False)])
+def test_a_terminal_is_asked_and_stays_on_loopback_unless_the_answer_is_a_tunnel(fake_tunnel, tmp_path, answer, public):
+    import pty
+    port = free_port()
+    bins = fake_tunnel.parent
+    env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token", PATH=f"{bins}:{os.environ['PATH']}")
+    env.pop("TUNNEL_BIN", None)
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py")], env=env,
+                            stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    os.close(follower)
+    try:
+        os.write(leader, f"{answer}\n".encode())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if get(port, "/health", "127.0.0.1") == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        tunnel_host = "quiet-river-42.trycloudflare.com"
+        assert get(port, "/health", tunnel_host) == (200 if public else 421)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        os.close(leader)
+    assert "Serve on a public URL too" in err and "[n] no, this machine only (default)" in err
+    assert (f"https://{tunnel_host}/mcp" in err) == public
