@@ -488,7 +488,8 @@ class EventStream:
             self.finished = True
 
     def _on_error(self, part: dict, event: dict) -> None:
-        self.errors.append(error_text(event))
+        # Bounded like the text: the last 20 errors, each clipped (the log has them whole).
+        self.errors = (self.errors + [error_text(event)[:INPUT_KEEP]])[-20:]
 
     @property
     def commands(self) -> list[dict[str, Any]]:

@@ -60,10 +60,14 @@ def test_restriction_holds_for_a_permissive_user_agent(opencode, tmp_path, permi
 def test_pins_reach_every_agent_of_the_resolved_config(opencode, tmp_path):
     user_config(opencode, {"agent": {"reviewer": REVIEWER,
                                      "odd": {"permission": {"bash": "allow", "bas?": "allow", "*": "allow"}}}})
-    env = oc.run_env(dict(opencode.env), str(tmp_path), "br-x", "q", "no-shell", "reviewer")
+    agents = Path(opencode.env["XDG_CONFIG_HOME"]) / "opencode" / "agent"
+    agents.mkdir()
+    (agents / "mdrev.md").write_text("---\ndescription: a markdown agent\npermission:\n  bash: allow\n"
+                                     "  \"*\": allow\n---\nYou review.\n")
+    env = oc.run_env(dict(opencode.env), str(tmp_path), "br-x", "q", "no-shell", "mdrev")
     content = json.loads(env["OPENCODE_CONFIG_CONTENT"])
     assert content["share"] == "disabled" and env["OPENCODE_DISABLE_SHARE"] == "1"
-    for name in ("build", "plan", "general", "explore", "reviewer", "odd"):
+    for name in ("build", "plan", "general", "explore", "reviewer", "odd", "mdrev"):
         pinned = content["agent"][name]["permission"]
         assert list(pinned.values()) == ["deny"], (name, pinned)
     assert "bas?" not in content["agent"]["odd"]["permission"]  # a key the user has is not reused

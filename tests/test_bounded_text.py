@@ -56,6 +56,14 @@ def test_the_event_stream_keeps_only_a_tail_of_text():
     assert oc.parse_closing_block(stream.final_text)["summary"] == "ok"
 
 
+def test_error_events_are_bounded():
+    stream = oc.EventStream()
+    for n in range(50):
+        stream.feed(json.dumps({"type": "error", "error": {"name": "APIError", "data": {"message": f"{n} " + "m" * 100_000}}}))
+    assert len(stream.errors) == 20 and stream.errors[-1].startswith("APIError: 49 ")
+    assert all(len(e) <= oc.INPUT_KEEP for e in stream.errors)
+
+
 def test_a_write_calls_content_is_not_kept():
     stream = oc.EventStream()
     stream.feed(json.dumps({"type": "tool_use", "part": {"tool": "write", "state": {
