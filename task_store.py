@@ -15,7 +15,6 @@ Imports the standard library only.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -139,7 +138,11 @@ def state_path(name: str) -> Path:
 
 def queue_tag() -> str:
     """A short hash of the database path: names this queue in run markers' environment tags."""
-    return hashlib.sha1(str(db_path()).encode()).hexdigest()[:10]
+    try:  # CPython's own SHA-1: hashlib would load OpenSSL (~3.5 MB of every process's memory)
+        from _sha1 import sha1
+    except ImportError:
+        from hashlib import sha1
+    return sha1(str(db_path()).encode()).hexdigest()[:10]
 
 
 def format_task_id(num: int) -> str:

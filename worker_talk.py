@@ -19,13 +19,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.live import Live
-from rich.spinner import Spinner
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich is imported only on a terminal: a worker under launchd/cron never pays for it
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
 
 import task_store as store
 
@@ -74,7 +73,11 @@ class Talk:
         cls.level = level
         cls.running, cls.announced = {}, 0
         terminal = sys.stderr.isatty() if terminal is None else terminal
-        cls.console = Console(stderr=True, highlight=False) if terminal else None
+        if terminal:
+            from rich.console import Console
+            cls.console = Console(stderr=True, highlight=False)
+        else:
+            cls.console = None
 
     # -- lines ------------------------------------------------------------------------------
 
@@ -89,6 +92,7 @@ class Talk:
         # renders the live line, so holding ours here as well could deadlock.
         console = cls.console
         if console is not None:
+            from rich.text import Text
             console.print(Text(f"[{time.strftime('%H:%M:%S')}] ", style="dim") + Text(message, style=style),
                           soft_wrap=True)
         else:
@@ -159,6 +163,7 @@ class Talk:
             return
         with cls.lock:
             if cls.running and cls.live is None:
+                from rich.live import Live
                 cls.live = Live(cls._render(), console=cls.console, transient=True,
                                 refresh_per_second=LIVE_REFRESH_PER_SEC, get_renderable=cls._render)
                 cls.live.start()
@@ -168,6 +173,9 @@ class Talk:
 
     @classmethod
     def _render(cls) -> Table:
+        from rich.spinner import Spinner
+        from rich.table import Table
+        from rich.text import Text
         grid = Table.grid(padding=(0, 1))
         for run in list(cls.running.values()):   # a copy, without our lock (see `say`)
             grid.add_row(Spinner("dots", style="cyan"), Text(run.status(), overflow="ellipsis", no_wrap=True))
