@@ -179,10 +179,13 @@ class Tunnel:
                 self.host = match.group(1).lower()
                 self.found.set()
 
-    def wait_for_host(self, seconds: float) -> str:
-        """The public host name; raises SetupError when the tunnel exits or prints none in time."""
+    def wait_for_host(self, seconds: float, stop: threading.Event) -> str:
+        """The public host name; raises SetupError when the tunnel exits, prints none in time, or
+        ``stop`` is set (Ctrl-C)."""
         deadline = time.monotonic() + seconds
         while not self.found.wait(0.2):
+            if stop.is_set():
+                raise SetupError("stopped before the tunnel printed its URL")
             if self.proc.poll() is not None:
                 time.sleep(0.2)   # let the reader take the last lines
                 raise SetupError(f"the {self.kind} tunnel exited (status {self.proc.returncode}):\n"
@@ -275,9 +278,9 @@ def connector_box(port: int, token: str, host: str | None) -> str:
     return "\n".join([rule, *("  " + r for r in rows), rule])
 
 
-def wait_healthy(port: int, server: subprocess.Popen, seconds: float) -> None:
+def wait_healthy(port: int, server: subprocess.Popen, seconds: float, stop: threading.Event) -> None:
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         if server.poll() is not None:
             raise SetupError(f"the MCP server exited (status {server.returncode}); its error is above "
                              f"(port {port} in use? set PORT or --port)")
@@ -288,6 +291,8 @@ def wait_healthy(port: int, server: subprocess.Popen, seconds: float) -> None:
         except (OSError, urllib.error.URLError):
             pass
         time.sleep(0.2)
+    if stop.is_set():
+        raise SetupError("stopped before the server answered")
     raise SetupError(f"the MCP server did not answer /health on port {port} in {seconds:.0f} s")
 
 
@@ -385,14 +390,14 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
             say(f"starting the {kind} tunnel ({binary})")
             tunnel = Tunnel(kind, binary, port)
             sup.adopt("tunnel", tunnel.proc)
-            host = tunnel.wait_for_host(TUNNEL_WAIT_SEC)
+            host = tunnel.wait_for_host(TUNNEL_WAIT_SEC, sup.stop_asked)
         if host:
             env["MCP_ALLOWED_HOSTS"] = ",".join(filter(None, [env.get("MCP_ALLOWED_HOSTS", ""), host]))
             env["MCP_PUBLIC_URL"] = f"https://{host}"
         server = sup.start("server", [sys.executable, str(REPO / "opencode_bridge_mcp.py"), "--transport",
                                       "streamable-http", "--host", "127.0.0.1", "--port", str(port),
                                       "--log-level", "WARNING"], env)
-        wait_healthy(port, server, HEALTH_WAIT_SEC)
+        wait_healthy(port, server, HEALTH_WAIT_SEC, sup.stop_asked)
         cursor = store.last_event_id()
         sup.start("worker", [sys.executable, str(REPO / "worker.py"), "--watch"], env)
     except SetupError as exc:

@@ -201,3 +201,52 @@ def test_worker_with_a_bare_environment_and_opencode_elsewhere_says_so_and_claim
     assert "Traceback" not in result.stderr
     after = task_store.get_task(task["id"])
     assert after["status"] == "pending" and after["attempts"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# install.sh's prerequisite check.
+
+
+def sandbox_path(tmp_path: Path, python: str | None) -> str:
+    """A PATH holding only what install.sh needs to run its checks (no git, no node, no npm)."""
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    for tool in ("bash", "dirname", "uname", "head", "sed", "cat", "ls"):
+        os.symlink(shutil.which(tool), bins / tool)
+    if python:
+        os.symlink(python, bins / "python3")
+    return str(bins)
+
+
+def checkout_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "checkout"
+    copy.mkdir()
+    shutil.copy2(ROOT / "install.sh", copy / "install.sh")
+    (copy / "worker.py").write_text("")
+    return copy
+
+
+def test_install_names_every_missing_prerequisite_with_the_way_to_get_it(tmp_path):
+    copy = checkout_copy(tmp_path)
+    env = {"PATH": sandbox_path(tmp_path, sys.executable), "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(copy / "install.sh"), "--setup-only"], env=env, capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result
+    assert "install.sh: missing:" in result.stderr
+    assert "git; " in result.stderr and "sudo apt install git" in result.stderr
+    assert "Node.js >= 20 and npm" in result.stderr and "https://nodejs.org/en/download" in result.stderr
+    assert "Python" not in result.stderr.split("missing:")[1], "a Python >= 3.11 was found"
+    assert not (copy / ".venv").exists()
+
+
+def test_install_says_how_to_get_a_new_enough_python(tmp_path):
+    old = tmp_path / "python3.9"
+    old.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Python 3.9.18'; exit 0; }\nexit 1\n")
+    old.chmod(0o755)
+    copy = checkout_copy(tmp_path)
+    env = {"PATH": sandbox_path(tmp_path, str(old)), "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(copy / "install.sh")], env=env, capture_output=True, text=True,
+                            timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1
+    assert "Python >= 3.11 (found: Python 3.9.18)" in result.stderr
+    assert "python3.11" in result.stderr and "PYTHON=/path/to/python3.12 ./install.sh" in result.stderr
