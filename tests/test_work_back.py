@@ -399,3 +399,18 @@ def test_logs_follow_renders_events_as_they_come_and_says_why_there_is_no_log(tm
     task_store.claim_next("cli:alice", task_id=by_hand["id"])
     hand = cli("logs", by_hand["id"], "--follow")
     assert hand.exit_code == 0 and "claimed by hand by cli:alice: no worker runs it" in hand.stderr
+
+
+def test_apply_stopped_by_an_untracked_file_or_a_staged_rename_changes_nothing(tmp_path):
+    repo = make_repo(tmp_path / "repo", {"README.md": "# demo\n", "old.txt": "o\n"})
+    task = finished_by_hand(repo, {"a.txt": "from the task\n"})
+    (repo / "a.txt").write_text("the person's own, never added\n")
+    before = checkout_state(repo)
+    for args in ((), ("--squash",), ("--cherry-pick",)):
+        stopped = cli("apply", task["id"], *args)
+        assert stopped.exit_code == 1 and "untracked working tree files would be overwritten" in stopped.stderr
+        assert "the checkout is as it was" in stopped.stderr and checkout_state(repo) == before
+    (repo / "a.txt").unlink()
+    git(repo, "mv", "old.txt", "new name.txt")
+    staged = cli("apply", task["id"])
+    assert staged.exit_code == 1 and "uncommitted changes (new name.txt)" in staged.stderr
