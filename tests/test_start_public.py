@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,14 @@ def get(port: int, path: str, host: str, token: str | None = None) -> int:
         return exc.code
 
 
+def wait_for_box(proc: subprocess.Popen, lines: list[str], timeout: float = 60) -> None:
+    """Until serve.py has printed its box (everything answers then), from its stderr lines."""
+    deadline = time.monotonic() + timeout
+    while not any(line.strip().startswith("Stop:") for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def fake_tunnel(tmp_path):
     tunnel = tmp_path / "cloudflared"
@@ -44,14 +53,10 @@ def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):
     proc = subprocess.Popen(["bash", str(ROOT / "start_public.sh")], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if get(port, "/health", "127.0.0.1") == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
+        wait_for_box(proc, lines)
         tunnel_host = "quiet-river-42.trycloudflare.com"
         assert get(port, "/health", tunnel_host) == 200
         assert get(port, "/health", tunnel_host.upper() + ":443") == 200
@@ -61,7 +66,9 @@ def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):
         assert get(port, "/api/status", tunnel_host, token="s3cret-token") == 200
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=20)
+        proc.wait(timeout=30)
+    time.sleep(0.2)
+    err = "".join(lines)
     assert f"https://{tunnel_host}/mcp" in err
     assert "Token:              s3cret-token" in err, "the box shows the token to copy"
 
@@ -94,20 +101,18 @@ def test_a_terminal_is_asked_and_stays_on_loopback_unless_the_answer_is_a_tunnel
                             stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     os.close(follower)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    tunnel_host = "quiet-river-42.trycloudflare.com"
     try:
         os.write(leader, f"{answer}\n".encode())
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if get(port, "/health", "127.0.0.1") == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
-        tunnel_host = "quiet-river-42.trycloudflare.com"
+        wait_for_box(proc, lines)
         assert get(port, "/health", tunnel_host) == (200 if public else 421)
     finally:
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
         os.close(leader)
+    time.sleep(0.2)
+    err = "".join(lines)
     assert "Serve on a public URL too" in err and "[n] no, this machine only (default)" in err
     assert (f"https://{tunnel_host}/mcp" in err) == public
