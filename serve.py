@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parent
 TUNNEL_WAIT_SEC = 30
 HEALTH_WAIT_SEC = 30
 STOP_GRACE_SEC = 20
+WORKER_RETRY_SEC = 30    # a worker that found the queue's lock taken tries again after this
 # The worker prints its own line when it claims and ends a task; these come from elsewhere.
 SHOWN_KINDS = ("submitted", "answered", "cancelled", "note")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -399,17 +400,27 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
                                       "--log-level", "WARNING"], env)
         wait_healthy(port, server, HEALTH_WAIT_SEC, sup.stop_asked)
         cursor = store.last_event_id()
-        sup.start("worker", [sys.executable, str(REPO / "worker.py"), "--watch"], env)
+        worker_argv = [sys.executable, str(REPO / "worker.py"), "--watch"]
+        sup.start("worker", worker_argv, env)
     except SetupError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         sup.stop()
         return 1
     print(connector_box(port, token, host), file=sys.stderr, flush=True)
-    status = 0
+    status, worker_again = 0, None
     while not sup.stop_asked.wait(1.0):
         cursor = print_events(cursor)
+        if worker_again is not None and time.monotonic() >= worker_again:
+            worker_again = None
+            sup.start("worker", worker_argv, env)
         ended = sup.first_exit()
-        if ended:
+        if ended and ended == ("worker", 0):
+            # Exit 0 without being asked: another pass (the schedule's) holds this queue's lock.
+            # It runs the tasks meanwhile; ours takes over once the lock is free.
+            say(f"the worker exited (another pass holds this queue's lock); trying again in {WORKER_RETRY_SEC} s")
+            del sup.children["worker"]
+            worker_again = time.monotonic() + WORKER_RETRY_SEC
+        elif ended:
             name, code = ended
             say(f"the {name} stopped by itself (status {code}); its message is above. Stopping everything.")
             status = 1

@@ -116,3 +116,31 @@ def test_a_terminal_is_asked_and_stays_on_loopback_unless_the_answer_is_a_tunnel
     err = "".join(lines)
     assert "Serve on a public URL too" in err and "[n] no, this machine only (default)" in err
     assert (f"https://{tunnel_host}/mcp" in err) == public
+
+
+def test_a_served_worker_that_finds_the_lock_taken_keeps_the_server_up(tmp_path, monkeypatch):
+    """A scheduled pass holds the queue's lock: serving goes on, and the worker tries again later."""
+    import filelock
+
+    import task_store
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
+    lock = filelock.FileLock(str(task_store.worker_lock_path()))
+    lock.acquire(timeout=5)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_box(proc, lines)
+        deadline = time.monotonic() + 30
+        while not any("another pass holds this queue's lock" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        time.sleep(1.5)
+        assert proc.poll() is None and get(port, "/health", "127.0.0.1") == 200
+    finally:
+        lock.release()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
