@@ -797,7 +797,8 @@ _memory_cache: dict[str, tuple[float, Any]] = {}
 def _cached(key: str, compute: Any, refresh: bool, cache_file: Path | None, ask: bool = True) -> Any:
     """``compute()``, reused for MODELS_CACHE_SEC seconds per key: in memory, and in
     ``cache_file`` (JSON) when given, so short-lived processes (the CLI) share one answer.
-    With ``ask`` false only a cached answer is returned; none raises LookupError."""
+    With ``ask`` false only a cached answer is returned, however old (the key already names the
+    config files' mtimes); none raises LookupError."""
     now = time.time()
     hit = _memory_cache.get(key)
     if hit is None and cache_file is not None:
@@ -809,6 +810,8 @@ def _cached(key: str, compute: Any, refresh: bool, cache_file: Path | None, ask:
     if hit and not refresh and 0 <= now - hit[0] < MODELS_CACHE_SEC:
         return hit[1]
     if not ask:
+        if hit:
+            return hit[1]    # the last answer for this very set-up, however old: a status view
         raise LookupError(key)
     value = compute()
     _memory_cache[key] = (now, value)
@@ -820,7 +823,9 @@ def _cached(key: str, compute: Any, refresh: bool, cache_file: Path | None, ask:
 def _store_cache(cache_file: Path, key: str, now: float, value: Any) -> None:
     try:
         entries = json.loads(cache_file.read_text())
-        entries = {k: v for k, v in entries.items() if now - float(v[0]) < MODELS_CACHE_SEC}
+        # Old answers stay for status views (ask=False), but not forever: a day, and 50 set-ups.
+        entries = {k: v for k, v in entries.items() if now - float(v[0]) < 86_400}
+        entries = dict(sorted(entries.items(), key=lambda kv: kv[1][0])[-50:])
     except (OSError, ValueError, TypeError, AttributeError, IndexError):
         entries = {}
     entries[key] = [now, value]

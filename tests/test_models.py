@@ -15,8 +15,6 @@ from fake_openai import text
 from helpers import make_repo, run_script
 from opencode_env import opencode_config
 
-pytestmark = pytest.mark.real_opencode
-
 OTHER = {"provider": {"fake": {"models": {"other": {"name": "Other", "limit": {"context": 64000, "output": 4096}}}}}}
 RECEIPT = '```json\n{"summary": "nothing to do", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
@@ -26,6 +24,7 @@ def models_asked(model) -> list[str]:
     return [r["json"]["model"] for r in model.requests if r["kind"] == "step" and r["json"]]
 
 
+@pytest.mark.real_opencode
 def test_default_model_follows_the_users_opencode_config(opencode, tmp_path, monkeypatch):
     monkeypatch.delenv("WORKER_MODEL")
     opencode.configure(OTHER | {"model": "fake/other"})        # the user's own OpenCode choice
@@ -40,7 +39,7 @@ def test_default_model_follows_the_users_opencode_config(opencode, tmp_path, mon
     assert done["status"] == "done", done["error"]
     assert done["result"]["model"] == "fake/other"
     assert models_asked(opencode.model) == ["other"]
-    assert "runs with fake/other (default from OpenCode config)" in passed.stderr
+    assert "model fake/other (default from OpenCode config)" in passed.stderr   # the start line
 
     # The precedence: WORKER_MODEL beats the config, the queue's setting beats both.
     monkeypatch.setenv("WORKER_MODEL", "fake/model")
@@ -54,6 +53,7 @@ def test_default_model_follows_the_users_opencode_config(opencode, tmp_path, mon
     assert opencode_runner.default_model() == opencode_runner.ModelChoice("fake/model", "opencode models")
 
 
+@pytest.mark.real_opencode
 def test_unknown_model_is_refused_at_submit_over_the_cli_with_close_names(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     refused = run_script("tasks_cli.py", "submit", "x", "--dir", str(repo), "--model", "fake/modle")
@@ -72,6 +72,7 @@ def test_unknown_model_is_refused_at_submit_over_the_cli_with_close_names(openco
     assert task_store.get_task(task["id"])["status"] == "failed"
 
 
+@pytest.mark.real_opencode
 @pytest.mark.anyio
 async def test_unknown_model_is_refused_at_submit_over_mcp_with_close_names(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
@@ -85,6 +86,7 @@ async def test_unknown_model_is_refused_at_submit_over_mcp_with_close_names(open
     assert not good.is_error and task_store.counts()["pending"] == 1
 
 
+@pytest.mark.real_opencode
 def test_a_model_removed_after_submit_fails_once_naming_it(opencode, tmp_path):
     opencode.configure(OTHER)
     repo = make_repo(tmp_path / "repo")
@@ -99,6 +101,7 @@ def test_a_model_removed_after_submit_fails_once_naming_it(opencode, tmp_path):
     assert "ProviderModelNotFoundError: Model not found: fake/other" in task["error"]   # OpenCode's own words
 
 
+@pytest.mark.real_opencode
 def test_models_command_lists_and_searches_what_opencode_offers(opencode):
     opencode.configure(OTHER)
     listed = run_script("tasks_cli.py", "models")
@@ -111,3 +114,23 @@ def test_models_command_lists_and_searches_what_opencode_offers(opencode):
     assert found["models"][0]["context"] == 64000 and found["default_from"] == "WORKER_MODEL"
     nope = run_script("tasks_cli.py", "models", "--provider", "nope")
     assert nope.returncode == 1 and "cannot list OpenCode's models" in nope.stderr and "nope" in nope.stderr
+
+
+def test_answers_are_kept_a_minute_and_the_last_one_serves_status_views(tmp_path, monkeypatch):
+    calls: list[int] = []
+
+    def ask() -> int:
+        calls.append(1)
+        return len(calls)
+
+    cache = tmp_path / "models.json"
+    assert opencode_runner._cached("k", ask, False, cache) == 1
+    opencode_runner._memory_cache.clear()
+    assert opencode_runner._cached("k", ask, False, cache) == 1           # another process: the file
+    assert opencode_runner._cached("k", ask, True, cache) == 2            # refresh asks again
+    monkeypatch.setattr(opencode_runner, "MODELS_CACHE_SEC", 0)
+    assert opencode_runner._cached("k", ask, False, cache, ask=False) == 2   # stale, but not asking
+    assert opencode_runner._cached("k", ask, False, cache) == 3           # past the minute: asked
+    with pytest.raises(LookupError):
+        opencode_runner._cached("other", ask, False, cache, ask=False)
+    assert len(calls) == 3
