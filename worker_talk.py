@@ -1,9 +1,10 @@
 """What the worker says while it works: one line at start, one when a task is claimed and one when
 it ends, what a Ctrl-C does, and on a terminal a live line with each running task's current step.
 
-Used by ``worker.py`` only. Lines go to stderr (launchd and systemd keep it): on a terminal through
-rich, with a spinner line under them naming each running task's latest tool call; into a pipe or
-a file as plain ``[HH:MM:SS] message`` lines, and no spinner. Levels: ``quiet`` (``-q``: errors,
+Used by ``worker.py`` only. Lines go to stderr (launchd and systemd keep it): on a terminal the
+worker has in the foreground through rich, with a spinner line under them per running task (its
+time, model call, last finished tool call); otherwise (a pipe, a file, a worker in the background
+or in serve.py's session) as plain ``[HH:MM:SS] message`` lines, and no spinner. Levels: ``quiet`` (``-q``: errors,
 the signal lines, nothing else), ``normal``, ``verbose`` (``-v``: also each attempt's details and
 every tool call). Whatever the level, the normal lines are also appended to the worker log beside
 the database (``store.state_path("worker.log")``), one ``<ISO time> <message>`` line each, kept
@@ -32,6 +33,16 @@ QUIET, NORMAL, VERBOSE = 0, 1, 2
 LOG_MAX_BYTES = 256 * 1024    # the worker log is cut to its newer half past this size
 LIVE_REFRESH_PER_SEC = 4
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def owns_terminal() -> bool:
+    """Whether stderr is a terminal this process has in the foreground. A worker started in a
+    session of its own (serve.py's) or in the background (``&``) prints plain lines instead of
+    drawing a live line over someone else's output."""
+    try:
+        return sys.stderr.isatty() and os.tcgetpgrp(sys.stderr.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def plain(value: Any, limit: int = 120) -> str:
@@ -72,7 +83,7 @@ class Talk:
         """Choose the level, and rich plus a live line when stderr is a terminal."""
         cls.level = level
         cls.running, cls.announced = {}, 0
-        terminal = sys.stderr.isatty() if terminal is None else terminal
+        terminal = owns_terminal() if terminal is None else terminal
         if terminal:
             from rich.console import Console
             cls.console = Console(stderr=True, highlight=False)

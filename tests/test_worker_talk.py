@@ -148,3 +148,22 @@ def test_worker_log_stays_bounded(monkeypatch):
     assert len(log.encode()) <= 4000 and log.splitlines()[-1].endswith("x" * 40)
     assert "line 0399" in log and "line 0000" not in log
     assert all(re.match(r"\d{4}-\d\d-\d\dT\S+ line \d{4} x+$", entry) for entry in log.splitlines())
+
+
+@pytest.mark.parametrize("foreground", [True, False])
+def test_live_line_only_on_a_terminal_the_worker_has_in_the_foreground(foreground):
+    """serve.py starts the worker in a session of its own on the user's terminal: there it prints
+    plain lines, not a live line drawn over serve's own output."""
+    master, slave = pty.openpty()
+
+    def session() -> None:
+        os.setsid()
+        if foreground:
+            fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    probe = "import worker_talk as t; t.Talk.setup(); print('RICH' if t.Talk.console else 'PLAIN')"
+    proc = subprocess.run([sys.executable, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=slave, cwd=ROOT, preexec_fn=session, text=True, timeout=60)
+    os.close(slave)
+    os.close(master)
+    assert proc.stdout.strip() == ("RICH" if foreground else "PLAIN")
