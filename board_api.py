@@ -200,7 +200,12 @@ async def api_task(request: Any) -> Any:
 def whole_lines(path: Path, offset: int | None, chunk: int = LOG_CHUNK) -> dict[str, Any]:
     """Whole lines of a growing file: from byte ``offset`` (at most ``chunk`` bytes, ending at the
     last complete line, so a line being written is read next time), or without offset the tail
-    (the last ``chunk`` bytes' whole lines). Returns {text, offset, next_offset, size}."""
+    (the last ``chunk`` bytes' whole lines). An offset past the end means the file was cut or
+    replaced meanwhile (the worker log keeps its newer half): the tail comes back with ``reset``
+    true. Returns {text, offset, next_offset, size, reset}."""
+    reset = offset is not None and offset > task_views.file_size(path)
+    if reset:
+        offset = None
     if offset is None:
         page = task_views.read_log_page(path, None, 10**9, chunk)
     else:
@@ -210,7 +215,7 @@ def whole_lines(path: Path, offset: int | None, chunk: int = LOG_CHUNK) -> dict[
     if not complete and len(text.encode()) >= chunk:
         complete = text                   # one line longer than a chunk: show it as it is
     return {"text": complete, "offset": start, "next_offset": start + len(complete.encode()),
-            "size": page["size"]}
+            "size": page["size"], "reset": reset}
 
 
 def task_log(task_id: str, offset: int | None) -> dict[str, Any]:

@@ -248,7 +248,7 @@
     const q = S.engineNext === null ? "" : "?offset=" + S.engineNext;
     const data = await api("/api/engine" + q);
     const box = $("engine");
-    if (S.engineNext === null || box.dataset.empty) { clear(box); delete box.dataset.empty; }
+    if (S.engineNext === null || data.reset || box.dataset.empty) { clear(box); delete box.dataset.empty; }
     for (const line of data.lines) box.append(el("div", { class: "line" }, line));
     while (box.children.length > ENGINE_MAX) box.firstChild.remove();
     if (!box.children.length) { box.textContent = "the worker has written no log here yet"; box.dataset.empty = "1"; }
@@ -420,7 +420,7 @@
     const data = await api("/api/tasks/" + encodeURIComponent(S.task) + "/log" + q);
     const box = $("log");
     if (!box) return;
-    if (S.logNext === null) clear(box);
+    if (S.logNext === null || data.reset) clear(box);
     for (const entry of data.entries) box.append(logEntry(entry));
     while (box.children.length > LOG_MAX) box.firstChild.remove();
     S.logNext = data.next_offset;

@@ -149,8 +149,8 @@ def test_log_tail_and_offsets_return_whole_readable_lines(client, tmp_path):
         handle.write("ne\n")
     more = client.get(f"/api/tasks/{task['id']}/log?offset={first['next_offset']}", headers=AUTH).json()
     assert more["entries"] == [{"kind": "stderr", "text": "half a line"}]
-    past = client.get(f"/api/tasks/{task['id']}/log?offset=999999", headers=AUTH)
-    assert past.status_code == 400 and "past the end" in past.json()["error"]
+    past = client.get(f"/api/tasks/{task['id']}/log?offset=999999", headers=AUTH).json()
+    assert past["reset"] is True and past["next_offset"] == past["size"]       # the log was replaced: its tail
 
 
 def test_engine_tail_reads_the_worker_log_from_an_offset(client):
@@ -163,6 +163,9 @@ def test_engine_tail_reads_the_worker_log_from_an_offset(client):
     with path.open("a") as handle:
         handle.write("10:02 done t_0001\n")
     assert client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()["lines"] == ["10:02 done t_0001"]
+    path.write_text("10:03 kept half\n")                 # the worker cut its log: the page starts over
+    cut = client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()
+    assert cut["reset"] is True and cut["lines"] == ["10:03 kept half"] and cut["next_offset"] == cut["size"]
 
 
 def test_jobs_and_events_feed(client, tmp_path):
