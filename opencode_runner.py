@@ -166,7 +166,7 @@ def resolved_config(env: dict[str, str], cwd: str, timeout_sec: float = 60) -> d
     try:
         proc = subprocess.run([opencode_bin(), "debug", "config"], cwd=cwd, env=env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout_sec)
+                              timeout=timeout_sec, start_new_session=True)
     except subprocess.TimeoutExpired:
         raise ConfigProblem(f"`opencode debug config` did not answer in {timeout_sec:g} s") from None
     start = proc.stdout.find("{")
@@ -176,8 +176,9 @@ def resolved_config(env: dict[str, str], cwd: str, timeout_sec: float = 60) -> d
     except ValueError:
         pass
     lines = [line for line in (proc.stderr + proc.stdout).strip().splitlines() if line.strip()]
-    raise ConfigProblem("cannot read OpenCode's resolved config (`opencode debug config` exited "
-                        f"{proc.returncode}: {environment_fault(lines) or (lines[-1] if lines else 'no output')})")
+    said = environment_fault(lines) or opencode_error(proc, "opencode debug config")
+    raise ConfigProblem(f"cannot read OpenCode's resolved config (`opencode debug config` exited "
+                        f"{proc.returncode}: {said})")
 
 
 def pin_rules(content: dict[str, Any], resolved: dict[str, Any], rules: dict[str, str],
@@ -754,8 +755,10 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
     Raises OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown provider).
     """
     argv = [opencode_bin(), "models"] + ([provider] if provider else []) + ["--verbose"]
+    # A session of its own: a worker's first Ctrl-C (which finishes the work in hand) must not
+    # kill a listing it needs.
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout_sec)
+                          timeout=timeout_sec, start_new_session=True)
     if proc.returncode != 0:
         raise RuntimeError(opencode_error(proc, "opencode models"))
     return _parse_verbose_models(proc.stdout)
@@ -860,15 +863,7 @@ def configured_model(cwd: str | None = None, *, refresh: bool = False,
     where = os.path.abspath(cwd or tempfile.gettempdir())
 
     def run() -> str | None:
-        proc = subprocess.run([opencode_bin(), "debug", "config"], stdin=subprocess.DEVNULL,
-                              capture_output=True, text=True, timeout=60, cwd=where,
-                              env={**os.environ, "PWD": where})
-        if proc.returncode != 0:
-            raise RuntimeError(opencode_error(proc, "opencode debug config"))
-        try:
-            model = json.loads(proc.stdout).get("model")
-        except (ValueError, AttributeError):
-            raise RuntimeError("opencode debug config printed no JSON") from None
+        model = resolved_config({**os.environ, "PWD": where}, where).get("model")
         return model.strip() if isinstance(model, str) and model.strip() else None
 
     return _cached("config " + _setup_key(where), run, refresh, cache_file, ask)

@@ -84,3 +84,14 @@ def test_doctor_with_an_unusable_default_model(opencode, monkeypatch):
     refused = line_of(live.stdout, "default model")
     assert refused.startswith("FAIL") and "a one-line prompt failed" in refused
     assert "invalid api key for the scripted model" in refused
+
+
+def test_doctor_with_a_broken_opencode_config_quotes_opencode(opencode, monkeypatch):
+    monkeypatch.delenv("WORKER_MODEL")          # the default must come from OpenCode's own config
+    config = opencode.env["OPENCODE_CONFIG"]
+    with open(config, "w") as handle:
+        handle.write('{"model": "fake/model",, }')
+    result = doctor()
+    assert result.returncode == 1
+    model = line_of(result.stdout, "default model")
+    assert model.startswith("FAIL") and f"Config file at {config} is not valid JSON" in model
