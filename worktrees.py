@@ -219,7 +219,13 @@ def _repo_top(path: str) -> str | None:
     except GitError as exc:
         reason = str(exc).split(" failed: ", 1)[-1]
     if "not a git repository" in reason:
-        return None
+        unread = _dot_git_above(path)
+        if unread is None:
+            return None
+        raise Unrunnable(f"{path} is inside {os.path.dirname(unread)}, whose {unread} git does not read "
+                         f"as a repository (git: {_one_line(reason)}); repair that repository (git -C "
+                         f"{os.path.dirname(unread)} status says what is wrong) and resubmit; the task was "
+                         "not run in place")
     if "dubious ownership" in reason or "unsafe repository" in reason:
         raise Unrunnable(f"git refuses to read the repository at {path}: it belongs to another user "
                          f"(git: {_one_line(reason)}). If you trust it, mark it safe with the "
@@ -231,6 +237,21 @@ def _repo_top(path: str) -> str | None:
                          "a clone and resubmit with that folder")
     raise Unrunnable(f"git cannot read the repository at {path} ({_one_line(reason)}); fix the "
                      "repository (or its permissions) and resubmit; the task was not run in place")
+
+
+def _dot_git_above(path: str) -> str | None:
+    """The nearest ``.git`` (folder or file) in ``path`` or a folder above it: when git says
+    "not a git repository" although there is one (a broken repository, a mount boundary), the
+    folder is not truly outside a repository."""
+    here = os.path.realpath(path)
+    while True:
+        candidate = os.path.join(here, ".git")
+        if os.path.lexists(candidate):
+            return candidate
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def _one_line(text: str) -> str:

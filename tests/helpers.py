@@ -115,3 +115,29 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 30) -> None
             pass
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
         time.sleep(0.1)
+
+
+NORMAL_USER = "taskbridge-test"
+
+
+def normal_user() -> "pwd.struct_passwd | None":
+    """The non-root user the steps run as: None when this process is not root (it is one
+    already); created when missing; skips when root cannot create it."""
+    import pwd
+    import shutil
+
+    import pytest
+    if os.geteuid() != 0:
+        return None
+    try:
+        return pwd.getpwnam(NORMAL_USER)
+    except KeyError:
+        pass
+    if not shutil.which("useradd"):
+        pytest.skip("running as root without useradd: cannot drop to a normal user")
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/bin/sh", NORMAL_USER],
+                   capture_output=True)
+    try:
+        return pwd.getpwnam(NORMAL_USER)
+    except KeyError:
+        pytest.skip(f"could not create the user {NORMAL_USER}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 
 import task_store
 from fake_openai import text, tool_call
-from helpers import checkout_state, make_repo, run_script, tagged
+from helpers import checkout_state, make_repo, normal_user, run_script, tagged
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "added notes", "files_touched": ["notes.txt"], "tests_run": [], "open_questions": []}\n```'
@@ -183,3 +184,106 @@ def test_a_hanging_git_step_is_ended_with_its_tree_and_named(opencode, tmp_path,
     assert "git add -A . was ended with its process tree: did not finish in 3 s" in final["error"]
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", f"300.{nonce}"]]
     assert len(opencode.model.step_requests("slowfilter")) == 2
+
+
+# Never in place by accident: only a folder git says is outside every repository runs in place.
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_repository_of_another_user_fails_at_once_with_the_safe_directory_fix(opencode, tmp_path, monkeypatch):
+    """git refuses a repository owned by another user ("dubious ownership"): the task must not
+    run in place in that checkout, must not be retried, and names git's reason and the fix. Once
+    the user marks it safe (their own decision, never TaskBridge's) it runs in a worktree."""
+    user = normal_user()
+    if user is None:
+        pytest.skip("needs root to make a repository owned by another user")
+    monkeypatch.delenv("SUDO_UID", raising=False)   # git trusts the sudo caller's repositories
+    repo = make_repo(tmp_path / "theirs")
+    subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(repo)], check=True)
+    global_config = tmp_path / "global.gitconfig"
+    global_config.write_text("")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(global_config))
+    before = files_of(repo)
+    opencode.model.script("theirs", [tool_call("write", {"filePath": "{cwd}/x.txt", "content": "x\n"}),
+                                     text("Done.\n" + DONE)])
+    task = task_store.submit_task(title="theirs", instructions="SCRIPT:theirs", working_dir=str(repo),
+                                  max_retries=2)
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and final["attempts"] == 1
+    assert "belongs to another user" in final["error"] and "dubious ownership" in final["error"]
+    assert "git config --global --add safe.directory" in final["error"]
+    assert opencode.model.step_requests("theirs") == [], "the agent never ran"
+    assert files_of(repo) == before
+
+    global_config.write_text(f"[safe]\n\tdirectory = {repo}\n")
+    again = task_store.submit_task(title="theirs", instructions="SCRIPT:theirs", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(again["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["result"]["isolation"] == "worktree" and done["result"]["files_touched"] == ["x.txt"]
+    assert not (repo / "x.txt").exists(), "the work went to a worktree, not into their checkout"
+
+
+@pytest.mark.parametrize("where", ["bare", "git-folder", "broken-head"])
+def test_a_folder_git_will_not_work_in_never_runs_in_place(opencode, tmp_path, where):
+    if where == "bare":
+        folder = tmp_path / "project.git"
+        clean_git(tmp_path, "init", "-q", "--bare", str(folder))
+        expected = "bare repository"
+    elif where == "git-folder":
+        folder = make_repo(tmp_path / "repo") / ".git"
+        expected = "bare repository or inside a .git folder"
+    else:
+        repo = make_repo(tmp_path / "repo")
+        (repo / ".git" / "HEAD").write_text("garbage\n")
+        folder = repo
+        expected = "git does not read"
+    before = files_of(folder)
+    opencode.model.script("nowhere", [tool_call("write", {"filePath": "{cwd}/x.txt", "content": "x\n"}),
+                                      text("Done.\n" + DONE)])
+    task = task_store.submit_task(title="nowhere", instructions="SCRIPT:nowhere", working_dir=str(folder),
+                                  max_retries=2)
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and final["attempts"] == 1, final["error"]
+    assert expected in final["error"] and "not run in place" in final["error"] or \
+        "use one of its worktrees" in final["error"], final["error"]
+    assert opencode.model.step_requests("nowhere") == []
+    assert files_of(folder) == before
+
+
+def test_submodules_are_checked_out_from_local_clones_or_the_receipt_says_why(opencode, tmp_path):
+    libs = {}
+    for name in ("core", "extra"):
+        libs[name] = make_repo(tmp_path / f"lib-{name}", {"VERSION": f"{name} 1.0\n"})
+    repo = make_repo(tmp_path / "repo")
+    for name, lib in libs.items():
+        clean_git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), f"libs/{name}")
+    clean_git(repo, "commit", "-q", "-m", "submodules")
+    # "extra" was never fetched into this checkout: no local clone to take it from.
+    clean_git(repo, "submodule", "deinit", "-q", "-f", "libs/extra")
+    shutil.rmtree(repo / ".git" / "modules" / "libs" / "extra")
+    for lib in libs.values():
+        shutil.rmtree(lib)    # the "remote" is gone: a network fetch would fail
+    config_before = clean_git(repo, "config", "--list", "--local").stdout
+    opencode.model.script("subs", [
+        tool_call("bash", {"command": "cat libs/core/VERSION > SEEN.txt; ls -A libs/extra | wc -l >> SEEN.txt",
+                           "description": "look"}),
+        text("Done.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="subs", instructions="SCRIPT:subs", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    receipt = final["result"]
+    assert receipt["submodules"]["initialised"] == ["libs/core"]
+    [missing] = receipt["submodules"]["not_initialised"]
+    assert missing["path"] == "libs/extra" and "no local copy" in missing["why"]
+    assert receipt["files_touched"] == ["SEEN.txt"]
+    assert "+core 1.0\n+0\n" in final["diff"], "core checked out for the agent; extra left empty"
+    assert receipt["worktree_removed"] is True and not Path(receipt["worktree_path"]).exists()
+    assert clean_git(repo, "config", "--list", "--local").stdout == config_before, "the user's config untouched"

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
 
+import process_tree
 import task_store
 import worker
 from fake_openai import hang, text, tool_call
@@ -33,6 +35,19 @@ def wait_for(predicate, timeout=60.0, interval=0.1):
             return value
         time.sleep(interval)
     raise AssertionError("condition not met in time")
+
+
+def own_sleep() -> tuple[str, list[str]]:
+    """A `sleep` command line no other process on the machine has (another checkout's suite may
+    run the same test side by side): (shell command, its argv)."""
+    seconds = f"300.{uuid.uuid4().int % 10**9:09d}"
+    return f"sleep {seconds}", ["sleep", seconds]
+
+
+def alive_with_cmdline(argv: list[str]) -> list[psutil.Process]:
+    """Live processes with exactly this argv (ours alone: the argv is unique to this test)."""
+    return [p for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["cmdline"] == argv and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def running_with_agent(task_id):
@@ -115,22 +130,24 @@ def test_reaper_never_signals_a_recycled_pid(tmp_path, monkeypatch):
 
 def test_background_process_killed_after_normal_finish(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
+    command, argv = own_sleep()
     opencode.model.script("bg", [
-        tool_call("bash", {"command": "sleep 300 > /dev/null 2>&1 &", "description": "background"}),
+        tool_call("bash", {"command": f"{command} > /dev/null 2>&1 &", "description": "background"}),
         text("started it\n" + DONE),
     ])
     task = task_store.submit_task(title="bg", instructions="SCRIPT:bg", working_dir=str(repo))
     assert run_script("worker.py").returncode == 0
     assert task_store.get_task(task["id"])["status"] == "done"
     assert tagged() == []
-    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]]
+    assert alive_with_cmdline(argv) == []
 
 
 def test_background_process_killed_after_timeout(opencode, tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    command, argv = own_sleep()
     opencode.model.script("bgslow", [
-        tool_call("bash", {"command": "sleep 301 > /dev/null 2>&1 &", "description": "background"}),
+        tool_call("bash", {"command": f"{command} > /dev/null 2>&1 &", "description": "background"}),
         hang(),
     ])
     task = task_store.submit_task(title="bg", instructions="SCRIPT:bgslow", working_dir=str(repo),
@@ -140,7 +157,7 @@ def test_background_process_killed_after_timeout(opencode, tmp_path, monkeypatch
     assert final["status"] == "failed" and "timed out after 8 s" in final["error"]
     assert "SIGKILL" in final["error"]
     assert tagged() == []
-    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+    assert alive_with_cmdline(argv) == []
 
 
 def test_silent_run_ended_by_inactivity_watchdog(opencode, tmp_path, monkeypatch):
@@ -197,8 +214,9 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     after = task_store.get_task(second["id"])
     assert after["status"] == "pending" and "handed back" in after["error"]
     assert after["attempts"] == 1 and after["handbacks"] == 1
-    assert not psutil.pid_exists(running["agent_pid"]) or \
-        psutil.Process(running["agent_pid"]).status() == psutil.STATUS_ZOMBIE
+    # By pid *and* start time: a recycled pid now owned by another program is not our agent.
+    agent = process_tree.same_process(running["agent_pid"], running["agent_pid_start"])
+    assert agent is None or agent.status() == psutil.STATUS_ZOMBIE
     assert tagged() == []
 
 
