@@ -1806,7 +1806,7 @@ def worker_lock_path() -> Path:
 def write_worker_heartbeat(state: dict[str, Any]) -> None:
     """Write the worker heartbeat file atomically: pid, time, current task and what else is given."""
     path = state_path("worker.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
         handle.write(json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))

@@ -881,7 +881,7 @@ def preflight() -> str | None:
     for what, folder, knob in (("log folder", store.log_dir(), "TASK_LOG_DIR"),
                                ("worktree folder", worktrees.worktree_root(), "TASKBRIDGE_WORKTREE_ROOT")):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # task data: this user's only
         except OSError as exc:
             return f"the {what} {folder} cannot be created ({exc.strerror}); point {knob} at a writable folder"
         if not os.access(folder, os.W_OK):

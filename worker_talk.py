@@ -246,7 +246,7 @@ def write_log_line(message: str) -> None:
     entry = f"{store.iso(time.time())} {plain(message, 2000)}\n".encode()
     with _log_lock:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # 0600: the log names tasks and their errors, for this user only.
             with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as handle:
                 handle.write(entry)

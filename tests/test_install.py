@@ -263,3 +263,8 @@ def test_fresh_clone_quick_start_serves_runs_a_task_from_mcp_and_ctrl_c_leaves_n
     finally:
         assert served.ctrl_c() == 0, served.output
     no_leftovers(mark)
+    # What the run created holds task data: this user's only.
+    logs = Path(os.environ["TASK_LOG_DIR"])
+    assert oct(logs.stat().st_mode & 0o777) == "0o700" and oct((logs / "t_0001.log").stat().st_mode & 0o777) == "0o600"
+    assert oct(Path(os.environ["TASK_DB_PATH"]).stat().st_mode & 0o777) == "0o600"
+    assert oct((clone / ".taskbridge" / "token").stat().st_mode & 0o777) == "0o600"
