@@ -175,6 +175,11 @@ def screenshot(driver, path: Path) -> Path:
     return path
 
 
+def console_errors(driver) -> list[str]:
+    """The browser console's errors so far (a CSP violation or a script error shows here)."""
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
 def no_script_ran(driver) -> None:
     from selenium.common.exceptions import NoAlertPresentException
     from selenium.webdriver.common.by import By
@@ -256,6 +261,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
     task = task_store.get_task(second)
     assert task["status"] == "pending" and task["questions"][-1]["answer"] == "Use 8080"
     wait(browser, lambda d: text_of(d, "tally-waiting") == "0", what="the waiting tally")
+    assert console_errors(browser) == []
 
 
 def _hostile_queue(tmp_path: Path) -> tuple[str, str]:
@@ -297,6 +303,7 @@ def test_hostile_strings_stay_text_and_run_nothing(board, browser, tmp_path):
     assert HOSTILE in text_of(browser, "summary")
     assert text_of(browser, "task-view").count(HOSTILE) >= 5     # summary, files touched, diff, 2 log lines
     no_script_ran(browser)
+    assert console_errors(browser) == []
 
 
 def test_a_refused_token_goes_back_to_the_prompt(board, browser):
