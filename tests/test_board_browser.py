@@ -335,3 +335,23 @@ def test_cancel_then_retry_from_the_page_and_a_refusal_shows_the_store_message(b
     assert text_of(browser, "action-msg") == "retry: done"
     assert task_store.get_task(task["id"])["status"] == "pending"
     no_script_ran(browser)
+
+
+def test_the_page_stays_responsive_with_ten_thousand_tasks(board, browser, tmp_path):
+    for start in range(0, 10_000, 20):
+        task_store.submit_batch([{"title": f"task {start + i}", "instructions": "x", "working_dir": str(tmp_path)}
+                                 for i in range(20)])
+    started = time.monotonic()
+    log_in(browser, board)
+    wait(browser, lambda d: "1–50 of 10000" in text_of(d, "page-info"), what="the first page")
+    first = time.monotonic() - started
+    started = time.monotonic()
+    by_id(browser, "next").click()
+    wait(browser, lambda d: "51–100 of 10000" in text_of(d, "page-info"), what="the next page")
+    paged = time.monotonic() - started
+    by_id(browser, "f-search").send_keys("task 9999")
+    wait(browser, lambda d: "1–1 of 1" in text_of(d, "page-info"), what="the search")
+    rows = len(browser.find_elements("css selector", "#tasks tbody tr"))
+    print(f"10,000 tasks: board open {first:.2f} s, next page {paged:.2f} s")
+    assert rows == 1 and first < 10 and paged < 3
+    assert text_of(browser, "tally-pending") == "10000"
