@@ -954,7 +954,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         Beat.write("error", error=problem)
         return 1
     owner, pid, pid_start = worker_identity()
-    started, last_reap, busy = 0, 0.0, set()
+    started, trimmed, last_reap, busy = 0, 0, 0.0, set()
     announced = watch and announce_start(watch, slots)   # a one-pass says it once it has work
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
         while not Flags.stopping and (max_tasks is None or started < max_tasks):
@@ -976,6 +976,9 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             elif len(busy) >= slots:
                 wait(busy, timeout=knobs.poll_sec, return_when=FIRST_COMPLETED)
             elif busy or watch:
+                if not busy and started > trimmed:
+                    trimmed = started
+                    _give_memory_back()
                 # A submit, an answer or a slot's end records an event: the wait wakes within
                 # milliseconds; the poll is the fallback (back-off ends, no inotify).
                 store.wait_for_change(mark, knobs.poll_sec, knobs.poll_sec)
@@ -997,6 +1000,16 @@ def announce_start(watch: bool, slots: int) -> bool:
         model = f"none ({exc}); tasks that name no model will fail"
     Talk.started(str(store.db_path()), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
     return True
+
+
+def _give_memory_back() -> None:
+    """Hand the heap freed by finished tasks back to the OS while idle: glibc keeps it (in the slot
+    threads' arenas) otherwise, and an idle --watch worker held ~5 MB more than it needs."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS): nothing to do
+        pass
 
 
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:

@@ -394,7 +394,9 @@ def one_task(repo: Path) -> tuple[float, float, float]:
                 return picked, agent or picked, now - started
             if now - started > 300:
                 raise SystemExit(f"task {task['id']} did not finish in 300 s")
-            watch.wait(0.005)  # a commit wakes it; 5 ms covers writes with no event (agent_pid)
+            # A commit wakes it; until the agent is seen, 5 ms also catches the lease renewal that
+            # records agent_pid; then only commits matter (the done event), not a busy poll.
+            watch.wait(0.005 if agent is None else 0.5)
 
 
 # --------------------------------------------------------------------------------------------
