@@ -901,7 +901,8 @@ def set_default_model(
     model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
 ) -> DefaultModel:
     """Set the model for tasks that name none; checked against `opencode models` and stored in the
-    queue's settings (it outlives restarts and beats WORKER_MODEL). Errors: unknown model, an
+    queue's settings (it outlives restarts and beats WORKER_MODEL and OpenCode's configured model).
+    `previous` is the default before (null when it could not be told). Errors: unknown model, an
     ambiguous plain name (the candidates are listed), OpenCode not installed."""
     resolved = resolve_model(model, known_models())
     previous = task_views.current_default_model(ask=True)
