@@ -268,3 +268,13 @@ def test_bad_query_values_get_one_line_naming_the_parameter(client, tmp_path, pa
     answer = client.get(path, headers=AUTH)
     assert answer.status_code == 400 and named in answer.json()["error"]
     assert "\n" not in answer.json()["error"] and "Traceback" not in answer.text
+
+
+def test_an_idle_long_poll_asks_the_database_only_when_its_files_change(client, tmp_path, monkeypatch):
+    submit(tmp_path)
+    marks = client.get("/api/status", headers=AUTH).json()["marks"]
+    calls = []
+    real = task_store.change_marks
+    monkeypatch.setattr(task_store, "change_marks", lambda: calls.append(1) or real())
+    answer = client.get(f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&wait=2", headers=AUTH).json()
+    assert answer["events"] == [] and len(calls) <= 2        # the first look, and the answer's own read
