@@ -187,3 +187,51 @@ def test_a_version_1_database_migrates_with_its_counts(tmp_path, monkeypatch):
     monkeypatch.setenv("TASK_DB_PATH", str(path))
     assert store.counts() == {s: 0 for s in store.STATUSES} | {"pending": 4, "done": 1}
     assert store.get_task("t_0001")["status"] == "done"
+
+
+def test_store_calls_reuse_one_connection_and_keep_the_wal(tmp_path, monkeypatch):
+    """A connection is opened once per thread, not per call, so no close checkpoints and deletes
+    the WAL after every call."""
+    submit_many(tmp_path, 1)
+    opened = []
+    real_connect = store.connect
+    monkeypatch.setattr(store, "connect", lambda *a, **k: opened.append(1) or real_connect(*a, **k))
+    for _ in range(50):
+        task = store.claim_next("w")
+        if task:
+            store.complete_attempt(task["id"], task["run_marker"])
+        store.get_task("t_0001")
+        store.list_tasks()
+        store.queue_summary()
+    assert opened == []
+    assert Path(str(store.db_path()) + "-wal").exists()
+
+
+@pytest.mark.anyio
+async def test_concurrent_mcp_tool_calls_each_get_a_connection_of_their_own(tmp_path):
+    """The MCP server runs sync tools in worker threads: 16 submits and reads at once all succeed,
+    with distinct ids, and no thread's transaction runs on another's connection."""
+    import anyio
+    from mcp import Client
+
+    import opencode_bridge_mcp as bridge
+    results: list = []
+
+    async with Client(bridge.build_server()) as client:
+        async def one(i: int) -> None:
+            sent = await client.call_tool("submit_task", {"title": f"t{i}", "instructions": "i",
+                                                          "working_dir": str(tmp_path)})
+            read = await client.call_tool("get_task", {"task_id": sent.structured_content["id"]})
+            results.append((sent.is_error, read.is_error, sent.structured_content["id"]))
+
+        async with anyio.create_task_group() as group:
+            for i in range(16):
+                group.start_soon(one, i)
+    assert all(not a and not b for a, b, _ in results)
+    assert len({tid for _, _, tid in results}) == 16
+    assert store.counts()["pending"] == 16
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
