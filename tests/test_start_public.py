@@ -144,3 +144,26 @@ def test_a_served_worker_that_finds_the_lock_taken_keeps_the_server_up(tmp_path,
         lock.release()
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+
+
+def test_restarting_public_mode_keeps_the_token_file_and_pairs_the_new_host(fake_tunnel, tmp_path):
+    token_file = tmp_path / "tb" / "token"
+    token_file.parent.mkdir(mode=0o700)
+    token_file.write_text("kept-token-from-install\n")
+    token_file.chmod(0o600)
+    port = free_port()
+    env = dict(os.environ, PORT=str(port), TUNNEL_BIN=str(fake_tunnel), MCP_TOKEN_FILE=str(token_file))
+    env.pop("MCP_BEARER_TOKEN", None)
+    proc = subprocess.Popen(["bash", str(ROOT / "start_public.sh")], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    try:
+        wait_for_box(proc, lines)
+        host = "quiet-river-42.trycloudflare.com"
+        assert get(port, "/api/status", host, token="kept-token-from-install") == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert token_file.read_text() == "kept-token-from-install\n"
+    assert "Token:              kept-token-from-install" in "".join(lines)
