@@ -165,3 +165,16 @@ def test_schedule_status_from_the_command_line(fake_bins, tmp_path, monkeypatch,
     monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
     assert schedule.main(["status"]) == 0
     assert "loginctl enable-linger" in capsys.readouterr().out
+
+
+def test_status_on_macos_reads_launchctl_print(fake_bins, tmp_path, monkeypatch):
+    bins, _ = fake_bins
+    (bins / "launchctl").write_text(
+        "#!/bin/sh\n[ \"$1\" = print ] && printf 'gui/501/com.taskbridge.worker = {\\n\\tstate = not running\\n"
+        "\\truns = 14\\n\\tlast exit code = 1\\n}\\n'\nexit 0\n")
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Darwin")
+    monkeypatch.setenv("LAUNCH_AGENTS_DIR", str(tmp_path / "agents"))
+    schedule.install()
+    text = schedule.status()
+    assert f"installed at {tmp_path / 'agents' / 'com.taskbridge.worker.plist'}" in text
+    assert "last exit code = 1" in text and "runs = 14" in text and "linger" not in text
