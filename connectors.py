@@ -42,6 +42,19 @@ def token_file() -> Path:
     return Path(os.environ.get("MCP_TOKEN_FILE") or REPO / ".taskbridge" / "token").expanduser().absolute()
 
 
+def public_url_file() -> Path:
+    """Where a serving ``serve.py`` notes its public URL (removed when it stops)."""
+    return token_file().parent / "public_url"
+
+
+def current_public_url() -> str | None:
+    """The public ``https://host`` of the public mode running now, if any."""
+    try:
+        return public_url_file().read_text().strip() or None
+    except OSError:
+        return None
+
+
 def claude_desktop_entry() -> dict[str, Any]:
     """Our ``mcpServers`` entry for Claude Desktop: stdio, absolute paths, the queue's database and
     the opencode binary (list_models needs it; Claude Desktop's PATH is bare)."""
@@ -62,7 +75,9 @@ def opencode_entry() -> dict[str, Any]:
 def snippets(port: int = 8765, public_url: str | None = None) -> str:
     """Every client's set-up as text to print: Claude Desktop's JSON, Claude Code's ``claude mcp
     add`` (stdio and HTTP), the OpenCode config of the reverse bridge, and the URL for claude.ai /
-    ChatGPT connectors (``public_url`` is the tunnel's ``https://host``, or None)."""
+    ChatGPT connectors (``public_url`` is the tunnel's ``https://host``; default: that of the
+    public mode running now, if any)."""
+    public_url = public_url or current_public_url()
     py, server, token = python_path(), str(REPO / "opencode_bridge_mcp.py"), token_file()
     desktop = json.dumps({"mcpServers": {SERVER_KEY: claude_desktop_entry()}}, indent=2)
     opencode = json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import secrets
@@ -406,6 +407,9 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
         print(f"serve: {exc}", file=sys.stderr)
         sup.stop()
         return 1
+    if host:
+        with contextlib.suppress(OSError):   # for `tasks_cli.py connect` while this runs
+            write_private(connectors.public_url_file(), f"https://{host}\n")
     print(connector_box(port, token, host), file=sys.stderr, flush=True)
     status, worker_again = 0, None
     while not sup.stop_asked.wait(1.0):
@@ -428,6 +432,8 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
     print_events(cursor)
     say("stopping the worker (a task in hand goes back to the queue), the server" + (" and the tunnel" if host else ""))
     sup.stop()
+    if host:
+        connectors.public_url_file().unlink(missing_ok=True)
     say("stopped")
     return status
 

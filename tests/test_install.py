@@ -185,9 +185,14 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
                               headers={"Host": CLOUDFLARE_HOST}, timeout=10).json()
         assert metadata["issuer"] == f"https://{CLOUDFLARE_HOST}"
         assert metadata["authorization_endpoint"] == f"https://{CLOUDFLARE_HOST}/authorize"
+        connect = subprocess.run([str(target / ".venv" / "bin" / "python"), "tasks_cli.py", "connect"], cwd=target,
+                                 env=env, capture_output=True, text=True, timeout=60)
+        assert f"URL: https://{CLOUDFLARE_HOST}/mcp" in connect.stdout, connect
+        assert f'"command": "{target}/.venv/bin/python"' in connect.stdout
     finally:
         assert piped.ctrl_c() == 0, piped.output
     no_leftovers(mark)
+    assert not (target / ".taskbridge" / "public_url").exists(), "the public URL note goes with the tunnel"
     assert oct((target / ".taskbridge" / "token").stat().st_mode & 0o777) == "0o600"
     assert oct((target / ".taskbridge").stat().st_mode & 0o777) == "0o700"
 
