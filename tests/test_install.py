@@ -10,6 +10,7 @@ Each install creates a virtualenv (~20 s with pip's cache): marked `install`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ import pytest
 from fake_openai import text
 from helpers import GIT_ID, ROOT, free_port, make_repo
 from mcp import Client
+from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import Implementation
 
@@ -155,6 +157,14 @@ async def mcp_ping(port: int, host: str, token: str) -> dict:
         return result.structured_content
 
 
+async def sse_ping(port: int, token: str) -> dict:
+    streams = sse_client(f"http://127.0.0.1:{port}/sse", headers={"Authorization": f"Bearer {token}"})
+    async with Client(streams, mode="legacy", client_info=Implementation(name="openai-mcp", version="1")) as c:
+        result = await c.call_tool("ping", {})
+        assert not result.is_error, result
+        return result.structured_content
+
+
 def status_of(port: int, path: str, host: str, token: str | None) -> int:
     headers = {"Host": host} | ({"Authorization": f"Bearer {token}"} if token else {})
     return httpx2.get(f"http://127.0.0.1:{port}{path}", headers=headers, timeout=10).status_code
@@ -178,6 +188,7 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
         assert (target / ".git").is_dir() and (target / ".venv" / "bin" / "python").exists()
         ping = anyio.run(mcp_ping, port, CLOUDFLARE_HOST, token)
         assert ping["ok"] and ping["caller"]["name"] == "claude-ai"
+        assert anyio.run(sse_ping, port, token)["caller"]["name"] == "openai-mcp"
         assert status_of(port, "/health", "evil.example.com", None) == 421
         assert status_of(port, "/api/status", CLOUDFLARE_HOST, None) == 401
         # Remote connectors find the OAuth server at the public URL.
@@ -222,6 +233,18 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
         assert "MCP connector URL" not in rotated.output, "never public unless asked"
     finally:
         assert rotated.ctrl_c() == 0, rotated.output
+    no_leftovers(mark)
+
+    # 4. --setup-only serves nothing; it prints the snippets and merges Claude Desktop's config.
+    desktop = tmp_path / "Claude" / "claude_desktop_config.json"
+    setup = subprocess.run(["./install.sh", "--setup-only", "--write-claude-desktop"], cwd=target,
+                           env=env | {"CLAUDE_DESKTOP_CONFIG": str(desktop)}, capture_output=True, text=True,
+                           timeout=300, stdin=subprocess.DEVNULL)
+    assert setup.returncode == 0, setup.stderr
+    assert f"claude mcp add taskbridge -- {target}/.venv/bin/python {target}/opencode_bridge_mcp.py" in setup.stderr
+    entry = json.loads(desktop.read_text())["mcpServers"]["taskbridge"]
+    assert entry["args"] == [str(target / "opencode_bridge_mcp.py")]
+    assert (target / ".taskbridge" / "token").read_text().strip() == new
     no_leftovers(mark)
 
 
