@@ -149,6 +149,28 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     return env
 
 
+SPEND_GATE_ENV = "TASKBRIDGE_GATE"
+
+
+def spend_gate_plugin() -> Path:
+    """The OpenCode plugin (``spend_gate.js`` beside this file) that holds each model call until
+    the worker has metered the steps before it (see that file)."""
+    return Path(__file__).resolve().parent / "spend_gate.js"
+
+
+def with_spend_gate(env: dict[str, str], gate_file: str) -> dict[str, str]:
+    """``env`` with the spend gate loaded: its plugin appended to ``OPENCODE_CONFIG_CONTENT``'s
+    ``plugin`` list (the user's own plugins stay) and ``TASKBRIDGE_GATE`` naming ``gate_file``,
+    where the worker writes ``{"steps": n, "stop": reason | null}`` after each step."""
+    env = dict(env)
+    content = _config_content(env)
+    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
+    content["plugin"] = [*plugins, spend_gate_plugin().as_uri()]
+    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
+    env[SPEND_GATE_ENV] = gate_file
+    return env
+
+
 def _config_content(env: dict[str, str]) -> dict[str, Any]:
     try:
         content = json.loads(env.get("OPENCODE_CONFIG_CONTENT") or "{}")

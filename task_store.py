@@ -350,7 +350,29 @@ def _migrate_v3_retry_budget(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE tasks ADD COLUMN spent_before_retry INTEGER NOT NULL DEFAULT 0")
 
 
-MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget]
+SCHEMA_V4 = [
+    # Per-task spending limits (USD, or tokens where a model reports no price).
+    "ALTER TABLE tasks ADD COLUMN max_cost_usd REAL",
+    "ALTER TABLE tasks ADD COLUMN max_tokens INTEGER",
+    # The running attempt's spend as it streams (the worker adds each step's figures).
+    "ALTER TABLE tasks ADD COLUMN run_cost_usd REAL NOT NULL DEFAULT 0",
+    "ALTER TABLE tasks ADD COLUMN run_tokens INTEGER NOT NULL DEFAULT 0",
+    # Why a waiting task waits when no agent asked: 'task_limit' or 'daily_budget'.
+    "ALTER TABLE tasks ADD COLUMN paused_for TEXT",
+    # Spend per local calendar day (YYYY-MM-DD): the daily budget's meter.
+    "CREATE TABLE daily_spend (day TEXT PRIMARY KEY, cost_usd REAL NOT NULL DEFAULT 0,"
+    " tokens INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID",
+]
+
+
+def _migrate_v4_spending_limits(conn: sqlite3.Connection) -> None:
+    """Spending limits (issue 14): per-task limits, the live spend of a running attempt, why a
+    task is paused, and the spend per local day."""
+    for statement in SCHEMA_V4:
+        conn.execute(statement)
+
+
+MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -789,7 +811,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     known = {
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
-        "origin_name", "origin_version", "ref",
+        "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -822,6 +844,8 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "origin_kind": caller_kind(origin_name) if origin_name else None,
         "depends_on": coerce_list("depends_on", raw.get("depends_on")),
         "ref": optional(raw.get("ref")),
+        "max_cost_usd": coerce_usd("max_cost_usd", raw.get("max_cost_usd")),
+        "max_tokens": coerce_tokens("max_tokens", raw.get("max_tokens")),
     }
 
 
@@ -844,6 +868,10 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
         task[column] = iso(task[column])
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
+    live = task["status"] == "running"
+    usage = task["usage"] or {}
+    task["spent_usd"] = round(float(usage.get("cost_usd") or 0) + (task.get("run_cost_usd") or 0 if live else 0), 8)
+    task["spent_tokens"] = int((usage.get("tokens") or {}).get("total") or 0) + (task.get("run_tokens") or 0 if live else 0)
     if deps is not None:
         task["depends_on"] = [format_task_id(d) for d in deps]
     return task
@@ -871,10 +899,10 @@ def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
 _INSERT_TASK = """
 INSERT INTO tasks (title, instructions, working_dir, model, agent, priority, permission, worktree,
                    worktree_keep, timeout_sec, max_retries, idempotency_key, origin_name,
-                   origin_version, origin_kind, created_at)
+                   origin_version, origin_kind, created_at, max_cost_usd, max_tokens)
 VALUES (:title, :instructions, :working_dir, :model, :agent, :priority, :permission, :worktree,
         :worktree_keep, :timeout_sec, :max_retries, :idempotency_key, :origin_name,
-        :origin_version, :origin_kind, :created_at)
+        :origin_version, :origin_kind, :created_at, :max_cost_usd, :max_tokens)
 RETURNING *
 """
 
@@ -957,6 +985,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out: dict[int, tuple[sqlite3.Row, list[int], bool]] = {}
     with _writing() as conn:
         ref_ids: dict[str, int] = {}
+        defaults = _limit_defaults(conn)
         for index in ordered:
             spec = specs[index]
             existing = _existing_by_key(conn, spec["idempotency_key"])
@@ -967,6 +996,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             deps = _resolve_deps(conn, spec, ref_ids)
             values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref")}
+            if values["max_cost_usd"] is None and values["max_tokens"] is None:
+                values.update(defaults)
             row = conn.execute(_INSERT_TASK, values | {"created_at": now()}).fetchone()
             task_id = row["id"]
             conn.executemany(
@@ -1010,7 +1041,9 @@ def submit_task(**fields: Any) -> dict[str, Any]:
     model (``provider/model`` or None = default at claim), priority (int −1000..1000, higher first),
     depends_on (task ids), timeout_sec (1..86400 s, per attempt), max_retries (0..10),
     permission (auto|readonly|no-shell|no-network), worktree (bool), worktree_keep (bool),
-    agent (OpenCode agent name), idempotency_key (str), origin_name / origin_version (MCP caller).
+    agent (OpenCode agent name), idempotency_key (str), origin_name / origin_version (MCP caller),
+    max_cost_usd (USD, > 0) and max_tokens (tokens, > 0): the task's spending limits over all its
+    attempts (neither given: the queue's defaults, see ``set_budget``).
     Raises ValidationError; nothing is written then.
     """
     try:
@@ -1057,7 +1090,11 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 _LIST_COLUMNS = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, " + LIST_RANK + " AS rank")
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for,"
+                 " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
+                 " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
+                 " coalesce(json_extract(usage, '$.tokens.total'), 0)"
+                 " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, " + LIST_RANK + " AS rank")
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
 
@@ -1204,7 +1241,7 @@ _CLAIM = f"""
 UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now, started_at = :now,
        heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start,
        run_marker = 'br-' || id || '-a' || (attempts + 1), agent_pid = NULL, agent_pid_start = NULL,
-       error = NULL, question = NULL
+       error = NULL, question = NULL, run_cost_usd = 0, run_tokens = 0
  WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND (:task_id IS NULL OR t.id = :task_id)
              ORDER BY t.priority DESC, t.created_at, t.id LIMIT 1)
 RETURNING *
@@ -1219,11 +1256,17 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
-    Returns the task dict (``run_marker`` names this attempt) or None when nothing is claimable.
+    Returns the task dict (``run_marker`` names this attempt) or None when nothing is claimable
+    (also while the queue's daily budget is spent: see ``budget_state``).
     With ``task_id``: raises TaskNotFound, or InvalidTransition explaining why it is not claimable.
     """
     num = parse_task_id(task_id) if task_id is not None else None
     with _writing() as conn:
+        spent = _budget_spent(conn)
+        if spent:
+            if num is not None:
+                raise InvalidTransition(f"task {format_task_id(num)} waits: {spent}")
+            return None
         row = conn.execute(
             _CLAIM, {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num}
         ).fetchone()
@@ -1341,9 +1384,12 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
 
 
 def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: str | None = None,
-                       result: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
+                       result: dict | None = None, usage: dict | None = None,
+                       paused_for: str | None = None) -> dict[str, Any]:
     """The agent asked a question: the attempt ends ``waiting`` with the question stored (kept in
     order with earlier ones), the worktree and OpenCode session kept for the resume.
+    ``paused_for`` (``task_limit`` or ``daily_budget``): the worker paused it at a spending limit
+    and the question is the worker's (see ``answer_task``).
     Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     question = _text("question", question, ANSWER_MAX)
@@ -1351,21 +1397,27 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         row = _fenced(conn, num, marker)
         conn.execute(
             "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
-            " session_id = coalesce(?, session_id), handbacks = handbacks + 1 WHERE id = ?",
-            (question, _json(result), _total_usage(row, usage), session_id, num),
+            " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ? WHERE id = ?",
+            (question, _json(result), _total_usage(row, usage), session_id, paused_for, num),
         )
         conn.execute(
             "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
             (num, row["attempts"], question, now()),
         )
-        _event(conn, num, "waiting", question[:500])
+        _event(conn, num, "paused" if paused_for else "waiting", question[:500])
         return task_dict(_row(conn, num))
 
 
 def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str, Any]:
     """Answer a waiting task's question: it goes back to ``pending`` and its next attempt resumes
-    the same OpenCode session with the answer. Raises TaskNotFound, ValidationError (empty answer)
-    or InvalidTransition (task not waiting)."""
+    the same OpenCode session with the answer.
+
+    A task paused at a spending limit (``paused_for``) reads the answer (see ``parse_limit_answer``):
+    ``stop`` fails it with its receipt kept; an amount (``continue, up to $2``, ``2.50``,
+    ``50000 tokens``) raises its limit and resumes it; a bare ``continue`` resumes it only when its
+    own limit is no longer reached (a pause for the daily budget waits for the budget).
+    Raises TaskNotFound, ValidationError (empty answer; a limit not above the spend; a bare
+    continue at a reached limit) or InvalidTransition (task not waiting)."""
     num = parse_task_id(task_id)
     answer = _text("answer", answer, ANSWER_MAX)
     with _writing() as conn:
@@ -1375,13 +1427,17 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
                 f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
                 "a question takes an answer (add_task_note reaches a task at its next attempt)"
             )
-        conn.execute(
-            "UPDATE tasks SET status = 'pending', answer = ?, not_before = NULL WHERE id = ?", (answer, num)
-        )
+        resume = _answer_limit_pause(conn, row, answer, author) if row["paused_for"] else answer
         conn.execute(
             "UPDATE questions SET answer = ?, answered_at = ? WHERE id = "
             "(SELECT max(id) FROM questions WHERE task_id = ?)",
             (answer, now(), num),
+        )
+        if resume is None:   # stopped at its limit: failed, receipt kept
+            return task_dict(_row(conn, num))
+        conn.execute(
+            "UPDATE tasks SET status = 'pending', answer = ?, not_before = NULL, paused_for = NULL"
+            " WHERE id = ?", (resume, num)
         )
         _event(conn, num, "answered", f"by {author}: {answer[:400]}")
         return task_dict(_row(conn, num))
@@ -1736,6 +1792,257 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     if missing:
         raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
     return {format_task_id(n): rows[n] for n in nums}
+
+
+# --------------------------------------------------------------------------------------------
+# Spending limits and the daily budget (issue 14).
+
+USD_RANGE = (0.0, 1_000_000.0)        # a limit or budget in USD: above 0, at most this
+TOKENS_RANGE = (1, 10**12)
+BUDGET_KEYS = {"daily_usd": "budget.daily_usd", "daily_tokens": "budget.daily_tokens",
+               "default_max_cost_usd": "budget.default_max_cost_usd",
+               "default_max_tokens": "budget.default_max_tokens"}
+KEEP = object()                       # set_budget: leave this setting as it is
+_STOP_WORDS = re.compile(r"^\s*(stop|no|cancel|abort|fail|halt|end)\b", re.IGNORECASE)
+_USD_AMOUNT = re.compile(r"\$\s*(\d+(?:\.\d+)?)|(\d+(?:\.\d+)?)\s*(?:usd|dollars?)\b", re.IGNORECASE)
+_TOKEN_AMOUNT = re.compile(r"(\d[\d,_]*(?:\.\d+)?)\s*(k|m)?\s*tokens?\b", re.IGNORECASE)
+_BARE_AMOUNT = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?![\w.])")
+
+
+def coerce_usd(name: str, value: Any) -> float | None:
+    """An amount in USD above 0 (a number or its text, a leading ``$`` allowed), or None when
+    absent. Raises ValidationError naming the field and what was sent."""
+    value = optional(value)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lstrip("$").strip()
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}")
+    if not USD_RANGE[0] < value <= USD_RANGE[1]:
+        raise ValidationError(f"{name} must be above 0 and at most {USD_RANGE[1]:,.0f} USD; got {value}")
+    return float(value)
+
+
+def coerce_tokens(name: str, value: Any) -> int | None:
+    """A token count of at least 1, or None when absent. Raises ValidationError."""
+    value = optional(value)
+    return None if value is None else coerce_int(name, value, *TOKENS_RANGE)
+
+
+def local_day(ts: float | None = None) -> str:
+    """The local calendar day (``YYYY-MM-DD``) of ``ts``: the daily budget's meter resets at
+    local midnight (the machine's time zone, ``TZ``)."""
+    return time.strftime("%Y-%m-%d", time.localtime(now() if ts is None else ts))
+
+
+def next_local_midnight(ts: float | None = None) -> float:
+    """Unix time of the next local midnight after ``ts``: when the daily meter starts again."""
+    day = datetime.fromtimestamp(now() if ts is None else ts).replace(hour=0, minute=0, second=0, microsecond=0)
+    return datetime.fromtimestamp(day.timestamp() + 26 * 3600).replace(hour=0).timestamp()
+
+
+def _setting_number(conn: sqlite3.Connection, key: str) -> float | None:
+    row = conn.execute("SELECT value FROM settings WHERE key = ?", (BUDGET_KEYS[key],)).fetchone()
+    try:
+        return float(row[0]) if row and row[0] else None
+    except ValueError:
+        return None
+
+
+def _limit_defaults(conn: sqlite3.Connection) -> dict[str, Any]:
+    tokens = _setting_number(conn, "default_max_tokens")
+    return {"max_cost_usd": _setting_number(conn, "default_max_cost_usd"),
+            "max_tokens": int(tokens) if tokens else None}
+
+
+def _budget(conn: sqlite3.Connection, ts: float | None = None) -> dict[str, Any]:
+    day = local_day(ts)
+    spent = conn.execute("SELECT cost_usd, tokens FROM daily_spend WHERE day = ?", (day,)).fetchone()
+    usd, tokens = (spent[0], spent[1]) if spent else (0.0, 0)
+    daily_usd, daily_tokens = _setting_number(conn, "daily_usd"), _setting_number(conn, "daily_tokens")
+    reason = None
+    if daily_usd is not None and usd >= daily_usd:
+        reason = (f"the daily budget is spent (${usd:.4f} of ${daily_usd:.4f} on {day}); it resets at "
+                  "local midnight; raise it with set_budget or `tasks_cli.py budget set --daily USD`")
+    elif daily_tokens is not None and tokens >= daily_tokens:
+        reason = (f"the daily token budget is spent ({tokens:,} of {int(daily_tokens):,} tokens on {day}); it "
+                  "resets at local midnight; raise it with set_budget or `tasks_cli.py budget set --daily-tokens N`")
+    defaults = _limit_defaults(conn)
+    return {"day": day, "spent_usd": round(usd, 8), "spent_tokens": tokens, "daily_usd": daily_usd,
+            "daily_tokens": int(daily_tokens) if daily_tokens else None,
+            "default_max_cost_usd": defaults["max_cost_usd"], "default_max_tokens": defaults["max_tokens"],
+            "exhausted": reason is not None, "reason": reason,
+            "resets_at": iso(next_local_midnight(ts))}
+
+
+def _budget_spent(conn: sqlite3.Connection) -> str | None:
+    return _budget(conn)["reason"]
+
+
+def budget_state() -> dict[str, Any]:
+    """The queue's spending at a glance: ``day`` (local, YYYY-MM-DD), ``spent_usd`` and
+    ``spent_tokens`` today, the daily budget (``daily_usd``, ``daily_tokens``; None = none), the
+    defaults for new tasks (``default_max_cost_usd``, ``default_max_tokens``), ``exhausted`` and
+    its ``reason`` (one line with the way out), and ``resets_at`` (the next local midnight,
+    ISO 8601 UTC)."""
+    with _reading() as conn:
+        return _budget(conn)
+
+
+def set_budget(*, daily_usd: Any = KEEP, daily_tokens: Any = KEEP, default_max_cost_usd: Any = KEEP,
+               default_max_tokens: Any = KEEP) -> dict[str, Any]:
+    """Set the queue's daily budget and the limits new tasks get by default; a value left out
+    (``KEEP``) stays, None (or 0) removes it. USD values above 0, token counts at least 1.
+    One transaction with a ``budget`` event (it wakes a worker waiting on a spent budget).
+    Returns ``budget_state()``. Raises ValidationError naming the value."""
+    given = {"daily_usd": daily_usd, "daily_tokens": daily_tokens,
+             "default_max_cost_usd": default_max_cost_usd, "default_max_tokens": default_max_tokens}
+    values: dict[str, str | None] = {}
+    for name, value in given.items():
+        if value is KEEP:
+            continue
+        if optional(value) is None or (not isinstance(value, bool) and value in (0, "0")):
+            values[name] = None
+        elif name.endswith("tokens"):
+            values[name] = str(coerce_tokens(name, value))
+        else:
+            values[name] = repr(coerce_usd(name, value))
+    with _writing() as conn:
+        for name, value in values.items():
+            if value is None:
+                conn.execute("DELETE FROM settings WHERE key = ?", (BUDGET_KEYS[name],))
+            else:
+                conn.execute("INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT (key)"
+                             " DO UPDATE SET value = excluded.value", (BUDGET_KEYS[name], value))
+        said = ", ".join(f"{k} = {v or 'none'}" for k, v in values.items()) or "unchanged"
+        _event(conn, None, "budget", said)
+        return _budget(conn)
+
+
+def record_spend(task_id: Any, marker: str, run_cost_usd: float, run_tokens: int,
+                 step_cost_usd: float, step_tokens: int) -> dict[str, Any]:
+    """The worker's meter, once per finished model call (``step_finish``): the attempt's spend so
+    far (``run_cost_usd`` USD, ``run_tokens``) on the task row while it is the current attempt,
+    and the step's own figures added to today's spend. Not fenced: money spent counts whoever
+    ends the attempt. Returns ``budget_state()`` after the step."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        conn.execute("UPDATE tasks SET run_cost_usd = ?, run_tokens = ? WHERE id = ? AND run_marker = ?",
+                     (run_cost_usd, run_tokens, num, marker))
+        conn.execute("INSERT INTO daily_spend (day, cost_usd, tokens) VALUES (?, ?, ?) ON CONFLICT (day)"
+                     " DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd, tokens = tokens + excluded.tokens",
+                     (local_day(), step_cost_usd, step_tokens))
+        return _budget(conn)
+
+
+def parse_limit_answer(text: str, unit: str = "usd") -> tuple[str, float | None]:
+    """What an answer to a spending-limit pause asks: ``("stop", None)`` (it starts with stop, no,
+    cancel, abort, fail, halt or end), ``("usd", amount)`` (``$2``, ``2 USD``, ``2 dollars``, or a
+    bare number when the task's limit is in USD), ``("tokens", count)`` (``50000 tokens``,
+    ``50k tokens``, or a bare number when the limit is in tokens), else ``("continue", None)``."""
+    if _STOP_WORDS.match(text):
+        return "stop", None
+    match = _USD_AMOUNT.search(text)
+    if match:
+        return "usd", float(match.group(1) or match.group(2))
+    match = _TOKEN_AMOUNT.search(text)
+    if match:
+        scale = {"k": 1_000, "m": 1_000_000}.get((match.group(2) or "").lower(), 1)
+        return "tokens", float(match.group(1).replace(",", "").replace("_", "")) * scale
+    match = _BARE_AMOUNT.search(text)
+    if match:
+        return unit, float(match.group(1))
+    return "continue", None
+
+
+def _limit_reached(row: sqlite3.Row) -> str | None:
+    usage = json.loads(row["usage"]) if row["usage"] else {}
+    usd, tokens = float(usage.get("cost_usd") or 0), int((usage.get("tokens") or {}).get("total") or 0)
+    if row["max_cost_usd"] is not None and usd >= row["max_cost_usd"]:
+        return f"it has spent ${usd:.4f} of its ${row['max_cost_usd']:.4f} limit"
+    if row["max_tokens"] is not None and tokens >= row["max_tokens"]:
+        return f"it has used {tokens:,} of its {row['max_tokens']:,} tokens"
+    return None
+
+
+def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float) -> str:
+    """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent."""
+    name = format_task_id(row["id"])
+    usage = json.loads(row["usage"]) if row["usage"] else {}
+    if unit == "usd":
+        amount = coerce_usd("the new limit", amount)
+        spent = float(usage.get("cost_usd") or 0) + (row["run_cost_usd"] if row["status"] == "running" else 0)
+        if amount <= spent:
+            raise ValidationError(f"task {name} has already spent ${spent:.4f}; give a limit above that "
+                                  f"(for example ${max(spent * 2, 0.01):.2f}) or answer stop")
+        conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (amount, row["id"]))
+        return f"${amount:.4f}"
+    count = coerce_tokens("the new token limit", int(amount))
+    spent = int((usage.get("tokens") or {}).get("total") or 0) + (row["run_tokens"] if row["status"] == "running" else 0)
+    if count <= spent:
+        raise ValidationError(f"task {name} has already used {spent:,} tokens; give a limit above that "
+                              f"(for example {spent * 2:,} tokens) or answer stop")
+    conn.execute("UPDATE tasks SET max_tokens = ? WHERE id = ?", (count, row["id"]))
+    return f"{count:,} tokens"
+
+
+def _answer_limit_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+    """A planner's answer to a spending-limit pause: None when it stops the task (failed now,
+    its receipt kept); else the message the resumed session gets."""
+    name = format_task_id(row["id"])
+    unit = "tokens" if row["max_tokens"] is not None and row["max_cost_usd"] is None else "usd"
+    kind, amount = parse_limit_answer(answer, unit)
+    if kind == "stop":
+        why = _limit_reached(row) or "the daily budget was spent"
+        conn.execute("UPDATE tasks SET status = 'failed', finished_at = ?, paused_for = NULL, error = ?"
+                     " WHERE id = ?", (now(), f"stopped at its spending limit by {author}: {why}", row["id"]))
+        _event(conn, row["id"], "failed", f"stopped at its spending limit by {author}: {why}")
+        _fail_dependents(conn, row["id"], "failed")
+        return None
+    if kind in ("usd", "tokens"):
+        said = _set_limit(conn, row, kind, amount)
+        row = _row(conn, row["id"])
+        what = f"raised the limit to {said}"
+    else:
+        what = "said continue"
+    reached = _limit_reached(row)
+    if reached:
+        raise ValidationError(f"task {name} is still at its spending limit: {reached}; answer with a higher "
+                              "limit ('continue, up to $2' or '200000 tokens') or 'stop'")
+    return (f"TaskBridge paused your run at a spending limit (this was not a question of yours). "
+            f"The planner {what} ({answer.strip()[:200]!r}). Carry on with the task where you stopped.")
+
+
+def raise_limit(task_id: Any, *, max_cost_usd: Any = None, max_tokens: Any = None,
+                author: str = "cli") -> dict[str, Any]:
+    """Raise a task's spending limit (``max_cost_usd`` USD and/or ``max_tokens``; each must be
+    above what it has spent). A task paused at its limit resumes its OpenCode session (as if
+    answered ``continue, up to …``); a pending or running one keeps going under the new limit.
+    Raises TaskNotFound, ValidationError (no value, a value not above the spend) or
+    InvalidTransition (the task is finished)."""
+    num = parse_task_id(task_id)
+    usd, tokens = coerce_usd("max_cost_usd", max_cost_usd), coerce_tokens("max_tokens", max_tokens)
+    if usd is None and tokens is None:
+        raise ValidationError("give the new limit: an amount in USD (or a token count)")
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["status"] in TERMINAL:
+            raise InvalidTransition(f"task {format_task_id(num)} is {row['status']}; only an unfinished "
+                                    "task's limit can be raised (retry_task requeues a failed one)")
+        if row["status"] != "waiting" or not row["paused_for"]:
+            said = [_set_limit(conn, row, unit, amount) for unit, amount in (("usd", usd), ("tokens", tokens))
+                    if amount is not None]
+            _event(conn, num, "limit", f"by {author}: raised to {', '.join(said)}")
+            return task_dict(_row(conn, num))
+        if usd is not None and tokens is not None:
+            _set_limit(conn, row, "tokens", tokens)
+    return answer_task(num, f"continue, up to ${usd}" if usd is not None else f"continue, up to {tokens} tokens",
+                       author=author)
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class TaskRow(TypedDict):
     error: str | None
     question: str | None
     branch: str | None
+    spent_usd: float
+    max_cost_usd: float | None
 
 
 class TaskInfo(TaskRow):
@@ -64,6 +66,9 @@ class TaskInfo(TaskRow):
     answer: str | None
     worktree_path: str | None
     session_id: str | None
+    spent_tokens: int
+    max_tokens: int | None
+    paused_for: str | None
 
 
 class WorkerState(TypedDict):
@@ -84,6 +89,20 @@ class WorkerState(TypedDict):
     extra: dict[str, Any]
 
 
+class BudgetState(TypedDict):
+    """The queue's spending today (local day) against its daily budget (USD; None = no budget)."""
+    day: str
+    spent_usd: float
+    spent_tokens: int
+    daily_usd: float | None
+    daily_tokens: int | None
+    default_max_cost_usd: float | None
+    default_max_tokens: int | None
+    exhausted: bool
+    reason: str | None
+    resets_at: str | None
+
+
 class QueueStatus(TypedDict):
     counts: dict[str, int]
     total: int
@@ -93,6 +112,7 @@ class QueueStatus(TypedDict):
     default_model: str | None
     worker: WorkerState
     database: str
+    budget: BudgetState
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,6 +185,8 @@ def worker_state() -> dict[str, Any]:
     summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
     if running is False and state == "pass":
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
+    if beat.get("budget"):
+        summary += f"; claims nothing new: {beat['budget']}"
     if not recent:
         summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
     tasks = beat.get("tasks")
@@ -193,11 +215,12 @@ def current_default_model(ask: bool = False) -> str | None:
 
 
 def queue_snapshot() -> dict[str, Any]:
-    """Tallies, oldest pending, default model, worker liveness (QueueStatus: the queue_status tool,
-    /api/status)."""
+    """Tallies, oldest pending, default model, worker liveness, today's spend and the daily budget
+    (QueueStatus: the queue_status tool, /api/status, `tasks_cli.py status`)."""
     summary = store.queue_summary()
     return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
-                      "worker": worker_state(), "database": str(store.db_path())}
+                      "worker": worker_state(), "database": str(store.db_path()),
+                      "budget": store.budget_state()}
 
 
 # --------------------------------------------------------------------------------------------

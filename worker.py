@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import os
 import platform
 import selectors
@@ -157,9 +158,11 @@ class RunResult:
     agent_exited: bool = True
     stderr_tail: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    paused: dict[str, Any] | None = None   # a spending limit ended it at a step boundary (Meter.check)
 
 
 START_GATE_SEC = 3
+GATED_PUMP_SEC = 0.02         # how often a gated run's output is read: the next model call waits on it
 SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
@@ -186,6 +189,74 @@ class StartGate:
         cls._lock.release()
 
 
+class Meter:
+    """A run's spend against its limits, step by step: after each ``step_finish`` the attempt's
+    cost and tokens so far go to the task row (live) and the step's own to today's spend
+    (``store.record_spend``); then the task's total (earlier attempts + this one) is checked
+    against its ``max_cost_usd`` / ``max_tokens`` and today's spend against the daily budget.
+    With any limit set at the start, the spend gate (``spend_gate.js``) holds OpenCode's next
+    model call until this has run, and is told to stop when a limit is reached."""
+
+    def __init__(self, task: dict[str, Any], gate_file: str | None):
+        usage = task.get("usage") or {}
+        self.task_id, self.marker = task["id"], task["run_marker"]
+        self.max_usd, self.max_tokens = task.get("max_cost_usd"), task.get("max_tokens")
+        self.prior_usd = float(usage.get("cost_usd") or 0)
+        self.prior_tokens = int((usage.get("tokens") or {}).get("total") or 0)
+        self.gate_file = gate_file
+        self.cost = 0.0
+        self.tokens = 0
+        self.budget: dict[str, Any] = {}
+        self.write_gate(0, None)
+
+    def step(self, stream: oc.EventStream) -> dict[str, Any] | None:
+        """Record the step just finished; the pause (kind, reason, spend, limit) when a limit is
+        now reached, else None."""
+        cost, tokens = stream.cost_usd, stream.tokens["total"]
+        try:
+            self.budget = store.record_spend(self.task_id, self.marker, round(cost, 8), tokens,
+                                             cost - self.cost, tokens - self.tokens)
+        except (sqlite3.Error, OSError) as exc:   # the meter never fails a run; the limit still counts
+            log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
+        self.cost, self.tokens = cost, tokens
+        return self.check()
+
+    def check(self) -> dict[str, Any] | None:
+        usd, tokens = self.prior_usd + self.cost, self.prior_tokens + self.tokens
+        if self.max_usd is not None and usd >= self.max_usd:
+            return {"kind": "task_limit", "unit": "usd", "spent": usd, "limit": self.max_usd,
+                    "reason": f"spent ${usd:.4f} of its ${self.max_usd:.4f} limit"}
+        if self.max_tokens is not None and tokens >= self.max_tokens:
+            return {"kind": "task_limit", "unit": "tokens", "spent": tokens, "limit": self.max_tokens,
+                    "reason": f"used {tokens:,} of its {self.max_tokens:,} tokens"}
+        if self.budget.get("exhausted"):
+            return {"kind": "daily_budget", "unit": "usd", "spent": self.budget["spent_usd"],
+                    "limit": self.budget["daily_usd"], "reason": self.budget["reason"]}
+        return None
+
+    def write_gate(self, steps: int, stop: str | None) -> None:
+        """Tell the spend gate how many steps are metered, or to stop (an atomic rename)."""
+        if self.gate_file is None:
+            return
+        tmp = f"{self.gate_file}.tmp"
+        with open(tmp, "w", encoding="utf-8") as out:
+            json.dump({"steps": steps, "stop": stop}, out)
+        os.replace(tmp, self.gate_file)
+
+    def close(self) -> None:
+        if self.gate_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.gate_file)
+
+
+def spend_limited(task: dict[str, Any]) -> bool:
+    """Whether a run needs the spend gate: the task has a limit, or the queue a daily budget."""
+    if task.get("max_cost_usd") is not None or task.get("max_tokens") is not None:
+        return True
+    state = store.budget_state()
+    return state["daily_usd"] is not None or state["daily_tokens"] is not None
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -200,6 +271,8 @@ class Supervisor:
         self.oversized: set[str] = set()           # streams in the middle of a line over LINE_MAX
         self.stop = False
         self.gate_open_at: float | None = None
+        self.meter: Meter | None = None
+        self.pump_sec = 0.2
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -223,6 +296,8 @@ class Supervisor:
             try:
                 self._watch()
             finally:
+                if self.meter is not None:
+                    self.meter.close()
                 self._leave_gate()
                 process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
                                        run_stragglers(self.marker, self.queue))
@@ -265,7 +340,7 @@ class Supervisor:
         self.finished_at: float | None = None
         self.exited_at: float | None = None
         while not self.stop and not self._done():
-            self._pump(0.2)
+            self._pump(self.pump_sec)
             self._check(time.monotonic())
 
     def _done(self) -> bool:
@@ -366,8 +441,22 @@ class Supervisor:
             if event is None and line.strip():
                 self.log.write(b"[worker] skipped a non-JSON line above\n")
             elif event is not None:
+                if event.get("type") == "step_finish" and self.meter is not None:
+                    self._metered()
                 Talk.event(self.task["id"], event)
         self.log.flush()
+
+    def _metered(self) -> None:
+        """A step finished: meter it; at a reached limit end the run at this step boundary (the
+        gate keeps the next model call from going out), else let the next call go."""
+        stream = self.result.stream
+        paused = self.meter.step(stream)
+        if paused is not None and not stream.finished and not self.stop:
+            self.meter.write_gate(stream.steps, paused["reason"])
+            self.result.paused = paused
+            self._end(f"paused at a spending limit: {paused['reason']}")
+        else:
+            self.meter.write_gate(stream.steps, None)
 
     def _drain(self, final: bool) -> None:
         """Read what is left after the tree is gone (stderr for up to a second: a stray process
@@ -415,6 +504,8 @@ def environment_fault(run: RunResult) -> str | None:
 def failure_reason(run: RunResult) -> str | None:
     """None when the run succeeded by its events; else the specific reason it failed."""
     stream = run.stream
+    if run.paused is not None:
+        return None
     if run.killed:
         signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
         return run.killed + signal_note
@@ -591,8 +682,14 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
              session_id: str | None, env: dict[str, str], deadline: float | None = None) -> RunResult:
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})", talk.VERBOSE)
+    gate = str(store.log_path(task["id"]).with_suffix(".gate")) if spend_limited(task) else None
+    if gate:
+        env = oc.with_spend_gate(env, gate)
     supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs)
     supervisor.deadline_at = deadline
+    supervisor.meter = Meter(task, gate)
+    if gate:
+        supervisor.pump_sec = GATED_PUMP_SEC   # the gate holds each model call until we read the step
     return supervisor.run()
 
 
@@ -626,6 +723,11 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
                        count_attempt=False)
+    if run.paused is not None:
+        question = limit_question(task, run)
+        notify(f"TaskBridge {task['id']} paused at its spending limit", question[:200])
+        return _finish(store.pause_for_question, task, marker, question, session_id=run.stream.session_id,
+                       result=receipt, usage=usage, paused_for=run.paused["kind"])
     if reason is None and block["kind"] == "question":
         notify(f"TaskBridge {task['id']} asks", block["question"][:200])
         question = store.clip(block["question"], QUESTION_MAX, _whole_text_at(task, run))
@@ -645,6 +747,38 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if final and final["status"] == "failed":
         notify(f"TaskBridge {task['id']} failed", reason[:200])
     return final
+
+
+def limit_question(task: dict, run: RunResult) -> str:
+    """The question a task paused at a spending limit asks: the spend, the limit, what the agent
+    was doing, and the ways on."""
+    paused, stream, name = run.paused, run.stream, task["id"]
+    usage = f"this attempt: {stream.steps} model calls, ${stream.cost_usd:.4f}, {stream.tokens['total']:,} tokens"
+    if paused["kind"] == "daily_budget":
+        head = f"Daily budget reached: {paused['reason']}."
+        way = ("Raise the budget (set_budget, or `tasks_cli.py budget set --daily USD`) and answer "
+               "'continue' to resume the same session, or answer 'stop' to fail the task with its receipt kept.")
+    else:
+        head = f"Spending limit reached: {name} has {paused['reason']} ({usage})."
+        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else f"{paused['limit'] * 2:,} tokens"
+        cli = f"`tasks_cli.py budget raise {name} {more.lstrip('$')}`" if paused["unit"] == "usd" else \
+            f"`tasks_cli.py budget raise {name} --tokens {paused['limit'] * 2}`"
+        way = (f"Answer 'continue, up to {more}' (or run {cli}) to resume the same session, or "
+               "'stop' to fail the task with its receipt kept.")
+    doing = _last_activity(stream)
+    return (f"{head} TaskBridge ended the run after model call {stream.steps}, before the next one was "
+            f"sent; the agent was {doing}. The worktree and the OpenCode session are kept. {way}")
+
+
+def _last_activity(stream: oc.EventStream) -> str:
+    """What the agent did last, in a few words: its last tool call, else its last words."""
+    if stream.tool_calls:
+        call = stream.tool_calls[-1]
+        subject = call["input"].get("command") or call["input"].get("filePath") or call["input"].get("description")
+        return f"working with {call['tool']}" + (f" ({str(subject)[:160]})" if subject else "") + \
+            f", {len(stream.tool_calls)} tool calls so far"
+    text = " ".join(stream.final_text.split())
+    return f"writing: {text[-160:]!r}" if text else "starting (no tool call yet)"
 
 
 def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[list[str], list[str], str | None, Exception | None]:
@@ -928,14 +1062,16 @@ class Beat:
     tasks: dict[str, str] = {}   # task id -> run marker
     state = "starting"
     slots = 1                    # how many tasks this pass may run at once (the board shows it)
+    budget: str | None = None    # why nothing new is claimed: the daily budget is spent
 
     @classmethod
     def write(cls, state: str | None = None, **extra: Any) -> None:
         with cls.lock:
             cls.state = state or cls.state
             ids = sorted(cls.tasks)
+            said = {"budget": cls.budget} if cls.budget else {}
             store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                          "tasks": ids, "slots": cls.slots, **extra})
+                                          "tasks": ids, "slots": cls.slots, **said, **extra})
 
     @classmethod
     def running(cls, task: dict[str, Any], active: bool) -> None:
@@ -954,7 +1090,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         Beat.write("error", error=problem)
         return 1
     owner, pid, pid_start = worker_identity()
-    started, trimmed, last_reap, busy = 0, 0, 0.0, set()
+    started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
     announced = watch and announce_start(watch, slots)   # a one-pass says it once it has work
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
         while not Flags.stopping and (max_tasks is None or started < max_tasks):
@@ -968,7 +1104,10 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             Beat.write("running" if busy else "idle" if watch else "pass")
             mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
             task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
+            if task is None and len(busy) < slots:
+                budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
             if task is not None:
+                Beat.budget = budget_said = None
                 announced = announced or announce_start(watch, slots)
                 Talk.claimed(task)
                 busy.add(pool.submit(_run_guarded, task, knobs))
@@ -989,6 +1128,18 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             busy = wait(busy, timeout=0.2).not_done
         Talk.signals(Flags.stopping, Flags.stop_now)
     return 0
+
+
+def _say_budget(said: str | None, state: str) -> str | None:
+    """Nothing was claimed: when the daily budget is why, say so in the heartbeat (``budget``)
+    and once in the log. Returns the reason now in force (None when the budget is not spent)."""
+    reason = store.budget_state()["reason"]
+    if reason != Beat.budget:
+        Beat.budget = reason
+        Beat.write(state)
+    if reason and reason != said:
+        log(f"claims nothing new: {reason}")
+    return reason
 
 
 def announce_start(watch: bool, slots: int) -> bool:

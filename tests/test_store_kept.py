@@ -177,10 +177,13 @@ def test_counts_follow_every_change(tmp_path):
 
 
 def test_a_version_1_database_migrates_with_its_counts(tmp_path, monkeypatch):
+    # Rows written as version 1 wrote them (raw SQL: today's store writes columns v1 lacks).
     monkeypatch.setattr(store, "MIGRATIONS", store.MIGRATIONS[:1])
-    submit_many(tmp_path, 5)
-    task = store.claim_next("w")
-    store.complete_attempt(task["id"], task["run_marker"])
+    conn = store.connect()
+    conn.executemany("INSERT INTO tasks (title, instructions, working_dir, created_at, status)"
+                     " VALUES (?, 'i', ?, ?, ?)",
+                     [(f"t{n}", str(tmp_path), n, "done" if n == 0 else "pending") for n in range(5)])
+    conn.close()
     store.close_connections()
     path = store.db_path()
     monkeypatch.undo()  # also undoes the autouse fixture's env: point at the same file again

