@@ -830,9 +830,13 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
     if phases.superseded:
         _cleanup_superseded(task, ws)
         return None
-    where = (f"its work is kept in the worktree {ws.top} on branch {ws.branch}: commit it there "
-             f"(git -C {ws.top} add -A && git -C {ws.top} commit)") if ws.mode == "worktree" else \
-        f"its changes are in {ws.cwd}"
+    if ws.mode != "worktree":
+        where = f"its changes are in {ws.cwd}"
+    elif task["permission"] == "readonly":
+        where = f"the worktree {ws.top} is kept as the agent left it"
+    else:
+        where = (f"its work is kept in the worktree {ws.top} on branch {ws.branch}: commit it there "
+                 f"(git -C {ws.top} add -A && git -C {ws.top} commit)")
     error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
     receipt["bookkeeping_error"] = error
     receipt["worktree_kept"] = ws.mode == "worktree"

@@ -434,11 +434,17 @@ def _force_rmtree(path: str) -> list[str]:
     """Delete ``path``'s tree, giving the owner write and search permission on each folder first
     (a non-root user cannot empty a ``chmod 555`` folder). Returns the errors met."""
     problems: list[str] = []
+    _owner_writable_tree(path, problems)
+    shutil.rmtree(path, onerror=lambda _fn, where, info: problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
+    return problems
+
+
+def _owner_writable_tree(path: str, problems: list[str]) -> None:
+    """Give the owner rwx on every folder under ``path`` (top-down, so a folder is opened after
+    it was made readable); errors are appended to ``problems``."""
     for dirpath, dirnames, _ in os.walk(path, onerror=lambda exc: problems.append(f"{exc.filename}: {exc.strerror}")):
         for folder in [dirpath, *(os.path.join(dirpath, d) for d in dirnames)]:
             _owner_rwx(folder)
-    shutil.rmtree(path, onerror=lambda _fn, where, info: problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
-    return problems
 
 
 def _owner_rwx(folder: str) -> None:
@@ -525,6 +531,7 @@ def revert_changes(ws: Workspace, snapshot: dict[str, bytes] | None) -> list[str
     remove new files; in place, restore from the pre-run snapshot. Returns the reverted files."""
     if ws.mode == "worktree":
         changed, _ = observed_changes(ws)
+        _owner_writable_tree(ws.top, [])     # a chmod 555 build folder must not stop the revert
         git(["reset", "-q", "--hard", ws.base_commit], ws.top)
         git(["clean", "-q", "-fdx"], ws.top)
         return changed

@@ -123,3 +123,20 @@ def test_clear_remove_worktrees_never_forgets_a_path_it_could_not_delete(sandbox
     assert not os.path.lexists(worktree)
     with pytest.raises(task_store.TaskNotFound):
         task_store.get_task(task["id"])
+
+
+def test_a_readonly_task_reverts_read_only_folders_too(sandbox, scripted_model):
+    repo = make_repo(sandbox.base / "repo")
+    scripted_model.script("ro-revert", [
+        tool_call("bash", {"command": READ_ONLY_BUILD, "description": "build"}),
+        text("Looked.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="look", instructions="SCRIPT:ro-revert", working_dir=str(repo),
+                                  permission="readonly")
+    sandbox.give_to_user()
+    assert sandbox.run("worker.py").returncode == 0
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    receipt = final["result"]
+    assert receipt["files_reverted"] == ["build/cache/blob"] and receipt["files_touched"] == []
+    assert receipt["worktree_removed"] is True and not os.path.lexists(receipt["worktree_path"])
