@@ -43,7 +43,8 @@ def hostile_config(tmp_path: Path) -> tuple[Path, Path]:
     fsmonitor.write_text(f"#!/bin/sh\necho fsmonitor run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nsleep 30\n")
     hooks = tmp_path / "user-hooks"
     hooks.mkdir()
-    for hook in ("pre-commit", "prepare-commit-msg", "commit-msg", "post-commit"):
+    for hook in ("pre-commit", "prepare-commit-msg", "commit-msg", "post-commit", "post-checkout",
+                 "reference-transaction"):
         # What commit-message helpers install: reopen the terminal (fails without one).
         (hooks / hook).write_text(f"#!/bin/sh\necho {hook} run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nexec < /dev/tty\nexit 1\n")
     for script in [external, fsmonitor, *hooks.iterdir()]:
