@@ -588,8 +588,10 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         try:
             model = task_model(task)
         except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
+            Talk.runs(task, None)
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, marker, str(exc))
+        Talk.runs(task, model)
         try:
             ws = worktrees.prepare_workspace(task, resume)
             store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,

@@ -116,13 +116,18 @@ class Talk:
 
     @classmethod
     def claimed(cls, task: dict[str, Any]) -> None:
-        allowed = task["max_retries"] + 1
-        model = task["model"] or "the default"
-        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} (attempt {task['attempts']} of {allowed}, "
-                f"model {model})", style="cyan")
+        """A task taken in hand (the live line and the Ctrl-C lines name it); its line follows
+        from `runs` once its model is known."""
         with cls.lock:
             cls.running[task["id"]] = Running(task["id"], plain(task["title"], 40))
         cls._refresh()
+
+    @classmethod
+    def runs(cls, task: dict[str, Any], model: str | None) -> None:
+        """The claimed line: title, attempt, model (None: no model could be chosen)."""
+        allowed = task["max_retries"] + 1
+        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} (attempt {task['attempts']} of {allowed}, "
+                f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     @classmethod
     def ended(cls, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,

@@ -40,6 +40,7 @@ def test_default_model_follows_the_users_opencode_config(opencode, tmp_path, mon
     assert done["result"]["model"] == "fake/other"
     assert models_asked(opencode.model) == ["other"]
     assert "model fake/other (default from OpenCode config)" in passed.stderr   # the start line
+    assert "t_0001 claimed: cfg (attempt 1 of 2, model fake/other)" in passed.stderr
 
     # The precedence: WORKER_MODEL beats the config, the queue's setting beats both.
     monkeypatch.setenv("WORKER_MODEL", "fake/model")
