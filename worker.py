@@ -553,6 +553,7 @@ class Phases:
         self.deadline = time.monotonic() + task["timeout_sec"]
         self.last_renew = time.monotonic()
         self.superseded = self.interrupted = False
+        self.agent_ran = False
 
     def check(self) -> str | None:
         now = time.monotonic()
@@ -564,7 +565,7 @@ class Phases:
                 self.superseded = True
                 return str(exc)
             Beat.write()
-        if Flags.stop_now:
+        if Flags.stop_now and not self.agent_ran:
             self.interrupted = True
             return "the worker was told to stop at once"
         if now > self.deadline:
@@ -573,7 +574,10 @@ class Phases:
 
     def after_run(self) -> None:
         """The receipt, commit and cleanup get what is left of the timeout, and at least
-        BOOKKEEPING_MIN_SEC: an agent that finished just in time is not thrown away."""
+        BOOKKEEPING_MIN_SEC: an agent that finished just in time is not thrown away. A second
+        SIGTERM no longer stops them: the run is over, and handing the task back would run the
+        agent again; each git step stays bounded by TASKBRIDGE_GIT_TIMEOUT_SEC."""
+        self.agent_ran = True
         self.deadline = max(self.deadline, time.monotonic() + BOOKKEEPING_MIN_SEC)
 
 

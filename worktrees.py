@@ -141,6 +141,10 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
     and GitStopped, whatever ``check`` says, when the command was ended."""
     flags = [item for setting in (*NEUTRAL_CONFIG, *config) for item in ("-c", setting)]
     command = f"git {' '.join(args)}"
+    watcher = getattr(_watch, "check", None)
+    reason = watcher() if watcher else None   # also between quick commands: the lease stays renewed
+    if reason:
+        raise GitStopped(f"{command} was not started: {reason}", reason)
     try:
         proc = subprocess.Popen(["git", *flags, *args], cwd=cwd, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=git_env(env),
