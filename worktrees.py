@@ -365,8 +365,12 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         git(["worktree", "prune"], repo, check=False)
         if _is_registered(repo, path):
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
-        if os.path.lexists(path):
-            _force_rmtree(str(path))
+        if os.path.isdir(path / ".git"):
+            raise Unrunnable(f"{path}, where task {task['id']}'s worktree goes, holds a repository of its "
+                             "own; move it away (or set TASKBRIDGE_WORKTREE_ROOT elsewhere) and resubmit")
+        left = _leftover(str(path), _force_rmtree(str(path))) if os.path.lexists(path) else None
+        if left:
+            raise Unrunnable(f"an earlier attempt's worktree is still in the way: {left}")
         git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         branch = _free_branch(repo, task, base)
