@@ -57,7 +57,6 @@ import anyio.to_thread
 import psutil
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
@@ -212,11 +211,14 @@ class JobState(TypedDict):
 
 
 class JobResult(TypedDict):
-    """A finished job's answer and usage."""
+    """A finished job's answer (a page of it, by characters) and usage."""
 
     job_id: int
     status: Literal["done"]
     answer: str
+    answer_offset: int
+    answer_next_offset: int | None
+    answer_total_chars: int
     backend: str
     model: str | None
     usage: Usage | None
@@ -1006,6 +1008,8 @@ Model = Annotated[str | None, Field(description="Optional model name, e.g. claud
 Timeout = Annotated[int, Field(ge=1, le=TIMEOUT_MAX_SEC, description="Seconds before the call is abandoned "
                                                                      "(and the claude CLI killed); 1-3600.")]
 JobId = Annotated[int, Field(ge=1, le=task_store.MAX_ID, description="A job id returned by claude_submit.")]
+AnswerOffset = Annotated[int, Field(ge=0, le=2**63 - 1, description="Character offset into the answer: the "
+                                                                   "answer_next_offset of the previous call.")]
 
 
 def _new_call(prompt: Any, system: Any, model: Any, timeout_sec: Any) -> Call:
@@ -1063,8 +1067,12 @@ def _get_job(job_id: Any) -> dict[str, Any]:
         raise ToolError(str(exc)) from None
 
 
-READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
-ENDS_A_JOB = ToolAnnotations(idempotent_hint=True, destructive_hint=True)
+# Behaviour hints (mcp_shared.hints). Asking Claude reaches a model provider (open world) and is
+# not idempotent (each call is a new, billed answer); polling, reading and cancelling a job touch
+# only the queue database and this machine's processes.
+READ_ONLY = mcp_shared.hints(read_only=True, destructive=False, idempotent=True, open_world=False)
+ASKS_CLAUDE = mcp_shared.hints(read_only=False, destructive=False, idempotent=False, open_world=True)
+ENDS_A_JOB = mcp_shared.hints(read_only=False, destructive=True, idempotent=True, open_world=False)
 _RUNNER: list[JobRunner] = []  # this process's job runner, made by the first build_server()
 
 
@@ -1083,9 +1091,7 @@ def build_server(runner: JobRunner | None = None) -> MCPServer:
     (default: a new JobRunner) becomes the one every server of this process uses."""
     _RUNNER[:] = [runner or (_RUNNER[0] if _RUNNER else JobRunner())]
     mcp = ControlServer(SERVER_NAME, version=SERVER_VERSION, instructions=INSTRUCTIONS)
-    for fn, hints in registry.entries:
-        mcp.tool(annotations=hints)(fn)
-    return mcp
+    return registry.install(mcp)
 
 
 def job_runner() -> JobRunner:
@@ -1094,7 +1100,7 @@ def job_runner() -> JobRunner:
     return _RUNNER[0]
 
 
-@registry.tool()
+@registry.tool(ASKS_CLAUDE)
 async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
                      timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC, ctx: Context | None = None) -> Answer:
     """Ask Claude and wait for the answer (at most timeout_sec seconds, default 120).
@@ -1103,12 +1109,15 @@ async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
     output_tokens, cache_*_input_tokens, cost_usd (claude -p only), duration_ms, num_turns, model,
     backend}}. Errors (as tool errors, text "kind: message"): auth (401/403), rate_limit (429),
     overloaded (529), server_error (5xx), timeout, stalled, not_logged_in, no_backend,
-    empty_answer, cli_output (odd claude -p output), bad_request, connection.
+    empty_answer, cli_output (odd claude -p output), bad_request, connection. An answer too long
+    for one result (over ~38,000 characters) is cut with "… [N more characters cut]": ask for a
+    shorter answer, or use claude_submit and read it in pages with claude_result(job_id, offset).
     """
-    return await wait_for_call(_new_call(prompt, system, model, timeout_sec), ctx)
+    answer = await wait_for_call(_new_call(prompt, system, model, timeout_sec), ctx)
+    return mcp_shared.fit(answer, mcp_shared.RESULT_CHARS_MAX)[0]
 
 
-@registry.tool()
+@registry.tool(ASKS_CLAUDE)
 def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
                   timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC) -> SubmitResult:
     """Start a background question to Claude and return at once with its job id.
@@ -1124,7 +1133,7 @@ def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
                         timeout_sec=job["timeout_sec"])
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def claude_poll(job_id: JobId) -> JobState:
     """The state of a background job: {job_id, status: queued|running|done|failed|cancelled,
     backend, model, timeout_sec, created_at/started_at/finished_at (ISO 8601 UTC), elapsed_sec,
@@ -1134,12 +1143,15 @@ def claude_poll(job_id: JobId) -> JobState:
     return job_state(_get_job(job_id))
 
 
-@registry.tool(annotations=READ_ONLY)
-def claude_result(job_id: JobId) -> JobResult:
-    """The answer of a finished job: {job_id, status: "done", answer, backend, model, usage}.
+@registry.tool(READ_ONLY)
+def claude_result(job_id: JobId, offset: AnswerOffset = 0) -> JobResult:
+    """The answer of a finished job: {job_id, status: "done", answer, answer_offset,
+    answer_next_offset, answer_total_chars, backend, model, usage}. An answer longer than fits
+    in one result (~38,000 characters) comes in pages: pass answer_next_offset back as offset
+    until it is null.
 
     Errors: the job is still queued/running (poll again), it failed (the error says why, e.g.
-    "overloaded: ..."), it was cancelled, or the id is unknown.
+    "overloaded: ..."), it was cancelled, the offset is past the end, or the id is unknown.
     """
     job = _get_job(job_id)
     if job["status"] in ACTIVE:
@@ -1148,11 +1160,21 @@ def claude_result(job_id: JobId) -> JobResult:
     if job["status"] != "done":
         raise ToolError(f"job {job['id']} {job['status']}: {job.get('error') or 'no reason recorded'}")
     usage = job.get("usage") or None
-    return JobResult(job_id=job["id"], status="done", answer=job["answer"] or "", backend=job["backend"],
-                     model=(usage or {}).get("model") or job.get("model"), usage=usage)
+    answer = job["answer"] or ""
+    if offset > len(answer):
+        raise ToolError(f"offset {offset} is past the end of the answer ({len(answer)} characters); "
+                        "pass the answer_next_offset of your last call")
+
+    def page(limit: int) -> JobResult:
+        end = min(len(answer), offset + limit)
+        return JobResult(job_id=job["id"], status="done", answer=answer[offset:end], answer_offset=offset,
+                         answer_next_offset=end if end < len(answer) else None, answer_total_chars=len(answer),
+                         backend=job["backend"], model=(usage or {}).get("model") or job.get("model"), usage=usage)
+
+    return mcp_shared.fit_page(page, max(1, len(answer) - offset), mcp_shared.RESULT_CHARS_MAX)
 
 
-@registry.tool(annotations=ENDS_A_JOB)
+@registry.tool(ENDS_A_JOB)
 def claude_cancel(job_id: JobId) -> CancelResult:
     """Cancel a background job: the claude CLI's process tree is killed within seconds (an API
     request is abandoned) and the job is marked cancelled.
@@ -1163,7 +1185,7 @@ def claude_cancel(job_id: JobId) -> CancelResult:
     return _cancel(job_runner(), _get_job(job_id))
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def claude_status() -> Status:
     """Which backend answers and why, and whether it can: {backend: "api"|"cli", reason, ready,
     problem, api_key_present (never the key), base_url, model, claude_bin, claude_version,

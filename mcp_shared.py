@@ -4,24 +4,31 @@ messages a model can act on.
 Shared by opencode_bridge_mcp.py (the 17 queue tools) and claude_control_mcp.py (the reverse
 bridge), so neither server imports the other's internals. Nothing happens at import time.
 
-- ``ToolRegistry``: collects a module's tool functions so each ``build_server()`` makes a fresh server.
+- ``ToolRegistry``: collects a module's tool functions so each ``build_server()`` makes a fresh
+  server; every tool must declare all four behaviour hints (``hints()``), or the module does not load.
 - ``TranslatingServer``: an MCPServer whose tool errors read as one clear line, never the SDK's
-  "Error executing tool …" or pydantic's multi-line dump; arguments holding a NUL character are
-  refused before any tool runs.
+  "Error executing tool …" or pydantic's multi-line dump; arguments holding a NUL character, and
+  arguments the tool does not take, are refused before any tool runs. It lists every tool with a
+  portable input schema (``portable_schema``: closed objects, no ``null`` type unions), the form
+  strict clients (OpenAI strict mode, Gemini, Cursor) accept.
+- ``RESULT_CHARS_MAX``, ``result_chars``, ``fit``: keep a tool result's text under the size at
+  which clients stop showing it to the model (Claude Code: ~50,000 characters).
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
   its path and the way out, for the tools and for the HTTP API alike.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pydantic
+import pydantic_core
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
@@ -233,32 +240,232 @@ def _shrink_block(block: Any, chars: int) -> Any:
 
 
 class TranslatingServer(MCPServer):
-    """MCPServer whose tool errors are one clear line (see ``translate``). Subclasses list in
+    """MCPServer whose tool errors are one clear line (see ``translate``) and whose tools are
+    listed with portable input schemas (see ``portable_schema``). Subclasses list in
     ``passthrough`` the exception types whose message is written for the caller."""
 
     passthrough: tuple[type[BaseException], ...] = (task_store.TaskStoreError,)
+
+    async def list_tools(self) -> list[Any]:
+        tools = await super().list_tools()
+        return [tool.model_copy(update={"input_schema": portable_schema(tool.input_schema)}) for tool in tools]
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
         bad = nul_argument(arguments or {})
         if bad:
             raise ToolError(f"invalid arguments for {name}: {bad} contains a NUL character (\\u0000), which "
                             "no path, command line or prompt can carry; remove it")
+        unknown = self._unknown_arguments(name, arguments or {})
+        if unknown:
+            raise ToolError(unknown)
         try:
-            return cap_result(name, await super().call_tool(name, arguments, context))
+            return _within_budget(name, cap_result(name, await super().call_tool(name, arguments, context)))
         except UnexpectedToolError as exc:
             raise translate(name, exc, self.passthrough) from None
         except ToolError as exc:
             raise translate(name, exc, self.passthrough) from exc.__cause__
 
 
+    def _unknown_arguments(self, name: str, arguments: dict[str, Any]) -> str | None:
+        """A message naming the arguments ``name`` does not take (its schema is closed, and a
+        misspelt optional argument silently ignored would run the tool with its default)."""
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
+            return None
+        known = list(tool.parameters.get("properties") or {})
+        unknown = [key for key in arguments if key not in known]
+        if not unknown:
+            return None
+        takes = f"it takes {', '.join(known)}" if known else "it takes no arguments"
+        return (f"invalid arguments for {name}: unknown argument(s) {', '.join(map(repr, unknown))}; {takes}. "
+                "The tool's input schema lists each field.")
+
+
+# --------------------------------------------------------------------------------------------
+# Tool declarations every client accepts.
+
+HINT_NAMES = ("read_only_hint", "destructive_hint", "idempotent_hint", "open_world_hint")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
+
+
+def hints(*, read_only: bool, destructive: bool, idempotent: bool, open_world: bool) -> ToolAnnotations:
+    """All four MCP behaviour hints, each stated (ChatGPT's apps require them; a client that
+    misses one assumes the worst: destructive, not idempotent, open world).
+
+    read_only: changes nothing; destructive: may overwrite or delete (not only add);
+    idempotent: a repeat with the same arguments changes nothing more; open_world: reaches
+    something beyond this machine's queue (a model provider, a service's catalogue)."""
+    return ToolAnnotations(read_only_hint=read_only, destructive_hint=destructive and not read_only,
+                           idempotent_hint=idempotent, open_world_hint=open_world)
+
+
+def portable_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a tool's input schema, as pydantic writes it) in the form every client takes:
+    an optional value is the plain type (``"type": ["string", "null"]`` and ``anyOf: [X,
+    {"type": "null"}]`` become ``X``; a ``"default": null`` is dropped, so the field is simply
+    optional), and every object with declared properties, the arguments object itself included,
+    is closed (``additionalProperties: false``). The server still accepts ``null`` for such a
+    field; only what clients are told changes. Returns a new dict."""
+    node = _portable(copy.deepcopy(schema))
+    node.setdefault("properties", {})
+    node["additionalProperties"] = False
+    return node
+
+
+def _portable(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            node[key] = {name: _portable(sub) for name, sub in node[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            node[key] = [_portable(sub) for sub in node[key]]
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(node.get(key), dict):
+            node[key] = _portable(node[key])
+    kind = node.get("type")
+    if isinstance(kind, list):
+        kinds = [k for k in kind if k != "null"]
+        node["type"] = kinds[0] if len(kinds) == 1 else kinds
+    for key in ("anyOf", "oneOf"):
+        members = node.get(key)
+        if isinstance(members, list) and any(m == {"type": "null"} for m in members):
+            rest = [m for m in members if m != {"type": "null"}]
+            del node[key]
+            if len(rest) == 1:
+                node = rest[0] | node
+            else:
+                node[key] = rest
+    if "default" in node and node["default"] is None:
+        del node["default"]
+    if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    return node
+
+
+def _within_budget(tool: str, result: Any) -> Any:
+    """A safety net under every tool: a structured result whose text exceeds RESULT_CHARS_MAX is
+    sent with its texts cut (``fit``). Tools that can grow page themselves; this only catches a
+    result nobody foresaw, and logs it."""
+    structured = getattr(result, "structured_content", None)
+    if getattr(result, "is_error", False) or not isinstance(structured, dict):
+        return result
+    size = sum(len(getattr(block, "text", "") or "") for block in result.content)
+    if size <= RESULT_CHARS_MAX:
+        return result
+    log.warning("tool %s returned %d characters; its texts were cut to fit %d", tool, size, RESULT_CHARS_MAX)
+    fitted, _ = fit(structured)
+    text = pydantic_core.to_json(fitted, fallback=str, indent=2).decode()
+    return result.model_copy(update={"structured_content": fitted,
+                                     "content": [TextContent(type="text", text=text)]})
+
+
 class ToolRegistry:
-    """Collects the tool functions as the module is read; no server exists until build_server()."""
+    """Collects the tool functions as the module is read; no server exists until build_server().
+    ``tool(hints(...))`` is the only way in: a tool without all four behaviour hints stops the
+    module from loading, so no tool reaches a client unannotated."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[Any, ToolAnnotations | None]] = []
+        self.entries: list[tuple[Any, ToolAnnotations]] = []
 
     def tool(self, annotations: ToolAnnotations | None = None) -> Any:
+        missing = [h for h in HINT_NAMES if annotations is None or getattr(annotations, h) is None]
+        if missing:
+            raise TypeError(f"every tool states all four behaviour hints: use @registry.tool(mcp_shared.hints("
+                            f"read_only=…, destructive=…, idempotent=…, open_world=…)); missing {', '.join(missing)}")
+
         def mark(fn: Any) -> Any:
             self.entries.append((fn, annotations))
             return fn
         return mark
+
+    def install(self, server: MCPServer) -> MCPServer:
+        """Register every collected tool on ``server``; returns it."""
+        for fn, annotations in self.entries:
+            server.tool(annotations=annotations)(fn)
+        return server
+
+
+# --------------------------------------------------------------------------------------------
+# Result sizes. Claude Code keeps a tool result above ~50,000 characters out of the model's
+# context (it saves it to a file and shows a preview); OpenCode cuts MCP output near 50 KB. The
+# SDK sends a result twice (structured, and as indented JSON text): the text is the larger.
+
+RESULT_CHARS_MAX = 40_000
+TEXT_FLOOR = 40                 # fit() never cuts a text shorter than this before it shortens lists
+
+
+def result_chars(value: Any) -> int:
+    """Characters of the text content the SDK makes of ``value`` (indented JSON, as MCPServer writes it)."""
+    return len(pydantic_core.to_json(value, fallback=str, indent=2))
+
+
+def _longest(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return max((_longest(v) for v in value.values()), default=0)
+    if isinstance(value, (list, tuple)):
+        return max((_longest(v) for v in value), default=0)
+    return 0
+
+
+def _cut_strings(value: Any, limit: int, skip: frozenset[str] = frozenset()) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= limit else f"{value[:limit]}… [{len(value) - limit} more characters cut]"
+    if isinstance(value, dict):
+        return {k: v if k in skip else _cut_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cut_strings(v, limit) for v in value]
+    return value
+
+
+def _cut_lists(value: Any, items: int) -> Any:
+    if isinstance(value, dict):
+        return {k: _cut_lists(v, items) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cut_lists(v, items) for v in value[:items]]
+    return value
+
+
+def _largest(fits: Callable[[int], bool], high: int) -> int:
+    """The largest n in 0..high with fits(n) (fits is monotonic), 0 when none."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def fit(value: Any, budget: int = RESULT_CHARS_MAX, skip: tuple[str, ...] = ()) -> tuple[Any, bool]:
+    """``value`` with its longest texts cut (each to the same length, as long as the budget
+    allows, marked ``… [N more characters cut]``) so that ``result_chars`` of it is at most
+    ``budget``; top-level keys in ``skip`` are left whole. Returns (value, whether anything was
+    cut). Only when texts cut to TEXT_FLOOR characters still do not fit are lists shortened (a last
+    resort: a tool whose item count can exceed the budget pages instead, see ``fit_page``)."""
+    if result_chars(value) <= budget:
+        return value, False
+    frozen = frozenset(skip)
+    limit = _largest(lambda n: result_chars(_cut_strings(value, n, frozen)) <= budget, _longest(value))
+    if limit >= TEXT_FLOOR:
+        return _cut_strings(value, limit, frozen), True
+    value = _cut_strings(value, TEXT_FLOOR, frozen)
+    items = _largest(lambda n: result_chars(_cut_lists(value, n)) <= budget, 100_000)
+    return _cut_lists(value, items), True
+
+
+def fit_page(build: Callable[[int], Any], limit: int, budget: int = RESULT_CHARS_MAX) -> Any:
+    """``build(limit)`` (a page of at most ``limit`` bytes, rows or characters), with ``limit``
+    lowered until ``result_chars`` of the page is at most ``budget``. The page's own next offset
+    then continues exactly where the smaller page ended."""
+    page = build(limit)
+    while (size := result_chars(page)) > budget and limit > 1:
+        limit = max(1, min(limit - 1, int(limit * budget / size * 0.95)))
+        page = build(limit)
+    return page

@@ -49,7 +49,6 @@ import task_views
 import worktrees
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
 # The HTTP side and the shared views; names re-exported here are what this server's callers and
 # tests have always found on it.
 from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
@@ -66,11 +65,18 @@ SYSTEMD_UNIT = "taskbridge-worker.service"
 
 NUMBER_MAX = 2**63 - 1        # bound of every offset / age argument (SQLite's INTEGER range)
 ID_TEXT_MAX = 40               # characters of a task id given as text
-LOG_PAGE_MAX = 65_536          # bytes per get_task_logs page
-DIFF_PAGE_MAX = 65_536         # bytes per get_task_result diff page
-LIST_PAGE_MAX = 200            # rows per list_tasks / list_models page
+LOG_PAGE_MAX = 65_536          # bytes per get_task_logs page (a page is also cut to RESULT_CHARS)
+LOG_PAGE_DEFAULT = 16_384
+DIFF_PAGE_MAX = 65_536         # bytes per get_task_result diff page (likewise)
+DIFF_PAGE_DEFAULT = 16_384
+LIST_PAGE_MAX = 200            # rows per list_tasks / list_models page (likewise)
+LIST_PAGE_DEFAULT = 20
 INSTRUCTIONS_SHOWN = 20_000    # characters of instructions get_task shows
+INFO_TEXT_MAX = 2_000          # characters of error/question/answer where a tool echoes a task
+RECEIPT_CHARS = 12_000         # characters of the receipt get_task_result shows beside a diff page
+RESULT_CHARS = mcp_shared.RESULT_CHARS_MAX   # every tool result's text stays under this
 WAIT_RANGE = (1, 3600)         # wait_for timeout_sec
+WAIT_DEFAULT_SEC = 50          # under the 60 s most MCP clients give a tool call (MCP Inspector, SDKs)
 WAIT_IDS_MAX = 100
 PROGRESS_EVERY_SEC = 3.0
 ATTENTION = frozenset(store.TERMINAL) | {"waiting"}
@@ -113,7 +119,9 @@ def _id_shape(value: Any) -> Any:
     return value
 
 
-TaskId = Annotated[str | int, BeforeValidator(_id_shape), Field(description="a task id: t_0001, 0001 or 1")]
+# Advertised as a plain string (the one form every client's schema dialect takes); a number is accepted too.
+TaskId = Annotated[str | int, BeforeValidator(_id_shape),
+                   WithJsonSchema({"type": "string", "description": "a task id: t_0001, 0001 or 1"})]
 IdList = Annotated[list[TaskId], BeforeValidator(_as_list)]
 Status = Literal["pending", "running", "waiting", "done", "failed", "cancelled"]
 Permission = Literal["auto", "readonly", "no-shell", "no-network"]
@@ -161,6 +169,7 @@ class TaskDetail(TaskInfo):
     usage: dict[str, Any] | None
     diff_bytes: int
     log_bytes: int
+    texts_cut: bool
 
 
 class TaskPage(TypedDict):
@@ -168,6 +177,7 @@ class TaskPage(TypedDict):
     total: int
     offset: int
     next_offset: int | None
+    hint: str
 
 
 class BatchResult(TypedDict):
@@ -282,6 +292,7 @@ class ModelPage(TypedDict):
     total: int
     offset: int
     next_offset: int | None
+    hint: str
     default_model: str | None
     resolved: str | None
 
@@ -318,7 +329,7 @@ class BatchTask(TypedDict, total=False):
     working_dir: Annotated[str, Field(description="absolute path of an existing directory (required)")]
     model: Annotated[str, Field(description="provider/model; default: the queue's default model")]
     priority: Annotated[int, Field(ge=-1000, le=1000, description="higher runs first; default 0")]
-    depends_on: Annotated[list[str | int], Field(description="task ids or refs of this batch")]
+    depends_on: Annotated[list[str], Field(description="task ids (t_0001) or refs of this batch")]
     timeout_sec: Annotated[int, Field(ge=1, le=86400, description="seconds per attempt; default 1800")]
     max_retries: Annotated[int, Field(ge=0, le=10, description="default 1")]
     permission: Permission
@@ -328,12 +339,21 @@ class BatchTask(TypedDict, total=False):
     idempotency_key: str
 
 
+def _echo(task: dict[str, Any]) -> dict[str, Any]:
+    """A task as a tool that changed it answers: its long texts (error, question, answer) cut
+    to INFO_TEXT_MAX characters; get_task has room for them."""
+    shown = info(task)
+    for key in ("error", "question", "answer"):
+        shown[key] = short(shown[key], INFO_TEXT_MAX)
+    return shown
+
+
 def _submitted(task: dict[str, Any]) -> dict[str, Any]:
     hint = (f"the worker picks it up on its next pass; wait_for(['{task['id']}']) blocks until it "
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
-    return info(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
+    return _echo(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,12 +438,19 @@ finishes or asks a question) -> get_task_result (receipt, usage, diff). A task i
 asked a question: read it with get_task, reply with answer_task. Task ids look like t_0001 (0001
 and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes; cost is USD."""
 
-READ_ONLY = ToolAnnotations(read_only_hint=True, idempotent_hint=True)
-DESTRUCTIVE = ToolAnnotations(destructive_hint=True)
-IDEMPOTENT = ToolAnnotations(idempotent_hint=True)
-# Writes that add (a requeue, a merge into the user's checkout) and are refused when repeated
-# (retry_task) or may add again (a squash): neither read-only, destructive nor idempotent.
-ADDS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)
+# Behaviour hints (mcp_shared.hints). "Open world" means reaching beyond this machine's queue:
+# queueing a task only writes the queue (the agent runs later, in the worker); list_models and
+# set_default_model run `opencode models`, which may fetch the models.dev catalogue; a restarted
+# worker runs queued agents against their model providers.
+READ_ONLY = mcp_shared.hints(read_only=True, destructive=False, idempotent=True, open_world=False)
+# Writes that add (a task, a note, an answer, a requeue, a merge into the user's checkout) and are
+# refused when repeated (retry_task, answer_task) or may add again (a submit, a squash).
+ADDS = mcp_shared.hints(read_only=False, destructive=False, idempotent=False, open_world=False)
+ENDS = mcp_shared.hints(read_only=False, destructive=True, idempotent=True, open_world=False)
+REMOVES = mcp_shared.hints(read_only=False, destructive=True, idempotent=False, open_world=False)
+CATALOGUE = mcp_shared.hints(read_only=True, destructive=False, idempotent=True, open_world=True)
+OVERWRITES_SETTING = mcp_shared.hints(read_only=False, destructive=True, idempotent=True, open_world=True)
+RESTARTS = mcp_shared.hints(read_only=False, destructive=True, idempotent=False, open_world=True)
 
 
 registry = mcp_shared.ToolRegistry()
@@ -432,12 +459,10 @@ registry = mcp_shared.ToolRegistry()
 def build_server() -> MCPServer:
     """A fresh MCPServer with the 19 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    for fn, hints in registry.entries:
-        mcp.tool(annotations=hints)(fn)
-    return mcp
+    return registry.install(mcp)
 
 
-@registry.tool()
+@registry.tool(ADDS)
 def submit_task(
     title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
@@ -492,7 +517,7 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     return item | {"origin_name": name, "origin_version": version}
 
 
-@registry.tool()
+@registry.tool(ADDS)
 def submit_batch(
     tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
         description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
@@ -514,19 +539,20 @@ def submit_batch(
     return {"tasks": [_submitted(t) for t in done], "count": len(done)}
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def get_task(task_id: TaskId) -> TaskDetail:
     """One task in full: settings, status, caller, dependencies, notes, questions and answers,
     its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
     of its diff and log. Instructions beyond 20,000 characters are cut (instructions_truncated).
     Bounded: the last 20 notes and the last 10 questions, each text cut at 2,000 characters
     (`tasks_cli.py show ID --json` has them whole); receipt texts are clipped when stored, with a
-    note naming the log that holds the whole text.
+    note naming the log that holds the whole text; when the whole would still pass 40,000
+    characters its longest texts are cut, each marked "… [N more characters cut]" (texts_cut).
     Errors: unknown or malformed id."""
     task = store.get_task(task_id)
     result = task.get("result") or {}
     instructions = task["instructions"]
-    return info(task) | {
+    detail = info(task) | {
         "instructions": instructions[:INSTRUCTIONS_SHOWN],
         "instructions_truncated": len(instructions) > INSTRUCTIONS_SHOWN,
         "notes": cap_json(task["notes"], items=20, chars=2000)[0],
@@ -537,55 +563,70 @@ def get_task(task_id: TaskId) -> TaskDetail:
         "diff_bytes": len((task.get("diff") or "").encode()),
         "log_bytes": file_size(store.log_path(task_id)),
     }
+    detail, cut = mcp_shared.fit(detail, RESULT_CHARS)
+    return detail | {"texts_cut": cut}
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def get_task_result(
     task_id: TaskId,
     diff_offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
-    diff_max_bytes: Annotated[int | None, Field(ge=1, le=DIFF_PAGE_MAX, description="bytes of diff per page")] = 32_768,
+    diff_max_bytes: Annotated[int | None, Field(ge=1, le=DIFF_PAGE_MAX, description="bytes of diff per page (default 16,384)")] = DIFF_PAGE_DEFAULT,
 ) -> TaskResult:
     """A finished (or failed) task's outcome: the receipt (`result`: summary, files_touched,
     commands, tests_run, open_questions, model, latency_sec, sandbox…), `usage` (tokens, cost_usd
-    in USD), and its diff, paged by bytes (at most 65,536 a page, never splitting a character):
+    in USD), and its diff, paged by bytes (default 16,384, at most 65,536 a page, never splitting
+    a character; a page is made smaller when the whole result would pass 40,000 characters):
     pass diff_next_offset back as diff_offset for the next page. Long lists in the receipt are
-    cut to their last 100 items (result_truncated). Errors: unknown id, offset past the end."""
+    cut to their last 100 items and long texts shortened to keep it under 12,000 characters
+    (result_truncated). Errors: unknown id, offset past the end."""
     task = store.get_task(task_id)
     diff = (task.get("diff") or "").encode()
     offset = 0 if diff_offset is None else diff_offset
     if offset > len(diff):
         raise ToolError(f"diff_offset {offset} is past the end of the diff ({len(diff)} bytes)")
-    text, start, end = page_utf8(diff, offset, diff_max_bytes or 32_768)
     result, cut = cap_json(task.get("result"))
+    result, shortened = mcp_shared.fit(result, RECEIPT_CHARS)
     hint = {"done": "finished; the diff is committed on the branch",
             "failed": "failed; `error` says why (get_task_logs shows the run)",
             "waiting": "waiting for an answer: read `question` with get_task, reply with answer_task",
             "cancelled": "cancelled"}.get(task["status"], f"still {task['status']}; wait_for([id]) blocks until it ends")
-    return {"id": task["id"], "title": task["title"], "status": task["status"], "error": task.get("error"),
-            "result": result, "result_truncated": cut, "usage": task.get("usage"), "diff": text,
-            "diff_offset": start, "diff_next_offset": end if end < len(diff) else None,
-            "diff_total_bytes": len(diff), "diff_truncated": start > 0 or end < len(diff),
-            "branch": task.get("branch"), "worktree_path": task.get("worktree_path"),
+    head = {"id": task["id"], "title": task["title"], "status": task["status"],
+            "error": short(task.get("error"), INFO_TEXT_MAX), "result": result,
+            "result_truncated": cut or shortened, "usage": task.get("usage")}
+    tail = {"branch": task.get("branch"), "worktree_path": task.get("worktree_path"),
             "base_commit": task.get("base_commit"), "session_id": task.get("session_id"),
             "finished_at": task.get("finished_at"), "hint": hint}
 
+    def page(limit: int) -> dict[str, Any]:
+        text, start, end = page_utf8(diff, offset, limit)
+        more = end < len(diff)
+        return head | {"diff": text, "diff_offset": start, "diff_next_offset": end if more else None,
+                       "diff_total_bytes": len(diff), "diff_truncated": start > 0 or more} | tail | {
+            "hint": hint + (f"; the diff continues: get_task_result(diff_offset={end})" if more else "")}
 
-@registry.tool(annotations=READ_ONLY)
+    return mcp_shared.fit_page(page, diff_max_bytes or DIFF_PAGE_DEFAULT, RESULT_CHARS)
+
+
+@registry.tool(READ_ONLY)
 def get_task_logs(
     task_id: TaskId,
     tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
     offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset to read from instead of the tail (the next_offset of the previous call)")] = None,
-    max_bytes: Annotated[int | None, Field(ge=1, le=LOG_PAGE_MAX, description="bytes per page")] = LOG_PAGE_MAX,
+    max_bytes: Annotated[int | None, Field(ge=1, le=LOG_PAGE_MAX, description="bytes per page (default 16,384)")] = LOG_PAGE_DEFAULT,
 ) -> LogPage:
-    """The agent's raw run log (OpenCode's JSON event stream and stderr), capped at 65,536 bytes a
-    call and never splitting a character. Without `offset`: the last `tail_lines` lines. With
+    """The agent's raw run log (OpenCode's JSON event stream and stderr): at most max_bytes
+    (default 16,384, at most 65,536) a call, never splitting a character, and made smaller when
+    the result would pass 40,000 characters. Without `offset`: the last `tail_lines` lines. With
     `offset`: the bytes from there on; `next_offset` is where the next call continues (to follow a
     running task, pass it back). `truncated`: more bytes follow (offset mode) or the tail was cut
-    by max_bytes. Errors: unknown id, offset past the end."""
+    by the byte cap (then `offset` tells where the text shown begins). Errors: unknown id, offset
+    past the end."""
     task_id = store.statuses_of([task_id]).popitem()[0]
     path = store.log_path(task_id)
-    page = read_log_page(path, offset, tail_lines or 200, max_bytes or LOG_PAGE_MAX)
-    return {"task_id": task_id, "path": str(path)} | page
+    return mcp_shared.fit_page(
+        lambda limit: {"task_id": task_id, "path": str(path)} | read_log_page(path, offset, tail_lines or 200, limit),
+        max_bytes or LOG_PAGE_DEFAULT, RESULT_CHARS)
 
 
 def _wait_met(statuses: dict[str, str], mode: str) -> bool:
@@ -610,21 +651,23 @@ def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
     return f"waited {elapsed:.0f} s; still open: {', '.join(open_[:10]) or 'none'}"
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 async def wait_for(
     task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
     ctx: Context,
-    timeout_sec: Annotated[int | None, Field(ge=WAIT_RANGE[0], le=WAIT_RANGE[1], description="seconds to wait at most")] = 600,
+    timeout_sec: Annotated[int | None, Field(ge=WAIT_RANGE[0], le=WAIT_RANGE[1], description="seconds to wait at most (default 50, under the 60 s many clients allow a call; raise it only if your client waits longer)")] = WAIT_DEFAULT_SEC,
     mode: Annotated[Literal["any", "all"] | None, Field(description="any: return when one task needs attention; all: when every task does")] = "any",
 ) -> WaitResult:
     """Block until tasks finish — no polling on your side. Returns as soon as, in mode "any", one
     task is done, failed, cancelled or waiting (asked a question), or in mode "all", every task is
     finished; a task that turns `waiting` returns in both modes. Otherwise returns after
-    timeout_sec (1–3600 s) with timed_out true. Sends a progress notification every ~3 s while it
-    waits. Always returns every task's status, the ids that need attention (`ready`), the events
-    seen while waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
+    timeout_sec (default 50 s, at most 3600) with timed_out true: to keep waiting, call wait_for
+    again with the same task_ids (a task that ended in between is reported at once). Sends a
+    progress notification every ~3 s while it waits; stops when the client goes away. Always
+    returns every task's status, the ids that need attention (`ready`), the events seen while
+    waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
     ids = _task_ids(task_ids)
-    timeout_sec, mode = timeout_sec or 600, mode or "any"
+    timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
     # Store reads on a kept connection take microseconds: they run on the event loop. The wait
@@ -684,15 +727,17 @@ def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited
     if waiting:
         hint = f"{', '.join(waiting)} asked a question: answer_task(task_id, answer) lets it go on"
     elif timed_out:
-        hint = f"timed out; {', '.join(unfinished)} still open: call wait_for again (queue_status shows the worker)"
+        hint = (f"timed out; {', '.join(unfinished)} still open: call wait_for again with the same task_ids to "
+                "keep waiting (queue_status shows the worker)")
     else:
         hint = "get_task_result(id) has the receipt, usage and diff of each finished task"
-    return {"met": not timed_out, "timed_out": timed_out, "mode": mode, "waited_sec": round(waited, 2),
-            "tasks": rows, "ready": ready, "waiting": waiting, "unfinished": unfinished,
-            "events": events, "hint": hint}
+    result = {"met": not timed_out, "timed_out": timed_out, "mode": mode, "waited_sec": round(waited, 2),
+              "tasks": rows, "ready": ready, "waiting": waiting, "unfinished": unfinished,
+              "events": events, "hint": hint}
+    return mcp_shared.fit(result, RESULT_CHARS)[0]     # 100 tasks with long questions: texts are cut
 
 
-@registry.tool()
+@registry.tool(ADDS)
 def answer_task(
     task_id: TaskId,
     answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
@@ -700,29 +745,41 @@ def answer_task(
     """Answer the question of a task in status `waiting`: it goes back to pending and its next
     attempt resumes the same OpenCode session with your answer. Errors: unknown id, empty answer,
     the task is not waiting (add_task_note reaches a task at its next attempt instead)."""
-    return info(store.answer_task(task_id, answer, author="planner"))
+    return _echo(store.answer_task(task_id, answer, author="planner"))
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def list_tasks(
     status: Annotated[list[Status] | None, BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                       Field(description="only these statuses, e.g. [\"pending\", \"running\"]; default all")] = None,
     origin: Annotated[OptText, Field(description="only tasks from this caller: a kind (claude, chatgpt, other) or a clientInfo name")] = None,
     search: Annotated[OptText, Field(description="only titles containing this text (case-insensitive)")] = None,
-    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="rows per page")] = 50,
+    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="rows per page (default 20)")] = LIST_PAGE_DEFAULT,
     offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="rows to skip (next_offset of the previous page)")] = 0,
 ) -> TaskPage:
     """A page of tasks (running first, then waiting, pending, finished; by priority, newest first)
     with status, caller (origin_name/version/kind), times, error and question (cut to 300
-    characters). At most 200 rows a page: pass next_offset back as offset for the next page
-    (null at the end). Errors: an unknown status."""
-    page = store.list_tasks(status=status or None, origin=origin, search=search,
-                            limit=limit or 50, offset=offset or 0)
-    return {"tasks": [row(t) for t in page["tasks"]], "total": page["total"],
-            "offset": page["offset"], "next_offset": page["next_offset"]}
+    characters). limit rows a page (default 20, at most 200; fewer when the page would pass
+    40,000 characters): pass next_offset back as offset for the next page (null at the end).
+    Errors: an unknown status."""
+    start = offset or 0
+    found = store.list_tasks(status=status or None, origin=origin, search=search,
+                             limit=limit or LIST_PAGE_DEFAULT, offset=start)
+    rows = [row(t) for t in found["tasks"]]
+    return mcp_shared.fit_page(lambda n: _page_of(rows[:n], "tasks", found["total"], start),
+                               max(1, len(rows)), RESULT_CHARS)
 
 
-@registry.tool(annotations=READ_ONLY)
+def _page_of(rows: list[dict[str, Any]], key: str, total: int, start: int) -> dict[str, Any]:
+    """A page of ``rows`` starting at row ``start`` of ``total``, with the next offset and a hint."""
+    end = start + len(rows)
+    more = end < total
+    hint = (f"rows {start}–{end - 1} of {total}; pass offset={end} for the next page" if more and rows
+            else f"{total} in all; this is the last page")
+    return {key: rows, "total": total, "offset": start, "next_offset": end if more else None, "hint": hint}
+
+
+@registry.tool(READ_ONLY)
 def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
@@ -732,7 +789,7 @@ def queue_status() -> QueueStatus:
     return queue_snapshot()
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def worker_heartbeat() -> WorkerState:
     """The worker's last heartbeat: state (pass, idle, running, stopped, error), current task, pid,
     host, age in seconds, whether that process still runs, and a summary with what to do if no
@@ -789,7 +846,7 @@ def _detached_pass() -> dict[str, Any]:
                       f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}
 
 
-@registry.tool()
+@registry.tool(RESTARTS)
 def restart_worker() -> RestartResult:
     """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
@@ -798,7 +855,7 @@ def restart_worker() -> RestartResult:
     return _launchd_restart() or _systemd_restart() or _detached_pass()
 
 
-@registry.tool()
+@registry.tool(ADDS)
 def add_task_note(
     task_id: TaskId,
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
@@ -809,17 +866,17 @@ def add_task_note(
     return store.add_note(task_id, text, author="planner")
 
 
-@registry.tool(annotations=DESTRUCTIVE)
+@registry.tool(ENDS)
 def cancel_task(
     task_id: TaskId,
     reason: Annotated[OptText, Field(description="why, recorded on the task")] = "cancelled by the planner",
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
-    return info(store.cancel_task(task_id, reason or "cancelled by the planner"))
+    return _echo(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
-@registry.tool(annotations=ADDS)
+@registry.tool(ADDS)
 def retry_task(
     task_id: TaskId,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name one provider offers) to use from now on; default: keep the task's")] = None,
@@ -834,10 +891,10 @@ def retry_task(
     submit a follow-up task; pending, running or waiting: cancel it first), a bad model, an empty
     or too long note."""
     task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
-    return info(task) | {"requeued_dependents": task["requeued_dependents"]}
+    return _echo(task) | {"requeued_dependents": task["requeued_dependents"]}
 
 
-@registry.tool(annotations=ADDS)
+@registry.tool(ADDS)
 def apply_task(
     task_id: TaskId,
     mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
@@ -854,7 +911,7 @@ def apply_task(
     return worktrees.apply_branch(store.get_task(task_id), mode or "merge")
 
 
-@registry.tool(annotations=DESTRUCTIVE)
+@registry.tool(REMOVES)
 def clear_finished(
     older_than_sec: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="only tasks finished at least this many seconds ago")] = 0,
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
@@ -865,24 +922,29 @@ def clear_finished(
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
     task depends on are kept. Their logs and kept worktrees are deleted only when asked (a task whose
-    worktree could not be removed stays in the queue, named in `problems`); task branches always stay. Returns the removed ids. Errors: a status that is not a finished one."""
+    worktree could not be removed stays in the queue, named in `problems`); task branches always stay.
+    Returns the removed ids (`count` is the total; past some thousands of tasks the lists are
+    shortened to keep the result under 40,000 characters). Errors: a status that is not a finished one."""
     removed, purged = worktrees.clear_finished(older_than_sec or 0, statuses or store.TERMINAL,
                                                remove_logs=bool(remove_logs), remove_worktrees=bool(remove_worktrees))
-    return {"removed": [t["id"] for t in removed], "count": len(removed)} | purged
+    shown, _ = mcp_shared.fit({"removed": [t["id"] for t in removed], "count": len(removed)} | purged, RESULT_CHARS)
+    return shown
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(CATALOGUE)
 def list_models(
     search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
     provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
-    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="models per page")] = 50,
+    limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="models per page (default 50)")] = 50,
     offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="models to skip")] = 0,
     refresh: Annotated[bool | None, Field(description="ask OpenCode again instead of the one-minute cache")] = False,
 ) -> ModelPage:
     """Models OpenCode can use here (from `opencode models --verbose`): id (provider/model), name,
     cost (USD per million tokens, as OpenCode reports it: input, output, cache.read, cache.write), context and output
     limits (tokens). `resolved` is the full id when `search` is a plain model name that exactly one
-    provider offers. Errors: OpenCode not installed, unknown provider."""
+    provider offers. limit models a page (default 50, at most 200; fewer when the page would pass
+    40,000 characters): pass next_offset back as offset. Errors: OpenCode not installed, unknown
+    provider."""
     models = known_models(store.optional(provider), bool(refresh))
     chosen = opencode_runner.search_models(models, store.optional(search))
     resolved = None
@@ -890,13 +952,13 @@ def list_models(
         with contextlib.suppress(ToolError):
             resolved = resolve_model(search or "", models)
     start, size = offset or 0, limit or 50
-    page = chosen[start:start + size]
-    return {"models": page, "total": len(chosen), "offset": start,
-            "next_offset": start + size if start + size < len(chosen) else None,
-            "default_model": task_views.current_default_model(ask=True), "resolved": resolved}
+    rows = chosen[start:start + size]
+    extra = {"default_model": task_views.current_default_model(ask=True), "resolved": resolved}
+    return mcp_shared.fit_page(lambda n: _page_of(rows[:n], "models", len(chosen), start) | extra,
+                               max(1, len(rows)), RESULT_CHARS)
 
 
-@registry.tool(annotations=IDEMPOTENT)
+@registry.tool(OVERWRITES_SETTING)
 def set_default_model(
     model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
 ) -> DefaultModel:
@@ -911,7 +973,7 @@ def set_default_model(
             "resolved_from": model if resolved != model.strip() else None}
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY)
 def ping(ctx: Context) -> PingResult:
     """Check the server: version, the database path and its task count, the default model, the
     worker's state in one line, and who is calling (your clientInfo name, version and kind)."""

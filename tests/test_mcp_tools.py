@@ -94,7 +94,8 @@ async def test_lists_the_17_tools_with_docs_and_output_schemas(mode):
     submit = next(t for t in tools if t.name == "submit_task").input_schema
     assert submit["properties"]["title"]["type"] == "string"
     assert set(submit["required"]) == {"title", "instructions", "working_dir"}
-    assert submit["properties"]["timeout_sec"]["anyOf"][0] == {"maximum": 86400, "minimum": 1, "type": "integer"}
+    timeout = submit["properties"]["timeout_sec"]
+    assert (timeout["type"], timeout["minimum"], timeout["maximum"], timeout["default"]) == ("integer", 1, 86400, 1800)
     batch = next(t for t in tools if t.name == "submit_batch").input_schema["properties"]["tasks"]
     assert batch["maxItems"] == 20 and "working_dir" in batch["items"]["properties"]
 
@@ -325,7 +326,9 @@ def numeric_fields(schema: dict) -> list[str]:
         kinds = [prop.get("type")] + [p.get("type") for p in prop.get("anyOf", [])]
         return any(k in ("integer", "number") for k in kinds) or (
             prop.get("type") == "array" and numeric(prop.get("items", {})))
-    return [name for name, prop in schema.get("properties", {}).items() if numeric(prop)]
+    # Task ids are advertised as strings (the form every client takes) but also accept numbers.
+    return [name for name, prop in schema.get("properties", {}).items()
+            if numeric(prop) or name in ("task_id", "task_ids", "depends_on")]
 
 
 def base_args(tool: str, wd: str) -> dict:
