@@ -536,7 +536,7 @@ def submit_batch(
     if not 1 <= len(raw) <= store.BATCH_MAX:
         raise ToolError(f"a batch holds 1 to {store.BATCH_MAX} tasks; got {len(raw)}. Split it")
     done = store.submit_batch([_batch_item(item, name, version) for item in raw])
-    return {"tasks": [_submitted(t) for t in done], "count": len(done)}
+    return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
 
 
 @registry.tool(READ_ONLY)
