@@ -70,6 +70,7 @@ SERVER_NAME = "claude-control"
 SERVER_VERSION = "1.0.0"
 DEFAULT_API_MODEL = "claude-opus-5-5"
 DEFAULT_TIMEOUT_SEC = 120
+ASK_DEFAULT_SEC = 50  # claude_ask blocks its caller: OpenCode's MCP client ends a call after 60 s
 TIMEOUT_MAX_SEC = 3600
 PROMPT_MAX = 1_000_000
 SYSTEM_MAX = 100_000  # one argv string; Linux refuses single arguments over 128 KiB
@@ -1102,8 +1103,10 @@ def job_runner() -> JobRunner:
 
 @registry.tool(ASKS_CLAUDE)
 async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
-                     timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC, ctx: Context | None = None) -> Answer:
-    """Ask Claude and wait for the answer (at most timeout_sec seconds, default 120).
+                     timeout_sec: Timeout = ASK_DEFAULT_SEC, ctx: Context | None = None) -> Answer:
+    """Ask Claude and wait for the answer (at most timeout_sec seconds, default 50: OpenCode and
+    most MCP clients give a tool call 60 s). A question that may take longer goes through
+    claude_submit (its timeout counts on its own), then claude_poll and claude_result.
 
     Returns {answer, backend: "api"|"cli", model, stop_reason, session_id, usage: {input_tokens,
     output_tokens, cache_*_input_tokens, cost_usd (claude -p only), duration_ms, num_turns, model,

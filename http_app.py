@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import board_api
+import mcp_shared
 import oauth
 import task_views
 from mcp.server.mcpserver import MCPServer
@@ -273,16 +274,21 @@ def build_app(server: MCPServer) -> Any:
     Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
+    from starlette.routing import Route
 
     hosts = allowed_hosts()
     security = transport_security(hosts)
-    streamable = server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    # Two session managers for /mcp: SSE streams for clients that take them, plain JSON for
+    # clients that accept only application/json (mcp_shared.StreamableEndpoint routes between them).
+    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    streaming = server.session_manager
+    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security, json_response=True)
+    plain = server.session_manager
     sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
-    manager = server.session_manager
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any):
-        async with manager.run():
+        async with streaming.run(), plain.run():
             yield
 
     token = bearer_token()
@@ -296,7 +302,8 @@ def build_app(server: MCPServer) -> Any:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
     provider = oauth_provider(token)
     auth_routes = oauth.routes(provider) if provider else []
-    return Starlette(routes=[*streamable.routes, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
+    mcp_route = Route("/mcp", endpoint=mcp_shared.StreamableEndpoint(streaming, plain))
+    return Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
                      middleware=[Middleware(HostGuard, hosts=hosts),
                                  Middleware(BearerGuard, token=token, provider=provider)])
 

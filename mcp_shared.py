@@ -13,20 +13,27 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
   strict clients (OpenAI strict mode, Gemini, Cursor) accept.
 - ``RESULT_CHARS_MAX``, ``result_chars``, ``fit``: keep a tool result's text under the size at
   which clients stop showing it to the model (Claude Code: ~50,000 characters).
+- ``StreamableEndpoint``: the ``/mcp`` route over two SDK session managers, answering a client
+  that accepts only ``application/json`` with plain JSON responses (SSE for the rest), and
+  marking a request whose client dropped the connection, so that the tool it runs is stopped
+  (``TranslatingServer`` cancels it within a moment).
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
   its path and the way out, for the tools and for the HTTP API alike.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import logging
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import anyio
 import pydantic
 import pydantic_core
 from mcp.server.mcpserver import MCPServer
@@ -251,6 +258,27 @@ class TranslatingServer(MCPServer):
         return [tool.model_copy(update={"input_schema": portable_schema(tool.input_schema)}) for tool in tools]
 
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        gone = client_gone_event(context)
+        if gone is None:
+            return await self._call_tool(name, arguments, context)
+        outcome: dict[str, Any] = {}
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            group.start_soon(_cancel_when_set, gone, group.cancel_scope)
+            try:
+                outcome["result"] = await self._call_tool(name, arguments, context)
+            except Exception as exc:        # re-raised below, outside the task group
+                outcome["error"] = exc
+            group.cancel_scope.cancel()
+        if "error" in outcome:
+            raise outcome["error"]
+        if "result" not in outcome:
+            log.info("tool %s stopped after %.1f s: its client closed the connection", name,
+                     time.monotonic() - started)
+            raise ToolError(f"{name} stopped: the client closed its connection")
+        return outcome["result"]
+
+    async def _call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
         bad = nul_argument(arguments or {})
         if bad:
             raise ToolError(f"invalid arguments for {name}: {bad} contains a NUL character (\\u0000), which "
@@ -344,6 +372,119 @@ def _portable(node: Any) -> Any:
     if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         node["additionalProperties"] = False
     return node
+
+
+async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+# --------------------------------------------------------------------------------------------
+# Streamable HTTP: plain JSON for clients that do not take SSE; stop work for clients that left.
+
+GONE_KEY = "taskbridge.client_gone"       # the scope key holding a request's "client left" event
+JSON_SESSIONS_KEPT = 10_000
+
+
+def client_gone_event(context: Any) -> anyio.Event | None:
+    """The event StreamableEndpoint sets when the client of the HTTP request behind ``context``
+    (a tool call's Context) closed its connection; None over stdio, sse and in memory."""
+    try:
+        request = context.request_context.request if context is not None else None
+    except (AttributeError, LookupError, ValueError, RuntimeError):
+        return None
+    scope = getattr(request, "scope", None)
+    return scope.get(GONE_KEY) if isinstance(scope, dict) else None
+
+
+def _accepts(headers: list[tuple[bytes, bytes]]) -> tuple[bool, bool]:
+    """(takes JSON, takes SSE) by the request's Accept header, as the SDK judges it."""
+    accept = b",".join(v for k, v in headers if k == b"accept").decode("latin-1").lower()
+    kinds = {part.split(";")[0].strip() for part in accept.split(",")}
+    anything = "*/*" in kinds
+    return (anything or bool(kinds & {"application/json", "application/*"}),
+            anything or bool(kinds & {"text/event-stream", "text/*"}))
+
+
+class StreamableEndpoint:
+    """Pure ASGI app for ``/mcp`` over two SDK session managers built for the same server: one
+    answering with SSE streams (progress notifications reach the client), one in the SDK's
+    JSON-response mode. A request without a session goes to the SSE manager when its client
+    accepts ``text/event-stream`` and to the JSON manager otherwise (several client libraries
+    send ``Accept: application/json`` only, which the SSE manager answers with 406; a request
+    with neither gets ``application/json`` added); a request with a session goes to the manager
+    that made that session.
+
+    Every request carries an ``anyio.Event`` under ``scope[GONE_KEY]``, set when its client closes
+    the connection before the response is complete: ``TranslatingServer.call_tool`` then cancels
+    the tool (the SDK itself keeps a streamable-http tool running after its client left)."""
+
+    def __init__(self, sse_manager: Any, json_manager: Any) -> None:
+        self.sse_manager, self.json_manager = sse_manager, json_manager
+        self.json_sessions: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def _route(self, scope: dict) -> tuple[Any, dict]:
+        headers = list(scope.get("headers") or [])
+        session = next((v.decode("latin-1") for k, v in headers if k == b"mcp-session-id"), None)
+        if session is not None:
+            return (self.json_manager if session in self.json_sessions else self.sse_manager), scope
+        takes_json, takes_sse = _accepts(headers)
+        if takes_sse and takes_json:
+            return self.sse_manager, scope
+        if not takes_json and not takes_sse:
+            scope = dict(scope, headers=[*headers, (b"accept", b"application/json")])
+        return self.json_manager, scope
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.sse_manager.handle_request(scope, receive, send)
+        manager, scope = self._route(scope)
+        gone = anyio.Event()
+        scope[GONE_KEY] = gone
+        state = {"body_done": anyio.Event(), "complete": False}
+
+        async def receive_marked() -> dict:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not state["complete"]:
+                    gone.set()
+            elif not message.get("more_body", False):
+                state["body_done"].set()
+            return message
+
+        async def send_marked(message: dict) -> None:
+            if message["type"] == "http.response.start" and manager is self.json_manager:
+                self._remember(message.get("headers") or [])
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["complete"] = True
+            await send(message)
+
+        async def watch() -> None:
+            # Once the body is read, the server's next message can only be http.disconnect: when
+            # it comes before the response is complete, the client has gone. (The SDK answers a
+            # JSON-mode request only when the tool ends, and reads nothing more meanwhile.)
+            await state["body_done"].wait()
+            if (await receive())["type"] == "http.disconnect" and not state["complete"]:
+                gone.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch)
+            try:
+                await manager.handle_request(scope, receive_marked, send_marked)
+            finally:
+                if not state["complete"]:
+                    gone.set()
+                group.cancel_scope.cancel()
+        if scope.get("method") == "DELETE":
+            session = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"mcp-session-id"), None)
+            self.json_sessions.pop(session, None)
+
+    def _remember(self, headers: list[tuple[bytes, bytes]]) -> None:
+        for key, value in headers:
+            if key.lower() == b"mcp-session-id":
+                self.json_sessions[value.decode("latin-1")] = None
+                while len(self.json_sessions) > JSON_SESSIONS_KEPT:
+                    self.json_sessions.popitem(last=False)
 
 
 def _within_budget(tool: str, result: Any) -> Any:

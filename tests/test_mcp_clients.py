@@ -18,6 +18,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -410,3 +411,125 @@ async def test_every_reverse_bridge_result_stays_under_the_budget_and_a_long_ans
     assert "more characters cut" in asked.structured_content["answer"]
     assert {name for name, _ in sizes} == listed
     assert [s for s in sizes if s[1] > BUDGET] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Clients that accept only JSON, clients that go away.
+
+JSON_ONLY = {"Accept": "application/json", "Content-Type": "application/json",
+             "Authorization": f"Bearer {TOKEN}"}
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "json-only", "version": "1"}}}
+
+
+def json_only_session(url: str) -> dict[str, str]:
+    """initialize + initialized with Accept: application/json only; returns the headers to go on with."""
+    opened = httpx2.post(url, json=INIT, headers=JSON_ONLY, timeout=30)
+    assert opened.status_code == 200, (opened.status_code, opened.text)
+    assert opened.headers["content-type"].startswith("application/json")
+    assert opened.json()["result"]["serverInfo"]["name"] == "taskbridge"
+    headers = JSON_ONLY | {"mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": "2025-06-18"}
+    assert httpx2.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers,
+                       timeout=30).status_code == 202
+    return headers
+
+
+def test_a_client_that_accepts_only_json_gets_plain_json_and_sse_clients_keep_sse(tmp_path):
+    (tmp_path / "project").mkdir()
+    with http_bridge(server_env()) as url:
+        headers = json_only_session(url)
+        listed = httpx2.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, headers=headers, timeout=30)
+        sent = httpx2.post(url, json={"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+            "name": "submit_task", "arguments": {"title": "json", "instructions": "x",
+                                                 "working_dir": str(tmp_path / "project")}}}, headers=headers, timeout=30)
+        streamed = httpx2.post(url, json=INIT, headers=JSON_ONLY | {"Accept": "application/json, text/event-stream"},
+                               timeout=30)
+    assert listed.status_code == 200 and listed.headers["content-type"].startswith("application/json")
+    assert len(listed.json()["result"]["tools"]) == len(bridge.registry.entries)
+    task = sent.json()["result"]["structuredContent"]
+    assert task["origin_name"] == "json-only" and task_store.get_task(task["id"])["title"] == "json"
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+
+
+SDK_CLIENT = '''
+import sys, anyio, httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+async def main(url, token, task_id):
+    http = httpx2.AsyncClient(headers={"Authorization": "Bearer " + token}, timeout=900)
+    async with Client(streamable_http_client(url, http_client=http), mode="legacy") as client:
+        print("waiting", flush=True)
+        await client.call_tool("wait_for", {"task_ids": [task_id], "timeout_sec": 600})
+anyio.run(main, *sys.argv[1:])
+'''
+
+JSON_CLIENT = '''
+import json, sys, httpx2
+url, token, task_id = sys.argv[1:]
+headers = {"Accept": "application/json", "Content-Type": "application/json", "Authorization": "Bearer " + token}
+init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18",
+        "capabilities": {}, "clientInfo": {"name": "json-only", "version": "1"}}}
+opened = httpx2.post(url, json=init, headers=headers)
+headers.update({"mcp-session-id": opened.headers["mcp-session-id"], "mcp-protocol-version": "2025-06-18"})
+httpx2.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=headers)
+print("waiting", flush=True)
+httpx2.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "wait_for",
+            "arguments": {"task_ids": [task_id], "timeout_sec": 600}}}, headers=headers, timeout=900)
+'''
+
+
+@pytest.mark.parametrize("client", ["sdk client (sse)", "json-only client"])
+def test_wait_for_stops_within_seconds_when_its_http_client_goes_away(client, tmp_path):
+    """A real client over real HTTP starts a 600 s wait_for and is killed (SIGKILL: its TCP
+    connection closes with no goodbye); the server's wait ends within seconds and says so."""
+    (tmp_path / "project").mkdir()
+    task = task_store.submit_task(title="never runs", instructions="x", working_dir=str(tmp_path / "project"))
+    script = tmp_path / "client.py"
+    script.write_text(SDK_CLIENT if client.startswith("sdk") else JSON_CLIENT)
+    port = free_port()
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink:
+        server = subprocess.Popen([sys.executable, str(bridge.REPO_DIR / "opencode_bridge_mcp.py"), "--transport",
+                                   "streamable-http", "--port", str(port), "--log-level", "INFO"],
+                                  env=server_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=sink)
+    try:
+        wait_healthy(server, f"http://127.0.0.1:{port}")
+        url = f"http://127.0.0.1:{port}/mcp"
+        waiter = subprocess.Popen([sys.executable, str(script), url, TOKEN, task["id"]], stdout=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL)
+        assert waiter.stdout.readline().strip() == b"waiting"
+        deadline = time.monotonic() + 30
+        while b"wait_for" not in log.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.1)                         # the call reached the server
+        time.sleep(1.0)
+        assert b"stopped after" not in log.read_bytes()
+        waiter.kill()
+        waiter.wait()
+        killed = time.monotonic()
+        while b"tool wait_for stopped after" not in log.read_bytes() and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        stopped_in = time.monotonic() - killed
+        still = httpx2.post(url, json=INIT, headers=JSON_ONLY, timeout=30)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    text = log.read_text()
+    assert "tool wait_for stopped after" in text and "its client closed the connection" in text, text[-2000:]
+    assert stopped_in < 5, stopped_in
+    assert still.status_code == 200                      # the server serves on
+    print(f"\n{client}: the server's wait_for ended {stopped_in:.2f} s after the client was killed")
+
+
+BLOCKING = {"wait_for", "claude_ask"}      # tools that hold the call open while they wait
+
+
+@pytest.mark.parametrize("which", ["bridge over stdio", "control over stdio"])
+async def test_blocking_tools_default_under_the_60_s_clients_give_a_call(which):
+    """MCP Inspector, OpenCode's MCP client and most SDK clients end a tool call after 60 s."""
+    async with connected(which) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+    blocking = BLOCKING & set(tools)
+    assert blocking
+    for name in blocking:
+        assert tools[name].input_schema["properties"]["timeout_sec"]["default"] < 60, name
+        assert "again" in tools[name].description or "claude_submit" in tools[name].description, name

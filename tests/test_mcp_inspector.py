@@ -94,3 +94,22 @@ def test_inspector_over_http_with_the_token(path, project):
                                   f"{base}{path}"], capture_output=True, text=True, timeout=120,
                                  stdin=subprocess.DEVNULL)
     assert refused.returncode != 0 and "19" not in refused.stdout
+
+
+def test_wait_for_at_its_default_timeout_fits_the_inspectors_default_timeout(project):
+    """The Inspector gives a call 60 s (its SDK's default; no --request-timeout here). wait_for
+    with only task_ids, on a task no worker runs, must come back within that with timed_out and
+    the advice to call again with the same ids (it used to wait 600 s and the call failed)."""
+    import task_store
+    task = task_store.submit_task(title="never runs", instructions="x", working_dir=project)
+    env = [f"{k}={os.environ[k]}" for k in ("TASK_DB_PATH", "TASK_LOG_DIR", "MCP_TOKEN_FILE")]
+    extra = [flag for pair in env for flag in ("-e", pair)]
+    tools = inspect(["--", sys.executable, SCRIPT], "tools/list", extra=extra)["tools"]
+    wait = next(t for t in tools if t["name"] == "wait_for")
+    assert wait["inputSchema"]["properties"]["timeout_sec"]["default"] == bridge.WAIT_DEFAULT_SEC < 60
+    assert "call wait_for again with the same task_ids" in " ".join(wait["description"].split())
+    result = inspect(["--", sys.executable, SCRIPT], "tools/call", "wait_for", {"task_ids": [task["id"]]}, extra=extra)
+    waited = result["structuredContent"]
+    assert waited["timed_out"] is True and waited["unfinished"] == [task["id"]]
+    assert bridge.WAIT_DEFAULT_SEC <= waited["waited_sec"] < 60
+    assert "call wait_for again with the same task_ids" in waited["hint"]
