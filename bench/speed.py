@@ -444,7 +444,7 @@ def main() -> int:
         os.environ["MCP_TOKEN_FILE"] = str(base / "no-token")
         os.environ.pop("MCP_BEARER_TOKEN", None)
         parts = {
-            "real": lambda: real_runs(base / "real", 3 if quick else 6),
+            "real": lambda: real_runs(base / "real", 3 if quick else 8),
             "cycles": lambda: store_throughput(base / "cycles", 2 if quick else 6, 300 if quick else 600),
             "wake": lambda: anyio.run(wake, base / "wake", 4 if quick else 12),
             "tools": lambda: anyio.run(tool_latency, base / "tools", 50 if quick else 200),
