@@ -53,7 +53,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 # tests have always found on it.
 from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
                       bearer_token, host_name, is_loopback, parse_host, token_file)
-from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
+from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
                         WorkerState, cap_json, file_size, info, page_utf8, queue_snapshot, read_log_page,
                         row, short, worker_state)
 
@@ -134,6 +134,7 @@ Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 class SubmittedTask(TaskInfo):
     duplicate: bool
     hint: str
+    warnings: list[str]
 
 
 class Note(TypedDict):
@@ -337,6 +338,8 @@ class BatchTask(TypedDict, total=False):
     worktree_keep: bool
     agent: str
     idempotency_key: str
+    max_cost_usd: Annotated[float, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts")]
+    max_tokens: Annotated[int, Field(ge=1, le=10**12, description="tokens the task may use (for a model with no price)")]
 
 
 def _echo(task: dict[str, Any]) -> dict[str, Any]:
@@ -353,7 +356,8 @@ def _submitted(task: dict[str, Any]) -> dict[str, Any]:
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
-    return _echo(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint}
+    return _echo(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint,
+                         "warnings": task_views.limit_warnings(task)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,13 +455,15 @@ REMOVES = mcp_shared.hints(read_only=False, destructive=True, idempotent=False, 
 CATALOGUE = mcp_shared.hints(read_only=True, destructive=False, idempotent=True, open_world=True)
 OVERWRITES_SETTING = mcp_shared.hints(read_only=False, destructive=True, idempotent=True, open_world=True)
 RESTARTS = mcp_shared.hints(read_only=False, destructive=True, idempotent=False, open_world=True)
+# Replaces the queue's budget settings (the earlier values are gone); asks nothing outside.
+SETS_BUDGET = mcp_shared.hints(read_only=False, destructive=True, idempotent=True, open_world=False)
 
 
 registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 19 TaskBridge tools (nothing is opened until a tool runs)."""
+    """A fresh MCPServer with the 20 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
     return registry.install(mcp)
 
@@ -478,6 +484,8 @@ def submit_task(
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
     idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
+    max_cost_usd: Annotated[float | None, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
+    max_tokens: Annotated[int | None, Field(ge=1, le=10**12, description="tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
@@ -485,6 +493,10 @@ def submit_task(
     and records a receipt. Then call wait_for([id]) and get_task_result(id).
     Errors (nothing is written then): a relative or missing working_dir, an unknown dependency,
     a value out of range, a model `opencode models` does not list (the closest ids are named).
+    Spending: at `max_cost_usd` (USD) or `max_tokens` the run ends at that step and the task
+    waits with a question stating the spend; answer_task "continue, up to $2" resumes the same
+    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model that
+    OpenCode prices at 0 (it could never trigger: give max_tokens).
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
@@ -493,7 +505,8 @@ def submit_task(
               "worktree": True if worktree is None else worktree,
               "worktree_keep": False if worktree_keep is None else worktree_keep,
               "agent": agent, "idempotency_key": idempotency_key,
-              "origin_name": name, "origin_version": version}
+              "origin_name": name, "origin_version": version,
+              "max_cost_usd": max_cost_usd, "max_tokens": max_tokens}
     return _submitted(store.submit_task(**fields))
 
 
@@ -743,8 +756,11 @@ def answer_task(
     answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
 ) -> TaskInfo:
     """Answer the question of a task in status `waiting`: it goes back to pending and its next
-    attempt resumes the same OpenCode session with your answer. Errors: unknown id, empty answer,
-    the task is not waiting (add_task_note reaches a task at its next attempt instead)."""
+    attempt resumes the same OpenCode session with your answer. A task paused at a spending limit
+    (`paused_for` set) reads it: "continue, up to $2" (or "300k tokens") raises its limit and
+    resumes the session, "stop" fails it with its receipt kept, a bare "continue" resumes only
+    when no limit is reached any more. Errors: unknown id, empty answer, the task is not waiting
+    (add_task_note reaches a task at its next attempt instead), a limit not above the spend."""
     return _echo(store.answer_task(task_id, answer, author="planner"))
 
 
@@ -784,8 +800,10 @@ def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
     user's OpenCode config as last seen; null until list_models or a worker has asked OpenCode),
-    and the worker's liveness (last heartbeat age in seconds, whether its process runs, a
-    one-line summary)."""
+    the worker's liveness (last heartbeat age in seconds, whether its process runs, a one-line
+    summary that says when it claims nothing because the daily budget is spent), and `budget`:
+    today's spend (local day; USD and tokens), the daily budget and default task limits (null =
+    none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC)."""
     return queue_snapshot()
 
 
@@ -971,6 +989,23 @@ def set_default_model(
     store.set_setting("default_model", resolved)
     return {"model": resolved, "previous": previous,
             "resolved_from": model if resolved != model.strip() else None}
+
+
+@registry.tool(SETS_BUDGET)
+def set_budget(
+    daily_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
+    daily_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
+    default_max_cost_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD limit a new task gets when it names none; 0 removes; omit to keep")] = None,
+    default_max_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="token limit a new task gets when it names none; 0 removes; omit to keep")] = None,
+) -> BudgetState:
+    """Set the queue's daily budget and the spending limits new tasks get by default; returns the
+    budget state (as queue_status's `budget`). The day is the machine's local calendar day: the
+    meter starts again at local midnight. While today's spend is at the budget the worker claims
+    nothing new (a running task pauses at its next step and asks); raising it lets the next pass
+    take work. Errors: a negative or too large value."""
+    given = {"daily_usd": daily_usd, "daily_tokens": daily_tokens,
+             "default_max_cost_usd": default_max_cost_usd, "default_max_tokens": default_max_tokens}
+    return store.set_budget(**{k: v for k, v in given.items() if v is not None})
 
 
 @registry.tool(READ_ONLY)

@@ -2,14 +2,17 @@
 // limit or under a daily budget (worker.py adds it to OPENCODE_CONFIG_CONTENT's "plugin" list and
 // names the gate file in TASKBRIDGE_GATE).
 //
-// Why: between a step_finish event on stdout and OpenCode's next model request there are ~10 ms,
-// so a limit read only from the event stream cannot stop the next request. Before each model call
-// of the run's own session this hook waits until the worker has metered every step that session
-// finished (after each step_finish the worker writes {"steps": n, "stop": reason|null} to the
-// gate file); when the worker says stop, the call is never sent and the worker ends the process
-// tree at that step boundary. A worker that does not answer within TASKBRIDGE_GATE_WAIT_MS
-// (default 30000) does not hang the run: the call goes out. Sub-agents' calls are not gated (their
-// steps are not in the event stream). Reads and writes nothing else; no dependencies.
+// Why a plugin: OpenCode makes its next model request ~10 ms after a step finishes, and
+// `opencode run --format json` prints that step_finish only once the next call is under way
+// (measured with 1.18.33: a held call held the printed event with it). A limit read from the
+// printed stream therefore always lets one more request out. This hook runs before each model call
+// of the run's own session: it sums the cost and tokens of the steps this run finished, from
+// OpenCode's own storage (the session's messages), and when they reach what the worker allows
+// ({"allow_usd": x | null, "allow_tokens": n | null, "stop": reason | null} in the gate file), it
+// writes {"steps", "cost_usd", "tokens"} to "<gate>.held" and never lets the call go: the worker
+// sees that file, ends the process tree at this step boundary and pauses the task.
+// Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
+// that cannot be read lets the call go. No dependencies; writes only the .held file.
 import fs from "fs";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -22,34 +25,51 @@ function readGate(path) {
   }
 }
 
-export const TaskbridgeSpendGate = async () => {
+// The step-finish parts of the session, oldest first, from OpenCode's storage; null when unreadable.
+async function finishedSteps(client, sessionID) {
+  try {
+    const answer = await client.session.messages({ path: { id: sessionID } });
+    const messages = Array.isArray(answer) ? answer : answer && Array.isArray(answer.data) ? answer.data : null;
+    if (!messages) return null;
+    return messages.flatMap((m) => m.parts || []).filter((p) => p.type === "step-finish");
+  } catch {
+    return null;
+  }
+}
+
+function tokensOf(part) {
+  const t = part.tokens || {};
+  if (typeof t.total === "number") return t.total;
+  const cache = t.cache || {};
+  return (t.input || 0) + (t.output || 0) + (t.reasoning || 0) + (cache.read || 0) + (cache.write || 0);
+}
+
+async function hold() {
+  for (;;) await sleep(1000); // the worker ends this process; the call is never sent
+}
+
+export const TaskbridgeSpendGate = async ({ client }) => {
   const path = process.env.TASKBRIDGE_GATE;
-  const waitMs = Number(process.env.TASKBRIDGE_GATE_WAIT_MS || 30000);
-  const finished = new Map(); // session id -> ids of its finished steps
   let main = null;
+  let before = null; // steps the session had finished before this run (a resumed session)
   return {
-    event: async ({ event }) => {
-      const part = event && event.type === "message.part.updated" && event.properties && event.properties.part;
-      if (part && part.type === "step-finish") {
-        if (!finished.has(part.sessionID)) finished.set(part.sessionID, new Set());
-        finished.get(part.sessionID).add(part.id);
-      }
-    },
     "chat.params": async (input) => {
       if (!path) return;
       main = main || input.sessionID;
       if (input.sessionID !== main) return;
-      const need = (finished.get(main) || new Set()).size;
-      const until = Date.now() + waitMs;
-      for (;;) {
-        const gate = readGate(path);
-        if (gate && gate.stop) {
-          for (;;) await sleep(1000); // the worker ends this process; no request goes out
-        }
-        if (gate && gate.steps >= need) return;
-        if (Date.now() > until) return;
-        await sleep(5);
-      }
+      const gate = readGate(path);
+      if (gate && gate.stop) return hold();
+      const steps = await finishedSteps(client, main);
+      if (steps === null || !gate) return;
+      if (before === null) before = steps.length;
+      const mine = steps.slice(before);
+      const cost = mine.reduce((sum, p) => sum + (Number(p.cost) || 0), 0);
+      const tokens = mine.reduce((sum, p) => sum + tokensOf(p), 0);
+      const overUsd = typeof gate.allow_usd === "number" && cost >= gate.allow_usd;
+      const overTokens = typeof gate.allow_tokens === "number" && tokens >= gate.allow_tokens;
+      if (!overUsd && !overTokens) return;
+      fs.writeFileSync(path + ".held", JSON.stringify({ steps: mine.length, cost_usd: cost, tokens }));
+      return hold();
     },
   };
 };

@@ -214,6 +214,26 @@ def current_default_model(ask: bool = False) -> str | None:
         return None
 
 
+def limit_warnings(task: dict[str, Any]) -> list[str]:
+    """What a submit says about a task's spending limit: a dollar limit on a model OpenCode prices
+    at 0 (or gives no price) never triggers, so it is flagged with the way out (``max_tokens``).
+    The model is the task's own, else the default; both are judged from cached answers of
+    OpenCode only (a submit never waits on it), so nothing is said when none is cached."""
+    if task.get("max_cost_usd") is None or task.get("max_tokens") is not None:
+        return []
+    model = task.get("model") or current_default_model()
+    try:
+        models = oc.known_models(cache_file=models_cache_file(), ask=False) if model else []
+    except (LookupError, OSError, ValueError):
+        return []
+    listed = next((m for m in models if m["id"] == model), None)
+    if listed is None or not oc.is_free(listed):
+        return []
+    return [f"{task['id']}: OpenCode reports no price for {model} (cost 0), so max_cost_usd "
+            f"${task['max_cost_usd']:g} can never be reached; give max_tokens (tokens) to limit it, "
+            "or declare the model's cost in your OpenCode config"]
+
+
 def queue_snapshot() -> dict[str, Any]:
     """Tallies, oldest pending, default model, worker liveness, today's spend and the daily budget
     (QueueStatus: the queue_status tool, /api/status, `tasks_cli.py status`)."""

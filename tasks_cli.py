@@ -226,6 +226,14 @@ def checked_model(model: str | None) -> str | None:
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
 
 
+def usd_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """An amount in USD above 0 (``0.50`` or ``$0.50``), or None."""
+    try:
+        return task_store.coerce_usd(param.name or "amount", value)
+    except task_store.ValidationError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``provider/model`` or None."""
     try:
@@ -427,6 +435,12 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("run marker", line(task["run_marker"])), ("agent pid", task["agent_pid"]),
         ("session", line(task["session_id"])), ("branch", line(task["branch"])),
         ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
+        ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
+                  + (" so far" if task["status"] == "running" else "")),
+        ("limit", None if task["max_cost_usd"] is None and task["max_tokens"] is None else
+         ", ".join(x for x in (task["max_cost_usd"] is not None and money(task["max_cost_usd"]),
+                              task["max_tokens"] is not None and f"{task['max_tokens']:,} tokens") if x)
+         + (f" (paused: {task['paused_for'].replace('_', ' ')})" if task.get("paused_for") else "")),
         ("error", Text(visible(task["error"]), style="red") if task["error"] else None),
     ]
 
@@ -707,11 +721,16 @@ def cli() -> None:
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
 @click.option("--key", "idempotency_key", help="Idempotency key: submitting the same key again returns the first task.")
 @click.option("--yes", "-y", is_flag=True, help="Without --dir, queue for the current folder even when it is not a git repository.")
+@click.option("--max-cost", "max_cost_usd", callback=usd_arg,
+              help="USD the task may spend over all its attempts; at the limit it pauses and asks (default: the queue's).")
+@click.option("--max-tokens", type=click.IntRange(*task_store.TOKENS_RANGE),
+              help="Tokens the task may use, for a model that reports no price (default: the queue's).")
 @json_option
 def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
            permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
-           idempotency_key: str | None, yes: bool, as_json: bool) -> None:
+           idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
+           as_json: bool) -> None:
     """Queue a task for the worker.
 
     TITLE is a short name (up to 200 characters). The instructions come from --instructions,
@@ -726,12 +745,16 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         timeout_sec=timeout_sec, max_retries=max_retries, permission=permission,
         worktree=not no_worktree, worktree_keep=keep_worktree, agent=agent,
         idempotency_key=idempotency_key, origin_name=ORIGIN_NAME, origin_version=__version__,
+        max_cost_usd=max_cost_usd, max_tokens=max_tokens,
     )
+    warnings = task_views.limit_warnings(task)
     if as_json:
-        return emit_json(task)
+        return emit_json(task | {"warnings": warnings})
     verb = "Already queued as" if task["duplicate"] else "Submitted"
     said = visible(f"{verb} {task['id']}: {task['title']} ({task['status']})", multiline=False)
     out().print(Text(said, style="green"))
+    for warning in warnings:
+        err().print(Text(f"Warning: {visible(warning)}", style="yellow"), soft_wrap=True)
 
 
 def list_options(command: Callable) -> Callable:
@@ -857,6 +880,8 @@ def answer(task_id: str, text: str) -> None:
     if text == "-":
         text = sys.stdin.read()
     task = task_store.answer_task(task_id, text, author=person())
+    if task["status"] == "failed":
+        return out().print(Text(f"Stopped {task['id']} at its spending limit: it failed, its receipt kept.", style="yellow"))
     out().print(Text(f"Answered {task['id']}; it is {task['status']} again and resumes with your answer.", style="green"))
 
 
@@ -1168,10 +1193,14 @@ def status(as_json: bool) -> None:
     """Show the queue's counts and the worker's last heartbeat."""
     summary = task_store.queue_summary()
     worker = task_views.worker_state()
+    budget = task_store.budget_state()
     if as_json:
-        return emit_json(summary | {"worker": worker, "db": str(task_store.db_path())})
+        return emit_json(summary | {"worker": worker, "db": str(task_store.db_path()), "budget": budget})
     out().print(fields_table(queue_rows(summary), title="Queue"))
+    out().print(fields_table(budget_rows(budget), title="Spending"))
     out().print(fields_table(worker_rows(worker), title="Worker"))
+    if budget["reason"]:
+        err().print(Text(f"Nothing new is claimed: {budget['reason']}", style="yellow"), soft_wrap=True)
     if not worker["recent"]:
         err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
                          "running? (python worker.py runs one pass by hand)", style="yellow"))
@@ -1191,6 +1220,24 @@ def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
+def money(usd: float | None) -> str:
+    """An amount in USD as a person reads it; ``none`` for no limit."""
+    return "none" if usd is None else f"${usd:,.4f}"
+
+
+def budget_rows(budget: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Today's spend against the daily budget, and the default task limits (task_store.budget_state)."""
+    daily = money(budget["daily_usd"])
+    rows = [("spent today", f"{money(budget['spent_usd'])} of {daily} ({budget['spent_tokens']:,} tokens"
+                            + (f" of {budget['daily_tokens']:,}" if budget["daily_tokens"] else "") + f") on {budget['day']}"),
+            ("resets", f"at local midnight ({budget['resets_at']})"),
+            ("default task limit", money(budget["default_max_cost_usd"])
+             + (f", {budget['default_max_tokens']:,} tokens" if budget["default_max_tokens"] else ""))]
+    if budget["reason"]:
+        rows.append(("claims", Text("nothing new: " + budget["reason"], style="yellow")))
+    return rows
+
+
 def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     """The judged heartbeat (task_views.worker_state), its age first."""
     if not worker["seen"]:
@@ -1198,6 +1245,64 @@ def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     rows = [("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")]
     rows += [(k, v) for k, v in worker.items() if k not in ("age_sec", "at", "seen", "summary", "extra")]
     return rows + list(worker["extra"].items())
+
+
+@cli.group(cls=TaskGroup)
+def budget() -> None:
+    """Spending: today's spend and the daily budget (show), set it and the default task limits
+    (set), raise one task's limit and resume it when it is paused there (raise).
+
+    The daily budget is metered per local calendar day: it resets at local midnight.
+    """
+
+
+@budget.command("show")
+@json_option
+def budget_show(as_json: bool) -> None:
+    """Show today's spend, the daily budget, the default task limits and whether claims stopped."""
+    state = task_store.budget_state()
+    if as_json:
+        return emit_json(state)
+    out().print(fields_table(budget_rows(state), title="Spending"))
+
+
+@budget.command("set")
+@click.option("--daily", "daily_usd", type=click.FloatRange(0, task_store.USD_RANGE[1]),
+              help="USD the whole queue may spend per local day (0 removes the budget).")
+@click.option("--daily-tokens", type=click.IntRange(0, task_store.TOKENS_RANGE[1]),
+              help="Tokens the queue may use per local day (0 removes).")
+@click.option("--default-max-cost", "default_max_cost_usd", type=click.FloatRange(0, task_store.USD_RANGE[1]),
+              help="USD limit a new task gets when it names none (0 removes).")
+@click.option("--default-max-tokens", type=click.IntRange(0, task_store.TOKENS_RANGE[1]),
+              help="Token limit a new task gets when it names none (0 removes).")
+@json_option
+def budget_set(daily_usd: float | None, daily_tokens: int | None, default_max_cost_usd: float | None,
+               default_max_tokens: int | None, as_json: bool) -> None:
+    """Set the daily budget and the default task limits; options left out stay as they are."""
+    given = {"daily_usd": daily_usd, "daily_tokens": daily_tokens,
+             "default_max_cost_usd": default_max_cost_usd, "default_max_tokens": default_max_tokens}
+    if all(v is None for v in given.values()):
+        raise click.UsageError("give at least one of --daily, --daily-tokens, --default-max-cost, --default-max-tokens")
+    state = task_store.set_budget(**{k: v for k, v in given.items() if v is not None})
+    if as_json:
+        return emit_json(state)
+    out().print(fields_table(budget_rows(state), title="Spending"))
+
+
+@budget.command("raise")
+@click.argument("task_id", callback=task_id_arg)
+@click.argument("usd", required=False, callback=usd_arg)
+@click.option("--tokens", "max_tokens", type=click.IntRange(*task_store.TOKENS_RANGE), help="The new token limit.")
+@json_option
+def budget_raise(task_id: str, usd: float | None, max_tokens: int | None, as_json: bool) -> None:
+    """Raise TASK_ID's limit to USD (or --tokens N); a task paused at its limit resumes its session."""
+    task = task_store.raise_limit(task_id, max_cost_usd=usd, max_tokens=max_tokens, author=person())
+    if as_json:
+        return emit_json(task)
+    said = f"{task['id']}: limit now {money(task['max_cost_usd'])}" + (
+        f", {task['max_tokens']:,} tokens" if task["max_tokens"] else "")
+    out().print(Text(said + (f"; it is {task['status']} and resumes its session" if task["status"] == "pending"
+                             and task.get("answer") else f"; it is {task['status']}"), style="green"))
 
 
 @cli.command()

@@ -162,7 +162,6 @@ class RunResult:
 
 
 START_GATE_SEC = 3
-GATED_PUMP_SEC = 0.02         # how often a gated run's output is read: the next model call waits on it
 SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
@@ -194,8 +193,13 @@ class Meter:
     cost and tokens so far go to the task row (live) and the step's own to today's spend
     (``store.record_spend``); then the task's total (earlier attempts + this one) is checked
     against its ``max_cost_usd`` / ``max_tokens`` and today's spend against the daily budget.
-    With any limit set at the start, the spend gate (``spend_gate.js``) holds OpenCode's next
-    model call until this has run, and is told to stop when a limit is reached."""
+
+    With any limit set at the start, the spend gate (``spend_gate.js``) runs inside OpenCode: the
+    gate file tells it what this run may still spend (``allow_usd``, ``allow_tokens``, rewritten
+    after each step as other tasks spend too), and before each model call it sums this run's
+    finished steps from OpenCode's storage; at the allowance it holds the call and says so in
+    ``<gate>.held``, which ``held()`` reads. (``opencode run`` prints a step's event only once the
+    next call is under way, so the printed stream alone always lets one more request out.)"""
 
     def __init__(self, task: dict[str, Any], gate_file: str | None):
         usage = task.get("usage") or {}
@@ -206,20 +210,28 @@ class Meter:
         self.gate_file = gate_file
         self.cost = 0.0
         self.tokens = 0
-        self.budget: dict[str, Any] = {}
-        self.write_gate(0, None)
+        self.budget: dict[str, Any] = store.budget_state() if gate_file else {}
+        self.write_gate()
 
     def step(self, stream: oc.EventStream) -> dict[str, Any] | None:
         """Record the step just finished; the pause (kind, reason, spend, limit) when a limit is
         now reached, else None."""
-        cost, tokens = stream.cost_usd, stream.tokens["total"]
+        self.add(stream.cost_usd, stream.tokens["total"])
+        paused = self.check()
+        if paused is None:
+            self.write_gate()
+        return paused
+
+    def add(self, cost: float, tokens: int) -> None:
+        """Meter the run's totals so far (``cost`` USD, ``tokens``), when they grew."""
+        if cost <= self.cost and tokens <= self.tokens:
+            return
         try:
             self.budget = store.record_spend(self.task_id, self.marker, round(cost, 8), tokens,
-                                             cost - self.cost, tokens - self.tokens)
+                                             max(cost - self.cost, 0.0), max(tokens - self.tokens, 0))
         except (sqlite3.Error, OSError) as exc:   # the meter never fails a run; the limit still counts
             log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
-        self.cost, self.tokens = cost, tokens
-        return self.check()
+        self.cost, self.tokens = max(cost, self.cost), max(tokens, self.tokens)
 
     def check(self) -> dict[str, Any] | None:
         usd, tokens = self.prior_usd + self.cost, self.prior_tokens + self.tokens
@@ -234,19 +246,44 @@ class Meter:
                     "limit": self.budget["daily_usd"], "reason": self.budget["reason"]}
         return None
 
-    def write_gate(self, steps: int, stop: str | None) -> None:
-        """Tell the spend gate how many steps are metered, or to stop (an atomic rename)."""
+    def allowance(self) -> tuple[float | None, int | None]:
+        """What this run may spend in all (USD, tokens): the task's limits less its earlier
+        attempts, and the daily budgets less what everyone else spent today."""
+        usd = [self.max_usd - self.prior_usd] if self.max_usd is not None else []
+        tokens = [self.max_tokens - self.prior_tokens] if self.max_tokens is not None else []
+        if self.budget.get("daily_usd") is not None:
+            usd.append(self.budget["daily_usd"] - (self.budget["spent_usd"] - self.cost))
+        if self.budget.get("daily_tokens") is not None:
+            tokens.append(self.budget["daily_tokens"] - (self.budget["spent_tokens"] - self.tokens))
+        return (min(usd) if usd else None), (min(tokens) if tokens else None)
+
+    def write_gate(self, stop: str | None = None) -> None:
+        """Tell the spend gate the run's allowance, or to stop (an atomic rename)."""
         if self.gate_file is None:
             return
+        usd, tokens = self.allowance()
         tmp = f"{self.gate_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as out:
-            json.dump({"steps": steps, "stop": stop}, out)
+            json.dump({"allow_usd": usd, "allow_tokens": tokens, "stop": stop}, out)
         os.replace(tmp, self.gate_file)
 
+    def held(self) -> dict[str, Any] | None:
+        """What the spend gate wrote when it held a model call (steps, cost_usd, tokens of this
+        run, from OpenCode's storage), or None."""
+        if self.gate_file is None:
+            return None
+        try:
+            with open(f"{self.gate_file}.held", encoding="utf-8") as held:
+                data = json.load(held)
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
     def close(self) -> None:
-        if self.gate_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.gate_file)
+        for path in (self.gate_file, f"{self.gate_file}.held", f"{self.gate_file}.tmp"):
+            if self.gate_file is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
 
 def spend_limited(task: dict[str, Any]) -> bool:
@@ -272,7 +309,7 @@ class Supervisor:
         self.stop = False
         self.gate_open_at: float | None = None
         self.meter: Meter | None = None
-        self.pump_sec = 0.2
+        self.held_at: dict[str, Any] | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -296,13 +333,14 @@ class Supervisor:
             try:
                 self._watch()
             finally:
-                if self.meter is not None:
-                    self.meter.close()
                 self._leave_gate()
                 process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
                                        run_stragglers(self.marker, self.queue))
                 self._drain(final=True)
                 self.result.returncode = self.proc.wait()
+                self._count_held_steps()
+                if self.meter is not None:
+                    self.meter.close()   # after the tree is gone: a missing gate file lets calls go
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
 
@@ -340,7 +378,7 @@ class Supervisor:
         self.finished_at: float | None = None
         self.exited_at: float | None = None
         while not self.stop and not self._done():
-            self._pump(self.pump_sec)
+            self._pump(0.2)
             self._check(time.monotonic())
 
     def _done(self) -> bool:
@@ -367,6 +405,10 @@ class Supervisor:
             return self._end(f"timed out after {self.task['timeout_sec']} s")
         if now - self.last_activity > knobs.inactivity_sec:
             return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        if self.meter is not None and self.meter.gate_file and not self.stop:
+            self._held()
+            if self.stop:
+                return None
         if self.result.stream.finished and self.finished_at is None:
             self.finished_at = now
         if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and self.proc.poll() is None:
@@ -446,17 +488,41 @@ class Supervisor:
                 Talk.event(self.task["id"], event)
         self.log.flush()
 
+    def _count_held_steps(self) -> None:
+        """A held run's last steps may never have been printed: the receipt takes the totals
+        OpenCode stored (what the gate summed) when they exceed the printed ones."""
+        held, stream = self.held_at, self.result.stream
+        if not held:
+            return
+        if float(held.get("cost_usd") or 0) > stream.cost_usd:
+            stream.cost_usd = float(held["cost_usd"])
+        if int(held.get("tokens") or 0) > stream.tokens["total"]:
+            stream.tokens["total"] = int(held["tokens"])
+        stream.steps = max(stream.steps, int(held.get("steps") or 0))
+
     def _metered(self) -> None:
         """A step finished: meter it; at a reached limit end the run at this step boundary (the
         gate keeps the next model call from going out), else let the next call go."""
         stream = self.result.stream
         paused = self.meter.step(stream)
         if paused is not None and not stream.finished and not self.stop:
-            self.meter.write_gate(stream.steps, paused["reason"])
-            self.result.paused = paused
-            self._end(f"paused at a spending limit: {paused['reason']}")
-        else:
-            self.meter.write_gate(stream.steps, None)
+            self._pause(paused)
+
+    def _pause(self, paused: dict[str, Any]) -> None:
+        self.meter.write_gate(stop=paused["reason"])
+        self.result.paused = paused
+        self._end(f"paused at a spending limit: {paused['reason']}")
+
+    def _held(self) -> None:
+        """The spend gate held a model call: this run's steps as OpenCode stored them reach the
+        allowance (the last one may not be printed yet). Meter them and pause."""
+        held = self.meter.held()
+        if held is None:
+            return
+        self.held_at = held
+        self.meter.add(float(held.get("cost_usd") or 0), int(held.get("tokens") or 0))
+        self._pause(self.meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": self.meter.cost,
+                                           "limit": None, "reason": "the spend gate held the next model call"})
 
     def _drain(self, final: bool) -> None:
         """Read what is left after the tree is gone (stderr for up to a second: a stray process
@@ -694,8 +760,6 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
     supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs)
     supervisor.deadline_at = deadline
     supervisor.meter = Meter(task, gate)
-    if gate:
-        supervisor.pump_sec = GATED_PUMP_SEC   # the gate holds each model call until we read the step
     return supervisor.run()
 
 

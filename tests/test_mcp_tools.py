@@ -1,4 +1,4 @@
-"""The 19 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
+"""The 20 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
 auto), including the bad-input list of issue 3 and the caps on huge logs, diffs and lists."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ TOOLS = {
     "submit_task", "submit_batch", "get_task", "get_task_result", "get_task_logs", "wait_for",
     "answer_task", "list_tasks", "queue_status", "worker_heartbeat", "restart_worker",
     "add_task_note", "cancel_task", "clear_finished", "list_models", "set_default_model", "ping",
-    "retry_task", "apply_task",
+    "retry_task", "apply_task", "set_budget",
 }
 CLAUDE = Implementation(name="claude-ai", version="0.14.2")
 

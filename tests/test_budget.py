@@ -1,0 +1,200 @@
+"""Spending limits without an agent run (issue 14): the store's meter, limits and answers, the
+daily budget's claim stop, the MCP tools and the CLI. The runs themselves (pause at a step, no
+further request, resume, stop) are in test_spending_limits.py with the real opencode."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from mcp import Client
+from mcp.types import Implementation
+
+import opencode_bridge_mcp as bridge
+import task_store
+import tasks_cli
+
+
+def _task(tmp_path, **fields) -> dict:
+    return task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path), **fields)
+
+
+def _pause(task: dict, cost: float, kind: str = "task_limit") -> dict:
+    """Claim the task, meter ``cost`` USD for one step and pause it as the worker does."""
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.record_spend(task["id"], claimed["run_marker"], cost, 1000, cost, 1000)
+    usage = {"tokens": {"total": 1000}, "cost_usd": cost, "steps": 1}
+    return task_store.pause_for_question(task["id"], claimed["run_marker"], "limit reached", session_id="ses_1",
+                                         result={"summary": "so far", "commands": [{"command": "make"}]},
+                                         usage=usage, paused_for=kind)
+
+
+def test_limits_are_validated_and_defaults_apply_only_when_none_given(tmp_path):
+    for bad in (-1, 0, "abc", float("nan"), 10**9, True):
+        with pytest.raises(task_store.ValidationError, match="max_cost_usd"):
+            _task(tmp_path, max_cost_usd=bad)
+    with pytest.raises(task_store.ValidationError, match="max_tokens"):
+        _task(tmp_path, max_tokens=0)
+    assert _task(tmp_path, max_cost_usd="$0.50")["max_cost_usd"] == 0.5
+    task_store.set_budget(default_max_cost_usd=0.25, default_max_tokens=5000)
+    plain = _task(tmp_path)
+    assert (plain["max_cost_usd"], plain["max_tokens"]) == (0.25, 5000)
+    own = _task(tmp_path, max_tokens=100)
+    assert (own["max_cost_usd"], own["max_tokens"]) == (None, 100), "a task's own limit replaces the defaults"
+    task_store.set_budget(default_max_cost_usd=0, default_max_tokens=None)
+    assert _task(tmp_path)["max_cost_usd"] is None
+    with pytest.raises(task_store.ValidationError, match="daily_usd"):
+        task_store.set_budget(daily_usd=-3)
+
+
+def test_spend_is_live_on_the_running_task_and_counted_per_local_day(tmp_path):
+    task = _task(tmp_path)
+    claimed = task_store.claim_next("w")
+    state = task_store.record_spend(task["id"], claimed["run_marker"], 0.1, 500, 0.1, 500)
+    task_store.record_spend(task["id"], claimed["run_marker"], 0.3, 900, 0.2, 400)
+    running = task_store.get_task(task["id"])
+    assert running["spent_usd"] == pytest.approx(0.3) and running["spent_tokens"] == 900
+    assert task_store.list_tasks()["tasks"][0]["spent_usd"] == pytest.approx(0.3)
+    assert state["day"] == task_store.local_day() and state["spent_usd"] == pytest.approx(0.1)
+    budget = task_store.budget_state()
+    assert budget["spent_usd"] == pytest.approx(0.3) and budget["spent_tokens"] == 900
+    assert budget["daily_usd"] is None and not budget["exhausted"]
+    # A stale attempt's meter still counts the money but not on the task row.
+    task_store.record_spend(task["id"], "br-1-a9", 5.0, 1, 0.5, 1)
+    assert task_store.get_task(task["id"])["spent_usd"] == pytest.approx(0.3)
+    assert task_store.budget_state()["spent_usd"] == pytest.approx(0.8)
+
+
+def test_the_day_is_the_local_calendar_day(monkeypatch):
+    monkeypatch.setenv("TZ", "Pacific/Auckland")
+    import time
+    time.tzset()
+    try:
+        ts = 1_796_036_600.0   # 2026-11-30 11:03:20 UTC = 2026-12-01 00:03:20 in Auckland (UTC+13)
+        assert task_store.local_day(ts) == "2026-12-01"
+        assert task_store.next_local_midnight(ts) - ts == pytest.approx(24 * 3600 - 200, abs=1)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_a_spent_daily_budget_stops_claims_until_raised(tmp_path):
+    first, second = _task(tmp_path), _task(tmp_path)
+    task_store.set_budget(daily_usd=0.5)
+    claimed = task_store.claim_next("w")
+    task_store.record_spend(first["id"], claimed["run_marker"], 0.5, 10, 0.5, 10)
+    state = task_store.budget_state()
+    assert state["exhausted"] and "daily budget is spent ($0.5000 of $0.5000" in state["reason"]
+    assert task_store.claim_next("w") is None
+    with pytest.raises(task_store.InvalidTransition, match="daily budget is spent"):
+        task_store.claim_next("w", task_id=second["id"])
+    task_store.set_budget(daily_usd=1)
+    assert task_store.claim_next("w")["id"] == second["id"]
+
+
+def test_answers_to_a_limit_pause(tmp_path):
+    task = _task(tmp_path, max_cost_usd=0.2)
+    paused = _pause(task, 0.25)
+    assert paused["status"] == "waiting" and paused["paused_for"] == "task_limit"
+    with pytest.raises(task_store.ValidationError, match="still at its spending limit"):
+        task_store.answer_task(task["id"], "continue")
+    with pytest.raises(task_store.ValidationError, match=r"already spent \$0.2500"):
+        task_store.answer_task(task["id"], "ok, up to $0.25")
+    with pytest.raises(task_store.ValidationError, match="above 0"):
+        task_store.answer_task(task["id"], "continue, up to $0")
+    resumed = task_store.answer_task(task["id"], "continue, up to $2")
+    assert resumed["status"] == "pending" and resumed["max_cost_usd"] == 2.0 and resumed["paused_for"] is None
+    assert "spending limit" in resumed["answer"] and "up to $2" in resumed["answer"]
+    assert task_store.get_task(task["id"])["questions"][-1]["answer"] == "continue, up to $2"
+
+
+def test_stop_fails_the_paused_task_keeping_its_receipt_and_fails_dependents(tmp_path):
+    task = _task(tmp_path, max_cost_usd=0.2)
+    child = task_store.submit_task(title="c", instructions="i", working_dir=str(tmp_path), depends_on=[task["id"]])
+    _pause(task, 0.25)
+    stopped = task_store.answer_task(task["id"], "Stop, that is enough")
+    assert stopped["status"] == "failed" and "stopped at its spending limit" in stopped["error"]
+    assert stopped["result"]["commands"] == [{"command": "make"}] and stopped["usage"]["cost_usd"] == 0.25
+    assert task_store.get_task(child["id"])["status"] == "failed"
+
+
+def test_a_daily_budget_pause_resumes_on_continue_and_tokens_limits_read_bare_numbers(tmp_path):
+    task = _task(tmp_path)
+    _pause(task, 0.1, kind="daily_budget")
+    assert task_store.answer_task(task["id"], "continue")["status"] == "pending"
+    tokens = _task(tmp_path, max_tokens=800)
+    _pause(tokens, 0.0)
+    with pytest.raises(task_store.ValidationError, match="already used 1,000 tokens"):
+        task_store.answer_task(tokens["id"], "900")
+    assert task_store.answer_task(tokens["id"], "go on, 5k tokens")["max_tokens"] == 5000
+
+
+def test_raise_limit_resumes_a_paused_task_and_refuses_finished_ones(tmp_path):
+    task = _task(tmp_path, max_cost_usd=0.2)
+    _pause(task, 0.25)
+    raised = task_store.raise_limit(task["id"], max_cost_usd=1.5, author="cli:me")
+    assert raised["status"] == "pending" and raised["max_cost_usd"] == 1.5
+    other = _task(tmp_path)
+    assert task_store.raise_limit(other["id"], max_tokens=10)["max_tokens"] == 10
+    with pytest.raises(task_store.ValidationError, match="give the new limit"):
+        task_store.raise_limit(other["id"])
+    task_store.cancel_task(other["id"])
+    with pytest.raises(task_store.InvalidTransition, match="cancelled"):
+        task_store.raise_limit(other["id"], max_cost_usd=1)
+
+
+@pytest.mark.parametrize("text,unit,expected", [
+    ("continue, up to $2", "usd", ("usd", 2.0)), ("2.50", "usd", ("usd", 2.5)), ("3 dollars", "tokens", ("usd", 3.0)),
+    ("50000 tokens", "usd", ("tokens", 50000.0)), ("1.5m tokens", "usd", ("tokens", 1_500_000.0)),
+    ("400000", "tokens", ("tokens", 400000.0)), ("no", "usd", ("stop", None)), ("yes, go on", "usd", ("continue", None)),
+])
+def test_parse_limit_answer(text, unit, expected):
+    assert task_store.parse_limit_answer(text, unit) == expected
+
+
+def test_cli_submit_limits_budget_commands_and_status(tmp_path):
+    run = CliRunner().invoke
+    result = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "$0.40", "--max-tokens", "900", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["max_cost_usd"] == 0.4
+    bad = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "lots"])
+    assert bad.exit_code == 2 and "max_cost_usd must be an amount in USD" in bad.output
+    assert run(tasks_cli.cli, ["budget", "set"]).exit_code == 2
+    result = run(tasks_cli.cli, ["budget", "set", "--daily", "0.001", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["daily_usd"] == 0.001
+    claimed = task_store.claim_next("w")
+    task_store.record_spend(claimed["id"], claimed["run_marker"], 0.002, 5, 0.002, 5)
+    shown = run(tasks_cli.cli, ["status"])
+    assert shown.exit_code == 0 and "$0.0020 of $0.0010" in shown.output
+    assert "Nothing new is claimed: the daily budget is spent" in shown.output
+    assert json.loads(run(tasks_cli.cli, ["budget", "show", "--json"]).output)["exhausted"] is True
+    raised = run(tasks_cli.cli, ["budget", "raise", claimed["id"], "0.001"])
+    assert raised.exit_code == 1 and "already spent $0.0020" in raised.output
+    assert run(tasks_cli.cli, ["budget", "raise", claimed["id"], "1"]).exit_code == 0
+    assert task_store.get_task(claimed["id"])["max_cost_usd"] == 1.0
+    missing = run(tasks_cli.cli, ["budget", "raise", "t_0099", "1"])
+    assert missing.exit_code == 1 and "t_0099 not found" in missing.output
+
+
+@pytest.mark.anyio
+async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
+    async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        hints = tools["set_budget"].annotations
+        assert hints.idempotent_hint and not hints.read_only_hint
+        assert set(tools["submit_task"].input_schema["properties"]) >= {"max_cost_usd", "max_tokens"}
+        set_result = await c.call_tool("set_budget", {"daily_usd": 3, "default_max_cost_usd": 0.5})
+        assert not set_result.is_error and set_result.structured_content["daily_usd"] == 3
+        refused = await c.call_tool("set_budget", {"daily_usd": -1})
+        assert refused.is_error and "daily_usd" in refused.content[0].text and "\n" not in refused.content[0].text
+        task = (await c.call_tool("submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+                                                  "max_tokens": 700})).structured_content
+        assert task["max_tokens"] == 700 and task["max_cost_usd"] is None and task["warnings"] == []
+        bad = await c.call_tool("submit_batch", {"tasks": [{"title": "t", "instructions": "i",
+                                                            "working_dir": str(tmp_path), "max_cost_usd": "x"}]})
+        assert bad.is_error and "max_cost_usd" in bad.content[0].text
+        status = (await c.call_tool("queue_status", {})).structured_content
+        assert status["budget"]["daily_usd"] == 3 and status["budget"]["default_max_cost_usd"] == 0.5
+        assert status["budget"]["exhausted"] is False and status["budget"]["resets_at"]
+        cleared = (await c.call_tool("set_budget", {"daily_usd": 0})).structured_content
+        assert cleared["daily_usd"] is None and cleared["default_max_cost_usd"] == 0.5
