@@ -238,3 +238,23 @@ async def test_concurrent_mcp_tool_calls_each_get_a_connection_of_their_own(tmp_
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
+    """Another process replaced the database while this one held a connection to the old file:
+    closing that old connection (the last one to the removed file) must not take the new
+    database's WAL, still holding the other process's commit, with it."""
+    submit_many(tmp_path, 2)
+    path = store.db_path()
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(path) + suffix).unlink(missing_ok=True)
+    other = subprocess.run([sys.executable, "-c", "import os, sys, time, task_store\n"
+                            "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
+                            "print(os.path.exists(str(task_store.db_path()) + '-wal'))\n"
+                            "os._exit(0)  # keep its WAL: no last close checkpoints it away\n", str(tmp_path)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == "True", other.stderr
+    assert store.get_task("t_0001")["title"] == "theirs"   # reopened; the old connection closed
+    assert Path(str(path) + "-wal").exists()
+    store.close_connections()
+    assert store.get_task("t_0001")["title"] == "theirs"
