@@ -139,6 +139,18 @@
       if (w.slots) parts.push(", " + w.slots + " slot(s)");
     }
     clear($("worker")).append(el("span", { title: w.summary || "" }, parts));
+    renderSpend(status.budget || {});
+  }
+
+  // Today's spend against the daily budget (local day); why nothing is claimed when it is spent.
+  function renderSpend(b) {
+    const parts = ["today " + (usd(b.spent_usd) || "$0.00")];
+    if (typeof b.daily_usd === "number") parts.push(" of " + usd(b.daily_usd));
+    if (typeof b.daily_tokens === "number") parts.push(", " + b.spent_tokens + " of " + b.daily_tokens + " tokens");
+    const box = clear($("spend"));
+    box.append(el("span", { id: "spend-today", title: "resets at local midnight (" + (b.resets_at || "") + ")" }, parts));
+    if (b.exhausted) box.append(" ", el("span", { class: "spent-out", id: "spend-out", title: b.reason || "" },
+      "budget spent: no new work is claimed"));
   }
 
   async function loadStatus() { renderStatus(await api("/api/status")); }
@@ -168,7 +180,7 @@
         el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title),
         el("td", {}, el("span", { class: "status s-" + t.status }, t.status)), el("td", {}, caller(t)),
         el("td", {}, t.model || el("span", { class: "empty" }, "default")), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
-        el("td", {}, age(t.created_at)), el("td", {}, usd(t.cost_usd))));
+        el("td", {}, age(t.created_at)), el("td", {}, usd(typeof t.spent_usd === "number" ? t.spent_usd : t.cost_usd))));
     }
     if (!page.tasks.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no tasks")));
     const first = S.list.back.length * S.list.limit;
@@ -214,6 +226,7 @@
   }
 
   async function followLogs(sizes) {
+    let grew = false;
     for (const [id, size] of Object.entries(sizes || {})) {
       const f = S.follow[id];
       if (!f || f.size === null || size === f.size) continue;
@@ -221,7 +234,9 @@
       if (!S.follow[id]) continue;
       S.follow[id] = { next: d.next_offset, size: d.size };
       addToolLines(id, d.entries);
+      grew = true;
     }
+    if (grew) refreshSoon(false);   // the live spend in the header and the list
   }
 
   async function loadFeed() {
@@ -381,8 +396,12 @@
     const r = (t.result && typeof t.result === "object") ? t.result : {};
     const tokens = u.tokens && typeof u.tokens === "object"
       ? Object.entries(u.tokens).map(([k, v]) => k + " " + show(v)).join(", ") : "";
+    const limit = [usd(t.max_cost_usd), typeof t.max_tokens === "number" ? t.max_tokens + " tokens" : ""]
+      .filter(Boolean).join(", ");
     return section("Usage", fields([["model", r.model || t.model], ["latency", r.latency_sec ? r.latency_sec + " s" : ""],
-      ["attempts", t.attempts], ["tokens", tokens], ["cost", usd(u.cost_usd)]]));
+      ["attempts", t.attempts], ["tokens", tokens], ["cost", usd(u.cost_usd)],
+      ["spent so far", t.status === "running" ? usd(t.spent_usd) + " (live)" : ""],
+      ["limit", limit + (t.paused_for ? " (paused at the " + t.paused_for.replace("_", " ") + ")" : "")]]));
   }
 
   function diff(t) {
@@ -464,7 +483,10 @@
           S.cursor = ch.cursor;
         }
         if (ch.jobs !== S.jobsMark) { S.jobsMark = ch.jobs; await loadJobs(); }
-        if (S.task && S.logSize !== null && ch.log_size !== S.logSize) await loadLog();
+        if (S.task && S.logSize !== null && ch.log_size !== S.logSize) {
+          await loadLog();
+          refreshSoon(true);   // a running task's live spend grows with its log
+        }
         if (S.engineSize !== null && ch.engine_size !== S.engineSize) await loadEngine();
         await followLogs(ch.follow);
       } catch (err) {

@@ -198,3 +198,22 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
         assert status["budget"]["exhausted"] is False and status["budget"]["resets_at"]
         cleared = (await c.call_tool("set_budget", {"daily_usd": 0})).structured_content
         assert cleared["daily_usd"] is None and cleared["default_max_cost_usd"] == 0.5
+
+
+def test_the_board_api_shows_todays_spend_the_budget_and_live_task_spend(tmp_path, monkeypatch):
+    from starlette.testclient import TestClient
+    monkeypatch.setenv("MCP_BEARER_TOKEN", "board-token-for-budget-tests")
+    client = TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
+    auth = {"Authorization": "Bearer board-token-for-budget-tests"}
+    task = _task(tmp_path, max_cost_usd=1)
+    task_store.set_budget(daily_usd=0.05)
+    claimed = task_store.claim_next("w")
+    task_store.record_spend(task["id"], claimed["run_marker"], 0.06, 10, 0.06, 10)
+    status = client.get("/api/status", headers=auth).json()
+    assert status["budget"]["exhausted"] and "daily budget is spent" in status["budget"]["reason"]
+    row = client.get("/api/tasks", headers=auth).json()["tasks"][0]
+    assert row["spent_usd"] == pytest.approx(0.06) and row["max_cost_usd"] == 1
+    page = client.get(f"/api/tasks/{task['id']}", headers=auth).json()
+    assert page["spent_usd"] == pytest.approx(0.06) and page["status"] == "running"
+    script = client.get("/board/app.js").text
+    assert "renderSpend" in script and "spent_usd" in script and "innerHTML" not in script

@@ -1,0 +1,94 @@
+"""What the spending-limit check costs the worker per event, and the metering per step.
+
+    .venv/bin/python bench/bench_spend_meter.py [EVENTS]     # default 200,000 events, ~20 s
+
+Feeds realistic `opencode run --format json` lines (text and tool_use events; step_finish apart)
+through the worker's own line handler (worker.Supervisor._line: log write, parse, the limit
+check, the live line) on a temporary queue, interleaved in rounds with and without a Meter, and
+prints the median per-event time of each: their difference is what the check adds to an event
+that is not a step. Then times Meter.step (record_spend: the live spend and today's meter in one
+write transaction, the check, the gate file rewritten) per step_finish, next to a model call's
+own seconds. Env: none (TASK_DB_PATH and TASK_LOG_DIR are set to a temporary folder).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+
+def lines() -> list[bytes]:
+    tool = {"type": "tool_use", "timestamp": 1, "sessionID": "ses_1", "part": {"tool": "bash", "state": {
+        "status": "completed", "input": {"command": "npm test", "description": "run the tests"},
+        "output": "ok\n" * 40, "metadata": {"exit": 0}}}}
+    text = {"type": "text", "timestamp": 1, "sessionID": "ses_1", "part": {"text": "Looking at the failing test. " * 8}}
+    return [json.dumps(tool).encode(), json.dumps(text).encode()]
+
+
+def per_event(supervisor, batch: list[bytes], rounds: int) -> float:
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for line in batch:
+            supervisor._line("out", line)
+    return (time.perf_counter() - start) / (rounds * len(batch))
+
+
+def main() -> int:
+    total = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
+    folder = tempfile.mkdtemp(prefix="bench-spend-")
+    os.environ["TASK_DB_PATH"] = str(Path(folder) / "tasks.db")
+    os.environ["TASK_LOG_DIR"] = str(Path(folder) / "logs")
+    import opencode_runner as oc
+    import task_store as store
+    import worker
+    from worker_talk import Talk
+
+    Talk.setup(0)
+    store.set_budget(daily_usd=1000)
+    task = store.submit_task(title="bench", instructions="x", working_dir=folder, max_cost_usd=500)
+    task = store.claim_next("bench")
+    sup = worker.Supervisor.__new__(worker.Supervisor)
+    sup.task, sup.log, sup.stop = task, io.BytesIO(), False
+    sup.result = worker.RunResult(oc.EventStream())
+    meter = worker.Meter(task, str(Path(folder) / "bench.gate"))
+    batch = lines() * 500
+    rounds = max(total // (2 * len(batch)), 1)
+    plain, checked = [], []
+    for n in range(rounds):          # interleaved, each first in turn, so noise falls on both
+        for which in ((None, plain), (meter, checked))[:: 1 if n % 2 else -1]:
+            sup.meter = which[0]
+            which[1].append(per_event(sup, batch, 1))
+            sup.log.seek(0)
+            sup.log.truncate()
+    a, b = statistics.median(plain) * 1e6, statistics.median(checked) * 1e6
+    print(f"per event, {2 * rounds * len(batch):,} events: without a meter {a:.2f} µs, with one {b:.2f} µs "
+          f"(difference {b - a:+.2f} µs, {100 * (b - a) / a:+.1f} %)")
+    import timeit
+    event, number = json.loads(batch[0]), 2_000_000
+    check = timeit.timeit("event.get('type') == 'step_finish' and meter is not None",
+                          globals={"event": event, "meter": meter}, number=number) / number
+    print(f"the check alone (the expression _line runs per event): {check * 1e9:.0f} ns")
+    step = {"type": "step_finish", "timestamp": 1, "sessionID": "ses_1", "part": {
+        "reason": "tool-calls", "cost": 0.0021, "tokens": {"total": 12000, "input": 11000, "output": 1000}}}
+    step_line, times = json.dumps(step).encode(), []
+    for _ in range(300):
+        start = time.perf_counter()
+        sup._line("out", step_line)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    print(f"per step_finish (parse + record_spend + check + gate file): median {statistics.median(times) * 1e3:.2f} ms, "
+          f"p95 {times[int(len(times) * 0.95)] * 1e3:.2f} ms; a model call takes seconds")
+    meter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
