@@ -178,6 +178,7 @@ class TaskPage(TypedDict):
     total: int
     offset: int
     next_offset: int | None
+    next_cursor: str | None
     hint: str
 
 
@@ -772,18 +773,32 @@ def list_tasks(
     search: Annotated[OptText, Field(description="only titles containing this text (case-insensitive)")] = None,
     limit: Annotated[int | None, Field(ge=1, le=LIST_PAGE_MAX, description="rows per page (default 20)")] = LIST_PAGE_DEFAULT,
     offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="rows to skip (next_offset of the previous page)")] = 0,
+    cursor: Annotated[OptText, Field(description="next_cursor of the previous page: continues right after its last row, however deep, even while tasks are added (offset is then ignored)")] = None,
 ) -> TaskPage:
     """A page of tasks (running first, then waiting, pending, finished; by priority, newest first)
     with status, caller (origin_name/version/kind), times, error and question (cut to 300
     characters). limit rows a page (default 20, at most 200; fewer when the page would pass
-    40,000 characters): pass next_offset back as offset for the next page (null at the end).
-    Errors: an unknown status."""
-    start = offset or 0
+    40,000 characters): pass next_cursor back as cursor (or next_offset as offset) for the next
+    page (both null at the end). Errors: an unknown status, a cursor list_tasks did not return."""
+    start = 0 if cursor else offset or 0
     found = store.list_tasks(status=status or None, origin=origin, search=search,
-                             limit=limit or LIST_PAGE_DEFAULT, offset=start)
+                             limit=limit or LIST_PAGE_DEFAULT, offset=start, cursor=cursor)
     rows = [row(t) for t in found["tasks"]]
-    return mcp_shared.fit_page(lambda n: _page_of(rows[:n], "tasks", found["total"], start),
-                               max(1, len(rows)), RESULT_CHARS)
+    more = found["next_cursor"] is not None
+    return mcp_shared.fit_page(lambda n: _task_page(rows[:n], found["total"], start, more or n < len(rows),
+                                                    cursor is None), max(1, len(rows)), RESULT_CHARS)
+
+
+def _task_page(rows: list[dict[str, Any]], total: int, start: int, more: bool, by_offset: bool) -> dict[str, Any]:
+    """A list_tasks page: ``_page_of`` with the cursor after its last row (and, paging by cursor,
+    no offsets: the position is not counted)."""
+    page = _page_of(rows, "tasks", total, start)
+    page["next_cursor"] = store.list_cursor(rows[-1]) if more and rows else None
+    if not by_offset:
+        page["next_offset"] = None
+        page["hint"] = ("pass cursor=next_cursor for the next page" if page["next_cursor"]
+                        else "this is the last page")
+    return page
 
 
 def _page_of(rows: list[dict[str, Any]], key: str, total: int, start: int) -> dict[str, Any]:

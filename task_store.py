@@ -1160,6 +1160,14 @@ def list_tasks(
     }
 
 
+def list_cursor(task: dict[str, Any]) -> str:
+    """The ``cursor`` that continues a ``list_tasks`` page after ``task`` (a dict with ``id``,
+    ``status`` and ``priority``, as the page's rows have): for a caller that shows fewer rows than
+    it fetched."""
+    rank = {"running": 0, "waiting": 1, "pending": 2}.get(task["status"], 3)
+    return f"{rank}.{task['priority']}.{parse_task_id(task['id'])}"
+
+
 def _parse_cursor(cursor: Any) -> tuple[int, int, int]:
     match = CURSOR_RE.match(cursor) if isinstance(cursor, str) else None
     if match is None:

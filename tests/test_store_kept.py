@@ -258,3 +258,29 @@ def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
     assert Path(str(path) + "-wal").exists()
     store.close_connections()
     assert store.get_task("t_0001")["title"] == "theirs"
+
+
+@pytest.mark.anyio
+async def test_mcp_list_tasks_pages_by_cursor_like_by_offset(tmp_path):
+    from mcp import Client
+
+    import opencode_bridge_mcp as bridge
+    submit_many(tmp_path, 23)
+    submit_many(tmp_path, 4, priority=3)
+    task = store.claim_next("w")
+    store.complete_attempt(task["id"], task["run_marker"])
+    async with Client(bridge.build_server()) as client:
+        whole = (await client.call_tool("list_tasks", {"limit": 200})).structured_content
+        walked, cursor = [], None
+        while True:
+            args = {"limit": 5} | ({"cursor": cursor} if cursor else {})
+            page = (await client.call_tool("list_tasks", args)).structured_content
+            walked += [t["id"] for t in page["tasks"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        bad = await client.call_tool("list_tasks", {"cursor": "nonsense"})
+    assert walked == [t["id"] for t in whole["tasks"]] and len(walked) == 27
+    assert whole["next_cursor"] is None and page["next_offset"] is None
+    assert bad.is_error and "next_cursor exactly as given" in bad.content[0].text
+    assert "Traceback" not in bad.content[0].text
