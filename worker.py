@@ -509,6 +509,7 @@ class Supervisor:
             self._pause(paused)
 
     def _pause(self, paused: dict[str, Any]) -> None:
+        paused["gated"] = self.meter.gate_file is not None
         self.meter.write_gate(stop=paused["reason"])
         self.result.paused = paused
         self._end(f"paused at a spending limit: {paused['reason']}")
@@ -836,8 +837,10 @@ def limit_question(task: dict, run: RunResult) -> str:
         way = (f"Answer 'continue, up to {more}' (or run {cli}) to resume the same session, or "
                "'stop' to fail the task with its receipt kept.")
     doing = _last_activity(stream)
-    return (f"{head} TaskBridge ended the run after model call {stream.steps}, before the next one was "
-            f"sent; the agent was {doing}. The worktree and the OpenCode session are kept. {way}")
+    sent = "before the next one was sent" if paused.get("gated") else \
+        "(no spend gate was loaded: a limit set after the run started; the next call may have gone out)"
+    return (f"{head} TaskBridge ended the run after model call {stream.steps}, {sent}; the agent was "
+            f"{doing}. The worktree and the OpenCode session are kept. {way}")
 
 
 def _last_activity(stream: oc.EventStream) -> str:

@@ -157,3 +157,10 @@ async def test_a_dollar_limit_on_an_unpriced_model_is_flagged_at_submit(opencode
     result = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(tmp_path), "--model", MODEL,
                                                 "--max-cost", "1"])
     assert result.exit_code == 0 and "Warning:" in result.output and "no price" in result.output
+
+
+def test_the_gate_plugin_joins_the_users_own_plugins(opencode, tmp_path):
+    opencode.configure({"plugin": ["file:///somewhere/users-own-plugin.js"]})
+    env = oc.with_spend_gate({**opencode.env, "PWD": str(tmp_path)}, str(tmp_path / "x.gate"))
+    resolved = oc.resolved_config(env, str(tmp_path))
+    assert resolved["plugin"] == ["file:///somewhere/users-own-plugin.js", oc.spend_gate_plugin().as_uri()]
