@@ -234,6 +234,9 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     if status == "pending":
         return f"{ident} failed attempt {task['attempts']} after {took}{cost}; requeued for a retry: " \
                f"{plain(final.get('error'), 200)}", "yellow"
+    if status == "waiting" and final.get("paused_for"):
+        return f"{ident} paused at its spending limit after {took}{cost}: " \
+               f"{plain(final.get('question'), 200)}", "magenta"
     if status == "waiting":
         return f"{ident} waiting after {took}{cost}: it asks {plain(final.get('question'), 160)}", "magenta"
     if status == "cancelled":

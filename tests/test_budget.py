@@ -181,7 +181,10 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
         hints = tools["set_budget"].annotations
-        assert hints.idempotent_hint and not hints.read_only_hint
+        assert hints.idempotent_hint and hints.destructive_hint and not hints.read_only_hint
+        assert hints.open_world_hint is False
+        assert tools["set_budget"].input_schema.get("additionalProperties") is False
+        assert (await c.call_tool("set_budget", {"daily_usd": 1, "monthly_usd": 5})).is_error
         assert set(tools["submit_task"].input_schema["properties"]) >= {"max_cost_usd", "max_tokens"}
         set_result = await c.call_tool("set_budget", {"daily_usd": 3, "default_max_cost_usd": 0.5})
         assert not set_result.is_error and set_result.structured_content["daily_usd"] == 3
@@ -217,3 +220,11 @@ def test_the_board_api_shows_todays_spend_the_budget_and_live_task_spend(tmp_pat
     assert page["spent_usd"] == pytest.approx(0.06) and page["status"] == "running"
     script = client.get("/board/app.js").text
     assert "renderSpend" in script and "spent_usd" in script and "innerHTML" not in script
+
+
+def test_the_worker_says_a_task_paused_at_its_limit(tmp_path):
+    import worker_talk
+    task = _task(tmp_path, max_cost_usd=0.2)
+    paused = _pause(task, 0.25)
+    line, style = worker_talk.ended_line(task | {"attempts": 1}, paused, 3.0)
+    assert line.startswith(f"{task['id']} paused at its spending limit after 3.0 s, $0.2500") and style == "magenta"
