@@ -564,6 +564,17 @@ def _forget_inherited() -> None:
             _KEPT_PID[0] = os.getpid()
 
 
+def _after_fork_in_child() -> None:
+    # The child starts with only the forking thread: a lock another thread of the parent held at
+    # the fork would never be released here, so the child gets a fresh one first.
+    global _KEPT_LOCK
+    _KEPT_LOCK = threading.Lock()
+    _forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _prune() -> None:
     """Close the connections of threads that ended, then this thread's oldest, down to KEPT_MAX
     (lock held). Another live thread's connection is never closed under it."""

@@ -284,3 +284,36 @@ async def test_mcp_list_tasks_pages_by_cursor_like_by_offset(tmp_path):
     assert whole["next_cursor"] is None and page["next_offset"] is None
     assert bad.is_error and "next_cursor exactly as given" in bad.content[0].text
     assert "Traceback" not in bad.content[0].text
+
+
+def test_a_fork_while_another_thread_holds_the_connection_lock_does_not_hang_the_child(tmp_path):
+    submit_many(tmp_path, 1)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._KEPT_LOCK:
+            holding.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    holding.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ok = store.claim_next("child") is not None
+            except BaseException:  # noqa: BLE001 - reported by the exit code
+                ok = False
+            os._exit(0 if ok else 3)
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the connection lock its parent's thread held")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        release.set()
+        thread.join(10)
