@@ -59,7 +59,9 @@ class SetupError(Exception):
 
 
 def say(message: str) -> None:
-    print(f"==> {message}", file=sys.stderr, flush=True)
+    # After SIGHUP the terminal may be gone; a line that cannot be shown must not stop the stopping.
+    with contextlib.suppress(OSError, ValueError):
+        print(f"==> {message}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +171,8 @@ class Tunnel:
         self.found = threading.Event()
         self.proc = subprocess.Popen(tunnel_argv(kind, binary, port), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     errors="replace", start_new_session=True)
+                                     errors="replace", start_new_session=True,
+                                     preexec_fn=die_with_parent())
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -263,7 +266,7 @@ def connector_box(port: int, token: str, host: str | None) -> str:
     """The box printed once everything answers: URLs, the token and how to copy it."""
     local = f"http://127.0.0.1:{port}"
     copy = (f"pbcopy < {token_file()}" if sys.platform == "darwin"
-            else f"xclip -selection clipboard < {token_file()}   (or wl-copy < {token_file()})")
+            else f"xclip -selection clipboard < {token_file()}   (or cat {token_file()})")
     rows = []
     if host:
         rows += [f"MCP connector URL:  https://{host}/mcp", f"SSE (older clients): https://{host}/sse",
@@ -271,13 +274,19 @@ def connector_box(port: int, token: str, host: str | None) -> str:
                  "claude.ai / ChatGPT: add a custom connector with that URL; its sign-in page asks",
                  "                    for the token below once."]
     rows += [f"Local MCP:          {local}/mcp   (sse: {local}/sse)", f"Local board:        {local}/",
-             f"Token:              {token}", "Header clients:     Authorization: Bearer <token>",
+             f"Token:              {masked(token)}", "Header clients:     Authorization: Bearer <token>",
              f"Copy the token:     {copy}" if "MCP_BEARER_TOKEN" not in os.environ else
              "Copy the token:     it is $MCP_BEARER_TOKEN",
              "Client set-up:      .venv/bin/python tasks_cli.py connect",
              "Stop:               Ctrl-C (server, worker" + (" and tunnel)" if host else ")")]
     rule = "+" + "-" * 86 + "+"
     return "\n".join([rule, *("  " + r for r in rows), rule])
+
+
+def masked(token: str) -> str:
+    """The token as the box shows it: its first three characters and its length (a terminal's
+    scrollback and a screen share are not where a secret belongs; the box says how to copy it)."""
+    return f"{token[:3]}…({len(token)} characters)"
 
 
 def wait_healthy(port: int, server: subprocess.Popen, seconds: float, stop: threading.Event) -> None:
@@ -298,6 +307,25 @@ def wait_healthy(port: int, server: subprocess.Popen, seconds: float, stop: thre
     raise SetupError(f"the MCP server did not answer /health on port {port} in {seconds:.0f} s")
 
 
+def die_with_parent():
+    """A preexec function that asks Linux to send the child SIGTERM when this process dies, however
+    it dies (SIGKILL, a crash): our children lead sessions of their own, so nothing else would
+    reach them, and a second serve.py would find the port and the queue's lock still taken. The
+    worker's SIGTERM hands a task in hand back. None elsewhere (macOS has no such call: there only
+    the stops this process performs itself apply)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG
+        if os.getppid() != parent:                # the parent died before the call took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
 class Supervisor:
     """The server, the worker and the tunnel, each in a session of its own so the terminal's
     Ctrl-C reaches only this process, which then stops them in order."""
@@ -307,7 +335,8 @@ class Supervisor:
         self.stop_asked = threading.Event()
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
+                                preexec_fn=die_with_parent())
         self.children[name] = proc
         return proc
 
@@ -344,6 +373,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 say(f"the {name} did not stop in {STOP_GRACE_SEC} s; killing it")
             with_group_killed(proc)
+        self.children.clear()   # a second stop (serve's finally) has nothing left to do
 
 
 def with_group_killed(proc: subprocess.Popen) -> None:
@@ -382,8 +412,16 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
     """Start everything, print the box, show task events until Ctrl-C or a child's exit, stop
     everything. Returns the exit status: 0 after Ctrl-C, 1 when a part stopped by itself."""
     sup = Supervisor()
-    signal.signal(signal.SIGINT, sup.on_signal)
-    signal.signal(signal.SIGTERM, sup.on_signal)
+    # Closing the terminal sends SIGHUP: it stops everything the way Ctrl-C does.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, sup.on_signal)
+    try:
+        return _serve(sup, port, tunnel_kind, token)
+    finally:
+        sup.stop()   # whatever ended serving (a signal, an error of ours): no child outlives it
+
+
+def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
     env = dict(os.environ)
     host = os.environ.get("TUNNEL_HOST", "").strip().lower() or None
     try:
@@ -405,7 +443,6 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
         sup.start("worker", worker_argv, env)
     except SetupError as exc:
         print(f"serve: {exc}", file=sys.stderr)
-        sup.stop()
         return 1
     if host:
         with contextlib.suppress(OSError):   # for `tasks_cli.py connect` while this runs

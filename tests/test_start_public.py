@@ -70,7 +70,8 @@ def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):
     time.sleep(0.2)
     err = "".join(lines)
     assert f"https://{tunnel_host}/mcp" in err
-    assert "Token:              s3cret-token" in err, "the box shows the token to copy"
+    assert "Token:              s3c…(12 characters)" in err, "the box shows the token masked"
+    assert "s3cret-token" not in err, "the whole token is never printed"
 
 
 def test_public_start_without_a_tunnel_says_what_to_do(tmp_path):
@@ -166,4 +167,7 @@ def test_restarting_public_mode_keeps_the_token_file_and_pairs_the_new_host(fake
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
     assert token_file.read_text() == "kept-token-from-install\n"
-    assert "Token:              kept-token-from-install" in "".join(lines)
+    err = "".join(lines)
+    assert "Token:              kep…(23 characters)" in err and f"cat {token_file}" in err, \
+        "the box masks the token and says how to copy it"
+    assert "kept-token-from-install" not in err

@@ -1,0 +1,68 @@
+"""serve.py: however it ends (the terminal closed, SIGTERM, killed outright), the MCP server and
+the worker it started end too, so a second serve.py finds the port and the queue's lock free."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from helpers import ROOT, free_port
+
+
+def start_serving(port: int) -> tuple[subprocess.Popen, list[str]]:
+    env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none"], env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not any(line.strip().startswith("Stop:") for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    return proc, lines
+
+
+def children_of(pid: int) -> list[psutil.Process]:
+    kids = psutil.Process(pid).children()
+    assert {" ".join(k.cmdline()).split("/")[-1].split()[0] for k in kids} >= {"worker.py", "opencode_bridge_mcp.py"}
+    return kids
+
+
+def all_gone(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(procs, timeout=seconds)
+    for proc in alive:     # don't leave them behind for the next test
+        proc.kill()
+    return alive
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
+def test_a_closed_terminal_or_sigterm_stops_the_server_and_the_worker(signum):
+    proc, lines = start_serving(free_port())
+    kids = children_of(proc.pid)
+    os.kill(proc.pid, signum)
+    assert proc.wait(timeout=40) == 0, "".join(lines)
+    assert all_gone(kids, 5) == [], "".join(lines)
+
+
+def test_a_killed_serve_takes_its_children_with_it():
+    """SIGKILL runs no handler of ours: the children learn of it from the kernel (Linux)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    port = free_port()
+    proc, lines = start_serving(port)
+    kids = children_of(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert all_gone(kids, 30) == [], "".join(lines)
+    again, _ = start_serving(port)     # the port and the queue's lock are free again
+    again_kids = children_of(again.pid)
+    os.kill(again.pid, signal.SIGTERM)
+    assert again.wait(timeout=40) == 0
+    assert all_gone(again_kids, 5) == []
