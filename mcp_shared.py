@@ -17,6 +17,8 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
   that accepts only ``application/json`` with plain JSON responses (SSE for the rest), and
   marking a request whose client dropped the connection, so that the tool it runs is stopped
   (``TranslatingServer`` cancels it within a moment).
+- ``TranslatingServer.run_stdio_async``: on stdin's end the requests already read still finish and
+  their replies are written before the server exits (``DrainingReader``, ``ReplyTracker``).
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
   its path and the way out, for the tools and for the HTTP API alike.
@@ -38,7 +40,8 @@ import pydantic
 import pydantic_core
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp.types import CallToolResult, TextContent, ToolAnnotations
+from mcp.types import (CallToolResult, JSONRPCError, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse,
+                       TextContent, ToolAnnotations)
 
 import task_store
 
@@ -294,6 +297,20 @@ class TranslatingServer(MCPServer):
             raise translate(name, exc, self.passthrough) from exc.__cause__
 
 
+    async def run_stdio_async(self) -> None:
+        """Serve over stdio until stdin ends; the requests read before its end are answered first.
+
+        The SDK cancels in-flight handlers when its read stream ends, so a client that pipes
+        ``submit_task`` and closes stdin got no reply though the task was made (and would submit
+        it again). Here the read stream the SDK sees ends only once every request read from stdin
+        has its reply written (or was cancelled by the client), at most ``STDIN_END_GRACE_SEC``."""
+        from mcp.server.stdio import stdio_server
+        lowlevel = self._lowlevel_server
+        async with stdio_server() as (read_stream, write_stream):
+            tracker = ReplyTracker()
+            await lowlevel.run(DrainingReader(read_stream, tracker), ReplyWriter(write_stream, tracker),
+                               lowlevel.create_initialization_options())
+
     def _unknown_arguments(self, name: str, arguments: dict[str, Any]) -> str | None:
         """A message naming the arguments ``name`` does not take (its schema is closed, and a
         misspelt optional argument silently ignored would run the tool with its default)."""
@@ -316,6 +333,100 @@ HINT_NAMES = ("read_only_hint", "destructive_hint", "idempotent_hint", "open_wor
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains")
+
+
+STDIN_END_GRACE_SEC = 300.0    # longest wait, after stdin ends, for replies still owed
+
+
+class ReplyTracker:
+    """The ids of requests read from the client and not yet answered."""
+
+    def __init__(self) -> None:
+        self.owed: set[Any] = set()
+        self.settled = anyio.Event()
+
+    def read(self, message: Any) -> None:
+        if isinstance(message, JSONRPCRequest):
+            self.owed.add(message.id)
+        elif isinstance(message, JSONRPCNotification) and message.method == "notifications/cancelled":
+            self._done((message.params or {}).get("requestId"))   # a cancelled request may get no reply
+
+    def written(self, message: Any) -> None:
+        if isinstance(message, (JSONRPCResponse, JSONRPCError)):
+            self._done(message.id)
+
+    def _done(self, request_id: Any) -> None:
+        self.owed.discard(request_id)
+        if not self.owed:
+            self.settled.set()
+            self.settled = anyio.Event()
+
+    async def drained(self, grace: float) -> None:
+        """Return once no reply is owed, or after ``grace`` seconds (logged with the ids left)."""
+        with anyio.move_on_after(grace) as scope:
+            while self.owed:
+                await self.settled.wait()
+        if scope.cancelled_caught:
+            log.warning("stdin ended; %d request(s) still unanswered after %.0f s: %s", len(self.owed), grace,
+                        sorted(map(str, self.owed)))
+
+
+class DrainingReader:
+    """A read stream over the transport's whose end waits for the replies still owed (ReplyTracker)."""
+
+    def __init__(self, inner: Any, tracker: ReplyTracker) -> None:
+        self.inner, self.tracker = inner, tracker
+
+    @property
+    def last_context(self) -> Any:      # the sender's contextvars, as the SDK's stream carries them
+        return getattr(self.inner, "last_context", None)
+
+    async def receive(self) -> Any:
+        try:
+            item = await self.inner.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            await self.tracker.drained(STDIN_END_GRACE_SEC)
+            raise anyio.EndOfStream from None
+        self.tracker.read(getattr(item, "message", None))
+        return item
+
+    def __aiter__(self) -> "DrainingReader":
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> "DrainingReader":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class ReplyWriter:
+    """A write stream over the transport's that tells the ReplyTracker which requests are answered."""
+
+    def __init__(self, inner: Any, tracker: ReplyTracker) -> None:
+        self.inner, self.tracker = inner, tracker
+
+    async def send(self, item: Any) -> None:
+        await self.inner.send(item)
+        self.tracker.written(getattr(item, "message", None))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> "ReplyWriter":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
 
 def hints(*, read_only: bool, destructive: bool, idempotent: bool, open_world: bool) -> ToolAnnotations:

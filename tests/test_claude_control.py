@@ -745,6 +745,27 @@ async def test_stdio_stdout_is_only_json_rpc_and_children_never_read_it(fake_cla
     assert all(json.loads(line)["jsonrpc"] == "2.0" for line in raw.lines)
 
 
+def test_a_question_piped_before_stdin_closes_is_answered_before_exit(fake_claude: Path) -> None:
+    """Raw bytes: initialize, a claude_ask that takes a second, claude_status, then stdin closes.
+    The SDK cancelled the ask at stdin's end (its reply never written though claude ran); now
+    every request read is answered before the server exits."""
+    messages = [{"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                 "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                            "clientInfo": {"name": "pipe", "version": "1"}}},
+                {"jsonrpc": "2.0", "method": "notifications/initialized"},
+                {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                 "params": {"name": "claude_ask", "arguments": {"prompt": "piped", "timeout_sec": 60}}},
+                {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "claude_status", "arguments": {}}}]
+    data = b"".join(json.dumps(m).encode() + b"\n" for m in messages)
+    done = subprocess.run([sys.executable, str(SCRIPT)], input=data, env=server_env(FAKE_CLAUDE_SLEEP="1"),
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    replies = {m["id"]: m for m in map(json.loads, done.stdout.splitlines()) if "id" in m}
+    assert sorted(replies) == [1, 2, 3]
+    assert replies[2]["result"]["structuredContent"]["answer"] == "fake cli: piped"
+    assert [c["argv"][-1] for c in fake_claude_calls(fake_claude) if "-p" in c["argv"]] == ["piped"]
+
+
 async def test_job_in_flight_when_the_server_is_killed_fails_after_restart(backend: str, fake: FakeAnthropic) -> None:
     env = server_env(ANTHROPIC_CUSTOM_HEADERS="x-fake-mode: stall:120")
     first = RawStdio(env)

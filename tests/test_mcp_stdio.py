@@ -170,3 +170,42 @@ def test_with_a_broken_database_the_server_starts_lists_its_tools_and_names_the_
     finally:
         code = s.close()
     assert code == 0 and b"Traceback" not in s.stderr
+
+
+def piped(env: dict[str, str], messages: list[dict], script: str = SCRIPT) -> tuple[dict, bytes]:
+    """Raw JSON-RPC bytes piped to the server in one write, then stdin closed (as a client does that
+    sends its requests and hangs up): the replies by id, and stderr."""
+    data = b"".join(json.dumps(m).encode() + b"\n" for m in messages)
+    done = subprocess.run([sys.executable, script], input=data, env=env, capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    replies = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(r["jsonrpc"] == "2.0" for r in replies)
+    return {r["id"]: r for r in replies if "id" in r}, done.stderr
+
+
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "pipe", "version": "1"}}}
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+
+
+def tool_call(rid: int, name: str, arguments: dict) -> dict:
+    return {"jsonrpc": "2.0", "id": rid, "method": "tools/call", "params": {"name": name, "arguments": arguments}}
+
+
+def test_requests_piped_before_stdin_closes_are_all_answered(env, tmp_path):
+    """The SDK cancels in-flight handlers at stdin's end: submit_task made the task but its reply
+    was never written, so the client could not learn the id and would submit again."""
+    project = tmp_path / "project"
+    project.mkdir()
+    replies, _ = piped(env, [INIT, INITIALIZED,
+                             tool_call(2, "submit_task", {"title": "piped", "instructions": "x",
+                                                          "working_dir": str(project)}),
+                             tool_call(3, "ping", {})])
+    assert sorted(replies) == [1, 2, 3]
+    sent = replies[2]["result"]["structuredContent"]
+    assert sent["id"] == "t_0001" and sent["title"] == "piped"
+    assert replies[3]["result"]["structuredContent"]["ok"] is True
+    listed = subprocess.run([sys.executable, "-c", "import task_store, json; print(json.dumps("
+                             "[t['id'] for t in task_store.list_tasks(limit=10)['tasks']]))"],
+                            env=env, cwd=str(bridge.REPO_DIR), capture_output=True, text=True, timeout=60)
+    assert json.loads(listed.stdout) == ["t_0001"]       # made once, and the client was told its id
