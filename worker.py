@@ -208,6 +208,7 @@ class Meter:
         self.prior_usd = float(usage.get("cost_usd") or 0)
         self.prior_tokens = int((usage.get("tokens") or {}).get("total") or 0)
         self.gate_file = gate_file
+        self.stopped: str | None = None
         self.cost = 0.0
         self.tokens = 0
         self.budget: dict[str, Any] = store.budget_state() if gate_file else {}
@@ -257,10 +258,23 @@ class Meter:
             tokens.append(self.budget["daily_tokens"] - (self.budget["spent_tokens"] - self.tokens))
         return (min(usd) if usd else None), (min(tokens) if tokens else None)
 
+    def refresh(self) -> None:
+        """Other runs spend too: re-read today's spend and rewrite the allowance (the worker does
+        this at each lease renewal, every WORKER_LEASE_SEC)."""
+        if self.gate_file is None or self.stopped:
+            return
+        try:
+            self.budget = store.budget_state()
+        except (sqlite3.Error, OSError):
+            return
+        self.write_gate()
+
     def write_gate(self, stop: str | None = None) -> None:
-        """Tell the spend gate the run's allowance, or to stop (an atomic rename)."""
+        """Tell the spend gate the run's allowance, or to stop (an atomic rename); once told to
+        stop it stays stopped."""
         if self.gate_file is None:
             return
+        self.stopped = stop = self.stopped or stop
         usd, tokens = self.allowance()
         tmp = f"{self.gate_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as out:
@@ -399,6 +413,8 @@ class Supervisor:
             except store.StaleAttempt as exc:
                 return self._end(str(exc), superseded=True)
             Beat.write()
+            if self.meter is not None:
+                self.meter.refresh()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
         if now > self.deadline:

@@ -228,3 +228,25 @@ def test_the_worker_says_a_task_paused_at_its_limit(tmp_path):
     paused = _pause(task, 0.25)
     line, style = worker_talk.ended_line(task | {"attempts": 1}, paused, 3.0)
     assert line.startswith(f"{task['id']} paused at its spending limit after 3.0 s, $0.2500") and style == "magenta"
+
+
+def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
+    import worker
+    task_store.set_budget(daily_usd=1.0)
+    mine, other = _task(tmp_path, max_cost_usd=0.5), _task(tmp_path)
+    claimed = task_store.claim_next("w", task_id=mine["id"]) | {"usage": {"cost_usd": 0.1, "tokens": {"total": 5}}}
+    gate = tmp_path / "run.gate"
+    meter = worker.Meter(claimed, str(gate))
+    assert json.loads(gate.read_text()) == {"allow_usd": pytest.approx(0.4), "allow_tokens": None, "stop": None}
+    # Another run spends 0.8 of today's 1.0: at the next refresh this run may spend 0.2 in all.
+    theirs = task_store.claim_next("w", task_id=other["id"])
+    task_store.record_spend(other["id"], theirs["run_marker"], 0.8, 10, 0.8, 10)
+    meter.refresh()
+    assert json.loads(gate.read_text())["allow_usd"] == pytest.approx(0.2)
+    meter.write_gate(stop="limit")
+    meter.refresh()
+    assert json.loads(gate.read_text())["stop"] == "limit", "once stopped, a refresh never reopens the gate"
+    gate.with_name("run.gate.held").write_text('{"steps": 2, "cost_usd": 0.25, "tokens": 40}')
+    assert meter.held() == {"steps": 2, "cost_usd": 0.25, "tokens": 40}
+    meter.close()
+    assert not gate.exists() and not gate.with_name("run.gate.held").exists()
