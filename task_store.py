@@ -7,6 +7,10 @@ migrates the schema on open (``PRAGMA user_version``), and closes it again; ever
 ``BEGIN IMMEDIATE`` transaction or is a single statement, so concurrent processes (MCP server, CLI,
 worker passes) never hit "database is locked" from a deferred read-then-write upgrade.
 
+Spending limits live here too: each task's ``max_cost_usd`` / ``max_tokens``, the running
+attempt's live spend, the spend per local day and the daily budget (``budget_state``,
+``set_budget``, ``record_spend``, ``raise_limit``; answers to a limit pause in ``answer_task``).
+
 Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_MOUNTINFO``.
 
@@ -1262,7 +1266,7 @@ _CLAIM = f"""
 UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now, started_at = :now,
        heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start,
        run_marker = 'br-' || id || '-a' || (attempts + 1), agent_pid = NULL, agent_pid_start = NULL,
-       error = NULL, question = NULL, run_cost_usd = 0, run_tokens = 0
+       error = NULL, question = NULL, run_cost_usd = 0, run_tokens = 0, paused_for = NULL
  WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND (:task_id IS NULL OR t.id = :task_id)
              ORDER BY t.priority DESC, t.created_at, t.id LIMIT 1)
 RETURNING *

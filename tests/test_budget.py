@@ -250,3 +250,11 @@ def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
     assert meter.held() == {"steps": 2, "cost_usd": 0.25, "tokens": 40}
     meter.close()
     assert not gate.exists() and not gate.with_name("run.gate.held").exists()
+
+
+def test_a_cancelled_then_retried_paused_task_is_not_shown_as_paused(tmp_path):
+    task = _task(tmp_path, max_cost_usd=0.2)
+    _pause(task, 0.25)
+    task_store.cancel_task(task["id"])
+    task_store.retry_task(task["id"])
+    assert task_store.claim_next("w", task_id=task["id"])["paused_for"] is None
