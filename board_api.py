@@ -13,7 +13,8 @@ Reads:  /api/status, /api/tasks, /api/tasks/{id}, /api/tasks/{id}/log, /api/even
         /api/engine, /api/changes (long poll: returns within ~0.25 s of a change, else after
         ``wait`` seconds; a stat of the database files decides whether the database is asked).
 Writes: POST /api/tasks/{id}/answer {"answer"}, /note {"text"}, /cancel {"reason"?},
-        /retry {"model"?, "note"?}.
+        /retry {"model"?, "note"?}: text fields only (a key not listed, a value not text, a body
+        nested past 32 levels: 400 naming it).
 
 Env: none of its own (the store reads TASK_DB_PATH and TASK_LOG_DIR at call time). Nothing
 happens at import time.
@@ -377,45 +378,121 @@ async def api_changes(request: Any) -> Any:
 # Actions: POST with a JSON object body, through the same store functions as the MCP tools.
 
 
+JSON_DEPTH_MAX = 32             # nesting of an action's body (every field is flat text)
+
+
+def _too_deep(raw: bytes, limit: int = JSON_DEPTH_MAX) -> bool:
+    """Whether JSON text opens more than ``limit`` arrays/objects inside each other (brackets in
+    strings not counted). Checked before parsing: the json module recurses once per level and a
+    few KB of ``[[[…`` raised RecursionError."""
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:          # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+async def _read_capped(request: Any, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it passes ``limit`` bytes: a declared
+    Content-Length over it is refused unread, a chunked body is not buffered past it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise NotJson(f"the body is {int(declared)} bytes; at most {limit} are accepted", 413)
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise NotJson(f"the body is over {limit} bytes; at most {limit} are accepted", 413)
+    return bytes(data)
+
+
 async def _body(request: Any) -> dict[str, Any]:
+    """An action's body: a JSON object of at most BODY_MAX bytes and JSON_DEPTH_MAX levels
+    (NotJson 415 without the JSON content type, 413 too large, 400 otherwise)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
         raise NotJson("send the action as a JSON object with Content-Type: application/json", 415)
-    raw = await request.body()
-    if len(raw) > BODY_MAX:
-        raise NotJson(f"the body is {len(raw)} bytes; at most {BODY_MAX} are accepted")
+    raw = await _read_capped(request, BODY_MAX)
+    if _too_deep(raw):
+        raise NotJson(f"the body nests arrays or objects more than {JSON_DEPTH_MAX} deep; every field of "
+                      "an action is plain text: send a flat JSON object such as {\"text\": \"...\"}")
     try:
         body = json.loads(raw or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         raise NotJson("the body is not valid JSON: send a JSON object such as {\"answer\": \"...\"}") from None
     if not isinstance(body, dict):
         raise NotJson("the body must be a JSON object such as {\"answer\": \"...\"}")
     return body
 
 
-def _text_field(body: dict[str, Any], name: str, required: bool = True) -> Any:
-    value = body.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise store.ValidationError(f"{name} must be text (a JSON string); send {{\"{name}\": \"...\"}}")
-    return value
+# Each action's fields: name -> (required, most characters). Nothing else is accepted.
+FIELDS: dict[str, dict[str, tuple[bool, int]]] = {
+    "answer": {"answer": (True, store.ANSWER_MAX)},
+    "note": {"text": (True, store.NOTE_MAX)},
+    "cancel": {"reason": (False, store.NOTE_MAX)},
+    "retry": {"model": (False, 200), "note": (False, store.NOTE_MAX)},
+}
 
 
-def retry_action(task_id: str, body: dict[str, Any]) -> dict[str, Any]:
+def _fields_shown(action: str) -> str:
+    return ", ".join(f"{name} ({'required' if req else 'optional'} text)"
+                     for name, (req, _) in FIELDS[action].items())
+
+
+def action_fields(action: str, body: dict[str, Any]) -> dict[str, str | None]:
+    """``body`` checked against the action's FIELDS: no unknown key, each value text (or null /
+    absent when optional), within its size. Raises store.ValidationError with one line naming
+    the key and what the action takes. Returns every field (None where absent)."""
+    spec = FIELDS[action]
+    unknown = [key for key in body if key not in spec]
+    if unknown:
+        shown = ", ".join(repr(k[:60] + ("…" if len(k) > 60 else "")) for k in unknown[:5])
+        raise store.ValidationError(f"/{action} does not take {shown}; it takes {_fields_shown(action)}")
+    out: dict[str, str | None] = {}
+    for name, (required, limit) in spec.items():
+        value = body.get(name)
+        if value is None and not required:
+            out[name] = None
+            continue
+        if not isinstance(value, str):
+            got = "nothing" if name not in body else f"a JSON {_json_kind(value)}"
+            raise store.ValidationError(f"{name} must be text (a JSON string), got {got}; "
+                                        f"/{action} takes {_fields_shown(action)}")
+        if len(value) > limit:
+            raise store.ValidationError(f"{name} is {len(value)} characters; the limit is {limit}")
+        out[name] = value
+    return out
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "array", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def retry_action(task_id: str, fields: dict[str, Any]) -> dict[str, Any]:
     """Requeue a failed or cancelled task with a fresh budget (store.retry_task, as the MCP tool
     and the CLI): optional ``model`` (provider/model) and ``note``."""
-    task = store.retry_task(task_id, model=_text_field(body, "model", False),
-                            note=_text_field(body, "note", False), author="board")
+    task = store.retry_task(task_id, model=fields["model"], note=fields["note"], author="board")
     return task_views.info(task) | {"requeued_dependents": task["requeued_dependents"]}
 
 
 ACTIONS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
-    "answer": lambda tid, body: task_views.info(
-        store.answer_task(tid, _text_field(body, "answer"), author="board")),
-    "note": lambda tid, body: store.add_note(tid, _text_field(body, "text"), author="board"),
-    "cancel": lambda tid, body: task_views.info(
-        store.cancel_task(tid, _text_field(body, "reason", False) or "cancelled from the board")),
+    "answer": lambda tid, f: task_views.info(store.answer_task(tid, f["answer"], author="board")),
+    "note": lambda tid, f: store.add_note(tid, f["text"], author="board"),
+    "cancel": lambda tid, f: task_views.info(store.cancel_task(tid, f["reason"] or "cancelled from the board")),
     "retry": retry_action,
 }
 
@@ -429,10 +506,10 @@ async def api_action(request: Any) -> Any:
     if name not in ACTIONS:
         return JSONResponse({"error": f"no action {name!r}: use one of {', '.join(ACTIONS)}"}, status_code=404)
     try:
-        body = await _body(request)
-    except NotJson as exc:
+        fields = action_fields(name, await _body(request))
+    except (NotJson, store.ValidationError) as exc:
         return error_response(exc)
-    return await answer_json(lambda: ACTIONS[name](task_id, body))
+    return await answer_json(lambda: ACTIONS[name](task_id, fields))
 
 
 def routes() -> list[Any]:

@@ -775,6 +775,12 @@ def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | 
         raise ValidationError(f"{name} must not be empty")
     if "\x00" in value:
         raise ValidationError(f"{name} contains a NUL character; send plain text")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:   # JSON's "\ud800" decodes to a lone surrogate SQLite cannot store
+            raise ValidationError(f"{name} contains an unpaired UTF-16 surrogate (a lone \\ud800-\\udfff "
+                                  "escape); send valid Unicode text") from None
     if len(value) > limit:
         raise ValidationError(f"{name} is {len(value)} characters; the limit is {limit}")
     return value
@@ -1604,8 +1610,10 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
     """Cancel a pending, waiting or running task (a running attempt is fenced off at once; its
     worker notices at its next lease renewal, about a second, and kills the run). Dependents fail,
     naming it. The returned dict's ``kept`` says where the work stays (branch, a waiting task's
-    worktree) or is None. Raises TaskNotFound or InvalidTransition (already finished)."""
+    worktree) or is None. Raises TaskNotFound, ValidationError (reason empty, not text, over
+    NOTE_MAX characters) or InvalidTransition (already finished)."""
     num = parse_task_id(task_id)
+    reason = _text("reason", reason, NOTE_MAX)
     with _writing() as conn:
         row = _row(conn, num)
         if row["status"] in TERMINAL:

@@ -433,3 +433,81 @@ def test_the_cli_serves_one_port_and_never_logs_the_token(transport):
         out, err = proc.communicate(timeout=30)
     assert TOKEN.encode() not in err and TOKEN.encode() not in out
     assert b"TaskBridge MCP" in err            # it did log, to stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Bodies the board's actions refuse, over a real port: unknown keys, wrong types, deep or huge JSON.
+
+DEEP = b'{"text": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+
+
+def test_board_actions_refuse_unknown_keys_wrong_shapes_and_deep_or_huge_bodies(wd, caplog):
+    """A key an action does not take was ignored (200), and 4 KB of nested arrays crashed the JSON
+    parser (500 with a RecursionError traceback in the log). Every case is now one 400/413 line
+    naming the problem, nothing changes, and nothing is logged as a crash."""
+    task = task_store.submit_task(title="t", instructions="i", working_dir=wd)
+    waiting = task_store.submit_task(title="w", instructions="i", working_dir=wd)
+    claimed = task_store.claim_next("test-worker", task_id=waiting["id"])
+    task_store.pause_for_question(waiting["id"], claimed["run_marker"], "Which port?")
+    tid, wid = task["id"], waiting["id"]
+    cases = [  # (task, action, raw body, status, words the one-line error holds)
+        (tid, "note", {"text": "ok", "extra": 1}, 400, ["'extra'", "text (required text)"]),
+        (wid, "answer", {"answer": "8080", "answr": "x"}, 400, ["'answr'", "answer (required text)"]),
+        (tid, "cancel", {"reson": "typo"}, 400, ["'reson'", "reason (optional text)"]),
+        (tid, "retry", {"model": "a/b", "notes": "x"}, 400, ["'notes'", "note (optional text)"]),
+        (tid, "note", {}, 400, ["text must be text", "got nothing"]),
+        (tid, "note", {"text": ["a"]}, 400, ["text must be text", "got a JSON array"]),
+        (tid, "note", {"text": {"a": 1}}, 400, ["got a JSON object"]),
+        (wid, "answer", {"answer": True}, 400, ["got a JSON boolean"]),
+        (tid, "cancel", {"reason": 5}, 400, ["reason must be text", "got a JSON number"]),
+        (tid, "retry", {"note": ["x"]}, 400, ["note must be text"]),
+        (tid, "note", {"text": "x" * (task_store.NOTE_MAX + 1)}, 400, ["the limit is 20000"]),
+        (tid, "cancel", {"reason": "x" * (task_store.NOTE_MAX + 1)}, 400, ["reason is", "the limit is 20000"]),
+        (tid, "note", DEEP, 400, ["nests arrays or objects more than 32 deep"]),
+        (tid, "cancel", b"[" * 100_000, 400, ["more than 32 deep"]),
+        (tid, "note", b'{"text": "' + b"x" * 400_000 + b'"}', 413, ["at most 300000"]),
+        (tid, "note", b'{"text": "\\ud800"}', 400, ["unpaired UTF-16 surrogate"]),
+        (tid, "note", b'{"text": "a [[[[ \\" {{" }', 200, []),   # brackets inside a string are text
+    ]
+    with serving() as base, caplog.at_level("INFO"):
+        with httpx2.Client(base_url=base, headers=AUTH, timeout=30) as http:
+            for task_id, action, body, status, words in cases:
+                raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+                got = http.post(f"/api/tasks/{task_id}/{action}", content=raw,
+                                headers={"Content-Type": "application/json"})
+                assert got.status_code == status, (action, raw[:60], got.text[:300])
+                if status != 200:
+                    error = got.json()["error"]
+                    assert "\n" not in error and len(error) < 400, error
+                    assert all(w in error for w in words), (words, error)
+            chunked = http.post(f"/api/tasks/{tid}/note", headers={"Content-Type": "application/json"},
+                                content=iter([b'{"text": "', b"y" * 200_000, b"y" * 200_000, b'"}']))
+            assert chunked.status_code == 413 and "at most 300000" in chunked.json()["error"]
+            deep_mcp = http.post("/mcp", content=b'{"jsonrpc": "2.0", "id": 1, "method": "ping", "params": '
+                                 + b"[" * 5000 + b"]" * 5000 + b"}", headers=MCP_HEADERS)
+            assert deep_mcp.status_code < 500, deep_mcp.text[:300]
+    after = task_store.get_task(tid)
+    assert after["status"] == "pending" and [n["text"] for n in after["notes"]] == ['a [[[[ " {{']
+    assert task_store.get_task(wid)["status"] == "waiting"
+    crashes = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+    assert not crashes, [r.getMessage() for r in crashes]
+    assert "Traceback" not in caplog.text and "RecursionError" not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_mcp_tools_over_streamable_http_refuse_a_misspelt_or_wrong_argument(wd):
+    """Closed schemas (mcp_shared): clear_finished {"status": ...} (the key is ``statuses``) and
+    submit_task with ``permision`` are refused naming the key, and change nothing."""
+    finished = task_store.submit_task(title="done one", instructions="i", working_dir=wd)
+    claimed = task_store.claim_next("test-worker", task_id=finished["id"])
+    task_store.complete_attempt(finished["id"], claimed["run_marker"], diff="", result={"summary": "ok"}, usage={})
+    with serving() as base:
+        async with http_client(base) as c:
+            cleared = await c.call_tool("clear_finished", {"status": "running"})
+            sent = await c.call_tool("submit_task", {"title": "x", "instructions": "y", "working_dir": wd,
+                                                     "permision": "readonly"})
+    for result, key in ((cleared, "'status'"), (sent, "'permision'")):
+        text = result.content[0].text
+        assert result.is_error and "unknown argument" in text and key in text and "\n" not in text, text
+    assert [t["id"] for t in task_store.list_tasks(limit=10)["tasks"]] == [finished["id"]]
+    assert task_store.get_task(finished["id"])["status"] == "done"
