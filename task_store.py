@@ -1446,7 +1446,8 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
     A task paused at a spending limit (``paused_for``) reads the answer (see ``parse_limit_answer``):
     ``stop`` fails it with its receipt kept; an amount (``continue, up to $2``, ``2.50``,
     ``50000 tokens``) raises its limit and resumes it; a bare ``continue`` resumes it only when its
-    own limit is no longer reached (a pause for the daily budget waits for the budget).
+    own limit is no longer reached (and, after a pause for the daily budget, when the budget is
+    no longer spent).
     Raises TaskNotFound, ValidationError (empty answer; a limit not above the spend; a bare
     continue at a reached limit) or InvalidTransition (task not waiting)."""
     num = parse_task_id(task_id)
@@ -2047,6 +2048,10 @@ def _answer_limit_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str,
     if reached:
         raise ValidationError(f"task {name} is still at its spending limit: {reached}; answer with a higher "
                               "limit ('continue, up to $2' or '200000 tokens') or 'stop'")
+    spent = _budget_spent(conn) if row["paused_for"] == "daily_budget" else None
+    if spent:
+        raise ValidationError(f"task {name} paused because {spent}; raise the budget first, then answer "
+                              "'continue' (or answer 'stop')")
     return (f"TaskBridge paused your run at a spending limit (this was not a question of yours). "
             f"The planner {what} ({answer.strip()[:200]!r}). Carry on with the task where you stopped.")
 

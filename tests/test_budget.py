@@ -120,7 +120,11 @@ def test_stop_fails_the_paused_task_keeping_its_receipt_and_fails_dependents(tmp
 
 def test_a_daily_budget_pause_resumes_on_continue_and_tokens_limits_read_bare_numbers(tmp_path):
     task = _task(tmp_path)
+    task_store.set_budget(daily_usd=0.1)
     _pause(task, 0.1, kind="daily_budget")
+    with pytest.raises(task_store.ValidationError, match="raise the budget first"):
+        task_store.answer_task(task["id"], "continue")
+    task_store.set_budget(daily_usd=None)
     assert task_store.answer_task(task["id"], "continue")["status"] == "pending"
     tokens = _task(tmp_path, max_tokens=800)
     _pause(tokens, 0.0)

@@ -164,3 +164,24 @@ def test_the_gate_plugin_joins_the_users_own_plugins(opencode, tmp_path):
     env = oc.with_spend_gate({**opencode.env, "PWD": str(tmp_path)}, str(tmp_path / "x.gate"))
     resolved = oc.resolved_config(env, str(tmp_path))
     assert resolved["plugin"] == ["file:///somewhere/users-own-plugin.js", oc.spend_gate_plugin().as_uri()]
+
+
+def test_a_run_that_spends_the_daily_budget_pauses_and_resumes_once_it_is_raised(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("count", _five_steps())
+    task_store.set_budget(daily_usd=0.25)
+    task = task_store.submit_task(title="count", instructions="SCRIPT:count", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    paused = task_store.get_task(task["id"])
+    assert paused["status"] == "waiting" and paused["paused_for"] == "daily_budget", paused["error"]
+    assert len(opencode.model.step_requests("count")) == 3
+    assert paused["question"].startswith("Daily budget reached: the daily budget is spent ($0.3060 of $0.2500")
+    with pytest.raises(task_store.ValidationError, match="daily budget"):
+        task_store.answer_task(task["id"], "continue")
+    task_store.set_budget(daily_usd=2)
+    task_store.answer_task(task["id"], "continue")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["session_id"] == paused["session_id"] and len(opencode.model.step_requests("count")) == 5
+    assert task_store.budget_state()["spent_usd"] == pytest.approx(5 * STEP_USD)
