@@ -9,7 +9,9 @@ USD per million tokens), so a step with 100,000 prompt and 1,000 completion toke
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import task_store
 import task_views
 import tasks_cli
 from fake_openai import text, tool_call
-from helpers import make_repo, run_script
+from helpers import ROOT, make_repo, run_script
 from opencode_env import MODEL
 
 pytestmark = pytest.mark.real_opencode
@@ -185,3 +187,35 @@ def test_a_run_that_spends_the_daily_budget_pauses_and_resumes_once_it_is_raised
     assert done["status"] == "done", done["error"]
     assert done["session_id"] == paused["session_id"] and len(opencode.model.step_requests("count")) == 5
     assert task_store.budget_state()["spent_usd"] == pytest.approx(5 * STEP_USD)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="instant wake-ups use inotify (Linux)")
+def test_a_watching_worker_says_the_budget_is_spent_and_claims_at_once_when_raised(opencode, tmp_path):
+    spender = task_store.submit_task(title="spent it", instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("someone", task_id=spender["id"])
+    task_store.record_spend(spender["id"], claimed["run_marker"], 0.01, 10, 0.01, 10)
+    task_store.set_budget(daily_usd=0.005)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    task = task_store.submit_task(title="next", instructions="x", working_dir=str(gone))
+    gone.rmdir()   # the claim then fails at once, without running an agent
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                            env=os.environ | {"WORKER_POLL_SEC": "5"})
+    try:
+        deadline = time.monotonic() + 30
+        while "daily budget is spent" not in (task_store.read_worker_heartbeat() or {}).get("budget", ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "the heartbeat never said why"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert task_store.get_task(task["id"])["status"] == "pending"
+        assert "claims nothing new: the daily budget is spent" in task_views.worker_state()["summary"]
+        started = time.monotonic()
+        task_store.set_budget(daily_usd=1)
+        while task_store.get_task(task["id"])["status"] == "pending":
+            assert time.monotonic() - started < 3, "not claimed within 3 s of the raise (the poll is 5 s)"
+            time.sleep(0.02)
+        assert "budget" not in (task_store.read_worker_heartbeat() or {})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
