@@ -353,8 +353,9 @@ def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
 
 
 def _is_registered(repo: str, path: Path) -> bool:
-    listing = git(["worktree", "list", "--porcelain"], repo, check=False)
-    return path.is_dir() and f"worktree {path}" in listing.splitlines()
+    if not path.is_dir():  # the usual case: no git command needed to say no
+        return False
+    return f"worktree {path}" in git(["worktree", "list", "--porcelain"], repo, check=False).splitlines()
 
 
 def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
@@ -363,15 +364,19 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
     checked out at a vanished path."""
     with _ADMIN:
         git(["worktree", "prune"], repo, check=False)
-        if _is_registered(repo, path):
+        in_the_way = _is_registered(repo, path)
+        if in_the_way:
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
         if os.path.isdir(path / ".git"):
             raise Unrunnable(f"{path}, where task {task['id']}'s worktree goes, holds a repository of its "
                              "own; move it away (or set TASKBRIDGE_WORKTREE_ROOT elsewhere) and resubmit")
-        left = _leftover(str(path), _force_rmtree(str(path))) if os.path.lexists(path) else None
-        if left:
-            raise Unrunnable(f"an earlier attempt's worktree is still in the way: {left}")
-        git(["worktree", "prune"], repo, check=False)
+        if os.path.lexists(path):
+            in_the_way = True
+            left = _leftover(str(path), _force_rmtree(str(path)))
+            if left:
+                raise Unrunnable(f"an earlier attempt's worktree is still in the way: {left}")
+        if in_the_way:  # something was removed: forget its registration too (else nothing changed)
+            git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         branch = _free_branch(repo, task, base)
         git(["worktree", "add", "-B", branch, str(path), base], repo)
