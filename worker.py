@@ -795,7 +795,11 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     reason = failure_reason(run)
     block = oc.parse_closing_block(run.stream.final_text)
     reverted, files, diff, problem = _observe(task, ws, snapshot)
-    receipt = build_receipt(task, ws, run, model, block, files, reverted, session_note)
+    receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
+    if reverted[1]:
+        receipt["not_reverted"] = reverted[1]
+        receipt["sandbox"]["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
+                                              "not_reverted; the rest were")
     receipt["changed_outside_worktree"] = worktrees.changed_outside(checkout_before, ws.repo) \
         if ws.mode == "worktree" and problem is None else []
     receipt["repo_config"] = repo_config
@@ -874,13 +878,15 @@ def _last_activity(stream: oc.EventStream) -> str:
     return f"writing: {text[-160:]!r}" if text else "starting (no tool call yet)"
 
 
-def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[list[str], list[str], str | None, Exception | None]:
-    """(reverted files, changed files, diff, None), or the git failure that stopped it."""
+def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[tuple[list[str], list[str]], list[str],
+                                                                       str | None, Exception | None]:
+    """((reverted paths, ``path: why`` not reverted), changed files, diff, None), or the git
+    failure that stopped it."""
     try:
-        reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else []
+        reverted = worktrees.revert_changes(ws, snapshot) if task["permission"] == "readonly" else ([], [])
         files, diff = worktrees.observed_changes(ws)
     except (worktrees.GitError, OSError) as exc:
-        return [], [], None, exc
+        return ([], []), [], None, exc
     return reverted, files, diff, None
 
 

@@ -539,55 +539,168 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     return git(["rev-parse", "HEAD"], ws.top)
 
 
-def revert_changes(ws: Workspace, snapshot: dict[str, bytes] | None) -> list[str]:
+def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[list[str], list[str]]:
     """readonly: undo every change the run left. In a worktree, reset to the base commit and
-    remove new files; in place, restore from the pre-run snapshot. Returns the reverted files."""
+    remove new files; in place, restore from the pre-run snapshot (``restore_snapshot``).
+    Returns (the reverted paths, what could not be reverted as ``path: why`` lines)."""
     if ws.mode == "worktree":
         changed, _ = observed_changes(ws)
         _owner_writable_tree(ws.top, [])     # a chmod 555 build folder must not stop the revert
         git(["reset", "-q", "--hard", ws.base_commit], ws.top)
         git(["clean", "-q", "-fdx"], ws.top)
-        return changed
+        return changed, []
     return restore_snapshot(ws.cwd, snapshot or {})
 
 
 SNAPSHOT_LIMIT_BYTES = 50 * 2**20
 
 
-def take_snapshot(root: str) -> dict[str, bytes] | None:
-    """Contents of every file under ``root`` (``.git`` excepted), or None past 50 MB."""
-    files: dict[str, bytes] = {}
+def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str, tuple] | None:
+    """Everything under ``root`` (``.git`` excepted) by relative path (``.`` is ``root``):
+    ``("dir", mode)``, ``("file", mode, bytes)`` or ``("link", target)``; None when the files
+    hold more than 50 MB. Modes are the permission bits. A folder or file it cannot read is
+    left out (and so is never restored). Given ``before`` (an earlier snapshot), only files that
+    were in it with the same size are read, the rest hold None, and there is no size limit."""
+    entries: dict[str, tuple] = {}
     total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
+        rel_dir = os.path.relpath(dirpath, root)
+        with contextlib.suppress(OSError):
+            entries[rel_dir] = ("dir", stat.S_IMODE(os.lstat(dirpath).st_mode))
+        for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
             path = os.path.join(dirpath, name)
-            if os.path.islink(path) or not os.path.isfile(path):
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            try:
+                info = os.lstat(path)
+                if stat.S_ISLNK(info.st_mode):
+                    entries[rel] = ("link", os.readlink(path))
+                elif stat.S_ISREG(info.st_mode) and before is not None:
+                    was = before.get(rel)
+                    same_size = was is not None and was[0] == "file" and len(was[2]) == info.st_size
+                    entries[rel] = ("file", stat.S_IMODE(info.st_mode), _read(path) if same_size else None)
+                elif stat.S_ISREG(info.st_mode):
+                    total += info.st_size
+                    if total > SNAPSHOT_LIMIT_BYTES:
+                        return None
+                    with open(path, "rb") as fh:
+                        entries[rel] = ("file", stat.S_IMODE(info.st_mode), fh.read())
+            except OSError:
                 continue
-            total += os.path.getsize(path)
-            if total > SNAPSHOT_LIMIT_BYTES:
-                return None
-            with open(path, "rb") as fh:
-                files[os.path.relpath(path, root)] = fh.read()
-    return files
+    return entries
 
 
-def restore_snapshot(root: str, snapshot: dict[str, bytes]) -> list[str]:
-    """Put ``root`` back as the snapshot saw it; returns the paths that differed."""
-    after = take_snapshot(root) or {}
-    reverted = []
-    for rel in sorted(set(after) | set(snapshot)):
-        if after.get(rel) == snapshot.get(rel):
-            continue
-        path = os.path.join(root, rel)
-        if rel in snapshot:
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
+
+
+def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], list[str]]:
+    """Put ``root`` back as ``take_snapshot`` saw it: new files, links and folders removed (a
+    folder made unreadable or unsearchable, even ``chmod 000``, is opened first), changed or
+    removed files, links and folders put back, changed modes restored. Returns (the paths that
+    differed, sorted, a folder's ending in ``/``; ``path: why`` for each it could not revert)."""
+    if not snapshot:
+        return [], []
+    failed: list[str] = []
+    modes = _open_tree(root, failed)        # every folder searchable and writable, every file readable
+    now = {rel: (e[0], modes.get(rel, e[1]), *e[2:]) if e[0] != "link" else e
+           for rel, e in (take_snapshot(root, snapshot) or {}).items()}
+    shown = lambda rel, kind: rel + "/" if kind == "dir" else rel
+    reverted: set[str] = set()
+    for rel in sorted(now, key=lambda r: -r.count(os.sep)):          # deepest first
+        if rel != "." and (rel not in snapshot or snapshot[rel][0] != now[rel][0]):
+            if _remove_entry(root, rel, now[rel][0], failed):
+                reverted.add(shown(rel, now[rel][0]))
+    for rel in sorted(snapshot, key=lambda r: r.count(os.sep)):      # shallowest first
+        entry = snapshot[rel]
+        same_kind = rel in now and now[rel][0] == entry[0]
+        if not same_kind or now[rel] != entry:
+            if same_kind and entry[0] != "link" and now[rel][2:] == entry[2:]:
+                reverted.add(shown(rel, entry[0]))        # only its mode changed: set below
+            elif _put_back(root, rel, entry, failed):
+                reverted.add(shown(rel, entry[0]))
+    for rel in sorted((r for r in snapshot if snapshot[r][0] != "link"), key=lambda r: -r.count(os.sep)):
+        _chmod(root, rel, snapshot[rel][1], failed)   # modes last, deepest first (a folder after its contents)
+    return sorted(reverted), sorted(dict.fromkeys(failed))
+
+
+def _open_tree(root: str, failed: list[str]) -> dict[str, int]:
+    """Give the owner rwx on every folder and read on every file under ``root`` (top-down, so a
+    ``chmod 000`` folder is opened before it is entered); returns each one's mode before."""
+    modes: dict[str, int] = {}
+
+    def opened(path: str, rel: str, need: int) -> None:
+        try:
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                return
+            modes[rel] = stat.S_IMODE(info.st_mode)
+            if info.st_mode & need != need:
+                os.chmod(path, stat.S_IMODE(info.st_mode) | need)
+        except OSError as exc:
+            failed.append(f"{rel}: cannot open ({exc.strerror})")
+
+    opened(root, ".", stat.S_IRWXU)
+    def unreadable(exc: OSError) -> None:
+        failed.append(f"{os.path.relpath(exc.filename, root)}: cannot open ({exc.strerror})")
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in dirnames:
+            opened(os.path.join(dirpath, name), os.path.normpath(os.path.join(rel_dir, name)), stat.S_IRWXU)
+        for name in filenames:
+            opened(os.path.join(dirpath, name), os.path.normpath(os.path.join(rel_dir, name)), stat.S_IRUSR)
+    return modes
+
+
+def _remove_entry(root: str, rel: str, kind: str, failed: list[str]) -> bool:
+    path = os.path.join(root, rel)
+    try:
+        if kind == "dir":
+            os.rmdir(path)                 # its children went first (deepest first)
+        else:
+            os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as exc:
+        failed.append(f"{rel}: not removed ({exc.strerror})")
+        return False
+
+
+def _put_back(root: str, rel: str, entry: tuple, failed: list[str]) -> bool:
+    path = os.path.join(root, rel)
+    try:
+        if entry[0] == "dir":
+            os.makedirs(path, exist_ok=True)
+            _owner_rwx(path)               # its own mode is set after its contents
+        elif entry[0] == "link":
+            if os.path.lexists(path):
+                os.unlink(path)
+            os.symlink(entry[1], path)
+        else:
+            if os.path.lexists(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as fh:
-                fh.write(snapshot[rel])
-        else:
-            os.remove(path)
-        reverted.append(rel)
-    return reverted
+                fh.write(entry[2])
+            os.chmod(path, entry[1])
+        return True
+    except OSError as exc:
+        failed.append(f"{rel}: not restored ({exc.strerror})")
+        return False
+
+
+def _chmod(root: str, rel: str, mode: int, failed: list[str]) -> None:
+    try:
+        os.chmod(os.path.join(root, rel), mode)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        failed.append(f"{rel}: mode not restored ({exc.strerror})")
 
 
 def remove_worktree_at(path: str) -> str | None:

@@ -109,8 +109,8 @@ def test_readonly_in_place_snapshot_restores(tmp_path):
     (plain / "keep.txt").write_text("changed")
     (plain / "d" / "gone.txt").unlink()
     (plain / "new.txt").write_text("added")
-    reverted = worktrees.restore_snapshot(str(plain), snap)
-    assert reverted == ["d/gone.txt", "keep.txt", "new.txt"]
+    reverted, failed = worktrees.restore_snapshot(str(plain), snap)
+    assert reverted == ["d/gone.txt", "keep.txt", "new.txt"] and failed == []
     assert (plain / "keep.txt").read_text() == "original" and not (plain / "new.txt").exists()
     assert (plain / "d" / "gone.txt").read_text() == "was here"
 

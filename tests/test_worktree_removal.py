@@ -140,3 +140,86 @@ def test_a_readonly_task_reverts_read_only_folders_too(sandbox, scripted_model):
     receipt = final["result"]
     assert receipt["files_reverted"] == ["build/cache/blob"] and receipt["files_touched"] == []
     assert receipt["worktree_removed"] is True and not os.path.lexists(receipt["worktree_path"])
+
+
+def tree_state(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root`` with its kind, permission bits and content (root's view)."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        if path.is_symlink():
+            state[str(path.relative_to(root))] = ("link", os.readlink(path))
+        elif path.is_dir():
+            state[str(path.relative_to(root))] = ("dir", oct(info.st_mode & 0o7777))
+        else:
+            state[str(path.relative_to(root))] = ("file", oct(info.st_mode & 0o7777), path.read_bytes())
+    return state
+
+
+# New folders made unreadable, an existing file's and folder's modes changed, an empty folder
+# removed, a symlink and a file added, a file changed.
+SHELL_WRITES = ("echo changed > keep.txt; chmod 600 keep.txt; echo new > d/new.txt; chmod 700 d; rmdir empty; "
+                "ln -s /etc/hostname link; mkdir -p ro/sub && echo x > ro/sub/f && chmod -R 000 ro")
+
+
+def test_readonly_in_a_plain_folder_reverts_new_folders_modes_and_links(sandbox, scripted_model):
+    """`submit --dir <not a repo> --permission readonly`: only files were restored, so ro/sub
+    (mode 000) stayed although the receipt said shell writes were reverted. Now the folder is
+    exactly as before: contents, folders, links and modes."""
+    plain = sandbox.base / "plain"
+    (plain / "d").mkdir(parents=True)
+    (plain / "empty").mkdir()
+    (plain / "keep.txt").write_text("original\n")
+    (plain / "d" / "old.txt").write_text("old\n")
+    (plain / "keep.txt").chmod(0o644)
+    (plain / "d").chmod(0o755)
+    sandbox.give_to_user()
+    before = tree_state(plain)
+    scripted_model.script("plain-ro", [
+        tool_call("bash", {"command": SHELL_WRITES, "description": "write"}),
+        text("Looked.\n" + DONE),
+    ])
+    task = task_store.submit_task(title="look", instructions="SCRIPT:plain-ro", working_dir=str(plain),
+                                  permission="readonly")
+    result = sandbox.run("worker.py")
+    assert result.returncode == 0, result.stderr
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    receipt = final["result"]
+    assert tree_state(plain) == before
+    assert receipt["files_reverted"] == ["d/", "d/new.txt", "empty/", "keep.txt", "link", "ro/", "ro/sub/",
+                                         "ro/sub/f"]
+    assert "not_reverted" not in receipt and "reverted" in receipt["sandbox"]["shell writes"]
+
+
+def test_what_an_in_place_revert_cannot_undo_is_named(tmp_path):
+    """A change the worker's user may not undo (here a folder root made inside the task's folder
+    during the run) is listed as ``path: why``; everything else is still reverted."""
+    user = normal_user()
+    if user is None:
+        pytest.skip("needs root to make a folder the worker's user cannot delete")
+    plain = Path(tempfile.mkdtemp(prefix="tb-revert-", dir="/tmp"))
+    try:
+        (plain / "keep.txt").write_text("original\n")
+        subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(plain)], check=True)
+        shot = plain.parent / f"snap-{plain.name}"
+        code = ("import pickle, sys, worktrees; root = sys.argv[1]; snap = worktrees.take_snapshot(root); "
+                "open(root + '/keep.txt', 'w').write('changed'); open(root + '/new.txt', 'w').write('x'); "
+                "open(sys.argv[2], 'wb').write(pickle.dumps(snap))")
+        drop = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
+        shot.touch()
+        shot.chmod(0o666)
+        subprocess.run([*drop, sys.executable, "-c", code, str(plain), str(shot)], cwd=ROOT, check=True)
+        (plain / "rootdir").mkdir()
+        (plain / "rootdir" / "f").write_text("root's\n")        # owned by root: the user cannot delete it
+        undo = ("import json, pickle, sys, worktrees; snap = pickle.loads(open(sys.argv[2], 'rb').read()); "
+                "print(json.dumps(worktrees.restore_snapshot(sys.argv[1], snap)))")
+        done = subprocess.run([*drop, sys.executable, "-c", undo, str(plain), str(shot)], cwd=ROOT,
+                              capture_output=True, text=True, check=True)
+        reverted, failed = json.loads(done.stdout)
+        assert reverted == ["keep.txt", "new.txt"]
+        assert failed == ["rootdir/f: not removed (Permission denied)", "rootdir: not removed (Directory not empty)"]
+        assert (plain / "keep.txt").read_text() == "original\n" and not (plain / "new.txt").exists()
+    finally:
+        shutil.rmtree(plain, ignore_errors=True)
+        (plain.parent / f"snap-{plain.name}").unlink(missing_ok=True)
