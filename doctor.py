@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import knobs
 import opencode_runner as oc
 import task_store as store
 import task_views
@@ -54,7 +55,7 @@ class Check:
 
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
-    checks: list[Callable[[], Check]] = [check_python, check_opencode, lambda: check_model(live),
+    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_opencode, lambda: check_model(live),
                                          check_database, check_worker, check_token, check_server,
                                          check_reverse_bridge]
     results = []
@@ -262,9 +263,21 @@ def check_token() -> Check:
     return Check("token", "ok", f"{path} (mode {mode:o})")
 
 
+def check_knobs() -> Check:
+    """Every numeric env knob (knobs.REGISTRY) holds a number in its range, or is unset."""
+    refused = knobs.problems()
+    if refused:
+        return Check("settings", "fail", "; ".join(refused),
+                     "fix or unset " + ", ".join(line.split("=")[0] for line in refused))
+    return Check("settings", "ok", f"the {len(knobs.REGISTRY)} numeric env knobs are unset or in range")
+
+
 def check_server() -> Check:
     """When something answers on 127.0.0.1:$PORT: TaskBridge's /health, and the token accepted."""
-    port = int(os.environ.get("PORT") or 8765)
+    try:
+        port = knobs.knob("PORT")
+    except knobs.KnobError:
+        return Check("mcp server", "warn", "not checked: PORT is not a port number", "see the settings line")
     base = f"http://127.0.0.1:{port}"
     try:
         with urllib.request.urlopen(f"{base}/health", timeout=HEALTH_TIMEOUT_SEC) as answer:

@@ -128,6 +128,14 @@ install_browser() {  # the board's browser tests (pytest -m browser)
   # --- end of the browser block ---
 }
 
+check_port() {   # NAME VALUE: a port number 1-65535, or stop before installing anything
+  case "$2" in
+    ''|*[!0-9]*) die "$1='$2' is not a port number from 1 to 65535; fix it or leave it out (default 8765)" ;;
+  esac
+  [ "${#2}" -le 5 ] && [ "$2" -ge 1 ] && [ "$2" -le 65535 ] \
+    || die "$1='$2' is not a port number from 1 to 65535; fix it or leave it out (default 8765)"
+}
+
 main() {
   local script="${BASH_SOURCE[0]:-}"
   if [ -z "$script" ] || [ ! -f "$script" ] || [ ! -f "$(dirname "$script")/worker.py" ]; then
@@ -145,13 +153,17 @@ main() {
       --rotate|--write-claude-desktop) serve_args+=("$1") ;;
       --tunnel|--port)
         [ $# -ge 2 ] || die "$1 needs a value (try --help)"
+        [ "$1" != --port ] || check_port "--port" "$2"
         serve_args+=("$1" "$2"); shift ;;
-      --tunnel=*|--port=*) serve_args+=("$1") ;;
+      --port=*) check_port "--port" "${1#--port=}"; serve_args+=("$1") ;;
+      --tunnel=*) serve_args+=("$1") ;;
       -h|--help) sed -n '2,20p' "$here/install.sh"; exit 0 ;;
       *) die "unknown option $1 (try --help)" ;;
     esac
     shift
   done
+  # Checked before the install, not after it (serve.py checks its other knobs the same way).
+  [ -z "${PORT:-}" ] || check_port "PORT" "$PORT"
   local need_node=0   # npm installs opencode (and, for --test, the test binaries)
   if [ "$want_test" = 1 ] || { [ -z "${OPENCODE_BIN:-}" ] && [ ! -x node_modules/.bin/opencode ]; }; then
     need_node=1

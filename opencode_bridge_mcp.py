@@ -42,6 +42,7 @@ from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapVa
 from typing_extensions import TypedDict
 
 import http_app
+import knobs
 import mcp_shared
 import opencode_runner
 import task_store as store
@@ -1095,6 +1096,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC",))   # the one its tools read; stderr only
+    if refused:
+        print(f"refusing to start: {refused[0]}", file=sys.stderr)
+        return 2
     if args.transport == "stdio":
         log.info("TaskBridge MCP %s on stdio; database %s", VERSION, store.db_path())
         build_server().run("stdio")

@@ -39,6 +39,7 @@ import urllib.request
 from pathlib import Path
 
 import connectors
+import knobs
 import task_store as store
 
 REPO = Path(__file__).resolve().parent
@@ -482,8 +483,8 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 8765),
-                        help="loopback port of the server (default $PORT or 8765)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="loopback port of the server, 1-65535 (default $PORT or 8765)")
     parser.add_argument("--tunnel", choices=("none", "cloudflare", "ngrok", "auto"), default=None,
                         help="public mode: none (default), cloudflare, ngrok, auto (whichever is installed)")
     parser.add_argument("--rotate", action="store_true", help="make a new token (old clients must be updated)")
@@ -492,6 +493,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--write-claude-desktop", action="store_true",
                         help="merge the taskbridge entry into Claude Desktop's config (a backup is kept)")
     args = parser.parse_args(argv)
+    # Every knob of the server and the worker is checked before anything starts: a typo must not
+    # run with a default, nor surface as a child's exit after the box was printed.
+    refused = knobs.problems(() if args.port is None else tuple(n for n in knobs.REGISTRY if n != "PORT"))
+    if refused:
+        parser.exit(2, "".join(f"serve: {line}\n" for line in refused))
+    if args.port is None:
+        args.port = knobs.knob("PORT")
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be 1-65535; got {args.port}")
     return args

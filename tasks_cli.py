@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+import knobs
 import opencode_runner
 import task_store
 import task_views
@@ -84,6 +85,8 @@ class TaskGroup(click.Group):
             return super().invoke(ctx)
         except task_store.TaskStoreError as exc:
             raise CliError(in_cli_words(str(exc))) from None
+        except knobs.KnobError as exc:
+            raise CliError(str(exc)) from None
         except sqlite3.Error as exc:
             raise CliError(
                 f"the task database {task_store.db_path()} could not be used ({exc}); "

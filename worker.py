@@ -47,6 +47,7 @@ from typing import Any
 
 import psutil
 
+import knobs
 import opencode_runner as oc
 import process_tree
 import task_store as store
@@ -67,29 +68,16 @@ your question, self-contained
 ```"""
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name) or default)
-    except ValueError:
-        return default
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name) or default)
-    except ValueError:
-        return default
-
-
 @dataclass
 class Knobs:
-    """Worker timings in seconds, read from the environment at call time."""
-    stale_sec: float = field(default_factory=lambda: _env_float("WORKER_STALE_SEC", 900))
-    inactivity_sec: float = field(default_factory=lambda: _env_float("WORKER_INACTIVITY_SEC", 600))
-    kill_grace_sec: float = field(default_factory=lambda: _env_float("WORKER_KILL_GRACE_SEC", 5))
-    exit_grace_sec: float = field(default_factory=lambda: _env_float("WORKER_EXIT_GRACE_SEC", 10))
-    poll_sec: float = field(default_factory=lambda: _env_float("WORKER_POLL_SEC", 0.5))
-    lease_sec: float = field(default_factory=lambda: _env_float("WORKER_LEASE_SEC", 1))
+    """Worker timings in seconds, read from the environment at call time (knobs.REGISTRY holds each
+    one's default and range; a bad value raises knobs.KnobError)."""
+    stale_sec: float = field(default_factory=lambda: knobs.knob("WORKER_STALE_SEC"))
+    inactivity_sec: float = field(default_factory=lambda: knobs.knob("WORKER_INACTIVITY_SEC"))
+    kill_grace_sec: float = field(default_factory=lambda: knobs.knob("WORKER_KILL_GRACE_SEC"))
+    exit_grace_sec: float = field(default_factory=lambda: knobs.knob("WORKER_EXIT_GRACE_SEC"))
+    poll_sec: float = field(default_factory=lambda: knobs.knob("WORKER_POLL_SEC"))
+    lease_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LEASE_SEC"))
 
 
 class Flags:
@@ -1284,13 +1272,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--watch", action="store_true", help="loop, picking new work up within a second")
-    parser.add_argument("--max-tasks", type=int, default=None, help="stop after starting this many tasks")
-    parser.add_argument("--slots", type=int, default=_env_int("WORKER_SLOTS", 1),
-                        help="how many tasks run at once (default $WORKER_SLOTS or 1)")
+    parser.add_argument("--max-tasks", type=int, default=None, help="stop after starting this many tasks (1 or more)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="how many tasks run at once, 1-16 (default $WORKER_SLOTS or 1)")
     parser.add_argument("-q", "--quiet", action="store_true", help="say only failures, errors and what a Ctrl-C does")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also say each attempt's details and every tool call the agent makes")
     args = parser.parse_args(argv)
+    if args.max_tasks is not None and args.max_tasks < 1:
+        parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
+    refused = knobs.problems()
+    if refused:   # before anything starts: a typo must not run with a default nor stop a task mid-run
+        print("\n".join(f"worker: {line}" for line in refused), file=sys.stderr)
+        return 2
+    if args.slots is None:
+        args.slots = knobs.knob("WORKER_SLOTS")
     Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import knobs
 import process_tree
 import task_store as store
 
@@ -54,7 +55,6 @@ class GitStopped(GitError):
         self.reason = reason
 
 
-GIT_TIMEOUT_SEC = 300
 
 # Command-line ``-c`` settings win over every config file, so these neutralise what in the
 # user's (or the repository's) configuration would run their programs, sign, wait on a person or
@@ -87,12 +87,9 @@ _watch = threading.local()
 
 
 def git_timeout() -> float:
-    """Seconds one git command may take (``TASKBRIDGE_GIT_TIMEOUT_SEC``, default 300)."""
-    try:
-        value = float(os.environ.get("TASKBRIDGE_GIT_TIMEOUT_SEC") or GIT_TIMEOUT_SEC)
-    except ValueError:
-        return GIT_TIMEOUT_SEC
-    return value if value > 0 else GIT_TIMEOUT_SEC
+    """Seconds one git command may take (``TASKBRIDGE_GIT_TIMEOUT_SEC``, default 300, 0.1 s to a
+    day). Raises knobs.KnobError for any other value (the entry points check it before starting)."""
+    return knobs.knob("TASKBRIDGE_GIT_TIMEOUT_SEC")
 
 
 def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:

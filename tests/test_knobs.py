@@ -1,0 +1,63 @@
+"""Numeric env knobs: a value that is set but not a number in range is refused at once, with one
+line naming the variable, its value and the range, by every entry point (never run with the
+default in silence, never a traceback)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from helpers import ROOT, run_script
+
+
+@pytest.mark.parametrize("name,value,range_", [("WORKER_SLOTS", "abc", "from 1 to 16"),
+                                                ("TASKBRIDGE_GIT_TIMEOUT_SEC", "abc", "from 0.1 to 86400"),
+                                                ("WORKER_STALE_SEC", "-1", "from 0 to"),
+                                                ("WORKER_POLL_SEC", "nan", "from 0.01 to 60")])
+def test_the_worker_refuses_a_bad_knob_before_it_starts(tmp_path, name, value, range_):
+    result = run_script("worker.py", env=dict(os.environ, **{name: value}), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{name}={value!r} is not" in result.stderr and range_ in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "q").exists(), "nothing was started nor written"
+
+
+def test_the_worker_refuses_a_negative_max_tasks():
+    result = run_script("worker.py", "--max-tasks", "-1", timeout=60)
+    assert result.returncode == 2 and "--max-tasks must be 1 or more; got -1" in result.stderr
+
+
+@pytest.mark.parametrize("name,value", [("PORT", "abc"), ("WORKER_SLOTS", "0")])
+def test_serve_refuses_a_bad_knob_before_it_starts_anything(name, value):
+    result = run_script("serve.py", "--tunnel", "none", env=dict(os.environ, MCP_BEARER_TOKEN="t", **{name: value}),
+                        timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"serve: {name}={value!r} is not a whole number from" in result.stderr
+    assert "Traceback" not in result.stderr and "Local MCP" not in result.stderr
+
+
+def test_the_mcp_server_refuses_a_bad_git_timeout():
+    result = run_script("opencode_bridge_mcp.py", "--transport", "streamable-http", "--port", "0",
+                        env=dict(os.environ, TASKBRIDGE_GIT_TIMEOUT_SEC="abc"), timeout=60)
+    assert result.returncode == 2 and "TASKBRIDGE_GIT_TIMEOUT_SEC='abc' is not a number" in result.stderr
+
+
+def test_doctor_names_a_bad_port_and_the_fix():
+    result = run_script("tasks_cli.py", "doctor", "--json", env=dict(os.environ, PORT="abc"), timeout=120)
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["settings"]["status"] == "fail"
+    assert "PORT='abc' is not a whole number from 1 to 65535" in checks["settings"]["detail"]
+    assert checks["settings"]["fix"] == "fix or unset PORT"
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args,env", [(["--port", "abc"], {}), (["--port=70000"], {}), ([], {"PORT": "abc"})])
+def test_install_refuses_a_bad_port_before_installing(args, env):
+    began = time.monotonic()
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), *args], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, **env), timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and "is not a port number from 1 to 65535" in result.stderr
+    assert "installing" not in result.stderr and time.monotonic() - began < 10
