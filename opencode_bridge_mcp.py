@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import math
 import os
@@ -104,7 +103,7 @@ def _as_list(value: Any) -> Any:
         return store.coerce_list("list", value)
     except store.ValidationError:
         raise ValueError(f"must be a list (a JSON array, a string holding one, or a comma list); "
-                         f"got {value!r}") from None
+                         f"got {store.shown_value(value)}") from None
 
 
 OptText = Annotated[str, WrapValidator(_null_ok), WithJsonSchema({"type": ["string", "null"]})]
@@ -520,10 +519,7 @@ _BATCH_SCHEMA = {
 
 def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     if isinstance(item, str) and item.strip().startswith("{"):
-        try:
-            item = json.loads(item)
-        except ValueError:
-            raise store.ValidationError(f"a batch item is not valid JSON: {item[:80]!r}") from None
+        item = store.loads_json("a batch item", item, "a JSON object with title, instructions, working_dir")
     if not isinstance(item, dict):
         return item          # the store names the problem
     item = dict(item)

@@ -731,16 +731,31 @@ def coerce_list(name: str, value: Any) -> list:
         if text in ("", "null", "[]"):
             return []
         if text.startswith("["):
-            try:
-                parsed = json.loads(text)
-            except json.JSONDecodeError:
-                raise ValidationError(f"{name} is not valid JSON: {value!r}; send a list") from None
+            parsed = loads_json(name, text)
             if isinstance(parsed, list):
                 return parsed
         return [part.strip() for part in text.split(",") if part.strip()]
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    raise ValidationError(f"{name} must be a list; got {value!r}")
+    raise ValidationError(f"{name} must be a list; got {shown_value(value)}")
+
+
+def shown_value(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a one-line message, cut to ``limit`` characters with ``…``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def loads_json(name: str, text: str, want: str = "a list") -> Any:
+    """JSON text an argument holds, parsed. Raises ValidationError naming ``name`` when it is not
+    valid JSON or nests past the parser's recursion limit (a few KB of ``[[[`` raised RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValidationError(f"{name} nests arrays or objects too deeply to read; send {want}") from None
+    except ValueError:
+        raise ValidationError(f"{name} is not valid JSON: {shown_value(text)}; send {want}") from None
+
 
 
 def coerce_bool(name: str, value: Any) -> bool:

@@ -206,6 +206,24 @@ async def test_bad_submit_is_refused_with_a_clear_message(over, needle, wd, monk
     assert sum(task_store.counts().values()) == 0
 
 
+async def test_deep_or_huge_json_text_in_arguments_gets_one_short_line(wd):
+    """List arguments may come as JSON text: a few KB of ``[[[`` raised RecursionError inside the
+    tool (an "internal error"), and a refused value was echoed whole (100 KB in one message)."""
+    deep_object = '{"title": ' + "[" * 3000 + "]" * 3000 + "}"
+    cases = [("wait_for", {"task_ids": "[" * 3000, "timeout_sec": 1}, "task_ids must be a list"),
+             ("list_tasks", {"status": "[" * 3000}, "status must be a list"),
+             ("submit_task", task_args(wd, depends_on="[" * 3000 + "]" * 3000), "depends_on must be a list"),
+             ("submit_batch", {"tasks": [deep_object]}, "a batch item nests arrays or objects too deeply"),
+             ("wait_for", {"task_ids": "[" + "x" * 100_000, "timeout_sec": 1}, "task_ids must be a list"),
+             ("add_task_note", {"task_id": 1, "text": "\ud800"}, "unpaired UTF-16 surrogate")]
+    async with client("legacy") as c:
+        await ok(c, "submit_task", task_args(wd))
+        for tool, args, needle in cases:
+            text = await err(c, tool, args)
+            assert needle in text and "internal error" not in text and len(text) < 400, (tool, text[:400])
+    assert sum(task_store.counts().values()) == 1 and task_store.get_task(1)["notes"] == []
+
+
 async def test_bad_input_in_both_modes(mode, wd):
     async with client(mode) as c:
         await ok(c, "submit_task", task_args(wd))
