@@ -385,6 +385,8 @@ def _too_deep(raw: bytes, limit: int = JSON_DEPTH_MAX) -> bool:
     """Whether JSON text opens more than ``limit`` arrays/objects inside each other (brackets in
     strings not counted). Checked before parsing: the json module recurses once per level and a
     few KB of ``[[[…`` raised RecursionError."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False                       # the usual body: no walk at all
     depth, in_string, escaped = 0, False, False
     for byte in raw:
         if in_string:
