@@ -190,7 +190,7 @@ def test_a_run_that_spends_the_daily_budget_pauses_and_resumes_once_it_is_raised
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="instant wake-ups use inotify (Linux)")
-def test_a_watching_worker_says_the_budget_is_spent_and_claims_at_once_when_raised(opencode, tmp_path):
+def test_a_watching_worker_says_the_budget_is_spent_and_claims_soon_after_a_raise(opencode, tmp_path):
     spender = task_store.submit_task(title="spent it", instructions="x", working_dir=str(tmp_path))
     claimed = task_store.claim_next("someone", task_id=spender["id"])
     task_store.record_spend(spender["id"], claimed["run_marker"], 0.01, 10, 0.01, 10)
@@ -201,9 +201,9 @@ def test_a_watching_worker_says_the_budget_is_spent_and_claims_at_once_when_rais
     gone.rmdir()   # the claim then fails at once, without running an agent
     proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                            env=os.environ | {"WORKER_POLL_SEC": "5"})
+                            env=os.environ | {"WORKER_POLL_SEC": "20"})
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while "daily budget is spent" not in (task_store.read_worker_heartbeat() or {}).get("budget", ""):
             assert time.monotonic() < deadline and proc.poll() is None, "the heartbeat never said why"
             time.sleep(0.05)
@@ -213,7 +213,7 @@ def test_a_watching_worker_says_the_budget_is_spent_and_claims_at_once_when_rais
         started = time.monotonic()
         task_store.set_budget(daily_usd=1)
         while task_store.get_task(task["id"])["status"] == "pending":
-            assert time.monotonic() - started < 3, "not claimed within 3 s of the raise (the poll is 5 s)"
+            assert time.monotonic() - started < 8, "not claimed within 8 s of the raise (the poll is 20 s)"
             time.sleep(0.02)
         assert "budget" not in (task_store.read_worker_heartbeat() or {})
     finally:
