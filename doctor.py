@@ -134,7 +134,7 @@ def check_model(live: bool) -> Check:
     """The default model is chosen, listed by `opencode models`, and (live) answers a prompt."""
     cache = task_views.models_cache_file()
     try:
-        choice = oc.default_model(store.default_model(), cache_file=cache)
+        choice = oc.default_model(store.default_model() if store.db_path().exists() else None, cache_file=cache)
         models = oc.known_models(cache_file=cache, refresh=True)
     except oc.OpencodeNotFound:
         return Check("default model", "fail", "cannot be chosen or checked: opencode is missing", "see the opencode line")

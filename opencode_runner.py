@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from task_store import write_private
+
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
 
@@ -854,11 +856,8 @@ def _store_cache(cache_file: Path, key: str, now: float, value: Any) -> None:
     except (OSError, ValueError, TypeError, AttributeError, IndexError):
         entries = {}
     entries[key] = [now, value]
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, cache_file)
+    try:   # 0600 like every file beside the queue; no folder is made for it (a read must not)
+        write_private(cache_file, json.dumps(entries))
     except OSError:
         pass   # a cache that cannot be written only costs time
 

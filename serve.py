@@ -91,14 +91,7 @@ def _tighten(path: Path, mode: int) -> bool:
     return True
 
 
-def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically as a 0600 file (never readable by others, not even
-    for a moment)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+write_private = store.write_private   # atomic 0600 files: one helper for every private write
 
 
 def ensure_token(rotate: bool = False) -> tuple[str, str]:

@@ -134,6 +134,22 @@ def _create_private(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``data`` to ``path`` atomically as a 0600 file, never readable by others even for a
+    moment: every file TaskBridge writes beside the database (and its token) goes through here.
+    The folder must exist (no folder is made: a mistyped path must not grow one). Raises OSError."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                       "wb" if isinstance(data, bytes) else "w") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def state_path(name: str) -> Path:
     """A worker state file (lock, heartbeat) kept beside the database, so each queue has its own."""
     path = db_path()
@@ -2167,10 +2183,7 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     """Write the worker heartbeat file atomically: pid, time, current task and what else is given."""
     path = state_path("worker.json")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
-        handle.write(json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
-    os.replace(tmp, path)
+    write_private(path, json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
 
 
 def read_worker_heartbeat() -> dict[str, Any] | None:

@@ -77,8 +77,33 @@ def in_cli_words(message: str) -> str:
     return re.sub(r"\b(%s)\b" % "|".join(CLI_WORDS), lambda m: CLI_WORDS[m.group(1)], message)
 
 
+# The commands that may make a new queue (they write to it). Every other command reads or changes
+# an existing queue and refuses a path where none is: a mistyped --db must not grow a new one.
+MAKES_QUEUE = {"submit", "budget set"}
+# Commands that work without a queue (doctor reports a missing one; connect never opens it).
+NO_QUEUE_NEEDED = {"doctor", "connect", "models"}
+
+
+def queue_missing_error() -> CliError:
+    path = task_store.db_path()
+    return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `tasks_cli.py submit` "
+                    "makes a new queue there, as do the worker and serve.py")
+
+
+class QueueCommand(click.Command):
+    """A command that refuses to run on a queue that does not exist, unless it may make one."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        name = ctx.command_path.split(" ", 1)[1] if " " in ctx.command_path else ctx.command_path
+        if name not in MAKES_QUEUE | NO_QUEUE_NEEDED and not task_store.db_path().exists():
+            raise queue_missing_error()
+        return super().invoke(ctx)
+
+
 class TaskGroup(click.Group):
     """The command group; translates store and database errors into clear messages (no traceback)."""
+
+    command_class = QueueCommand
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -1170,7 +1195,8 @@ def models(query: str | None, provider: str | None, refresh: bool, as_json: bool
 def default_model_choice() -> opencode_runner.ModelChoice | None:
     """The default model and its source, or None when there is none (OpenCode lists nothing)."""
     try:
-        return opencode_runner.default_model(task_store.default_model(), cache_file=task_views.models_cache_file())
+        stored = task_store.default_model() if task_store.db_path().exists() else None   # models makes no queue
+        return opencode_runner.default_model(stored, cache_file=task_views.models_cache_file())
     except (opencode_runner.NoDefaultModel, opencode_runner.OpencodeNotFound):
         return None
 

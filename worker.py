@@ -1118,6 +1118,7 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
     """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks, up to ``slots`` at
     once. Returns the exit code: 0 (also when another pass holds the lock), 1 when a required
     tool is missing."""
+    store.connect().close()   # an unusable queue is refused before anything is written beside it
     lock = _take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
@@ -1268,6 +1269,15 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
         Talk.ended(task, final, time.monotonic() - began, handed_back=Flags.stop_now)
 
 
+def refuse(message: str) -> None:
+    """Say why the queue cannot be used: in the worker log when this queue already has one, else
+    on stderr only (launchd and systemd keep it), so a refused queue path gets no log beside it."""
+    if store.state_path("worker.log").exists():
+        log(message, talk.QUIET)
+    else:
+        print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1295,11 +1305,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--slots must be from 1 to 16; got {args.slots}")
         return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
     except store.TaskStoreError as exc:
-        log(f"error: {exc}", talk.QUIET)
+        refuse(f"error: {exc}")
         return 1
     except (sqlite3.Error, OSError) as exc:
-        log(f"error: cannot use the queue database {store.db_path()}: {exc}; check TASK_DB_PATH "
-            "(a readable, writable SQLite file and folder)", talk.QUIET)
+        refuse(f"error: cannot use the queue database {store.db_path()}: {exc}; check TASK_DB_PATH "
+               "(a readable, writable SQLite file and folder)")
         return 1
     finally:
         Talk.close()

@@ -481,6 +481,7 @@ def test_bad_input_to_each_command(tmp_path, args, code, message):
 
 
 def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
+    task_store.connect().close()   # an empty queue
     result = run("show", "42")
     assert "`tasks_cli.py list` shows the ids that exist" in result.stderr
     assert "list_tasks" not in result.stderr
@@ -777,6 +778,7 @@ def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
                              "{'state': 'running', 'task': 't_0001'})"])
     dead.wait()
+    task_store.connect().close()   # the queue the heartbeat sits beside
     result = CliRunner().invoke(tasks_cli.cli, ["status"])
     assert result.exit_code == 0
     assert f"The worker (pid {dead.pid}) that wrote this heartbeat is gone" in result.stderr
