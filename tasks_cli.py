@@ -95,6 +95,9 @@ class QueueCommand(click.Command):
 
     def invoke(self, ctx: click.Context) -> Any:
         name = ctx.command_path.split(" ", 1)[1] if " " in ctx.command_path else ctx.command_path
+        bad = not_utf8_param(ctx)
+        if bad:
+            raise bad
         if name not in MAKES_QUEUE | NO_QUEUE_NEEDED and not task_store.db_path().exists():
             raise queue_missing_error()
         return super().invoke(ctx)
@@ -225,6 +228,9 @@ def default_working_dir(yes: bool) -> str:
     repository the agent would work in place (no worktree, no branch), so a person confirms it
     (``--yes`` skips the question; without a terminal to ask on it is refused)."""
     cwd = os.getcwd()
+    if _has_surrogates(cwd):
+        raise CliError(f"the current folder {cwd.encode('utf-8', 'surrogateescape')!r} has a name that is not "
+                       "UTF-8, which the queue cannot store; pass --dir with a UTF-8 path, or rename the folder")
     if yes or worktrees.git(["rev-parse", "--show-toplevel"], cwd, check=False):
         return cwd
     question = (f"{cwd} is not a git repository: the agent would change files in place there "
@@ -279,6 +285,9 @@ def finite_arg(ctx: click.Context, param: click.Parameter, value: float | None) 
 
 def db_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     """Point ``task_store`` at ``--db`` by setting TASK_DB_PATH for this process."""
+    if value and _has_surrogates(value):
+        raise click.BadParameter(f"{value.encode('utf-8', 'surrogateescape')!r} holds bytes that are not UTF-8; "
+                                 "give the queue a UTF-8 path", ctx=ctx, param=param)
     if value:
         os.environ["TASK_DB_PATH"] = os.path.abspath(os.path.expanduser(value))
 
@@ -611,10 +620,49 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
     if instructions is not None and file is not None:
         raise click.UsageError("give the instructions once: --instructions or --file, not both")
     if file is not None:
-        return file.read()
+        name = getattr(file, "name", "-")
+        return utf8_text(file.read(), "--file" if name in ("-", "<stdin>") else f"--file {name}")
     if instructions == "-":
-        return sys.stdin.read()
+        return read_stdin("--instructions -")
     return instructions
+
+
+def read_stdin(what: str) -> str:
+    """Standard input as text; UsageError naming ``what`` when it is not UTF-8."""
+    stream = getattr(sys.stdin, "buffer", None)
+    return utf8_text(stream.read(), f"{what} (stdin)") if stream is not None else sys.stdin.read()
+
+
+def utf8_text(data: bytes, what: str) -> str:
+    """``data`` decoded as UTF-8; a UsageError naming where it came from when it is not text."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise click.UsageError(f"{what} is not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}: a binary "
+                               "file?); give text, converted with iconv -t UTF-8 if need be") from None
+
+
+def not_utf8_param(ctx: click.Context) -> click.BadParameter | None:
+    """The first parameter holding bytes that are not UTF-8 (the shell passed them through as
+    lone surrogates): they could be neither stored nor shown. None when every value is text."""
+    for param in ctx.command.params:
+        values = ctx.params.get(param.name)
+        for value in values if isinstance(values, (tuple, list)) else (values,):
+            if isinstance(value, str) and _has_surrogates(value):
+                shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+                path_hint = ("; rename the folder to a UTF-8 name (or run from a UTF-8 path)"
+                             if param.name in ("working_dir", "db") else "; give it as UTF-8 text")
+                return click.BadParameter(f"{shown!r} holds bytes that are not UTF-8{path_hint}", ctx=ctx,
+                                          param=param)
+    return None
+
+
+def _has_surrogates(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -732,7 +780,7 @@ def cli() -> None:
               help="The project folder the agent works in; relative paths start from the current folder "
                    "(default: the current folder, confirmed when it is not a git repository).")
 @click.option("--instructions", "-i", help="What the agent should do; '-' reads stdin (default: the title).")
-@click.option("--file", "-f", type=click.File("r", encoding="utf-8"), help="Read the instructions from a file; '-' is stdin.")
+@click.option("--file", "-f", type=click.File("rb"), help="Read the instructions from a file; '-' is stdin.")
 @click.option("--model", "-m", callback=model_arg,
               help="Model as provider/model, checked against `opencode models` (default: chosen at claim; see `models`).")
 @click.option("--priority", "-p", type=click.IntRange(*task_store.PRIORITY_RANGE), default=0, show_default=True,
@@ -906,7 +954,7 @@ def heartbeat(task_id: str) -> None:
 def answer(task_id: str, text: str) -> None:
     """Answer a waiting task's question; it requeues and resumes with the answer. TEXT '-' reads stdin."""
     if text == "-":
-        text = sys.stdin.read()
+        text = read_stdin("TEXT -")
     task = task_store.answer_task(task_id, text, author=person())
     if task["status"] == "failed":
         return out().print(Text(f"Stopped {task['id']} at its spending limit: it failed, its receipt kept.", style="yellow"))

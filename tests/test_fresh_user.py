@@ -59,3 +59,51 @@ def test_the_models_cache_beside_the_queue_is_private(opencode):
     assert result.returncode == 0, result.stderr
     cache = task_store.state_path("models.json")
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600
+
+
+def run_bytes(*args: bytes, stdin: bytes = b"", cwd: str | None = None):
+    """tasks_cli.py with raw byte arguments, as a shell passes them."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    return subprocess.run([sys.executable.encode(), str(ROOT / "tasks_cli.py").encode(), *args], input=stdin,
+                          capture_output=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize("case", ["file", "stdin", "title", "dir", "db", "answer stdin"])
+def test_text_that_is_not_utf8_is_refused_naming_the_argument(tmp_path, case):
+    task_store.connect().close()
+    (tmp_path / "bin.dat").write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe\x00\x86" * 8)
+    odd = tmp_path / "d\udcff"   # a folder whose name is not UTF-8
+    os.mkdir(os.fsencode(odd))
+    d = str(tmp_path).encode()
+    args, stdin, said = {
+        "file": ([b"submit", b"x", b"--dir", d, b"--file", os.fsencode(tmp_path / "bin.dat")], b"",
+                 f"--file {tmp_path / 'bin.dat'} is not UTF-8 text"),
+        "stdin": ([b"submit", b"y", b"--dir", d, b"-i", b"-"], b"ok\xff\xfe", "--instructions - (stdin) is not UTF-8 text"),
+        "title": ([b"submit", b"bad\xffutf", b"--dir", d], b"", "Invalid value for 'TITLE'"),
+        "dir": ([b"submit", b"z", b"--dir", os.fsencode(odd)], b"", "Invalid value for '--dir'"),
+        "db": ([b"--db", d + b"/q\xff.db", b"status"], b"", "Invalid value for '--db'"),
+        "answer stdin": ([b"answer", b"1", b"-"], b"bad\xff", "TEXT - (stdin) is not UTF-8 text"),
+    }[case]
+    result = run_bytes(*args, stdin=stdin)
+    err = result.stderr.decode()
+    assert result.returncode == 2, err
+    assert said in err and "Traceback" not in err
+    assert sum(task_store.queue_summary()["counts"].values()) == 0, "nothing was queued"
+
+
+def test_a_note_that_is_not_utf8_is_refused(tmp_path):
+    task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    result = run_bytes(b"note", task["id"].encode(), b"bad\xff")
+    assert result.returncode == 2 and "Invalid value for 'TEXT'" in result.stderr.decode()
+    assert "not UTF-8" in result.stderr.decode() and b"Traceback" not in result.stderr
+
+
+def test_a_current_folder_that_is_not_utf8_is_refused(tmp_path):
+    task_store.connect().close()
+    odd = os.fsencode(tmp_path) + b"/d\xff"
+    os.mkdir(odd)
+    result = run_bytes(b"submit", b"here", cwd=odd)
+    assert result.returncode == 1 and "has a name that is not UTF-8" in result.stderr.decode()
