@@ -21,6 +21,7 @@ happens at import time.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -125,6 +126,24 @@ def error_response(exc: Exception) -> Any:
                                   "has the details"}, status_code=500)
 
 
+def takes(*names: str) -> Callable[[Callable], Callable]:
+    """Refuse (400, one line) a query parameter the route does not read (``token`` is the
+    bearer token's place for clients that cannot send headers): a misspelt filter such as
+    ``?stauts=done`` was ignored and the whole list came back."""
+    def wrap(handler: Callable) -> Callable:
+        @functools.wraps(handler)
+        async def checked(request: Any) -> Any:
+            unknown = [k for k in dict.fromkeys(request.query_params.keys()) if k not in names and k != "token"]
+            if unknown:
+                shown = ", ".join(repr(k[:60]) for k in unknown[:5])
+                return error_response(store.ValidationError(
+                    f"{request.url.path} does not take the query parameter(s) {shown}; it takes "
+                    f"{', '.join(names) or 'none'}"))
+            return await handler(request)
+        return checked
+    return wrap
+
+
 def _offset(value: str | None, name: str = "offset") -> int | None:
     """A byte offset or size from the query (``name`` for the message), or None when absent."""
     return None if value in (None, "") else store.coerce_int(name, value, 0, 2**63 - 1)
@@ -134,6 +153,7 @@ def _offset(value: str | None, name: str = "offset") -> int | None:
 # Reads.
 
 
+@takes()
 async def api_status(request: Any) -> Any:
     """``GET /api/status``: what queue_status returns, plus the server version and the change
     marks (``marks.events`` is the newest event id: the feed's cursor)."""
@@ -153,6 +173,7 @@ def task_page(query: Any) -> dict[str, Any]:
     return found | {"tasks": [task_views.row(t) | {"cost_usd": t.get("cost_usd")} for t in found["tasks"]]}
 
 
+@takes("status", "origin", "search", "limit", "cursor", "offset")
 async def api_tasks(request: Any) -> Any:
     """``GET /api/tasks?status=&origin=&search=&limit=&cursor=|offset=``: a page of tasks with
     ``next_cursor`` (400 on bad input, 503 when the database cannot be used)."""
@@ -193,6 +214,7 @@ def task_detail(task_id: str) -> dict[str, Any]:
     }
 
 
+@takes()
 async def api_task(request: Any) -> Any:
     """``GET /api/tasks/{id}``: one task's page (404 unknown id, 400 malformed id)."""
     return await answer_json(lambda: task_detail(request.path_params["task_id"]))
@@ -227,6 +249,7 @@ def task_log(task_id: str, offset: int | None) -> dict[str, Any]:
     return {"task_id": task_id, "entries": opencode_runner.render_log(part.pop("text"))} | part
 
 
+@takes("offset")
 async def api_task_log(request: Any) -> Any:
     """``GET /api/tasks/{id}/log?offset=``: the log as readable lines from a byte offset (the
     last call's next_offset) or, without one, its tail."""
@@ -240,6 +263,7 @@ def engine_log(offset: int | None) -> dict[str, Any]:
     return {"lines": part.pop("text").splitlines()} | part
 
 
+@takes("offset")
 async def api_engine(request: Any) -> Any:
     """``GET /api/engine?offset=``: the worker's recent log lines."""
     return await answer_json(lambda: engine_log(_offset(request.query_params.get("offset"))))
@@ -253,6 +277,7 @@ def recent_events(after: int | None, limit: int) -> dict[str, Any]:
     return {"events": events, "cursor": events[-1]["id"] if events else after}
 
 
+@takes("after", "limit")
 async def api_events(request: Any) -> Any:
     """``GET /api/events?after=&limit=``: the events feed (ids are the cursor)."""
     query = request.query_params
@@ -274,6 +299,7 @@ def job_rows(limit: int) -> dict[str, Any]:
     return {"jobs": rows}
 
 
+@takes("limit")
 async def api_jobs(request: Any) -> Any:
     """``GET /api/jobs?limit=``: the reverse bridge's jobs (claude_submit and friends)."""
     return await answer_json(lambda: job_rows(
@@ -352,6 +378,7 @@ def _follow_arg(text: str) -> dict[str, int]:
     return follow
 
 
+@takes("cursor", "jobs", "task", "log", "engine", "follow", "wait")
 async def api_changes(request: Any) -> Any:
     """``GET /api/changes?cursor=&jobs=&task=&log=&engine=&follow=&wait=``: answers as soon as the
     events cursor or the jobs mark moved, or a log changed size: the open task's (``task``, size
@@ -499,6 +526,7 @@ ACTIONS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
 }
 
 
+@takes()
 async def api_action(request: Any) -> Any:
     """``POST /api/tasks/{id}/{answer|note|cancel|retry}`` with a JSON object body: the store's
     answer_task, add_note, cancel_task or retry; a refusal answers 400 with the store's message,

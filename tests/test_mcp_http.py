@@ -511,3 +511,23 @@ async def test_mcp_tools_over_streamable_http_refuse_a_misspelt_or_wrong_argumen
         assert result.is_error and "unknown argument" in text and key in text and "\n" not in text, text
     assert [t["id"] for t in task_store.list_tasks(limit=10)["tasks"]] == [finished["id"]]
     assert task_store.get_task(finished["id"])["status"] == "done"
+
+
+def test_board_api_refuses_query_parameters_a_route_does_not_read(wd):
+    """``?stauts=done`` (misspelt) was ignored and the whole list came back as if filtered."""
+    done = task_store.submit_task(title="d", instructions="i", working_dir=wd)
+    claimed = task_store.claim_next("test-worker", task_id=done["id"])
+    task_store.complete_attempt(done["id"], claimed["run_marker"], diff="", result={"summary": "ok"}, usage={})
+    task_store.submit_task(title="p", instructions="i", working_dir=wd)
+    with serving() as base, httpx2.Client(base_url=base, headers=AUTH, timeout=30) as http:
+        refused = [("/api/tasks?stauts=done", "'stauts'"), ("/api/status?verbose=1", "'verbose'"),
+                   ("/api/tasks/1?full=1", "'full'"), ("/api/events?since=3", "'since'"),
+                   ("/api/changes?wait=0&curosr=1", "'curosr'")]
+        for path, named in refused:
+            got = http.get(path)
+            assert got.status_code == 400 and named in got.json()["error"] and "it takes" in got.json()["error"], \
+                (path, got.text)
+        posted = http.post(f"/api/tasks/{done['id']}/note?text=x", json={"text": "y"})
+        assert posted.status_code == 400 and "'text'" in posted.json()["error"]
+        assert [t["id"] for t in http.get("/api/tasks?status=done").json()["tasks"]] == [done["id"]]
+        assert http.get(f"/api/status?token={TOKEN}").status_code == 200     # the token's own place
