@@ -843,7 +843,29 @@ def validate_working_dir(value: Any) -> str:
     path = os.path.realpath(value)
     if not os.path.isdir(path):
         raise ValidationError(f"working_dir {value!r} does not exist or is not a directory")
+    refused = _too_wide(path)
+    if refused:
+        shown = value if value == path else f"{value!r} (that is {path})"
+        raise ValidationError(f"working_dir {shown} is {refused}: the agent would work over all of it "
+                              "with the task's permissions; give the project's own folder")
     return path
+
+
+def _too_wide(path: str) -> str | None:
+    """What makes ``path`` (resolved) no place for an agent: the whole filesystem, the user's home
+    itself, or TaskBridge's own folders (its checkout with its token and queue, the database's
+    and the logs' folders). None when it is an ordinary folder."""
+    if path == os.path.realpath(os.sep):
+        return "the root of the filesystem"
+    if path == os.path.realpath(os.path.expanduser("~")):
+        return "your home folder itself"
+    own = [(REPO_DIR, "TaskBridge's own folder"), (db_path().parent, "the folder of TaskBridge's queue"),
+           (log_dir(), "the folder of TaskBridge's task logs")]
+    for folder, what in own:
+        folder = os.path.realpath(folder)
+        if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep) and folder == str(REPO_DIR):
+            return what
+    return None
 
 
 def caller_kind(name: str | None) -> str:

@@ -220,7 +220,8 @@ def working_dir_arg(ctx: click.Context, param: click.Parameter, value: str | Non
     try:
         return task_store.validate_working_dir(path)
     except task_store.ValidationError as exc:
-        raise click.BadParameter(f"{exc}; create it first or point --dir at the project folder") from None
+        hint = "; create it first or point --dir at the project folder" if "does not exist" in str(exc) else ""
+        raise click.BadParameter(f"{exc}{hint}") from None
 
 
 def default_working_dir(yes: bool) -> str:

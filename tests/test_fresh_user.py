@@ -107,3 +107,48 @@ def test_a_current_folder_that_is_not_utf8_is_refused(tmp_path):
     os.mkdir(odd)
     result = run_bytes(b"submit", b"here", cwd=odd)
     assert result.returncode == 1 and "has a name that is not UTF-8" in result.stderr.decode()
+
+
+def wide_dirs(tmp_path) -> dict[str, tuple[str, str]]:
+    """working_dir values that would hand an agent far more than a project, and what is said."""
+    from helpers import ROOT
+    home = tmp_path / "home"
+    home.mkdir()
+    (tmp_path / "link-to-root").symlink_to("/")
+    return {"/": ("/", "is the root of the filesystem"),
+            "root by a link": (str(tmp_path / "link-to-root"), f"(that is /) is the root of the filesystem"),
+            "home": (str(home), "is your home folder itself"),
+            "own checkout": (str(ROOT), "is TaskBridge's own folder"),
+            "own cwd": ("/proc/self/cwd", f"(that is {ROOT}) is TaskBridge's own folder"),
+            "queue folder": (str(task_store.db_path().parent), "is the folder of TaskBridge's queue")}
+
+
+CASES = ["/", "root by a link", "home", "own checkout", "own cwd", "queue folder"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("case", CASES)
+async def test_mcp_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, monkeypatch, case):
+    import opencode_bridge_mcp as bridge
+    from mcp import Client
+    from helpers import ROOT
+    monkeypatch.chdir(ROOT)     # the server runs from its checkout, as serve.py starts it
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
+    task_store.connect().close()
+    value, said = wide_dirs(tmp_path)[case]
+    async with Client(bridge.build_server(), mode="legacy") as c:
+        result = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "working_dir": value})
+    assert result.is_error and said in result.content[0].text, result.content[0].text
+    assert "give the project's own folder" in result.content[0].text
+    assert sum(task_store.queue_summary()["counts"].values()) == 0
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "own cwd"])
+def test_cli_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, case):
+    task_store.connect().close()
+    value, said = wide_dirs(tmp_path)[case]
+    result = run_script("tasks_cli.py", "submit", "t", "--dir", value,
+                        env=dict(os.environ, HOME=str(tmp_path / "home")), timeout=60)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert "create it first" not in result.stderr
