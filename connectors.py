@@ -113,10 +113,23 @@ def write_claude_desktop(path: Path | None = None) -> tuple[Path, Path | None]:
     """Merge our entry into Claude Desktop's config (``mcpServers.taskbridge``), keeping every
     other server and key; the previous file is copied to ``<name>.bak-<UTC time>`` first. Returns
     (the config, the backup or None when there was no file). Raises ValueError, naming the file,
-    when it is not a JSON object (nothing is written then)."""
+    when it is not a JSON object, and ValueError naming the path and the way out when it cannot
+    be read or written (a folder, no permission; nothing is written then)."""
     path = path or claude_desktop_config()
+    try:
+        return _merge_claude_desktop(path)
+    except OSError as exc:
+        where = "" if exc.filename in (None, str(path)) else f" ({exc.filename})"
+        raise ValueError(f"cannot write Claude Desktop's config {path}{where}: {exc.strerror or exc}; point "
+                         "CLAUDE_DESKTOP_CONFIG at the config file itself (claude_desktop_config.json), or "
+                         "add the entry printed by `tasks_cli.py connect` by hand") from None
+
+
+def _merge_claude_desktop(path: Path) -> tuple[Path, Path | None]:
     config: dict[str, Any] = {}
     backup = None
+    if path.is_dir():
+        raise IsADirectoryError(21, "it is a folder, not a file", str(path))
     if path.exists():
         try:
             config = json.loads(path.read_text() or "{}")

@@ -152,3 +152,17 @@ def test_cli_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, case):
                         env=dict(os.environ, HOME=str(tmp_path / "home")), timeout=60)
     assert result.returncode == 2 and said in result.stderr, result.stderr
     assert "create it first" not in result.stderr
+
+
+@pytest.mark.parametrize("entry", ["tasks_cli.py", "serve.py"])
+def test_a_claude_desktop_config_that_is_a_folder_is_named_with_the_way_out(tmp_path, entry):
+    folder = tmp_path / "Claude"
+    folder.mkdir()
+    args = ["connect", "--write-claude-desktop"] if entry == "tasks_cli.py" else \
+        ["--setup-only", "--quiet", "--write-claude-desktop"]
+    env = dict(os.environ, CLAUDE_DESKTOP_CONFIG=str(folder), MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"))
+    result = run_script(entry, *args, env=env, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot write Claude Desktop's config {folder}: it is a folder, not a file" in result.stderr
+    assert "point CLAUDE_DESKTOP_CONFIG at the config file itself" in result.stderr
+    assert "Errno" not in result.stderr and list(folder.iterdir()) == []
