@@ -554,17 +554,26 @@ SNAPSHOT_LIMIT_BYTES = 50 * 2**20
 
 def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str, tuple] | None:
     """Everything under ``root`` (``.git`` excepted) by relative path (``.`` is ``root``):
-    ``("dir", mode)``, ``("file", mode, bytes)`` or ``("link", target)``; None when the files
-    hold more than 50 MB. Modes are the permission bits. A folder or file it cannot read is
-    left out (and so is never restored). Given ``before`` (an earlier snapshot), only files that
-    were in it with the same size are read, the rest hold None, and there is no size limit."""
+    ``("dir", mode)``, ``("file", mode, bytes)``, ``("link", target)``, ``("other", mode)`` (a
+    FIFO, socket or device), or ``("opaque", mode)`` for a file or folder it cannot read (the
+    revert leaves it and all below it alone, its mode aside); None when the files hold more than
+    50 MB. Modes are the permission bits (None when not even those could be read). Given
+    ``before`` (an earlier snapshot), only files that were in it with the same size are read, the
+    rest hold None, and there is no size limit."""
     entries: dict[str, tuple] = {}
     total = 0
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def opaque(path: str) -> None:
+        try:
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+        except OSError:
+            mode = None
+        entries[os.path.normpath(os.path.relpath(path, root))] = ("opaque", mode)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda exc: opaque(exc.filename)):
         dirnames[:] = [d for d in dirnames if d != ".git"]
         rel_dir = os.path.relpath(dirpath, root)
-        with contextlib.suppress(OSError):
-            entries[rel_dir] = ("dir", stat.S_IMODE(os.lstat(dirpath).st_mode))
+        entries[rel_dir] = ("dir", stat.S_IMODE(os.lstat(dirpath).st_mode))
         for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
             path = os.path.join(dirpath, name)
             rel = os.path.normpath(os.path.join(rel_dir, name))
@@ -572,18 +581,19 @@ def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str
                 info = os.lstat(path)
                 if stat.S_ISLNK(info.st_mode):
                     entries[rel] = ("link", os.readlink(path))
-                elif stat.S_ISREG(info.st_mode) and before is not None:
+                elif not stat.S_ISREG(info.st_mode):
+                    entries[rel] = ("other", stat.S_IMODE(info.st_mode))
+                elif before is not None:
                     was = before.get(rel)
                     same_size = was is not None and was[0] == "file" and len(was[2]) == info.st_size
                     entries[rel] = ("file", stat.S_IMODE(info.st_mode), _read(path) if same_size else None)
-                elif stat.S_ISREG(info.st_mode):
+                else:
                     total += info.st_size
                     if total > SNAPSHOT_LIMIT_BYTES:
                         return None
-                    with open(path, "rb") as fh:
-                        entries[rel] = ("file", stat.S_IMODE(info.st_mode), fh.read())
+                    entries[rel] = ("file", stat.S_IMODE(info.st_mode), _read(path))
             except OSError:
-                continue
+                opaque(path)
     return entries
 
 
@@ -603,21 +613,25 @@ def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], 
     modes = _open_tree(root, failed)        # every folder searchable and writable, every file readable
     now = {rel: (e[0], modes.get(rel, e[1]), *e[2:]) if e[0] != "link" else e
            for rel, e in (take_snapshot(root, snapshot) or {}).items()}
+    hidden = [rel for rel, e in snapshot.items() if e[0] == "opaque"]
+    left_alone = lambda rel: any(rel == h or rel.startswith(h + os.sep) for h in hidden)
     shown = lambda rel, kind: rel + "/" if kind == "dir" else rel
     reverted: set[str] = set()
     for rel in sorted(now, key=lambda r: -r.count(os.sep)):          # deepest first
-        if rel != "." and (rel not in snapshot or snapshot[rel][0] != now[rel][0]):
+        if rel != "." and not left_alone(rel) and (rel not in snapshot or snapshot[rel][0] != now[rel][0]):
             if _remove_entry(root, rel, now[rel][0], failed):
                 reverted.add(shown(rel, now[rel][0]))
     for rel in sorted(snapshot, key=lambda r: r.count(os.sep)):      # shallowest first
         entry = snapshot[rel]
         same_kind = rel in now and now[rel][0] == entry[0]
-        if not same_kind or now[rel] != entry:
-            if same_kind and entry[0] != "link" and now[rel][2:] == entry[2:]:
-                reverted.add(shown(rel, entry[0]))        # only its mode changed: set below
-            elif _put_back(root, rel, entry, failed):
-                reverted.add(shown(rel, entry[0]))
-    for rel in sorted((r for r in snapshot if snapshot[r][0] != "link"), key=lambda r: -r.count(os.sep)):
+        if left_alone(rel) or (same_kind and now[rel] == entry):
+            continue
+        if same_kind and entry[0] != "link" and now[rel][2:] == entry[2:]:
+            reverted.add(shown(rel, entry[0]))            # only its mode changed: set below
+        elif _put_back(root, rel, entry, failed):
+            reverted.add(shown(rel, entry[0]))
+    for rel in sorted((r for r in snapshot if snapshot[r][0] != "link" and snapshot[r][1] is not None),
+                      key=lambda r: -r.count(os.sep)):
         _chmod(root, rel, snapshot[rel][1], failed)   # modes last, deepest first (a folder after its contents)
     return sorted(reverted), sorted(dict.fromkeys(failed))
 
@@ -673,6 +687,9 @@ def _put_back(root: str, rel: str, entry: tuple, failed: list[str]) -> bool:
         if entry[0] == "dir":
             os.makedirs(path, exist_ok=True)
             _owner_rwx(path)               # its own mode is set after its contents
+        elif entry[0] == "other":
+            failed.append(f"{rel}: a FIFO, socket or device; not put back")
+            return False
         elif entry[0] == "link":
             if os.path.lexists(path):
                 os.unlink(path)

@@ -194,14 +194,20 @@ def test_readonly_in_a_plain_folder_reverts_new_folders_modes_and_links(sandbox,
 
 def test_what_an_in_place_revert_cannot_undo_is_named(tmp_path):
     """A change the worker's user may not undo (here a folder root made inside the task's folder
-    during the run) is listed as ``path: why``; everything else is still reverted."""
+    during the run) is listed as ``path: why``; everything else is still reverted. What the user
+    could not read before the run (a chmod 000 folder and file of theirs) is left alone."""
     user = normal_user()
     if user is None:
         pytest.skip("needs root to make a folder the worker's user cannot delete")
     plain = Path(tempfile.mkdtemp(prefix="tb-revert-", dir="/tmp"))
     try:
         (plain / "keep.txt").write_text("original\n")
+        (plain / "secret").mkdir()
+        (plain / "secret" / "inside").write_text("mine\n")
+        (plain / "locked.txt").write_text("mine too\n")
         subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(plain)], check=True)
+        (plain / "secret").chmod(0)        # the user's own unreadable things: left alone, never deleted
+        (plain / "locked.txt").chmod(0)
         shot = plain.parent / f"snap-{plain.name}"
         code = ("import pickle, sys, worktrees; root = sys.argv[1]; snap = worktrees.take_snapshot(root); "
                 "open(root + '/keep.txt', 'w').write('changed'); open(root + '/new.txt', 'w').write('x'); "
@@ -220,6 +226,8 @@ def test_what_an_in_place_revert_cannot_undo_is_named(tmp_path):
         assert reverted == ["keep.txt", "new.txt"]
         assert failed == ["rootdir/f: not removed (Permission denied)", "rootdir: not removed (Directory not empty)"]
         assert (plain / "keep.txt").read_text() == "original\n" and not (plain / "new.txt").exists()
+        assert (plain / "secret").stat().st_mode & 0o777 == 0 and (plain / "locked.txt").stat().st_mode & 0o777 == 0
+        assert (plain / "secret" / "inside").read_text() == "mine\n" and (plain / "locked.txt").read_text() == "mine too\n"
     finally:
         shutil.rmtree(plain, ignore_errors=True)
         (plain.parent / f"snap-{plain.name}").unlink(missing_ok=True)
