@@ -2,10 +2,12 @@
 streamable-http; /sse and /messages/ sse), /health, the board's shell (GET /, /board/*) and its
 JSON API (/api/*, see board_api).
 
-Guards, outermost first: HostGuard (421 for a malformed Host or one outside the allowlist, on
+Guards, outermost first: Shield (a whole-request body deadline and size cap on every route, 408 /
+413, and the safety headers on every answer), HostGuard (421 for a malformed Host or one outside the allowlist, on
 every route) and BearerGuard (401 without the bearer token on /mcp, /sse, /messages and /api;
 constant-time compare; the token is never logged; an OAuth access token from the oauth module is
-accepted too). /health, the board's static shell and the OAuth endpoints stay open and hold no
+accepted too; the token file is re-read when it changes, see TokenSource). /health, the board's
+static shell and the OAuth endpoints stay open and hold no
 data. uvicorn runs with a request-head deadline, idle time-outs and a connection cap
 (connection_limits).
 
@@ -23,6 +25,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -32,6 +35,7 @@ import mcp_shared
 import oauth
 import task_views
 from mcp.server.mcpserver import MCPServer
+from starlette.requests import ClientDisconnect
 from mcp.server.transport_security import TransportSecuritySettings
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -42,6 +46,9 @@ KEEP_ALIVE_SEC = 5             # idle time between requests on one connection
 MAX_CONNECTIONS = 128          # open connections; more are closed at once (macOS's default ulimit -n is 256)
 MAX_HEAD_BYTES = 16 * 1024     # a request head larger than this is refused (h11)
 LOGGED_CHARS = 120             # of a request path in a log line
+BODY_SEC = 30.0                # a request body must arrive whole this soon after its head (408 otherwise)
+MAX_BODY_BYTES = 8 * 1024 * 1024       # of a request body to /mcp, /sse, /messages (413 beyond)
+MAX_OAUTH_BODY_BYTES = 64 * 1024       # of a request body to the open routes (/register, /token, consent)
 
 log = logging.getLogger("taskbridge.mcp")
 
@@ -84,6 +91,62 @@ def bearer_token() -> str | None:
                                "delete it, or set MCP_BEARER_TOKEN")
     _warn_if_readable(path)
     return _checked_token(token, f"the token file {path}")
+
+
+class TokenSource:
+    """The bearer token in force, re-read when the token file changes: each ``current()`` stats
+    the file (inode, mtime, size; a few microseconds) and reads it again only when that changed,
+    so ``serve.py --rotate`` takes effect on a running server at once. ``$MCP_BEARER_TOKEN``, when
+    set at start, is fixed for the process. A token file that was in use and turns unusable
+    (deleted, emptied, unreadable) refuses every token until it is fixed: it never opens the
+    server."""
+
+    def __init__(self) -> None:
+        self.fixed = "MCP_BEARER_TOKEN" in os.environ
+        self._stamp = self._stat()
+        self._token = bearer_token()   # raises TokenConfigError for an unusable source at start
+        self._broken = secrets.token_urlsafe(32)   # matches nothing anyone holds
+
+    @classmethod
+    def fixed_to(cls, token: str | None) -> "TokenSource":
+        """A source that always gives ``token`` (for a guard built around a known token)."""
+        source = cls.__new__(cls)
+        source.fixed, source._stamp, source._token, source._broken = True, None, token or None, ""
+        return source
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        if "MCP_BEARER_TOKEN" in os.environ:
+            return None
+        try:
+            st = token_file().stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def current(self) -> str | None:
+        """The token now in force, or None when none is configured (then the routes are open,
+        loopback only). Never raises."""
+        if self.fixed:
+            return self._token
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return self._token
+        self._stamp = stamp
+        try:
+            token = bearer_token()
+        except TokenConfigError as exc:
+            log.error("%s; until then every token is refused", exc)
+            token = self._broken if self._token else None
+        if token is None and self._token:
+            log.error("the token file %s is gone; every token is refused until it is back (./install.sh or "
+                      "serve.py --setup-only writes one)", loggable(str(token_file())))
+            token = self._broken
+        if token != self._token:
+            if self._token and token != self._broken:
+                log.warning("the bearer token file changed: the new token is in force, the old one and every "
+                            "OAuth token made with it no longer work")
+            self._token = token
+        return self._token
 
 
 def _warn_if_readable(path: Path) -> None:
@@ -194,6 +257,125 @@ class HostGuard:
         await self.app(scope, receive, send)
 
 
+class RequestRefused(ClientDisconnect):
+    """A request body broke its deadline or size cap; Shield has answered it already. A kind of
+    ClientDisconnect, so every layer between treats it as the client gone."""
+
+
+def _only_disconnects(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ClientDisconnect, or a group (from a task group) of nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_disconnects(e) for e in exc.exceptions)
+    return isinstance(exc, ClientDisconnect)
+
+
+def _one_line_disconnects(record: logging.LogRecord) -> bool:
+    """Logging filter for the SDK's transports: a handler's error that is only a client gone
+    mid-body (or a body Shield refused) becomes one line without its traceback."""
+    if record.exc_info and record.exc_info[1] is not None and _only_disconnects(record.exc_info[1]):
+        said = record.getMessage()
+        record.msg, record.args = "%s: the client hung up or its body was refused (no traceback)", (said,)
+        record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, logging.INFO, "INFO"
+    return True
+
+
+def body_cap(path: str) -> int:
+    """The most bytes a request body to ``path`` may have: MAX_OAUTH_BODY_BYTES on the open
+    OAuth endpoints, board_api.BODY_MAX on /api, MAX_BODY_BYTES elsewhere (MCP messages)."""
+    if path.startswith("/api"):
+        return board_api.BODY_MAX
+    if _protected(path):
+        return MAX_BODY_BYTES
+    return MAX_OAUTH_BODY_BYTES
+
+
+SAFETY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"))
+DATA_HEADERS = ((b"cache-control", b"no-store"), (b"x-frame-options", b"DENY"),
+                (b"content-security-policy", b"default-src 'none'; frame-ancestors 'none'"))
+
+
+def safety_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """``headers`` plus the safety headers it lacks: nosniff and no-referrer on every answer; on
+    anything but an HTML page (JSON, event streams, plain text) also no-store, DENY framing and
+    a CSP that loads nothing. Headers the route set itself are kept."""
+    have = {k.lower() for k, _ in headers}
+    kind = next((v for k, v in headers if k.lower() == b"content-type"), b"").lower()
+    extra = SAFETY_HEADERS + (() if kind.startswith(b"text/html") or kind.startswith(b"text/css")
+                              or kind.startswith(b"text/javascript") or kind.startswith(b"application/javascript")
+                              or kind.startswith(b"image/") else DATA_HEADERS)
+    return [*headers, *((k, v) for k, v in extra if k not in have)]
+
+
+class Shield:
+    """Pure ASGI, outermost: every request body must arrive whole within BODY_SEC of the request
+    head and stay under body_cap(path) bytes (408 / 413 otherwise, checked as it streams, chunked
+    bodies too; a Content-Length over the cap is refused before reading); every answer gets the
+    safety headers (safety_headers); a client that hangs up mid-body costs one log line, not a
+    traceback."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        import anyio
+
+        path, cap = scope.get("path", ""), body_cap(scope.get("path", ""))
+        deadline = anyio.current_time() + BODY_SEC
+        state = {"read": 0, "done": False, "started": False, "answered": False}
+
+        async def answer(status: int, message: str) -> None:
+            if not state["started"]:
+                state["answered"] = True
+                await _plain(send, status, {"error": message},
+                             safety_headers([(b"content-type", b"application/json"), (b"connection", b"close")])[1:])
+            raise RequestRefused(message)
+
+        async def guarded_send(message: dict) -> None:
+            if state["answered"]:
+                return
+            if message["type"] == "http.response.start":
+                state["started"] = True
+                message = dict(message, headers=safety_headers(list(message.get("headers", []))))
+            await send(message)
+
+        async def guarded_receive() -> dict:
+            if state["done"]:
+                return await receive()
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope_:
+                message = await receive()
+            if scope_.cancelled_caught:
+                log.warning("%s %s: the request body did not arrive within %g s (408)",
+                            loggable(scope.get("method", "")), loggable(path), BODY_SEC)
+                await answer(408, f"the request body did not arrive within {BODY_SEC:g} seconds")
+            if message["type"] == "http.request":
+                state["read"] += len(message.get("body", b""))
+                if state["read"] > cap:
+                    log.warning("%s %s: a request body over %d bytes (413)", loggable(scope.get("method", "")),
+                                loggable(path), cap)
+                    await answer(413, f"the request body is too large: at most {cap} bytes are accepted here; "
+                                      "send less")
+                state["done"] = not message.get("more_body", False)
+            else:
+                state["done"] = True
+            return message
+
+        length = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        try:
+            if length is not None and length.strip().isdigit() and int(length) > cap:
+                log.warning("%s %s: Content-Length over %d bytes (413)", loggable(scope.get("method", "")),
+                            loggable(path), cap)
+                await answer(413, f"the request body is too large: at most {cap} bytes are accepted here; send less")
+            await self.app(scope, guarded_receive, guarded_send)
+        except Exception as exc:   # a task group inside may wrap them (ExceptionGroup)
+            if not _only_disconnects(exc):
+                raise
+            if not state["answered"]:
+                log.info("%s %s: the client hung up before sending the whole body",
+                         loggable(scope.get("method", "")), loggable(path))
+
+
 def _supplied_token(scope: dict) -> str | None:
     for key, value in scope.get("headers", []):
         if key == b"authorization":
@@ -216,18 +398,20 @@ class BearerGuard:
     takes a WebSocket today; one added later must not be open). The token is never logged, and a
     refused path is logged escaped and cut short."""
 
-    def __init__(self, app: Any, token: str | None, provider: Any = None) -> None:
-        self.app, self.token, self.oauth = app, (token or "").encode(), provider
+    def __init__(self, app: Any, tokens: "TokenSource | str | None", provider: Any = None) -> None:
+        self.app, self.oauth = app, provider
+        self.tokens = tokens if isinstance(tokens, TokenSource) else TokenSource.fixed_to(tokens)
         self.challenge = 'Bearer realm="taskbridge"'
         if provider is not None:   # where OAuth clients discover the authorization server (RFC 9728)
             self.challenge += f', resource_metadata="{oauth.resource_metadata_url(provider)}"'
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        token = self.tokens.current()
         if scope["type"] == "lifespan" or (scope["type"] in ("http", "websocket")
-                                           and (not self.token or not _protected(scope.get("path", "")))):
+                                           and (not token or not _protected(scope.get("path", "")))):
             return await self.app(scope, receive, send)
         supplied = _supplied_token(scope) if scope["type"] in ("http", "websocket") else None
-        if supplied is not None and hmac.compare_digest(supplied.encode(), self.token):
+        if supplied is not None and hmac.compare_digest(supplied.encode(), (token or "").encode()):
             return await self.app(scope, receive, send)
         if supplied and self.oauth is not None and await self.oauth.load_access_token(supplied) is not None:
             return await self.app(scope, receive, send)
@@ -278,6 +462,8 @@ def build_app(server: MCPServer) -> Any:
 
     hosts = allowed_hosts()
     security = transport_security(hosts)
+    for name in ("mcp.server.streamable_http", "mcp.server.sse", "mcp.server.auth"):
+        logging.getLogger(name).addFilter(_one_line_disconnects)
     # Two session managers for /mcp: SSE streams for clients that take them, plain JSON for
     # clients that accept only application/json (mcp_shared.StreamableEndpoint routes between them).
     server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
@@ -291,7 +477,8 @@ def build_app(server: MCPServer) -> Any:
         async with streaming.run(), plain.run():
             yield
 
-    token = bearer_token()
+    tokens = TokenSource()
+    token = tokens.current()
     beyond = sorted(h for h in hosts if h not in LOOPBACK_NAMES)
     if not token and beyond:
         raise TokenConfigError(f"MCP_ALLOWED_HOSTS admits {', '.join(beyond)} (beyond this machine) but no bearer "
@@ -300,25 +487,25 @@ def build_app(server: MCPServer) -> Any:
                                "those names")
     if not token:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
-    provider = oauth_provider(token)
+    provider = oauth_provider(tokens)
     auth_routes = oauth.routes(provider) if provider else []
     mcp_route = Route("/mcp", endpoint=mcp_shared.StreamableEndpoint(streaming, plain))
-    return Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
-                     middleware=[Middleware(HostGuard, hosts=hosts),
-                                 Middleware(BearerGuard, token=token, provider=provider)])
+    return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
+                            middleware=[Middleware(HostGuard, hosts=hosts),
+                                        Middleware(BearerGuard, tokens=tokens, provider=provider)]))
 
 
-def oauth_provider(token: str | None) -> Any:
+def oauth_provider(tokens: TokenSource) -> Any:
     """The OAuth provider for remote connectors when ``$MCP_PUBLIC_URL`` is set and a bearer token
-    exists (the consent page asks for it), else None. Raises TokenConfigError for a public URL
-    that cannot be an OAuth issuer."""
+    exists (the consent page asks for it; it follows ``tokens`` as the token file changes), else
+    None. Raises TokenConfigError for a public URL that cannot be an OAuth issuer."""
     try:
         base = oauth.public_url()
     except oauth.OAuthConfigError as exc:
         raise TokenConfigError(str(exc)) from None
-    if not base or not token:
+    if not base or not tokens.current():
         return None
-    return oauth.Provider(token, base, token_file().parent / "oauth.json")
+    return oauth.Provider(tokens.current, base, token_file().parent / "oauth.json")
 
 
 def http_routes() -> list[Any]:

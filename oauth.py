@@ -14,8 +14,15 @@ issues a one-time code (valid CODE_SEC); five wrong ones end the request.
 
 Tokens: access tokens live ACCESS_TOKEN_SEC (1 h), refresh tokens REFRESH_TOKEN_SEC (30 days; each
 refresh replaces both). Both are signed (HMAC-SHA256) with a key derived from the bearer token,
-so rotating it (``./install.sh --rotate``) revokes every one, while a restart keeps them.
-Registered clients and revoked grants persist in ``oauth.json`` beside the token file (0600).
+so rotating it (``./install.sh --rotate``) revokes every one, on the running server at once (the
+provider asks for the token in force on every use), while a restart keeps them. Tokens name this
+server's ``/mcp`` as their resource and are refused for any other, or once their client is gone.
+
+Abuse without the token: never-consented registrations are capped at MAX_CLIENTS (oldest out),
+consented clients kept apart (MAX_CONSENTED); registrations and ``/authorize`` are rate-limited
+per client address (PeerLimit); a full set of waiting sign-ins drops its oldest; a redirect URI
+with userinfo is refused. Registered clients, consents and revoked grants persist in
+``oauth.json`` beside the token file (0600).
 
 Env, read when the app is built: MCP_PUBLIC_URL (the issuer and resource base, e.g.
 ``https://abc.trycloudflare.com``; OAuth is served only when it is set and a bearer token exists).
@@ -32,11 +39,12 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
+from collections import deque
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
 
 from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
-                                      RefreshToken, TokenError, construct_redirect_uri)
+                                      RefreshToken, RegistrationError, TokenError, construct_redirect_uri)
 from mcp.shared.auth import OAuthClientInformationFull, OAuthToken
 
 log = logging.getLogger("taskbridge.oauth")
@@ -46,8 +54,13 @@ REFRESH_TOKEN_SEC = 30 * 86400
 CODE_SEC = 300
 CONSENT_SEC = 600             # a consent page answers for this long
 CONSENT_TRIES = 5
-MAX_CLIENTS = 200             # registration is open to anyone: the oldest registrations go first
-MAX_PENDING = 100
+MAX_CLIENTS = 200             # registrations never consented to: the oldest go first (anyone may register)
+MAX_CONSENTED = 50            # clients the token holder consented to: kept apart; only a newer consent evicts one
+MAX_PENDING = 100             # sign-ins waiting on the consent page: the oldest goes when full
+RATE_WINDOW_SEC = 600
+REGISTER_PER_PEER = 10        # registrations per client address per RATE_WINDOW_SEC (429 beyond)
+AUTHORIZE_PER_PEER = 20       # GET /authorize per client address per RATE_WINDOW_SEC (429 beyond)
+MAX_PEERS = 10_000            # client addresses remembered by the rate limits
 
 
 class OAuthConfigError(Exception):
@@ -80,15 +93,39 @@ def _unb64(text: str) -> bytes:
 class Provider:
     """The SDK's OAuthAuthorizationServerProvider for TaskBridge (see the module docstring)."""
 
-    def __init__(self, bearer: str, base_url: str, state_file: Path) -> None:
-        self.bearer, self.base_url, self.state_file = bearer, base_url, state_file
+    def __init__(self, bearer: "str | Callable[[], str | None]", base_url: str, state_file: Path) -> None:
+        """``bearer``: the bearer token, or a function giving the one in force now (asked on every
+        use, so a rotated token file revokes every grant at once); ``state_file``: oauth.json."""
+        self._bearer = bearer if callable(bearer) else (lambda: bearer)
+        self.base_url, self.state_file = base_url, state_file
         self.resource = f"{base_url}/mcp"
-        self.key = hmac.new(bearer.encode(), b"taskbridge oauth v1", hashlib.sha256).digest()
+        self._keyed_by: str | None = None
+        self._rekey()
+
+    def _rekey(self) -> None:
+        """Derive the signing key from the bearer token in force and load the state made with it
+        (none after a rotation: every client, code, pending sign-in and grant starts clean)."""
+        self._keyed_by = self._bearer() or ""
+        self.key = hmac.new(self._keyed_by.encode(), b"taskbridge oauth v1", hashlib.sha256).digest()
         self.codes: dict[str, AuthorizationCode] = {}
         self.pending: dict[str, dict[str, Any]] = {}
         state = self._load()
         self.clients: dict[str, dict[str, Any]] = state.get("clients", {})
+        self.consented: dict[str, float] = {c: t for c, t in state.get("consented", {}).items() if c in self.clients}
         self.revoked: dict[str, float] = state.get("revoked", {})
+
+    @property
+    def bearer(self) -> str:
+        """The bearer token in force; when it changed since the key was derived, re-key first."""
+        current = self._bearer() or ""
+        if current != self._keyed_by:
+            log.warning("the bearer token changed: every OAuth client, sign-in and token of the old one is void")
+            self._rekey()
+        return current
+
+    def _current_key(self) -> bytes:
+        self.bearer   # noqa: B018 - re-keys after a rotation
+        return self.key
 
     # -- persistence ---------------------------------------------------------------------------
 
@@ -106,7 +143,8 @@ class Provider:
     def _save(self) -> None:
         now = time.time()
         self.revoked = {g: exp for g, exp in self.revoked.items() if exp > now}
-        data = json.dumps({"key_id": self._key_id(), "clients": self.clients, "revoked": self.revoked})
+        data = json.dumps({"key_id": self._key_id(), "clients": self.clients, "consented": self.consented,
+                           "revoked": self.revoked})
         self.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
@@ -116,25 +154,47 @@ class Provider:
     # -- clients -------------------------------------------------------------------------------
 
     async def get_client(self, client_id: str) -> OAuthClientInformationFull | None:
+        self.bearer   # noqa: B018 - re-keys after a rotation
         found = self.clients.get(client_id)
         return OAuthClientInformationFull.model_validate(found) if found else None
 
     async def register_client(self, client_info: OAuthClientInformationFull) -> None:
+        """Keep a new client. Raises RegistrationError for a redirect URI with a user name or
+        password in it (``https://claude.ai@evil.example/`` goes to evil.example). Past
+        MAX_CLIENTS registrations never consented to, the oldest of those goes; consented clients
+        (kept apart, at most MAX_CONSENTED) are never evicted by registrations."""
+        for uri in client_info.redirect_uris or []:
+            parsed = urlparse(str(uri))
+            if parsed.username is not None or parsed.password is not None or "@" in parsed.netloc:
+                raise RegistrationError("invalid_redirect_uri", "a redirect URI may not carry a user name or "
+                                                                "password (the part before @)")
+        self.bearer   # noqa: B018 - re-keys after a rotation
         self.clients[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
-        while len(self.clients) > MAX_CLIENTS:
-            self.clients.pop(next(iter(self.clients)))
+        unused = [c for c in self.clients if c not in self.consented]
+        for client_id in unused[:max(0, len(unused) - MAX_CLIENTS)]:
+            self.clients.pop(client_id)
         self._save()
         log.info("OAuth client registered: %r", (client_info.client_name or "")[:80])
+
+    def _mark_consented(self, client_id: str) -> None:
+        self.consented.pop(client_id, None)
+        self.consented[client_id] = time.time()
+        while len(self.consented) > MAX_CONSENTED:   # only the token holder's consents get here
+            gone = next(iter(self.consented))
+            self.consented.pop(gone)
+            self.clients.pop(gone, None)
+        self._save()
 
     # -- authorization and consent -------------------------------------------------------------
 
     async def authorize(self, client: OAuthClientInformationFull, params: AuthorizationParams) -> str:
         if params.resource and params.resource.rstrip("/") != self.resource:
             raise AuthorizeError("invalid_target", f"this server is the resource {self.resource}")
+        self.bearer   # noqa: B018 - re-keys after a rotation
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v["expires"] > now}
-        if len(self.pending) >= MAX_PENDING:
-            raise AuthorizeError("temporarily_unavailable", "too many sign-ins waiting; try again in a few minutes")
+        while len(self.pending) >= MAX_PENDING:   # the oldest waiting sign-in goes, never the newest
+            self.pending.pop(next(iter(self.pending)))
         request_id = secrets.token_urlsafe(24)
         self.pending[request_id] = {"client": client, "params": params, "expires": now + CONSENT_SEC, "tries": 0}
         return f"{self.base_url}/oauth/consent?request={request_id}"
@@ -155,6 +215,7 @@ class Provider:
                 self.pending.pop(request_id, None)
             return None
         self.pending.pop(request_id, None)
+        self._mark_consented(request["client"].client_id)
         params: AuthorizationParams = request["params"]
         code = secrets.token_urlsafe(32)
         self.codes[code] = AuthorizationCode(
@@ -199,8 +260,11 @@ class Provider:
         return self._issue(client.client_id, scopes, refresh_token.resource)
 
     async def load_access_token(self, token: str) -> AccessToken | None:
+        """The access token's grant when this server signed it with the key of the bearer token in
+        force, for this resource (``<public URL>/mcp``), for a client still registered, unexpired
+        and unrevoked; else None."""
         claims = self._verify(token, "a")
-        if claims is None:
+        if claims is None or claims.get("r") != self.resource or claims.get("c") not in self.clients:
             return None
         return AccessToken(token=token, client_id=claims["c"], scopes=claims["s"], expires_at=claims["e"],
                            resource=claims.get("r"))
@@ -214,8 +278,10 @@ class Provider:
         raise TokenError("unsupported_grant_type", "identity assertions are not accepted here")
 
     def _issue(self, client_id: str, scopes: list[str], resource: str | None) -> OAuthToken:
+        if resource and resource.rstrip("/") != self.resource:
+            raise TokenError("invalid_target", f"this server is the resource {self.resource}")
         now, grant = int(time.time()), secrets.token_urlsafe(12)
-        base = {"c": client_id, "s": scopes, "r": resource, "g": grant}
+        base = {"c": client_id, "s": scopes, "r": self.resource, "g": grant}
         access = self._sign(base | {"k": "a", "e": now + ACCESS_TOKEN_SEC})
         refresh = self._sign(base | {"k": "r", "e": now + REFRESH_TOKEN_SEC})
         return OAuthToken(access_token=access, token_type="Bearer", expires_in=ACCESS_TOKEN_SEC,
@@ -223,7 +289,7 @@ class Provider:
 
     def _sign(self, claims: dict[str, Any]) -> str:
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
-        return f"tb1.{body}.{_b64(hmac.new(self.key, body.encode(), hashlib.sha256).digest())}"
+        return f"tb1.{body}.{_b64(hmac.new(self._current_key(), body.encode(), hashlib.sha256).digest())}"
 
     def _verify(self, token: str, kind: str) -> dict[str, Any] | None:
         """The claims of a token this server signed with the current key, of ``kind``, unexpired
@@ -231,7 +297,7 @@ class Provider:
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != "tb1" or len(token) > 4096:
             return None
-        expected = _b64(hmac.new(self.key, parts[1].encode(), hashlib.sha256).digest())
+        expected = _b64(hmac.new(self._current_key(), parts[1].encode(), hashlib.sha256).digest())
         if not hmac.compare_digest(expected, parts[2]):
             return None
         try:
@@ -258,8 +324,10 @@ CONSENT_PAGE = """<!doctype html>
 input[type=password]{{width:100%;padding:.5em;font:inherit}}button{{padding:.5em 1.2em;font:inherit;margin:.8em .5em 0 0}}
 .error{{color:#b00020}}code{{background:#f3f3f3;padding:0 .2em}}</style></head>
 <body><h1>Connect to TaskBridge</h1>
-<p><b>{client}</b> wants to use the TaskBridge server on this machine: queue coding tasks that run
-with your user's rights, and read their results. It will return to <code>{redirect}</code>.</p>
+<p>A client that calls itself <b>{client}</b> (a name it chose itself: anyone can claim any name)
+wants to use the TaskBridge server on this machine: queue coding tasks that run with your user's
+rights, and read their results. After you allow it, your browser goes to the site
+<code>{redirect}</code>: allow only if that is the site you are connecting from.</p>
 <p>To allow it, paste the bearer token once (on the machine running TaskBridge:
 <code>cat .taskbridge/token</code>, or the <i>Token</i> line of the box ./install.sh printed).</p>
 {error}
@@ -283,7 +351,7 @@ def consent_routes(provider: Provider) -> list[Any]:
         client = request["client"]
         redirect = urlparse(str(request["params"].redirect_uri))
         text = CONSENT_PAGE.format(client=html.escape((client.client_name or "An MCP client")[:100]),
-                                   redirect=html.escape(f"{redirect.scheme}://{redirect.netloc}"),
+                                   redirect=html.escape(redirect.hostname or "(no host)"),
                                    request=html.escape(request_id), error=error)
         return HTMLResponse(text, status_code=status, headers=PAGE_HEADERS)
 
@@ -298,7 +366,12 @@ def consent_routes(provider: Provider) -> list[Any]:
         return page(request_id, found) if found else gone()
 
     async def answer(request: Any) -> Any:
-        form = await request.form()
+        try:
+            form = await request.form()
+        except AssertionError:   # python-multipart's answer to a malformed body
+            return HTMLResponse("<!doctype html><title>TaskBridge</title><p>That form could not be read; "
+                                "start connecting again from your MCP client.</p>", status_code=400,
+                                headers=PAGE_HEADERS)
         request_id, token = str(form.get("request", "")), str(form.get("token", ""))
         if form.get("action") == "deny":
             target = provider.deny(request_id)
@@ -331,9 +404,104 @@ def routes(provider: Provider) -> list[Any]:
     issuer = settings.issuer_url
     server = create_auth_routes(provider, issuer, client_registration_options=ClientRegistrationOptions(enabled=True),
                                 revocation_options=RevocationOptions(enabled=True))
+    register_limit, authorize_limit = PeerLimit(lambda: REGISTER_PER_PEER), PeerLimit(lambda: AUTHORIZE_PER_PEER)
+    wrapped = {"/register": lambda app: RateLimited(app, register_limit, "registrations"),
+               "/authorize": lambda app: RateLimited(app, authorize_limit, "sign-ins"),
+               "/token": lambda app: ResourceChecked(app, provider)}
+    server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
+              if isinstance(r, Route) and r.path in wrapped else r for r in server]
     resource = create_protected_resource_routes(settings.resource_server_url, [issuer], resource_name="TaskBridge")
     root = Route("/.well-known/oauth-protected-resource", endpoint=resource[0].endpoint, methods=["GET", "OPTIONS"])
     return [*server, *resource, root, *consent_routes(provider)]
+
+
+def peer_of(scope: dict) -> str:
+    """The address a request came from: the TCP peer, or for a peer on this machine (a tunnel:
+    cloudflared, ngrok) the client address the tunnel names (CF-Connecting-IP, else the last
+    X-Forwarded-For entry, which the tunnel appended)."""
+    peer = (scope.get("client") or ("?", 0))[0]
+    if peer not in ("127.0.0.1", "::1"):
+        return peer
+    headers = {k: v.decode("latin-1") for k, v in scope.get("headers", [])}
+    named = headers.get(b"cf-connecting-ip") or headers.get(b"x-forwarded-for", "").split(",")[-1]
+    return named.strip()[:64] or peer
+
+
+class PeerLimit:
+    """At most ``limit()`` events per client address per RATE_WINDOW_SEC (MAX_PEERS addresses
+    remembered; the stalest forgotten first)."""
+
+    def __init__(self, limit: Callable[[], int]) -> None:
+        self.limit, self.seen = limit, {}
+
+    def allow(self, peer: str) -> bool:
+        now = time.monotonic()
+        times = self.seen.pop(peer, None) or deque()
+        while times and times[0] < now - RATE_WINDOW_SEC:
+            times.popleft()
+        self.seen[peer] = times
+        while len(self.seen) > MAX_PEERS:
+            self.seen.pop(next(iter(self.seen)))
+        if len(times) >= self.limit():
+            return False
+        times.append(now)
+        return True
+
+
+class RateLimited:
+    """Pure ASGI around an open OAuth endpoint: 429 (with Retry-After) past its PeerLimit."""
+
+    def __init__(self, app: Any, limit: PeerLimit, what: str) -> None:
+        self.app, self.limit, self.what = app, limit, what
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not self.limit.allow(peer_of(scope)):
+            log.warning("too many OAuth %s from one address: refused (429)", self.what)
+            data = json.dumps({"error": "temporarily_unavailable", "error_description":
+                               f"too many {self.what} from this address; try again in {RATE_WINDOW_SEC // 60} "
+                               "minutes"}).encode()
+            await send({"type": "http.response.start", "status": 429,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"retry-after", str(RATE_WINDOW_SEC).encode())]})
+            return await send({"type": "http.response.body", "body": data})
+        await self.app(scope, receive, send)
+
+
+class ResourceChecked:
+    """Pure ASGI around ``/token``: a ``resource`` parameter (RFC 8707) naming anything but this
+    server's MCP endpoint gets 400 invalid_target; the body (already capped by the HTTP side) is
+    read here and handed on unchanged."""
+
+    def __init__(self, app: Any, provider: Provider) -> None:
+        self.app, self.provider = app, provider
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        resources = parse_qs(body.decode("latin-1")).get("resource", [])
+        if any(r.rstrip("/") != self.provider.resource for r in resources):
+            data = json.dumps({"error": "invalid_target", "error_description":
+                               f"this server is the resource {self.provider.resource}"}).encode()
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]})
+            return await send({"type": "http.response.body", "body": data})
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _replay(messages: list[dict], then: Any = None) -> Any:
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        return await then() if then else {"type": "http.disconnect"}
+    return receive
 
 
 def resource_metadata_url(provider: Provider) -> str:

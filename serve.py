@@ -124,7 +124,7 @@ def ensure_token(rotate: bool = False) -> tuple[str, str]:
 
 def rotation_notice(port: int) -> str:
     """Who must be told about a new token."""
-    return ("the bearer token was rotated; the old one no longer works. Update:\n"
+    return ("the bearer token was rotated; the old one no longer works, also on a server already running. Update:\n"
             f"  - Claude Code over HTTP: claude mcp remove taskbridge, then the `claude mcp add --transport http` "
             f"line from `tasks_cli.py connect` (port {port})\n"
             "  - any client sending the old Authorization header or ?token=\n"

@@ -140,7 +140,8 @@ async def test_oauth_round_trip_as_a_remote_connector_does_it(base, monkeypatch)
     # The caller is stamped with the client's own name (its clientInfo), not the OAuth client.
     assert ping["caller"]["name"] == "claude-ai"
     first_page = browser.pages[0][1]
-    assert browser.pages[0][0] == 200 and "Claude" in first_page and "https://claude.ai" in first_page
+    assert browser.pages[0][0] == 200 and "Claude" in first_page and "chose itself" in first_page
+    assert "<code>claude.ai</code>" in first_page
     assert browser.pages[1][0] == 401 and "not the bearer token" in browser.pages[1][1]
     assert storage.client is not None and storage.tokens.access_token.startswith("tb1.")
     access = storage.tokens.access_token
