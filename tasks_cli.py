@@ -992,10 +992,14 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files.")
 @click.option("--remove-worktrees", is_flag=True,
-              help="Also remove worktrees kept with --keep-worktree (task branches stay).")
+              help="Also remove worktrees kept with --keep-worktree (task branches stay); without it their tasks stay.")
 @json_option
 def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool, as_json: bool) -> None:
-    """Remove finished tasks (done, failed, cancelled) from the queue; events stay as history."""
+    """Remove finished tasks (done, failed, cancelled) from the queue; events stay as history.
+
+    A task whose kept worktree is still on disk stays (the queue is what knows where it is) until
+    --remove-worktrees removes the worktree with it.
+    """
     finished = sum(task_store.counts()[s] for s in task_store.TERMINAL)
     if not finished:
         return emit_json([]) if as_json else out().print("No finished tasks to clear.")
@@ -1017,10 +1021,11 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
         out().print(Text(f"Removed worktree {visible(path, multiline=False)} (its branch stays)."), soft_wrap=True)
     for problem in purged["problems"]:
         err().print(Text(visible(problem), style="yellow"), soft_wrap=True)
-    kept = [item["worktree_path"] for item in removed if item["worktree_path"] and os.path.isdir(item["worktree_path"])]
+    kept = purged["kept_for_worktrees"]
     if kept:
-        err().print(Text("Kept worktrees remain on disk (clear --remove-worktrees removes them): "
-                         + ", ".join(visible(path, multiline=False) for path in kept), style="dim"), soft_wrap=True)
+        err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "
+                         "`tasks_cli.py clear --remove-worktrees` removes those worktrees and the tasks "
+                         "(branches stay)", style="dim"), soft_wrap=True)
 
 
 @cli.command()

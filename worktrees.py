@@ -742,23 +742,27 @@ def _inside(path: str, root: Path) -> bool:
 def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, remove_logs: bool = False,
                    remove_worktrees: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Remove finished tasks (``task_store.clear_finished``) and, when asked, their logs and
-    worktrees (branches always stay). A task whose worktree could not be removed stays in the
-    queue, so its path is never forgotten; the problem says what is left. Returns (removed
-    tasks, ``{"logs_removed": n, "worktrees_removed": [paths], "problems": [text]}``)."""
-    only = None
-    purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "problems": []}
-    if remove_worktrees:
-        only = []
-        for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
-            path = task.get("worktree_path")
-            if path and os.path.lexists(path):
-                problem = remove_worktree_at(path)
-                if problem:
-                    purged["problems"].append(f"{task['id']} stays in the queue: {problem}")
-                    continue
-                purged["worktrees_removed"].append(path)
-            only.append(task["id"])
-    removed = store.clear_finished(older_than_sec, statuses, only_ids=only)
+    worktrees (branches always stay). A task whose worktree is still on disk stays in the queue
+    unless ``remove_worktrees`` removes it first (the queue is what knows the worktree: a cleared
+    task's worktree could never be found again), and so does one whose worktree could not be
+    removed; the problem says what is left. Returns (removed tasks, ``{"logs_removed": n,
+    "worktrees_removed": [paths], "kept_for_worktrees": [ids], "problems": [text]}``)."""
+    only = []
+    purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "kept_for_worktrees": [],
+                              "problems": []}
+    for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
+        path = task.get("worktree_path")
+        if path and os.path.lexists(path):
+            if not remove_worktrees:
+                purged["kept_for_worktrees"].append(task["id"])
+                continue
+            problem = remove_worktree_at(path)
+            if problem:
+                purged["problems"].append(f"{task['id']} stays in the queue: {problem}")
+                continue
+            purged["worktrees_removed"].append(path)
+        only.append(task["id"])
+    removed = store.clear_finished(older_than_sec, statuses, only_ids=only) if only else []
     for task in removed:
         if remove_logs and Path(task["log"]).exists():
             Path(task["log"]).unlink()

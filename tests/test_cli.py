@@ -754,9 +754,13 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
     assert os.path.isdir(ws.top)
 
+    # A plain clear keeps the task whose worktree is on disk: it is what knows the worktree, and
+    # the advice it prints must work afterwards.
     kept = run("clear", "--yes")
-    assert kept.exit_code == 0 and "t_0001" in kept.stdout
-    assert os.path.isdir(ws.top) and "clear --remove-worktrees removes them" in kept.stderr
+    assert kept.exit_code == 0 and "Removed 0 task(s)" in kept.stdout
+    assert "Kept 1 task(s) whose worktrees are on disk: t_0001" in kept.stderr
+    assert "`tasks_cli.py clear --remove-worktrees` removes those worktrees and the tasks" in kept.stderr
+    assert os.path.isdir(ws.top) and task_store.counts()["done"] == 1
 
     task2 = add(repo, "kept too", worktree_keep=True)
     claimed2 = task_store.claim_next("worker@host", task_id=task2["id"])
@@ -765,9 +769,10 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     task_store.complete_attempt(task2["id"], claimed2["run_marker"], result={"summary": "ok"})
     removed = run("clear", "--yes", "--remove-worktrees")
     assert removed.exit_code == 0, removed.output
-    assert f"Removed worktree {ws2.top} (its branch stays)." in removed.stdout
-    assert not os.path.exists(ws2.top)
-    assert ws2.top not in git(repo, "worktree", "list")
+    assert "Removed 2 task(s): t_0001, t_0002" in removed.stdout
+    for top in (ws.top, ws2.top):
+        assert f"Removed worktree {top} (its branch stays)." in removed.stdout
+        assert not os.path.exists(top) and top not in git(repo, "worktree", "list")
     assert git(repo, "branch", "--list", ws2.branch).strip().endswith(ws2.branch)
     assert task_store.counts()["done"] == 0
 

@@ -627,7 +627,10 @@ async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_pat
     task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=str(tree), branch="taskbridge/t_0001")
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
     async with client("legacy") as c:
+        kept = await ok(c, "clear_finished", {})
+        assert kept["removed"] == [] and kept["kept_for_worktrees"] == [task["id"]], "the queue still knows the worktree"
         cleared = await ok(c, "clear_finished", {"remove_worktrees": True})
+    assert cleared["removed"] == [task["id"]] and cleared["kept_for_worktrees"] == []
     assert cleared["worktrees_removed"] == [str(tree)] and cleared["problems"] == []
     assert not tree.exists() and "taskbridge/t_0001" in git(repo, "branch", "--list")
 
