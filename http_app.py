@@ -44,6 +44,7 @@ PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
 REQUEST_HEAD_SEC = 10.0        # a connection must send a complete request head this soon, or it is closed
 KEEP_ALIVE_SEC = 5             # idle time between requests on one connection
 MAX_CONNECTIONS = 128          # open connections; more are closed at once (macOS's default ulimit -n is 256)
+MAX_PEER_CONNECTIONS = 32      # of them from one address beyond this machine (a tunnel, on loopback, is exempt)
 MAX_HEAD_BYTES = 16 * 1024     # a request head larger than this is refused (h11)
 LOGGED_CHARS = 120             # of a request path in a log line
 BODY_SEC = 30.0                # a request body must arrive whole this soon after its head (408 otherwise)
@@ -555,7 +556,9 @@ def deadline_protocol() -> type:
         no complete request line and headers within REQUEST_HEAD_SEC of connecting (or of its
         previous response) is closed. uvicorn arms its idle timer only after a response, so a
         client that connects and says nothing, or trickles a header, held a descriptor forever.
-        Connections past MAX_CONNECTIONS are closed at once."""
+        Connections past MAX_CONNECTIONS, or past MAX_PEER_CONNECTIONS from one address that is
+        not this machine's loopback (a tunnel's connections all come from 127.0.0.1 and share the
+        whole cap), are closed at once."""
 
         head_timer: Any = None
 
@@ -563,6 +566,12 @@ def deadline_protocol() -> type:
             super().connection_made(transport)
             if len(self.connections) > MAX_CONNECTIONS:
                 log.warning("more than %d open connections: closed a new one", MAX_CONNECTIONS)
+                transport.close()
+                return
+            peer = (self.client or ("", 0))[0]
+            if peer and not is_loopback(peer) and peer != "::1" and MAX_PEER_CONNECTIONS < sum(
+                    1 for other in self.connections if (getattr(other, "client", None) or ("", 0))[0] == peer):
+                log.warning("more than %d open connections from one address: closed a new one", MAX_PEER_CONNECTIONS)
                 transport.close()
                 return
             self._arm()

@@ -5,6 +5,7 @@ log line, and every answer carries the safety headers. The process is started wi
 http_app's limits lowered (BODY_SEC, MAX_CONNECTIONS) so the test takes seconds, not minutes."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -203,3 +204,42 @@ def test_every_answer_carries_the_safety_headers(server):
             if name != "oauth metadata":   # public metadata keeps the SDK's own max-age
                 assert answer.headers.get("cache-control") == "no-store", name
             assert "default-src 'none'" in answer.headers.get("content-security-policy", ""), name
+
+
+def test_one_address_beyond_loopback_gets_only_its_share_of_the_connections(tmp_path):
+    """Served on every interface, connections from this machine's own non-loopback address
+    count as one remote peer: past MAX_PEER_CONNECTIONS they are closed at once, while loopback
+    (where a tunnel connects from) still gets in."""
+    address = next((a for a in socket.gethostbyname_ex(socket.gethostname())[2] if not a.startswith("127.")), None)
+    if address is None:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))
+            address = probe.getsockname()[0]
+    if not address or address.startswith("127.") or address == "0.0.0.0":
+        pytest.skip("this machine has no address beyond loopback")
+    port, share = free_port(), 3
+    code = LAUNCH.format(root=str(ROOT), body=30, conns=20, port=port, script=str(ROOT / "opencode_bridge_mcp.py"))
+    code = code.replace("'--port'", "'--host', '0.0.0.0', '--port'").replace(
+        "http_app.MAX_CONNECTIONS", f"http_app.MAX_PEER_CONNECTIONS = {share}; http_app.MAX_CONNECTIONS")
+    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"),
+               TASK_DB_PATH=str(tmp_path / "tasks.db"))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = []
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        for _ in range(share):
+            sock = socket.create_connection((address, port), timeout=5)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # a head that never ends
+            held.append(sock)
+        time.sleep(0.3)
+        extra = socket.create_connection((address, port), timeout=5)
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_answer(extra) == b""   # closed without an answer
+        extra.close()
+        assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        err = stderr_of(proc)
+    assert "open connections from one address" in err
