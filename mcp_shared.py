@@ -1,7 +1,7 @@
 """What TaskBridge's two MCP servers share: tool registration, and turning failures into
 messages a model can act on.
 
-Shared by opencode_bridge_mcp.py (the 17 queue tools) and claude_control_mcp.py (the reverse
+Shared by opencode_bridge_mcp.py (the queue tools) and claude_control_mcp.py (the reverse
 bridge), so neither server imports the other's internals. Nothing happens at import time.
 
 - ``ToolRegistry``: collects a module's tool functions so each ``build_server()`` makes a fresh

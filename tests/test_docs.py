@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 import tasks_cli
-from helpers import ROOT
+from helpers import BRIDGE_TOOL_COUNT, ROOT
 
 README = (ROOT / "README.md").read_text()
 SCRIPTS = [p for p in ROOT.glob("*.py")] + list((ROOT / "launchd").glob("*.py"))
@@ -46,12 +46,16 @@ def mcp_tools(module_name: str) -> list[str]:
     return re.findall(r"@\w+\.tool\([^)]*\)\s*\n(?:@[^\n]*\n)*(?:async )?def (\w+)", source)
 
 
-@pytest.mark.parametrize("module_name,count", [("opencode_bridge_mcp", 20), ("claude_control_mcp", 6)])
+@pytest.mark.parametrize("module_name,count", [("opencode_bridge_mcp", BRIDGE_TOOL_COUNT), ("claude_control_mcp", 6)])
 def test_every_mcp_tool_documented(module_name, count):
     tools = mcp_tools(module_name)
     assert len(tools) == count, tools
     for tool in tools:
         assert f"`{tool}" in README, f"MCP tool {tool} missing from the README"
+
+
+def test_readme_states_the_bridge_tool_count():
+    assert f"({BRIDGE_TOOL_COUNT} tools;" in README
 
 
 def test_quick_start_has_two_commands_and_ci_runs_the_test_one():

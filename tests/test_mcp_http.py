@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
-from helpers import free_port, wait_healthy
+from helpers import BRIDGE_TOOL_COUNT, free_port, wait_healthy
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -98,7 +98,7 @@ def finish_later(task_id: str, delay: float) -> threading.Timer:
 async def test_streamable_http_live(mode, wd):
     with serving() as base:
         async with http_client(base, mode=mode) as c:
-            assert len((await c.list_tools()).tools) == 20
+            assert len((await c.list_tools()).tools) == BRIDGE_TOOL_COUNT
             sent = await c.call_tool("submit_task", {"title": "over http", "instructions": "x", "working_dir": wd})
             assert not sent.is_error, sent.content[0].text
             got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
@@ -114,7 +114,7 @@ async def test_streamable_http_live(mode, wd):
 async def test_sse_live(wd):
     with serving() as base:
         async with sse(base) as c:
-            assert len((await c.list_tools()).tools) == 20
+            assert len((await c.list_tools()).tools) == BRIDGE_TOOL_COUNT
             sent = await c.call_tool("submit_task", {"title": "over sse", "instructions": "x", "working_dir": wd})
             ping = await c.call_tool("ping", {})
     assert sent.structured_content["origin_kind"] == "chatgpt"

@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import opencode_bridge_mcp as bridge
+from helpers import BRIDGE_TOOL_COUNT
 from mcp import Client, StdioServerParameters
 from mcp.types import Implementation
 
@@ -106,7 +107,7 @@ def test_every_stdout_byte_is_json_rpc_at_debug_on_a_first_start(env, tmp_path):
                                            "clientInfo": {"name": "claude-ai", "version": "0.14.2"}})
         assert init["result"]["serverInfo"]["name"] == "taskbridge"
         s.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        assert len(s.request(2, "tools/list")["result"]["tools"]) == 20
+        assert len(s.request(2, "tools/list")["result"]["tools"]) == BRIDGE_TOOL_COUNT
         ping = s.call(3, "ping", {})
         assert ping["structuredContent"]["caller"]["kind"] == "claude"
         restarted = s.call(4, "restart_worker", {})["structuredContent"]
@@ -162,7 +163,7 @@ def test_with_a_broken_database_the_server_starts_lists_its_tools_and_names_the_
         s.request(1, "initialize", {"protocolVersion": "2025-06-18", "capabilities": {},
                                     "clientInfo": {"name": "claude-ai", "version": "1"}})
         s.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        assert len(s.request(2, "tools/list")["result"]["tools"]) == 20
+        assert len(s.request(2, "tools/list")["result"]["tools"]) == BRIDGE_TOOL_COUNT
         ping = s.call(3, "ping", {})
         text = ping["content"][0]["text"]
         assert ping["isError"] and f"the task database {broken} cannot be used" in text, text

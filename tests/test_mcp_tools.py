@@ -1,4 +1,4 @@
-"""The 20 MCP tools through the SDK client in memory, in both protocol modes (legacy handshake and
+"""Every MCP tool of the bridge through the SDK client in memory, in both protocol modes (legacy handshake and
 auto), including the bad-input list of issue 3 and the caps on huge logs, diffs and lists."""
 from __future__ import annotations
 
