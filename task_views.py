@@ -127,6 +127,24 @@ def info(task: dict[str, Any]) -> dict[str, Any]:
     return {key: task.get(key, [] if key == "depends_on" else None) for key in _INFO_KEYS}
 
 
+def attempt_counts(task: dict[str, Any]) -> tuple[int, int, int]:
+    """(counted, allowed, not counted) attempts, as the store judges a retry: hand-backs (the worker
+    stopping, a spending-limit pause) and the tries before a manual retry keep their attempt numbers
+    but spend none of the ``max_retries + 1`` allowed."""
+    uncounted = (task.get("handbacks") or 0) + (task.get("spent_before_retry") or 0)
+    return task["attempts"] - uncounted, task["max_retries"] + 1, uncounted
+
+
+def attempt_text(task: dict[str, Any]) -> str:
+    """``attempt 2 of 2`` or ``attempt 2 of 2 (not counted: 1 hand-back, 2 before a retry)``: the
+    one wording the worker's claimed line and ``show`` use."""
+    counted, allowed, _ = attempt_counts(task)
+    handbacks, before = task.get("handbacks") or 0, task.get("spent_before_retry") or 0
+    parts = ([f"{handbacks} hand-back" + ("s" if handbacks != 1 else "")] if handbacks else []) + \
+        ([f"{before} before a retry"] if before else [])
+    return f"attempt {counted} of {allowed}" + (f" (not counted: {', '.join(parts)})" if parts else "")
+
+
 def short(text: str | None, limit: int = ROW_TEXT_MAX) -> str | None:
     """``text`` cut to ``limit`` characters (ending in …); None stays None."""
     if text is None or len(text) <= limit:

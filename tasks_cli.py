@@ -399,26 +399,21 @@ def tries_cell(task: dict[str, Any]) -> str:
     A listing row without ``handbacks`` shows the bare attempt number once it passes the allowed
     count, rather than an impossible ``3/2``.
     """
-    allowed, attempts, handbacks = task["max_retries"] + 1, task["attempts"], task.get("handbacks")
-    if handbacks is None:
+    if task.get("handbacks") is None:
+        allowed, attempts = task["max_retries"] + 1, task["attempts"]
         return f"{attempts}/{allowed}" if attempts <= allowed else str(attempts)
-    uncounted = handbacks + (task.get("spent_before_retry") or 0)
-    return f"{attempts - uncounted}/{allowed}" + (f" +{uncounted}" if uncounted else "")
+    counted, allowed, uncounted = task_views.attempt_counts(task)
+    return f"{counted}/{allowed}" + (f" +{uncounted}" if uncounted else "")
 
 
 def attempts_text(task: dict[str, Any]) -> str:
-    """``attempt 3 (1 hand-back, which does not count); retries allowed 2`` for ``show``.
+    """``attempt 2 of 3 (not counted: 1 hand-back); retries allowed 2`` for ``show`` (the worker's
+    claimed line says the same, from task_views.attempt_text).
 
     The store allows another try while ``attempts - handbacks <= max_retries``: a hand-back (the
     worker stopping, not the task failing) keeps its attempt number but spends no retry.
     """
-    attempts, handbacks = task["attempts"], task.get("handbacks") or 0
-    text = f"attempt {attempts}" if attempts else "not started yet"
-    if handbacks:
-        text += " (1 hand-back, which does not count)" if handbacks == 1 else \
-            f" ({handbacks} hand-backs, which do not count)"
-    if task.get("spent_before_retry"):
-        text += f" ({task['spent_before_retry']} before a retry, which do not count)"
+    text = task_views.attempt_text(task) if task["attempts"] else "not started yet"
     return f"{text}; retries allowed {task['max_retries']}"
 
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # rich is imported only on a terminal: a worker under launchd
     from rich.table import Table
 
 import task_store as store
+import task_views
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 LOG_MAX_BYTES = 256 * 1024    # the worker log is cut to its newer half past this size
@@ -125,8 +126,7 @@ class Talk:
     @classmethod
     def runs(cls, task: dict[str, Any], model: str | None) -> None:
         """The claimed line: title, attempt, model (None: no model could be chosen)."""
-        allowed = task["max_retries"] + 1
-        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} (attempt {task['attempts']} of {allowed}, "
+        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} ({task_views.attempt_text(task)}, "
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     @classmethod

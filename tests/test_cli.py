@@ -671,7 +671,7 @@ def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypat
     task = task_store.get_task(1)
     assert (task["attempts"], task["handbacks"], task["max_retries"]) == (3, 1, 1)
     shown = run("show", "1").stdout
-    assert "attempt 3 (1 hand-back, which does not count); retries allowed 1" in shown
+    assert "attempt 2 of 2 (not counted: 1 hand-back); retries allowed 1" in shown
     assert "3 of 2" not in shown
     assert "3/2" not in run("list").stdout
 
@@ -679,9 +679,11 @@ def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypat
 def test_attempt_texts():
     base = {"attempts": 0, "handbacks": 0, "max_retries": 2}
     assert tasks_cli.attempts_text(base) == "not started yet; retries allowed 2"
-    assert tasks_cli.attempts_text(base | {"attempts": 1}) == "attempt 1; retries allowed 2"
+    assert tasks_cli.attempts_text(base | {"attempts": 1}) == "attempt 1 of 3; retries allowed 2"
     assert tasks_cli.attempts_text(base | {"attempts": 4, "handbacks": 2}) == \
-        "attempt 4 (2 hand-backs, which do not count); retries allowed 2"
+        "attempt 2 of 3 (not counted: 2 hand-backs); retries allowed 2"
+    assert tasks_cli.attempts_text(base | {"attempts": 4, "handbacks": 1, "spent_before_retry": 2}) == \
+        "attempt 1 of 3 (not counted: 1 hand-back, 2 before a retry); retries allowed 2"
     assert tasks_cli.tries_cell(base | {"attempts": 4, "handbacks": 2}) == "2/3 +2"
     assert tasks_cli.tries_cell({"attempts": 2, "max_retries": 2}) == "2/3"
     assert tasks_cli.tries_cell({"attempts": 3, "max_retries": 1}) == "3"  # listing without handbacks

@@ -166,3 +166,24 @@ def test_a_claude_desktop_config_that_is_a_folder_is_named_with_the_way_out(tmp_
     assert f"cannot write Claude Desktop's config {folder}: it is a folder, not a file" in result.stderr
     assert "point CLAUDE_DESKTOP_CONFIG at the config file itself" in result.stderr
     assert "Errno" not in result.stderr and list(folder.iterdir()) == []
+
+
+@pytest.mark.real_opencode
+def test_the_worker_and_show_count_attempts_alike_after_a_hand_back(opencode, tmp_path, monkeypatch):
+    """A hand-back spends no retry: the worker's claimed line must not say 'attempt 3 of 2'."""
+    from fake_openai import text
+    from helpers import make_repo
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("ok", [text('Done.\n```json\n{"summary": "ok", "files_touched": [], "tests_run": [], '
+                                      '"open_questions": []}\n```')])
+    monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))   # claimable again at once
+    task = task_store.submit_task(title="counted", instructions="SCRIPT:ok", working_dir=str(repo), max_retries=1)
+    first = task_store.claim_next("w", task_id=task["id"])
+    task_store.requeue_attempt(task["id"], first["run_marker"], "worker stopped", count_attempt=False)
+    second = task_store.claim_next("w", task_id=task["id"])
+    task_store.fail_attempt(task["id"], second["run_marker"], "tests red")
+    ran = run_script("worker.py", "--max-tasks", "1", timeout=180)
+    assert "claimed: counted (attempt 2 of 2 (not counted: 1 hand-back)" in ran.stderr, ran.stderr
+    shown = run_script("tasks_cli.py", "show", task["id"], timeout=60).stdout
+    assert "attempt 2 of 2 (not counted: 1 hand-back)" in shown
+    assert "3 of 2" not in ran.stderr + shown
