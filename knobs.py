@@ -4,7 +4,7 @@ range (never silently replaced by the default, so a typo cannot hide). An unset 
 its default.
 
     import knobs
-    knobs.read_env_int("WORKER_SLOTS", 1, 1, 16)      # -> int, or raises knobs.KnobError
+    knobs.knob("WORKER_SLOTS")                        # -> 1..16 (REGISTRY), or raises knobs.KnobError
     knobs.problems()                                  # every registered knob checked; [] when fine
 
 Entry points (worker.py, serve.py, doctor.py, the MCP server) call ``problems()`` before they
@@ -47,17 +47,6 @@ def _read(name: str, kind: type, default: float, lo: float, hi: float) -> float:
         raise KnobError(f"{name}={raw!r} is not {what} from {lo:g} to {hi:g}; fix it or unset it "
                         f"(default {default:g})")
     return value
-
-
-def read_env_int(name: str, default: int, lo: int, hi: int) -> int:
-    """``$name`` as an int from ``lo`` to ``hi``; ``default`` when unset or blank. Raises KnobError."""
-    return int(_read(name, int, default, lo, hi))
-
-
-def read_env_float(name: str, default: float, lo: float, hi: float) -> float:
-    """``$name`` as a finite float from ``lo`` to ``hi``; ``default`` when unset or blank. Raises
-    KnobError."""
-    return float(_read(name, float, default, lo, hi))
 
 
 def knob(name: str) -> float:

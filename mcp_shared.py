@@ -636,8 +636,8 @@ class ToolRegistry:
 
     def install(self, server: MCPServer) -> MCPServer:
         """Register every collected tool on ``server``; returns it."""
-        for fn, annotations in self.entries:
-            server.tool(annotations=annotations)(fn)
+        for fn, hinted in self.entries:
+            server.tool(annotations=hinted)(fn)
         return server
 
 

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -117,15 +117,6 @@ def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
         yield
     finally:
         _watch.check = previous
-
-
-def check_watch() -> None:
-    """Call the current thread's watcher (see `watched`) between steps that are not git
-    commands; raises GitStopped with its reason."""
-    check = getattr(_watch, "check", None)
-    reason = check() if check else None
-    if reason:
-        raise GitStopped(reason, reason)
 
 
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,

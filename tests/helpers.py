@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
 import sys
 from pathlib import Path
@@ -123,10 +124,9 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 30) -> None
 NORMAL_USER = "taskbridge-test"
 
 
-def normal_user() -> "pwd.struct_passwd | None":
+def normal_user() -> pwd.struct_passwd | None:
     """The non-root user the steps run as: None when this process is not root (it is one
     already); created when missing; skips when root cannot create it."""
-    import pwd
     import shutil
 
     import pytest

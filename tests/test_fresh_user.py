@@ -116,7 +116,7 @@ def wide_dirs(tmp_path) -> dict[str, tuple[str, str]]:
     home.mkdir()
     (tmp_path / "link-to-root").symlink_to("/")
     return {"/": ("/", "is the root of the filesystem"),
-            "root by a link": (str(tmp_path / "link-to-root"), f"(that is /) is the root of the filesystem"),
+            "root by a link": (str(tmp_path / "link-to-root"), "(that is /) is the root of the filesystem"),
             "home": (str(home), "is your home folder itself"),
             "own checkout": (str(ROOT), "is TaskBridge's own folder"),
             "own cwd": ("/proc/self/cwd", f"(that is {ROOT}) is TaskBridge's own folder"),

@@ -13,7 +13,7 @@ import pytest
 import oauth
 import serve
 from helpers import free_port
-from test_oauth import REDIRECT, TOKEN, Browser, Storage, connector, ping_with, serving, status
+from test_oauth import TOKEN, Browser, Storage, connector, ping_with, serving, status
 
 pytestmark = pytest.mark.anyio
 

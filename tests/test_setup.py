@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import connectors
 import serve
 import task_store
 import tasks_cli
