@@ -900,7 +900,7 @@ def add_task_note(
 @registry.tool(ENDS)
 def cancel_task(
     task_id: TaskId,
-    reason: Annotated[OptText, Field(description="why, recorded on the task")] = "cancelled by the planner",
+    reason: Annotated[OptText, Field(description="why, recorded on the task (at most 20,000 characters)")] = "cancelled by the planner",
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""

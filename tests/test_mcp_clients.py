@@ -333,7 +333,7 @@ def bridge_calls(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         ("list_tasks", {"limit": bridge.LIST_PAGE_MAX, "status": ["waiting"]}),
         ("answer_task", {"task_id": waiting[1], "answer": nasty(task_store.ANSWER_MAX)}),
         ("add_task_note", {"task_id": waiting[2], "text": nasty(task_store.NOTE_MAX)}),
-        ("cancel_task", {"task_id": waiting[3], "reason": nasty(50_000)}),
+        ("cancel_task", {"task_id": waiting[3], "reason": nasty(task_store.NOTE_MAX)}),   # its maximum
         ("list_models", {}), ("list_models", {"limit": bridge.LIST_PAGE_MAX}),
         ("set_default_model", {"model": f"fake/model-001-{'x' * 80}"}),
         ("clear_finished", {"remove_logs": True}),
