@@ -1001,8 +1001,8 @@ def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) ->
             raise ValidationError(f"depends_on names {format_task_id(dep_id)}, which does not exist")
         if row["status"] in ("failed", "cancelled"):
             raise ValidationError(
-                f"depends_on names {format_task_id(dep_id)}, which is {row['status']}; "
-                "it can never be done, so this task could never run"
+                f"depends_on names {format_task_id(dep_id)}, which is {row['status']}: retry it first "
+                f"(retry_task {format_task_id(dep_id)}), then submit this task, or leave it out of depends_on"
             )
         resolved.append(dep_id)
     return sorted(set(resolved))

@@ -69,7 +69,8 @@ class CliError(click.ClickException):
 
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
 CLI_WORDS = {"list_tasks": "`tasks_cli.py list`", "add_task_note": "`tasks_cli.py note`",
-             "answer_task": "`tasks_cli.py answer`", "cancel_task": "`tasks_cli.py cancel`"}
+             "answer_task": "`tasks_cli.py answer`", "cancel_task": "`tasks_cli.py cancel`",
+             "retry_task": "`tasks_cli.py retry`"}
 
 
 def in_cli_words(message: str) -> str:
@@ -1118,7 +1119,8 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
         return emit_json(result)
     where = visible(f"{result['into']} of {result['repo']}", multiline=False)
     if result["status"] == "already-applied":
-        return out().print(Text(f"{result['branch']} is already in {where}; nothing to do.", style="yellow"),
+        return out().print(Text(f"Already applied: the work of {result['branch']} is in {where}; nothing to do.",
+                                style="yellow"),
                            soft_wrap=True)
     verb = {"merge": "Merged", "squash": "Squashed", "cherry-pick": "Cherry-picked"}[mode]
     out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: "

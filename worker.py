@@ -921,9 +921,13 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
         where = f"its changes are in {ws.cwd}"
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
-    else:
+    elif _still_a_checkout(ws.top):
         where = (f"its work is kept in the worktree {ws.top} on branch {ws.branch}: commit it there "
                  f"(git -C {ws.top} add -A && git -C {ws.top} commit)")
+    else:   # the agent removed or broke the worktree's .git: git cannot commit there any more
+        where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
+                 f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
+                 f"folder and run git -C {ws.repo} worktree prune")
     error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
     receipt["bookkeeping_error"] = error
     receipt["worktree_kept"] = ws.mode == "worktree"
@@ -933,6 +937,17 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
     if final:
         notify(f"TaskBridge {task['id']} needs you", error[:200])
     return final
+
+
+def _still_a_checkout(top: str | None) -> bool:
+    """Whether git still sees ``top`` as the root of a working tree (an agent may delete .git)."""
+    if not top or not os.path.lexists(os.path.join(top, ".git")):
+        return False
+    try:
+        found = worktrees.git(["rev-parse", "--show-toplevel"], top, check=False)
+    except Exception:  # noqa: BLE001 - a git that cannot even run here is no checkout to commit in
+        return False
+    return bool(found) and os.path.realpath(found) == os.path.realpath(top)
 
 
 def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:

@@ -848,6 +848,11 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
     except RuntimeError as exc:
         conflicts = git(["diff", "--name-only", "--diff-filter=U"], repo, check=False).splitlines()
         _undo_apply(repo, before)
+        if not conflicts and any(said in str(exc) for said in ("nothing to commit", "is now empty")):
+            # A squash or cherry-pick whose changes the checkout already holds (an earlier apply):
+            # git stops with advice (commit --allow-empty, cherry-pick --skip) for a pick in
+            # progress, but none is: the apply was undone and there is nothing to do.
+            return result | {"status": "already-applied", "head": before, "files": []}
         raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
     head = git(["rev-parse", "HEAD"], repo)
     files = git(["diff", "--name-only", before, head], repo, check=False).splitlines()

@@ -187,3 +187,45 @@ def test_the_worker_and_show_count_attempts_alike_after_a_hand_back(opencode, tm
     shown = run_script("tasks_cli.py", "show", task["id"], timeout=60).stdout
     assert "attempt 2 of 2 (not counted: 1 hand-back)" in shown
     assert "3 of 2" not in ran.stderr + shown
+
+
+@pytest.mark.real_opencode
+def test_an_agent_that_deletes_its_worktrees_git_gets_advice_that_works(opencode, tmp_path):
+    """The failure must not say 'commit it there' when git can no longer commit there."""
+    from fake_openai import text, tool_call
+    from helpers import make_repo
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("rmgit", [tool_call("bash", {"command": "echo new > new.txt && rm -rf .git",
+                                                       "description": "x"}),
+                                    text('Done.\n```json\n{"summary": "ok", "files_touched": ["new.txt"], '
+                                         '"tests_run": [], "open_questions": []}\n```')])
+    task = task_store.submit_task(title="rm git", instructions="SCRIPT:rmgit", working_dir=str(repo))
+    ran = run_script("worker.py", "--max-tasks", "1", timeout=180)
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed", ran.stderr
+    assert "commit it there" not in final["error"] and "add -A" not in final["error"], final["error"]
+    assert "no longer a git worktree" in final["error"] and f"git -C {repo} worktree prune" in final["error"]
+
+
+def test_a_repeated_cherry_pick_says_it_is_already_applied(tmp_path):
+    from helpers import git, make_repo
+    from test_work_back import cli, finished_by_hand
+    repo = make_repo(tmp_path / "repo")
+    task = finished_by_hand(repo, {"a.txt": "a\n"})
+    for mode in ("--cherry-pick", "--squash"):
+        first = cli("apply", task["id"], mode) if mode == "--cherry-pick" else None
+        assert first is None or first.exit_code == 0, first.stderr
+        head = git(repo, "rev-parse", "HEAD")
+        again = cli("apply", task["id"], mode)
+        assert again.exit_code == 0, again.stderr
+        assert "Already applied" in again.stdout and "allow-empty" not in again.stdout + again.stderr
+        assert git(repo, "rev-parse", "HEAD") == head and not git(repo, "status", "--porcelain")
+
+
+def test_depending_on_a_failed_task_names_retry(tmp_path):
+    task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.fail_attempt(task["id"], claimed["run_marker"], "red", retryable=False)
+    result = run_script("tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60)
+    assert result.returncode == 1 and "can never be done" not in result.stderr
+    assert f"retry it first (`tasks_cli.py retry` {task['id']})" in result.stderr, result.stderr
