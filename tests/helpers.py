@@ -1,12 +1,14 @@
 """Small helpers shared by the tests: real git repos, subprocess entry points, process checks."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 
@@ -90,6 +92,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(port: int | None = None) -> Iterator[str]:
+    """The bridge's whole HTTP app (build_app()) under uvicorn in a thread on 127.0.0.1 (on
+    ``port``, or a free one); yields the base URL and stops the server on leaving."""
+    import threading
+    import time
+
+    import uvicorn
+
+    import opencode_bridge_mcp as bridge
+    port = port or free_port()
+    config = uvicorn.Config(bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
+                            access_log=False, timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
 
 
 def require_pinned(binary: str | None, what: str) -> str:

@@ -4,24 +4,21 @@ client, progress during wait_for, a stale Mcp-Session-Id after a restart, and th
 non-loopback address without a token; the token never in a log)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
 
 import anyio
 import httpx2
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
-from helpers import BRIDGE_TOOL_COUNT, free_port, wait_healthy
+from helpers import BRIDGE_TOOL_COUNT, free_port, serving, wait_healthy
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -48,26 +45,6 @@ def token(tmp_path, monkeypatch):
 def wd(tmp_path) -> str:
     (tmp_path / "project").mkdir()
     return str(tmp_path / "project")
-
-
-@contextlib.contextmanager
-def serving(port: int | None = None) -> Iterator[str]:
-    """build_app() under uvicorn in a thread on 127.0.0.1; yields the base URL."""
-    port = port or free_port()
-    config = uvicorn.Config(bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 def http_client(base: str, **kw) -> Client:

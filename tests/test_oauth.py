@@ -8,20 +8,17 @@ working beside it. The "browser" is an httpx client following the redirects by h
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from typing import Iterator
 from urllib.parse import parse_qs, urlparse
 
 import anyio
 import httpx2
 import pytest
-import uvicorn
 
 import http_app
 import oauth
 import opencode_bridge_mcp as bridge
-from helpers import free_port
+from helpers import free_port, serving
 from mcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
@@ -34,30 +31,20 @@ REDIRECT = "https://claude.ai/api/mcp/auth_callback"
 
 
 @contextlib.contextmanager
-def serving(port: int) -> Iterator[str]:
-    config = uvicorn.Config(bridge.build_app(), host="127.0.0.1", port=port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-
-
-@pytest.fixture
-def base(tmp_path, monkeypatch) -> Iterator[str]:
+def serving_oauth(tmp_path, monkeypatch) -> Iterator[str]:
+    """The running server with TOKEN as its bearer token and its own URL as the public one (so
+    OAuth is on); yields the base URL."""
     port = free_port()
     monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "tb" / "token"))
     monkeypatch.setenv("MCP_PUBLIC_URL", f"http://127.0.0.1:{port}")
     with serving(port) as url:
+        yield url
+
+
+@pytest.fixture
+def base(tmp_path, monkeypatch) -> Iterator[str]:
+    with serving_oauth(tmp_path, monkeypatch) as url:
         yield url
 
 

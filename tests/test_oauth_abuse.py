@@ -12,19 +12,15 @@ import pytest
 
 import oauth
 import serve
-from helpers import free_port
-from test_oauth import TOKEN, Browser, Storage, connector, ping_with, serving, status
+from helpers import free_port, serving
+from test_oauth import TOKEN, Browser, Storage, connector, ping_with, serving_oauth, status
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
 def base(tmp_path, monkeypatch):
-    port = free_port()
-    monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
-    monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "tb" / "token"))
-    monkeypatch.setenv("MCP_PUBLIC_URL", f"http://127.0.0.1:{port}")
-    with serving(port) as url:
+    with serving_oauth(tmp_path, monkeypatch) as url:
         yield url
 
 
