@@ -141,7 +141,7 @@ def tighten_modes() -> list[str]:
     db = store.db_path()
     candidates = [(token_file().parent, 0o700), (token_file(), 0o600), (store.log_dir(), 0o700)]
     candidates += [(db.with_name(db.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")]
-    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock", "worker.log")]
+    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock", "worker.log", "models.json")]
     if store.log_dir().is_dir():
         candidates += [(p, 0o600) for p in store.log_dir().iterdir() if p.is_file()]
     for path, mode in candidates:

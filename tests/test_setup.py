@@ -141,7 +141,8 @@ def test_queue_files_token_and_logs_are_private(monkeypatch):
         monkeypatch.setenv("TASK_LOG_DIR", str(root / "task_logs"))
         monkeypatch.setenv("MCP_TOKEN_FILE", str(root / ".taskbridge" / "token"))
         serve.ensure_token()
-        task = task_store.submit_task(title="secret plan", instructions="the secret", working_dir=str(root))
+        (root / "project").mkdir()   # the queue's own folder is no working_dir
+        task = task_store.submit_task(title="secret plan", instructions="the secret", working_dir=str(root / "project"))
         with task_store.open_task_log(task["id"]) as log:
             log.write(b"secret output\n")
         task_store.write_worker_heartbeat({"state": "idle"})
