@@ -43,6 +43,7 @@ from collections import deque
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
 
+import task_store as store
 from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
                                       RefreshToken, RegistrationError, TokenError, construct_redirect_uri)
 from mcp.shared.auth import OAuthClientInformationFull, OAuthToken
@@ -146,10 +147,7 @@ class Provider:
         data = json.dumps({"key_id": self._key_id(), "clients": self.clients, "consented": self.consented,
                            "revoked": self.revoked})
         self.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
-            handle.write(data)
-        os.replace(tmp, self.state_file)
+        store.write_private(self.state_file, data)
 
     # -- clients -------------------------------------------------------------------------------
 

@@ -865,9 +865,8 @@ def _detached_pass() -> dict[str, Any]:
     if not script.exists():
         raise ToolError(f"no launchd agent or systemd unit is installed and {script} is missing; reinstall TaskBridge")
     out = store.log_dir() / "worker-restart.log"
-    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     argv = [sys.executable, str(script)]
-    with os.fdopen(os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as sink:
+    with store.append_private(out) as sink:
         proc = subprocess.Popen(argv, cwd=str(REPO_DIR), stdin=subprocess.DEVNULL, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     # Reap it when it ends, so a long-lived server does not collect zombies.

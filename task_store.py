@@ -122,9 +122,15 @@ def log_path(task_id: int | str) -> Path:
 def open_task_log(task_id: int | str) -> BinaryIO:
     """One task's log file opened for appending (binary). A new log folder is 0700 and a new log
     0600: logs hold instructions, diffs and tool output, for this user only."""
-    folder = log_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return os.fdopen(os.open(log_path(task_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    return append_private(log_path(task_id))
+
+
+def append_private(path: Path) -> BinaryIO:
+    """``path`` opened for appending (binary), created 0600 when missing, its folder made 0700
+    when missing: every log TaskBridge appends to (task logs, the worker log, a detached pass's
+    output) is for this user only. Raises OSError."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
 
 
 def _create_private(path: Path) -> None:

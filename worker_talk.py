@@ -254,16 +254,12 @@ def write_log_line(message: str) -> None:
     entry = f"{store.iso(time.time())} {plain(message, 2000)}\n".encode()
     with _log_lock:
         try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             # 0600: the log names tasks and their errors, for this user only.
-            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as handle:
+            with store.append_private(path) as handle:
                 handle.write(entry)
                 size = handle.tell()
             if size > LOG_MAX_BYTES:
                 data = path.read_bytes()[-LOG_MAX_BYTES // 2:]
-                tmp = path.with_name(path.name + ".tmp")
-                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as handle:
-                    handle.write(data[data.find(b"\n") + 1:])
-                os.replace(tmp, path)
+                store.write_private(path, data[data.find(b"\n") + 1:])
         except OSError:
             pass
