@@ -15,6 +15,7 @@ store reads TASK_DB_PATH and TASK_LOG_DIR at call time).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,20 @@ VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /ap
 ROW_TEXT_MAX = 300              # characters of error/question per list row
 WORKER_RECENT_SEC = 180         # a heartbeat younger than this counts as a recent worker (it fires every 60 s)
 QUIET_STATES = ("stopped", "pass")   # states in which a worker's process may end without dying mid-run
+
+# Task text never reaches a terminal raw (tasks_cli's output, the worker's lines): C0 controls, DEL,
+# C1 controls (0x9b is a one-byte CSI), and the bidi overrides and isolates that reorder what is
+# shown ("Trojan Source"). CONTROL_OR_BREAK_RE adds tab and newline, for one-line fields.
+CONTROL_CHARS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
+CONTROL_RE = re.compile(f"[{CONTROL_CHARS}]")
+CONTROL_OR_BREAK_RE = re.compile(rf"[{CONTROL_CHARS}\t\n]")
+
+
+def escape_char(match: re.Match) -> str:
+    """One matched control character as a visible escape: ``\\x1b``, ``\\n``, ``\\u202e``."""
+    code = ord(match.group())
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return named.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
 
 
 class TaskRow(TypedDict):

@@ -155,18 +155,9 @@ def _login_name() -> str:
 # Terminal safety: task text comes from planners, agents and repositories, so it never reaches the
 # terminal raw. An ESC in a title could otherwise clear the screen or retitle the window (OSC).
 
-# C0 controls, DEL, C1 controls (0x9b is a one-byte CSI), and the bidi overrides and isolates that
-# reorder what is shown ("Trojan Source").
-CONTROL_CHARS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069"
-CONTROL_RE = re.compile(f"[{CONTROL_CHARS}]")
-CONTROL_OR_BREAK_RE = re.compile(rf"[{CONTROL_CHARS}\t\n]")
-
-
-def escape_char(match: re.Match) -> str:
-    """One control character as a visible escape: ``\\x1b``, ``\\n``, ``\\u202e``."""
-    code = ord(match.group())
-    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
-    return named.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+# The characters and their escapes live in task_views (the worker's lines use them too).
+CONTROL_RE, CONTROL_OR_BREAK_RE = task_views.CONTROL_RE, task_views.CONTROL_OR_BREAK_RE
+escape_char = task_views.escape_char
 
 
 def visible(value: Any, *, multiline: bool = True) -> str:

@@ -15,7 +15,6 @@ Task text (titles, tool inputs) is shown with control characters escaped. Env: n
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 import time
@@ -33,7 +32,6 @@ import task_views
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 LOG_MAX_BYTES = 256 * 1024    # the worker log is cut to its newer half past this size
 LIVE_REFRESH_PER_SEC = 4
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def owns_terminal() -> bool:
@@ -47,9 +45,9 @@ def owns_terminal() -> bool:
 
 
 def plain(value: Any, limit: int = 120) -> str:
-    """``value`` on one line, control characters escaped (``\\x1b``), cut to ``limit`` characters."""
-    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                        else f"\\u{ord(m.group()):04x}", str(value if value is not None else ""))
+    """``value`` on one line, control characters escaped as the CLI escapes them (``\\x1b``,
+    ``\\n``), cut to ``limit`` characters."""
+    text = task_views.CONTROL_OR_BREAK_RE.sub(task_views.escape_char, str(value if value is not None else ""))
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
