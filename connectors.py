@@ -91,7 +91,9 @@ def snippets(port: int = 8765, public_url: str | None = None) -> str:
         "Claude Code, stdio:",
         f"  claude mcp add {SERVER_KEY} -- {shlex.quote(py)} {shlex.quote(server)}",
         f"Claude Code, HTTP (while ./install.sh serves on port {port}):",
-        f"  claude mcp add --transport http {SERVER_KEY} http://127.0.0.1:{port}/mcp --header {header}", "",
+        f"  claude mcp add --transport http {SERVER_KEY} http://127.0.0.1:{port}/mcp --header {header}",
+        "Claude Code, the skill that teaches when and how to delegate (briefs, follow-ups, forks, receipts):",
+        f"  mkdir -p ~/.claude/skills && cp -r {shlex.quote(str(REPO / 'skills' / 'taskbridge'))} ~/.claude/skills/", "",
         "OpenCode, the reverse bridge (agents ask Claude); merge into ~/.config/opencode/opencode.json "
         "(or run: .venv/bin/python claude_control_mcp.py --register-opencode):",
         opencode, "",

@@ -1,4 +1,4 @@
-"""TaskBridge's MCP server: the 19 tools with which Claude (or any MCP client) drives the queue.
+"""TaskBridge's MCP server: the 21 tools with which Claude (or any MCP client) drives the queue.
 
 Run:
     python opencode_bridge_mcp.py                                  # stdio (what Claude Desktop runs)
@@ -55,7 +55,7 @@ from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, 
                       bearer_token, host_name, is_loopback, parse_host, token_file)
 from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
                         WorkerState, cap_json, file_size, info, page_utf8, queue_snapshot, read_log_page,
-                        row, short, worker_state)
+                        row, short, transcript, worker_state)
 
 VERSION = task_views.VERSION
 SERVER_NAME = "taskbridge"
@@ -219,6 +219,33 @@ class LogPage(TypedDict):
     text: str
 
 
+class TranscriptTool(TypedDict):
+    tool: str
+    status: str
+    title: str
+    output: str | None
+
+
+class TranscriptTurn(TypedDict):
+    index: int
+    role: str
+    at: str | None
+    text: str
+    tools: list[TranscriptTool]
+
+
+class Transcript(TypedDict):
+    task_id: str
+    line: list[str]
+    session_id: str | None
+    source: str
+    turns: list[TranscriptTurn]
+    total: int
+    offset: int
+    next_offset: int | None
+    note: str
+
+
 class WaitTask(TypedDict):
     id: str
     title: str
@@ -342,6 +369,11 @@ class BatchTask(TypedDict, total=False):
     idempotency_key: str
     max_cost_usd: Annotated[float, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts")]
     max_tokens: Annotated[int, Field(ge=1, le=10**12, description="tokens the task may use (for a model with no price)")]
+    continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch)")]
+    fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session)")]
+    rules: Annotated[dict[str, Any], Field(description="permission rules in OpenCode's format (see submit_task)")]
+    skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
+    subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
 
 
 def _echo(task: dict[str, Any]) -> dict[str, Any]:
@@ -465,7 +497,7 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 20 TaskBridge tools (nothing is opened until a tool runs)."""
+    """A fresh MCPServer with the 21 TaskBridge tools (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
     return registry.install(mcp)
 
@@ -488,13 +520,28 @@ def submit_task(
     idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
     max_cost_usd: Annotated[float | None, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
     max_tokens: Annotated[int | None, Field(ge=1, le=10**12, description="tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
+    continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
+    fork_from: Annotated[OptText, Field(description="a fork of this task id: a new branch from its head with a copy of its session, to try another approach side by side; waits for it")] = None,
+    rules: Annotated[dict[str, Any] | None, Field(description="permission rules in OpenCode's format, added to the preset: per tool (bash, edit, read, glob, grep, list, webfetch, websearch, task, skill) an action or a map of wildcard patterns to allow|deny|ask, the last match winning, e.g. {\"bash\": {\"git push*\": \"ask\"}}; ask pauses the task for your answer")] = None,
+    skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
+    subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
     The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
     and records a receipt. Then call wait_for([id]) and get_task_result(id).
+    With continue_from the task is the next step of that task's line of work: same OpenCode
+    session, same branch (its receipt's `line` shows the whole line's diff beside this step's);
+    with fork_from it starts a branch of its own from that task's head with a copy of the session.
+    Both run in that task's working_dir (give the same one).
+    With rules, a call that matches an `ask` rule moves the task to `waiting` with the request
+    (tool, command or path, the agent's reason) as its question; answer_task with allow or deny
+    (once, or always for this task) resumes the same session.
     Errors (nothing is written then): a relative or missing working_dir, an unknown dependency,
-    a value out of range, a model `opencode models` does not list (the closest ids are named).
+    a value out of range, a model `opencode models` does not list (the closest ids are named),
+    both continue_from and fork_from, a second follow-up of the same task (fork instead), a task
+    that ran with worktree=false or is failed/cancelled, a malformed rule, a skill or sub-agent
+    OpenCode does not offer for working_dir (those it offers are named).
     Spending: at `max_cost_usd` (USD) or `max_tokens` the run ends at that step and the task
     waits with a question stating the spend; answer_task "continue, up to $2" resumes the same
     session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model that
@@ -508,8 +555,27 @@ def submit_task(
               "worktree_keep": False if worktree_keep is None else worktree_keep,
               "agent": agent, "idempotency_key": idempotency_key,
               "origin_name": name, "origin_version": version,
-              "max_cost_usd": max_cost_usd, "max_tokens": max_tokens}
+              "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
+              "continue_from": continue_from, "fork_from": fork_from,
+              "rules": rules, "skills": skills, "subagents": subagents}
+    _check_names(fields)
     return _submitted(store.submit_task(**fields))
+
+
+def _check_names(fields: dict[str, Any]) -> None:
+    """Refuse skills and sub-agents OpenCode does not offer for the task's folder; when OpenCode
+    cannot be asked they pass unchecked (the run's skill and task tools say what is missing)."""
+    skills, subagents = store.coerce_list("skills", fields.get("skills")), \
+        store.coerce_list("subagents", fields.get("subagents"))
+    folder = fields.get("working_dir")
+    if not (skills or subagents) or not isinstance(folder, str) or not os.path.isdir(folder):
+        return
+    try:
+        opencode_runner.check_names([str(x) for x in skills], [str(x) for x in subagents], folder)
+    except opencode_runner.UnknownName as exc:
+        raise ToolError(str(exc)) from None
+    except (opencode_runner.OpencodeNotFound, RuntimeError, subprocess.TimeoutExpired, OSError):
+        return
 
 
 _BATCH_SCHEMA = {
@@ -526,6 +592,7 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     item = dict(item)
     if isinstance(item.get("model"), str):
         item["model"] = _model_arg(item["model"])
+    _check_names(item)
     return item | {"origin_name": name, "origin_version": version}
 
 
@@ -639,6 +706,23 @@ def get_task_logs(
     return mcp_shared.fit_page(
         lambda limit: {"task_id": task_id, "path": str(path)} | read_log_page(path, offset, tail_lines or 200, limit),
         max_bytes or LOG_PAGE_DEFAULT, RESULT_CHARS)
+
+
+@registry.tool(annotations=READ_ONLY)
+async def get_task_transcript(
+    task_id: TaskId,
+    offset: Annotated[int | None, Field(ge=0, le=1_000_000, description="the first turn to return (the next_offset of the previous call)")] = 0,
+    limit: Annotated[int | None, Field(ge=1, le=100, description="turns per page")] = 20,
+) -> Transcript:
+    """The whole conversation of a task's line of work, as readable turns, paged: the task and
+    the tasks it follows up (continue_from) or forks from (fork_from), first task first (`line`).
+    Each turn: `index`, `role` (user: a brief or an answer; assistant: the agent), `at` (ISO UTC),
+    `text` (≤ 8,000 characters) and `tools` (each call's tool, status, title, output ≤ 1,000
+    characters; 20 calls a turn, then one `omitted` entry counting the rest). `source` is `opencode session` (OpenCode's own record, `opencode export`) or
+    `task logs` (no session yet, or OpenCode could not give it: `note` says why). `next_offset`:
+    where the next page starts, null at the end. Takes ~2 s (OpenCode is asked).
+    Errors: unknown or malformed id, offset or limit out of range."""
+    return await anyio.to_thread.run_sync(transcript, task_id, offset or 0, limit or 20)
 
 
 def _wait_met(statuses: dict[str, str], mode: str) -> bool:
@@ -758,8 +842,12 @@ def answer_task(
     attempt resumes the same OpenCode session with your answer. A task paused at a spending limit
     (`paused_for` set) reads it: "continue, up to $2" (or "300k tokens") raises its limit and
     resumes the session, "stop" fails it with its receipt kept, a bare "continue" resumes only
-    when no limit is reached any more. Errors: unknown id, empty answer, the task is not waiting
-    (add_task_note reaches a task at its next attempt instead), a limit not above the spend."""
+    when no limit is reached any more. A task waiting on a permission ask (paused_for
+    `permission`) takes `allow once`, `allow always`, `deny once` or `deny always` (always: a rule
+    for that exact request is added to the task's rules); allow lets that call run, deny resumes
+    with the call refused. Errors: unknown id, empty answer, the task is not waiting
+    (add_task_note reaches a running task instead), a limit not above the spend, another answer
+    to a permission ask."""
     return _echo(store.answer_task(task_id, answer, author="planner"))
 
 
@@ -890,9 +978,12 @@ def add_task_note(
     task_id: TaskId,
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
 ) -> NoteResult:
-    """Add a note to a task that has not finished: it reaches the agent in its next prompt (the next
-    attempt, or the resume after a question). `delivery` says when. Errors: unknown id, empty or
-    too long text, the task already finished (submit a follow-up task instead)."""
+    """Add a note to a task that has not finished. A running task's agent gets it in its running
+    session before its next model call (a step boundary); otherwise it reaches the agent in its
+    next prompt (the next attempt, or the resume after a question). `delivery` says which; the
+    task's notes (get_task) and its receipt say when and how each note was delivered.
+    Errors: unknown id, empty or too long text, the task already finished (submit a follow-up
+    with continue_from instead)."""
     return store.add_note(task_id, text, author="planner")
 
 
@@ -1041,7 +1132,7 @@ def ping(ctx: Context) -> PingResult:
 
 def build_app(server: MCPServer | None = None) -> Any:
     """The one Starlette app for every HTTP transport (http_app.build_app) around ``server``, by
-    default a fresh one with the 19 tools; reads the token and allowlist now."""
+    default a fresh one with the 21 tools; reads the token and allowlist now."""
     return http_app.build_app(server or build_server())
 
 

@@ -101,6 +101,183 @@ def run_command(model: str, marker: str, *, session_id: str | None = None,
     return argv
 
 
+class UnknownName(ValueError):
+    """A skill or sub-agent OpenCode does not offer here; the message names those it offers."""
+
+
+def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
+    """The names of the skills OpenCode offers for a run in ``cwd`` (``opencode debug skill``:
+    built-in, global, project and external skill folders), cached like `known_models`.
+    Raises OpencodeNotFound, or RuntimeError with OpenCode's message."""
+    def run() -> list[str]:
+        proc = subprocess.run([opencode_bin(), "debug", "skill"], cwd=cwd, env={**os.environ, "PWD": cwd},
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec,
+                              start_new_session=True)
+        start = proc.stdout.find("[")
+        try:
+            if proc.returncode == 0 and start >= 0:
+                return [str(item.get("name")) for item in json.loads(proc.stdout[start:]) if isinstance(item, dict)]
+        except ValueError:
+            pass
+        raise RuntimeError(opencode_error(proc, "opencode debug skill"))
+    return _cached("skills " + _setup_key(os.path.abspath(cwd)), run, False, None)
+
+
+def offered_subagents(cwd: str) -> list[str]:
+    """The agents the task tool can start in ``cwd``: OpenCode's native sub-agents (general,
+    explore) and every agent of the resolved config whose mode is subagent or all (and not
+    disabled). Raises ConfigProblem / OpencodeNotFound."""
+    config = resolved_config({**os.environ, "PWD": cwd}, cwd)
+    found = ["general", "explore"]
+    for name, block in (config.get("agent") or {}).items():
+        block = block if isinstance(block, dict) else {}
+        if block.get("disable"):
+            found = [n for n in found if n != name]
+        elif block.get("mode") in ("subagent", "all") and name not in found:
+            found.append(name)
+    return found
+
+
+def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
+    """Refuse skills and sub-agents OpenCode does not offer for a run in ``cwd``.
+    Raises UnknownName naming the missing ones and what is offered; OpencodeNotFound,
+    RuntimeError or ConfigProblem when OpenCode cannot be asked."""
+    for kind, wanted, offered in (("skill", skills, offered_skills if skills else None),
+                                  ("sub-agent", subagents, offered_subagents if subagents else None)):
+        if offered is None:
+            continue
+        have = offered(cwd)
+        missing = [name for name in wanted if name not in have]
+        if missing:
+            raise UnknownName(f"{kind} {', '.join(repr(m) for m in missing)} is not offered by OpenCode for "
+                              f"{cwd} (offered: {', '.join(have) or 'none'}); add it to OpenCode's config "
+                              f"or leave it out")
+
+
+class SessionCopyFailed(RuntimeError):
+    """An OpenCode session could not be exported or imported (the message quotes OpenCode)."""
+
+
+def export_session(session_id: str, cwd: str, env: dict[str, str] | None = None,
+                   timeout_sec: float = 60) -> dict[str, Any]:
+    """OpenCode's own record of a session (``opencode export ID``): ``{"info": {...},
+    "messages": [{"info": {"role", "time": {"created": ms}, ...}, "parts": [...]}]}``.
+    Raises SessionCopyFailed quoting OpenCode (an unknown id, say)."""
+    run_env = {**(env if env is not None else os.environ), "PWD": cwd}
+    proc = subprocess.run([opencode_bin(), "export", session_id], cwd=cwd, env=run_env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
+    start = proc.stdout.find("{")
+    try:
+        if proc.returncode == 0 and start >= 0:
+            data = json.loads(proc.stdout[start:])
+            if isinstance(data, dict) and isinstance(data.get("messages"), list):
+                return data
+    except ValueError:
+        pass
+    raise SessionCopyFailed(f"opencode export {session_id}: {opencode_error(proc, 'opencode export')}")
+
+
+TURN_TEXT_MAX = 8_000     # characters of one turn's text in a transcript
+TOOL_OUTPUT_MAX = 1_000   # characters of one tool call's output in a transcript
+TOOLS_PER_TURN = 20       # tool calls listed per turn; one more entry counts the rest
+
+
+def session_turns(export: dict[str, Any]) -> list[dict[str, Any]]:
+    """A session export as readable turns, oldest first: ``{"role": "user" | "assistant", "at":
+    ISO UTC | None, "text": the message's text parts (≤ TURN_TEXT_MAX characters, a clipped one
+    says so), "tools": [{"tool", "status", "title", "output"}] (output ≤ TOOL_OUTPUT_MAX; at most
+    TOOLS_PER_TURN calls, then one ``omitted`` entry counting the rest)}``.
+    OpenCode's synthetic parts (step markers, snapshots) are left out."""
+    turns = []
+    for message in export.get("messages") or []:
+        info = _dict(message.get("info"))
+        texts, tools = [], []
+        for part in message.get("parts") or []:
+            part = _dict(part)
+            if part.get("type") == "text" and not part.get("synthetic"):
+                texts.append(str(part.get("text") or ""))
+            elif part.get("type") == "tool":
+                tools.append(_turn_tool(part))
+        created = _dict(info.get("time")).get("created")
+        turns.append({"role": str(info.get("role") or "?"),
+                      "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created / 1000))
+                      if isinstance(created, (int, float)) else None,
+                      "text": clip_turn("\n\n".join(t.strip() for t in texts if t.strip()), TURN_TEXT_MAX),
+                      "tools": cap_tools(tools)})
+    return turns
+
+
+def cap_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """At most TOOLS_PER_TURN tool calls, then one ``omitted`` entry saying how many more."""
+    if len(tools) <= TOOLS_PER_TURN:
+        return tools
+    more = len(tools) - TOOLS_PER_TURN
+    return tools[:TOOLS_PER_TURN] + [{"tool": "…", "status": "omitted", "title": f"{more:,} more tool calls "
+                                      "(the task log has them all)", "output": None}]
+
+
+def _turn_tool(part: dict[str, Any]) -> dict[str, Any]:
+    state = _dict(part.get("state"))
+    entry = _render_tool({**part, "state": state})
+    output = state.get("output") if state.get("status") == "completed" else state.get("error")
+    return {"tool": entry.get("tool"), "status": entry.get("status"), "title": entry.get("title"),
+            "output": clip_turn(str(output), TOOL_OUTPUT_MAX) if output is not None else None}
+
+
+def clip_turn(text: str, limit: int) -> str:
+    """``text`` cut at ``limit`` characters, saying how many more there were."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"… [{len(text) - limit:,} more characters]"
+
+
+# OpenCode's ids: a prefix, 12 hex digits of time (they sort by it) and 14 random characters.
+_OPENCODE_ID = re.compile(r"\b(?:ses|msg|prt)_[0-9a-f]{12}[A-Za-z0-9]{14}\b")
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],
+                 timeout_sec: float = 120) -> str:
+    """A copy of OpenCode session ``session_id`` (its whole history) that lives in ``new_dir``;
+    returns the copy's id. ``opencode run -s ID --fork`` forks only in the session's own folder
+    (run from another worktree it hangs, measured with 1.18.33), so the session is exported
+    (``opencode export``), given fresh session, message and part ids (same time prefix: the
+    order is kept) and the new folder in place of ``old_dir``, and imported (``opencode import``).
+    Raises SessionCopyFailed quoting OpenCode."""
+    run_env = {**env, "PWD": new_dir}
+    proc = subprocess.run([opencode_bin(), "export", session_id], cwd=new_dir, env=run_env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
+    start = proc.stdout.find("{")
+    if proc.returncode != 0 or start < 0:
+        raise SessionCopyFailed(f"opencode export {session_id}: {opencode_error(proc, 'opencode export')}")
+    text = proc.stdout[start:]
+    fresh: dict[str, str] = {}
+
+    def renamed(match: re.Match) -> str:
+        old = match.group(0)
+        if old not in fresh:
+            fresh[old] = old[:16] + "".join(_ID_ALPHABET[b % 62] for b in os.urandom(14))
+        return fresh[old]
+
+    text = _OPENCODE_ID.sub(renamed, text)
+    for old, new in ((old_dir, new_dir), (json.dumps(old_dir)[1:-1], json.dumps(new_dir)[1:-1])):
+        text = re.sub(re.escape(old) + r"(?![\w.\-])", lambda _m, new=new: new, text)
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        raise SessionCopyFailed(f"opencode export {session_id} printed no JSON ({exc})") from None
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        handle.write(text)
+    try:
+        proc = subprocess.run([opencode_bin(), "import", handle.name], cwd=new_dir, env=run_env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
+    finally:
+        os.unlink(handle.name)
+    if proc.returncode != 0 or session_id not in fresh:
+        raise SessionCopyFailed(f"opencode import: {opencode_error(proc, 'opencode import')}")
+    return fresh[session_id]
+
+
 _LOGGED_ERROR = re.compile(r'\blevel=ERROR\b.*?\berror="((?:[^"\\]|\\.)*)"')
 _MODEL_MISSING = re.compile(r"ProviderModelNotFoundError|Model not found", re.IGNORECASE)
 
@@ -170,6 +347,42 @@ def with_spend_gate(env: dict[str, str], gate_file: str) -> dict[str, str]:
     content["plugin"] = [*plugins, spend_gate_plugin().as_uri()]
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     env[SPEND_GATE_ENV] = gate_file
+    return env
+
+
+NOTES_ENV = "TASKBRIDGE_NOTES"
+
+
+def with_notes_courier(env: dict[str, str], notes_file: str) -> dict[str, str]:
+    """``env`` with the note courier loaded (``notes_courier.js`` beside this file, appended to
+    ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list; the user's own plugins stay) and
+    ``TASKBRIDGE_NOTES`` naming ``notes_file``, where the worker writes the task's undelivered
+    notes ``{"notes": [{"id", "author", "text"}]}``; the plugin acknowledges in
+    ``<notes_file>.ack``."""
+    env = dict(env)
+    content = _config_content(env)
+    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
+    content["plugin"] = [*plugins, (Path(__file__).resolve().parent / "notes_courier.js").as_uri()]
+    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
+    env[NOTES_ENV] = notes_file
+    return env
+
+
+RULES_ENV = "TASKBRIDGE_RULES"
+
+
+def with_permission_rules(env: dict[str, str], rules_file: str) -> dict[str, str]:
+    """``env`` with the permission-rules plugin loaded (``permission_rules.js`` beside this file,
+    appended to ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list) and ``TASKBRIDGE_RULES`` naming
+    ``rules_file`` (``{"rules": the task's rules, "once": [{"tool", "subject"}]}``); a call that
+    matches an ``ask`` rule is written to ``<rules_file>.ask`` and held until the worker ends
+    the run."""
+    env = dict(env)
+    content = _config_content(env)
+    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
+    content["plugin"] = [*plugins, (Path(__file__).resolve().parent / "permission_rules.js").as_uri()]
+    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
+    env[RULES_ENV] = rules_file
     return env
 
 

@@ -398,7 +398,28 @@ def _migrate_v4_spending_limits(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
-MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits]
+def _migrate_v5_lines_of_work(conn: sqlite3.Connection) -> None:
+    # Follow-ups and forks (issue 15): the task a follow-up continues (same session, same branch)
+    # or a fork branches from (a copy of its session, a branch of its own), and the commit the
+    # whole line of work started from (the receipt's whole-line diff).
+    conn.execute("ALTER TABLE tasks ADD COLUMN continue_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL")
+    conn.execute("ALTER TABLE tasks ADD COLUMN fork_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL")
+    conn.execute("ALTER TABLE tasks ADD COLUMN line_base TEXT")
+    conn.execute("CREATE INDEX tasks_continue_from ON tasks (continue_from) WHERE continue_from IS NOT NULL")
+    # OpenCode skills the agent is told to load and sub-agents it may start (JSON lists, checked
+    # at submit), the task's own permission rules (JSON, OpenCode's rule format) and the
+    # permission request a task waits on (JSON: tool, pattern, reason).
+    conn.execute("ALTER TABLE tasks ADD COLUMN skills TEXT")
+    conn.execute("ALTER TABLE tasks ADD COLUMN subagents TEXT")
+    conn.execute("ALTER TABLE tasks ADD COLUMN rules TEXT")
+    conn.execute("ALTER TABLE tasks ADD COLUMN pending_ask TEXT")
+    # Steering: when a note reached the agent, and how (in the running session, or a prompt).
+    conn.execute("ALTER TABLE notes ADD COLUMN delivered_at REAL")
+    conn.execute("ALTER TABLE notes ADD COLUMN delivered_how TEXT")
+
+
+MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
+              _migrate_v5_lines_of_work]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -891,7 +912,8 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     known = {
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
-        "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens",
+        "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
+        "rules", "skills", "subagents",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -906,10 +928,13 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     if key is not None:
         key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
     origin_name = optional(raw.get("origin_name"))
+    parent, parent_kind = _line_parent(raw)
+    working_dir = optional(raw.get("working_dir"))
     return {
         "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
         "instructions": _text("instructions", raw.get("instructions"), INSTRUCTIONS_MAX),
-        "working_dir": validate_working_dir(raw.get("working_dir")),
+        # A follow-up or fork may leave it out: it runs where the task it builds on ran.
+        "working_dir": validate_working_dir(working_dir) if working_dir is not None or parent is None else None,
         "model": validate_model(raw.get("model")),
         "agent": agent,
         "priority": coerce_int("priority", _or(raw.get("priority"), 0), *PRIORITY_RANGE),
@@ -922,17 +947,90 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "origin_name": origin_name,
         "origin_version": optional(raw.get("origin_version")),
         "origin_kind": caller_kind(origin_name) if origin_name else None,
-        "depends_on": coerce_list("depends_on", raw.get("depends_on")),
+        "depends_on": coerce_list("depends_on", raw.get("depends_on")) + ([parent] if parent is not None else []),
         "ref": optional(raw.get("ref")),
         "max_cost_usd": coerce_usd("max_cost_usd", raw.get("max_cost_usd")),
         "max_tokens": coerce_tokens("max_tokens", raw.get("max_tokens")),
+        "parent": parent,
+        "parent_kind": parent_kind,
+        "rules": validate_rules(raw.get("rules")),
+        "skills": _names("skills", raw.get("skills")),
+        "subagents": _names("subagents", raw.get("subagents")),
     }
+
+
+RULE_ACTIONS = ("allow", "deny", "ask")
+RULE_TOOLS = ("bash", "edit", "read", "glob", "grep", "list", "webfetch", "websearch", "task", "skill")
+RULES_MAX = 50   # patterns per task
+
+
+def validate_rules(value: Any) -> str | None:
+    """A task's permission rules in OpenCode's own format, as JSON text (None for none):
+    ``{"bash": {"git push*": "ask", "rm *": "deny"}, "webfetch": "ask"}`` — per tool (one of
+    RULE_TOOLS) an action (allow, deny, ask) or a map of wildcard patterns (``*``, ``?``) to
+    actions, the last matching pattern winning, as in OpenCode. Raises ValidationError."""
+    value = optional(value)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValidationError("rules must be a JSON object like {\"bash\": {\"git push*\": \"ask\"}}") from None
+    if not isinstance(value, dict) or not value:
+        raise ValidationError("rules must be a non-empty object like {\"bash\": {\"git push*\": \"ask\"}}")
+    count = 0
+    for tool, rule in value.items():
+        if tool not in RULE_TOOLS:
+            raise ValidationError(f"rules: unknown tool {tool!r}; rules apply to {', '.join(RULE_TOOLS)}")
+        patterns = rule if isinstance(rule, dict) else {"*": rule}
+        if not patterns:
+            raise ValidationError(f"rules.{tool} is empty; give an action or a map of patterns to actions")
+        for pattern, action in patterns.items():
+            count += 1
+            if not isinstance(pattern, str) or not pattern or len(pattern) > 500:
+                raise ValidationError(f"rules.{tool}: a pattern must be 1 to 500 characters")
+            if action not in RULE_ACTIONS:
+                raise ValidationError(f"rules.{tool}[{pattern!r}] = {action!r}: an action is one of "
+                                      f"{', '.join(RULE_ACTIONS)}")
+    if count > RULES_MAX:
+        raise ValidationError(f"rules hold at most {RULES_MAX} patterns; got {count}")
+    return json.dumps(value)
+
+
+def _names(name: str, value: Any) -> str | None:
+    """A list of OpenCode skill or agent names as JSON text (None for none). Whether OpenCode
+    offers them is checked at the boundary (it needs OpenCode). Raises ValidationError."""
+    items = coerce_list(name, value)
+    if not items:
+        return None
+    if len(items) > 20:
+        raise ValidationError(f"{name}: at most 20 names; got {len(items)}")
+    for item in items:
+        if not isinstance(item, str) or not re.fullmatch(r"[A-Za-z0-9_][\w.\-]{0,63}", item):
+            raise ValidationError(f"{name}: {item!r} is not an OpenCode name (letters, digits, _ . -)")
+    return json.dumps(list(dict.fromkeys(items)))
+
+
+def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
+    """(the task a submission continues or forks from, "continue_from" | "fork_from"), or
+    (None, None). The parent is also a dependency: the new task waits for it to be done."""
+    cont, fork = optional(raw.get("continue_from")), optional(raw.get("fork_from"))
+    if cont is not None and fork is not None:
+        raise ValidationError("give continue_from or fork_from, not both: a follow-up continues a task's "
+                              "branch and session, a fork starts a branch of its own from it")
+    parent, kind = (cont, "continue_from") if cont is not None else (fork, "fork_from")
+    if parent is None:
+        return None, None
+    if isinstance(parent, str) and parent.startswith("@"):
+        return parent, kind
+    return format_task_id(parse_task_id(parent)), kind
 
 
 # --------------------------------------------------------------------------------------------
 # Rows -> public dicts.
 
-_JSON_COLUMNS = ("result", "usage")
+_JSON_COLUMNS = ("result", "usage", "rules", "skills", "subagents", "pending_ask")
 _TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before")
 
 
@@ -952,6 +1050,9 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     usage = task["usage"] or {}
     task["spent_usd"] = round(float(usage.get("cost_usd") or 0) + (task.get("run_cost_usd") or 0 if live else 0), 8)
     task["spent_tokens"] = int((usage.get("tokens") or {}).get("total") or 0) + (task.get("run_tokens") or 0 if live else 0)
+    for column in ("continue_from", "fork_from"):
+        if task.get(column) is not None:
+            task[column] = format_task_id(task[column])
     if deps is not None:
         task["depends_on"] = [format_task_id(d) for d in deps]
     return task
@@ -996,19 +1097,20 @@ def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row |
 def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> list[int]:
     resolved = []
     for dep in spec["depends_on"]:
+        field = spec.get("parent_kind") if dep == spec.get("parent") else "depends_on"
         if isinstance(dep, str) and dep in refs:
             resolved.append(refs[dep])
             continue
         if isinstance(dep, str) and dep.startswith("@"):
-            raise ValidationError(f"depends_on names {dep!r}, which no earlier task in the batch has as ref")
+            raise ValidationError(f"{field} names {dep!r}, which no earlier task in the batch has as ref")
         dep_id = parse_task_id(dep)
         row = conn.execute("SELECT status FROM tasks WHERE id = ?", (dep_id,)).fetchone()
         if row is None:
-            raise ValidationError(f"depends_on names {format_task_id(dep_id)}, which does not exist")
+            raise ValidationError(f"{field} names {format_task_id(dep_id)}, which does not exist")
         if row["status"] in ("failed", "cancelled"):
             raise ValidationError(
-                f"depends_on names {format_task_id(dep_id)}, which is {row['status']}: retry it first "
-                f"(retry_task {format_task_id(dep_id)}), then submit this task, or leave it out of depends_on"
+                f"{field} names {format_task_id(dep_id)}, which is {row['status']}: retry it first "
+                f"(retry_task {format_task_id(dep_id)}), then submit this task, or leave it out of {field}"
             )
         resolved.append(dep_id)
     return sorted(set(resolved))
@@ -1075,11 +1177,19 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     ref_ids[spec["ref"]] = existing["id"]
                 continue
             deps = _resolve_deps(conn, spec, ref_ids)
-            values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref")}
+            extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
+            values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref", "parent", "parent_kind", *extras)}
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
-            row = conn.execute(_INSERT_TASK, values | {"created_at": now()}).fetchone()
+            line = _line_values(conn, spec, ref_ids)
+            row = conn.execute(_INSERT_TASK, values | {"created_at": now(), "working_dir":
+                                                       line.pop("working_dir", values["working_dir"])}).fetchone()
             task_id = row["id"]
+            if spec["parent"] is not None or any(extras.values()):
+                # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
+                row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
+                                   " rules = :rules, skills = :skills, subagents = :subagents"
+                                   " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
             conn.executemany(
                 "INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)",
                 [(task_id, d) for d in deps],
@@ -1092,6 +1202,35 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     # Shaped after the commit: the write lock is held for the SQL only.
     return [task_dict(row, deps) | {"duplicate": duplicate} for row, deps, duplicate in
             (out[i] for i in range(len(specs)))]
+
+
+def _line_values(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> dict[str, Any]:
+    """continue_from / fork_from (row ids) and the working_dir of a follow-up or fork, checked
+    against the task it builds on. Raises ValidationError naming the way out."""
+    values: dict[str, Any] = {"continue_from": None, "fork_from": None}
+    if spec["parent"] is None:
+        return values
+    kind, ref = spec["parent_kind"], spec["parent"]
+    num = refs[ref] if ref in refs else parse_task_id(ref)
+    parent = _row(conn, num)
+    name = format_task_id(num)
+    if not parent["worktree"]:
+        raise ValidationError(f"{kind} {name}: that task ran with worktree=false; a follow-up or fork needs "
+                              "a task that ran on its own branch in a git worktree")
+    if spec["working_dir"] is None:
+        values["working_dir"] = parent["working_dir"]
+    elif os.path.realpath(spec["working_dir"]) != os.path.realpath(parent["working_dir"]):
+        raise ValidationError(f"{kind} {name}: working_dir must be that task's ({parent['working_dir']}) "
+                              "or left out")
+    if kind == "continue_from":
+        other = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
+                             " ORDER BY id LIMIT 1", (num,)).fetchone()
+        if other is not None:
+            raise ValidationError(f"continue_from {name}: {format_task_id(other['id'])} already continues it "
+                                  f"on its branch; continue from {format_task_id(other['id'])} instead, or "
+                                  f"use fork_from {name} to try another approach side by side")
+    values[kind] = num
+    return values
 
 
 def _topological(specs: list[dict]) -> list[int]:
@@ -1124,6 +1263,9 @@ def submit_task(**fields: Any) -> dict[str, Any]:
     agent (OpenCode agent name), idempotency_key (str), origin_name / origin_version (MCP caller),
     max_cost_usd (USD, > 0) and max_tokens (tokens, > 0): the task's spending limits over all its
     attempts (neither given: the queue's defaults, see ``set_budget``).
+    continue_from (a task id: a follow-up that resumes that task's OpenCode session and commits on
+    its branch; working_dir may be left out) or fork_from (a task id: a new branch from that task's
+    head with a copy of its session). Either one also waits for that task like a dependency.
     Raises ValidationError; nothing is written then.
     """
     try:
@@ -1147,7 +1289,8 @@ def get_task(task_id: Any) -> dict[str, Any]:
         task = task_dict(_row(conn, num), _deps(conn, num))
         task["notes"] = [
             {"author": r["author"], "text": r["text"], "created_at": iso(r["created_at"]),
-             "delivered": r["delivered_marker"] is not None}
+             "delivered": r["delivered_marker"] is not None, "delivered_at": iso(r["delivered_at"]),
+             "delivered_how": r["delivered_how"]}
             for r in conn.execute("SELECT * FROM notes WHERE task_id = ? ORDER BY id", (num,))
         ]
         task["questions"] = _questions(conn, num)
@@ -1396,9 +1539,10 @@ def _fenced(conn: sqlite3.Connection, num: int, marker: str) -> sqlite3.Row:
 def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
     """Renew the lease of a running attempt (heartbeat now) and record optional run facts:
     ``agent_pid``, ``agent_pid_start`` (s), ``session_id``, ``worktree_path``, ``branch``,
-    ``base_commit``. Raises StaleAttempt when the attempt is no longer current (reaped, cancelled):
-    the caller must stop the run."""
-    allowed = {"agent_pid", "agent_pid_start", "session_id", "worktree_path", "branch", "base_commit"}
+    ``base_commit``, ``line_base`` (where a follow-up's line of work started). Raises StaleAttempt
+    when the attempt is no longer current (reaped, cancelled): the caller must stop the run."""
+    allowed = {"agent_pid", "agent_pid_start", "session_id", "worktree_path", "branch", "base_commit",
+               "line_base"}
     bad = set(fields) - allowed
     if bad:
         raise ValidationError(f"renew_lease cannot set {', '.join(sorted(bad))}")
@@ -1475,11 +1619,12 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
 
 def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: str | None = None,
                        result: dict | None = None, usage: dict | None = None,
-                       paused_for: str | None = None) -> dict[str, Any]:
+                       paused_for: str | None = None, ask: dict | None = None) -> dict[str, Any]:
     """The agent asked a question: the attempt ends ``waiting`` with the question stored (kept in
     order with earlier ones), the worktree and OpenCode session kept for the resume.
     ``paused_for`` (``task_limit`` or ``daily_budget``): the worker paused it at a spending limit
-    and the question is the worker's (see ``answer_task``).
+    and the question is the worker's (see ``answer_task``); ``permission``: a call matched an
+    ``ask`` rule, and ``ask`` is the request (``{"tool", "subject", "reason"}``).
     Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     question = _text("question", question, ANSWER_MAX)
@@ -1487,8 +1632,9 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         row = _fenced(conn, num, marker)
         conn.execute(
             "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
-            " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ? WHERE id = ?",
-            (question, _json(result), _total_usage(row, usage), session_id, paused_for, num),
+            " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ?,"
+            " pending_ask = ? WHERE id = ?",
+            (question, _json(result), _total_usage(row, usage), session_id, paused_for, _json(ask), num),
         )
         conn.execute(
             "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
@@ -1518,7 +1664,10 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
                 f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
                 "a question takes an answer (add_task_note reaches a task at its next attempt)"
             )
-        resume = _answer_limit_pause(conn, row, answer, author) if row["paused_for"] else answer
+        if row["paused_for"] == "permission":
+            resume = _answer_permission(conn, row, answer)
+        else:
+            resume = _answer_limit_pause(conn, row, answer, author) if row["paused_for"] else answer
         conn.execute(
             "UPDATE questions SET answer = ?, answered_at = ? WHERE id = "
             "(SELECT max(id) FROM questions WHERE task_id = ?)",
@@ -1532,6 +1681,33 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         )
         _event(conn, num, "answered", f"by {author}: {answer[:400]}")
         return task_dict(_row(conn, num))
+
+
+PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
+
+
+def _answer_permission(conn: sqlite3.Connection, row: sqlite3.Row, answer: str) -> str:
+    """A task paused on a permission ask reads ``allow`` / ``deny``, each ``once`` (default) or
+    ``always`` (for this task: a rule for exactly that request is added after its own rules).
+    The decision goes into ``pending_ask`` for the resumed attempt; returns the answer to store.
+    Raises ValidationError for any other answer."""
+    match = PERMISSION_ANSWER.match(answer)
+    if match is None:
+        raise ValidationError(f"task {format_task_id(row['id'])} waits on a permission: answer allow once, "
+                              "allow always, deny once or deny always")
+    decision, scope = match.group(1).lower(), (match.group(2) or "once").lower()
+    ask = json.loads(row["pending_ask"] or "{}")
+    if scope == "always" and ask.get("tool") and ask.get("subject") is not None:
+        rules = json.loads(row["rules"] or "{}")
+        block = rules.get(ask["tool"])
+        block = dict(block) if isinstance(block, dict) else {"*": block} if block else {}
+        block.pop(ask["subject"], None)
+        block[ask["subject"]] = decision   # last: it wins over the task's earlier patterns
+        rules[ask["tool"]] = block
+        conn.execute("UPDATE tasks SET rules = ? WHERE id = ?", (json.dumps(rules), row["id"]))
+    ask["decision"] = f"{decision} {scope}"
+    conn.execute("UPDATE tasks SET pending_ask = ? WHERE id = ?", (json.dumps(ask), row["id"]))
+    return answer
 
 
 def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bool = True) -> dict[str, Any]:
@@ -1749,8 +1925,9 @@ def _json(value: Any) -> str | None:
 
 
 def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]:
-    """Add a note to a task that has not finished; it reaches the agent in its next prompt
-    (next attempt or resume). Returns ``{"task_id", "status", "delivery"}``.
+    """Add a note to a task that has not finished; a running task's agent gets it in its running
+    session at its next step (the worker's note courier), else it reaches the agent in its next
+    prompt (next attempt or resume). Returns ``{"task_id", "status", "delivery"}``.
     Raises TaskNotFound, ValidationError (empty, too long), InvalidTransition (task finished)."""
     num = parse_task_id(task_id)
     text = _text("note", text, NOTE_MAX)
@@ -1767,20 +1944,49 @@ def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]
             (num, author, text, now()),
         )
         _event(conn, num, "note", f"{author}: {text[:400]}")
-    delivery = "next attempt or resume" if row["status"] == "running" else "next prompt"
+    delivery = ("the running session at its next step (else the next attempt or resume)"
+                if row["status"] == "running" else "next prompt")
     return {"task_id": format_task_id(num), "status": row["status"], "delivery": delivery}
 
 
 def take_notes(task_id: Any, marker: str) -> list[dict[str, Any]]:
-    """The notes not yet given to an agent, marked as delivered to attempt ``marker``."""
+    """The notes not yet given to an agent, marked as delivered to attempt ``marker`` (in its
+    prompt, now)."""
     num = parse_task_id(task_id)
     with _writing() as conn:
         rows = conn.execute(
-            "UPDATE notes SET delivered_marker = ? WHERE task_id = ? AND delivered_marker IS NULL"
-            " RETURNING id, author, text, created_at", (marker, num)
+            "UPDATE notes SET delivered_marker = ?, delivered_at = ?, delivered_how = ?"
+            " WHERE task_id = ? AND delivered_marker IS NULL"
+            " RETURNING id, author, text, created_at", (marker, now(), f"in the prompt of attempt {marker}", num)
         ).fetchall()
     return [{"author": r["author"], "text": r["text"], "created_at": iso(r["created_at"])}
             for r in sorted(rows, key=lambda r: r["id"])]
+
+
+def undelivered_notes(task_id: Any) -> list[dict[str, Any]]:
+    """The notes of a task no agent has had yet, oldest first: ``[{"id", "author", "text"}]``."""
+    num = parse_task_id(task_id)
+    with _reading() as conn:
+        rows = conn.execute("SELECT id, author, text FROM notes WHERE task_id = ? AND delivered_marker IS NULL"
+                            " ORDER BY id", (num,)).fetchall()
+    return [dict(r) for r in rows]
+
+
+def mark_notes_delivered(task_id: Any, marker: str, delivered: list[tuple[int, float]], how: str) -> int:
+    """Record notes (``(note id, Unix seconds)``) as delivered to attempt ``marker``, ``how`` in
+    words (``in the running session``); notes already delivered stay as they were. Returns how
+    many were marked."""
+    num = parse_task_id(task_id)
+    marked = 0
+    with _writing() as conn:
+        for note_id, at in delivered:
+            row = conn.execute("UPDATE notes SET delivered_marker = ?, delivered_at = ?, delivered_how = ?"
+                               " WHERE id = ? AND task_id = ? AND delivered_marker IS NULL RETURNING author",
+                               (marker, at, how, note_id, num)).fetchone()
+            if row is not None:
+                marked += 1
+                _event(conn, num, "note_delivered", f"note {note_id} from {row['author']} {how}")
+    return marked
 
 
 # --------------------------------------------------------------------------------------------

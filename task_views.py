@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -349,3 +350,85 @@ def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: in
     cut = len(kept) < tail_lines and begin > 0     # wanted more lines than the byte cap allowed
     return {"exists": True, "size": size, "offset": size - len(shown.encode("utf-8", errors="replace")),
             "next_offset": size, "truncated": cut, "text": shown}
+
+
+# --------------------------------------------------------------------------------------------
+# Transcripts.
+
+TRANSCRIPT_PAGE_MAX = 100   # turns per page
+
+
+def line_of_work(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tasks a task builds on through continue_from / fork_from, first task first, ending
+    with ``task`` itself (a task whose predecessor was cleared starts the line there)."""
+    line, seen = [task], {task["id"]}
+    while (parent := line[0].get("continue_from") or line[0].get("fork_from")) and parent not in seen:
+        try:
+            line.insert(0, store.get_task(parent))
+        except store.TaskNotFound:
+            break
+        seen.add(parent)
+    return line
+
+
+def transcript(task_id: Any, offset: int = 0, limit: int = 20) -> dict[str, Any]:
+    """The whole conversation of a task's line of work (the task, and the tasks it follows up or
+    forks from), paged by turn: ``{"task_id", "line": [ids, first first], "session_id",
+    "source", "turns": [{"index", "role", "at", "text", "tools": [{"tool", "status", "title",
+    "output"}]}], "total", "offset", "next_offset" | None, "note"}``.
+
+    Source ``opencode session``: OpenCode's own record of the newest session of the line
+    (``opencode export``: a follow-up's session holds every earlier turn, a fork's copy holds its
+    origin's), with the briefs as user turns. Source ``task logs`` when OpenCode cannot give it
+    (no session yet, the session deleted): each task's brief, then what its log shows the agent
+    said and did. Texts are clipped (a turn at 8,000 characters, a tool output at 1,000, 20
+    tool calls a turn; the task log holds them whole). Raises ValidationError (bad id, offset, limit) or TaskNotFound."""
+    offset = store.coerce_int("offset", store._or(offset, 0), 0, 10**6)
+    limit = store.coerce_int("limit", store._or(limit, 20), 1, TRANSCRIPT_PAGE_MAX)
+    task = store.get_task(task_id)
+    line = line_of_work(task)
+    holder = next((t for t in reversed(line) if t.get("session_id")), None)
+    turns, source, note = None, "task logs", ""
+    if holder is not None:
+        cwd = holder.get("worktree_path") if holder.get("worktree_path") and os.path.isdir(holder["worktree_path"]) \
+            else holder["working_dir"]
+        try:
+            turns = oc.session_turns(oc.export_session(holder["session_id"], cwd if os.path.isdir(cwd) else "/"))
+            source = "opencode session"
+            if holder is not task:
+                note = f"{task['id']} has no session yet: this is the line so far, in {holder['id']}'s session"
+        except (oc.SessionCopyFailed, oc.OpencodeNotFound, subprocess.TimeoutExpired, OSError) as exc:
+            note = f"OpenCode could not give session {holder['session_id']} ({exc}); rebuilt from the task logs"
+    if turns is None:
+        turns = [turn for t in line for turn in _turns_from_log(t)]
+    page = turns[offset:offset + limit]
+    end = offset + len(page)
+    return {"task_id": task["id"], "line": [t["id"] for t in line],
+            "session_id": holder["session_id"] if holder else None, "source": source,
+            "turns": [{"index": offset + i, **turn} for i, turn in enumerate(page)],
+            "total": len(turns), "offset": offset, "next_offset": end if end < len(turns) else None,
+            "note": note}
+
+
+def _turns_from_log(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """A task's brief as a user turn, then one assistant turn per text the log shows (the tool
+    calls before a text go with it)."""
+    turns = [{"role": "user", "at": task["created_at"], "text": oc.clip_turn(
+        f"# Task {task['id']}: {task['title']}\n\n{task['instructions']}", oc.TURN_TEXT_MAX), "tools": []}]
+    try:
+        text = store.log_path(task["id"]).read_text(errors="replace")
+    except OSError:
+        return turns
+    tools: list[dict[str, Any]] = []
+    for entry in oc.render_log(text):
+        if entry["kind"] == "tool":
+            tools.append({"tool": entry["tool"], "status": entry["status"], "title": entry["title"],
+                          "output": oc.clip_turn(entry["output"], oc.TOOL_OUTPUT_MAX) if entry["output"] else None})
+        elif entry["kind"] == "text":
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry["ts"])) if entry.get("ts") else None
+            turns.append({"role": "assistant", "at": at, "text": oc.clip_turn(entry["text"], oc.TURN_TEXT_MAX),
+                          "tools": oc.cap_tools(tools)})
+            tools = []
+    if tools:
+        turns.append({"role": "assistant", "at": None, "text": "", "tools": oc.cap_tools(tools)})
+    return turns

@@ -261,6 +261,26 @@ def usd_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> fl
         raise click.BadParameter(str(exc)) from None
 
 
+def checked_names(skills: Iterable[str], subagents: Iterable[str], working_dir: str | None,
+                  parent: str | None) -> None:
+    """Skills and sub-agents given at submit, checked against what OpenCode offers for the task's
+    folder (a follow-up's: its task's): an unknown one is refused (exit 2) naming those offered.
+    When OpenCode cannot be asked they are queued unchecked, with a warning."""
+    skills, subagents = list(skills), list(subagents)
+    if not (skills or subagents):
+        return
+    folder = working_dir or (task_store.get_task(parent)["working_dir"] if parent else None)
+    if not folder:
+        return
+    try:
+        opencode_runner.check_names(skills, subagents, folder)
+    except opencode_runner.UnknownName as exc:
+        raise click.BadParameter(str(exc), param_hint="'--skill' / '--subagent'") from None
+    except (opencode_runner.OpencodeNotFound, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+        err().print(Text(visible(f"Could not check skills / sub-agents against OpenCode ({exc}); queued unchecked."),
+                         style="yellow"), soft_wrap=True)
+
+
 def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """``provider/model`` or None."""
     try:
@@ -789,20 +809,31 @@ def cli() -> None:
               help="USD the task may spend over all its attempts; at the limit it pauses and asks (default: the queue's).")
 @click.option("--max-tokens", type=click.IntRange(*task_store.TOKENS_RANGE),
               help="Tokens the task may use, for a model that reports no price (default: the queue's).")
+@click.option("--continue", "continue_from", callback=task_id_arg,
+              help="Follow-up of this task: resume its OpenCode session and commit on its branch (waits for it).")
+@click.option("--fork", "fork_from", callback=task_id_arg,
+              help="Fork of this task: a new branch from its head with a copy of its session (waits for it).")
+@click.option("--rules", help='Permission rules in OpenCode\'s format, e.g. \'{"bash": {"git push*": "ask"}}\' (ask pauses the task for your answer).')
+@click.option("--skill", "skills", multiple=True, help="An OpenCode skill the agent loads first (repeatable; checked against OpenCode).")
+@click.option("--subagent", "subagents", multiple=True, help="An OpenCode sub-agent it may hand work to (repeatable; checked).")
 @json_option
 def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
            permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
            idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
-           as_json: bool) -> None:
+           continue_from: str | None, fork_from: str | None, rules: str | None, skills: tuple[str, ...],
+           subagents: tuple[str, ...], as_json: bool) -> None:
     """Queue a task for the worker.
 
     TITLE is a short name (up to 200 characters). The instructions come from --instructions,
-    --file, or stdin ('-'); without them the title is the instruction.
+    --file, or stdin ('-'); without them the title is the instruction. With --continue or --fork
+    the task runs where that task ran (--dir may be left out).
     """
     text = read_text_source(instructions, file)
-    working_dir = working_dir or default_working_dir(yes)
+    if not (continue_from or fork_from):
+        working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
+    checked_names(skills, subagents, working_dir, continue_from or fork_from)
     task = task_store.submit_task(
         title=title, instructions=text if text is not None and text.strip() else title,
         working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),
@@ -810,6 +841,8 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         worktree=not no_worktree, worktree_keep=keep_worktree, agent=agent,
         idempotency_key=idempotency_key, origin_name=ORIGIN_NAME, origin_version=__version__,
         max_cost_usd=max_cost_usd, max_tokens=max_tokens,
+        continue_from=continue_from, fork_from=fork_from, rules=rules, skills=list(skills),
+        subagents=list(subagents),
     )
     warnings = task_views.limit_warnings(task)
     if as_json:
@@ -871,6 +904,35 @@ def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     if as_json:
         return emit_json(task)
     print_task(task)
+
+
+@cli.command()
+@click.argument("task_id", callback=task_id_arg)
+@click.option("--offset", type=click.IntRange(0, 1_000_000), default=0, show_default=True,
+              help="The first turn to show (paging).")
+@click.option("--limit", type=click.IntRange(1, task_views.TRANSCRIPT_PAGE_MAX), default=20, show_default=True,
+              help=f"At most this many turns (1..{task_views.TRANSCRIPT_PAGE_MAX}).")
+@json_option
+def transcript(task_id: str, offset: int, limit: int, as_json: bool) -> None:
+    """Show the conversation of a task's line of work (its follow-ups' and forks' origins too).
+
+    From OpenCode's own session record, else rebuilt from the task logs; paged by turn.
+    """
+    page = task_views.transcript(task_id, offset, limit)
+    if as_json:
+        return emit_json(page)
+    out().print(Text(visible(f"{page['task_id']}: line {' -> '.join(page['line'])}, {page['total']} turns "
+                             f"from the {page['source']}" + (f" ({page['note']})" if page["note"] else ""),
+                             multiline=False), style="bold"))
+    for turn in page["turns"]:
+        out().print(Text(visible(f"[{turn['index']}] {turn['role']} {turn['at'] or ''}", multiline=False), style="cyan"))
+        if turn["text"]:
+            out().print(Text(visible(turn["text"])))
+        for call in turn["tools"]:
+            out().print(Text(visible(f"  · {call['tool']} {call['title']} ({call['status']})", multiline=False),
+                             style="dim"))
+    if page["next_offset"] is not None:
+        out().print(Text(f"more: transcript {page['task_id']} --offset {page['next_offset']}", style="dim"))
 
 
 @cli.command()
@@ -954,7 +1016,7 @@ def answer(task_id: str, text: str) -> None:
 @click.argument("text")
 @click.option("--author", help="Who writes the note (default: cli:$USER).")
 def note(task_id: str, text: str, author: str | None) -> None:
-    """Add a note for the agent; it reaches the task's next prompt (next attempt or resume)."""
+    """Add a note for the agent: a running task gets it in its session at the next step, else its next prompt."""
     result = task_store.add_note(task_id, text, author=author or person())
     out().print(f"Note added to {result['task_id']} ({result['status']}); delivered at its {result['delivery']}.")
 

@@ -102,9 +102,11 @@ def log(message: str, level: int = talk.NORMAL) -> None:
 # The prompt.
 
 
-def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history: list[dict]) -> str:
+def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history: list[dict],
+                 parent: dict[str, Any] | None = None) -> str:
     """The task's instructions wrapped with the working rules, notes, earlier questions and
-    answers (when a resumed session was lost) and the receipt protocol."""
+    answers (when a resumed session was lost) and the receipt protocol; a follow-up or fork
+    (``parent``: the task it builds on) is told where its work starts."""
     rules = [
         f"- Work only inside {ws.cwd}. Do not read, write or run anything outside it.",
         "- Do not commit, push or switch branches; TaskBridge commits your changes itself.",
@@ -115,7 +117,19 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
         rules.append("- This task is read-only: do not change any file; report what you find.")
     if task["permission"] == "no-network":
         rules.append("- Do not use the network (no curl, wget, pip or npm downloads).")
+    if task.get("skills"):
+        rules.append(f"- Before you start, load these OpenCode skills with your skill tool: {', '.join(task['skills'])}.")
+    if task.get("subagents"):
+        rules.append(f"- You may hand parts of the work to these sub-agents with your task tool: "
+                     f"{', '.join(task['subagents'])}.")
+    if task.get("rules"):
+        rules.append(f"- Permission rules of this task (OpenCode's format, enforced before each tool call): "
+                     f"{json.dumps(task['rules'])}. A call they mark ask waits for the planner's decision.")
     parts = [f"# Task {task['id']}: {task['title']}", task["instructions"], "## Working rules", *rules]
+    if parent is not None:
+        how = "a follow-up of" if task.get("continue_from") else "a fork (another approach, on a branch of its own) of"
+        parts.insert(1, f"This is {how} task {parent['id']} ({parent['title']}): its changes are already "
+                        f"committed here, on {ws.branch}. Build on them.")
     if notes:
         parts += ["## Notes from the planner", *[f"- {n['author']}: {n['text']}" for n in notes]]
     if history:
@@ -126,9 +140,24 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
     return "\n\n".join(parts)
 
 
-def resume_message(answer: str, notes: list[dict]) -> str:
-    """The message that resumes a session after the planner answered its question."""
+def permission_question(ask: dict[str, Any]) -> str:
+    """The question a task paused on a permission ask puts to the planner: the tool, the command
+    or path, the agent's reason, and the answers it takes."""
+    reason = f" Its reason: {ask['reason']}." if ask.get("reason") else ""
+    return (f"Permission asked: the agent wants to run {ask['tool']} `{ask['subject']}` (the task's rules say ask)."
+            f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task).")
+
+
+def resume_message(answer: str, notes: list[dict], ask: dict[str, Any] | None = None) -> str:
+    """The message that resumes a session after the planner answered its question (or decided a
+    permission ask: ``ask`` with its ``decision``)."""
     parts = [f"The answer to your question:\n\n{answer}"]
+    if ask and ask.get("decision", "").startswith("allow"):
+        parts = [f"The planner allowed your {ask['tool']} call `{ask['subject']}` ({ask['decision']}); "
+                 "it was not run yet. Run it again now, then carry on."]
+    elif ask and ask.get("decision"):
+        parts = [f"The planner refused your {ask['tool']} call `{ask['subject']}` ({ask['decision']}): it was "
+                 "not run. Do not try it again; carry on without it and say so in your receipt."]
     if notes:
         parts.append("New notes from the planner:\n" + "\n".join(f"- {n['author']}: {n['text']}" for n in notes))
     parts += ["Continue the task.", RECEIPT_PROTOCOL]
@@ -151,6 +180,7 @@ class RunResult:
     stderr_tail: list[str] = field(default_factory=list)
     seconds: float = 0.0
     paused: dict[str, Any] | None = None   # a spending limit ended it at a step boundary (Meter.check)
+    asked: dict[str, Any] | None = None    # a call matched an ``ask`` rule: {tool, subject, reason}
 
 
 START_GATE_SEC = 3
@@ -292,6 +322,66 @@ class Meter:
                     os.unlink(path)
 
 
+def write_rules_file(task: dict[str, Any]) -> str | None:
+    """The rules file the permission-rules plugin reads (``{"rules", "once"}``: the task's rules
+    and, after "allow once", that one request), or None for a task without rules."""
+    if not task.get("rules"):
+        return None
+    path = str(store.log_path(task["id"]).with_suffix(".rules"))
+    ask = task.get("pending_ask") or {}
+    once = [{"tool": ask["tool"], "subject": ask["subject"]}] if ask.get("decision") == "allow once" else []
+    for stale in (f"{path}.ask", f"{path}.used"):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+    with open(path, "w", encoding="utf-8") as out:
+        json.dump({"rules": task["rules"], "once": once}, out)
+    return path
+
+
+class Courier:
+    """Carries notes added while an attempt runs into its running session: it writes the task's
+    undelivered notes to the notes file the note courier plugin (``notes_courier.js``) reads
+    before each model call, and records the ones the plugin acknowledges as delivered (when, and
+    that it was in the running session)."""
+
+    def __init__(self, task: dict[str, Any], notes_file: str):
+        self.task_id, self.marker, self.path = task["id"], task["run_marker"], notes_file
+        self.written: list[int] | None = None
+        self.recorded: set[int] = set()
+
+    def sync(self) -> None:
+        """Write the notes file when the undelivered notes changed; record new acknowledgements."""
+        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError, sqlite3.Error):
+            self._record_acks()
+            notes = store.undelivered_notes(self.task_id)
+            ids = [n["id"] for n in notes]
+            if ids != self.written:
+                tmp = f"{self.path}.tmp"
+                with open(tmp, "w", encoding="utf-8") as out:
+                    json.dump({"notes": notes}, out)
+                os.replace(tmp, self.path)
+                self.written = ids
+
+    def _record_acks(self) -> None:
+        try:
+            with open(f"{self.path}.ack", encoding="utf-8") as handle:
+                acks = json.load(handle).get("delivered") or []
+        except FileNotFoundError:
+            return
+        new = [(int(a["id"]), float(a["at"]) / 1000) for a in acks if int(a["id"]) not in self.recorded]
+        if new:
+            store.mark_notes_delivered(self.task_id, self.marker, new, "in the running session, at a step boundary")
+            self.recorded.update(note_id for note_id, _ in new)
+
+    def close(self) -> None:
+        """Record the last acknowledgements and remove the files."""
+        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError, sqlite3.Error):
+            self._record_acks()
+        for path in (self.path, f"{self.path}.ack", f"{self.path}.tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
 def spend_limited(task: dict[str, Any]) -> bool:
     """Whether a run needs the spend gate: the task has a limit, or the queue a daily budget."""
     if task.get("max_cost_usd") is not None or task.get("max_tokens") is not None:
@@ -316,12 +406,16 @@ class Supervisor:
         self.gate_open_at: float | None = None
         self.meter: Meter | None = None
         self.held_at: dict[str, Any] | None = None
+        self.courier: Courier | None = None
+        self.rules_file: str | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as self.log:
             self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
+            if self.courier is not None:
+                self.courier.sync()
             StartGate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
             try:
@@ -347,6 +441,12 @@ class Supervisor:
                 self._count_held_steps()
                 if self.meter is not None:
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
+                if self.courier is not None:
+                    self.courier.close()
+                for path in ([self.rules_file, f"{self.rules_file}.ask", f"{self.rules_file}.used"]
+                             if self.rules_file else []):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
 
@@ -407,8 +507,16 @@ class Supervisor:
             Beat.write()
             if self.meter is not None:
                 self.meter.refresh()
+            if self.courier is not None:
+                self.courier.sync()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
+        if self.rules_file and os.path.exists(f"{self.rules_file}.ask"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"{self.rules_file}.ask", encoding="utf-8") as handle:
+                    asked = json.load(handle)
+                self.result.asked = {k: str(asked.get(k) or "") for k in ("tool", "subject", "reason")}
+                return self._end(f"paused: the agent asked permission for {asked.get('tool')} {asked.get('subject')}")
         if now > self.deadline:
             return self._end(f"timed out after {self.task['timeout_sec']} s")
         if now - self.last_activity > knobs.inactivity_sec:
@@ -579,7 +687,7 @@ def environment_fault(run: RunResult) -> str | None:
 def failure_reason(run: RunResult) -> str | None:
     """None when the run succeeded by its events; else the specific reason it failed."""
     stream = run.stream
-    if run.paused is not None:
+    if run.paused is not None or run.asked is not None:
         return None
     if run.killed:
         signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
@@ -674,7 +782,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         try:
             ws = worktrees.prepare_workspace(task, resume)
             store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
-                              branch=ws.branch, base_commit=ws.base_commit)
+                              branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
         except worktrees.GitStopped as exc:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}")
         except (worktrees.Unrunnable, worktrees.GitError) as exc:
@@ -744,19 +852,48 @@ def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[
     """Resume the waiting session with the answer when it can; otherwise a new session whose
     prompt carries the instructions (and, after a lost session, every question and answer)."""
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes), task["session_id"], env,
+        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes, task.get("pending_ask")), task["session_id"], env,
                        deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
+    if not resume and (task.get("continue_from") or task.get("fork_from")):
+        return _run_line(task, ws, knobs, model, notes, env, deadline)
     if not resume:
         return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env, deadline), "new session"
     current = store.get_task(task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"])
     return (_attempt(task, ws, knobs, model, prompt, None, env, deadline),
             f"{lost}; a new session got the history in its prompt")
+
+
+def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
+              env: dict[str, str], deadline: float | None) -> tuple[RunResult, str]:
+    """A follow-up resumes the OpenCode session of the task it continues; a fork resumes a copy
+    of it made for its own worktree. Both get the brief as the next message; a session that is
+    gone (or cannot be copied) gives way to a new session with the brief."""
+    parent = store.get_task(task["continue_from"] or task["fork_from"])
+    prompt = build_prompt(task, ws, notes, [], parent)
+    session, how = task.get("session_id"), f"resumed this task's OpenCode session {task.get('session_id')}"
+    if not session and not parent.get("session_id"):
+        how = f"{parent['id']} left no OpenCode session; a new session got the brief"
+    elif not session and task.get("continue_from"):
+        session, how = parent["session_id"], f"continued {parent['id']}'s OpenCode session {parent['session_id']}"
+    elif not session:
+        try:
+            session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
+                                      ws.top or ws.cwd, env)
+            how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
+        except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
+            how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
+    if session:
+        run = _attempt(task, ws, knobs, model, prompt, session, env, deadline)
+        if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
+            return run, how
+        how = f"the OpenCode session {session} was gone; a new session got the brief"
+    return _attempt(task, ws, knobs, model, prompt, None, env, deadline), how
 
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
@@ -766,7 +903,14 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
     gate = str(store.log_path(task["id"]).with_suffix(".gate")) if spend_limited(task) else None
     if gate:
         env = oc.with_spend_gate(env, gate)
+    notes_file = str(store.log_path(task["id"]).with_suffix(".notes"))
+    env = oc.with_notes_courier(env, notes_file)
+    rules_file = write_rules_file(task)
+    if rules_file:
+        env = oc.with_permission_rules(env, rules_file)
     supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs)
+    supervisor.courier = Courier(task, notes_file)
+    supervisor.rules_file = rules_file
     supervisor.deadline_at = deadline
     supervisor.meter = Meter(task, gate)
     return supervisor.run()
@@ -811,6 +955,11 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         notify(f"TaskBridge {task['id']} paused at its spending limit", question[:200])
         return _finish(store.pause_for_question, task, marker, question, session_id=run.stream.session_id,
                        result=receipt, usage=usage, paused_for=run.paused["kind"])
+    if run.asked is not None:
+        question = permission_question(run.asked)
+        notify(f"TaskBridge {task['id']} asks permission", question[:200])
+        return _finish(store.pause_for_question, task, marker, question, session_id=run.stream.session_id,
+                       result=receipt, usage=usage, paused_for="permission", ask=run.asked)
     if reason is None and block["kind"] == "question":
         notify(f"TaskBridge {task['id']} asks", block["question"][:200])
         question = store.clip(block["question"], QUESTION_MAX, _whole_text_at(task, run))
@@ -884,6 +1033,9 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
     failed commit is bookkeeping: never a rerun of the agent."""
     try:
         receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
+        if task.get("continue_from") or task.get("fork_from"):
+            receipt["line"] = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
+                               **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
     except worktrees.GitError as exc:
         return _bookkeeping_failed(task, ws, run, receipt, diff, "the commit", exc, phases)
     if not task["worktree_keep"]:
@@ -998,6 +1150,10 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
                             "(prompt-level): changes to your checkout are listed in changed_outside_worktree")
     sandbox = {"isolation": isolation, "permission": task["permission"],
                **oc.sandbox_labels(task["permission"])}
+    if task.get("rules"):
+        sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
+                            "sub-agents): deny refuses the call, ask pauses the task for the planner; "
+                            "the preset's own rules still apply")
     denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
     where = _whole_text_at(task, run)
     return {
@@ -1028,7 +1184,8 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "exit_code": run.returncode,
         "agent_exited": run.agent_exited,
         "non_json_lines": stream.bad_lines,
-        "notes": [{"author": n["author"], "text": n["text"]} for n in current["notes"]],
+        "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
+                   "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],
     }
 

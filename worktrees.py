@@ -197,6 +197,7 @@ class Workspace:
     reused: bool = False
     base_from: str = ""
     submodules: dict[str, Any] | None = None   # see init_submodules; None: the repo has none
+    line_base: str | None = None   # where the whole line of work (first task, follow-ups) started
 
 
 def _repo_top(path: str) -> str | None:
@@ -276,17 +277,84 @@ def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     if not git(["symbolic-ref", "-q", "HEAD"], top, check=False):
         raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
     sub = os.path.relpath(wd, top)
+    if task.get("continue_from"):
+        return _continued_workspace(task, top, sub)
     path = worktree_root() / f"{Path(top).name}-{task['id']}"
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
-        dependency_base(task, top, head)
+        _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
+    line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
     if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
                          task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
-                         base_from=base_from)
+                         base_from=base_from, line_base=line_base)
     branch = _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
-                     base_from=base_from, submodules=init_submodules(str(path), common))
+                     base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base)
+
+
+def _parent_tip(parent: dict[str, Any], top: str) -> str:
+    """The head of the branch of the task a follow-up or fork builds on. Raises Unrunnable."""
+    tip = _branch_tip(top, parent["branch"]) if parent.get("branch") else ""
+    if not tip:
+        raise Unrunnable(f"{parent['id']}'s branch {parent.get('branch') or '(none)'} is not in {top}; "
+                         "a follow-up or fork starts from it: restore the branch or submit a new task")
+    return tip
+
+
+def _parent_line_base(parent_id: str) -> str | None:
+    parent = store.get_task(parent_id)
+    return parent.get("line_base") or parent.get("base_commit")
+
+
+def _fork_base(task: dict[str, Any], top: str) -> tuple[str, str]:
+    parent = store.get_task(task["fork_from"])
+    return _parent_tip(parent, top), f"the head of {parent['id']}'s branch {parent['branch']} (fork)"
+
+
+def _continued_workspace(task: dict[str, Any], top: str, sub: str) -> Workspace:
+    """A follow-up works on the branch of the task it continues, in that task's worktree folder
+    (OpenCode resumes a session only from the folder it was created in): the folder is reused
+    when it is still there on that branch, else recreated there from the branch."""
+    parent = store.get_task(task["continue_from"])
+    tip = _parent_tip(parent, top)
+    branch = parent["branch"]
+    path = Path(parent.get("worktree_path") or worktree_root() / f"{Path(top).name}-{parent['id']}")
+    base = task.get("base_commit") or tip
+    line_base = task.get("line_base") or parent.get("line_base") or parent.get("base_commit") or base
+    how = f"the head of {parent['id']}'s branch {branch} (follow-up)"
+    with _ADMIN:
+        git(["worktree", "prune"], top, check=False)
+        reused = _is_registered(top, path)
+        if reused:
+            there = git(["symbolic-ref", "-q", "--short", "HEAD"], str(path), check=False)
+            if there != branch:
+                raise Unrunnable(f"the worktree {path} of {parent['id']} is on {there or 'a detached HEAD'}, "
+                                 f"not {branch}; switch it back (git -C {path} switch {branch}) or remove it")
+        else:
+            if os.path.lexists(path):
+                _force_rmtree(str(path))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            git(["worktree", "add", str(path), branch], top)
+    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
+                     reused=reused, base_from=how, line_base=line_base)
+
+
+def line_of_work(ws: Workspace, head: str | None) -> dict[str, Any]:
+    """The whole line of work up to ``head`` (a follow-up's receipt): the commit it started from,
+    the files changed since, the diff's size and the diff (clipped at LINE_DIFF_MAX characters)."""
+    if ws.mode != "worktree" or not ws.line_base or not head:
+        return {}
+    names = git(["diff", "--name-only", *DIFF_FLAGS, ws.line_base, head], ws.repo)
+    diff = git(["diff", "--binary", "--full-index", *DIFF_FLAGS, ws.line_base, head], ws.repo, strip=False)
+    clipped = diff if len(diff) <= LINE_DIFF_MAX else diff[:LINE_DIFF_MAX] + (
+        f"\n… [whole-line diff cut at {LINE_DIFF_MAX:,} of {len(diff):,} characters; "
+        f"git diff {ws.line_base} {head} shows it all]\n")
+    return {"base_commit": ws.line_base, "head": head, "files": [n for n in names.splitlines() if n],
+            "diff_stat": diff_stat(diff), "diff": clipped}
+
+
+LINE_DIFF_MAX = 200_000
 
 
 def dependency_base(task: dict[str, Any], top: str, head: str) -> tuple[str, str]:

@@ -15,7 +15,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 # How many MCP tools opencode_bridge_mcp.py has: the one number every test that counts them
 # asserts (README.md's file table states it too; tests/test_docs.py holds the two together).
-BRIDGE_TOOL_COUNT = 20
+BRIDGE_TOOL_COUNT = 21
 GIT_ID = ["-c", "user.name=Test", "-c", "user.email=test@example.com"]
 
 

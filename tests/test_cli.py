@@ -271,7 +271,8 @@ def test_note_reaches_the_task(tmp_path):
     result = run("note", "1", "mind the [bold]tests[/bold]", "--author", "dana")
     assert result.exit_code == 0 and "next prompt" in result.stdout
     assert task_store.get_task(1)["notes"][0] | {"created_at": None} == {
-        "author": "dana", "text": "mind the [bold]tests[/bold]", "created_at": None, "delivered": False}
+        "author": "dana", "text": "mind the [bold]tests[/bold]", "created_at": None, "delivered": False,
+        "delivered_at": None, "delivered_how": None}
     assert "mind the [bold]tests[/bold]" in run("show", "1").stdout
 
 

@@ -24,7 +24,7 @@ TOOLS = {
     "submit_task", "submit_batch", "get_task", "get_task_result", "get_task_logs", "wait_for",
     "answer_task", "list_tasks", "queue_status", "worker_heartbeat", "restart_worker",
     "add_task_note", "cancel_task", "clear_finished", "list_models", "set_default_model", "ping",
-    "retry_task", "apply_task", "set_budget",
+    "retry_task", "apply_task", "set_budget", "get_task_transcript",
 }
 CLAUDE = Implementation(name="claude-ai", version="0.14.2")
 
@@ -172,6 +172,34 @@ async def test_batch_with_refs_inside_the_batch(mode, wd):
     assert tests["origin_kind"] == lib["origin_kind"] == "claude"
 
 
+async def test_follow_ups_and_forks_through_submit_task_and_batch(mode, wd):
+    async with client(mode) as c:
+        first = await ok(c, "submit_task", task_args(wd, title="first"))
+        follow = await ok(c, "submit_task", task_args(wd, title="next", continue_from=first["id"]))
+        batch = await ok(c, "submit_batch", {"tasks": [
+            task_args(wd, title="base", ref="@base"),
+            task_args(wd, title="after", continue_from="@base"),
+            task_args(wd, title="other way", fork_from="@base")]})
+        again = await err(c, "submit_task", task_args(wd, title="again", continue_from=first["id"]))
+    assert follow["depends_on"] == [first["id"]]
+    assert task_store.get_task(follow["id"])["continue_from"] == first["id"]
+    base, after, other = batch["tasks"]
+    assert after["depends_on"] == other["depends_on"] == [base["id"]]
+    assert task_store.get_task(other["id"])["fork_from"] == base["id"]
+    assert f"{follow['id']} already continues it" in again and "fork_from" in again
+
+
+async def test_get_task_transcript_pages_turns(mode, wd):
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd, instructions="transcript-brief"))
+        page = await ok(c, "get_task_transcript", {"task_id": task["id"]})
+        bad = await err(c, "get_task_transcript", {"task_id": task["id"], "limit": 0})
+        gone = await err(c, "get_task_transcript", {"task_id": "t_0404"})
+    assert page["source"] == "task logs" and page["line"] == [task["id"]] and page["total"] == 1
+    assert page["turns"][0]["role"] == "user" and "transcript-brief" in page["turns"][0]["text"]
+    assert "limit" in bad and "not found" in gone
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: an is_error result naming the problem, nothing half-written.
 
@@ -194,6 +222,9 @@ BAD_SUBMITS = [
     ({"model": "no provider/x y"}, "provider/model"),
     ({"agent": "rm -rf"}, "OpenCode agent name"),
     ({"worktree": "maybe"}, "worktree must be true or false"),
+    ({"continue_from": "t_0042"}, "continue_from names t_0042, which does not exist"),
+    ({"fork_from": "t_0042"}, "fork_from names t_0042, which does not exist"),
+    ({"continue_from": "1", "fork_from": "1"}, "give continue_from or fork_from, not both"),
 ]
 
 

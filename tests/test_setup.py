@@ -250,3 +250,15 @@ def test_install_says_how_to_get_a_new_enough_python(tmp_path):
     assert result.returncode == 1
     assert "Python >= 3.11 (found: Python 3.9.18)" in result.stderr
     assert "python3.11" in result.stderr and "PYTHON=/path/to/python3.12 ./install.sh" in result.stderr
+
+
+def test_the_claude_skill_is_a_valid_skill_folder_and_connect_names_it():
+    skill = connectors.REPO / "skills" / "taskbridge" / "SKILL.md"
+    text = skill.read_text()
+    front = text.split("---\n")[1]
+    assert "name: taskbridge\n" in front and "description: Use when" in front
+    for tool in ("submit_task", "continue_from", "fork_from", "wait_for", "apply_task", "get_task_result",
+                 "get_task_transcript", "add_task_note", "answer_task"):
+        assert tool in text, tool
+    result = CliRunner().invoke(tasks_cli.cli, ["connect"])
+    assert result.exit_code == 0 and str(skill.parent) in result.output and "~/.claude/skills/" in result.output

@@ -1,0 +1,99 @@
+// TaskBridge's permission rules: an OpenCode plugin that `opencode run` loads for a task that
+// carries its own rules (worker.py adds it to OPENCODE_CONFIG_CONTENT's "plugin" list and names
+// the rules file in TASKBRIDGE_RULES).
+//
+// Why: a headless `opencode run` cannot hold one of OpenCode's own permission asks (without
+// --auto it rejects them, with --auto it approves them; measured with 1.18.33), so a planner
+// could never decide. Before every tool call (tool.execute.before: the main agent's and its
+// sub-agents'), this hook matches the call against the task's rules, OpenCode's format
+// ({"bash": {"git push*": "ask"}}: wildcards * and ?, the last matching pattern wins):
+// - deny: the call fails with a message naming the rule (the agent sees it and goes on);
+// - allow, or no rule: the call runs (OpenCode's own permissions still apply);
+// - ask: unless the planner allowed exactly this call once ("once" in the rules file, used up
+//   here and acknowledged in "<rules file>.used"), the request {tool, subject, reason} is written
+//   to "<rules file>.ask" and the call is held; the worker ends the run and the task waits for
+//   the planner's answer, which resumes the same session.
+// The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. No dependencies.
+import fs from "fs";
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const EDITS = new Set(["edit", "write", "patch", "multiedit", "apply_patch"]);
+
+function ruleKey(tool) {
+  return EDITS.has(tool) ? "edit" : tool === "list" ? "list" : tool;
+}
+
+function subjectOf(tool, args) {
+  const a = args || {};
+  if (tool === "bash") return String(a.command ?? "");
+  if (tool === "task") return String(a.subagent_type ?? "");
+  if (tool === "skill") return String(a.name ?? "");
+  if (tool === "webfetch") return String(a.url ?? "");
+  if (tool === "websearch") return String(a.query ?? "");
+  if (tool === "glob" || tool === "grep") return String(a.pattern ?? "");
+  return String(a.filePath ?? a.path ?? "");
+}
+
+function wildcard(text, pattern) {
+  let re = "";
+  for (const c of pattern) re += c === "*" ? "[\\s\\S]*" : c === "?" ? "[\\s\\S]" : c.replace(/[.+^${}()|[\]\\]/g, "\\$&");
+  return new RegExp(`^${re}$`).test(text);
+}
+
+function actionFor(rules, key, subjects) {
+  const rule = rules[key];
+  if (rule === undefined) return null;
+  const patterns = typeof rule === "string" ? { "*": rule } : rule;
+  let action = null;
+  for (const [pattern, act] of Object.entries(patterns)) {
+    if (subjects.some((s) => wildcard(s, pattern))) action = act;
+  }
+  return action;
+}
+
+function readJson(path) {
+  try {
+    return JSON.parse(fs.readFileSync(path, "utf8"));
+  } catch {
+    return null;
+  }
+}
+
+function writeJson(path, value) {
+  const tmp = `${path}.${process.pid}.tmp`;
+  fs.writeFileSync(tmp, JSON.stringify(value));
+  fs.renameSync(tmp, path);
+}
+
+export const TaskbridgePermissionRules = async ({ directory }) => {
+  const path = process.env.TASKBRIDGE_RULES;
+  const used = [];
+  return {
+    "tool.execute.before": async (input, output) => {
+      if (!path) return;
+      const file = readJson(path) || {};
+      const tool = String(input.tool);
+      const key = ruleKey(tool);
+      const subject = subjectOf(tool, output.args);
+      const subjects = [subject];
+      if (key === "edit" || key === "read" || key === "list") {
+        const base = String(directory || "").replace(/\/+$/, "");
+        if (base && subject.startsWith(base + "/")) subjects.push(subject.slice(base.length + 1));
+      }
+      const action = actionFor(file.rules || {}, key, subjects);
+      if (action === "deny") {
+        throw new Error(`TaskBridge: the task's rules deny ${key} ${subject}; do not try it again, go on without it`);
+      }
+      if (action !== "ask") return;
+      const once = (file.once || []).findIndex((g, i) => g.tool === key && g.subject === subject && !used.includes(i));
+      if (once >= 0) {
+        used.push(once);
+        writeJson(`${path}.used`, { used });
+        return;
+      }
+      const reason = String((output.args && output.args.description) || "");
+      writeJson(`${path}.ask`, { tool: key, subject, reason, at: Date.now() });
+      for (;;) await sleep(1000); // the worker ends this run; the task waits for the planner
+    },
+  };
+};

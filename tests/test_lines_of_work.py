@@ -1,0 +1,285 @@
+"""Follow-ups and forks (issue 15) with the real `opencode` and the scripted model: a follow-up
+resumes the same OpenCode session on the same branch; a fork starts a branch of its own from
+the same head with a copy of the session."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import task_store
+import task_views
+from fake_openai import text, tool_call
+from helpers import ROOT, git, make_repo, run_script
+
+pytestmark = pytest.mark.real_opencode
+
+
+def _receipt(summary: str, files: list[str]) -> str:
+    return "```json\n" + json.dumps({"summary": summary, "files_touched": files, "tests_run": [],
+                                     "open_questions": []}) + "\n```"
+
+
+def _body(request) -> str:
+    return json.dumps(request["json"]["messages"])
+
+
+def test_follow_up_resumes_the_session_and_commits_on_the_same_branch(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    # One script for the whole line: the step is the number of assistant turns already in the
+    # session, so the follow-up's steps come after the first task's.
+    opencode.model.script("line", [
+        tool_call("write", {"filePath": "{cwd}/lib.py", "content": "def add(a, b):\n    return a + b\n"}),
+        text("Wrote it.\n" + _receipt("wrote lib.py", ["lib.py"])),
+        tool_call("write", {"filePath": "{cwd}/test_lib.py", "content": "from lib import add\n"}),
+        text("Tests added.\n" + _receipt("added test_lib.py", ["test_lib.py"])),
+    ])
+    first = task_store.submit_task(title="lib", instructions="Write lib.py. SCRIPT:line first-brief-token",
+                                   working_dir=str(repo))
+    follow = task_store.submit_task(title="tests", instructions="Now add tests. follow-up-brief-token",
+                                    continue_from=first["id"])
+    assert follow["continue_from"] == first["id"] and follow["depends_on"] == [first["id"]]
+    assert follow["working_dir"] == str(repo)
+
+    assert run_script("worker.py").returncode == 0
+    one, two = task_store.get_task(first["id"]), task_store.get_task(follow["id"])
+    assert one["status"] == "done", one["error"]
+    assert two["status"] == "done", two["error"]
+
+    assert two["session_id"] == one["session_id"], "the follow-up resumed the same OpenCode session"
+    assert two["result"]["session"] == f"continued {one['id']}'s OpenCode session {one['session_id']}"
+    later = [r for r in opencode.model.step_requests("line") if "follow-up-brief-token" in _body(r)]
+    assert later, "the follow-up's brief reached the model"
+    assert "first-brief-token" in _body(later[0]) and "lib.py" in _body(later[0]), \
+        "its request carries the earlier turns"
+
+    branch = one["branch"]
+    assert two["branch"] == branch
+    assert git(repo, "rev-parse", f"{two['result']['commit']}^") == one["result"]["commit"], \
+        "the follow-up's commit sits on top of the first task's"
+    assert git(repo, "rev-parse", branch) == two["result"]["commit"]
+    assert two["result"]["files_touched"] == ["test_lib.py"], "this step's diff"
+    assert "test_lib.py" in two["diff"] and "lib.py\n" not in two["result"]["files_touched"]
+    line = two["result"]["line"]
+    assert line["continues"] == one["id"] and line["base_commit"] == one["base_commit"]
+    assert line["files"] == ["lib.py", "test_lib.py"], "the whole line's diff"
+    assert "def add" in line["diff"] and "from lib import add" in line["diff"]
+    assert str(tmp_path / "worktrees") not in git(repo, "worktree", "list")
+
+    # The transcript of the line: both briefs as user turns, the agent's turns between them.
+    page = task_views.transcript(two["id"], 0, 100)
+    assert page["source"] == "opencode session" and page["line"] == [one["id"], two["id"]]
+    users = [t["text"] for t in page["turns"] if t["role"] == "user"]
+    assert len(users) == 2 and "first-brief-token" in users[0] and "follow-up-brief-token" in users[1]
+    assert any(c["tool"] == "write" and c["title"] for t in page["turns"] for c in t["tools"])
+    assert "Tests added." in page["turns"][-1]["text"] and page["next_offset"] is None
+    second = task_views.transcript(two["id"], 1, 2)
+    assert [t["index"] for t in second["turns"]] == [1, 2] and second["next_offset"] == 3
+    shown = run_script("tasks_cli.py", "transcript", two["id"], "--limit", "100")
+    assert shown.returncode == 0 and "follow-up-brief-token" in shown.stdout and "Tests added." in shown.stdout
+
+
+def test_fork_makes_two_branches_from_one_head_with_both_histories(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("forks", [
+        tool_call("write", {"filePath": "{cwd}/base.txt", "content": "shared start\n"}),
+        text("Base done.\n" + _receipt("base", ["base.txt"])),
+        tool_call("bash", {"command": "pwd > {cwd}/approach.txt", "description": "try"}),
+        text("Tried.\n" + _receipt("an approach", ["approach.txt"])),
+    ])
+    first = task_store.submit_task(title="base", instructions="Start. SCRIPT:forks", working_dir=str(repo))
+    fork_a = task_store.submit_task(title="approach A", instructions="Try approach A.", fork_from=first["id"])
+    fork_b = task_store.submit_task(title="approach B", instructions="Try approach B.", fork_from=first["id"])
+
+    assert run_script("worker.py").returncode == 0
+    one = task_store.get_task(first["id"])
+    a, b = task_store.get_task(fork_a["id"]), task_store.get_task(fork_b["id"])
+    assert [t["status"] for t in (one, a, b)] == ["done"] * 3, (one["error"], a["error"], b["error"])
+
+    assert len({one["branch"], a["branch"], b["branch"]}) == 3, "a branch each"
+    for fork in (a, b):
+        assert git(repo, "rev-parse", f"{fork['result']['commit']}^") == one["result"]["commit"], \
+            "both forks start from the first task's head"
+        assert git(repo, "show", f"{fork['branch']}:base.txt") == "shared start"
+        assert fork["session_id"] not in (None, one["session_id"]), "a session of its own"
+        assert fork["result"]["session"].startswith("a copy (")
+        assert fork["result"]["line"]["forked_from"] == one["id"]
+        assert fork["result"]["line"]["files"] == ["approach.txt", "base.txt"]
+    # Each fork's model request carried the first task's turns, and ran in its own worktree.
+    for fork in (a, b):
+        request = [r for r in opencode.model.step_requests("forks") if f"approach {fork['title'][-1]}" in _body(r)][0]
+        assert "Start. SCRIPT:forks" in _body(request) and "base.txt" in _body(request)
+        assert request["cwd"].endswith(fork["id"])
+    assert git(repo, "show", f"{a['branch']}:approach.txt") != git(repo, "show", f"{b['branch']}:approach.txt")
+    assert git(repo, "rev-parse", one["branch"]) == one["result"]["commit"], "the first branch is untouched"
+
+
+def test_follow_up_refusals():
+    import os
+    here = os.getcwd()
+    first = task_store.submit_task(title="a", instructions="x", working_dir=here)
+    with pytest.raises(task_store.ValidationError, match="not both"):
+        task_store.submit_task(title="b", instructions="y", continue_from=first["id"], fork_from=first["id"])
+    task_store.submit_task(title="b", instructions="y", continue_from=first["id"])
+    with pytest.raises(task_store.ValidationError, match="already continues it.*fork_from"):
+        task_store.submit_task(title="c", instructions="y", continue_from=first["id"])
+    with pytest.raises(task_store.ValidationError, match="working_dir must be"):
+        task_store.submit_task(title="c", instructions="y", fork_from=first["id"], working_dir="/")
+    with pytest.raises(task_store.ValidationError, match="fork_from names t_0999, which does not exist"):
+        task_store.submit_task(title="c", instructions="y", fork_from="t_0999")
+    flat = task_store.submit_task(title="d", instructions="x", working_dir=here, worktree=False)
+    with pytest.raises(task_store.ValidationError, match="worktree=false"):
+        task_store.submit_task(title="e", instructions="y", continue_from=flat["id"])
+
+
+def test_cli_submit_continue_and_fork_without_dir(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    first = task_store.submit_task(title="a", instructions="x", working_dir=str(repo))
+    follow = run_script("tasks_cli.py", "submit", "next step", "--continue", "1", "--json")
+    assert follow.returncode == 0, follow.stderr
+    assert json.loads(follow.stdout)["continue_from"] == first["id"]
+    fork = run_script("tasks_cli.py", "submit", "other way", "--fork", first["id"], "--json")
+    assert json.loads(fork.stdout)["fork_from"] == first["id"]
+    again = run_script("tasks_cli.py", "submit", "again", "--continue", "1")
+    assert again.returncode != 0 and "already continues it" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_transcript_without_a_session_comes_from_the_task_logs(tmp_path):
+    task = task_store.submit_task(title="never ran", instructions="brief-token", working_dir=str(tmp_path))
+    log = task_store.log_path(task["id"])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text('{"type":"tool_use","timestamp":1000,"sessionID":"s","part":{"tool":"bash","state":'
+                   '{"status":"completed","input":{"command":"ls"},"output":"a.txt"}}}\n'
+                   '{"type":"text","timestamp":2000,"sessionID":"s","part":{"text":"looked around"}}\n')
+    page = task_views.transcript(task["id"])
+    assert page["source"] == "task logs" and page["session_id"] is None
+    assert [t["role"] for t in page["turns"]] == ["user", "assistant"]
+    assert "brief-token" in page["turns"][0]["text"]
+    assert page["turns"][1]["text"] == "looked around" and page["turns"][1]["tools"][0]["output"] == "a.txt"
+    with pytest.raises(task_store.ValidationError, match="limit"):
+        task_views.transcript(task["id"], 0, 101)
+    call = ('{"type":"tool_use","timestamp":3000,"sessionID":"s","part":{"tool":"bash","state":'
+            '{"status":"completed","input":{"command":"yes"},"output":"' + "y" * 5000 + '"}}}\n')
+    with log.open("a") as handle:
+        handle.write(call * 25 + '{"type":"text","timestamp":4000,"sessionID":"s","part":{"text":"busy"}}\n')
+    busy = task_views.transcript(task["id"])["turns"][2]
+    assert len(busy["tools"]) == 21 and busy["tools"][-1]["status"] == "omitted" and "5 more" in busy["tools"][-1]["title"]
+    assert len(busy["tools"][0]["output"]) < 1100
+    refused = run_script("tasks_cli.py", "transcript", "t_0099")
+    assert refused.returncode != 0 and "not found" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("steer", [
+        tool_call("bash", {"command": "sleep 6", "description": "long step"}),
+        text("Heard you.\n" + _receipt("took the note", [])),
+    ])
+    task = task_store.submit_task(title="steer", instructions="Work. SCRIPT:steer", working_dir=str(repo))
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(r["finished"] and r["step"] == 0 for r in opencode.model.step_requests("steer")):
+            assert time.monotonic() < deadline and worker.poll() is None, worker.communicate()
+            time.sleep(0.2)
+        sent = task_store.add_note(task["id"], "use-the-blue-approach-token")
+        assert sent["status"] == "running" and "running session" in sent["delivery"]
+        _, stderr = worker.communicate(timeout=180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", (done["error"], stderr)
+    steps = opencode.model.step_requests("steer")
+    assert len(steps) == 2 and steps[1]["json"]["messages"][-1]["role"] == "user"
+    assert "use-the-blue-approach-token" in _body(steps[1]), "the note reached the running session"
+    assert "use-the-blue-approach-token" not in _body(steps[0])
+    note = done["result"]["notes"][0]
+    assert note["delivered_how"] == "in the running session, at a step boundary" and note["delivered_at"]
+    assert done["attempts"] == 1 and done["result"]["session"] == "new session"
+    assert not list(task_store.log_path(task["id"]).parent.glob("*.notes*")), "the notes files are removed"
+
+
+PUSH = "git push origin main; echo pushed > {cwd}/pushed.txt"
+
+
+@pytest.mark.parametrize("decision", ["deny", "allow once"])
+def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(opencode, tmp_path, decision):
+    repo = make_repo(tmp_path / "repo")
+    steps = [tool_call("bash", {"command": PUSH, "description": "publish the branch"})]
+    if decision == "allow once":
+        steps.append(tool_call("bash", {"command": PUSH, "description": "publish the branch"}))
+    opencode.model.script("push", steps + [text("Finished.\n" + _receipt("handled the push", []))])
+    task = task_store.submit_task(title="push", instructions="Publish. SCRIPT:push", working_dir=str(repo),
+                                  rules={"bash": {"git push*": "ask"}})
+    assert task["rules"] == {"bash": {"git push*": "ask"}}
+
+    assert run_script("worker.py").returncode == 0
+    waiting = task_store.get_task(task["id"])
+    assert waiting["status"] == "waiting", waiting["error"]
+    command = PUSH.replace("{cwd}", waiting["worktree_path"])
+    assert f"bash `{command}`" in waiting["question"] and "publish the branch" in waiting["question"]
+    assert waiting["paused_for"] == "permission" and waiting["pending_ask"]["subject"] == command
+    assert not (tmp_path / "worktrees" / f"repo-{task['id']}" / "pushed.txt").exists(), "held, not run"
+
+    with pytest.raises(task_store.ValidationError, match="allow once, allow always"):
+        task_store.answer_task(task["id"], "sure, go ahead")
+    task_store.answer_task(task["id"], decision)
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert done["session_id"] == waiting["session_id"], "the same session resumed"
+    resumed = opencode.model.step_requests("push")[1]
+    said = _body(resumed)
+    ran = [c for c in done["result"]["commands"] if "git push" in c["command"]]
+    if decision == "deny":
+        assert "refused your bash call" in said
+        assert ran == [] and "pushed.txt" not in done["diff"], "the call was refused"
+    else:
+        assert "allowed your bash call" in said
+        assert len(ran) == 1 and "pushed" in done["diff"], "allowed once, it ran"
+    assert "rules" in done["result"]["sandbox"]
+
+
+def test_rules_are_validated_at_submit(tmp_path):
+    for rules, needle in [({"shell": "ask"}, "unknown tool 'shell'"), ({"bash": {"x": "maybe"}}, "an action is one of"),
+                          ("{nope", "JSON object"), ({"bash": {}}, "is empty")]:
+        with pytest.raises(task_store.ValidationError, match=needle):
+            task_store.submit_task(title="r", instructions="x", working_dir=str(tmp_path), rules=rules)
+
+
+def test_an_unknown_skill_or_subagent_is_refused_at_submit(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    skill = Path(opencode.env["XDG_CONFIG_HOME"]) / "opencode" / "skills" / "house-style"
+    skill.mkdir(parents=True)
+    (skill / "SKILL.md").write_text("---\nname: house-style\ndescription: Use for this repo's style\n---\nTabs.\n")
+    refused = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--skill", "no-such-skill")
+    assert refused.returncode == 2 and "'no-such-skill' is not offered" in refused.stderr
+    assert "house-style" in refused.stderr and task_store.counts()["pending"] == 0
+    agent = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--subagent", "ghost")
+    assert agent.returncode == 2 and "sub-agent 'ghost'" in agent.stderr and "explore" in agent.stderr
+    queued = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--skill", "house-style",
+                        "--subagent", "explore", "--json")
+    assert queued.returncode == 0, queued.stderr
+    task = task_store.get_task(json.loads(queued.stdout)["id"])
+    assert task["skills"] == ["house-style"] and task["subagents"] == ["explore"]
+
+    import anyio
+    from mcp import Client
+
+    import opencode_bridge_mcp as bridge
+
+    async def over_mcp() -> str:
+        async with Client(bridge.build_server()) as client:
+            result = await client.call_tool("submit_task", {"title": "t", "instructions": "x", "working_dir": str(repo),
+                                                            "skills": ["no-such-skill"]})
+            assert result.is_error
+            return result.content[0].text
+
+    assert "'no-such-skill' is not offered" in anyio.run(over_mcp)
