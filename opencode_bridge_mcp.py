@@ -142,6 +142,8 @@ class Note(TypedDict):
     text: str
     created_at: str | None
     delivered: bool
+    delivered_at: str | None    # when it reached the agent (ISO UTC)
+    delivered_how: str | None   # "in the running session, at a step boundary" or "in the prompt of attempt br-…"
 
 
 class QuestionAnswer(TypedDict):

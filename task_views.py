@@ -85,6 +85,12 @@ class TaskInfo(TaskRow):
     spent_tokens: int
     max_tokens: int | None
     paused_for: str | None
+    continue_from: str | None          # a follow-up of this task (same session and branch)
+    fork_from: str | None              # a fork of this task (own branch, copy of the session)
+    rules: dict[str, Any] | None       # the task's own permission rules (OpenCode's format)
+    skills: list[str] | None
+    subagents: list[str] | None
+    pending_ask: dict[str, Any] | None  # the permission request it waits on: tool, subject, reason (+ decision)
 
 
 class WorkerState(TypedDict):
