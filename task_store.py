@@ -1183,7 +1183,9 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
             row = conn.execute(_INSERT_TASK, values | {"created_at": now(), "working_dir":
-                                                       line.pop("working_dir", values["working_dir"])}).fetchone()
+                                                       line.pop("working_dir", values["working_dir"]),
+                                                       "worktree_keep": line.pop("worktree_keep", values["worktree_keep"])}
+                               ).fetchone()
             task_id = row["id"]
             if spec["parent"] is not None or any(extras.values()):
                 # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
@@ -1223,6 +1225,8 @@ def _line_values(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> 
         raise ValidationError(f"{kind} {name}: working_dir must be that task's ({parent['working_dir']}) "
                               "or left out")
     if kind == "continue_from":
+        # It works in that task's folder: a folder the person asked to keep stays kept.
+        values["worktree_keep"] = spec["worktree_keep"] or parent["worktree_keep"]
         other = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
                              " ORDER BY id LIMIT 1", (num,)).fetchone()
         if other is not None:

@@ -132,6 +132,10 @@ def test_follow_up_refusals():
         task_store.submit_task(title="c", instructions="y", fork_from=first["id"], working_dir="/")
     with pytest.raises(task_store.ValidationError, match="fork_from names t_0999, which does not exist"):
         task_store.submit_task(title="c", instructions="y", fork_from="t_0999")
+    kept = task_store.submit_task(title="k", instructions="x", working_dir=here, worktree_keep=True)
+    assert task_store.submit_task(title="k2", instructions="y", continue_from=kept["id"])["worktree_keep"], \
+        "a follow-up keeps the folder its task kept"
+    assert not task_store.submit_task(title="k3", instructions="y", fork_from=kept["id"])["worktree_keep"]
     flat = task_store.submit_task(title="d", instructions="x", working_dir=here, worktree=False)
     with pytest.raises(task_store.ValidationError, match="worktree=false"):
         task_store.submit_task(title="e", instructions="y", continue_from=flat["id"])
