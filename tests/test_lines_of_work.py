@@ -1,10 +1,11 @@
-"""Follow-ups and forks (issue 15) with the real `opencode` and the scripted model: a follow-up
-resumes the same OpenCode session on the same branch; a fork starts a branch of its own from
-the same head with a copy of the session."""
+"""Working with a task after it ran (issue 15), with the real `opencode` and the scripted model:
+a follow-up resumes the same OpenCode session on the same branch; a fork starts a branch of its
+own from the same head with a copy of the session; the transcript of a line of work; a note sent
+while a task runs reaches that run; an `ask` rule pauses a task until the planner allows or
+denies; unknown skills and sub-agents are refused at submit."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -119,9 +120,9 @@ def test_fork_makes_two_branches_from_one_head_with_both_histories(opencode, tmp
     assert git(repo, "rev-parse", one["branch"]) == one["result"]["commit"], "the first branch is untouched"
 
 
-def test_follow_up_refusals():
-    import os
-    here = os.getcwd()
+def test_follow_up_refusals(tmp_path):
+    here = str(tmp_path)
+    (tmp_path / "other").mkdir()
     first = task_store.submit_task(title="a", instructions="x", working_dir=here)
     with pytest.raises(task_store.ValidationError, match="not both"):
         task_store.submit_task(title="b", instructions="y", continue_from=first["id"], fork_from=first["id"])
@@ -129,7 +130,7 @@ def test_follow_up_refusals():
     with pytest.raises(task_store.ValidationError, match="already continues it.*fork_from"):
         task_store.submit_task(title="c", instructions="y", continue_from=first["id"])
     with pytest.raises(task_store.ValidationError, match="working_dir must be"):
-        task_store.submit_task(title="c", instructions="y", fork_from=first["id"], working_dir="/")
+        task_store.submit_task(title="c", instructions="y", fork_from=first["id"], working_dir=str(tmp_path / "other"))
     with pytest.raises(task_store.ValidationError, match="fork_from names t_0999, which does not exist"):
         task_store.submit_task(title="c", instructions="y", fork_from="t_0999")
     kept = task_store.submit_task(title="k", instructions="x", working_dir=here, worktree_keep=True)
