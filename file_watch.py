@@ -7,7 +7,7 @@ network filesystem that reports nothing) ``available`` is False and ``wait`` sim
 caller re-checks on its own schedule, so a missing notification costs latency, never correctness.
 
 The store uses it for ``wait_for_change`` (SQLite writes every commit to the ``-wal`` file, or to
-the database file itself in rollback-journal mode). Imports the standard library only; reads no env.
+the database file itself in rollback-journal mode). Imports the standard library only; reads no env; not run on its own.
 """
 from __future__ import annotations
 

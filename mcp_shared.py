@@ -22,6 +22,8 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
   its path and the way out, for the tools and for the HTTP API alike.
+
+Not run on its own; reads no env of its own.
 """
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ per client address (PeerLimit); a full set of waiting sign-ins drops its oldest;
 with userinfo is refused. Registered clients, consents and revoked grants persist in
 ``oauth.json`` beside the token file (0600).
 
+Not run on its own: http_app mounts it, so it serves with ``python serve.py`` (public mode) or
+``python opencode_bridge_mcp.py --transport streamable-http``.
+
 Env, read when the app is built: MCP_PUBLIC_URL (the issuer and resource base, e.g.
 ``https://abc.trycloudflare.com``; OAuth is served only when it is set and a bearer token exists).
 """

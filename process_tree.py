@@ -6,7 +6,7 @@ unrelated program is never signalled. Ending a tree collects the descendants fir
 that called setsid sit outside the process group), signals the group and each of them, waits a
 grace period, then SIGKILLs what is left. "Already gone" is never an error.
 
-Imports psutil and the standard library only; no SQL.
+Imports psutil and the standard library only; no SQL; reads no env; not run on its own.
 """
 from __future__ import annotations
 

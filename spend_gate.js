@@ -13,6 +13,7 @@
 // sees that file, ends the process tree at this step boundary and pauses the task.
 // Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
 // that cannot be read lets the call go. No dependencies; writes only the .held file.
+// Not run by hand: OpenCode loads it. Env: TASKBRIDGE_GATE (the gate file's path; unset, every call goes).
 import fs from "fs";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));

@@ -14,7 +14,8 @@ attempt's live spend, the spend per local day and the daily budget (``budget_sta
 Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_MOUNTINFO``.
 
-Imports the standard library only.
+Imports the standard library only; not run on its own (the MCP server, the CLI and the worker
+import it).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ HTTP API and the CLI all show, built once here.
   a task without one runs with (from ``opencode_runner.default_model``, cached answers only).
 - ``page_utf8`` / ``read_log_page``: text paged by bytes, never splitting a UTF-8 character.
 
-No SQL here (it lives in task_store); nothing happens at import time. Env: none of its own (the
+No SQL here (it lives in task_store); not run on its own; nothing happens at import time. Env: none of its own (the
 store reads TASK_DB_PATH and TASK_LOG_DIR at call time).
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 the Quick start is what CI runs."""
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -22,6 +23,21 @@ def knobs_in_code() -> set[str]:
         found |= set(KNOB.findall(path.read_text()))
     import knobs   # the numeric knobs are read by name through its registry
     return (found | set(knobs.REGISTRY)) - OS_VARIABLES
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS, key=str), ids=lambda p: p.name)
+def test_every_script_opens_with_a_docstring_naming_its_env(script):
+    """What it is, how it is run (or that it is not run on its own) and the env it reads."""
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    assert re.search(r"\benv\b", doc, re.I), f"{script.name}: its docstring names no env (say 'Env: none')"
+    assert re.search(r"python |\.sh\b|tasks_cli\.py |used by|not run on its own|mounted by|shared by|^ *import \w+$", doc,
+                     re.I | re.M), \
+        f"{script.name}: its docstring does not say how it is run"
+
+
+def test_the_spend_gate_plugin_says_what_it_reads():
+    head = (ROOT / "spend_gate.js").read_text().split("\nimport ", 1)[0]
+    assert "Env: TASKBRIDGE_GATE" in head and "OpenCode loads it" in head
 
 
 def test_knob_scan_finds_known_knobs():
