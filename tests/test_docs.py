@@ -21,6 +21,8 @@ def knobs_in_code() -> set[str]:
     found = set()
     for path in SCRIPTS:
         found |= set(KNOB.findall(path.read_text()))
+    for path in ROOT.glob("*.sh"):   # the shell scripts' knobs: ${NAME:-default}
+        found |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]+):-", path.read_text()))
     import knobs   # the numeric knobs are read by name through its registry
     return (found | set(knobs.REGISTRY)) - OS_VARIABLES
 
@@ -41,7 +43,7 @@ def test_the_spend_gate_plugin_says_what_it_reads():
 
 
 def test_knob_scan_finds_known_knobs():
-    assert {"TASK_DB_PATH", "WORKER_STALE_SEC", "MCP_ALLOWED_HOSTS"} <= knobs_in_code()
+    assert {"TASK_DB_PATH", "WORKER_STALE_SEC", "MCP_ALLOWED_HOSTS", "TUNNEL_HOST", "TASKBRIDGE_DIR"} <= knobs_in_code()
 
 
 @pytest.mark.parametrize("knob", sorted(knobs_in_code()))
