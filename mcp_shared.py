@@ -373,11 +373,25 @@ class ReplyTracker:
                         sorted(map(str, self.owed)))
 
 
-class DrainingReader:
-    """A read stream over the transport's whose end waits for the replies still owed (ReplyTracker)."""
+class _WrappedStream:
+    """What both stream wrappers share: the transport's stream and the ReplyTracker they report to;
+    closing closes the wrapped stream; usable as ``async with``."""
 
     def __init__(self, inner: Any, tracker: ReplyTracker) -> None:
         self.inner, self.tracker = inner, tracker
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+class DrainingReader(_WrappedStream):
+    """A read stream over the transport's whose end waits for the replies still owed (ReplyTracker)."""
 
     @property
     def last_context(self) -> Any:      # the sender's contextvars, as the SDK's stream carries them
@@ -401,34 +415,13 @@ class DrainingReader:
         except anyio.EndOfStream:
             raise StopAsyncIteration from None
 
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
-    async def __aenter__(self) -> "DrainingReader":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
-
-
-class ReplyWriter:
+class ReplyWriter(_WrappedStream):
     """A write stream over the transport's that tells the ReplyTracker which requests are answered."""
-
-    def __init__(self, inner: Any, tracker: ReplyTracker) -> None:
-        self.inner, self.tracker = inner, tracker
 
     async def send(self, item: Any) -> None:
         await self.inner.send(item)
         self.tracker.written(getattr(item, "message", None))
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    async def __aenter__(self) -> "ReplyWriter":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.aclose()
 
 
 def hints(*, read_only: bool, destructive: bool, idempotent: bool, open_world: bool) -> ToolAnnotations:
