@@ -86,6 +86,36 @@ def step_finish_sums(log_text: str) -> dict:
     return sums
 
 
+_CLAIMER = """
+import json, sys, task_store
+got = []
+while True:
+    task = task_store.claim_next(sys.argv[1])
+    if task is None:
+        break
+    got.append(task["id"])
+    if sys.argv[2] == "renew":
+        task_store.renew_lease(task["id"], task["run_marker"], session_id="s")
+    task_store.complete_attempt(task["id"], task["run_marker"])
+print(json.dumps(got))
+"""
+
+
+def claim_in_processes(workers: int, timeout: float, *, renew: bool = False) -> list[str]:
+    """``workers`` separate processes claim and complete (``renew``: renewing each lease once
+    between) until the queue is empty; returns every claimed id. Fails on a process that exits
+    non-zero or says "locked"."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, f"w{i}", "renew" if renew else "-"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(workers)]
+    claimed = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0 and "locked" not in err, err
+        claimed += json.loads(out)
+    return claimed
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     import socket

@@ -1,15 +1,12 @@
 """The queue itself: claims, fencing, dependencies, priority, validation, concurrency."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 import task_store as store
-from helpers import ROOT
+from helpers import claim_in_processes
 
 
 def submit(tmp_path, title="t", **kw):
@@ -206,35 +203,13 @@ def test_clear_finished_keeps_what_others_depend_on(tmp_path):
     assert store.counts() == {s: 0 for s in store.STATUSES}
 
 
-CLAIMER = """
-import json, sys, task_store
-got = []
-while True:
-    task = task_store.claim_next(sys.argv[1])
-    if task is None:
-        break
-    got.append(task["id"])
-    task_store.complete_attempt(task["id"], task["run_marker"])
-print(json.dumps(got))
-"""
-
-
 def test_eight_processes_claim_200_tasks_exactly_once(tmp_path):
     store.submit_batch([{"title": f"t{i}", "instructions": "i", "working_dir": str(tmp_path)}
                         for i in range(20)])  # migrate first, then bulk insert
     for _ in range(9):
         store.submit_batch([{"title": "t", "instructions": "i", "working_dir": str(tmp_path)}] * 20)
-    procs = [subprocess.Popen([sys.executable, "-c", CLAIMER, f"w{i}"], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(8)]
-    claimed, errors = [], []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        errors.append(err)
-        claimed += json.loads(out)
+    claimed = claim_in_processes(8, timeout=120)   # each exits 0 without a "locked" error
     assert len(claimed) == 200 and len(set(claimed)) == 200
-    assert not any("locked" in e for e in errors)
     assert store.counts()["done"] == 200
 
 
