@@ -45,6 +45,7 @@ REQUEST_HEAD_SEC = 10.0        # a connection must send a complete request head 
 KEEP_ALIVE_SEC = 5             # idle time between requests on one connection
 MAX_CONNECTIONS = 128          # open connections; more are closed at once (macOS's default ulimit -n is 256)
 MAX_PEER_CONNECTIONS = 32      # of them from one address beyond this machine (a tunnel, on loopback, is exempt)
+MAX_PEER_REQUESTS = 32         # requests in progress from one client address (a tunnel's named client too)
 MAX_HEAD_BYTES = 16 * 1024     # a request head larger than this is refused (h11)
 LOGGED_CHARS = 120             # of a request path in a log line
 BODY_SEC = 30.0                # a request body must arrive whole this soon after its head (408 otherwise)
@@ -312,14 +313,34 @@ class Shield:
     head and stay under body_cap(path) bytes (408 / 413 otherwise, checked as it streams, chunked
     bodies too; a Content-Length over the cap is refused before reading); every answer gets the
     safety headers (safety_headers); a client that hangs up mid-body costs one log line, not a
-    traceback."""
+    traceback. One client address (beyond this machine, or the client a tunnel names:
+    oauth.peer_of) may have at most MAX_PEER_REQUESTS requests in progress (429 beyond), so one
+    peer behind a tunnel cannot hold every connection slot with slow requests."""
 
     def __init__(self, app: Any) -> None:
-        self.app = app
+        self.app, self.active = app, {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        peer = oauth.peer_of(scope)
+        if is_loopback(peer) or peer == "::1":
+            return await self._serve(scope, receive, send)
+        if self.active.get(peer, 0) >= MAX_PEER_REQUESTS:
+            log.warning("more than %d requests in progress from one address: refused one (429)", MAX_PEER_REQUESTS)
+            return await _plain(send, 429, {"error": f"more than {MAX_PEER_REQUESTS} requests in progress from this "
+                                                     "address; finish some first"},
+                                safety_headers([(b"content-type", b"application/json"),
+                                                (b"connection", b"close"), (b"retry-after", b"10")])[1:])
+        self.active[peer] = self.active.get(peer, 0) + 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.active[peer] -= 1
+            if not self.active[peer]:
+                del self.active[peer]
+
+    async def _serve(self, scope: dict, receive: Any, send: Any) -> None:
         import anyio
 
         path, cap = scope.get("path", ""), body_cap(scope.get("path", ""))

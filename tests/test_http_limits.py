@@ -243,3 +243,34 @@ def test_one_address_beyond_loopback_gets_only_its_share_of_the_connections(tmp_
             sock.close()
         err = stderr_of(proc)
     assert "open connections from one address" in err
+
+
+def test_one_client_behind_a_tunnel_gets_only_its_share_of_requests_in_progress(tmp_path):
+    """Through a tunnel every connection comes from 127.0.0.1; the tunnel names the client
+    (CF-Connecting-IP, X-Forwarded-For). Past MAX_PEER_REQUESTS slow requests in progress from
+    one named client, its next request gets 429 at once; other clients and local ones get in."""
+    port, share = free_port(), 3
+    code = LAUNCH.format(root=str(ROOT), body=30, conns=40, port=port, script=str(ROOT / "opencode_bridge_mcp.py"))
+    code = code.replace("http_app.MAX_CONNECTIONS", f"http_app.MAX_PEER_REQUESTS = {share}; http_app.MAX_CONNECTIONS")
+    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"),
+               MCP_PUBLIC_URL=f"http://127.0.0.1:{port}", TASK_DB_PATH=str(tmp_path / "tasks.db"))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    held = []
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        for _ in range(share):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
+            held.append(sock)
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            extra.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
+            assert read_answer(extra).startswith(b"HTTP/1.1 429")
+        other = httpx2.get(f"http://127.0.0.1:{port}/health", headers={"CF-Connecting-IP": "198.51.100.1"}, timeout=5)
+        assert other.status_code == 200
+        assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+        stderr_of(proc)
