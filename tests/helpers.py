@@ -52,6 +52,17 @@ def run_script(name: str, *args: str, timeout: float = 300, env: dict | None = N
                           stdin=None if input is not None else subprocess.DEVNULL)
 
 
+def run_task(script: str, working_dir: str, *, title: str | None = None, **fields) -> dict:
+    """Queue a task whose instructions name the fake model's ``script`` (title: the script's
+    name unless given; ``fields``: more submit_task fields), run one worker pass (it must exit 0)
+    and return the task as stored after it."""
+    import task_store
+    task = task_store.submit_task(title=title or script, instructions=f"SCRIPT:{script}",
+                                  working_dir=working_dir, **fields)
+    assert run_script("worker.py").returncode == 0
+    return task_store.get_task(task["id"])
+
+
 def tagged(marker_prefix: str = "br-") -> list[psutil.Process]:
     """Live processes whose environment carries a TaskBridge run marker of this test's queue."""
     import task_store

@@ -12,7 +12,7 @@ import pytest
 import opencode_runner as oc
 import task_store
 from fake_openai import text, tool_call
-from helpers import git, make_repo, run_script
+from helpers import git, make_repo, run_script, run_task
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
@@ -40,10 +40,7 @@ def test_restriction_holds_for_a_permissive_user_agent(opencode, tmp_path, permi
         tool_call("write", {"filePath": "{cwd}/written.txt", "content": "x"}),
         text("Tried.\n" + DONE),
     ])
-    task = task_store.submit_task(title="rev", instructions="SCRIPT:rev", working_dir=str(repo),
-                                  permission=permission, agent="reviewer")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
+    done = run_task("rev", str(repo), permission=permission, agent="reviewer")
     assert done["status"] == "done", done["error"]
     receipt = done["result"]
     sent = opencode.model.step_requests("rev")
@@ -75,10 +72,7 @@ def test_pins_reach_every_agent_of_the_resolved_config(opencode, tmp_path):
 
 def test_unknown_agent_with_a_restriction_is_refused_clearly(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    task = task_store.submit_task(title="x", instructions="SCRIPT:none", working_dir=str(repo),
-                                  permission="no-shell", agent="nobody")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
+    done = run_task("none", str(repo), title="x", permission="no-shell", agent="nobody")
     assert done["status"] == "failed" and done["attempts"] == 1
     assert "agent 'nobody' is not defined" in done["error"] and "drop --agent" in done["error"]
     assert opencode.model.requests == []
@@ -157,10 +151,7 @@ def test_an_environment_fault_names_its_line_and_is_not_retried(opencode, tmp_pa
     # TMPDIR below a regular file: Bun's mkdir of $TMPDIR/opencode fails (ENOTDIR), as it fails
     # with EACCES for a TMPDIR the user cannot write (root could write anywhere, so this form).
     monkeypatch.setenv("TMPDIR", str(blocker / "tmp"))
-    task = task_store.submit_task(title="t", instructions="SCRIPT:none", working_dir=str(repo),
-                                  max_retries=3)
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
+    done = run_task("none", str(repo), title="t", max_retries=3)
     assert done["status"] == "failed" and done["attempts"] == 1, done
     assert "ENOTDIR" in done["error"] and "mkdir" in done["error"] and str(blocker) in done["error"]
     assert "not retried" in done["error"]

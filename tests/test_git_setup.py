@@ -16,7 +16,7 @@ import pytest
 
 import task_store
 from fake_openai import text, tool_call
-from helpers import checkout_state, make_repo, normal_user, run_script, tagged
+from helpers import checkout_state, make_repo, normal_user, run_script, run_task, tagged
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "added notes", "files_touched": ["notes.txt"], "tests_run": [], "open_questions": []}\n```'
@@ -176,10 +176,7 @@ def test_a_hanging_git_step_is_ended_with_its_tree_and_named(opencode, tmp_path,
         tool_call("write", {"filePath": "{cwd}/data.slow", "content": "payload\n"}),
         text("Done.\n" + DONE),
     ])
-    task = task_store.submit_task(title="slow", instructions="SCRIPT:slowfilter", working_dir=str(repo),
-                                  max_retries=2)
-    assert run_script("worker.py").returncode == 0
-    final = task_store.get_task(task["id"])
+    final = run_task("slowfilter", str(repo), title="slow", max_retries=2)
     assert final["status"] == "failed" and final["attempts"] == 1
     assert "the agent finished, but building the receipt" in final["error"]
     assert "git add -A . was ended with its process tree: did not finish in 3 s" in final["error"]
@@ -210,10 +207,7 @@ def test_a_repository_of_another_user_fails_at_once_with_the_safe_directory_fix(
     before = files_of(repo)
     opencode.model.script("theirs", [tool_call("write", {"filePath": "{cwd}/x.txt", "content": "x\n"}),
                                      text("Done.\n" + DONE)])
-    task = task_store.submit_task(title="theirs", instructions="SCRIPT:theirs", working_dir=str(repo),
-                                  max_retries=2)
-    assert run_script("worker.py").returncode == 0
-    final = task_store.get_task(task["id"])
+    final = run_task("theirs", str(repo), max_retries=2)
     assert final["status"] == "failed" and final["attempts"] == 1
     assert "belongs to another user" in final["error"] and "dubious ownership" in final["error"]
     assert "git config --global --add safe.directory" in final["error"]
@@ -221,9 +215,7 @@ def test_a_repository_of_another_user_fails_at_once_with_the_safe_directory_fix(
     assert files_of(repo) == before
 
     global_config.write_text(f"[safe]\n\tdirectory = {repo}\n")
-    again = task_store.submit_task(title="theirs", instructions="SCRIPT:theirs", working_dir=str(repo))
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(again["id"])
+    done = run_task("theirs", str(repo))
     assert done["status"] == "done", done["error"]
     assert done["result"]["isolation"] == "worktree" and done["result"]["files_touched"] == ["x.txt"]
     assert not (repo / "x.txt").exists(), "the work went to a worktree, not into their checkout"
@@ -246,10 +238,7 @@ def test_a_folder_git_will_not_work_in_never_runs_in_place(opencode, tmp_path, w
     before = files_of(folder)
     opencode.model.script("nowhere", [tool_call("write", {"filePath": "{cwd}/x.txt", "content": "x\n"}),
                                       text("Done.\n" + DONE)])
-    task = task_store.submit_task(title="nowhere", instructions="SCRIPT:nowhere", working_dir=str(folder),
-                                  max_retries=2)
-    assert run_script("worker.py").returncode == 0
-    final = task_store.get_task(task["id"])
+    final = run_task("nowhere", str(folder), max_retries=2)
     assert final["status"] == "failed" and final["attempts"] == 1, final["error"]
     assert expected in final["error"] and "not run in place" in final["error"] or \
         "use one of its worktrees" in final["error"], final["error"]
@@ -276,9 +265,7 @@ def test_submodules_are_checked_out_from_local_clones_or_the_receipt_says_why(op
                            "description": "look"}),
         text("Done.\n" + DONE),
     ])
-    task = task_store.submit_task(title="subs", instructions="SCRIPT:subs", working_dir=str(repo))
-    assert run_script("worker.py").returncode == 0
-    final = task_store.get_task(task["id"])
+    final = run_task("subs", str(repo))
     assert final["status"] == "done", final["error"]
     receipt = final["result"]
     assert receipt["submodules"]["initialised"] == ["libs/core"]
