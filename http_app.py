@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import board_api
+import connectors
 import mcp_shared
 import oauth
 import task_views
@@ -38,7 +39,6 @@ from mcp.server.mcpserver import MCPServer
 from starlette.requests import ClientDisconnect
 from mcp.server.transport_security import TransportSecuritySettings
 
-REPO_DIR = Path(__file__).resolve().parent
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
 REQUEST_HEAD_SEC = 10.0        # a connection must send a complete request head this soon, or it is closed
@@ -56,8 +56,9 @@ log = logging.getLogger("taskbridge.mcp")
 
 
 def token_file() -> Path:
-    """The bearer token file: ``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token``."""
-    return Path(os.environ.get("MCP_TOKEN_FILE") or REPO_DIR / ".taskbridge" / "token").expanduser()
+    """The bearer token file: ``$MCP_TOKEN_FILE`` or ``<repo>/.taskbridge/token``, absolute (read
+    in one place, connectors.token_file, which serve.py and the set-up snippets use too)."""
+    return connectors.token_file()
 
 
 class TokenConfigError(Exception):
