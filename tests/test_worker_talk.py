@@ -140,6 +140,15 @@ def test_worker_talks_on_a_terminal_with_a_live_line(opencode, tmp_path):
     assert "t_0001 bash: echo quick-step" in out.text                               # -v: every tool call
 
 
+def test_worker_lines_escape_control_characters_as_the_cli_does():
+    """One escaping for the worker's lines and the CLI's one-line fields: ESC, C1, bidi overrides,
+    tab, newline and CR all show as visible escapes, and the two agree."""
+    import tasks_cli
+    evil = "a\x1b]0;pwn\x07b\tc\nd\re\x9bf\u202eg"
+    assert worker_talk.plain(evil) == tasks_cli.visible(evil, multiline=False) == \
+        "a\\x1b]0;pwn\\x07b\\tc\\nd\\re\\x9bf\\u202eg"
+
+
 def test_worker_log_stays_bounded(monkeypatch):
     monkeypatch.setattr(worker_talk, "LOG_MAX_BYTES", 4000)
     for n in range(400):
