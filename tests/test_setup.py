@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import connectors
 import serve
 import task_store
 import tasks_cli
