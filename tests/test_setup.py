@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -20,9 +19,7 @@ import serve
 import task_store
 import tasks_cli
 import worker_talk
-from helpers import ROOT, run_script
-
-OTHER_USER = "tbother"
+from helpers import ROOT, normal_user, run_script
 
 
 def mode(path: Path) -> int:
@@ -115,23 +112,11 @@ def test_rotation_refused_while_the_token_comes_from_the_environment(monkeypatch
 # File modes: folders 0700, files 0600; checked against another local user.
 
 
-def other_user() -> str | None:
-    """A non-root user to read as (created when the tests run as root, as CI does)."""
-    try:
-        pwd.getpwnam(OTHER_USER)
-        return OTHER_USER
-    except KeyError:
-        pass
-    if os.geteuid() != 0 or not shutil.which("useradd"):
-        return None
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", OTHER_USER], capture_output=True)
-    return OTHER_USER
-
-
 def test_queue_files_token_and_logs_are_private(monkeypatch):
-    user = other_user()
-    if user is None:
-        pytest.skip(f"needs root (to create the user {OTHER_USER}) or that user")
+    other = normal_user()   # a non-root user to read as (created when missing, as root in CI)
+    if other is None:
+        pytest.skip("needs root to read as another user")
+    user = other.pw_name
     if not shutil.which("runuser"):
         pytest.skip("needs runuser to read as another user")
     # A folder every user can enter, so only the modes set by TaskBridge stand in the way.
