@@ -1,4 +1,4 @@
-"""TaskBridge's MCP server: the 21 tools with which Claude (or any MCP client) drives the queue.
+"""TaskBridge's MCP server: the tools with which Claude (or any MCP client) drives the queue.
 
 Run:
     python opencode_bridge_mcp.py                                  # stdio (what Claude Desktop runs)
@@ -1134,7 +1134,7 @@ def ping(ctx: Context) -> PingResult:
 
 def build_app(server: MCPServer | None = None) -> Any:
     """The one Starlette app for every HTTP transport (http_app.build_app) around ``server``, by
-    default a fresh one with the 21 tools; reads the token and allowlist now."""
+    default a fresh one with every tool; reads the token and allowlist now."""
     return http_app.build_app(server or build_server())
 
 

@@ -72,8 +72,13 @@ def test_every_mcp_tool_documented(module_name, count):
         assert f"`{tool}" in README, f"MCP tool {tool} missing from the README"
 
 
-def test_readme_states_the_bridge_tool_count():
+def test_readme_states_the_bridge_tool_count_and_the_code_states_none():
+    """The count lives in tests/helpers.BRIDGE_TOOL_COUNT and the README's file table only: a
+    number in a docstring or comment goes stale with the next tool."""
     assert f"({BRIDGE_TOOL_COUNT} tools;" in README
+    for path in SCRIPTS:
+        stale = re.findall(r"\b\d+ (?:MCP |queue )?tools\b", path.read_text())
+        assert stale == [], f"{path.name} states a tool count: {stale}"
 
 
 def test_quick_start_has_two_commands_and_ci_runs_the_test_one():
