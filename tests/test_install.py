@@ -184,7 +184,9 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
     try:
         piped.wait_for(r"MCP connector URL:.*\n")
         token = (target / ".taskbridge" / "token").read_text().strip()
-        assert f"https://{CLOUDFLARE_HOST}/mcp" in piped.output and token in piped.output
+        assert f"https://{CLOUDFLARE_HOST}/mcp" in piped.output
+        assert f"Token:              {token[:3]}…({len(token)} characters)" in piped.output
+        assert token not in piped.output, "the box masks the token (its file is named to copy it from)"
         assert (target / ".git").is_dir() and (target / ".venv" / "bin" / "python").exists()
         ping = anyio.run(mcp_ping, port, CLOUDFLARE_HOST, token)
         assert ping["ok"] and ping["caller"]["name"] == "claude-ai"
