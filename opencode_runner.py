@@ -341,13 +341,7 @@ def with_spend_gate(env: dict[str, str], gate_file: str) -> dict[str, str]:
     """``env`` with the spend gate loaded: its plugin appended to ``OPENCODE_CONFIG_CONTENT``'s
     ``plugin`` list (the user's own plugins stay) and ``TASKBRIDGE_GATE`` naming ``gate_file``,
     where the worker writes ``{"steps": n, "stop": reason | null}`` after each step."""
-    env = dict(env)
-    content = _config_content(env)
-    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
-    content["plugin"] = [*plugins, spend_gate_plugin().as_uri()]
-    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
-    env[SPEND_GATE_ENV] = gate_file
-    return env
+    return _with_plugin(env, spend_gate_plugin(), SPEND_GATE_ENV, gate_file)
 
 
 NOTES_ENV = "TASKBRIDGE_NOTES"
@@ -359,13 +353,7 @@ def with_notes_courier(env: dict[str, str], notes_file: str) -> dict[str, str]:
     ``TASKBRIDGE_NOTES`` naming ``notes_file``, where the worker writes the task's undelivered
     notes ``{"notes": [{"id", "author", "text"}]}``; the plugin acknowledges in
     ``<notes_file>.ack``."""
-    env = dict(env)
-    content = _config_content(env)
-    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
-    content["plugin"] = [*plugins, (Path(__file__).resolve().parent / "notes_courier.js").as_uri()]
-    env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
-    env[NOTES_ENV] = notes_file
-    return env
+    return _with_plugin(env, Path(__file__).resolve().parent / "notes_courier.js", NOTES_ENV, notes_file)
 
 
 RULES_ENV = "TASKBRIDGE_RULES"
@@ -377,12 +365,18 @@ def with_permission_rules(env: dict[str, str], rules_file: str) -> dict[str, str
     ``rules_file`` (``{"rules": the task's rules, "once": [{"tool", "subject"}]}``); a call that
     matches an ``ask`` rule is written to ``<rules_file>.ask`` and held until the worker ends
     the run."""
+    return _with_plugin(env, Path(__file__).resolve().parent / "permission_rules.js", RULES_ENV, rules_file)
+
+
+def _with_plugin(env: dict[str, str], plugin: Path, variable: str, file: str) -> dict[str, str]:
+    """A copy of ``env`` with ``plugin`` appended to ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list
+    (the user's own plugins stay) and ``variable`` naming ``file``. Raises ConfigProblem."""
     env = dict(env)
     content = _config_content(env)
     plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
-    content["plugin"] = [*plugins, (Path(__file__).resolve().parent / "permission_rules.js").as_uri()]
+    content["plugin"] = [*plugins, plugin.as_uri()]
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
-    env[RULES_ENV] = rules_file
+    env[variable] = file
     return env
 
 
