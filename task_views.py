@@ -107,6 +107,7 @@ class WorkerState(TypedDict):
     pid_running: bool | None
     recent: bool
     died: bool
+    label: str
     summary: str
     extra: dict[str, Any]
 
@@ -202,16 +203,30 @@ def cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool
 _BEAT_KEYS = frozenset(WorkerState.__annotations__) | {"ts"}
 
 
+def worker_label(seen: bool, recent: bool, running: bool | None, died: bool) -> str:
+    """The one word a person reads for the worker: ``never seen``, ``gone`` (its process ended
+    mid-run), ``stopped`` (it ended cleanly: after a one-pass run or a Ctrl-C), ``online`` (its
+    heartbeat is recent and its process runs, or it runs on another host) or ``stale``."""
+    if not seen:
+        return "never seen"
+    if died:
+        return "gone"
+    if running is False:
+        return "stopped"
+    return "online" if recent else "stale"
+
+
 def worker_state() -> dict[str, Any]:
     """The worker heartbeat file, judged (WorkerState): ``recent`` when younger than 180 s,
     ``pid_running`` (None when it was written on another host), ``died`` when its process is gone
-    although it was not stopped or between passes, a one-line summary saying what to do, and in ``extra`` any other field the worker
-    wrote (an ``error``, for one)."""
+    although it was not stopped or between passes, ``label`` (``worker_label``), a one-line
+    summary saying what to do, and in ``extra`` any other field the worker wrote (an ``error``,
+    for one)."""
     beat = store.read_worker_heartbeat()
     if beat is None:
         return {"seen": False, "state": None, "task": None, "tasks": [], "slots": None, "pid": None,
                 "host": None, "at": None, "age_sec": None, "pid_running": None, "recent": False,
-                "died": False, "extra": {},
+                "died": False, "extra": {}, "label": worker_label(False, False, None, False),
                 "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
                            "`python worker.py --watch`, or the restart_worker tool"}
     running = beat["pid_running"]
@@ -234,7 +249,7 @@ def worker_state() -> dict[str, Any]:
             "tasks": tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t],
             "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
             "at": beat.get("at"), "age_sec": age, "pid_running": running, "recent": recent,
-            "died": died, "summary": summary,
+            "died": died, "summary": summary, "label": worker_label(True, recent, running, died),
             "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
 
 

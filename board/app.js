@@ -130,8 +130,7 @@
         el("span", { class: "n", id: "tally-" + name }, String(count)), " " + name));
     }
     const w = status.worker || {};
-    let state = "never seen";
-    if (w.seen) state = w.recent && !w.died ? "online" : "stale";
+    const state = w.label || "never seen";
     const parts = [el("span", { class: "badge w-" + state.replace(" ", "-"), id: "worker-state" }, "worker " + state)];
     if (w.seen) {
       parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + ", " + age(w.at) + " ago");

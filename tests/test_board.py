@@ -257,6 +257,22 @@ def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(clie
     for view in (board, cli, tool):
         assert view["died"] is True and view["recent"] is True and view["pid"] == dead.pid
         assert view["tasks"] == ["t_0001"] and view["slots"] == 2 and "gone" in view["summary"]
+        assert view["label"] == "gone"
+
+
+@pytest.mark.parametrize("beat,label", [
+    ("{'state': 'stopped'}", "stopped"),     # a one-pass worker that ended cleanly is not online
+    ("{'state': 'pass'}", "stopped"),
+    ("{'state': 'running', 'task': 't_0001'}", "gone"),
+])
+def test_a_worker_whose_process_ended_is_never_shown_online(client, beat, label):
+    import subprocess
+    import sys
+    ended = subprocess.Popen([sys.executable, "-c", f"import task_store; task_store.write_worker_heartbeat({beat})"])
+    ended.wait()
+    assert client.get("/api/status", headers=AUTH).json()["worker"]["label"] == label
+    task_store.write_worker_heartbeat({"state": "idle"})     # this live process: online
+    assert client.get("/api/status", headers=AUTH).json()["worker"]["label"] == "online"
 
 
 @pytest.mark.parametrize("path,named", [

@@ -247,6 +247,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
     wait(browser, lambda d: text_of(d, "tally-waiting") == "1" and text_of(d, "tally-done") == "1",
          timeout=20, what="the waiting and done tallies")
     wait(browser, lambda d: first in text_of(d, "engine"), what="the worker's own lines in the engine tail")
+    wait(browser, lambda d: "worker stopped" in text_of(d, "worker"), what="the ended one-pass worker shown stopped")
     shot = screenshot(browser, tmp_path / "list.png")
     readme_copy = ROOT / "docs" / "board.png"       # the README's picture: refreshed on request only
     if not readme_copy.exists() or os.environ.get("TASKBRIDGE_UPDATE_SCREENSHOT") == "1":
