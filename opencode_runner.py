@@ -328,13 +328,15 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     return env
 
 
+# The OpenCode plugins runs load (JavaScript files OpenCode itself runs; see each file's header).
+PLUGIN_DIR = Path(__file__).resolve().parent / "opencode_plugins"
 SPEND_GATE_ENV = "TASKBRIDGE_GATE"
 
 
 def spend_gate_plugin() -> Path:
-    """The OpenCode plugin (``spend_gate.js`` beside this file) that holds each model call until
+    """The OpenCode plugin (``spend_gate.js`` in opencode_plugins/) that holds each model call until
     the worker has metered the steps before it (see that file)."""
-    return Path(__file__).resolve().parent / "spend_gate.js"
+    return PLUGIN_DIR / "spend_gate.js"
 
 
 def with_spend_gate(env: dict[str, str], gate_file: str) -> dict[str, str]:
@@ -348,24 +350,24 @@ NOTES_ENV = "TASKBRIDGE_NOTES"
 
 
 def with_notes_courier(env: dict[str, str], notes_file: str) -> dict[str, str]:
-    """``env`` with the note courier loaded (``notes_courier.js`` beside this file, appended to
+    """``env`` with the note courier loaded (``notes_courier.js`` in opencode_plugins/, appended to
     ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list; the user's own plugins stay) and
     ``TASKBRIDGE_NOTES`` naming ``notes_file``, where the worker writes the task's undelivered
     notes ``{"notes": [{"id", "author", "text"}]}``; the plugin acknowledges in
     ``<notes_file>.ack``."""
-    return _with_plugin(env, Path(__file__).resolve().parent / "notes_courier.js", NOTES_ENV, notes_file)
+    return _with_plugin(env, PLUGIN_DIR / "notes_courier.js", NOTES_ENV, notes_file)
 
 
 RULES_ENV = "TASKBRIDGE_RULES"
 
 
 def with_permission_rules(env: dict[str, str], rules_file: str) -> dict[str, str]:
-    """``env`` with the permission-rules plugin loaded (``permission_rules.js`` beside this file,
+    """``env`` with the permission-rules plugin loaded (``permission_rules.js`` in opencode_plugins/,
     appended to ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list) and ``TASKBRIDGE_RULES`` naming
     ``rules_file`` (``{"rules": the task's rules, "once": [{"tool", "subject"}]}``); a call that
     matches an ``ask`` rule is written to ``<rules_file>.ask`` and held until the worker ends
     the run."""
-    return _with_plugin(env, Path(__file__).resolve().parent / "permission_rules.js", RULES_ENV, rules_file)
+    return _with_plugin(env, PLUGIN_DIR / "permission_rules.js", RULES_ENV, rules_file)
 
 
 def _with_plugin(env: dict[str, str], plugin: Path, variable: str, file: str) -> dict[str, str]:

@@ -38,7 +38,7 @@ def test_every_script_opens_with_a_docstring_naming_its_env(script):
 
 
 def test_the_spend_gate_plugin_says_what_it_reads():
-    head = (ROOT / "spend_gate.js").read_text().split("\nimport ", 1)[0]
+    head = (ROOT / "opencode_plugins" / "spend_gate.js").read_text().split("\nimport ", 1)[0]
     assert "Env: TASKBRIDGE_GATE" in head and "OpenCode loads it" in head
 
 
