@@ -294,3 +294,11 @@ def test_an_idle_long_poll_asks_the_database_only_when_its_files_change(client, 
     monkeypatch.setattr(task_store, "change_marks", lambda: calls.append(1) or real())
     answer = client.get(f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&wait=2", headers=AUTH).json()
     assert answer["events"] == [] and len(calls) <= 2        # the first look, and the answer's own read
+
+
+def test_a_task_page_names_the_task_it_continues_or_forks(client, tmp_path):
+    first = submit(tmp_path)
+    follow = submit(tmp_path, continue_from=first["id"])
+    fork = submit(tmp_path, fork_from=first["id"])
+    assert client.get(f"/api/tasks/{follow['id']}", headers=AUTH).json()["continue_from"] == first["id"]
+    assert client.get(f"/api/tasks/{fork['id']}", headers=AUTH).json()["fork_from"] == first["id"]

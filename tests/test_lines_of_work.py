@@ -6,6 +6,7 @@ denies; unknown skills and sub-agents are refused at submit."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -152,6 +153,10 @@ def test_cli_submit_continue_and_fork_without_dir(tmp_path):
     assert json.loads(fork.stdout)["fork_from"] == first["id"]
     again = run_script("tasks_cli.py", "submit", "again", "--continue", "1")
     assert again.returncode != 0 and "already continues it" in again.stderr and "Traceback" not in again.stderr
+    shown = run_script("tasks_cli.py", "show", json.loads(fork.stdout)["id"])
+    assert shown.returncode == 0 and re.search(r"forked from\s+" + first["id"], shown.stdout), shown.stdout
+    shown = run_script("tasks_cli.py", "show", json.loads(follow.stdout)["id"])
+    assert re.search(r"continues\s+" + first["id"], shown.stdout), shown.stdout
 
 
 def test_transcript_without_a_session_comes_from_the_task_logs(tmp_path):
