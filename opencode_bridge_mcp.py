@@ -788,11 +788,15 @@ async def wait_for(
             newest = await _next_change(watch, cursor, min(poll, deadline - now, next_progress - now))
             if newest > cursor:
                 new = store.events_since(cursor, ids, 1000)
-                cursor = new[-1]["id"] if len(new) == 1000 else newest
+                cursor = new[-1]["id"] if len(new) == 1000 else max(newest, new[-1]["id"] if new else 0)
                 if new:
                     seen = (seen + new)[-50:]
                     statuses = store.statuses_of(ids)
+    # Rows first, then the events after the cursor: a change commits its event with it, so every
+    # status returned has its event among those returned (a change that landed between the last
+    # events read and the statuses read was otherwise reported without its event).
     tasks = [store.get_task(t) for t in ids]
+    seen = (seen + store.events_since(cursor, ids, 1000))[-50:]
     return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen)
 
 

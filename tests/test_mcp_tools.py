@@ -444,6 +444,28 @@ async def test_a_nul_character_in_any_text_is_refused_naming_the_field(tool, fie
 # wait_for.
 
 
+async def test_wait_for_reports_the_event_of_a_change_that_lands_between_its_reads(wd, monkeypatch):
+    """A task finishing between wait_for's events read and its statuses read: the answer says
+    done and carries the done event too (it used to carry only the claim)."""
+    async with client() as c:
+        task = await ok(c, "submit_task", task_args(wd, title="racy"))
+        real, calls = task_store.statuses_of, []
+
+        def statuses_with_a_commit_landing_first(ids):
+            calls.append(1)
+            if len(calls) == 2:          # the read after the claim's event: the finish lands now
+                claimed = task_store.get_task(task["id"])
+                task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"},
+                                            diff="", usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0})
+            return real(ids)
+
+        monkeypatch.setattr(task_store, "statuses_of", statuses_with_a_commit_landing_first)
+        threading.Timer(0.3, task_store.claim_next, args=("test-worker",), kwargs={"task_id": task["id"]}).start()
+        waited = await ok(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 10})
+    assert waited["tasks"][0]["status"] == "done"
+    assert [e["kind"] for e in waited["events"]] == ["claimed", "done"]
+
+
 async def test_wait_for_any_returns_when_one_task_finishes(mode, wd):
     async with client(mode) as c:
         a = await ok(c, "submit_task", task_args(wd, title="a"))
