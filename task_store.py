@@ -419,8 +419,38 @@ def _migrate_v5_lines_of_work(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE notes ADD COLUMN delivered_how TEXT")
 
 
+SCHEMA_V6 = [
+    # Tasks that name a repository instead of a folder (issue 13): the git remote a worker mirrors
+    # and the ref the task starts from; for such a task working_dir is ''.
+    "ALTER TABLE tasks ADD COLUMN repo_url TEXT",
+    "ALTER TABLE tasks ADD COLUMN base_ref TEXT",
+    # The host (TASKBRIDGE_HOST) whose workers may claim the task: NULL for any host (a task that
+    # names a remote), the submitting machine for a local working_dir, or what the task asked for.
+    "ALTER TABLE tasks ADD COLUMN host TEXT",
+    # The host of the worker holding the lease: the reaper checks pids only on its own host.
+    "ALTER TABLE tasks ADD COLUMN lease_host TEXT",
+    # Where a remote task's branch went: the branch name and commit pushed back to repo_url.
+    "ALTER TABLE tasks ADD COLUMN pushed_branch TEXT",
+    "ALTER TABLE tasks ADD COLUMN pushed_commit TEXT",
+    # A task's log in the database (PostgreSQL), appended by its worker in chunks (seq from 1), so
+    # a reader on another machine needs no shared disk. On SQLite the log stays a file.
+    "CREATE TABLE task_log_chunks (task_id INTEGER NOT NULL REFERENCES tasks(id) ON DELETE CASCADE,"
+    " seq INTEGER NOT NULL, data BLOB NOT NULL, PRIMARY KEY (task_id, seq))",
+    # Workers on every host: their heartbeat and state (the JSON of write_worker_heartbeat).
+    "CREATE TABLE workers (name TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER, pid_start REAL,"
+    " started_at REAL NOT NULL, heartbeat_at REAL NOT NULL, state TEXT)",
+]
+
+
+def _migrate_v6_past_one_machine(conn: sqlite3.Connection) -> None:
+    """Past one machine (issue 13): remote-repository tasks, host affinity, pushed branches, logs
+    in the database and the workers table."""
+    for statement in SCHEMA_V6:
+        conn.execute(statement)
+
+
 MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
-              _migrate_v5_lines_of_work]
+              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
