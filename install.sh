@@ -128,6 +128,20 @@ install_browser() {  # the board's browser tests (pytest -m browser)
   # --- end of the browser block ---
 }
 
+install_postgres() {  # the PostgreSQL store tests (pytest -m postgres): Debian's postgresql
+  if [ "$want_test" = 1 ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      say "installing postgresql (apt-get) for the PostgreSQL store tests"
+      { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >&2 || \
+        say "apt-get could not install postgresql: the PostgreSQL tests skip (and fail under CI=true)"
+    else
+      say "the PostgreSQL store tests need Debian's postgresql (/usr/lib/postgresql/*/bin): run as root" \
+          "to apt-get it (apt-get install postgresql); without it they skip (and fail under CI=true)"
+    fi
+  fi
+}
+
 check_port() {   # NAME VALUE: a port number 1-65535, or stop before installing anything
   case "$2" in
     ''|*[!0-9]*) die "$1='$2' is not a port number from 1 to 65535; fix it or leave it out (default 8765)" ;;
@@ -181,6 +195,7 @@ main() {
   fi
   install_opencode
   install_browser
+  install_postgres
 
   if [ "$want_test" = 1 ]; then
     exec .venv/bin/python serve.py --setup-only --quiet ${serve_args[@]+"${serve_args[@]}"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["opencode_env"]
+pytest_plugins = ["opencode_env", "pg_server"]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def isolated_queue(tmp_path, monkeypatch):
     """Point the queue, logs and worktrees at tmp_path; silence banners."""
     monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / "tasks.db"))
+    monkeypatch.delenv("TASK_DB_URL", raising=False)   # PostgreSQL only where a test asks (pg_url)
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
     monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
     monkeypatch.setenv("WORKER_NOTIFY", "0")
