@@ -217,3 +217,12 @@ def opencode(tmp_path: Path, scripted_model: ScriptedModel,
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
     return OpenCode(bin=binary, env=env, model=scripted_model, root=Path(tmp_path) / "opencode-home")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the real opencode (the ``opencode`` fixture, directly or through
+    another fixture) is marked ``real_opencode``, so ``-m "not real_opencode"`` leaves it out
+    without each test having to say so."""
+    for item in items:
+        if "opencode" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_opencode)

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -21,21 +22,36 @@ TOKEN = "s3cret-token-for-limit-tests"
 BODY_SEC = 2.0
 MAX_CONNECTIONS = 8
 LAUNCH = ("import sys, runpy; sys.path.insert(0, {root!r}); import http_app; "
-          "http_app.BODY_SEC = {body}; http_app.MAX_CONNECTIONS = {conns}; "
-          "sys.argv = ['opencode_bridge_mcp.py', '--transport', 'streamable-http', '--port', '{port}']; "
+          "{limits}; "
+          "sys.argv = ['opencode_bridge_mcp.py', '--transport', 'streamable-http', '--host', {host!r}, '--port', '{port}']; "
           "runpy.run_path({script!r}, run_name='__main__')")
+
+
+def launch_limited(tmp_path: Path, port: int, limits: dict[str, int], host: str = "127.0.0.1",
+                   **env_extra: str) -> subprocess.Popen:
+    """The MCP server on streamable-http at ``host:port`` with ``http_app``'s limits overridden
+    (``{"BODY_SEC": 30, ...}``) and its own token and queue under ``tmp_path``; started and
+    answering /health. The caller stops it."""
+    code = LAUNCH.format(root=str(ROOT), host=host, port=port, script=str(ROOT / "opencode_bridge_mcp.py"),
+                         limits="; ".join(f"http_app.{name} = {value}" for name, value in limits.items()))
+    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"),
+               TASK_DB_PATH=str(tmp_path / "tasks.db"), **env_extra)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+    except BaseException:
+        proc.kill()
+        proc.communicate(timeout=15)
+        raise
+    return proc
 
 
 @pytest.fixture
 def server(tmp_path):
     port = free_port()
-    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_PUBLIC_URL=f"http://127.0.0.1:{port}",
-               MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"), TASK_DB_PATH=str(tmp_path / "tasks.db"))
-    code = LAUNCH.format(root=str(ROOT), body=BODY_SEC, conns=MAX_CONNECTIONS, port=port,
-                         script=str(ROOT / "opencode_bridge_mcp.py"))
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_healthy(proc, f"http://127.0.0.1:{port}")
+    proc = launch_limited(tmp_path, port, {"BODY_SEC": BODY_SEC, "MAX_CONNECTIONS": MAX_CONNECTIONS},
+                          MCP_PUBLIC_URL=f"http://127.0.0.1:{port}")
     yield proc, port
     if proc.poll() is None:
         proc.terminate()
@@ -218,16 +234,10 @@ def test_one_address_beyond_loopback_gets_only_its_share_of_the_connections(tmp_
     if not address or address.startswith("127.") or address == "0.0.0.0":
         pytest.skip("this machine has no address beyond loopback")
     port, share = free_port(), 3
-    code = LAUNCH.format(root=str(ROOT), body=30, conns=20, port=port, script=str(ROOT / "opencode_bridge_mcp.py"))
-    code = code.replace("'--port'", "'--host', '0.0.0.0', '--port'").replace(
-        "http_app.MAX_CONNECTIONS", f"http_app.MAX_PEER_CONNECTIONS = {share}; http_app.MAX_CONNECTIONS")
-    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"),
-               TASK_DB_PATH=str(tmp_path / "tasks.db"))
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = launch_limited(tmp_path, port, {"BODY_SEC": 30, "MAX_PEER_CONNECTIONS": share, "MAX_CONNECTIONS": 20},
+                          host="0.0.0.0")
     held = []
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}")
         for _ in range(share):
             sock = socket.create_connection((address, port), timeout=5)
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")   # a head that never ends
@@ -250,15 +260,10 @@ def test_one_client_behind_a_tunnel_gets_only_its_share_of_requests_in_progress(
     (CF-Connecting-IP, X-Forwarded-For). Past MAX_PEER_REQUESTS slow requests in progress from
     one named client, its next request gets 429 at once; other clients and local ones get in."""
     port, share = free_port(), 3
-    code = LAUNCH.format(root=str(ROOT), body=30, conns=40, port=port, script=str(ROOT / "opencode_bridge_mcp.py"))
-    code = code.replace("http_app.MAX_CONNECTIONS", f"http_app.MAX_PEER_REQUESTS = {share}; http_app.MAX_CONNECTIONS")
-    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN, MCP_TOKEN_FILE=str(tmp_path / "tb" / "token"),
-               MCP_PUBLIC_URL=f"http://127.0.0.1:{port}", TASK_DB_PATH=str(tmp_path / "tasks.db"))
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = launch_limited(tmp_path, port, {"BODY_SEC": 30, "MAX_PEER_REQUESTS": share, "MAX_CONNECTIONS": 40},
+                          MCP_PUBLIC_URL=f"http://127.0.0.1:{port}")
     held = []
     try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}")
         for _ in range(share):
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
             sock.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
