@@ -60,6 +60,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 from typing_extensions import TypedDict  # pydantic needs this TypedDict before Python 3.12
 
+import knobs
 import mcp_shared
 import process_tree
 import task_store
@@ -82,21 +83,11 @@ INTERRUPTED = "interrupted: the bridge server stopped before the job finished"
 NOT_LOGGED_IN = "claude CLI is not logged in: run `claude login` or set ANTHROPIC_API_KEY"
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-:/@\[\]]{0,119}$")
 ACTIVE = ("queued", "running")
+CLAUDE_KNOBS = ("CLAUDE_CODE_MAX_RETRIES", "CLAUDE_STALL_SEC", "CLAUDE_MAX_TOKENS", "CLAUDE_MAX_PARALLEL")
 
 
 # --------------------------------------------------------------------------------------------
 # Configuration (read at call time).
-
-def _env_int(name: str, default: int, lo: int, hi: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return max(lo, min(hi, int(raw)))
-    except ValueError:
-        log.warning("%s=%r is not a whole number; using %s", name, raw, default)
-        return default
-
 
 def api_key_present() -> bool:
     return bool(os.environ.get("ANTHROPIC_API_KEY", "").strip())
@@ -107,19 +98,19 @@ def api_model() -> str:
 
 
 def api_retries() -> int:
-    return _env_int("CLAUDE_CODE_MAX_RETRIES", 2, 0, 20)
+    return int(knobs.knob("CLAUDE_CODE_MAX_RETRIES"))
 
 
 def stall_sec() -> int:
-    return _env_int("CLAUDE_STALL_SEC", 60, 1, TIMEOUT_MAX_SEC)
+    return int(knobs.knob("CLAUDE_STALL_SEC"))
 
 
 def max_tokens() -> int:
-    return _env_int("CLAUDE_MAX_TOKENS", 8192, 1, 128_000)
+    return int(knobs.knob("CLAUDE_MAX_TOKENS"))
 
 
 def max_parallel() -> int:
-    return _env_int("CLAUDE_MAX_PARALLEL", 4, 1, 64)
+    return int(knobs.knob("CLAUDE_MAX_PARALLEL"))
 
 
 def claude_bin() -> str | None:
@@ -1336,6 +1327,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.register_opencode:
         return _register(args.config)
+    refused = knobs.problems(CLAUDE_KNOBS)
+    if refused:
+        print(f"refusing to start: {refused[0]}", file=sys.stderr)
+        return 2
     serve()
     return 0
 

@@ -27,6 +27,11 @@ REGISTRY: dict[str, tuple[type, float, float, float]] = {
     "WORKER_POLL_SEC": (float, 0.5, 0.01, 60),
     "WORKER_LEASE_SEC": (float, 1, 0.01, 3600),
     "TASKBRIDGE_GIT_TIMEOUT_SEC": (float, 300, 0.1, DAY_SEC),
+    "MCP_WAIT_POLL_SEC": (float, 0.2, 0.01, 5),
+    "CLAUDE_CODE_MAX_RETRIES": (int, 2, 0, 20),
+    "CLAUDE_STALL_SEC": (int, 60, 1, 3600),
+    "CLAUDE_MAX_TOKENS": (int, 8192, 1, 128_000),
+    "CLAUDE_MAX_PARALLEL": (int, 4, 1, 64),
 }
 
 

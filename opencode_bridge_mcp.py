@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import os
 import shutil
 import socket
@@ -735,13 +734,9 @@ def _wait_met(statuses: dict[str, str], mode: str) -> bool:
 
 
 def _poll_sec() -> float:
-    """``$MCP_WAIT_POLL_SEC`` clamped to 0.01..5 s; 0.2 when unset or not a finite number ("nan"
-    would otherwise turn wait_for into a busy loop)."""
-    try:
-        value = float(os.environ.get("MCP_WAIT_POLL_SEC") or 0.2)
-    except ValueError:
-        return 0.2
-    return min(max(value, 0.01), 5.0) if math.isfinite(value) else 0.2
+    """``$MCP_WAIT_POLL_SEC``: seconds between wait_for's re-checks, 0.01..5 (default 0.2).
+    Raises knobs.KnobError for any other value (the server refuses to start with one)."""
+    return knobs.knob("MCP_WAIT_POLL_SEC")
 
 
 def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
@@ -1191,7 +1186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC",))   # the one its tools read; stderr only
+    refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC", "MCP_WAIT_POLL_SEC"))   # the ones its tools read
     if refused:
         print(f"refusing to start: {refused[0]}", file=sys.stderr)
         return 2

@@ -45,6 +45,29 @@ def test_the_mcp_server_refuses_a_bad_git_timeout():
     assert result.returncode == 2 and "TASKBRIDGE_GIT_TIMEOUT_SEC='abc' is not a number" in result.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "soon", "0", "1e9"])
+def test_the_mcp_server_refuses_a_wait_poll_that_would_spin_or_never_poll(value):
+    """0 or nan would turn wait_for's fallback into a busy loop and 1e9 into none; before, such
+    values were clamped in silence."""
+    result = run_script("opencode_bridge_mcp.py", env=dict(os.environ, MCP_WAIT_POLL_SEC=value), timeout=60)
+    assert result.returncode == 2 and result.stdout == "", "stdio stays clean"
+    assert f"MCP_WAIT_POLL_SEC={value!r} is not a number from 0.01 to 5" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("name,value,range_", [("CLAUDE_MAX_TOKENS", "lots", "from 1 to 128000"),
+                                                ("CLAUDE_MAX_PARALLEL", "0", "from 1 to 64"),
+                                                ("CLAUDE_STALL_SEC", "-5", "from 1 to 3600"),
+                                                ("CLAUDE_CODE_MAX_RETRIES", "99", "from 0 to 20")])
+def test_the_reverse_bridge_refuses_a_bad_knob_before_it_serves(name, value, range_):
+    """Before, the reverse bridge clamped these (CLAUDE_MAX_PARALLEL=0 ran one job at a time) or
+    fell back to the default with a warning only its log showed."""
+    result = run_script("claude_control_mcp.py", env=dict(os.environ, **{name: value}), timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert f"{name}={value!r} is not a whole number {range_}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_doctor_names_a_bad_port_and_the_fix():
     result = run_script("tasks_cli.py", "doctor", "--json", env=dict(os.environ, PORT="abc"), timeout=120)
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}

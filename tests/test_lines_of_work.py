@@ -27,6 +27,11 @@ def _receipt(summary: str, files: list[str]) -> str:
                                      "open_questions": []}) + "\n```"
 
 
+def _step(call: dict, said: str, summary: str, files: list[str]) -> list[dict]:
+    """One scripted agent step: a tool call, then a reply that ends with its receipt."""
+    return [call, text(said + "\n" + _receipt(summary, files))]
+
+
 def _body(request) -> str:
     return json.dumps(request["json"]["messages"])
 
@@ -36,10 +41,10 @@ def test_follow_up_resumes_the_session_and_commits_on_the_same_branch(opencode, 
     # One script for the whole line: the step is the number of assistant turns already in the
     # session, so the follow-up's steps come after the first task's.
     opencode.model.script("line", [
-        tool_call("write", {"filePath": "{cwd}/lib.py", "content": "def add(a, b):\n    return a + b\n"}),
-        text("Wrote it.\n" + _receipt("wrote lib.py", ["lib.py"])),
-        tool_call("write", {"filePath": "{cwd}/test_lib.py", "content": "from lib import add\n"}),
-        text("Tests added.\n" + _receipt("added test_lib.py", ["test_lib.py"])),
+        *_step(tool_call("write", {"filePath": "{cwd}/lib.py", "content": "def add(a, b):\n    return a + b\n"}),
+               "Wrote it.", "wrote lib.py", ["lib.py"]),
+        *_step(tool_call("write", {"filePath": "{cwd}/test_lib.py", "content": "from lib import add\n"}),
+               "Tests added.", "added test_lib.py", ["test_lib.py"]),
     ])
     first = task_store.submit_task(title="lib", instructions="Write lib.py. SCRIPT:line first-brief-token",
                                    working_dir=str(repo))
@@ -89,10 +94,10 @@ def test_follow_up_resumes_the_session_and_commits_on_the_same_branch(opencode, 
 def test_fork_makes_two_branches_from_one_head_with_both_histories(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("forks", [
-        tool_call("write", {"filePath": "{cwd}/base.txt", "content": "shared start\n"}),
-        text("Base done.\n" + _receipt("base", ["base.txt"])),
-        tool_call("bash", {"command": "pwd > {cwd}/approach.txt", "description": "try"}),
-        text("Tried.\n" + _receipt("an approach", ["approach.txt"])),
+        *_step(tool_call("write", {"filePath": "{cwd}/base.txt", "content": "shared start\n"}),
+               "Base done.", "base", ["base.txt"]),
+        *_step(tool_call("bash", {"command": "pwd > {cwd}/approach.txt", "description": "try"}),
+               "Tried.", "an approach", ["approach.txt"]),
     ])
     first = task_store.submit_task(title="base", instructions="Start. SCRIPT:forks", working_dir=str(repo))
     fork_a = task_store.submit_task(title="approach A", instructions="Try approach A.", fork_from=first["id"])

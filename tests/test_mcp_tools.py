@@ -852,9 +852,8 @@ async def test_list_models_without_opencode_says_how_to_fix_it(monkeypatch):
 # Pure helpers.
 
 
-@pytest.mark.parametrize("raw,seconds", [("nan", 0.2), ("inf", 0.2), ("-inf", 0.2), ("soon", 0.2), ("", 0.2),
-                                         ("0", 0.01), ("1e9", 5.0), ("0.5", 0.5)])
-def test_the_wait_poll_interval_is_finite_and_clamped(raw, seconds, monkeypatch):
+@pytest.mark.parametrize("raw,seconds", [("", 0.2), ("0.5", 0.5), ("0.01", 0.01), ("5", 5.0)])
+def test_the_wait_poll_interval_is_read_in_its_range(raw, seconds, monkeypatch):
     monkeypatch.setenv("MCP_WAIT_POLL_SEC", raw)
     assert bridge._poll_sec() == seconds
 
