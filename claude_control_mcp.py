@@ -2,6 +2,7 @@
 
 Run it as a local MCP server (OpenCode starts it):   python claude_control_mcp.py
 Register it in OpenCode's config (idempotent):       python claude_control_mcp.py --register-opencode [--config PATH]
+Another queue than the default:                      python claude_control_mcp.py --db URL
 
 Tools: ``claude_ask`` (answers synchronously), ``claude_submit`` / ``claude_poll`` /
 ``claude_result`` / ``claude_cancel`` (background jobs, durable in the ``claude_jobs`` table of the
@@ -22,7 +23,8 @@ Env, read at call time:
   CLAUDE_MAX_TOKENS        max_tokens of an API answer (default 8192)
   CLAUDE_MAX_PARALLEL      background jobs that run at once; the rest wait queued (default 4)
   CLAUDE_CONTROL_LOG_LEVEL log level on stderr (default WARNING; an unknown level warns and uses WARNING)
-  TASK_DB_PATH             the queue database that holds the jobs (see task_store)
+  TASK_DB_URL              the queue database that holds the jobs: a postgresql:// URL or a SQLite
+                           file (``--db URL`` sets it; else TASK_DB_PATH; see task_store)
 
 Tool errors are one line (mcp_shared): a bad argument named with what it must be, a Claude
 failure as "kind: message", a queue database that cannot be used named with its path and the way
@@ -1321,7 +1323,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the OpenCode config block without writing anything")
     parser.add_argument("--config", type=Path, help="OpenCode config file to edit (default: "
                                                      "$XDG_CONFIG_HOME/opencode/opencode.json)")
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help="the queue holding the Claude jobs: a postgresql:// URL or a SQLite file (default "
+                             "$TASK_DB_URL, else $TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
     args = parser.parse_args(argv)
+    try:   # before anything touches the store
+        knobs.select_database(args.db)
+    except knobs.KnobError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
     if args.print_opencode_config:
         print(json.dumps({"mcp": {SERVER_NAME: opencode_entry()}}, indent=2))
         return 0

@@ -12,10 +12,12 @@
 #   --rotate                      a new bearer token (says which clients to update)
 #   --port N                      the loopback port (default 8765)
 #   --write-claude-desktop        merge the taskbridge entry into Claude Desktop's config (backup kept)
+#   --db URL                      the queue: a postgresql:// URL or a SQLite file (exported as
+#                                 TASK_DB_URL for serve.py: never on a command line `ps` shows)
 #
 # Env: TASKBRIDGE_REPO (what the one-liner clones), TASKBRIDGE_DIR (where; default ~/TaskBridge),
 #      PYTHON (a Python >= 3.11), OPENCODE_BIN (an opencode to use instead of installing one),
-#      PORT, MCP_TOKEN_FILE (default .taskbridge/token), TUNNEL_BIN, TUNNEL_HOST.
+#      PORT, MCP_TOKEN_FILE (default .taskbridge/token), TUNNEL_BIN, TUNNEL_HOST, TASK_DB_URL.
 set -euo pipefail
 
 # Everything sits in functions called on the last line: piped into bash, the whole script is read
@@ -150,6 +152,14 @@ check_port() {   # NAME VALUE: a port number 1-65535, or stop before installing 
     || die "$1='$2' is not a port number from 1 to 65535; fix it or leave it out (default 8765)"
 }
 
+check_db() {   # VALUE: a postgresql:// URL or a file path (serve.py checks the rest); never echoes a URL
+  case "$1" in
+    '') die "--db is empty; give a postgresql://USER@HOST/DB URL or the SQLite file's path" ;;
+    postgresql://*|postgres://*) ;;
+    *://*) die "--db is a ${1%%://*}:// URL; only postgresql:// and postgres:// URLs are understood (for SQLite give the file's path)" ;;
+  esac
+}
+
 main() {
   local script="${BASH_SOURCE[0]:-}"
   if [ -z "$script" ] || [ ! -f "$script" ] || [ ! -f "$(dirname "$script")/worker.py" ]; then
@@ -170,6 +180,10 @@ main() {
         [ "$1" != --port ] || check_port "--port" "$2"
         serve_args+=("$1" "$2"); shift ;;
       --port=*) check_port "--port" "${1#--port=}"; serve_args+=("$1") ;;
+      --db)
+        [ $# -ge 2 ] || die "--db needs a value (try --help)"
+        check_db "$2"; export TASK_DB_URL="$2"; shift ;;
+      --db=*) check_db "${1#--db=}"; export TASK_DB_URL="${1#--db=}" ;;
       --tunnel=*) serve_args+=("$1") ;;
       -h|--help) sed -n '2,20p' "$here/install.sh"; exit 0 ;;
       *) die "unknown option $1 (try --help)" ;;

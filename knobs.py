@@ -1,4 +1,4 @@
-"""Numeric env knobs, read at call time, one reader for all of them: a value that is set but is not
+"""Env knobs, read at call time, one reader for all of them: a value that is set but is not
 a number in its range is refused with one line naming the variable, its value and the accepted
 range (never silently replaced by the default, so a typo cannot hide). An unset or blank knob means
 its default.
@@ -6,14 +6,20 @@ its default.
     import knobs
     knobs.knob("WORKER_SLOTS")                        # -> 1..16 (REGISTRY), or raises knobs.KnobError
     knobs.problems()                                  # every registered knob checked; [] when fine
+    knobs.select_database(args.db)                    # --db URL / $TASK_DB_URL checked (and set)
 
 Entry points (worker.py, serve.py, doctor.py, the MCP server) call ``problems()`` before they
-start anything, so a bad value stops them at once with its message instead of mid-run.
+start anything, so a bad value stops them at once with its message instead of mid-run; every entry
+point with ``--db`` (worker, CLI, both MCP servers, serve.py) calls ``select_database`` first.
+
+Env: the numeric knobs of REGISTRY; TASK_DB_URL (the database switch, checked by
+``select_database``). Not run on its own.
 """
 from __future__ import annotations
 
 import math
 import os
+import urllib.parse
 
 DAY_SEC = 86_400.0
 # name -> (kind, default, lowest, highest): the knobs every entry point checks up front.
@@ -69,3 +75,60 @@ def problems(names: tuple[str, ...] | None = None) -> list[str]:
         except KnobError as exc:
             out.append(str(exc))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The database switch: --db URL on every entry point, which only sets TASK_DB_URL.
+
+DB_SCHEMES = ("postgresql", "postgres")
+
+
+def database_problem(value: str, source: str = "TASK_DB_URL") -> str | None:
+    """Why ``value`` cannot name the queue's database (one line naming ``source``, the flag or
+    the variable it came from), or None. Accepted: a ``postgresql://`` / ``postgres://`` URL or a
+    SQLite file path (not a folder). A URL is never quoted past its scheme: it may hold a password."""
+    way_out = "give a postgresql://USER@HOST/DB URL or the SQLite file's path"
+    if not value.strip():
+        return f"{source} is empty; {way_out} (or leave it out for <repo>/tasks.db)"
+    if "\0" in value or any("\ud800" <= ch <= "\udfff" for ch in value):
+        return f"{source} holds a NUL or bytes that are not UTF-8; {way_out}"
+    if value.lower().startswith("postgres") and ":" in value and "://" not in value:
+        return f"{source} is not a URL (it needs postgresql:// with two slashes); fix the URL"
+    scheme, sep, _ = value.partition("://")
+    if sep and _is_scheme(scheme):
+        if scheme.lower() not in DB_SCHEMES:
+            return (f"{source} is a {scheme}:// URL; only postgresql:// and postgres:// URLs are understood "
+                    "(for SQLite give the file's path, e.g. /path/to/tasks.db)")
+        try:
+            urllib.parse.urlsplit(value).port
+        except ValueError:
+            return f"{source} is a {scheme}:// URL whose port is not a number from 0 to 65535; fix the URL"
+        return None
+    if os.path.isdir(os.path.expanduser(value)):
+        return f"{source} {value} is a folder; give the SQLite file in it (e.g. {os.path.join(value, 'tasks.db')})"
+    return None
+
+
+def _is_scheme(text: str) -> bool:
+    """Whether ``text`` looks like a URL scheme (RFC 3986: a letter, then letters, digits, + - .)."""
+    return bool(text) and text[0].isascii() and text[0].isalpha() and \
+        all(ch.isascii() and (ch.isalnum() or ch in "+-.") for ch in text)
+
+
+def select_database(flag: str | None) -> None:
+    """Apply an entry point's ``--db`` (``flag``; None when not given): checked, then set as
+    TASK_DB_URL for this process and every child it starts (by environment, never argv, which
+    ``ps`` shows). A file path is made absolute (children may run elsewhere); from ``--db`` it is
+    set as TASK_DB_PATH too, which means the same. Without a flag, a set TASK_DB_URL is checked.
+    Raises KnobError (one line, no password) when the value cannot be used."""
+    value = flag if flag is not None else os.environ.get("TASK_DB_URL", "")
+    if flag is None and not value:
+        return   # unset or blank: the default, like every knob
+    problem = database_problem(value, "--db" if flag is not None else "TASK_DB_URL")
+    if problem:
+        raise KnobError(problem)
+    if "://" not in value:
+        value = os.path.abspath(os.path.expanduser(value))
+        if flag is not None:
+            os.environ["TASK_DB_PATH"] = value
+    os.environ["TASK_DB_URL"] = value

@@ -5,9 +5,10 @@ Run:
     python opencode_bridge_mcp.py --transport streamable-http --port 8765   # one HTTP port:
         /mcp (streamable-http), /sse + /messages/ (sse), /health, / (board), /api/status, /api/tasks
     --host 127.0.0.1 (default) | --log-level DEBUG|INFO|WARNING|ERROR (logs go to stderr only)
+    --db URL: the queue, a postgresql:// URL or a SQLite file (sets TASK_DB_URL for the process)
 
-Env read at call time: TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL (through task_store); OPENCODE_BIN
-(list_models); MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
+Env read at call time: TASK_DB_URL, TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL (through task_store);
+OPENCODE_BIN (list_models); MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_WAIT_POLL_SEC
 (how often wait_for reads the events log, default 0.2 s). A token source that is set but unusable
 (a blank MCP_BEARER_TOKEN; a token file that is a folder, unreadable or empty) stops the HTTP
@@ -1180,12 +1181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=port_number, default=8765, help="HTTP port, 0-65535 (default 8765)")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="stderr log level")
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
+                             "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    try:   # before anything touches the store
+        knobs.select_database(args.db)
+    except knobs.KnobError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 2
     refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC", "MCP_WAIT_POLL_SEC"))   # the ones its tools read
     if refused:
         print(f"refusing to start: {refused[0]}", file=sys.stderr)

@@ -3,7 +3,7 @@ board and /api on 127.0.0.1, and a worker in --watch beside it; with a tunnel, a
 front. One line per task event; one Ctrl-C stops all of it (a task in hand is handed back to the
 queue without spending a retry).
 
-    .venv/bin/python serve.py [--port 8765] [--tunnel none|cloudflare|ngrok|auto] [--rotate]
+    .venv/bin/python serve.py [--port 8765] [--tunnel none|cloudflare|ngrok|auto] [--rotate] [--db URL]
     .venv/bin/python serve.py --setup-only [--rotate] [--write-claude-desktop]
 
 ``./install.sh`` runs it after set-up; ``./start_public.sh`` runs it with a tunnel. Never public
@@ -13,7 +13,8 @@ The token is made once (``secrets.token_urlsafe(32)``, a 0600 file in a 0700 fol
 on every run; ``--rotate`` replaces it, which also revokes every OAuth token issued to remote
 connectors (they are signed with it).
 
-Env: PORT (default 8765); TUNNEL_BIN (the cloudflared or ngrok executable; default: on PATH);
+Env: PORT (default 8765); TASK_DB_URL (the queue; ``--db`` sets it, and the children get it from
+the environment, never on a command line, which ``ps`` shows); TUNNEL_BIN (the cloudflared or ngrok executable; default: on PATH);
 TUNNEL_HOST (the public host of a tunnel or proxy you run yourself: none is started);
 MCP_TOKEN_FILE / MCP_BEARER_TOKEN (the token); MCP_ALLOWED_HOSTS (kept, the tunnel's host added);
 ``.ngrok-domain`` in the repository (a reserved ngrok domain). The server's and the worker's own
@@ -485,7 +486,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true", help="with --setup-only: print no client snippets")
     parser.add_argument("--write-claude-desktop", action="store_true",
                         help="merge the taskbridge entry into Claude Desktop's config (a backup is kept)")
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
+                             "$TASK_DB_PATH or <repo>/tasks.db); the server and the worker get it as TASK_DB_URL "
+                             "in their environment, never on their command line")
     args = parser.parse_args(argv)
+    try:   # before anything touches the store; the children inherit it with the environment
+        knobs.select_database(args.db)
+    except knobs.KnobError as exc:
+        parser.exit(2, f"serve: {exc}\n")
     # Every knob of the server and the worker is checked before anything starts: a typo must not
     # run with a default, nor surface as a child's exit after the box was printed.
     refused = knobs.problems(() if args.port is None else tuple(n for n in knobs.REGISTRY if n != "PORT"))

@@ -5,7 +5,7 @@ Tables are for people; ``--json`` on the listing commands prints plain JSON for 
 to stderr: exit 1 when the queue refuses (unknown task, wrong status), exit 2 for a bad option.
 Task ids are accepted as ``t_0001``, ``0001`` or ``1``.
 
-Env read at call time: ``TASK_DB_PATH`` (also ``--db``), ``TASK_LOG_DIR`` (the per-task logs),
+Env read at call time: ``TASK_DB_URL`` (also ``--db``: a postgresql:// URL or a SQLite file), ``TASK_DB_PATH``, ``TASK_LOG_DIR`` (the per-task logs),
 ``USER`` (the default name of a person who claims, notes or answers: ``cli:$USER``).
 
 Every read and write goes through ``task_store``; this file holds no SQL.
@@ -297,12 +297,20 @@ def finite_arg(ctx: click.Context, param: click.Parameter, value: float | None) 
 
 
 def db_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Point ``task_store`` at ``--db`` by setting TASK_DB_PATH for this process."""
-    if value and _has_surrogates(value):
-        raise click.BadParameter(f"{value.encode('utf-8', 'surrogateescape')!r} holds bytes that are not UTF-8; "
-                                 "give the queue a UTF-8 path", ctx=ctx, param=param)
-    if value:
-        os.environ["TASK_DB_PATH"] = os.path.abspath(os.path.expanduser(value))
+    """Point ``task_store`` at ``--db`` (a postgresql:// URL or a SQLite file) by setting
+    TASK_DB_URL for this process; a value that cannot be one is refused in one line, exit 2, its
+    password never shown."""
+    if value is not None and _has_surrogates(value):
+        refusal = CliError(f"--db {value.encode('utf-8', 'surrogateescape')!r} holds bytes that are not UTF-8; "
+                           "give the queue a UTF-8 path")
+        refusal.exit_code = 2
+        raise refusal
+    try:
+        knobs.select_database(value)
+    except knobs.KnobError as exc:
+        refusal = CliError(str(exc))
+        refusal.exit_code = 2
+        raise refusal from None
 
 
 def json_option(command: Callable) -> Callable:
@@ -776,9 +784,9 @@ def follow_log(task_id: str, path: Path, offset: int, raw: bool = False) -> str:
 
 
 @click.group(cls=TaskGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--db", type=click.Path(dir_okay=False), envvar="TASK_DB_PATH", callback=db_arg,
-              expose_value=False, is_eager=True, show_envvar=True,
-              help="The SQLite queue file (default: <repo>/tasks.db).")
+@click.option("--db", metavar="URL", callback=db_arg, expose_value=False, is_eager=True,
+              help="The queue: a postgresql:// URL or a SQLite file; sets TASK_DB_URL for this run "
+                   "(default: $TASK_DB_URL, else $TASK_DB_PATH or <repo>/tasks.db).")
 @click.version_option(__version__, "--version", prog_name="tasks_cli", message="%(prog)s %(version)s")
 def cli() -> None:
     """TaskBridge: queue coding tasks for the OpenCode worker, and follow, answer or run them by hand.

@@ -5,6 +5,7 @@
     python worker.py --watch    loop: picks new work up within a second, reaps every minute
     --slots N                   run up to N tasks at once (each in its own worktree)
     -q / -v                     say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
+    --db URL                    the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
@@ -18,7 +19,7 @@ It says what it does (worker_talk): a start line, a line when a task is claimed 
 a live line on a terminal, what a first and a second Ctrl-C / SIGTERM do; the same lines go to the
 worker log beside the database (``tasks.worker.log``).
 
-Env (read at call time): TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
+Env (read at call time): TASK_DB_URL, TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
 TASKBRIDGE_WORKTREE_ROOT, WORKER_STALE_SEC, WORKER_INACTIVITY_SEC, WORKER_KILL_GRACE_SEC,
 WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC, WORKER_SLOTS.
 """
@@ -1460,7 +1461,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="say only failures, errors and what a Ctrl-C does")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also say each attempt's details and every tool call the agent makes")
+    parser.add_argument("--db", metavar="URL", default=None,
+                        help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
+                             "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
     args = parser.parse_args(argv)
+    try:   # before anything touches the store
+        knobs.select_database(args.db)
+    except knobs.KnobError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
     refused = knobs.problems()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def isolated_queue(tmp_path, monkeypatch):
     """Point the queue, logs and worktrees at tmp_path; silence banners."""
     monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / "tasks.db"))
-    monkeypatch.delenv("TASK_DB_URL", raising=False)   # PostgreSQL only where a test asks (pg_url)
+    monkeypatch.delenv("TASK_DB_URL", raising=False)   # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
     monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
     monkeypatch.setenv("WORKER_NOTIFY", "0")

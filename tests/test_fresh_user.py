@@ -84,7 +84,7 @@ def test_text_that_is_not_utf8_is_refused_naming_the_argument(tmp_path, case):
         "stdin": ([b"submit", b"y", b"--dir", d, b"-i", b"-"], b"ok\xff\xfe", "--instructions - (stdin) is not UTF-8 text"),
         "title": ([b"submit", b"bad\xffutf", b"--dir", d], b"", "Invalid value for 'TITLE'"),
         "dir": ([b"submit", b"z", b"--dir", os.fsencode(odd)], b"", "Invalid value for '--dir'"),
-        "db": ([b"--db", d + b"/q\xff.db", b"status"], b"", "Invalid value for '--db'"),
+        "db": ([b"--db", d + b"/q\xff.db", b"status"], b"", "holds bytes that are not UTF-8"),
         "answer stdin": ([b"answer", b"1", b"-"], b"bad\xff", "TEXT - (stdin) is not UTF-8 text"),
     }[case]
     result = run_bytes(*args, stdin=stdin)

@@ -1,0 +1,146 @@
+"""The one database switch on every entry point: ``--db URL`` on worker.py, tasks_cli.py, both MCP
+servers and serve.py sets TASK_DB_URL for that process (serve.py hands it to its children by
+environment, never on a command line); a value that cannot name a database is refused in one line
+with exit 2 and no traceback, and a password in it is never shown."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import ROOT, free_port, run_script, wait_healthy
+
+SECRET = "s3cr3t-pw"
+ENTRY_POINTS = {
+    "worker.py": [],
+    "tasks_cli.py": ["status"],
+    "opencode_bridge_mcp.py": [],
+    "claude_control_mcp.py": [],
+    "serve.py": ["--tunnel", "none"],
+}
+
+
+def run_with_db(script: str, value: str, *, cwd=None, env=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, str(ROOT / script)]
+    # tasks_cli's --db is a group option: it comes before the command.
+    argv += ["--db", value, *ENTRY_POINTS[script]]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=cwd, stdin=subprocess.DEVNULL,
+                          env=env or dict(os.environ, MCP_BEARER_TOKEN="t"))
+
+
+@pytest.mark.parametrize("script", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("value,said", [
+    (f"mysql://me:{SECRET}@db.example/q", "--db is a mysql:// URL; only postgresql:// and postgres:// URLs"),
+    (f"postgresql://me:{SECRET}@db.example:99999/q", "port is not a number from 0 to 65535"),
+    ("", "--db is empty"),
+], ids=["other-scheme", "bad-port", "empty"])
+def test_a_bad_db_is_refused_in_one_line_without_its_password(tmp_path, script, value, said):
+    result = run_with_db(script, value)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], result.stderr
+    assert SECRET not in result.stderr + result.stdout and "Traceback" not in result.stderr
+    assert result.stdout == "", "nothing on stdout (a stdio server's is JSON-RPC only)"
+    assert not (tmp_path / "q").exists(), "nothing touched the store"
+
+
+@pytest.mark.parametrize("script", ["worker.py", "tasks_cli.py", "serve.py"])
+def test_a_folder_is_refused_naming_the_file_to_give(tmp_path, script):
+    result = run_with_db(script, str(tmp_path))
+    assert result.returncode == 2 and f"{tmp_path} is a folder; give the SQLite file in it" in result.stderr
+
+
+@pytest.mark.parametrize("script", ["worker.py", "opencode_bridge_mcp.py"])
+def test_a_bad_task_db_url_in_the_environment_is_refused_the_same_way(tmp_path, script):
+    result = run_script(script, env=dict(os.environ, TASK_DB_URL=f"mongodb://me:{SECRET}@h/q"), timeout=60)
+    assert result.returncode == 2 and "TASK_DB_URL is a mongodb:// URL" in result.stderr
+    assert SECRET not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", sorted(ENTRY_POINTS))
+def test_help_names_db_and_never_shows_the_password(script):
+    argv = ["--help"]
+    result = run_script(script, *argv, env=dict(os.environ, TASK_DB_URL=f"postgresql://me:{SECRET}@db.example/q"),
+                        timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--db" in result.stdout and "postgresql://" in result.stdout
+    assert SECRET not in result.stdout + result.stderr
+
+
+def test_a_relative_db_file_is_the_same_queue_for_the_cli_and_the_worker(tmp_path):
+    """--db with a relative path means that file from the current folder, for the CLI and the worker
+    alike; the default queue (TASK_DB_PATH of the test) is never touched."""
+    (tmp_path / "work").mkdir()
+    env = dict(os.environ)
+    submitted = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--db", "mine.db", "submit", "a task",
+                                "--dir", str(tmp_path / "work"), "--yes"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    assert (tmp_path / "mine.db").exists() and not (tmp_path / "q" / "tasks.db").exists()
+    listed = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--db", str(tmp_path / "mine.db"), "list",
+                             "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert [t["title"] for t in json.loads(listed.stdout)["tasks"]] == ["a task"]
+    # The worker, pointed at it from another folder, works on that queue: its lock and heartbeat
+    # sit beside that file (without opencode it claims nothing and says so).
+    worker = subprocess.run([sys.executable, str(ROOT / "worker.py"), "--db", "../mine.db", "--max-tasks", "1"],
+                            cwd=tmp_path / "work", env=dict(env, OPENCODE_BIN=str(tmp_path / "no-opencode")),
+                            capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "mine.worker.json").exists(), worker.stderr
+    assert not (tmp_path / "q" / "tasks.db").exists(), "the test's default queue was never opened"
+
+
+@pytest.mark.anyio
+async def test_both_mcp_servers_use_the_db_they_are_given(tmp_path):
+    from mcp import Client, StdioServerParameters
+    import task_store
+    mine = tmp_path / "elsewhere" / "mine.db"
+    mine.parent.mkdir()
+    os.environ["TASK_DB_PATH"] = str(mine)   # (monkeypatched by conftest: restored after the test)
+    task_store.submit_task(title="in mine", instructions="i", working_dir=str(tmp_path))
+    os.environ["TASK_DB_PATH"] = str(tmp_path / "q" / "tasks.db")
+    env = dict(os.environ)
+    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", str(mine)],
+                                   env=env)
+    async with Client(params) as client:
+        result = await client.call_tool("list_tasks", {})
+        assert [t["title"] for t in result.structured_content["tasks"]] == ["in mine"]
+    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "claude_control_mcp.py"), "--db", str(mine)],
+                                   env=env)
+    async with Client(params) as client:
+        result = await client.call_tool("claude_poll", {"job_id": "j_0001"})
+        assert result.is_error
+    assert not (tmp_path / "q" / "tasks.db").exists()
+
+
+def test_serve_hands_the_db_to_its_children_by_environment_not_argv(tmp_path):
+    """`ps` shows every user's command lines: the URL (which may hold a password) travels in the
+    environment of serve.py's server and worker, never in their argv."""
+    mine = tmp_path / "served.db"
+    port = free_port()
+    env = dict(os.environ, MCP_BEARER_TOKEN="t", MCP_TOKEN_FILE=str(tmp_path / "token"))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", "--port", str(port),
+                             "--db", str(mine)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while True:
+            children = {" ".join(c.cmdline()): c for c in psutil.Process(proc.pid).children()}
+            if len(children) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert any("worker.py" in argv for argv in children) and any("opencode_bridge_mcp.py" in argv
+                                                                    for argv in children), children
+        for argv, child in children.items():
+            assert str(mine) not in argv and "--db" not in argv
+            assert child.environ()["TASK_DB_URL"] == str(mine)
+        assert mine.exists()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.communicate(timeout=60)
