@@ -11,7 +11,7 @@ Spending limits live here too: each task's ``max_cost_usd`` / ``max_tokens``, th
 attempt's live spend, the spend per local day and the daily budget (``budget_state``,
 ``set_budget``, ``record_spend``, ``raise_limit``; answers to a limit pause in ``answer_task``).
 
-Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
+Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``, ``TASKBRIDGE_HOST``,
 ``TASKBRIDGE_MOUNTINFO``.
 
 Imports the standard library only; not run on its own (the MCP server, the CLI and the worker
@@ -926,6 +926,130 @@ def _too_wide(path: str) -> str | None:
     return None
 
 
+HOST_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+def host_name() -> str:
+    """This machine's name for the queue: ``$TASKBRIDGE_HOST``, else ``socket.gethostname()``
+    (read at call time). A worker claims only tasks whose host is unset or this name; a task with
+    a local working_dir is for the host that submitted it. Raises ValidationError when
+    TASKBRIDGE_HOST is not a plain host name (letters, digits, ``.``, ``-``, ``_``; ≤253)."""
+    configured = os.environ.get("TASKBRIDGE_HOST")
+    if configured is None or not configured.strip():
+        return socket.gethostname()
+    if not HOST_RE.match(configured):
+        raise ValidationError(f"TASKBRIDGE_HOST={shown_value(configured)} is not a plain host name (letters, "
+                              "digits, '.', '-', '_'); set it to this machine's name, or unset it to use "
+                              f"{socket.gethostname()!r}")
+    return configured
+
+
+def validate_host(value: Any) -> str | None:
+    """A task's ``host`` (the machine whose workers may claim it): a plain host name, or None.
+    Raises ValidationError."""
+    value = optional(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not HOST_RE.match(value.strip()):
+        raise ValidationError(f"host {shown_value(value)} is not a plain host name (letters, digits, '.', '-', "
+                              "'_'; what TASKBRIDGE_HOST or `hostname` says on the worker's machine)")
+    return value.strip()
+
+
+REPO_SCHEMES = ("https", "http", "ssh", "git", "file")
+_SCP_RE = re.compile(r"^[A-Za-z0-9._-]+@[A-Za-z0-9][A-Za-z0-9.-]*:(?!//)[^\s]+$")
+
+
+def validate_repo(value: Any) -> str | None:
+    """A task's ``repo``: a git remote the worker mirrors and pushes the task branch to — a URL
+    (``https://``, ``http://``, ``ssh://``, ``git://``, ``file://``), the scp form
+    ``user@host:path``, or the absolute path of a git repository on this machine (bare or not;
+    resolved). None when absent. A URL carrying credentials (a password, or any user name in an
+    http(s) URL, where it is usually a token; a query string) is refused: each worker's own git
+    credentials are used, never stored in the queue. Raises ValidationError."""
+    value = optional(value)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"repo must be text (a git URL or an absolute path); got {type(value).__name__}")
+    text = value.strip()
+    if not text or len(text) > 2000 or any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise ValidationError(f"repo {shown_value(value)} must be one git URL or absolute path without spaces "
+                              "or control characters")
+    if text.startswith("-"):
+        raise ValidationError(f"repo {shown_value(value)} starts with '-'; give a git URL or an absolute path")
+    if "://" in text:
+        return _repo_url(text)
+    if _SCP_RE.match(text):
+        return text
+    if "::" in text or not os.path.isabs(text):
+        raise ValidationError(f"repo {shown_value(value)} is neither a git URL (https://, ssh://, git@host:path, "
+                              "file://) nor an absolute path of a git repository")
+    path = os.path.realpath(text)
+    if not _is_git_repository(path):
+        raise ValidationError(f"repo {text} is not a git repository here (no .git, or not a bare repository); "
+                              "give a repository's path or its URL")
+    return path
+
+
+def _repo_url(text: str) -> str:
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(text)
+        parts.port   # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as exc:
+        raise ValidationError(f"repo {shown_value(text)} is not a valid URL ({exc})") from None
+    scheme = parts.scheme.lower()
+    if scheme not in REPO_SCHEMES:
+        raise ValidationError(f"repo {shown_value(text)}: the scheme {scheme!r} is not one of "
+                              f"{', '.join(REPO_SCHEMES)} (git's other transports run programs)")
+    if scheme != "file" and not parts.hostname:
+        raise ValidationError(f"repo {shown_value(text)} names no host")
+    if scheme == "file" and (not parts.path.startswith("/") or parts.netloc not in ("", "localhost")):
+        raise ValidationError(f"repo {shown_value(text)}: a file URL names an absolute path (file:///srv/repo.git)")
+    if parts.password is not None or (scheme in ("https", "http") and parts.username is not None) \
+            or parts.query or parts.fragment:
+        raise ValidationError("repo must not carry credentials (a user name or password in the URL, or a query "
+                              "string): each worker pushes with its own git credentials (a credential helper, "
+                              "an SSH key), never stored in the queue; give the URL without them")
+    return text
+
+
+def _is_git_repository(path: str) -> bool:
+    """Whether ``path`` looks like a git repository: a checkout (``.git``) or a bare one (HEAD,
+    objects/, refs/)."""
+    if os.path.exists(os.path.join(path, ".git")):
+        return True
+    return all(os.path.exists(os.path.join(path, name)) for name in ("HEAD", "objects", "refs"))
+
+
+_REF_BAD = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]|\.\.|@\{|//")
+
+
+def validate_ref(value: Any) -> str | None:
+    """A task's ``base_ref``: a branch, tag or full ref name as ``git check-ref-format`` allows it
+    (``main``, ``release/2.1``, ``refs/tags/v1``) or a commit id; None when absent (the remote's
+    HEAD branch). Raises ValidationError naming the rule it breaks."""
+    value = optional(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError("base_ref must be a branch, tag or commit name such as main")
+    ref = value.strip()
+    problem = None
+    if len(ref) > 255:
+        problem = "is over 255 characters"
+    elif _REF_BAD.search(ref):
+        problem = "holds a space, a control character, '..', '@{', '//' or one of ~ ^ : ? * [ \\"
+    elif ref.startswith(("-", "/")) or ref.endswith(("/", ".", ".lock")) or ref == "@":
+        problem = "starts with '-' or '/', ends with '/', '.' or '.lock', or is '@'"
+    elif any(part.startswith(".") or part.endswith(".lock") for part in ref.split("/")):
+        problem = "has a part that starts with '.' or ends with '.lock'"
+    if problem:
+        raise ValidationError(f"base_ref {shown_value(value)} is not a valid git ref name: it {problem}")
+    return ref
+
+
 def caller_kind(name: str | None) -> str:
     """Classify an MCP clientInfo name: ``claude``, ``chatgpt`` or ``other``."""
     lowered = (name or "").lower()
@@ -944,7 +1068,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
         "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
-        "rules", "skills", "subagents",
+        "rules", "skills", "subagents", "repo", "base_ref", "host",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -960,12 +1084,28 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
     origin_name = optional(raw.get("origin_name"))
     parent, parent_kind = _line_parent(raw)
-    working_dir = optional(raw.get("working_dir"))
+    working_dir, repo = optional(raw.get("working_dir")), validate_repo(raw.get("repo"))
+    if working_dir is not None and repo is not None:
+        raise ValidationError("give working_dir (a folder on the worker's machine) or repo (a git remote the "
+                              "worker clones and pushes to), not both")
+    if working_dir is None and repo is None and parent is None:
+        raise ValidationError("working_dir or repo is required: an absolute path of an existing directory, or a "
+                              "git remote (https://, ssh://, git@host:path, file://, or a repository's path)")
+    base_ref = validate_ref(raw.get("base_ref"))
+    if base_ref is not None and repo is None and parent is None:
+        raise ValidationError("base_ref goes with repo (the ref of the remote the task starts from); a task "
+                              "with a working_dir starts from its checkout's HEAD")
+    if repo is not None and not coerce_bool("worktree", raw.get("worktree", True)):
+        raise ValidationError("worktree=false cannot go with repo: a task on a remote runs in a worktree of "
+                              "the worker's mirror and pushes its branch")
     return {
         "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
         "instructions": _text("instructions", raw.get("instructions"), INSTRUCTIONS_MAX),
         # A follow-up or fork may leave it out: it runs where the task it builds on ran.
-        "working_dir": validate_working_dir(working_dir) if working_dir is not None or parent is None else None,
+        "working_dir": validate_working_dir(working_dir) if working_dir is not None else None,
+        "repo_url": repo,
+        "base_ref": base_ref,
+        "host": validate_host(raw.get("host")),
         "model": validate_model(raw.get("model")),
         "agent": agent,
         "priority": coerce_int("priority", _or(raw.get("priority"), 0), *PRIORITY_RANGE),
@@ -1077,6 +1217,7 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
         task[column] = iso(task[column])
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
+    task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
     live = task["status"] == "running"
     usage = task["usage"] or {}
     task["spent_usd"] = round(float(usage.get("cost_usd") or 0) + (task.get("run_cost_usd") or 0 if live else 0), 8)
@@ -1111,10 +1252,12 @@ def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
 _INSERT_TASK = """
 INSERT INTO tasks (title, instructions, working_dir, model, agent, priority, permission, worktree,
                    worktree_keep, timeout_sec, max_retries, idempotency_key, origin_name,
-                   origin_version, origin_kind, created_at, max_cost_usd, max_tokens)
+                   origin_version, origin_kind, created_at, max_cost_usd, max_tokens,
+                   repo_url, base_ref, host)
 VALUES (:title, :instructions, :working_dir, :model, :agent, :priority, :permission, :worktree,
         :worktree_keep, :timeout_sec, :max_retries, :idempotency_key, :origin_name,
-        :origin_version, :origin_kind, :created_at, :max_cost_usd, :max_tokens)
+        :origin_version, :origin_kind, :created_at, :max_cost_usd, :max_tokens,
+        :repo_url, :base_ref, :host)
 RETURNING *
 """
 
@@ -1213,10 +1356,10 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
-            row = conn.execute(_INSERT_TASK, values | {"created_at": now(), "working_dir":
-                                                       line.pop("working_dir", values["working_dir"]),
-                                                       "worktree_keep": line.pop("worktree_keep", values["worktree_keep"])}
-                               ).fetchone()
+            where = {k: line.pop(k, values[k]) for k in ("working_dir", "worktree_keep", "repo_url", "base_ref")}
+            where["host"] = _task_host(spec, line.pop("parent_host", None), where)
+            where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
+            row = conn.execute(_INSERT_TASK, values | {"created_at": now()} | where).fetchone()
             task_id = row["id"]
             if spec["parent"] is not None or any(extras.values()):
                 # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
@@ -1250,11 +1393,23 @@ def _line_values(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> 
     if not parent["worktree"]:
         raise ValidationError(f"{kind} {name}: that task ran with worktree=false; a follow-up or fork needs "
                               "a task that ran on its own branch in a git worktree")
-    if spec["working_dir"] is None:
+    if parent["repo_url"]:
+        if spec["working_dir"] is not None or spec["repo_url"] not in (None, parent["repo_url"]):
+            raise ValidationError(f"{kind} {name}: that task works on the remote {parent['repo_url']}; give that "
+                                  "repo or leave working_dir and repo out")
+        if spec["base_ref"] is not None:
+            raise ValidationError(f"{kind} {name}: a follow-up or fork starts from that task's pushed branch; "
+                                  "leave base_ref out")
+        values.update(repo_url=parent["repo_url"], base_ref=parent["base_ref"], working_dir="")
+    elif spec["repo_url"] is not None or spec["base_ref"] is not None:
+        raise ValidationError(f"{kind} {name}: that task ran in {parent['working_dir']}, not on a remote; "
+                              "leave repo and base_ref out")
+    elif spec["working_dir"] is None:
         values["working_dir"] = parent["working_dir"]
     elif os.path.realpath(spec["working_dir"]) != os.path.realpath(parent["working_dir"]):
         raise ValidationError(f"{kind} {name}: working_dir must be that task's ({parent['working_dir']}) "
                               "or left out")
+    values["parent_host"] = parent["host"]
     if kind == "continue_from":
         # It works in that task's folder: a folder the person asked to keep stays kept.
         values["worktree_keep"] = spec["worktree_keep"] or parent["worktree_keep"]
@@ -1266,6 +1421,17 @@ def _line_values(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> 
                                   f"use fork_from {name} to try another approach side by side")
     values[kind] = num
     return values
+
+
+def _task_host(spec: dict, parent_host: str | None, where: dict[str, Any]) -> str | None:
+    """The host whose workers may claim a new task: the one it asked for; else a follow-up's or
+    fork's parent's (its folder and session are there); else, for a local working_dir, the
+    submitting machine (``host_name()``); a task on a remote may run anywhere (None)."""
+    if spec["host"] is not None:
+        return spec["host"]
+    if spec["parent"] is not None and parent_host:
+        return parent_host
+    return None if where["repo_url"] else host_name()
 
 
 def _topological(specs: list[dict]) -> list[int]:
@@ -1345,7 +1511,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
     ]
 
 
-_LIST_COLUMNS = ("id, title, working_dir, model, priority, status, permission, attempts, handbacks,"
+_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
                  " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for,"
@@ -1460,6 +1626,7 @@ def _list_row(row: sqlite3.Row) -> dict[str, Any]:
     task["num"], task["id"] = task["id"], format_task_id(task["id"])
     for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
         task[column] = iso(task[column])
+    task["repo"] = task["repo_url"]
     return task
 
 
@@ -1489,7 +1656,7 @@ def queue_summary() -> dict[str, Any]:
             "SELECT id, created_at FROM tasks INDEXED BY tasks_pending_age WHERE status = 'pending'"
             " ORDER BY created_at, id LIMIT 1"
         ).fetchone()
-        claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_CLAIMABLE}", {"now": now()}).fetchone()[0]
+        claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": now()}).fetchone()[0]
     return {
         "counts": tallies,
         "claimable": claimable,
@@ -1501,13 +1668,15 @@ def queue_summary() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Claim, lease, finish (fenced by the run marker).
 
-_CLAIMABLE = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now)
+_READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now)
  AND NOT EXISTS (SELECT 1 FROM task_deps d JOIN tasks p ON p.id = d.depends_on
                  WHERE d.task_id = t.id AND p.status != 'done')"""
+# Claimable by a worker on :host: ready, and meant for any host or for that one.
+_CLAIMABLE = _READY + " AND (t.host IS NULL OR t.host = :host)"
 
 _CLAIM = f"""
 UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now, started_at = :now,
-       heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start,
+       heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start, lease_host = :host,
        run_marker = 'br-' || id || '-a' || (attempts + 1), agent_pid = NULL, agent_pid_start = NULL,
        error = NULL, question = NULL, run_cost_usd = 0, run_tokens = 0, paused_for = NULL
  WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND (:task_id IS NULL OR t.id = :task_id)
@@ -1524,11 +1693,15 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
+    Only tasks for any host or for this one (``host_name()``) are claimed; the lease records the
+    claimer's host (``lease_host``), so the reaper checks its pid only on that host.
     Returns the task dict (``run_marker`` names this attempt) or None when nothing is claimable
     (also while the queue's daily budget is spent: see ``budget_state``).
     With ``task_id``: raises TaskNotFound, or InvalidTransition explaining why it is not claimable.
+    Raises ValidationError when TASKBRIDGE_HOST is not a plain host name.
     """
     num = parse_task_id(task_id) if task_id is not None else None
+    host = host_name()
     with _writing() as conn:
         spent = _budget_spent(conn)
         if spent:
@@ -1536,22 +1709,25 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
                 raise InvalidTransition(f"task {format_task_id(num)} waits: {spent}")
             return None
         row = conn.execute(
-            _CLAIM, {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num}
+            _CLAIM, {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host}
         ).fetchone()
         if row is None:
             if num is not None:
-                _explain_unclaimable(conn, num)
+                _explain_unclaimable(conn, num, host)
             return None
         _event(conn, row["id"], "claimed", f"attempt {row['attempts']} by {owner}")
         deps = _deps(conn, row["id"])
     return task_dict(row, deps)
 
 
-def _explain_unclaimable(conn: sqlite3.Connection, num: int) -> None:
+def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str) -> None:
     row = _row(conn, num)
     name = format_task_id(num)
     if row["status"] != "pending":
         raise InvalidTransition(f"task {name} is {row['status']}; only a pending task can be claimed")
+    if row["host"] is not None and row["host"] != host:
+        raise InvalidTransition(f"task {name} is for host {row['host']} (its folder is there), and this machine "
+                                f"is {host} (TASKBRIDGE_HOST); claim it on {row['host']}")
     blockers = [format_task_id(d) for d in _deps(conn, num)
                 if conn.execute("SELECT status FROM tasks WHERE id = ?", (d,)).fetchone()[0] != "done"]
     if blockers:
@@ -1856,15 +2032,18 @@ def _requeue_dependents(conn: sqlite3.Connection, num: int) -> list[int]:
     return requeued
 
 
-def stale_leases(stale_after_sec: float, slack_sec: float = 60) -> list[dict[str, Any]]:
-    """Running tasks whose lease is stale: heartbeat older than ``stale_after_sec`` seconds, or
-    running past ``timeout_sec + slack_sec`` since the attempt started. Judged by the renewed
-    heartbeat, never by start time alone."""
+def stale_leases(stale_after_sec: float, slack_sec: float = 60, host: str | None = None) -> list[dict[str, Any]]:
+    """Running tasks whose lease is stale: heartbeat older than ``stale_after_sec`` seconds, or —
+    for a lease held on ``host`` (default ``host_name()``; or with no lease_host, from before
+    hosts were recorded) — running past ``timeout_sec + slack_sec`` since the attempt started.
+    A lease held on another host is judged by its heartbeat age only: its worker's own
+    supervision ends an attempt past its timeout, and one whose heartbeat is fresh is alive."""
+    host = host or host_name()
     with _reading() as conn:
         rows = conn.execute(
             "SELECT * FROM tasks WHERE status = 'running' AND (heartbeat_at < :cut"
-            " OR started_at + timeout_sec + :slack < :now)",
-            {"cut": now() - stale_after_sec, "slack": slack_sec, "now": now()},
+            " OR (started_at + timeout_sec + :slack < :now AND (lease_host IS NULL OR lease_host = :host)))",
+            {"cut": now() - stale_after_sec, "slack": slack_sec, "now": now(), "host": host},
         ).fetchall()
     return [task_dict(r) for r in rows]
 
@@ -2452,7 +2631,7 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     """Write the worker heartbeat file atomically: pid, time, current task and what else is given."""
     path = state_path("worker.json")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_private(path, json.dumps(state | {"pid": os.getpid(), "host": socket.gethostname(), "ts": now()}))
+    write_private(path, json.dumps(state | {"pid": os.getpid(), "host": host_name(), "ts": now()}))
 
 
 def read_worker_heartbeat() -> dict[str, Any] | None:
@@ -2465,7 +2644,10 @@ def read_worker_heartbeat() -> dict[str, Any] | None:
         return None
     state["age_sec"] = round(now() - float(state.get("ts", 0)), 1)
     state["at"] = iso(float(state.get("ts", 0)))
-    here = state.get("host") == socket.gethostname()
+    try:
+        here = state.get("host") == host_name()
+    except ValidationError:
+        here = state.get("host") == socket.gethostname()
     state["pid_running"] = _pid_running(state.get("pid")) if here else None
     return state
 

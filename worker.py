@@ -34,7 +34,6 @@ import platform
 import selectors
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -1224,14 +1223,18 @@ def _applescript(text: str) -> str:
 
 def reap(knobs: Knobs) -> int:
     """Requeue (or fail, when retries are spent) every running task whose lease is dead: its
-    heartbeat is older than the stale limit, or it ran past its timeout, or the worker process
-    on this host that holds it is gone (pid *and* start time checked). Its orphaned processes
+    heartbeat is older than the stale limit; or, for a lease held on this host
+    (``TASKBRIDGE_HOST``), it ran past its timeout or the worker process that holds it is gone
+    (pid *and* start time checked). A lease held on another host is judged by its heartbeat age
+    only: it is never requeued while that heartbeat is fresh. A local lease's orphaned processes
     are killed first (the agent by pid and start time, the rest by the run marker tag). Fenced:
     each attempt is requeued exactly once. Returns how many were reaped."""
     reaped = 0
-    for task, why in _dead_leases(knobs):
-        agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
-        process_tree.kill_tree(agent, knobs.kill_grace_sec, run_stragglers(task["run_marker"], store.queue_tag()))
+    host = store.host_name()
+    for task, why in _dead_leases(knobs, host):
+        if _lease_here(task, host):   # a pid from another machine names nothing here
+            agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
+            process_tree.kill_tree(agent, knobs.kill_grace_sec, run_stragglers(task["run_marker"], store.queue_tag()))
         reason = f"lease of attempt {task['run_marker']} ended: {why}"
         if _finish(store.requeue_attempt, task, task["run_marker"], reason):
             reaped += 1
@@ -1239,16 +1242,23 @@ def reap(knobs: Knobs) -> int:
     return reaped
 
 
-def _dead_leases(knobs: Knobs) -> list[tuple[dict[str, Any], str]]:
+def _dead_leases(knobs: Knobs, host: str) -> list[tuple[dict[str, Any], str]]:
     dead = {t["id"]: (t, f"no heartbeat since {t['heartbeat_at']} or past its timeout")
-            for t in store.stale_leases(knobs.stale_sec)}
-    ours = f"worker:{socket.gethostname()}:"
+            for t in store.stale_leases(knobs.stale_sec, host=host)}
     for task in store.running_leases():
-        owner = task["lease_owner"] or ""
-        if task["id"] not in dead and owner.startswith(ours) and \
+        if task["id"] not in dead and _lease_here(task, host) and \
+                (task["lease_owner"] or "").startswith("worker:") and \
                 not process_tree.same_process(task["lease_pid"], task["lease_pid_start"]):
-            dead[task["id"]] = (task, f"its worker (pid {task['lease_pid']}) is gone")
+            dead[task["id"]] = (task, f"its worker (pid {task['lease_pid']}) is gone from {host}")
     return [(t, why) for t, why in dead.values() if not _own_live_attempt(t)]
+
+
+def _lease_here(task: dict[str, Any], host: str) -> bool:
+    """Whether the lease was taken on this host, where its pids mean something (a lease from
+    before hosts were recorded names its host in its owner, ``worker:<host>:<pid>``)."""
+    if task.get("lease_host"):
+        return task["lease_host"] == host
+    return (task["lease_owner"] or "").startswith(f"worker:{host}:")
 
 
 def _own_live_attempt(task: dict[str, Any]) -> bool:
@@ -1263,7 +1273,7 @@ def _own_live_attempt(task: dict[str, Any]) -> bool:
 def worker_identity() -> tuple[str, int, float]:
     """(lease owner name, pid, pid start time in seconds)."""
     me = psutil.Process()
-    return f"worker:{socket.gethostname()}:{me.pid}", me.pid, me.create_time()
+    return f"worker:{store.host_name()}:{me.pid}", me.pid, me.create_time()
 
 
 def preflight() -> str | None:
@@ -1473,6 +1483,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
     refused = knobs.problems()
+    try:
+        store.host_name()
+    except store.ValidationError as exc:
+        refused.append(str(exc))
     if refused:   # before anything starts: a typo must not run with a default nor stop a task mid-run
         print("\n".join(f"worker: {line}" for line in refused), file=sys.stderr)
         return 2

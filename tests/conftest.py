@@ -21,6 +21,8 @@ def isolated_queue(tmp_path, monkeypatch):
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
     monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
     monkeypatch.setenv("WORKER_NOTIFY", "0")
+    monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", str(tmp_path / "mirrors"))
+    monkeypatch.delenv("TASKBRIDGE_HOST", raising=False)
     monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token-file"))
     monkeypatch.delenv("MCP_ALLOWED_HOSTS", raising=False)

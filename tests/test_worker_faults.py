@@ -95,8 +95,10 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
 
 
 def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(tmp_path, monkeypatch):
-    task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
+    task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path), host="another-host")
+    monkeypatch.setenv("TASKBRIDGE_HOST", "another-host")   # the lease records the claimer's host
     task_store.claim_next("worker:another-host:4242", pid=4242, pid_start=1.0)
+    monkeypatch.delenv("TASKBRIDGE_HOST")
     assert worker.reap(worker.Knobs()) == 0, "a live heartbeat from another host is respected"
     monkeypatch.setenv("WORKER_STALE_SEC", "1")
     time.sleep(1.2)
