@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 ROWS: list[dict[str, Any]] = []
-PARTS = ("real", "cycles", "wake", "tools", "scale", "rss")
+PARTS = ("real", "cycles", "wake", "tools", "scale", "rss", "workers")
 
 
 def pct(values: list[float], share: float) -> float:
@@ -431,6 +431,29 @@ def mcp_rss(folder: Path, samples: int) -> None:
         lambda m, p, r: r <= 1.1, unit="MB")
 
 
+# --------------------------------------------------------------------------------------------
+# Past one machine: claim -> renew -> finish with 1-16 worker processes, PostgreSQL against SQLite.
+
+
+def workers(quick: bool) -> None:
+    import bench_scale
+    counts = (1, 4, 16) if quick else bench_scale.WORKERS
+    result = bench_scale.measure(counts, 300 if quick else 1500, 1 if quick else 3)
+    for n in counts:
+        pg, lite = result["rates"].get(("postgresql", n)), result["rates"][("sqlite", n)]
+        doubles = result["doubles"][("sqlite", n)] + result["doubles"][("postgresql", n)]
+        row = {"figure": f"claim → renew → finish, {n} worker process{'es' if n > 1 else ''}, PostgreSQL",
+               "ref_name": f"SQLite, {n} process{'es' if n > 1 else ''}", "target": "0 double claims", "unit": "/s",
+               "note": f"{doubles} double claims; second figure: slowest trial",
+               "ref": (med(lite), min(lite)), "met": doubles == 0}
+        if pg:
+            row |= {"ours": (med(pg), min(pg)), "ratio": med(pg) / med(lite)}
+        else:
+            row["note"] += f"; PostgreSQL not measured: {result['postgres']}"
+        ROWS.append(row)
+    print("  measured: worker processes on PostgreSQL and SQLite", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     import anyio
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -450,6 +473,7 @@ def main() -> int:
             "tools": lambda: anyio.run(tool_latency, base / "tools", 50 if quick else 200),
             "scale": lambda: scale(base / "scale", 30 if quick else 200),
             "rss": lambda: mcp_rss(base / "rss", 1 if quick else 3),
+            "workers": lambda: workers(quick),
         }
         for name in PARTS:
             if name in only:
