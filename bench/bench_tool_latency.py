@@ -11,14 +11,11 @@ and the ratio of medians to the bare ping.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +23,7 @@ import anyio
 from typing_extensions import TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 CASES = [("bare", "ping", {}), ("taskbridge", "ping", {}), ("taskbridge", "get_task", {"task_id": "t_0001"}),
          ("taskbridge", "list_tasks", {"limit": 50})]
@@ -56,25 +53,6 @@ def seed(workdir: str) -> None:
     task_store.add_note("t_0001", "a note")
 
 
-@contextlib.contextmanager
-def serving(app):
-    import uvicorn
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 async def measure(clients: dict, calls: int) -> dict[tuple[str, str], list[float]]:
     times: dict[tuple[str, str], list[float]] = {(s, t): [] for s, t, _ in CASES}
     for _ in range(calls):
@@ -102,6 +80,8 @@ async def main(calls: int) -> None:
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
+    from helpers import serving   # tests/helpers.py: the app under uvicorn in a thread
+
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update({"TASK_DB_PATH": f"{tmp}/q/tasks.db", "TASK_LOG_DIR": f"{tmp}/q/logs",
@@ -112,9 +92,11 @@ async def main(calls: int) -> None:
                 Client(bridge.build_server(), mode="legacy") as ours:
             report(f"in memory, {calls} calls each:", await measure({"bare": bare, "taskbridge": ours}, calls))
         bare_app = bare_server().streamable_http_app()
-        with serving(bare_app) as bare_url, serving(bridge.build_app()) as our_url:
-            async with Client(streamable_http_client(bare_url, http_client=httpx2.AsyncClient()), mode="legacy") as bare, \
-                    Client(streamable_http_client(our_url, http_client=httpx2.AsyncClient()), mode="legacy") as ours:
+        with serving(app=bare_app) as bare_base, serving() as our_base:
+            async with Client(streamable_http_client(f"{bare_base}/mcp", http_client=httpx2.AsyncClient()),
+                              mode="legacy") as bare, \
+                    Client(streamable_http_client(f"{our_base}/mcp", http_client=httpx2.AsyncClient()),
+                           mode="legacy") as ours:
                 report(f"streamable-http on 127.0.0.1, {calls // 2} calls each:",
                        await measure({"bare": bare, "taskbridge": ours}, calls // 2))
 

@@ -8,7 +8,7 @@ import pwd
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import psutil
 
@@ -136,9 +136,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(port: int | None = None) -> Iterator[str]:
-    """The bridge's whole HTTP app (build_app()) under uvicorn in a thread on 127.0.0.1 (on
-    ``port``, or a free one); yields the base URL and stops the server on leaving."""
+def serving(port: int | None = None, app: Any = None) -> Iterator[str]:
+    """An ASGI ``app`` (default: the bridge's whole HTTP app, build_app()) under uvicorn in a
+    thread on 127.0.0.1 (on ``port``, or a free one); yields the base URL and stops the server on
+    leaving. The benches use it too."""
     import threading
     import time
 
@@ -146,8 +147,8 @@ def serving(port: int | None = None) -> Iterator[str]:
 
     import opencode_bridge_mcp as bridge
     port = port or free_port()
-    config = uvicorn.Config(bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
-                            access_log=False, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app or bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
+                            access_log=False, log_level="warning", timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
