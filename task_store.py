@@ -11,15 +11,21 @@ Spending limits live here too: each task's ``max_cost_usd`` / ``max_tokens``, th
 attempt's live spend, the spend per local day and the daily budget (``budget_state``,
 ``set_budget``, ``record_spend``, ``raise_limit``; answers to a limit pause in ``answer_task``).
 
-Env read at call time: ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``, ``TASKBRIDGE_HOST``,
-``TASKBRIDGE_MOUNTINFO``.
+Past one machine the same functions run on PostgreSQL (``TASK_DB_URL=postgresql://…``, through
+psycopg 3, imported only then): the same schema and migrations, the statements that differ kept
+side by side (see "PostgreSQL" below), claims with ``FOR UPDATE SKIP LOCKED``, wake-ups with
+``LISTEN/NOTIFY``.
 
-Imports the standard library only; not run on its own (the MCP server, the CLI and the worker
-import it).
+Env read at call time: ``TASK_DB_URL``, ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
+``TASKBRIDGE_HOST``, ``TASKBRIDGE_MOUNTINFO``.
+
+Imports the standard library only (and psycopg when TASK_DB_URL names PostgreSQL).
+Not run on its own (the MCP server, the CLI and the worker import it).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -84,14 +90,73 @@ class JobNotFound(TaskStoreError):
     """No Claude job has the given id."""
 
 
+class DatabaseUnavailable(TaskStoreError):
+    """The PostgreSQL queue cannot be used: a bad URL, a server that does not answer or refuses
+    the login, a lost connection, or psycopg missing. The message names the URL (never its
+    password) and the way out."""
+
+
 # --------------------------------------------------------------------------------------------
 # Paths and knobs (read at call time).
 
 
+PG_SCHEMES = ("postgresql://", "postgres://")
+
+
+def database_url() -> str | None:
+    """``$TASK_DB_URL`` when it names a PostgreSQL database (``postgresql://`` or ``postgres://``),
+    else None (the queue is SQLite)."""
+    raw = os.environ.get("TASK_DB_URL")
+    return raw.strip() if raw and raw.lstrip().startswith(PG_SCHEMES) else None
+
+
+def backend() -> str:
+    """``"postgresql"`` when ``TASK_DB_URL`` names PostgreSQL, else ``"sqlite"``."""
+    return "postgresql" if database_url() else "sqlite"
+
+
+def _sqlite_setting() -> str | None:
+    """The SQLite file as configured: a path in ``TASK_DB_URL`` (the same as ``TASK_DB_PATH``),
+    else ``TASK_DB_PATH``. Raises ValidationError for a URL of another kind."""
+    raw = (os.environ.get("TASK_DB_URL") or "").strip()
+    if raw and not raw.startswith(PG_SCHEMES):
+        if "://" in raw:
+            raise ValidationError(f"TASK_DB_URL={redact_url(raw)!r} is neither a postgresql:// URL nor a "
+                                  "file path; give postgresql://user:password@host:5432/dbname, a path to "
+                                  "the SQLite file, or unset it")
+        return raw
+    return os.environ.get("TASK_DB_PATH")
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (in the user part or a ``password=`` parameter): what logs,
+    messages and ``database_label`` show."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}@{host}"
+    if "?" in tail:
+        path, query = tail.split("?", 1)
+        kept = [p for p in query.split("&") if p and not p.lower().startswith("password=")]
+        tail = path + ("?" + "&".join(kept) if kept else "")
+    return f"{scheme}://{netloc}{slash}{tail}"
+
+
+def database_label() -> str:
+    """The queue database for display: the SQLite file's path, or the PostgreSQL URL without its
+    password (never log a password)."""
+    url = database_url()
+    return redact_url(url) if url else str(db_path())
+
+
 def db_path() -> Path:
-    """The SQLite file: ``$TASK_DB_PATH`` or ``<repo>/tasks.db`` (``~`` expanded, symlinks
-    resolved; a relative path is taken from the working directory)."""
-    raw = os.environ.get("TASK_DB_PATH") or str(REPO_DIR / "tasks.db")
+    """The SQLite file: a path in ``$TASK_DB_URL``, else ``$TASK_DB_PATH``, else
+    ``<repo>/tasks.db`` (``~`` expanded, symlinks resolved; a relative path is taken from the
+    working directory). On PostgreSQL the worker's state files still sit beside this path."""
+    raw = _sqlite_setting() or str(REPO_DIR / "tasks.db")
     key = (raw, None if os.path.isabs(raw) else os.getcwd())
     path = _RESOLVED.get(key)
     if path is None:
@@ -109,7 +174,7 @@ def log_dir() -> Path:
     log files)."""
     if os.environ.get("TASK_LOG_DIR"):
         return Path(os.environ["TASK_LOG_DIR"]).expanduser().resolve()
-    if not os.environ.get("TASK_DB_PATH"):
+    if not _sqlite_setting():
         return REPO_DIR / "task_logs"
     path = db_path()
     return path.with_name(f"{path.stem}_logs")
@@ -158,18 +223,22 @@ def write_private(path: Path, data: str | bytes) -> None:
 
 
 def state_path(name: str) -> Path:
-    """A worker state file (lock, heartbeat) kept beside the database, so each queue has its own."""
+    """A worker state file (lock, heartbeat) kept beside the database, so each queue has its own;
+    on PostgreSQL beside the SQLite path, named after the queue (``pg-<queue_tag>.<name>``)."""
     path = db_path()
+    if database_url():
+        return path.with_name(f"pg-{queue_tag()}.{name}")
     return path.with_name(f"{path.stem}.{name}")
 
 
 def queue_tag() -> str:
-    """A short hash of the database path: names this queue in run markers' environment tags."""
+    """A short hash of the database path (on PostgreSQL of its URL without the password): names
+    this queue in run markers' environment tags."""
     try:  # CPython's own SHA-1: hashlib would load OpenSSL (~3.5 MB of every process's memory)
         from _sha1 import sha1
     except ImportError:
         from hashlib import sha1
-    return sha1(str(db_path()).encode()).hexdigest()[:10]
+    return sha1(database_label().encode()).hexdigest()[:10]
 
 
 def format_task_id(num: int) -> str:
@@ -371,10 +440,14 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+# retry_task gives a failed task a fresh budget without reusing attempt numbers (run markers
+# and fencing need them unique): the attempts counted before the retry are set aside here.
+SCHEMA_V3 = ["ALTER TABLE tasks ADD COLUMN spent_before_retry INTEGER NOT NULL DEFAULT 0"]
+
+
 def _migrate_v3_retry_budget(conn: sqlite3.Connection) -> None:
-    # retry_task gives a failed task a fresh budget without reusing attempt numbers (run markers
-    # and fencing need them unique): the attempts counted before the retry are set aside here.
-    conn.execute("ALTER TABLE tasks ADD COLUMN spent_before_retry INTEGER NOT NULL DEFAULT 0")
+    for statement in SCHEMA_V3:
+        conn.execute(statement)
 
 
 SCHEMA_V4 = [
@@ -399,24 +472,30 @@ def _migrate_v4_spending_limits(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
-def _migrate_v5_lines_of_work(conn: sqlite3.Connection) -> None:
+SCHEMA_V5 = [
     # Follow-ups and forks (issue 15): the task a follow-up continues (same session, same branch)
     # or a fork branches from (a copy of its session, a branch of its own), and the commit the
     # whole line of work started from (the receipt's whole-line diff).
-    conn.execute("ALTER TABLE tasks ADD COLUMN continue_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL")
-    conn.execute("ALTER TABLE tasks ADD COLUMN fork_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL")
-    conn.execute("ALTER TABLE tasks ADD COLUMN line_base TEXT")
-    conn.execute("CREATE INDEX tasks_continue_from ON tasks (continue_from) WHERE continue_from IS NOT NULL")
+    "ALTER TABLE tasks ADD COLUMN continue_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL",
+    "ALTER TABLE tasks ADD COLUMN fork_from INTEGER REFERENCES tasks(id) ON DELETE SET NULL",
+    "ALTER TABLE tasks ADD COLUMN line_base TEXT",
+    "CREATE INDEX tasks_continue_from ON tasks (continue_from) WHERE continue_from IS NOT NULL",
     # OpenCode skills the agent is told to load and sub-agents it may start (JSON lists, checked
     # at submit), the task's own permission rules (JSON, OpenCode's rule format) and the
     # permission request a task waits on (JSON: tool, pattern, reason).
-    conn.execute("ALTER TABLE tasks ADD COLUMN skills TEXT")
-    conn.execute("ALTER TABLE tasks ADD COLUMN subagents TEXT")
-    conn.execute("ALTER TABLE tasks ADD COLUMN rules TEXT")
-    conn.execute("ALTER TABLE tasks ADD COLUMN pending_ask TEXT")
+    "ALTER TABLE tasks ADD COLUMN skills TEXT",
+    "ALTER TABLE tasks ADD COLUMN subagents TEXT",
+    "ALTER TABLE tasks ADD COLUMN rules TEXT",
+    "ALTER TABLE tasks ADD COLUMN pending_ask TEXT",
     # Steering: when a note reached the agent, and how (in the running session, or a prompt).
-    conn.execute("ALTER TABLE notes ADD COLUMN delivered_at REAL")
-    conn.execute("ALTER TABLE notes ADD COLUMN delivered_how TEXT")
+    "ALTER TABLE notes ADD COLUMN delivered_at REAL",
+    "ALTER TABLE notes ADD COLUMN delivered_how TEXT",
+]
+
+
+def _migrate_v5_lines_of_work(conn: sqlite3.Connection) -> None:
+    for statement in SCHEMA_V5:
+        conn.execute(statement)
 
 
 SCHEMA_V6 = [
@@ -451,6 +530,32 @@ def _migrate_v6_past_one_machine(conn: sqlite3.Connection) -> None:
 
 MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine]
+
+
+# PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
+# statements are SQLite's with the column types PostgreSQL names differently (``_pg_ddl``), except
+# where a step differs: no task_counts table and triggers (counts are a GROUP BY; a trigger-kept
+# row per status would serialise every claim and can deadlock), no WITHOUT ROWID.
+PG_SCHEMA_V2 = [statement for statement in SCHEMA_V2 if "task_counts" not in statement]
+
+
+def _pg_ddl(statement: str) -> str:
+    """One SQLite schema statement in PostgreSQL's types: identity ids, bigint, double
+    precision, bytea; no WITHOUT ROWID."""
+    statement = statement.replace("INTEGER PRIMARY KEY AUTOINCREMENT",
+                                  "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY")
+    statement = re.sub(r"\bINTEGER\b", "BIGINT", statement)
+    statement = re.sub(r"\bREAL\b", "DOUBLE PRECISION", statement)
+    statement = re.sub(r"\bBLOB\b", "BYTEA", statement)
+    return statement.replace(" WITHOUT ROWID", "")
+
+
+def pg_migrations() -> list[list[str]]:
+    """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
+    so a statement added to a SCHEMA_V* list is on both backends)."""
+    steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
+             SCHEMA_V5, SCHEMA_V6]
+    return [[_pg_ddl(s) for s in step] for step in steps]
 
 
 def _migrate(conn: sqlite3.Connection) -> None:
@@ -545,15 +650,19 @@ def journal_mode(path: Path | str) -> str:
     return "wal"
 
 
-def connect(path: Path | str | None = None) -> sqlite3.Connection:
+def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection:
     """Open a new connection (creating its folder): the journal (WAL; see ``journal_mode``), busy
-    timeout, foreign keys; migrated.
+    timeout, foreign keys; migrated. Without ``path`` while ``TASK_DB_URL`` names PostgreSQL: a
+    new migrated PgConnection to it (raises DatabaseUnavailable).
 
     The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
     The caller closes it (the store's own functions use ``_kept()`` instead). Raises sqlite3.Error
     if the file cannot be opened, ValidationError when the folder is on a filesystem where WAL is
     unsafe (see ``journal_mode``).
     """
+    url = None if path else database_url()
+    if url:
+        return _pg_connect(url)
     path = Path(path) if path else db_path()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if str(path) != ":memory:" and not path.exists():
@@ -574,10 +683,23 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection:
 
 
 def database_health(path: Path | str | None = None) -> dict[str, Any]:
-    """What `tasks_cli.py doctor` reports about the queue database: ``{"path", "integrity"
-    ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount point) | None,
-    "tasks"}``. Opens (and migrates) it like every entry point: raises sqlite3.Error when the file
-    cannot be used as a database, ValidationError on a filesystem where WAL is unsafe."""
+    """What `tasks_cli.py doctor` reports about the queue database: ``{"backend", "path",
+    "integrity" ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount
+    point) | None, "tasks"}``; on PostgreSQL ``path`` is the URL without its password,
+    ``integrity`` "ok" once a query answers, ``journal_mode`` and ``filesystem`` None, plus
+    ``server_version``. Opens (and migrates) it like every entry point: raises sqlite3.Error when
+    the file cannot be used as a database, ValidationError on a filesystem where WAL is unsafe,
+    DatabaseUnavailable when PostgreSQL cannot be used."""
+    url = None if path else database_url()
+    if url:
+        conn = _pg_connect(url)
+        try:
+            version = conn.execute("SHOW server_version").fetchone()[0]
+            tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+        finally:
+            conn.close()
+        return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
+                "filesystem": None, "tasks": tasks, "server_version": version}
     path = Path(path) if path else db_path()
     conn = connect(path)
     try:
@@ -586,7 +708,7 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
         tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
     finally:
         conn.close()
-    return {"path": str(path), "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
+    return {"backend": "sqlite", "path": str(path), "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
             "journal_mode": mode, "filesystem": db_filesystem(path.parent), "tasks": tasks}
 
 
@@ -614,9 +736,13 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 def _kept() -> sqlite3.Connection:
     """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
-    again when the process forked, the file was replaced or removed, or the last use broke it."""
+    again when the process forked, the file was replaced or removed, or the last use broke it
+    (on PostgreSQL: to ``TASK_DB_URL``, see ``_kept_pg``)."""
     if _KEPT_PID[0] != os.getpid():
         _forget_inherited()
+    url = database_url()
+    if url is not None:
+        return _kept_pg(url)
     path = db_path()
     key = (threading.get_ident(), str(path))
     entry = _KEPT.get(key)
@@ -638,6 +764,8 @@ def _forget_inherited() -> None:
     with _KEPT_LOCK:
         if _KEPT_PID[0] != os.getpid():
             _INHERITED.extend(conn for conn, _ in _KEPT.values())
+            for conn, _ in _KEPT.values():
+                _detach_inherited(conn)
             _KEPT.clear()
             _KEPT_PID[0] = os.getpid()
 
@@ -665,16 +793,16 @@ def _prune() -> None:
 
 
 def _discard(key: tuple[int, str] | None = None) -> None:
-    """Close and forget this thread's connection to ``db_path()`` (or ``key``'s)."""
-    key = key or (threading.get_ident(), str(db_path()))
+    """Close and forget this thread's connection to the queue database (or ``key``'s)."""
+    key = key or (threading.get_ident(), database_url() or str(db_path()))
     with _KEPT_LOCK:
         entry = _KEPT.pop(key, None)
     if entry is not None:
         _close_quietly(entry[0])
 
 
-def _close_quietly(conn: sqlite3.Connection) -> None:
-    with contextlib.suppress(sqlite3.Error):
+def _close_quietly(conn: sqlite3.Connection | PgConnection) -> None:
+    with contextlib.suppress(Exception):
         conn.close()
 
 
@@ -692,7 +820,10 @@ def close_connections() -> None:
 
 def checkpoint() -> None:
     """Copy the WAL back into the database without waiting for readers (``PASSIVE``); SQLite
-    also does this by itself every 10,000 pages. The worker calls it once a minute."""
+    also does this by itself every 10,000 pages. The worker calls it once a minute. Nothing on
+    PostgreSQL (the server checkpoints)."""
+    if database_url():
+        return
     with _reading() as conn:
         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
@@ -708,9 +839,14 @@ def _reading() -> Iterator[sqlite3.Connection]:
 
 
 @contextlib.contextmanager
-def _writing() -> Iterator[sqlite3.Connection]:
-    """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read."""
+def _writing(serialize: bool = True) -> Iterator[sqlite3.Connection]:
+    """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read (on
+    PostgreSQL the writers' advisory lock, unless ``serialize`` is False: see ``_pg_transaction``)."""
     conn = _kept()
+    if type(conn) is PgConnection:
+        with _pg_transaction(conn, serialize):
+            yield conn
+        return
     if conn.in_transaction:  # a store function called another inside its transaction: a bug
         raise RuntimeError("task_store: a write transaction was opened inside another one")
     try:
@@ -727,6 +863,320 @@ def _writing() -> Iterator[sqlite3.Connection]:
         elif isinstance(exc, sqlite3.DatabaseError):
             _drop_if_broken(exc)
         raise
+
+
+# --------------------------------------------------------------------------------------------
+# PostgreSQL (TASK_DB_URL=postgresql://…): a kept connection per thread and process like the
+# SQLite ones, speaking the store's SQL through one adaptation (placeholders), rows like
+# sqlite3.Row, explicit transactions. Writers serialise on one advisory lock as SQLite's BEGIN
+# IMMEDIATE does; the claim does not (it picks with FOR UPDATE SKIP LOCKED). Events are appended
+# at the end of their transaction under a second advisory lock held to the commit, so event ids
+# commit in order (a cursor never skips one) and pg_notify tells listeners at the commit. Lock
+# order is always: writers' lock, task rows, events' lock — so the two kinds never deadlock.
+
+PG_CHANNEL = "taskbridge_events"
+PG_WRITE_LOCK = 0x7461736B62   # advisory lock keys ("taskb", "taskc", "taskd"): writers,
+PG_EVENT_LOCK = 0x7461736B63   # event appenders (held to the commit),
+PG_MIGRATE_LOCK = 0x7461736B64  # migrations
+PG_CONNECT_TIMEOUT_SEC = 10
+
+_PG_TOKEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|::|\?|:([A-Za-z_]\w*)|%")
+
+
+@functools.lru_cache(maxsize=1024)
+def pg_sql(sql: str) -> str:
+    """The store's SQL with psycopg's placeholders: ``?`` -> ``%s``, ``:name`` -> ``%(name)s``,
+    a literal ``%`` doubled; string literals and ``::`` casts kept. Cached per statement text."""
+    def swap(match: re.Match) -> str:
+        text = match.group(0)
+        if text == "?":
+            return "%s"
+        if match.group(1):
+            return f"%({match.group(1)})s"
+        return text.replace("%", "%%")
+    return _PG_TOKEN.sub(swap, sql)
+
+
+class PgRow(tuple):
+    """A PostgreSQL row as sqlite3.Row behaves: ``row["col"]``, ``row[0]``, ``dict(row)``,
+    ``row.keys()``; iterating gives the values."""
+    __slots__ = ()
+    _names: dict[str, int] = {}
+
+    def __getitem__(self, key: Any) -> Any:
+        return tuple.__getitem__(self, self._names[key] if isinstance(key, str) else key)
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+
+@functools.lru_cache(maxsize=512)
+def _row_class(names: tuple[str, ...]) -> type:
+    return type("PgRow", (PgRow,), {"__slots__": (), "_names": {n: i for i, n in enumerate(names)}})
+
+
+def _pg_rows(cursor: Any) -> Any:
+    """psycopg row factory: PgRow subclasses per column list."""
+    return _row_class(tuple(c.name for c in cursor.description)) if cursor.description else tuple
+
+
+def _psycopg() -> Any:
+    try:
+        import psycopg
+    except ImportError:
+        raise DatabaseUnavailable(
+            f"TASK_DB_URL names a PostgreSQL queue ({database_label()}) but psycopg is not installed: "
+            "run ./install.sh (it installs requirements.txt), or unset TASK_DB_URL to use SQLite") from None
+    return psycopg
+
+
+def _unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
+    """A DatabaseUnavailable naming the URL (no password) and the way out; any text of ``exc``
+    that quotes the password is scrubbed."""
+    said = " ".join(str(exc).split()) or type(exc).__name__
+    secret = _url_password(url)
+    if secret:
+        said = said.replace(secret, "***")
+    return DatabaseUnavailable(
+        f"cannot use the PostgreSQL queue {redact_url(url)}: {said}; check TASK_DB_URL "
+        "(postgresql://user:password@host:5432/dbname) and that the server is running and reachable, "
+        "or unset TASK_DB_URL to use SQLite")
+
+
+def _url_password(url: str) -> str | None:
+    rest = url.partition("://")[2]
+    netloc, _, tail = rest.partition("/")
+    if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:
+        return netloc.rsplit("@", 1)[0].split(":", 1)[1] or None
+    for part in tail.partition("?")[2].split("&"):
+        if part.lower().startswith("password="):
+            return part.split("=", 1)[1] or None
+    return None
+
+
+class PgConnection:
+    """A kept PostgreSQL connection (autocommit; transactions explicit) that takes the store's
+    statements as written for SQLite: ``execute`` / ``executemany`` with ``?`` and ``:name``
+    placeholders, rows as PgRow. Inside a write transaction ``writing`` is True: task reads that
+    decide a transition lock their row, and events wait in ``events`` until the commit."""
+
+    def __init__(self, raw: Any, url: str) -> None:
+        self.raw, self.url = raw, url
+        self.writing = False
+        self.events: list[tuple[int | None, float, str, str]] = []
+        self._errors = type(raw).OperationalError if hasattr(type(raw), "OperationalError") else Exception
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        try:
+            return self.raw.execute(pg_sql(sql), params)
+        except self._errors as exc:
+            raise self._lost(exc) from None
+
+    def executemany(self, sql: str, rows: Iterable[Any]) -> None:
+        try:
+            with self.raw.cursor() as cur:
+                cur.executemany(pg_sql(sql), list(rows))
+        except self._errors as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: BaseException) -> BaseException:
+        # A lost connection or a server going down is the database's unavailability; any other
+        # operational error (a deadlock, a cancelled statement) stays what it is.
+        state = getattr(exc, "sqlstate", None)
+        if self.raw.broken or self.raw.closed or state is None or state.startswith(("08", "57P")):
+            return _unavailable(self.url, exc)
+        return exc
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.raw.pgconn.transaction_status != 0   # 0: IDLE
+
+    @property
+    def usable(self) -> bool:
+        return not (self.raw.closed or self.raw.broken)
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def flush_events(self) -> None:
+        """Append the transaction's events under the events' lock (held to the commit, so ids
+        commit in order) and notify listeners (delivered at the commit)."""
+        if not self.events:
+            return
+        rows, self.events = self.events, []
+        self.execute("SELECT pg_advisory_xact_lock(?)", (PG_EVENT_LOCK,))
+        self.execute(
+            "WITH added AS (INSERT INTO events (task_id, ts, kind, message)"
+            " SELECT t, s, k, m FROM unnest(?::bigint[], ?::float8[], ?::text[], ?::text[])"
+            " WITH ORDINALITY AS u(t, s, k, m, n) ORDER BY n RETURNING id)"
+            f" SELECT pg_notify('{PG_CHANNEL}', max(id)::text) FROM added",
+            [list(column) for column in zip(*rows)])
+
+
+def _pg_connect(url: str) -> PgConnection:
+    """A new migrated PostgreSQL connection. Raises DatabaseUnavailable."""
+    psycopg = _psycopg()
+    try:
+        raw = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_SEC,
+                              row_factory=_pg_rows, application_name="taskbridge")
+    except (psycopg.Error, ValueError) as exc:
+        raise _unavailable(url, exc) from None
+    raw.prepared_max = 256
+    conn = PgConnection(raw, url)
+    try:
+        _pg_migrate(conn)
+    except BaseException:
+        raw.close()
+        raise
+    return conn
+
+
+def _pg_migrate(conn: PgConnection) -> None:
+    steps = pg_migrations()
+    try:
+        version = conn.raw.execute("SELECT max(version) FROM schema_version").fetchone()[0] or 0
+    except _psycopg().errors.UndefinedTable:
+        version = 0
+    if version >= len(steps):
+        return
+    conn.execute("BEGIN")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(?)", (PG_MIGRATE_LOCK,))
+        conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        version = conn.execute("SELECT coalesce(max(version), 0) FROM schema_version").fetchone()[0]
+        for statement in (s for step in steps[version:] for s in step):
+            conn.raw.execute(statement)   # DDL as written: no placeholders to adapt
+        conn.execute("DELETE FROM schema_version")
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (len(steps),))
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.raw.execute("ROLLBACK")
+        raise
+
+
+@contextlib.contextmanager
+def _pg_transaction(conn: PgConnection, serialize: bool) -> Iterator[PgConnection]:
+    """A PostgreSQL write transaction: BEGIN, the writers' advisory lock unless ``serialize`` is
+    False (the claim), the body, the buffered events, COMMIT; ROLLBACK on any error."""
+    if conn.in_transaction:
+        raise RuntimeError("task_store: a write transaction was opened inside another one")
+    conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK:d})" if serialize else "BEGIN")
+    conn.writing = True
+    try:
+        yield conn
+        conn.flush_events()
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.events.clear()
+        if conn.usable:
+            try:
+                conn.raw.execute("ROLLBACK")
+            except Exception:  # noqa: BLE001 - the connection is dropped below instead
+                pass
+        if not conn.usable or conn.in_transaction:
+            _discard()
+        raise
+    finally:
+        conn.writing = False
+
+
+def _kept_pg(url: str) -> PgConnection:
+    """This thread's PostgreSQL connection to ``url``, made on first use and again when the
+    process forked or the last use broke it."""
+    key = (threading.get_ident(), url)
+    entry = _KEPT.get(key)
+    if entry is not None and entry[0].usable:
+        return entry[0]
+    if entry is not None:
+        _discard(key)
+    conn = _pg_connect(url)
+    with _KEPT_LOCK:
+        _KEPT[key] = (conn, None)
+        if len(_KEPT) > KEPT_MAX:
+            _prune()
+    return conn
+
+
+def _detach_inherited(conn: Any) -> None:
+    # A forked child must never talk on its parent's PostgreSQL socket, not even to close it
+    # (libpq's goodbye would end the parent's session): the child's copy of the descriptor is
+    # pointed at /dev/null, so whatever happens to the object here reaches no server.
+    if isinstance(conn, PgConnection):
+        with contextlib.suppress(Exception):
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, conn.raw.pgconn.socket)
+            os.close(devnull)
+
+
+class PgChangeWatch:
+    """``file_watch.FolderWatch``'s interface over ``LISTEN taskbridge_events`` on a connection of
+    its own: ``wait(timeout) -> bool``, ``drain()``, ``fd`` / ``fileno()`` for an event loop,
+    ``available``, ``close()``, a context manager. When the server cannot be reached
+    ``available`` is False and ``wait`` only sleeps (the caller's poll re-checks)."""
+
+    def __init__(self, url: str) -> None:
+        self.conn: Any = None
+        self.fd = -1
+        try:
+            psycopg = _psycopg()
+            self.conn = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_SEC,
+                                        application_name="taskbridge-listen")
+            self.conn.execute(f"LISTEN {PG_CHANNEL}")
+            self.fd = self.conn.pgconn.socket
+        except Exception:  # noqa: BLE001 - no notifications: the waiter polls, as FolderWatch without inotify
+            self.close()
+
+    @property
+    def available(self) -> bool:
+        return self.fd >= 0
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def wait(self, timeout: float) -> bool:
+        """Block until a change is notified (True) or ``timeout`` seconds pass (False)."""
+        import select
+        deadline = time.monotonic() + max(0.0, timeout)
+        if self.fd < 0:
+            time.sleep(max(0.0, timeout))
+            return False
+        while True:
+            if self.drain():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or self.fd < 0:
+                return False
+            select.select([self.fd], [], [], left)
+
+    def drain(self) -> bool:
+        """Read what the server sent (never blocks); True when a change was notified (or the
+        connection broke: the caller re-checks, then polls)."""
+        if self.fd < 0:
+            return False
+        pgconn = self.conn.pgconn
+        try:
+            pgconn.consume_input()
+        except Exception:  # noqa: BLE001 - a lost server: say "look again"; polling takes over
+            self.close()
+            return True
+        hit = False
+        while pgconn.notifies() is not None:
+            hit = True
+        return hit
+
+    def close(self) -> None:
+        self.fd = -1
+        if self.conn is not None:
+            with contextlib.suppress(Exception):
+                self.conn.close()
+            self.conn = None
+
+    def __enter__(self) -> "PgChangeWatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 BUSY_WAIT_SEC = 30.0  # how long a write waits for the write lock before "database is locked"
@@ -767,6 +1217,9 @@ def _drop_if_broken(exc: sqlite3.DatabaseError) -> None:
 
 
 def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
+    if type(conn) is PgConnection:   # appended at the commit, in order (PgConnection.flush_events)
+        conn.events.append((task_id, now(), kind, message))
+        return
     conn.execute(
         "INSERT INTO events (task_id, ts, kind, message) VALUES (?, ?, ?, ?)",
         (task_id, now(), kind, message),
@@ -1238,7 +1691,11 @@ def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
 
 
 def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
-    row = conn.execute("SELECT * FROM tasks WHERE id = ?", (task_id,)).fetchone()
+    # In a PostgreSQL write transaction the row is locked: a claim (which does not take the
+    # writers' lock) cannot change it between this read and the write it decides.
+    locked = type(conn) is PgConnection and conn.writing
+    row = conn.execute("SELECT * FROM tasks WHERE id = ? FOR UPDATE" if locked else "SELECT * FROM tasks WHERE id = ?",
+                       (task_id,)).fetchone()
     if row is None:
         raise TaskNotFound(
             f"task {format_task_id(task_id)} not found; list_tasks shows the ids that exist"
@@ -1497,7 +1954,7 @@ def get_task(task_id: Any) -> dict[str, Any]:
         task["questions"] = _questions(conn, num)
         task["events"] = [
             _event_dict(r) for r in conn.execute(
-                "SELECT * FROM (SELECT * FROM events WHERE task_id = ? ORDER BY id DESC LIMIT 20)"
+                "SELECT * FROM (SELECT * FROM events WHERE task_id = ? ORDER BY id DESC LIMIT 20) AS e"
                 " ORDER BY id", (num,))
         ]
     return task
@@ -1519,6 +1976,13 @@ _LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branc
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
                  " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, " + LIST_RANK + " AS rank")
+# PostgreSQL reads the usage JSON with its own operators and rounds a numeric.
+_LIST_COLUMNS_PG = (_LIST_COLUMNS
+                    .replace("round(coalesce(json_extract(usage, '$.cost_usd'), 0)",
+                             "round((coalesce((usage::jsonb ->> 'cost_usd')::float8, 0)")
+                    .replace("run_cost_usd ELSE 0 END), 8)", "run_cost_usd ELSE 0 END))::numeric, 8)::float8")
+                    .replace("json_extract(usage, '$.cost_usd')", "(usage::jsonb ->> 'cost_usd')::float8")
+                    .replace("json_extract(usage, '$.tokens.total')", "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
 
@@ -1551,29 +2015,31 @@ def list_tasks(
     # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
     # the list-order index (no sort of every match); a filter of live statuses only reads those
     # few rows through the status index and sorts them.
-    unary = "+" if "done" in statuses else ""
+    pg = database_url() is not None
+    unary = "+" if "done" in statuses and not pg else ""
     where, params = [f"{unary}status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
     if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
-        where, params = ["1"], []
+        where, params = ["true" if pg else "1"], []
     origin = optional(origin)
     if origin:
         where.append("(origin_kind = ? OR origin_name = ?)")
         params += [origin, origin]
     if optional(search):
-        where.append("instr(lower(title), lower(?)) > 0")
+        where.append(f"{'strpos' if pg else 'instr'}(lower(title), lower(?)) > 0")
         params.append(search)
     clause = " AND ".join(where)
+    columns = _LIST_COLUMNS_PG if pg else _LIST_COLUMNS
     with _reading() as conn:
-        if len(where) == 1:
+        if len(where) == 1 and not pg:
             total = conn.execute("SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN (%s)"
                                  % ",".join("?" * len(statuses)), statuses).fetchone()[0]
         else:
             total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
         if after is None:
-            rows = conn.execute(f"SELECT {_LIST_COLUMNS} FROM tasks WHERE {clause}{_LIST_ORDER} LIMIT ? OFFSET ?",
+            rows = conn.execute(f"SELECT {columns} FROM tasks WHERE {clause}{_LIST_ORDER} LIMIT ? OFFSET ?",
                                 params + [limit + 1, offset]).fetchall()
         else:
-            rows = _rows_after(conn, clause, params, after, limit + 1)
+            rows = _rows_after(conn, clause, params, after, limit + 1, columns)
     more, rows = len(rows) > limit, rows[:limit]
     tasks = [_list_row(row) for row in rows]
     last = rows[-1] if rows and more else None
@@ -1601,7 +2067,7 @@ def _parse_cursor(cursor: Any) -> tuple[int, int, int]:
 
 
 def _rows_after(conn: sqlite3.Connection, clause: str, params: list, after: tuple[int, int, int],
-                limit: int) -> list[sqlite3.Row]:
+                limit: int, columns: str = _LIST_COLUMNS) -> list[sqlite3.Row]:
     """Rows after ``(rank, priority, id)`` in list order: three index range reads (the rest of that
     priority, the rest of that rank, the later ranks), each stopping at ``limit`` rows."""
     rank, priority, num = after
@@ -1615,7 +2081,7 @@ def _rows_after(conn: sqlite3.Connection, clause: str, params: list, after: tupl
     for extra, values in steps:
         if len(rows) >= limit:
             break
-        rows += conn.execute(f"SELECT {_LIST_COLUMNS} FROM tasks WHERE {clause}{extra} LIMIT ?",
+        rows += conn.execute(f"SELECT {columns} FROM tasks WHERE {clause}{extra} LIMIT ?",
                              params + values + [limit - len(rows)]).fetchall()
     return rows
 
@@ -1641,19 +2107,26 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
     return list(values)
 
 
+# Tasks per status: SQLite keeps them in task_counts (triggers); PostgreSQL counts (no trigger-kept
+# rows there: they would serialise every claim).
+_COUNTS = {"sqlite": "SELECT status, n FROM task_counts",
+           "postgresql": "SELECT status, count(*) FROM tasks GROUP BY status"}
+
+
 def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
-        rows = conn.execute("SELECT status, n FROM task_counts").fetchall()
+        rows = conn.execute(_COUNTS[backend()]).fetchall()
     return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
 
 
 def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
+    pg = database_url() is not None
     with _reading() as conn:
-        tallies = {s: 0 for s in STATUSES} | dict(conn.execute("SELECT status, n FROM task_counts").fetchall())
+        tallies = {s: 0 for s in STATUSES} | dict(conn.execute(_COUNTS[backend()]).fetchall())
         oldest = conn.execute(  # the partial index tasks_pending_age holds exactly these rows
-            "SELECT id, created_at FROM tasks INDEXED BY tasks_pending_age WHERE status = 'pending'"
+            f"SELECT id, created_at FROM tasks{'' if pg else ' INDEXED BY tasks_pending_age'} WHERE status = 'pending'"
             " ORDER BY created_at, id LIMIT 1"
         ).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": now()}).fetchone()[0]
@@ -1683,13 +2156,18 @@ UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now,
              ORDER BY t.priority DESC, t.created_at, t.id LIMIT 1)
 RETURNING *
 """
+# On PostgreSQL the pick skips rows other claimers hold: many workers claim at once, none waits.
+_CLAIM_PG = _CLAIM.replace("(:task_id IS NULL OR t.id = :task_id)",
+                           "(CAST(:task_id AS BIGINT) IS NULL OR t.id = :task_id)").replace(
+    "LIMIT 1)", "LIMIT 1 FOR UPDATE OF t SKIP LOCKED)")
 
 
 def claim_next(owner: str, pid: int | None = None, pid_start: float | None = None,
                task_id: Any = None) -> dict[str, Any] | None:
     """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
     elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
-    ``BEGIN IMMEDIATE``: exactly one claimer wins.
+    ``BEGIN IMMEDIATE``: exactly one claimer wins (on PostgreSQL its pick is ``FOR UPDATE SKIP
+    LOCKED``, without the writers' lock: claimers never wait on one another).
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
@@ -1702,14 +2180,15 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     """
     num = parse_task_id(task_id) if task_id is not None else None
     host = host_name()
-    with _writing() as conn:
+    with _writing(serialize=False) as conn:
         spent = _budget_spent(conn)
         if spent:
             if num is not None:
                 raise InvalidTransition(f"task {format_task_id(num)} waits: {spent}")
             return None
         row = conn.execute(
-            _CLAIM, {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host}
+            _CLAIM_PG if type(conn) is PgConnection else _CLAIM,
+            {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host}
         ).fetchone()
         if row is None:
             if num is not None:
@@ -2263,8 +2742,9 @@ def wait_for_change(since: int, timeout: float, poll: float = 0.5) -> int:
     Every change a waiter cares about (submit, claim, finish, question, answer, note, cancel)
     records an event in the same transaction. On Linux the wait sleeps on an inotify watch of the
     database's folder (SQLite writes each commit to the ``-wal`` file) and wakes within about a
-    millisecond of the commit; it also re-checks every ``poll`` seconds (0.01..5), the only
-    schedule where inotify is missing (macOS) or says nothing (a network filesystem)."""
+    millisecond of the commit; on PostgreSQL it LISTENs for the NOTIFY each event's commit sends.
+    It also re-checks every ``poll`` seconds (0.01..5), the only schedule where inotify is missing
+    (macOS) or says nothing (a network filesystem)."""
     poll = min(max(float(poll), 0.01), 5.0) if math.isfinite(float(poll)) else 0.5
     deadline = time.monotonic() + max(0.0, float(timeout))
     with change_watch() as watch:
@@ -2285,10 +2765,15 @@ def wait_for_change(since: int, timeout: float, poll: float = 0.5) -> int:
 SETTLE_PAUSES = (0, 0.001, 0.002, 0.005, 0.01)
 
 
-def change_watch() -> "FolderWatch":
+def change_watch() -> "FolderWatch | PgChangeWatch":
     """A ``file_watch.FolderWatch`` on the files SQLite writes at each commit to this queue's
-    database (the ``-wal`` file; the database itself in rollback-journal mode). Close it after use
-    (a context manager). For async waiters; threads use ``wait_for_change``."""
+    database (the ``-wal`` file; the database itself in rollback-journal mode); on PostgreSQL a
+    PgChangeWatch (the same interface) listening for the events' NOTIFY on a connection of its
+    own. Close it after use (a context manager). For async waiters; threads use
+    ``wait_for_change``."""
+    url = database_url()
+    if url:
+        return PgChangeWatch(url)
     from file_watch import FolderWatch  # imported by waiting processes only
     path = db_path()
     return FolderWatch(path.parent, (path.name, f"{path.name}-wal", f"{path.name}-journal"))
@@ -2448,7 +2933,8 @@ def record_spend(task_id: Any, marker: str, run_cost_usd: float, run_tokens: int
         conn.execute("UPDATE tasks SET run_cost_usd = ?, run_tokens = ? WHERE id = ? AND run_marker = ?",
                      (run_cost_usd, run_tokens, num, marker))
         conn.execute("INSERT INTO daily_spend (day, cost_usd, tokens) VALUES (?, ?, ?) ON CONFLICT (day)"
-                     " DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd, tokens = tokens + excluded.tokens",
+                     " DO UPDATE SET cost_usd = daily_spend.cost_usd + excluded.cost_usd,"
+                     " tokens = daily_spend.tokens + excluded.tokens",
                      (local_day(), step_cost_usd, step_tokens))
         return _budget(conn)
 

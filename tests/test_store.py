@@ -1,4 +1,5 @@
-"""The queue itself: claims, fencing, dependencies, priority, validation, concurrency."""
+"""The queue itself: claims, fencing, dependencies, priority, validation, concurrency. Every test
+runs on SQLite and on PostgreSQL (tests/pg_server.py's real server)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,12 @@ import pytest
 
 import task_store as store
 from helpers import claim_in_processes
+
+
+@pytest.fixture(autouse=True)
+def backend(store_backend):
+    """Each test of this file on both backends (sqlite, postgresql)."""
+    return store_backend
 
 
 def submit(tmp_path, title="t", **kw):

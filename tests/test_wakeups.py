@@ -1,6 +1,7 @@
 """Wake-ups on change: the store's wait, the MCP wait_for and the worker's --watch pickup react to
 a commit by another process at once, with their poll interval set far longer than the test waits
-(so only the change notification can explain the wake)."""
+(so only the change notification can explain the wake). The store's wait and the MCP wait_for run on
+both backends (inotify on SQLite's files; LISTEN/NOTIFY on PostgreSQL)."""
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ def submit_later(delay: float, wd) -> subprocess.Popen:
 
 
 @linux_only
-def test_a_commit_in_another_process_wakes_the_wait_not_the_poll(tmp_path):
+def test_a_commit_in_another_process_wakes_the_wait_not_the_poll(tmp_path, store_backend):
     task_store.submit_task(title="first", instructions="i", working_dir=str(tmp_path))
     since = task_store.last_event_id()
     with task_store.change_watch() as watch:
@@ -46,7 +47,7 @@ def test_a_commit_in_another_process_wakes_the_wait_not_the_poll(tmp_path):
     assert newest > since and 0 <= woke - committed < 1.0, woke - committed
 
 
-def test_the_wait_returns_at_once_when_already_changed_and_on_timeout_otherwise(tmp_path):
+def test_the_wait_returns_at_once_when_already_changed_and_on_timeout_otherwise(tmp_path, store_backend):
     since = task_store.last_event_id()
     task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
     started = time.monotonic()
@@ -69,7 +70,7 @@ def test_without_inotify_the_poll_still_finds_the_change(tmp_path, monkeypatch):
 
 @linux_only
 @pytest.mark.anyio
-async def test_mcp_wait_for_wakes_on_the_finish_not_its_poll(tmp_path, monkeypatch):
+async def test_mcp_wait_for_wakes_on_the_finish_not_its_poll(tmp_path, monkeypatch, store_backend):
     monkeypatch.setenv("MCP_WAIT_POLL_SEC", "5")
     task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
 
