@@ -10,22 +10,8 @@
 // seen its tool results), keeps adding the notes it gave at their places on every later call
 // (the hook sees the stored messages, which do not hold them), and records what it delivered in
 // "<notes file>.ack" ({"delivered": [{"id", "at": ms}]}) for the worker's receipt. Sub-agents'
-// sessions are left alone. Reads and writes nothing else; no dependencies.
-import fs from "fs";
-
-function readJson(path) {
-  try {
-    return JSON.parse(fs.readFileSync(path, "utf8"));
-  } catch {
-    return null; // not written yet, or caught mid-rename
-  }
-}
-
-function writeAck(path, delivered) {
-  const tmp = `${path}.ack.${process.pid}.tmp`;
-  fs.writeFileSync(tmp, JSON.stringify({ delivered }));
-  fs.renameSync(tmp, `${path}.ack`);
-}
+// sessions are left alone. Reads and writes nothing else; imports only files.js (beside it).
+import { readJson, writeJson } from "./files.js";
 
 function noteMessage(template, note, index) {
   const id = `${template.info.id}_taskbridge_note_${note.id}_${index}`;
@@ -60,7 +46,7 @@ export const TaskbridgeNotes = async () => {
           given.push({ note, anchor });
           delivered.push({ id: note.id, at: Date.now() });
         }
-        writeAck(path, delivered);
+        writeJson(`${path}.ack`, { delivered });
       }
       given.forEach(({ note, anchor }, index) => {
         const at = messages.findIndex((m) => m.info && m.info.id === anchor);

@@ -13,8 +13,8 @@
 //   here and acknowledged in "<rules file>.used"), the request {tool, subject, reason} is written
 //   to "<rules file>.ask" and the call is held; the worker ends the run and the task waits for
 //   the planner's answer, which resumes the same session.
-// The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. No dependencies.
-import fs from "fs";
+// The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js (beside it).
+import { readJson, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const EDITS = new Set(["edit", "write", "patch", "multiedit", "apply_patch"]);
@@ -49,20 +49,6 @@ function actionFor(rules, key, subjects) {
     if (subjects.some((s) => wildcard(s, pattern))) action = act;
   }
   return action;
-}
-
-function readJson(path) {
-  try {
-    return JSON.parse(fs.readFileSync(path, "utf8"));
-  } catch {
-    return null;
-  }
-}
-
-function writeJson(path, value) {
-  const tmp = `${path}.${process.pid}.tmp`;
-  fs.writeFileSync(tmp, JSON.stringify(value));
-  fs.renameSync(tmp, path);
 }
 
 export const TaskbridgePermissionRules = async ({ directory }) => {

@@ -12,19 +12,11 @@
 // writes {"steps", "cost_usd", "tokens"} to "<gate>.held" and never lets the call go: the worker
 // sees that file, ends the process tree at this step boundary and pauses the task.
 // Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
-// that cannot be read lets the call go. No dependencies; writes only the .held file.
+// that cannot be read lets the call go. Imports only files.js (beside it); writes only the .held file.
 // Not run by hand: OpenCode loads it. Env: TASKBRIDGE_GATE (the gate file's path; unset, every call goes).
-import fs from "fs";
+import { readJson, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-
-function readGate(path) {
-  try {
-    return JSON.parse(fs.readFileSync(path, "utf8"));
-  } catch {
-    return null; // not written yet, or caught mid-rename
-  }
-}
 
 // The step-finish parts of the session, oldest first, from OpenCode's storage; null when unreadable.
 async function finishedSteps(client, sessionID) {
@@ -58,7 +50,7 @@ export const TaskbridgeSpendGate = async ({ client }) => {
       if (!path) return;
       main = main || input.sessionID;
       if (input.sessionID !== main) return;
-      const gate = readGate(path);
+      const gate = readJson(path);
       if (gate && gate.stop) return hold();
       const steps = await finishedSteps(client, main);
       if (steps === null || !gate) return;
@@ -69,7 +61,7 @@ export const TaskbridgeSpendGate = async ({ client }) => {
       const overUsd = typeof gate.allow_usd === "number" && cost >= gate.allow_usd;
       const overTokens = typeof gate.allow_tokens === "number" && tokens >= gate.allow_tokens;
       if (!overUsd && !overTokens) return;
-      fs.writeFileSync(path + ".held", JSON.stringify({ steps: mine.length, cost_usd: cost, tokens }));
+      writeJson(`${path}.held`, { steps: mine.length, cost_usd: cost, tokens });
       return hold();
     },
   };
