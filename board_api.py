@@ -11,7 +11,8 @@ object body and go through the same store functions as the MCP tools and the CLI
 
 Reads:  /api/status, /api/tasks, /api/tasks/{id}, /api/tasks/{id}/log, /api/events, /api/jobs,
         /api/engine, /api/changes (long poll: returns within ~0.25 s of a change, else after
-        ``wait`` seconds; a stat of the database files decides whether the database is asked).
+        ``wait`` seconds; the store's change watch wakes it at a commit or notification, and a
+        stat of the database files decides whether the database is asked in between).
 Writes: POST /api/tasks/{id}/answer {"answer"}, /note {"text"}, /cancel {"reason"?},
         /retry {"model"?, "note"?}: text fields only (a key not listed, a value not text, a body
         nested past 32 levels: 400 naming it).
@@ -210,7 +211,7 @@ def task_detail(task_id: str) -> dict[str, Any]:
         "events": task["events"], "result": result, "result_truncated": cut, "usage": task.get("usage"),
         "base_commit": task.get("base_commit"), "diff": shown, "diff_bytes": len(data),
         "diff_truncated": end < len(data), "diff_files": diff_files(diff),
-        "log_bytes": task_views.file_size(store.log_path(task["id"])),
+        "log_bytes": store.task_log_size(task["id"]),
     }
 
 
@@ -220,19 +221,21 @@ async def api_task(request: Any) -> Any:
     return await answer_json(lambda: task_detail(request.path_params["task_id"]))
 
 
-def whole_lines(path: Path, offset: int | None, chunk: int = LOG_CHUNK) -> dict[str, Any]:
-    """Whole lines of a growing file: from byte ``offset`` (at most ``chunk`` bytes, ending at the
-    last complete line, so a line being written is read next time), or without offset the tail
-    (the last ``chunk`` bytes' whole lines). An offset past the end means the file was cut or
-    replaced meanwhile (the worker log keeps its newer half): the tail comes back with ``reset``
-    true. Returns {text, offset, next_offset, size, reset}."""
-    reset = offset is not None and offset > task_views.file_size(path)
+def whole_lines(source: Path | str, offset: int | None, chunk: int = LOG_CHUNK) -> dict[str, Any]:
+    """Whole lines of a growing log, a file (Path) or a task's log (its id, through the store):
+    from byte ``offset`` (at most ``chunk`` bytes, ending at the last complete line, so a line
+    being written is read next time), or without offset the tail (the last ``chunk`` bytes' whole
+    lines). An offset past the end means the log was cut or replaced meanwhile (the worker log
+    keeps its newer half): the tail comes back with ``reset`` true. Returns {text, offset,
+    next_offset, size, reset}."""
+    size = task_views.file_size(source) if isinstance(source, Path) else store.task_log_size(source)
+    reset = offset is not None and offset > size
     if reset:
         offset = None
     if offset is None:
-        page = task_views.read_log_page(path, None, 10**9, chunk)
+        page = task_views.read_log_page(source, None, 10**9, chunk)
     else:
-        page = task_views.read_log_page(path, offset, 1, chunk)
+        page = task_views.read_log_page(source, offset, 1, chunk)
     text, start = page["text"], page["offset"]
     complete = text[: text.rfind("\n") + 1]
     if not complete and len(text.encode()) >= chunk:
@@ -245,7 +248,7 @@ def task_log(task_id: str, offset: int | None) -> dict[str, Any]:
     """A task log's whole lines from ``offset`` (or its tail) as readable entries
     (opencode_runner.render_log_line shapes)."""
     task_id = next(iter(store.statuses_of([task_id])))
-    part = whole_lines(store.log_path(task_id), offset)
+    part = whole_lines(task_id, offset)
     return {"task_id": task_id, "entries": opencode_runner.render_log(part.pop("text"))} | part
 
 
@@ -330,7 +333,7 @@ class Watch:
         self.cursor = store.coerce_int("cursor", query.get("cursor") or 0, 0, store.MAX_ID)
         self.jobs = query.get("jobs") or ""
         task = query.get("task") or None
-        self.log = store.log_path(store.format_task_id(store.parse_task_id(task))) if task else None
+        self.log = store.format_task_id(store.parse_task_id(task)) if task else None
         self.log_seen = _offset(query.get("log"), "log")
         self.engine_seen = _offset(query.get("engine"), "engine")
         self.follow = _follow_arg(query.get("follow") or "")
@@ -341,11 +344,17 @@ class Watch:
         self.marks: dict[str, Any] = {}
 
     def sizes(self) -> dict[str, Any]:
-        return {"log_size": task_views.file_size(self.log) if self.log else 0,
+        # Task logs through the store (a stat per file on SQLite, one query on PostgreSQL); the
+        # engine log is this machine's worker's file.
+        logs = store.task_log_sizes(([self.log] if self.log else []) + list(self.follow))
+        return {"log_size": logs[self.log] if self.log else 0,
                 "engine_size": task_views.file_size(store.state_path("worker.log")),
-                "follow": {tid: task_views.file_size(store.log_path(tid)) for tid in self.follow}}
+                "follow": {tid: logs[tid] for tid in self.follow}}
 
-    def changed(self) -> bool:
+    def changed(self, woken: bool = False) -> bool:
+        """Whether anything the page shows moved. ``woken``: the store's change watch fired (a
+        commit on SQLite, a notification on PostgreSQL): the database is asked now, and again
+        at the next look (a woken reader may beat the commit it was woken for)."""
         sizes = self.sizes()
         if any(sizes["follow"][tid] != seen for tid, seen in self.follow.items()):
             return True
@@ -354,9 +363,9 @@ class Watch:
         if self.engine_seen is not None and sizes["engine_size"] != self.engine_seen:
             return True
         stamp = _stamp(*self.db_files)
-        if stamp == self.stamp and time.monotonic() - self.asked < CHANGE_RECHECK_SEC:
+        if not woken and stamp == self.stamp and time.monotonic() - self.asked < CHANGE_RECHECK_SEC:
             return False
-        self.stamp, self.asked = stamp, time.monotonic()
+        self.stamp, self.asked = None if woken else stamp, time.monotonic()
         self.marks = store.change_marks()
         return self.marks["events"] != self.cursor or self.marks["jobs"] != self.jobs
 
@@ -385,17 +394,20 @@ async def api_changes(request: Any) -> Any:
     ``log``), the engine log (size ``engine``), or a running task's the feed follows (``follow``:
     ``t_0001:size,…``, at most 16), else after ``wait`` seconds (0..30, default 20). Returns
     {cursor, events (new ones, oldest first), jobs, log_size, engine_size, follow: {id: size},
-    more}. While nothing changes it costs a few stat calls every 0.25 s and one small query
-    every 5 s."""
+    more}. While nothing changes it costs a look at the logs' sizes every 0.25 s (a few stat
+    calls on SQLite, one small query on PostgreSQL) and one small query every 5 s; the store's
+    change watch (``task_store.change_watch``) wakes it at once on a change of the database."""
     query = request.query_params
 
     try:
         wait = store.coerce_int("wait", query.get("wait") or 20, 0, WAIT_MAX_SEC)
         watch = await anyio.to_thread.run_sync(Watch, query)
         deadline = time.monotonic() + wait
-        while not STOPPING.is_set() and not await anyio.to_thread.run_sync(watch.changed) \
-                and time.monotonic() < deadline:
-            await anyio.sleep(CHANGE_POLL_SEC)
+        with await anyio.to_thread.run_sync(store.change_watch) as wake:
+            woken = False
+            while not STOPPING.is_set() and not await anyio.to_thread.run_sync(watch.changed, woken) \
+                    and time.monotonic() < deadline:
+                woken = await anyio.to_thread.run_sync(wake.wait, CHANGE_POLL_SEC)
     except Exception as exc:
         return error_response(exc)
     return await answer_json(watch.answer)

@@ -222,13 +222,23 @@ def check_worker() -> Check:
     if not beat["seen"]:
         return Check("worker", "warn", f"no worker has run on this queue yet; {schedule}",
                      "python worker.py --watch (or ./install.sh --schedule for a pass every 60 s)")
-    detail = f"{beat['summary']}; {schedule}"
+    detail = f"{beat['summary']}; {schedule}" + others_line()
     if beat.get("died"):
         return Check("worker", "warn", detail, "python worker.py (the next pass requeues its task)")
     if not beat["recent"] and not (beat.get("pid_running") and beat.get("state") == "idle"):
         return Check("worker", "warn", detail, "python worker.py --watch, or ./install.sh --schedule"
                      if not installed else "the schedule is installed but quiet: python launchd/schedule.py status")
     return Check("worker", "ok", detail)
+
+
+def others_line() -> str:
+    """``; 3 workers report: h1 pid 12 online, ...`` when more than one worker (any host) has
+    reported to this queue; else nothing."""
+    workers = task_views.workers_state()
+    if len(workers) < 2:
+        return ""
+    shown = ", ".join(f"{w['host']} pid {w['pid']} {w['label']}" for w in workers[:10])
+    return f"; {len(workers)} workers report: {shown}" + (", …" if len(workers) > 10 else "")
 
 
 def schedule_line() -> str:

@@ -54,7 +54,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
                       bearer_token, host_name, is_loopback, parse_host, token_file)
 from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
-                        WorkerState, cap_json, file_size, info, page_utf8, queue_snapshot, read_log_page,
+                        WorkerState, cap_json, info, page_utf8, queue_snapshot, read_log_page,
                         row, short, transcript, worker_state)
 
 VERSION = task_views.VERSION
@@ -212,7 +212,7 @@ class TaskResult(TypedDict):
 
 class LogPage(TypedDict):
     task_id: str
-    path: str
+    path: str                # where the log is: its file, or the queue database (PostgreSQL)
     exists: bool
     size: int
     offset: int
@@ -642,7 +642,7 @@ def get_task(task_id: TaskId) -> TaskDetail:
         "summary": result.get("summary") if isinstance(result, dict) else None,
         "usage": task.get("usage"),
         "diff_bytes": len((task.get("diff") or "").encode()),
-        "log_bytes": file_size(store.log_path(task_id)),
+        "log_bytes": store.task_log_size(task_id),
     }
     detail, cut = mcp_shared.fit(detail, RESULT_CHARS)
     return detail | {"texts_cut": cut}
@@ -704,9 +704,9 @@ def get_task_logs(
     by the byte cap (then `offset` tells where the text shown begins). Errors: unknown id, offset
     past the end."""
     task_id = store.statuses_of([task_id]).popitem()[0]
-    path = store.log_path(task_id)
+    where = store.task_log_location(task_id)
     return mcp_shared.fit_page(
-        lambda limit: {"task_id": task_id, "path": str(path)} | read_log_page(path, offset, tail_lines or 200, limit),
+        lambda limit: {"task_id": task_id, "path": where} | read_log_page(task_id, offset, tail_lines or 200, limit),
         max_bytes or LOG_PAGE_DEFAULT, RESULT_CHARS)
 
 

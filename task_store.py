@@ -3105,7 +3105,142 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
 
 
 # --------------------------------------------------------------------------------------------
-# Worker state files (beside the database, so every queue has its own).
+# Task logs: the file the worker streams to on SQLite (one machine); rows of task_log_chunks on
+# PostgreSQL, where the worker and the readers (MCP server, CLI, board) may sit on different
+# machines. Every reader goes through these three functions.
+
+LOG_CHUNK_MAX = 65_536   # bytes per task_log_chunks row
+
+
+def logs_in_database() -> bool:
+    """Whether task logs live in the database (PostgreSQL: the worker ships its log there, every
+    reader reads it there) instead of files (SQLite: the file is the log)."""
+    return backend() == "postgresql"
+
+
+def task_log_location(task_id: int | str) -> str:
+    """Where a reader finds a task's log, for messages: its file (SQLite) or the database."""
+    if logs_in_database():
+        return f"the queue database (task {format_task_id(parse_task_id(task_id))}'s log chunks)"
+    return str(log_path(task_id))
+
+
+def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -> int:
+    """Append ``data`` to a task's log; returns the log's size in bytes afterwards.
+
+    SQLite: the log file (``log_path``; made 0600 in a 0700 folder). PostgreSQL: rows of
+    ``task_log_chunks`` of at most LOG_CHUNK_MAX (64 KiB) bytes each, ``seq`` going on from the
+    last. ``at``: the byte offset the writer means ``data`` to start at. Bytes the log already
+    holds from there that equal the start of ``data`` are not written again (a ship retried after
+    its commit went unacknowledged); bytes that differ (another writer appended meanwhile) leave
+    ``data`` to go after them whole. Raises ValidationError (bad id), TaskNotFound (database: no
+    such task), OSError (file)."""
+    data = bytes(data)
+    if not logs_in_database():
+        path = log_path(task_id)
+        with append_private(path) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if at is not None and at < size:
+                with path.open("rb") as held:
+                    held.seek(at)
+                    data = _after_retried(data, held.read(min(size - at, len(data))))
+            handle.write(data)
+        return size + len(data)
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        if conn.execute("SELECT 1 FROM tasks WHERE id = ?", (num,)).fetchone() is None:
+            raise TaskNotFound(f"no task {format_task_id(num)}; its log cannot be written")
+        row = conn.execute("SELECT coalesce(max(seq), 0), coalesce(sum(length(data)), 0)"
+                           " FROM task_log_chunks WHERE task_id = ?", (num,)).fetchone()
+        last, size = int(row[0]), int(row[1])
+        if at is not None and at < size:
+            data = _after_retried(data, _read_chunks(conn, num, at, min(size - at, len(data))))
+        for start in range(0, len(data), LOG_CHUNK_MAX):
+            last += 1
+            conn.execute("INSERT INTO task_log_chunks (task_id, seq, data) VALUES (?, ?, ?)",
+                         (num, last, data[start:start + LOG_CHUNK_MAX]))
+    return size + len(data)
+
+
+def _after_retried(data: bytes, held: bytes) -> bytes:
+    # The log already holds ``held`` where ``data`` was meant to start: the same bytes are a
+    # retried ship's (skip them); other bytes are another writer's (keep all of ``data``).
+    return data[len(held):] if data.startswith(held) else data
+
+
+def read_task_log(task_id: int | str, offset: int = 0, limit: int | None = None) -> bytes:
+    """Bytes of a task's log from byte ``offset``, at most ``limit`` of them (None: to the end);
+    b"" when it has none there (no log yet, or ``offset`` at or past its end). Bounded: on the
+    database only the chunks holding those bytes are read. Raises ValidationError (bad id or a
+    negative offset or limit), OSError (file)."""
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ValidationError(f"a log read needs offset ≥ 0 and limit ≥ 0; got {offset}, {limit}")
+    if not logs_in_database():
+        try:
+            with log_path(task_id).open("rb") as handle:
+                handle.seek(offset)
+                return handle.read(-1 if limit is None else limit)
+        except FileNotFoundError:
+            return b""
+    num = parse_task_id(task_id)
+    with _reading() as conn:
+        return _read_chunks(conn, num, offset, limit)
+
+
+def _read_chunks(conn: sqlite3.Connection, num: int, offset: int, limit: int | None) -> bytes:
+    """``limit`` bytes (None: all) of task ``num``'s chunks from byte ``offset``: the chunks'
+    lengths first (no data read), then only the chunks that hold the range."""
+    if limit == 0:
+        return b""
+    first = last = None
+    pos = skip = 0
+    for row in conn.execute("SELECT seq, length(data) FROM task_log_chunks WHERE task_id = ? ORDER BY seq",
+                            (num,)).fetchall():
+        seq, length = row[0], int(row[1])
+        if first is None and pos + length > offset:
+            first, skip = seq, offset - pos
+        pos += length
+        if first is not None:
+            last = seq
+            if limit is not None and pos >= offset + limit:
+                break
+    if first is None:
+        return b""
+    rows = conn.execute("SELECT data FROM task_log_chunks WHERE task_id = ? AND seq BETWEEN ? AND ?"
+                        " ORDER BY seq", (num, first, last)).fetchall()
+    data = b"".join(bytes(row[0]) for row in rows)[skip:]
+    return data if limit is None else data[:limit]
+
+
+def task_log_size(task_id: int | str) -> int:
+    """The size of a task's log in bytes (0 when it has none). Raises ValidationError (bad id)."""
+    return task_log_sizes([task_id])[format_task_id(parse_task_id(task_id))]
+
+
+def task_log_sizes(task_ids: Iterable[Any]) -> dict[str, int]:
+    """``{"t_0001": bytes, ...}``: the log sizes of several tasks in one look (the board follows up
+    to 16 running logs); 0 for a task without a log. Raises ValidationError (bad id)."""
+    nums = [parse_task_id(t) for t in task_ids]
+    if not logs_in_database():
+        sizes = {}
+        for num in nums:
+            try:
+                sizes[format_task_id(num)] = log_path(num).stat().st_size
+            except OSError:
+                sizes[format_task_id(num)] = 0
+        return sizes
+    found: dict[int, int] = {}
+    if nums:
+        with _reading() as conn:
+            found = {row[0]: int(row[1]) for row in conn.execute(
+                "SELECT task_id, sum(length(data)) FROM task_log_chunks WHERE task_id IN (%s)"
+                " GROUP BY task_id" % ",".join("?" * len(nums)), nums).fetchall()}
+    return {format_task_id(num): int(found.get(num, 0)) for num in nums}
+
+
+# --------------------------------------------------------------------------------------------
+# Workers: the heartbeat file beside the database (this machine's last worker) and the workers
+# table (every worker on every host).
 
 
 def worker_lock_path() -> Path:
@@ -3113,27 +3248,93 @@ def worker_lock_path() -> Path:
     return state_path("worker.lock")
 
 
+WORKER_ROWS_KEEP_SEC = 7 * 86_400   # a worker row silent this long is deleted (seconds)
+
+
+def _host_here() -> str:
+    # Judging whose pids are ours: a malformed TASKBRIDGE_HOST (refused up front by the worker)
+    # must not stop a reader from showing the workers.
+    try:
+        return host_name()
+    except ValidationError:
+        return socket.gethostname()
+
+
 def write_worker_heartbeat(state: dict[str, Any]) -> None:
-    """Write the worker heartbeat file atomically: pid, time, current task and what else is given."""
+    """Record this worker process's heartbeat: the heartbeat file beside the database (atomic; what
+    ``read_worker_heartbeat`` reads on this machine) and its row in ``workers`` (upserted, so
+    every machine sees every worker). ``state``: what the worker says (state, task, tasks, slots,
+    ...); ``pid_start`` in it (process start time, Unix seconds) goes to its own column. pid,
+    host and time are added here. A new worker on a host deletes that host's rows of workers that
+    stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
+    WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
+    Raises OSError (file), sqlite3.Error (database)."""
+    state = dict(state)
+    pid_start = state.pop("pid_start", None)
+    beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}
     path = state_path("worker.json")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_private(path, json.dumps(state | {"pid": os.getpid(), "host": host_name(), "ts": now()}))
+    write_private(path, json.dumps(beat))
+    _upsert_worker(beat, pid_start)
+
+
+def _upsert_worker(beat: dict[str, Any], pid_start: float | None) -> None:
+    name = f"worker:{beat['host']}:{beat['pid']}"
+    said = json.dumps({k: v for k, v in beat.items() if k not in ("pid", "host", "ts")})
+    with _writing() as conn:
+        new = conn.execute("SELECT 1 FROM workers WHERE name = ?", (name,)).fetchone() is None
+        conn.execute(
+            "INSERT INTO workers (name, host, pid, pid_start, started_at, heartbeat_at, state)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET heartbeat_at = excluded.heartbeat_at,"
+            " state = excluded.state, pid_start = coalesce(excluded.pid_start, workers.pid_start)",
+            (name, beat["host"], beat["pid"], pid_start, beat["ts"], beat["ts"], said))
+        if new:
+            gone = [row[0] for row in conn.execute(
+                "SELECT name, state FROM workers WHERE host = ? AND name != ?", (beat["host"], name)).fetchall()
+                if _said(row[1]).get("state") == "stopped"]
+            gone += [row[0] for row in conn.execute("SELECT name FROM workers WHERE heartbeat_at < ?",
+                                                    (beat["ts"] - WORKER_ROWS_KEEP_SEC,)).fetchall()]
+            for old in gone:
+                conn.execute("DELETE FROM workers WHERE name = ?", (old,))
+
+
+def _said(text: str | None) -> dict[str, Any]:
+    try:
+        said = json.loads(text or "{}")
+    except ValueError:
+        return {}
+    return said if isinstance(said, dict) else {}
+
+
+def list_workers() -> list[dict[str, Any]]:
+    """Every worker that reported to this queue from any host, newest heartbeat first: what it
+    said (state, task, tasks, slots, budget, error, ...) with ``name`` (``worker:<host>:<pid>``,
+    as its leases' owner), ``host``, ``pid``, ``pid_start``, ``ts`` (heartbeat, Unix seconds),
+    ``at`` and ``started_at`` (ISO 8601 UTC), ``age_sec`` (seconds since its heartbeat) and
+    ``pid_running`` (True or False for a worker on this host, None for another host)."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT name, host, pid, pid_start, started_at, heartbeat_at, state FROM workers"
+                            " ORDER BY heartbeat_at DESC, name").fetchall()
+    here, at = _host_here(), now()
+    return [_said(row["state"]) | {
+        "name": row["name"], "host": row["host"], "pid": row["pid"], "pid_start": row["pid_start"],
+        "ts": row["heartbeat_at"], "at": iso(row["heartbeat_at"]), "started_at": iso(row["started_at"]),
+        "age_sec": round(at - row["heartbeat_at"], 1),
+        "pid_running": _pid_running(row["pid"]) if row["host"] == here else None} for row in rows]
 
 
 def read_worker_heartbeat() -> dict[str, Any] | None:
-    """The last worker heartbeat, with ``age_sec``, ``at`` and ``pid_running`` added (True or
-    False when the worker wrote it on this host, None for another host), or None if no worker
-    ever ran here."""
+    """The last heartbeat a worker on this machine wrote (the file beside the database), with
+    ``age_sec``, ``at`` and ``pid_running`` added (True or False when the worker wrote it on this
+    host, None for another host), or None if no worker ever ran here. ``list_workers`` has every
+    host's."""
     try:
         state = json.loads(state_path("worker.json").read_text())
     except (OSError, ValueError):
         return None
     state["age_sec"] = round(now() - float(state.get("ts", 0)), 1)
     state["at"] = iso(float(state.get("ts", 0)))
-    try:
-        here = state.get("host") == host_name()
-    except ValidationError:
-        here = state.get("host") == socket.gethostname()
+    here = state.get("host") == _host_here()
     state["pid_running"] = _pid_running(state.get("pid")) if here else None
     return state
 

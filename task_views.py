@@ -3,11 +3,14 @@ HTTP API and the CLI all show, built once here.
 
 - ``info`` / ``row``: a task as the tools return it (a full record, or a list row with long
   error and question text cut); ``cap_json`` shortens long lists and strings in a receipt.
-- ``worker_state``: the worker's heartbeat judged once (seen, recent, whether its process still
-  runs, whether it died mid-run) with a one-line summary; ``queue_snapshot``: tallies, the oldest
-  pending task, the default model and that worker state; ``current_default_model``: the model
-  a task without one runs with (from ``opencode_runner.default_model``, cached answers only).
-- ``page_utf8`` / ``read_log_page``: text paged by bytes, never splitting a UTF-8 character.
+- ``judge_worker``: a worker's heartbeat judged once (seen, recent, whether its process still
+  runs, whether it died mid-run) with a one-line summary; ``worker_state`` judges the worker
+  that reported last and ``workers_state`` every worker on every host; ``queue_snapshot``:
+  tallies, the oldest pending task, the default model and those worker states;
+  ``current_default_model``: the model a task without one runs with (from
+  ``opencode_runner.default_model``, cached answers only).
+- ``page_utf8`` / ``read_log_page``: text (a task's log through the store, or a file) paged by
+  bytes, never splitting a UTF-8 character.
 
 No SQL here (it lives in task_store); not run on its own; nothing happens at import time. Env: none of its own (the
 store reads TASK_DB_PATH and TASK_LOG_DIR at call time).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -100,14 +104,16 @@ class TaskInfo(TaskRow):
 
 
 class WorkerState(TypedDict):
-    """The worker's heartbeat, judged (ages in seconds; ``at`` ISO 8601 UTC)."""
+    """A worker's heartbeat, judged (ages in seconds; ``at`` and ``started_at`` ISO 8601 UTC)."""
     seen: bool
+    name: str | None                   # worker:<host>:<pid>, as its leases' owner
     state: str | None
     task: str | None
     tasks: list[str]
     slots: int | None
     pid: int | None
     host: str | None
+    started_at: str | None
     at: str | None
     age_sec: float | None
     pid_running: bool | None
@@ -139,7 +145,8 @@ class QueueStatus(TypedDict):
     oldest_pending: str | None
     oldest_pending_age_sec: float | None
     default_model: str | None
-    worker: WorkerState
+    worker: WorkerState                # the worker that reported last (any host)
+    workers: list[WorkerState]         # every worker that reported, any host, newest heartbeat first
     database: str
     budget: BudgetState
 
@@ -206,7 +213,7 @@ def cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool
 # The worker and the queue.
 
 
-_BEAT_KEYS = frozenset(WorkerState.__annotations__) | {"ts"}
+_BEAT_KEYS = frozenset(WorkerState.__annotations__) | {"ts", "pid_start"}
 
 
 def worker_label(seen: bool, recent: bool, running: bool | None, died: bool) -> str:
@@ -223,16 +230,33 @@ def worker_label(seen: bool, recent: bool, running: bool | None, died: bool) -> 
 
 
 def worker_state() -> dict[str, Any]:
-    """The worker heartbeat file, judged (WorkerState): ``recent`` when younger than 180 s,
-    ``pid_running`` (None when it was written on another host), ``died`` when its process is gone
-    although it was not stopped or between passes, ``label`` (``worker_label``), a one-line
-    summary saying what to do, and in ``extra`` any other field the worker wrote (an ``error``,
-    for one)."""
-    beat = store.read_worker_heartbeat()
+    """The worker that reported last, from any host (``task_store.list_workers``), judged as
+    ``judge_worker`` does; the heartbeat file beside the database when the table has none or
+    the database cannot be read (the worker's liveness is still told then)."""
+    try:
+        rows = store.list_workers()
+    except (sqlite3.Error, store.TaskStoreError, OSError):
+        rows = []
+    return judge_worker(rows[0] if rows else store.read_worker_heartbeat())
+
+
+def workers_state() -> list[dict[str, Any]]:
+    """Every worker that reported to this queue from any host, newest heartbeat first, each judged
+    (WorkerState): a stale or dead worker's row stays listed as ``stale`` or ``gone``."""
+    return [judge_worker(beat) for beat in store.list_workers()]
+
+
+def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
+    """One heartbeat (a ``list_workers`` row or ``read_worker_heartbeat``), judged (WorkerState):
+    ``recent`` when younger than 180 s, ``pid_running`` (None when it was written on another
+    host), ``died`` when its process is gone although it was not stopped or between passes,
+    ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
+    field the worker wrote (an ``error``, for one). None: no worker ever reported."""
     if beat is None:
-        return {"seen": False, "state": None, "task": None, "tasks": [], "slots": None, "pid": None,
-                "host": None, "at": None, "age_sec": None, "pid_running": None, "recent": False,
-                "died": False, "extra": {}, "label": worker_label(False, False, None, False),
+        return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "slots": None,
+                "pid": None, "host": None, "started_at": None, "at": None, "age_sec": None,
+                "pid_running": None, "recent": False, "died": False, "extra": {},
+                "label": worker_label(False, False, None, False),
                 "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
                            "`python worker.py --watch`, or the restart_worker tool"}
     running = beat["pid_running"]
@@ -243,19 +267,23 @@ def worker_state() -> dict[str, Any]:
     summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
     if beat.get("task"):
         summary += f", task {beat['task']}"
-    summary += "; its process is " + ("running" if running else "gone" if running is False else "on another host")
+    summary += "; its process is " + ("running" if running else "gone" if running is False
+                                      else f"on another host ({beat.get('host')})")
     if running is False and state == "pass":
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if beat.get("budget"):
         summary += f"; claims nothing new: {beat['budget']}"
     if not recent:
-        summary += f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker starts a pass"
+        summary += (f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker "
+                    "starts a pass" if running is not None else
+                    f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the worker on {beat.get('host')} still running?")
     tasks = beat.get("tasks")
-    return {"seen": True, "state": state, "task": beat.get("task"),
+    return {"seen": True, "name": beat.get("name"), "state": state, "task": beat.get("task"),
             "tasks": tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t],
             "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
-            "at": beat.get("at"), "age_sec": age, "pid_running": running, "recent": recent,
-            "died": died, "summary": summary, "label": worker_label(True, recent, running, died),
+            "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
+            "pid_running": running, "recent": recent, "died": died, "summary": summary,
+            "label": worker_label(True, recent, running, died),
             "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
 
 
@@ -299,8 +327,10 @@ def queue_snapshot() -> dict[str, Any]:
     """Tallies, oldest pending, default model, worker liveness, today's spend and the daily budget
     (QueueStatus: the queue_status tool, /api/status, `tasks_cli.py status`)."""
     summary = store.queue_summary()
+    workers = workers_state()
     return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
-                      "worker": worker_state(), "database": str(store.db_path()),
+                      "worker": workers[0] if workers else worker_state(), "workers": workers,
+                      "database": str(store.db_path()),
                       "budget": store.budget_state()}
 
 
@@ -343,30 +373,40 @@ def file_size(path: Path) -> int:
         return 0
 
 
-def read_log_page(path: Path, offset: int | None, tail_lines: int, max_bytes: int) -> dict[str, Any]:
+def read_log_page(source: Path | str, offset: int | None, tail_lines: int, max_bytes: int) -> dict[str, Any]:
     """Either ``max_bytes`` from byte ``offset`` on, or the last ``tail_lines`` lines (at most
-    ``max_bytes``). Returns {exists, size, offset, next_offset, truncated, text}.
-    Raises store.ValidationError when ``offset`` is past the end of the file."""
-    if not path.exists():
+    ``max_bytes``) of a log: ``source`` is a file (a Path: the worker's own log) or a task id (its
+    log through the store: the file on SQLite, the database's chunks on PostgreSQL). Returns
+    {exists, size, offset, next_offset, truncated, text}. Raises store.ValidationError when
+    ``offset`` is past the end of the log (or the task id is malformed)."""
+    if isinstance(source, Path):
+        size, exists = file_size(source), source.exists()
+
+        def read(at: int, limit: int) -> bytes:
+            with source.open("rb") as handle:
+                handle.seek(at)
+                return handle.read(limit)
+    else:
+        size = store.task_log_size(source)
+        exists = size > 0
+
+        def read(at: int, limit: int) -> bytes:
+            return store.read_task_log(source, at, limit)
+    if not exists:
         if offset:
             raise store.ValidationError(f"offset {offset} is past the end of the log (it has no bytes yet)")
         return {"exists": False, "size": 0, "offset": 0, "next_offset": 0, "truncated": False, "text": ""}
-    with path.open("rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if offset is not None:
-            if offset > size:
-                raise store.ValidationError(
-                    f"offset {offset} is past the end of the log ({size} bytes); pass the next_offset "
-                    "of your last call, or leave offset out to get the tail")
-            handle.seek(offset)
-            data = handle.read(max_bytes + 4)
-            text, start, end = page_utf8(data, 0, max_bytes)
-            start, end = offset + start, offset + end
-            return {"exists": True, "size": size, "offset": start, "next_offset": end,
-                    "truncated": end < size, "text": text}
-        begin = max(0, size - max_bytes)
-        handle.seek(begin)
-        data = handle.read(size - begin)
+    if offset is not None:
+        if offset > size:
+            raise store.ValidationError(
+                f"offset {offset} is past the end of the log ({size} bytes); pass the next_offset "
+                "of your last call, or leave offset out to get the tail")
+        text, start, end = page_utf8(read(offset, max_bytes + 4), 0, max_bytes)
+        start, end = offset + start, offset + end
+        return {"exists": True, "size": size, "offset": start, "next_offset": end,
+                "truncated": end < size, "text": text}
+    begin = max(0, size - max_bytes)
+    data = read(begin, size - begin)
     skip = _char_start(data, 0)
     text = data[skip:].decode("utf-8", errors="replace")
     lines = text.splitlines(keepends=True)
@@ -443,7 +483,7 @@ def _turns_from_log(task: dict[str, Any]) -> list[dict[str, Any]]:
     turns = [{"role": "user", "at": task["created_at"], "text": oc.clip_turn(
         f"# Task {task['id']}: {task['title']}\n\n{task['instructions']}", oc.TURN_TEXT_MAX), "tools": []}]
     try:
-        text = store.log_path(task["id"]).read_text(errors="replace")
+        text = store.read_task_log(task["id"]).decode(errors="replace")
     except OSError:
         return turns
     tools: list[dict[str, Any]] = []

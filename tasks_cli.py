@@ -99,7 +99,8 @@ class QueueCommand(click.Command):
         bad = not_utf8_param(ctx)
         if bad:
             raise bad
-        if name not in MAKES_QUEUE | NO_QUEUE_NEEDED and not task_store.db_path().exists():
+        if name not in MAKES_QUEUE | NO_QUEUE_NEEDED and task_store.backend() == "sqlite" and \
+                not task_store.db_path().exists():   # a PostgreSQL queue is made by its first use
             raise queue_missing_error()
         return super().invoke(ctx)
 
@@ -690,17 +691,12 @@ def _has_surrogates(value: str) -> bool:
 # Log following.
 
 
-def read_new(path: Path, offset: int) -> tuple[bytes, int]:
-    """Bytes appended to ``path`` since ``offset`` (a shrunk file is read from the start)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return b"", offset
-    if size < offset:
+def read_new(task_id: str, offset: int) -> tuple[bytes, int]:
+    """Bytes appended to a task's log since ``offset`` (a shrunk log is read from the start),
+    through the store: the file on SQLite, the database on PostgreSQL."""
+    if task_store.task_log_size(task_id) < offset:
         offset = 0
-    with path.open("rb") as handle:
-        handle.seek(offset)
-        data = handle.read()
+    data = task_store.read_task_log(task_id, offset)
     return data, offset + len(data)
 
 
@@ -758,13 +754,13 @@ def print_log_entry(entry: dict[str, Any]) -> None:
     out().print(log_entry_text(entry), soft_wrap=True)
 
 
-def follow_log(task_id: str, path: Path, offset: int, raw: bool = False) -> str:
-    """Print lines appended to ``path`` until the task is finished or waiting (rendered, or as
-    stored with ``raw``); returns its status."""
+def follow_log(task_id: str, offset: int, raw: bool = False) -> str:
+    """Print lines appended to a task's log from byte ``offset`` until the task is finished or
+    waiting (rendered, or as stored with ``raw``); returns its status."""
     pending = b""
     while True:
         status = task_store.get_task(task_id)["status"]
-        data, offset = read_new(path, offset)
+        data, offset = read_new(task_id, offset)
         pending += data
         done = status in FINISHED or status == "waiting"
         cut = len(pending) if done else pending.rfind(b"\n") + 1
@@ -1106,14 +1102,13 @@ def logs(task_id: str, tail: int | None, follow: bool, raw: bool) -> None:
     are shown as escapes like \\x1b. --raw prints the stored event stream instead.
     """
     task = task_store.get_task(task_id)
-    path = task_store.log_path(task_id)
-    offset = print_log(path, tail, raw) if path.exists() else 0
-    if not path.exists() and not say_why_no_log(task, path, follow):
+    offset = print_log(task_id, tail, raw)
+    if not offset and not say_why_no_log(task, task_store.task_log_location(task_id), follow):
         return
     if not follow:
         return
     try:
-        status = follow_log(task_id, path, offset, raw)
+        status = follow_log(task_id, offset, raw)
     except KeyboardInterrupt:
         return
     err().print(Text(f"{task_id} is {status}; log ends.", style="dim"))
@@ -1216,7 +1211,7 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     out().print(Text(visible(said + ".", multiline=False), style="green"), soft_wrap=True)
 
 
-def say_why_no_log(task: dict[str, Any], path: Path, follow: bool) -> bool:
+def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
     """Tell the person why a task has no log; True when following it still makes sense."""
     ident, status = task["id"], task["status"]
     owner = task.get("lease_owner") or ""
@@ -1231,16 +1226,17 @@ def say_why_no_log(task: dict[str, Any], path: Path, follow: bool) -> bool:
     if status == "pending":
         wait = "; waiting for a worker to start it (Ctrl-C stops)" if follow else ""
         err().print(f"{ident} is pending: no worker has run it yet, so it has no log{wait}. "
-                    f"The worker writes {path} when it runs it.", soft_wrap=True)
+                    f"The worker writes its log to {where} when it runs it.", soft_wrap=True)
     else:
-        err().print(f"{ident} has no log yet ({status}); the worker writes {path} when it runs it.", soft_wrap=True)
+        err().print(f"{ident} has no log yet ({status}); the worker writes it to {where} when it runs it.",
+                    soft_wrap=True)
     return True
 
 
-def print_log(path: Path, tail: int | None, raw: bool) -> int:
-    """Print the log (rendered, or raw), its last ``tail`` entries when given; returns the byte
-    offset read up to (where --follow goes on)."""
-    data = path.read_bytes()
+def print_log(task_id: str, tail: int | None, raw: bool) -> int:
+    """Print a task's log (rendered, or raw), its last ``tail`` entries when given; returns the
+    byte offset read up to (where --follow goes on; 0: it has no log yet)."""
+    data = task_store.read_task_log(task_id)
     if raw:
         lines = data.splitlines(keepends=True)
         write_raw(b"".join(lines if tail is None else lines[-tail:] if tail else []))
@@ -1336,15 +1332,19 @@ def models_table(models: list[dict[str, Any]]) -> Table:
 @cli.command()
 @json_option
 def status(as_json: bool) -> None:
-    """Show the queue's counts and the worker's last heartbeat."""
+    """Show the queue's counts, the last worker heartbeat and every worker on every host."""
     summary = task_store.queue_summary()
-    worker = task_views.worker_state()
+    workers = task_views.workers_state()
+    worker = workers[0] if workers else task_views.worker_state()
     budget = task_store.budget_state()
     if as_json:
-        return emit_json(summary | {"worker": worker, "db": str(task_store.db_path()), "budget": budget})
+        return emit_json(summary | {"worker": worker, "workers": workers, "db": str(task_store.db_path()),
+                                    "budget": budget})
     out().print(fields_table(queue_rows(summary), title="Queue"))
     out().print(fields_table(budget_rows(budget), title="Spending"))
     out().print(fields_table(worker_rows(worker), title="Worker"))
+    if len(workers) > 1:
+        out().print(workers_table(workers))
     if budget["reason"]:
         err().print(Text(f"Nothing new is claimed: {budget['reason']}", style="yellow"), soft_wrap=True)
     if not worker["recent"]:
@@ -1382,6 +1382,22 @@ def budget_rows(budget: dict[str, Any]) -> list[tuple[str, Any]]:
     if budget["reason"]:
         rows.append(("claims", Text("nothing new: " + budget["reason"], style="yellow")))
     return rows
+
+
+def workers_table(workers: list[dict[str, Any]]) -> Table:
+    """One row per worker that reported (task_views.workers_state): host, pid, label, state, its
+    tasks, the heartbeat's age."""
+    table = Table(title="Workers (every host)", title_justify="left")
+    for name in ("Host", "Pid", "Worker", "State", "Tasks", "Heartbeat"):
+        table.add_column(name)
+    for worker in workers:
+        table.add_row(line(worker["host"]), Text(str(worker["pid"])),
+                      Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], "")),
+                      line(worker["state"] or "-"), line(", ".join(worker["tasks"]) or "-"), Text(age(worker["age_sec"])))
+    return table
+
+
+WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stopped": "dim"}
 
 
 def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -390,6 +390,55 @@ def spend_limited(task: dict[str, Any]) -> bool:
     return state["daily_usd"] is not None or state["daily_tokens"] is not None
 
 
+class LogShipper:
+    """The task log on its way to the database, where logs live on PostgreSQL
+    (``task_store.logs_in_database``): the worker writes its local file as always and ships what
+    was appended since the last ship, at each lease renewal (every WORKER_LEASE_SEC), as soon as a
+    chunk's worth (64 KiB) waits, and at the end of the run. A ship that fails is retried with
+    the same bytes at the next one; ``append_task_log``'s ``at`` turns bytes that did land before
+    the failure was seen into a no-op, so nothing is written twice. A crash loses only what was
+    not shipped yet. On SQLite it does nothing: the file is the log."""
+
+    def __init__(self, task_id: str, log: Any) -> None:
+        self.task_id, self.log, self.path = task_id, log, store.log_path(task_id)
+        self.active = store.logs_in_database()
+        self.local = self._size()                            # the file's bytes from before this run stay local
+        self.remote = store.task_log_size(task_id) if self.active else 0
+        self.failed_at: str | None = None
+
+    def _size(self) -> int:
+        return os.fstat(self.log.fileno()).st_size
+
+    def waiting(self) -> int:
+        """Bytes written to the file (flushed) and not shipped yet."""
+        return self._size() - self.local if self.active else 0
+
+    def ship(self) -> None:
+        if not self.active:
+            return
+        self.log.flush()
+        end = self._size()
+        if end <= self.local:
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(self.local)
+            data = handle.read(end - self.local)
+        try:
+            self.remote = store.append_task_log(self.task_id, data, at=self.remote)
+        except store.TaskNotFound:
+            self.active = False                              # the task was cleared: nothing to ship to
+            return
+        except Exception as exc:  # noqa: BLE001 - a ship is retried at the next one; the run goes on
+            if self.failed_at is None:
+                self.failed_at = str(exc)
+                log(f"{self.task_id}: the log could not be shipped to the database ({exc}); retrying", talk.QUIET)
+            return
+        self.local += len(data)
+        if self.failed_at is not None:
+            self.failed_at = None
+            log(f"{self.task_id}: the log reaches the database again")
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -412,6 +461,7 @@ class Supervisor:
     def run(self) -> RunResult:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as self.log:
+            self.shipper = LogShipper(self.task["id"], self.log)
             self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
             if self.courier is not None:
@@ -437,6 +487,7 @@ class Supervisor:
                 process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
                                        run_stragglers(self.marker, self.queue))
                 self._drain(final=True)
+                self.shipper.ship()
                 self.result.returncode = self.proc.wait()
                 self._count_held_steps()
                 if self.meter is not None:
@@ -505,10 +556,13 @@ class Supervisor:
             except store.StaleAttempt as exc:
                 return self._end(str(exc), superseded=True)
             Beat.write()
+            self.shipper.ship()
             if self.meter is not None:
                 self.meter.refresh()
             if self.courier is not None:
                 self.courier.sync()
+        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX:
+            self.shipper.ship()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
         if self.rules_file and os.path.exists(f"{self.rules_file}.ask"):
@@ -1309,7 +1363,7 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               f"(pid {holder.get('pid', '?')}); exiting", flush=True)
         return 0
     try:
-        Beat.slots = slots
+        Beat.slots, Beat.pid_start = slots, worker_identity()[2]
         Beat.write("starting")
         return _loop(watch, max_tasks, Knobs(), slots)
     finally:
@@ -1332,12 +1386,14 @@ def _take_lock(path: Any) -> int | None:
 
 
 class Beat:
-    """The worker heartbeat file: this process's state and the tasks it runs right now."""
+    """The worker heartbeat (the file beside the database and this worker's row in the workers
+    table): this process's state and the tasks it runs right now."""
     lock = threading.Lock()
     tasks: dict[str, str] = {}   # task id -> run marker
     state = "starting"
     slots = 1                    # how many tasks this pass may run at once (the board shows it)
     budget: str | None = None    # why nothing new is claimed: the daily budget is spent
+    pid_start: float | None = None   # this process's start time (the workers table keeps it)
 
     @classmethod
     def write(cls, state: str | None = None, **extra: Any) -> None:
@@ -1346,7 +1402,8 @@ class Beat:
             ids = sorted(cls.tasks)
             said = {"budget": cls.budget} if cls.budget else {}
             store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                          "tasks": ids, "slots": cls.slots, **said, **extra})
+                                          "tasks": ids, "slots": cls.slots, "pid_start": cls.pid_start,
+                                          **said, **extra})
 
     @classmethod
     def running(cls, task: dict[str, Any], active: bool) -> None:

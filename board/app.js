@@ -138,6 +138,16 @@
       if (w.slots) parts.push(", " + w.slots + " slot(s)");
     }
     clear($("worker")).append(el("span", { title: w.summary || "" }, parts));
+    const all = status.workers || [];
+    if (all.length > 1) {                      // workers on every host, newest heartbeat first
+      const list = el("span", { class: "workers", id: "workers" }, " · " + all.length + " workers:");
+      for (const one of all) {
+        const label = one.label || "stale";
+        list.append(" ", el("span", { class: "badge w-" + label.replace(" ", "-"), title: one.summary || "" },
+          (one.host || "?") + " pid " + one.pid + " " + label));
+      }
+      $("worker").append(list);
+    }
     renderSpend(status.budget || {});
   }
 
