@@ -1040,14 +1040,15 @@ def clear_finished(
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
                         BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                         Field(description="which finished statuses to remove; default all three")] = None,
-    remove_logs: Annotated[bool | None, Field(description="also delete their log files")] = False,
+    remove_logs: Annotated[bool | None, Field(description="also delete their log files (on PostgreSQL a log lives in the database and always goes with its task)")] = False,
     remove_worktrees: Annotated[bool | None, Field(description="also remove worktrees kept with worktree_keep (branches stay); without it their tasks stay in the queue")] = False,
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
     task depends on are kept, and so are tasks whose kept worktree is still on disk (ids in
     `kept_for_worktrees`: call again with remove_worktrees to remove those worktrees and the tasks).
-    Logs are deleted only when asked (a task whose worktree could not be removed stays in the queue,
-    named in `problems`); task branches always stay.
+    Log files are deleted only when asked (on PostgreSQL a task's log is in the database and goes
+    with the task); a task whose worktree could not be removed stays in the queue, named in
+    `problems`; task branches always stay.
     Returns the removed ids (`count` is the total; past some thousands of tasks the lists are
     shortened to keep the result under 40,000 characters). Errors: a status that is not a finished one."""
     removed, purged = worktrees.clear_finished(older_than_sec or 0, statuses or store.TERMINAL,

@@ -3078,7 +3078,7 @@ def default_model() -> str | None:
 def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL, *,
                    dry_run: bool = False, only_ids: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
-    questions and dependency rows go with them; events stay as history). Returns the removed
+    questions, dependency rows and log chunks go with them; events stay as history). Returns the removed
     tasks' ``{id, branch, worktree_path, log}`` so the caller may remove files.
     A task that a not-finished task still depends on is kept. ``dry_run``: only list what would
     go; ``only_ids``: remove no task outside these ids. Raises ValidationError."""
@@ -3110,6 +3110,7 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
 # machines. Every reader goes through these three functions.
 
 LOG_CHUNK_MAX = 65_536   # bytes per task_log_chunks row
+PG_LOG_LOCK = 0x74626C67  # first key of a task log's advisory lock ("tblg"; the second is the task id)
 
 
 def logs_in_database() -> bool:
@@ -3147,7 +3148,12 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
             handle.write(data)
         return size + len(data)
     num = parse_task_id(task_id)
-    with _writing() as conn:
+    # Not under the writers' lock on PostgreSQL (ships come every second from each running task):
+    # a lock of this task's log alone keeps two ships of one task from taking the same seq.
+    with _writing(serialize=False) as conn:
+        if type(conn) is PgConnection:
+            conn.execute("SELECT pg_advisory_xact_lock(CAST(? AS integer), CAST(? AS integer))",
+                         (PG_LOG_LOCK, num % 2_147_483_647))
         if conn.execute("SELECT 1 FROM tasks WHERE id = ?", (num,)).fetchone() is None:
             raise TaskNotFound(f"no task {format_task_id(num)}; its log cannot be written")
         row = conn.execute("SELECT coalesce(max(seq), 0), coalesce(sum(length(data)), 0)"

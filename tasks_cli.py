@@ -1048,7 +1048,7 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
 @click.option("--older-than", type=click.FloatRange(0, OLDER_THAN_MAX_SEC), default=0, show_default=True,
               callback=finite_arg, help=f"Only tasks finished at least this many seconds ago (0..{OLDER_THAN_MAX_SEC}).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files.")
+@click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files (on PostgreSQL a log is in the database and always goes with its task).")
 @click.option("--remove-worktrees", is_flag=True,
               help="Also remove worktrees kept with --keep-worktree (task branches stay); without it their tasks stay.")
 @json_option

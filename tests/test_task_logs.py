@@ -100,6 +100,22 @@ def test_a_retried_ship_never_writes_its_bytes_twice(tmp_path, where):
     assert task_store.read_task_log(tid) == b"line 1\nline 2\nline 3\nother\nmine\n"
 
 
+def test_writers_appending_at_once_lose_nothing_and_never_collide(tmp_path, where):
+    from concurrent.futures import ThreadPoolExecutor
+    tid = submit(tmp_path)
+
+    def write(n: int) -> None:
+        for i in range(40):
+            task_store.append_task_log(tid, f"writer {n} line {i}\n".encode())
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write, range(4)))
+    lines = task_store.read_task_log(tid).decode().splitlines()
+    assert sorted(lines) == sorted(f"writer {n} line {i}" for n in range(4) for i in range(40))
+    for n in range(4):                       # each writer's lines stay in its order
+        assert [line for line in lines if line.startswith(f"writer {n} ")] == [f"writer {n} line {i}" for i in range(40)]
+
+
 def test_clearing_a_task_drops_its_log_chunks(tmp_path, where):
     tid = submit(tmp_path)
     task_store.append_task_log(tid, b"x" * 100_000)
@@ -324,3 +340,47 @@ def test_a_real_run_shipped_from_machine_a_reads_whole_on_machine_b(opencode, tm
     entries = board_api.task_log(final["id"], None)["entries"]
     assert any(e["kind"] == "text" and HOSTILE in e["text"] for e in entries)
     assert any(e["kind"] == "attempt" for e in entries)
+
+
+@pytest.mark.postgres
+@pytest.mark.real_opencode
+def test_a_worker_process_ships_its_log_live_to_a_reader_on_another_machine(opencode, tmp_path, monkeypatch, pg_url):
+    import signal
+    import time
+
+    import psutil
+    from fake_openai import hang, tool_call
+    from helpers import make_repo
+    monkeypatch.setenv("TASK_DB_URL", pg_url)
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("live", [tool_call("bash", {"command": "echo shipped-live-$((6*7))", "description": "say"}),
+                                   hang()])
+    tid = task_store.submit_task(title="live", instructions="SCRIPT:live", working_dir=str(repo),
+                                 timeout_sec=300, max_retries=0)["id"]
+    folder_a = tmp_path / "machine-a" / "task_logs"
+    proc = subprocess.Popen([sys.executable, str(Path(worker.__file__))],
+                            env=dict(os.environ, TASK_LOG_DIR=str(folder_a)), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder_b = on_machine(monkeypatch, tmp_path, "machine-b")
+    try:
+        deadline = time.monotonic() + 90
+        while b"shipped-live-42" not in task_store.read_task_log(tid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen = task_store.read_task_log(tid)
+        assert b"shipped-live-42" in seen and seen.startswith(b"=== br-"), seen[:300]
+        running = [w for w in task_views.workers_state() if w["pid"] == proc.pid]
+        assert running and running[0]["tasks"] == [tid] and running[0]["label"] == "online"
+        page = bridge.get_task_logs(tid, tail_lines=50)
+        assert "shipped-live-42" in page["text"] and page["size"] >= len(seen)
+        agent = task_store.get_task(tid)["agent_pid"]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    assert worker.reap(worker.Knobs()) == 1               # the orphaned agent is ended, the task failed
+    assert not psutil.pid_exists(agent) or psutil.Process(agent).status() == psutil.STATUS_ZOMBIE
+    local = (folder_a / f"{tid}.log").read_bytes()
+    shipped = task_store.read_task_log(tid)
+    assert local.startswith(shipped) and b"shipped-live-42" in shipped   # at most the unshipped tail is lost
+    assert not folder_b.exists()
+    assert [w["label"] for w in task_views.workers_state() if w["pid"] == proc.pid] == ["gone"]
