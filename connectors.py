@@ -57,8 +57,11 @@ def current_public_url() -> str | None:
 
 def claude_desktop_entry() -> dict[str, Any]:
     """Our ``mcpServers`` entry for Claude Desktop: stdio, absolute paths, the queue's database and
-    the opencode binary (list_models needs it; Claude Desktop's PATH is bare)."""
+    the opencode binary (list_models needs it; Claude Desktop's PATH is bare). A PostgreSQL URL
+    goes in without its password (libpq reads it from ~/.pgpass): a config file never holds one."""
     env = {"TASK_DB_PATH": str(task_store.db_path())}
+    if task_store.backend() == "postgresql":
+        env["TASK_DB_URL"] = task_store.database_label()
     try:
         env["OPENCODE_BIN"] = opencode_runner.opencode_bin()
     except opencode_runner.OpencodeNotFound:

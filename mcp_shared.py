@@ -144,8 +144,8 @@ def _from_store(exc: BaseException) -> bool:
 
 def _db_shown() -> str:
     try:
-        return str(task_store.db_path())
-    except (OSError, ValueError):
+        return task_store.database_label()   # a PostgreSQL URL without its password
+    except (OSError, ValueError, task_store.TaskStoreError):
         return repr(os.environ.get("TASK_DB_PATH", ""))
 
 

@@ -1201,7 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to start: {refused[0]}", file=sys.stderr)
         return 2
     if args.transport == "stdio":
-        log.info("TaskBridge MCP %s on stdio; database %s", VERSION, store.db_path())
+        log.info("TaskBridge MCP %s on stdio; database %s", VERSION, store.database_label())
         build_server().run("stdio")
         return 0
     try:
@@ -1219,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
     log.info("TaskBridge MCP %s on http://%s:%d (/mcp, /sse, /health, /api); database %s",
-             VERSION, args.host, args.port, store.db_path())
+             VERSION, args.host, args.port, store.database_label())
     http_app.serve(app, args.host, args.port, args.log_level.lower())
     return 0
 

@@ -330,7 +330,7 @@ def queue_snapshot() -> dict[str, Any]:
     workers = workers_state()
     return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
                       "worker": workers[0] if workers else worker_state(), "workers": workers,
-                      "database": str(store.db_path()),
+                      "database": store.database_label(),
                       "budget": store.budget_state()}
 
 

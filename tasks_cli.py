@@ -1338,7 +1338,7 @@ def status(as_json: bool) -> None:
     worker = workers[0] if workers else task_views.worker_state()
     budget = task_store.budget_state()
     if as_json:
-        return emit_json(summary | {"worker": worker, "workers": workers, "db": str(task_store.db_path()),
+        return emit_json(summary | {"worker": worker, "workers": workers, "db": task_store.database_label(),
                                     "budget": budget})
     out().print(fields_table(queue_rows(summary), title="Queue"))
     out().print(fields_table(budget_rows(budget), title="Spending"))
@@ -1358,7 +1358,7 @@ def status(as_json: bool) -> None:
 
 def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
     """Counts per status, claimable, the oldest pending task."""
-    rows: list[tuple[str, Any]] = [("database", str(task_store.db_path()))]
+    rows: list[tuple[str, Any]] = [("database", task_store.database_label())]
     rows += [(s, str(n)) for s, n in summary["counts"].items()]
     rows.append(("claimable now", str(summary["claimable"])))
     if summary["oldest_pending"]:

@@ -1481,7 +1481,7 @@ def announce_start(watch: bool, slots: int) -> bool:
         model = f"{choice.model} (default from {choice.source})"
     except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
         model = f"none ({exc}); tasks that name no model will fail"
-    Talk.started(str(store.db_path()), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    Talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
     return True
 
 
@@ -1560,7 +1560,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse(f"error: {exc}")
         return 1
     except (sqlite3.Error, OSError) as exc:
-        refuse(f"error: cannot use the queue database {store.db_path()}: {exc}; check TASK_DB_PATH "
+        refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "
                "(a readable, writable SQLite file and folder)")
         return 1
     finally:

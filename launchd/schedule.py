@@ -11,8 +11,9 @@ launchd and systemd start jobs with a bare PATH (/usr/bin:/bin:/usr/sbin:/sbin),
 generated job carries absolute paths of python, worker.py and opencode, and the PATH of the
 shell that installed it.
 
-Env: TASK_DB_PATH, TASK_LOG_DIR, OPENCODE_BIN and, when set, the knobs in CARRIED (WORKER_MODEL,
-TASKBRIDGE_WORKTREE_ROOT, …) are baked into the job; LAUNCH_AGENTS_DIR and SYSTEMD_USER_DIR say
+Env: TASK_DB_PATH, TASK_LOG_DIR, OPENCODE_BIN, a PostgreSQL TASK_DB_URL (without its password:
+the job's libpq reads it from ~/.pgpass, so no job file holds one) and, when set, the knobs in
+CARRIED (WORKER_MODEL, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_HOST, …) are baked into the job; LAUNCH_AGENTS_DIR and SYSTEMD_USER_DIR say
 where the files go (defaults ~/Library/LaunchAgents, ~/.config/systemd/user).
 
 On Linux a user timer runs only while its user is logged in unless lingering is on
@@ -44,7 +45,8 @@ UNIT = "taskbridge-worker"
 
 # Knobs a scheduled pass keeps when they are set in the shell that installs the schedule.
 CARRIED = ("WORKER_MODEL", "TASKBRIDGE_WORKTREE_ROOT", "WORKER_SLOTS", "WORKER_NOTIFY", "WORKER_STALE_SEC",
-           "WORKER_INACTIVITY_SEC", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "OPENCODE_CONFIG")
+           "WORKER_INACTIVITY_SEC", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "OPENCODE_CONFIG", "TASKBRIDGE_HOST",
+           "TASKBRIDGE_MIRROR_DIR")
 
 
 def job_env() -> dict[str, str]:
@@ -56,6 +58,8 @@ def job_env() -> dict[str, str]:
     path_dirs = list(dict.fromkeys(p for p in path_dirs if p))
     env = {"PATH": os.pathsep.join(path_dirs), "OPENCODE_BIN": opencode,
            "TASK_DB_PATH": str(task_store.db_path()), "TASK_LOG_DIR": str(task_store.log_dir())}
+    if task_store.backend() == "postgresql":   # without its password: libpq reads it from ~/.pgpass
+        env["TASK_DB_URL"] = task_store.database_label()
     return env | {k: os.environ[k] for k in CARRIED if os.environ.get(k)}
 
 

@@ -118,15 +118,14 @@ async def test_both_mcp_servers_use_the_db_they_are_given(tmp_path):
     assert not (tmp_path / "q" / "tasks.db").exists()
 
 
-def test_serve_hands_the_db_to_its_children_by_environment_not_argv(tmp_path):
-    """`ps` shows every user's command lines: the URL (which may hold a password) travels in the
-    environment of serve.py's server and worker, never in their argv."""
-    mine = tmp_path / "served.db"
+def serve_with_db(tmp_path, db: str) -> str:
+    """serve.py --db DB until its server and worker run: checks that DB reached both by
+    environment, never in their argv; returns everything serve.py said."""
     port = free_port()
     env = dict(os.environ, MCP_BEARER_TOKEN="t", MCP_TOKEN_FILE=str(tmp_path / "token"))
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", "--port", str(port),
-                             "--db", str(mine)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+                             "--db", db], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 30
@@ -138,9 +137,90 @@ def test_serve_hands_the_db_to_its_children_by_environment_not_argv(tmp_path):
         assert any("worker.py" in argv for argv in children) and any("opencode_bridge_mcp.py" in argv
                                                                     for argv in children), children
         for argv, child in children.items():
-            assert str(mine) not in argv and "--db" not in argv
-            assert child.environ()["TASK_DB_URL"] == str(mine)
-        assert mine.exists()
+            assert db not in argv and "--db" not in argv
+            assert child.environ()["TASK_DB_URL"] == db
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=60)
+        said = proc.communicate(timeout=60)[0].decode(errors="replace")
+    return said
+
+
+def test_serve_hands_the_db_to_its_children_by_environment_not_argv(tmp_path):
+    """`ps` shows every user's command lines: the URL (which may hold a password) travels in the
+    environment of serve.py's server and worker, never in their argv."""
+    mine = tmp_path / "served.db"
+    serve_with_db(tmp_path, str(mine))
+    assert mine.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# On a real PostgreSQL (tests/pg_server.py): the URL carries a password, which nothing shows.
+
+
+@pytest.mark.postgres
+def test_the_cli_works_on_postgresql_and_never_shows_the_password(tmp_path, pg_url):
+    import pg_server
+    (tmp_path / "work").mkdir()
+    cli = [sys.executable, str(ROOT / "tasks_cli.py"), "--db", pg_url]
+    submitted = subprocess.run([*cli, "submit", "on postgres", "--dir", str(tmp_path / "work"), "--yes", "--json"],
+                               capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    listed = subprocess.run([*cli, "list", "--json"], capture_output=True, text=True, timeout=60)
+    assert [t["title"] for t in json.loads(listed.stdout)["tasks"]] == ["on postgres"], listed.stderr
+    status = subprocess.run([*cli, "status"], capture_output=True, text=True, timeout=60)
+    as_json = subprocess.run([*cli, "status", "--json"], capture_output=True, text=True, timeout=60)
+    assert json.loads(as_json.stdout)["db"] == pg_url.replace(f":{pg_server.PASSWORD}@", "@")
+    for result in (submitted, listed, status, as_json):
+        assert pg_server.PASSWORD not in result.stdout + result.stderr
+    assert "postgresql://taskbridge@127.0.0.1" in status.stdout
+    assert not (tmp_path / "q" / "tasks.db").exists(), "no SQLite queue was made beside it"
+
+
+@pytest.mark.postgres
+def test_the_worker_and_the_bridge_name_the_database_without_its_password(tmp_path, pg_url):
+    import pg_server
+    env = dict(os.environ, TASK_DB_PATH=str(tmp_path / "state" / "tasks.db"))
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--db", pg_url, "--watch"], env=env,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = worker.stdout.readline()
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        rest = worker.communicate(timeout=60)[0]
+    assert "worker started" in first and "queue postgresql://taskbridge@127.0.0.1" in first, first + rest
+    worker_log = "".join(p.read_text() for p in (tmp_path / "state").glob("*.worker.log"))
+    assert "queue postgresql://taskbridge@" in worker_log
+    assert pg_server.PASSWORD not in first + rest + worker_log
+
+    bridge = subprocess.run([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url, "--log-level", "INFO"],
+                            input="", capture_output=True, text=True, timeout=60, env=env)
+    assert "database postgresql://taskbridge@127.0.0.1" in bridge.stderr, bridge.stderr
+    assert pg_server.PASSWORD not in bridge.stderr + bridge.stdout
+
+
+@pytest.mark.postgres
+@pytest.mark.anyio
+async def test_ping_names_the_database_without_its_password(tmp_path, pg_url):
+    from mcp import Client, StdioServerParameters
+    import pg_server
+    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url],
+                                   env=dict(os.environ))
+    async with Client(params) as client:
+        ping = (await client.call_tool("ping", {})).structured_content
+        status = (await client.call_tool("queue_status", {})).structured_content
+    assert ping["database"] == status["database"] == pg_url.replace(f":{pg_server.PASSWORD}@", "@")
+
+
+@pytest.mark.postgres
+def test_serve_on_postgresql_shows_no_password(tmp_path, pg_url):
+    import pg_server
+    said = serve_with_db(tmp_path, pg_url)
+    assert "Local MCP" in said and pg_server.PASSWORD not in said
+
+
+def test_the_claude_desktop_entry_names_a_postgresql_queue_without_its_password(monkeypatch):
+    import connectors
+    monkeypatch.setenv("TASK_DB_URL", f"postgresql://tb:{SECRET}@db.example/queue")
+    entry = connectors.claude_desktop_entry()
+    assert entry["env"]["TASK_DB_URL"] == "postgresql://tb@db.example/queue"
+    assert SECRET not in json.dumps(entry) + connectors.snippets(8765)

@@ -178,3 +178,14 @@ def test_status_on_macos_reads_launchctl_print(fake_bins, tmp_path, monkeypatch)
     text = schedule.status()
     assert f"installed at {tmp_path / 'agents' / 'com.taskbridge.worker.plist'}" in text
     assert "last exit code = 1" in text and "runs = 14" in text and "linger" not in text
+
+
+def test_a_postgresql_queue_is_carried_without_its_password(fake_bins, tmp_path, monkeypatch):
+    """A job file is a file others may read: the URL goes in without its password, which the
+    job's libpq reads from ~/.pgpass; the machine's host name goes with it."""
+    monkeypatch.setenv("TASK_DB_URL", "postgresql://tb:hunter2-pw@db.example:5432/queue")
+    monkeypatch.setenv("TASKBRIDGE_HOST", "build-1")
+    monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
+    env = schedule.job_env()
+    assert env["TASK_DB_URL"] == "postgresql://tb@db.example:5432/queue" and env["TASKBRIDGE_HOST"] == "build-1"
+    assert "hunter2-pw" not in schedule.service_unit() + schedule.cron_line() + schedule.plist().decode()
