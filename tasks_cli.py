@@ -1308,7 +1308,8 @@ def models(query: str | None, provider: str | None, refresh: bool, as_json: bool
 def default_model_choice() -> opencode_runner.ModelChoice | None:
     """The default model and its source, or None when there is none (OpenCode lists nothing)."""
     try:
-        stored = task_store.default_model() if task_store.db_path().exists() else None   # models makes no queue
+        has_queue = task_store.backend() == "postgresql" or task_store.db_path().exists()
+        stored = task_store.default_model() if has_queue else None   # models makes no queue
         return opencode_runner.default_model(stored, cache_file=task_views.models_cache_file())
     except (opencode_runner.NoDefaultModel, opencode_runner.OpencodeNotFound):
         return None
