@@ -14,7 +14,9 @@ attempt's live spend, the spend per local day and the daily budget (``budget_sta
 Past one machine the same functions run on PostgreSQL (``TASK_DB_URL=postgresql://…``, through
 psycopg 3, imported only then): the same schema and migrations, the statements that differ kept
 side by side (see "PostgreSQL" below), claims with ``FOR UPDATE SKIP LOCKED``, wake-ups with
-``LISTEN/NOTIFY``.
+``LISTEN/NOTIFY``, task logs in the database (``append_task_log``, ``read_task_log``,
+``task_log_size``: the file on SQLite, ``task_log_chunks`` on PostgreSQL) and every worker of
+every host in ``workers`` (``write_worker_heartbeat``, ``list_workers``).
 
 Env read at call time: ``TASK_DB_URL``, ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_HOST``, ``TASKBRIDGE_MOUNTINFO``.
@@ -2284,7 +2286,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     bounded back-off (each retry gets the full timeout again); else it is ``failed`` and its
     dependents fail too, naming it. Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
-    error = clip(error, ERROR_MAX, f"the task's log {log_path(num)}")
+    error = clip(error, ERROR_MAX, f"the task's log, {task_log_location(num)}")
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)

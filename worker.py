@@ -1180,7 +1180,7 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
 def _whole_text_at(task: dict, run: RunResult) -> str:
     """Where a clipped receipt text can be read whole: the task's log (the raw event stream)."""
     size = run.stream.final_text_chars
-    return f"the task's log {store.log_path(task['id'])}" + (
+    return f"the task's log, {store.task_log_location(task['id'])}" + (
         f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
 
 

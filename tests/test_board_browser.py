@@ -276,16 +276,17 @@ def _hostile_queue(tmp_path: Path) -> tuple[str, str]:
     diff = f"diff --git a/x.html b/x.html\n+++ b/x.html\n@@ -0,0 +1 @@\n+{HOSTILE}\n"
     task_store.complete_attempt(done["id"], claimed["run_marker"], diff=diff,
                                 result={"summary": HOSTILE, "files_touched": [HOSTILE]})
-    log = task_store.log_path(done["id"])
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"[worker] {HOSTILE}\n" + json.dumps({"type": "text", "part": {"text": HOSTILE}}) + "\n")
+    # through the store: the log file on SQLite, the database's chunks on PostgreSQL
+    task_store.append_task_log(done["id"], (f"[worker] {HOSTILE}\n" + json.dumps(
+        {"type": "text", "part": {"text": HOSTILE}}) + "\n").encode())
     engine = task_store.state_path("worker.log")
+    engine.parent.mkdir(parents=True, exist_ok=True)
     engine.write_text(f"engine {HOSTILE}\n")
     task_store.create_claude_job("job " + HOSTILE, "cli", 60)
     return asking["id"], done["id"]
 
 
-def test_hostile_strings_stay_text_and_run_nothing(board, browser, tmp_path):
+def test_hostile_strings_stay_text_and_run_nothing(store_backend, board, browser, tmp_path):
     asking, done = _hostile_queue(tmp_path)
     browser.get(f"{board}/#token={TOKEN}")
     wait(browser, lambda d: text_of(d, "tally-waiting") == "1", what="the tallies")
