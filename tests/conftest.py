@@ -1,6 +1,7 @@
 """Shared fixtures: every test gets its own database, log folder and worktree root."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,10 +15,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(autouse=True)
-def isolated_queue(tmp_path, monkeypatch):
-    """Point the queue, logs and worktrees at tmp_path; silence banners."""
+def isolated_queue(tmp_path, monkeypatch, request):
+    """Point the queue, logs and worktrees at tmp_path; silence banners. With
+    ``TASKBRIDGE_TEST_DB=postgresql`` every test's queue is a fresh PostgreSQL database instead
+    (``pg_url``): the whole suite on the other backend."""
     monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / "tasks.db"))
     monkeypatch.delenv("TASK_DB_URL", raising=False)   # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
+    if os.environ.get("TASKBRIDGE_TEST_DB", "").strip().lower() == "postgresql":
+        monkeypatch.setenv("TASK_DB_URL", request.getfixturevalue("pg_url"))
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
     monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "worktrees"))
     monkeypatch.setenv("WORKER_NOTIFY", "0")
