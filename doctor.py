@@ -134,7 +134,7 @@ def check_model(live: bool) -> Check:
     """The default model is chosen, listed by `opencode models`, and (live) answers a prompt."""
     cache = task_views.models_cache_file()
     try:
-        choice = oc.default_model(store.default_model() if store.db_path().exists() else None, cache_file=cache)
+        choice = oc.default_model(store.default_model() if store.queue_exists() else None, cache_file=cache)
         models = oc.known_models(cache_file=cache, refresh=True)
     except oc.OpencodeNotFound:
         return Check("default model", "fail", "cannot be chosen or checked: opencode is missing", "see the opencode line")
@@ -187,7 +187,10 @@ def live_prompt(model: str) -> str | None:
 
 
 def check_database() -> Check:
-    """The queue database opens, passes SQLite's integrity check, and sits on a local disk."""
+    """The queue database opens, passes SQLite's integrity check, and sits on a local disk; on
+    PostgreSQL (TASK_DB_URL), the server answers and the queue's schema is there."""
+    if store.backend() == "postgresql":
+        return check_postgres()
     path = store.db_path()
     if not path.exists():
         return Check("database", "ok", f"{path}: not created yet (the first submit or worker pass makes it)")
@@ -209,6 +212,17 @@ def check_database() -> Check:
         return Check("database", "warn", detail, "WAL lets readers work during writes; unset TASK_DB_JOURNAL "
                      "on a local disk")
     return Check("database", "ok", detail)
+
+
+def check_postgres() -> Check:
+    """The PostgreSQL queue: reachable, migrated, its server version and task count."""
+    try:
+        health = store.database_health()
+    except store.TaskStoreError as exc:
+        said, _, way_out = str(exc).partition("; ")
+        return Check("database", "fail", said, way_out)
+    return Check("database", "ok", f"{health['path']}: {health['tasks']} task(s), PostgreSQL "
+                 f"{health['server_version'].split()[0]}, integrity {health['integrity']}")
 
 
 def check_worker() -> Check:

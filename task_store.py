@@ -148,6 +148,12 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{netloc}{slash}{tail}"
 
 
+def queue_exists() -> bool:
+    """Whether the queue is there to read: the SQLite file exists, or (PostgreSQL) always — the
+    server's database is the queue, migrated on first use; a wrong URL fails when it is used."""
+    return database_url() is not None or db_path().exists()
+
+
 def database_label() -> str:
     """The queue database for display: the SQLite file's path, or the PostgreSQL URL without its
     password (never log a password)."""

@@ -178,7 +178,7 @@ def test_jobs_and_events_feed(client, tmp_path):
     assert client.get(f"/api/events?after={feed['cursor']}", headers=AUTH).json()["events"] == []
 
 
-def test_changes_answers_within_a_second_of_an_event_and_waits_while_idle(client, tmp_path):
+def test_changes_answers_within_a_second_of_an_event_and_waits_while_idle(client, tmp_path, store_backend):
     status = client.get("/api/status", headers=AUTH).json()
     cursor, jobs = status["marks"]["events"], status["marks"]["jobs"]
     started = time.monotonic()

@@ -98,7 +98,7 @@ def anyio_backend():
 
 @linux_only
 @pytest.mark.real_opencode
-def test_watch_picks_a_submitted_task_up_on_the_commit_not_the_poll(opencode, tmp_path):
+def test_watch_picks_a_submitted_task_up_on_the_commit_not_the_poll(opencode, tmp_path, store_backend):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("ok", [text("fine\n```json\n{\"summary\": \"ok\", \"files_touched\": [], "
                                       "\"tests_run\": [], \"open_questions\": []}\n```")])

@@ -1,0 +1,201 @@
+"""The queue on PostgreSQL (a real server, tests/pg_server.py): many processes claim without a
+double claim, an events cursor never skips an id under concurrent writers, a commit elsewhere
+wakes a waiter through NOTIFY, migrations run on an empty database, forked children never touch
+their parent's connection, and a bad URL, an unreachable server or a missing driver is one line
+naming the URL without its password."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import task_store as store
+from helpers import ROOT
+from pg_server import PASSWORD
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def pg(pg_url, monkeypatch):
+    monkeypatch.setenv("TASK_DB_URL", pg_url)
+    return pg_url
+
+
+def _claimer(url: str, name: str, out: "multiprocessing.Queue") -> None:
+    os.environ["TASK_DB_URL"] = url
+    got = []
+    while (task := store.claim_next(name)) is not None:
+        store.complete_attempt(task["id"], task["run_marker"])
+        got.append(task["id"])
+    out.put(got)
+
+
+def test_forked_processes_claim_concurrently_and_never_twice(pg, tmp_path):
+    for _ in range(15):
+        store.submit_batch([{"title": "t", "instructions": "i", "working_dir": str(tmp_path)}] * 20)
+    before = store.last_event_id()    # the parent's kept connection exists before the forks
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claimer, args=(pg, f"w{i}", out)) for i in range(8)]
+    for proc in procs:
+        proc.start()
+    claimed = [tid for _ in procs for tid in out.get(timeout=120)]
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert len(claimed) == 300 and len(set(claimed)) == 300
+    # The children opened their own connections: the parent's still works after they exited.
+    assert store.counts()["done"] == 300 and store.last_event_id() > before
+    assert len({e["task_id"] for e in store.events_since(before, limit=10_000) if e["kind"] == "claimed"}) == 300
+
+
+WRITER = r"""
+import os, sys, task_store as store
+os.environ["TASK_DB_URL"] = sys.argv[1]
+for i in range(int(sys.argv[2])):
+    task = store.submit_task(title="w", instructions="i", working_dir=sys.argv[3])
+    claimed = store.claim_next("w", task_id=task["id"])
+    if claimed is not None:
+        store.add_note(task["id"], "n") if i % 2 else None
+        store.complete_attempt(task["id"], claimed["run_marker"])
+"""
+
+
+def test_an_events_cursor_never_skips_an_id_under_concurrent_writers(pg, tmp_path):
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, pg, "60", str(tmp_path)], cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    seen, cursor = [], 0
+    while any(w.poll() is None for w in writers):
+        batch = store.events_since(cursor, limit=10_000)
+        seen += [e["id"] for e in batch]
+        cursor = batch[-1]["id"] if batch else cursor
+    for w in writers:
+        assert w.wait(60) == 0, w.stderr.read()
+    seen += [e["id"] for e in store.events_since(cursor, limit=10_000)]
+    every = [e["id"] for e in store.events_since(0, limit=10_000)]
+    assert len(every) == 4 * 60 * 3 + 4 * 30   # submitted, claimed, done; a note every other task
+    # Read while they were written, by cursor only: each id once, none skipped.
+    assert seen == every
+
+
+WAKER = r"""
+import os, sys, time, task_store as store
+os.environ["TASK_DB_URL"] = sys.argv[1]
+store.last_event_id()                  # connected before the clock starts
+time.sleep(float(sys.argv[2]))
+print(time.time(), flush=True)
+store.submit_task(title="later", instructions="i", working_dir=sys.argv[3])
+"""
+
+
+def test_a_commit_in_another_process_wakes_the_wait_within_100_ms(pg, tmp_path):
+    since = store.last_event_id()
+    lags = []
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", WAKER, pg, "0.7", str(tmp_path)], cwd=ROOT,
+                                stdout=subprocess.PIPE, text=True)
+        newest = store.wait_for_change(since, timeout=20, poll=5)
+        woke = time.time()
+        committed = float(proc.communicate(timeout=30)[0])
+        assert newest > since
+        lags.append(woke - committed)
+        since = store.last_event_id()
+    # The poll is 5 s: only the NOTIFY explains the wake (best of three on a busy machine).
+    assert 0 <= min(lags) < 0.1, lags
+
+
+def test_migrations_run_on_an_empty_database_and_once(pg_server, pg, monkeypatch):
+    url = pg_server.create_database("empty_db")
+    try:
+        monkeypatch.setenv("TASK_DB_URL", url)
+        assert store.counts()["pending"] == 0
+        conn = store.connect()
+        try:
+            assert conn.execute("SELECT version FROM schema_version").fetchall() == [(len(store.MIGRATIONS),)]
+            columns = {r[0] for r in conn.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = 'tasks'")}
+            assert {"continue_from", "max_cost_usd", "repo_url", "host", "pushed_commit"} <= columns
+            assert conn.execute("SELECT to_regclass('task_counts')").fetchone()[0] is None
+        finally:
+            conn.close()
+    finally:
+        store.close_connections()
+        pg_server.drop_database("empty_db")
+
+
+def test_store_sql_is_adapted_once_and_rows_read_like_sqlite(pg):
+    assert store.pg_sql("SELECT a::text, '50%?:x' FROM t WHERE b = ? AND c = :name AND d LIKE '%z'") == \
+        "SELECT a::text, '50%%?:x' FROM t WHERE b = %s AND c = %(name)s AND d LIKE '%%z'"
+    conn = store._kept()
+    row = conn.execute("SELECT 1 AS one, 'x' AS two, '%' AS pct WHERE 1 = ?", (1,)).fetchone()
+    assert conn.execute("SELECT CAST(:n AS bigint) AS four", {"n": 4}).fetchone()["four"] == 4
+    assert row["one"] == row[0] == 1 and dict(row) == {"one": 1, "two": "x", "pct": "%"}
+    assert list(row) == [1, "x", "%"] and row.keys() == ["one", "two", "pct"]
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://bob:{pw}@127.0.0.1:{port}/nodb",                 # nothing listens there
+    "postgresql://bob:{pw}@127.0.0.1:notaport/db",                 # not a URL libpq takes
+    "postgres://taskbridge:wrong-{pw}@127.0.0.1:{server}/postgres",  # the server refuses the login
+    "postgresql://taskbridge@127.0.0.1:{server}/postgres?password={pw}&sslmode=disable",
+])
+def test_a_bad_url_is_one_line_naming_it_without_the_password(pg_server, monkeypatch, url):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = url.format(pw="s3cr3t-pw", port=port, server=pg_server.port)
+    if "?password=" in url:   # a wrong password given as a parameter
+        url = url.replace("password=s3cr3t-pw", "password=s3cr3t-pw-x")
+    monkeypatch.setenv("TASK_DB_URL", url)
+    assert "s3cr3t" not in store.database_label() and store.backend() == "postgresql"
+    with pytest.raises(store.DatabaseUnavailable) as caught:
+        store.list_tasks()
+    said = str(caught.value)
+    assert "s3cr3t" not in said and store.database_label() in said and "TASK_DB_URL" in said, said
+    assert "\n" not in said
+    import tasks_cli
+    result = CliRunner().invoke(tasks_cli.cli, ["list"])
+    # The CLI refuses it in one line too (a bad port already when it checks --db / TASK_DB_URL).
+    assert result.exit_code in (1, 2) and "s3cr3t" not in result.output and "Traceback" not in result.output
+    assert result.output.count("\n") == 1 and "TASK_DB_URL" in result.output
+
+
+def test_the_password_never_shows_in_labels_health_or_status(pg_server, pg, monkeypatch, tmp_path):
+    assert PASSWORD in pg
+    assert PASSWORD not in store.database_label() and store.database_label().startswith("postgresql://taskbridge@")
+    assert PASSWORD not in store.database_health()["path"]
+    assert store.redact_url("postgresql://u:p%40ss@h:5/d?sslmode=require&password=zz") == \
+        "postgresql://u@h:5/d?sslmode=require"
+    proc = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "status"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=os.environ | {"COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert PASSWORD not in proc.stdout + proc.stderr and store.database_label() in proc.stdout + proc.stderr
+    import tasks_cli
+    shown = CliRunner().invoke(tasks_cli.cli, ["status", "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["db"] == store.database_label()
+
+
+def test_missing_psycopg_is_one_line_with_the_way_out(monkeypatch):
+    monkeypatch.setenv("TASK_DB_URL", "postgresql://bob:s3cr3t@db.example:5432/queue")
+    monkeypatch.setitem(sys.modules, "psycopg", None)   # `import psycopg` raises ImportError
+    with pytest.raises(store.DatabaseUnavailable, match="psycopg is not installed: run ./install.sh") as caught:
+        store.counts()
+    assert "s3cr3t" not in str(caught.value) and "postgresql://bob@db.example:5432/queue" in str(caught.value)
+
+
+def test_a_lost_connection_is_reopened_on_the_next_call(pg_server, pg, tmp_path):
+    store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    pid = store._kept().raw.info.backend_pid
+    pg_server.execute(f"SELECT pg_terminate_backend({pid})")
+    time.sleep(0.1)
+    with pytest.raises(store.DatabaseUnavailable, match="cannot use the PostgreSQL queue"):
+        store.counts()
+    assert store.counts()["pending"] == 1      # a new connection
