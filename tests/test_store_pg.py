@@ -199,3 +199,12 @@ def test_a_lost_connection_is_reopened_on_the_next_call(pg_server, pg, tmp_path)
     with pytest.raises(store.DatabaseUnavailable, match="cannot use the PostgreSQL queue"):
         store.counts()
     assert store.counts()["pending"] == 1      # a new connection
+
+
+def test_doctor_reports_the_server_or_the_way_out(pg, monkeypatch):
+    import doctor
+    check = doctor.check_database()
+    assert check.status == "ok" and check.detail.startswith(store.database_label() + ": 0 task(s), PostgreSQL ")
+    monkeypatch.setenv("TASK_DB_URL", pg.rsplit(":", 1)[0] + ":1/nowhere")
+    check = doctor.check_database()
+    assert check.status == "fail" and PASSWORD not in check.detail + check.fix and "TASK_DB_URL" in check.fix
