@@ -3295,9 +3295,22 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     _upsert_worker(beat, pid_start)
 
 
+WORKER_ROW_EVERY_SEC = 5.0   # an unchanged heartbeat refreshes the worker's row at most this often
+_ROW_SAID: dict[tuple[str, str], tuple[str, float]] = {}   # (database, worker) -> (row's text, written at)
+
+
 def _upsert_worker(beat: dict[str, Any], pid_start: float | None) -> None:
+    # The worker beats every second per running task: its row is written when what it says
+    # changed, else every WORKER_ROW_EVERY_SEC (a heartbeat is judged recent for 180 s).
     name = f"worker:{beat['host']}:{beat['pid']}"
     said = json.dumps({k: v for k, v in beat.items() if k not in ("pid", "host", "ts")})
+    key = (database_url() or str(db_path()), name)
+    last = _ROW_SAID.get(key)
+    if last is not None and last[0] == said and beat["ts"] - last[1] < WORKER_ROW_EVERY_SEC:
+        return
+    _ROW_SAID.pop(key, None)
+    if len(_ROW_SAID) > 64:            # a process that used many databases (tests)
+        _ROW_SAID.clear()
     with _writing() as conn:
         new = conn.execute("SELECT 1 FROM workers WHERE name = ?", (name,)).fetchone() is None
         conn.execute(
@@ -3313,6 +3326,7 @@ def _upsert_worker(beat: dict[str, Any], pid_start: float | None) -> None:
                                                     (beat["ts"] - WORKER_ROWS_KEEP_SEC,)).fetchall()]
             for old in gone:
                 conn.execute("DELETE FROM workers WHERE name = ?", (old,))
+    _ROW_SAID[key] = (said, beat["ts"])
 
 
 def _said(text: str | None) -> dict[str, Any]:

@@ -384,3 +384,16 @@ def test_a_worker_process_ships_its_log_live_to_a_reader_on_another_machine(open
     assert local.startswith(shipped) and b"shipped-live-42" in shipped   # at most the unshipped tail is lost
     assert not folder_b.exists()
     assert [w["label"] for w in task_views.workers_state() if w["pid"] == proc.pid] == ["gone"]
+
+
+def test_an_unchanged_heartbeat_refreshes_the_worker_row_only_every_few_seconds(tmp_path, monkeypatch):
+    task_store.write_worker_heartbeat({"state": "idle"})
+    first = task_store.list_workers()[0]["ts"]
+    task_store.write_worker_heartbeat({"state": "idle"})                 # a second later in the worker
+    assert task_store.list_workers()[0]["ts"] == first
+    assert task_store.read_worker_heartbeat()["ts"] > first              # the local file is always fresh
+    task_store.write_worker_heartbeat({"state": "running", "task": "t_0001"})
+    assert task_store.list_workers()[0]["state"] == "running"            # a change is written at once
+    monkeypatch.setattr(task_store, "WORKER_ROW_EVERY_SEC", 0)
+    task_store.write_worker_heartbeat({"state": "running", "task": "t_0001"})
+    assert task_store.list_workers()[0]["ts"] > first
