@@ -903,8 +903,10 @@ def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
     user's OpenCode config as last seen; null until list_models or a worker has asked OpenCode),
-    the worker's liveness (last heartbeat age in seconds, whether its process runs, a one-line
-    summary that says when it claims nothing because the daily budget is spent), and `budget`:
+    the worker's liveness (`worker`: the last to report, from any host: heartbeat age in seconds,
+    host, whether its process runs — null on another host —, a one-line summary that says when it
+    claims nothing because the daily budget is spent; `workers`: every worker on every host,
+    newest heartbeat first, each labelled online, stale, gone or stopped), and `budget`:
     today's spend (local day; USD and tokens), the daily budget and default task limits (null =
     none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC)."""
     return queue_snapshot()
@@ -912,9 +914,10 @@ def queue_status() -> QueueStatus:
 
 @registry.tool(READ_ONLY)
 def worker_heartbeat() -> WorkerState:
-    """The worker's last heartbeat: state (pass, idle, running, stopped, error), current task, pid,
-    host, age in seconds, whether that process still runs, and a summary with what to do if no
-    worker has been seen lately (restart_worker starts one)."""
+    """The last heartbeat of any worker (any host; queue_status lists them all): state (pass,
+    idle, running, stopped, error), current task, pid, host, age in seconds, whether that process
+    still runs (null when it runs on another host), and a summary with what to do if no worker
+    has been seen lately (restart_worker starts one)."""
     return worker_state()
 
 

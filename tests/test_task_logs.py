@@ -397,3 +397,16 @@ def test_an_unchanged_heartbeat_refreshes_the_worker_row_only_every_few_seconds(
     monkeypatch.setattr(task_store, "WORKER_ROW_EVERY_SEC", 0)
     task_store.write_worker_heartbeat({"state": "running", "task": "t_0001"})
     assert task_store.list_workers()[0]["ts"] > first
+
+
+def test_doctor_names_every_worker_and_its_host(tmp_path, monkeypatch):
+    import doctor
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
+        task_store.write_worker_heartbeat({"state": "idle"})
+    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
+                             "{'state': 'running', 'task': 't_0001'})"], cwd=Path(task_store.__file__).parent)
+    dead.wait()
+    check = doctor.check_worker()
+    assert "2 workers report" in check.detail and f"build-server pid {os.getpid()} online" in check.detail
+    assert f"{task_store.host_name()} pid {dead.pid} gone" in check.detail
