@@ -358,7 +358,10 @@ class BatchTask(TypedDict, total=False):
     ref: Annotated[str, Field(description="a label (e.g. '@build') other items may name in depends_on")]
     title: Annotated[str, Field(description="short title, ≤200 characters (required)")]
     instructions: Annotated[str, Field(description="what the agent must do (required)")]
-    working_dir: Annotated[str, Field(description="absolute path of an existing directory (required)")]
+    working_dir: Annotated[str, Field(description="absolute path of an existing directory (this or repo is required)")]
+    repo: Annotated[str, Field(description="a git remote to work on instead of working_dir; its branch is pushed back there")]
+    base_ref: Annotated[str, Field(description="with repo: the branch, tag or commit to start from (default: the remote's HEAD branch)")]
+    host: Annotated[str, Field(description="only workers with this TASKBRIDGE_HOST may run it")]
     model: Annotated[str, Field(description="provider/model; default: the queue's default model")]
     priority: Annotated[int, Field(ge=-1000, le=1000, description="higher runs first; default 0")]
     depends_on: Annotated[list[str], Field(description="task ids (t_0001) or refs of this batch")]
@@ -508,8 +511,11 @@ def build_server() -> MCPServer:
 def submit_task(
     title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
-    working_dir: Annotated[str, Field(description="absolute path of an existing directory (a git repo gets an isolated worktree)")],
     ctx: Context,
+    working_dir: Annotated[OptText, Field(description="absolute path of an existing directory on the worker's machine (a git repo gets an isolated worktree); give this or repo")] = None,
+    repo: Annotated[OptText, Field(description="a git remote to work on instead of working_dir: https://, ssh://, git@host:path, file:// or a repository's absolute path, without credentials (each worker uses its own git credentials); the worker pushes branch taskbridge/<id> back there")] = None,
+    base_ref: Annotated[OptText, Field(description="with repo: the branch, tag or commit the task starts from (default: the remote's HEAD branch)")] = None,
+    host: Annotated[OptText, Field(description="only workers whose TASKBRIDGE_HOST is this name may run it (default: the server's machine for a working_dir, any machine for a repo)")] = None,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name that one provider offers); default: the queue's default model")] = None,
     priority: Annotated[int | None, Field(ge=-1000, le=1000, description="higher runs first, then oldest")] = 0,
     depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],
@@ -532,6 +538,11 @@ def submit_task(
 
     The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
     and records a receipt. Then call wait_for([id]) and get_task_result(id).
+    Give `repo` instead of `working_dir` for a task on a git remote: a worker on any machine (or
+    on `host`) fetches it into its own mirror, works from `base_ref`, commits and pushes branch
+    taskbridge/<id> there; the receipt's `pushed_branch` and `pushed_commit` say what arrived. A
+    push the remote refuses fails the task without rerunning the agent (its worktree is kept).
+    A `working_dir` task runs only on the machine that queued it (or on `host`).
     With continue_from the task is the next step of that task's line of work: same OpenCode
     session, same branch (its receipt's `line` shows the whole line's diff beside this step's);
     with fork_from it starts a branch of its own from that task's head with a copy of the session.
@@ -539,7 +550,9 @@ def submit_task(
     With rules, a call that matches an `ask` rule moves the task to `waiting` with the request
     (tool, command or path, the agent's reason) as its question; answer_task with allow or deny
     (once, or always for this task) resumes the same session.
-    Errors (nothing is written then): a relative or missing working_dir, an unknown dependency,
+    Errors (nothing is written then): a relative or missing working_dir, both or neither of
+    working_dir and repo, a repo that is not a git URL or repository path or that carries
+    credentials, a malformed base_ref or host, an unknown dependency,
     a value out of range, a model `opencode models` does not list (the closest ids are named),
     both continue_from and fork_from, a second follow-up of the same task (fork instead), a task
     that ran with worktree=false or is failed/cancelled, a malformed rule, a skill or sub-agent
@@ -551,6 +564,7 @@ def submit_task(
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
+              "repo": repo, "base_ref": base_ref, "host": host,
               "model": _model_arg(model), "priority": priority, "depends_on": depends_on,
               "timeout_sec": timeout_sec, "max_retries": max_retries, "permission": permission,
               "worktree": True if worktree is None else worktree,
@@ -582,13 +596,13 @@ def _check_names(fields: dict[str, Any]) -> None:
 
 _BATCH_SCHEMA = {
     "type": "array", "minItems": 1, "maxItems": store.BATCH_MAX,
-    "items": TypeAdapter(BatchTask).json_schema() | {"required": ["title", "instructions", "working_dir"]},
+    "items": TypeAdapter(BatchTask).json_schema() | {"required": ["title", "instructions"]},
 }
 
 
 def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     if isinstance(item, str) and item.strip().startswith("{"):
-        item = store.loads_json("a batch item", item, "a JSON object with title, instructions, working_dir")
+        item = store.loads_json("a batch item", item, "a JSON object with title, instructions, working_dir or repo")
     if not isinstance(item, dict):
         return item          # the store names the problem
     item = dict(item)
@@ -609,6 +623,7 @@ def submit_batch(
 
     Items may depend on each other through `ref` labels (e.g. {"ref": "@lib", ...} and
     {"depends_on": ["@lib"], ...}) as well as on existing task ids; a cycle is refused.
+    Each item gives `working_dir` or `repo` (a git remote; with `base_ref`), and may give `host`.
     Errors (nothing is written then): more than 20 items, a bad field in any item (the message
     names the item's index), an unknown dependency, a cycle.
     """

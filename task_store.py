@@ -2240,10 +2240,11 @@ def _fenced(conn: sqlite3.Connection, num: int, marker: str) -> sqlite3.Row:
 def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
     """Renew the lease of a running attempt (heartbeat now) and record optional run facts:
     ``agent_pid``, ``agent_pid_start`` (s), ``session_id``, ``worktree_path``, ``branch``,
-    ``base_commit``, ``line_base`` (where a follow-up's line of work started). Raises StaleAttempt
+    ``base_commit``, ``line_base`` (where a follow-up's line of work started), ``pushed_branch`` and
+    ``pushed_commit`` (a task on a remote: what its worker pushed there). Raises StaleAttempt
     when the attempt is no longer current (reaped, cancelled): the caller must stop the run."""
     allowed = {"agent_pid", "agent_pid_start", "session_id", "worktree_path", "branch", "base_commit",
-               "line_base"}
+               "line_base", "pushed_branch", "pushed_commit"}
     bad = set(fields) - allowed
     if bad:
         raise ValidationError(f"renew_lease cannot set {', '.join(sorted(bad))}")

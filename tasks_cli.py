@@ -468,7 +468,9 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """The task's identity, settings and timing."""
     return [
         ("id", task["id"]), ("title", line(task["title"])), ("status", status_text(task["status"])),
-        ("working dir", line(task["working_dir"])), ("model", line(task["model"] or "(default at claim)")),
+        ("working dir", line(task["working_dir"])), ("repo", line(task.get("repo"))),
+        ("base ref", line(task.get("base_ref") or ("the remote's HEAD branch" if task.get("repo") else None))),
+        ("host", line(task.get("host") or ("any" if task.get("repo") else None))), ("model", line(task["model"] or "(default at claim)")),
         ("agent", line(task["agent"])), ("priority", task["priority"]), ("permission", task["permission"]),
         ("worktree", "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
         ("timeout", f"{task['timeout_sec']} s per attempt"),
@@ -492,7 +494,10 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     return [
         ("lease", line(f"{lease} (pid {task['lease_pid']})" if lease and task["lease_pid"] else lease)),
         ("run marker", line(task["run_marker"])), ("agent pid", task["agent_pid"]),
+        ("lease host", line(task.get("lease_host"))),
         ("session", line(task["session_id"])), ("branch", line(task["branch"])),
+        ("pushed", line(f"{task['pushed_branch']} at {str(task.get('pushed_commit'))[:12]} to {task['repo']}")
+         if task.get("pushed_branch") else None),
         ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
         ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
                   + (" so far" if task["status"] == "running" else "")),
@@ -825,21 +830,30 @@ def cli() -> None:
 @click.option("--rules", help='Permission rules in OpenCode\'s format, e.g. \'{"bash": {"git push*": "ask"}}\' (ask pauses the task for your answer).')
 @click.option("--skill", "skills", multiple=True, help="An OpenCode skill the agent loads first (repeatable; checked against OpenCode).")
 @click.option("--subagent", "subagents", multiple=True, help="An OpenCode sub-agent it may hand work to (repeatable; checked).")
+@click.option("--repo", help="A git remote to work on instead of a folder (https://, ssh://, git@host:path, file://, or a "
+                             "repository's absolute path): a worker clones it, runs, and pushes branch taskbridge/<id> "
+                             "back with its own git credentials.")
+@click.option("--base-ref", help="With --repo: the branch, tag or commit to start from (default: the remote's HEAD branch).")
+@click.option("--host", help="Only workers with this TASKBRIDGE_HOST may run it (default: this machine for --dir, any for --repo).")
 @json_option
 def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
            permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
            idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
            continue_from: str | None, fork_from: str | None, rules: str | None, skills: tuple[str, ...],
-           subagents: tuple[str, ...], as_json: bool) -> None:
+           subagents: tuple[str, ...], repo: str | None, base_ref: str | None, host: str | None,
+           as_json: bool) -> None:
     """Queue a task for the worker.
 
     TITLE is a short name (up to 200 characters). The instructions come from --instructions,
     --file, or stdin ('-'); without them the title is the instruction. With --continue or --fork
-    the task runs where that task ran (--dir may be left out).
+    the task runs where that task ran (--dir may be left out). With --repo it works on a git
+    remote instead of a folder, and its branch is pushed back there.
     """
     text = read_text_source(instructions, file)
-    if not (continue_from or fork_from):
+    if repo is not None and working_dir is not None:
+        raise click.UsageError("give --dir (a folder) or --repo (a git remote), not both")
+    if not (continue_from or fork_from or repo is not None):
         working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
     checked_names(skills, subagents, working_dir, continue_from or fork_from)
@@ -851,7 +865,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         idempotency_key=idempotency_key, origin_name=ORIGIN_NAME, origin_version=__version__,
         max_cost_usd=max_cost_usd, max_tokens=max_tokens,
         continue_from=continue_from, fork_from=fork_from, rules=rules, skills=list(skills),
-        subagents=list(subagents),
+        subagents=list(subagents), repo=repo, base_ref=base_ref, host=host,
     )
     warnings = task_views.limit_warnings(task)
     if as_json:
@@ -1129,6 +1143,8 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
         raise CliError(f"task {task_id} has no diff ({made}); `python tasks_cli.py show {task_id}` tells more")
     if as_json:
         return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
+    if task.get("repo"):   # stdout stays the exact diff; where the work is goes to stderr
+        err().print(Text(visible(worktrees.remote_work(task)), style="dim"), soft_wrap=True)
     if not stat:
         return click.echo(raw_or_visible(task["diff"]), nl=not task["diff"].endswith("\n"), color=True)
     summary = worktrees.diff_stat(task["diff"])
@@ -1145,12 +1161,17 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
 def branch(task_id: str, as_json: bool) -> None:
     """Show the git branch holding a task's work, its commit, and how to check it out or apply it."""
     task = task_store.get_task(task_id)
-    if not task["branch"]:
+    if not task["branch"] and not task.get("repo"):
         raise CliError(f"task {task_id} has no branch ({task['status']}; it ran in place or has not run "
                        "yet); its changes, if any, are in its directory")
     info = worktrees.branch_info(task)
     if as_json:
         return emit_json(info)
+    if task.get("repo"):
+        out().print(Text(visible(worktrees.remote_work(task)), style="yellow"), soft_wrap=True)
+        rows = [(name, line(command)) for name, command in info["commands"].items()]
+        return out().print(fields_table([("kept worktree", line(info["worktree_path"])), *rows],
+                                        title=f"Work of {task_id}"))
     rows = [("branch", line(info["branch"])), ("commit", line(info["commit"] or "none (no changes committed)")),
             ("tip now", line(info["tip"] or "the branch no longer exists")), ("base commit", line(info["base_commit"])),
             ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),

@@ -839,6 +839,9 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                               branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
         except worktrees.GitStopped as exc:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}")
+        except worktrees.Unreachable as exc:   # the remote may answer next time: retried
+            log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+            return _finish(store.fail_attempt, task, marker, str(exc))
         except (worktrees.Unrunnable, worktrees.GitError) as exc:
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, marker, str(exc))
@@ -855,7 +858,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                     worktrees.remove_worktree(ws)
                 log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
                 return _finish(store.fail_unrunnable, task, marker, str(exc))
-            checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" else {}
+            checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
         except worktrees.GitStopped as exc:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
         run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, phases.deadline)
@@ -987,7 +990,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         receipt["sandbox"]["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
                                               "not_reverted; the rest were")
     receipt["changed_outside_worktree"] = worktrees.changed_outside(checkout_before, ws.repo) \
-        if ws.mode == "worktree" and problem is None else []
+        if ws.mode == "worktree" and not ws.remote and problem is None else []
     receipt["repo_config"] = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
@@ -1092,6 +1095,12 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
                                **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
     except worktrees.GitError as exc:
         return _bookkeeping_failed(task, ws, run, receipt, diff, "the commit", exc, phases)
+    if ws.remote:
+        try:
+            _push(task, ws, receipt)
+        except worktrees.GitError as exc:
+            return _bookkeeping_failed(task, ws, run, receipt, diff, f"the push of {ws.branch} to {ws.remote}",
+                                       exc, phases)
     if not task["worktree_keep"]:
         try:
             _remove(ws, receipt)
@@ -1100,6 +1109,23 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
     notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=diff,
                    usage=run.stream.usage(), session_id=run.stream.session_id)
+
+
+def _push(task: dict, ws: Workspace, receipt: dict) -> None:
+    """A task on a remote: push its commit as its branch (leased: see worktrees.push_branch) and
+    record where it went, in the receipt and on the task's row. Nothing committed: nothing
+    pushed, and the receipt says so. Raises worktrees.GitError."""
+    receipt["repo"] = ws.remote
+    commit = receipt.get("commit")
+    if not commit:
+        receipt.update(pushed_branch=None, pushed_commit=None,
+                       pushed=f"nothing pushed to {ws.remote}: the agent changed no file")
+        return
+    worktrees.push_branch(ws, commit)
+    receipt.update(pushed_branch=ws.branch, pushed_commit=commit,
+                   pushed=f"{ws.branch} at {commit[:12]} pushed to {ws.remote}")
+    store.renew_lease(task["id"], task["run_marker"], pushed_branch=ws.branch, pushed_commit=commit)
+    log(f"{task['id']} pushed {ws.branch} ({commit[:12]}) to {ws.remote}", talk.VERBOSE)
 
 
 def _remove(ws: Workspace, receipt: dict) -> None:
@@ -1125,6 +1151,10 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
         return None
     if ws.mode != "worktree":
         where = f"its changes are in {ws.cwd}"
+    elif ws.remote and receipt.get("commit"):
+        where = (f"its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: push it "
+                 f"yourself once the remote takes it (git -C {ws.top} push {ws.remote} "
+                 f"HEAD:refs/heads/{ws.branch})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
     elif _still_a_checkout(ws.top):
@@ -1229,6 +1259,8 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "sandbox": sandbox,
         "isolation": ws.mode,
         "branch": ws.branch,
+        "repo": ws.remote,
+        "mirror": {"path": ws.repo, "cloned": ws.mirror_cloned} if ws.remote else None,
         "base_commit": ws.base_commit,
         "base_from": ws.base_from or None,
         "submodules": ws.submodules,

@@ -10,11 +10,13 @@ not ours and stay as they are.
 
 Shared by `worker.py` (runs), `tasks_cli.py` and `opencode_bridge_mcp.py` (clear_finished).
 Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``,
-``TASKBRIDGE_GIT_TIMEOUT_SEC``. No SQL here.
+``TASKBRIDGE_GIT_TIMEOUT_SEC``, ``TASKBRIDGE_MIRROR_DIR``, ``XDG_CACHE_HOME``. No SQL here.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import stat
@@ -44,6 +46,11 @@ class Unrunnable(Exception):
 
 class GitError(RuntimeError):
     """A git command TaskBridge ran failed; the message names the command and git's reason."""
+
+
+class Unreachable(Exception):
+    """A task's remote could not be reached (network, a server error): the attempt fails before
+    the agent runs and is retried like any failure. The message quotes git."""
 
 
 class GitStopped(GitError):
@@ -198,6 +205,9 @@ class Workspace:
     base_from: str = ""
     submodules: dict[str, Any] | None = None   # see init_submodules; None: the repo has none
     line_base: str | None = None   # where the whole line of work (first task, follow-ups) started
+    remote: str | None = None      # a task on a remote: the URL or path its branch is pushed to
+    push_lease: str | None = None  # the branch's commit on the remote when fetched ("": absent)
+    mirror_cloned: bool = False    # this attempt made the mirror (else it fetched into it)
 
 
 def _repo_top(path: str) -> str | None:
@@ -260,7 +270,11 @@ def _repo_top_or_none(path: str) -> str | None:
 
 def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
-    resuming after an answer), else in place. Raises Unrunnable with what to do."""
+    resuming after an answer), else in place; for a task on a remote (``repo``), a worktree of the
+    worker's mirror of it (see `remote_workspace`). Raises Unrunnable with what to do, and
+    Unreachable when a remote cannot be reached (worth a retry)."""
+    if task.get("repo"):
+        return remote_workspace(task, resume)
     wd = task["working_dir"]
     if not os.path.isdir(wd):
         raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
@@ -437,6 +451,248 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         branch = _free_branch(repo, task, base)
         git(["worktree", "add", "-B", branch, str(path), base], repo)
         return branch
+
+
+# --------------------------------------------------------------------------------------------
+# Tasks on a remote: a mirror per remote, a worktree from it, the branch pushed back.
+
+
+def mirror_dir() -> Path:
+    """Where the worker keeps its mirrors of remotes: ``$TASKBRIDGE_MIRROR_DIR``, else
+    ``$XDG_CACHE_HOME/taskbridge/mirrors`` (``~/.cache/taskbridge/mirrors``)."""
+    configured = os.environ.get("TASKBRIDGE_MIRROR_DIR")
+    if configured:
+        return Path(configured).expanduser().resolve()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "taskbridge" / "mirrors"
+
+
+def mirror_path(url: str) -> Path:
+    """The mirror of ``url``: ``<mirror_dir>/<sha1 of the url>.git``."""
+    return mirror_dir() / f"{hashlib.sha1(url.encode()).hexdigest()}.git"
+
+
+# What git says when the remote refused us (not worth a retry) or could not find the repository.
+_AUTH_SIGNS = ("authentication failed", "permission denied", "could not read username",
+               "could not read password", "terminal prompts disabled", "access denied",
+               "the requested url returned error: 401", "the requested url returned error: 403",
+               "host key verification failed", "invalid username or password")
+_MISSING_SIGNS = ("does not appear to be a git repository", "repository not found", "not found",
+                  "no such file or directory", "the requested url returned error: 404")
+
+
+def _remote_failure(url: str, step: str, exc: GitError) -> Exception:
+    """git's answer to a fetch or clone of ``url`` as the exception the worker acts on:
+    Unrunnable (auth refused, no such repository: a retry cannot help) or Unreachable."""
+    said = _one_line(str(exc).split(" failed: ", 1)[-1])[:800]
+    lowered = said.lower()
+    if any(sign in lowered for sign in _AUTH_SIGNS):
+        return Unrunnable(f"{step} {url} was refused (git: {said}); give this worker's git access to it (a "
+                          "credential helper, an SSH key: TaskBridge never stores credentials) and retry the task")
+    if any(sign in lowered for sign in _MISSING_SIGNS):
+        return Unrunnable(f"{step} {url} failed: there is no repository there (git: {said}); check the repo "
+                          "URL and resubmit")
+    return Unreachable(f"{step} {url} failed (git: {said}); check the network and the server, the task is "
+                       "retried while its retries last")
+
+
+@contextlib.contextmanager
+def _mirror_lock(path: Path) -> Iterator[None]:
+    """The mirror's own lock (``<mirror>.lock``, an flock): two slots or workers on this machine
+    never clone or fetch one mirror at once. Waiting for it calls the thread's watcher, so the
+    lease stays renewed and a cancel or timeout ends the wait (GitStopped)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                watcher = getattr(_watch, "check", None)
+                reason = watcher() if watcher else None
+                if reason:
+                    raise GitStopped(f"waiting for the mirror {path} was ended: {reason}", reason) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)   # closing the descriptor releases the flock
+
+
+def sync_mirror(url: str) -> tuple[Path, bool]:
+    """The worker's mirror of ``url``, brought up to date under its lock: ``git clone --mirror``
+    the first time (into a temporary folder, renamed when complete, so a clone that was cut off
+    leaves nothing half made), ``git fetch --prune`` after. Returns (its path, whether it was
+    cloned now). Raises Unrunnable (auth refused, no repository), Unreachable, GitStopped."""
+    path = mirror_path(url)
+    with _mirror_lock(path):
+        if path.is_dir() and git(["rev-parse", "--is-bare-repository"], str(path), check=False) == "true":
+            try:
+                git(["fetch", "--prune", "--quiet", "origin"], str(path))
+            except GitStopped:
+                raise
+            except GitError as exc:
+                raise _remote_failure(url, "fetching", exc) from None
+            return path, False
+        if os.path.lexists(path):       # a broken mirror: made again
+            _force_rmtree(str(path))
+        partial = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        try:
+            git(["clone", "--mirror", "--quiet", "--", url, str(partial)], str(path.parent))
+            os.rename(partial, path)
+        except GitStopped:
+            raise
+        except GitError as exc:
+            raise _remote_failure(url, "cloning", exc) from None
+        finally:
+            if partial.exists():
+                _force_rmtree(str(partial))
+        return path, True
+
+
+def _remote_tip(mirror: str, branch: str) -> str:
+    return _branch_tip(mirror, branch)
+
+
+def _resolve_base(mirror: str, url: str, ref: str | None) -> str:
+    """The commit a task on ``url`` starts from: ``ref`` (a branch, a tag, a full ref or a commit
+    id) or, without one, the remote's HEAD branch. Raises Unrunnable naming what the remote has."""
+    if ref is None:
+        head = git(["symbolic-ref", "-q", "HEAD"], mirror, check=False)
+        commit = git(["rev-parse", "--verify", "-q", "HEAD^{commit}"], mirror, check=False)
+        if not commit:
+            raise Unrunnable(f"the remote {url} has no commits on its HEAD branch ({head or 'none'}); push a "
+                             "first commit there, or give base_ref")
+        return commit
+    for candidate in (f"refs/heads/{ref}", f"refs/tags/{ref}", ref):
+        commit = git(["rev-parse", "--verify", "-q", "--end-of-options", f"{candidate}^{{commit}}"], mirror, check=False)
+        if commit:
+            return commit
+    branches = git(["for-each-ref", "--count=10", "--format=%(refname:short)", "refs/heads"], mirror, check=False)
+    shown = ", ".join(branches.split()) or "none"
+    raise Unrunnable(f"base_ref {ref} is not a branch, tag or commit of {url} (its branches: {shown}); "
+                     "resubmit with one it has")
+
+
+def _repo_label(url: str) -> str:
+    """A short folder-name label for a remote: the last part of its path without ``.git``."""
+    tail = url.rstrip("/").replace(":", "/").rsplit("/", 1)[-1]
+    tail = tail[:-4] if tail.endswith(".git") else tail
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in tail)[:60] or "repo"
+
+
+def _remote_branch(mirror: str, task: dict[str, Any]) -> tuple[str, str]:
+    """(the branch a task pushes, its commit on the remote now or ""). The task's own branch
+    from an earlier attempt while the remote still has what that attempt pushed there; else the
+    first of ``taskbridge/t_0001``, ``…-<queue>``, ``…-<queue>-2``, … the remote does not have
+    (another queue's t_0001 is never overwritten)."""
+    own = task.get("pushed_branch") or task.get("branch")
+    if own:
+        tip = _remote_tip(mirror, own)
+        if tip in ("", task.get("pushed_commit")):
+            return own, tip
+    name, queue = f"taskbridge/{task['id']}", store.queue_tag()
+    for candidate in [name, f"{name}-{queue}", *(f"{name}-{queue}-{n}" for n in range(2, 100))]:
+        if not _remote_tip(mirror, candidate):
+            return candidate, ""
+    raise Unrunnable(f"the remote already has 100 branches named {name}-*; delete old ones and resubmit")
+
+
+def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
+    """A task on a remote: the mirror is cloned or fetched (under its lock), then a worktree of it
+    at the task's base (``base_ref``, else the remote's HEAD branch; a follow-up or fork: the head
+    of the branch its parent pushed; a retry: its first attempt's base) in a detached HEAD — the
+    task branch exists only on the remote, so a fetch never fights a checked-out branch — and
+    the branch to push (``push_branch``). Raises Unrunnable, Unreachable, GitError."""
+    url = task["repo"]
+    mirror_p, cloned = sync_mirror(url)
+    mirror = str(mirror_p)
+    parent = store.get_task(task.get("continue_from") or task.get("fork_from")) \
+        if task.get("continue_from") or task.get("fork_from") else None
+    if parent is not None:
+        branch_of_parent = parent.get("pushed_branch")
+        tip = _remote_tip(mirror, branch_of_parent) if branch_of_parent else ""
+        if not tip:
+            raise Unrunnable(f"{parent['id']}'s branch {branch_of_parent or '(never pushed)'} is not on {url}; a "
+                             "follow-up or fork starts from it: push it back or submit a new task")
+        base = task.get("base_commit") or tip
+        base_from = f"the head of {parent['id']}'s branch {branch_of_parent} on the remote"
+        line_base = task.get("line_base") or parent.get("line_base") or parent.get("base_commit") or base
+        if task.get("continue_from"):
+            branch, lease = branch_of_parent, _remote_tip(mirror, branch_of_parent)
+            path = Path(parent.get("worktree_path") or worktree_root() / f"{_repo_label(url)}-{parent['id']}")
+        else:
+            branch, lease = _remote_branch(mirror, task)
+            path = worktree_root() / f"{_repo_label(url)}-{task['id']}"
+    else:
+        base = task.get("base_commit") or _remote_dependency_base(task, mirror) or _resolve_base(mirror, url, task.get("base_ref"))
+        base_from = "earlier attempt" if task.get("base_commit") else \
+            f"{task.get('base_ref') or 'the HEAD branch'} of {url}"
+        line_base = task.get("line_base") or base
+        branch, lease = _remote_branch(mirror, task)
+        path = worktree_root() / f"{_repo_label(url)}-{task['id']}"
+    note = (f"git worktree of this worker's mirror of {url}, at its base in a detached HEAD; the work is "
+            f"committed and pushed there as {branch}; writes outside the worktree are not prevented (prompt-level)")
+    ws = Workspace("worktree", str(path), str(path), mirror, branch, base, note=note, base_from=base_from,
+                   line_base=line_base, remote=url, push_lease=lease, mirror_cloned=cloned)
+    if resume and task.get("worktree_path") == str(path) and _is_registered(mirror, path):
+        ws.reused = True
+        return ws
+    if task.get("continue_from") and _is_registered(mirror, path):
+        here = git(["rev-parse", "HEAD"], str(path), check=False)
+        if here != base:
+            raise Unrunnable(f"the kept worktree {path} of {parent['id']} is at {here[:12] or 'nothing'}, not at "
+                             f"{branch}'s head {base[:12]} on the remote; remove it (git -C {mirror} worktree "
+                             f"remove {path}) and retry")
+        ws.reused = True
+        return ws
+    _detached_worktree(mirror, path, task, base)
+    ws.submodules = None if not os.path.isfile(path / ".gitmodules") else {
+        "initialised": [], "not_initialised": [{"path": "(all)", "why": "a task on a remote gets no submodules: "
+                                                "TaskBridge never fetches them"}]}
+    return ws
+
+
+def _remote_dependency_base(task: dict[str, Any], mirror: str) -> str | None:
+    """The commit a remote task's dependencies on the same remote pushed, when one contains the
+    others (as `dependency_base` for a checkout); else None."""
+    commits = []
+    for dep_id in task.get("depends_on") or []:
+        dep = store.get_task(dep_id)
+        if dep.get("repo") == task["repo"] and dep.get("pushed_commit"):
+            commits.append(dep["pushed_commit"])
+    for commit in commits:
+        if all(_is_ancestor(mirror, other, commit) for other in commits):
+            return commit
+    return None
+
+
+def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str) -> None:
+    """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first."""
+    with _ADMIN:
+        git(["worktree", "prune"], mirror, check=False)
+        if _is_registered(mirror, path):
+            git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
+        if os.path.lexists(path):
+            left = _leftover(str(path), _force_rmtree(str(path)))
+            if left:
+                raise Unrunnable(f"an earlier attempt's worktree is still in the way: {left}")
+            git(["worktree", "prune"], mirror, check=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        git(["worktree", "add", "--detach", str(path), base], mirror)
+
+
+def push_branch(ws: Workspace, commit: str) -> str:
+    """Push ``commit`` to ``ws.remote`` as ``ws.branch`` with the worker's own git credentials,
+    leased: the push goes through only while the remote's branch is still what the fetch saw
+    (absent, or what an earlier attempt pushed), so nobody else's work there is overwritten,
+    and a retried attempt replaces its own earlier push. Returns the pushed commit. Raises
+    GitError quoting the remote's answer (GitStopped when ended)."""
+    ref = f"refs/heads/{ws.branch}"
+    git(["push", f"--force-with-lease={ref}:{ws.push_lease or ''}", "--", ws.remote,
+         f"{commit}:{ref}"], ws.top)
+    ws.push_lease = commit
+    return commit
 
 
 def init_submodules(worktree: str, source_git_dir: str) -> dict[str, Any] | None:
@@ -869,7 +1125,11 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     now, None when deleted), ``base_commit``, ``repo`` (the user's checkout, None when not a git
     repository), ``checkout_branch`` (what the checkout is on), ``applied`` (the tip is already in
     the checkout's HEAD), ``worktree_path`` (a kept worktree that still exists, else None) and
-    ``commands`` (git command lines to look at it, check it out, apply it)."""
+    ``commands`` (git command lines to look at it, check it out, apply it). A task on a remote has
+    no checkout here: ``remote`` names where its branch was pushed (``pushed``: whether it was),
+    ``repo`` is None and the commands fetch the branch from there into a clone of your own."""
+    if task.get("repo"):
+        return _remote_branch_info(task)
     repo = _repo_top_or_none(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
     branch, base = task.get("branch"), task.get("base_commit")
     tip = _branch_tip(repo, branch) if repo and branch else ""
@@ -886,6 +1146,33 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
             "checkout_branch": git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
             "applied": bool(tip and head and _is_ancestor(repo, tip, head)),
             "worktree_path": kept, "commands": commands}
+
+
+def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
+    branch, remote = task.get("pushed_branch") or task.get("branch"), task["repo"]
+    kept = task.get("worktree_path") if task.get("worktree_path") and os.path.isdir(task["worktree_path"]) else None
+    commands = {"fetch": f"git fetch {remote} {branch}", "log": "git log -p FETCH_HEAD",
+                "switch": f"git switch -c {branch} FETCH_HEAD", "merge": "git merge FETCH_HEAD"} \
+        if task.get("pushed_branch") else {}
+    return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
+            "tip": task.get("pushed_commit"), "base_commit": task.get("base_commit"), "repo": None,
+            "remote": remote, "pushed": bool(task.get("pushed_branch")), "checkout_branch": None,
+            "applied": False, "worktree_path": kept, "commands": commands}
+
+
+def remote_work(task: dict[str, Any]) -> str:
+    """Where a task on a remote left its work, for a person at a shell: the branch pushed to the
+    remote and how to fetch it into a clone of their own (there is no checkout of it here), or
+    why nothing was pushed."""
+    remote, branch = task["repo"], task.get("pushed_branch")
+    if branch:
+        return (f"task {task['id']} worked on the remote {remote}: its branch {branch} was pushed there "
+                f"(commit {str(task.get('pushed_commit'))[:12]}), and there is no checkout of it on this machine. "
+                f"In a clone of that repository: git fetch {remote} {branch} && git merge FETCH_HEAD "
+                "(or open a pull request from the branch)")
+    kept = f"; its worktree {task['worktree_path']} is kept" if task.get("worktree_path") else ""
+    return (f"task {task['id']} works on the remote {remote} and has pushed no branch there yet "
+            f"(it is {task['status']}{kept})")
 
 
 def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
@@ -934,6 +1221,8 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
         hint = f"retry it (tasks_cli.py retry {ident}) and apply once it is done" if status in ("failed", "cancelled") \
             else "wait until it is done (wait_for, or tasks_cli.py logs --follow)"
         raise ApplyRefused(f"task {ident} is {status}, not done; only a done task's work can be applied: {hint}")
+    if task.get("repo"):
+        raise ApplyRefused(remote_work(task))
     branch, commit = task.get("branch"), (task.get("result") or {}).get("commit")
     if not branch:
         raise ApplyRefused(f"task {ident} has no branch: it ran in place (worktree=false or not a git "

@@ -186,7 +186,8 @@
       body.append(el("tr", { class: "s-" + t.status, "data-id": t.id, onclick: (e) => {
         if (e.target.tagName !== "A") location.hash = "#/task/" + encodeURIComponent(t.id);
       } },
-        el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title),
+        el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title, t.repo ? el("span", { class: "where" },
+          " " + t.repo + (t.pushed_branch ? " → " + t.pushed_branch : t.base_ref ? " @ " + t.base_ref : "")) : null),
         el("td", {}, el("span", { class: "status s-" + t.status }, t.status)), el("td", {}, caller(t)),
         el("td", {}, t.model || el("span", { class: "empty" }, "default")), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
         el("td", {}, age(t.created_at)), el("td", {}, usd(typeof t.spent_usd === "number" ? t.spent_usd : t.cost_usd))));
@@ -342,7 +343,11 @@
         ["rules", t.rules ? JSON.stringify(t.rules) : null],
         ["skills", t.skills && t.skills.length ? t.skills.join(", ") : null],
         ["sub-agents", t.subagents && t.subagents.length ? t.subagents.join(", ") : null],
-        ["working dir", t.working_dir], ["permission", t.permission], ["priority", t.priority],
+        ["working dir", t.working_dir], ["repo", t.repo],
+        ["base ref", t.repo ? t.base_ref || "the remote's HEAD branch" : null],
+        ["host", t.host || (t.repo ? "any" : null)], ["worker host", t.lease_host],
+        ["pushed", t.pushed_branch ? t.pushed_branch + " at " + String(t.pushed_commit || "").slice(0, 12) + " to " + t.repo : null],
+        ["permission", t.permission], ["priority", t.priority],
         ["attempts", t.attempts + " of " + (t.max_retries + 1)], ["timeout", t.timeout_sec + " s"],
         ["branch", t.branch], ["worktree", t.worktree_path], ["created", t.created_at],
         ["started", t.started_at], ["finished", t.finished_at], ["error", t.error]])),

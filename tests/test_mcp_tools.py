@@ -94,11 +94,13 @@ async def test_lists_the_17_tools_with_docs_and_output_schemas(mode):
         assert tool.output_schema and tool.output_schema.get("type") == "object", tool.name
     submit = next(t for t in tools if t.name == "submit_task").input_schema
     assert submit["properties"]["title"]["type"] == "string"
-    assert set(submit["required"]) == {"title", "instructions", "working_dir"}
+    assert set(submit["required"]) == {"title", "instructions"}      # working_dir or repo: the store checks
+    assert {"working_dir", "repo", "base_ref", "host"} <= set(submit["properties"])
     timeout = submit["properties"]["timeout_sec"]
     assert (timeout["type"], timeout["minimum"], timeout["maximum"], timeout["default"]) == ("integer", 1, 86400, 1800)
     batch = next(t for t in tools if t.name == "submit_batch").input_schema["properties"]["tasks"]
-    assert batch["maxItems"] == 20 and "working_dir" in batch["items"]["properties"]
+    assert batch["maxItems"] == 20 and {"working_dir", "repo", "base_ref", "host"} <= set(batch["items"]["properties"])
+    assert set(batch["items"]["required"]) == {"title", "instructions"}
 
 
 async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):

@@ -2,14 +2,24 @@
 machines. Real git repositories on disk; a bare repository plays the remote."""
 from __future__ import annotations
 
+import hashlib
+import http.server
+import json
+import os
 import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 import task_store
 import worker
-from helpers import git, make_repo
+import worktrees
+from helpers import git, make_repo, run_script
+from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 
 @pytest.fixture
@@ -128,7 +138,6 @@ def test_a_worker_never_claims_a_task_for_another_host(remote, tmp_path, monkeyp
 
 
 def test_a_worker_pass_on_another_host_leaves_the_task_alone(tmp_path, monkeypatch):
-    from helpers import run_script
     monkeypatch.setenv("TASKBRIDGE_HOST", "a")
     task = submit(working_dir=str(tmp_path))
     monkeypatch.setenv("TASKBRIDGE_HOST", "b")
@@ -138,7 +147,6 @@ def test_a_worker_pass_on_another_host_leaves_the_task_alone(tmp_path, monkeypat
 
 
 def test_a_worker_with_a_bad_host_name_refuses_to_start(monkeypatch):
-    from helpers import run_script
     monkeypatch.setenv("TASKBRIDGE_HOST", "a/b")
     done = run_script("worker.py")
     assert done.returncode == 2 and "TASKBRIDGE_HOST='a/b' is not a plain host name" in done.stderr
@@ -189,3 +197,280 @@ def test_the_reaper_checks_the_pid_of_a_lease_on_its_own_host(remote, monkeypatc
     assert worker.reap(worker.Knobs()) == 1
     task = task_store.get_task(task["id"])
     assert task["status"] == "pending" and "is gone" in task["error"]
+
+
+# ------------------------------------------------------------------------------------------
+# The worker: mirror, worktree, push (real git; the real opencode where an agent runs).
+
+
+def _receipt(summary: str, files: list[str]) -> str:
+    return "```json\n" + json.dumps({"summary": summary, "files_touched": files, "tests_run": [],
+                                     "open_questions": []}) + "\n```"
+
+
+def _writes(name: str, content: str, summary: str) -> list:
+    from fake_openai import text, tool_call
+    return [tool_call("write", {"filePath": "{cwd}/" + name, "content": content}),
+            text("Done.\n" + _receipt(summary, [name]))]
+
+
+def _bare_branches(bare) -> list[str]:
+    return git(bare, "for-each-ref", "--format=%(refname:short)", "refs/heads").split()
+
+
+@pytest.mark.real_opencode
+@pytest.mark.parametrize("as_url", [True, False], ids=["file-url", "plain-path"])
+def test_a_remote_task_pushes_its_branch_with_the_agents_change(opencode, remote, as_url, tmp_path):
+    repo = f"file://{remote}" if as_url else str(remote)
+    opencode.model.script("remote", _writes("hello.txt", "hello from the agent\n", "wrote hello.txt"))
+    task = submit(instructions="Write hello.txt. SCRIPT:remote", repo=repo)
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    branch, commit = done["pushed_branch"], done["pushed_commit"]
+    assert branch == f"taskbridge/{task['id']}" and commit == done["result"]["commit"]
+    receipt = done["result"]
+    assert (receipt["repo"], receipt["pushed_branch"], receipt["pushed_commit"]) == (done["repo"], branch, commit)
+    assert receipt["mirror"]["cloned"] is True and receipt["files_touched"] == ["hello.txt"]
+    # The branch arrived in the bare repository, on top of its HEAD branch, with the agent's file.
+    assert git(remote, "rev-parse", f"refs/heads/{branch}") == commit
+    assert git(remote, "show", f"{branch}:hello.txt") == "hello from the agent"
+    assert git(remote, "rev-parse", f"{commit}^") == git(remote, "rev-parse", "main")
+    assert _bare_branches(remote) == ["main", branch]
+    assert not done["worktree_path"] or not os.path.exists(done["worktree_path"]), "the worktree is removed"
+    mirror = receipt["mirror"]["path"]
+    assert mirror.startswith(os.environ["TASKBRIDGE_MIRROR_DIR"]) and mirror.endswith(".git")
+    # Where the work is, for a person: no checkout here, the branch is on the remote.
+    shown = run_script("tasks_cli.py", "branch", task["id"], env=os.environ | {"COLUMNS": "400"})
+    assert shown.returncode == 0 and f"git fetch {repo} {branch}" in shown.stdout
+    refused = run_script("tasks_cli.py", "apply", task["id"])
+    assert refused.returncode != 0 and "was pushed there" in refused.stderr and "git fetch" in refused.stderr
+    diff = run_script("tasks_cli.py", "diff", task["id"])
+    assert diff.stdout == done["diff"] and "pushed there" in diff.stderr
+    listed = run_script("tasks_cli.py", "show", task["id"], env=os.environ | {"COLUMNS": "400"})
+    assert branch in listed.stdout and "repo" in listed.stdout
+
+
+@pytest.mark.real_opencode
+def test_a_follow_up_continues_the_pushed_branch_and_the_mirror_is_fetched_not_cloned(opencode, remote):
+    opencode.model.script("line", [*_writes("lib.py", "def add(a, b):\n    return a + b\n", "lib"),
+                                   *_writes("test_lib.py", "from lib import add\n", "tests")])
+    first = submit(instructions="Write lib.py. SCRIPT:line", repo=str(remote), base_ref="main")
+    follow = submit(instructions="Now the tests.", continue_from=first["id"])
+    assert run_script("worker.py").returncode == 0
+    one, two = task_store.get_task(first["id"]), task_store.get_task(follow["id"])
+    assert (one["status"], two["status"]) == ("done", "done"), (one["error"], two["error"])
+    assert two["pushed_branch"] == one["pushed_branch"], "the follow-up continues on the same branch"
+    assert git(remote, "rev-parse", f"{two['pushed_commit']}^") == one["pushed_commit"]
+    assert git(remote, "show", f"{two['pushed_branch']}:lib.py").startswith("def add")
+    assert git(remote, "show", f"{two['pushed_branch']}:test_lib.py") == "from lib import add"
+    assert one["result"]["mirror"]["cloned"] is True and two["result"]["mirror"]["cloned"] is False
+    assert one["result"]["mirror"]["path"] == two["result"]["mirror"]["path"]
+    assert two["session_id"] == one["session_id"], "same machine: the OpenCode session is resumed"
+
+
+@pytest.mark.real_opencode
+def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, remote):
+    hook = remote / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: this branch is protected' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    opencode.model.script("refused", _writes("hello.txt", "hello\n", "wrote hello.txt"))
+    task = submit(instructions="Write hello.txt. SCRIPT:refused", repo=str(remote), max_retries=2)
+    assert run_script("worker.py").returncode == 0
+    failed = task_store.get_task(task["id"])
+    assert failed["status"] == "failed" and failed["attempts"] == 1
+    assert "the push of taskbridge/t_0001 to" in failed["error"] and "policy: this branch is protected" in failed["error"]
+    assert "The agent is not run again" in failed["error"] and "push" in failed["error"]
+    receipt = failed["result"]
+    assert receipt["worktree_kept"] is True and receipt["bookkeeping_error"] == failed["error"]
+    kept = failed["worktree_path"]
+    assert (Path(kept) / "hello.txt").read_text() == "hello\n"
+    assert git(Path(kept), "rev-parse", "HEAD") == receipt["commit"], "the work is committed in the kept worktree"
+    assert failed["pushed_branch"] is None and _bare_branches(remote) == ["main"]
+    steps = len(opencode.model.step_requests("refused"))
+    assert run_script("worker.py").returncode == 0
+    assert len(opencode.model.step_requests("refused")) == steps, "the agent ran once"
+    assert task_store.get_task(task["id"])["status"] == "failed"
+    # The way out it names works once the remote takes it.
+    hook.unlink()
+    subprocess.run(["git", "-C", kept, "push", str(remote), "HEAD:refs/heads/taskbridge/t_0001"], check=True,
+                   capture_output=True)
+    assert git(remote, "rev-parse", "taskbridge/t_0001") == receipt["commit"]
+
+
+def _pass_fails_before_the_agent(task: dict) -> dict:
+    assert run_script("worker.py").returncode == 0
+    return task_store.get_task(task["id"])
+
+
+def test_an_unknown_base_ref_fails_before_the_agent_without_a_retry(remote):
+    task = submit(repo=str(remote), base_ref="no-such-branch", model="fake/model", max_retries=3)
+    failed = _pass_fails_before_the_agent(task)
+    assert failed["status"] == "failed" and failed["attempts"] == 1
+    assert "base_ref no-such-branch is not a branch, tag or commit of" in failed["error"]
+    assert "its branches: main" in failed["error"] and failed["session_id"] is None
+
+
+def test_a_missing_repository_fails_without_a_retry(tmp_path):
+    task = submit(repo=f"file://{tmp_path}/gone.git", model="fake/model", max_retries=3)
+    failed = _pass_fails_before_the_agent(task)
+    assert failed["status"] == "failed" and failed["attempts"] == 1
+    assert "there is no repository there" in failed["error"] and "gone.git" in failed["error"]
+
+
+def test_a_remote_that_wants_credentials_fails_without_a_retry_naming_the_way_out():
+    # An HTTP git server that answers every request with 401: git may not prompt (no terminal).
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        task = submit(repo=f"http://127.0.0.1:{server.server_address[1]}/team/app.git", model="fake/model",
+                      max_retries=3)
+        failed = _pass_fails_before_the_agent(task)
+    finally:
+        server.shutdown()
+    assert failed["status"] == "failed" and failed["attempts"] == 1, failed["error"]
+    assert "was refused" in failed["error"] and "credential helper" in failed["error"]
+    assert "never stores credentials" in failed["error"]
+
+
+def test_an_unreachable_remote_fails_the_attempt_and_is_retried():
+    from helpers import free_port
+    task = submit(repo=f"http://127.0.0.1:{free_port()}/team/app.git", model="fake/model", max_retries=1)
+    again = _pass_fails_before_the_agent(task)
+    assert again["status"] == "pending" and again["attempts"] == 1, again["error"]
+    assert "check the network" in again["error"]
+
+
+def test_the_mirror_is_cloned_once_then_fetched_under_its_lock(remote, tmp_path):
+    url = f"file://{remote}"
+    path, cloned = worktrees.sync_mirror(url)
+    assert cloned and path == worktrees.mirror_path(url)
+    assert path.name == hashlib.sha1(url.encode()).hexdigest() + ".git"
+    seed = tmp_path / "seed"
+    (seed / "new.txt").write_text("new\n")
+    git(seed, "add", "-A")
+    git(seed, "commit", "-q", "-m", "more")
+    git(seed, "push", "-q", str(remote), "main")
+    again, cloned = worktrees.sync_mirror(url)
+    assert again == path and not cloned, "the second task fetches into the mirror"
+    assert git(path, "rev-parse", "main") == git(remote, "rev-parse", "main"), "and sees the new commit"
+    # Another holder of the mirror's lock makes a sync wait; the watcher's word ends the wait.
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a');"
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)",
+                               f"{path}.lock"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with worktrees.watched(lambda: "cancelled" if time.monotonic() - started > 0.5 else None):
+            with pytest.raises(worktrees.GitStopped, match="waiting for the mirror"):
+                worktrees.sync_mirror(url)
+        assert time.monotonic() - started >= 0.5
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_retry_replaces_its_own_push_but_never_anothers(remote, tmp_path):
+    """The lease: a retried task's push replaces what its earlier attempt pushed; a branch
+    someone else moved in between is not overwritten (another branch name is taken)."""
+    task = submit(repo=str(remote))
+    claimed = task_store.claim_next("me")
+    ws = worktrees.prepare_workspace(claimed, False)
+    (Path(ws.top) / "a.txt").write_text("first\n")
+    first = worktrees.push_branch(ws, worktrees.commit_changes(ws, "first"))
+    task_store.renew_lease(task["id"], claimed["run_marker"], branch=ws.branch, pushed_branch=ws.branch,
+                           pushed_commit=first)
+    worktrees.remove_worktree(ws)
+    # Its worker died after the push, before the task was marked done: the reaper requeues it.
+    task_store.requeue_attempt(task["id"], claimed["run_marker"], "its worker is gone")
+    again = task_store.claim_next("me", task_id=task["id"])
+    ws = worktrees.prepare_workspace(again, False)
+    assert ws.branch == "taskbridge/t_0001" and ws.push_lease == first
+    (Path(ws.top) / "a.txt").write_text("second\n")
+    second = worktrees.push_branch(ws, worktrees.commit_changes(ws, "second"))
+    assert git(remote, "rev-parse", "taskbridge/t_0001") == second
+    # Someone else pushes to the branch: a stale lease is refused by the remote.
+    other = make_repo(tmp_path / "other")
+    git(other, "push", "-q", "--force", str(remote), "main:refs/heads/taskbridge/t_0001")
+    (Path(ws.top) / "a.txt").write_text("third\n")
+    with pytest.raises(worktrees.GitError, match="stale info|rejected"):
+        worktrees.push_branch(ws, worktrees.commit_changes(ws, "third"))
+    assert git(remote, "rev-parse", "taskbridge/t_0001") == git(other, "rev-parse", "main")
+
+
+# ------------------------------------------------------------------------------------------
+# The boundaries: MCP tools and the CLI take repo, base_ref and host.
+
+
+@pytest.mark.anyio
+async def test_mcp_submit_takes_a_repo_and_refuses_bad_ones_in_one_line(remote, tmp_path):
+    import opencode_bridge_mcp as bridge
+    from mcp import Client
+    from mcp.types import Implementation
+    async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
+        got = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "repo": str(remote),
+                                                "base_ref": "main", "host": "buildbox"})
+        assert not got.is_error, got.content[0].text
+        task = got.structured_content
+        assert (task["repo"], task["base_ref"], task["host"], task["working_dir"]) == \
+            (str(remote.resolve()), "main", "buildbox", "")
+        batch = await c.call_tool("submit_batch", {"tasks": [
+            {"ref": "@a", "title": "a", "instructions": "i", "repo": "git@example.com:team/app.git"},
+            {"title": "b", "instructions": "i", "continue_from": "@a"}]})
+        assert not batch.is_error, batch.content[0].text
+        assert [t["repo"] for t in batch.structured_content["tasks"]] == ["git@example.com:team/app.git"] * 2
+        for args, said in [({"repo": "https://u:pw@example.com/a.git"}, "must not carry credentials"),
+                           ({"repo": str(remote), "working_dir": str(tmp_path)}, "not both"),
+                           ({}, "working_dir or repo is required"),
+                           ({"repo": str(remote), "base_ref": "a..b"}, "not a valid git ref name"),
+                           ({"repo": str(remote), "hots": "x"}, "hots")]:
+            refused = await c.call_tool("submit_task", {"title": "t", "instructions": "i", **args})
+            assert refused.is_error and said in refused.content[0].text, refused.content[0].text
+            assert "\n" not in refused.content[0].text.strip() and "Traceback" not in refused.content[0].text
+    assert task_store.counts()["pending"] == 3
+
+
+def test_cli_submit_takes_repo_base_ref_and_host(remote, tmp_path):
+    made = run_script("tasks_cli.py", "submit", "fix it", "--repo", f"file://{remote}", "--base-ref", "main",
+                      "--host", "buildbox", "--json")
+    assert made.returncode == 0, made.stderr
+    task = json.loads(made.stdout)
+    assert (task["repo"], task["base_ref"], task["host"]) == (f"file://{remote}", "main", "buildbox")
+    shown = run_script("tasks_cli.py", "show", task["id"], env=os.environ | {"COLUMNS": "400"})
+    assert f"file://{remote}" in shown.stdout and "buildbox" in shown.stdout
+    both = run_script("tasks_cli.py", "submit", "x", "--repo", str(remote), "--dir", str(tmp_path))
+    assert both.returncode == 2 and "not both" in both.stderr
+    secret = run_script("tasks_cli.py", "submit", "x", "--repo", "https://tok@example.com/a.git")
+    assert secret.returncode != 0 and "must not carry credentials" in secret.stderr
+    assert "Traceback" not in secret.stderr and "tok@" not in secret.stderr.replace("https://tok@", "")
+
+
+@pytest.mark.browser
+def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, browser):
+    import test_board_browser as tb
+    waiting = submit(title="on a branch", repo=f"file://{remote}", base_ref="release/2.1")
+    task = submit(title="pushed one", repo=f"file://{remote}")
+    claimed = task_store.claim_next("worker:x:1", task_id=task["id"])
+    task_store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0002",
+                           pushed_branch="taskbridge/t_0002", pushed_commit="ab" * 20)
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    browser.get(f"{board}/#token={tb.TOKEN}")
+    tb.wait(browser, lambda d: "→ taskbridge/t_0002" in tb.text_of(d, "tasks"), what="the pushed branch in the list")
+    assert f"file://{remote} @ release/2.1" in tb.text_of(browser, "tasks")
+    browser.get(f"{board}/#/task/{task['id']}")
+    tb.wait(browser, lambda d: "taskbridge/t_0002 at abababababab to file://" in tb.text_of(d, "task-view"),
+            what="the pushed branch on the task page")
+    browser.get(f"{board}/#/task/{waiting['id']}")
+    tb.wait(browser, lambda d: "release/2.1" in tb.text_of(d, "task-view"), what="the base ref")
+    assert "any" in tb.text_of(browser, "task-view")
+    assert tb.console_errors(browser) == []
