@@ -931,6 +931,20 @@ def _pg_rows(cursor: Any) -> Any:
     return _row_class(tuple(c.name for c in cursor.description)) if cursor.description else tuple
 
 
+@functools.lru_cache(maxsize=1)
+def _nul_free_dumper() -> type:
+    """psycopg's str dumper, with NUL characters stored as U+FFFD: PostgreSQL's text cannot hold
+    NUL (SQLite's can), and an agent's output, an error or a diff may carry one; refusing the
+    write would lose the receipt. Input the store validates refuses NUL before this."""
+    from psycopg.types.string import StrDumperUnknown
+
+    class NulFreeStrDumper(StrDumperUnknown):
+        def dump(self, obj: str) -> Any:
+            return super().dump(obj.replace("\x00", "\ufffd") if "\x00" in obj else obj)
+
+    return NulFreeStrDumper
+
+
 def _psycopg() -> Any:
     try:
         import psycopg
@@ -1033,6 +1047,7 @@ def _pg_connect(url: str) -> PgConnection:
     except (psycopg.Error, ValueError) as exc:
         raise _unavailable(url, exc) from None
     raw.prepared_max = 256
+    raw.adapters.register_dumper(str, _nul_free_dumper())
     conn = PgConnection(raw, url)
     try:
         _pg_migrate(conn)

@@ -279,3 +279,16 @@ def test_a_cancelled_attempt_is_told_so_plainly(tmp_path):
     store.cancel_task(task["id"])
     with pytest.raises(store.StaleAttempt, match="was ended from outside: the task is now cancelled"):
         store.complete_attempt(task["id"], claimed["run_marker"])
+
+
+def test_a_nul_in_an_agents_output_is_stored_not_refused(tmp_path, backend):
+    """Agent output reaches the store unvalidated (errors, diffs, receipts); PostgreSQL's text
+    cannot hold NUL, so there it is kept as U+FFFD; the write never fails."""
+    task = submit(tmp_path, max_retries=0)
+    claimed = store.claim_next("w")
+    failed = store.fail_attempt(task["id"], claimed["run_marker"], "bad\x00byte", diff="+a\x00b\n",
+                                result={"summary": "x\x00y"})
+    kept = "\x00" if backend == "sqlite" else "\ufffd"
+    assert failed["status"] == "failed" and failed["error"] == f"bad{kept}byte" and failed["diff"] == f"+a{kept}b\n"
+    assert store.get_task(task["id"])["result"]["summary"] == "x\x00y"   # JSON escapes it: exact on both
+    assert any(f"bad{kept}byte" in e["message"] for e in store.events_since(0, [task["id"]]))
