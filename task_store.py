@@ -2342,6 +2342,8 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
     ``paused_for`` (``task_limit`` or ``daily_budget``): the worker paused it at a spending limit
     and the question is the worker's (see ``answer_task``); ``permission``: a call matched an
     ``ask`` rule, and ``ask`` is the request (``{"tool", "subject", "reason"}``).
+    A task on a remote that may run on any host is pinned to the host of this attempt's worker
+    (``host`` = ``lease_host``): its worktree and session are there, so the resume runs there.
     Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     question = _text("question", question, ANSWER_MAX)
@@ -2350,7 +2352,7 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         conn.execute(
             "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
             " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ?,"
-            " pending_ask = ? WHERE id = ?",
+            " pending_ask = ?, host = coalesce(host, lease_host) WHERE id = ?",
             (question, _json(result), _total_usage(row, usage), session_id, paused_for, _json(ask), num),
         )
         conn.execute(

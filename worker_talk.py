@@ -226,6 +226,9 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     status = final["status"]
     if status == "done":
         branch = f", branch {final['branch']}" if final.get("branch") else " (in place)"
+        if final.get("repo"):
+            branch = f", pushed {final['pushed_branch']} to {final['repo']}" if final.get("pushed_branch") \
+                else f", nothing pushed to {final['repo']} (no change)"
         return f"{ident} done in {took}{cost}{branch}", "green"
     if status == "pending" and handed_back:
         return f"{ident} handed back to the queue after {took} (worker stopped; no retry spent)", "yellow"

@@ -1040,7 +1040,8 @@ def remove_worktree_at(path: str) -> str | None:
     repo = None
     if os.path.isfile(os.path.join(path, ".git")):
         common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
-        repo = os.path.dirname(common) if common else None
+        # A checkout's worktree shares <checkout>/.git; a remote task's, the bare mirror itself.
+        repo = (os.path.dirname(common) if os.path.basename(common) == ".git" else common) if common else None
     elif not _inside(path, worktree_root()):
         return f"{path}: not a git worktree any more and not under {worktree_root()}; left in place"
     try:

@@ -474,3 +474,37 @@ def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, 
     tb.wait(browser, lambda d: "release/2.1" in tb.text_of(d, "task-view"), what="the base ref")
     assert "any" in tb.text_of(browser, "task-view")
     assert tb.console_errors(browser) == []
+
+
+def test_a_kept_remote_worktree_is_cleared_with_its_mirror_registration(remote):
+    task = submit(repo=str(remote), worktree_keep=True)
+    claimed = task_store.claim_next("me")
+    ws = worktrees.prepare_workspace(claimed, False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top)
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "kept"})
+    assert ws.top in git(Path(ws.repo), "worktree", "list")
+    removed, purged = worktrees.clear_finished(remove_worktrees=True)
+    assert [t["id"] for t in removed] == [task["id"]] and purged["worktrees_removed"] == [ws.top]
+    assert not os.path.exists(ws.top) and ws.top not in git(Path(ws.repo), "worktree", "list")
+
+
+def test_a_question_pins_a_remote_task_to_the_host_holding_its_worktree(remote, monkeypatch):
+    task = submit(repo=str(remote))
+    claimed = _claim_as("a", monkeypatch)
+    waiting = task_store.pause_for_question(task["id"], claimed["run_marker"], "which one?")
+    assert waiting["host"] == "a"
+    task_store.answer_task(task["id"], "the first")
+    monkeypatch.setenv("TASKBRIDGE_HOST", "b")
+    assert task_store.claim_next("worker:b:1") is None, "its worktree and session are on a"
+    monkeypatch.setenv("TASKBRIDGE_HOST", "a")
+    assert task_store.claim_next("worker:a:1")["id"] == task["id"]
+
+
+def test_the_workers_done_line_names_the_pushed_branch_and_remote():
+    import worker_talk
+    final = {"status": "done", "repo": "git@example.com:team/app.git", "pushed_branch": "taskbridge/t_0001",
+             "branch": "taskbridge/t_0001", "usage": {"cost_usd": 0.01}}
+    said, _ = worker_talk.ended_line({"id": "t_0001"}, final, 3.0)
+    assert said.endswith("pushed taskbridge/t_0001 to git@example.com:team/app.git")
+    said, _ = worker_talk.ended_line({"id": "t_0001"}, final | {"pushed_branch": None}, 3.0)
+    assert said.endswith("nothing pushed to git@example.com:team/app.git (no change)")
