@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -186,7 +187,7 @@ async def test_a_killed_machines_task_is_taken_over_only_once_its_heartbeat_is_s
                                                                                        pg_url, remote, monkeypatch):
     require_opencode_bin()
     monkeypatch.setenv("TASK_DB_URL", pg_url)
-    stale = 12.0
+    stale = 20.0
     # Machine A's agent sits in a long command (A is killed there); machine B's runs straight on.
     scripted_model.script("takeover", [
         tool_call("bash", {"command": 'case "$HOME" in *machine-a*) sleep 300;; esac; echo taken-over > over.txt',
@@ -210,17 +211,18 @@ async def test_a_killed_machines_task_is_taken_over_only_once_its_heartbeat_is_s
                 with contextlib.suppress(psutil.Error):
                     proc.kill()
             psutil.wait_procs(doomed, timeout=10)
-        killed_at = time.time()
+        # Its lease's last heartbeat (ISO, cut to the second): the stale limit counts from there.
+        beat = datetime.fromisoformat(task_store.get_task(task_id)["heartbeat_at"]).timestamp()
 
         # While A's last heartbeat is fresh, B's passes (each reaps first) leave the task alone,
         # though A's pid is gone: on another host only the heartbeat's age counts.
         judged = 0
-        while time.time() < killed_at + stale - 4:
+        while time.time() < beat + stale - 6:
             passed = subprocess.run([sys.executable, str(ROOT / "worker.py")], env=b, cwd=ROOT, capture_output=True,
                                     text=True, timeout=120, stdin=subprocess.DEVNULL)
             assert passed.returncode == 0, passed.stderr
             row = task_store.get_task(task_id)
-            if time.time() < killed_at + stale - 1:   # the whole pass ran while the heartbeat was fresh
+            if time.time() < beat + stale - 1:   # the whole pass ran while the heartbeat was fresh
                 assert (row["status"], row["lease_host"], row["attempts"]) == ("running", "machine-a", 1), row
                 judged += 1
             time.sleep(0.5)
@@ -228,7 +230,7 @@ async def test_a_killed_machines_task_is_taken_over_only_once_its_heartbeat_is_s
         assert "requeued" not in events_of(task_id) and events_of(task_id).count("claimed") == 1
 
         # Stale now: B (watching, it reaps as it starts) requeues it, takes it and finishes it.
-        time.sleep(max(0.0, killed_at + stale + 1 - time.time()))
+        time.sleep(max(0.0, beat + stale + 2 - time.time()))   # (beat is cut to the second)
         with worker(b, "--watch"):
             statuses = await wait_all(client, [task_id], 300)
         row = task_store.get_task(task_id)
