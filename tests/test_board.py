@@ -137,16 +137,13 @@ def test_actions_need_a_json_object_body_and_get_changes_nothing(client, tmp_pat
 
 def test_log_tail_and_offsets_return_whole_readable_lines(client, tmp_path):
     task = submit(tmp_path)
-    path = task_store.log_path(task["id"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     event = json.dumps({"type": "text", "timestamp": 1, "part": {"text": HOSTILE}})
-    path.write_text(f"[worker] starting\n{event}\n[stderr] half a li")
+    task_store.append_task_log(task["id"], f"[worker] starting\n{event}\n[stderr] half a li".encode())
     first = client.get(f"/api/tasks/{task['id']}/log", headers=AUTH).json()
     assert [e["kind"] for e in first["entries"]] == ["worker", "text"]
     assert first["entries"][1]["text"] == HOSTILE
     assert first["next_offset"] == len(f"[worker] starting\n{event}\n".encode()) < first["size"]
-    with path.open("a") as handle:
-        handle.write("ne\n")
+    task_store.append_task_log(task["id"], b"ne\n")
     more = client.get(f"/api/tasks/{task['id']}/log?offset={first['next_offset']}", headers=AUTH).json()
     assert more["entries"] == [{"kind": "stderr", "text": "half a line"}]
     past = client.get(f"/api/tasks/{task['id']}/log?offset=999999", headers=AUTH).json()
@@ -203,16 +200,13 @@ def test_changes_follows_a_task_log_and_the_engine_log(client, tmp_path):
     task = submit(tmp_path)
     marks = client.get("/api/status", headers=AUTH).json()["marks"]
     base = f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&task={task['id']}&log=0&engine=0&wait=5"
-    path = task_store.log_path(task["id"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    threading.Timer(0.3, lambda: path.write_text("[worker] hello\n")).start()
+    threading.Timer(0.3, lambda: task_store.append_task_log(task["id"], b"[worker] hello\n")).start()
     started = time.monotonic()
     seen = client.get(base, headers=AUTH).json()
     assert seen["log_size"] == len("[worker] hello\n") and time.monotonic() - started < 2
     other = submit(tmp_path)
     marks = client.get("/api/status", headers=AUTH).json()["marks"]
-    other_log = task_store.log_path(other["id"])
-    threading.Timer(0.3, lambda: other_log.write_text("[worker] running\n")).start()
+    threading.Timer(0.3, lambda: task_store.append_task_log(other["id"], b"[worker] running\n")).start()
     followed = client.get(f"/api/changes?cursor={marks['events']}&jobs={marks['jobs']}&follow={other['id']}:0&wait=5",
                           headers=AUTH).json()
     assert followed["follow"] == {other["id"]: len("[worker] running\n")}

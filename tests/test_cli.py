@@ -311,11 +311,9 @@ def test_clear_removes_finished_tasks_and_logs(tmp_path):
 # Logs.
 
 
-def write_log(task_id: int, text: str) -> Path:
-    path = task_store.log_path(task_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
+def write_log(task_id: int, text: str) -> None:
+    # through the store, as the worker's log reaches readers: the file on SQLite, the database on PostgreSQL
+    task_store.append_task_log(task_id, text.encode())
 
 
 def test_logs_prints_whole_file_and_tail(tmp_path):
@@ -332,15 +330,13 @@ def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
     add(tmp_path)
     claimed = task_store.claim_next("worker@host", task_id=1)
-    path = write_log(1, "started\n")
+    write_log(1, "started\n")
 
     def agent() -> None:
         for n in range(3):
             time.sleep(0.1)
-            with path.open("a") as handle:
-                handle.write(f"step {n}\n")
-        with path.open("a") as handle:
-            handle.write("partial line without newline")
+            write_log(1, f"step {n}\n")
+        write_log(1, "partial line without newline")
         time.sleep(0.1)
         task_store.complete_attempt(1, claimed["run_marker"], result={"summary": "ok"})
 

@@ -362,9 +362,8 @@ def test_logs_follow_renders_events_as_they_come_and_says_why_there_is_no_log(tm
     monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
     task = task_store.submit_task(title="f", instructions="i", working_dir=str(tmp_path))
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
-    path = task_store.log_path(task["id"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("=== br-1-a1 2026-01-01T00:00:00+00:00 cwd=/w\n")
+    # through the store, as the worker's log reaches readers: the file on SQLite, the database on PostgreSQL
+    task_store.append_task_log(task["id"], b"=== br-1-a1 2026-01-01T00:00:00+00:00 cwd=/w\n")
     tool = json.dumps({"type": "tool_use", "part": {"tool": "bash", "state": {
         "status": "completed", "title": "make test", "input": {"command": "make test"},
         "output": "ok\n", "metadata": {"exit": 0}}}})
@@ -373,8 +372,7 @@ def test_logs_follow_renders_events_as_they_come_and_says_why_there_is_no_log(tm
     def agent() -> None:
         for piece in (tool[:40], tool[40:] + "\n", said + "\n"):
             time.sleep(0.1)
-            with path.open("a") as handle:
-                handle.write(piece)
+            task_store.append_task_log(task["id"], piece.encode())
         time.sleep(0.1)
         task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
 
