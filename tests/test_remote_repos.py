@@ -100,7 +100,7 @@ def test_a_path_or_file_url_of_a_repository_is_accepted(remote, tmp_path):
 # Hosts: where a task may be claimed.
 
 
-def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(remote, tmp_path, monkeypatch):
+def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(remote, tmp_path, monkeypatch, store_backend):
     monkeypatch.delenv("TASKBRIDGE_HOST", raising=False)
     assert submit(working_dir=str(tmp_path))["host"] == socket.gethostname()
     monkeypatch.setenv("TASKBRIDGE_HOST", "laptop")
@@ -120,7 +120,7 @@ def test_a_bad_taskbridge_host_is_refused(tmp_path, monkeypatch):
     assert task_store.host_name() == socket.gethostname()
 
 
-def test_a_worker_never_claims_a_task_for_another_host(remote, tmp_path, monkeypatch):
+def test_a_worker_never_claims_a_task_for_another_host(remote, tmp_path, monkeypatch, store_backend):
     monkeypatch.setenv("TASKBRIDGE_HOST", "a")
     local = submit(working_dir=str(tmp_path), priority=5)          # for host a
     anywhere = submit(repo=str(remote))                              # for any host
@@ -137,7 +137,7 @@ def test_a_worker_never_claims_a_task_for_another_host(remote, tmp_path, monkeyp
     assert claimed["id"] == local["id"] and claimed["lease_host"] == "a"
 
 
-def test_a_worker_pass_on_another_host_leaves_the_task_alone(tmp_path, monkeypatch):
+def test_a_worker_pass_on_another_host_leaves_the_task_alone(tmp_path, monkeypatch, store_backend):
     monkeypatch.setenv("TASKBRIDGE_HOST", "a")
     task = submit(working_dir=str(tmp_path))
     monkeypatch.setenv("TASKBRIDGE_HOST", "b")
@@ -153,7 +153,7 @@ def test_a_worker_with_a_bad_host_name_refuses_to_start(monkeypatch):
     assert "Traceback" not in done.stderr
 
 
-def test_a_follow_up_of_a_remote_task_inherits_its_repo(remote):
+def test_a_follow_up_of_a_remote_task_inherits_its_repo(remote, store_backend):
     first = submit(repo=str(remote), base_ref="main")
     follow = submit(continue_from=first["id"])
     assert (follow["repo"], follow["base_ref"], follow["working_dir"]) == (str(remote.resolve()), "main", "")
@@ -174,7 +174,7 @@ def _claim_as(host: str, monkeypatch, pid: int = 4_000_000) -> dict:
     return claimed
 
 
-def test_the_reaper_judges_a_foreign_lease_by_its_heartbeat_only(remote, monkeypatch):
+def test_the_reaper_judges_a_foreign_lease_by_its_heartbeat_only(remote, monkeypatch, store_backend):
     task = submit(repo=str(remote), timeout_sec=1)
     claimed = _claim_as("elsewhere", monkeypatch)     # a pid that does not exist here
     assert claimed["lease_host"] == "elsewhere"
@@ -190,7 +190,7 @@ def test_the_reaper_judges_a_foreign_lease_by_its_heartbeat_only(remote, monkeyp
     assert task["status"] == "pending" and "no heartbeat since" in task["error"]
 
 
-def test_the_reaper_checks_the_pid_of_a_lease_on_its_own_host(remote, monkeypatch):
+def test_the_reaper_checks_the_pid_of_a_lease_on_its_own_host(remote, monkeypatch, store_backend):
     task = submit(repo=str(remote))
     _claim_as("here", monkeypatch)                    # the worker pid is gone
     monkeypatch.setenv("TASKBRIDGE_HOST", "here")
@@ -380,7 +380,7 @@ def test_the_mirror_is_cloned_once_then_fetched_under_its_lock(remote, tmp_path)
         holder.wait()
 
 
-def test_a_retry_replaces_its_own_push_but_never_anothers(remote, tmp_path):
+def test_a_retry_replaces_its_own_push_but_never_anothers(remote, tmp_path, store_backend):
     """The lease: a retried task's push replaces what its earlier attempt pushed; a branch
     someone else moved in between is not overwritten (another branch name is taken)."""
     task = submit(repo=str(remote))
@@ -488,7 +488,7 @@ def test_a_kept_remote_worktree_is_cleared_with_its_mirror_registration(remote):
     assert not os.path.exists(ws.top) and ws.top not in git(Path(ws.repo), "worktree", "list")
 
 
-def test_a_question_pins_a_remote_task_to_the_host_holding_its_worktree(remote, monkeypatch):
+def test_a_question_pins_a_remote_task_to_the_host_holding_its_worktree(remote, monkeypatch, store_backend):
     task = submit(repo=str(remote))
     claimed = _claim_as("a", monkeypatch)
     waiting = task_store.pause_for_question(task["id"], claimed["run_marker"], "which one?")
