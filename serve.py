@@ -30,6 +30,7 @@ import re
 import secrets
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -390,6 +391,19 @@ def event_line(event: dict) -> str:
     return f"[{time.strftime('%H:%M:%S')}] {event['task_id']} {event['kind']}: {message}"
 
 
+def queue_problem() -> str | None:
+    """Why the queue cannot be opened (and migrated), in one line naming it without a password;
+    None when it opens. Asked before anything is started: an unreachable PostgreSQL server or a
+    broken SQLite file stops serve.py with that line, not with the children's exits."""
+    try:
+        store.last_event_id()
+    except store.TaskStoreError as exc:
+        return str(exc)
+    except (sqlite3.Error, OSError) as exc:
+        return f"cannot use the queue {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH"
+    return None
+
+
 def print_events(cursor: int) -> int:
     """Print one line per task event after ``cursor``; returns the new cursor. A database that
     cannot be read is skipped quietly (the server and worker say why)."""
@@ -533,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
             print(connectors.snippets(args.port), file=sys.stderr)
     if args.setup_only:
         return 0
+    problem = queue_problem()
+    if problem:
+        print(f"serve: {problem}", file=sys.stderr)
+        return 1
     tunnel = args.tunnel
     if tunnel is None:
         tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"

@@ -224,3 +224,17 @@ def test_the_claude_desktop_entry_names_a_postgresql_queue_without_its_password(
     entry = connectors.claude_desktop_entry()
     assert entry["env"]["TASK_DB_URL"] == "postgresql://tb@db.example/queue"
     assert SECRET not in json.dumps(entry) + connectors.snippets(8765)
+
+
+@pytest.mark.parametrize("script,args", [("serve.py", ["--tunnel", "none"]), ("worker.py", []),
+                                         ("tasks_cli.py", ["list"])])
+def test_an_unreachable_postgresql_server_is_one_line_without_the_password(script, args):
+    port = free_port()   # nothing listens there
+    env = dict(os.environ, MCP_BEARER_TOKEN="t")
+    argv = [sys.executable, str(ROOT / script), "--db", f"postgresql://tb:{SECRET}@127.0.0.1:{port}/queue", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1, result.stderr
+    assert f"postgresql://tb@127.0.0.1:{port}/queue" in result.stderr and "Traceback" not in result.stderr
+    assert SECRET not in result.stdout + result.stderr
+    if script == "serve.py":
+        assert "Local MCP" not in result.stderr, "nothing was started"
