@@ -263,13 +263,17 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     age = beat.get("age_sec")
     recent = age is not None and age <= WORKER_RECENT_SEC
     state = beat.get("state")
-    died = running is False and state not in QUIET_STATES
+    tasks = beat.get("tasks")
+    tasks = tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t]
+    # Gone with tasks in hand is dying mid-run whatever the state word (a pass with --max-tasks
+    # reached keeps saying "pass" while its last task runs).
+    died = running is False and (state not in QUIET_STATES or bool(tasks))
     summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
     if beat.get("task"):
         summary += f", task {beat['task']}"
     summary += "; its process is " + ("running" if running else "gone" if running is False
                                       else f"on another host ({beat.get('host')})")
-    if running is False and state == "pass":
+    if running is False and state == "pass" and not died:
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if beat.get("budget"):
         summary += f"; claims nothing new: {beat['budget']}"
@@ -277,9 +281,8 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
         summary += (f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker "
                     "starts a pass" if running is not None else
                     f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the worker on {beat.get('host')} still running?")
-    tasks = beat.get("tasks")
     return {"seen": True, "name": beat.get("name"), "state": state, "task": beat.get("task"),
-            "tasks": tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t],
+            "tasks": tasks,
             "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
             "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
             "pid_running": running, "recent": recent, "died": died, "summary": summary,

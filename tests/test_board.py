@@ -258,6 +258,7 @@ def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(clie
     ("{'state': 'stopped'}", "stopped"),     # a one-pass worker that ended cleanly is not online
     ("{'state': 'pass'}", "stopped"),
     ("{'state': 'running', 'task': 't_0001'}", "gone"),
+    ("{'state': 'pass', 'task': 't_0001', 'tasks': ['t_0001']}", "gone"),   # --max-tasks reached, its task in hand
 ])
 def test_a_worker_whose_process_ended_is_never_shown_online(client, beat, label):
     import subprocess
