@@ -486,6 +486,10 @@ def _remote_failure(url: str, step: str, exc: GitError) -> Exception:
     Unrunnable (auth refused, no such repository: a retry cannot help) or Unreachable."""
     said = _one_line(str(exc).split(" failed: ", 1)[-1])[:800]
     lowered = said.lower()
+    if "dubious ownership" in lowered:
+        return Unrunnable(f"{step} {url} was refused: git will not read a repository that belongs to another user "
+                          f"(git: {said}). If you trust it, add it to safe.directory as git says, or run the worker "
+                          "as its owner, then retry the task")
     if any(sign in lowered for sign in _AUTH_SIGNS):
         return Unrunnable(f"{step} {url} was refused (git: {said}); give this worker's git access to it (a "
                           "credential helper, an SSH key: TaskBridge never stores credentials) and retry the task")
@@ -646,7 +650,8 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
                              f"remove {path}) and retry")
         ws.reused = True
         return ws
-    _detached_worktree(mirror, path, task, base)
+    with _mirror_lock(mirror_p):   # another process's fetch or prune never meets a half-made worktree
+        _detached_worktree(mirror, path, task, base)
     ws.submodules = None if not os.path.isfile(path / ".gitmodules") else {
         "initialised": [], "not_initialised": [{"path": "(all)", "why": "a task on a remote gets no submodules: "
                                                 "TaskBridge never fetches them"}]}

@@ -508,3 +508,13 @@ def test_the_workers_done_line_names_the_pushed_branch_and_remote():
     assert said.endswith("pushed taskbridge/t_0001 to git@example.com:team/app.git")
     said, _ = worker_talk.ended_line({"id": "t_0001"}, final | {"pushed_branch": None}, 3.0)
     assert said.endswith("nothing pushed to git@example.com:team/app.git (no change)")
+
+
+def test_a_repository_of_another_user_fails_without_a_retry_naming_safe_directory(remote):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the repository to another user")
+    subprocess.run(["chown", "-R", "nobody", str(remote)], check=True)
+    task = submit(repo=str(remote), model="fake/model", max_retries=3)
+    failed = _pass_fails_before_the_agent(task)
+    assert failed["status"] == "failed" and failed["attempts"] == 1, failed["error"]
+    assert "belongs to another user" in failed["error"] and "safe.directory" in failed["error"]
