@@ -270,6 +270,17 @@ def test_a_worker_whose_process_ended_is_never_shown_online(client, beat, label)
     assert client.get("/api/status", headers=AUTH).json()["worker"]["label"] == "online"
 
 
+def test_status_lists_every_worker_with_its_host(client, monkeypatch):
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
+        task_store.write_worker_heartbeat({"state": "running", "task": "t_0001", "tasks": ["t_0001"]})
+    task_store.write_worker_heartbeat({"state": "idle"})
+    workers = client.get("/api/status", headers=AUTH).json()["workers"]
+    assert [(w["host"], w["label"], w["pid_running"]) for w in workers] == [
+        (task_store.host_name(), "online", True), ("build-server", "online", None)]
+    assert workers[1]["tasks"] == ["t_0001"] and "on another host (build-server)" in workers[1]["summary"]
+
+
 @pytest.mark.parametrize("path,named", [
     ("/api/changes?log=abc&task=1", "log"), ("/api/changes?engine=-5", "engine"), ("/api/changes?wait=99", "wait"),
     ("/api/changes?task=zzz", "task id"), ("/api/tasks/1/log?offset=-1", "offset"), ("/api/engine?offset=x", "offset"),

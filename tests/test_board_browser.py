@@ -308,6 +308,18 @@ def test_hostile_strings_stay_text_and_run_nothing(store_backend, board, browser
     assert console_errors(browser) == []
 
 
+def test_every_worker_shows_with_its_host(board, browser, monkeypatch):
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
+        task_store.write_worker_heartbeat({"state": "running", "task": "t_0001", "tasks": ["t_0001"]})
+    task_store.write_worker_heartbeat({"state": "idle"})
+    browser.get(f"{board}/#token={TOKEN}")
+    wait(browser, lambda d: "2 workers" in text_of(d, "workers"), what="the workers")
+    shown = text_of(browser, "workers")
+    assert f"build-server pid {os.getpid()} online" in shown and f"{task_store.host_name()} pid {os.getpid()} online" in shown
+    assert console_errors(browser) == []
+
+
 def test_a_refused_token_goes_back_to_the_prompt(board, browser):
     browser.get(board + "/")
     browser.execute_script("localStorage.setItem('taskbridge.token', 'stale-token')")
