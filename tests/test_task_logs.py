@@ -410,3 +410,19 @@ def test_doctor_names_every_worker_and_its_host(tmp_path, monkeypatch):
     check = doctor.check_worker()
     assert "2 workers report" in check.detail and f"build-server pid {os.getpid()} online" in check.detail
     assert f"{task_store.host_name()} pid {dead.pid} gone" in check.detail
+
+
+@pytest.mark.postgres
+def test_ships_go_on_after_the_server_dropped_the_connection(tmp_path, monkeypatch, pg_server, pg_url):
+    monkeypatch.setenv("TASK_DB_URL", pg_url)
+    tid = submit(tmp_path)
+    database = pg_url.rsplit("/", 1)[1].split("?")[0]
+    with task_store.open_task_log(tid) as log:
+        shipper = worker.LogShipper(tid, log)
+        log.write(b"one\n")
+        shipper.ship()
+        pg_server.execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'")
+        for line in (b"two\n", b"three\n"):
+            log.write(line)
+            shipper.ship()                   # the first may fail on the dead connection; the next retries
+    assert task_store.read_task_log(tid) == b"one\ntwo\nthree\n"
