@@ -673,10 +673,13 @@ def _remote_dependency_base(task: dict[str, Any], mirror: str) -> str | None:
 
 
 def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str) -> None:
-    """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first."""
+    """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first —
+    but never one that holds a commit the remote does not have (a push that failed): that is the
+    only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it."""
     with _ADMIN:
         git(["worktree", "prune"], mirror, check=False)
         if _is_registered(mirror, path):
+            _refuse_unpushed(mirror, path, task, base)
             git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
         if os.path.lexists(path):
             left = _leftover(str(path), _force_rmtree(str(path)))
@@ -685,6 +688,16 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
             git(["worktree", "prune"], mirror, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         git(["worktree", "add", "--detach", str(path), base], mirror)
+
+
+def _refuse_unpushed(mirror: str, path: Path, task: dict[str, Any], base: str) -> None:
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], str(path), check=False)
+    if not head or head == base or git(["for-each-ref", "--count=1", "--contains", head], mirror, check=False):
+        return
+    raise Unrunnable(f"the kept worktree {path} holds commit {head[:12]}, which was never pushed to {task['repo']} "
+                     f"(an earlier attempt's push failed); push it (git -C {path} push {task['repo']} "
+                     f"HEAD:refs/heads/{task.get('branch') or 'taskbridge/' + task['id']}) or remove the worktree "
+                     f"(git -C {mirror} worktree remove --force {path}), then retry the task")
 
 
 def push_branch(ws: Workspace, commit: str) -> str:

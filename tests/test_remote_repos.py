@@ -291,6 +291,12 @@ def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, 
     assert run_script("worker.py").returncode == 0
     assert len(opencode.model.step_requests("refused")) == steps, "the agent ran once"
     assert task_store.get_task(task["id"])["status"] == "failed"
+    # A retry never throws away the only copy of that work: it is refused, naming the commit.
+    task_store.retry_task(task["id"])
+    assert run_script("worker.py").returncode == 0
+    again = task_store.get_task(task["id"])
+    assert again["status"] == "failed" and f"holds commit {receipt['commit'][:12]}, which was never pushed" in again["error"]
+    assert len(opencode.model.step_requests("refused")) == steps and (Path(kept) / "hello.txt").exists()
     # The way out it names works once the remote takes it.
     hook.unlink()
     subprocess.run(["git", "-C", kept, "push", str(remote), "HEAD:refs/heads/taskbridge/t_0001"], check=True,
@@ -518,3 +524,23 @@ def test_a_repository_of_another_user_fails_without_a_retry_naming_safe_director
     failed = _pass_fails_before_the_agent(task)
     assert failed["status"] == "failed" and failed["attempts"] == 1, failed["error"]
     assert "belongs to another user" in failed["error"] and "safe.directory" in failed["error"]
+
+
+def test_two_slots_syncing_one_new_remote_clone_it_once(remote):
+    url = str(remote)
+    results, errors = [], []
+
+    def sync():
+        try:
+            results.append(worktrees.sync_mirror(url))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sync) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and len(results) == 4
+    assert sorted(cloned for _, cloned in results) == [False, False, False, True]
+    assert [p.name for p in worktrees.mirror_dir().iterdir() if not p.name.endswith(".lock")] == [results[0][0].name]
