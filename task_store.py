@@ -2873,25 +2873,35 @@ def next_local_midnight(ts: float | None = None) -> float:
     return datetime.fromtimestamp(day.timestamp() + 26 * 3600).replace(hour=0).timestamp()
 
 
-def _setting_number(conn: sqlite3.Connection, key: str) -> float | None:
-    row = conn.execute("SELECT value FROM settings WHERE key = ?", (BUDGET_KEYS[key],)).fetchone()
-    try:
-        return float(row[0]) if row and row[0] else None
-    except ValueError:
-        return None
+_BUDGET_SETTINGS = "SELECT key, value FROM settings WHERE key IN (%s)" % ",".join("?" * len(BUDGET_KEYS))
 
 
-def _limit_defaults(conn: sqlite3.Connection) -> dict[str, Any]:
-    tokens = _setting_number(conn, "default_max_tokens")
-    return {"max_cost_usd": _setting_number(conn, "default_max_cost_usd"),
-            "max_tokens": int(tokens) if tokens else None}
+def _budget_settings(conn: sqlite3.Connection) -> dict[str, float | None]:
+    """The budget settings (BUDGET_KEYS' names -> number or None) in one statement: a claim reads
+    them every time (on PostgreSQL each statement is a round trip)."""
+    stored = dict(conn.execute(_BUDGET_SETTINGS, tuple(BUDGET_KEYS.values())).fetchall())
+    numbers: dict[str, float | None] = {}
+    for name, key in BUDGET_KEYS.items():
+        try:
+            numbers[name] = float(stored[key]) if stored.get(key) else None
+        except ValueError:
+            numbers[name] = None
+    return numbers
 
 
-def _budget(conn: sqlite3.Connection, ts: float | None = None) -> dict[str, Any]:
+def _limit_defaults(conn: sqlite3.Connection, numbers: dict[str, float | None] | None = None) -> dict[str, Any]:
+    numbers = numbers or _budget_settings(conn)
+    tokens = numbers["default_max_tokens"]
+    return {"max_cost_usd": numbers["default_max_cost_usd"], "max_tokens": int(tokens) if tokens else None}
+
+
+def _budget(conn: sqlite3.Connection, ts: float | None = None,
+            numbers: dict[str, float | None] | None = None) -> dict[str, Any]:
     day = local_day(ts)
     spent = conn.execute("SELECT cost_usd, tokens FROM daily_spend WHERE day = ?", (day,)).fetchone()
     usd, tokens = (spent[0], spent[1]) if spent else (0.0, 0)
-    daily_usd, daily_tokens = _setting_number(conn, "daily_usd"), _setting_number(conn, "daily_tokens")
+    numbers = numbers or _budget_settings(conn)
+    daily_usd, daily_tokens = numbers["daily_usd"], numbers["daily_tokens"]
     reason = None
     if daily_usd is not None and usd >= daily_usd:
         reason = (f"the daily budget is spent (${usd:.4f} of ${daily_usd:.4f} on {day}); it resets at "
@@ -2899,7 +2909,7 @@ def _budget(conn: sqlite3.Connection, ts: float | None = None) -> dict[str, Any]
     elif daily_tokens is not None and tokens >= daily_tokens:
         reason = (f"the daily token budget is spent ({tokens:,} of {int(daily_tokens):,} tokens on {day}); it "
                   "resets at local midnight; raise it with set_budget or `tasks_cli.py budget set --daily-tokens N`")
-    defaults = _limit_defaults(conn)
+    defaults = _limit_defaults(conn, numbers)
     return {"day": day, "spent_usd": round(usd, 8), "spent_tokens": tokens, "daily_usd": daily_usd,
             "daily_tokens": int(daily_tokens) if daily_tokens else None,
             "default_max_cost_usd": defaults["max_cost_usd"], "default_max_tokens": defaults["max_tokens"],
@@ -2908,7 +2918,10 @@ def _budget(conn: sqlite3.Connection, ts: float | None = None) -> dict[str, Any]
 
 
 def _budget_spent(conn: sqlite3.Connection) -> str | None:
-    return _budget(conn)["reason"]
+    numbers = _budget_settings(conn)
+    if numbers["daily_usd"] is None and numbers["daily_tokens"] is None:
+        return None   # no daily budget: nothing to read today's spend for
+    return _budget(conn, numbers=numbers)["reason"]
 
 
 def budget_state() -> dict[str, Any]:
