@@ -784,8 +784,9 @@ def _forget_inherited() -> None:
 def _after_fork_in_child() -> None:
     # The child starts with only the forking thread: a lock another thread of the parent held at
     # the fork would never be released here, so the child gets a fresh one first.
-    global _KEPT_LOCK
+    global _KEPT_LOCK, _LISTENERS_LOCK
     _KEPT_LOCK = threading.Lock()
+    _LISTENERS_LOCK = threading.Lock()
     _forget_inherited()
 
 
@@ -825,7 +826,12 @@ def close_connections() -> None:
             return
         entries = list(_KEPT.values())
         _KEPT.clear()
+    with _LISTENERS_LOCK:
+        idle = [c for conns in _LISTENERS.values() for c in conns] if _LISTENERS_PID[0] == os.getpid() else []
+        _LISTENERS.clear()
     for conn, _ in entries:
+        _close_quietly(conn)
+    for conn in idle:   # the change watches' LISTEN connections
         _close_quietly(conn)
 
 
@@ -1128,27 +1134,80 @@ def _detach_inherited(conn: Any) -> None:
     # A forked child must never talk on its parent's PostgreSQL socket, not even to close it
     # (libpq's goodbye would end the parent's session): the child's copy of the descriptor is
     # pointed at /dev/null, so whatever happens to the object here reaches no server.
-    if isinstance(conn, PgConnection):
+    raw = conn.raw if isinstance(conn, PgConnection) else conn
+    if hasattr(raw, "pgconn"):   # a psycopg connection (a sqlite3 one needs nothing)
         with contextlib.suppress(Exception):
             devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, conn.raw.pgconn.socket)
+            os.dup2(devnull, raw.pgconn.socket)
             os.close(devnull)
+
+
+# Idle LISTEN connections of this process, per URL: a waiter (the worker's --watch loop waits
+# once per pass, the MCP wait_for once per call) takes one instead of logging in anew each time.
+_LISTENERS: dict[str, list[Any]] = {}
+_LISTENERS_LOCK = threading.Lock()
+_LISTENERS_PID = [os.getpid()]
+LISTENERS_IDLE_MAX = 4
+
+
+def _drained(conn: Any) -> bool:
+    """Read and drop what a LISTEN connection holds (old notifications); False when it is broken."""
+    try:
+        if conn.closed or conn.broken:
+            return False
+        conn.pgconn.consume_input()
+        while conn.pgconn.notifies() is not None:
+            pass
+        return conn.pgconn.transaction_status == 0   # IDLE
+    except Exception:  # noqa: BLE001 - a broken connection is simply not reused
+        return False
+
+
+def _take_listener(url: str) -> Any:
+    """An idle LISTEN connection to ``url`` of this process, or a new one. Raises psycopg.Error."""
+    with _LISTENERS_LOCK:
+        if _LISTENERS_PID[0] != os.getpid():   # a forked child: its parent's are not its own
+            for conn in (c for idle in _LISTENERS.values() for c in idle):
+                _INHERITED.append(conn)
+                _detach_inherited(conn)
+            _LISTENERS.clear()
+            _LISTENERS_PID[0] = os.getpid()
+        idle = _LISTENERS.get(url, [])
+        while idle:
+            conn = idle.pop()
+            if _drained(conn):
+                return conn
+            with contextlib.suppress(Exception):
+                conn.close()
+    conn = _psycopg().connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_SEC,
+                              application_name="taskbridge-listen")
+    conn.execute(f"LISTEN {PG_CHANNEL}")
+    return conn
+
+
+def _give_back_listener(url: str, conn: Any) -> None:
+    with _LISTENERS_LOCK:
+        idle = _LISTENERS.setdefault(url, [])
+        if _LISTENERS_PID[0] == os.getpid() and len(idle) < LISTENERS_IDLE_MAX and _drained(conn):
+            idle.append(conn)
+            return
+    with contextlib.suppress(Exception):
+        conn.close()
 
 
 class PgChangeWatch:
     """``file_watch.FolderWatch``'s interface over ``LISTEN taskbridge_events`` on a connection of
-    its own: ``wait(timeout) -> bool``, ``drain()``, ``fd`` / ``fileno()`` for an event loop,
-    ``available``, ``close()``, a context manager. When the server cannot be reached
-    ``available`` is False and ``wait`` only sleeps (the caller's poll re-checks)."""
+    its own (kept for the next watch of this process when closed): ``wait(timeout) -> bool``,
+    ``drain()``, ``fd`` / ``fileno()`` for an event loop, ``available``, ``close()``, a context
+    manager. When the server cannot be reached ``available`` is False and ``wait`` only sleeps
+    (the caller's poll re-checks)."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.conn: Any = None
         self.fd = -1
         try:
-            psycopg = _psycopg()
-            self.conn = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_SEC,
-                                        application_name="taskbridge-listen")
-            self.conn.execute(f"LISTEN {PG_CHANNEL}")
+            self.conn = _take_listener(url)
             self.fd = self.conn.pgconn.socket
         except Exception:  # noqa: BLE001 - no notifications: the waiter polls, as FolderWatch without inotify
             self.close()
@@ -1192,11 +1251,9 @@ class PgChangeWatch:
         return hit
 
     def close(self) -> None:
-        self.fd = -1
-        if self.conn is not None:
-            with contextlib.suppress(Exception):
-                self.conn.close()
-            self.conn = None
+        conn, self.conn, self.fd = self.conn, None, -1
+        if conn is not None:
+            _give_back_listener(self.url, conn)
 
     def __enter__(self) -> "PgChangeWatch":
         return self

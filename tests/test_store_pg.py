@@ -208,3 +208,28 @@ def test_doctor_reports_the_server_or_the_way_out(pg, monkeypatch):
     monkeypatch.setenv("TASK_DB_URL", pg.rsplit(":", 1)[0] + ":1/nowhere")
     check = doctor.check_database()
     assert check.status == "fail" and PASSWORD not in check.detail + check.fix and "TASK_DB_URL" in check.fix
+
+
+def _listener_pid(out: "multiprocessing.Queue") -> None:
+    with store.change_watch() as watch:
+        out.put((watch.available, watch.conn.info.backend_pid))
+
+
+def test_a_change_watch_reuses_the_process_listen_connection_not_a_forked_parents(pg, tmp_path):
+    with store.change_watch() as first:
+        pid = first.conn.info.backend_pid
+    store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))   # notified while idle
+    with store.change_watch() as again:
+        assert again.conn.info.backend_pid == pid       # no new login per wait
+        assert not again.wait(0.2), "an old notification was left for the next waiter"
+        store.submit_task(title="u", instructions="i", working_dir=str(tmp_path))
+        assert again.wait(5)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_listener_pid, args=(out,))
+    child.start()
+    available, child_pid = out.get(timeout=30)
+    child.join(30)
+    assert child.exitcode == 0 and available and child_pid != pid
+    with store.change_watch() as mine:                  # the parent's is untouched by the child
+        assert mine.conn.info.backend_pid == pid and not mine.wait(0.1)
