@@ -9,7 +9,8 @@ and OpenCode start servers with a bare environment and an unknown working direct
 Env read at call time: CLAUDE_DESKTOP_CONFIG (the config file to merge into; default: macOS
 ``~/Library/Application Support/Claude/claude_desktop_config.json``, elsewhere
 ``$XDG_CONFIG_HOME/Claude/claude_desktop_config.json``), MCP_TOKEN_FILE, TASK_DB_PATH,
-OPENCODE_BIN (through task_store / opencode_runner).
+TASK_DB_URL (a PostgreSQL queue is written into snippets without its password), OPENCODE_BIN
+(through task_store / opencode_runner).
 """
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ def snippets(port: int = 8765, public_url: str | None = None) -> str:
     desktop = json.dumps({"mcpServers": {SERVER_KEY: claude_desktop_entry()}}, indent=2)
     opencode = json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2)
     header = f'"Authorization: Bearer $(cat {shlex.quote(str(token))})"'
+    # A PostgreSQL queue: the stdio server must find it too (without its password: ~/.pgpass).
+    queue_env = (f" -e {shlex.quote('TASK_DB_URL=' + task_store.database_label())}"
+                 if task_store.backend() == "postgresql" else "")
     remote = (f"  URL: {public_url.rstrip('/')}/mcp   (the consent page asks for the token once)" if public_url
               else "  needs a public URL: ./install.sh --tunnel cloudflare (or ngrok), then use https://<host>/mcp")
     return "\n".join([
@@ -92,7 +96,7 @@ def snippets(port: int = 8765, public_url: str | None = None) -> str:
         "(or run: .venv/bin/python tasks_cli.py connect --write-claude-desktop)",
         desktop, "",
         "Claude Code, stdio:",
-        f"  claude mcp add {SERVER_KEY} -- {shlex.quote(py)} {shlex.quote(server)}",
+        f"  claude mcp add {SERVER_KEY}{queue_env} -- {shlex.quote(py)} {shlex.quote(server)}",
         f"Claude Code, HTTP (while ./install.sh serves on port {port}):",
         f"  claude mcp add --transport http {SERVER_KEY} http://127.0.0.1:{port}/mcp --header {header}",
         "Claude Code, the skill that teaches when and how to delegate (briefs, follow-ups, forks, receipts):",

@@ -223,7 +223,9 @@ def test_the_claude_desktop_entry_names_a_postgresql_queue_without_its_password(
     monkeypatch.setenv("TASK_DB_URL", f"postgresql://tb:{SECRET}@db.example/queue")
     entry = connectors.claude_desktop_entry()
     assert entry["env"]["TASK_DB_URL"] == "postgresql://tb@db.example/queue"
-    assert SECRET not in json.dumps(entry) + connectors.snippets(8765)
+    snippets = connectors.snippets(8765)
+    assert "claude mcp add taskbridge -e TASK_DB_URL=postgresql://tb@db.example/queue --" in snippets
+    assert SECRET not in json.dumps(entry) + snippets
 
 
 @pytest.mark.parametrize("script,args", [("serve.py", ["--tunnel", "none"]), ("worker.py", []),
@@ -238,3 +240,11 @@ def test_an_unreachable_postgresql_server_is_one_line_without_the_password(scrip
     assert SECRET not in result.stdout + result.stderr
     if script == "serve.py":
         assert "Local MCP" not in result.stderr, "nothing was started"
+
+
+def test_install_refuses_another_scheme_before_installing():
+    began = time.monotonic()
+    result = subprocess.run(["bash", str(ROOT / "install.sh"), "--db", f"mysql://me:{SECRET}@h/q"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 1 and "--db is a mysql:// URL; only postgresql:// and postgres://" in result.stderr
+    assert SECRET not in result.stderr and "installing" not in result.stderr and time.monotonic() - began < 10
