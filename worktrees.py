@@ -505,8 +505,12 @@ def _mirror_lock(path: Path) -> Iterator[None]:
     """The mirror's own lock (``<mirror>.lock``, an flock): two slots or workers on this machine
     never clone or fetch one mirror at once. Waiting for it calls the thread's watcher, so the
     lease stays renewed and a cancel or timeout ends the wait (GitStopped)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise Unrunnable(f"the mirror folder {path.parent} cannot be used ({exc.strerror}); point "
+                         "TASKBRIDGE_MIRROR_DIR at a writable folder on this worker and retry the task") from None
     try:
         while True:
             try:

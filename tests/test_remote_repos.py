@@ -544,3 +544,14 @@ def test_two_slots_syncing_one_new_remote_clone_it_once(remote):
     assert errors == [] and len(results) == 4
     assert sorted(cloned for _, cloned in results) == [False, False, False, True]
     assert [p.name for p in worktrees.mirror_dir().iterdir() if not p.name.endswith(".lock")] == [results[0][0].name]
+
+
+def test_an_unusable_mirror_folder_fails_the_task_naming_the_knob(remote, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", str(blocker / "mirrors"))
+    task = submit(repo=str(remote), model="fake/model", max_retries=3)
+    failed = _pass_fails_before_the_agent(task)
+    assert failed["status"] == "failed" and failed["attempts"] == 1
+    assert "point TASKBRIDGE_MIRROR_DIR at a writable folder" in failed["error"]
+    assert "internal error" not in failed["error"]
