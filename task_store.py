@@ -1541,6 +1541,9 @@ def _repo_url(text: str) -> str:
                               f"{', '.join(REPO_SCHEMES)} (git's other transports run programs)")
     if scheme != "file" and not parts.hostname:
         raise ValidationError(f"repo {shown_value(text)} names no host")
+    if (parts.hostname or "").startswith("-") or (parts.username or "").startswith("-"):
+        raise ValidationError(f"repo {shown_value(text)}: a host or user name starting with '-' would be read "
+                              "as an ssh option; give the remote's real host")
     if scheme == "file" and (not parts.path.startswith("/") or parts.netloc not in ("", "localhost")):
         raise ValidationError(f"repo {shown_value(text)}: a file URL names an absolute path (file:///srv/repo.git)")
     if parts.password is not None or (scheme in ("https", "http") and parts.username is not None) \

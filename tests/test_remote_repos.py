@@ -54,6 +54,8 @@ def submit(**fields):
     ({"repo": "https:///a.git"}, "names no host"),
     ({"repo": "file://host/srv/a.git"}, "a file URL names an absolute path"),
     ({"repo": "-uhttps://example.com/a.git"}, "starts with '-'"),
+    ({"repo": "ssh://-oProxyCommand=touch%20x/a.git"}, "would be read as an ssh option"),
+    ({"repo": "ssh://-oProxyCommand=x@example.com/a.git"}, "would be read as an ssh option"),
     ({"repo": "relative/path.git"}, "neither a git URL"),
     ({"repo": "/nonexistent/repo.git"}, "not a git repository here"),
     ({"repo": "https://example.com/a b.git"}, "without spaces"),
