@@ -989,7 +989,7 @@ class PgConnection:
     """A kept PostgreSQL connection (autocommit; transactions explicit) that takes the store's
     statements as written for SQLite: ``execute`` / ``executemany`` with ``?`` and ``:name``
     placeholders, rows as PgRow. Inside a write transaction ``writing`` is True: task reads that
-    decide a transition lock their row, and events wait in ``events`` until the commit."""
+    decide a transition lock their row, and events wait in ``events`` until ``commit``."""
 
     def __init__(self, raw: Any, url: str) -> None:
         self.raw, self.url = raw, url
@@ -1029,19 +1029,24 @@ class PgConnection:
     def close(self) -> None:
         self.raw.close()
 
-    def flush_events(self) -> None:
-        """Append the transaction's events under the events' lock (held to the commit, so ids
-        commit in order) and notify listeners (delivered at the commit)."""
+    def commit(self) -> None:
+        """COMMIT; with events, first append them under the events' lock (held to the commit, so
+        ids commit in order) and notify listeners (delivered at the commit). One message, one
+        round trip: the values go in as literals quoted by psycopg (``sql.Literal``)."""
         if not self.events:
+            self.execute("COMMIT")
             return
+        from psycopg import sql
         rows, self.events = self.events, []
-        self.execute("SELECT pg_advisory_xact_lock(?)", (PG_EVENT_LOCK,))
-        self.execute(
-            "WITH added AS (INSERT INTO events (task_id, ts, kind, message)"
-            " SELECT t, s, k, m FROM unnest(?::bigint[], ?::float8[], ?::text[], ?::text[])"
-            " WITH ORDINALITY AS u(t, s, k, m, n) ORDER BY n RETURNING id)"
-            f" SELECT pg_notify('{PG_CHANNEL}', max(id)::text) FROM added",
-            [list(column) for column in zip(*rows)])
+        values = sql.SQL(", ").join(sql.SQL("({}, {}, {}, {})").format(*map(sql.Literal, row)) for row in rows)
+        statement = sql.SQL(
+            "SELECT pg_advisory_xact_lock({lock}); WITH added AS (INSERT INTO events (task_id, ts, kind, message)"
+            " VALUES {values} RETURNING id) SELECT pg_notify({channel}, max(id)::text) FROM added; COMMIT"
+        ).format(lock=sql.Literal(PG_EVENT_LOCK), values=values, channel=sql.Literal(PG_CHANNEL))
+        try:
+            self.raw.execute(statement)
+        except self._errors as exc:
+            raise self._lost(exc) from None
 
 
 def _pg_connect(url: str) -> PgConnection:
@@ -1097,8 +1102,7 @@ def _pg_transaction(conn: PgConnection, serialize: bool) -> Iterator[PgConnectio
     conn.writing = True
     try:
         yield conn
-        conn.flush_events()
-        conn.execute("COMMIT")
+        conn.commit()
     except BaseException:
         conn.events.clear()
         if conn.usable:
@@ -1300,7 +1304,7 @@ def _drop_if_broken(exc: sqlite3.DatabaseError) -> None:
 
 
 def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
-    if type(conn) is PgConnection:   # appended at the commit, in order (PgConnection.flush_events)
+    if type(conn) is PgConnection:   # appended at the commit, in order (PgConnection.commit)
         conn.events.append((task_id, now(), kind, message))
         return
     conn.execute(

@@ -292,3 +292,11 @@ def test_a_nul_in_an_agents_output_is_stored_not_refused(tmp_path, backend):
     assert failed["status"] == "failed" and failed["error"] == f"bad{kept}byte" and failed["diff"] == f"+a{kept}b\n"
     assert store.get_task(task["id"])["result"]["summary"] == "x\x00y"   # JSON escapes it: exact on both
     assert any(f"bad{kept}byte" in e["message"] for e in store.events_since(0, [task["id"]]))
+
+
+def test_event_messages_keep_quotes_percents_and_backslashes_exactly(tmp_path):
+    title = "it's 100% \\done\\ {x} %s ? :name — 雪 'quoted' \"double\""
+    task = submit(tmp_path, title)
+    store.add_note(task["id"], title)
+    messages = [e["message"] for e in store.events_since(0, [task["id"]])]
+    assert messages == [title, f"planner: {title}"]
