@@ -92,6 +92,11 @@ class JobNotFound(TaskStoreError):
     """No Claude job has the given id."""
 
 
+class DatabaseBusy(TaskStoreError):
+    """A PostgreSQL lock was not granted in time (another process holds the queue's write lock
+    longer than PG_LOCK_TIMEOUT_SEC, or a deadlock was broken); nothing was written: try again."""
+
+
 class DatabaseUnavailable(TaskStoreError):
     """The PostgreSQL queue cannot be used: a bad URL, a server that does not answer or refuses
     the login, a lost connection, or psycopg missing. The message names the URL (never its
@@ -896,6 +901,7 @@ PG_WRITE_LOCK = 0x7461736B62   # advisory lock keys ("taskb", "taskc", "taskd"):
 PG_EVENT_LOCK = 0x7461736B63   # event appenders (held to the commit),
 PG_MIGRATE_LOCK = 0x7461736B64  # migrations
 PG_CONNECT_TIMEOUT_SEC = 10
+PG_LOCK_TIMEOUT_SEC = 30.0   # how long a write waits for a lock (as BUSY_WAIT_SEC on SQLite)
 
 _PG_TOKEN = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"|::|\?|:([A-Za-z_]\w*)|%")
 
@@ -1011,12 +1017,14 @@ class PgConnection:
             raise self._lost(exc) from None
 
     def _lost(self, exc: BaseException) -> BaseException:
-        # A lost connection or a server going down is the database's unavailability; any other
-        # operational error (a deadlock, a cancelled statement) stays what it is.
-        state = getattr(exc, "sqlstate", None)
-        if self.raw.broken or self.raw.closed or state is None or state.startswith(("08", "57P")):
-            return _unavailable(self.url, exc)
-        return exc
+        # A lock not granted in time or a broken deadlock is a busy queue (try again); any other
+        # operational failure (a lost connection, a server going down) its unavailability.
+        state = getattr(exc, "sqlstate", None) or ""
+        if state == "55P03" or state.startswith("40"):
+            said = " ".join(str(exc).split())
+            return DatabaseBusy(f"the PostgreSQL queue {redact_url(self.url)} is busy ({said}); nothing was "
+                                "written: try again in a moment")
+        return _unavailable(self.url, exc)
 
     @property
     def in_transaction(self) -> bool:
@@ -1061,6 +1069,7 @@ def _pg_connect(url: str) -> PgConnection:
     raw.adapters.register_dumper(str, _nul_free_dumper())
     conn = PgConnection(raw, url)
     try:
+        conn.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_SEC * 1000):d}")
         _pg_migrate(conn)
     except BaseException:
         raw.close()
@@ -1098,9 +1107,9 @@ def _pg_transaction(conn: PgConnection, serialize: bool) -> Iterator[PgConnectio
     False (the claim), the body, the buffered events, COMMIT; ROLLBACK on any error."""
     if conn.in_transaction:
         raise RuntimeError("task_store: a write transaction was opened inside another one")
-    conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK:d})" if serialize else "BEGIN")
     conn.writing = True
     try:
+        conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK:d})" if serialize else "BEGIN")
         yield conn
         conn.commit()
     except BaseException:

@@ -235,3 +235,21 @@ def test_a_change_watch_reuses_the_process_listen_connection_not_a_forked_parent
     assert child.exitcode == 0 and available and child_pid != pid
     with store.change_watch() as mine:                  # the parent's is untouched by the child
         assert mine.conn.info.backend_pid == pid and not mine.wait(0.1)
+
+
+def test_a_write_waiting_too_long_for_the_lock_is_busy_not_a_traceback(pg, monkeypatch, tmp_path):
+    import psycopg
+    monkeypatch.setattr(store, "PG_LOCK_TIMEOUT_SEC", 0.5)
+    store.close_connections()
+    task = store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    with psycopg.connect(pg, autocommit=True) as other:   # another process in the middle of a write
+        other.execute("BEGIN")
+        other.execute("SELECT pg_advisory_xact_lock(%s)", (store.PG_WRITE_LOCK,))
+        started = time.monotonic()
+        with pytest.raises(store.DatabaseBusy, match="is busy .*nothing was written: try again") as caught:
+            store.add_note(task["id"], "waits")
+        assert 0.4 < time.monotonic() - started < 5 and PASSWORD not in str(caught.value)
+        assert store.claim_next("w")["id"] == task["id"]   # a claim does not take that lock
+        other.execute("ROLLBACK")
+    store.add_note(task["id"], "now it goes")          # the same kept connection, usable again
+    assert [n["text"] for n in store.get_task(task["id"])["notes"]] == ["now it goes"]
