@@ -252,7 +252,7 @@ class Meter:
         try:
             self.budget = store.record_spend(self.task_id, self.marker, round(cost, 8), tokens,
                                              max(cost - self.cost, 0.0), max(tokens - self.tokens, 0))
-        except (sqlite3.Error, OSError) as exc:   # the meter never fails a run; the limit still counts
+        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
             log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
         self.cost, self.tokens = max(cost, self.cost), max(tokens, self.tokens)
 
@@ -287,7 +287,7 @@ class Meter:
             return
         try:
             self.budget = store.budget_state()
-        except (sqlite3.Error, OSError):
+        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy):
             return
         self.write_gate()
 

@@ -253,3 +253,15 @@ def test_a_write_waiting_too_long_for_the_lock_is_busy_not_a_traceback(pg, monke
         other.execute("ROLLBACK")
     store.add_note(task["id"], "now it goes")          # the same kept connection, usable again
     assert [n["text"] for n in store.get_task(task["id"])["notes"]] == ["now it goes"]
+
+
+def test_the_board_answers_503_naming_an_unreachable_queue(monkeypatch):
+    from starlette.testclient import TestClient
+
+    import opencode_bridge_mcp as bridge
+    monkeypatch.setenv("MCP_BEARER_TOKEN", "board-token")
+    monkeypatch.setenv("TASK_DB_URL", "postgresql://bob:s3cr3t@127.0.0.1:1/queue")
+    client = TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
+    answer = client.get("/api/tasks", headers={"Authorization": "Bearer board-token"})
+    assert answer.status_code == 503, answer.text
+    assert "postgresql://bob@127.0.0.1:1/queue" in answer.json()["error"] and "s3cr3t" not in answer.text
