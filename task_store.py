@@ -1145,8 +1145,9 @@ def _kept_pg(url: str) -> PgConnection:
 
 def _detach_inherited(conn: Any) -> None:
     # A forked child must never talk on its parent's PostgreSQL socket, not even to close it
-    # (libpq's goodbye would end the parent's session): the child's copy of the descriptor is
-    # pointed at /dev/null, so whatever happens to the object here reaches no server.
+    # (libpq's goodbye would end the parent's session). psycopg's finaliser already skips the
+    # goodbye in another process; the child's copy of the descriptor is also pointed at
+    # /dev/null, so nothing done to the object here (a close, a stray query) reaches the server.
     raw = conn.raw if isinstance(conn, PgConnection) else conn
     if hasattr(raw, "pgconn"):   # a psycopg connection (a sqlite3 one needs nothing)
         with contextlib.suppress(Exception):

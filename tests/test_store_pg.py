@@ -221,6 +221,7 @@ def test_a_change_watch_reuses_the_process_listen_connection_not_a_forked_parent
     with store.change_watch() as first:
         pid = first.conn.info.backend_pid
     store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))   # notified while idle
+    time.sleep(0.3)   # delivery is asynchronous: a notice still on its way may wake a waiter once (harmless)
     with store.change_watch() as again:
         assert again.conn.info.backend_pid == pid       # no new login per wait
         assert not again.wait(0.2), "an old notification was left for the next waiter"
@@ -265,3 +266,24 @@ def test_the_board_answers_503_naming_an_unreachable_queue(monkeypatch):
     answer = client.get("/api/tasks", headers={"Authorization": "Bearer board-token"})
     assert answer.status_code == 503, answer.text
     assert "postgresql://bob@127.0.0.1:1/queue" in answer.json()["error"] and "s3cr3t" not in answer.text
+
+
+def _drop_inherited(out: "multiprocessing.Queue") -> None:
+    import gc
+    store.counts()                         # the child's own connection
+    store._INHERITED.clear()               # the parent's copies finalised here (libpq says goodbye)
+    gc.collect()
+    out.put("ok")
+
+
+def test_a_forked_child_finalising_its_parents_connections_leaves_them_working(pg, tmp_path):
+    store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    pid = store._kept().raw.info.backend_pid
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_drop_inherited, args=(out,))
+    child.start()
+    assert out.get(timeout=30) == "ok"
+    child.join(30)
+    assert child.exitcode == 0
+    assert store.counts()["pending"] == 1 and store._kept().raw.info.backend_pid == pid
