@@ -1,5 +1,6 @@
 """The store's fast paths keep its guarantees: kept connections under processes, threads and fork;
-cursor paging; counts kept by triggers; the schema migration; wake-ups on change."""
+cursor paging; counts kept by triggers; the schema migration; wake-ups on change. The tests that
+are not about SQLite's files run on PostgreSQL too (store_backend)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ def test_eight_processes_claim_4000_tasks_exactly_once_on_kept_connections(tmp_p
     assert len(claims) == 4000 and len({e["task_id"] for e in claims}) == 4000
 
 
-def test_threads_each_use_their_own_connection_and_claim_exactly_once(tmp_path):
+def test_threads_each_use_their_own_connection_and_claim_exactly_once(tmp_path, store_backend):
     """The worker's --slots threads and the MCP server's threads: one connection per thread, no
     transaction of one thread ever runs on another's connection."""
     submit_many(tmp_path, 400)
@@ -64,7 +65,7 @@ def test_threads_each_use_their_own_connection_and_claim_exactly_once(tmp_path):
     assert store.counts()["done"] == 400
 
 
-def test_a_forked_child_never_uses_its_parents_connection(tmp_path):
+def test_a_forked_child_never_uses_its_parents_connection(tmp_path, store_backend):
     submit_many(tmp_path, 3)
     parent_conn = store._kept()
     read, write = os.pipe()
@@ -107,7 +108,7 @@ def test_a_failed_transaction_leaves_the_kept_connection_usable(tmp_path):
     assert store.submit_task(title="next", instructions="i", working_dir=str(tmp_path))["id"] == "t_0001"
 
 
-def test_cursor_pages_walk_the_same_rows_as_offset_pages(tmp_path):
+def test_cursor_pages_walk_the_same_rows_as_offset_pages(tmp_path, store_backend):
     submit_many(tmp_path, 45)
     submit_many(tmp_path, 7, priority=5)
     submit_many(tmp_path, 6, priority=-2)
@@ -133,7 +134,7 @@ def test_cursor_pages_walk_the_same_rows_as_offset_pages(tmp_path):
         store.list_tasks(cursor="3.0.x")
 
 
-def test_counts_follow_every_change(tmp_path):
+def test_counts_follow_every_change(tmp_path, store_backend):
     def listed() -> dict[str, int]:
         return {s: len(store.list_tasks(s, limit=500)["tasks"]) for s in store.STATUSES}
 
@@ -190,7 +191,7 @@ def test_store_calls_reuse_one_connection_and_keep_the_wal(tmp_path, monkeypatch
 
 
 @pytest.mark.anyio
-async def test_concurrent_mcp_tool_calls_each_get_a_connection_of_their_own(tmp_path):
+async def test_concurrent_mcp_tool_calls_each_get_a_connection_of_their_own(tmp_path, store_backend):
     """The MCP server runs sync tools in worker threads: 16 submits and reads at once all succeed,
     with distinct ids, and no thread's transaction runs on another's connection."""
     import anyio
@@ -240,7 +241,7 @@ def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_mcp_list_tasks_pages_by_cursor_like_by_offset(tmp_path):
+async def test_mcp_list_tasks_pages_by_cursor_like_by_offset(tmp_path, store_backend):
     from mcp import Client
 
     import opencode_bridge_mcp as bridge
@@ -265,7 +266,7 @@ async def test_mcp_list_tasks_pages_by_cursor_like_by_offset(tmp_path):
     assert "Traceback" not in bad.content[0].text
 
 
-def test_a_fork_while_another_thread_holds_the_connection_lock_does_not_hang_the_child(tmp_path):
+def test_a_fork_while_another_thread_holds_the_connection_lock_does_not_hang_the_child(tmp_path, store_backend):
     submit_many(tmp_path, 1)
     holding, release = threading.Event(), threading.Event()
 
