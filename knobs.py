@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import urllib.parse
 
 DAY_SEC = 86_400.0
@@ -90,6 +91,9 @@ def database_problem(value: str, source: str = "TASK_DB_URL") -> str | None:
     way_out = "give a postgresql://USER@HOST/DB URL or the SQLite file's path"
     if not value.strip():
         return f"{source} is empty; {way_out} (or leave it out for <repo>/tasks.db)"
+    if is_keyword_dsn(value):
+        return (f"{source} is a libpq key=value string; give it as a URL instead: "
+                "postgresql://USER@HOST:PORT/DB (the password in ~/.pgpass, or postgresql://USER:PASSWORD@...)")
     if "\0" in value or any("\ud800" <= ch <= "\udfff" for ch in value):
         return f"{source} holds a NUL or bytes that are not UTF-8; {way_out}"
     if value.lower().startswith("postgres") and ":" in value and "://" not in value:
@@ -109,6 +113,17 @@ def database_problem(value: str, source: str = "TASK_DB_URL") -> str | None:
     return None
 
 
+# libpq's connection keywords: "host=db port=5432 dbname=q" is a keyword/value connection string.
+_DSN_WORD = re.compile(r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|passfile|sslmode|service)\s*=",
+                       re.IGNORECASE)
+
+
+def is_keyword_dsn(value: str) -> bool:
+    """Whether ``value`` is a libpq keyword/value string (``host=… dbname=…``) rather than a URL or
+    a file path: such a value must be refused, not taken for a file name (it holds a password)."""
+    return "://" not in value and bool(_DSN_WORD.search(value))
+
+
 def _is_scheme(text: str) -> bool:
     """Whether ``text`` looks like a URL scheme (RFC 3986: a letter, then letters, digits, + - .)."""
     return bool(text) and text[0].isascii() and text[0].isalpha() and \
@@ -121,9 +136,11 @@ def select_database(flag: str | None) -> None:
     ``ps`` shows). A file path is made absolute (children may run elsewhere); from ``--db`` it is
     set as TASK_DB_PATH too, which means the same. Without a flag, a set TASK_DB_URL is checked.
     Raises KnobError (one line, no password) when the value cannot be used."""
-    value = flag if flag is not None else os.environ.get("TASK_DB_URL", "")
-    if flag is None and not value:
-        return   # unset or blank: the default, like every knob
+    value = flag if flag is not None else os.environ.get("TASK_DB_URL")
+    if value is None:
+        return   # unset: the SQLite default
+    # Set but empty is refused, unlike a numeric knob: a service whose unit expands an unset
+    # variable to "" would otherwise run a private SQLite queue beside the shared one, in silence.
     problem = database_problem(value, "--db" if flag is not None else "TASK_DB_URL")
     if problem:
         raise KnobError(problem)

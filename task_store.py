@@ -21,7 +21,7 @@ every host in ``workers`` (``write_worker_heartbeat``, ``list_workers``).
 Env read at call time: ``TASK_DB_URL``, ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_HOST``, ``TASKBRIDGE_MOUNTINFO``.
 
-Imports the standard library only (and psycopg when TASK_DB_URL names PostgreSQL).
+Imports the standard library and knobs.py only (and psycopg when TASK_DB_URL names PostgreSQL).
 Not run on its own (the MCP server, the CLI and the worker import it).
 """
 from __future__ import annotations
@@ -37,9 +37,12 @@ import socket
 import sqlite3
 import threading
 import time
+import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
+
+import knobs
 
 if TYPE_CHECKING:
     from file_watch import FolderWatch
@@ -128,6 +131,9 @@ def _sqlite_setting(url: str | None = None) -> str | None:
     ValidationError for a URL of another kind."""
     raw = (url if url is not None else os.environ.get("TASK_DB_URL") or "").strip()
     if raw and not raw.startswith(PG_SCHEMES):
+        if knobs.is_keyword_dsn(raw):
+            raise ValidationError("TASK_DB_URL is a libpq key=value string; give it as a URL instead: "
+                                  "postgresql://user@host:5432/dbname (the password in ~/.pgpass)")
         if "://" in raw:
             raise ValidationError(f"TASK_DB_URL={redact_url(raw)!r} is neither a postgresql:// URL nor a "
                                   "file path; give postgresql://user:password@host:5432/dbname, a path to "
@@ -136,21 +142,46 @@ def _sqlite_setting(url: str | None = None) -> str | None:
     return os.environ.get("TASK_DB_PATH")
 
 
+# Connection parameters (libpq's names) a shown URL keeps; every other one (password,
+# sslpassword, however spelled or percent-encoded, and any this list does not know) is left out.
+URL_SHOWN_PARAMS = frozenset({"host", "hostaddr", "port", "dbname", "user", "sslmode", "application_name",
+                              "connect_timeout", "target_session_attrs", "gssencmode", "load_balance_hosts"})
+
+
 def redact_url(url: str) -> str:
-    """``url`` without its password (in the user part or a ``password=`` parameter): what logs,
-    messages and ``database_label`` show."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    """``url`` as logs, messages and ``database_label`` show it: scheme, user name, hosts, ports,
+    database, and only the query parameters in URL_SHOWN_PARAMS (decoded as libpq decodes them),
+    so no password shows (``user:pw@``, ``password=``, ``%70assword=``, ``sslpassword=``). A
+    value without ``://`` (a file path) is returned as it is."""
+    if "://" not in url:
         return url
-    netloc, slash, tail = rest.partition("/")
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        netloc = f"{userinfo.split(':', 1)[0]}@{host}"
-    if "?" in tail:
-        path, query = tail.split("?", 1)
-        kept = [p for p in query.split("&") if p and not p.lower().startswith("password=")]
-        tail = path + ("?" + "&".join(kept) if kept else "")
-    return f"{scheme}://{netloc}{slash}{tail}"
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+    except ValueError:
+        return url.partition("://")[0] + "://… (a URL that cannot be read)"
+    user = parts.netloc.rpartition("@")[0].partition(":")[0]
+    hosts = parts.netloc.rpartition("@")[2]
+    kept = [(key, value) for key, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+            if key.lower() in URL_SHOWN_PARAMS]
+    return (f"{parts.scheme}://{user + '@' if user else ''}{hosts}{parts.path}"
+            + (f"?{urllib.parse.urlencode(kept)}" if kept else ""))
+
+
+def url_secrets(url: str) -> list[str]:
+    """Every secret ``url`` holds, as written and decoded (the user part's password, any parameter
+    that is not in URL_SHOWN_PARAMS): what an error quoting the URL must have scrubbed."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+    except ValueError:
+        return []
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = [userinfo.partition(":")[2]] if ":" in userinfo else []
+    for pair in parts.query.split("&"):
+        key, _, value = pair.partition("=")
+        if urllib.parse.unquote(key).lower() not in URL_SHOWN_PARAMS:
+            found.append(value)
+    return sorted({form for raw in found if raw for form in (raw, urllib.parse.unquote_plus(raw))},
+                  key=len, reverse=True)
 
 
 def queue_exists() -> bool:
@@ -967,28 +998,15 @@ def _psycopg() -> Any:
     return psycopg
 
 
-def _unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
-    """A DatabaseUnavailable naming the URL (no password) and the way out; any text of ``exc``
-    that quotes the password is scrubbed."""
+def _unavailable(url: str, exc: BaseException, hint: str = "") -> DatabaseUnavailable:
+    """A DatabaseUnavailable naming the URL (no password) and the way out (``hint`` first when
+    given); any text of ``exc`` that quotes a secret of the URL is scrubbed."""
     said = " ".join(str(exc).split()) or type(exc).__name__
-    secret = _url_password(url)
-    if secret:
+    for secret in url_secrets(url):
         said = said.replace(secret, "***")
-    return DatabaseUnavailable(
-        f"cannot use the PostgreSQL queue {redact_url(url)}: {said}; check TASK_DB_URL "
-        "(postgresql://user:password@host:5432/dbname) and that the server is running and reachable, "
-        "or unset TASK_DB_URL to use SQLite")
-
-
-def _url_password(url: str) -> str | None:
-    rest = url.partition("://")[2]
-    netloc, _, tail = rest.partition("/")
-    if "@" in netloc and ":" in netloc.rsplit("@", 1)[0]:
-        return netloc.rsplit("@", 1)[0].split(":", 1)[1] or None
-    for part in tail.partition("?")[2].split("&"):
-        if part.lower().startswith("password="):
-            return part.split("=", 1)[1] or None
-    return None
+    way_out = hint or ("check TASK_DB_URL (postgresql://user:password@host:5432/dbname) and that the "
+                       "server is running and reachable, or unset TASK_DB_URL to use SQLite")
+    return DatabaseUnavailable(f"cannot use the PostgreSQL queue {redact_url(url)}: {said}; {way_out}")
 
 
 class PgConnection:
@@ -1071,10 +1089,21 @@ def _pg_connect(url: str) -> PgConnection:
     try:
         conn.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_SEC * 1000):d}")
         _pg_migrate(conn)
+    except psycopg.Error as exc:   # e.g. a role that may not create tables, a statement_timeout in the URL
+        raw.close()
+        raise _unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None), "")) from None
     except BaseException:
         raw.close()
         raise
     return conn
+
+
+# What to do when the queue's tables cannot be set up, by SQLSTATE.
+_PG_SETUP_HINTS = {
+    "42501": "the role must be able to create tables there: make it the database's owner "
+             "(ALTER DATABASE … OWNER TO …) or GRANT CREATE ON SCHEMA public TO it",
+    "57014": "a statement was cancelled by a timeout: take statement_timeout out of the URL's options",
+}
 
 
 def _pg_migrate(conn: PgConnection) -> None:

@@ -287,3 +287,69 @@ def test_a_forked_child_finalising_its_parents_connections_leaves_them_working(p
     child.join(30)
     assert child.exitcode == 0
     assert store.counts()["pending"] == 1 and store._kept().raw.info.backend_pid == pid
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://taskbridge@127.0.0.1:5432?password=S3cretPW&dbname=q",   # no path: the query follows the port
+    "postgresql://taskbridge@127.0.0.1:5432/q?%70assword=S3cretPW",        # libpq decodes the key
+    "postgresql://taskbridge@127.0.0.1:5432/q?sslmode=require&sslpassword=S3cretPW",
+    "postgresql://taskbridge:S3cretPW@127.0.0.1:5432/q?application_name=x&PASSWORD=S3cretPW",
+    "postgres://taskbridge:S3%63retPW@127.0.0.1:5432/q",
+])
+def test_no_spelling_of_a_password_shows_in_the_label_or_an_error(url, monkeypatch):
+    """A fresh user saw ?password= after a path-less URL, %70assword= and sslpassword= shown by
+    `status`, `connect` and the schedule; only the parameters known to be harmless are shown now."""
+    monkeypatch.setenv("TASK_DB_URL", url)
+    label = store.database_label()
+    assert "S3cret" not in label and "S3%63ret" not in label
+    assert label.startswith(url.partition(":")[0] + "://taskbridge@127.0.0.1:5432")
+    said = str(store._unavailable(url, RuntimeError(f"server said: {url} S3cretPW")))
+    assert "S3cret" not in said and "S3%63ret" not in said and "***" in said
+
+
+def test_shown_parameters_survive_redaction():
+    assert store.redact_url("postgresql://u@h:5/d?sslmode=require&application_name=tb&password=x") == \
+        "postgresql://u@h:5/d?sslmode=require&application_name=tb"
+    assert store.redact_url("/srv/queue/tasks.db") == "/srv/queue/tasks.db"
+
+
+DSN = "host=127.0.0.1 port=5432 password=S3cretPW dbname=taskbridge user=taskbridge"
+
+
+@pytest.mark.parametrize("value", [DSN, ""])
+def test_a_keyword_dsn_or_an_empty_url_is_refused_and_makes_no_file(value, tmp_path):
+    """A libpq key=value string was taken for a SQLite file name (the worker made
+    '<checkout>/host=127.0.0.1 port=… password=…' and its lock files); an empty TASK_DB_URL, as a
+    service unit makes from an unset variable, quietly ran a private SQLite queue."""
+    env = {k: v for k, v in os.environ.items() if k != "TASK_DB_PATH"} | {"TASK_DB_URL": value}
+    for script in ("worker.py", "tasks_cli.py"):
+        args = [sys.executable, str(ROOT / script)] + (["status"] if script == "tasks_cli.py" else [])
+        proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 2, (script, proc.stdout, proc.stderr)
+        said = proc.stdout + proc.stderr
+        assert "TASK_DB_URL" in said and "S3cret" not in said and "Traceback" not in said
+        assert ("key=value" in said) if value else ("empty" in said)
+    assert list(tmp_path.iterdir()) == [] and not (ROOT / DSN).exists()
+    with pytest.raises(store.ValidationError, match="libpq key=value"):
+        store._sqlite_setting(DSN)
+
+
+def test_a_role_that_may_not_create_the_tables_gets_one_line_with_the_fix(pg_server, tmp_path):
+    """PostgreSQL 15 gives PUBLIC no CREATE on schema public: a login role that does not own the
+    database could not migrate it, and the CLI and the worker printed psycopg's traceback."""
+    pg_server.execute("DROP ROLE IF EXISTS tb_limited")
+    pg_server.execute("CREATE ROLE tb_limited LOGIN PASSWORD 'LimitedPW'")
+    url = pg_server.create_database("tb_not_owned")
+    try:
+        limited = url.replace(url.split("://", 1)[1].split("@", 1)[0], "tb_limited:LimitedPW")
+        env = os.environ | {"TASK_DB_URL": limited}
+        for args in (["tasks_cli.py", "status"], ["worker.py"]):
+            proc = subprocess.run([sys.executable, str(ROOT / args[0]), *args[1:]], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=60, env=env)
+            said = proc.stdout + proc.stderr
+            assert proc.returncode != 0 and "Traceback" not in said, said
+            assert "permission denied" in said and "GRANT CREATE ON SCHEMA public" in said
+            assert "LimitedPW" not in said
+    finally:
+        pg_server.drop_database("tb_not_owned")
+        pg_server.execute("DROP ROLE IF EXISTS tb_limited")
