@@ -279,7 +279,7 @@ def check_token() -> Check:
                      "./install.sh writes one (stdio clients need none)")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
-        return Check("token", "fail", f"{path} is readable by others (mode {mode:o})", f"chmod 600 {path}")
+        return Check("token", "fail", f"{path} is readable by others (mode {mode:o})", store.shell_command("chmod", "600", path))
     try:
         http_app.bearer_token()
     except http_app.TokenConfigError as exc:

@@ -34,6 +34,7 @@ import board_api
 import connectors
 import mcp_shared
 import oauth
+import task_store
 import task_views
 from mcp.server.mcpserver import MCPServer
 from starlette.requests import ClientDisconnect
@@ -156,8 +157,9 @@ def _warn_if_readable(path: Path) -> None:
     with contextlib.suppress(OSError):
         mode = path.stat().st_mode & 0o777
         if mode & 0o077:
-            log.warning("the token file %s is readable by other users (mode %o): run chmod 600 %s "
-                        "(./install.sh does)", loggable(str(path)), mode, loggable(str(path)))
+            log.warning("the token file %s is readable by other users (mode %o): run %s "
+                        "(./install.sh does)", loggable(str(path)), mode,
+                        loggable(task_store.shell_command("chmod", "600", str(path))))
 
 
 def loggable(text: str, limit: int = LOGGED_CHARS) -> str:

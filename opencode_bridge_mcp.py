@@ -282,11 +282,13 @@ class ClearResult(TypedDict):
     logs_removed: int
     worktrees_removed: list[str]
     kept_for_worktrees: list[str]
+    kept_on_hosts: dict[str, list[str]]   # host -> ids whose worktrees were kept on that machine, not this one
     problems: list[str]
 
 
 class RetryResult(TaskInfo):
     requeued_dependents: list[str]
+    unpushed: str | None   # a commit a failed push left in a worktree: which host holds it (only its worker takes the task)
 
 
 class ApplyResult(TypedDict):
@@ -1027,12 +1029,14 @@ def retry_task(
     `max_retries` more times before it fails for good, and its next attempt starts a new OpenCode
     session (attempt numbers go on). `model` replaces its model; `note` adds instructions as a note.
     Tasks that failed only because this one failed or was cancelled are requeued too
-    (`requeued_dependents`). Then wait_for([id]) as after a submit.
+    (`requeued_dependents`). A task on a remote whose push failed keeps its commit in a worktree on
+    the machine that ran it: the task is pinned to that host, whose worker pushes the commit again
+    without running the agent (`unpushed` says which host). Then wait_for([id]) as after a submit.
     Errors (nothing is written then): unknown id, a task that is not failed or cancelled (done:
     submit a follow-up task; pending, running or waiting: cancel it first), a bad model, an empty
     or too long note."""
     task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
-    return _echo(task) | {"requeued_dependents": task["requeued_dependents"]}
+    return _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)}
 
 
 @registry.tool(ADDS)
@@ -1063,7 +1067,9 @@ def clear_finished(
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
     task depends on are kept, and so are tasks whose kept worktree is still on disk (ids in
-    `kept_for_worktrees`: call again with remove_worktrees to remove those worktrees and the tasks).
+    `kept_for_worktrees`: call again with remove_worktrees to remove those worktrees and the tasks),
+    and so are tasks whose worktree was kept on another machine (`kept_on_hosts`: host -> ids; only
+    a clear on that host can remove them, remove_worktrees included).
     Log files are deleted only when asked (on PostgreSQL a task's log is in the database and goes
     with the task); a task whose worktree could not be removed stays in the queue, named in
     `problems`; task branches always stay.

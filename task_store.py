@@ -1399,6 +1399,35 @@ def shown_value(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
+def shell_command(*args: Any) -> str:
+    """One command line for a person to paste into a POSIX shell: each argument quoted with
+    ``shlex.quote`` (a path or URL holding ``$(…)``, backticks, ``;``, ``|`` or quotes stays one
+    literal argument; plain ones are shown as they are). Every command TaskBridge prints — CLI,
+    MCP results, the board, errors — is built here; join several with `` && ``."""
+    import shlex
+    return " ".join(shlex.quote(str(arg)) for arg in args)
+
+
+def shown_repo(value: Any, limit: int = 120) -> str:
+    """A refused ``repo`` value for a one-line message, never whole: any user-info part (what
+    comes before the last ``@`` of the host part — a user name, a password, a token, in a URL or
+    the scp form ``user:password@host:path``) is replaced by ``***``, as are a query string and a
+    fragment; then ``repr``, cut to ``limit`` characters (see `shown_value`). Every repo error
+    shows its value through this."""
+    if not isinstance(value, str):
+        return shown_value(value, limit)
+    text = value
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    for mark in ("?", "#"):
+        if mark in rest:
+            rest = rest.split(mark, 1)[0] + mark + "***"
+    return shown_value(f"{scheme}{sep}{rest}", limit)
+
+
 def loads_json(name: str, text: str, want: str = "a list") -> Any:
     """JSON text an argument holds, parsed. Raises ValidationError naming ``name`` when it is not
     valid JSON or nests past the parser's recursion limit (a few KB of ``[[[`` raised RecursionError)."""
@@ -1553,20 +1582,20 @@ def validate_repo(value: Any) -> str | None:
         raise ValidationError(f"repo must be text (a git URL or an absolute path); got {type(value).__name__}")
     text = value.strip()
     if not text or len(text) > 2000 or any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in text):
-        raise ValidationError(f"repo {shown_value(value)} must be one git URL or absolute path without spaces "
+        raise ValidationError(f"repo {shown_repo(value)} must be one git URL or absolute path without spaces "
                               "or control characters")
     if text.startswith("-"):
-        raise ValidationError(f"repo {shown_value(value)} starts with '-'; give a git URL or an absolute path")
+        raise ValidationError(f"repo {shown_repo(value)} starts with '-'; give a git URL or an absolute path")
     if "://" in text:
         return _repo_url(text)
     if _SCP_RE.match(text):
         return text
     if "::" in text or not os.path.isabs(text):
-        raise ValidationError(f"repo {shown_value(value)} is neither a git URL (https://, ssh://, git@host:path, "
+        raise ValidationError(f"repo {shown_repo(value)} is neither a git URL (https://, ssh://, git@host:path, "
                               "file://) nor an absolute path of a git repository")
     path = os.path.realpath(text)
     if not _is_git_repository(path):
-        raise ValidationError(f"repo {text} is not a git repository here (no .git, or not a bare repository); "
+        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here (no .git, or not a bare repository); "
                               "give a repository's path or its URL")
     return path
 
@@ -1577,18 +1606,18 @@ def _repo_url(text: str) -> str:
         parts = urlsplit(text)
         parts.port   # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError as exc:
-        raise ValidationError(f"repo {shown_value(text)} is not a valid URL ({exc})") from None
+        raise ValidationError(f"repo {shown_repo(text)} is not a valid URL ({shown_repo(str(exc))[1:-1]})") from None
     scheme = parts.scheme.lower()
     if scheme not in REPO_SCHEMES:
-        raise ValidationError(f"repo {shown_value(text)}: the scheme {scheme!r} is not one of "
+        raise ValidationError(f"repo {shown_repo(text)}: the scheme {scheme!r} is not one of "
                               f"{', '.join(REPO_SCHEMES)} (git's other transports run programs)")
     if scheme != "file" and not parts.hostname:
-        raise ValidationError(f"repo {shown_value(text)} names no host")
+        raise ValidationError(f"repo {shown_repo(text)} names no host")
     if (parts.hostname or "").startswith("-") or (parts.username or "").startswith("-"):
-        raise ValidationError(f"repo {shown_value(text)}: a host or user name starting with '-' would be read "
+        raise ValidationError(f"repo {shown_repo(text)}: a host or user name starting with '-' would be read "
                               "as an ssh option; give the remote's real host")
     if scheme == "file" and (not parts.path.startswith("/") or parts.netloc not in ("", "localhost")):
-        raise ValidationError(f"repo {shown_value(text)}: a file URL names an absolute path (file:///srv/repo.git)")
+        raise ValidationError(f"repo {shown_repo(text)}: a file URL names an absolute path (file:///srv/repo.git)")
     if parts.password is not None or (scheme in ("https", "http") and parts.username is not None) \
             or parts.query or parts.fragment:
         raise ValidationError("repo must not carry credentials (a user name or password in the URL, or a query "
@@ -2097,7 +2126,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
     ]
 
 
-_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, model, priority, status, permission, attempts, handbacks,"
+_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
                  " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for,"
@@ -2408,16 +2437,21 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
 
 def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,
                  result: dict | None = None, diff: str | None = None, usage: dict | None = None,
-                 session_id: str | None = None) -> dict[str, Any]:
+                 session_id: str | None = None, pin_host: bool = False) -> dict[str, Any]:
     """Finish the attempt ``marker`` as failed with ``error`` (the specific reason). If
     ``retryable`` and attempts ≤ max_retries, the task goes back to ``pending`` after a short
     bounded back-off (each retry gets the full timeout again); else it is ``failed`` and its
-    dependents fail too, naming it. Raises StaleAttempt if the attempt was superseded."""
+    dependents fail too, naming it. ``pin_host``: this attempt's machine keeps work the task
+    needs (a commit a failed push left in its worktree), so a task that may run anywhere is pinned
+    to it (``host`` = ``lease_host``, as a question pins it): a retry runs only there.
+    Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     error = clip(error, ERROR_MAX, f"the task's log, {task_log_location(num)}")
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
+        if pin_host:
+            conn.execute("UPDATE tasks SET host = coalesce(host, lease_host) WHERE id = ?", (num,))
         if retryable and _retries_left(row):
             backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** max(_counted_attempts(row) - 1, 0), RETRY_BACKOFF_SEC[1])
             conn.execute(
@@ -2578,7 +2612,9 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
     times before it fails for good (attempt numbers go on, so run markers stay unique). ``model``
     (``provider/model``) replaces the task's model; ``note`` reaches the agent's next prompt as a
     note by ``author``. Tasks that failed only because this one failed or was cancelled
-    (``dependency t_0001 failed``) are requeued too, as far down as that goes.
+    (``dependency t_0001 failed``) are requeued too, as far down as that goes. A task on a remote
+    whose push failed stays pinned to the host that keeps its commit (``fail_attempt``'s
+    ``pin_host``): that host's worker pushes the commit again without running the agent.
 
     One transaction with a ``retried`` event row (and a ``note`` event). Returns the task dict
     plus ``requeued_dependents`` (ids). Raises TaskNotFound, ValidationError (bad model, empty or
@@ -3224,7 +3260,9 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
                    dry_run: bool = False, only_ids: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
     questions, dependency rows and log chunks go with them; events stay as history). Returns the removed
-    tasks' ``{id, branch, worktree_path, log}`` so the caller may remove files.
+    tasks' ``{id, branch, worktree_path, log, lease_host, worktree_removed}`` so the caller may remove
+    files (``lease_host``: the machine of its last attempt; ``worktree_removed``: its receipt says
+    the worktree was removed).
     A task that a not-finished task still depends on is kept. ``dry_run``: only list what would
     go; ``only_ids``: remove no task outside these ids. Raises ValidationError."""
     chosen = _statuses(list(statuses))
@@ -3239,14 +3277,24 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
     params = [*chosen, now() - older_than_sec, *(nums or [])]
     with _writing() as conn:
         if dry_run:
-            rows = conn.execute(f"SELECT id, branch, worktree_path FROM tasks WHERE {where}", params).fetchall()
+            rows = conn.execute(f"SELECT id, branch, worktree_path, lease_host, result FROM tasks WHERE {where}",
+                                params).fetchall()
         else:
-            rows = conn.execute(f"DELETE FROM tasks WHERE {where} RETURNING id, branch, worktree_path",
+            rows = conn.execute(f"DELETE FROM tasks WHERE {where} RETURNING id, branch, worktree_path, lease_host, result",
                                 params).fetchall()
         if rows and not dry_run:
             _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
     return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
-             "log": str(log_path(r["id"]))} for r in rows]
+             "log": str(log_path(r["id"])), "lease_host": r["lease_host"],
+             "worktree_removed": _receipt_says_removed(r["result"])} for r in rows]
+
+
+def _receipt_says_removed(result: str | None) -> bool:
+    try:
+        receipt = json.loads(result) if result else None
+    except ValueError:
+        return False
+    return isinstance(receipt, dict) and receipt.get("worktree_removed") is True
 
 
 # --------------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class TaskRow(TypedDict):
     base_ref: str | None               # the remote's ref it starts from (None: the remote's HEAD branch)
     host: str | None                   # the host whose workers may claim it (None: any)
     pushed_branch: str | None          # the branch pushed to repo, once pushed
+    pushed_commit: str | None          # the commit pushed to repo as pushed_branch
     permission: str
     attempts: int
     max_retries: int
@@ -99,7 +100,6 @@ class TaskInfo(TaskRow):
     skills: list[str] | None
     subagents: list[str] | None
     pending_ask: dict[str, Any] | None  # the permission request it waits on: tool, subject, reason (+ decision)
-    pushed_commit: str | None          # the commit pushed to repo as pushed_branch
     lease_host: str | None             # the host of the worker that holds (or last held) the lease
 
 

@@ -498,6 +498,8 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("session", line(task["session_id"])), ("branch", line(task["branch"])),
         ("pushed", line(f"{task['pushed_branch']} at {str(task.get('pushed_commit'))[:12]} to {task['repo']}")
          if task.get("pushed_branch") else None),
+        ("unpushed work", Text(visible(worktrees.unpushed_note(task) or ""), style="yellow")
+         if worktrees.unpushed_note(task) else None),
         ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
         ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
                   + (" so far" if task["status"] == "running" else "")),
@@ -1093,6 +1095,10 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
         out().print(Text(f"Removed worktree {visible(path, multiline=False)} (its branch stays)."), soft_wrap=True)
     for problem in purged["problems"]:
         err().print(Text(visible(problem), style="yellow"), soft_wrap=True)
+    for host, ids in purged.get("kept_on_hosts", {}).items():
+        err().print(Text(visible(f"Kept {len(ids)} task(s) whose worktrees were kept on host {host}, not this "
+                                 f"one ({task_store.host_name()}): {', '.join(ids)}; this machine cannot see or "
+                                 f"remove them (not even with --remove-worktrees): run clear on {host}", multiline=False), style="dim"), soft_wrap=True)
     kept = purged["kept_for_worktrees"]
     if kept:
         err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "
@@ -1208,7 +1214,7 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
     out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: "
                      f"{len(result['files'])} file(s) changed; HEAD is now {result['head'][:12]}.", style="green"),
                 soft_wrap=True)
-    out().print(Text(f"Undo with: git -C {visible(result['repo'], multiline=False)} reset --hard {result['before'][:12]}",
+    out().print(Text("Undo with: " + visible(task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12]), multiline=False),
                      style="dim"), soft_wrap=True)
 
 
@@ -1230,6 +1236,9 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     said += f", model {task['model']}" if model else ""
     said += f"; requeued with it: {', '.join(task['requeued_dependents'])}" if task["requeued_dependents"] else ""
     out().print(Text(visible(said + ".", multiline=False), style="green"), soft_wrap=True)
+    held = worktrees.unpushed_note(task)
+    if held:
+        out().print(Text(visible(f"Its {held[4:]}.", multiline=False), style="yellow"), soft_wrap=True)
 
 
 def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:

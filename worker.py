@@ -826,6 +826,20 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     resume = bool(task.get("answer") and task.get("session_id"))
     phases = Phases(task, knobs)
     with worktrees.watched(phases.check):
+        if worktrees.holds_unpushed_work(task):
+            try:
+                kept = worktrees.unpushed_workspace(task)
+            except worktrees.GitStopped as exc:
+                return _stopped_early(task, phases, f"fetching the remote: {exc}")
+            except worktrees.Unreachable as exc:
+                log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+                return _finish(store.fail_attempt, task, marker, str(exc))
+            except (worktrees.Unrunnable, worktrees.GitError) as exc:
+                log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+                return _finish(store.fail_unrunnable, task, marker, str(exc))
+            if kept is not None:
+                Talk.runs(task, None)
+                return _push_kept_work(task, kept)
         try:
             model = task_model(task)
         except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
@@ -1153,26 +1167,58 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
         where = f"its changes are in {ws.cwd}"
     elif ws.remote and receipt.get("commit"):
         where = (f"its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: push it "
-                 f"yourself once the remote takes it (git -C {ws.top} push {ws.remote} "
-                 f"HEAD:refs/heads/{ws.branch})")
+                 f"yourself once the remote takes it ({worktrees.push_command(ws.top, ws.remote, ws.branch)})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
     elif _still_a_checkout(ws.top):
         where = (f"its work is kept in the worktree {ws.top} on branch {ws.branch}: commit it there "
-                 f"(git -C {ws.top} add -A && git -C {ws.top} commit)")
+                 f"({store.shell_command('git', '-C', ws.top, 'add', '-A')} && "
+                 f"{store.shell_command('git', '-C', ws.top, 'commit')})")
     else:   # the agent removed or broke the worktree's .git: git cannot commit there any more
         where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
-                 f"folder and run git -C {ws.repo} worktree prune")
+                 f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
     error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
     receipt["bookkeeping_error"] = error
     receipt["worktree_kept"] = ws.mode == "worktree"
     log(f"{task['id']}: {error}")
     final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
-                    diff=diff, usage=run.stream.usage(), session_id=run.stream.session_id)
+                    diff=diff, usage=run.stream.usage(), session_id=run.stream.session_id,
+                    pin_host=bool(ws.remote and ws.mode == "worktree" and receipt.get("commit")))
     if final:
         notify(f"TaskBridge {task['id']} needs you", error[:200])
     return final
+
+
+def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
+    """A retried task on a remote whose earlier attempt's push failed, its commit kept in a
+    worktree on this machine (worktrees.unpushed_workspace): push that commit again — the agent is
+    never run again — and finish with the earlier receipt. A push refused again fails the task
+    the same way (worktree kept, host pinned, not retried)."""
+    receipt = {k: v for k, v in (task.get("result") or {}).items() if k not in ("bookkeeping_error", "worktree_kept")}
+    receipt["pushed_again"] = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
+                               f"{ws.top}; the agent was not run again")
+    log(f"{task['id']}: pushing the kept commit {receipt['commit'][:12]} again (the agent is not run again)",
+        talk.VERBOSE)
+    try:
+        _push(task, ws, receipt)
+    except worktrees.GitError as exc:
+        error = (f"the agent finished in an earlier attempt, but the push of {ws.branch} to {ws.remote} failed "
+                 f"again: {exc}; its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: "
+                 f"push it yourself once the remote takes it "
+                 f"({worktrees.push_command(ws.top, ws.remote, ws.branch)}). The agent is not run again")
+        receipt.pop("pushed_again")
+        receipt.update(bookkeeping_error=error, worktree_kept=True)
+        log(f"{task['id']}: {error}")
+        return _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
+                       diff=task.get("diff"), pin_host=True)
+    if not task["worktree_keep"]:
+        try:
+            _remove(ws, receipt)
+        except worktrees.GitError as exc:
+            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+    notify(f"TaskBridge {task['id']} done", receipt.get("summary", "")[:200])
+    return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=task.get("diff"))
 
 
 def _still_a_checkout(top: str | None) -> bool:

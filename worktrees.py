@@ -226,8 +226,8 @@ def _repo_top(path: str) -> str | None:
         if unread is None:
             return None
         raise Unrunnable(f"{path} is inside {os.path.dirname(unread)}, whose {unread} git does not read "
-                         f"as a repository (git: {_one_line(reason)}); repair that repository (git -C "
-                         f"{os.path.dirname(unread)} status says what is wrong) and resubmit; the task was "
+                         f"as a repository (git: {_one_line(reason)}); repair that repository ("
+                         f"{store.shell_command('git', '-C', os.path.dirname(unread), 'status')} says what is wrong) and resubmit; the task was "
                          "not run in place")
     if "dubious ownership" in reason or "unsafe repository" in reason:
         raise Unrunnable(f"git refuses to read the repository at {path}: it belongs to another user "
@@ -344,7 +344,7 @@ def _continued_workspace(task: dict[str, Any], top: str, sub: str) -> Workspace:
             there = git(["symbolic-ref", "-q", "--short", "HEAD"], str(path), check=False)
             if there != branch:
                 raise Unrunnable(f"the worktree {path} of {parent['id']} is on {there or 'a detached HEAD'}, "
-                                 f"not {branch}; switch it back (git -C {path} switch {branch}) or remove it")
+                                 f"not {branch}; switch it back ({store.shell_command('git', '-C', path, 'switch', branch)}) or remove it")
         else:
             if os.path.lexists(path):
                 _force_rmtree(str(path))
@@ -363,7 +363,7 @@ def line_of_work(ws: Workspace, head: str | None) -> dict[str, Any]:
     diff = git(["diff", "--binary", "--full-index", *DIFF_FLAGS, ws.line_base, head], ws.repo, strip=False)
     clipped = diff if len(diff) <= LINE_DIFF_MAX else diff[:LINE_DIFF_MAX] + (
         f"\n… [whole-line diff cut at {LINE_DIFF_MAX:,} of {len(diff):,} characters; "
-        f"git diff {ws.line_base} {head} shows it all]\n")
+        f"{store.shell_command('git', 'diff', ws.line_base, head)} shows it all]\n")
     return {"base_commit": ws.line_base, "head": head, "files": [n for n in names.splitlines() if n],
             "diff_stat": diff_stat(diff), "diff": clipped}
 
@@ -458,18 +458,40 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
 
 
 def mirror_dir() -> Path:
-    """Where the worker keeps its mirrors of remotes: ``$TASKBRIDGE_MIRROR_DIR``, else
-    ``$XDG_CACHE_HOME/taskbridge/mirrors`` (``~/.cache/taskbridge/mirrors``)."""
+    """Where the worker keeps its mirrors of remotes: ``$TASKBRIDGE_MIRROR_DIR`` (an absolute
+    path, ``~`` expanded), else ``$XDG_CACHE_HOME/taskbridge/mirrors``
+    (``~/.cache/taskbridge/mirrors``). Raises Unrunnable for a relative value: it would put
+    mirrors in whatever folder the worker was started from."""
     configured = os.environ.get("TASKBRIDGE_MIRROR_DIR")
     if configured:
-        return Path(configured).expanduser().resolve()
+        path = Path(configured).expanduser()
+        if not path.is_absolute():
+            raise Unrunnable(f"TASKBRIDGE_MIRROR_DIR={configured!r} is a relative path (it would put mirrors in "
+                             "the folder the worker was started from); set it to an absolute path such as "
+                             "~/.cache/taskbridge/mirrors, or unset it")
+        return path.resolve()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "taskbridge" / "mirrors"
 
 
 def mirror_path(url: str) -> Path:
-    """The mirror of ``url``: ``<mirror_dir>/<sha1 of the url>.git``."""
-    return mirror_dir() / f"{hashlib.sha1(url.encode()).hexdigest()}.git"
+    """The mirror of ``url``: ``<mirror_dir>/<sha1 of mirror_key(url)>.git``."""
+    return mirror_dir() / f"{hashlib.sha1(mirror_key(url).encode()).hexdigest()}.git"
+
+
+def mirror_key(url: str) -> str:
+    """What names a remote's mirror: the URL as given, except that a repository on this
+    machine — a ``file://`` URL (percent-escapes decoded) or a plain path — is keyed by its
+    resolved path, so ``file:///srv/a.git``, ``file:///srv/./a.git`` and ``/srv/a.git`` share
+    one mirror."""
+    if url.startswith("file://"):
+        from urllib.parse import unquote, urlsplit
+        path = unquote(urlsplit(url).path)
+    elif os.path.isabs(url):
+        path = url
+    else:
+        return url
+    return os.path.realpath(path)
 
 
 # What git says when the remote refused us (not worth a retry) or could not find the repository.
@@ -650,8 +672,8 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
         here = git(["rev-parse", "HEAD"], str(path), check=False)
         if here != base:
             raise Unrunnable(f"the kept worktree {path} of {parent['id']} is at {here[:12] or 'nothing'}, not at "
-                             f"{branch}'s head {base[:12]} on the remote; remove it (git -C {mirror} worktree "
-                             f"remove {path}) and retry")
+                             f"{branch}'s head {base[:12]} on the remote; remove it ("
+                             f"{store.shell_command('git', '-C', mirror, 'worktree', 'remove', path)}) and retry")
         ws.reused = True
         return ws
     with _mirror_lock(mirror_p):   # another process's fetch or prune never meets a half-made worktree
@@ -699,9 +721,61 @@ def _refuse_unpushed(mirror: str, path: Path, task: dict[str, Any], base: str) -
     if not head or head == base or git(["for-each-ref", "--count=1", "--contains", head], mirror, check=False):
         return
     raise Unrunnable(f"the kept worktree {path} holds commit {head[:12]}, which was never pushed to {task['repo']} "
-                     f"(an earlier attempt's push failed); push it (git -C {path} push {task['repo']} "
-                     f"HEAD:refs/heads/{task.get('branch') or 'taskbridge/' + task['id']}) or remove the worktree "
-                     f"(git -C {mirror} worktree remove --force {path}), then retry the task")
+                     f"(an earlier attempt's push failed); push it ({push_command(path, task['repo'], task.get('branch') or 'taskbridge/' + task['id'])}) or "
+                     f"remove the worktree ({store.shell_command('git', '-C', mirror, 'worktree', 'remove', '--force', path)}), "
+                     "then retry the task")
+
+
+def holds_unpushed_work(task: dict[str, Any]) -> bool:
+    """Whether a task on a remote ended with its run's commit kept in a worktree because the push
+    failed (the receipt's ``bookkeeping_error``, ``worktree_kept`` and ``commit``, never pushed):
+    only the machine that ran it (``lease_host``) has that work. From the row alone, no disk."""
+    receipt = task.get("result") or {}
+    return bool(task.get("repo") and receipt.get("commit") and receipt.get("worktree_kept")
+                and receipt.get("bookkeeping_error") and task.get("pushed_commit") != receipt["commit"])
+
+
+def unpushed_note(task: dict[str, Any]) -> str | None:
+    """For a person (show, retry): where a task's unpushed work is and what a retry does with it,
+    or None when it holds none (see `holds_unpushed_work`)."""
+    if not holds_unpushed_work(task):
+        return None
+    host = task.get("lease_host") or "the machine that ran it"
+    return (f"its commit {task['result']['commit'][:12]} was never pushed to {task['repo']}: it is kept in "
+            f"{task.get('worktree_path')} on host {host}, so only a worker on {host} takes this task; a retry "
+            "pushes that commit again without running the agent")
+
+
+def unpushed_workspace(task: dict[str, Any]) -> Workspace | None:
+    """A claimed task on a remote whose earlier attempt's push failed (`holds_unpushed_work`) and
+    whose kept worktree is here, registered in this machine's mirror and still at that commit:
+    the Workspace to push it from (the mirror fetched first; the task's own branch while the
+    remote has nothing else there, else the next free name, as `_remote_branch`), so the worker
+    pushes it again without running the agent. None when there is no such worktree here.
+    Raises Unrunnable, Unreachable, GitStopped (as `sync_mirror`)."""
+    path = task.get("worktree_path")
+    if not holds_unpushed_work(task) or not path or not os.path.isdir(path):
+        return None
+    commit = task["result"]["commit"]
+    if not mirror_path(task["repo"]).is_dir():
+        return None
+    mirror_p, _ = sync_mirror(task["repo"])
+    mirror = str(mirror_p)
+    if not _is_registered(mirror, Path(path)) or git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False) != commit:
+        return None
+    own = task.get("branch") or f"taskbridge/{task['id']}"
+    tip = _remote_tip(mirror, own)
+    branch, lease = (own, tip) if tip in ("", commit, task.get("pushed_commit")) else _remote_branch(mirror, task)
+    note = (f"git worktree of this worker's mirror of {task['repo']}, kept by an earlier attempt whose push "
+            "failed; pushed again without running the agent")
+    return Workspace("worktree", path, path, mirror, branch, task["result"].get("base_commit") or task.get("base_commit"),
+                     note=note, remote=task["repo"], push_lease=lease)
+
+
+def push_command(worktree: str, remote: str, branch: str) -> str:
+    """The command a person runs to push a kept worktree's commit to ``remote`` as ``branch``
+    (quoted: see task_store.shell_command)."""
+    return store.shell_command("git", "-C", worktree, "push", remote, f"HEAD:refs/heads/{branch}")
 
 
 def push_branch(ws: Workspace, commit: str) -> str:
@@ -814,7 +888,7 @@ def _leftover(path: str, problems: list[str]) -> str | None:
     why = "; ".join(dict.fromkeys(problems))[:400] or "unknown"
     return (f"{path} could not be removed: {len(left)}{'+' if len(left) > 1000 else ''} entries left "
             f"({sample}); errors: {why}. Fix the permissions and remove it "
-            f"(chmod -R u+rwx {path} && rm -rf {path}), or run clear --remove-worktrees again")
+            f"({store.shell_command('chmod', '-R', 'u+rwx', path)} && {store.shell_command('rm', '-rf', path)}), or run clear --remove-worktrees again")
 
 
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
@@ -1083,13 +1157,23 @@ def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, re
     worktrees (branches always stay). A task whose worktree is still on disk stays in the queue
     unless ``remove_worktrees`` removes it first (the queue is what knows the worktree: a cleared
     task's worktree could never be found again), and so does one whose worktree could not be
-    removed; the problem says what is left. Returns (removed tasks, ``{"logs_removed": n,
-    "worktrees_removed": [paths], "kept_for_worktrees": [ids], "problems": [text]}``)."""
+    removed; the problem says what is left. A task whose worktree was kept on another machine
+    (``lease_host`` is not this ``task_store.host_name()`` and its receipt does not say the
+    worktree was removed) stays too, whatever ``remove_worktrees`` says: this disk cannot see or
+    remove it (it may hold a commit that was never pushed). Returns (removed tasks,
+    ``{"logs_removed": n, "worktrees_removed": [paths], "kept_for_worktrees": [ids],
+    "kept_on_hosts": {host: [ids]}, "problems": [text]}``)."""
     only = []
     purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "kept_for_worktrees": [],
-                              "problems": []}
+                              "kept_on_hosts": {}, "problems": []}
+    here = store.host_name()
     for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
         path = task.get("worktree_path")
+        elsewhere = task.get("lease_host") and task["lease_host"] != here
+        if path and elsewhere and not task.get("worktree_removed"):
+            # Its worktree is on the worker's machine, not on this disk: only there can it be judged.
+            purged["kept_on_hosts"].setdefault(task["lease_host"], []).append(task["id"])
+            continue
         if path and os.path.lexists(path):
             if not remove_worktrees:
                 purged["kept_for_worktrees"].append(task["id"])
@@ -1160,10 +1244,11 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     kept = task.get("worktree_path") if task.get("worktree_path") and os.path.isdir(task["worktree_path"]) else None
     commands: dict[str, str] = {}
     if repo and tip:
-        commands = {"log": f"git -C {repo} log -p {base + '..' if base else ''}{branch}",
-                    "switch": f"git -C {repo} switch {branch}",
-                    "worktree": f"git -C {repo} worktree add ../{Path(repo).name}-{task['id']} {branch}",
-                    "apply": f"python tasks_cli.py apply {task['id']}"}
+        sh = store.shell_command
+        commands = {"log": sh("git", "-C", repo, "log", "-p", f"{base + '..' if base else ''}{branch}"),
+                    "switch": sh("git", "-C", repo, "switch", branch),
+                    "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}", branch),
+                    "apply": sh("python", "tasks_cli.py", "apply", task["id"])}
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": tip or None, "base_commit": base, "repo": repo,
             "checkout_branch": git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
@@ -1174,8 +1259,9 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
 def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
     branch, remote = task.get("pushed_branch") or task.get("branch"), task["repo"]
     kept = task.get("worktree_path") if task.get("worktree_path") and os.path.isdir(task["worktree_path"]) else None
-    commands = {"fetch": f"git fetch {remote} {branch}", "log": "git log -p FETCH_HEAD",
-                "switch": f"git switch -c {branch} FETCH_HEAD", "merge": "git merge FETCH_HEAD"} \
+    sh = store.shell_command
+    commands = {"fetch": sh("git", "fetch", remote, branch), "log": "git log -p FETCH_HEAD",
+                "switch": sh("git", "switch", "-c", branch, "FETCH_HEAD"), "merge": "git merge FETCH_HEAD"} \
         if task.get("pushed_branch") else {}
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": task.get("pushed_commit"), "base_commit": task.get("base_commit"), "repo": None,
@@ -1191,7 +1277,7 @@ def remote_work(task: dict[str, Any]) -> str:
     if branch:
         return (f"task {task['id']} worked on the remote {remote}: its branch {branch} was pushed there "
                 f"(commit {str(task.get('pushed_commit'))[:12]}), and there is no checkout of it on this machine. "
-                f"In a clone of that repository: git fetch {remote} {branch} && git merge FETCH_HEAD "
+                f"In a clone of that repository: {store.shell_command('git', 'fetch', remote, branch)} && git merge FETCH_HEAD "
                 "(or open a pull request from the branch)")
     kept = f"; its worktree {task['worktree_path']} is kept" if task.get("worktree_path") else ""
     return (f"task {task['id']} works on the remote {remote} and has pushed no branch there yet "
@@ -1325,11 +1411,11 @@ def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, confl
     restored = git(["rev-parse", "HEAD"], repo, check=False) == before and not \
         git(["status", "--porcelain", "--untracked-files=no"], repo, check=False)
     state = (f"the checkout is as it was (HEAD {before[:12]})" if restored else
-             f"the checkout could NOT be fully restored: check `git -C {repo} status` (HEAD was {before[:12]})")
+             f"the checkout could NOT be fully restored: check `{store.shell_command('git', '-C', repo, 'status')}` (HEAD was {before[:12]})")
     if conflicts:
         shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
         return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "
-                f"Resolve it by hand (git -C {repo} merge {task['branch']}) or retry the task on the current code")
+                f"Resolve it by hand ({store.shell_command('git', '-C', repo, 'merge', task['branch'])}) or retry the task on the current code")
     reason = str(exc).split("failed: ", 1)[-1].strip().replace("\n", " ")[:500]
     return f"git refused to apply task {task['id']} ({mode} of {task['branch']}): {reason}; {state}"
 

@@ -293,17 +293,26 @@ def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, 
     assert run_script("worker.py").returncode == 0
     assert len(opencode.model.step_requests("refused")) == steps, "the agent ran once"
     assert task_store.get_task(task["id"])["status"] == "failed"
-    # A retry never throws away the only copy of that work: it is refused, naming the commit.
+    # The task is pinned to the machine holding the commit: a worker elsewhere never takes its retry.
+    assert failed["host"] == failed["lease_host"] == task_store.host_name()
     task_store.retry_task(task["id"])
+    assert run_script("worker.py", env=os.environ | {"TASKBRIDGE_HOST": "elsewhere"}).returncode == 0
+    assert task_store.get_task(task["id"])["status"] == "pending"
+    # There, a retry pushes the kept commit again, never the agent; refused again, it fails the same way.
     assert run_script("worker.py").returncode == 0
     again = task_store.get_task(task["id"])
-    assert again["status"] == "failed" and f"holds commit {receipt['commit'][:12]}, which was never pushed" in again["error"]
+    assert again["status"] == "failed" and "failed again: " in again["error"] and "policy" in again["error"]
     assert len(opencode.model.step_requests("refused")) == steps and (Path(kept) / "hello.txt").exists()
-    # The way out it names works once the remote takes it.
+    # The push command it names is the one a person can paste.
+    assert worktrees.push_command(kept, str(remote), "taskbridge/t_0001") in again["error"]
+    # Once the remote takes it, a retry pushes it and the task is done with the first run's receipt.
     hook.unlink()
-    subprocess.run(["git", "-C", kept, "push", str(remote), "HEAD:refs/heads/taskbridge/t_0001"], check=True,
-                   capture_output=True)
-    assert git(remote, "rev-parse", "taskbridge/t_0001") == receipt["commit"]
+    task_store.retry_task(task["id"])
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert git(remote, "rev-parse", "taskbridge/t_0001") == receipt["commit"] == done["pushed_commit"]
+    assert len(opencode.model.step_requests("refused")) == steps, "the agent ran once in all"
 
 
 def _pass_fails_before_the_agent(task: dict) -> dict:
@@ -363,7 +372,7 @@ def test_the_mirror_is_cloned_once_then_fetched_under_its_lock(remote, tmp_path)
     url = f"file://{remote}"
     path, cloned = worktrees.sync_mirror(url)
     assert cloned and path == worktrees.mirror_path(url)
-    assert path.name == hashlib.sha1(url.encode()).hexdigest() + ".git"
+    assert path.name == hashlib.sha1(str(remote.resolve()).encode()).hexdigest() + ".git"
     seed = tmp_path / "seed"
     (seed / "new.txt").write_text("new\n")
     git(seed, "add", "-A")
@@ -557,3 +566,231 @@ def test_an_unusable_mirror_folder_fails_the_task_naming_the_knob(remote, tmp_pa
     assert failed["status"] == "failed" and failed["attempts"] == 1
     assert "point TASKBRIDGE_MIRROR_DIR at a writable folder" in failed["error"]
     assert "internal error" not in failed["error"]
+
+
+# ------------------------------------------------------------------------------------------
+# Found by a fresh user: printed commands, another host's kept work, clear elsewhere, echoed
+# secrets, mirror keys.
+
+HOSTILE = "q$(touch${IFS}PWNED)`touch${IFS}PWNED2`;touch${IFS}PWNED3|x'y"
+
+
+def _pushed_task(repo: str, branch_tip: str) -> dict:
+    task = submit(repo=repo)
+    claimed = task_store.claim_next("worker:x:1", task_id=task["id"])
+    task_store.renew_lease(task["id"], claimed["run_marker"], branch=f"taskbridge/{task['id']}",
+                           pushed_branch=f"taskbridge/{task['id']}", pushed_commit=branch_tip)
+    return task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok", "commit": branch_tip})
+
+
+def _run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A printed command line pasted into a shell, as a person would."""
+    return subprocess.run(["sh", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_every_printed_command_quotes_a_hostile_repository_path(tmp_path, store_backend):
+    """A repo path holding $(...), backticks, ';', '|' and a quote: each command TaskBridge prints
+    for a person to paste (branch, apply, diff, the push refusal, a kept worktree's refusal, a
+    local task's branch commands) is one literal argument per value, and pasting it runs nothing."""
+    from worktrees import Workspace
+    seed = make_repo(tmp_path / "seed", {"README.md": "# r\n"})
+    bare = tmp_path / f"{HOSTILE}.git"
+    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
+    git(seed, "push", "-q", str(bare), "main:refs/heads/taskbridge/t_0001")
+    tip = git(bare, "rev-parse", "taskbridge/t_0001")
+    task = _pushed_task(str(bare), tip)
+    assert task["repo"] == str(bare.resolve())
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(seed), str(clone))
+    info = worktrees.branch_info(task)
+    printed = [info["commands"]["fetch"], info["commands"]["switch"], worktrees.remote_work(task)]
+    shown = run_script("tasks_cli.py", "branch", task["id"], env=os.environ | {"COLUMNS": "1000"})
+    assert shown.returncode == 0 and info["commands"]["fetch"] in shown.stdout, shown.stdout
+    refused = run_script("tasks_cli.py", "apply", task["id"], env=os.environ | {"COLUMNS": "1000"})
+    assert refused.returncode != 0 and info["commands"]["fetch"] in refused.stderr.replace("\n", "")
+    ws = Workspace("worktree", str(tmp_path / f"wt{HOSTILE}"), str(tmp_path / f"wt{HOSTILE}"), str(bare),
+                   "taskbridge/t_0001", tip, remote=str(bare))
+    printed.append(worktrees.push_command(ws.top, ws.remote, ws.branch))
+    assert shlex_split_one(printed[-1]) == ["git", "-C", ws.top, "push", str(bare), "HEAD:refs/heads/taskbridge/t_0001"]
+    assert shlex_split_one(info["commands"]["fetch"]) == ["git", "fetch", str(bare), "taskbridge/t_0001"]
+    # The fetch line, pasted in a clone of one's own, fetches the branch and runs nothing else.
+    done = _run_printed(info["commands"]["fetch"], clone)
+    assert done.returncode == 0, done.stderr
+    assert git(clone, "rev-parse", "FETCH_HEAD") == tip
+    paste = worktrees.remote_work(task).split("In a clone of that repository: ", 1)[1].split(" (or open", 1)[0]
+    assert _run_printed(paste, clone).returncode == 0
+    # A local checkout with such a name: branch's commands are quoted as well.
+    local = make_repo(tmp_path / f"co{HOSTILE}", {"b.txt": "b\n"})
+    git(local, "branch", "taskbridge/t_0009")
+    commands = worktrees.branch_info({"id": "t_0009", "repo": None, "working_dir": str(local),
+                                       "branch": "taskbridge/t_0009", "base_commit": None})["commands"]
+    assert shlex_split_one(commands["switch"]) == ["git", "-C", str(local), "switch", "taskbridge/t_0009"]
+    assert _run_printed(commands["log"], tmp_path).returncode == 0
+    # The worker's message for a refused push names the same quoted command.
+    text = task_store.shell_command("git", "-C", ws.top, "add", "-A")
+    assert shlex_split_one(text) == ["git", "-C", ws.top, "add", "-A"]
+    for name in ("PWNED", "PWNED2", "PWNED3"):
+        assert not any(p.name == name for p in tmp_path.rglob(name)), f"pasting a printed command ran {name}"
+
+
+def shlex_split_one(command: str) -> list[str]:
+    import shlex
+    return shlex.split(command)
+
+
+def test_a_kept_remote_worktrees_refusal_prints_quoted_commands(tmp_path):
+    seed = make_repo(tmp_path / "seed", {"README.md": "# r\n"})
+    bare = tmp_path / f"{HOSTILE}.git"
+    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
+    task = submit(repo=str(bare))
+    claimed = task_store.claim_next("me")
+    ws = worktrees.prepare_workspace(claimed, False)
+    (Path(ws.top) / "work.txt").write_text("work\n")
+    commit = worktrees.commit_changes(ws, "work")
+    with pytest.raises(worktrees.Unrunnable) as caught:
+        worktrees._refuse_unpushed(ws.repo, Path(ws.top), claimed | {"branch": ws.branch}, ws.base_commit)
+    said = str(caught.value)
+    push = said.split("push it (", 1)[1].split(") or remove", 1)[0]
+    assert shlex_split_one(push) == ["git", "-C", ws.top, "push", str(bare.resolve()),
+                                     f"HEAD:refs/heads/{ws.branch}"]
+    assert _run_printed(push, tmp_path).returncode == 0
+    assert git(bare, "rev-parse", ws.branch) == commit
+    assert not list(tmp_path.rglob("PWNED*"))
+
+
+def _failed_push_on(host: str, remote, monkeypatch) -> tuple[dict, str]:
+    """A task on ``remote`` whose run on ``host`` committed but whose push was refused, as the
+    worker records it (receipt with the commit, worktree kept, host pinned)."""
+    task = submit(repo=str(remote), max_retries=2)
+    claimed = _claim_as(host, monkeypatch)
+    ws = worktrees.prepare_workspace(claimed, False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch,
+                           base_commit=ws.base_commit)
+    (Path(ws.top) / "work.txt").write_text("the agent's work\n")
+    commit = worktrees.commit_changes(ws, "taskbridge t_0001: work")
+    receipt = {"summary": "did the work", "commit": commit, "worktree_kept": True,
+               "bookkeeping_error": "the agent finished, but the push failed: refused"}
+    failed = task_store.fail_attempt(task["id"], claimed["run_marker"], receipt["bookkeeping_error"],
+                                     retryable=False, result=receipt, diff="the diff\n", pin_host=True)
+    return failed, commit
+
+
+def test_a_retry_after_a_refused_push_runs_only_on_the_host_holding_the_commit(remote, monkeypatch, store_backend):
+    failed, commit = _failed_push_on("b", remote, monkeypatch)
+    assert failed["status"] == "failed" and failed["host"] == "b" and failed["lease_host"] == "b"
+    note = worktrees.unpushed_note(failed)
+    assert f"commit {commit[:12]} was never pushed" in note and "on host b" in note
+    again = task_store.retry_task(failed["id"])
+    assert again["host"] == "b", "the retry keeps the pin"
+    monkeypatch.setenv("TASKBRIDGE_HOST", "a")
+    assert task_store.claim_next("worker:a:1") is None, "host a has not the commit: it never takes the task"
+    shown = run_script("tasks_cli.py", "show", failed["id"], env=os.environ | {"COLUMNS": "400"})
+    assert "on host b" in shown.stdout and "was never pushed" in shown.stdout
+
+
+def test_the_holding_hosts_worker_pushes_the_kept_commit_without_running_the_agent(remote, monkeypatch):
+    hook = remote / "hooks" / "pre-receive"
+    hook.write_text("#!/bin/sh\necho 'policy: protected' >&2\nexit 1\n")
+    hook.chmod(0o755)
+    failed, commit = _failed_push_on("b", remote, monkeypatch)
+    task_store.retry_task(failed["id"])
+    monkeypatch.setenv("TASKBRIDGE_HOST", "b")
+    monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")   # the agent must not be needed
+    claimed = task_store.claim_next("worker:b:1")
+    refused = worker.run_task(claimed, worker.Knobs())
+    assert refused["status"] == "failed" and "failed again: " in refused["error"] and "policy: protected" in refused["error"]
+    assert refused["host"] == "b" and refused["result"]["commit"] == commit and refused["attempts"] == 2
+    assert os.path.isdir(failed["worktree_path"]) and _bare_branches(remote) == ["main"]
+    hook.unlink()
+    task_store.retry_task(failed["id"])
+    done = worker.run_task(task_store.claim_next("worker:b:1"), worker.Knobs())
+    assert done["status"] == "done", done["error"]
+    assert done["pushed_commit"] == commit and done["pushed_branch"] == "taskbridge/t_0001"
+    assert git(remote, "rev-parse", "taskbridge/t_0001") == commit
+    assert "the agent was not run again" in done["result"]["pushed_again"]
+    assert done["result"]["summary"] == "did the work" and done["diff"] == "the diff\n"
+    assert "bookkeeping_error" not in done["result"] and not os.path.exists(failed["worktree_path"])
+
+
+def test_clear_on_another_host_keeps_tasks_whose_worktrees_were_kept_there(remote, monkeypatch, store_backend):
+    failed, _ = _failed_push_on("a", remote, monkeypatch)
+    other = submit(repo=str(remote))
+    claimed = _claim_as("a", monkeypatch)
+    task_store.renew_lease(other["id"], claimed["run_marker"], worktree_path="/on/host/a/keep-t_0002")
+    task_store.complete_attempt(other["id"], claimed["run_marker"], result={"summary": "kept", "worktree_removed": False})
+    gone = submit(repo=str(remote))
+    claimed = _claim_as("a", monkeypatch)
+    task_store.renew_lease(gone["id"], claimed["run_marker"], worktree_path="/on/host/a/gone-t_0003")
+    task_store.complete_attempt(gone["id"], claimed["run_marker"], result={"summary": "ok", "worktree_removed": True})
+    monkeypatch.setenv("TASKBRIDGE_HOST", "c")
+    removed, purged = worktrees.clear_finished(remove_worktrees=True)
+    assert [t["id"] for t in removed] == [gone["id"]], "only the task whose worktree is known to be gone"
+    assert {h: sorted(ids) for h, ids in purged["kept_on_hosts"].items()} == {"a": sorted([failed["id"], other["id"]])}
+    assert os.path.isdir(failed["worktree_path"]), "another host's folder is never touched"
+    said = run_script("tasks_cli.py", "clear", "--yes", "--remove-worktrees", env=os.environ | {"COLUMNS": "400"})
+    assert said.returncode == 0
+    assert "Kept 2 task(s) whose worktrees were kept on host a" in said.stderr and "run clear on a" in said.stderr
+    assert "not even with --remove-worktrees" in said.stderr
+    assert {t["id"] for t in task_store.list_tasks()["tasks"]} == {failed["id"], other["id"]}
+
+
+@pytest.mark.parametrize("repo", [
+    "deploy:S3cretPassw0rd@github.com:team/app.git",
+    "https://deploy:S3cretPassw0rd@github.com/team/app.git",
+    "https://S3cretPassw0rd@github.com/team/app.git",
+    "https://deploy:S3cretPassw0rd@github.com:team/app.git",
+    "ssh://deploy:S3cretPassw0rd@-bad/x.git",
+    "ftp://deploy:S3cretPassw0rd@github.com/x.git",
+    "https://github.com/team/app.git?token=S3cretPassw0rd",
+    "deploy:S3cretPassw0rd @github.com:team/app.git",
+    "-deploy:S3cretPassw0rd@github.com:team/app.git",
+    "/nonexistent/deploy:S3cretPassw0rd@x.git",
+])
+def test_a_refused_repo_never_echoes_its_credentials(repo):
+    with pytest.raises(task_store.ValidationError) as caught:
+        submit(repo=repo)
+    assert "S3cret" not in str(caught.value) and "repo" in str(caught.value), str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_mcp_refuses_a_repo_with_a_password_without_echoing_or_logging_it(caplog):
+    import logging
+    import opencode_bridge_mcp as bridge
+    from mcp import Client
+    from mcp.types import Implementation
+    caplog.set_level(logging.DEBUG)
+    async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
+        refused = await c.call_tool("submit_task", {"title": "t", "instructions": "i",
+                                                    "repo": "deploy:S3cretPassw0rd@github.com:team/app.git"})
+    assert refused.is_error and "'***@github.com:team/app.git'" in refused.content[0].text, refused.content[0].text
+    assert "S3cret" not in refused.content[0].text and "S3cret" not in caplog.text
+
+
+def test_a_relative_mirror_dir_is_refused_naming_the_knob(remote, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", "relmirrors")
+    with pytest.raises(worktrees.Unrunnable, match="TASKBRIDGE_MIRROR_DIR='relmirrors' is a relative path"):
+        worktrees.sync_mirror(str(remote))
+    task = submit(repo=str(remote), model="fake/model", max_retries=3)
+    failed = _pass_fails_before_the_agent(task)
+    assert failed["status"] == "failed" and failed["attempts"] == 1 and "relative path" in failed["error"]
+    assert not (tmp_path / "relmirrors").exists()
+    monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", "~/mirrors-here")
+    assert worktrees.mirror_dir() == Path.home() / "mirrors-here"
+
+
+def test_one_local_repository_has_one_mirror_however_it_is_named(remote):
+    names = [f"file://{remote}", f"file://{remote.parent}/./{remote.name}", str(remote), f"{remote}/",
+             f"file://{str(remote).replace('remote', 'rem%6fte')}"]
+    assert len({worktrees.mirror_path(name) for name in names}) == 1
+    first, cloned = worktrees.sync_mirror(names[0])
+    again, cloned_again = worktrees.sync_mirror(names[2])
+    assert cloned and not cloned_again and first == again
+
+
+def test_list_json_carries_the_pushed_commit(remote, store_backend):
+    task = _pushed_task(str(remote), "ab" * 20)
+    listed = run_script("tasks_cli.py", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    row = next(t for t in json.loads(listed.stdout)["tasks"] if t["id"] == task["id"])
+    assert row["pushed_commit"] == "ab" * 20 and row["pushed_branch"] == "taskbridge/t_0001"
