@@ -1022,10 +1022,24 @@ class PgConnection:
         self._errors = type(raw).OperationalError if hasattr(type(raw), "OperationalError") else Exception
 
     def execute(self, sql: str, params: Any = ()) -> Any:
+        idle = self.raw.pgconn.transaction_status == 0   # IDLE: no transaction of ours to lose
+        try:
+            return self.raw.execute(pg_sql(sql), params)
+        except self._errors as exc:
+            if not (idle and self._retryable(sql)):
+                raise self._lost(exc) from None
+        # The server dropped the connection (a restart, an idle timeout) before a statement that
+        # had nothing to lose: a read outside a transaction, or the BEGIN opening one. Log in
+        # again and run it once more, instead of failing this call (a lease renewal, say).
+        self.raw = _pg_open(self.url)
         try:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
             raise self._lost(exc) from None
+
+    def _retryable(self, sql: str) -> bool:
+        # Only a statement that cannot have changed anything: a SELECT, or a BEGIN (with the lock).
+        return (self.raw.broken or self.raw.closed) and sql.lstrip()[:6].upper() in ("SELECT", "BEGIN", "BEGIN;")
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> None:
         try:
@@ -1075,25 +1089,31 @@ class PgConnection:
             raise self._lost(exc) from None
 
 
-def _pg_connect(url: str) -> PgConnection:
-    """A new migrated PostgreSQL connection. Raises DatabaseUnavailable."""
+def _pg_open(url: str) -> Any:
+    """A new psycopg connection set up for the store (autocommit, rows, NUL-free text, the lock
+    timeout). Raises DatabaseUnavailable."""
     psycopg = _psycopg()
     try:
         raw = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_SEC,
                               row_factory=_pg_rows, application_name="taskbridge")
+        raw.prepared_max = 256
+        raw.adapters.register_dumper(str, _nul_free_dumper())
+        raw.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_SEC * 1000):d}")
     except (psycopg.Error, ValueError) as exc:
         raise _unavailable(url, exc) from None
-    raw.prepared_max = 256
-    raw.adapters.register_dumper(str, _nul_free_dumper())
-    conn = PgConnection(raw, url)
+    return raw
+
+
+def _pg_connect(url: str) -> PgConnection:
+    """A new migrated PostgreSQL connection. Raises DatabaseUnavailable."""
+    conn = PgConnection(_pg_open(url), url)
     try:
-        conn.execute(f"SET lock_timeout = {int(PG_LOCK_TIMEOUT_SEC * 1000):d}")
         _pg_migrate(conn)
-    except psycopg.Error as exc:   # e.g. a role that may not create tables, a statement_timeout in the URL
-        raw.close()
+    except _psycopg().Error as exc:   # e.g. a role that may not create tables, a statement_timeout in the URL
+        conn.close()
         raise _unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None), "")) from None
     except BaseException:
-        raw.close()
+        conn.close()
         raise
     return conn
 

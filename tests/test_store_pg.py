@@ -193,14 +193,26 @@ def test_missing_psycopg_is_one_line_with_the_way_out(monkeypatch):
     assert "s3cr3t" not in str(caught.value) and "postgresql://bob@db.example:5432/queue" in str(caught.value)
 
 
-def test_a_lost_connection_is_reopened_on_the_next_call(pg_server, pg, tmp_path):
-    store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
-    pid = store._kept().raw.info.backend_pid
-    pg_server.execute(f"SELECT pg_terminate_backend({pid})")
-    time.sleep(0.1)
+def test_a_dropped_connection_is_reopened_without_failing_the_call(pg_server, pg, tmp_path):
+    task = store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    claimed = store.claim_next("w")
+
+    def drop() -> int:
+        pid = store._kept().raw.info.backend_pid
+        pg_server.execute(f"SELECT pg_terminate_backend({pid})")   # as a server restart would
+        time.sleep(0.1)
+        return pid
+
+    first = drop()
+    assert store.counts()["running"] == 1                    # a read: logged in again, run once more
+    second = drop()
+    store.renew_lease(task["id"], claimed["run_marker"])     # a write: its BEGIN is run again
+    assert len({first, second, store._kept().raw.info.backend_pid}) == 3
+    store._kept().execute("BEGIN")                          # but never inside a transaction
+    drop()
     with pytest.raises(store.DatabaseUnavailable, match="cannot use the PostgreSQL queue"):
-        store.counts()
-    assert store.counts()["pending"] == 1      # a new connection
+        store._kept().execute("SELECT 1")
+    assert store.get_task(task["id"])["status"] == "running"   # the next call has a new connection
 
 
 def test_doctor_reports_the_server_or_the_way_out(pg, monkeypatch):
