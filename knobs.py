@@ -17,6 +17,7 @@ Env: the numeric knobs of REGISTRY; TASK_DB_URL (the database switch, checked by
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -67,14 +68,41 @@ def knob(name: str) -> float:
     return _read(name, kind, default, lo, hi)
 
 
+# The stale limit against the lease renewal: a worker requeues a running task whose heartbeat is
+# older than WORKER_STALE_SEC, and a live worker renews it every WORKER_LEASE_SEC. Heartbeats are
+# stored to the second, a renewal is a database round trip that may wait behind the write lock
+# (seconds on a loaded queue), and an unchanged worker row is refreshed every 5 s: a limit under
+# ten renewals, or under STALE_FLOOR_SEC, requeues (and runs twice) tasks whose worker is alive.
+STALE_LEASES_MIN = 10
+STALE_FLOOR_SEC = 10.0
+
+
+def stale_problem() -> str | None:
+    """Why WORKER_STALE_SEC is too short for WORKER_LEASE_SEC (one line naming both), or None.
+    Raises KnobError when either is not a number in its range."""
+    stale, lease = knob("WORKER_STALE_SEC"), knob("WORKER_LEASE_SEC")
+    least = max(STALE_FLOOR_SEC, STALE_LEASES_MIN * lease)
+    if stale >= least:
+        return None
+    return (f"WORKER_STALE_SEC={stale:g} is below {least:g} s ({STALE_LEASES_MIN} x WORKER_LEASE_SEC={lease:g}, "
+            f"and at least {STALE_FLOOR_SEC:g} s): workers would requeue tasks whose worker is alive; raise "
+            f"WORKER_STALE_SEC (default {REGISTRY['WORKER_STALE_SEC'][1]:g}) or lower WORKER_LEASE_SEC")
+
+
 def problems(names: tuple[str, ...] | None = None) -> list[str]:
-    """One message per registered knob (or per one of ``names``) whose value is refused."""
+    """One message per registered knob (or per one of ``names``) whose value is refused, then
+    (when both are fine and checked) a WORKER_STALE_SEC too short for WORKER_LEASE_SEC
+    (``stale_problem``)."""
     out = []
-    for name in names or tuple(REGISTRY):
+    names = names or tuple(REGISTRY)
+    for name in names:
         try:
             knob(name)
         except KnobError as exc:
             out.append(str(exc))
+    if not out and "WORKER_STALE_SEC" in names:
+        with contextlib.suppress(KnobError):
+            out += [problem for problem in [stale_problem()] if problem]
     return out
 
 

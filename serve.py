@@ -1,7 +1,9 @@
 """Run TaskBridge in the foreground: the MCP server (streamable-http at /mcp, sse at /sse), the
 board and /api on 127.0.0.1, and a worker in --watch beside it; with a tunnel, a public URL in
 front. One line per task event; one Ctrl-C stops all of it (a task in hand is handed back to the
-queue without spending a retry).
+queue without spending a retry). A worker that stops by itself is started again (after 5 s,
+doubling to 60 s while it keeps stopping at once) while the server and the board serve on; the
+server or the tunnel stopping stops everything.
 
     .venv/bin/python serve.py [--port 8765] [--tunnel none|cloudflare|ngrok|auto] [--rotate] [--db URL]
     .venv/bin/python serve.py --setup-only [--rotate] [--write-claude-desktop]
@@ -49,6 +51,10 @@ TUNNEL_WAIT_SEC = 30
 HEALTH_WAIT_SEC = 30
 STOP_GRACE_SEC = 20
 WORKER_RETRY_SEC = 30    # a worker that found the queue's lock taken tries again after this
+# A worker that stopped by itself (status not 0) is started again after the first wait, doubled
+# after each exit that came within WORKER_SETTLED_SEC of its start, up to the second (seconds).
+WORKER_RESTART_SEC = (5, 60)
+WORKER_SETTLED_SEC = 60
 # The worker prints its own line when it claims and ends a task; these come from elsewhere.
 SHOWN_KINDS = ("submitted", "answered", "cancelled", "note")
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -457,11 +463,11 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
         with contextlib.suppress(OSError):   # for `tasks_cli.py connect` while this runs
             write_private(connectors.public_url_file(), f"https://{host}\n")
     print(connector_box(port, token, host), file=sys.stderr, flush=True)
-    status, worker_again = 0, None
+    status, worker_again, started_at, pause = 0, None, time.monotonic(), WORKER_RESTART_SEC[0]
     while not sup.stop_asked.wait(1.0):
         cursor = print_events(cursor)
         if worker_again is not None and time.monotonic() >= worker_again:
-            worker_again = None
+            worker_again, started_at = None, time.monotonic()
             sup.start("worker", worker_argv, env)
         ended = sup.first_exit()
         if ended and ended == ("worker", 0):
@@ -470,6 +476,16 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
             say(f"the worker exited (another pass holds this queue's lock); trying again in {WORKER_RETRY_SEC} s")
             del sup.children["worker"]
             worker_again = time.monotonic() + WORKER_RETRY_SEC
+        elif ended and ended[0] == "worker":
+            # The worker rides out a database outage itself; should it stop anyway (a bug, a
+            # database that refuses it at start, a kill), the server and the board keep serving
+            # (tasks wait in the queue) and the worker is started again, with back-off.
+            pause = WORKER_RESTART_SEC[0] if time.monotonic() - started_at > WORKER_SETTLED_SEC else pause
+            say(f"the worker stopped by itself (status {ended[1]}); its message is above. The server and the "
+                f"board go on; starting the worker again in {pause} s")
+            del sup.children["worker"]
+            worker_again = time.monotonic() + pause
+            pause = min(pause * 2, WORKER_RESTART_SEC[1])
         elif ended:
             name, code = ended
             say(f"the {name} stopped by itself (status {code}); its message is above. Stopping everything.")

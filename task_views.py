@@ -33,6 +33,9 @@ import task_store as store
 VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
 ROW_TEXT_MAX = 300              # characters of error/question per list row
 WORKER_RECENT_SEC = 180         # a heartbeat younger than this counts as a recent worker (it fires every 60 s)
+# A worker on another host (its pid cannot be checked here) refreshes its row at least every
+# task_store.WORKER_ROW_EVERY_SEC (5 s) while it lives: silent for six of those, it is not online.
+WORKER_ELSEWHERE_SILENT_SEC = 30
 QUIET_STATES = ("stopped", "pass")   # states in which a worker's process may end without dying mid-run
 
 # Task text never reaches a terminal raw (tasks_cli's output, the worker's lines): C0 controls, DEL,
@@ -216,15 +219,17 @@ def cap_json(value: Any, items: int = 100, chars: int = 4000) -> tuple[Any, bool
 _BEAT_KEYS = frozenset(WorkerState.__annotations__) | {"ts", "pid_start"}
 
 
-def worker_label(seen: bool, recent: bool, running: bool | None, died: bool) -> str:
+def worker_label(seen: bool, recent: bool, running: bool | None, died: bool, stopped: bool = False) -> str:
     """The one word a person reads for the worker: ``never seen``, ``gone`` (its process ended
-    mid-run), ``stopped`` (it ended cleanly: after a one-pass run or a Ctrl-C), ``online`` (its
-    heartbeat is recent and its process runs, or it runs on another host) or ``stale``."""
+    mid-run), ``stopped`` (it ended cleanly: after a one-pass run or a Ctrl-C; ``stopped``: it
+    said so, which is all a reader on another host can know), ``online`` (its heartbeat is
+    recent and its process runs, or it runs on another host) or ``stale`` (silent: see
+    ``judge_worker``)."""
     if not seen:
         return "never seen"
     if died:
         return "gone"
-    if running is False:
+    if running is False or (stopped and not running):
         return "stopped"
     return "online" if recent else "stale"
 
@@ -248,7 +253,9 @@ def workers_state() -> list[dict[str, Any]]:
 
 def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     """One heartbeat (a ``list_workers`` row or ``read_worker_heartbeat``), judged (WorkerState):
-    ``recent`` when younger than 180 s, ``pid_running`` (None when it was written on another
+    ``recent`` when younger than 180 s (WORKER_RECENT_SEC) for a worker on this host, whose
+    process is checked, and 30 s (WORKER_ELSEWHERE_SILENT_SEC) for one on another host, which
+    refreshes its row every 5 s while it lives; ``pid_running`` (None when it was written on another
     host), ``died`` when its process is gone although it was not stopped or between passes,
     ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
     field the worker wrote (an ``error``, for one). None: no worker ever reported."""
@@ -261,7 +268,8 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                            "`python worker.py --watch`, or the restart_worker tool"}
     running = beat["pid_running"]
     age = beat.get("age_sec")
-    recent = age is not None and age <= WORKER_RECENT_SEC
+    silent_after = WORKER_RECENT_SEC if running is not None else WORKER_ELSEWHERE_SILENT_SEC
+    recent = age is not None and age <= silent_after
     state = beat.get("state")
     tasks = beat.get("tasks")
     tasks = tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t]
@@ -277,16 +285,18 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if beat.get("budget"):
         summary += f"; claims nothing new: {beat['budget']}"
-    if not recent:
+    if running is None and state == "stopped":
+        summary += "; it said it stopped"
+    elif not recent:
         summary += (f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker "
                     "starts a pass" if running is not None else
-                    f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the worker on {beat.get('host')} still running?")
+                    f"; no heartbeat for over {silent_after} s: is the worker on {beat.get('host')} still running?")
     return {"seen": True, "name": beat.get("name"), "state": state, "task": beat.get("task"),
             "tasks": tasks,
             "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
             "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
             "pid_running": running, "recent": recent, "died": died, "summary": summary,
-            "label": worker_label(True, recent, running, died),
+            "label": worker_label(True, recent, running, died, stopped=state == "stopped"),
             "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
 
 

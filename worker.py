@@ -99,6 +99,117 @@ def log(message: str, level: int = talk.NORMAL) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The queue database away for a while (a PostgreSQL restart, a lost network, SQLite's write
+# lock held long): weathered, never a task's failure. The agent keeps running; renewals, ships
+# and the worker's own loop retry with back-off; the outage is said once when it starts and once
+# when it ends; the result of a finished run is written as soon as the database answers (for up
+# to WORKER_STALE_SEC). The fencing still holds: an attempt reaped meanwhile ends with its
+# StaleAttempt when the database answers again.
+
+OUTAGE_BACKOFF_SEC = (0.5, 5.0)   # the first wait before a retry, and the longest (seconds)
+
+
+def db_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` says the queue database is away or busy for now (DatabaseUnavailable,
+    DatabaseBusy, SQLite's "database is locked" / "busy"), not that the task or our code is at fault."""
+    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy)):
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
+class Outage:
+    """This worker's view of the queue database: away since when, back. Said once each way, from
+    the second failed call on: a kept connection that died with a restart fails its first call
+    and reopens on the next, which is no outage to report."""
+    lock = threading.Lock()
+    since: float | None = None   # time.time() of the first failed call of this outage
+    said = False
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> None:
+        with cls.lock:
+            if cls.since is None:
+                cls.since = time.time()
+                return
+            if cls.said:
+                return
+            cls.said = True
+        said = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
+        log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(cls.since))} "
+            f"({said}); retrying (the running agents go on)", talk.QUIET)
+
+    @classmethod
+    def answered(cls) -> None:
+        if cls.since is None:
+            return
+        with cls.lock:
+            since, said, cls.since, cls.said = cls.since, cls.said, None, False
+        if since is not None and said:
+            log(f"queue database reachable again after {time.time() - since:.0f} s; carrying on", talk.QUIET)
+
+
+def backoff(delay: float) -> float:
+    """The next wait after ``delay`` seconds: doubled, at most OUTAGE_BACKOFF_SEC[1]."""
+    return min(max(delay * 2, OUTAGE_BACKOFF_SEC[0]), OUTAGE_BACKOFF_SEC[1])
+
+
+def db(fn: Any, *args: Any, patience: float | None = None, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` (a store call), retried with back-off while the queue database is
+    away (``db_outage``) for up to ``patience`` seconds (default WORKER_STALE_SEC: past it the
+    attempt may be reaped anyway); then, or after a second Ctrl-C, the last error is raised.
+    Any other error (StaleAttempt, TaskNotFound, ...) is raised at once."""
+    patience = knobs.knob("WORKER_STALE_SEC") if patience is None else patience
+    deadline, delay = time.monotonic() + patience, OUTAGE_BACKOFF_SEC[0]
+    while True:
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:
+            if not db_outage(exc) or Flags.stop_now or time.monotonic() + delay > deadline:
+                raise
+            Outage.failed(exc)
+            time.sleep(delay)
+            delay = backoff(delay)
+            continue
+        Outage.answered()
+        return result
+
+
+class Renewal:
+    """A lease's renewals (every WORKER_LEASE_SEC) that ride out an outage: ``due(now)`` says when
+    to try, ``renew()`` tries once (never blocks longer than one store call) and backs off while
+    the database is away. Fields that could not be written yet (the agent's pid) go with the next
+    renewal. Raises StaleAttempt when the attempt was fenced off."""
+
+    def __init__(self, task: dict[str, Any], lease_sec: float) -> None:
+        self.task_id, self.marker, self.lease_sec = task["id"], task["run_marker"], lease_sec
+        self.last = time.monotonic()
+        self.every = lease_sec
+        self.pending: dict[str, Any] = {}
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.every
+
+    def renew(self, **fields: Any) -> bool:
+        """True when renewed (the caller then beats, ships, ...); False while the database is away."""
+        self.last = time.monotonic()
+        self.pending.update(fields)
+        try:
+            store.renew_lease(self.task_id, self.marker, **self.pending)
+        except store.StaleAttempt:
+            raise
+        except Exception as exc:
+            if not db_outage(exc):
+                raise
+            Outage.failed(exc)
+            self.every = backoff(self.every)
+            return False
+        self.pending.clear()
+        self.every = self.lease_sec
+        Outage.answered()
+        return True
+
+
+# --------------------------------------------------------------------------------------------
 # The prompt.
 
 
@@ -233,7 +344,7 @@ class Meter:
         self.stopped: str | None = None
         self.cost = 0.0
         self.tokens = 0
-        self.budget: dict[str, Any] = store.budget_state() if gate_file else {}
+        self.budget: dict[str, Any] = db(store.budget_state) if gate_file else {}
         self.write_gate()
 
     def step(self, stream: oc.EventStream) -> dict[str, Any] | None:
@@ -386,7 +497,7 @@ def spend_limited(task: dict[str, Any]) -> bool:
     """Whether a run needs the spend gate: the task has a limit, or the queue a daily budget."""
     if task.get("max_cost_usd") is not None or task.get("max_tokens") is not None:
         return True
-    state = store.budget_state()
+    state = db(store.budget_state)
     return state["daily_usd"] is not None or state["daily_tokens"] is not None
 
 
@@ -403,7 +514,7 @@ class LogShipper:
         self.task_id, self.log, self.path = task_id, log, store.log_path(task_id)
         self.active = store.logs_in_database()
         self.local = self._size()                            # the file's bytes from before this run stay local
-        self.remote = store.task_log_size(task_id) if self.active else 0
+        self.remote = db(store.task_log_size, task_id) if self.active else 0
         self.failed_at: str | None = None
 
     def _size(self) -> int:
@@ -518,9 +629,9 @@ class Supervisor:
                 pass
 
     def _record_pid(self) -> None:
-        try:
-            store.renew_lease(self.task["id"], self.marker, agent_pid=self.proc.pid,
-                              agent_pid_start=process_tree.start_time(self.proc.pid))
+        self.renewal = Renewal(self.task, self.knobs.lease_sec)
+        try:   # while the database is away, the pid goes with the next renewal that lands
+            self.renewal.renew(agent_pid=self.proc.pid, agent_pid_start=process_tree.start_time(self.proc.pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
@@ -531,7 +642,7 @@ class Supervisor:
         now = time.monotonic()
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         self.deadline = self.deadline_at or now + self.task["timeout_sec"]
-        self.last_activity = self.last_renew = now
+        self.last_activity = now
         self.finished_at: float | None = None
         self.exited_at: float | None = None
         while not self.stop and not self._done():
@@ -549,19 +660,19 @@ class Supervisor:
         knobs = self.knobs
         if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
             self._leave_gate()
-        if now - self.last_renew >= knobs.lease_sec:
-            self.last_renew = now
+        if self.renewal.due(now):
             try:
-                store.renew_lease(self.task["id"], self.marker)
+                renewed = self.renewal.renew()
             except store.StaleAttempt as exc:
                 return self._end(str(exc), superseded=True)
-            Beat.write()
-            self.shipper.ship()
-            if self.meter is not None:
-                self.meter.refresh()
-            if self.courier is not None:
-                self.courier.sync()
-        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX:
+            if renewed:   # while the database is away the agent runs on; the rest waits for it
+                Beat.write()
+                self.shipper.ship()
+                if self.meter is not None:
+                    self.meter.refresh()
+                if self.courier is not None:
+                    self.courier.sync()
+        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and Outage.since is None:
             self.shipper.ship()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
@@ -788,20 +899,19 @@ class Phases:
     def __init__(self, task: dict[str, Any], knobs: Knobs):
         self.task, self.knobs = task, knobs
         self.deadline = time.monotonic() + task["timeout_sec"]
-        self.last_renew = time.monotonic()
+        self.renewal = Renewal(task, knobs.lease_sec)
         self.superseded = self.interrupted = False
         self.agent_ran = False
 
     def check(self) -> str | None:
         now = time.monotonic()
-        if now - self.last_renew >= self.knobs.lease_sec:
-            self.last_renew = now
+        if self.renewal.due(now):
             try:
-                store.renew_lease(self.task["id"], self.task["run_marker"])
+                if self.renewal.renew():   # the database away: git goes on, the renewal is retried
+                    Beat.write()
             except store.StaleAttempt as exc:
                 self.superseded = True
                 return str(exc)
-            Beat.write()
         if Flags.stop_now and not self.agent_ran:
             self.interrupted = True
             return "the worker was told to stop at once"
@@ -849,8 +959,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         Talk.runs(task, model)
         try:
             ws = worktrees.prepare_workspace(task, resume)
-            store.renew_lease(task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
-                              branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
+            db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
+               branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
         except worktrees.GitStopped as exc:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}")
         except worktrees.Unreachable as exc:   # the remote may answer next time: retried
@@ -860,7 +970,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, marker, str(exc))
         try:
-            notes = store.take_notes(task["id"], marker)
+            notes = db(store.take_notes, task["id"], marker)
             snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
             config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
             try:
@@ -884,7 +994,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                                                    for p in oc.undo_housekeeping(config_files)]}
             return _conclude(task, ws, run, model, snapshot, session_note, checkout_before, repo_config, phases)
         except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
-            if run.superseded or run.interrupted or failure_reason(run) is not None:
+            if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
                 raise
             log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
             return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
@@ -898,7 +1008,7 @@ def task_model(task: dict[str, Any]) -> str:
     if task["model"]:
         return task["model"]
     cwd = task["working_dir"] if os.path.isdir(task["working_dir"]) else None
-    choice = oc.default_model(store.default_model(), cwd, cache_file=store.state_path("models.json"))
+    choice = oc.default_model(db(store.default_model), cwd, cache_file=store.state_path("models.json"))
     log(f"{task['id']} runs with {choice.model} (default from {choice.source})", talk.VERBOSE)
     return choice.model
 
@@ -934,7 +1044,7 @@ def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[
         return _run_line(task, ws, knobs, model, notes, env, deadline)
     if not resume:
         return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env, deadline), "new session"
-    current = store.get_task(task["id"])
+    current = db(store.get_task, task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"])
     return (_attempt(task, ws, knobs, model, prompt, None, env, deadline),
             f"{lost}; a new session got the history in its prompt")
@@ -945,7 +1055,7 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[d
     """A follow-up resumes the OpenCode session of the task it continues; a fork resumes a copy
     of it made for its own worktree. Both get the brief as the next message; a session that is
     gone (or cannot be copied) gives way to a new session with the brief."""
-    parent = store.get_task(task["continue_from"] or task["fork_from"])
+    parent = db(store.get_task, task["continue_from"] or task["fork_from"])
     prompt = build_prompt(task, ws, notes, [], parent)
     session, how = task.get("session_id"), f"resumed this task's OpenCode session {task.get('session_id')}"
     if not session and not parent.get("session_id"):
@@ -1138,7 +1248,7 @@ def _push(task: dict, ws: Workspace, receipt: dict) -> None:
     worktrees.push_branch(ws, commit)
     receipt.update(pushed_branch=ws.branch, pushed_commit=commit,
                    pushed=f"{ws.branch} at {commit[:12]} pushed to {ws.remote}")
-    store.renew_lease(task["id"], task["run_marker"], pushed_branch=ws.branch, pushed_commit=commit)
+    db(store.renew_lease, task["id"], task["run_marker"], pushed_branch=ws.branch, pushed_commit=commit)
     log(f"{task['id']} pushed {ws.branch} ({commit[:12]}) to {ws.remote}", talk.VERBOSE)
 
 
@@ -1233,9 +1343,24 @@ def _still_a_checkout(top: str | None) -> bool:
 
 
 def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """Record how the attempt ended (``fn``: complete_attempt, fail_attempt, ...), retried while the
+    queue database is away (``db``: the result of a finished run is never dropped for an outage);
+    None when the attempt was fenced off. A write whose answer was lost to the outage may have
+    landed: its retry then finds the attempt ended as it wrote it, and returns that."""
+    tries = []
+
+    def once(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        tries.append(time.monotonic())
+        return fn(*args, **kwargs)
+
     try:
-        return fn(task["id"], marker, *args, **kwargs)
+        return db(once, task["id"], marker, *args, **kwargs)
     except store.StaleAttempt as exc:
+        if len(tries) > 1:
+            with contextlib.suppress(Exception):
+                current = store.get_task(task["id"])
+                if current["run_marker"] == marker and current["status"] != "running":
+                    return current
         log(str(exc))
         return None
 
@@ -1243,7 +1368,7 @@ def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict
 def _cleanup_superseded(task: dict, ws: Workspace) -> None:
     """A cancelled waiting/running task keeps its branch; its worktree goes unless kept."""
     try:
-        current = store.get_task(task["id"])
+        current = db(store.get_task, task["id"])
     except store.TaskNotFound:
         current = {"status": "gone"}
     if current["status"] == "cancelled" and not task["worktree_keep"]:
@@ -1272,7 +1397,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
                   files: list[str], reverted: list[str], session_note: str) -> dict[str, Any]:
     """The receipt: what git and the event stream showed, beside what the agent says."""
     stream = run.stream
-    current = store.get_task(task["id"])
+    current = db(store.get_task, task["id"])
     if ws.mode == "in-place" and not ws.top:
         files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
                         if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
@@ -1479,9 +1604,14 @@ class Beat:
             cls.state = state or cls.state
             ids = sorted(cls.tasks)
             said = {"budget": cls.budget} if cls.budget else {}
-            store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                          "tasks": ids, "slots": cls.slots, "pid_start": cls.pid_start,
-                                          **said, **extra})
+            try:   # the heartbeat file is written first; the row waits for the database
+                store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
+                                              "tasks": ids, "slots": cls.slots, "pid_start": cls.pid_start,
+                                              **said, **extra})
+            except Exception as exc:
+                if not db_outage(exc):
+                    raise
+                Outage.failed(exc)
 
     @classmethod
     def running(cls, task: dict[str, Any], active: bool) -> None:
@@ -1501,21 +1631,42 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         return 1
     owner, pid, pid_start = worker_identity()
     started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
-    announced = watch and announce_start(watch, slots)   # a one-pass says it once it has work
+    announced, status, delay = False, 0, OUTAGE_BACKOFF_SEC[0]
+    # The loop wakes at least this often, so the worker's row is refreshed every
+    # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
+    nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
         while not Flags.stopping and (max_tasks is None or started < max_tasks):
             Talk.signals(Flags.stopping, Flags.stop_now)
             busy = {f for f in busy if not f.done()}
-            if time.monotonic() - last_reap > (60 if watch else 0):
-                reap(knobs)
-                if watch:
-                    store.checkpoint()
-                last_reap = time.monotonic()
-            Beat.write("running" if busy else "idle" if watch else "pass")
-            mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
-            task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
-            if task is None and len(busy) < slots:
-                budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
+            try:
+                announced = announced or (watch and announce_start(watch, slots))   # a one-pass: once it has work
+                if time.monotonic() - last_reap > (60 if watch else 0):
+                    reap(knobs)
+                    if watch:
+                        store.checkpoint()
+                    last_reap = time.monotonic()
+                Beat.write("running" if busy else "idle" if watch else "pass")
+                mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
+                task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
+                if task is None and len(busy) < slots:
+                    budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
+                Outage.answered()
+                delay = OUTAGE_BACKOFF_SEC[0]
+            except Exception as exc:
+                if not db_outage(exc):
+                    raise
+                Outage.failed(exc)
+                if not watch:   # a one-pass claims nothing more: the tasks in hand ride it out
+                    log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
+                        f"once its {len(busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
+                    status = 1
+                    break
+                end = time.monotonic() + delay   # --watch: wait and try again (a signal stops it)
+                while time.monotonic() < end and not Flags.stopping:
+                    time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+                delay = backoff(delay)
+                continue
             if task is not None:
                 Beat.budget = budget_said = None
                 announced = announced or announce_start(watch, slots)
@@ -1523,21 +1674,26 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                 busy.add(pool.submit(_run_guarded, task, knobs))
                 started += 1
             elif len(busy) >= slots:
-                wait(busy, timeout=knobs.poll_sec, return_when=FIRST_COMPLETED)
+                wait(busy, timeout=nap, return_when=FIRST_COMPLETED)
             elif busy or watch:
                 if not busy and started > trimmed:
                     trimmed = started
                     _give_memory_back()
                 # A submit, an answer or a slot's end records an event: the wait wakes within
                 # milliseconds; the poll is the fallback (back-off ends, no inotify).
-                store.wait_for_change(mark, knobs.poll_sec, knobs.poll_sec)
+                try:
+                    store.wait_for_change(mark, nap, knobs.poll_sec)
+                except Exception as exc:
+                    if not db_outage(exc):
+                        raise
+                    Outage.failed(exc)   # the next turn of the loop backs off
             else:
                 break
         while busy:  # first signal: the tasks in hand finish (a second one ends them at once)
             Talk.signals(Flags.stopping, Flags.stop_now)
             busy = wait(busy, timeout=0.2).not_done
         Talk.signals(Flags.stopping, Flags.stop_now)
-    return 0
+    return status
 
 
 def _say_budget(said: str | None, state: str) -> str | None:
@@ -1555,10 +1711,14 @@ def _say_budget(said: str | None, state: str) -> str | None:
 def announce_start(watch: bool, slots: int) -> bool:
     """The start line: queue, default model (and where it comes from), slots, mode. Returns True."""
     try:
-        choice = oc.default_model(store.default_model(), cache_file=store.state_path("models.json"))
+        choice = oc.default_model(db(store.default_model, patience=0), cache_file=store.state_path("models.json"))
         model = f"{choice.model} (default from {choice.source})"
     except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
         model = f"none ({exc}); tasks that name no model will fail"
+    except Exception as exc:
+        if not db_outage(exc):
+            raise
+        model = "not known yet (the queue database does not answer)"
     Talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
     return True
 
@@ -1580,8 +1740,14 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     try:
         final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
-        log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
-        final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
+        if db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
+            log(f"{task['id']}: gave up writing to the queue database after WORKER_STALE_SEC ({knobs.stale_sec:g} s) "
+                f"of outage ({' '.join(str(exc).split('; check TASK_DB_URL')[0].split())}): the attempt is "
+                "left to the reaper; its worktree and branch are kept", talk.QUIET)
+            final = None
+        else:
+            log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
+            final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
         Beat.running(task, False)
         Talk.ended(task, final, time.monotonic() - began, handed_back=Flags.stop_now)

@@ -8,6 +8,9 @@ connections need the password (scram-sha-256), so URLs carry one as users' do. T
 stopped and its folder removed at the end of the session. Missing binaries or psycopg skip the
 tests that need it; under ``CI=true`` they fail instead (``./install.sh --test`` installs both).
 
+``PgServer.restart(down_sec)`` (``halt`` + ``start``) stops the cluster as ``pg_ctl -m fast stop``
+does and starts it again on the same port: the outage tests use it on the shared server.
+
 ``pg_url`` (per test): a fresh database of its own, made in milliseconds from a template
 (``CREATE DATABASE … TEMPLATE``) migrated once per session when the store speaks PostgreSQL;
 dropped after the test. ``store_backend`` (per test, parametrized ``sqlite`` / ``postgresql``):
@@ -76,6 +79,8 @@ class PgServer:
     admin: Any = None
     migrated: bool = False
     _created: list[str] = field(default_factory=list)
+    argv: list[str] = field(default_factory=list)         # how ``proc`` was started (``start``)
+    popen: dict[str, Any] = field(default_factory=dict)
 
     @property
     def socket_dir(self) -> Path:
@@ -97,6 +102,28 @@ class PgServer:
 
     def drop_database(self, name: str) -> None:
         self.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    def halt(self) -> None:
+        """Stop the server as ``pg_ctl -m fast stop`` does (SIGINT: every session is ended with
+        "terminating connection due to administrator command"), keeping its folder and port."""
+        with contextlib.suppress(Exception):
+            self.admin.close()
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(30)
+
+    def start(self) -> None:
+        """Start a halted server again, on the same port; returns once it takes connections."""
+        log = open(self.folder / "postgres.log", "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=log, **self.popen)
+        log.close()
+        if not _wait_ready(self):
+            raise RuntimeError(f"postgres did not start again: {(self.folder / 'postgres.log').read_text()[-2000:]}")
+
+    def restart(self, down_sec: float) -> None:
+        """``halt``, ``down_sec`` seconds with no server, ``start``."""
+        self.halt()
+        time.sleep(down_sec)
+        self.start()
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
@@ -148,15 +175,14 @@ def start_server() -> PgServer:
     for attempt in range(5):
         port = free_port()
         log = open(folder / "postgres.log", "ab")
-        proc = subprocess.Popen(
-            [str(bindir / "postgres"), "-D", str(folder / "data"), "-h", "127.0.0.1", "-p", str(port),
-             "-k", str(folder / "sock"), "-c", "fsync=off", "-c", "synchronous_commit=off",
-             "-c", "full_page_writes=off", "-c", "max_connections=300", "-c", "shared_buffers=32MB",
-             "-c", "log_min_messages=warning"],
-            cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            start_new_session=True, **run_as)
+        argv = [str(bindir / "postgres"), "-D", str(folder / "data"), "-h", "127.0.0.1", "-p", str(port),
+                "-k", str(folder / "sock"), "-c", "fsync=off", "-c", "synchronous_commit=off",
+                "-c", "full_page_writes=off", "-c", "max_connections=300", "-c", "shared_buffers=32MB",
+                "-c", "log_min_messages=warning"]
+        popen = dict(cwd=folder, env=env, stdin=subprocess.DEVNULL, start_new_session=True, **run_as)
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, **popen)
         log.close()
-        server = PgServer(folder, port, bindir, proc)
+        server = PgServer(folder, port, bindir, proc, argv=argv, popen=popen)
         if _wait_ready(server):
             return server
         if proc.poll() is None:

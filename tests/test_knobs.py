@@ -25,6 +25,32 @@ def test_the_worker_refuses_a_bad_knob_before_it_starts(tmp_path, name, value, r
     assert not (tmp_path / "q").exists(), "nothing was started nor written"
 
 
+@pytest.mark.parametrize("stale,lease", [("0", None), ("5", None), ("9.9", "0.5"), ("50", "10")])
+def test_a_stale_limit_too_short_for_the_lease_is_refused_naming_both(tmp_path, stale, lease):
+    """WORKER_STALE_SEC=0 was accepted, and such a worker requeued other hosts' live tasks a second
+    after their last heartbeat: it must exceed 10 renewals (WORKER_LEASE_SEC) and 10 s."""
+    env = dict(os.environ, WORKER_STALE_SEC=stale, TASK_DB_PATH=str(tmp_path / "q" / "tasks.db"))
+    if lease:
+        env["WORKER_LEASE_SEC"] = lease
+    for script in ("worker.py", "serve.py"):
+        result = run_script(script, *(["--tunnel", "none"] if script == "serve.py" else []),
+                            env=dict(env, MCP_BEARER_TOKEN="t"), timeout=60)
+        assert result.returncode == 2, result.stderr
+        line = [x for x in result.stderr.splitlines() if "WORKER_STALE_SEC" in x]
+        assert len(line) == 1 and "WORKER_LEASE_SEC" in line[0] and f"WORKER_STALE_SEC={stale} is below" in line[0]
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "q").exists(), "nothing was started nor written"
+
+
+def test_a_stale_limit_of_ten_renewals_is_accepted(monkeypatch):
+    import knobs
+    monkeypatch.setenv("WORKER_STALE_SEC", "20")
+    assert knobs.problems() == []
+    monkeypatch.setenv("WORKER_LEASE_SEC", "3")
+    assert "below 30 s" in knobs.problems()[0]
+    assert knobs.problems(("WORKER_SLOTS",)) == [], "only checked with the stale limit"
+
+
 def test_the_worker_refuses_a_negative_max_tasks():
     result = run_script("worker.py", "--max-tasks", "-1", timeout=60)
     assert result.returncode == 2 and "--max-tasks must be 1 or more; got -1" in result.stderr
