@@ -56,8 +56,8 @@ class Check:
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
     checks: list[Callable[[], Check]] = [check_python, check_knobs, check_opencode, lambda: check_model(live),
-                                         check_database, check_worker, check_token, check_server,
-                                         check_reverse_bridge]
+                                         check_database, check_worker, check_leftover_worktrees, check_token,
+                                         check_server, check_reverse_bridge]
     results = []
     for check in checks:
         try:
@@ -206,7 +206,7 @@ def check_database() -> Check:
     detail = (f"{path}: {health['tasks']} task(s), integrity {health['integrity']}, "
               f"journal {health['journal_mode']}{where}")
     if health["integrity"] != "ok":
-        return Check("database", "fail", detail, f"copy what you need, then mv {path} {path}.broken "
+        return Check("database", "fail", detail, f"copy what you need, then {store.shell_command('mv', path, f'{path}.broken')} "
                      "(sqlite3 .recover can salvage rows)")
     if health["journal_mode"] != "wal":
         return Check("database", "warn", detail, "WAL lets readers work during writes; unset TASK_DB_JOURNAL "
@@ -266,6 +266,30 @@ def schedule_line() -> str:
         return "schedule: " + module.status().splitlines()[0]
     except Exception as exc:  # noqa: BLE001 - systemctl/launchctl may be missing or refuse
         return f"schedule: unknown ({exc})"
+
+
+def check_leftover_worktrees() -> Check:
+    """Worktrees of remote tasks left on this machine that the queue no longer points at here
+    (an attempt taken over by another host, a cleared task): listed with the command that
+    removes each; one holding a commit the remote has not is named first (push it or lose it)."""
+    import worktrees
+    try:
+        left = worktrees.leftover_remote_worktrees()
+    except worktrees.Unrunnable as exc:
+        return Check("leftover worktrees", "warn", str(exc), "set TASKBRIDGE_MIRROR_DIR to an absolute path")
+    if not left:
+        return Check("leftover worktrees", "ok", "no worktree of a remote task is left behind on this machine")
+    unpushed = [item for item in left if item["unpushed"]]
+    shown = "; ".join(f"{item['path']} ({item['why']}"
+                      + (f"; holds commit {item['unpushed'][:12]}, on no branch of the remote" if item["unpushed"] else "")
+                      + ")" for item in left[:5])
+    more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+    fix = " ; ".join(item["remove"] for item in left[:5] if not item["unpushed"])
+    if unpushed:
+        fix = (f"push or copy the unpushed commit(s) first (git -C <path> push <repo> HEAD:refs/heads/<branch>), "
+               f"then remove" + (f": {fix}" if fix else " them"))
+    return Check("leftover worktrees", "warn", f"{len(left)} worktree(s) of remote tasks nobody will remove: {shown}{more}",
+                 fix or "remove them")
 
 
 def check_token() -> Check:

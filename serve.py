@@ -267,8 +267,9 @@ def ask_tunnel() -> str:
 def connector_box(port: int, token: str, host: str | None) -> str:
     """The box printed once everything answers: URLs, the token and how to copy it."""
     local = f"http://127.0.0.1:{port}"
-    copy = (f"pbcopy < {token_file()}" if sys.platform == "darwin"
-            else f"xclip -selection clipboard < {token_file()}   (or cat {token_file()})")
+    quoted = store.shell_command(token_file())
+    copy = (f"pbcopy < {quoted}" if sys.platform == "darwin"
+            else f"xclip -selection clipboard < {quoted}   (or {store.shell_command('cat', token_file())})")
     rows = []
     if host:
         rows += [f"MCP connector URL:  https://{host}/mcp", f"SSE (older clients): https://{host}/sse",

@@ -772,6 +772,43 @@ def unpushed_workspace(task: dict[str, Any]) -> Workspace | None:
                      note=note, remote=task["repo"], push_lease=lease)
 
 
+def leftover_remote_worktrees() -> list[dict[str, Any]]:
+    """This machine's worktrees of remote tasks (registered in its mirrors) that the queue no
+    longer points at here: the task is not in this queue (cleared, or another queue's), or its
+    latest attempt ran on another host (the attempt here was taken over after its heartbeat went
+    stale, so nobody removes its folder). Reads only: nothing is removed. Each
+    ``{"path", "mirror", "task_id" (None when the name holds none), "why", "unpushed" (a commit
+    of the worktree the remote has no ref containing, else None), "remove" (the command that
+    removes it, quoted)}``."""
+    root = mirror_dir()
+    here = store.host_name()
+    found: list[dict[str, Any]] = []
+    for mirror in sorted(root.glob("*.git")) if root.is_dir() else []:
+        listing = git(["worktree", "list", "--porcelain"], str(mirror), check=False)
+        for block in listing.split("\n\n"):
+            lines = block.strip().splitlines()
+            if not lines or not lines[0].startswith("worktree ") or "bare" in lines[1:]:
+                continue
+            path = lines[0][len("worktree "):]
+            ident = path.rsplit("-", 1)[-1] if path.rsplit("-", 1)[-1].startswith("t_") else None
+            try:
+                task = store.get_task(ident) if ident else None
+            except (store.TaskNotFound, store.ValidationError):
+                task = None
+            if task is not None and task.get("repo") and mirror_path(task["repo"]) == mirror \
+                    and task.get("lease_host") in (None, here):
+                continue
+            why = ("its task is not in this queue (cleared, or another queue's)" if task is None else
+                   f"{task['id']}'s latest attempt ran on host {task['lease_host']}, not this one ({here})")
+            head = git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False) if os.path.isdir(path) else ""
+            contained = bool(head) and bool(git(["for-each-ref", "--count=1", "--contains", head], str(mirror),
+                                                check=False))
+            found.append({"path": path, "mirror": str(mirror), "task_id": ident, "why": why,
+                          "unpushed": head if head and not contained else None,
+                          "remove": store.shell_command("git", "-C", str(mirror), "worktree", "remove", "--force", path)})
+    return found
+
+
 def push_command(worktree: str, remote: str, branch: str) -> str:
     """The command a person runs to push a kept worktree's commit to ``remote`` as ``branch``
     (quoted: see task_store.shell_command)."""

@@ -42,7 +42,7 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
     assert "FAIL" not in result.stdout
     report = json.loads(doctor("--json").stdout)
     assert report["ok"] is True and [c["name"] for c in report["checks"]] == [
-        "python", "settings", "opencode", "default model", "database", "worker", "token", "mcp server", "reverse bridge"]
+        "python", "settings", "opencode", "default model", "database", "worker", "leftover worktrees", "token", "mcp server", "reverse bridge"]
 
 
 def test_doctor_with_opencode_missing(opencode, monkeypatch, tmp_path):

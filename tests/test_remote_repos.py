@@ -794,3 +794,62 @@ def test_list_json_carries_the_pushed_commit(remote, store_backend):
     assert listed.returncode == 0, listed.stderr
     row = next(t for t in json.loads(listed.stdout)["tasks"] if t["id"] == task["id"])
     assert row["pushed_commit"] == "ab" * 20 and row["pushed_branch"] == "taskbridge/t_0001"
+
+
+def test_the_token_files_hints_quote_its_path(tmp_path, monkeypatch, caplog):
+    """doctor's fix, the server's warning and serve.py's copy line for a token file whose folder
+    name holds shell syntax: each is one literal argument, and pasting the line runs nothing."""
+    import logging
+    import doctor
+    import http_app
+    import serve
+    folder = tmp_path / HOSTILE
+    folder.mkdir()
+    token = folder / "token"
+    token.write_text("t" * 40 + "\n")
+    token.chmod(0o644)
+    monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token))
+    fix = doctor.check_token().fix
+    assert shlex_split_one(fix) == ["chmod", "600", str(token)]
+    caplog.set_level(logging.WARNING)
+    http_app._warn_if_readable(token)
+    assert "run chmod 600 '/" in caplog.text, "the path is quoted (the log line cuts it: a cut quote runs nothing)"
+    box = serve.connector_box(8765, "t" * 40, None)
+    copy = next(line for line in box.splitlines() if "cat " in line).split("(or ", 1)[1].rsplit(")", 1)[0].strip()
+    assert shlex_split_one(copy) == ["cat", str(token)]
+    assert _run_printed(fix, tmp_path).returncode == 0 and _run_printed(copy, tmp_path).returncode == 0
+    assert token.stat().st_mode & 0o077 == 0
+    assert not list(tmp_path.rglob("PWNED*")), "pasting a printed command ran what the path holds"
+
+
+def test_doctor_lists_the_worktree_of_an_attempt_taken_over_by_another_host(remote, tmp_path, monkeypatch, store_backend):
+    import doctor
+    taken = submit(repo=str(remote))
+    mine = submit(repo=str(remote))
+    monkeypatch.setenv("TASKBRIDGE_HOST", "b")
+    first = task_store.claim_next("worker:b:1", task_id=taken["id"])
+    left = worktrees.prepare_workspace(first, False)
+    task_store.renew_lease(taken["id"], first["run_marker"], worktree_path=left.top)
+    current = task_store.claim_next("worker:b:1", task_id=mine["id"])
+    kept = worktrees.prepare_workspace(current, False)
+    task_store.renew_lease(mine["id"], current["run_marker"], worktree_path=kept.top)
+    assert doctor.check_leftover_worktrees().status == "ok", "a running attempt's worktree is not left over"
+    # b's heartbeat went stale: the reaper requeued the attempt and host a took it over.
+    task_store.requeue_attempt(taken["id"], first["run_marker"], "no heartbeat")
+    _claim_as("a", monkeypatch)
+    monkeypatch.setenv("TASKBRIDGE_HOST", "b")
+    check = doctor.check_leftover_worktrees()
+    assert check.status == "warn" and left.top in check.detail and "ran on host a" in check.detail, check.detail
+    assert kept.top not in check.detail and "holds commit" not in check.detail
+    assert _run_printed(check.fix, tmp_path).returncode == 0, check.fix
+    assert not os.path.exists(left.top) and os.path.isdir(kept.top)
+    assert doctor.check_leftover_worktrees().status == "ok"
+    # One holding a commit the remote has not is named, and not in the removal command.
+    (Path(kept.top) / "w.txt").write_text("w\n")
+    commit = worktrees.commit_changes(kept, "w")
+    task_store.clear_finished()   # nothing finished: stays
+    monkeypatch.setenv("TASKBRIDGE_HOST", "c")
+    check = doctor.check_leftover_worktrees()
+    assert f"holds commit {commit[:12]}" in check.detail and "push or copy the unpushed" in check.fix
+    assert kept.top not in check.fix
