@@ -743,7 +743,8 @@ def unpushed_note(task: dict[str, Any]) -> str | None:
     host = task.get("lease_host") or "the machine that ran it"
     return (f"its commit {task['result']['commit'][:12]} was never pushed to {task['repo']}: it is kept in "
             f"{task.get('worktree_path')} on host {host}, so only a worker on {host} takes this task; a retry "
-            "pushes that commit again without running the agent")
+            f"pushes that commit again without running the agent (if {host} is gone for good, that commit is "
+            "lost with it: submit the task anew)")
 
 
 def unpushed_workspace(task: dict[str, Any]) -> Workspace | None:
