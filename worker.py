@@ -344,6 +344,7 @@ class Meter:
         self.stopped: str | None = None
         self.cost = 0.0
         self.tokens = 0
+        self.booked = (0.0, 0)    # (cost, tokens) of this run already in today's spend
         self.budget: dict[str, Any] = db(store.budget_state) if gate_file else {}
         self.write_gate()
 
@@ -357,15 +358,32 @@ class Meter:
         return paused
 
     def add(self, cost: float, tokens: int) -> None:
-        """Meter the run's totals so far (``cost`` USD, ``tokens``), when they grew."""
+        """Meter the run's totals so far (``cost`` USD, ``tokens``), when they grew. What could not
+        be recorded (the queue database away) goes with the next record, or ``settle``'s."""
         if cost <= self.cost and tokens <= self.tokens:
             return
-        try:
-            self.budget = store.record_spend(self.task_id, self.marker, round(cost, 8), tokens,
-                                             max(cost - self.cost, 0.0), max(tokens - self.tokens, 0))
-        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
-            log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
         self.cost, self.tokens = max(cost, self.cost), max(tokens, self.tokens)
+        self._book()
+
+    def settle(self) -> None:
+        """At the run's end: what is still unrecorded is recorded, retried while the queue
+        database is away (``db``), so today's spend misses no step."""
+        if self.cost > self.booked[0] or self.tokens > self.booked[1]:
+            self._book(last=True)
+
+    def _book(self, last: bool = False) -> None:
+        cost, tokens = self.cost, self.tokens
+        args = (self.task_id, self.marker, round(cost, 8), tokens, max(cost - self.booked[0], 0.0),
+                max(tokens - self.booked[1], 0))
+        try:
+            self.budget = db(store.record_spend, *args) if last else store.record_spend(*args)
+        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
+            if db_outage(exc) and not last:
+                Outage.failed(exc)   # said once for the worker; recorded with the next step
+            else:
+                log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
+            return
+        self.booked = (cost, tokens)
 
     def check(self) -> dict[str, Any] | None:
         usd, tokens = self.prior_usd + self.cost, self.prior_tokens + self.tokens
@@ -524,7 +542,9 @@ class LogShipper:
         """Bytes written to the file (flushed) and not shipped yet."""
         return self._size() - self.local if self.active else 0
 
-    def ship(self) -> None:
+    def ship(self, last: bool = False) -> None:
+        """Ship what waits. ``last``: the run's end, after which no ship comes to retry it: while
+        the queue database is away it is retried (``db``, for up to WORKER_STALE_SEC)."""
         if not self.active:
             return
         self.log.flush()
@@ -535,7 +555,8 @@ class LogShipper:
             handle.seek(self.local)
             data = handle.read(end - self.local)
         try:
-            self.remote = store.append_task_log(self.task_id, data, at=self.remote)
+            self.remote = (db(store.append_task_log, self.task_id, data, at=self.remote) if last else
+                           store.append_task_log(self.task_id, data, at=self.remote))
         except store.TaskNotFound:
             self.active = False                              # the task was cleared: nothing to ship to
             return
@@ -598,10 +619,11 @@ class Supervisor:
                 process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
                                        run_stragglers(self.marker, self.queue))
                 self._drain(final=True)
-                self.shipper.ship()
+                self.shipper.ship(last=True)
                 self.result.returncode = self.proc.wait()
                 self._count_held_steps()
                 if self.meter is not None:
+                    self.meter.settle()
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
                 if self.courier is not None:
                     self.courier.close()

@@ -85,7 +85,7 @@ def test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart(o
     monkeypatch.setenv("TASK_DB_URL", pg_url)
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("through-restart", [
-        tool_call("bash", {"command": "sleep 9; echo survived > out.txt", "description": "long step"}),
+        tool_call("bash", {"command": "sleep 4; echo survived > out.txt", "description": "long step"}),
         text("Done.\n" + RECEIPT % ("out.txt", "out.txt"))])
     opencode.model.script("after-restart", [
         tool_call("write", {"filePath": "{cwd}/later.txt", "content": "later\n"}),
@@ -94,11 +94,18 @@ def test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart(o
     first = task_store.submit_task(title="long", instructions="SCRIPT:through-restart", working_dir=str(repo))
     with watching(dict(os.environ), out) as proc:
         deadline = time.monotonic() + 120
-        while not runs_command(proc.pid, "sleep 9"):
+        while not runs_command(proc.pid, "sleep 4"):
             assert proc.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")
             time.sleep(0.2)
         agent = task_store.get_task(first["id"])["agent_pid"]
-        pg_server.restart(down_sec=4)     # the agent's sleep goes on meanwhile
+        # The agent's step goes on while the server is down, and the agent finishes before it is
+        # back: its lease renewals, its log's last ship and its result wait for the database.
+        pg_server.halt()
+        while proc.poll() is None and runs_command(proc.pid, "opencode"):
+            time.sleep(0.2)
+        assert time.monotonic() < deadline + 30
+        time.sleep(2)
+        pg_server.start()
         task = settle(first["id"], 120, proc, out)
         said = out.read_text(errors="replace")
         assert task["status"] == "done", (task, said)
@@ -107,6 +114,7 @@ def test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart(o
         assert task["result"]["summary"] == "wrote out.txt" and "out.txt" in task["diff"]
         assert (repo / "out.txt").exists() is False and task["result"]["commit"], "committed on its branch"
         assert agent and task["agent_pid"] == agent, "the same agent ran on"
+        assert b'"type":"step_finish"' in task_store.read_task_log(first["id"]).replace(b" ", b""), "shipped at last"
         assert "Traceback" not in said and "internal error" not in said, said
         assert said.count("queue database unreachable since") == 1, said
         assert "queue database reachable again" in said, said
@@ -289,3 +297,33 @@ def test_serve_starts_a_worker_that_stopped_by_itself_again_and_keeps_serving(tm
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "".join(lines)
+
+
+def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_at_the_end(tmp_path, monkeypatch):
+    """SQLite's write lock really held by another connection (its wait shortened from 30 s): a
+    step's spend that could not be recorded was dropped from today's spend for good."""
+    import sqlite3
+    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.2)
+    monkeypatch.setattr(worker, "OUTAGE_BACKOFF_SEC", (0.1, 0.2))
+    task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    meter = worker.Meter(claimed, None)
+    monkeypatch.setenv("WORKER_STALE_SEC", "20")   # how long settle may retry
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None, check_same_thread=False)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        meter.add(0.1, 100)                        # locked: not recorded, not lost
+        holder.execute("ROLLBACK")
+        assert task_store.budget_state()["spent_usd"] == 0
+        meter.add(0.3, 300)
+        assert task_store.budget_state()["spent_usd"] == pytest.approx(0.3)
+        holder.execute("BEGIN IMMEDIATE")
+        meter.add(0.5, 500)
+        threading.Timer(0.8, lambda: holder.execute("ROLLBACK")).start()
+        meter.settle()                             # the run's end: retried until the lock is free
+        assert task_store.budget_state()["spent_usd"] == pytest.approx(0.5)
+        assert task_store.budget_state()["spent_tokens"] == 500
+    finally:
+        time.sleep(0.9)
+        holder.close()
+        worker.Outage.since, worker.Outage.said = None, False
