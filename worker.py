@@ -1653,7 +1653,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         return 1
     owner, pid, pid_start = worker_identity()
     started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
-    announced, status, delay = False, 0, OUTAGE_BACKOFF_SEC[0]
+    announced, status, delay, failures = False, 0, OUTAGE_BACKOFF_SEC[0], 0
     # The loop wakes at least this often, so the worker's row is refreshed every
     # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
     nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
@@ -1674,12 +1674,13 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                 if task is None and len(busy) < slots:
                     budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
                 Outage.answered()
-                delay = OUTAGE_BACKOFF_SEC[0]
+                delay, failures = OUTAGE_BACKOFF_SEC[0], 0
             except Exception as exc:
                 if not db_outage(exc):
                     raise
                 Outage.failed(exc)
-                if not watch:   # a one-pass claims nothing more: the tasks in hand ride it out
+                failures += 1
+                if not watch and failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
                     log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
                         f"once its {len(busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
                     status = 1

@@ -133,6 +133,36 @@ def test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart(o
     assert proc.returncode == 0, "stopped when asked, not before"
 
 
+@pytest.mark.postgres
+def test_a_one_pass_worker_lets_its_task_finish_through_an_outage_and_exits_1_in_one_line(opencode, tmp_path,
+                                                                                            pg_server, pg_url,
+                                                                                            monkeypatch):
+    monkeypatch.setenv("TASK_DB_URL", pg_url)
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("one-pass", [
+        tool_call("bash", {"command": "sleep 5; echo ok > pass.txt", "description": "long step"}),
+        text("Done.\n" + RECEIPT % ("pass.txt", "pass.txt"))])
+    task = task_store.submit_task(title="pass", instructions="SCRIPT:one-pass", working_dir=str(repo))
+    out = tmp_path / "pass.out"
+    with open(out, "ab") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not runs_command(proc.pid, "sleep 5"):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")
+            time.sleep(0.2)
+        pg_server.restart(down_sec=3)
+        assert proc.wait(120) == 1, out.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = out.read_text(errors="replace")
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done" and final["attempts"] == 1, (final, said)
+    assert "Traceback" not in said and said.count("error: the queue database is unreachable") == 1, said
+
+
 def get(url: str, token: str | None = None) -> tuple[int, str]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -171,12 +201,14 @@ def test_serve_keeps_the_server_board_and_worker_through_a_postgresql_restart(tm
             assert get(f"{base}/")[0] == 200, "the board's shell"
             status, body = get(f"{base}/api/status", token)
             assert status == 503 and "Traceback" not in body, (status, body)
+            assert get(f"{base}/api/changes?wait=0", token)[0] == 503, "the board's live feed says so"
         finally:
             pg_server.start()
         deadline = time.monotonic() + 30
         while get(f"{base}/api/status", token)[0] != 200:
             assert time.monotonic() < deadline, "".join(lines)
             time.sleep(0.5)
+        assert get(f"{base}/api/changes?wait=0", token)[0] == 200
         time.sleep(2)
         assert proc.poll() is None, "".join(lines)
         now = {" ".join(k.cmdline()).split("/")[-1].split()[0]: k.pid for k in psutil.Process(proc.pid).children()}
