@@ -1378,7 +1378,11 @@ def status(as_json: bool) -> None:
         out().print(workers_table(workers))
     if budget["reason"]:
         err().print(Text(f"Nothing new is claimed: {budget['reason']}", style="yellow"), soft_wrap=True)
-    if not worker["recent"]:
+    if not worker["recent"] and worker["pid_running"] is None and worker["seen"]:
+        err().print(Text(f"The worker on {worker.get('host')} has not checked in for over "
+                         f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
+                         "running there?", style="yellow"), soft_wrap=True)
+    elif not worker["recent"]:
         err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
                          "running? (python worker.py runs one pass by hand)", style="yellow"))
     elif worker["died"]:

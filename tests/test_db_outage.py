@@ -359,3 +359,17 @@ def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_a
         time.sleep(0.9)
         holder.close()
         worker.Outage.since, worker.Outage.said = None, False
+
+
+def test_status_asks_about_a_silent_worker_on_another_host_by_name(monkeypatch):
+    from click.testing import CliRunner
+    import tasks_cli
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "hostA")
+        task_store.write_worker_heartbeat({"state": "idle"})
+    monkeypatch.setattr(task_views, "WORKER_ELSEWHERE_SILENT_SEC", 0)   # (30 s in life)
+    time.sleep(0.2)
+    result = CliRunner().invoke(tasks_cli.cli, ["status"])
+    said = " ".join(result.output.split())
+    assert "stale" in said and "The worker on hostA has not checked in for over 0 s (it said: idle)" in said, said
+    assert "launchd" not in said, "not this machine's schedule"
