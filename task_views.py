@@ -237,9 +237,10 @@ def worker_label(seen: bool, recent: bool, running: bool | None, died: bool, sto
 def worker_state() -> dict[str, Any]:
     """The worker that reported last, from any host (``task_store.list_workers``), judged as
     ``judge_worker`` does; the heartbeat file beside the database when the table has none or
-    the database cannot be read (the worker's liveness is still told then)."""
+    the database cannot be read (the worker's liveness is still told then). A queue that does
+    not exist yet is not made by asking."""
     try:
-        rows = store.list_workers()
+        rows = store.list_workers() if store.queue_exists() else []
     except (sqlite3.Error, store.TaskStoreError, OSError):
         rows = []
     return judge_worker(rows[0] if rows else store.read_worker_heartbeat())
@@ -247,8 +248,9 @@ def worker_state() -> dict[str, Any]:
 
 def workers_state() -> list[dict[str, Any]]:
     """Every worker that reported to this queue from any host, newest heartbeat first, each judged
-    (WorkerState): a stale or dead worker's row stays listed as ``stale`` or ``gone``."""
-    return [judge_worker(beat) for beat in store.list_workers()]
+    (WorkerState): a stale or dead worker's row stays listed as ``stale`` or ``gone``. None
+    (and no queue made) when the queue does not exist yet."""
+    return [judge_worker(beat) for beat in store.list_workers()] if store.queue_exists() else []
 
 
 def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:

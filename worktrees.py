@@ -793,7 +793,7 @@ def leftover_remote_worktrees() -> list[dict[str, Any]]:
             path = lines[0][len("worktree "):]
             ident = path.rsplit("-", 1)[-1] if path.rsplit("-", 1)[-1].startswith("t_") else None
             try:
-                task = store.get_task(ident) if ident else None
+                task = store.get_task(ident) if ident and store.queue_exists() else None
             except (store.TaskNotFound, store.ValidationError):
                 task = None
             if task is not None and task.get("repo") and mirror_path(task["repo"]) == mirror \
