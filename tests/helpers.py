@@ -215,3 +215,24 @@ def normal_user() -> pwd.struct_passwd | None:
         return pwd.getpwnam(NORMAL_USER)
     except KeyError:
         pytest.skip(f"could not create the user {NORMAL_USER}")
+
+
+@contextlib.contextmanager
+def worker_process(env: dict[str, str], out: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """``worker.py ARGS`` with ``env`` as a process of its own session, its output appended to
+    ``out``; ended on leaving (SIGTERM to its whole group, SIGKILL after 60 s)."""
+    import signal
+    with open(out, "ab") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), *args], env=env, cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -30,28 +30,14 @@ import task_store
 import task_views
 import worker
 from fake_openai import text, tool_call
-from helpers import ROOT, free_port, make_repo
+from helpers import ROOT, free_port, make_repo, worker_process
 
 RECEIPT = '```json\n{"summary": "wrote %s", "files_touched": ["%s"], "tests_run": [], "open_questions": []}\n```'
 
 
-@contextlib.contextmanager
-def watching(env: dict[str, str], out: Path, *args: str) -> Iterator[subprocess.Popen]:
-    """``worker.py --watch`` as a process of its own session; ended (its group) on leaving."""
-    with open(out, "ab") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch", *args], env=env, cwd=ROOT,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+def watching(env: dict[str, str], out: Path, *args: str):
+    """``worker.py --watch ARGS``: see helpers.worker_process."""
+    return worker_process(env, out, "--watch", *args)
 
 
 def runs_command(pid: int, needle: str) -> bool:

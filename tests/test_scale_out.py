@@ -13,19 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
 
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo
+from helpers import ROOT, git, make_repo, worker_process
 from opencode_env import opencode_env, require_opencode_bin
 
 pytestmark = [pytest.mark.postgres, pytest.mark.real_opencode]
@@ -64,24 +63,10 @@ def server_env(tmp_path: Path, db_url: str) -> dict[str, str]:
     return env
 
 
-@contextlib.contextmanager
-def worker(env: dict[str, str], *args: str) -> Iterator[subprocess.Popen]:
-    """``worker.py ARGS`` as a process of its own session; ended (its whole group) on leaving."""
-    log = open(Path(env["TASK_LOG_DIR"]).parent / "worker.out", "ab")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), *args], env=env, cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.close()
+def worker(env: dict[str, str], *args: str):
+    """``worker.py ARGS`` on one machine, its output in that machine's worker.out (see
+    helpers.worker_process)."""
+    return worker_process(env, Path(env["TASK_LOG_DIR"]).parent / "worker.out", *args)
 
 
 def said(env: dict[str, str]) -> str:
