@@ -158,16 +158,17 @@ def test_counts_follow_every_change(tmp_path, store_backend):
 
 def test_a_version_1_database_migrates_with_its_counts(tmp_path, monkeypatch):
     # Rows written as version 1 wrote them (raw SQL: today's store writes columns v1 lacks).
-    monkeypatch.setattr(store, "MIGRATIONS", store.MIGRATIONS[:1])
-    conn = store.connect()
-    conn.executemany("INSERT INTO tasks (title, instructions, working_dir, created_at, status)"
-                     " VALUES (?, 'i', ?, ?, ?)",
-                     [(f"t{n}", str(tmp_path), n, "done" if n == 0 else "pending") for n in range(5)])
-    conn.close()
-    store.close_connections()
-    path = store.db_path()
-    monkeypatch.undo()  # also undoes the autouse fixture's env: point at the same file again
-    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    # Only the migration list is put back afterwards: monkeypatch.undo() also restored the env as
+    # it was before the autouse fixture, where a TASK_DB_URL an earlier in-process `--db` had set
+    # pointed this test at another queue (seen in a full CI run).
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "MIGRATIONS", store.MIGRATIONS[:1])
+        conn = store.connect()
+        conn.executemany("INSERT INTO tasks (title, instructions, working_dir, created_at, status)"
+                         " VALUES (?, 'i', ?, ?, ?)",
+                         [(f"t{n}", str(tmp_path), n, "done" if n == 0 else "pending") for n in range(5)])
+        conn.close()
+        store.close_connections()
     assert store.counts() == {s: 0 for s in store.STATUSES} | {"pending": 4, "done": 1}
     assert store.get_task("t_0001")["status"] == "done"
 
