@@ -3,7 +3,7 @@
 Each check returns one `Check` (ok / warn / fail, what was found, the fix): Python and the
 packages of requirements.txt, the opencode binary and its version against the pinned one, the
 default model (listed by `opencode models`; with ``live`` a one-line prompt runs through it), the
-queue database (opens, integrity, journal mode, filesystem), the worker (heartbeat, schedule,
+queue database (opens, integrity, journal mode, filesystem), the agent box (bubblewrap or sandbox-exec), the worker (heartbeat, schedule,
 last pass), the token file's permissions, the MCP server on ``$PORT`` when one answers, and the
 reverse bridge's backend (an API key, or the `claude` CLI logged in). A warn is worth knowing; a
 fail stops tasks from running (the command exits 1).
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import agent_box
 import knobs
 import opencode_runner as oc
 import task_store as store
@@ -55,7 +56,7 @@ class Check:
 
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
-    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_opencode, lambda: check_model(live),
+    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode, lambda: check_model(live),
                                          check_database, check_worker, check_leftover_worktrees, check_token,
                                          check_server, check_reverse_bridge]
     results = []
@@ -318,6 +319,19 @@ def check_knobs() -> Check:
         return Check("settings", "fail", "; ".join(refused),
                      "fix or unset " + ", ".join(line.split("=")[0] for line in refused))
     return Check("settings", "ok", f"the {len(knobs.REGISTRY)} numeric env knobs are unset or in range")
+
+
+def check_box() -> Check:
+    """The agent box: the mechanism every run gets (bubblewrap probed by making its namespaces
+    once, sandbox-exec on macOS), or why none, with the fix; a bad box knob fails."""
+    problems = agent_box.problems()
+    if problems:
+        return Check("agent box", "fail", "; ".join(problems), "fix or unset the knob named")
+    box = agent_box.choose("auto")
+    if box.mechanism:
+        return Check("agent box", "ok", f"{box.label}: every agent run is contained by the operating system")
+    return Check("agent box", "warn", f"none: {box.reason}; agents run uncontained, and readonly, no-shell and "
+                 "no-network tasks fail unless TASKBRIDGE_ALLOW_PROMPT_LEVEL=1", box.fix)
 
 
 def check_server() -> Check:

@@ -29,25 +29,13 @@ from task_store import write_private
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
 
-# What each permission asks of OpenCode's permission config, and how honestly we can label it.
-# "edit" covers every file-writing tool (write, edit, patch) in OpenCode's permission model.
-_PERMISSION_RULES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
-    "auto": ({}, {}),
-    "readonly": (
-        {"edit": "deny"},
-        {"file writes": "enforced (edit/write tools denied for every agent, pinned over OpenCode's "
-                        "own config) and reverted after the run",
-         "shell writes": "inside the worktree: reverted after the run; elsewhere: not prevented "
-                         "(prompt-level; your checkout is checked and changes reported)"},
-    ),
-    "no-shell": ({"bash": "deny"}, {"shell": "enforced (bash tool denied for every agent, pinned over "
-                                              "OpenCode's own config)"}),
-    "no-network": (
-        {"webfetch": "deny", "websearch": "deny"},
-        {"web tools": "enforced (webfetch/websearch denied for every agent, pinned over OpenCode's "
-                      "own config)",
-         "shell network": "prompt-level (the agent is told; nothing stops curl in bash)"},
-    ),
+# What each permission asks of OpenCode's permission config ("edit" covers every file-writing tool:
+# write, edit, patch). How each restriction is enforced, and labelled, is agent_box's business.
+PERMISSION_RULES: dict[str, dict[str, str]] = {
+    "auto": {},
+    "readonly": {"edit": "deny"},
+    "no-shell": {"bash": "deny"},
+    "no-network": {"webfetch": "deny", "websearch": "deny"},
 }
 # OpenCode's agents that exist without any config (build and plan are primary; the rest are
 # sub-agents the task tool can start).
@@ -295,9 +283,12 @@ def model_missing(text: str) -> bool:
     return bool(_MODEL_MISSING.search(text or ""))
 
 
-def sandbox_labels(permission: str) -> dict[str, str]:
-    """Per restriction, how it is applied: ``enforced``, ``reverted`` or ``prompt-level``."""
-    return dict(_PERMISSION_RULES[permission][1])
+def reply_path(control_file: str, suffix: str) -> str:
+    """Where a plugin answers ``control_file`` (``<run>/control/NAME``): ``<run>/reply/NAME<suffix>``,
+    the one folder of the run the agent's box lets OpenCode write (``replyPath`` in
+    opencode_plugins/files.js)."""
+    run = os.path.dirname(os.path.dirname(control_file))
+    return os.path.join(run, "reply", os.path.basename(control_file) + suffix)
 
 
 def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission: str,
@@ -321,7 +312,7 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     content = _config_content(env)
     content["share"] = "disabled"
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
-    rules = _PERMISSION_RULES[permission][0]
+    rules = PERMISSION_RULES[permission]
     if rules:
         content = pin_rules(content, resolved_config(env, cwd), rules, agent, permission)
         env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)

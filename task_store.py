@@ -1545,12 +1545,35 @@ def _too_wide(path: str) -> str | None:
         return "the root of the filesystem"
     if path == os.path.realpath(os.path.expanduser("~")):
         return "your home folder itself"
+    system = _system_folder(path)
+    if system:
+        return f"the system folder {system}"
     own = [(REPO_DIR, "TaskBridge's own folder"), (db_path().parent, "the folder of TaskBridge's queue"),
            (log_dir(), "the folder of TaskBridge's task logs")]
     for folder, what in own:
         folder = os.path.realpath(folder)
         if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep) and folder == str(REPO_DIR):
             return what
+    return None
+
+
+# The operating system's own folders: no project lives in or under them.
+_SYSTEM_TREES = ("/etc", "/proc", "/sys", "/dev", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64",
+                 "/libx32", "/boot", "/run", "/System", "/Library", "/private/etc", "/private/var/db")
+# Folders that hold projects below them but are no project themselves.
+_SYSTEM_ROOTS = ("/var", "/tmp", "/opt", "/srv", "/mnt", "/media", "/home", "/Users", "/private",
+                 "/private/tmp", "/private/var", "/root", "/snap")
+
+
+def _system_folder(path: str) -> str | None:
+    """The system folder ``path`` (resolved) is or lies in, or None."""
+    for tree in _SYSTEM_TREES:
+        real = os.path.realpath(tree)
+        if path == real or path.startswith(real.rstrip(os.sep) + os.sep):
+            return tree
+    for root in _SYSTEM_ROOTS:
+        if path == os.path.realpath(root):
+            return root
     return None
 
 

@@ -43,10 +43,12 @@ import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
 
+import agent_box
 import knobs
 import opencode_runner as oc
 import process_tree
@@ -214,7 +216,7 @@ class Renewal:
 
 
 def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history: list[dict],
-                 parent: dict[str, Any] | None = None) -> str:
+                 parent: dict[str, Any] | None = None, box: agent_box.Support | None = None) -> str:
     """The task's instructions wrapped with the working rules, notes, earlier questions and
     answers (when a resumed session was lost) and the receipt protocol; a follow-up or fork
     (``parent``: the task it builds on) is told where its work starts."""
@@ -222,7 +224,9 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
         f"- Work only inside {ws.cwd}. Do not read, write or run anything outside it.",
         "- Do not commit, push or switch branches; TaskBridge commits your changes itself.",
     ]
-    for what, how in oc.sandbox_labels(task["permission"]).items():
+    for what, how in agent_box.labels(task["permission"], box or agent_box.Support(None)).items():
+        if what in ("box", "environment", "files") and task["permission"] == "auto":
+            continue
         rules.append(f"- Restriction ({task['permission']}): {what} — {how}.")
     if task["permission"] == "readonly":
         rules.append("- This task is read-only: do not change any file; report what you find.")
@@ -292,6 +296,7 @@ class RunResult:
     seconds: float = 0.0
     paused: dict[str, Any] | None = None   # a spending limit ended it at a step boundary (Meter.check)
     asked: dict[str, Any] | None = None    # a call matched an ``ask`` rule: {tool, subject, reason}
+    box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
 
 
 START_GATE_SEC = 3
@@ -438,33 +443,41 @@ class Meter:
         if self.gate_file is None:
             return None
         try:
-            with open(f"{self.gate_file}.held", encoding="utf-8") as held:
+            with open(oc.reply_path(self.gate_file, ".held"), encoding="utf-8") as held:
                 data = json.load(held)
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
 
     def close(self) -> None:
-        for path in (self.gate_file, f"{self.gate_file}.held", f"{self.gate_file}.tmp"):
-            if self.gate_file is not None:
+        if self.gate_file is not None:
+            for path in (self.gate_file, oc.reply_path(self.gate_file, ".held"), f"{self.gate_file}.tmp"):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
 
 
-def write_rules_file(task: dict[str, Any]) -> str | None:
+def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
     """The rules file the permission-rules plugin reads (``{"rules", "once"}``: the task's rules
-    and, after "allow once", that one request), or None for a task without rules."""
+    and, after "allow once", that one request) in the run's ``control`` folder, or None for a task
+    without rules."""
     if not task.get("rules"):
         return None
-    path = str(store.log_path(task["id"]).with_suffix(".rules"))
+    path = control / "rules"
     ask = task.get("pending_ask") or {}
     once = [{"tool": ask["tool"], "subject": ask["subject"]}] if ask.get("decision") == "allow once" else []
-    for stale in (f"{path}.ask", f"{path}.used"):
-        with contextlib.suppress(OSError):
-            os.unlink(stale)
-    with open(path, "w", encoding="utf-8") as out:
-        json.dump({"rules": task["rules"], "once": once}, out)
-    return path
+    store.write_private(path, json.dumps({"rules": task["rules"], "once": once}))
+    return str(path)
+
+
+def fresh_run_folder(task_id: str) -> Path:
+    """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (0700): ``control/`` (the files the
+    worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers) and
+    ``tmp/`` (the run's private /tmp). Removed when the attempt ends."""
+    run = store.log_path(task_id).with_suffix(".run")
+    shutil.rmtree(run, ignore_errors=True)
+    for sub in ("control", "reply", "tmp"):
+        (run / sub).mkdir(mode=0o700, parents=True)
+    return run
 
 
 class Courier:
@@ -493,7 +506,7 @@ class Courier:
 
     def _record_acks(self) -> None:
         try:
-            with open(f"{self.path}.ack", encoding="utf-8") as handle:
+            with open(oc.reply_path(self.path, ".ack"), encoding="utf-8") as handle:
                 acks = json.load(handle).get("delivered") or []
         except FileNotFoundError:
             return
@@ -506,7 +519,7 @@ class Courier:
         """Record the last acknowledgements and remove the files."""
         with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError, sqlite3.Error):
             self._record_acks()
-        for path in (self.path, f"{self.path}.ack", f"{self.path}.tmp"):
+        for path in (self.path, oc.reply_path(self.path, ".ack"), f"{self.path}.tmp"):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
@@ -577,10 +590,12 @@ class Supervisor:
     cancel (fencing) and shutdown; ends the whole process tree whatever happens."""
     deadline_at: float | None = None   # time.monotonic() at which the attempt's timeout ends
 
-    def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs):
+    def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs,
+                 box: agent_box.Support, boxed_argv: list[str] | None = None):
         self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
+        self.box, self.boxed_argv = box, boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
-        self.result = RunResult(oc.EventStream())
+        self.result = RunResult(oc.EventStream(), box=box)
         self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
         self.oversized: set[str] = set()           # streams in the middle of a line over LINE_MAX
         self.stop = False
@@ -594,7 +609,7 @@ class Supervisor:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as self.log:
             self.shipper = LogShipper(self.task["id"], self.log)
-            self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd}\n$ "
+            self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} box={self.box.label}\n$ "
                            f"{' '.join(self.argv)}\n".encode())
             if self.courier is not None:
                 self.courier.sync()
@@ -602,7 +617,7 @@ class Supervisor:
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
             try:
                 self.proc = subprocess.Popen(
-                    self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
+                    self.boxed_argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                     stdout=writer, stderr=subprocess.PIPE, start_new_session=True)
             except BaseException:
                 os.close(self.spool)
@@ -627,10 +642,6 @@ class Supervisor:
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
                 if self.courier is not None:
                     self.courier.close()
-                for path in ([self.rules_file, f"{self.rules_file}.ask", f"{self.rules_file}.used"]
-                             if self.rules_file else []):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
 
@@ -698,9 +709,9 @@ class Supervisor:
             self.shipper.ship()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
-        if self.rules_file and os.path.exists(f"{self.rules_file}.ask"):
+        if self.rules_file and os.path.exists(oc.reply_path(self.rules_file, ".ask")):
             with contextlib.suppress(OSError, ValueError):
-                with open(f"{self.rules_file}.ask", encoding="utf-8") as handle:
+                with open(oc.reply_path(self.rules_file, ".ask"), encoding="utf-8") as handle:
                     asked = json.load(handle)
                 self.result.asked = {k: str(asked.get(k) or "") for k in ("tool", "subject", "reason")}
                 return self._end(f"paused: the agent asked permission for {asked.get('tool')} {asked.get('subject')}")
@@ -865,9 +876,14 @@ def run_stragglers(marker: str, queue: str):
 
 def environment_fault(run: RunResult) -> str | None:
     """The operating-system fault line (``EACCES … mkdir …``) of a run that did not finish, if
-    OpenCode printed one: no retry can fix it (see ``oc.ENV_FAULTS``)."""
+    OpenCode printed one, or the box's own refusal (``bwrap: …``: the box did not start): no
+    retry can fix either (see ``oc.ENV_FAULTS``)."""
     if run.stream.finished or run.killed:
         return None
+    if run.box is not None and run.box.mechanism == "bubblewrap" and run.stream.events == 0:
+        said = [line.strip() for line in run.stderr_tail if line.startswith("bwrap: ")]
+        if said:
+            return f"the agent box (bubblewrap) did not start: {said[-1][:500]}"
     return oc.environment_fault(run.stderr_tail)
 
 
@@ -996,9 +1012,11 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
             config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
             try:
-                env = oc.run_env(dict(os.environ), ws.cwd, marker, store.queue_tag(), task["permission"],
-                                 task.get("agent"))
-            except oc.ConfigProblem as exc:
+                box = agent_box.choose(task["permission"])
+                base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
+                                                               *config_files.values()])
+                env = oc.run_env(base, ws.cwd, marker, store.queue_tag(), task["permission"], task.get("agent"))
+            except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
                 oc.undo_housekeeping(config_files)
                 if not task["worktree_keep"]:
                     worktrees.remove_worktree(ws)
@@ -1007,7 +1025,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
         except worktrees.GitStopped as exc:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
-        run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, phases.deadline)
+        run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, box, phases.deadline)
         phases.after_run()
         try:
             repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
@@ -1050,35 +1068,37 @@ def _stopped_early(task: dict, phases: Phases, message: str, ws: Workspace | Non
     return _finish(store.fail_attempt, task, task["run_marker"], message)
 
 
-def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
-               resume: bool, env: dict[str, str], deadline: float | None = None) -> tuple[RunResult, str]:
+def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], resume: bool,
+               env: dict[str, str], box: agent_box.Support,
+               deadline: float | None = None) -> tuple[RunResult, str]:
     """Resume the waiting session with the answer when it can; otherwise a new session whose
     prompt carries the instructions (and, after a lost session, every question and answer)."""
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes, task.get("pending_ask")), task["session_id"], env,
-                       deadline)
+        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes, task.get("pending_ask")),
+                       task["session_id"], env, box, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
     if not resume and (task.get("continue_from") or task.get("fork_from")):
-        return _run_line(task, ws, knobs, model, notes, env, deadline)
+        return _run_line(task, ws, knobs, model, notes, env, box, deadline)
     if not resume:
-        return _attempt(task, ws, knobs, model, build_prompt(task, ws, notes, []), None, env, deadline), "new session"
+        return (_attempt(task, ws, knobs, model, build_prompt(task, ws, notes, [], box=box), None, env, box, deadline),
+                "new session")
     current = db(store.get_task, task["id"])
-    prompt = build_prompt(task, ws, current["notes"], current["questions"])
-    return (_attempt(task, ws, knobs, model, prompt, None, env, deadline),
+    prompt = build_prompt(task, ws, current["notes"], current["questions"], box=box)
+    return (_attempt(task, ws, knobs, model, prompt, None, env, box, deadline),
             f"{lost}; a new session got the history in its prompt")
 
 
-def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict],
-              env: dict[str, str], deadline: float | None) -> tuple[RunResult, str]:
+def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], env: dict[str, str],
+              box: agent_box.Support, deadline: float | None) -> tuple[RunResult, str]:
     """A follow-up resumes the OpenCode session of the task it continues; a fork resumes a copy
     of it made for its own worktree. Both get the brief as the next message; a session that is
     gone (or cannot be copied) gives way to a new session with the brief."""
     parent = db(store.get_task, task["continue_from"] or task["fork_from"])
-    prompt = build_prompt(task, ws, notes, [], parent)
+    prompt = build_prompt(task, ws, notes, [], parent, box)
     session, how = task.get("session_id"), f"resumed this task's OpenCode session {task.get('session_id')}"
     if not session and not parent.get("session_id"):
         how = f"{parent['id']} left no OpenCode session; a new session got the brief"
@@ -1092,31 +1112,56 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[d
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
     if session:
-        run = _attempt(task, ws, knobs, model, prompt, session, env, deadline)
+        run = _attempt(task, ws, knobs, model, prompt, session, env, box, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, how
         how = f"the OpenCode session {session} was gone; a new session got the brief"
-    return _attempt(task, ws, knobs, model, prompt, None, env, deadline), how
+    return _attempt(task, ws, knobs, model, prompt, None, env, box, deadline), how
 
 
-def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
-             session_id: str | None, env: dict[str, str], deadline: float | None = None) -> RunResult:
+def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, session_id: str | None,
+             env: dict[str, str], box: agent_box.Support, deadline: float | None = None) -> RunResult:
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
-    log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode})", talk.VERBOSE)
-    gate = str(store.log_path(task["id"]).with_suffix(".gate")) if spend_limited(task) else None
-    if gate:
-        env = oc.with_spend_gate(env, gate)
-    notes_file = str(store.log_path(task["id"]).with_suffix(".notes"))
-    env = oc.with_notes_courier(env, notes_file)
-    rules_file = write_rules_file(task)
-    if rules_file:
-        env = oc.with_permission_rules(env, rules_file)
-    supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs)
-    supervisor.courier = Courier(task, notes_file)
-    supervisor.rules_file = rules_file
-    supervisor.deadline_at = deadline
-    supervisor.meter = Meter(task, gate)
-    return supervisor.run()
+    log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode}; box: {box.label})",
+        talk.VERBOSE)
+    run_dir = fresh_run_folder(task["id"])
+    try:
+        control = run_dir / "control"
+        gate = str(control / "gate") if spend_limited(task) else None
+        if gate:
+            env = oc.with_spend_gate(env, gate)
+        notes_file = str(control / "notes")
+        env = oc.with_notes_courier(env, notes_file)
+        rules_file = write_rules_file(task, control)
+        if rules_file:
+            env = oc.with_permission_rules(env, rules_file)
+        env, boxed = _boxed(task, ws, env, box, run_dir, argv)
+        supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed)
+        supervisor.courier = Courier(task, notes_file)
+        supervisor.rules_file = rules_file
+        supervisor.deadline_at = deadline
+        supervisor.meter = Meter(task, gate)
+        return supervisor.run()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _boxed(task: dict, ws: Workspace, env: dict[str, str], box: agent_box.Support, run_dir: Path,
+           argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The run's environment and argv inside ``box``: a private temp folder (the box's /tmp), and
+    for no-network / no-shell the box's ``$SHELL`` (see agent_box.netless_shell, refusing_shell)."""
+    env = dict(env)
+    if box.mechanism is None:
+        env["TMPDIR"] = str(run_dir / "tmp")
+        return env, argv
+    env["TMPDIR"] = "/tmp"
+    control = run_dir / "control"
+    if task["permission"] == "no-network" and box.mechanism == "bubblewrap":
+        env["SHELL"] = agent_box.netless_shell(control / "shell")
+    elif task["permission"] == "no-shell":
+        env["SHELL"] = agent_box.refusing_shell(control / "shell")
+    plan = agent_box.plan_for(ws, env, task["permission"], run_dir)
+    return env, agent_box.wrap(box.mechanism, plan, argv)
 
 
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
@@ -1423,10 +1468,13 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
     if ws.mode == "in-place" and not ws.top:
         files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
                         if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
-    isolation = ws.note or (f"git worktree on {ws.branch}; writes outside it are not prevented "
-                            "(prompt-level): changes to your checkout are listed in changed_outside_worktree")
+    box = run.box or agent_box.Support(None, reason="the run did not start")
+    isolation = ws.note or (f"git worktree on {ws.branch}; " + (
+        f"{box.mechanism} lets the agent write only there" if box.mechanism else
+        "writes outside it are not prevented (no box): changes to your checkout are listed in "
+        "changed_outside_worktree"))
     sandbox = {"isolation": isolation, "permission": task["permission"],
-               **oc.sandbox_labels(task["permission"])}
+               **agent_box.labels(task["permission"], box)}
     if task.get("rules"):
         sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
                             "sub-agents): deny refuses the call, ask pauses the task for the planner; "
@@ -1743,7 +1791,20 @@ def announce_start(watch: bool, slots: int) -> bool:
             raise
         model = "not known yet (the queue database does not answer)"
     Talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    Talk.say(box_line())
     return True
+
+
+def box_line() -> str:
+    """What the worker says at start about the agent box: the mechanism, or why there is none,
+    its fix, and what that means for restricted presets."""
+    box = agent_box.choose("auto")
+    if box.mechanism:
+        return f"agent box: {box.label} (every run contained by the operating system)"
+    then = ("they run prompt-level (TASKBRIDGE_ALLOW_PROMPT_LEVEL=1)" if agent_box.prompt_level_allowed()
+            else "they fail at once (set TASKBRIDGE_ALLOW_PROMPT_LEVEL=1 to run them prompt-level)")
+    return (f"no agent box: {box.reason}; fix: {box.fix}. Agents run uncontained; "
+            f"readonly, no-shell and no-network tasks: {then}")
 
 
 def _give_memory_back() -> None:
@@ -1806,7 +1867,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
-    refused = knobs.problems()
+    refused = knobs.problems() + agent_box.problems()
     try:
         store.host_name()
     except store.ValidationError as exc:

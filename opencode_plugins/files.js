@@ -3,19 +3,27 @@
 // way. Not a plugin itself: OpenCode is never told to load this module; the plugins import it.
 
 import fs from "fs";
+import path from "path";
+
+// Where a plugin answers the control file `file`: the worker keeps a run's control files in
+// "<run>/control/", which the agent's box mounts read-only, and takes the answers from
+// "<run>/reply/<name><suffix>", the one folder of the run's the box lets the plugins write.
+export function replyPath(file, suffix) {
+  return path.join(path.dirname(path.dirname(file)), "reply", path.basename(file) + suffix);
+}
 
 // The JSON in `path`, or null when it is missing, unreadable or caught mid-rename.
-export function readJson(path) {
+export function readJson(file) {
   try {
-    return JSON.parse(fs.readFileSync(path, "utf8"));
+    return JSON.parse(fs.readFileSync(file, "utf8"));
   } catch {
     return null;
   }
 }
 
 // Write `value` as JSON to `path` atomically: a temporary file beside it, then a rename.
-export function writeJson(path, value) {
-  const tmp = `${path}.${process.pid}.tmp`;
+export function writeJson(file, value) {
+  const tmp = `${file}.${process.pid}.tmp`;
   fs.writeFileSync(tmp, JSON.stringify(value));
-  fs.renameSync(tmp, path);
+  fs.renameSync(tmp, file);
 }

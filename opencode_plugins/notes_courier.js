@@ -9,9 +9,9 @@
 // conversation as a user message after the last message (a step boundary: the model has just
 // seen its tool results), keeps adding the notes it gave at their places on every later call
 // (the hook sees the stored messages, which do not hold them), and records what it delivered in
-// "<notes file>.ack" ({"delivered": [{"id", "at": ms}]}) for the worker's receipt. Sub-agents'
+// "<run>/reply/notes.ack" ({"delivered": [{"id", "at": ms}]}) for the worker's receipt. Sub-agents'
 // sessions are left alone. Reads and writes nothing else; imports only files.js (beside it).
-import { readJson, writeJson } from "./files.js";
+import { readJson, replyPath, writeJson } from "./files.js";
 
 function noteMessage(template, note, index) {
   const id = `${template.info.id}_taskbridge_note_${note.id}_${index}`;
@@ -46,7 +46,7 @@ export const TaskbridgeNotes = async () => {
           given.push({ note, anchor });
           delivered.push({ id: note.id, at: Date.now() });
         }
-        writeJson(`${path}.ack`, { delivered });
+        writeJson(replyPath(path, ".ack"), { delivered });
       }
       given.forEach(({ note, anchor }, index) => {
         const at = messages.findIndex((m) => m.info && m.info.id === anchor);

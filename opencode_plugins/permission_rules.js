@@ -10,11 +10,11 @@
 // - deny: the call fails with a message naming the rule (the agent sees it and goes on);
 // - allow, or no rule: the call runs (OpenCode's own permissions still apply);
 // - ask: unless the planner allowed exactly this call once ("once" in the rules file, used up
-//   here and acknowledged in "<rules file>.used"), the request {tool, subject, reason} is written
-//   to "<rules file>.ask" and the call is held; the worker ends the run and the task waits for
+//   here and acknowledged in "<run>/reply/rules.used"), the request {tool, subject, reason} is written
+//   to "<run>/reply/rules.ask" and the call is held; the worker ends the run and the task waits for
 //   the planner's answer, which resumes the same session.
 // The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js (beside it).
-import { readJson, writeJson } from "./files.js";
+import { readJson, replyPath, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const EDITS = new Set(["edit", "write", "patch", "multiedit", "apply_patch"]);
@@ -57,7 +57,11 @@ export const TaskbridgePermissionRules = async ({ directory }) => {
   return {
     "tool.execute.before": async (input, output) => {
       if (!path) return;
-      const file = readJson(path) || {};
+      const file = readJson(path);
+      if (!file || typeof file.rules !== "object") {
+        // Fail closed: rules that cannot be read (gone, unreadable, rewritten) refuse every call.
+        throw new Error("TaskBridge: this task's permission rules cannot be read, so every tool call is refused");
+      }
       const tool = String(input.tool);
       const key = ruleKey(tool);
       const subject = subjectOf(tool, output.args);
@@ -74,11 +78,11 @@ export const TaskbridgePermissionRules = async ({ directory }) => {
       const once = (file.once || []).findIndex((g, i) => g.tool === key && g.subject === subject && !used.includes(i));
       if (once >= 0) {
         used.push(once);
-        writeJson(`${path}.used`, { used });
+        writeJson(replyPath(path, ".used"), { used });
         return;
       }
       const reason = String((output.args && output.args.description) || "");
-      writeJson(`${path}.ask`, { tool: key, subject, reason, at: Date.now() });
+      writeJson(replyPath(path, ".ask"), { tool: key, subject, reason, at: Date.now() });
       for (;;) await sleep(1000); // the worker ends this run; the task waits for the planner
     },
   };

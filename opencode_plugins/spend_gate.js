@@ -9,12 +9,12 @@
 // of the run's own session: it sums the cost and tokens of the steps this run finished, from
 // OpenCode's own storage (the session's messages), and when they reach what the worker allows
 // ({"allow_usd": x | null, "allow_tokens": n | null, "stop": reason | null} in the gate file), it
-// writes {"steps", "cost_usd", "tokens"} to "<gate>.held" and never lets the call go: the worker
+// writes {"steps", "cost_usd", "tokens"} to "<run>/reply/gate.held" and never lets the call go: the worker
 // sees that file, ends the process tree at this step boundary and pauses the task.
 // Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
 // that cannot be read lets the call go. Imports only files.js (beside it); writes only the .held file.
 // Not run by hand: OpenCode loads it. Env: TASKBRIDGE_GATE (the gate file's path; unset, every call goes).
-import { readJson, writeJson } from "./files.js";
+import { readJson, replyPath, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -61,7 +61,7 @@ export const TaskbridgeSpendGate = async ({ client }) => {
       const overUsd = typeof gate.allow_usd === "number" && cost >= gate.allow_usd;
       const overTokens = typeof gate.allow_tokens === "number" && tokens >= gate.allow_tokens;
       if (!overUsd && !overTokens) return;
-      writeJson(`${path}.held`, { steps: mine.length, cost_usd: cost, tokens });
+      writeJson(replyPath(path, ".held"), { steps: mine.length, cost_usd: cost, tokens });
       return hold();
     },
   };
