@@ -1,0 +1,320 @@
+"""The agent in a box (issue 19): the real opencode, driven by the scripted model making an
+attacker's tool calls, inside the bubblewrap box the worker makes for every run; a real git
+repository per test. Nothing of TaskBridge's may be within the agent's reach."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+import agent_box
+import task_store
+from fake_openai import text, tool_call
+from helpers import checkout_state, git, make_repo, run_script
+
+pytestmark = pytest.mark.real_opencode
+DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
+
+
+def bash(command: str, what: str = "probe") -> object:
+    return tool_call("bash", {"command": command, "description": what})
+
+
+def outputs(task: dict) -> str:
+    """Every tool output of the task's run, from its log's event stream (what the model saw)."""
+    seen = []
+    for line in task_store.log_path(task["id"]).read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "tool_use":
+            state = event["part"]["state"]
+            seen.append(f"{event['part']['tool']}: {state.get('output') or state.get('error') or ''}")
+    return "\n".join(seen)
+
+
+@pytest.fixture
+def secrets(tmp_path, monkeypatch):
+    """The worker holds a bearer token (env and file), an OAuth store, a reverse-bridge API key."""
+    token_dir = tmp_path / "tbdata"
+    token_dir.mkdir()
+    (token_dir / "token").write_text(f"{MARK}-file-token\n")
+    (token_dir / "oauth.json").write_text(json.dumps({"client_secret": f"{MARK}-oauth"}))
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token_dir / "token"))
+    monkeypatch.setenv("MCP_BEARER_TOKEN", f"{MARK}-env-token")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", f"{MARK}-anthropic")
+    monkeypatch.setenv("CLAUDE_SECRET_FOR_TEST", f"{MARK}-other")
+    return token_dir
+
+
+def submit(repo: Path, script: str, **fields) -> dict:
+    return task_store.submit_task(title=script, instructions=f"SCRIPT:{script}", working_dir=str(repo), **fields)
+
+
+def test_no_secret_reaches_the_agent(opencode, tmp_path, secrets):
+    repo = make_repo(tmp_path / "repo")
+    db = task_store.db_path()
+    opencode.model.script("env", [
+        bash(f"(env; for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $f; done; "
+             f"cat {secrets}/token {secrets}/oauth.json {db}) 2>&1 | grep -c {MARK}; echo probed"),
+        tool_call("read", {"filePath": str(secrets / "token")}),
+        text("Looked.\n" + DONE),
+    ])
+    task = submit(repo, "env")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    seen = outputs(done)
+    assert "0\nprobed" in seen, seen          # not one secret in env, /proc or the files
+    assert MARK not in seen
+    assert done["result"]["sandbox"]["box"].startswith("bubblewrap")
+    assert done["result"]["sandbox"]["environment"].startswith("enforced by bubblewrap")
+
+
+def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(opencode, tmp_path, secrets):
+    repo = make_repo(tmp_path / "repo")
+    other = make_repo(tmp_path / "other")
+    before_other = checkout_state(other)
+    config_before = (repo / ".git" / "config").read_bytes()
+    db = task_store.db_path()
+    victim = task_store.submit_task(title="victim", instructions="never claimed", working_dir=str(repo),
+                                    max_cost_usd=1.0)
+    task_store.cancel_task(victim["id"])
+    run = task_store.log_dir() / "t_0002.run"
+    opencode.model.script("raid", [
+        bash(f"python3 -c \"import sqlite3; c=sqlite3.connect('{db}'); "
+             f"c.execute('update tasks set max_cost_usd=1000'); c.commit()\"; echo db-$?"),
+        tool_call("write", {"filePath": str(repo / ".git" / "config"),
+                            "content": "[filter \"x\"]\n\tclean = sh -c 'touch /tmp/pwned'\n"}),
+        bash(f"echo '{{\"rules\":{{}}}}' > {run}/control/rules; echo rules-$?"),
+        bash(f"echo x > {other}/planted.txt; echo other-$?; echo x > $HOME/planted.txt; echo home-$?"),
+        bash("echo ok > inside.txt && echo tmp > /tmp/tb-box-scratch && cat /tmp/tb-box-scratch && git status --short "
+             "&& git add inside.txt && echo git-ok"),
+        text("Tried.\n" + DONE),
+    ])
+    task = submit(repo, "raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
+    assert task["id"] == "t_0002"
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    seen = outputs(done)
+    assert "db-0" not in seen and "db-1" in seen                  # the queue is out of reach
+    assert task_store.get_task(victim["id"])["max_cost_usd"] == 1.0
+    assert (repo / ".git" / "config").read_bytes() == config_before
+    assert "rules-0" not in seen and "other-0" not in seen and "home-0" not in seen
+    assert not (other / "planted.txt").exists() and checkout_state(other) == before_other
+    assert not (Path(opencode.env["HOME"]) / "planted.txt").exists()
+    assert "tmp\n" in seen and "git-ok" in seen                   # a normal task still works
+    assert "inside.txt" in done["result"]["files_touched"]
+    assert not Path("/tmp/tb-box-scratch").exists()                # the run's /tmp was its own
+
+
+class Canary(BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - stdlib name
+        Canary.hits.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"canary-answered")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def canary():
+    Canary.hits = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Canary)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_no_network_cuts_the_shell_off_but_not_the_model(opencode, tmp_path, canary):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("net", [
+        bash(f"curl -s -m 5 http://127.0.0.1:{canary}/curl; echo curl-$?; python3 -c \"import socket; "
+             f"socket.create_connection(('127.0.0.1', {canary}), timeout=3); print('socket-connected')\"; "
+             f"curl -s -m 5 {opencode.model.url}/models; echo model-$?"),
+        text("Tried.\n" + DONE),
+    ])
+    task = submit(repo, "net", permission="no-network")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]          # the model was reached all along
+    seen = outputs(done)
+    assert Canary.hits == []
+    assert "canary-answered" not in seen and "socket-connected" not in seen and "model-0" not in seen
+    assert done["result"]["sandbox"]["shell network"].startswith("enforced by bubblewrap")
+    assert "OpenCode's permission config" in done["result"]["sandbox"]["web tools"]
+
+
+def test_unboxed_auto_run_reaches_the_canary(opencode, tmp_path, canary, monkeypatch):
+    """The canary test above can fail: the same probe from an unboxed run gets through."""
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("net-open", [bash(f"curl -s -m 5 http://127.0.0.1:{canary}/open; echo"),
+                                       text("Tried.\n" + DONE)])
+    task = submit(repo, "net-open")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert Canary.hits == ["/open"]
+    assert done["result"]["sandbox"]["box"] == "none (TASKBRIDGE_SANDBOX=off)"
+    assert done["result"]["sandbox"]["files"].startswith("not contained")
+
+
+def test_readonly_worktree_write_fails_when_made(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    before = checkout_state(repo)
+    opencode.model.script("ro", [
+        bash(f"echo sneaky > via_shell.txt; echo inside-$?; echo escaped > {repo}/escaped.txt; echo outside-$?"),
+        text("Tried.\n" + DONE),
+    ])
+    task = submit(repo, "ro", permission="readonly", worktree_keep=True)
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    seen = outputs(done)
+    assert "Read-only file system" in seen and "inside-1" in seen and "outside-1" in seen
+    assert done["result"]["files_touched"] == [] and done["result"]["files_reverted"] == []
+    assert done["result"]["changed_outside_worktree"] == []
+    assert done["result"]["sandbox"]["file writes"].startswith("enforced by bubblewrap")
+    assert checkout_state(repo) == before
+
+
+def test_no_shell_box_refuses_the_shell_too(opencode, tmp_path):
+    """OpenCode's pinned bash deny holds, and the receipt names the box's own $SHELL refusal
+    behind it."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("nosh", [bash("echo shell-ran > shell.txt"), text("Tried.\n" + DONE)])
+    task = submit(repo, "nosh", permission="no-shell")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert not (Path(done["worktree_path"] or tmp_path) / "shell.txt").exists()
+    assert "shell.txt" not in done["result"]["files_touched"]
+    assert "refuses every command" in done["result"]["sandbox"]["shell"]
+
+
+# ---------------------------------------------------------------------------------------------
+# No box: honest labels, no silent downgrade.
+
+
+def test_restricted_preset_without_a_box_fails_at_once(opencode, tmp_path, monkeypatch):
+    monkeypatch.setenv("BWRAP_BIN", str(tmp_path / "no-such-bwrap"))
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("x", [text("should never run\n" + DONE)])
+    task = submit(repo, "x", permission="no-network", max_retries=3)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    assert "no agent box: bubblewrap is not installed" in passed.stdout + passed.stderr
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "failed" and done["attempts"] == 1
+    assert "needs an operating-system box" in done["error"] and "apt install bubblewrap" in done["error"]
+    assert "TASKBRIDGE_ALLOW_PROMPT_LEVEL=1" in done["error"]
+    assert opencode.model.requests_for("x") == []
+
+
+def test_prompt_level_knob_runs_it_and_says_so(opencode, tmp_path, monkeypatch):
+    monkeypatch.setenv("BWRAP_BIN", str(tmp_path / "no-such-bwrap"))
+    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("pl", [text("Done.\n" + DONE)])
+    task = submit(repo, "pl", permission="no-network")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    sandbox = done["result"]["sandbox"]
+    assert sandbox["box"] == "none (bubblewrap is not installed)"
+    assert sandbox["shell network"].startswith("prompt-level")
+    assert not any(v.startswith("enforced by bubblewrap") for v in sandbox.values())
+
+
+def test_a_box_that_fails_to_start_fails_the_attempt_once(opencode, tmp_path, monkeypatch):
+    """The real bwrap, handed one bind it cannot make (a wrapper adds it to the run, not to the
+    probe): its own message is the task's error, and the task is not retried."""
+    wrapper = tmp_path / "bwrap"
+    wrapper.write_text(f"#!/bin/sh\nfor last; do :; done\n[ \"$last\" = true ] && exec {shutil.which('bwrap')} \"$@\"\n"
+                       f"exec {shutil.which('bwrap')} --bind /no/such/folder /x \"$@\"\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("BWRAP_BIN", str(wrapper))
+    repo = make_repo(tmp_path / "repo")
+    task = submit(repo, "never", max_retries=3)
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "failed" and done["attempts"] == 1, done
+    assert "the agent box (bubblewrap) did not start: bwrap: " in done["error"]
+    assert "/no/such/folder" in done["error"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces, without a run.
+
+
+def test_agent_env_is_an_allowlist(monkeypatch):
+    base = {"PATH": "/usr/bin", "HOME": "/home/u", "LC_ALL": "C", "OPENCODE_CONFIG": "/c.json",
+            "MCP_BEARER_TOKEN": "t", "TASK_DB_URL": "postgresql://u:pw@h/db", "ANTHROPIC_API_KEY": "k",
+            "OPENAI_API_KEY": "o", "AWS_SECRET_ACCESS_KEY": "a", "MY_PROVIDER_KEY": "m", "RANDOM": "r",
+            "PGPASSWORD": "p", "EXTRA_ONE": "e"}
+    assert agent_box.agent_env(base, "fake/model") == {"PATH": "/usr/bin", "HOME": "/home/u", "LC_ALL": "C",
+                                                       "OPENCODE_CONFIG": "/c.json"}
+    assert "OPENAI_API_KEY" in agent_box.agent_env(base, "openai/gpt-5")
+    assert "ANTHROPIC_API_KEY" in agent_box.agent_env(base, "anthropic/claude-sonnet")
+    config = '{"provider": {"mine": {"options": {"apiKey": "{env:MY_PROVIDER_KEY}"}}}}'
+    assert agent_box.agent_env(base, "mine/m", [config])["MY_PROVIDER_KEY"] == "m"
+    assert "TASK_DB_URL" not in agent_box.agent_env(base, "x/y", ['"{env:TASK_DB_URL}"'])
+    monkeypatch.setenv("TASKBRIDGE_AGENT_ENV", "EXTRA_ONE")
+    assert agent_box.agent_env(base, "fake/model")["EXTRA_ONE"] == "e"
+
+
+@pytest.mark.parametrize("knob, value, says", [
+    ("TASKBRIDGE_SANDBOX", "maybe", "is not on or off"),
+    ("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "yes", "is not 0 or 1"),
+    ("TASKBRIDGE_AGENT_ENV", "MCP_BEARER_TOKEN", "TaskBridge's own"),
+    ("TASKBRIDGE_AGENT_ENV", "A B", "not a variable name"),
+])
+def test_bad_box_knobs_refuse_the_worker(monkeypatch, knob, value, says):
+    monkeypatch.setenv(knob, value)
+    assert any(says in line and knob in line for line in agent_box.problems())
+    passed = run_script("worker.py")
+    assert passed.returncode == 2 and says in passed.stderr and "Traceback" not in passed.stderr
+
+
+def test_data_paths_name_every_secret_place(tmp_path, secrets):
+    task_store.submit_task(title="t", instructions="i", working_dir=str(make_repo(tmp_path / "r")))
+    task_store.log_dir().mkdir(parents=True)
+    found = agent_box.data_paths(dict(os.environ))
+    db = task_store.db_path()
+    assert str(secrets / "token") in found and str(secrets / "oauth.json") in found
+    assert str(db) in found and str(task_store.log_dir()) in found
+
+
+def test_sbpl_profile_for_macos():
+    plan = agent_box.Plan(cwd="/w/t", tmp="/run/t/tmp", hidden=["/data"], writable=["/w/t", "/oc/data"],
+                          read_only=["/data/run/control", "/repo/.git/config"], replies=["/data/run/reply"])
+    profile = agent_box.sbpl_profile(plan)
+    assert profile.startswith("(version 1)\n(allow default)\n")
+    assert '(deny file-read* file-write* (require-all (require-any (subpath "/data")) (require-not' in profile
+    assert '(deny file-write* (require-not (require-any (subpath "/w/t") (subpath "/oc/data") ' \
+           '(subpath "/run/t/tmp") (subpath "/data/run/reply")' in profile
+    assert '(deny file-write* (require-any (subpath "/data/run/control") (subpath "/repo/.git/config")))' in profile
+    assert agent_box.wrap("sandbox-exec", plan, ["opencode", "run"])[:2] == ["sandbox-exec", "-p"]
+    quoted = agent_box.sbpl_profile(agent_box.Plan(cwd="/", tmp='/t"x', hidden=[]))
+    assert '(subpath "/t\\"x")' in quoted
+
+
+@pytest.mark.parametrize("folder", ["/etc", "/proc", "/usr/lib", "/tmp", "/var"])
+def test_system_folders_are_no_working_dir(folder):
+    with pytest.raises(task_store.ValidationError, match="system folder"):
+        task_store.submit_task(title="t", instructions="i", working_dir=folder)
