@@ -381,7 +381,7 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     ``/proc`` in a PID namespace of its own, ``plan.tmp`` as ``/tmp``, then the binds in the
     order ``Plan`` names; dies with the worker (``--die-with-parent``)."""
     box = [bwrap_bin() or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-           "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
+           "--unshare-pid", "--unshare-uts", "--die-with-parent", "--new-session",
            "--bind", plan.tmp, "/tmp"]
     for path in plan.visible:
         if _under(path, "/tmp"):

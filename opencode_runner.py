@@ -292,7 +292,7 @@ def reply_path(control_file: str, suffix: str) -> str:
 
 
 def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission: str,
-            agent: str | None = None) -> dict[str, str]:
+            agent: str | None = None, box: Any = None) -> dict[str, str]:
     """The environment of one run: ``PWD`` (OpenCode trusts it over the real cwd), the run marker
     and queue tag (inherited by every descendant, so a sweep can find stragglers), sharing off
     (``OPENCODE_DISABLE_SHARE=1`` and ``"share": "disabled"`` over every config: no session goes
@@ -300,8 +300,9 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     for a restricted task its rules pinned for every agent (see ``pin_rules``) inside
     ``OPENCODE_CONFIG_CONTENT`` (merged over the user's own content, never replacing it).
 
-    A restricted task reads OpenCode's resolved config once (``opencode debug config``, ~1.5 s).
-    Raises ConfigProblem when the rules cannot be pinned or that config cannot be read.
+    A restricted task reads OpenCode's resolved config once (``opencode debug config``, ~1.5 s),
+    in the agent's box when ``box`` is given (``box(argv, env) -> (argv, env)``: the worktree's
+    own OpenCode plugins load there, and the agent wrote them). Raises ConfigProblem when the rules cannot be pinned or that config cannot be read.
     """
     env = dict(base)
     env["PWD"] = cwd
@@ -314,7 +315,7 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     rules = PERMISSION_RULES[permission]
     if rules:
-        content = pin_rules(content, resolved_config(env, cwd), rules, agent, permission)
+        content = pin_rules(content, resolved_config(env, cwd, box=box), rules, agent, permission)
         env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     return env
 
@@ -383,12 +384,14 @@ def _config_content(env: dict[str, str]) -> dict[str, Any]:
     return content
 
 
-def resolved_config(env: dict[str, str], cwd: str, timeout_sec: float = 60) -> dict[str, Any]:
+def resolved_config(env: dict[str, str], cwd: str, timeout_sec: float = 60, box: Any = None) -> dict[str, Any]:
     """OpenCode's own view of its merged config for a run in ``cwd`` with ``env``
     (``opencode debug config``: global, ``OPENCODE_CONFIG``, project files, agent folders, inline
-    content, in OpenCode's order). Raises ConfigProblem with OpenCode's message when it fails."""
+    content, in OpenCode's order); ``box`` as in ``run_env``. Raises ConfigProblem with OpenCode's
+    message when it fails."""
+    argv, env = box([opencode_bin(), "debug", "config"], env) if box else ([opencode_bin(), "debug", "config"], env)
     try:
-        proc = subprocess.run([opencode_bin(), "debug", "config"], cwd=cwd, env=env,
+        proc = subprocess.run(argv, cwd=cwd, env=env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=timeout_sec, start_new_session=True)
     except subprocess.TimeoutExpired:

@@ -469,11 +469,11 @@ def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
     return str(path)
 
 
-def fresh_run_folder(task_id: str) -> Path:
+def fresh_run_folder(task_id: str, suffix: str = ".run") -> Path:
     """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (0700): ``control/`` (the files the
     worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers) and
     ``tmp/`` (the run's private /tmp). Removed when the attempt ends."""
-    run = store.log_path(task_id).with_suffix(".run")
+    run = store.log_path(task_id).with_suffix(suffix)
     shutil.rmtree(run, ignore_errors=True)
     for sub in ("control", "reply", "tmp"):
         (run / sub).mkdir(mode=0o700, parents=True)
@@ -1015,7 +1015,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 box = agent_box.choose(task["permission"])
                 base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
                                                                *config_files.values()])
-                env = oc.run_env(base, ws.cwd, marker, store.queue_tag(), task["permission"], task.get("agent"))
+                env = _boxed_run_env(task, ws, base, box)
             except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
                 oc.undo_housekeeping(config_files)
                 if not task["worktree_keep"]:
@@ -1144,6 +1144,17 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         return supervisor.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_box.Support) -> dict[str, str]:
+    """``oc.run_env`` for the attempt, its ``opencode debug config`` (a restricted task's) run in
+    the task's box: the worktree's OpenCode plugins load there, and the agent wrote them."""
+    probe = fresh_run_folder(task["id"], ".probe")
+    try:
+        return oc.run_env(base, ws.cwd, task["run_marker"], store.queue_tag(), task["permission"],
+                          task.get("agent"), box=lambda argv, env: _boxed(task, ws, env, box, probe, argv)[::-1])
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 def _boxed(task: dict, ws: Workspace, env: dict[str, str], box: agent_box.Support, run_dir: Path,

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 ROWS: list[dict[str, Any]] = []
-PARTS = ("real", "cycles", "wake", "tools", "scale", "rss", "workers")
+PARTS = ("real", "box", "cycles", "wake", "tools", "scale", "rss", "workers")
 
 
 def pct(values: list[float], share: float) -> float:
@@ -359,6 +359,20 @@ def real_runs(folder: Path, trials: int) -> None:
         lambda m, p, r: r <= 3, unit="MB")
 
 
+def box(trials: int) -> None:
+    """The agent box's cost (bench_box.py): a run's start boxed against bare, interleaved."""
+    import agent_box
+    import bench_box
+    if agent_box.support().mechanism != "bubblewrap":
+        print(f"  skipped: the agent box ({agent_box.support().reason})", file=sys.stderr)
+        return
+    result = bench_box.measure(trials)
+    added = [b - a for a, b in zip(result["bare"], result["boxed"])]
+    add("what the agent box adds to a run's start (bwrap with a task's binds)", added, None,
+        "the same command unboxed, interleaved", "median ≤ 50 ms", lambda m, p, r: m <= 0.050)
+    add("memory of the box's own processes (bwrap)", result["rss"], None, "", "a few MB", None, unit="MB")
+
+
 def bare_run(cmd: list[str], repo: Path, env: dict, times: list[float], trial: int) -> None:
     started = time.perf_counter()
     subprocess.run(cmd, cwd=repo, env=env, stdin=subprocess.DEVNULL, capture_output=True, timeout=300, check=True)
@@ -468,6 +482,7 @@ def main() -> int:
         os.environ.pop("MCP_BEARER_TOKEN", None)
         parts = {
             "real": lambda: real_runs(base / "real", 3 if quick else 8),
+            "box": lambda: box(50 if quick else 300),
             "cycles": lambda: store_throughput(base / "cycles", 2 if quick else 6, 300 if quick else 600),
             "wake": lambda: anyio.run(wake, base / "wake", 4 if quick else 12),
             "tools": lambda: anyio.run(tool_latency, base / "tools", 50 if quick else 200),
