@@ -301,14 +301,19 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool) -> None:
 
 def opencode_dirs(env: dict[str, str]) -> list[str]:
     """OpenCode's own config, data, cache and state folders for ``env`` (made when missing: it
-    exits 1 unless its config folder is writable)."""
+    exits 1 unless its config folder is writable). Raises BoxUnavailable naming a folder that
+    cannot be made."""
     home = Path(env.get("HOME") or Path.home())
     defaults = {"XDG_CONFIG_HOME": home / ".config", "XDG_DATA_HOME": home / ".local" / "share",
                 "XDG_CACHE_HOME": home / ".cache", "XDG_STATE_HOME": home / ".local" / "state"}
     folders = []
     for name, default in defaults.items():
         folder = Path(env.get(name) or default) / "opencode"
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
+                                 f"point {name} at a folder you can write, then retry the task") from None
         folders.append(str(folder))
     return folders
 

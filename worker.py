@@ -1016,6 +1016,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
                                                                *config_files.values()])
                 env = _boxed_run_env(task, ws, base, box)
+                if box.mechanism:
+                    agent_box.opencode_dirs(env)   # a folder that cannot be made fails here, named
             except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
                 oc.undo_housekeeping(config_files)
                 if not task["worktree_keep"]:

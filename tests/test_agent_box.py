@@ -258,6 +258,20 @@ def test_a_box_that_fails_to_start_fails_the_attempt_once(opencode, tmp_path, mo
     assert "/no/such/folder" in done["error"]
 
 
+def test_a_box_folder_that_cannot_be_made_fails_once_named(opencode, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    repo = make_repo(tmp_path / "repo")
+    task = submit(repo, "never", max_retries=3)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0 and "Traceback" not in passed.stdout + passed.stderr
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "failed" and done["attempts"] == 1, done
+    assert f"OpenCode's folder {blocker}/cache/opencode cannot be made" in done["error"]
+    assert "XDG_CACHE_HOME" in done["error"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The pieces, without a run.
 
@@ -312,6 +326,17 @@ def test_sbpl_profile_for_macos():
     assert agent_box.wrap("sandbox-exec", plan, ["opencode", "run"])[:2] == ["sandbox-exec", "-p"]
     quoted = agent_box.sbpl_profile(agent_box.Plan(cwd="/", tmp='/t"x', hidden=[]))
     assert '(subpath "/t\\"x")' in quoted
+
+
+def test_doctor_names_the_box_or_its_fix(tmp_path, monkeypatch):
+    ok = run_script("tasks_cli.py", "doctor", "--json")
+    box = next(c for c in json.loads(ok.stdout)["checks"] if c["name"] == "agent box")
+    assert box["status"] == "ok" and box["detail"].startswith("bubblewrap"), box
+    monkeypatch.setenv("BWRAP_BIN", str(tmp_path / "no-such-bwrap"))
+    missing = run_script("tasks_cli.py", "doctor", "--json")
+    box = next(c for c in json.loads(missing.stdout)["checks"] if c["name"] == "agent box")
+    assert box["status"] == "warn" and "bubblewrap is not installed" in box["detail"]
+    assert "apt install bubblewrap" in box["fix"]
 
 
 @pytest.mark.parametrize("folder", ["/etc", "/proc", "/usr/lib", "/tmp", "/var"])

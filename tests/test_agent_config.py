@@ -151,6 +151,7 @@ def test_an_environment_fault_names_its_line_and_is_not_retried(opencode, tmp_pa
     # TMPDIR below a regular file: Bun's mkdir of $TMPDIR/opencode fails (ENOTDIR), as it fails
     # with EACCES for a TMPDIR the user cannot write (root could write anywhere, so this form).
     monkeypatch.setenv("TMPDIR", str(blocker / "tmp"))
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")   # the box gives every run a /tmp of its own
     done = run_task("none", str(repo), title="t", max_retries=3)
     assert done["status"] == "failed" and done["attempts"] == 1, done
     assert "ENOTDIR" in done["error"] and "mkdir" in done["error"] and str(blocker) in done["error"]

@@ -34,6 +34,7 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
     assert result.returncode == 0, result.stdout
     assert line_of(result.stdout, "python").startswith("ok") and "packages installed" in result.stdout
     assert line_of(result.stdout, "opencode").startswith("ok") and "opencode 1.18.33" in result.stdout
+    assert line_of(result.stdout, "agent box").startswith("ok") and "bubblewrap" in line_of(result.stdout, "agent box")
     model = line_of(result.stdout, "default model")
     assert model.startswith("ok") and "fake/model (from WORKER_MODEL) answered a one-line prompt" in model
     database = line_of(result.stdout, "database")
@@ -42,7 +43,7 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
     assert "FAIL" not in result.stdout
     report = json.loads(doctor("--json").stdout)
     assert report["ok"] is True and [c["name"] for c in report["checks"]] == [
-        "python", "settings", "opencode", "default model", "database", "worker", "leftover worktrees", "token", "mcp server", "reverse bridge"]
+        "python", "settings", "agent box", "opencode", "default model", "database", "worker", "leftover worktrees", "token", "mcp server", "reverse bridge"]
 
 
 def test_doctor_with_opencode_missing(opencode, monkeypatch, tmp_path):
