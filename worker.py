@@ -1009,6 +1009,13 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
         run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, phases.deadline)
         phases.after_run()
+        try:   # before any further git command: what the run planted in git's configuration is undone
+            if worktrees.undo_planted_git(ws):
+                log(f"{task['id']}: undid git configuration the run planted: "
+                    + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
+        except worktrees.GitPlanted as exc:
+            log(f"{task['id']} stopped before any further git command: {exc}")
+            return _finish(store.fail_unrunnable, task, marker, str(exc))
         try:
             repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
                            "restrictions": oc.repo_restrictions(config_files, ws.cwd),
@@ -1426,7 +1433,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
     isolation = ws.note or (f"git worktree on {ws.branch}; writes outside it are not prevented "
                             "(prompt-level): changes to your checkout are listed in changed_outside_worktree")
     sandbox = {"isolation": isolation, "permission": task["permission"],
-               **oc.sandbox_labels(task["permission"])}
+               **oc.sandbox_labels(task["permission"]), "git config": worktrees.git_guard_label(ws)}
     if task.get("rules"):
         sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
                             "sub-agents): deny refuses the call, ask pauses the task for the planner; "
@@ -1450,6 +1457,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "attempt": task["attempts"],
         "max_retries": task["max_retries"],
         "sandbox": sandbox,
+        "git_planted": ws.git_planted or [],
         "isolation": ws.mode,
         "branch": ws.branch,
         "repo": ws.remote,
