@@ -73,6 +73,37 @@ def test_filter_planted_in_main_config_never_runs(opencode, tmp_path, unboxed):
 
 
 @pytest.mark.real_opencode
+@pytest.mark.parametrize("where", ["in-place", "remote"])
+def test_filter_planted_in_place_or_in_a_remote_tasks_mirror_never_runs(opencode, tmp_path, unboxed, where):
+    """In place, the run's own repository's config; for a task on a remote, the worker's mirror."""
+    repo = make_repo(tmp_path / "repo")
+    if where == "remote":
+        bare = tmp_path / "remote.git"
+        git(tmp_path, "clone", "-q", "--bare", str(repo), str(bare))
+        config = worktrees.sync_mirror(str(bare))[0] / "config"
+        fields = {"repo": str(bare)}
+    else:
+        config, fields = repo / ".git" / "config", {"working_dir": str(repo), "worktree": False}
+    before = config.read_bytes()
+    canary = tmp_path / "canary"
+    name = f"plant-{where}"
+    opencode.model.script(name, [
+        tool_call("write", {"filePath": str(config), "content": before.decode() + _filter(canary)}),
+        tool_call("write", {"filePath": "{cwd}/.gitattributes", "content": "* filter=x\n"}),
+        _hello(), text("Done.\n" + RECEIPT)])
+    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", **fields)
+    assert run_script("worker.py").returncode == 0
+    task = task_store.get_task(task["id"])
+    assert not canary.exists(), canary.read_text()
+    assert config.read_bytes() == before
+    assert task["status"] == "done", task["error"]
+    assert "hello from the agent" in task["diff"]
+    assert [(p["file"], p["change"]) for p in task["result"]["git_planted"]] == [(str(config), "changed")]
+    if where == "remote":
+        assert git(bare, "show", f"{task['pushed_branch']}:hello.txt") == "hello from the agent"
+
+
+@pytest.mark.real_opencode
 def test_include_planted_in_an_included_file_never_runs(opencode, tmp_path, unboxed):
     """The user's config includes a file of theirs; the run adds to it an include of a file in
     its worktree that defines the filter. .git/config itself is untouched."""
