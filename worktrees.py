@@ -1,7 +1,8 @@
 """Git isolation for task runs: a worktree per task on branch ``taskbridge/t_0001`` outside
 the user's checkout (its submodules initialised from what the repository has locally), what
 changed in it (diff and files, untracked included), the commit on success, the revert for
-readonly tasks, and removal of worktrees that checks the folder is really gone.
+readonly tasks, removal of worktrees that checks the folder is really gone, and the git guard
+(what a run planted in git's configuration is undone before TaskBridge runs git again).
 
 Every git command TaskBridge itself runs goes through `git()`: the user's hooks, signing, editor,
 pager, credential prompts, locale, colour, diff and identity settings do not reach it, and each
@@ -10,7 +11,9 @@ not ours and stay as they are.
 
 Shared by `worker.py` (runs), `tasks_cli.py` and `opencode_bridge_mcp.py` (clear_finished).
 Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``,
-``TASKBRIDGE_GIT_TIMEOUT_SEC``, ``TASKBRIDGE_MIRROR_DIR``, ``XDG_CACHE_HOME``. No SQL here.
+``TASKBRIDGE_GIT_TIMEOUT_SEC``, ``TASKBRIDGE_MIRROR_DIR``, ``XDG_CACHE_HOME``; git's own
+``GIT_CONFIG_GLOBAL``, ``GIT_CONFIG_SYSTEM``, ``GIT_CONFIG_NOSYSTEM``, ``XDG_CONFIG_HOME`` to find
+the config files the git guard pins. No SQL here.
 """
 from __future__ import annotations
 
