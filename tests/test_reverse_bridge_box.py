@@ -212,3 +212,21 @@ def test_a_worker_run_asks_claude_through_its_own_server_without_the_key(
     assert KEY not in log_text and "ANTHROPIC_API_KEY=" not in log_text
     assert bridge_servers() == [], "the worker's reverse-bridge server outlived the worker"
 
+
+
+def test_a_worker_run_goes_on_without_a_bridge_that_cannot_start(
+        opencode: Any, api_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_script("claude_control_mcp.py", "--register-opencode").returncode == 0
+    broken = tmp_path / "broken-packages" / "uvicorn"   # an interpreter whose HTTP server package fails
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('uvicorn is broken in this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(broken.parent))
+    opencode.model.script("plain", [text("Nothing to ask.\n" + RECEIPT)])
+    task = task_store.submit_task(title="plain", instructions="SCRIPT:plain", working_dir=str(make_repo(tmp_path / "r")))
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    assert task_store.get_task(task["id"])["status"] == "done"
+    said = [line for line in passed.stderr.splitlines() if "reverse bridge" in line]
+    assert len(said) == 1 and "uvicorn is broken in this test" in said[0] and task["id"] in said[0], passed.stderr
+    tools = [t["function"]["name"] for t in opencode.model.step_requests("plain")[0]["json"]["tools"]]
+    assert not any(name.startswith("claude-control_") for name in tools), "the local entry ran in the run"
