@@ -50,6 +50,7 @@ import psutil
 import knobs
 import opencode_runner as oc
 import process_tree
+import reverse_bridge
 import task_store as store
 import worker_talk as talk
 import worktrees
@@ -1115,6 +1116,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str,
         env = oc.with_spend_gate(env, gate)
     notes_file = str(store.log_path(task["id"]).with_suffix(".notes"))
     env = oc.with_notes_courier(env, notes_file)
+    env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
     rules_file = write_rules_file(task)
     if rules_file:
         env = oc.with_permission_rules(env, rules_file)
