@@ -1,6 +1,8 @@
 """The reverse bridge: a stdio MCP server whose six tools let an OpenCode agent ask Claude.
 
 Run it as a local MCP server (OpenCode starts it):   python claude_control_mcp.py
+Over streamable-http (the worker starts it; see reverse_bridge.py):
+    (echo TOKEN; cat) | python claude_control_mcp.py --transport streamable-http --port N
 Register it in OpenCode's config (idempotent):       python claude_control_mcp.py --register-opencode [--config PATH]
 Another queue than the default:                      python claude_control_mcp.py --db URL
 
@@ -1303,6 +1305,71 @@ def serve() -> None:
         runner.shutdown()
 
 
+HTTP_HOSTS = ("127.0.0.1", "localhost", "[::1]")   # the Host names the HTTP transport answers (421 otherwise)
+
+
+def serve_http(listen_fd: int | None, host: str, port: int) -> int:
+    """Serve MCP over streamable-http at ``/mcp`` (and an open ``/health``) on the listening socket
+    ``listen_fd`` a parent handed over, else on ``host:port``. The bearer token is the first line
+    of stdin (never argv or the environment, which other processes may read); the server stops
+    when stdin ends, so a parent that dies (even by SIGKILL) takes it along, and on SIGTERM.
+    Returns the exit code: 2 when stdin gives no token."""
+    configure_logging()
+    token = sys.stdin.buffer.readline().decode("utf-8", "replace").strip()
+    if not token:
+        print("refusing to start: the HTTP transport reads its bearer token from the first line of stdin; "
+              "got none (run it as `(echo TOKEN; cat) | python claude_control_mcp.py --transport "
+              "streamable-http --port N`)", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    import http_app
+    recover_at_start()
+    runner = JobRunner()
+    config = uvicorn.Config(http_bridge_app(build_server(runner), token), host=host, port=port, log_config=None,
+                            access_log=False, log_level="warning", timeout_graceful_shutdown=3,
+                            **http_app.connection_limits())
+    server = uvicorn.Server(config)
+    threading.Thread(target=_stop_at_stdin_end, args=(server,), name="stdin-end", daemon=True).start()
+    sockets = [socket.socket(fileno=listen_fd)] if listen_fd is not None else None
+    try:
+        server.run(sockets=sockets)
+    finally:
+        runner.shutdown()
+    return 0
+
+
+def http_bridge_app(server: MCPServer, token: str) -> Any:
+    """The Starlette app of the HTTP transport: http_app's guards (Shield, a loopback-only Host
+    allowlist with 421, ``token`` required on ``/mcp`` with 401, compared in constant time) around
+    the streamable-http route. Raises ValueError for an empty token: this server never runs open."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+
+    import http_app
+    if not token:
+        raise ValueError("the reverse bridge's HTTP transport needs a bearer token")
+    hosts = frozenset(HTTP_HOSTS)
+    route, lifespan = http_app.streamable_route(server, http_app.transport_security(hosts))
+    guards = [Middleware(http_app.HostGuard, hosts=hosts),
+              Middleware(http_app.BearerGuard, tokens=token, where="the token the worker gave this run's OpenCode")]
+    return http_app.Shield(Starlette(routes=[route, Route("/health", _health)], lifespan=lifespan, middleware=guards))
+
+
+async def _health(request: Any) -> Any:
+    from starlette.responses import JSONResponse
+    return JSONResponse({"ok": True, "server": SERVER_NAME})
+
+
+def _stop_at_stdin_end(server: Any) -> None:
+    # The parent holds the pipe's only write end: EOF means it closed it or died.
+    with contextlib.suppress(OSError, ValueError):
+        while sys.stdin.buffer.read(4096):
+            pass
+    server.should_exit = True
+
+
 def _stop_soon(runner: JobRunner, code: int) -> None:
     # A signal handler must not do the work itself (it may interrupt a thread holding a lock it
     # needs), and unwinding the event loop would wait forever on the thread blocked reading stdin:
@@ -1323,6 +1390,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the OpenCode config block without writing anything")
     parser.add_argument("--config", type=Path, help="OpenCode config file to edit (default: "
                                                      "$XDG_CONFIG_HOME/opencode/opencode.json)")
+    parser.add_argument("--transport", choices=("stdio", "streamable-http"), default="stdio",
+                        help="stdio (OpenCode starts the server) or streamable-http at /mcp (the worker starts it "
+                             "outside the agent's box; bearer token on the first line of stdin; stops when stdin ends)")
+    parser.add_argument("--host", default="127.0.0.1", help="streamable-http: the address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="streamable-http: the port to bind")
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="streamable-http: serve on this inherited listening socket instead of --host/--port")
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue holding the Claude jobs: a postgresql:// URL or a SQLite file (default "
                              "$TASK_DB_URL, else $TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
@@ -1341,6 +1415,8 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(f"refusing to start: {refused[0]}", file=sys.stderr)
         return 2
+    if args.transport == "streamable-http":
+        return serve_http(args.listen_fd, args.host, args.port)
     serve()
     return 0
 

@@ -423,8 +423,9 @@ class BearerGuard:
     takes a WebSocket today; one added later must not be open). The token is never logged, and a
     refused path is logged escaped and cut short."""
 
-    def __init__(self, app: Any, tokens: "TokenSource | str | None", provider: Any = None) -> None:
-        self.app, self.oauth = app, provider
+    def __init__(self, app: Any, tokens: "TokenSource | str | None", provider: Any = None,
+                 where: str = "MCP_BEARER_TOKEN or the .taskbridge/token file") -> None:
+        self.app, self.oauth, self.where = app, provider, where
         self.tokens = tokens if isinstance(tokens, TokenSource) else TokenSource.fixed_to(tokens)
         self.challenge = 'Bearer realm="taskbridge"'
         if provider is not None:   # where OAuth clients discover the authorization server (RFC 9728)
@@ -444,8 +445,7 @@ class BearerGuard:
                  loggable(scope.get("path", "")), "wrong" if supplied else "no")
         error = "invalid_token" if supplied else "invalid_request"
         headers = [(b"www-authenticate", f'{self.challenge}, error="{error}"'.encode())]
-        body = {"error": "a valid bearer token is required: send Authorization: Bearer <token> "
-                         "(MCP_BEARER_TOKEN or the .taskbridge/token file)"}
+        body = {"error": f"a valid bearer token is required: send Authorization: Bearer <token> ({self.where})"}
         if scope["type"] == "http":
             return await _plain(send, 401, body, headers)
         if scope["type"] == "websocket":
@@ -483,25 +483,11 @@ def build_app(server: MCPServer) -> Any:
     Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
-    from starlette.routing import Route
 
     hosts = allowed_hosts()
     security = transport_security(hosts)
-    for name in ("mcp.server.streamable_http", "mcp.server.sse", "mcp.server.auth"):
-        logging.getLogger(name).addFilter(_one_line_disconnects)
-    # Two session managers for /mcp: SSE streams for clients that take them, plain JSON for
-    # clients that accept only application/json (mcp_shared.StreamableEndpoint routes between them).
-    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
-    streaming = server.session_manager
-    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security, json_response=True)
-    plain = server.session_manager
+    mcp_route, lifespan = streamable_route(server, security)
     sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any):
-        async with streaming.run(), plain.run():
-            yield
-
     tokens = TokenSource()
     token = tokens.current()
     beyond = sorted(h for h in hosts if h not in LOOPBACK_NAMES)
@@ -514,10 +500,31 @@ def build_app(server: MCPServer) -> Any:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
     provider = oauth_provider(tokens)
     auth_routes = oauth.routes(provider) if provider else []
-    mcp_route = Route("/mcp", endpoint=mcp_shared.StreamableEndpoint(streaming, plain))
     return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
                             middleware=[Middleware(HostGuard, hosts=hosts),
                                         Middleware(BearerGuard, tokens=tokens, provider=provider)]))
+
+
+def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> tuple[Any, Any]:
+    """``(route, lifespan)``: the ``/mcp`` streamable-http route around ``server`` and the
+    lifespan that runs its session managers (each app that mounts the route must use it)."""
+    from starlette.routing import Route
+
+    for name in ("mcp.server.streamable_http", "mcp.server.sse", "mcp.server.auth"):
+        logging.getLogger(name).addFilter(_one_line_disconnects)
+    # Two session managers for /mcp: SSE streams for clients that take them, plain JSON for
+    # clients that accept only application/json (mcp_shared.StreamableEndpoint routes between them).
+    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    streaming = server.session_manager
+    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security, json_response=True)
+    plain = server.session_manager
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any):
+        async with streaming.run(), plain.run():
+            yield
+
+    return Route("/mcp", endpoint=mcp_shared.StreamableEndpoint(streaming, plain)), lifespan
 
 
 def oauth_provider(tokens: TokenSource) -> Any:

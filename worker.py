@@ -52,6 +52,7 @@ import agent_box
 import knobs
 import opencode_runner as oc
 import process_tree
+import reverse_bridge
 import task_store as store
 import worker_talk as talk
 import worktrees
@@ -1029,6 +1030,13 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
         run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, box, phases.deadline)
         phases.after_run()
+        try:   # before any further git command: what the run planted in git's configuration is undone
+            if worktrees.undo_planted_git(ws):
+                log(f"{task['id']}: undid git configuration the run planted: "
+                    + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
+        except worktrees.GitPlanted as exc:
+            log(f"{task['id']} stopped before any further git command: {exc}")
+            return _finish(store.fail_unrunnable, task, marker, str(exc))
         try:
             repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
                            "restrictions": oc.repo_restrictions(config_files, ws.cwd),
@@ -1134,6 +1142,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
             env = oc.with_spend_gate(env, gate)
         notes_file = str(control / "notes")
         env = oc.with_notes_courier(env, notes_file)
+        env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
         rules_file = write_rules_file(task, control)
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
@@ -1487,7 +1496,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "writes outside it are not prevented (no box): changes to your checkout are listed in "
         "changed_outside_worktree"))
     sandbox = {"isolation": isolation, "permission": task["permission"],
-               **agent_box.labels(task["permission"], box)}
+               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws)}
     if task.get("rules"):
         sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
                             "sub-agents): deny refuses the call, ask pauses the task for the planner; "
@@ -1511,6 +1520,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "attempt": task["attempts"],
         "max_retries": task["max_retries"],
         "sandbox": sandbox,
+        "git_planted": ws.git_planted or [],
         "isolation": ws.mode,
         "branch": ws.branch,
         "repo": ws.remote,

@@ -1,7 +1,8 @@
 """Git isolation for task runs: a worktree per task on branch ``taskbridge/t_0001`` outside
 the user's checkout (its submodules initialised from what the repository has locally), what
 changed in it (diff and files, untracked included), the commit on success, the revert for
-readonly tasks, and removal of worktrees that checks the folder is really gone.
+readonly tasks, removal of worktrees that checks the folder is really gone, and the git guard
+(what a run planted in git's configuration is undone before TaskBridge runs git again).
 
 Every git command TaskBridge itself runs goes through `git()`: the user's hooks, signing, editor,
 pager, credential prompts, locale, colour, diff and identity settings do not reach it, and each
@@ -10,7 +11,9 @@ not ours and stay as they are.
 
 Shared by `worker.py` (runs), `tasks_cli.py` and `opencode_bridge_mcp.py` (clear_finished).
 Env (read at call time): ``TASKBRIDGE_WORKTREE_ROOT``, ``XDG_STATE_HOME``,
-``TASKBRIDGE_GIT_TIMEOUT_SEC``, ``TASKBRIDGE_MIRROR_DIR``, ``XDG_CACHE_HOME``. No SQL here.
+``TASKBRIDGE_GIT_TIMEOUT_SEC``, ``TASKBRIDGE_MIRROR_DIR``, ``XDG_CACHE_HOME``; git's own
+``GIT_CONFIG_GLOBAL``, ``GIT_CONFIG_SYSTEM``, ``GIT_CONFIG_NOSYSTEM``, ``XDG_CONFIG_HOME`` to find
+the config files the git guard pins. No SQL here.
 """
 from __future__ import annotations
 
@@ -208,6 +211,8 @@ class Workspace:
     remote: str | None = None      # a task on a remote: the URL or path its branch is pushed to
     push_lease: str | None = None  # the branch's commit on the remote when fetched ("": absent)
     mirror_cloned: bool = False    # this attempt made the mirror (else it fetched into it)
+    git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
+    git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
 
 
 def _repo_top(path: str) -> str | None:
@@ -271,8 +276,15 @@ def _repo_top_or_none(path: str) -> str | None:
 def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
     resuming after an answer), else in place; for a task on a remote (``repo``), a worktree of the
-    worker's mirror of it (see `remote_workspace`). Raises Unrunnable with what to do, and
-    Unreachable when a remote cannot be reached (worth a retry)."""
+    worker's mirror of it (see `remote_workspace`). The files that configure TaskBridge's git
+    there are pinned (`pin_git_config`) for `undo_planted_git` after the run. Raises Unrunnable
+    with what to do, and Unreachable when a remote cannot be reached (worth a retry)."""
+    ws = _prepare(task, resume)
+    pin_git_config(ws)
+    return ws
+
+
+def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     if task.get("repo"):
         return remote_workspace(task, resume)
     wd = task["working_dir"]
@@ -1248,6 +1260,241 @@ def purge_files(removed: list[dict[str, Any]], logs: bool, kept_worktrees: bool)
                 result["worktrees_removed"].append(task["worktree_path"])
     return result
 
+
+
+# --------------------------------------------------------------------------------------------
+# The git guard: TaskBridge's own git never runs what a run planted in its configuration.
+#
+# Git runs programs named in configuration (filters, diff drivers, core.sshCommand, credential
+# helpers, ...) under names the writer picks, so no list of keys can be neutralised with -c.
+# Instead every file that configures our git for the workspace is pinned before the agent runs
+# and put back byte for byte after it, before TaskBridge runs git there again.
+
+
+class GitPlanted(Unrunnable):
+    """A run changed a file that configures TaskBridge's git and the change could not be undone:
+    the task stops before any further git command. The message names the file, the change and
+    what to do."""
+
+
+_PER_GIT_DIR = ("commondir", "gitdir", "config.worktree")
+_PER_COMMON_DIR = ("config", "config.worktree", os.path.join("info", "attributes"),
+                   os.path.join("info", "exclude"))
+PLANTED_SHOWN = 400   # characters of what a run planted in one file, in the receipt
+
+
+def pin_git_config(ws: Workspace) -> None:
+    """Record in ``ws.git_pin`` the state (`_file_state`: bytes and mode, a link's target, or
+    absence) of every file that configures TaskBridge's git for ``ws`` (see
+    `git_config_files`). Call it before the agent runs; nothing is pinned without a repository
+    (``ws.top`` None). Raises GitError / GitStopped."""
+    ws.git_pin = {path: _file_state(path) for path in git_config_files(ws)} if ws.top else None
+
+
+def git_config_files(ws: Workspace) -> list[str]:
+    """Absolute paths of the files git reads to configure TaskBridge's commands in ``ws.top``,
+    present or not (a run may create one): the ``.git`` pointer (or folder) of the worktree; its
+    git dir's ``commondir``, ``gitdir``, ``config.worktree``; the common dir's ``config``,
+    ``config.worktree``, ``info/attributes``, ``info/exclude``; submodules' ``.git`` pointers and
+    their git dirs' files; the user's and the system's config and attribute files; every file
+    those name by ``include.path`` / ``includeIf.*.path``, ``core.attributesFile`` and
+    ``core.excludesFile``. Read from the files as they are now: call it before the run. Raises
+    GitError / GitStopped."""
+    top = ws.top or ws.cwd
+    git_dir = git(["rev-parse", "--absolute-git-dir"], top)
+    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
+    paths = [os.path.join(top, ".git"), *(os.path.join(git_dir, n) for n in _PER_GIT_DIR),
+             *(os.path.join(common, n) for n in _PER_COMMON_DIR), *_user_git_files(),
+             *_submodule_git_files(top, {git_dir, common})]
+    for key in ("core.attributesFile", "core.excludesFile"):
+        named = git(["config", "--path", "--get", key], top, check=False)
+        if named:
+            paths.append(os.path.join(top, os.path.expanduser(named)))
+    return list(dict.fromkeys(os.path.normpath(p) for p in _with_includes(paths)))
+
+
+def _user_git_files() -> list[str]:
+    """The config and attribute files git reads outside the repository, as its env says."""
+    xdg = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config"), "git")
+    files = [os.path.join(xdg, "attributes")]
+    if not os.environ.get("GIT_CONFIG_NOSYSTEM"):
+        files.append(os.environ.get("GIT_CONFIG_SYSTEM") or "/etc/gitconfig")
+    files += [os.environ["GIT_CONFIG_GLOBAL"]] if os.environ.get("GIT_CONFIG_GLOBAL") else \
+        [os.path.expanduser("~/.gitconfig"), os.path.join(xdg, "config")]
+    return files
+
+
+def _submodule_git_files(top: str, git_dirs: set[str]) -> list[str]:
+    """Submodules' ``.git`` pointers (paths from ``.gitmodules``) and the config files of the
+    submodule repositories kept under ``<git dir>/modules``: status and diff look inside them."""
+    found = []
+    if os.path.isfile(os.path.join(top, ".gitmodules")):
+        listing = git(["config", "-f", ".gitmodules", "--get-regexp", r"^submodule\..*\.path$"], top, check=False)
+        found += [os.path.join(top, line.partition(" ")[2], ".git") for line in listing.splitlines()]
+    for base in git_dirs:
+        for dirpath, dirnames, _ in os.walk(os.path.join(base, "modules")):
+            dirnames[:] = [d for d in dirnames if d not in ("objects", "refs", "logs", "info", "hooks")]
+            if os.path.isfile(os.path.join(dirpath, "HEAD")):   # a submodule's git dir
+                found += [os.path.join(dirpath, n) for n in (*_PER_GIT_DIR, *_PER_COMMON_DIR)]
+    return found
+
+
+def _with_includes(paths: list[str], depth: int = 10) -> list[str]:
+    """``paths`` and, recursively, the files their ``include.path`` / ``includeIf.*.path`` name
+    (whatever the condition: a superset of what git reads), relative to the including file."""
+    seen, queue = list(paths), list(paths)
+    for _ in range(depth):
+        named = []
+        for path in queue:
+            if not os.path.isfile(path):
+                continue
+            out = git(["config", "-f", path, "-z", "--get-regexp", r"^include(if\..*)?\.path$"],
+                      os.path.dirname(path) or "/", check=False, strip=False)
+            for item in filter(None, out.split("\0")):
+                value = os.path.expanduser(item.partition("\n")[2])
+                named.append(os.path.join(os.path.dirname(path), value))
+        queue = [p for p in named if p not in seen]
+        seen += queue
+        if not queue:
+            break
+    return seen
+
+
+def _file_state(path: str, follow: bool = True) -> tuple:
+    """What git would read at ``path``: ``("absent",)``, ``("file", mode, bytes)``,
+    ``("link", target, state of what it points to)``, ``("dir",)``, ``("other",)`` (a FIFO,
+    socket or device) or ``("unreadable", why)``."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return ("absent",)
+    except OSError as exc:
+        return ("unreadable", exc.strerror)
+    if stat.S_ISLNK(info.st_mode):
+        inner = _file_state(os.path.realpath(path), follow=False) if follow else ("link",)
+        return ("link", os.readlink(path), inner)
+    if stat.S_ISDIR(info.st_mode):
+        return ("dir",)
+    if not stat.S_ISREG(info.st_mode):
+        return ("other",)
+    try:
+        return ("file", stat.S_IMODE(info.st_mode), _read(path))
+    except OSError as exc:
+        return ("unreadable", exc.strerror)
+
+
+def undo_planted_git(ws: Workspace) -> list[dict[str, Any]]:
+    """After the run, before any further git command: compare every file `pin_git_config`
+    pinned with its state now and put back each that changed (old bytes and mode written back,
+    a file the run created removed, a link restored). Returns, and keeps in ``ws.git_planted``,
+    one ``{"file", "change", "planted", "undone": True}`` per file put back (``planted``: what
+    the run added, at most PLANTED_SHOWN characters). Raises GitPlanted, naming the file and the
+    change, when one could not be put back (checked by reading it again)."""
+    pinned = ws.git_pin or {}
+    changed = {path: was for path, was in pinned.items() if _file_state(path) != was}
+    found = [_describe(path, was, _file_state(path)) for path, was in changed.items()]
+    problems = []
+    for path, was in changed.items():
+        try:
+            _restore_state(path, was)
+        except OSError as exc:
+            problems.append(f"{path}: {exc.strerror or exc}")
+    left = [item for item in found if _file_state(item["file"]) != pinned[item["file"]]]
+    if left:
+        raise GitPlanted(_planted_message(ws, left, problems))
+    ws.git_planted = found
+    return found
+
+
+def _describe(path: str, was: tuple, now: tuple) -> dict[str, Any]:
+    """One planted change for the receipt: what kind of change, and what the run put there."""
+    kinds = {"absent": "absent", "file": "a file", "link": "a link", "dir": "a folder",
+             "other": "a special file", "unreadable": "unreadable"}
+    if was[0] == "absent":
+        change = f"created ({kinds[now[0]]})"
+    elif now[0] == "absent":
+        change = "removed"
+    elif was[0] == now[0] == "file":
+        change = "changed" if was[2] != now[2] else "mode changed"
+    elif was[0] == now[0] == "link":
+        change = "link retargeted" if was[1] != now[1] else "changed through its link"
+    else:
+        change = f"replaced ({kinds[was[0]]} before, {kinds[now[0]]} now)"
+    return {"file": path, "change": change, "planted": _planted_text(was, now), "undone": True}
+
+
+def _planted_text(was: tuple, now: tuple) -> str:
+    """The lines the run added (a link: its new target), clipped to PLANTED_SHOWN characters."""
+    def content(state: tuple) -> bytes:
+        return state[2] if state[0] == "file" else content(state[2]) if state[0] == "link" else b""
+    if now[0] == "link" and (was[0] != "link" or was[1] != now[1]):
+        return f"a link to {now[1]}"
+    old = set(content(was).decode("utf-8", "replace").splitlines())
+    added = [line for line in content(now).decode("utf-8", "replace").splitlines() if line not in old]
+    text = "\n".join(added)
+    return text if len(text) <= PLANTED_SHOWN else text[:PLANTED_SHOWN] + "…"
+
+
+def _restore_state(path: str, was: tuple) -> None:
+    """Put ``path`` back to ``was`` (see `_file_state`). Raises OSError when it cannot: a
+    folder or special file cannot be rebuilt from its pin, so one the run replaced stays changed."""
+    now = _file_state(path, follow=False)
+    if was[0] in ("dir", "other", "unreadable"):
+        raise OSError(f"{was[0]} before the run; it cannot be rebuilt")
+    if now[0] == "dir":
+        problems = _force_rmtree(path)
+        if problems:
+            raise OSError("; ".join(problems[:3]))
+    if was[0] == "absent":
+        if os.path.lexists(path):
+            os.unlink(path)
+    elif was[0] == "link":
+        if now[0] != "link" or now[1] != was[1]:
+            _replace_with(path, lambda tmp: os.symlink(was[1], tmp))
+        if _file_state(os.path.realpath(path), follow=False) != was[2]:
+            _restore_state(os.path.realpath(path), was[2])
+    else:
+        _replace_with(path, lambda tmp: _write_file(tmp, was[2], was[1]))
+
+
+def _replace_with(path: str, make: Callable[[str], None]) -> None:
+    """Make the new entry beside ``path`` and rename it over whatever is there (a file or a
+    link, never written through): git never reads a half-written config."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(path), f".taskbridge-{os.getpid()}-{os.path.basename(path)}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    make(tmp)
+    os.replace(tmp, path)
+
+
+def _write_file(path: str, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.chmod(path, mode)
+
+
+def _planted_message(ws: Workspace, left: list[dict[str, Any]], problems: list[str]) -> str:
+    shown = "; ".join(f"{item['file']} {item['change']}" + (f" ({item['planted'][:120]!r})" if item["planted"] else "")
+                      for item in left[:5])
+    why = "; ".join(problems[:5]) or "it reads back changed"
+    kept = f"the worktree {ws.top} is kept" if ws.mode == "worktree" else f"the changes stay in {ws.cwd}"
+    return (f"the run changed the git configuration TaskBridge's own git reads: {shown}, and TaskBridge could "
+            f"not undo it ({why}); no further git command was run, so nothing was committed and {kept}. "
+            "Put the file back as it was (remove what the run added), then retry the task")
+
+
+def git_guard_label(ws: Workspace) -> str:
+    """The receipt's ``sandbox["git config"]``: what the git guard checked and what it undid."""
+    if ws.git_pin is None:
+        return "not a git repository: TaskBridge runs no git here"
+    planted = ws.git_planted or []
+    done = f"{len(planted)} change(s) the run made were undone, listed in git_planted" if planted else \
+        "none had changed"
+    return (f"enforced by TaskBridge after the run: the {len(ws.git_pin)} files that configure its own git here "
+            f"(config, attributes, includes, the .git pointer) were compared with their bytes before the run "
+            f"before it ran git again; {done}")
 
 
 # --------------------------------------------------------------------------------------------
