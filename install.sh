@@ -144,6 +144,20 @@ install_postgres() {  # the PostgreSQL store tests (pytest -m postgres): Debian'
   fi
 }
 
+install_box() {  # the agent box: bubblewrap on Linux (every run; sandbox-exec ships with macOS)
+  [ "$(os_name)" = linux ] || return 0
+  command -v bwrap >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing bubblewrap (apt-get): every agent run is boxed by it"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >&2 || \
+      say "apt-get could not install bubblewrap: agents run unboxed and restricted tasks fail (tasks_cli.py doctor says how to fix it)"
+  else
+    say "bubblewrap is not installed: agents would run unboxed and readonly/no-shell/no-network tasks fail;" \
+        "install it: sudo apt install bubblewrap (Fedora: sudo dnf install bubblewrap)"
+  fi
+}
+
 check_port() {   # NAME VALUE: a port number 1-65535, or stop before installing anything
   case "$2" in
     ''|*[!0-9]*) die "$1='$2' is not a port number from 1 to 65535; fix it or leave it out (default 8765)" ;;
@@ -208,6 +222,7 @@ main() {
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   fi
   install_opencode
+  install_box
   install_browser
   install_postgres
 
