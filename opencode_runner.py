@@ -142,6 +142,12 @@ def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
                               f"or leave it out")
 
 
+# For TaskBridge's own OpenCode calls outside the agent's box in a folder an agent wrote (export
+# and import of a session): no project config and no `.opencode/` folders, whose plugins are code
+# OpenCode would run here, out of the box.
+NO_PROJECT_CODE = {"OPENCODE_DISABLE_PROJECT_CONFIG": "1"}
+
+
 class SessionCopyFailed(RuntimeError):
     """An OpenCode session could not be exported or imported (the message quotes OpenCode)."""
 
@@ -151,7 +157,7 @@ def export_session(session_id: str, cwd: str, env: dict[str, str] | None = None,
     """OpenCode's own record of a session (``opencode export ID``): ``{"info": {...},
     "messages": [{"info": {"role", "time": {"created": ms}, ...}, "parts": [...]}]}``.
     Raises SessionCopyFailed quoting OpenCode (an unknown id, say)."""
-    run_env = {**(env if env is not None else os.environ), "PWD": cwd}
+    run_env = {**(env if env is not None else os.environ), "PWD": cwd, **NO_PROJECT_CODE}
     proc = subprocess.run([opencode_bin(), "export", session_id], cwd=cwd, env=run_env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     start = proc.stdout.find("{")
@@ -232,7 +238,7 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
     (``opencode export``), given fresh session, message and part ids (same time prefix: the
     order is kept) and the new folder in place of ``old_dir``, and imported (``opencode import``).
     Raises SessionCopyFailed quoting OpenCode."""
-    run_env = {**env, "PWD": new_dir}
+    run_env = {**env, "PWD": new_dir, **NO_PROJECT_CODE}
     proc = subprocess.run([opencode_bin(), "export", session_id], cwd=new_dir, env=run_env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     start = proc.stdout.find("{")
