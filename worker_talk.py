@@ -96,6 +96,8 @@ class Talk:
     def say(cls, message: str, level: int = NORMAL, style: str = "") -> None:
         """One line (shown at ``level`` and above); normal and quiet lines also go to the worker log.
         TaskBridge's secrets never reach either (redaction)."""
+        if level > NORMAL and level > cls.level:
+            return   # before redacting: -v lines come per tool call, and most workers do not show them
         message = redaction.redact(message)
         if level <= NORMAL:
             write_log_line(message)
