@@ -99,10 +99,11 @@ async def board_file(request: Any) -> Any:
 
 
 async def answer_json(work: Callable[[], Any]) -> Any:
-    """Run ``work()`` off the event loop and answer JSON: its dict (200) or ``error_response``."""
+    """Run ``work()`` off the event loop and answer JSON: its dict (200, TaskBridge's secrets
+    redacted: ``task_views.shown``) or ``error_response``."""
     from starlette.responses import JSONResponse
     try:
-        return JSONResponse(await anyio.to_thread.run_sync(work))
+        return JSONResponse(await anyio.to_thread.run_sync(lambda: task_views.shown(work())))
     except Exception as exc:
         return error_response(exc)
 

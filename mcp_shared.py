@@ -46,6 +46,7 @@ from mcp.types import (CallToolResult, JSONRPCError, JSONRPCNotification, JSONRP
                        TextContent, ToolAnnotations)
 
 import task_store
+import task_views
 
 log = logging.getLogger("taskbridge.mcp")
 
@@ -251,6 +252,18 @@ def _shrink_block(block: Any, chars: int) -> Any:
     return block.model_copy(update={"text": _shrink(text, chars, 0)}) if isinstance(text, str) else block
 
 
+def shown_result(result: Any) -> Any:
+    """A tool's answer with TaskBridge's own secrets redacted in both forms a client gets (the
+    structured content and its text blocks): ``task_views.shown``, the one place every tool of
+    both servers passes through."""
+    if not isinstance(result, CallToolResult):
+        return task_views.shown(result)
+    blocks = [b.model_copy(update={"text": task_views.shown(b.text)}) if isinstance(getattr(b, "text", None), str)
+              else b for b in result.content]
+    return result.model_copy(update={"structured_content": task_views.shown(result.structured_content),
+                                     "content": blocks})
+
+
 class TranslatingServer(MCPServer):
     """MCPServer whose tool errors are one clear line (see ``translate``) and whose tools are
     listed with portable input schemas (see ``portable_schema``). Subclasses list in
@@ -292,7 +305,8 @@ class TranslatingServer(MCPServer):
         if unknown:
             raise ToolError(unknown)
         try:
-            return _within_budget(name, cap_result(name, await super().call_tool(name, arguments, context)))
+            return shown_result(_within_budget(name, cap_result(name, await super().call_tool(name, arguments,
+                                                                                     context))))
         except UnexpectedToolError as exc:
             raise translate(name, exc, self.passthrough) from None
         except ToolError as exc:

@@ -9,6 +9,7 @@ HTTP API and the CLI all show, built once here.
   tallies, the oldest pending task, the default model and those worker states;
   ``current_default_model``: the model a task without one runs with (from
   ``opencode_runner.default_model``, cached answers only).
+- ``shown`` / ``shown_task`` / ``shown_log``: what is shown, TaskBridge's own secrets redacted.
 - ``page_utf8`` / ``read_log_page``: text (a task's log through the store, or a file) paged by
   bytes, never splitting a UTF-8 character.
 
@@ -28,6 +29,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 import opencode_runner as oc
+import redaction
 import task_store as store
 
 VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
@@ -159,6 +161,29 @@ class QueueStatus(TypedDict):
 
 _INFO_KEYS = tuple(TaskInfo.__annotations__)
 _ROW_KEYS = tuple(TaskRow.__annotations__)
+
+
+def shown(value: Any) -> Any:
+    """``value`` (a task, a receipt, a log page, a tool's answer: any JSON shape, str or bytes) as
+    it may be shown: every text in it with the values of TaskBridge's own secrets replaced by
+    labels (``redaction.redact_deep``). The second line behind the worker's redaction at write
+    time, for logs and receipts stored before it, or by a worker that held other secrets; the
+    board's API, the MCP tools and the CLI's views pass what they show through here. Offsets
+    and sizes are the stored bytes' (a label is not as long as the value it replaces)."""
+    return redaction.redact_deep(value)
+
+
+def shown_task(task_id: Any) -> dict[str, Any]:
+    """``store.get_task(task_id)`` as it may be shown (``shown``). Raises TaskNotFound,
+    ValidationError (malformed id)."""
+    return shown(store.get_task(task_id))
+
+
+def shown_log(task_id: Any, offset: int = 0) -> tuple[bytes, int]:
+    """A task's log from byte ``offset`` to its end as it may be shown (``shown``), and the
+    stored offset it ends at (where a follower reads on). Raises ValidationError (malformed id)."""
+    data = store.read_task_log(task_id, offset)
+    return shown(data), offset + len(data)
 
 
 def info(task: dict[str, Any]) -> dict[str, Any]:

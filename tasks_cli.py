@@ -703,8 +703,7 @@ def read_new(task_id: str, offset: int) -> tuple[bytes, int]:
     through the store: the file on SQLite, the database on PostgreSQL."""
     if task_store.task_log_size(task_id) < offset:
         offset = 0
-    data = task_store.read_task_log(task_id, offset)
-    return data, offset + len(data)
+    return task_views.shown_log(task_id, offset)
 
 
 def write_raw(data: bytes) -> None:
@@ -891,7 +890,8 @@ def list_options(command: Callable) -> Callable:
 def render_page(page: dict[str, Any], as_json: bool) -> None:
     """A page of tasks as JSON or a table with a paging footer."""
     if as_json:
-        return emit_json(page)
+        return emit_json(task_views.shown(page))
+    page = task_views.shown(page)
     if page["tasks"]:
         out().print(tasks_table(page["tasks"]))
     out().print(Text(page_footer(page), style="dim"))
@@ -921,7 +921,7 @@ def pending(limit: int, offset: int, as_json: bool) -> None:
 @json_option
 def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     """Show everything about one task: status, run, receipt, notes, questions, events."""
-    task = task_store.get_task(task_id)
+    task = task_views.shown_task(task_id)
     if diff_only:
         if not task["diff"]:
             raise CliError(f"task {task_id} has no diff (it is {task['status']}); show {task_id} tells more")
@@ -943,7 +943,7 @@ def transcript(task_id: str, offset: int, limit: int, as_json: bool) -> None:
 
     From OpenCode's own session record, else rebuilt from the task logs; paged by turn.
     """
-    page = task_views.transcript(task_id, offset, limit)
+    page = task_views.shown(task_views.transcript(task_id, offset, limit))
     if as_json:
         return emit_json(page)
     out().print(Text(visible(f"{page['task_id']}: line {' -> '.join(page['line'])}, {page['total']} turns "
@@ -1143,7 +1143,7 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
 
     On a terminal control characters show as escapes. --stat lists the files instead.
     """
-    task = task_store.get_task(task_id)
+    task = task_views.shown_task(task_id)
     if not task["diff"]:
         made = "it changed no files" if task["status"] == "done" else f"it is {task['status']}"
         raise CliError(f"task {task_id} has no diff ({made}); `python tasks_cli.py show {task_id}` tells more")
@@ -1266,7 +1266,7 @@ def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
 def print_log(task_id: str, tail: int | None, raw: bool) -> int:
     """Print a task's log (rendered, or raw), its last ``tail`` entries when given; returns the
     byte offset read up to (where --follow goes on; 0: it has no log yet)."""
-    data = task_store.read_task_log(task_id)
+    data, end = task_views.shown_log(task_id)
     if raw:
         lines = data.splitlines(keepends=True)
         write_raw(b"".join(lines if tail is None else lines[-tail:] if tail else []))
@@ -1274,7 +1274,7 @@ def print_log(task_id: str, tail: int | None, raw: bool) -> int:
         entries = opencode_runner.render_log(data.decode("utf-8", errors="replace"))
         for entry in entries if tail is None else entries[-tail:] if tail else []:
             print_log_entry(entry)
-    return len(data)
+    return end
 
 
 STATUS_MARK = {"ok": ("ok  ", "green"), "warn": ("warn", "yellow"), "fail": ("FAIL", "red")}

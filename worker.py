@@ -52,6 +52,7 @@ import agent_box
 import knobs
 import opencode_runner as oc
 import process_tree
+import redaction
 import reverse_bridge
 import task_store as store
 import worker_talk as talk
@@ -598,7 +599,8 @@ class Supervisor:
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
         self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
-        self.oversized: set[str] = set()           # streams in the middle of a line over LINE_MAX
+        self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
+        self.redactor = redaction.current()
         self.stop = False
         self.gate_open_at: float | None = None
         self.meter: Meter | None = None
@@ -610,8 +612,8 @@ class Supervisor:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as self.log:
             self.shipper = LogShipper(self.task["id"], self.log)
-            self.log.write(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} box={self.box.label}\n$ "
-                           f"{' '.join(self.argv)}\n".encode())
+            self.log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
+                                                f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
             StartGate.enter()
@@ -700,6 +702,7 @@ class Supervisor:
             except store.StaleAttempt as exc:
                 return self._end(str(exc), superseded=True)
             if renewed:   # while the database is away the agent runs on; the rest waits for it
+                self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
                 Beat.write()
                 self.shipper.ship()
                 if self.meter is not None:
@@ -770,9 +773,9 @@ class Supervisor:
         """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
         past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
         if stream in self.oversized:
-            self.log.write(piece)
+            self.log.write(self.oversized[stream].feed(piece))
             if end:
-                self.oversized.discard(stream)
+                self.log.write(self.oversized.pop(stream).end())
                 self.result.stream.bad_lines += 1
                 self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
             return
@@ -783,11 +786,16 @@ class Supervisor:
             buf.clear()
             self._line(stream, line)
         elif len(buf) > LINE_MAX:
-            self.log.write((b"[stderr] " if stream == "err" else b"") + bytes(buf))
+            # Written as it comes, so a secret may be split between pieces: LongLine holds back
+            # what a later piece could complete.
+            self.oversized[stream] = redaction.LongLine(self.redactor)
+            self.log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
             buf.clear()
-            self.oversized.add(stream)
 
     def _line(self, stream: str, line: bytes) -> None:
+        # Redacted before anything reads it: the log, the receipt's texts and the worker's own
+        # lines are all made from the redacted line.
+        line = self.redactor.redact(line)
         if stream == "err":
             text = line[:STDERR_LINE_KEEP].decode(errors="replace")
             self.log.write(b"[stderr] " + line + b"\n")
@@ -1442,6 +1450,9 @@ def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict
         tries.append(time.monotonic())
         return fn(*args, **kwargs)
 
+    # Everything an attempt stores (receipt, diff, error, question) passes here: redacted once.
+    redactor = redaction.current()
+    args, kwargs = redaction.redact_deep(args, redactor), redaction.redact_deep(kwargs, redactor)
     try:
         return db(once, task["id"], marker, *args, **kwargs)
     except store.StaleAttempt as exc:

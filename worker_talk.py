@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # rich is imported only on a terminal: a worker under launchd
     from rich.live import Live
     from rich.table import Table
 
+import redaction
 import task_store as store
 import task_views
 
@@ -93,7 +94,11 @@ class Talk:
 
     @classmethod
     def say(cls, message: str, level: int = NORMAL, style: str = "") -> None:
-        """One line (shown at ``level`` and above); normal and quiet lines also go to the worker log."""
+        """One line (shown at ``level`` and above); normal and quiet lines also go to the worker log.
+        TaskBridge's secrets never reach either (redaction)."""
+        if level > NORMAL and level > cls.level:
+            return   # before redacting: -v lines come per tool call, and most workers do not show them
+        message = redaction.redact(message)
         if level <= NORMAL:
             write_log_line(message)
         if level > cls.level:

@@ -1,0 +1,228 @@
+"""Redaction: the values of TaskBridge's own secrets kept out of what it stores and shows.
+
+Role: know those values (read at call time) and replace every occurrence in a text with a label
+such as ``[redacted: bearer token]``. A second line behind the box that keeps them from the agent:
+whatever a run prints, the task log, the receipt, the task's error and everything the board, the
+MCP tools and the CLI show of them never carry one.
+
+The secrets: the HTTP bearer token (``MCP_BEARER_TOKEN`` and the token file), the OAuth store's
+client secrets (``oauth.json`` beside the token file; its access and refresh tokens are signed,
+never stored), the reverse bridge's ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``, the queue
+database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file ``PGPASSFILE`` or
+``~/.pgpass``) and ``OPENCODE_SERVER_PASSWORD``. Values shorter than MIN_SECRET_CHARS are not
+matched (they would hit ordinary words). Each value is matched as written and in its JSON-escaped
+form (the task log is OpenCode's JSON event stream).
+
+Cost: files are re-read only when their (inode, mtime, size) changes; the matcher is one
+precompiled alternation (longest value first), one pass over a text that holds no secret.
+
+Not run on its own; nothing happens at import time. Env: the variables above, ``MCP_TOKEN_FILE``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import connectors
+import task_store
+
+MIN_SECRET_CHARS = 8
+HOLD_MAX = 1 << 20     # bytes a long line's redaction may hold back for a chain of overlapping values
+ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anthropic api key"),
+               ("ANTHROPIC_AUTH_TOKEN", "anthropic auth token"), ("PGPASSWORD", "database password"),
+               ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
+
+_files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
+_built: dict[tuple, "Redactor"] = {}               # the secret set -> its compiled matcher
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _from_file(path: Path, parse: Callable[[str], list[str]]) -> list[str]:
+    """The values ``parse`` finds in ``path``, re-read only when the file changed; [] when it
+    cannot be read (a missing file holds no secret)."""
+    stamp = _stamp(path)
+    cached = _files.get(str(path))
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    try:
+        values = parse(path.read_text(errors="replace")) if stamp else []
+    except (OSError, ValueError):
+        values = []
+    _files[str(path)] = (stamp, values)
+    return values
+
+
+def _token_values(text: str) -> list[str]:
+    return [text.strip()]
+
+
+def _oauth_values(text: str) -> list[str]:
+    clients = json.loads(text).get("clients") or {}
+    return [str(c.get("client_secret")) for c in clients.values() if isinstance(c, dict) and c.get("client_secret")]
+
+
+def _pgpass_values(text: str) -> list[str]:
+    """The password field of each ``host:port:db:user:password`` line (``\\:`` and ``\\\\`` escaped)."""
+    found = []
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            fields = re.split(r"(?<!\\):", line.rstrip("\n"), maxsplit=4)
+            if len(fields) == 5:
+                found.append(re.sub(r"\\(.)", r"\1", fields[4]))
+    return found
+
+
+def _pgpass_file() -> Path:
+    return Path(os.environ.get("PGPASSFILE") or Path.home() / ".pgpass").expanduser()
+
+
+def secret_values() -> dict[str, str]:
+    """Every secret value TaskBridge holds now, read at call time: ``{value: label}`` (labels like
+    ``"bearer token"``), values of at least MIN_SECRET_CHARS characters only. Never raises: an
+    unreadable source holds no value."""
+    found: list[tuple[str, str]] = [(os.environ.get(name) or "", label) for name, label in ENV_SECRETS]
+    url = task_store.database_url()
+    found += [(value, "database password") for value in (task_store.url_secrets(url) if url else [])]
+    token_file = connectors.token_file()
+    found += [(value, "bearer token") for value in _from_file(token_file, _token_values)]
+    found += [(value, "oauth client secret") for value in _from_file(token_file.parent / "oauth.json", _oauth_values)]
+    found += [(value, "database password") for value in _from_file(_pgpass_file(), _pgpass_values)]
+    values: dict[str, str] = {}
+    for value, label in found:
+        value = value.strip()
+        if len(value) >= MIN_SECRET_CHARS:
+            values.setdefault(value, label)
+    return values
+
+
+def _forms(values: dict[str, str]) -> dict[str, str]:
+    """Each value as written and JSON-escaped (how it stands inside the event stream's strings)."""
+    forms = {}
+    for value, label in values.items():
+        for form in (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]):
+            forms.setdefault(form, label)
+    return forms
+
+
+class Redactor:
+    """One compiled matcher for a set of secret values (``{value: label}``): ``redact`` for a
+    text, ``spans`` for where the values stand. Overlapping values are both covered: the spans of
+    all values found are merged, and a merged span gets one label naming each."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.labels = _forms(values)
+        ordered = sorted(self.labels, key=len, reverse=True)
+        self.longest = max((len(f.encode()) for f in ordered), default=0)   # bytes
+        alternation = "|".join(re.escape(f) for f in ordered)
+        self._str = re.compile(alternation) if ordered else None
+        self._bytes = re.compile(alternation.encode()) if ordered else None
+        # Zero-width at every position where a value starts: finds values that overlap.
+        self._str_at = re.compile(f"(?=({alternation}))") if ordered else None
+        self._bytes_at = re.compile(f"(?=({alternation}))".encode()) if ordered else None
+
+    def spans(self, data: str | bytes) -> list[tuple[int, int, list[str]]]:
+        """Merged ``(start, end, labels)`` of every secret value in ``data``, in order."""
+        binary = isinstance(data, (bytes, bytearray))
+        first = (self._bytes if binary else self._str)
+        hit = first.search(data) if first is not None else None
+        if hit is None:
+            return []
+        merged: list[tuple[int, int, list[str]]] = []
+        for found in (self._bytes_at if binary else self._str_at).finditer(data, hit.start()):
+            start, end = found.start(), found.start() + len(found.group(1))
+            label = self.labels[found.group(1).decode() if binary else found.group(1)]
+            if merged and start < merged[-1][1]:
+                last = merged[-1]
+                merged[-1] = (last[0], max(last[1], end), last[2] + [label] * (label not in last[2]))
+            else:
+                merged.append((start, end, [label]))
+        return merged
+
+    def redact(self, data: Any) -> Any:
+        """``data`` (str or bytes) with every secret value replaced by its label; anything else
+        is returned as it is."""
+        if not isinstance(data, (str, bytes, bytearray)) or not self.labels:
+            return data
+        return replace(data, self.spans(data))
+
+
+def replace(data: Any, spans: list[tuple[int, int, list[str]]]) -> Any:
+    """``data`` with each span (as ``Redactor.spans`` gives them) replaced by its label."""
+    if not spans:
+        return data
+    binary = isinstance(data, (bytes, bytearray))
+    parts, at = [], 0
+    for start, end, labels in spans:
+        label = f"[redacted: {', '.join(labels)}]"
+        parts += [data[at:start], label.encode() if binary else label]
+        at = end
+    parts.append(data[at:])
+    return (b"" if binary else "").join(bytes(p) if binary else p for p in parts)
+
+
+def current() -> Redactor:
+    """The matcher for the secrets held now (``secret_values``), compiled once per set."""
+    values = secret_values()
+    key = tuple(sorted(values.items()))
+    if key not in _built:
+        _built.clear()   # a rotated token: the old matcher is not needed again
+        _built[key] = Redactor(values)
+    return _built[key]
+
+
+def redact(data: Any) -> Any:
+    """``data`` (str or bytes) with the values of TaskBridge's secrets replaced by labels such as
+    ``[redacted: bearer token]``; other types are returned unchanged. Never raises."""
+    return current().redact(data)
+
+
+def redact_deep(value: Any, redactor: Redactor | None = None) -> Any:
+    """``value`` with every str and bytes inside it (dict values and keys, list and tuple items)
+    redacted; the shape is kept."""
+    redactor = redactor or current()
+    if not redactor.labels:
+        return value
+    if isinstance(value, dict):
+        return {redactor.redact(k): redact_deep(v, redactor) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_deep(v, redactor) for v in value)
+    return redactor.redact(value)
+
+
+class LongLine:
+    """A line too long to hold (the worker's oversized-line path) redacted as it is written in
+    pieces: ``feed`` returns what can be written now, holding back the last ``longest - 1``
+    bytes (a value may go on in the next piece) and any values that reach into them (up to
+    HOLD_MAX bytes); ``end`` returns the rest."""
+
+    def __init__(self, redactor: Redactor) -> None:
+        self.redactor, self.held = redactor, b""
+
+    def feed(self, piece: bytes) -> bytes:
+        """The redacted bytes of ``held + piece`` that no later piece can change."""
+        data = self.held + piece
+        cut = len(data) - max(self.redactor.longest - 1, 0)
+        if cut <= 0:
+            self.held = data
+            return b""
+        spans = self.redactor.spans(data)
+        for start, end, _ in spans:
+            if start < cut < end:   # keep values reaching past the cut whole, to be read again
+                cut = start if start > 0 or len(data) < HOLD_MAX else end
+        self.held = data[cut:]
+        return replace(data[:cut], [s for s in spans if s[1] <= cut])
+
+    def end(self) -> bytes:
+        """What is held, redacted; the line is over."""
+        rest, self.held = self.held, b""
+        return self.redactor.redact(rest)
