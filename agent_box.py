@@ -483,9 +483,15 @@ def labels(permission: str, box: Support) -> dict[str, str]:
                         "folders; TaskBridge's data folders hidden; control files and the repository's "
                         "config, hooks and info/ read-only"}
     if permission == "readonly":
-        out["file writes"] = ((f"enforced by {mech}: the worktree is read-only" if mech else "prompt-level")
-                              + "; edit/write tools also denied by OpenCode's permission config (pinned); "
-                              "anything changed is reverted after the run")
+        if mech:
+            out["file writes"] = (f"enforced by {mech}: the worktree is read-only; edit/write tools also denied "
+                                  "by OpenCode's permission config (pinned)")
+            out["shell writes"] = (f"enforced by {mech}: the worktree and all outside the box's own folders are "
+                                   "read-only; anything changed anyway is reverted after the run")
+        else:
+            out["file writes"] = "enforced by OpenCode's permission config (edit/write tools denied, pinned)"
+            out["shell writes"] = ("prompt-level (no box): inside the worktree reverted after the run; elsewhere: "
+                                   "not prevented (your checkout is checked and changes reported)")
     if permission == "no-shell":
         out["shell"] = ("enforced by OpenCode's permission config (bash denied for every agent, pinned)"
                         + (f"; and {mech}'s $SHELL refuses every command" if mech else ""))

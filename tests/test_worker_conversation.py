@@ -78,7 +78,11 @@ def test_lost_session_falls_back_to_new_session_with_history(opencode, tmp_path)
     assert "Tabs or spaces?" in _messages_text(last) and "spaces-please" in _messages_text(last)
 
 
-def test_readonly_denies_writes_and_reverts_shell_writes(opencode, tmp_path):
+def test_readonly_denies_writes_and_reverts_shell_writes(opencode, tmp_path, monkeypatch):
+    """The layers behind the box (test_agent_box has it boxed): with no box and prompt-level
+    allowed, the pinned edit deny holds and shell writes are reverted or reported."""
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
     repo = make_repo(tmp_path / "repo")
     (repo / "opencode.json").write_text(json.dumps({"permission": "allow"}))
     git(repo, "add", "-A")
