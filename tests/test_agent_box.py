@@ -291,6 +291,27 @@ def test_session_export_in_an_agent_written_folder_runs_none_of_its_plugins(open
 # The pieces, without a run.
 
 
+def test_rules_plugin_fails_closed_on_an_unreadable_rules_file(tmp_path):
+    """The rules plugin itself, run by the real node: a rules file that is gone or not rules
+    refuses the call (it used to run with no rules)."""
+    import subprocess
+    hook = ("const m = await import(process.argv[1]); const h = await m.TaskbridgePermissionRules({directory: '/w'});"
+            "try { await h['tool.execute.before']({tool: 'bash'}, {args: {command: 'ls'}}); console.log('ran'); }"
+            " catch (e) { console.log('refused: ' + e.message); }")
+    plugin = str(Path(agent_box.__file__).parent / "opencode_plugins" / "permission_rules.js")
+    (tmp_path / "control").mkdir()
+    (tmp_path / "control" / "junk").write_text('{"rules": "x"')
+    for rules, said in ((tmp_path / "control" / "gone", "refused: TaskBridge: this task's permission rules cannot"),
+                        (tmp_path / "control" / "junk", "refused: TaskBridge: this task's permission rules cannot")):
+        out = subprocess.run(["node", "--input-type=module", "-e", hook, plugin], capture_output=True, text=True,
+                             env={**os.environ, "TASKBRIDGE_RULES": str(rules)}, timeout=60)
+        assert out.stdout.startswith(said), out.stdout + out.stderr
+    (tmp_path / "control" / "ok").write_text('{"rules": {"bash": {"rm *": "deny"}}, "once": []}')
+    out = subprocess.run(["node", "--input-type=module", "-e", hook, plugin], capture_output=True, text=True,
+                         env={**os.environ, "TASKBRIDGE_RULES": str(tmp_path / "control" / "ok")}, timeout=60)
+    assert out.stdout.strip() == "ran", out.stdout + out.stderr
+
+
 def test_agent_env_is_an_allowlist(monkeypatch):
     base = {"PATH": "/usr/bin", "HOME": "/home/u", "LC_ALL": "C", "OPENCODE_CONFIG": "/c.json",
             "MCP_BEARER_TOKEN": "t", "TASK_DB_URL": "postgresql://u:pw@h/db", "ANTHROPIC_API_KEY": "k",
