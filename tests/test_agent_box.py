@@ -379,3 +379,40 @@ def test_doctor_names_the_box_or_its_fix(tmp_path, monkeypatch):
 def test_system_folders_are_no_working_dir(folder):
     with pytest.raises(task_store.ValidationError, match="system folder"):
         task_store.submit_task(title="t", instructions="i", working_dir=folder)
+
+
+def test_the_box_holds_for_an_ordinary_user(tmp_path):
+    """As a user without privileges (bubblewrap then makes a user namespace): the user's own
+    writable folder is read-only in the box, a hidden folder of theirs is empty, the worktree
+    and the run's /tmp are writable, and the worker's environment is out of sight in /proc."""
+    import subprocess
+    import tempfile
+    from helpers import normal_user
+    user = normal_user()
+    if user is None:
+        pytest.skip("needs root to drop to an ordinary user")
+    base = Path(tempfile.mkdtemp(prefix="tb-box-", dir="/var/tmp"))   # not /tmp: the box has its own
+    try:
+        for name in ("worktree", "theirs", "hidden", "run/tmp"):
+            (base / name).mkdir(parents=True)
+        (base / "hidden" / "token").write_text(f"{MARK}-token\n")
+        subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(base)], check=True)
+        base.chmod(0o755)
+        plan = agent_box.Plan(cwd=str(base / "worktree"), tmp=str(base / "run" / "tmp"),
+                              hidden=[str(base / "hidden")], writable=[str(base / "worktree")])
+        probe = (f"touch {base}/worktree/in && echo in-ok; touch {base}/theirs/out 2>&1 || echo out-refused; "
+                 f"cat {base}/hidden/token 2>&1 || echo hidden-gone; echo t > /tmp/t && echo tmp-ok; "
+                 f"cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c {MARK}")
+        drop = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
+        # The box's parent holds a secret in its environment, as the worker does; the box does not.
+        parent = ["/bin/sh", "-c", 'env -u HIDE_ME "$@" & wait $!', "parent"]
+        out = subprocess.run([*drop, *parent, *agent_box.bwrap_argv(plan, ["/bin/sh", "-c", probe])],
+                             capture_output=True, text=True, timeout=60, cwd="/",
+                             env={"PATH": "/usr/bin:/bin", "HIDE_ME": f"{MARK}-env"})
+        said = out.stdout + out.stderr
+        assert "in-ok" in said and "out-refused" in said and "Read-only file system" in said
+        assert "hidden-gone" in said and MARK not in said
+        assert "tmp-ok" in said and out.stdout.rstrip().endswith("\n0")
+        assert (base / "worktree" / "in").exists() and not (base / "theirs" / "out").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
