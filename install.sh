@@ -114,47 +114,39 @@ install_opencode() {
   fi
 }
 
-install_browser() {  # the board's browser tests (pytest -m browser)
-  # --- The board's browser tests (pytest -m browser): Debian's chromium and chromium-driver. ---
-  if [ "$want_test" = 1 ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      say "installing chromium and chromium-driver (apt-get) for the board's browser tests"
-      { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >&2 || \
-        say "apt-get could not install chromium/chromium-driver: the browser tests skip (and fail under CI=true)"
-    else
-      say "the board's browser tests need chromium and chromedriver on PATH: run as root to apt-get them" \
-          "(apt-get install chromium chromium-driver); without them they skip (and fail under CI=true)"
-    fi
+apt_get() {  # WHY FAILED_NOTE ELSE_NOTE PACKAGE...: apt-get the packages as root, else say how
+  local why=$1 failed=$2 otherwise=$3; shift 3
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing $* (apt-get) $why"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"; } >&2 || say "apt-get could not install $*: $failed"
+  else
+    say "$otherwise"
   fi
-  # --- end of the browser block ---
+}
+
+install_browser() {  # the board's browser tests (pytest -m browser): Debian's chromium and chromium-driver
+  if [ "$want_test" = 1 ] && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+    apt_get "for the board's browser tests" "the browser tests skip (and fail under CI=true)" \
+      "the board's browser tests need chromium and chromedriver on PATH: run as root to apt-get them (apt-get install chromium chromium-driver); without them they skip (and fail under CI=true)" \
+      chromium chromium-driver
+  fi
 }
 
 install_postgres() {  # the PostgreSQL store tests (pytest -m postgres): Debian's postgresql
   if [ "$want_test" = 1 ] && ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-      say "installing postgresql (apt-get) for the PostgreSQL store tests"
-      { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >&2 || \
-        say "apt-get could not install postgresql: the PostgreSQL tests skip (and fail under CI=true)"
-    else
-      say "the PostgreSQL store tests need Debian's postgresql (/usr/lib/postgresql/*/bin): run as root" \
-          "to apt-get it (apt-get install postgresql); without it they skip (and fail under CI=true)"
-    fi
+    apt_get "for the PostgreSQL store tests" "the PostgreSQL tests skip (and fail under CI=true)" \
+      "the PostgreSQL store tests need Debian's postgresql (/usr/lib/postgresql/*/bin): run as root to apt-get it (apt-get install postgresql); without it they skip (and fail under CI=true)" \
+      postgresql
   fi
 }
 
 install_box() {  # the agent box: bubblewrap on Linux (every run; sandbox-exec ships with macOS)
-  [ "$(os_name)" = linux ] || return 0
-  command -v bwrap >/dev/null 2>&1 && return 0
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "installing bubblewrap (apt-get): every agent run is boxed by it"
-    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >&2 || \
-      say "apt-get could not install bubblewrap: agents run unboxed and restricted tasks fail (tasks_cli.py doctor says how to fix it)"
-  else
-    say "bubblewrap is not installed: agents would run unboxed and readonly/no-shell/no-network tasks fail;" \
-        "install it: sudo apt install bubblewrap (Fedora: sudo dnf install bubblewrap)"
+  if [ "$(os_name)" = linux ] && ! command -v bwrap >/dev/null 2>&1; then
+    apt_get "for the agent box (every agent run is boxed by it)" \
+      "agents run unboxed and restricted tasks fail (tasks_cli.py doctor says how to fix it)" \
+      "bubblewrap is not installed: agents would run unboxed and readonly/no-shell/no-network tasks fail; install it: sudo apt install bubblewrap (Fedora: sudo dnf install bubblewrap)" \
+      bubblewrap
   fi
 }
 
