@@ -259,6 +259,13 @@ class Plan:
     read_only: list[str] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
 
+    def lets_write(self, path: str) -> bool:
+        """Whether a process in this box could write ``path`` (resolved): under a writable bind
+        and not under a read-only one over it."""
+        path = os.path.realpath(path)
+        return (any(_under(path, root) for root in [*self.writable, *self.replies, self.tmp])
+                and not any(_under(path, root) for root in self.read_only))
+
 
 def git_dirs(top: str) -> tuple[str | None, str | None]:
     """(common dir, this worktree's admin dir) of the checkout at ``top``, read from its ``.git``

@@ -1027,6 +1027,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 env = _boxed_run_env(task, ws, base, box)
                 if box.mechanism:
                     agent_box.opencode_dirs(env)   # a folder that cannot be made fails here, named
+                    _guard_only_box_writable(task, ws, env)
             except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
                 oc.undo_housekeeping(config_files)
                 if not task["worktree_keep"]:
@@ -1163,6 +1164,15 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         return supervisor.run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _guard_only_box_writable(task: dict, ws: Workspace, env: dict[str, str]) -> None:
+    """The git guard checks, of the files that configure TaskBridge's git, those the box lets the
+    run write (the worktree's own, its admin folder's): a change to any other (your ~/.gitconfig,
+    the repository's config) cannot come from the run, and is yours to keep."""
+    if ws.git_pin:
+        plan = agent_box.plan_for(ws, env, task["permission"], store.log_path(task["id"]).with_suffix(".run"))
+        ws.git_pin = {path: state for path, state in ws.git_pin.items() if plan.lets_write(path)}
 
 
 def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_box.Support) -> dict[str, str]:
@@ -1507,7 +1517,9 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "writes outside it are not prevented (no box): changes to your checkout are listed in "
         "changed_outside_worktree"))
     sandbox = {"isolation": isolation, "permission": task["permission"],
-               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws)}
+               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws) + (
+                   f"; {box.mechanism} kept the rest (the repository's config, hooks, info/, the .git pointer, your "
+                   "own git config) read-only to the run" if box.mechanism else "")}
     if task.get("rules"):
         sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
                             "sub-agents): deny refuses the call, ask pauses the task for the planner; "

@@ -117,6 +117,35 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
     assert not Path("/tmp/tb-box-scratch").exists()                # the run's /tmp was its own
 
 
+def test_your_own_git_config_edit_during_a_boxed_run_is_kept(opencode, tmp_path, monkeypatch):
+    """The box keeps git's config read-only to the run, so the git guard checks only what the
+    run could write: an edit of your own global config while the task runs stays."""
+    import time
+    config = tmp_path / "user.gitconfig"
+    config.write_text("[user]\n\tname = Me\n")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("slow", [bash("sleep 4; echo slept"), text("Done.\n" + DONE)])
+    task = submit(repo, "slow")
+
+    def edit_while_running():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and task_store.get_task(task["id"])["status"] != "running":
+            time.sleep(0.2)
+        time.sleep(1)
+        with config.open("a") as out:
+            out.write("[alias]\n\tst = status\n")
+    editor = threading.Thread(target=edit_while_running)
+    editor.start()
+    assert run_script("worker.py").returncode == 0
+    editor.join()
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert "st = status" in config.read_text()
+    assert done["result"]["git_planted"] == []
+    assert "kept the rest" in done["result"]["sandbox"]["git config"]
+
+
 class Canary(BaseHTTPRequestHandler):
     hits: list[str] = []
 
