@@ -148,10 +148,12 @@ def test_an_environment_fault_names_its_line_and_is_not_retried(opencode, tmp_pa
     repo = make_repo(tmp_path / "repo")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    # TMPDIR below a regular file: Bun's mkdir of $TMPDIR/opencode fails (ENOTDIR), as it fails
-    # with EACCES for a TMPDIR the user cannot write (root could write anywhere, so this form).
-    monkeypatch.setenv("TMPDIR", str(blocker / "tmp"))
-    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")   # the box gives every run a /tmp of its own
+    # OpenCode's data folder below a regular file: its mkdir fails (ENOTDIR), as it fails with
+    # EACCES for a folder the user cannot write (root could write anywhere, so this form). Unboxed:
+    # the box makes OpenCode's folders itself and names such a folder before the run
+    # (test_agent_box.test_a_box_folder_that_cannot_be_made_fails_once_named).
+    monkeypatch.setenv("XDG_DATA_HOME", str(blocker / "data"))
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
     done = run_task("none", str(repo), title="t", max_retries=3)
     assert done["status"] == "failed" and done["attempts"] == 1, done
     assert "ENOTDIR" in done["error"] and "mkdir" in done["error"] and str(blocker) in done["error"]
