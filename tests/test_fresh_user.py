@@ -190,8 +190,10 @@ def test_the_worker_and_show_count_attempts_alike_after_a_hand_back(opencode, tm
 
 
 @pytest.mark.real_opencode
-def test_an_agent_that_deletes_its_worktrees_git_gets_advice_that_works(opencode, tmp_path):
-    """The failure must not say 'commit it there' when git can no longer commit there."""
+def test_an_agent_that_deletes_its_worktrees_git_gets_advice_that_works(opencode, tmp_path, monkeypatch):
+    """The failure must not say 'commit it there' when git can no longer commit there. (Unboxed:
+    in the box the worktree's .git pointer is read-only and cannot be removed.)"""
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
     from fake_openai import text, tool_call
     from helpers import make_repo
     repo = make_repo(tmp_path / "repo")
