@@ -5,9 +5,10 @@ Linux: bubblewrap (``bwrap``, Debian/Ubuntu package ``bubblewrap``), driven dire
 namespace whose root is the host's, read-only; TaskBridge's data (the queue and its state files,
 the token and OAuth store, task logs, worktrees, mirrors) hidden under empty folders or
 ``/dev/null``; writable only the task's worktree (or in-place folder), a private ``/tmp`` and
-OpenCode's own config, data, cache and state folders; the repository's ``config``, ``hooks`` and
-``info/`` read-only; a PID namespace of its own (the worker's ``/proc/<pid>/environ`` is out of
-sight); for ``no-network`` every bash tool command in a network namespace of its own. Why not
+OpenCode's own data, cache and state folders (its config folder read-only); the repository's
+``config``, ``hooks`` and ``info/`` read-only; a PID namespace of its own (the worker's ``/proc/<pid>/environ`` is out of
+sight); every capability dropped (a root worker's run is no root inside); for ``no-network``
+every bash tool command under a seccomp filter that refuses inet sockets (box_shell.py). Why not
 ``@anthropic-ai/sandbox-runtime``: it is a Node CLI whose network proxy filters by host name
 only (the model server on loopback would let a loopback canary through) and whose file rules
 are deny-lists over a writable root; the box here needs allow-lists, binds over a hidden folder
@@ -308,10 +309,17 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool) -> None:
                            if os.path.exists(p)]
 
 
-def opencode_dirs(env: dict[str, str]) -> list[str]:
-    """OpenCode's own config, data, cache and state folders for ``env`` (made when missing: it
-    exits 1 unless its config folder is writable). Raises BoxUnavailable naming a folder that
-    cannot be made."""
+# What OpenCode writes into its config folder at start when it is missing (1.18.33): made by the
+# worker instead, so the folder can stay read-only to the run.
+CONFIG_GITIGNORE = "node_modules\npackage.json\npackage-lock.json\nbun.lock\n.gitignore\n"
+
+
+def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
+    """OpenCode's own folders for ``env``: (its config folder, read-only to the run: a plugin or
+    config planted there would load in every later run and in TaskBridge's own OpenCode calls;
+    [its data, cache and state folders], writable). Made when missing, with the ``.gitignore``
+    OpenCode insists on writing at start. Raises BoxUnavailable naming a folder that cannot be
+    made."""
     home = Path(env.get("HOME") or Path.home())
     defaults = {"XDG_CONFIG_HOME": home / ".config", "XDG_DATA_HOME": home / ".local" / "share",
                 "XDG_CACHE_HOME": home / ".cache", "XDG_STATE_HOME": home / ".local" / "state"}
@@ -320,11 +328,13 @@ def opencode_dirs(env: dict[str, str]) -> list[str]:
         folder = Path(env.get(name) or default) / "opencode"
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            if name == "XDG_CONFIG_HOME" and not (folder / ".gitignore").exists():
+                (folder / ".gitignore").write_text(CONFIG_GITIGNORE)
         except OSError as exc:
             raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
                                  f"point {name} at a folder you can write, then retry the task") from None
         folders.append(str(folder))
-    return folders
+    return folders[0], folders[1:]
 
 
 def _under(path: str, folder: str) -> bool:
@@ -378,7 +388,9 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
                                                      "XDG_STATE_HOME"))])
     plan.hidden = data_paths(env)
     git_binds(plan, top, writable)
-    plan.writable = _existing([top if writable else None, *opencode_dirs(env)]) + plan.writable
+    config, state = opencode_dirs(env)
+    plan.writable = _existing([top if writable else None, *state]) + plan.writable
+    plan.read_only.append(config)
     plan.read_only += [str(run_dir / "control")]
     plan.replies = [str(run_dir / "reply")]
     if not writable:
@@ -395,7 +407,7 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     ``/proc`` in a PID namespace of its own, ``plan.tmp`` as ``/tmp``, then the binds in the
     order ``Plan`` names; dies with the worker (``--die-with-parent``)."""
     box = [bwrap_bin() or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-           "--unshare-pid", "--unshare-uts", "--die-with-parent", "--new-session",
+           "--unshare-pid", "--unshare-uts", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
            "--bind", plan.tmp, "/tmp"]
     for path in plan.visible:
         if _under(path, "/tmp"):
@@ -449,13 +461,12 @@ def wrap(mechanism: str | None, plan: Plan, argv: list[str]) -> list[str]:
 
 def netless_shell(path: Path) -> str:
     """Write the ``$SHELL`` of a ``no-network`` box to ``path`` (0755) and return it: every bash
-    tool command runs in a network namespace of its own (nothing but its own loopback), so
-    neither the internet nor a server on the host's loopback answers. OpenCode's bash tool runs
-    ``$SHELL -c COMMAND``."""
-    binary = bwrap_bin() or "bwrap"
+    tool command runs under box_shell.py's seccomp filter, which refuses IPv4, IPv6 and packet
+    sockets, so neither the internet nor a server on the host's loopback answers (OpenCode's
+    bash tool runs ``$SHELL -c COMMAND``; OpenCode's own process keeps the network)."""
+    script = Path(__file__).resolve().parent / "box_shell.py"
     path.write_text("#!/bin/sh\n# TaskBridge no-network: this task's shell commands have no network.\n"
-                    f"exec {_sh(binary)} --dev-bind / / --unshare-net --die-with-parent "
-                    "--setenv SHELL /bin/bash -- /bin/bash \"$@\"\n")
+                    f"exec {_sh(sys.executable)} -I {_sh(str(script))} \"$@\"\n")
     path.chmod(0o755)
     return str(path)
 
@@ -506,7 +517,7 @@ def labels(permission: str, box: Support) -> dict[str, str]:
                         + (f"; and {mech}'s $SHELL refuses every command" if mech else ""))
     if permission == "no-network":
         out["web tools"] = "enforced by OpenCode's permission config (webfetch/websearch denied, pinned)"
-        out["shell network"] = (f"enforced by {mech}: every bash tool command runs in a network namespace "
-                                "of its own (no interface but its own loopback)" if mech == "bubblewrap"
+        out["shell network"] = ("enforced by seccomp in the box: every bash tool command runs with IPv4, IPv6 "
+                                "and packet sockets refused by the kernel" if mech == "bubblewrap"
                                 else "prompt-level (the agent is told; nothing stops curl in bash)")
     return out

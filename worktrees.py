@@ -212,6 +212,7 @@ class Workspace:
     push_lease: str | None = None  # the branch's commit on the remote when fetched ("": absent)
     mirror_cloned: bool = False    # this attempt made the mirror (else it fetched into it)
     git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
+    git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
 
 
@@ -1289,6 +1290,27 @@ def pin_git_config(ws: Workspace) -> None:
     `git_config_files`). Call it before the agent runs; nothing is pinned without a repository
     (``ws.top`` None). Raises GitError / GitStopped."""
     ws.git_pin = {path: _file_state(path) for path in git_config_files(ws)} if ws.top else None
+    ws.git_nested = nested_repositories(ws.top) if ws.top else None
+
+
+def nested_repositories(top: str) -> set[str]:
+    """Every ``.git`` (folder or pointer file) below ``top`` but its own, relative to it: the
+    repositories inside the checkout. TaskBridge's git runs git in a nested repository that is
+    staged as a gitlink, under that repository's own configuration, so one a run made is never
+    left to it (see `undo_planted_git`). One walk, not descending into any ``.git``."""
+    found = set()
+    for folder, subdirs, files in os.walk(top):
+        if ".git" in subdirs or ".git" in files:
+            if folder != top:
+                found.add(os.path.relpath(folder, top))
+            with contextlib.suppress(ValueError):
+                subdirs.remove(".git")
+    return found
+
+
+class NestedRepository(GitPlanted):
+    """The run made a git repository inside the checkout (its own ``.git``): TaskBridge's git would
+    run git there under that repository's configuration, which the run wrote."""
 
 
 def git_config_files(ws: Workspace) -> list[str]:
@@ -1390,6 +1412,13 @@ def undo_planted_git(ws: Workspace) -> list[dict[str, Any]]:
     one ``{"file", "change", "planted", "undone": True}`` per file put back (``planted``: what
     the run added, at most PLANTED_SHOWN characters). Raises GitPlanted, naming the file and the
     change, when one could not be put back (checked by reading it again)."""
+    made = sorted(nested_repositories(ws.top) - ws.git_nested) if ws.top and ws.git_nested is not None else []
+    if made:
+        raise NestedRepository(
+            f"the run made git repositories inside the checkout ({', '.join(made[:5])}): TaskBridge's own git "
+            "would run git in them under configuration the run wrote, so it ran no further git command and "
+            f"committed nothing; {ws.top} is kept. Look at them, remove their .git (or the folders), then retry "
+            "the task")
     pinned = ws.git_pin or {}
     changed = {path: was for path, was in pinned.items() if _file_state(path) != was}
     found = [_describe(path, was, _file_state(path)) for path, was in changed.items()]

@@ -184,7 +184,7 @@ def test_no_network_cuts_the_shell_off_but_not_the_model(opencode, tmp_path, can
     seen = outputs(done)
     assert Canary.hits == []
     assert "canary-answered" not in seen and "socket-connected" not in seen and "model-0" not in seen
-    assert done["result"]["sandbox"]["shell network"].startswith("enforced by bubblewrap")
+    assert done["result"]["sandbox"]["shell network"].startswith("enforced by seccomp")
     assert "OpenCode's permission config" in done["result"]["sandbox"]["web tools"]
 
 
