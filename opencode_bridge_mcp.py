@@ -123,6 +123,14 @@ def _id_shape(value: Any) -> Any:
 TaskId = Annotated[str | int, BeforeValidator(_id_shape),
                    WithJsonSchema({"type": "string", "description": "a task id: t_0001, 0001 or 1"})]
 IdList = Annotated[list[TaskId], BeforeValidator(_as_list)]
+# Rules as strict tool schemas can state them (OpenAI strict mode refuses an open object): per
+# tool an ordered list of {pattern, action}; the server also takes OpenCode's own map form.
+_RULE = {"type": "object", "additionalProperties": False, "required": ["pattern", "action"],
+         "properties": {"pattern": {"type": "string", "description": "a wildcard pattern (* and ?), e.g. \"git push*\"; \"*\" for every call"},
+                        "action": {"type": "string", "enum": list(store.RULE_ACTIONS)}}}
+RULES_SCHEMA = {"type": "object", "additionalProperties": False,
+                "properties": {tool: {"type": "array", "items": _RULE} for tool in store.RULE_TOOLS}}
+Rules = Annotated[dict[str, Any], WithJsonSchema(RULES_SCHEMA)]
 Status = Literal["pending", "running", "waiting", "done", "failed", "cancelled"]
 Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 
@@ -378,7 +386,7 @@ class BatchTask(TypedDict, total=False):
     max_tokens: Annotated[int, Field(ge=1, le=10**12, description="tokens the task may use (for a model with no price)")]
     continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch)")]
     fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session)")]
-    rules: Annotated[dict[str, Any], Field(description="permission rules in OpenCode's format (see submit_task)")]
+    rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
 
@@ -509,7 +517,7 @@ def build_server() -> MCPServer:
     return registry.install(mcp)
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Submit a coding task")
 def submit_task(
     title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
@@ -532,37 +540,33 @@ def submit_task(
     max_tokens: Annotated[int | None, Field(ge=1, le=10**12, description="tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
     fork_from: Annotated[OptText, Field(description="a fork of this task id: a new branch from its head with a copy of its session, to try another approach side by side; waits for it")] = None,
-    rules: Annotated[dict[str, Any] | None, Field(description="permission rules in OpenCode's format, added to the preset: per tool (bash, edit, read, glob, grep, list, webfetch, websearch, task, skill) an action or a map of wildcard patterns to allow|deny|ask, the last match winning, e.g. {\"bash\": {\"git push*\": \"ask\"}}; ask pauses the task for your answer")] = None,
+    rules: Annotated[Rules | None, Field(description="permission rules added to the preset: per tool an ordered list of {pattern, action} (allow|deny|ask), the last match winning, e.g. {\"bash\": [{\"pattern\": \"git push*\", \"action\": \"ask\"}]}; OpenCode's map form {\"bash\": {\"git push*\": \"ask\"}} works too; ask pauses the task for your answer")] = None,
     skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
     subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
-    The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
-    and records a receipt. Then call wait_for([id]) and get_task_result(id).
-    Give `repo` instead of `working_dir` for a task on a git remote: a worker on any machine (or
-    on `host`) fetches it into its own mirror, works from `base_ref`, commits and pushes branch
-    taskbridge/<id> there; the receipt's `pushed_branch` and `pushed_commit` say what arrived. A
-    push the remote refuses fails the task without rerunning the agent (its worktree is kept).
-    A `working_dir` task runs only on the machine that queued it (or on `host`).
-    With continue_from the task is the next step of that task's line of work: same OpenCode
-    session, same branch (its receipt's `line` shows the whole line's diff beside this step's);
-    with fork_from it starts a branch of its own from that task's head with a copy of the session.
-    Both run in that task's working_dir (give the same one).
-    With rules, a call that matches an `ask` rule moves the task to `waiting` with the request
-    (tool, command or path, the agent's reason) as its question; answer_task with allow or deny
-    (once, or always for this task) resumes the same session.
-    Errors (nothing is written then): a relative or missing working_dir, both or neither of
-    working_dir and repo, a repo that is not a git URL or repository path or that carries
-    credentials, a malformed base_ref or host, an unknown dependency,
-    a value out of range, a model `opencode models` does not list (the closest ids are named),
-    both continue_from and fork_from, a second follow-up of the same task (fork instead), a task
-    that ran with worktree=false or is failed/cancelled, a malformed rule, a skill or sub-agent
-    OpenCode does not offer for working_dir (those it offers are named).
-    Spending: at `max_cost_usd` (USD) or `max_tokens` the run ends at that step and the task
+    The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own
+    worktree) and records a receipt; then call wait_for([id]) and get_task_result(id). A
+    `working_dir` task runs only on the machine that queued it (or on `host`).
+    Spending: at `max_cost_usd` (USD) or `max_tokens` the run stops at that step and the task
     waits with a question stating the spend; answer_task "continue, up to $2" resumes the same
-    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model that
-    OpenCode prices at 0 (it could never trigger: give max_tokens).
+    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model OpenCode
+    prices at 0 (it could never trigger: give max_tokens).
+    `repo` instead of `working_dir`: a git remote; a worker on any machine (or on `host`) works
+    from `base_ref`, commits and pushes branch taskbridge/<id> there (receipt: `pushed_branch`,
+    `pushed_commit`). A refused push fails the task without rerunning the agent (worktree kept).
+    continue_from: the next step of that task's line of work (same session and branch; the
+    receipt's `line` shows the line's whole diff); fork_from: a branch of its own from that
+    task's head with a copy of the session. Both run in that task's working_dir.
+    With rules, a call matching an `ask` rule moves the task to `waiting` with the request as its
+    question; answer_task allow or deny (once, or always) resumes the same session.
+    Errors (nothing is written then): a relative or missing working_dir, both or neither of
+    working_dir and repo, a repo that is not a git URL or path or carries credentials, a
+    malformed base_ref or host, an unknown dependency, a value out of range, a model `opencode
+    models` does not list (the closest are named), both continue_from and fork_from, a second
+    follow-up of one task (fork instead), following a task that ran with worktree=false or is
+    failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there.
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
@@ -614,7 +618,7 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     return item | {"origin_name": name, "origin_version": version}
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Submit several tasks")
 def submit_batch(
     tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
         description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
@@ -637,7 +641,7 @@ def submit_batch(
     return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Show a task")
 def get_task(task_id: TaskId) -> TaskDetail:
     """One task in full: settings, status, caller, dependencies, notes, questions and answers,
     its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
@@ -665,7 +669,7 @@ def get_task(task_id: TaskId) -> TaskDetail:
     return detail | {"texts_cut": cut}
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's result")
 def get_task_result(
     task_id: TaskId,
     diff_offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
@@ -706,7 +710,7 @@ def get_task_result(
     return mcp_shared.fit_page(page, diff_max_bytes or DIFF_PAGE_DEFAULT, RESULT_CHARS)
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's run log")
 def get_task_logs(
     task_id: TaskId,
     tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
@@ -727,7 +731,7 @@ def get_task_logs(
         max_bytes or LOG_PAGE_DEFAULT, RESULT_CHARS)
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's conversation")
 async def get_task_transcript(
     task_id: TaskId,
     offset: Annotated[int | None, Field(ge=0, le=1_000_000, description="the first turn to return (the next_offset of the previous call)")] = 0,
@@ -762,7 +766,7 @@ def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
     return f"waited {elapsed:.0f} s; still open: {', '.join(open_[:10]) or 'none'}"
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Wait for tasks")
 async def wait_for(
     task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
     ctx: Context,
@@ -852,7 +856,7 @@ def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited
     return mcp_shared.fit(result, RESULT_CHARS)[0]     # 100 tasks with long questions: texts are cut
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Answer a task's question")
 def answer_task(
     task_id: TaskId,
     answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
@@ -870,7 +874,7 @@ def answer_task(
     return _echo(store.answer_task(task_id, answer, author="planner"))
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="List tasks")
 def list_tasks(
     status: Annotated[list[Status] | None, BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                       Field(description="only these statuses, e.g. [\"pending\", \"running\"]; default all")] = None,
@@ -915,7 +919,7 @@ def _page_of(rows: list[dict[str, Any]], key: str, total: int, start: int) -> di
     return {key: rows, "total": total, "offset": start, "next_offset": end if more else None, "hint": hint}
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Queue status")
 def queue_status() -> QueueStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
@@ -929,7 +933,7 @@ def queue_status() -> QueueStatus:
     return queue_snapshot()
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Worker heartbeat")
 def worker_heartbeat() -> WorkerState:
     """The last heartbeat of any worker (any host; queue_status lists them all): state (pass,
     idle, running, stopped, error), current task, pid, host, age in seconds, whether that process
@@ -986,7 +990,7 @@ def _detached_pass() -> dict[str, Any]:
                       f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}
 
 
-@registry.tool(RESTARTS)
+@registry.tool(RESTARTS, title="Run the worker now")
 def restart_worker() -> RestartResult:
     """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
@@ -995,7 +999,7 @@ def restart_worker() -> RestartResult:
     return _launchd_restart() or _systemd_restart() or _detached_pass()
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Add a note to a task")
 def add_task_note(
     task_id: TaskId,
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
@@ -1009,7 +1013,7 @@ def add_task_note(
     return store.add_note(task_id, text, author="planner")
 
 
-@registry.tool(ENDS)
+@registry.tool(ENDS, title="Cancel a task")
 def cancel_task(
     task_id: TaskId,
     reason: Annotated[OptText, Field(description="why, recorded on the task (at most 20,000 characters)")] = "cancelled by the planner",
@@ -1019,7 +1023,7 @@ def cancel_task(
     return _echo(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Retry a task")
 def retry_task(
     task_id: TaskId,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name one provider offers) to use from now on; default: keep the task's")] = None,
@@ -1039,7 +1043,7 @@ def retry_task(
     return _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)}
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Apply a task to the checkout")
 def apply_task(
     task_id: TaskId,
     mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
@@ -1056,7 +1060,7 @@ def apply_task(
     return worktrees.apply_branch(store.get_task(task_id), mode or "merge")
 
 
-@registry.tool(REMOVES)
+@registry.tool(REMOVES, title="Clear finished tasks")
 def clear_finished(
     older_than_sec: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="only tasks finished at least this many seconds ago")] = 0,
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
@@ -1081,7 +1085,7 @@ def clear_finished(
     return shown
 
 
-@registry.tool(CATALOGUE)
+@registry.tool(CATALOGUE, title="List models")
 def list_models(
     search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
     provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
@@ -1108,7 +1112,7 @@ def list_models(
                                max(1, len(rows)), RESULT_CHARS)
 
 
-@registry.tool(OVERWRITES_SETTING)
+@registry.tool(OVERWRITES_SETTING, title="Set the default model")
 def set_default_model(
     model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
 ) -> DefaultModel:
@@ -1123,7 +1127,7 @@ def set_default_model(
             "resolved_from": model if resolved != model.strip() else None}
 
 
-@registry.tool(SETS_BUDGET)
+@registry.tool(SETS_BUDGET, title="Set the spending budget")
 def set_budget(
     daily_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
     daily_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
@@ -1140,7 +1144,7 @@ def set_budget(
     return store.set_budget(**{k: v for k, v in given.items() if v is not None})
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Check the server")
 def ping(ctx: Context) -> PingResult:
     """Check the server: version, the database path and its task count, the default model, the
     worker's state in one line, and who is calling (your clientInfo name, version and kind)."""

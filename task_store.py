@@ -1793,7 +1793,9 @@ def validate_rules(value: Any) -> str | None:
     """A task's permission rules in OpenCode's own format, as JSON text (None for none):
     ``{"bash": {"git push*": "ask", "rm *": "deny"}, "webfetch": "ask"}`` — per tool (one of
     RULE_TOOLS) an action (allow, deny, ask) or a map of wildcard patterns (``*``, ``?``) to
-    actions, the last matching pattern winning, as in OpenCode. Raises ValidationError."""
+    actions, the last matching pattern winning, as in OpenCode. A tool's rules may also come as
+    a list of ``{"pattern": …, "action": …}`` in order (the form strict tool schemas can state);
+    they are stored as the map. Raises ValidationError."""
     value = optional(value)
     if value is None:
         return None
@@ -1805,6 +1807,7 @@ def validate_rules(value: Any) -> str | None:
     if not isinstance(value, dict) or not value:
         raise ValidationError("rules must be a non-empty object like {\"bash\": {\"git push*\": \"ask\"}}")
     count = 0
+    value = {tool: _rule_map(tool, rule) for tool, rule in value.items()}
     for tool, rule in value.items():
         if tool not in RULE_TOOLS:
             raise ValidationError(f"rules: unknown tool {tool!r}; rules apply to {', '.join(RULE_TOOLS)}")
@@ -1821,6 +1824,23 @@ def validate_rules(value: Any) -> str | None:
     if count > RULES_MAX:
         raise ValidationError(f"rules hold at most {RULES_MAX} patterns; got {count}")
     return json.dumps(value)
+
+
+def _rule_map(tool: str, rule: Any) -> Any:
+    """A list of {pattern, action} as OpenCode's ordered map; a later repeat of a pattern moves
+    it last, so the last match still wins. Anything else is returned for validate_rules to judge."""
+    if not isinstance(rule, list):
+        return rule
+    patterns: dict[str, Any] = {}
+    for index, item in enumerate(rule):
+        if not isinstance(item, dict) or set(item) != {"pattern", "action"}:
+            raise ValidationError(f"rules.{tool}[{index}] must be an object with exactly pattern and action, "
+                                  f"like {{\"pattern\": \"git push*\", \"action\": \"ask\"}}")
+        if not isinstance(item["pattern"], str):
+            raise ValidationError(f"rules.{tool}[{index}].pattern must be text (a wildcard pattern)")
+        patterns.pop(item["pattern"], None)
+        patterns[item["pattern"]] = item["action"]
+    return patterns
 
 
 def _names(name: str, value: Any) -> str | None:
