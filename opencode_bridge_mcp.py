@@ -274,8 +274,15 @@ class WaitResult(TypedDict):
     ready: list[str]
     waiting: list[str]
     unfinished: list[str]
+    unseen: list[str]          # finished tasks anywhere in the queue whose result you have not read
+    unseen_total: int
     events: list[Event]
     hint: str
+
+
+class PlannerStatus(QueueStatus):
+    unseen: list[str]          # finished tasks whose result the planner has not read (oldest first, ≤50)
+    unseen_total: int
 
 
 class NoteResult(TypedDict):
@@ -681,12 +688,15 @@ def get_task_result(
     a character; a page is made smaller when the whole result would pass 40,000 characters):
     pass diff_next_offset back as diff_offset for the next page. Long lists in the receipt are
     cut to their last 100 items and long texts shortened to keep it under 12,000 characters
-    (result_truncated). Errors: unknown id, offset past the end."""
+    (result_truncated). Reading a finished task's result marks it seen (it leaves wait_for's and
+    queue_status's `unseen`). Errors: unknown id, offset past the end."""
     task = store.get_task(task_id)
     diff = (task.get("diff") or "").encode()
     offset = 0 if diff_offset is None else diff_offset
     if offset > len(diff):
         raise ToolError(f"diff_offset {offset} is past the end of the diff ({len(diff)} bytes)")
+    if task["status"] in store.TERMINAL:
+        store.mark_result_seen(task["id"])
     result, cut = cap_json(task.get("result"))
     result, shortened = mcp_shared.fit(result, RECEIPT_CHARS)
     hint = {"done": "finished; the diff is committed on the branch",
@@ -780,7 +790,9 @@ async def wait_for(
     again with the same task_ids (a task that ended in between is reported at once). Sends a
     progress notification every ~3 s while it waits; stops when the client goes away. Always
     returns every task's status, the ids that need attention (`ready`), the events seen while
-    waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
+    waiting, `unseen` (finished tasks anywhere in the queue whose result you have not read with
+    get_task_result yet, named or not; `unseen_total` counts them) and a hint for the next step.
+    Errors: unknown id, no ids, more than 100."""
     ids = _task_ids(task_ids)
     timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
@@ -814,7 +826,7 @@ async def wait_for(
     # events read and the statuses read was otherwise reported without its event).
     tasks = [store.get_task(t) for t in ids]
     seen = (seen + store.events_since(cursor, ids, 1000))[-50:]
-    return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen)
+    return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen, store.unseen_results())
 
 
 async def _next_change(watch: Any, since: int, timeout: float) -> int:
@@ -837,7 +849,7 @@ async def _next_change(watch: Any, since: int, timeout: float) -> int:
 
 
 def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,
-                 events: list[dict[str, Any]]) -> dict[str, Any]:
+                 events: list[dict[str, Any]], unseen: dict[str, Any]) -> dict[str, Any]:
     rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": short(t.get("error")),
              "question": t.get("question"), "finished_at": t.get("finished_at")} for t in tasks]
     ready = [r["id"] for r in rows if r["status"] in ATTENTION]
@@ -850,9 +862,14 @@ def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited
                 "keep waiting (queue_status shows the worker)")
     else:
         hint = "get_task_result(id) has the receipt, usage and diff of each finished task"
+    named = {r["id"] for r in rows}
+    others = [t for t in unseen["ids"] if t not in named]
+    if others:
+        hint += f"; also finished, result not read yet: {', '.join(others[:10])}" + (
+            f" and {unseen['total'] - len(unseen['ids'])} more" if unseen["total"] > len(unseen["ids"]) else "")
     result = {"met": not timed_out, "timed_out": timed_out, "mode": mode, "waited_sec": round(waited, 2),
               "tasks": rows, "ready": ready, "waiting": waiting, "unfinished": unfinished,
-              "events": events, "hint": hint}
+              "unseen": unseen["ids"], "unseen_total": unseen["total"], "events": events, "hint": hint}
     return mcp_shared.fit(result, RESULT_CHARS)[0]     # 100 tasks with long questions: texts are cut
 
 
@@ -920,7 +937,7 @@ def _page_of(rows: list[dict[str, Any]], key: str, total: int, start: int) -> di
 
 
 @registry.tool(READ_ONLY, title="Queue status")
-def queue_status() -> QueueStatus:
+def queue_status() -> PlannerStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
     user's OpenCode config as last seen; null until list_models or a worker has asked OpenCode),
@@ -929,8 +946,11 @@ def queue_status() -> QueueStatus:
     claims nothing because the daily budget is spent; `workers`: every worker on every host,
     newest heartbeat first, each labelled online, stale, gone or stopped), and `budget`:
     today's spend (local day; USD and tokens), the daily budget and default task limits (null =
-    none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC)."""
-    return queue_snapshot()
+    none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC);
+    `unseen`: finished tasks whose result you have not read with get_task_result yet (oldest
+    first, at most 50; `unseen_total` counts them all)."""
+    unseen = store.unseen_results()
+    return queue_snapshot() | {"unseen": unseen["ids"], "unseen_total": unseen["total"]}
 
 
 @registry.tool(READ_ONLY, title="Worker heartbeat")

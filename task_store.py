@@ -574,8 +574,24 @@ def _migrate_v6_past_one_machine(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V7 = [
+    # The planner's seat (issue 22): when the planner read a finished task's result (NULL: not
+    # yet seen). Tasks that had finished before this migration count as seen: only what ends from
+    # now on is announced. retry_task clears it (the task will end again).
+    "ALTER TABLE tasks ADD COLUMN result_seen_at REAL",
+    "UPDATE tasks SET result_seen_at = finished_at WHERE status IN ('done', 'failed', 'cancelled')",
+    "CREATE INDEX tasks_unseen ON tasks (finished_at, id) WHERE result_seen_at IS NULL"
+    " AND status IN ('done', 'failed', 'cancelled')",
+]
+
+
+def _migrate_v7_results_seen(conn: sqlite3.Connection) -> None:
+    for statement in SCHEMA_V7:
+        conn.execute(statement)
+
+
 MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
-              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine]
+              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -600,7 +616,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6]
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7]
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -1876,7 +1892,8 @@ def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
 # Rows -> public dicts.
 
 _JSON_COLUMNS = ("result", "usage", "rules", "skills", "subagents", "pending_ask")
-_TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before")
+_TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before",
+                 "result_seen_at")
 
 
 def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]:
@@ -1888,7 +1905,7 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     for column in _JSON_COLUMNS:
         task[column] = json.loads(task[column]) if task.get(column) else None
     for column in _TIME_COLUMNS:
-        task[column] = iso(task[column])
+        task[column] = iso(task.get(column))   # .get: a row of a queue that a test holds at an older version
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
     task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
@@ -2719,7 +2736,8 @@ def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None
         "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
         " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
-        " answer = NULL, base_commit = NULL, spent_before_retry = attempts - handbacks WHERE id = ?",
+        " answer = NULL, base_commit = NULL, result_seen_at = NULL, spent_before_retry = attempts - handbacks"
+        " WHERE id = ?",
         (model, row["id"]),
     )
 
@@ -3021,6 +3039,37 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     if missing:
         raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
     return {format_task_id(n): rows[n] for n in nums}
+
+
+# --------------------------------------------------------------------------------------------
+# Results the planner has not read yet (issue 22).
+
+UNSEEN_SHOWN = 50
+
+
+def mark_result_seen(task_id: Any) -> bool:
+    """Record that the planner read the result of ``task_id`` (only a finished task's result
+    counts: a running task's has not been written yet). Returns whether this was the first read
+    since it finished. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing(serialize=False) as conn:
+        _row(conn, num)
+        changed = conn.execute(
+            "UPDATE tasks SET result_seen_at = ? WHERE id = ? AND result_seen_at IS NULL"
+            " AND status IN ('done', 'failed', 'cancelled')", (now(), num)).rowcount
+    return bool(changed)
+
+
+def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
+    """Finished tasks whose result the planner has not read: ``{"ids": [...], "total": N}``,
+    the ``limit`` (1..1000) that finished first, oldest first."""
+    limit = max(1, min(int(limit), 1000))
+    where = "result_seen_at IS NULL AND status IN ('done', 'failed', 'cancelled')"
+    with _reading() as conn:
+        rows = conn.execute(f"SELECT id FROM tasks WHERE {where} ORDER BY finished_at, id LIMIT ?",
+                            (limit,)).fetchall()
+        total = conn.execute(f"SELECT count(*) FROM tasks WHERE {where}").fetchone()[0]
+    return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
 
 # --------------------------------------------------------------------------------------------

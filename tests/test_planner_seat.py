@@ -1,0 +1,105 @@
+"""The planner's seat (issue 22), through the real SDK client against the server, with real worker
+passes (the real `opencode`, the scripted model) where a task must really run:
+
+- no finished result is missed: a task that ends stays in `unseen` (wait_for, queue_status) until
+  the planner reads it with get_task_result, also when the planner waited on another task; a
+  retried task is announced again when it ends again; tasks finished before the migration are
+  not announced;
+"""
+from __future__ import annotations
+
+import pytest
+
+import opencode_bridge_mcp as bridge
+import task_store
+from fake_openai import text, tool_call
+from helpers import make_repo, run_script
+from mcp import Client
+from mcp.types import Implementation
+
+pytestmark = pytest.mark.anyio
+
+RECEIPT = '```json\n{"summary": "Wrote {name}", "files_touched": ["{name}"], "tests_run": [], "open_questions": []}\n```'
+
+
+def client() -> Client:
+    return Client(bridge.build_server(), mode="legacy", client_info=Implementation(name="claude-code", version="2.1"))
+
+
+async def call(c: Client, tool: str, args: dict) -> dict:
+    result = await c.call_tool(tool, args)
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+def script_writer(opencode, name: str) -> None:
+    opencode.model.script(name, [tool_call("write", {"filePath": f"{{cwd}}/{name}.txt", "content": f"{name}\n"}),
+                                 text("Done.\n" + RECEIPT.replace("{name}", f"{name}.txt"))])
+
+
+def run_until_finished(ids: list[str]) -> None:
+    for _ in range(len(ids) + 1):
+        if all(task_store.get_task(t)["status"] in task_store.TERMINAL for t in ids):
+            return
+        assert run_script("worker.py").returncode == 0
+    raise AssertionError({t: task_store.get_task(t)["status"] for t in ids})
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. No finished result is ever missed.
+
+
+@pytest.mark.real_opencode
+async def test_a_finished_result_stays_unseen_until_the_planner_reads_it(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    for name in ("first", "second"):
+        script_writer(opencode, name)
+    async with client() as c:
+        first = await call(c, "submit_task", {"title": "first", "working_dir": str(repo), "instructions": "SCRIPT:first"})
+        second = await call(c, "submit_task", {"title": "second", "working_dir": str(repo), "instructions": "SCRIPT:second"})
+        assert (await call(c, "queue_status", {}))["unseen"] == []
+        run_until_finished([first["id"], second["id"]])
+        waited = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
+        again = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})   # nothing read yet
+        await call(c, "get_task_result", {"task_id": first["id"]})
+        after_one = await call(c, "queue_status", {})
+        told = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
+        await call(c, "get_task_result", {"task_id": second["id"]})
+        after_both = await call(c, "queue_status", {})
+    assert waited["ready"] == [first["id"]] and sorted(waited["unseen"]) == [first["id"], second["id"]]
+    assert second["id"] in waited["hint"] and "not read yet" in waited["hint"]
+    assert sorted(again["unseen"]) == sorted(waited["unseen"]) and again["unseen_total"] == 2
+    assert after_one["unseen"] == [second["id"]] and after_one["unseen_total"] == 1
+    assert told["unseen"] == [second["id"]] and second["id"] in told["hint"]
+    assert after_both["unseen"] == [] and after_both["unseen_total"] == 0
+    assert task_store.get_task(first["id"])["result_seen_at"] is not None
+
+
+async def test_a_retried_task_is_announced_again_and_a_running_one_is_not_marked(tmp_path):
+    (tmp_path / "p").mkdir()
+    async with client() as c:
+        task = await call(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
+        await call(c, "get_task_result", {"task_id": task["id"]})          # pending: nothing to see yet
+        await call(c, "cancel_task", {"task_id": task["id"]})
+        cancelled = await call(c, "queue_status", {})
+        await call(c, "get_task_result", {"task_id": task["id"]})
+        read = await call(c, "queue_status", {})
+        await call(c, "retry_task", {"task_id": task["id"]})
+        await call(c, "cancel_task", {"task_id": task["id"]})
+        ended_again = await call(c, "queue_status", {})
+    assert cancelled["unseen"] == [task["id"]]
+    assert read["unseen"] == []
+    assert ended_again["unseen"] == [task["id"]]
+
+
+def test_tasks_that_finished_before_the_migration_are_not_announced(tmp_path, monkeypatch):
+    (tmp_path / "p").mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(task_store, "MIGRATIONS", task_store.MIGRATIONS[:6])
+        old = task_store.submit_task(title="old", instructions="x", working_dir=str(tmp_path / "p"))
+        task_store.cancel_task(old["id"], "done with it")
+        task_store.close_connections()
+    assert task_store.unseen_results() == {"ids": [], "total": 0}
+    new = task_store.submit_task(title="new", instructions="x", working_dir=str(tmp_path / "p"))
+    task_store.cancel_task(new["id"], "this one is new")
+    assert task_store.unseen_results() == {"ids": [new["id"]], "total": 1}
