@@ -217,11 +217,29 @@ async def test_closed_schemas_are_true_unknown_arguments_are_refused_and_null_st
 
 
 def queue_dump() -> list[str]:
+    """The whole queue database as SQL, except when results were read (tasks.result_seen_at):
+    get_task_result's read receipt, the one write a read-only tool makes (it changes no task)."""
     conn = sqlite3.connect(task_store.db_path())
     try:
-        return list(conn.iterdump())
+        return list(conn.iterdump()) if not _has_seen_column(conn) else \
+            _dump_without(conn, "result_seen_at")
     finally:
         conn.close()
+
+
+def _has_seen_column(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "result_seen_at" for row in conn.execute("PRAGMA table_info(tasks)"))
+
+
+def _dump_without(conn: sqlite3.Connection, column: str) -> list[str]:
+    copy = sqlite3.connect(":memory:")
+    conn.backup(copy)
+    copy.execute(f"UPDATE tasks SET {column} = NULL")
+    copy.commit()
+    try:
+        return list(copy.iterdump())
+    finally:
+        copy.close()
 
 
 def sample_args(name: str, schema: dict[str, Any], task_id: str = "t_0001", job_id: int = 1) -> dict[str, Any]:
