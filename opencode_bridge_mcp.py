@@ -44,6 +44,7 @@ import http_app
 import knobs
 import mcp_shared
 import opencode_runner
+import task_resources
 import task_store as store
 import task_views
 import worktrees
@@ -422,13 +423,41 @@ def _submitted(task: dict[str, Any]) -> dict[str, Any]:
 
 
 class BridgeServer(mcp_shared.TranslatingServer):
-    """MCPServer whose tool errors read as the store's messages, never 'Error executing tool'."""
+    """MCPServer whose tool errors read as the store's messages, never 'Error executing tool';
+    the results of the tools that show tasks carry resource links to their log, diff, transcript
+    and receipt (task_resources), and resources/list names those of the newest tasks."""
 
     passthrough = (store.TaskStoreError, opencode_runner.OpencodeNotFound)
 
 
 # --------------------------------------------------------------------------------------------
 # Small helpers shared by the tools and the HTTP API.
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        result = await super().call_tool(name, arguments, context)
+        shown = _linked_tasks(name, getattr(result, "structured_content", None))
+        if not shown or getattr(result, "is_error", False):
+            return result
+        extra = [link for task in shown for link in task_resources.links(task)]
+        return result.model_copy(update={"content": [*result.content, *extra]})
+
+    async def list_resources(self) -> list[Any]:
+        from mcp.types import Resource
+        return [*await super().list_resources(), *(Resource(**r) for r in task_resources.listed())]
+
+
+LINKED_TOOLS = ("get_task", "get_task_result", "get_task_logs", "get_task_transcript", "wait_for")
+
+
+def _linked_tasks(tool: str, data: Any) -> list[dict[str, Any]]:
+    """The tasks a tool result shows, as {id, status}: wait_for's tasks that need attention, or
+    the one task of the others."""
+    if tool not in LINKED_TOOLS or not isinstance(data, dict):
+        return []
+    if tool == "wait_for":
+        return [t for t in data.get("tasks", []) if t.get("id") in data.get("ready", [])]
+    ident = data.get("id") or data.get("task_id")
+    return [store.get_task(ident)] if ident else []
 
 
 def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
@@ -519,9 +548,9 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 21 TaskBridge tools (nothing is opened until a tool runs)."""
+    """A fresh MCPServer with the 21 TaskBridge tools and the task resources (nothing is opened until a tool runs)."""
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    return registry.install(mcp)
+    return task_resources.install(registry.install(mcp))
 
 
 @registry.tool(ADDS, title="Submit a coding task")

@@ -5,8 +5,12 @@ passes (the real `opencode`, the scripted model) where a task must really run:
   the planner reads it with get_task_result, also when the planner waited on another task; a
   retried task is announced again when it ends again; tasks finished before the migration are
   not announced;
+- logs, diffs, transcripts and receipts are resources (resources/read), and the tools that show a
+  task link to them (resource_link content blocks);
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -15,7 +19,7 @@ import task_store
 from fake_openai import text, tool_call
 from helpers import make_repo, run_script
 from mcp import Client
-from mcp.types import Implementation
+from mcp.types import Implementation, ResourceLink
 
 pytestmark = pytest.mark.anyio
 
@@ -103,3 +107,45 @@ def test_tasks_that_finished_before_the_migration_are_not_announced(tmp_path, mo
     new = task_store.submit_task(title="new", instructions="x", working_dir=str(tmp_path / "p"))
     task_store.cancel_task(new["id"], "this one is new")
     assert task_store.unseen_results() == {"ids": [new["id"]], "total": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Logs, diffs, transcripts and receipts as resources.
+
+
+def links_of(result) -> dict[str, str]:
+    return {str(b.uri).rsplit("/", 1)[1]: str(b.uri) for b in result.content if isinstance(b, ResourceLink)}
+
+
+async def read_text(c: Client, uri: str) -> str:
+    return (await c.read_resource(uri)).contents[0].text
+
+
+@pytest.mark.real_opencode
+async def test_a_finished_tasks_log_diff_transcript_and_receipt_are_linked_resources(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    script_writer(opencode, "linked")
+    async with client() as c:
+        task = await call(c, "submit_task", {"title": "linked", "working_dir": str(repo), "instructions": "SCRIPT:linked"})
+        pending = await c.call_tool("get_task", {"task_id": task["id"]})
+        run_until_finished([task["id"]])
+        waited = await c.call_tool("wait_for", {"task_ids": [task["id"]], "timeout_sec": 5})
+        result = await c.call_tool("get_task_result", {"task_id": task["id"]})
+        links = links_of(result)
+        diff, log = await read_text(c, links["diff"]), await read_text(c, links["log"])
+        receipt = json.loads(await read_text(c, links["receipt"]))
+        turns = json.loads(await read_text(c, links["transcript"]))
+        listed = {str(r.uri) for r in (await c.list_resources()).resources}
+        templates = {t.uri_template for t in (await c.list_resource_templates()).resource_templates}
+        with pytest.raises(Exception, match="t_0999 not found"):
+            await c.read_resource("taskbridge://tasks/t_0999/log")
+    assert links_of(pending) == {}                                   # nothing ran yet
+    assert set(links_of(waited)) == {"log", "transcript", "diff", "receipt"}
+    assert set(links) == {"log", "transcript", "diff", "receipt"}
+    assert links["diff"] == f"taskbridge://tasks/{task['id']}/diff"
+    assert "+linked" in diff and "linked.txt" in diff and diff == task_store.get_task(task["id"])["diff"]
+    assert '"type":"step_finish"' in log.replace(" ", "")
+    assert receipt["result"]["summary"] == "Wrote linked.txt" and receipt["status"] == "done"
+    assert turns["task_id"] == task["id"] and turns["turns"]
+    assert set(links.values()) <= listed
+    assert "taskbridge://tasks/{task_id}/diff" in templates
