@@ -41,6 +41,7 @@ from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapVa
 from typing_extensions import TypedDict
 
 import http_app
+import human_asks
 import knobs
 import mcp_shared
 import opencode_runner
@@ -279,6 +280,7 @@ class WaitResult(TypedDict):
     unseen_total: int
     events: list[Event]
     hint: str
+    asked_human: list[human_asks.HumanAsk]   # what was asked of the person through the client, and the outcome
 
 
 class PlannerStatus(QueueStatus):
@@ -388,6 +390,7 @@ class BatchTask(TypedDict, total=False):
     permission: Permission
     worktree: bool
     worktree_keep: bool
+    ask_human: bool
     agent: str
     idempotency_key: str
     max_cost_usd: Annotated[float, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts")]
@@ -429,10 +432,6 @@ class BridgeServer(mcp_shared.TranslatingServer):
 
     passthrough = (store.TaskStoreError, opencode_runner.OpencodeNotFound)
 
-
-# --------------------------------------------------------------------------------------------
-# Small helpers shared by the tools and the HTTP API.
-
     async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
         result = await super().call_tool(name, arguments, context)
         shown = _linked_tasks(name, getattr(result, "structured_content", None))
@@ -458,6 +457,10 @@ def _linked_tasks(tool: str, data: Any) -> list[dict[str, Any]]:
         return [t for t in data.get("tasks", []) if t.get("id") in data.get("ready", [])]
     ident = data.get("id") or data.get("task_id")
     return [store.get_task(ident)] if ident else []
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers shared by the tools and the HTTP API.
 
 
 def caller_of(ctx: Context | None) -> tuple[str | None, str | None]:
@@ -570,6 +573,7 @@ def submit_task(
     permission: Annotated[Permission | None, Field(description="auto: anything in the directory; readonly: file changes reverted; no-shell; no-network")] = "auto",
     worktree: Annotated[bool | None, Field(description="in a git repo, work on branch taskbridge/t_NNNN in a separate worktree")] = True,
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
+    ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
     idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
     max_cost_usd: Annotated[float | None, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
@@ -611,6 +615,7 @@ def submit_task(
               "timeout_sec": timeout_sec, "max_retries": max_retries, "permission": permission,
               "worktree": True if worktree is None else worktree,
               "worktree_keep": False if worktree_keep is None else worktree_keep,
+              "ask_human": bool(ask_human),
               "agent": agent, "idempotency_key": idempotency_key,
               "origin_name": name, "origin_version": version,
               "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
@@ -821,17 +826,29 @@ async def wait_for(
     returns every task's status, the ids that need attention (`ready`), the events seen while
     waiting, `unseen` (finished tasks anywhere in the queue whose result you have not read with
     get_task_result yet, named or not; `unseen_total` counts them) and a hint for the next step.
-    Errors: unknown id, no ids, more than 100."""
+    With a client that can show forms (elicitation), a task paused at its spending limit, or at a
+    permission ask of a task submitted with ask_human, is asked of the person first; the answer
+    acts and the wait goes on (`asked_human` says what was asked and answered). A decline or no
+    answer leaves it to you, as without forms. Errors: unknown id, no ids, more than 100."""
     ids = _task_ids(task_ids)
     timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
+    started, asked = time.monotonic(), []
+    while True:
+        result = await _wait_round(ids, mode, ctx, started, timeout_sec)
+        left = started + timeout_sec - time.monotonic()
+        if result["timed_out"] or not await human_asks.ask_waiting(ctx, result["waiting"], asked, left):
+            return result | {"asked_human": asked}
+
+
+async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, timeout_sec: int) -> dict[str, Any]:
+    """One wait until the tasks meet ``mode`` or the call's deadline (started + timeout_sec)."""
     # Store reads on a kept connection take microseconds: they run on the event loop. The wait
     # itself sleeps on the database's change notification (inotify), polling only as a fallback.
     cursor = store.last_event_id()
     statuses = store.statuses_of(ids)
-    started = time.monotonic()
-    deadline, next_progress, poll = started + timeout_sec, started + PROGRESS_EVERY_SEC, _poll_sec()
+    deadline, next_progress, poll = started + timeout_sec, time.monotonic() + PROGRESS_EVERY_SEC, _poll_sec()
     seen: list[dict[str, Any]] = []
     timed_out = False
     with store.change_watch() as watch:
@@ -1093,8 +1110,9 @@ def retry_task(
 
 
 @registry.tool(ADDS, title="Apply a task to the checkout")
-def apply_task(
+async def apply_task(
     task_id: TaskId,
+    ctx: Context,
     mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
                     Field(description="merge: a merge commit (or fast-forward); squash: one new commit; cherry-pick: copy the task's commits")] = "merge",
 ) -> ApplyResult:
@@ -1105,8 +1123,14 @@ def apply_task(
     Errors (the checkout untouched): the task is not done, has no branch or made no commit, its
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an
     unfinished merge or rebase, or is on the task's branch. A conflict aborts the apply: the error
-    names the conflicting files and the checkout is exactly as it was (HEAD, index, files)."""
-    return worktrees.apply_branch(store.get_task(task_id), mode or "merge")
+    names the conflicting files and the checkout is exactly as it was (HEAD, index, files).
+    With a client that can show forms (elicitation) the person is asked first; their "no" is an
+    error and nothing changes; a decline or no answer leaves your call to stand."""
+    task = store.get_task(task_id)
+    if task["status"] == "done" and await human_asks.confirm_apply(ctx, task, mode or "merge") is False:
+        raise ToolError(f"the person chose not to apply {task['id']} now (asked through your client); "
+                        "the checkout is unchanged")
+    return await anyio.to_thread.run_sync(worktrees.apply_branch, task, mode or "merge")
 
 
 @registry.tool(REMOVES, title="Clear finished tasks")

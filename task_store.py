@@ -582,6 +582,9 @@ SCHEMA_V7 = [
     "UPDATE tasks SET result_seen_at = finished_at WHERE status IN ('done', 'failed', 'cancelled')",
     "CREATE INDEX tasks_unseen ON tasks (finished_at, id) WHERE result_seen_at IS NULL"
     " AND status IN ('done', 'failed', 'cancelled')",
+    # The submitter's wish that the task's permission asks go to the person (through the MCP
+    # client's elicitation form) rather than to the planner model.
+    "ALTER TABLE tasks ADD COLUMN ask_human INTEGER NOT NULL DEFAULT 0",
 ]
 
 
@@ -1738,7 +1741,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
         "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
-        "rules", "skills", "subagents", "repo", "base_ref", "host",
+        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -1782,6 +1785,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "permission": permission,
         "worktree": int(coerce_bool("worktree", raw.get("worktree", True))),
         "worktree_keep": int(coerce_bool("worktree_keep", raw.get("worktree_keep", False))),
+        "ask_human": int(coerce_bool("ask_human", raw.get("ask_human", False))),
         "timeout_sec": coerce_int("timeout_sec", _or(raw.get("timeout_sec"), 1800), *TIMEOUT_RANGE),
         "max_retries": coerce_int("max_retries", _or(raw.get("max_retries"), 1), *RETRIES_RANGE),
         "idempotency_key": key,
@@ -1908,6 +1912,7 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
         task[column] = iso(task.get(column))   # .get: a row of a queue that a test holds at an older version
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
+    task["ask_human"] = bool(task.get("ask_human"))
     task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
     live = task["status"] == "running"
     usage = task["usage"] or {}
@@ -2047,7 +2052,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             deps = _resolve_deps(conn, spec, ref_ids)
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
-            values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref", "parent", "parent_kind", *extras)}
+            values = {k: v for k, v in spec.items()
+                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", *extras)}
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
@@ -2056,6 +2062,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
             row = conn.execute(_INSERT_TASK, values | {"created_at": now()} | where).fetchone()
             task_id = row["id"]
+            if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
+                row = conn.execute("UPDATE tasks SET ask_human = 1 WHERE id = ? RETURNING *", (task_id,)).fetchone()
             if spec["parent"] is not None or any(extras.values()):
                 # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
                 row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
