@@ -671,11 +671,13 @@ class ToolRegistry:
             return fn
         return mark
 
-    def install(self, server: MCPServer) -> MCPServer:
+    def install(self, server: MCPServer, meta: dict[str, dict[str, Any]] | None = None) -> MCPServer:
         """Register every collected tool on ``server``; returns it. The title goes both on the
-        tool (2025-06-18 and later) and in its annotations (what older clients read)."""
+        tool (2025-06-18 and later) and in its annotations (what older clients read); ``meta``
+        maps a tool name to its ``_meta`` (e.g. an MCP Apps ``ui.resourceUri``)."""
         for fn, hinted, title in self.entries:
-            server.tool(title=title, annotations=hinted.model_copy(update={"title": title}))(fn)
+            server.tool(title=title, annotations=hinted.model_copy(update={"title": title}),
+                        meta=(meta or {}).get(fn.__name__))(fn)
         return server
 
 

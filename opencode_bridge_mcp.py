@@ -40,6 +40,7 @@ import anyio
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
+import dispatch_card
 import http_app
 import human_asks
 import knobs
@@ -552,8 +553,8 @@ registry = mcp_shared.ToolRegistry()
 
 def build_server() -> MCPServer:
     """A fresh MCPServer with the 21 TaskBridge tools and the task resources (nothing is opened until a tool runs)."""
-    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    return task_resources.install(registry.install(mcp))
+    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS, extensions=[dispatch_card.apps()])
+    return task_resources.install(registry.install(mcp, dispatch_card.tool_meta()))
 
 
 @registry.tool(ADDS, title="Submit a coding task")

@@ -265,3 +265,19 @@ async def test_a_permission_ask_of_an_ask_human_task_goes_to_the_person_and_othe
     assert [(a["task_id"], a["acted"]) for a in waited["asked_human"]] == [(human["id"], True)]
     assert task_store.get_task(human["id"])["status"] == "pending"
     assert task_store.get_task(planner["id"])["status"] == "waiting" and waited["waiting"] == [planner["id"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The dispatch card (MCP Apps); the browser test is tests/test_card_browser.py.
+
+
+async def test_the_task_tools_point_at_the_card_which_is_served_as_an_app_without_network():
+    async with client() as c:
+        tools = {t.name: t for t in (await c.list_tools()).tools}
+        pointed = {name for name, t in tools.items() if (t.meta or {}).get("ui", {}).get("resourceUri")}
+        uri = tools["wait_for"].meta["ui"]["resourceUri"]
+        page = (await c.read_resource(uri)).contents[0]
+    assert pointed == {"submit_task", "wait_for", "get_task", "get_task_result"}
+    assert uri.startswith("ui://") and page.mime_type == "text/html;profile=mcp-app"
+    assert "ui/initialize" in page.text and "innerHTML" not in page.text
+    assert "http://" not in page.text and "https://" not in page.text     # nothing fetched from anywhere
