@@ -313,3 +313,38 @@ def test_the_claude_skill_is_a_valid_skill_folder_and_connect_names_it():
         assert tool in text, tool
     result = CliRunner().invoke(tasks_cli.cli, ["connect"])
     assert result.exit_code == 0 and str(skill.parent) in result.output and "~/.claude/skills/" in result.output
+
+
+@pytest.mark.real_claude
+def test_the_real_claude_code_takes_both_printed_lines_for_every_project(tmp_path, monkeypatch):
+    """The printed `claude mcp add -s user` lines, run by the real claude CLI, register TaskBridge in
+    the user's config; from another folder `claude mcp list` starts the stdio server on the connect-time
+    queue and reaches the HTTP one with the token, both connected."""
+    from helpers import free_port, serving
+    claude = ROOT / "node_modules" / ".bin" / "claude"
+    if not claude.exists():
+        pytest.skip("the claude CLI is not installed (npm install)")
+    token = tmp_path / "tb" / "token"
+    token.parent.mkdir()
+    token.write_text("claude-code-seat-token-0123456789\n")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token))
+    monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    port = free_port()
+    out = CliRunner().invoke(tasks_cli.cli, ["connect", "--port", str(port)]).output
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("claude mcp add -s user")]
+    assert len(lines) == 2
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PATH=f"{claude.parent}:{os.environ['PATH']}")
+    (tmp_path / "home").mkdir()
+    for folder, line in zip(("one", "two"), lines):
+        (tmp_path / folder).mkdir()
+        http = line.replace("taskbridge", "taskbridge-http", 1) if "--transport http" in line else line
+        added = subprocess.run(["bash", "-c", http], cwd=tmp_path / folder, env=env, capture_output=True, text=True,
+                               timeout=60, stdin=subprocess.DEVNULL)
+        assert added.returncode == 0 and "to user config" in added.stdout, added.stdout + added.stderr
+    (tmp_path / "elsewhere").mkdir()
+    with serving(port):
+        listed = subprocess.run([str(claude), "mcp", "list"], cwd=tmp_path / "elsewhere", env=env, capture_output=True,
+                                text=True, timeout=120, stdin=subprocess.DEVNULL)
+    rows = {line.split(":", 1)[0]: line for line in listed.stdout.splitlines() if line.startswith("taskbridge")}
+    assert f"--db {os.environ['TASK_DB_PATH']}" in rows["taskbridge"], listed.stdout
+    assert "Connected" in rows["taskbridge"] and "Connected" in rows["taskbridge-http"], listed.stdout + listed.stderr
