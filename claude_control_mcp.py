@@ -1096,7 +1096,7 @@ def job_runner() -> JobRunner:
     return _RUNNER[0]
 
 
-@registry.tool(ASKS_CLAUDE)
+@registry.tool(ASKS_CLAUDE, title="Ask Claude")
 async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
                      timeout_sec: Timeout = ASK_DEFAULT_SEC, ctx: Context | None = None) -> Answer:
     """Ask Claude and wait for the answer (at most timeout_sec seconds, default 50: OpenCode and
@@ -1115,7 +1115,7 @@ async def claude_ask(prompt: Prompt, system: System = None, model: Model = None,
     return mcp_shared.fit(answer, mcp_shared.RESULT_CHARS_MAX)[0]
 
 
-@registry.tool(ASKS_CLAUDE)
+@registry.tool(ASKS_CLAUDE, title="Start a Claude job")
 def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
                   timeout_sec: Timeout = DEFAULT_TIMEOUT_SEC) -> SubmitResult:
     """Start a background question to Claude and return at once with its job id.
@@ -1131,7 +1131,7 @@ def claude_submit(prompt: Prompt, system: System = None, model: Model = None,
                         timeout_sec=job["timeout_sec"])
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Check a Claude job")
 def claude_poll(job_id: JobId) -> JobState:
     """The state of a background job: {job_id, status: queued|running|done|failed|cancelled,
     backend, model, timeout_sec, created_at/started_at/finished_at (ISO 8601 UTC), elapsed_sec,
@@ -1141,7 +1141,7 @@ def claude_poll(job_id: JobId) -> JobState:
     return job_state(_get_job(job_id))
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a Claude job's answer")
 def claude_result(job_id: JobId, offset: AnswerOffset = 0) -> JobResult:
     """The answer of a finished job: {job_id, status: "done", answer, answer_offset,
     answer_next_offset, answer_total_chars, backend, model, usage}. An answer longer than fits
@@ -1172,7 +1172,7 @@ def claude_result(job_id: JobId, offset: AnswerOffset = 0) -> JobResult:
     return mcp_shared.fit_page(page, max(1, len(answer) - offset), mcp_shared.RESULT_CHARS_MAX)
 
 
-@registry.tool(ENDS_A_JOB)
+@registry.tool(ENDS_A_JOB, title="Cancel a Claude job")
 def claude_cancel(job_id: JobId) -> CancelResult:
     """Cancel a background job: the claude CLI's process tree is killed within seconds (an API
     request is abandoned) and the job is marked cancelled.
@@ -1183,7 +1183,7 @@ def claude_cancel(job_id: JobId) -> CancelResult:
     return _cancel(job_runner(), _get_job(job_id))
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Reverse bridge status")
 def claude_status() -> Status:
     """Which backend answers and why, and whether it can: {backend: "api"|"cli", reason, ready,
     problem, api_key_present (never the key), base_url, model, claude_bin, claude_version,

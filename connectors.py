@@ -76,36 +76,81 @@ def opencode_entry() -> dict[str, Any]:
     return {"type": "local", "command": [python_path(), str(REPO / "claude_control_mcp.py")], "enabled": True}
 
 
-def snippets(port: int = 8765, public_url: str | None = None) -> str:
-    """Every client's set-up as text to print: Claude Desktop's JSON, Claude Code's ``claude mcp
-    add`` (stdio and HTTP), the OpenCode config of the reverse bridge, and the URL for claude.ai /
-    ChatGPT connectors (``public_url`` is the tunnel's ``https://host``; default: that of the
-    public mode running now, if any)."""
-    public_url = public_url or current_public_url()
-    py, server, token = python_path(), str(REPO / "opencode_bridge_mcp.py"), token_file()
+def queue_arg() -> str:
+    """What ``--db`` names for a stdio server: the SQLite file (absolute), or the PostgreSQL URL
+    without its password (libpq reads it from ~/.pgpass)."""
+    return task_store.database_label() if task_store.backend() == "postgresql" else str(task_store.db_path())
+
+
+def _stdio_argv() -> list[str]:
+    # --db rather than an env flag: `claude mcp add -e K=V name` swallows the name (-e is
+    # variadic), and a server started from another folder must still open this queue.
+    return [python_path(), str(REPO / "opencode_bridge_mcp.py"), "--db", queue_arg()]
+
+
+def _local_clients(port: int) -> list[str]:
+    """Claude Desktop, Claude Code, Cursor and VS Code: stdio, every path absolute."""
+    argv = _stdio_argv()
+    stdio = {"command": argv[0], "args": argv[1:]}
+    url, header = f"http://127.0.0.1:{port}/mcp", f'"Authorization: Bearer $(cat {shlex.quote(str(token_file()))})"'
     desktop = json.dumps({"mcpServers": {SERVER_KEY: claude_desktop_entry()}}, indent=2)
-    opencode = json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2)
-    header = f'"Authorization: Bearer $(cat {shlex.quote(str(token))})"'
-    # A PostgreSQL queue: the stdio server must find it too (without its password: ~/.pgpass).
-    queue_env = (f" -e {shlex.quote('TASK_DB_URL=' + task_store.database_label())}"
-                 if task_store.backend() == "postgresql" else "")
-    remote = (f"  URL: {public_url.rstrip('/')}/mcp   (the consent page asks for the token once)" if public_url
-              else "  needs a public URL: ./install.sh --tunnel cloudflare (or ngrok), then use https://<host>/mcp")
-    return "\n".join([
+    return [
         f"Claude Desktop (stdio): merge into {claude_desktop_config()} "
         "(or run: .venv/bin/python tasks_cli.py connect --write-claude-desktop)",
         desktop, "",
-        "Claude Code, stdio:",
-        f"  claude mcp add {SERVER_KEY}{queue_env} -- {shlex.quote(py)} {shlex.quote(server)}",
+        "Claude Code, stdio, for every project (user scope):",
+        f"  claude mcp add -s user {SERVER_KEY} -- {shlex.join(argv)}",
         f"Claude Code, HTTP (while ./install.sh serves on port {port}):",
-        f"  claude mcp add --transport http {SERVER_KEY} http://127.0.0.1:{port}/mcp --header {header}",
+        f"  claude mcp add -s user --transport http {SERVER_KEY} {url} --header {header}",
         "Claude Code, the skill that teaches when and how to delegate (briefs, follow-ups, forks, receipts):",
         f"  mkdir -p ~/.claude/skills && cp -r {shlex.quote(str(REPO / 'skills' / 'taskbridge'))} ~/.claude/skills/", "",
+        "Cursor: merge into ~/.cursor/mcp.json:",
+        json.dumps({"mcpServers": {SERVER_KEY: stdio}}, indent=2), "",
+        "VS Code (user profile):",
+        f"  code --add-mcp {shlex.quote(json.dumps({'name': SERVER_KEY, 'type': 'stdio'} | stdio))}", "",
+    ]
+
+
+def _http_clients(port: int) -> list[str]:
+    """Codex CLI, Gemini CLI and OpenCode as the planner: HTTP with the bearer token."""
+    url, token = f"http://127.0.0.1:{port}/mcp", token_file()
+    header = f'"Authorization: Bearer $(cat {shlex.quote(str(token))})"'
+    planner = {"type": "remote", "url": url, "enabled": True,
+               "headers": {"Authorization": f"Bearer {{file:{token}}}"}}
+    return [
+        f"Codex CLI (HTTP, while ./install.sh serves on port {port}; the token from the environment):",
+        f"  export TASKBRIDGE_TOKEN=\"$(cat {shlex.quote(str(token))})\"   # in your shell profile",
+        f"  codex mcp add {SERVER_KEY} --url {url} --bearer-token-env-var TASKBRIDGE_TOKEN",
+        "Gemini CLI (HTTP):",
+        f"  gemini mcp add -s user --transport http {SERVER_KEY} {url} --header {header}", "",
+        "OpenCode as the planner (it queues tasks here): merge into ~/.config/opencode/opencode.json:",
+        json.dumps({"mcp": {SERVER_KEY: planner}}, indent=2),
         "OpenCode, the reverse bridge (agents ask Claude); merge into ~/.config/opencode/opencode.json "
         "(or run: .venv/bin/python claude_control_mcp.py --register-opencode):",
-        opencode, "",
-        "claude.ai / ChatGPT custom connector:", remote,
-    ])
+        json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2), "",
+    ]
+
+
+def _remote_clients(public_url: str | None) -> list[str]:
+    """claude.ai and ChatGPT: a public https URL and OAuth (the consent page asks for the token)."""
+    if not public_url:
+        return ["claude.ai / ChatGPT: need a public URL: ./install.sh --tunnel cloudflare (or ngrok), "
+                "then use https://<host>/mcp"]
+    url = f"{public_url.rstrip('/')}/mcp"
+    return [f"claude.ai: Settings → Connectors → Add custom connector; URL {url}",
+            f"ChatGPT: Settings → Apps → Advanced settings → Developer mode (on) → Create app; URL {url}, "
+            "authentication OAuth",
+            "  (the consent page asks for the bearer token once)"]
+
+
+def snippets(port: int = 8765, public_url: str | None = None) -> str:
+    """Every client's set-up as text to print (``port`` the local HTTP port; ``public_url`` the
+    tunnel's ``https://host``, default that of the public mode running now, if any): Claude
+    Desktop, Claude Code (user scope, stdio and HTTP), Cursor, VS Code, Codex CLI, Gemini CLI,
+    OpenCode as the planner and its reverse bridge, claude.ai and ChatGPT. The stdio commands name
+    the queue with --db, so a client started anywhere opens the same queue as the CLI."""
+    return "\n".join([*_local_clients(port), *_http_clients(port),
+                      *_remote_clients(public_url or current_public_url())])
 
 
 def claude_desktop_config() -> Path:

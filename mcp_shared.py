@@ -454,8 +454,9 @@ def portable_schema(schema: dict[str, Any]) -> dict[str, Any]:
     an optional value is the plain type (``"type": ["string", "null"]`` and ``anyOf: [X,
     {"type": "null"}]`` become ``X``; a ``"default": null`` is dropped, so the field is simply
     optional), and every object with declared properties, the arguments object itself included,
-    is closed (``additionalProperties: false``). The server still accepts ``null`` for such a
-    field; only what clients are told changes. Returns a new dict."""
+    is closed (``additionalProperties: false``), and an exclusive bound is stated as an inclusive
+    one plus words (``_inclusive_bounds``). The server still accepts ``null`` for such a field and
+    still refuses the exclusive bound; only what clients are told changes. Returns a new dict."""
     node = _portable(copy.deepcopy(schema))
     node.setdefault("properties", {})
     node["additionalProperties"] = False
@@ -484,14 +485,36 @@ def _portable(node: Any) -> Any:
             rest = [m for m in members if m != {"type": "null"}]
             del node[key]
             if len(rest) == 1:
-                node = rest[0] | node
+                node = _merged(rest[0], node)
             else:
                 node[key] = rest
     if "default" in node and node["default"] is None:
         del node["default"]
+    _inclusive_bounds(node)
     if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
         node["additionalProperties"] = False
     return node
+
+
+def _merged(member: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
+    """The one non-null member of a union merged into the union's node; both descriptions kept
+    (the member's says a bound in words, see _inclusive_bounds)."""
+    merged = member | outer
+    inner, said = member.get("description"), outer.get("description")
+    if inner and said and inner != said:
+        merged["description"] = f"{said} ({inner})"
+    return merged
+
+
+def _inclusive_bounds(node: dict[str, Any]) -> None:
+    """exclusiveMinimum/Maximum become minimum/maximum with the strict bound said in words:
+    Gemini-model routes refuse the exclusive keywords. The server still refuses the bound itself."""
+    for exclusive, inclusive, word in (("exclusiveMinimum", "minimum", "more"), ("exclusiveMaximum", "maximum", "less")):
+        if exclusive in node:
+            bound = node.pop(exclusive)
+            node.setdefault(inclusive, bound)
+            said = f"must be {word} than {bound}"
+            node["description"] = f"{node['description']} ({said})" if node.get("description") else said
 
 
 async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -626,27 +649,35 @@ def _within_budget(tool: str, result: Any) -> Any:
 
 class ToolRegistry:
     """Collects the tool functions as the module is read; no server exists until build_server().
-    ``tool(hints(...))`` is the only way in: a tool without all four behaviour hints stops the
-    module from loading, so no tool reaches a client unannotated."""
+    ``tool(hints(...), title="…")`` is the only way in: a tool without all four behaviour hints,
+    or without a title (what clients show a person instead of the tool's name), stops the module
+    from loading, so no tool reaches a client unannotated."""
 
     def __init__(self) -> None:
-        self.entries: list[tuple[Any, ToolAnnotations]] = []
+        self.entries: list[tuple[Any, ToolAnnotations, str]] = []
 
-    def tool(self, annotations: ToolAnnotations | None = None) -> Any:
+    def tool(self, annotations: ToolAnnotations | None = None, title: str | None = None) -> Any:
+        """Decorator collecting a tool: ``annotations`` from ``hints()``, ``title`` a short
+        human label (≤ 60 characters). Raises TypeError when either is missing."""
         missing = [h for h in HINT_NAMES if annotations is None or getattr(annotations, h) is None]
         if missing:
             raise TypeError(f"every tool states all four behaviour hints: use @registry.tool(mcp_shared.hints("
                             f"read_only=…, destructive=…, idempotent=…, open_world=…)); missing {', '.join(missing)}")
+        if not (title or "").strip() or len(title or "") > 60:
+            raise TypeError("every tool has a title of 1 to 60 characters: @registry.tool(hints, title=\"Show a task\")")
 
         def mark(fn: Any) -> Any:
-            self.entries.append((fn, annotations))
+            self.entries.append((fn, annotations, title or ""))
             return fn
         return mark
 
-    def install(self, server: MCPServer) -> MCPServer:
-        """Register every collected tool on ``server``; returns it."""
-        for fn, hinted in self.entries:
-            server.tool(annotations=hinted)(fn)
+    def install(self, server: MCPServer, meta: dict[str, dict[str, Any]] | None = None) -> MCPServer:
+        """Register every collected tool on ``server``; returns it. The title goes both on the
+        tool (2025-06-18 and later) and in its annotations (what older clients read); ``meta``
+        maps a tool name to its ``_meta`` (e.g. an MCP Apps ``ui.resourceUri``)."""
+        for fn, hinted, title in self.entries:
+            server.tool(title=title, annotations=hinted.model_copy(update={"title": title}),
+                        meta=(meta or {}).get(fn.__name__))(fn)
         return server
 
 

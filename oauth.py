@@ -411,9 +411,29 @@ def routes(provider: Provider) -> list[Any]:
                "/token": lambda app: ResourceChecked(app, provider)}
     server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
               if isinstance(r, Route) and r.path in wrapped else r for r in server]
+    server = [_metadata_route(issuer) if isinstance(r, Route) and r.path == METADATA_PATH else r for r in server]
     resource = create_protected_resource_routes(settings.resource_server_url, [issuer], resource_name="TaskBridge")
     root = Route("/.well-known/oauth-protected-resource", endpoint=resource[0].endpoint, methods=["GET", "OPTIONS"])
     return [*server, *resource, root, *consent_routes(provider)]
+
+
+METADATA_PATH = "/.well-known/oauth-authorization-server"
+
+
+def _metadata_route(issuer: Any) -> Any:
+    """The authorization-server metadata as the SDK writes it, plus ``none`` among the token and
+    revocation endpoints' client authentications: /register accepts public clients (PKCE, no
+    secret), and a client that reads the metadata first would otherwise think it must hold one."""
+    from mcp.server.auth.handlers.metadata import MetadataHandler
+    from mcp.server.auth.routes import build_metadata, cors_middleware
+    from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
+    from starlette.routing import Route
+
+    metadata = build_metadata(issuer, None, ClientRegistrationOptions(enabled=True), RevocationOptions(enabled=True))
+    for field in ("token_endpoint_auth_methods_supported", "revocation_endpoint_auth_methods_supported"):
+        setattr(metadata, field, [*(getattr(metadata, field) or []), "none"])
+    return Route(METADATA_PATH, endpoint=cors_middleware(MetadataHandler(metadata).handle, ["GET", "OPTIONS"]),
+                 methods=["GET", "OPTIONS"])
 
 
 def peer_of(scope: dict) -> str:

@@ -40,10 +40,13 @@ import anyio
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
+import dispatch_card
 import http_app
+import human_asks
 import knobs
 import mcp_shared
 import opencode_runner
+import task_resources
 import task_store as store
 import task_views
 import worktrees
@@ -123,6 +126,14 @@ def _id_shape(value: Any) -> Any:
 TaskId = Annotated[str | int, BeforeValidator(_id_shape),
                    WithJsonSchema({"type": "string", "description": "a task id: t_0001, 0001 or 1"})]
 IdList = Annotated[list[TaskId], BeforeValidator(_as_list)]
+# Rules as strict tool schemas can state them (OpenAI strict mode refuses an open object): per
+# tool an ordered list of {pattern, action}; the server also takes OpenCode's own map form.
+_RULE = {"type": "object", "additionalProperties": False, "required": ["pattern", "action"],
+         "properties": {"pattern": {"type": "string", "description": "a wildcard pattern (* and ?), e.g. \"git push*\"; \"*\" for every call"},
+                        "action": {"type": "string", "enum": list(store.RULE_ACTIONS)}}}
+RULES_SCHEMA = {"type": "object", "additionalProperties": False,
+                "properties": {tool: {"type": "array", "items": _RULE} for tool in store.RULE_TOOLS}}
+Rules = Annotated[dict[str, Any], WithJsonSchema(RULES_SCHEMA)]
 Status = Literal["pending", "running", "waiting", "done", "failed", "cancelled"]
 Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 
@@ -266,8 +277,16 @@ class WaitResult(TypedDict):
     ready: list[str]
     waiting: list[str]
     unfinished: list[str]
+    unseen: list[str]          # finished tasks anywhere in the queue whose result you have not read
+    unseen_total: int
     events: list[Event]
     hint: str
+    asked_human: list[human_asks.HumanAsk]   # what was asked of the person through the client, and the outcome
+
+
+class PlannerStatus(QueueStatus):
+    unseen: list[str]          # finished tasks whose result the planner has not read (oldest first, ≤50)
+    unseen_total: int
 
 
 class NoteResult(TypedDict):
@@ -372,13 +391,14 @@ class BatchTask(TypedDict, total=False):
     permission: Permission
     worktree: bool
     worktree_keep: bool
+    ask_human: bool
     agent: str
     idempotency_key: str
     max_cost_usd: Annotated[float, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts")]
     max_tokens: Annotated[int, Field(ge=1, le=10**12, description="tokens the task may use (for a model with no price)")]
     continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch)")]
     fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session)")]
-    rules: Annotated[dict[str, Any], Field(description="permission rules in OpenCode's format (see submit_task)")]
+    rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
 
@@ -407,9 +427,37 @@ def _submitted(task: dict[str, Any]) -> dict[str, Any]:
 
 
 class BridgeServer(mcp_shared.TranslatingServer):
-    """MCPServer whose tool errors read as the store's messages, never 'Error executing tool'."""
+    """MCPServer whose tool errors read as the store's messages, never 'Error executing tool';
+    the results of the tools that show tasks carry resource links to their log, diff, transcript
+    and receipt (task_resources), and resources/list names those of the newest tasks."""
 
     passthrough = (store.TaskStoreError, opencode_runner.OpencodeNotFound)
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Any = None) -> Any:
+        result = await super().call_tool(name, arguments, context)
+        shown = _linked_tasks(name, getattr(result, "structured_content", None))
+        if not shown or getattr(result, "is_error", False):
+            return result
+        extra = [link for task in shown for link in task_resources.links(task)]
+        return result.model_copy(update={"content": [*result.content, *extra]})
+
+    async def list_resources(self) -> list[Any]:
+        from mcp.types import Resource
+        return [*await super().list_resources(), *(Resource(**r) for r in task_resources.listed())]
+
+
+LINKED_TOOLS = ("get_task", "get_task_result", "get_task_logs", "get_task_transcript", "wait_for")
+
+
+def _linked_tasks(tool: str, data: Any) -> list[dict[str, Any]]:
+    """The tasks a tool result shows, as {id, status}: wait_for's tasks that need attention, or
+    the one task of the others."""
+    if tool not in LINKED_TOOLS or not isinstance(data, dict):
+        return []
+    if tool == "wait_for":
+        return [t for t in data.get("tasks", []) if t.get("id") in data.get("ready", [])]
+    ident = data.get("id") or data.get("task_id")
+    return [store.get_task(ident)] if ident else []
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,12 +552,12 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 21 TaskBridge tools (nothing is opened until a tool runs)."""
-    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS)
-    return registry.install(mcp)
+    """A fresh MCPServer with the 21 TaskBridge tools and the task resources (nothing is opened until a tool runs)."""
+    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS, extensions=[dispatch_card.apps()])
+    return task_resources.install(registry.install(mcp, dispatch_card.tool_meta()))
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Submit a coding task")
 def submit_task(
     title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
@@ -526,43 +574,40 @@ def submit_task(
     permission: Annotated[Permission | None, Field(description="auto: anything in the directory; readonly: file changes reverted; no-shell; no-network")] = "auto",
     worktree: Annotated[bool | None, Field(description="in a git repo, work on branch taskbridge/t_NNNN in a separate worktree")] = True,
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
+    ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
     idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
     max_cost_usd: Annotated[float | None, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
     max_tokens: Annotated[int | None, Field(ge=1, le=10**12, description="tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
     fork_from: Annotated[OptText, Field(description="a fork of this task id: a new branch from its head with a copy of its session, to try another approach side by side; waits for it")] = None,
-    rules: Annotated[dict[str, Any] | None, Field(description="permission rules in OpenCode's format, added to the preset: per tool (bash, edit, read, glob, grep, list, webfetch, websearch, task, skill) an action or a map of wildcard patterns to allow|deny|ask, the last match winning, e.g. {\"bash\": {\"git push*\": \"ask\"}}; ask pauses the task for your answer")] = None,
+    rules: Annotated[Rules | None, Field(description="permission rules added to the preset: per tool an ordered list of {pattern, action} (allow|deny|ask), the last match winning, e.g. {\"bash\": [{\"pattern\": \"git push*\", \"action\": \"ask\"}]}; OpenCode's map form {\"bash\": {\"git push*\": \"ask\"}} works too; ask pauses the task for your answer")] = None,
     skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
     subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
-    The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own worktree)
-    and records a receipt. Then call wait_for([id]) and get_task_result(id).
-    Give `repo` instead of `working_dir` for a task on a git remote: a worker on any machine (or
-    on `host`) fetches it into its own mirror, works from `base_ref`, commits and pushes branch
-    taskbridge/<id> there; the receipt's `pushed_branch` and `pushed_commit` say what arrived. A
-    push the remote refuses fails the task without rerunning the agent (its worktree is kept).
-    A `working_dir` task runs only on the machine that queued it (or on `host`).
-    With continue_from the task is the next step of that task's line of work: same OpenCode
-    session, same branch (its receipt's `line` shows the whole line's diff beside this step's);
-    with fork_from it starts a branch of its own from that task's head with a copy of the session.
-    Both run in that task's working_dir (give the same one).
-    With rules, a call that matches an `ask` rule moves the task to `waiting` with the request
-    (tool, command or path, the agent's reason) as its question; answer_task with allow or deny
-    (once, or always for this task) resumes the same session.
-    Errors (nothing is written then): a relative or missing working_dir, both or neither of
-    working_dir and repo, a repo that is not a git URL or repository path or that carries
-    credentials, a malformed base_ref or host, an unknown dependency,
-    a value out of range, a model `opencode models` does not list (the closest ids are named),
-    both continue_from and fork_from, a second follow-up of the same task (fork instead), a task
-    that ran with worktree=false or is failed/cancelled, a malformed rule, a skill or sub-agent
-    OpenCode does not offer for working_dir (those it offers are named).
-    Spending: at `max_cost_usd` (USD) or `max_tokens` the run ends at that step and the task
+    The worker runs it in `working_dir` (in a git repo: on branch taskbridge/<id> in its own
+    worktree) and records a receipt; then call wait_for([id]) and get_task_result(id). A
+    `working_dir` task runs only on the machine that queued it (or on `host`).
+    Spending: at `max_cost_usd` (USD) or `max_tokens` the run stops at that step and the task
     waits with a question stating the spend; answer_task "continue, up to $2" resumes the same
-    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model that
-    OpenCode prices at 0 (it could never trigger: give max_tokens).
+    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model OpenCode
+    prices at 0 (it could never trigger: give max_tokens).
+    `repo` instead of `working_dir`: a git remote; a worker on any machine (or on `host`) works
+    from `base_ref`, commits and pushes branch taskbridge/<id> there (receipt: `pushed_branch`,
+    `pushed_commit`). A refused push fails the task without rerunning the agent (worktree kept).
+    continue_from: the next step of that task's line of work (same session and branch; the
+    receipt's `line` shows the line's whole diff); fork_from: a branch of its own from that
+    task's head with a copy of the session. Both run in that task's working_dir.
+    With rules, a call matching an `ask` rule moves the task to `waiting` with the request as its
+    question; answer_task allow or deny (once, or always) resumes the same session.
+    Errors (nothing is written then): a relative or missing working_dir, both or neither of
+    working_dir and repo, a repo that is not a git URL or path or carries credentials, a
+    malformed base_ref or host, an unknown dependency, a value out of range, a model `opencode
+    models` does not list (the closest are named), both continue_from and fork_from, a second
+    follow-up of one task (fork instead), following a task that ran with worktree=false or is
+    failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there.
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
@@ -571,6 +616,7 @@ def submit_task(
               "timeout_sec": timeout_sec, "max_retries": max_retries, "permission": permission,
               "worktree": True if worktree is None else worktree,
               "worktree_keep": False if worktree_keep is None else worktree_keep,
+              "ask_human": bool(ask_human),
               "agent": agent, "idempotency_key": idempotency_key,
               "origin_name": name, "origin_version": version,
               "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
@@ -614,7 +660,7 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
     return item | {"origin_name": name, "origin_version": version}
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Submit several tasks")
 def submit_batch(
     tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
         description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
@@ -637,7 +683,7 @@ def submit_batch(
     return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Show a task")
 def get_task(task_id: TaskId) -> TaskDetail:
     """One task in full: settings, status, caller, dependencies, notes, questions and answers,
     its last 20 events, the receipt summary and usage (tokens, cost_usd), and the sizes in bytes
@@ -665,7 +711,7 @@ def get_task(task_id: TaskId) -> TaskDetail:
     return detail | {"texts_cut": cut}
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's result")
 def get_task_result(
     task_id: TaskId,
     diff_offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
@@ -677,12 +723,15 @@ def get_task_result(
     a character; a page is made smaller when the whole result would pass 40,000 characters):
     pass diff_next_offset back as diff_offset for the next page. Long lists in the receipt are
     cut to their last 100 items and long texts shortened to keep it under 12,000 characters
-    (result_truncated). Errors: unknown id, offset past the end."""
+    (result_truncated). Reading a finished task's result marks it seen (it leaves wait_for's and
+    queue_status's `unseen`). Errors: unknown id, offset past the end."""
     task = store.get_task(task_id)
     diff = (task.get("diff") or "").encode()
     offset = 0 if diff_offset is None else diff_offset
     if offset > len(diff):
         raise ToolError(f"diff_offset {offset} is past the end of the diff ({len(diff)} bytes)")
+    if task["status"] in store.TERMINAL:
+        store.mark_result_seen(task["id"])
     result, cut = cap_json(task.get("result"))
     result, shortened = mcp_shared.fit(result, RECEIPT_CHARS)
     hint = {"done": "finished; the diff is committed on the branch",
@@ -706,7 +755,7 @@ def get_task_result(
     return mcp_shared.fit_page(page, diff_max_bytes or DIFF_PAGE_DEFAULT, RESULT_CHARS)
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's run log")
 def get_task_logs(
     task_id: TaskId,
     tail_lines: Annotated[int | None, Field(ge=1, le=5000, description="the last N lines (used when offset is not given)")] = 200,
@@ -727,7 +776,7 @@ def get_task_logs(
         max_bytes or LOG_PAGE_DEFAULT, RESULT_CHARS)
 
 
-@registry.tool(annotations=READ_ONLY)
+@registry.tool(READ_ONLY, title="Read a task's conversation")
 async def get_task_transcript(
     task_id: TaskId,
     offset: Annotated[int | None, Field(ge=0, le=1_000_000, description="the first turn to return (the next_offset of the previous call)")] = 0,
@@ -762,7 +811,7 @@ def _progress_text(statuses: dict[str, str], elapsed: float) -> str:
     return f"waited {elapsed:.0f} s; still open: {', '.join(open_[:10]) or 'none'}"
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Wait for tasks")
 async def wait_for(
     task_ids: Annotated[IdList, Field(description="1–100 task ids, e.g. [\"t_0001\", \"t_0002\"]")],
     ctx: Context,
@@ -776,17 +825,31 @@ async def wait_for(
     again with the same task_ids (a task that ended in between is reported at once). Sends a
     progress notification every ~3 s while it waits; stops when the client goes away. Always
     returns every task's status, the ids that need attention (`ready`), the events seen while
-    waiting and a hint for the next step. Errors: unknown id, no ids, more than 100."""
+    waiting, `unseen` (finished tasks anywhere in the queue whose result you have not read with
+    get_task_result yet, named or not; `unseen_total` counts them) and a hint for the next step.
+    With a client that can show forms (elicitation), a task paused at its spending limit, or at a
+    permission ask of a task submitted with ask_human, is asked of the person first; the answer
+    acts and the wait goes on (`asked_human` says what was asked and answered). A decline or no
+    answer leaves it to you, as without forms. Errors: unknown id, no ids, more than 100."""
     ids = _task_ids(task_ids)
     timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
+    started, asked = time.monotonic(), []
+    while True:
+        result = await _wait_round(ids, mode, ctx, started, timeout_sec)
+        left = started + timeout_sec - time.monotonic()
+        if result["timed_out"] or not await human_asks.ask_waiting(ctx, result["waiting"], asked, left):
+            return result | {"asked_human": asked}
+
+
+async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, timeout_sec: int) -> dict[str, Any]:
+    """One wait until the tasks meet ``mode`` or the call's deadline (started + timeout_sec)."""
     # Store reads on a kept connection take microseconds: they run on the event loop. The wait
     # itself sleeps on the database's change notification (inotify), polling only as a fallback.
     cursor = store.last_event_id()
     statuses = store.statuses_of(ids)
-    started = time.monotonic()
-    deadline, next_progress, poll = started + timeout_sec, started + PROGRESS_EVERY_SEC, _poll_sec()
+    deadline, next_progress, poll = started + timeout_sec, time.monotonic() + PROGRESS_EVERY_SEC, _poll_sec()
     seen: list[dict[str, Any]] = []
     timed_out = False
     with store.change_watch() as watch:
@@ -810,7 +873,7 @@ async def wait_for(
     # events read and the statuses read was otherwise reported without its event).
     tasks = [store.get_task(t) for t in ids]
     seen = (seen + store.events_since(cursor, ids, 1000))[-50:]
-    return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen)
+    return _wait_result(tasks, mode, timed_out, time.monotonic() - started, seen, store.unseen_results())
 
 
 async def _next_change(watch: Any, since: int, timeout: float) -> int:
@@ -833,7 +896,7 @@ async def _next_change(watch: Any, since: int, timeout: float) -> int:
 
 
 def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,
-                 events: list[dict[str, Any]]) -> dict[str, Any]:
+                 events: list[dict[str, Any]], unseen: dict[str, Any]) -> dict[str, Any]:
     rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": short(t.get("error")),
              "question": t.get("question"), "finished_at": t.get("finished_at")} for t in tasks]
     ready = [r["id"] for r in rows if r["status"] in ATTENTION]
@@ -846,13 +909,18 @@ def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited
                 "keep waiting (queue_status shows the worker)")
     else:
         hint = "get_task_result(id) has the receipt, usage and diff of each finished task"
+    named = {r["id"] for r in rows}
+    others = [t for t in unseen["ids"] if t not in named]
+    if others:
+        hint += f"; also finished, result not read yet: {', '.join(others[:10])}" + (
+            f" and {unseen['total'] - len(unseen['ids'])} more" if unseen["total"] > len(unseen["ids"]) else "")
     result = {"met": not timed_out, "timed_out": timed_out, "mode": mode, "waited_sec": round(waited, 2),
               "tasks": rows, "ready": ready, "waiting": waiting, "unfinished": unfinished,
-              "events": events, "hint": hint}
+              "unseen": unseen["ids"], "unseen_total": unseen["total"], "events": events, "hint": hint}
     return mcp_shared.fit(result, RESULT_CHARS)[0]     # 100 tasks with long questions: texts are cut
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Answer a task's question")
 def answer_task(
     task_id: TaskId,
     answer: Annotated[str, Field(description="your reply to the task's question (≤50,000 characters), stored exactly as sent")],
@@ -870,7 +938,7 @@ def answer_task(
     return _echo(store.answer_task(task_id, answer, author="planner"))
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="List tasks")
 def list_tasks(
     status: Annotated[list[Status] | None, BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                       Field(description="only these statuses, e.g. [\"pending\", \"running\"]; default all")] = None,
@@ -915,8 +983,8 @@ def _page_of(rows: list[dict[str, Any]], key: str, total: int, start: int) -> di
     return {key: rows, "total": total, "offset": start, "next_offset": end if more else None, "hint": hint}
 
 
-@registry.tool(READ_ONLY)
-def queue_status() -> QueueStatus:
+@registry.tool(READ_ONLY, title="Queue status")
+def queue_status() -> PlannerStatus:
     """The queue at a glance: task counts per status, how many are claimable now, the oldest
     pending task and its age in seconds, the default model (the setting, WORKER_MODEL, or the
     user's OpenCode config as last seen; null until list_models or a worker has asked OpenCode),
@@ -925,11 +993,14 @@ def queue_status() -> QueueStatus:
     claims nothing because the daily budget is spent; `workers`: every worker on every host,
     newest heartbeat first, each labelled online, stale, gone or stopped), and `budget`:
     today's spend (local day; USD and tokens), the daily budget and default task limits (null =
-    none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC)."""
-    return queue_snapshot()
+    none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC);
+    `unseen`: finished tasks whose result you have not read with get_task_result yet (oldest
+    first, at most 50; `unseen_total` counts them all)."""
+    unseen = store.unseen_results()
+    return queue_snapshot() | {"unseen": unseen["ids"], "unseen_total": unseen["total"]}
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Worker heartbeat")
 def worker_heartbeat() -> WorkerState:
     """The last heartbeat of any worker (any host; queue_status lists them all): state (pass,
     idle, running, stopped, error), current task, pid, host, age in seconds, whether that process
@@ -986,7 +1057,7 @@ def _detached_pass() -> dict[str, Any]:
                       f"(pid {proc.pid}, output in {out}); install.sh sets up the schedule"}
 
 
-@registry.tool(RESTARTS)
+@registry.tool(RESTARTS, title="Run the worker now")
 def restart_worker() -> RestartResult:
     """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
@@ -995,7 +1066,7 @@ def restart_worker() -> RestartResult:
     return _launchd_restart() or _systemd_restart() or _detached_pass()
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Add a note to a task")
 def add_task_note(
     task_id: TaskId,
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
@@ -1009,7 +1080,7 @@ def add_task_note(
     return store.add_note(task_id, text, author="planner")
 
 
-@registry.tool(ENDS)
+@registry.tool(ENDS, title="Cancel a task")
 def cancel_task(
     task_id: TaskId,
     reason: Annotated[OptText, Field(description="why, recorded on the task (at most 20,000 characters)")] = "cancelled by the planner",
@@ -1019,7 +1090,7 @@ def cancel_task(
     return _echo(store.cancel_task(task_id, reason or "cancelled by the planner"))
 
 
-@registry.tool(ADDS)
+@registry.tool(ADDS, title="Retry a task")
 def retry_task(
     task_id: TaskId,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name one provider offers) to use from now on; default: keep the task's")] = None,
@@ -1039,9 +1110,10 @@ def retry_task(
     return _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)}
 
 
-@registry.tool(ADDS)
-def apply_task(
+@registry.tool(ADDS, title="Apply a task to the checkout")
+async def apply_task(
     task_id: TaskId,
+    ctx: Context,
     mode: Annotated[Literal["merge", "squash", "cherry-pick"] | None,
                     Field(description="merge: a merge commit (or fast-forward); squash: one new commit; cherry-pick: copy the task's commits")] = "merge",
 ) -> ApplyResult:
@@ -1052,11 +1124,17 @@ def apply_task(
     Errors (the checkout untouched): the task is not done, has no branch or made no commit, its
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an
     unfinished merge or rebase, or is on the task's branch. A conflict aborts the apply: the error
-    names the conflicting files and the checkout is exactly as it was (HEAD, index, files)."""
-    return worktrees.apply_branch(store.get_task(task_id), mode or "merge")
+    names the conflicting files and the checkout is exactly as it was (HEAD, index, files).
+    With a client that can show forms (elicitation) the person is asked first; their "no" is an
+    error and nothing changes; a decline or no answer leaves your call to stand."""
+    task = store.get_task(task_id)
+    if task["status"] == "done" and await human_asks.confirm_apply(ctx, task, mode or "merge") is False:
+        raise ToolError(f"the person chose not to apply {task['id']} now (asked through your client); "
+                        "the checkout is unchanged")
+    return await anyio.to_thread.run_sync(worktrees.apply_branch, task, mode or "merge")
 
 
-@registry.tool(REMOVES)
+@registry.tool(REMOVES, title="Clear finished tasks")
 def clear_finished(
     older_than_sec: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="only tasks finished at least this many seconds ago")] = 0,
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
@@ -1081,7 +1159,7 @@ def clear_finished(
     return shown
 
 
-@registry.tool(CATALOGUE)
+@registry.tool(CATALOGUE, title="List models")
 def list_models(
     search: Annotated[OptText, Field(description="words that must all appear in the id or name (case-insensitive)")] = None,
     provider: Annotated[OptText, Field(description="only this provider, e.g. opencode")] = None,
@@ -1108,7 +1186,7 @@ def list_models(
                                max(1, len(rows)), RESULT_CHARS)
 
 
-@registry.tool(OVERWRITES_SETTING)
+@registry.tool(OVERWRITES_SETTING, title="Set the default model")
 def set_default_model(
     model: Annotated[str, Field(description="provider/model, or a plain model name that exactly one provider offers")],
 ) -> DefaultModel:
@@ -1123,7 +1201,7 @@ def set_default_model(
             "resolved_from": model if resolved != model.strip() else None}
 
 
-@registry.tool(SETS_BUDGET)
+@registry.tool(SETS_BUDGET, title="Set the spending budget")
 def set_budget(
     daily_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
     daily_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
@@ -1140,7 +1218,7 @@ def set_budget(
     return store.set_budget(**{k: v for k, v in given.items() if v is not None})
 
 
-@registry.tool(READ_ONLY)
+@registry.tool(READ_ONLY, title="Check the server")
 def ping(ctx: Context) -> PingResult:
     """Check the server: version, the database path and its task count, the default model, the
     worker's state in one line, and who is calling (your clientInfo name, version and kind)."""

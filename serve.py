@@ -133,7 +133,7 @@ def ensure_token(rotate: bool = False) -> tuple[str, str]:
 def rotation_notice(port: int) -> str:
     """Who must be told about a new token."""
     return ("the bearer token was rotated; the old one no longer works, also on a server already running. Update:\n"
-            f"  - Claude Code over HTTP: claude mcp remove taskbridge, then the `claude mcp add --transport http` "
+            f"  - Claude Code over HTTP: claude mcp remove -s user taskbridge, then the `claude mcp add -s user --transport http` "
             f"line from `tasks_cli.py connect` (port {port})\n"
             "  - any client sending the old Authorization header or ?token=\n"
             "  - claude.ai / ChatGPT connectors: their OAuth tokens are revoked; they ask you to connect again "

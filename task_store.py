@@ -574,8 +574,27 @@ def _migrate_v6_past_one_machine(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V7 = [
+    # The planner's seat (issue 22): when the planner read a finished task's result (NULL: not
+    # yet seen). Tasks that had finished before this migration count as seen: only what ends from
+    # now on is announced. retry_task clears it (the task will end again).
+    "ALTER TABLE tasks ADD COLUMN result_seen_at REAL",
+    "UPDATE tasks SET result_seen_at = finished_at WHERE status IN ('done', 'failed', 'cancelled')",
+    "CREATE INDEX tasks_unseen ON tasks (finished_at, id) WHERE result_seen_at IS NULL"
+    " AND status IN ('done', 'failed', 'cancelled')",
+    # The submitter's wish that the task's permission asks go to the person (through the MCP
+    # client's elicitation form) rather than to the planner model.
+    "ALTER TABLE tasks ADD COLUMN ask_human INTEGER NOT NULL DEFAULT 0",
+]
+
+
+def _migrate_v7_results_seen(conn: sqlite3.Connection) -> None:
+    for statement in SCHEMA_V7:
+        conn.execute(statement)
+
+
 MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
-              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine]
+              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -600,7 +619,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6]
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7]
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -1722,7 +1741,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
         "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
-        "rules", "skills", "subagents", "repo", "base_ref", "host",
+        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -1766,6 +1785,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "permission": permission,
         "worktree": int(coerce_bool("worktree", raw.get("worktree", True))),
         "worktree_keep": int(coerce_bool("worktree_keep", raw.get("worktree_keep", False))),
+        "ask_human": int(coerce_bool("ask_human", raw.get("ask_human", False))),
         "timeout_sec": coerce_int("timeout_sec", _or(raw.get("timeout_sec"), 1800), *TIMEOUT_RANGE),
         "max_retries": coerce_int("max_retries", _or(raw.get("max_retries"), 1), *RETRIES_RANGE),
         "idempotency_key": key,
@@ -1793,7 +1813,9 @@ def validate_rules(value: Any) -> str | None:
     """A task's permission rules in OpenCode's own format, as JSON text (None for none):
     ``{"bash": {"git push*": "ask", "rm *": "deny"}, "webfetch": "ask"}`` — per tool (one of
     RULE_TOOLS) an action (allow, deny, ask) or a map of wildcard patterns (``*``, ``?``) to
-    actions, the last matching pattern winning, as in OpenCode. Raises ValidationError."""
+    actions, the last matching pattern winning, as in OpenCode. A tool's rules may also come as
+    a list of ``{"pattern": …, "action": …}`` in order (the form strict tool schemas can state);
+    they are stored as the map. Raises ValidationError."""
     value = optional(value)
     if value is None:
         return None
@@ -1805,6 +1827,7 @@ def validate_rules(value: Any) -> str | None:
     if not isinstance(value, dict) or not value:
         raise ValidationError("rules must be a non-empty object like {\"bash\": {\"git push*\": \"ask\"}}")
     count = 0
+    value = {tool: _rule_map(tool, rule) for tool, rule in value.items()}
     for tool, rule in value.items():
         if tool not in RULE_TOOLS:
             raise ValidationError(f"rules: unknown tool {tool!r}; rules apply to {', '.join(RULE_TOOLS)}")
@@ -1821,6 +1844,23 @@ def validate_rules(value: Any) -> str | None:
     if count > RULES_MAX:
         raise ValidationError(f"rules hold at most {RULES_MAX} patterns; got {count}")
     return json.dumps(value)
+
+
+def _rule_map(tool: str, rule: Any) -> Any:
+    """A list of {pattern, action} as OpenCode's ordered map; a later repeat of a pattern moves
+    it last, so the last match still wins. Anything else is returned for validate_rules to judge."""
+    if not isinstance(rule, list):
+        return rule
+    patterns: dict[str, Any] = {}
+    for index, item in enumerate(rule):
+        if not isinstance(item, dict) or set(item) != {"pattern", "action"}:
+            raise ValidationError(f"rules.{tool}[{index}] must be an object with exactly pattern and action, "
+                                  f"like {{\"pattern\": \"git push*\", \"action\": \"ask\"}}")
+        if not isinstance(item["pattern"], str):
+            raise ValidationError(f"rules.{tool}[{index}].pattern must be text (a wildcard pattern)")
+        patterns.pop(item["pattern"], None)
+        patterns[item["pattern"]] = item["action"]
+    return patterns
 
 
 def _names(name: str, value: Any) -> str | None:
@@ -1856,7 +1896,8 @@ def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
 # Rows -> public dicts.
 
 _JSON_COLUMNS = ("result", "usage", "rules", "skills", "subagents", "pending_ask")
-_TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before")
+_TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before",
+                 "result_seen_at")
 
 
 def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]:
@@ -1868,9 +1909,10 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     for column in _JSON_COLUMNS:
         task[column] = json.loads(task[column]) if task.get(column) else None
     for column in _TIME_COLUMNS:
-        task[column] = iso(task[column])
+        task[column] = iso(task.get(column))   # .get: a row of a queue that a test holds at an older version
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
+    task["ask_human"] = bool(task.get("ask_human"))
     task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
     live = task["status"] == "running"
     usage = task["usage"] or {}
@@ -2010,7 +2052,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             deps = _resolve_deps(conn, spec, ref_ids)
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
-            values = {k: v for k, v in spec.items() if k not in ("depends_on", "ref", "parent", "parent_kind", *extras)}
+            values = {k: v for k, v in spec.items()
+                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", *extras)}
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
@@ -2019,6 +2062,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
             row = conn.execute(_INSERT_TASK, values | {"created_at": now()} | where).fetchone()
             task_id = row["id"]
+            if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
+                row = conn.execute("UPDATE tasks SET ask_human = 1 WHERE id = ? RETURNING *", (task_id,)).fetchone()
             if spec["parent"] is not None or any(extras.values()):
                 # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
                 row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
@@ -2699,7 +2744,8 @@ def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None
         "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
         " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
-        " answer = NULL, base_commit = NULL, spent_before_retry = attempts - handbacks WHERE id = ?",
+        " answer = NULL, base_commit = NULL, result_seen_at = NULL, spent_before_retry = attempts - handbacks"
+        " WHERE id = ?",
         (model, row["id"]),
     )
 
@@ -3001,6 +3047,37 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     if missing:
         raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
     return {format_task_id(n): rows[n] for n in nums}
+
+
+# --------------------------------------------------------------------------------------------
+# Results the planner has not read yet (issue 22).
+
+UNSEEN_SHOWN = 50
+
+
+def mark_result_seen(task_id: Any) -> bool:
+    """Record that the planner read the result of ``task_id`` (only a finished task's result
+    counts: a running task's has not been written yet). Returns whether this was the first read
+    since it finished. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing(serialize=False) as conn:
+        _row(conn, num)
+        changed = conn.execute(
+            "UPDATE tasks SET result_seen_at = ? WHERE id = ? AND result_seen_at IS NULL"
+            " AND status IN ('done', 'failed', 'cancelled')", (now(), num)).rowcount
+    return bool(changed)
+
+
+def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
+    """Finished tasks whose result the planner has not read: ``{"ids": [...], "total": N}``,
+    the ``limit`` (1..1000) that finished first, oldest first."""
+    limit = max(1, min(int(limit), 1000))
+    where = "result_seen_at IS NULL AND status IN ('done', 'failed', 'cancelled')"
+    with _reading() as conn:
+        rows = conn.execute(f"SELECT id FROM tasks WHERE {where} ORDER BY finished_at, id LIMIT ?",
+                            (limit,)).fetchall()
+        total = conn.execute(f"SELECT count(*) FROM tasks WHERE {where}").fetchone()[0]
+    return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
 
 # --------------------------------------------------------------------------------------------

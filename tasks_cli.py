@@ -1525,7 +1525,7 @@ def events(since: int | None, limit: int, as_json: bool) -> None:
 @click.option("--write-claude-desktop", is_flag=True,
               help="Merge the taskbridge entry into Claude Desktop's config (other servers kept, backup made).")
 def connect(port: int, public_url: str | None, write_claude_desktop: bool) -> None:
-    """Print how each MCP client connects: Claude Desktop, Claude Code, OpenCode, claude.ai / ChatGPT."""
+    """Print how each MCP client connects: Claude Desktop and Code, Cursor, VS Code, Codex, Gemini, OpenCode, claude.ai, ChatGPT."""
     import connectors
     if public_url and not re.fullmatch(r"https://[A-Za-z0-9.-]+(:[0-9]+)?/?", public_url):
         raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com", param_hint="--public-url")

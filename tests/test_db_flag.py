@@ -224,7 +224,7 @@ def test_the_claude_desktop_entry_names_a_postgresql_queue_without_its_password(
     entry = connectors.claude_desktop_entry()
     assert entry["env"]["TASK_DB_URL"] == "postgresql://tb@db.example/queue"
     snippets = connectors.snippets(8765)
-    assert "claude mcp add taskbridge -e TASK_DB_URL=postgresql://tb@db.example/queue --" in snippets
+    assert "opencode_bridge_mcp.py --db postgresql://tb@db.example/queue\n" in snippets
     assert SECRET not in json.dumps(entry) + snippets
 
 

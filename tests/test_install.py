@@ -243,7 +243,7 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
                            env=env | {"CLAUDE_DESKTOP_CONFIG": str(desktop)}, capture_output=True, text=True,
                            timeout=300, stdin=subprocess.DEVNULL)
     assert setup.returncode == 0, setup.stderr
-    assert f"claude mcp add taskbridge -- {target}/.venv/bin/python {target}/opencode_bridge_mcp.py" in setup.stderr
+    assert f"claude mcp add -s user taskbridge -- {target}/.venv/bin/python {target}/opencode_bridge_mcp.py --db " in setup.stderr
     entry = json.loads(desktop.read_text())["mcpServers"]["taskbridge"]
     assert entry["args"] == [str(target / "opencode_bridge_mcp.py")]
     assert (target / ".taskbridge" / "token").read_text().strip() == new

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.anyio
 TOKEN = "clients-token-0123456789"
 BUDGET = mcp_shared.RESULT_CHARS_MAX
 WELL_UNDER = 50_000                      # Claude Code's limit; BUDGET leaves room below it
+DESCRIPTION_MAX = 2048                   # Claude Code cuts a tool description there
 HINTS = ("readOnlyHint", "destructiveHint", "idempotentHint", "openWorldHint")
 LONG_MODEL = f"fake/model-000-{'x' * 80}"      # one of many_models()
 
@@ -117,8 +118,11 @@ def schema_problems(node: Any, where: str = "arguments") -> list[str]:
             problems.append(f"{where}: null in {key}")
     if "default" in node and node["default"] is None:
         problems.append(f"{where}: default null")
-    if "properties" in node and node.get("additionalProperties") is not False:
+    if ("properties" in node or node.get("type") == "object") and node.get("additionalProperties") is not False:
         problems.append(f"{where}: object not closed (additionalProperties is not false)")
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if key in node:
+            problems.append(f"{where}: {key} (Gemini-model routes refuse it)")
     for key, value in node.items():
         if key in ("properties", "$defs", "definitions"):
             for name, sub in value.items():
@@ -143,6 +147,10 @@ def declaration_problems(tool: Any) -> list[str]:
         problems.append(f"{tool.name}: read-only and destructive at once")
     if len(tool.description or "") < 60:
         problems.append(f"{tool.name}: no real description")
+    if len(tool.description or "") > DESCRIPTION_MAX:
+        problems.append(f"{tool.name}: description of {len(tool.description)} characters (Claude Code cuts at {DESCRIPTION_MAX})")
+    if not (wire.get("title") and hints.get("title") == wire["title"]):
+        problems.append(f"{tool.name}: no title (on the tool and in its annotations)")
     return problems
 
 
@@ -153,7 +161,10 @@ def test_the_registry_refuses_a_tool_without_all_four_hints():
     with pytest.raises(TypeError, match="read_only_hint"):
         registry.tool()
     assert registry.entries == []
-    registry.tool(mcp_shared.hints(read_only=True, destructive=True, idempotent=True, open_world=False))(len)
+    hinted = mcp_shared.hints(read_only=True, destructive=True, idempotent=True, open_world=False)
+    with pytest.raises(TypeError, match="title"):
+        registry.tool(hinted)
+    registry.tool(hinted, title="Length")(len)
     assert registry.entries[0][1].destructive_hint is False       # read-only is never destructive
 
 
@@ -166,6 +177,29 @@ async def test_every_tool_is_declared_in_a_form_every_client_takes(which):
     assert len(tools) == expected >= 6
     problems = [p for tool in tools for p in declaration_problems(tool)]
     assert problems == []
+
+
+async def test_rules_in_the_strict_list_form_are_stored_as_opencode_rules_and_bounds_still_hold(tmp_path):
+    """What the closed schema advertises (rules as lists of {pattern, action}; max_cost_usd with a
+    minimum of 0 said to be exclusive) is what the server takes and enforces."""
+    (tmp_path / "project").mkdir()
+    base = {"title": "t", "instructions": "x", "working_dir": str(tmp_path / "project")}
+    rules = {"bash": [{"pattern": "*", "action": "allow"}, {"pattern": "git push*", "action": "ask"}],
+             "webfetch": [{"pattern": "*", "action": "deny"}]}
+    async with connected("bridge over stdio") as client:
+        listed = {t.name: t for t in (await client.list_tools()).tools}
+        cost = listed["submit_task"].input_schema["properties"]["max_cost_usd"]
+        queued = await client.call_tool("submit_task", base | {"rules": rules})
+        zero = await client.call_tool("submit_task", base | {"max_cost_usd": 0})
+        odd = await client.call_tool("submit_task", base | {"rules": {"bash": [{"pattern": "x"}]}})
+    assert cost["minimum"] == 0 and "more than 0" in cost["description"]
+    assert not queued.is_error, queued.content[0].text
+    stored = task_store.get_task(queued.structured_content["id"])["rules"]
+    assert stored == {"bash": {"*": "allow", "git push*": "ask"}, "webfetch": {"*": "deny"}}
+    assert list(stored["bash"]) == ["*", "git push*"]            # order kept: the last match wins
+    assert zero.is_error and "max_cost_usd must be > 0" in zero.content[0].text
+    assert odd.is_error and "rules.bash[0] must be an object with exactly pattern and action" in odd.content[0].text
+    assert task_store.list_tasks()["total"] == 1
 
 
 async def test_closed_schemas_are_true_unknown_arguments_are_refused_and_null_still_works(tmp_path):
@@ -183,11 +217,29 @@ async def test_closed_schemas_are_true_unknown_arguments_are_refused_and_null_st
 
 
 def queue_dump() -> list[str]:
+    """The whole queue database as SQL, except when results were read (tasks.result_seen_at):
+    get_task_result's read receipt, the one write a read-only tool makes (it changes no task)."""
     conn = sqlite3.connect(task_store.db_path())
     try:
-        return list(conn.iterdump())
+        return list(conn.iterdump()) if not _has_seen_column(conn) else \
+            _dump_without(conn, "result_seen_at")
     finally:
         conn.close()
+
+
+def _has_seen_column(conn: sqlite3.Connection) -> bool:
+    return any(row[1] == "result_seen_at" for row in conn.execute("PRAGMA table_info(tasks)"))
+
+
+def _dump_without(conn: sqlite3.Connection, column: str) -> list[str]:
+    copy = sqlite3.connect(":memory:")
+    conn.backup(copy)
+    copy.execute(f"UPDATE tasks SET {column} = NULL")
+    copy.commit()
+    try:
+        return list(copy.iterdump())
+    finally:
+        copy.close()
 
 
 def sample_args(name: str, schema: dict[str, Any], task_id: str = "t_0001", job_id: int = 1) -> dict[str, Any]:

@@ -161,6 +161,23 @@ async def test_discovery_documents_name_the_server_and_its_endpoints(base):
         assert server["code_challenge_methods_supported"] == ["S256"]
 
 
+async def test_the_metadata_offers_public_clients_and_one_signs_in_without_a_secret(base):
+    """/register takes `none` (a public client: PKCE, no secret); the metadata says so, and such a
+    client, configured as the metadata allows, completes the flow and calls a tool."""
+    async with httpx2.AsyncClient(timeout=10) as web:
+        server = (await web.get(f"{base}/.well-known/oauth-authorization-server")).json()
+    assert "none" in server["token_endpoint_auth_methods_supported"]
+    assert "none" in server["revocation_endpoint_auth_methods_supported"]
+    assert {"client_secret_post", "client_secret_basic"} <= set(server["token_endpoint_auth_methods_supported"])
+    storage = Storage()
+    metadata = OAuthClientMetadata(client_name="Public", redirect_uris=[REDIRECT], token_endpoint_auth_method="none",
+                                   grant_types=["authorization_code", "refresh_token"], response_types=["code"])
+    browser = Browser(base, [TOKEN])
+    await ping_with(base, OAuthClientProvider(f"{base}/mcp", metadata, storage, redirect_handler=browser.open,
+                                              callback_handler=browser.callback))
+    assert storage.client.client_secret is None and storage.tokens.access_token.startswith("tb1.")
+
+
 async def test_expired_access_tokens_are_refused_and_the_refresh_token_gets_a_new_one(base, monkeypatch):
     monkeypatch.setattr(oauth, "ACCESS_TOKEN_SEC", 2)
     storage = Storage()

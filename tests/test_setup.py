@@ -39,10 +39,75 @@ def test_connect_prints_every_clients_setup_with_absolute_paths(monkeypatch, tmp
     desktop = json.loads(out[out.index("{"):out.index("\n}\n") + 2])["mcpServers"]["taskbridge"]
     assert Path(desktop["command"]).is_absolute() and desktop["args"] == [str(ROOT / "opencode_bridge_mcp.py")]
     assert desktop["env"]["TASK_DB_PATH"] == os.environ["TASK_DB_PATH"]
-    assert f"claude mcp add taskbridge -- {desktop['command']} {ROOT / 'opencode_bridge_mcp.py'}" in out
-    assert "claude mcp add --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
+    queue = os.environ["TASK_DB_PATH"]
+    assert f"claude mcp add -s user taskbridge -- {desktop['command']} {ROOT / 'opencode_bridge_mcp.py'} --db {queue}\n" in out
+    assert "claude mcp add -s user --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
+    assert "codex mcp add taskbridge --url http://127.0.0.1:9876/mcp --bearer-token-env-var TASKBRIDGE_TOKEN" in out
+    assert "gemini mcp add -s user --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
+    assert "code --add-mcp" in out and "~/.cursor/mcp.json" in out
     assert str(ROOT / "claude_control_mcp.py") in out and '"claude-control"' in out
+    assert "Settings → Apps → Advanced settings → Developer mode" in out
     assert "https://abc.trycloudflare.com/mcp" in out
+
+
+def printed_json(out: str, after: str) -> dict:
+    """The JSON block printed right after the line starting with ``after``."""
+    start = out.index("{", out.index(after))
+    return json.loads(out[start:out.index("\n}\n", start) + 2])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("client", ["claude code", "cursor", "vs code"])
+async def test_each_stdio_snippet_opens_the_connect_time_queue_from_anywhere(client, tmp_path, monkeypatch):
+    """The printed command, run as the client runs it (another folder, no TASK_DB_PATH in its
+    environment), serves the queue `connect` was run against, not the default one."""
+    import shlex
+
+    from mcp import Client, StdioServerParameters
+    queue = tmp_path / "elsewhere" / "queue.db"
+    monkeypatch.setenv("TASK_DB_PATH", str(queue))
+    (tmp_path / "project").mkdir()
+    task_store.submit_task(title="in the other queue", instructions="x", working_dir=str(tmp_path / "project"))
+    out = CliRunner().invoke(tasks_cli.cli, ["connect"]).output
+    if client == "claude code":
+        argv = shlex.split(out.split("claude mcp add -s user taskbridge -- ", 1)[1].splitlines()[0])
+    elif client == "cursor":
+        entry = printed_json(out, "Cursor:")["mcpServers"]["taskbridge"]
+        argv = [entry["command"], *entry["args"]]
+    else:
+        entry = json.loads(shlex.split(out.split("code --add-mcp ", 1)[1].splitlines()[0])[0])
+        argv = [entry["command"], *entry["args"]]
+    env = {k: v for k, v in os.environ.items() if k not in ("TASK_DB_PATH", "TASK_DB_URL")}
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(tmp_path))
+    async with Client(params, mode="legacy") as mcp_client:
+        listed = await mcp_client.call_tool("list_tasks", {})
+    assert [t["title"] for t in listed.structured_content["tasks"]] == ["in the other queue"]
+
+
+@pytest.mark.real_opencode
+def test_opencode_as_the_planner_connects_with_the_printed_entry(tmp_path, monkeypatch):
+    """The `type: remote` entry `connect` prints (the token read from its file by OpenCode's
+    {file:…} substitution) lets the pinned opencode connect to the served /mcp."""
+    from helpers import free_port, serving
+    from opencode_env import opencode_env, require_opencode_bin
+    token = tmp_path / "tb" / "token"
+    token.parent.mkdir()
+    token.write_text("planner-seat-token-0123456789\n")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token))
+    monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    port = free_port()
+    entry = printed_json(CliRunner().invoke(tasks_cli.cli, ["connect", "--port", str(port)]).output,
+                         "OpenCode as the planner")
+    env = opencode_env(tmp_path, "http://127.0.0.1:9/v1")
+    env.pop("OPENCODE_CONFIG")
+    config = Path(env["XDG_CONFIG_HOME"]) / "opencode" / "opencode.json"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(json.dumps(entry))
+    with serving(port):
+        listed = subprocess.run([require_opencode_bin(), "mcp", "list"], env={**env, "PWD": str(tmp_path)},
+                                cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    line = next((l for l in listed.stdout.splitlines() if "taskbridge" in l), "")
+    assert "connected" in line and "not connected" not in line.lower(), listed.stdout + listed.stderr
 
 
 def test_connect_refuses_a_public_url_that_is_not_a_base_url():
@@ -248,3 +313,38 @@ def test_the_claude_skill_is_a_valid_skill_folder_and_connect_names_it():
         assert tool in text, tool
     result = CliRunner().invoke(tasks_cli.cli, ["connect"])
     assert result.exit_code == 0 and str(skill.parent) in result.output and "~/.claude/skills/" in result.output
+
+
+@pytest.mark.real_claude
+def test_the_real_claude_code_takes_both_printed_lines_for_every_project(tmp_path, monkeypatch):
+    """The printed `claude mcp add -s user` lines, run by the real claude CLI, register TaskBridge in
+    the user's config; from another folder `claude mcp list` starts the stdio server on the connect-time
+    queue and reaches the HTTP one with the token, both connected."""
+    from helpers import free_port, serving
+    claude = ROOT / "node_modules" / ".bin" / "claude"
+    if not claude.exists():
+        pytest.skip("the claude CLI is not installed (npm install)")
+    token = tmp_path / "tb" / "token"
+    token.parent.mkdir()
+    token.write_text("claude-code-seat-token-0123456789\n")
+    monkeypatch.setenv("MCP_TOKEN_FILE", str(token))
+    monkeypatch.delenv("MCP_BEARER_TOKEN", raising=False)
+    port = free_port()
+    out = CliRunner().invoke(tasks_cli.cli, ["connect", "--port", str(port)]).output
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("claude mcp add -s user")]
+    assert len(lines) == 2
+    env = dict(os.environ, HOME=str(tmp_path / "home"), PATH=f"{claude.parent}:{os.environ['PATH']}")
+    (tmp_path / "home").mkdir()
+    for folder, line in zip(("one", "two"), lines):
+        (tmp_path / folder).mkdir()
+        http = line.replace("taskbridge", "taskbridge-http", 1) if "--transport http" in line else line
+        added = subprocess.run(["bash", "-c", http], cwd=tmp_path / folder, env=env, capture_output=True, text=True,
+                               timeout=60, stdin=subprocess.DEVNULL)
+        assert added.returncode == 0 and "to user config" in added.stdout, added.stdout + added.stderr
+    (tmp_path / "elsewhere").mkdir()
+    with serving(port):
+        listed = subprocess.run([str(claude), "mcp", "list"], cwd=tmp_path / "elsewhere", env=env, capture_output=True,
+                                text=True, timeout=120, stdin=subprocess.DEVNULL)
+    rows = {line.split(":", 1)[0]: line for line in listed.stdout.splitlines() if line.startswith("taskbridge")}
+    assert f"--db {os.environ['TASK_DB_PATH']}" in rows["taskbridge"], listed.stdout
+    assert "Connected" in rows["taskbridge"] and "Connected" in rows["taskbridge-http"], listed.stdout + listed.stderr
