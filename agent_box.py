@@ -259,6 +259,7 @@ class Plan:
     writable: list[str] = field(default_factory=list)
     read_only: list[str] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
+    shell_env: dict[str, str] = field(default_factory=dict)   # set for the bash tool's commands only
 
     def lets_write(self, path: str) -> bool:
         """Whether a process in this box could write ``path`` (resolved): under a writable bind
@@ -285,12 +286,15 @@ def git_dirs(top: str) -> tuple[str | None, str | None]:
     return str(common), str(admin.resolve())
 
 
-def git_binds(plan: Plan, top: str, worktree_writable: bool) -> None:
-    """The repository's part of ``plan``: the common dir readable; writable its ``objects/`` and
-    the task branches' refs and reflogs (``refs/heads/taskbridge``), and this worktree's admin
-    folder (index, HEAD); read-only over them ``config``, ``hooks/``, ``info/``, the admin folder's
-    ``commondir``/``gitdir`` and the worktree's ``.git`` pointer. An in-place repository keeps its
-    whole ``.git`` writable but for ``config``, ``hooks/`` and ``info/``."""
+def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -> None:
+    """The repository's part of ``plan``. A linked worktree (every task's, by default): the whole
+    common dir read-only (objects, refs, config, hooks, info/: your history, your branches and the
+    other tasks' are out of the run's reach); writable only this worktree's admin folder (its
+    index), with its ``HEAD``, ``logs/``, ``commondir`` and ``gitdir`` and the worktree's ``.git``
+    pointer read-only over it; the objects the run's own git makes go to ``quarantine`` (the bash
+    tool's ``GIT_OBJECT_DIRECTORY``, the real objects its alternate), which is dropped after the
+    run: TaskBridge hashes the worktree's files itself. An in-place repository keeps its whole
+    ``.git`` writable but for ``config``, ``hooks/`` and ``info/``."""
     common, admin = git_dirs(top)
     if common is None:
         return
@@ -301,12 +305,11 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool) -> None:
         plan.read_only += [p for p in keep if os.path.exists(p)]
         return
     if worktree_writable:
-        for sub in ("refs/heads/taskbridge", "logs/refs/heads/taskbridge"):
-            os.makedirs(f"{common}/{sub}", exist_ok=True)
-        plan.writable += [f"{common}/objects", f"{common}/refs/heads/taskbridge",
-                          f"{common}/logs/refs/heads/taskbridge", admin]
-        plan.read_only += [p for p in (f"{admin}/commondir", f"{admin}/gitdir", f"{top}/.git")
-                           if os.path.exists(p)]
+        os.makedirs(f"{admin}/logs", exist_ok=True)
+        plan.writable += [admin, str(quarantine)]
+        plan.read_only += [p for p in (f"{admin}/HEAD", f"{admin}/logs", f"{admin}/commondir", f"{admin}/gitdir",
+                                       f"{top}/.git") if os.path.exists(p)]
+        plan.shell_env = {"GIT_OBJECT_DIRECTORY": str(quarantine), "GIT_ALTERNATE_OBJECT_DIRECTORIES": f"{common}/objects"}
 
 
 # What OpenCode writes into its config folder at start when it is missing (1.18.33): made by the
@@ -376,8 +379,9 @@ def data_paths(env: dict[str, str]) -> list[str]:
 
 def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_dir: Path) -> Plan:
     """The box of one attempt in ``ws`` (see ``Plan``): ``run_dir`` holds ``tmp/`` (the run's
-    /tmp), ``control/`` (read-only: rules, notes, spend gate, shell wrappers) and ``reply/``
-    (writable: the plugins' answers). ``readonly`` leaves the worktree read-only."""
+    /tmp), ``control/`` (read-only: rules, notes, spend gate, the shell), ``reply/`` (writable:
+    the plugins' answers) and ``objects/`` (the run's own git objects, see ``git_binds``).
+    ``readonly`` leaves the worktree read-only."""
     writable = permission != "readonly"
     plan = Plan(cwd=ws.cwd, tmp=str(run_dir / "tmp"))
     top = ws.top or ws.cwd
@@ -387,7 +391,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
                                                      "XDG_STATE_HOME"))])
     plan.hidden = data_paths(env)
-    git_binds(plan, top, writable)
+    git_binds(plan, top, writable, run_dir / "objects")
     config, state = opencode_dirs(env)
     plan.writable = _existing([top if writable else None, *state]) + plan.writable
     plan.read_only.append(config)
@@ -418,6 +422,9 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
         box += ["--ro-bind", path, path]
     for path in plan.writable:
         box += ["--bind", path, path]
+    for path in plan.hidden:   # hidden again where a writable folder (a working_dir above them) uncovered them
+        if any(_under(path, folder) and path != folder for folder in plan.writable):
+            box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
     for path in plan.read_only:
         box += ["--ro-bind", path, path]
     for path in plan.replies:
@@ -459,22 +466,22 @@ def wrap(mechanism: str | None, plan: Plan, argv: list[str]) -> list[str]:
     return argv
 
 
-def netless_shell(path: Path) -> str:
-    """Write the ``$SHELL`` of a ``no-network`` box to ``path`` (0755) and return it: every bash
-    tool command runs under box_shell.py's seccomp filter, which refuses IPv4, IPv6 and packet
-    sockets, so neither the internet nor a server on the host's loopback answers (OpenCode's
-    bash tool runs ``$SHELL -c COMMAND``; OpenCode's own process keeps the network)."""
-    script = Path(__file__).resolve().parent / "box_shell.py"
-    path.write_text("#!/bin/sh\n# TaskBridge no-network: this task's shell commands have no network.\n"
-                    f"exec {_sh(sys.executable)} -I {_sh(str(script))} \"$@\"\n")
-    path.chmod(0o755)
-    return str(path)
-
-
-def refusing_shell(path: Path) -> str:
-    """Write the ``$SHELL`` of a ``no-shell`` box to ``path`` (0755): it runs nothing and says why
-    (a second line behind OpenCode's pinned bash deny)."""
-    path.write_text("#!/bin/sh\necho 'TaskBridge: this task is no-shell: shell commands are refused' >&2\nexit 126\n")
+def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
+    """Write the ``$SHELL`` of a boxed run to ``path`` (0755) and return it (OpenCode's bash tool
+    runs ``$SHELL -c COMMAND``; OpenCode's own process is not affected): ``plan.shell_env`` set
+    for the command (the run's git objects to its quarantine), then bash; for ``no-network``
+    through box_shell.py, whose seccomp filter refuses IPv4, IPv6 and packet sockets, so neither
+    the internet nor a server on the host's loopback answers; for ``no-shell`` nothing runs (a
+    second line behind OpenCode's pinned bash deny)."""
+    lines = ["#!/bin/sh", f"# TaskBridge's agent box: the shell of a {permission} task."]
+    if permission == "no-shell":
+        lines += ["echo 'TaskBridge: this task is no-shell: shell commands are refused' >&2", "exit 126"]
+    else:
+        lines += [f"export {name}={_sh(value)}" for name, value in plan.shell_env.items()]
+        script = Path(__file__).resolve().parent / "box_shell.py"
+        cut = permission == "no-network" and mechanism == "bubblewrap"   # seccomp is Linux's
+        lines.append(f"exec {_sh(sys.executable)} -I {_sh(str(script))} \"$@\"" if cut else 'exec /bin/bash "$@"')
+    path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return str(path)
 

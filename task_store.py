@@ -1573,6 +1573,8 @@ def _too_wide(path: str) -> str | None:
         folder = os.path.realpath(folder)
         if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep) and folder == str(REPO_DIR):
             return what
+        if folder == str(REPO_DIR) and folder.startswith(path.rstrip(os.sep) + os.sep):
+            return f"a folder holding {what} ({folder}: its token and queue)"   # the box hides a queue elsewhere
     return None
 
 

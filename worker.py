@@ -473,11 +473,11 @@ def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
 
 def fresh_run_folder(task_id: str, suffix: str = ".run") -> Path:
     """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (0700): ``control/`` (the files the
-    worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers) and
-    ``tmp/`` (the run's private /tmp). Removed when the attempt ends."""
+    worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers), ``tmp/``
+    (the run's private /tmp) and ``objects/`` (its git objects). Removed when the attempt ends."""
     run = store.log_path(task_id).with_suffix(suffix)
     shutil.rmtree(run, ignore_errors=True)
-    for sub in ("control", "reply", "tmp"):
+    for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(mode=0o700, parents=True)
     return run
 
@@ -1046,6 +1046,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         except worktrees.GitPlanted as exc:
             log(f"{task['id']} stopped before any further git command: {exc}")
             return _finish(store.fail_unrunnable, task, marker, str(exc))
+        if box.mechanism and ws.mode == "worktree" and task["permission"] != "readonly":
+            worktrees.forget_run_index(ws)   # it may name objects only the run's quarantine held
         try:
             repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
                            "restrictions": oc.repo_restrictions(config_files, ws.cwd),
@@ -1188,19 +1190,15 @@ def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_b
 
 def _boxed(task: dict, ws: Workspace, env: dict[str, str], box: agent_box.Support, run_dir: Path,
            argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The run's environment and argv inside ``box``: a private temp folder (the box's /tmp), and
-    for no-network / no-shell the box's ``$SHELL`` (see agent_box.netless_shell, refusing_shell)."""
+    """The run's environment and argv inside ``box``: a private temp folder (the box's /tmp) and
+    the box's ``$SHELL`` (agent_box.box_shell)."""
     env = dict(env)
     if box.mechanism is None:
         env["TMPDIR"] = str(run_dir / "tmp")
         return env, argv
     env["TMPDIR"] = "/tmp"
-    control = run_dir / "control"
-    if task["permission"] == "no-network" and box.mechanism == "bubblewrap":
-        env["SHELL"] = agent_box.netless_shell(control / "shell")
-    elif task["permission"] == "no-shell":
-        env["SHELL"] = agent_box.refusing_shell(control / "shell")
     plan = agent_box.plan_for(ws, env, task["permission"], run_dir)
+    env["SHELL"] = agent_box.box_shell(run_dir / "control" / "shell", plan, task["permission"], box.mechanism)
     return env, agent_box.wrap(box.mechanism, plan, argv)
 
 

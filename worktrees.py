@@ -1308,6 +1308,14 @@ def nested_repositories(top: str) -> set[str]:
     return found
 
 
+def forget_run_index(ws: Workspace) -> None:
+    """Set the worktree's index back to its HEAD (``git read-tree HEAD``; the files stay): a boxed
+    run's own ``git add`` wrote its objects to a quarantine dropped after the run, so its index
+    entries may name objects the repository does not have. TaskBridge's ``add -A`` then hashes
+    every changed file itself. Raises GitError / GitStopped."""
+    git(["read-tree", "HEAD"], ws.top)
+
+
 class NestedRepository(GitPlanted):
     """The run made a git repository inside the checkout (its own ``.git``): TaskBridge's git would
     run git there under that repository's configuration, which the run wrote."""

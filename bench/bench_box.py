@@ -34,7 +34,7 @@ def boxed_true(folder: Path) -> list[str]:
     tree = folder / "wt" / "repo-t_0001"
     git(repo, "worktree", "add", "-q", "-b", "taskbridge/t_0001", str(tree))
     run = folder / "q" / "logs" / "t_0001.run"
-    for sub in ("control", "reply", "tmp"):
+    for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(parents=True)
     ws = worktrees.Workspace(mode="worktree", cwd=str(tree), top=str(tree), repo=str(repo))
     plan = agent_box.plan_for(ws, dict(os.environ), "auto", run)

@@ -120,7 +120,9 @@ def test_the_spend_gate_holds_the_call_after_the_step_that_reaches_the_allowance
     work.mkdir()
     opencode.model.script("gate", [tool_call("bash", {"command": f"echo {n}", "description": "n"})
                                    for n in range(4)] + [text("done")])
-    gate = tmp_path / "run.gate"
+    gate = tmp_path / "run" / "control" / "gate"   # the worker's run folder: control/ and reply/
+    gate.parent.mkdir(parents=True)
+    (tmp_path / "run" / "reply").mkdir()
     gate.write_text('{"allow_usd": 0.0015, "allow_tokens": null, "stop": null}')
     env = oc.with_spend_gate({**opencode.env, "PWD": str(work)}, str(gate))
     proc = subprocess.Popen([opencode.bin, "run", "--auto", "--format", "json", "-m", MODEL, "--title", "br-gate"],
@@ -129,7 +131,7 @@ def test_the_spend_gate_holds_the_call_after_the_step_that_reaches_the_allowance
     try:
         proc.stdin.write(b"SCRIPT:gate go")
         proc.stdin.close()
-        held = Path(f"{gate}.held")
+        held = Path(oc.reply_path(str(gate), ".held"))
         deadline = time.monotonic() + 120
         while not held.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)

@@ -126,6 +126,8 @@ def test_clear_remove_worktrees_never_forgets_a_path_it_could_not_delete(sandbox
 
 
 def test_a_readonly_task_reverts_read_only_folders_too(sandbox, scripted_model):
+    # The revert behind the box (boxed, the read-only worktree refuses these writes when made).
+    sandbox.env.update(TASKBRIDGE_SANDBOX="off", TASKBRIDGE_ALLOW_PROMPT_LEVEL="1")
     repo = make_repo(sandbox.base / "repo")
     scripted_model.script("ro-revert", [
         tool_call("bash", {"command": READ_ONLY_BUILD, "description": "build"}),
@@ -163,6 +165,8 @@ SHELL_WRITES = ("echo changed > keep.txt; chmod 600 keep.txt; echo new > d/new.t
 
 
 def test_readonly_in_a_plain_folder_reverts_new_folders_modes_and_links(sandbox, scripted_model):
+    # The revert behind the box (boxed, the read-only worktree refuses these writes when made).
+    sandbox.env.update(TASKBRIDGE_SANDBOX="off", TASKBRIDGE_ALLOW_PROMPT_LEVEL="1")
     """`submit --dir <not a repo> --permission readonly`: only files were restored, so ro/sub
     (mode 000) stayed although the receipt said shell writes were reverted. Now the folder is
     exactly as before: contents, folders, links and modes."""
