@@ -571,7 +571,10 @@ def submit_task(
     depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],
     timeout_sec: Annotated[int | None, Field(ge=1, le=86400, description="seconds per attempt (each retry gets it again)")] = 1800,
     max_retries: Annotated[int | None, Field(ge=0, le=10, description="extra attempts after a failure")] = 1,
-    permission: Annotated[Permission | None, Field(description="auto: anything in the directory; readonly: file changes reverted; no-shell; no-network")] = "auto",
+    permission: Annotated[Permission | None, Field(description="Every run is boxed by the OS (writes only in its worktree, no TaskBridge secret). auto: "
+                                                                   "anything in the worktree; readonly: the worktree is read-only; no-shell: no "
+                                                                   "bash; no-network: bash gets no network. Without an OS box the last three "
+                                                                   "fail unless the worker allows prompt-level (the receipt's sandbox says which)")] = "auto",
     worktree: Annotated[bool | None, Field(description="in a git repo, work on branch taskbridge/t_NNNN in a separate worktree")] = True,
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
     ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,

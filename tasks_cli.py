@@ -814,7 +814,8 @@ def cli() -> None:
 @click.option("--max-retries", type=click.IntRange(*task_store.RETRIES_RANGE), default=1, show_default=True,
               help="Retries after a failed attempt (0..10).")
 @click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default="auto", show_default=True,
-              help="What the agent may do.")
+              help="What the agent may do, on top of the OS box every run gets: readonly (worktree read-only), "
+                   "no-shell, no-network (bash gets no network); see README, Permissions.")
 @click.option("--no-worktree", is_flag=True, help="Run in the directory itself, not in a git worktree.")
 @click.option("--keep-worktree", is_flag=True, help="Keep the worktree after a successful run (the branch always stays).")
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
