@@ -2238,7 +2238,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 _LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for, resume_at,"
                  " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
@@ -2357,7 +2357,7 @@ def _list_row(row: sqlite3.Row) -> dict[str, Any]:
     task = dict(row)
     del task["rank"]
     task["num"], task["id"] = task["id"], format_task_id(task["id"])
-    for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
+    for column in ("created_at", "started_at", "finished_at", "heartbeat_at", "resume_at"):
         task[column] = iso(task[column])
     task["repo"] = task["repo_url"]
     return task
@@ -3189,6 +3189,19 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     if missing:
         raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
     return {format_task_id(n): rows[n] for n in nums}
+
+
+def resuming_by_itself(task_ids: Iterable[Any]) -> list[str]:
+    """Which of the given tasks wait at a usage limit that resumes by itself (``resume_at`` set):
+    they need no answer. Unknown ids are left out."""
+    nums = [parse_task_id(t) for t in task_ids]
+    if not nums:
+        return []
+    with _reading() as conn:
+        rows = conn.execute("SELECT id FROM tasks WHERE status = 'waiting' AND paused_for = 'usage_limit'"
+                            " AND resume_at IS NOT NULL AND id IN (%s) ORDER BY id" % ",".join("?" * len(nums)),
+                            nums).fetchall()
+    return [format_task_id(r[0]) for r in rows]
 
 
 # --------------------------------------------------------------------------------------------

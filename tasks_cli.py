@@ -485,6 +485,9 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("created", when(task["created_at"])), ("started", when(task["started_at"])),
         ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
         ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
+        ("resumes at", line(f"{task['resume_at']} by itself (paused at {task.get('limit_account')}'s usage limit; "
+                            "`answer ID continue` resumes now, `answer ID stop` fails it)")
+         if task["status"] == "waiting" and task.get("resume_at") else None),
     ]
 
 
@@ -1368,9 +1371,10 @@ def status(as_json: bool) -> None:
     workers = task_views.workers_state()
     worker = workers[0] if workers else task_views.worker_state()
     budget = task_store.budget_state()
+    held = task_store.held_accounts()
     if as_json:
         return emit_json(summary | {"worker": worker, "workers": workers, "db": task_store.database_label(),
-                                    "budget": budget})
+                                    "budget": budget, "held_accounts": held})
     out().print(fields_table(queue_rows(summary), title="Queue"))
     out().print(fields_table(budget_rows(budget), title="Spending"))
     out().print(fields_table(worker_rows(worker), title="Worker"))
@@ -1378,6 +1382,10 @@ def status(as_json: bool) -> None:
         out().print(workers_table(workers))
     if budget["reason"]:
         err().print(Text(f"Nothing new is claimed: {budget['reason']}", style="yellow"), soft_wrap=True)
+    for hold in held:
+        err().print(Text(visible(f"Provider {hold['account']} is at its usage limit until {hold['until']} (paused: "
+                                 f"{', '.join(hold['tasks'])}): its other tasks stay queued until then"),
+                         style="yellow"), soft_wrap=True)
     if not worker["recent"] and worker["pid_running"] is None and worker["seen"]:
         err().print(Text(f"The worker on {worker.get('host')} has not checked in for over "
                          f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
