@@ -402,6 +402,7 @@ class BatchTask(TypedDict, total=False):
     rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
+    schedule_timeout_sec: Annotated[int, Field(ge=1, le=30 * 86400, description="seconds it may stay queued before start_overdue warns")]
 
 
 def _echo(task: dict[str, Any]) -> dict[str, Any]:
@@ -585,6 +586,7 @@ def submit_task(
     rules: Annotated[Rules | None, Field(description="permission rules added to the preset: per tool an ordered list of {pattern, action} (allow|deny|ask), the last match winning, e.g. {\"bash\": [{\"pattern\": \"git push*\", \"action\": \"ask\"}]}; OpenCode's map form {\"bash\": {\"git push*\": \"ask\"}} works too; ask pauses the task for your answer")] = None,
     skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
     subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
+    schedule_timeout_sec: Annotated[int | None, Field(ge=1, le=30 * 86400, description="seconds it may stay queued without starting; past it get_task's start_overdue and queue_status's start_overdue warn (a queue that silently stopped)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
@@ -622,7 +624,8 @@ def submit_task(
               "origin_name": name, "origin_version": version,
               "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
               "continue_from": continue_from, "fork_from": fork_from,
-              "rules": rules, "skills": skills, "subagents": subagents}
+              "rules": rules, "skills": skills, "subagents": subagents,
+              "schedule_timeout_sec": schedule_timeout_sec}
     _check_names(fields)
     return _submitted(store.submit_task(**fields))
 

@@ -603,6 +603,9 @@ SCHEMA_V8 = [
     "ALTER TABLE tasks ADD COLUMN limit_account TEXT",
     "ALTER TABLE tasks ADD COLUMN limit_rounds INTEGER NOT NULL DEFAULT 0",
     "ALTER TABLE tasks ADD COLUMN limit_pauses TEXT",
+    # A schedule timeout (seconds): a task queued longer than this without being started is
+    # flagged (start_overdue), so a queue that silently stopped is noticed.
+    "ALTER TABLE tasks ADD COLUMN schedule_timeout_sec INTEGER",
     "CREATE INDEX tasks_limit_holds ON tasks (limit_account, resume_at) WHERE paused_for = 'usage_limit'",
 ]
 
@@ -1762,7 +1765,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
         "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
-        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human",
+        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human", "schedule_timeout_sec",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -1822,6 +1825,8 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "rules": validate_rules(raw.get("rules")),
         "skills": _names("skills", raw.get("skills")),
         "subagents": _names("subagents", raw.get("subagents")),
+        "schedule_timeout_sec": coerce_int("schedule_timeout_sec", raw["schedule_timeout_sec"], *SCHEDULE_RANGE)
+        if optional(raw.get("schedule_timeout_sec")) is not None else None,
     }
 
 
@@ -1942,9 +1947,39 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     for column in ("continue_from", "fork_from"):
         if task.get(column) is not None:
             task[column] = format_task_id(task[column])
+    task["start_overdue"] = start_overdue(row)
     if deps is not None:
         task["depends_on"] = [format_task_id(d) for d in deps]
     return task
+
+
+SCHEDULE_RANGE = (1, 30 * 86_400)   # a schedule timeout in seconds
+
+
+def start_overdue(row: Any, at: float | None = None) -> str | None:
+    """The warning for a task queued longer than its ``schedule_timeout_sec`` without ever being
+    started (a row or task dict with epoch-second times; at: now by default), or None."""
+    if "schedule_timeout_sec" not in row.keys():
+        return None
+    limit, created = row["schedule_timeout_sec"], row["created_at"]
+    if limit is None or row["status"] != "pending" or row["claimed_at"] is not None:
+        return None
+    queued = (now() if at is None else at) - created
+    if queued <= limit:
+        return None
+    return (f"queued {queued:.0f} s without starting, past its schedule timeout of {limit} s: no worker is taking "
+            "work (queue_status shows the workers), every slot is busy, its dependencies are not done, or its "
+            "provider is at a usage limit")
+
+
+def overdue_tasks() -> list[dict[str, Any]]:
+    """Pending tasks past their schedule timeout, never started: ``[{"id", "warning"}]``, oldest first."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT id, status, created_at, claimed_at, schedule_timeout_sec FROM tasks"
+                            " WHERE status = 'pending' AND claimed_at IS NULL AND schedule_timeout_sec IS NOT NULL"
+                            " AND created_at + schedule_timeout_sec < ? ORDER BY created_at, id LIMIT 100",
+                            (now(),)).fetchall()
+    return [{"id": format_task_id(r["id"]), "warning": start_overdue(r)} for r in rows]
 
 
 def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
@@ -2074,7 +2109,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             deps = _resolve_deps(conn, spec, ref_ids)
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
             values = {k: v for k, v in spec.items()
-                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", *extras)}
+                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
+                                   *extras)}
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
@@ -2090,6 +2126,9 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
                                    " rules = :rules, skills = :skills, subagents = :subagents"
                                    " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
+            if spec["schedule_timeout_sec"] is not None:   # a migration 8 column, set apart likewise
+                row = conn.execute("UPDATE tasks SET schedule_timeout_sec = ? WHERE id = ? RETURNING *",
+                                   (spec["schedule_timeout_sec"], task_id)).fetchone()
             conn.executemany(
                 "INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)",
                 [(task_id, d) for d in deps],

@@ -109,6 +109,8 @@ class TaskInfo(TaskRow):
     lease_host: str | None             # the host of the worker that holds (or last held) the lease
     limit_account: str | None          # the provider whose usage limit it paused at (held until resume_at)
     limit_pauses: list[dict[str, Any]] | None  # each usage-limit pause: at, until, provider, said, resumed_at
+    schedule_timeout_sec: int | None   # queued longer than this without starting: start_overdue says so
+    start_overdue: str | None          # the warning once that is passed
 
 
 class WorkerState(TypedDict):
@@ -158,6 +160,7 @@ class QueueStatus(TypedDict):
     database: str
     budget: BudgetState
     held_accounts: list[dict[str, Any]]   # provider accounts a usage-limit pause holds: account, until, tasks
+    start_overdue: list[dict[str, Any]]   # pending tasks past their schedule timeout: id, warning
 
 
 # --------------------------------------------------------------------------------------------
@@ -375,7 +378,8 @@ def queue_snapshot() -> dict[str, Any]:
     return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
                       "worker": workers[0] if workers else worker_state(), "workers": workers,
                       "database": store.database_label(),
-                      "budget": store.budget_state(), "held_accounts": store.held_accounts()}
+                      "budget": store.budget_state(), "held_accounts": store.held_accounts(),
+                      "start_overdue": store.overdue_tasks()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,3 +80,24 @@ def test_cli_status_and_show_name_the_held_account_and_the_resume_time(tmp_path)
     assert status.exit_code == 0 and f"Provider fake is at its usage limit until {resume_at}" in status.output
     as_json = CliRunner().invoke(tasks_cli.cli, ["status", "--json"])
     assert '"held_accounts"' in as_json.output and task["id"] in as_json.output
+
+
+async def test_a_task_queued_past_its_schedule_timeout_is_flagged(tmp_path, monkeypatch):
+    async with Client(bridge.build_server(), mode="legacy") as c:
+        late = await ok(c, "submit_task", {"title": "late", "instructions": "x", "working_dir": str(tmp_path),
+                                           "schedule_timeout_sec": 60})
+        plain = await ok(c, "submit_task", {"title": "plain", "instructions": "x", "working_dir": str(tmp_path)})
+        assert late["schedule_timeout_sec"] == 60 and late["start_overdue"] is None
+        started = task_store.now()
+        monkeypatch.setattr(task_store, "now", lambda: started + 61)   # a minute passes, no worker runs
+        info = await ok(c, "get_task", {"task_id": late["id"]})
+        assert "past its schedule timeout of 60 s" in info["start_overdue"]
+        assert (await ok(c, "get_task", {"task_id": plain["id"]}))["start_overdue"] is None
+        status = await ok(c, "queue_status", {})
+        assert [t["id"] for t in status["start_overdue"]] == [late["id"]]
+        shown = CliRunner().invoke(tasks_cli.cli, ["status"])
+        assert f"{late['id']}: queued 61 s without starting" in shown.output
+        task_store.claim_next("w", task_id=late["id"])   # started: no longer flagged
+        assert (await ok(c, "get_task", {"task_id": late["id"]}))["start_overdue"] is None
+    bad = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(tmp_path), "--schedule-timeout", "0"])
+    assert bad.exit_code == 2 and "--schedule-timeout" in bad.output
