@@ -525,7 +525,7 @@ ENV_FAULTS = ("EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC", "EDQUOT", "ENAMET
 
 _LIMIT_WORDS = re.compile(
     r"rate.?limit|usage.?limit|quota|too many requests|resource.?exhausted|limit (?:reached|exceeded)"
-    r"|insufficient_quota|try again (?:in|at|after)|resets? (?:at|in|on)|free tier|credits? (?:exhausted|used up)",
+    r"|insufficient_quota|resets? (?:at|in|on)|free tier|credits? (?:exhausted|used up)",
     re.IGNORECASE)
 _IN_DURATION = re.compile(
     r"(?:try again|retry|resets?|available again)\s+(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:ms|milliseconds?|s|secs?|"
@@ -545,7 +545,10 @@ _RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens", "ant
 def is_limit(text: str | None, status: Any = None) -> bool:
     """Whether a provider's error (``text``, its HTTP ``status``) reports a rate limit, a usage
     window or a quota: HTTP 429, or the words providers use ("rate limit", "usage limit",
-    "quota", "too many requests", "resets at 3pm", …)."""
+    "quota", "too many requests", "resets at 3pm", …) with no status or a 402 / 403 (billing and
+    plan refusals); a server error (5xx) that mentions a quota is not one."""
+    if status is not None and str(status) not in ("429", "402", "403"):
+        return False
     return str(status) == "429" or bool(_LIMIT_WORDS.search(text or ""))
 
 
