@@ -266,6 +266,7 @@ class WaitTask(TypedDict):
     error: str | None
     question: str | None
     finished_at: str | None
+    resume_at: str | None    # paused at its provider's usage limit: it resumes by itself then
 
 
 class WaitResult(TypedDict):
@@ -401,6 +402,7 @@ class BatchTask(TypedDict, total=False):
     rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
+    schedule_timeout_sec: Annotated[int, Field(ge=1, le=30 * 86400, description="seconds it may stay queued before start_overdue warns")]
 
 
 def _echo(task: dict[str, Any]) -> dict[str, Any]:
@@ -587,6 +589,7 @@ def submit_task(
     rules: Annotated[Rules | None, Field(description="permission rules added to the preset: per tool an ordered list of {pattern, action} (allow|deny|ask), the last match winning, e.g. {\"bash\": [{\"pattern\": \"git push*\", \"action\": \"ask\"}]}; OpenCode's map form {\"bash\": {\"git push*\": \"ask\"}} works too; ask pauses the task for your answer")] = None,
     skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
     subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
+    schedule_timeout_sec: Annotated[int | None, Field(ge=1, le=30 * 86400, description="seconds it may stay queued without starting; past it get_task's start_overdue and queue_status's start_overdue warn (a queue that silently stopped)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
@@ -624,7 +627,8 @@ def submit_task(
               "origin_name": name, "origin_version": version,
               "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
               "continue_from": continue_from, "fork_from": fork_from,
-              "rules": rules, "skills": skills, "subagents": subagents}
+              "rules": rules, "skills": skills, "subagents": subagents,
+              "schedule_timeout_sec": schedule_timeout_sec}
     _check_names(fields)
     return _submitted(store.submit_task(**fields))
 
@@ -803,6 +807,16 @@ def _wait_met(statuses: dict[str, str], mode: str) -> bool:
     return all(s in ATTENTION for s in values) if mode == "all" else any(s in ATTENTION for s in values)
 
 
+def _wait_statuses(ids: list[str]) -> dict[str, str]:
+    """Each task's status, a task paused at a usage limit that resumes by itself shown as
+    ``paused``: it needs no answer, so a wait goes on through the pause."""
+    statuses = store.statuses_of(ids)
+    waiting = [t for t, s in statuses.items() if s == "waiting"]
+    for task_id in store.resuming_by_itself(waiting) if waiting else []:
+        statuses[task_id] = "paused"
+    return statuses
+
+
 def _poll_sec() -> float:
     """``$MCP_WAIT_POLL_SEC``: seconds between wait_for's re-checks, 0.01..5 (default 0.2).
     Raises knobs.KnobError for any other value (the server refuses to start with one)."""
@@ -823,7 +837,9 @@ async def wait_for(
 ) -> WaitResult:
     """Block until tasks finish — no polling on your side. Returns as soon as, in mode "any", one
     task is done, failed, cancelled or waiting (asked a question), or in mode "all", every task is
-    finished; a task that turns `waiting` returns in both modes. Otherwise returns after
+    finished; a task that turns `waiting` returns in both modes. A task paused at its provider's
+    usage limit (paused_for `usage_limit`, resume_at set) resumes by itself: wait_for returns
+    when it pauses and when it resumes, and waits on through the pause. Otherwise returns after
     timeout_sec (default 50 s, at most 3600) with timed_out true: to keep waiting, call wait_for
     again with the same task_ids (a task that ended in between is reported at once). Sends a
     progress notification every ~3 s while it waits; stops when the client goes away. Always
@@ -851,12 +867,12 @@ async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, t
     # Store reads on a kept connection take microseconds: they run on the event loop. The wait
     # itself sleeps on the database's change notification (inotify), polling only as a fallback.
     cursor = store.last_event_id()
-    statuses = store.statuses_of(ids)
+    statuses = _wait_statuses(ids)
     deadline, next_progress, poll = started + timeout_sec, time.monotonic() + PROGRESS_EVERY_SEC, _poll_sec()
     seen: list[dict[str, Any]] = []
     timed_out = False
     with store.change_watch() as watch:
-        while not _wait_met(statuses, mode):
+        while not _wait_met(statuses, mode) and not any(e["kind"] in ("paused", "resumed") for e in seen):
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
@@ -870,7 +886,7 @@ async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, t
                 cursor = new[-1]["id"] if len(new) == 1000 else max(newest, new[-1]["id"] if new else 0)
                 if new:
                     seen = (seen + new)[-50:]
-                    statuses = store.statuses_of(ids)
+                    statuses = _wait_statuses(ids)
     # Rows first, then the events after the cursor: a change commits its event with it, so every
     # status returned has its event among those returned (a change that landed between the last
     # events read and the statuses read was otherwise reported without its event).
@@ -901,11 +917,17 @@ async def _next_change(watch: Any, since: int, timeout: float) -> int:
 def _wait_result(tasks: list[dict[str, Any]], mode: str, timed_out: bool, waited: float,
                  events: list[dict[str, Any]], unseen: dict[str, Any]) -> dict[str, Any]:
     rows = [{"id": t["id"], "title": t["title"], "status": t["status"], "error": short(t.get("error")),
-             "question": t.get("question"), "finished_at": t.get("finished_at")} for t in tasks]
+             "question": t.get("question"), "finished_at": t.get("finished_at"),
+             "resume_at": t.get("resume_at")} for t in tasks]
     ready = [r["id"] for r in rows if r["status"] in ATTENTION]
     waiting = [r["id"] for r in rows if r["status"] == "waiting"]
     unfinished = [r["id"] for r in rows if r["status"] not in ATTENTION]
-    if waiting:
+    limited = [f"{t['id']} until {t['resume_at']}" for t in tasks
+               if t["status"] == "waiting" and t.get("paused_for") == "usage_limit" and t.get("resume_at")]
+    if limited:
+        hint = (f"paused at the provider's usage limit, resuming by itself: {', '.join(limited)}; wait_for again "
+                "to follow it, or answer_task(task_id, 'continue' | 'stop') to resume now or stop it")
+    elif waiting:
         hint = f"{', '.join(waiting)} asked a question: answer_task(task_id, answer) lets it go on"
     elif timed_out:
         hint = (f"timed out; {', '.join(unfinished)} still open: call wait_for again with the same task_ids to "

@@ -12,7 +12,9 @@ No SQL here; imports the standard library only.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
+import email.utils
 import json
 import os
 import re
@@ -21,6 +23,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -512,6 +515,167 @@ ENV_FAULTS = ("EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC", "EDQUOT", "ENAMET
 
 
 # --------------------------------------------------------------------------------------------
+# Provider limits: a rate limit, a usage window or a quota the model's provider reports.
+# Measured with 1.18.33 against a 429 with ``retry-after``: OpenCode retries 5 times, sleeping what
+# the header says each time (``session.status {type: "retry", next}``, which retry_watch.js hands
+# the worker); each try prints a ``level=ERROR … message="stream error" providerID=…
+# error.error="AI_APICallError: …"`` line with --print-logs, and the ``--format json`` stream shows
+# nothing until it gives up with one ``error`` event carrying ``statusCode`` and the response
+# headers. Those three are what the functions below read.
+
+_LIMIT_WORDS = re.compile(
+    r"rate.?limit|usage.?limit|quota|too many requests|resource.?exhausted|limit (?:reached|exceeded)"
+    r"|insufficient_quota|resets? (?:at|in|on)|free tier|credits? (?:exhausted|used up)",
+    re.IGNORECASE)
+_IN_DURATION = re.compile(
+    r"(?:try again|retry|resets?|available again)\s+(?:in|after)\s+((?:\d+(?:\.\d+)?\s*(?:ms|milliseconds?|s|secs?|"
+    r"seconds?|m|mins?|minutes?|h|hrs?|hours?|d|days?)\s*,?\s*(?:and\s+)?)+)", re.IGNORECASE)
+_AT_TIME = re.compile(
+    r"(?:try again|resets?|available again|retry)\s+(?:at|after|on)\s+"
+    r"(\d{4}-\d\d-\d\d[T ]\d\d:\d\d(?::\d\d(?:\.\d+)?)?(?:Z|[+-]\d\d:?\d\d)?|\d{1,2}(?::\d\d)?\s*(?:am|pm)?)",
+    re.IGNORECASE)
+_PIECE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]+)", re.IGNORECASE)
+# Reset headers of the common providers: OpenAI (x-ratelimit-reset-*: "6m0s", "20ms"), Anthropic
+# (anthropic-ratelimit-*-reset: RFC 3339), others (x-ratelimit-reset: seconds or epoch seconds).
+_RESET_HEADERS = ("x-ratelimit-reset-requests", "x-ratelimit-reset-tokens", "anthropic-ratelimit-requests-reset",
+                  "anthropic-ratelimit-tokens-reset", "anthropic-ratelimit-input-tokens-reset",
+                  "anthropic-ratelimit-output-tokens-reset", "x-ratelimit-reset")
+
+
+def is_limit(text: str | None, status: Any = None) -> bool:
+    """Whether a provider's error (``text``, its HTTP ``status``) reports a rate limit, a usage
+    window or a quota: HTTP 429, or the words providers use ("rate limit", "usage limit",
+    "quota", "too many requests", "resets at 3pm", …) with no status or a 402 / 403 (billing and
+    plan refusals); a server error (5xx) that mentions a quota is not one."""
+    if status is not None and str(status) not in ("429", "402", "403"):
+        return False
+    return str(status) == "429" or bool(_LIMIT_WORDS.search(text or ""))
+
+
+def duration_sec(text: str) -> float | None:
+    """Seconds in a duration as providers write it ("17s", "6m0s", "1h 30m", "250ms",
+    "2 minutes"), or None."""
+    total, seen = 0.0, False
+    for number, unit in _PIECE.findall(text or ""):
+        unit = unit.lower()
+        scale = (0.001 if unit in ("ms", "millisecond", "milliseconds") else
+                 60 if unit.startswith("m") and not unit.startswith("ms") else
+                 3600 if unit.startswith("h") else 86400 if unit.startswith("d") else
+                 1 if unit.startswith("s") else None)
+        if scale is None:
+            return None
+        total, seen = total + float(number) * scale, True
+    return total if seen else None
+
+
+def reset_from_text(text: str | None, now: float) -> float | None:
+    """The reset time (epoch seconds) a provider's words give ("Please try again in 17s",
+    "resets at 3pm", "try again at 2026-05-01T15:00:00Z"; a bare clock time is the next such
+    local time), or None."""
+    text = text or ""
+    match = _IN_DURATION.search(text)
+    if match and (seconds := duration_sec(match.group(1))) is not None:
+        return now + seconds
+    match = _AT_TIME.search(text)
+    return _clock_time(match.group(1), now) if match else None
+
+
+def _clock_time(said: str, now: float) -> float | None:
+    said = said.strip()
+    if "-" in said[:5]:
+        with contextlib.suppress(ValueError):
+            when = datetime.fromisoformat(said.replace("Z", "+00:00"))
+            return (when if when.tzinfo else when.astimezone()).timestamp()
+        return None
+    match = re.fullmatch(r"(\d{1,2})(?::(\d\d))?\s*(am|pm)?", said, re.IGNORECASE)
+    if not match or (match.group(2) is None and match.group(3) is None):
+        return None   # a bare number ("at 3") is not a time
+    hour, minute = int(match.group(1)) % 12 if match.group(3) else int(match.group(1)), int(match.group(2) or 0)
+    hour += 12 if (match.group(3) or "").lower() == "pm" else 0
+    if hour > 23 or minute > 59:
+        return None
+    local = datetime.fromtimestamp(now).astimezone()
+    when = local.replace(hour=hour, minute=minute, second=0, microsecond=0)
+    return (when if when.timestamp() > now else when + timedelta(days=1)).timestamp()
+
+
+def reset_from_headers(headers: Any, now: float) -> float | None:
+    """The reset time (epoch seconds) a provider's response headers give: ``retry-after-ms``,
+    ``retry-after`` (seconds or an HTTP date), then the providers' own reset headers (the
+    latest of them: every window must be open again), or None."""
+    headers = {str(k).lower(): str(v) for k, v in _dict(headers).items()}
+    with contextlib.suppress(ValueError):
+        if "retry-after-ms" in headers:
+            return now + float(headers["retry-after-ms"]) / 1000
+    if "retry-after" in headers:
+        value = headers["retry-after"].strip()
+        with contextlib.suppress(ValueError):
+            return now + float(value)
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            return email.utils.parsedate_to_datetime(value).timestamp()
+    resets = [r for name in _RESET_HEADERS if name in headers
+              and (r := _header_reset(headers[name], now)) is not None]
+    return max(resets) if resets else None
+
+
+def _header_reset(value: str, now: float) -> float | None:
+    value = value.strip()
+    with contextlib.suppress(ValueError):
+        number = float(value)
+        return number if number > 1e9 else now + number   # epoch seconds, or seconds from now
+    if "-" in value[:5]:
+        return _clock_time(value, now)
+    seconds = duration_sec(value)
+    return now + seconds if seconds is not None else None
+
+
+def limit_from_error(event: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """A provider limit in an ``error`` event (OpenCode gave up retrying): ``{"said": the
+    provider's words, "status": HTTP status or None, "reset_at": epoch seconds or None}``, or
+    None when the error is not a limit."""
+    error = _dict(event.get("error"))
+    data = _dict(error.get("data"))
+    said = str(data.get("message") or error.get("message") or "")
+    status = data.get("statusCode")
+    if not is_limit(said, status):
+        return None
+    reset = reset_from_headers(data.get("responseHeaders"), now) or reset_from_text(said, now)
+    return {"said": said[:1000], "status": status, "reset_at": reset}
+
+
+_STREAM_ERROR = re.compile(r'\blevel=ERROR\b.*\bmessage="stream error".*?\bproviderID=(\S+).*?'
+                           r'\berror\.error="((?:[^"\\]|\\.)*)"')
+
+
+def limit_from_log(line: str, now: float) -> dict[str, Any] | None:
+    """A provider limit in one ``--print-logs`` stderr line (a failed model call that OpenCode
+    will retry: ``message="stream error" providerID=P … error.error="AI_APICallError: …"``):
+    ``{"said", "provider", "reset_at", "session_id"}``, or None. The line carries no status or
+    headers."""
+    match = _STREAM_ERROR.search(line)
+    if not match:
+        return None
+    said = re.sub(r"^\w*Error:\s*", "", match.group(2).replace('\\"', '"'))
+    if not is_limit(said):
+        return None
+    session = re.search(r"\bsession\.id=(ses_\w+)", line)
+    return {"said": said[:1000], "provider": match.group(1), "reset_at": reset_from_text(said, now),
+            "session_id": session.group(1) if session else None}
+
+
+RETRY_ENV = "TASKBRIDGE_RETRY"
+
+
+def with_retry_watch(env: dict[str, str], retry_file: str) -> dict[str, str]:
+    """``env`` with the retry watch loaded (``retry_watch.js`` in opencode_plugins/, appended to
+    ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list) and ``TASKBRIDGE_RETRY`` naming ``retry_file``:
+    the plugin writes each retry OpenCode schedules for the run's session to
+    ``<run>/reply/<name>.json`` (``{"attempt", "message", "next": epoch ms, "at": epoch ms}``).
+    Raises ConfigProblem."""
+    return _with_plugin(env, PLUGIN_DIR / "retry_watch.js", RETRY_ENV, retry_file)
+
+
+# --------------------------------------------------------------------------------------------
 # The repository's own OpenCode config.
 
 
@@ -647,6 +811,7 @@ class EventStream:
     cost_usd: float = 0.0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    limit: dict[str, Any] | None = None   # the provider limit an error event reported (limit_from_error)
     finished: bool = False          # a step_finish with reason "stop" was seen
     last_reason: str | None = None
     _step_texts: list[str] = field(default_factory=list)
@@ -724,6 +889,7 @@ class EventStream:
     def _on_error(self, part: dict, event: dict) -> None:
         # Bounded like the text: the last 20 errors, each clipped (the log has them whole).
         self.errors = (self.errors + [error_text(event)[:INPUT_KEEP]])[-20:]
+        self.limit = limit_from_error(event, time.time()) or self.limit
 
     @property
     def commands(self) -> list[dict[str, Any]]:

@@ -593,8 +593,32 @@ def _migrate_v7_results_seen(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V8 = [
+    # A provider's usage limit (issue 23): a task paused at one (paused_for 'usage_limit') resumes
+    # by itself at resume_at; while it waits, pending tasks on the same provider account
+    # (limit_account, the model's provider id) are not claimed. limit_rounds counts its pauses in a
+    # row whose reset the provider did not give (the back-off grows with it); limit_pauses is the
+    # receipt's record of every pause (JSON list).
+    "ALTER TABLE tasks ADD COLUMN resume_at REAL",
+    "ALTER TABLE tasks ADD COLUMN limit_account TEXT",
+    "ALTER TABLE tasks ADD COLUMN limit_rounds INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE tasks ADD COLUMN limit_pauses TEXT",
+    # A schedule timeout (seconds): a task queued longer than this without being started is
+    # flagged (start_overdue), so a queue that silently stopped is noticed.
+    "ALTER TABLE tasks ADD COLUMN schedule_timeout_sec INTEGER",
+    "CREATE INDEX tasks_limit_holds ON tasks (limit_account, resume_at) WHERE paused_for = 'usage_limit'",
+]
+
+
+def _migrate_v8_usage_limits(conn: sqlite3.Connection) -> None:
+    """Usage-limit pauses (issue 23): the resume time, the held account and the pauses' record."""
+    for statement in SCHEMA_V8:
+        conn.execute(statement)
+
+
 MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
-              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen]
+              _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
+              _migrate_v8_usage_limits]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -619,7 +643,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7]
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8]
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -1743,7 +1767,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "title", "instructions", "working_dir", "model", "priority", "depends_on", "timeout_sec",
         "max_retries", "permission", "worktree", "worktree_keep", "agent", "idempotency_key",
         "origin_name", "origin_version", "ref", "max_cost_usd", "max_tokens", "continue_from", "fork_from",
-        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human",
+        "rules", "skills", "subagents", "repo", "base_ref", "host", "ask_human", "schedule_timeout_sec",
     }
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -1803,6 +1827,8 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "rules": validate_rules(raw.get("rules")),
         "skills": _names("skills", raw.get("skills")),
         "subagents": _names("subagents", raw.get("subagents")),
+        "schedule_timeout_sec": coerce_int("schedule_timeout_sec", raw["schedule_timeout_sec"], *SCHEDULE_RANGE)
+        if optional(raw.get("schedule_timeout_sec")) is not None else None,
     }
 
 
@@ -1897,9 +1923,9 @@ def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
 # --------------------------------------------------------------------------------------------
 # Rows -> public dicts.
 
-_JSON_COLUMNS = ("result", "usage", "rules", "skills", "subagents", "pending_ask")
+_JSON_COLUMNS = ("result", "usage", "rules", "skills", "subagents", "pending_ask", "limit_pauses")
 _TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heartbeat_at", "not_before",
-                 "result_seen_at")
+                 "result_seen_at", "resume_at")
 
 
 def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]:
@@ -1923,9 +1949,39 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     for column in ("continue_from", "fork_from"):
         if task.get(column) is not None:
             task[column] = format_task_id(task[column])
+    task["start_overdue"] = start_overdue(row)
     if deps is not None:
         task["depends_on"] = [format_task_id(d) for d in deps]
     return task
+
+
+SCHEDULE_RANGE = (1, 30 * 86_400)   # a schedule timeout in seconds
+
+
+def start_overdue(row: Any, at: float | None = None) -> str | None:
+    """The warning for a task queued longer than its ``schedule_timeout_sec`` without ever being
+    started (a row or task dict with epoch-second times; at: now by default), or None."""
+    if "schedule_timeout_sec" not in row.keys():
+        return None
+    limit, created = row["schedule_timeout_sec"], row["created_at"]
+    if limit is None or row["status"] != "pending" or row["claimed_at"] is not None:
+        return None
+    queued = (now() if at is None else at) - created
+    if queued <= limit:
+        return None
+    return (f"queued {queued:.0f} s without starting, past its schedule timeout of {limit} s: no worker is taking "
+            "work (queue_status shows the workers), every slot is busy, its dependencies are not done, or its "
+            "provider is at a usage limit")
+
+
+def overdue_tasks() -> list[dict[str, Any]]:
+    """Pending tasks past their schedule timeout, never started: ``[{"id", "warning"}]``, oldest first."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT id, status, created_at, claimed_at, schedule_timeout_sec FROM tasks"
+                            " WHERE status = 'pending' AND claimed_at IS NULL AND schedule_timeout_sec IS NOT NULL"
+                            " AND created_at + schedule_timeout_sec < ? ORDER BY created_at, id LIMIT 100",
+                            (now(),)).fetchall()
+    return [{"id": format_task_id(r["id"]), "warning": start_overdue(r)} for r in rows]
 
 
 def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
@@ -2055,7 +2111,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             deps = _resolve_deps(conn, spec, ref_ids)
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
             values = {k: v for k, v in spec.items()
-                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", *extras)}
+                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
+                                   *extras)}
             if values["max_cost_usd"] is None and values["max_tokens"] is None:
                 values.update(defaults)
             line = _line_values(conn, spec, ref_ids)
@@ -2071,6 +2128,9 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
                                    " rules = :rules, skills = :skills, subagents = :subagents"
                                    " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
+            if spec["schedule_timeout_sec"] is not None:   # a migration 8 column, set apart likewise
+                row = conn.execute("UPDATE tasks SET schedule_timeout_sec = ? WHERE id = ? RETURNING *",
+                                   (spec["schedule_timeout_sec"], task_id)).fetchone()
             conn.executemany(
                 "INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)",
                 [(task_id, d) for d in deps],
@@ -2219,7 +2279,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 _LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for, resume_at,"
                  " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
@@ -2338,7 +2398,7 @@ def _list_row(row: sqlite3.Row) -> dict[str, Any]:
     task = dict(row)
     del task["rank"]
     task["num"], task["id"] = task["id"], format_task_id(task["id"])
-    for column in ("created_at", "started_at", "finished_at", "heartbeat_at"):
+    for column in ("created_at", "started_at", "finished_at", "heartbeat_at", "resume_at"):
         task[column] = iso(task[column])
     task["repo"] = task["repo_url"]
     return task
@@ -2394,13 +2454,19 @@ _READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :n
                  WHERE d.task_id = t.id AND p.status != 'done')"""
 # Claimable by a worker on :host: ready, and meant for any host or for that one.
 _CLAIMABLE = _READY + " AND (t.host IS NULL OR t.host = :host)"
+# A provider account is held while a task waits for its usage limit's reset: a pending task whose
+# model is on that provider (its own model's prefix, or for a task without one the default model's
+# provider, :default_account) stays queued until then. Portable SQL (no instr/strpos).
+_HELD = """EXISTS (SELECT 1 FROM tasks h WHERE h.status = 'waiting' AND h.paused_for = 'usage_limit'
+ AND h.resume_at > :now AND (substr(t.model, 1, length(h.limit_account) + 1) = h.limit_account || '/'
+ OR (t.model IS NULL AND h.limit_account = CAST(:default_account AS TEXT))))"""
 
 _CLAIM = f"""
 UPDATE tasks SET status = 'running', attempts = attempts + 1, claimed_at = :now, started_at = :now,
        heartbeat_at = :now, lease_owner = :owner, lease_pid = :pid, lease_pid_start = :pid_start, lease_host = :host,
        run_marker = 'br-' || id || '-a' || (attempts + 1), agent_pid = NULL, agent_pid_start = NULL,
        error = NULL, question = NULL, run_cost_usd = 0, run_tokens = 0, paused_for = NULL
- WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND (:task_id IS NULL OR t.id = :task_id)
+ WHERE id = (SELECT t.id FROM tasks t WHERE {_CLAIMABLE} AND NOT {_HELD} AND (:task_id IS NULL OR t.id = :task_id)
              ORDER BY t.priority DESC, t.created_at, t.id LIMIT 1)
 RETURNING *
 """
@@ -2411,7 +2477,7 @@ _CLAIM_PG = _CLAIM.replace("(:task_id IS NULL OR t.id = :task_id)",
 
 
 def claim_next(owner: str, pid: int | None = None, pid_start: float | None = None,
-               task_id: Any = None) -> dict[str, Any] | None:
+               task_id: Any = None, default_account: str | None = None) -> dict[str, Any] | None:
     """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
     elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
     ``BEGIN IMMEDIATE``: exactly one claimer wins (on PostgreSQL its pick is ``FOR UPDATE SKIP
@@ -2421,6 +2487,9 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     claiming process and its start time (psutil create_time, seconds) for the reaper.
     Only tasks for any host or for this one (``host_name()``) are claimed; the lease records the
     claimer's host (``lease_host``), so the reaper checks its pid only on that host.
+    A task whose provider account is held by a usage-limit pause (see ``pause_for_limit``) is
+    skipped until the reset; ``default_account`` is the provider of the default model, which
+    tasks without a model of their own run on.
     Returns the task dict (``run_marker`` names this attempt) or None when nothing is claimable
     (also while the queue's daily budget is spent: see ``budget_state``).
     With ``task_id``: raises TaskNotFound, or InvalidTransition explaining why it is not claimable.
@@ -2436,18 +2505,19 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
             return None
         row = conn.execute(
             _CLAIM_PG if type(conn) is PgConnection else _CLAIM,
-            {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host}
+            {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host,
+             "default_account": default_account}
         ).fetchone()
         if row is None:
             if num is not None:
-                _explain_unclaimable(conn, num, host)
+                _explain_unclaimable(conn, num, host, default_account)
             return None
         _event(conn, row["id"], "claimed", f"attempt {row['attempts']} by {owner}")
         deps = _deps(conn, row["id"])
     return task_dict(row, deps)
 
 
-def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str) -> None:
+def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str, default_account: str | None) -> None:
     row = _row(conn, num)
     name = format_task_id(num)
     if row["status"] != "pending":
@@ -2459,6 +2529,11 @@ def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str) -> None:
                 if conn.execute("SELECT status FROM tasks WHERE id = ?", (d,)).fetchone()[0] != "done"]
     if blockers:
         raise InvalidTransition(f"task {name} waits for {', '.join(blockers)} to be done")
+    held = conn.execute(f"SELECT 1 FROM tasks t WHERE t.id = :id AND {_HELD}",
+                        {"id": num, "now": now(), "default_account": default_account}).fetchone()
+    if held:
+        raise InvalidTransition(f"task {name} waits for its provider's usage limit to reset (see queue_status's "
+                                "held accounts); resume the paused task with answer_task to try now")
     raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
 
 
@@ -2575,19 +2650,104 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
     num = parse_task_id(task_id)
     question = _text("question", question, ANSWER_MAX)
     with _writing() as conn:
-        row = _fenced(conn, num, marker)
-        conn.execute(
-            "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
-            " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ?,"
-            " pending_ask = ?, host = coalesce(host, lease_host) WHERE id = ?",
-            (question, _json(result), _total_usage(row, usage), session_id, paused_for, _json(ask), num),
-        )
-        conn.execute(
-            "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
-            (num, row["attempts"], question, now()),
-        )
-        _event(conn, num, "paused" if paused_for else "waiting", question[:500])
+        _to_waiting(conn, num, marker, question, session_id, result, usage, paused_for, ask)
         return task_dict(_row(conn, num))
+
+
+def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str, session_id: str | None,
+                result: dict | None, usage: dict | None, paused_for: str | None, ask: dict | None) -> None:
+    row = _fenced(conn, num, marker)
+    conn.execute(
+        "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
+        " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ?,"
+        " pending_ask = ?, host = coalesce(host, lease_host) WHERE id = ?",
+        (question, _json(result), _total_usage(row, usage), session_id, paused_for, _json(ask), num),
+    )
+    conn.execute(
+        "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
+        (num, row["attempts"], question, now()),
+    )
+    _event(conn, num, "paused" if paused_for else "waiting", question[:500])
+
+
+def pause_for_limit(task_id: Any, marker: str, question: str, *, account: str, said: str,
+                    resume_at: float | None, known_reset: bool, session_id: str | None = None,
+                    result: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
+    """The model's provider reported a usage limit: the attempt ends ``waiting`` with
+    ``paused_for`` ``usage_limit`` and ``question`` (the worker's words: provider, what it said, the
+    resume time), without spending the retry budget; the worktree and OpenCode session are kept.
+    ``account``: the provider id, held (see ``claim_next``) until ``resume_at`` (epoch seconds), when
+    ``resume_due`` resumes the task by itself; ``resume_at`` None: no resume by itself, the planner
+    is asked. ``said``: the provider's words; ``known_reset``: the provider gave the reset time
+    (else ``limit_rounds`` grows, and with it the worker's back-off). The pause is added to
+    ``limit_pauses`` ({"at", "until", "provider", "said"}). Raises StaleAttempt if superseded."""
+    num = parse_task_id(task_id)
+    question = _text("question", question, ANSWER_MAX)
+    with _writing() as conn:
+        _to_waiting(conn, num, marker, question, session_id, result, usage, "usage_limit", None)
+        row = _row(conn, num)
+        pauses = (json.loads(row["limit_pauses"]) if row["limit_pauses"] else [])[-49:]
+        pauses.append({"at": iso(now()), "until": iso(resume_at), "provider": account, "said": said[:1000]})
+        conn.execute("UPDATE tasks SET resume_at = ?, limit_account = ?, limit_pauses = ?,"
+                     " limit_rounds = CASE WHEN ? THEN 0 ELSE limit_rounds + 1 END WHERE id = ?",
+                     (resume_at, account, json.dumps(pauses), known_reset, num))
+        return task_dict(_row(conn, num))
+
+
+LIMIT_RESUMED = ("TaskBridge paused your run because the model provider's usage limit was reached "
+                 "(this was not a question of yours); {how}. Carry on with the task where you stopped.")
+
+
+def resume_due(at: float | None = None) -> list[dict[str, Any]]:
+    """Tasks paused at a usage limit whose ``resume_at`` has come (by ``at``, epoch seconds; now by
+    default) go back to ``pending``: their next attempt resumes the same OpenCode session. Each
+    writes a ``resumed`` event; their pause in ``limit_pauses`` gets ``resumed_at``. Returns them."""
+    at = now() if at is None else at
+    with _reading() as conn:   # a read each worker turn; the write only when one is due
+        due = conn.execute("SELECT id FROM tasks WHERE status = 'waiting' AND paused_for = 'usage_limit'"
+                           " AND resume_at IS NOT NULL AND resume_at <= ?", (at,)).fetchall()
+    if not due:
+        return []
+    resumed = []
+    with _writing() as conn:
+        for (num,) in due:
+            row = _row(conn, num)
+            if row["status"] == "waiting" and row["paused_for"] == "usage_limit" and row["resume_at"] is not None \
+                    and row["resume_at"] <= at:
+                _resume_limit(conn, row, "the limit's reset time has passed", "at its reset")
+                resumed.append(task_dict(_row(conn, num)))
+    return resumed
+
+
+def _resume_limit(conn: sqlite3.Connection, row: sqlite3.Row, how: str, by: str) -> None:
+    """A usage-limit pause ends: ``pending`` again with the message the resumed session gets."""
+    pauses = json.loads(row["limit_pauses"]) if row["limit_pauses"] else []
+    if pauses:
+        pauses[-1]["resumed_at"] = iso(now())
+        pauses[-1]["resumed"] = by
+    conn.execute("UPDATE tasks SET status = 'pending', answer = ?, not_before = NULL, paused_for = NULL,"
+                 " resume_at = NULL, limit_pauses = ? WHERE id = ?",
+                 (LIMIT_RESUMED.format(how=how), json.dumps(pauses), row["id"]))
+    conn.execute("UPDATE questions SET answer = ?, answered_at = ? WHERE id = "
+                 "(SELECT max(id) FROM questions WHERE task_id = ?) AND answer IS NULL",
+                 (f"(resumed {by})", now(), row["id"]))
+    _event(conn, row["id"], "resumed", f"usage limit pause over: resumed {by}")
+
+
+def held_accounts(at: float | None = None) -> list[dict[str, Any]]:
+    """Provider accounts held by usage-limit pauses now (or at ``at``, epoch seconds):
+    ``[{"account", "until": ISO time of the latest reset, "tasks": [ids]}]``, soonest first."""
+    at = now() if at is None else at
+    with _reading() as conn:
+        rows = conn.execute("SELECT limit_account, resume_at, id FROM tasks WHERE status = 'waiting'"
+                            " AND paused_for = 'usage_limit' AND resume_at > ? ORDER BY resume_at, id",
+                            (at,)).fetchall()
+    held: dict[str, dict[str, Any]] = {}
+    for account, until, num in rows:
+        entry = held.setdefault(account, {"account": account, "until": until, "tasks": []})
+        entry["until"] = max(entry["until"], until)
+        entry["tasks"].append(format_task_id(num))
+    return [{**h, "until": iso(h["until"])} for h in sorted(held.values(), key=lambda h: h["until"])]
 
 
 def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str, Any]:
@@ -2612,6 +2772,10 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
             )
         if row["paused_for"] == "permission":
             resume = _answer_permission(conn, row, answer)
+        elif row["paused_for"] == "usage_limit":
+            resume = _answer_usage_pause(conn, row, answer, author)
+            if resume == "":   # resumed now, with its record kept
+                return task_dict(_row(conn, num))
         else:
             resume = _answer_limit_pause(conn, row, answer, author) if row["paused_for"] else answer
         conn.execute(
@@ -2627,6 +2791,23 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         )
         _event(conn, num, "answered", f"by {author}: {answer[:400]}")
         return task_dict(_row(conn, num))
+
+
+def _answer_usage_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+    """A planner's answer to a usage-limit pause: ``stop`` fails the task (its receipt kept; None);
+    anything else resumes it now (the answer reaches the session); returns "" once resumed."""
+    if _STOP_WORDS.match(answer):
+        why = f"stopped at its provider's usage limit by {author}"
+        conn.execute("UPDATE tasks SET status = 'failed', finished_at = ?, paused_for = NULL, resume_at = NULL,"
+                     " error = ? WHERE id = ?", (now(), why, row["id"]))
+        _event(conn, row["id"], "failed", why)
+        _fail_dependents(conn, row["id"], "failed")
+        return None
+    _resume_limit(conn, row, f"{author} resumed it before the reset, saying {answer.strip()[:200]!r}", f"by {author}")
+    conn.execute("UPDATE tasks SET limit_rounds = 0 WHERE id = ?", (row["id"],))
+    conn.execute("UPDATE questions SET answer = ?, answered_at = ? WHERE id = "
+                 "(SELECT max(id) FROM questions WHERE task_id = ?)", (answer, now(), row["id"]))
+    return ""
 
 
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
@@ -3049,6 +3230,19 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     if missing:
         raise TaskNotFound(f"task(s) {', '.join(missing)} not found; list_tasks shows the ids that exist")
     return {format_task_id(n): rows[n] for n in nums}
+
+
+def resuming_by_itself(task_ids: Iterable[Any]) -> list[str]:
+    """Which of the given tasks wait at a usage limit that resumes by itself (``resume_at`` set):
+    they need no answer. Unknown ids are left out."""
+    nums = [parse_task_id(t) for t in task_ids]
+    if not nums:
+        return []
+    with _reading() as conn:
+        rows = conn.execute("SELECT id FROM tasks WHERE status = 'waiting' AND paused_for = 'usage_limit'"
+                            " AND resume_at IS NOT NULL AND id IN (%s) ORDER BY id" % ",".join("?" * len(nums)),
+                            nums).fetchall()
+    return [format_task_id(r[0]) for r in rows]
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ class TaskRow(TypedDict):
     branch: str | None
     spent_usd: float
     max_cost_usd: float | None
+    resume_at: str | None              # a task paused at its provider's usage limit resumes by itself then
 
 
 class TaskInfo(TaskRow):
@@ -106,6 +107,10 @@ class TaskInfo(TaskRow):
     subagents: list[str] | None
     pending_ask: dict[str, Any] | None  # the permission request it waits on: tool, subject, reason (+ decision)
     lease_host: str | None             # the host of the worker that holds (or last held) the lease
+    limit_account: str | None          # the provider whose usage limit it paused at (held until resume_at)
+    limit_pauses: list[dict[str, Any]] | None  # each usage-limit pause: at, until, provider, said, resumed_at
+    schedule_timeout_sec: int | None   # queued longer than this without starting: start_overdue says so
+    start_overdue: str | None          # the warning once that is passed
 
 
 class WorkerState(TypedDict):
@@ -154,6 +159,8 @@ class QueueStatus(TypedDict):
     workers: list[WorkerState]         # every worker that reported, any host, newest heartbeat first
     database: str
     budget: BudgetState
+    held_accounts: list[dict[str, Any]]   # provider accounts a usage-limit pause holds: account, until, tasks
+    start_overdue: list[dict[str, Any]]   # pending tasks past their schedule timeout: id, warning
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +378,8 @@ def queue_snapshot() -> dict[str, Any]:
     return summary | {"total": sum(summary["counts"].values()), "default_model": current_default_model(),
                       "worker": workers[0] if workers else worker_state(), "workers": workers,
                       "database": store.database_label(),
-                      "budget": store.budget_state()}
+                      "budget": store.budget_state(), "held_accounts": store.held_accounts(),
+                      "start_overdue": store.overdue_tasks()}
 
 
 # --------------------------------------------------------------------------------------------

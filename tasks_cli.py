@@ -485,6 +485,10 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("created", when(task["created_at"])), ("started", when(task["started_at"])),
         ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
         ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
+        ("resumes at", line(f"{task['resume_at']} by itself (paused at {task.get('limit_account')}'s usage limit; "
+                            "`answer ID continue` resumes now, `answer ID stop` fails it)")
+         if task["status"] == "waiting" and task.get("resume_at") else None),
+        ("start overdue", Text(visible(task["start_overdue"]), style="yellow") if task.get("start_overdue") else None),
     ]
 
 
@@ -837,6 +841,8 @@ def cli() -> None:
                              "back with its own git credentials.")
 @click.option("--base-ref", help="With --repo: the branch, tag or commit to start from (default: the remote's HEAD branch).")
 @click.option("--host", help="Only workers with this TASKBRIDGE_HOST may run it (default: this machine for --dir, any for --repo).")
+@click.option("--schedule-timeout", "schedule_timeout_sec", type=click.IntRange(*task_store.SCHEDULE_RANGE),
+              help="Seconds it may stay queued without starting; past it `show` and `status` warn.")
 @json_option
 def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
@@ -844,7 +850,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
            idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
            continue_from: str | None, fork_from: str | None, rules: str | None, skills: tuple[str, ...],
            subagents: tuple[str, ...], repo: str | None, base_ref: str | None, host: str | None,
-           as_json: bool) -> None:
+           schedule_timeout_sec: int | None, as_json: bool) -> None:
     """Queue a task for the worker.
 
     TITLE is a short name (up to 200 characters). The instructions come from --instructions,
@@ -868,6 +874,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         max_cost_usd=max_cost_usd, max_tokens=max_tokens,
         continue_from=continue_from, fork_from=fork_from, rules=rules, skills=list(skills),
         subagents=list(subagents), repo=repo, base_ref=base_ref, host=host,
+        schedule_timeout_sec=schedule_timeout_sec,
     )
     warnings = task_views.limit_warnings(task)
     if as_json:
@@ -1369,9 +1376,10 @@ def status(as_json: bool) -> None:
     workers = task_views.workers_state()
     worker = workers[0] if workers else task_views.worker_state()
     budget = task_store.budget_state()
+    held, overdue = task_store.held_accounts(), task_store.overdue_tasks()
     if as_json:
         return emit_json(summary | {"worker": worker, "workers": workers, "db": task_store.database_label(),
-                                    "budget": budget})
+                                    "budget": budget, "held_accounts": held, "start_overdue": overdue})
     out().print(fields_table(queue_rows(summary), title="Queue"))
     out().print(fields_table(budget_rows(budget), title="Spending"))
     out().print(fields_table(worker_rows(worker), title="Worker"))
@@ -1379,6 +1387,12 @@ def status(as_json: bool) -> None:
         out().print(workers_table(workers))
     if budget["reason"]:
         err().print(Text(f"Nothing new is claimed: {budget['reason']}", style="yellow"), soft_wrap=True)
+    for hold in held:
+        err().print(Text(visible(f"Provider {hold['account']} is at its usage limit until {hold['until']} (paused: "
+                                 f"{', '.join(hold['tasks'])}): its other tasks stay queued until then"),
+                         style="yellow"), soft_wrap=True)
+    for late in overdue:
+        err().print(Text(visible(f"{late['id']}: {late['warning']}"), style="yellow"), soft_wrap=True)
     if not worker["recent"] and worker["pid_running"] is None and worker["seen"]:
         err().print(Text(f"The worker on {worker.get('host')} has not checked in for over "
                          f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "

@@ -82,6 +82,10 @@ class Knobs:
     exit_grace_sec: float = field(default_factory=lambda: knobs.knob("WORKER_EXIT_GRACE_SEC"))
     poll_sec: float = field(default_factory=lambda: knobs.knob("WORKER_POLL_SEC"))
     lease_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LEASE_SEC"))
+    limit_hold_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_HOLD_SEC"))
+    limit_margin_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_MARGIN_SEC"))
+    limit_backoff_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_BACKOFF_SEC"))
+    limit_rounds: int = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_ROUNDS"))
 
 
 class Flags:
@@ -298,6 +302,7 @@ class RunResult:
     seconds: float = 0.0
     paused: dict[str, Any] | None = None   # a spending limit ended it at a step boundary (Meter.check)
     asked: dict[str, Any] | None = None    # a call matched an ``ask`` rule: {tool, subject, reason}
+    limited: dict[str, Any] | None = None  # the provider's usage limit: {said, reset_at, source} (see _limit)
     box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
 
 
@@ -607,6 +612,8 @@ class Supervisor:
         self.held_at: dict[str, Any] | None = None
         self.courier: Courier | None = None
         self.rules_file: str | None = None
+        self.retry_file: str | None = None
+        self.logged_limit: dict[str, Any] | None = None   # the last limit a --print-logs line named
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -640,6 +647,7 @@ class Supervisor:
                 self.shipper.ship(last=True)
                 self.result.returncode = self.proc.wait()
                 self._count_held_steps()
+                self._limit_at_give_up()
                 if self.meter is not None:
                     self.meter.settle()
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
@@ -727,11 +735,56 @@ class Supervisor:
             self._held()
             if self.stop:
                 return None
+        self._limit(now)
+        if self.stop:
+            return None
         if self.result.stream.finished and self.finished_at is None:
             self.finished_at = now
         if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and self.proc.poll() is None:
             self.result.agent_exited = False   # ended by us; the run still counts by its events
             self.stop = True
+
+    def _limit(self, now: float) -> None:
+        """The provider answered with a usage limit and OpenCode is about to sleep longer than
+        WORKER_LIMIT_HOLD_SEC before its retry: end the run now and free the slot (the task pauses
+        until the reset). The retry time comes from the retry watch plugin (OpenCode's own, from the
+        provider's headers), else from the words of a ``--print-logs`` limit line."""
+        retry = self._retry_said()
+        wall = time.time()
+        if retry is not None and isinstance(retry.get("next"), (int, float)):
+            said, source, reset_at, session = str(retry.get("message") or ""), "retry", retry["next"] / 1000, \
+                retry.get("sessionID")
+        elif self.logged_limit is not None and self.logged_limit.get("reset_at"):
+            said, source, reset_at, session = self.logged_limit["said"], "log", self.logged_limit["reset_at"], \
+                self.logged_limit.get("session_id")
+        else:
+            return
+        wait = reset_at - wall
+        if wait > self.knobs.limit_hold_sec:
+            # Nothing was printed yet on a first call: the session to resume is named here only.
+            self.result.stream.session_id = self.result.stream.session_id or (str(session) if session else None)
+            self.result.limited = {"said": said, "reset_at": reset_at, "source": source}
+            self._end(f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try")
+
+    def _retry_said(self) -> dict[str, Any] | None:
+        """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
+        if not self.retry_file:
+            return None
+        try:
+            with open(oc.reply_path(self.retry_file, ".json"), encoding="utf-8") as handle:
+                retry = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(retry, dict) or not (oc.is_limit(str(retry.get("message") or "")) or self.logged_limit):
+            return None
+        return retry
+
+    def _limit_at_give_up(self) -> None:
+        """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
+        provider's headers; the task pauses instead of failing."""
+        stream = self.result.stream
+        if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
+            self.result.limited = {**stream.limit, "source": "error"}
 
     def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
         self.stop = True
@@ -800,6 +853,7 @@ class Supervisor:
             text = line[:STDERR_LINE_KEEP].decode(errors="replace")
             self.log.write(b"[stderr] " + line + b"\n")
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
+            self.logged_limit = oc.limit_from_log(text, time.time()) or self.logged_limit
         else:
             self.log.write(line + b"\n")
             event = self.result.stream.feed(line.decode(errors="replace"))
@@ -899,7 +953,7 @@ def environment_fault(run: RunResult) -> str | None:
 def failure_reason(run: RunResult) -> str | None:
     """None when the run succeeded by its events; else the specific reason it failed."""
     stream = run.stream
-    if run.paused is not None or run.asked is not None:
+    if run.paused is not None or run.asked is not None or run.limited is not None:
         return None
     if run.killed:
         signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
@@ -1154,6 +1208,8 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         notes_file = str(control / "notes")
         env = oc.with_notes_courier(env, notes_file)
         env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
+        retry_file = str(control / "retry")
+        env = oc.with_retry_watch(env, retry_file)
         rules_file = write_rules_file(task, control)
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
@@ -1161,6 +1217,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed)
         supervisor.courier = Courier(task, notes_file)
         supervisor.rules_file = rules_file
+        supervisor.retry_file = retry_file
         supervisor.deadline_at = deadline
         supervisor.meter = Meter(task, gate)
         return supervisor.run()
@@ -1236,6 +1293,8 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
                        count_attempt=False)
+    if run.limited is not None:
+        return _pause_at_limit(task, run, model, receipt, usage, phases.knobs)
     if run.paused is not None:
         question = limit_question(task, run)
         notify(f"TaskBridge {task['id']} paused at its spending limit", question[:200])
@@ -1265,6 +1324,47 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if final and final["status"] == "failed":
         notify(f"TaskBridge {task['id']} failed", reason[:200])
     return final
+
+
+LIMIT_BACKOFF_MAX_SEC = 3600   # the longest back-off for a limit whose reset the provider did not say
+
+
+def limit_resume_at(task: dict, limited: dict[str, Any], knobs: Knobs, now: float) -> float | None:
+    """When a task paused at a usage limit resumes (epoch seconds): the provider's reset plus
+    WORKER_LIMIT_MARGIN_SEC; with no reset given, a back-off from WORKER_LIMIT_BACKOFF_SEC doubling
+    with each such pause in a row (at most an hour); None after WORKER_LIMIT_ROUNDS of those (the
+    planner is asked instead)."""
+    if limited.get("reset_at"):
+        return max(float(limited["reset_at"]), now) + knobs.limit_margin_sec
+    rounds = int(task.get("limit_rounds") or 0) + 1
+    if rounds > knobs.limit_rounds:
+        return None
+    return now + min(knobs.limit_backoff_sec * 2 ** (rounds - 1), LIMIT_BACKOFF_MAX_SEC)
+
+
+def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: dict, usage: dict,
+                    knobs: Knobs) -> dict[str, Any] | None:
+    """Pause the task at its provider's usage limit (not a failure: no retry spent, the worktree
+    and the OpenCode session kept) until the reset; other tasks on the provider wait meanwhile."""
+    limited, account = run.limited, model.split("/", 1)[0]
+    resume_at = limit_resume_at(task, limited, knobs, time.time())
+    said = " ".join(str(limited.get("said") or "a usage limit (no words given)").split())[:1000]
+    receipt["limit"] = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
+                        "seen_in": limited.get("source")}
+    if resume_at is None:
+        way = (f"It gave no reset time {knobs.limit_rounds} times in a row, so TaskBridge does not resume it by "
+               "itself: answer 'continue' to try again now, or 'stop' to fail it with its receipt kept.")
+    else:
+        how = "the provider's reset" if limited.get("reset_at") else "a back-off (the provider gave no reset time)"
+        way = (f"It resumes by itself at {store.iso(resume_at)} ({how}); until then other tasks on {account} stay "
+               "queued and tasks on other providers run. Answer 'continue' to resume now, or 'stop' to fail it.")
+    question = (f"Usage limit: the provider {account} said {said!r}. TaskBridge paused {task['id']} (no attempt spent; "
+                f"the worktree and the OpenCode session are kept). {way}")
+    log(f"{task['id']} paused at {account}'s usage limit until {store.iso(resume_at) or 'the planner answers'}")
+    notify(f"TaskBridge {task['id']} paused at a usage limit", question[:200])
+    return _finish(store.pause_for_limit, task, task["run_marker"], question, account=account, said=said,
+                   resume_at=resume_at, known_reset=bool(limited.get("reset_at")),
+                   session_id=run.stream.session_id, result=receipt, usage=usage)
 
 
 def limit_question(task: dict, run: RunResult) -> str:
@@ -1558,6 +1658,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],
+        "limit_pauses": current.get("limit_pauses") or [],
     }
 
 
@@ -1762,7 +1863,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                     last_reap = time.monotonic()
                 Beat.write("running" if busy else "idle" if watch else "pass")
                 mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
-                task = store.claim_next(owner, pid, pid_start) if len(busy) < slots else None
+                task = _claim(owner, pid, pid_start) if len(busy) < slots else None
                 if task is None and len(busy) < slots:
                     budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
                 Outage.answered()
@@ -1809,6 +1910,26 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             busy = wait(busy, timeout=0.2).not_done
         Talk.signals(Flags.stopping, Flags.stop_now)
     return status
+
+
+def _claim(owner: str, pid: int, pid_start: float) -> dict[str, Any] | None:
+    """Resume the usage-limit pauses whose reset has come, then claim the next task, skipping those
+    on a provider account a pause still holds."""
+    for task in store.resume_due():
+        log(f"{task['id']} resumes: its provider's usage limit has reset", talk.VERBOSE)
+    return store.claim_next(owner, pid, pid_start, default_account=_default_account())
+
+
+def _default_account() -> str | None:
+    """The provider of the default model, while some account is held (tasks without a model of
+    their own run on it); None otherwise or when no default can be found (they are then claimed)."""
+    if not store.held_accounts():
+        return None
+    try:
+        return oc.default_model(store.default_model(), None,
+                                cache_file=store.state_path("models.json")).model.split("/", 1)[0]
+    except (oc.NoDefaultModel, oc.OpencodeNotFound, OSError, subprocess.SubprocessError):
+        return None
 
 
 def _say_budget(said: str | None, state: str) -> str | None:

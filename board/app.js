@@ -149,6 +149,10 @@
       $("worker").append(list);
     }
     renderSpend(status.budget || {});
+    for (const hold of status.held_accounts || []) {   // a provider at its usage limit: its tasks wait
+      $("spend").append(" ", el("span", { class: "spent-out held", title: "paused: " + hold.tasks.join(", ") },
+        hold.account + " at its usage limit until " + hold.until));
+    }
   }
 
   // Today's spend against the daily budget (local day); why nothing is claimed when it is spent.
@@ -188,7 +192,9 @@
       } },
         el("td", {}, taskLink(t.id)), el("td", { class: "title" }, t.title, t.repo ? el("span", { class: "where" },
           " " + t.repo + (t.pushed_branch ? " → " + t.pushed_branch : t.base_ref ? " @ " + t.base_ref : "")) : null),
-        el("td", {}, el("span", { class: "status s-" + t.status }, t.status)), el("td", {}, caller(t)),
+        el("td", {}, el("span", { class: "status s-" + t.status }, t.status),
+          t.status === "waiting" && t.resume_at ? el("span", { class: "resumes", title: "paused at its provider's usage limit" },
+            " resumes " + t.resume_at) : null), el("td", {}, caller(t)),
         el("td", {}, t.model || el("span", { class: "empty" }, "default")), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
         el("td", {}, age(t.created_at)), el("td", {}, usd(typeof t.spent_usd === "number" ? t.spent_usd : t.cost_usd))));
     }
@@ -372,8 +378,11 @@
       }
     }
     if (t.status === "waiting") {
-      const text = el("textarea", { id: "answer-text", rows: 3, placeholder: "your answer" });
-      box.append(el("div", { class: "question-now" }, el("b", {}, "The agent asks: "),
+      const text = el("textarea", { id: "answer-text", rows: 3, placeholder: t.resume_at ? "continue (resume now) or stop" : "your answer" });
+      // A usage-limit pause is TaskBridge's, not the agent's: it resumes by itself at resume_at.
+      const head = t.resume_at ? "Paused at " + (t.limit_account || "the provider") + "'s usage limit; resumes by itself at "
+        + t.resume_at + ": " : t.paused_for === "usage_limit" ? "Paused at the provider's usage limit: " : "The agent asks: ";
+      box.append(el("div", { class: "question-now" }, el("b", { id: "question-head" }, head),
         el("pre", { class: "text question", id: "question" }, t.question || "")),
         text, el("button", { type: "button", id: "answer-send", onclick: () => act("answer", { answer: text.value }) }, "Answer"));
     }

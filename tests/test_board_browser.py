@@ -369,3 +369,24 @@ def test_the_page_stays_responsive_with_ten_thousand_tasks(board, browser, tmp_p
     print(f"10,000 tasks: board open {first:.2f} s, next page {paged:.2f} s")
     assert rows == 1 and first < 10 and paged < 3
     assert text_of(browser, "tally-pending") == "10000"
+
+
+def test_a_usage_limit_pause_shows_its_resume_time_and_continue_resumes_it(board, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    task = task_store.submit_task(title="limited", instructions="x", working_dir=str(tmp_path), model="fake/model")
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.pause_for_limit(task["id"], claimed["run_marker"], "Usage limit: the provider fake said 'slow down'",
+                               account="fake", said="slow down", resume_at=task_store.now() + 600, known_reset=True)
+    resume_at = task_store.get_task(task["id"])["resume_at"]
+    log_in(browser, board)
+    wait(browser, lambda d: f"fake at its usage limit until {resume_at}" in text_of(d, "spend"), what="the held account")
+    row = browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}']")
+    assert f"resumes {resume_at}" in row.text
+    row.find_element(By.CSS_SELECTOR, "a").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "waiting", what="the task page")
+    assert text_of(browser, "question-head") == f"Paused at fake's usage limit; resumes by itself at {resume_at}:"
+    by_id(browser, "answer-text").send_keys("continue")
+    by_id(browser, "answer-send").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task resumed")
+    assert task_store.get_task(task["id"])["limit_pauses"][0]["resumed"] == "by board"
+    assert console_errors(browser) == []
