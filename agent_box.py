@@ -479,8 +479,11 @@ def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
     else:
         lines += [f"export {name}={_sh(value)}" for name, value in plan.shell_env.items()]
         script = Path(__file__).resolve().parent / "box_shell.py"
-        cut = permission == "no-network" and mechanism == "bubblewrap"   # seccomp is Linux's
-        lines.append(f"exec {_sh(sys.executable)} -I {_sh(str(script))} \"$@\"" if cut else 'exec /bin/bash "$@"')
+        if mechanism == "bubblewrap":   # Landlock and seccomp are Linux's
+            cut = " --no-network" if permission == "no-network" else ""
+            lines.append(f"exec {_sh(sys.executable)} -I {_sh(str(script))}{cut} \"$@\"")
+        else:
+            lines.append('exec /bin/bash "$@"')
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return str(path)
@@ -509,6 +512,13 @@ def labels(permission: str, box: Support) -> dict[str, str]:
                "files": f"enforced by {mech}: writes only in the worktree, a private /tmp and OpenCode's own "
                         "folders; TaskBridge's data folders hidden; control files and the repository's "
                         "config, hooks and info/ read-only"}
+        if mech == "bubblewrap":
+            import box_shell
+            out["processes"] = ("enforced by Landlock: the bash tool's commands cannot trace OpenCode, read its "
+                                "memory or write into its output (the event stream the worker meters)"
+                                if box_shell.landlock_version() else
+                                "not fenced: this kernel has no Landlock, so the bash tool's commands could write "
+                                "into OpenCode's output (its event stream) or trace its process")
     if permission == "readonly":
         if mech:
             out["file writes"] = (f"enforced by {mech}: the worktree is read-only; edit/write tools also denied "

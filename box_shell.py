@@ -1,14 +1,20 @@
-"""The ``$SHELL`` of a ``no-network`` agent box: runs ``/bin/bash ARGS`` with the network cut off
-by the kernel, for that command and everything it starts.
+"""The ``$SHELL`` of a boxed agent run: runs ``/bin/bash ARGS`` fenced off, by the kernel, from
+the processes that are not its own, and for ``no-network`` from the network.
 
-    python box_shell.py -c 'curl example.com'      # what OpenCode's bash tool runs as $SHELL -c …
+    python box_shell.py [--no-network] -c 'curl example.com'   # OpenCode's bash tool: $SHELL -c …
 
-A seccomp filter (installed with no privileges: ``PR_SET_NO_NEW_PRIVS``, then
-``PR_SET_SECCOMP``) refuses ``socket()`` for the IPv4, IPv6 and packet families with ``EACCES``,
-and ``io_uring_setup`` (whose socket operation would go around it); a syscall of another ABI
-(x32, i386) ends the process. Unix sockets stay (a pipe to a local tool is no network). Why not a
-network namespace per command: making one needs privileges a box with its capabilities dropped no
-longer has (a root worker's box), and the filter costs no namespace per command.
+- Every command enters a Landlock domain of its own (``landlock_restrict_self``; no privileges
+  needed): a process in it cannot ptrace, read the memory of, or open ``/proc/<pid>/fd/*`` of a
+  process outside it, so the bash tool's commands cannot write into OpenCode's output (the event
+  stream the worker meters), nor into the box's init, nor take over OpenCode's process.
+- ``--no-network``: a seccomp filter refuses ``socket()`` for the IPv4, IPv6 and packet families
+  with ``EACCES``, and ``io_uring_setup`` (whose socket operation would go around it); a syscall of
+  another ABI (x32, i386) ends the process. Unix sockets stay (a pipe to a local tool is no
+  network). Why not a network namespace per command: making one needs privileges a box with its
+  capabilities dropped (a root worker's) no longer has.
+Both are installed after ``PR_SET_NO_NEW_PRIVS`` and inherited by everything the command starts.
+A kernel that refuses either: the command does not run (fail closed), unless Landlock is absent
+altogether (``agent_box.support`` says so at start and the receipt labels it).
 
 Used by agent_box.py (it writes the ``$SHELL`` that execs this file); not run on its own. Env:
 none (the command's own environment passes through unchanged).
@@ -52,6 +58,44 @@ def _filter(machine: str) -> bytes:
     return b"".join(struct.pack("HBBI", *insn) for insn in prog)
 
 
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF = 444, 446   # the same on every Linux machine
+_LANDLOCK_ACCESS_FS_MAKE_BLOCK = 1 << 11    # handled, never granted: a domain needs one right
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _no_new_privs(libc: ctypes.CDLL) -> None:
+    if libc.prctl(ctypes.c_ulong(38), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def landlock_version() -> int:
+    """The kernel's Landlock ABI version, 0 when it has none (or it is disabled)."""
+    got = _libc().syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.c_void_p(0), ctypes.c_size_t(0),
+                          ctypes.c_uint32(1))
+    return max(int(got), 0)
+
+
+def scope_processes() -> None:
+    """Enter a Landlock domain of one's own (see the module's docstring). Raises OSError."""
+    libc = _libc()
+    attr = ctypes.c_uint64(_LANDLOCK_ACCESS_FS_MAKE_BLOCK)
+    fd = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE_RULESET), ctypes.byref(attr), ctypes.c_size_t(8),
+                      ctypes.c_uint32(0))
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), f"landlock: {os.strerror(ctypes.get_errno())}")
+    try:
+        _no_new_privs(libc)
+        if libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0)):
+            raise OSError(ctypes.get_errno(), f"landlock: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
 def cut_network() -> None:
     """Install the filter on this process (inherited by every child). Raises OSError when the
     kernel refuses it, and RuntimeError on a machine without a known syscall table."""
@@ -65,18 +109,23 @@ def cut_network() -> None:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     prog = Prog(len(code) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    libc = ctypes.CDLL(None, use_errno=True)
-    for args in ((38, 1, 0, 0, 0), (22, 2, ctypes.addressof(prog), 0, 0)):   # NO_NEW_PRIVS, SECCOMP filter
-        if libc.prctl(*[ctypes.c_ulong(a) for a in args]) != 0:
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    libc = _libc()
+    _no_new_privs(libc)
+    if libc.prctl(ctypes.c_ulong(22), ctypes.c_ulong(2), ctypes.c_ulong(ctypes.addressof(prog)),
+                  ctypes.c_ulong(0), ctypes.c_ulong(0)):   # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
 def main(argv: list[str]) -> int:
+    no_network = argv[:1] == ["--no-network"]
+    argv = argv[1:] if no_network else argv
     try:
-        cut_network()
-    except (OSError, RuntimeError) as exc:   # fail closed: no command runs with the network
-        print(f"TaskBridge no-network: the network could not be cut off ({exc}); command not run",
-              file=sys.stderr)
+        if landlock_version():
+            scope_processes()
+        if no_network:
+            cut_network()
+    except (OSError, RuntimeError) as exc:   # fail closed: no command runs outside its fence
+        print(f"TaskBridge's agent box: the shell could not be fenced in ({exc}); command not run", file=sys.stderr)
         return 126
     os.environ["SHELL"] = "/bin/bash"
     os.execv("/bin/bash", ["bash", *argv])
