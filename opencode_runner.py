@@ -482,10 +482,32 @@ def _merged_block(existing: Any, ours: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def wildcard_match(text: str, pattern: str) -> bool:
-    """OpenCode's permission wildcard: ``*`` any run of characters, ``?`` one, all else literal."""
-    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+def wildcard_match(text: str, pattern: str, escapes: bool = False) -> bool:
+    """OpenCode's permission wildcard: ``*`` any run of characters, ``?`` one, all else literal.
+    ``escapes`` (a task's own rules, matched by TaskBridge's plugin): ``\\*``, ``\\?`` and
+    ``\\\\`` stand for the character itself (``wildcard`` in opencode_plugins/permission_rules.js)."""
+    tokens = re.findall(r"\\[*?\\]|.", pattern, re.DOTALL) if escapes else list(pattern)
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c[-1]) for c in tokens)
     return re.fullmatch(regex, text, re.DOTALL) is not None
+
+
+def rule_action(rules: dict[str, Any], tool: str, subject: str, directory: str = "") -> str | None:
+    """What a task's ``rules`` (``{"bash": {"git push*": "ask"}}``) say of a call of ``tool`` (the
+    rule key: bash, edit, read, ...) on ``subject`` (the command, path, URL, ...): allow, deny, ask,
+    or None when no rule speaks; the last matching pattern wins. A path under ``directory`` also
+    matches in its relative form. The Python twin of ``actionFor`` in permission_rules.js."""
+    rule = rules.get(tool)
+    if rule is None:
+        return None
+    subjects = [subject]
+    base = directory.rstrip("/")
+    if tool in ("edit", "read", "list") and base and subject.startswith(base + "/"):
+        subjects.append(subject[len(base) + 1:])
+    action = None
+    for pattern, act in (rule if isinstance(rule, dict) else {"*": rule}).items():
+        if any(wildcard_match(s, pattern, escapes=True) for s in subjects):
+            action = act
+    return action
 
 
 def _last_action(block: dict[str, Any], permission: str) -> str | None:

@@ -1840,10 +1840,11 @@ RULES_MAX = 50   # patterns per task
 def validate_rules(value: Any) -> str | None:
     """A task's permission rules in OpenCode's own format, as JSON text (None for none):
     ``{"bash": {"git push*": "ask", "rm *": "deny"}, "webfetch": "ask"}`` — per tool (one of
-    RULE_TOOLS) an action (allow, deny, ask) or a map of wildcard patterns (``*``, ``?``) to
-    actions, the last matching pattern winning, as in OpenCode. A tool's rules may also come as
-    a list of ``{"pattern": …, "action": …}`` in order (the form strict tool schemas can state);
-    they are stored as the map. Raises ValidationError."""
+    RULE_TOOLS) an action (allow, deny, ask) or a map of wildcard patterns (``*``, ``?``; ``\\*``,
+    ``\\?``, ``\\\\`` for the characters themselves) to actions, the last matching pattern winning,
+    as in OpenCode. A tool's rules may also come as a list of ``{"pattern": …, "action": …}`` in
+    order (the form strict tool schemas can state); they are stored as the map. Raises
+    ValidationError."""
     value = optional(value)
     if value is None:
         return None
@@ -2810,6 +2811,13 @@ def _answer_usage_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str,
     return ""
 
 
+def literal_pattern(subject: str) -> str:
+    """A rule pattern that matches exactly ``subject``: its ``*``, ``?`` and ``\\`` escaped with a
+    backslash (the plugin's matcher, ``wildcard`` in opencode_plugins/permission_rules.js), so an
+    ``always`` answer never turns a command holding them into a wildcard."""
+    return re.sub(r"([\\*?])", r"\\\1", subject)
+
+
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
 
 
@@ -2828,8 +2836,9 @@ def _answer_permission(conn: sqlite3.Connection, row: sqlite3.Row, answer: str) 
         rules = json.loads(row["rules"] or "{}")
         block = rules.get(ask["tool"])
         block = dict(block) if isinstance(block, dict) else {"*": block} if block else {}
-        block.pop(ask["subject"], None)
-        block[ask["subject"]] = decision   # last: it wins over the task's earlier patterns
+        exact = literal_pattern(str(ask["subject"]))
+        block.pop(exact, None)
+        block[exact] = decision   # last: it wins over the task's earlier patterns
         rules[ask["tool"]] = block
         conn.execute("UPDATE tasks SET rules = ? WHERE id = ?", (json.dumps(rules), row["id"]))
     ask["decision"] = f"{decision} {scope}"

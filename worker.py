@@ -263,10 +263,17 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
 
 def permission_question(ask: dict[str, Any]) -> str:
     """The question a task paused on a permission ask puts to the planner: the tool, the command
-    or path, the agent's reason, and the answers it takes."""
+    or path (exactly: JSON-quoted when backticks, line breaks or edge spaces would blur it), the
+    agent's reason, and the answers it takes, saying that ``always`` covers that text alone."""
+    subject = str(ask["subject"])
+    if "`" in subject or "\n" in subject or subject != subject.strip() or not subject:
+        shown = json.dumps(subject)
+    else:
+        shown = f"`{subject}`"
     reason = f" Its reason: {ask['reason']}." if ask.get("reason") else ""
-    return (f"Permission asked: the agent wants to run {ask['tool']} `{ask['subject']}` (the task's rules say ask)."
-            f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task).")
+    return (f"Permission asked: the agent wants to run {ask['tool']} {shown} (the task's rules say ask)."
+            f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task, and "
+            "for exactly this text only: any * or ? in it is taken literally, never as a pattern).")
 
 
 def resume_message(answer: str, notes: list[dict], ask: dict[str, Any] | None = None) -> str:
@@ -303,10 +310,14 @@ class RunResult:
     paused: dict[str, Any] | None = None   # a spending limit ended it at a step boundary (Meter.check)
     asked: dict[str, Any] | None = None    # a call matched an ``ask`` rule: {tool, subject, reason}
     limited: dict[str, Any] | None = None  # the provider's usage limit: {said, reset_at, source} (see _limit)
+    not_believed: list[str] = field(default_factory=list)   # plugin replies the worker set aside, and why
     box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
 
 
 START_GATE_SEC = 3
+HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the event stream to bear it out
+REPLY_MAX = 1 << 20           # bytes of a plugin's reply read; a longer one is not believed
+DOUBTS_MAX = 20               # replies not believed that one receipt lists
 SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
@@ -344,7 +355,12 @@ class Meter:
     after each step as other tasks spend too), and before each model call it sums this run's
     finished steps from OpenCode's storage; at the allowance it holds the call and says so in
     ``<gate>.held``, which ``held()`` reads. (``opencode run`` prints a step's event only once the
-    next call is under way, so the printed stream alone always lets one more request out.)"""
+    next call is under way, so the printed stream alone always lets one more request out.)
+
+    That reply sits in the run's reply folder, which the agent's own shell can write too: its
+    figures are the agent's word. Spend is booked only from the event stream (OpenCode's own
+    output, which prints the held run's steps within moments); ``believes`` says whether a hold is
+    borne out: this run's streamed spend reached the lowest allowance the gate was ever given."""
 
     def __init__(self, task: dict[str, Any], gate_file: str | None):
         usage = task.get("usage") or {}
@@ -357,6 +373,7 @@ class Meter:
         self.cost = 0.0
         self.tokens = 0
         self.booked = (0.0, 0)    # (cost, tokens) of this run already in today's spend
+        self.floor: tuple[float | None, int | None] = (None, None)   # lowest allowances the gate file carried
         self.budget: dict[str, Any] = db(store.budget_state) if gate_file else {}
         self.write_gate()
 
@@ -439,28 +456,59 @@ class Meter:
             return
         self.stopped = stop = self.stopped or stop
         usd, tokens = self.allowance()
+        self.floor = (_lowest(self.floor[0], usd), _lowest(self.floor[1], tokens))
         tmp = f"{self.gate_file}.tmp"
         with open(tmp, "w", encoding="utf-8") as out:
             json.dump({"allow_usd": usd, "allow_tokens": tokens, "stop": stop}, out)
         os.replace(tmp, self.gate_file)
 
     def held(self) -> dict[str, Any] | None:
-        """What the spend gate wrote when it held a model call (steps, cost_usd, tokens of this
-        run, from OpenCode's storage), or None."""
+        """What the spend gate's reply says it held a model call at (``steps``, ``cost_usd``,
+        ``tokens``: the agent's word, see the class), or None when there is no reply."""
         if self.gate_file is None:
             return None
-        try:
-            with open(oc.reply_path(self.gate_file, ".held"), encoding="utf-8") as held:
-                data = json.load(held)
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
+        return read_reply(oc.reply_path(self.gate_file, ".held"))
+
+    def believes(self) -> bool:
+        """Whether a hold is borne out by what the event stream showed: the gate was told to stop,
+        or this run's streamed spend reached the lowest allowance the gate file ever carried (the
+        gate holds only at its allowance)."""
+        usd, tokens = self.floor
+        return bool(self.stopped) or (usd is not None and self.cost >= usd - 1e-9) or (
+            tokens is not None and self.tokens >= tokens)
+
+    def set_aside(self, held: dict[str, Any]) -> str:
+        """Remove a reply the stream did not bear out; the receipt's line saying so."""
+        with contextlib.suppress(OSError):
+            os.unlink(oc.reply_path(self.gate_file, ".held"))
+        usd, _ = self.floor
+        said = {key: json.dumps(held.get(key))[:40] for key in ("cost_usd", "tokens", "steps")}
+        return (f"the spend gate's reply claimed {said['cost_usd']} USD, {said['tokens']} tokens over "
+                f"{said['steps']} steps, but the event stream showed ${self.cost:.4f}, {self.tokens:,} tokens "
+                f"(allowance {'none' if usd is None else f'${usd:.4f}'} not reached): not believed, nothing booked "
+                "from it (the reply folder is writable from inside the agent's box)")
 
     def close(self) -> None:
         if self.gate_file is not None:
             for path in (self.gate_file, oc.reply_path(self.gate_file, ".held"), f"{self.gate_file}.tmp"):
                 with contextlib.suppress(OSError):
                     os.unlink(path)
+
+
+def _lowest(old: float | None, new: float | None) -> float | None:
+    return new if old is None else old if new is None else min(old, new)
+
+
+def read_reply(path: str) -> dict[str, Any] | None:
+    """A plugin's JSON reply at ``path`` (an object), or None when it is missing, unreadable, not
+    an object or over REPLY_MAX bytes: the agent can write there, so it is read with a bound."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(REPLY_MAX + 1)
+        data = json.loads(raw) if len(raw) <= REPLY_MAX else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
@@ -609,7 +657,7 @@ class Supervisor:
         self.stop = False
         self.gate_open_at: float | None = None
         self.meter: Meter | None = None
-        self.held_at: dict[str, Any] | None = None
+        self.held_since: float | None = None   # when a spend gate reply was first seen
         self.courier: Courier | None = None
         self.rules_file: str | None = None
         self.retry_file: str | None = None
@@ -646,9 +694,9 @@ class Supervisor:
                 self._drain(final=True)
                 self.shipper.ship(last=True)
                 self.result.returncode = self.proc.wait()
-                self._count_held_steps()
                 self._limit_at_give_up()
                 if self.meter is not None:
+                    self._held(time.monotonic(), final=True)
                     self.meter.settle()
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
                 if self.courier is not None:
@@ -721,18 +769,15 @@ class Supervisor:
             self.shipper.ship()
         if Flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
-        if self.rules_file and os.path.exists(oc.reply_path(self.rules_file, ".ask")):
-            with contextlib.suppress(OSError, ValueError):
-                with open(oc.reply_path(self.rules_file, ".ask"), encoding="utf-8") as handle:
-                    asked = json.load(handle)
-                self.result.asked = {k: str(asked.get(k) or "") for k in ("tool", "subject", "reason")}
-                return self._end(f"paused: the agent asked permission for {asked.get('tool')} {asked.get('subject')}")
+        if self.rules_file and (asked := self._asked()) is not None:
+            self.result.asked = asked
+            return self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
         if now > self.deadline:
             return self._end(f"timed out after {self.task['timeout_sec']} s")
         if now - self.last_activity > knobs.inactivity_sec:
             return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
         if self.meter is not None and self.meter.gate_file and not self.stop:
-            self._held()
+            self._held(now)
             if self.stop:
                 return None
         self._limit(now)
@@ -785,6 +830,31 @@ class Supervisor:
         stream = self.result.stream
         if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
             self.result.limited = {**stream.limit, "source": "error"}
+
+    def _asked(self) -> dict[str, str] | None:
+        """The call the permission-rules plugin holds, from its ``.ask`` reply ({tool, subject,
+        reason}), or None. The reply folder is writable in the box, so the request is the agent's
+        word: it is believed only when the task's rules say ask for exactly it (what the plugin
+        checked before holding it). Any other reply is removed, the receipt says so, and the run
+        goes on; a believed one can at most ask for what the agent could have called anyway."""
+        path = oc.reply_path(self.rules_file, ".ask")
+        if not os.path.exists(path):
+            return None
+        said = read_reply(path)
+        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
+        rules = self.task["rules"]
+        if said is not None and oc.rule_action(rules, asked["tool"], asked["subject"], self.cwd) == "ask":
+            return asked
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        self._doubt(f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which the "
+                    "task's rules do not mark ask: not believed, the run went on (the reply folder is writable "
+                    "from inside the agent's box)")
+        return None
+
+    def _doubt(self, line: str) -> None:
+        if len(self.result.not_believed) < DOUBTS_MAX:   # the agent can forge replies in a loop
+            self.result.not_believed.append(line)
 
     def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
         self.stop = True
@@ -865,18 +935,6 @@ class Supervisor:
                 Talk.event(self.task["id"], event)
         self.log.flush()
 
-    def _count_held_steps(self) -> None:
-        """A held run's last steps may never have been printed: the receipt takes the totals
-        OpenCode stored (what the gate summed) when they exceed the printed ones."""
-        held, stream = self.held_at, self.result.stream
-        if not held:
-            return
-        if float(held.get("cost_usd") or 0) > stream.cost_usd:
-            stream.cost_usd = float(held["cost_usd"])
-        if int(held.get("tokens") or 0) > stream.tokens["total"]:
-            stream.tokens["total"] = int(held["tokens"])
-        stream.steps = max(stream.steps, int(held.get("steps") or 0))
-
     def _metered(self) -> None:
         """A step finished: meter it; at a reached limit end the run at this step boundary (the
         gate keeps the next model call from going out), else let the next call go."""
@@ -891,16 +949,24 @@ class Supervisor:
         self.result.paused = paused
         self._end(f"paused at a spending limit: {paused['reason']}")
 
-    def _held(self) -> None:
-        """The spend gate held a model call: this run's steps as OpenCode stored them reach the
-        allowance (the last one may not be printed yet). Meter them and pause."""
+    def _held(self, now: float, final: bool = False) -> None:
+        """The spend gate's reply says it held a model call. Its figures are the agent's word (the
+        reply folder is writable in the box), so nothing is booked from them: a real hold follows
+        steps the event stream shows within moments, and once their spend reaches the gate's
+        allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
+        run's end, ``final``) is set aside, the receipt says so, and the run goes on."""
         held = self.meter.held()
         if held is None:
+            self.held_since = None
             return
-        self.held_at = held
-        self.meter.add(float(held.get("cost_usd") or 0), int(held.get("tokens") or 0))
-        self._pause(self.meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": self.meter.cost,
-                                           "limit": None, "reason": "the spend gate held the next model call"})
+        self.held_since = self.held_since or time.monotonic()
+        if self.meter.believes():
+            if not final and not self.stop:
+                self._pause(self.meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": self.meter.cost,
+                                                   "limit": None, "reason": "the spend gate held the next model call"})
+        elif final or now - self.held_since > HELD_WAIT_SEC:
+            self._doubt(self.meter.set_aside(held))
+            self.held_since = None
 
     def _drain(self, final: bool) -> None:
         """Read what is left after the tree is gone (stderr for up to a second: a stray process
@@ -1655,6 +1721,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "exit_code": run.returncode,
         "agent_exited": run.agent_exited,
         "non_json_lines": stream.bad_lines,
+        "replies_not_believed": run.not_believed,
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],

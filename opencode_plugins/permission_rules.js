@@ -6,13 +6,15 @@
 // --auto it rejects them, with --auto it approves them; measured with 1.18.33), so a planner
 // could never decide. Before every tool call (tool.execute.before: the main agent's and its
 // sub-agents'), this hook matches the call against the task's rules, OpenCode's format
-// ({"bash": {"git push*": "ask"}}: wildcards * and ?, the last matching pattern wins):
+// ({"bash": {"git push*": "ask"}}: wildcards * and ?, \* and \? for the characters themselves,
+// the last matching pattern wins):
 // - deny: the call fails with a message naming the rule (the agent sees it and goes on);
 // - allow, or no rule: the call runs (OpenCode's own permissions still apply);
 // - ask: unless the planner allowed exactly this call once ("once" in the rules file, used up
 //   here and acknowledged in "<run>/reply/rules.used"), the request {tool, subject, reason} is written
-//   to "<run>/reply/rules.ask" and the call is held; the worker ends the run and the task waits for
-//   the planner's answer, which resumes the same session.
+//   to "<run>/reply/rules.ask" and the call is held (the worker believes that reply only when the
+//   rules do say ask for it: the agent's shell can write there too); the worker ends the run and
+//   the task waits for the planner's answer, which resumes the same session.
 // The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js (beside it).
 import { readJson, replyPath, writeJson } from "./files.js";
 
@@ -34,9 +36,18 @@ function subjectOf(tool, args) {
   return String(a.filePath ?? a.path ?? "");
 }
 
+// OpenCode's wildcard (* any run, ? one character) plus escapes: \* \? \\ stand for the character
+// itself, so the rule an "always" answer adds matches exactly the request asked about (a command
+// holding * or ? included). A backslash before any other character is literal. The Python twin is
+// opencode_runner.wildcard_match(escapes=True).
 function wildcard(text, pattern) {
   let re = "";
-  for (const c of pattern) re += c === "*" ? "[\\s\\S]*" : c === "?" ? "[\\s\\S]" : c.replace(/[.+^${}()|[\]\\]/g, "\\$&");
+  const chars = [...pattern];
+  for (let i = 0; i < chars.length; i++) {
+    let c = chars[i];
+    if (c === "\\" && "*?\\".includes(chars[i + 1] ?? "")) c = "\\" + chars[++i];
+    re += c === "*" ? "[\\s\\S]*" : c === "?" ? "[\\s\\S]" : c.slice(-1).replace(/[.*?+^${}()|[\]\\]/g, "\\$&");
+  }
   return new RegExp(`^${re}$`).test(text);
 }
 

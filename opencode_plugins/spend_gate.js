@@ -10,7 +10,9 @@
 // OpenCode's own storage (the session's messages), and when they reach what the worker allows
 // ({"allow_usd": x | null, "allow_tokens": n | null, "stop": reason | null} in the gate file), it
 // writes {"steps", "cost_usd", "tokens"} to "<run>/reply/gate.held" and never lets the call go: the worker
-// sees that file, ends the process tree at this step boundary and pauses the task.
+// sees that file, ends the process tree at this step boundary and pauses the task. (The agent's shell
+// can write that folder too, so the worker books nothing from the file: it pauses once the printed
+// event stream shows the run's spend at the allowance, and sets aside a reply it does not bear out.)
 // Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
 // that cannot be read lets the call go. Imports only files.js (beside it); writes only the .held file.
 // Not run by hand: OpenCode loads it. Env: TASKBRIDGE_GATE (the gate file's path; unset, every call goes).

@@ -239,8 +239,7 @@ def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
     task_store.set_budget(daily_usd=1.0)
     mine, other = _task(tmp_path, max_cost_usd=0.5), _task(tmp_path)
     claimed = task_store.claim_next("w", task_id=mine["id"]) | {"usage": {"cost_usd": 0.1, "tokens": {"total": 5}}}
-    run = worker.fresh_run_folder(mine["id"])   # control/gate, the plugin's answer in reply/
-    gate, held = run / "control" / "gate", run / "reply" / "gate.held"
+    gate = worker.fresh_run_folder(mine["id"]) / "control" / "gate"
     meter = worker.Meter(claimed, str(gate))
     assert json.loads(gate.read_text()) == {"allow_usd": pytest.approx(0.4), "allow_tokens": None, "stop": None}
     # Another run spends 0.8 of today's 1.0: at the next refresh this run may spend 0.2 in all.
@@ -248,11 +247,14 @@ def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
     task_store.record_spend(other["id"], theirs["run_marker"], 0.8, 10, 0.8, 10)
     meter.refresh()
     assert json.loads(gate.read_text())["allow_usd"] == pytest.approx(0.2)
+    assert not meter.believes(), "a hold below every allowance the gate was given is not borne out"
     meter.write_gate(stop="limit")
     meter.refresh()
     assert json.loads(gate.read_text())["stop"] == "limit", "once stopped, a refresh never reopens the gate"
+    held = gate.parent.parent / "reply" / "gate.held"
     held.write_text('{"steps": 2, "cost_usd": 0.25, "tokens": 40}')
     assert meter.held() == {"steps": 2, "cost_usd": 0.25, "tokens": 40}
+    assert meter.believes(), "told to stop, the gate holds whatever the stream showed"
     meter.close()
     assert not gate.exists() and not held.exists()
 
