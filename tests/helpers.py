@@ -236,3 +236,40 @@ def worker_process(env: dict[str, str], out: Path, *args: str) -> Iterator[subpr
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+AGENT_DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+
+
+def bash_step(command: str, what: str = "probe") -> Any:
+    """A scripted model step: one bash tool call running ``command``."""
+    from fake_openai import tool_call
+    return tool_call("bash", {"command": command, "description": what})
+
+
+def tool_outputs(task: dict) -> str:
+    """Every tool output of a task's runs, from its log's event stream (what the model saw), one
+    ``tool: output`` block per call."""
+    import task_store
+    seen = []
+    for line in task_store.log_path(task["id"]).read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("type") == "tool_use":
+            state = event["part"]["state"]
+            seen.append(f"{event['part']['tool']}: {state.get('output') or state.get('error') or ''}")
+    return "\n".join(seen)
+
+
+def run_attack(opencode: Any, repo: Path, name: str, commands: list[str], **fields: Any) -> dict:
+    """One real worker pass over a task whose scripted agent runs ``commands`` in bash, then ends
+    with a receipt; returns the task as stored."""
+    import task_store
+    from fake_openai import text
+    opencode.model.script(name, [*(bash_step(c) for c in commands), text("Tried.\n" + AGENT_DONE)])
+    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo), **fields)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    return task_store.get_task(task["id"])

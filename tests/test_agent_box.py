@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,29 +15,10 @@ import pytest
 import agent_box
 import task_store
 from fake_openai import text, tool_call
-from helpers import checkout_state, git, make_repo, run_script
+from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, make_repo, run_script, tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
-DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
-
-
-def bash(command: str, what: str = "probe") -> object:
-    return tool_call("bash", {"command": command, "description": what})
-
-
-def outputs(task: dict) -> str:
-    """Every tool output of the task's run, from its log's event stream (what the model saw)."""
-    seen = []
-    for line in task_store.log_path(task["id"]).read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("type") == "tool_use":
-            state = event["part"]["state"]
-            seen.append(f"{event['part']['tool']}: {state.get('output') or state.get('error') or ''}")
-    return "\n".join(seen)
 
 
 @pytest.fixture

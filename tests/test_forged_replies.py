@@ -9,23 +9,10 @@ import pytest
 
 import opencode_runner as oc
 import task_store
-from fake_openai import text, tool_call
-from helpers import make_repo, run_script
+from fake_openai import text
+from helpers import AGENT_DONE as DONE, bash_step as bash, make_repo, run_attack as run, run_script
 
 pytestmark = pytest.mark.real_opencode
-DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
-
-
-def bash(command: str) -> object:
-    return tool_call("bash", {"command": command, "description": "probe"})
-
-
-def run(opencode, repo, name: str, commands: list[str], **fields) -> dict:
-    opencode.model.script(name, [*(bash(c) for c in commands), text("Tried.\n" + DONE)])
-    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo), **fields)
-    passed = run_script("worker.py")
-    assert passed.returncode == 0, passed.stderr
-    return task_store.get_task(task["id"])
 
 
 def test_a_forged_spend_gate_reply_cannot_book_spend_the_run_never_made(opencode, tmp_path):

@@ -7,43 +7,13 @@ outside the box. Each failed on the code as found (the fresh attacker's findings
 the hole is closed; where the attack is now refused when made, the test says so."""
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 
 import task_store
-from fake_openai import text, tool_call
-from helpers import git, make_repo, run_script
+from fake_openai import text
+from helpers import AGENT_DONE as DONE, bash_step as bash, git, make_repo, run_attack as run, run_script, tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
-DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
-
-
-def bash(command: str) -> object:
-    return tool_call("bash", {"command": command, "description": "probe"})
-
-
-def outputs(task: dict) -> str:
-    seen = []
-    for line in task_store.log_path(task["id"]).read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and event.get("type") == "tool_use":
-            state = event["part"]["state"]
-            seen.append(f"{event['part']['tool']}: {state.get('output') or state.get('error') or ''}")
-    return "\n".join(seen)
-
-
-def run(opencode, repo: Path, name: str, commands: list[str], **fields) -> dict:
-    opencode.model.script(name, [*(bash(c) for c in commands), text("Tried.\n" + DONE)])
-    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo), **fields)
-    passed = run_script("worker.py")
-    assert passed.returncode == 0, passed.stderr
-    return task_store.get_task(task["id"])
 
 
 def test_nested_repository_filter_planted_by_the_agent_never_runs_outside_the_box(opencode, tmp_path):
