@@ -1167,8 +1167,6 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} stopped before any further git command: {exc}")
             return _finish(store.fail_unrunnable, task, marker, str(exc))
         try:
-            if box.mechanism and ws.mode == "worktree" and task["permission"] != "readonly" and not run.superseded:
-                worktrees.forget_run_index(ws)   # it may name objects only the run's quarantine held
             repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
                            "restrictions": oc.repo_restrictions(config_files, ws.cwd),
                            "housekeeping_undone": [os.path.relpath(p, ws.cwd)

@@ -988,6 +988,10 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     ``user.useConfigOnly`` cannot refuse it). Raises GitError / GitStopped."""
     if ws.mode != "worktree":
         return None
+    # The index from HEAD, not from the run: a boxed run's own `git add` wrote its objects to a
+    # quarantine dropped after the run, so its index entries may name objects this repository
+    # lacks (and an unchanged file's entry is trusted by `add -A`).
+    git(["read-tree", "HEAD"], ws.top)
     git(["add", "-A", "."], ws.top)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
         return None
@@ -1306,14 +1310,6 @@ def nested_repositories(top: str) -> set[str]:
             with contextlib.suppress(ValueError):
                 subdirs.remove(".git")
     return found
-
-
-def forget_run_index(ws: Workspace) -> None:
-    """Set the worktree's index back to its HEAD (``git read-tree HEAD``; the files stay): a boxed
-    run's own ``git add`` wrote its objects to a quarantine dropped after the run, so its index
-    entries may name objects the repository does not have. TaskBridge's ``add -A`` then hashes
-    every changed file itself. Raises GitError / GitStopped."""
-    git(["read-tree", "HEAD"], ws.top)
 
 
 class NestedRepository(GitPlanted):

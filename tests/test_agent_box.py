@@ -15,7 +15,7 @@ import pytest
 import agent_box
 import task_store
 from fake_openai import text, tool_call
-from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, make_repo, run_script, tool_outputs as outputs
+from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, git, make_repo, run_script, tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
@@ -76,8 +76,8 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
                             "content": "[filter \"x\"]\n\tclean = sh -c 'touch /tmp/pwned'\n"}),
         bash(f"echo '{{\"rules\":{{}}}}' > {run}/control/rules; echo rules-$?"),
         bash(f"echo x > {other}/planted.txt; echo other-$?; echo x > $HOME/planted.txt; echo home-$?"),
-        bash("echo ok > inside.txt && echo tmp > /tmp/tb-box-scratch && cat /tmp/tb-box-scratch && git status --short "
-             "&& git add inside.txt && echo git-ok"),
+        bash("echo ok > inside.txt && touch -d '2 minutes ago' inside.txt && sleep 1.1 && echo tmp > /tmp/tb-box-scratch "
+             "&& cat /tmp/tb-box-scratch && git status --short && git add inside.txt && echo git-ok"),
         text("Tried.\n" + DONE),
     ])
     task = submit(repo, "raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
@@ -94,6 +94,9 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
     assert not (Path(opencode.env["HOME"]) / "planted.txt").exists()
     assert "tmp\n" in seen and "git-ok" in seen                   # a normal task still works
     assert "inside.txt" in done["result"]["files_touched"]
+    # The run's own `git add` wrote to its quarantine; TaskBridge's commit holds the file anyway.
+    assert git(repo, "show", f"{done['result']['commit']}:inside.txt") == "ok"
+    assert git(repo, "fsck", "--no-dangling") == ""
     assert not Path("/tmp/tb-box-scratch").exists()                # the run's /tmp was its own
 
 
