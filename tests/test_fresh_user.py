@@ -190,12 +190,13 @@ def test_the_worker_and_show_count_attempts_alike_after_a_hand_back(opencode, tm
 
 
 @pytest.mark.real_opencode
-def test_an_agent_that_deletes_its_worktrees_git_gets_advice_that_works(opencode, tmp_path, monkeypatch):
-    """The failure must not say 'commit it there' when git can no longer commit there. (Unboxed:
-    in the box the worktree's .git pointer is read-only and cannot be removed.)"""
-    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+def test_an_agent_that_deletes_its_worktrees_git_pointer_gets_it_back(opencode, tmp_path, monkeypatch):
+    """Unboxed (in the box the pointer is read-only and cannot be removed), `rm -rf .git` in the
+    worktree once failed the task with advice; the git guard now puts the pointer back before
+    TaskBridge's git runs, names it, and the work is committed."""
     from fake_openai import text, tool_call
-    from helpers import make_repo
+    from helpers import git, make_repo
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("rmgit", [tool_call("bash", {"command": "echo new > new.txt && rm -rf .git",
                                                        "description": "x"}),
@@ -204,9 +205,9 @@ def test_an_agent_that_deletes_its_worktrees_git_gets_advice_that_works(opencode
     task = task_store.submit_task(title="rm git", instructions="SCRIPT:rmgit", working_dir=str(repo))
     ran = run_script("worker.py", "--max-tasks", "1", timeout=180)
     final = task_store.get_task(task["id"])
-    assert final["status"] == "failed", ran.stderr
-    assert "commit it there" not in final["error"] and "add -A" not in final["error"], final["error"]
-    assert "no longer a git worktree" in final["error"] and f"git -C {repo} worktree prune" in final["error"]
+    assert final["status"] == "done", ran.stderr
+    assert [p["change"] for p in final["result"]["git_planted"]] == ["removed"]
+    assert git(repo, "show", f"taskbridge/{task['id']}:new.txt") == "new"
 
 
 def test_a_repeated_cherry_pick_says_it_is_already_applied(tmp_path):

@@ -200,7 +200,7 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
         assert metadata["authorization_endpoint"] == f"https://{CLOUDFLARE_HOST}/authorize"
         connect = subprocess.run([str(target / ".venv" / "bin" / "python"), "tasks_cli.py", "connect"], cwd=target,
                                  env=env, capture_output=True, text=True, timeout=60)
-        assert f"URL: https://{CLOUDFLARE_HOST}/mcp" in connect.stdout, connect
+        assert f"URL https://{CLOUDFLARE_HOST}/mcp" in connect.stdout, connect
         assert f'"command": "{target}/.venv/bin/python"' in connect.stdout
     finally:
         assert piped.ctrl_c() == 0, piped.output
