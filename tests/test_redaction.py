@@ -65,7 +65,7 @@ async def served(task_id: str) -> dict[str, object]:
                            ("get_task_logs", {"offset": 0}), ("list_tasks", {})]:
             result = await c.call_tool(tool, {"task_id": task_id, **args} if tool != "list_tasks" else {})
             assert not result.is_error, result.content[0].text
-            seen[f"mcp {tool} {args}"] = [result.structured_content, [b.text for b in result.content]]
+            seen[f"mcp {tool} {args}"] = [result.structured_content, [getattr(b, "text", "") for b in result.content]]
     client = TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
     for path in ("/api/tasks", f"/api/tasks/{task_id}", f"/api/tasks/{task_id}/log",
                  f"/api/tasks/{task_id}/log?offset=0", "/api/events", "/api/engine"):
