@@ -481,12 +481,20 @@ def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
         script = Path(__file__).resolve().parent / "box_shell.py"
         if mechanism == "bubblewrap":   # Landlock and seccomp are Linux's
             cut = " --no-network" if permission == "no-network" else ""
-            lines.append(f"exec {_sh(sys.executable)} -I {_sh(str(script))}{cut} \"$@\"")
+            lines.append(f"exec {_sh(box_python())} -I {_sh(str(script))}{cut} \"$@\"")
         else:
             lines.append('exec /bin/bash "$@"')
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
     return str(path)
+
+
+def box_python() -> str:
+    """The Python that runs box_shell.py inside the box (the standard library is all it needs):
+    the system's ``/usr/bin/python3`` where there is one, since the worker's own may sit where only
+    the worker's privileges reach (a virtualenv over a Python in /root), else the worker's."""
+    system = "/usr/bin/python3"
+    return system if os.access(system, os.X_OK) else sys.executable
 
 
 def _sh(text: str) -> str:
