@@ -1277,7 +1277,7 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         rules_file = write_rules_file(task, control)
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
-        env, boxed = _boxed(task, ws, env, box, run_dir, argv)
+        boxed, env = _boxed(task, ws, box, run_dir, argv, env)
         supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed)
         supervisor.courier = Courier(task, notes_file)
         supervisor.rules_file = rules_file
@@ -1304,23 +1304,23 @@ def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_b
     probe = fresh_run_folder(task["id"], ".probe")
     try:
         return oc.run_env(base, ws.cwd, task["run_marker"], store.queue_tag(), task["permission"],
-                          task.get("agent"), box=lambda argv, env: _boxed(task, ws, env, box, probe, argv)[::-1])
+                          task.get("agent"), box=lambda argv, env: _boxed(task, ws, box, probe, argv, env))
     finally:
         shutil.rmtree(probe, ignore_errors=True)
 
 
-def _boxed(task: dict, ws: Workspace, env: dict[str, str], box: agent_box.Support, run_dir: Path,
-           argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The run's environment and argv inside ``box``: a private temp folder (the box's /tmp) and
-    the box's ``$SHELL`` (agent_box.box_shell)."""
+def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, argv: list[str],
+           env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, env) of a run inside ``box`` (the shape of ``oc.run_env``'s ``box`` hook): a private
+    temp folder (the box's /tmp) and the box's ``$SHELL`` (agent_box.box_shell)."""
     env = dict(env)
     if box.mechanism is None:
         env["TMPDIR"] = str(run_dir / "tmp")
-        return env, argv
+        return argv, env
     env["TMPDIR"] = "/tmp"
     plan = agent_box.plan_for(ws, env, task["permission"], run_dir)
     env["SHELL"] = agent_box.box_shell(run_dir / "control" / "shell", plan, task["permission"], box.mechanism)
-    return env, agent_box.wrap(box.mechanism, plan, argv)
+    return agent_box.wrap(box.mechanism, plan, argv), env
 
 
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
