@@ -79,10 +79,14 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def use_queue(folder: Path) -> None:
+def use_queue(folder: Path) -> Path:
+    """Point the queue at ``folder``; returns a project folder beside it for the tasks' working_dir
+    (the queue's own folder is refused as one)."""
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TASK_DB_PATH"] = str(folder / "tasks.db")
     os.environ["TASK_LOG_DIR"] = str(folder / "logs")
+    (folder / "work").mkdir(exist_ok=True)
+    return folder / "work"
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,9 +101,11 @@ if mode == "store":
     import task_store
     task_store.last_event_id()  # open the kept connection before the clock starts
     while time.time() < start_at: time.sleep(0.001)
+    work = os.path.join(os.path.dirname(os.path.dirname(db)), "work")   # /tmp itself is refused as a working_dir
+    os.makedirs(work, exist_ok=True)
     began = time.time()
     for i in range(cycles):
-        task_store.submit_task(title="c", instructions="i", working_dir="/tmp")
+        task_store.submit_task(title="c", instructions="i", working_dir=work)
         task = task_store.claim_next("bench")
         if task is not None:
             task_store.complete_attempt(task["id"], task["run_marker"])
@@ -233,8 +239,7 @@ async def tool_latency(folder: Path, rounds: int) -> None:
     from mcp.client.session import ClientSession
 
     logging.getLogger("taskbridge").setLevel(logging.ERROR)
-    use_queue(folder)
-    bench_tool_latency.seed(str(folder))
+    bench_tool_latency.seed(str(use_queue(folder)))
     await tool_rounds(folder, rounds, "")
     # The same without the SDK client's jsonschema check of each structured result against the
     # tool's output schema: the part of a call that grows with the rows a result holds.
@@ -256,7 +261,7 @@ async def tool_rounds(folder: Path, rounds: int, label: str) -> None:
 
     cases = [("bare", "ping", {}), ("ours", "get_task", {"task_id": "t_0001"}),
              ("ours", "list_tasks", {"limit": 50}), ("ours", "queue_status", {}),
-             ("ours", "submit_task", {"title": "b", "instructions": "x", "working_dir": str(folder)})]
+             ("ours", "submit_task", {"title": "b", "instructions": "x", "working_dir": str(folder / "work")})]
     times: dict[str, list[float]] = {tool: [] for _, tool, _ in cases}
     async with Client(bench_tool_latency.bare_server(), mode="legacy") as bare, \
             Client(bridge.build_server(), mode="legacy") as ours:
@@ -278,12 +283,12 @@ async def wake(folder: Path, rounds: int) -> None:
     import opencode_bridge_mcp as bridge
     from mcp import Client
 
-    use_queue(folder)
+    work = use_queue(folder)
     rng = random.Random(7)
     waits, polls = [], []
     async with Client(bridge.build_server(), mode="legacy") as client:
         for _ in range(rounds):
-            waited, polled = await bench_wait_for.one_round(client, str(folder), rng)
+            waited, polled = await bench_wait_for.one_round(client, str(work), rng)
             waits.append(waited)
             polls.append(polled)
     add("wake, task finished → `wait_for` returns", waits, polls, "a client polling `get_task` every 4 s",
