@@ -140,7 +140,7 @@ def check_model(live: bool) -> Check:
     except oc.OpencodeNotFound:
         return Check("default model", "fail", "cannot be chosen or checked: opencode is missing", "see the opencode line")
     except (oc.NoDefaultModel, RuntimeError, subprocess.TimeoutExpired) as exc:
-        return Check("default model", "fail", str(exc), "README, \"Use your own model\"")
+        return Check("default model", "fail", str(exc), "docs/models.md")
     except (sqlite3.Error, store.TaskStoreError) as exc:
         return Check("default model", "fail", f"the queue's setting cannot be read: {exc}", "see the database line")
     named = f"{choice.model} (from {choice.source})"
@@ -163,7 +163,7 @@ def fix_for_source(source: str) -> str:
     return {"set_default_model": "set another with the MCP tool set_default_model (`tasks_cli.py models` lists them)",
             "WORKER_MODEL": "set WORKER_MODEL to one `tasks_cli.py models` lists, or unset it",
             "OpenCode config": "change `model` in your OpenCode config to one `tasks_cli.py models` lists",
-            }.get(source, "configure a provider (README, \"Use your own model\")")
+            }.get(source, "configure a provider (docs/models.md)")
 
 
 def live_prompt(model: str) -> str | None:

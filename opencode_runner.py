@@ -1324,8 +1324,7 @@ def default_model(setting: str | None = None, cwd: str | None = None, *,
     if listed:
         return ModelChoice(listed, "opencode models")
     raise NoDefaultModel("no model to run with: OpenCode lists none; run `opencode auth login` or "
-                         "configure a provider in OpenCode's config (see the README, "
-                         "\"Use your own model\"), or set WORKER_MODEL / set_default_model")
+                         "configure a provider in OpenCode's config (see docs/models.md), or set WORKER_MODEL / set_default_model")
 
 
 def search_models(models: list[dict[str, Any]], query: str | None) -> list[dict[str, Any]]:

@@ -819,7 +819,7 @@ def cli() -> None:
               help="Retries after a failed attempt (0..10).")
 @click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default="auto", show_default=True,
               help="What the agent may do, on top of the OS box every run gets: readonly (worktree read-only), "
-                   "no-shell, no-network (bash gets no network); see README, Permissions.")
+                   "no-shell, no-network (bash gets no network); see docs/tasks.md, Permissions.")
 @click.option("--no-worktree", is_flag=True, help="Run in the directory itself, not in a git worktree.")
 @click.option("--keep-worktree", is_flag=True, help="Keep the worktree after a successful run (the branch always stays).")
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
@@ -1339,7 +1339,7 @@ def models(query: str | None, provider: str | None, refresh: bool, as_json: bool
         out().print(models_table(chosen))
     said = f"{len(chosen)} of {len(found)} model(s)" if query else f"{len(found)} model(s)"
     out().print(Text(said + (f"; tasks without a model run with {default.model} (from {default.source})"
-                             if default else "; no default model: see the README, Use your own model"),
+                             if default else "; no default model: see docs/models.md"),
                      style="dim"), soft_wrap=True)
 
 

@@ -13,7 +13,7 @@ checkout), in its own process group, with its output streamed into ``task_logs/t
 lease renewed every second, and a receipt built from what git and the event stream show.
 A task with a spending limit (or any task while the queue has a daily budget) runs with the spend
 gate (``spend_gate.js``, an OpenCode plugin): at the limit the run ends at a step boundary, before
-another model request goes out, and the task waits with a question (see the README, "Spending
+another model request goes out, and the task waits with a question (see docs/tasks.md, "Spending
 limits"); while the daily budget is spent a pass claims nothing and says why in its heartbeat.
 It says what it does (worker_talk): a start line, a line when a task is claimed and when it ends,
 a live line on a terminal, what a first and a second Ctrl-C / SIGTERM do; the same lines go to the

@@ -13,6 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+SLOW_MARKERS = ("real_opencode", "real_claude", "browser", "postgres", "install")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test with one of the slow parts' markers (or the ``opencode`` fixture, which
+    opencode_env's hook marks ``real_opencode``, maybe after this one) is also marked ``slow``, so
+    the fast set is ``-m "not slow"`` (pytest's own ``-m`` filter runs after both hooks)."""
+    for item in items:
+        if "opencode" in getattr(item, "fixturenames", ()) or any(item.get_closest_marker(name) for name in SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(autouse=True)
 def isolated_queue(tmp_path, monkeypatch, request):
