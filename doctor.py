@@ -15,7 +15,6 @@ loopback port, default 8765, as serve.py). No SQL here.
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -35,6 +34,7 @@ import knobs
 import opencode_runner as oc
 import task_store as store
 import task_views
+from launchd import schedule
 
 REPO = Path(__file__).resolve().parent
 LIVE_PROMPT = "Reply with the single word: ok"
@@ -258,13 +258,8 @@ def others_line() -> str:
 
 def schedule_line() -> str:
     """The first line of `launchd/schedule.py status` (installed or not)."""
-    spec = importlib.util.spec_from_file_location("taskbridge_schedule", REPO / "launchd" / "schedule.py")
-    if spec is None or spec.loader is None:
-        return "schedule: unknown"
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
-        return "schedule: " + module.status().splitlines()[0]
+        return "schedule: " + schedule.status().splitlines()[0]
     except Exception as exc:  # noqa: BLE001 - systemctl/launchctl may be missing or refuse
         return f"schedule: unknown ({exc})"
 

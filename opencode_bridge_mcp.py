@@ -50,6 +50,7 @@ import task_resources
 import task_store as store
 import task_views
 import worktrees
+from launchd import schedule
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 # The HTTP side and the shared views; names re-exported here are what this server's callers and
@@ -63,8 +64,7 @@ from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatu
 VERSION = task_views.VERSION
 SERVER_NAME = "taskbridge"
 REPO_DIR = Path(__file__).resolve().parent
-LAUNCHD_LABEL = "com.taskbridge.worker"
-SYSTEMD_UNIT = "taskbridge-worker.service"
+LAUNCHD_LABEL, SYSTEMD_UNIT = schedule.LABEL, f"{schedule.UNIT}.service"
 
 NUMBER_MAX = 2**63 - 1        # bound of every offset / age argument (SQLite's INTEGER range)
 ID_TEXT_MAX = 40               # characters of a task id given as text
