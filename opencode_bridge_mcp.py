@@ -47,6 +47,7 @@ import knobs
 import mcp_shared
 import opencode_runner
 import task_resources
+import task_spec as spec
 import task_store as store
 import task_views
 import worktrees
@@ -378,31 +379,31 @@ class PingResult(TypedDict):
 class BatchTask(TypedDict, total=False):
     """One item of submit_batch (the fields of submit_task, plus ref)."""
     ref: Annotated[str, Field(description="a label (e.g. '@build') other items may name in depends_on")]
-    title: Annotated[str, Field(description="short title, ≤200 characters (required)")]
+    title: Annotated[str, Field(description=f"short title, ≤{spec.TITLE_MAX} characters (required)")]
     instructions: Annotated[str, Field(description="what the agent must do (required)")]
     working_dir: Annotated[str, Field(description="absolute path of an existing directory (this or repo is required)")]
     repo: Annotated[str, Field(description="a git remote to work on instead of working_dir; its branch is pushed back there")]
     base_ref: Annotated[str, Field(description="with repo: the branch, tag or commit to start from (default: the remote's HEAD branch)")]
     host: Annotated[str, Field(description="only workers with this TASKBRIDGE_HOST may run it")]
     model: Annotated[str, Field(description="provider/model; default: the queue's default model")]
-    priority: Annotated[int, Field(ge=-1000, le=1000, description="higher runs first; default 0")]
+    priority: Annotated[int, spec.PRIORITY.field(f"higher runs first; default {spec.PRIORITY.default}")]
     depends_on: Annotated[list[str], Field(description="task ids (t_0001) or refs of this batch")]
-    timeout_sec: Annotated[int, Field(ge=1, le=86400, description="seconds per attempt; default 1800")]
-    max_retries: Annotated[int, Field(ge=0, le=10, description="default 1")]
+    timeout_sec: Annotated[int, spec.TIMEOUT.field(f"seconds per attempt; default {spec.TIMEOUT.default}")]
+    max_retries: Annotated[int, spec.RETRIES.field(f"extra attempts after a failure; default {spec.RETRIES.default}")]
     permission: Permission
     worktree: bool
     worktree_keep: bool
     ask_human: bool
     agent: str
     idempotency_key: str
-    max_cost_usd: Annotated[float, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts")]
-    max_tokens: Annotated[int, Field(ge=1, le=10**12, description="tokens the task may use (for a model with no price)")]
+    max_cost_usd: Annotated[float, spec.USD.field("USD the task may spend over all its attempts")]
+    max_tokens: Annotated[int, spec.TOKENS.field("tokens the task may use (for a model with no price)")]
     continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch)")]
     fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session)")]
     rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
-    schedule_timeout_sec: Annotated[int, Field(ge=1, le=30 * 86400, description="seconds it may stay queued before start_overdue warns")]
+    schedule_timeout_sec: Annotated[int, spec.SCHEDULE_TIMEOUT.field("seconds it may stay queued before start_overdue warns")]
 
 
 def _echo(task: dict[str, Any]) -> dict[str, Any]:
@@ -561,18 +562,18 @@ def build_server() -> MCPServer:
 
 @registry.tool(ADDS, title="Submit a coding task")
 def submit_task(
-    title: Annotated[str, Field(description="short title shown in lists, ≤200 characters; stored exactly as sent")],
-    instructions: Annotated[str, Field(description="what the agent must do, as a full brief (≤200,000 characters)")],
+    title: Annotated[str, Field(description=f"short title shown in lists, ≤{spec.TITLE_MAX} characters; stored exactly as sent")],
+    instructions: Annotated[str, Field(description=f"what the agent must do, as a full brief (≤{spec.INSTRUCTIONS_MAX:,} characters)")],
     ctx: Context,
     working_dir: Annotated[OptText, Field(description="absolute path of an existing directory on the worker's machine (a git repo gets an isolated worktree); give this or repo")] = None,
     repo: Annotated[OptText, Field(description="a git remote to work on instead of working_dir: https://, ssh://, git@host:path, file:// or a repository's absolute path, without credentials (each worker uses its own git credentials); the worker pushes branch taskbridge/<id> back there")] = None,
     base_ref: Annotated[OptText, Field(description="with repo: the branch, tag or commit the task starts from (default: the remote's HEAD branch)")] = None,
     host: Annotated[OptText, Field(description="only workers whose TASKBRIDGE_HOST is this name may run it (default: the server's machine for a working_dir, any machine for a repo)")] = None,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name that one provider offers); default: the queue's default model")] = None,
-    priority: Annotated[int | None, Field(ge=-1000, le=1000, description="higher runs first, then oldest")] = 0,
+    priority: Annotated[int | None, spec.PRIORITY.field("higher runs first, then oldest")] = spec.PRIORITY.default,
     depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],
-    timeout_sec: Annotated[int | None, Field(ge=1, le=86400, description="seconds per attempt (each retry gets it again)")] = 1800,
-    max_retries: Annotated[int | None, Field(ge=0, le=10, description="extra attempts after a failure")] = 1,
+    timeout_sec: Annotated[int | None, spec.TIMEOUT.field("seconds per attempt (each retry gets it again)")] = spec.TIMEOUT.default,
+    max_retries: Annotated[int | None, spec.RETRIES.field("extra attempts after a failure")] = spec.RETRIES.default,
     permission: Annotated[Permission | None, Field(description="Every run is boxed by the OS (writes only in its worktree, no TaskBridge secret). auto: "
                                                                    "anything in the worktree; readonly: the worktree is read-only; no-shell: no "
                                                                    "bash; no-network: bash gets no network. Without an OS box the last three "
@@ -582,14 +583,14 @@ def submit_task(
     ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
     idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
-    max_cost_usd: Annotated[float | None, Field(gt=0, le=1_000_000, description="USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
-    max_tokens: Annotated[int | None, Field(ge=1, le=10**12, description="tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
+    max_cost_usd: Annotated[float | None, spec.USD.field("USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
+    max_tokens: Annotated[int | None, spec.TOKENS.field("tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
     fork_from: Annotated[OptText, Field(description="a fork of this task id: a new branch from its head with a copy of its session, to try another approach side by side; waits for it")] = None,
     rules: Annotated[Rules | None, Field(description="permission rules added to the preset: per tool an ordered list of {pattern, action} (allow|deny|ask), the last match winning, e.g. {\"bash\": [{\"pattern\": \"git push*\", \"action\": \"ask\"}]}; OpenCode's map form {\"bash\": {\"git push*\": \"ask\"}} works too; ask pauses the task for your answer")] = None,
     skills: Annotated[list[str] | None, Field(description="OpenCode skills the agent is told to load first (checked against `opencode debug skill`)")] = None,
     subagents: Annotated[list[str] | None, Field(description="OpenCode sub-agents the agent may hand work to with its task tool (checked against OpenCode's config)")] = None,
-    schedule_timeout_sec: Annotated[int | None, Field(ge=1, le=30 * 86400, description="seconds it may stay queued without starting; past it get_task's start_overdue and queue_status's start_overdue warn (a queue that silently stopped)")] = None,
+    schedule_timeout_sec: Annotated[int | None, spec.SCHEDULE_TIMEOUT.field("seconds it may stay queued without starting; past it get_task's start_overdue and queue_status's start_overdue warn (a queue that silently stopped)")] = None,
 ) -> SubmittedTask:
     """Queue one coding task for an OpenCode agent; returns the task (id like t_0001, status pending).
 
@@ -650,7 +651,7 @@ def _check_names(fields: dict[str, Any]) -> None:
 
 
 _BATCH_SCHEMA = {
-    "type": "array", "minItems": 1, "maxItems": store.BATCH_MAX,
+    "type": "array", "minItems": 1, "maxItems": spec.BATCH_MAX,
     "items": TypeAdapter(BatchTask).json_schema() | {"required": ["title", "instructions"]},
 }
 
@@ -684,8 +685,8 @@ def submit_batch(
     """
     name, version = caller_of(ctx)
     raw = store.coerce_list("tasks", tasks)
-    if not 1 <= len(raw) <= store.BATCH_MAX:
-        raise ToolError(f"a batch holds 1 to {store.BATCH_MAX} tasks; got {len(raw)}. Split it")
+    if not 1 <= len(raw) <= spec.BATCH_MAX:
+        raise ToolError(f"a batch holds 1 to {spec.BATCH_MAX} tasks; got {len(raw)}. Split it")
     done = store.submit_batch([_batch_item(item, name, version) for item in raw])
     return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
 
@@ -1228,10 +1229,10 @@ def set_default_model(
 
 @registry.tool(SETS_BUDGET, title="Set the spending budget")
 def set_budget(
-    daily_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
-    daily_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
-    default_max_cost_usd: Annotated[float | None, Field(ge=0, le=1_000_000, description="USD limit a new task gets when it names none; 0 removes; omit to keep")] = None,
-    default_max_tokens: Annotated[int | None, Field(ge=0, le=10**12, description="token limit a new task gets when it names none; 0 removes; omit to keep")] = None,
+    daily_usd: Annotated[float | None, Field(ge=0, le=spec.USD.hi, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
+    daily_tokens: Annotated[int | None, Field(ge=0, le=spec.TOKENS.hi, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
+    default_max_cost_usd: Annotated[float | None, Field(ge=0, le=spec.USD.hi, description="USD limit a new task gets when it names none; 0 removes; omit to keep")] = None,
+    default_max_tokens: Annotated[int | None, Field(ge=0, le=spec.TOKENS.hi, description="token limit a new task gets when it names none; 0 removes; omit to keep")] = None,
 ) -> BudgetState:
     """Set the queue's daily budget and the spending limits new tasks get by default; returns the
     budget state (as queue_status's `budget`). The day is the machine's local calendar day: the

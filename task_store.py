@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
 
 import knobs
+import task_spec as spec
+from task_spec import BATCH_MAX, INSTRUCTIONS_MAX, TITLE_MAX  # noqa: F401 - the store's callers read them here too
 
 if TYPE_CHECKING:
     from file_watch import FolderWatch
@@ -53,14 +55,8 @@ STATUSES = ("pending", "running", "waiting", "done", "failed", "cancelled")
 TERMINAL = ("done", "failed", "cancelled")
 PERMISSIONS = ("auto", "readonly", "no-shell", "no-network")
 
-TITLE_MAX = 200
-INSTRUCTIONS_MAX = 200_000
 NOTE_MAX = 20_000
 ANSWER_MAX = 50_000
-TIMEOUT_RANGE = (1, 86_400)
-RETRIES_RANGE = (0, 10)
-PRIORITY_RANGE = (-1000, 1000)
-BATCH_MAX = 20
 RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range
@@ -1526,6 +1522,13 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _bounded(bound: spec.Bound, raw: dict[str, Any]) -> int | None:
+    """``raw[bound.name]`` as an int within the bound, its default when absent (None for a field
+    with no default). Raises ValidationError naming the field and its range."""
+    value = _or(raw.get(bound.name), bound.default)
+    return None if value is None else coerce_int(bound.name, value, *bound.range)
+
+
 def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | None:
     if value is None and not required:
         return None
@@ -1807,13 +1810,13 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "host": validate_host(raw.get("host")),
         "model": validate_model(raw.get("model")),
         "agent": agent,
-        "priority": coerce_int("priority", _or(raw.get("priority"), 0), *PRIORITY_RANGE),
+        "priority": _bounded(spec.PRIORITY, raw),
         "permission": permission,
         "worktree": int(coerce_bool("worktree", raw.get("worktree", True))),
         "worktree_keep": int(coerce_bool("worktree_keep", raw.get("worktree_keep", False))),
         "ask_human": int(coerce_bool("ask_human", raw.get("ask_human", False))),
-        "timeout_sec": coerce_int("timeout_sec", _or(raw.get("timeout_sec"), 1800), *TIMEOUT_RANGE),
-        "max_retries": coerce_int("max_retries", _or(raw.get("max_retries"), 1), *RETRIES_RANGE),
+        "timeout_sec": _bounded(spec.TIMEOUT, raw),
+        "max_retries": _bounded(spec.RETRIES, raw),
         "idempotency_key": key,
         "origin_name": origin_name,
         "origin_version": optional(raw.get("origin_version")),
@@ -1827,8 +1830,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "rules": validate_rules(raw.get("rules")),
         "skills": _names("skills", raw.get("skills")),
         "subagents": _names("subagents", raw.get("subagents")),
-        "schedule_timeout_sec": coerce_int("schedule_timeout_sec", raw["schedule_timeout_sec"], *SCHEDULE_RANGE)
-        if optional(raw.get("schedule_timeout_sec")) is not None else None,
+        "schedule_timeout_sec": _bounded(spec.SCHEDULE_TIMEOUT, raw),
     }
 
 
@@ -1956,7 +1958,6 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     return task
 
 
-SCHEDULE_RANGE = (1, 30 * 86_400)   # a schedule timeout in seconds
 
 
 def start_overdue(row: Any, at: float | None = None) -> str | None:
@@ -3288,8 +3289,6 @@ def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Spending limits and the daily budget (issue 14).
 
-USD_RANGE = (0.0, 1_000_000.0)        # a limit or budget in USD: above 0, at most this
-TOKENS_RANGE = (1, 10**12)
 BUDGET_KEYS = {"daily_usd": "budget.daily_usd", "daily_tokens": "budget.daily_tokens",
                "default_max_cost_usd": "budget.default_max_cost_usd",
                "default_max_tokens": "budget.default_max_tokens"}
@@ -3314,15 +3313,15 @@ def coerce_usd(name: str, value: Any) -> float | None:
             raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}")
-    if not USD_RANGE[0] < value <= USD_RANGE[1]:
-        raise ValidationError(f"{name} must be above 0 and at most {USD_RANGE[1]:,.0f} USD; got {value}")
+    if not spec.USD.lo < value <= spec.USD.hi:
+        raise ValidationError(f"{name} must be above 0 and at most {spec.USD.hi:,.0f} USD; got {value}")
     return float(value)
 
 
 def coerce_tokens(name: str, value: Any) -> int | None:
     """A token count of at least 1, or None when absent. Raises ValidationError."""
     value = optional(value)
-    return None if value is None else coerce_int(name, value, *TOKENS_RANGE)
+    return None if value is None else coerce_int(name, value, *spec.TOKENS.range)
 
 
 def local_day(ts: float | None = None) -> str:

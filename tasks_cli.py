@@ -31,6 +31,7 @@ from rich.text import Text
 
 import knobs
 import opencode_runner
+import task_spec
 import task_store
 import task_views
 import worktrees
@@ -810,13 +811,13 @@ def cli() -> None:
 @click.option("--file", "-f", type=click.File("rb"), help="Read the instructions from a file; '-' is stdin.")
 @click.option("--model", "-m", callback=model_arg,
               help="Model as provider/model, checked against `opencode models` (default: chosen at claim; see `models`).")
-@click.option("--priority", "-p", type=click.IntRange(*task_store.PRIORITY_RANGE), default=0, show_default=True,
-              help="Higher runs first (-1000..1000).")
+@click.option("--priority", "-p", type=task_spec.PRIORITY.click_type(), default=task_spec.PRIORITY.default,
+              show_default=True, help="Higher runs first.")
 @click.option("--depends-on", multiple=True, callback=task_id_arg, help="A task that must be done first (repeatable).")
-@click.option("--timeout", "timeout_sec", type=click.IntRange(*task_store.TIMEOUT_RANGE), default=1800, show_default=True,
-              help="Seconds per attempt (1..86400).")
-@click.option("--max-retries", type=click.IntRange(*task_store.RETRIES_RANGE), default=1, show_default=True,
-              help="Retries after a failed attempt (0..10).")
+@click.option("--timeout", "timeout_sec", type=task_spec.TIMEOUT.click_type(), default=task_spec.TIMEOUT.default,
+              show_default=True, help="Seconds per attempt.")
+@click.option("--max-retries", type=task_spec.RETRIES.click_type(), default=task_spec.RETRIES.default,
+              show_default=True, help="Retries after a failed attempt.")
 @click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default="auto", show_default=True,
               help="What the agent may do, on top of the OS box every run gets: readonly (worktree read-only), "
                    "no-shell, no-network (bash gets no network); see docs/tasks.md, Permissions.")
@@ -827,7 +828,7 @@ def cli() -> None:
 @click.option("--yes", "-y", is_flag=True, help="Without --dir, queue for the current folder even when it is not a git repository.")
 @click.option("--max-cost", "max_cost_usd", callback=usd_arg,
               help="USD the task may spend over all its attempts; at the limit it pauses and asks (default: the queue's).")
-@click.option("--max-tokens", type=click.IntRange(*task_store.TOKENS_RANGE),
+@click.option("--max-tokens", type=task_spec.TOKENS.click_type(),
               help="Tokens the task may use, for a model that reports no price (default: the queue's).")
 @click.option("--continue", "continue_from", callback=task_id_arg,
               help="Follow-up of this task: resume its OpenCode session and commit on its branch (waits for it).")
@@ -841,7 +842,7 @@ def cli() -> None:
                              "back with its own git credentials.")
 @click.option("--base-ref", help="With --repo: the branch, tag or commit to start from (default: the remote's HEAD branch).")
 @click.option("--host", help="Only workers with this TASKBRIDGE_HOST may run it (default: this machine for --dir, any for --repo).")
-@click.option("--schedule-timeout", "schedule_timeout_sec", type=click.IntRange(*task_store.SCHEDULE_RANGE),
+@click.option("--schedule-timeout", "schedule_timeout_sec", type=task_spec.SCHEDULE_TIMEOUT.click_type(),
               help="Seconds it may stay queued without starting; past it `show` and `status` warn.")
 @json_option
 def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
@@ -1479,13 +1480,13 @@ def budget_show(as_json: bool) -> None:
 
 
 @budget.command("set")
-@click.option("--daily", "daily_usd", type=click.FloatRange(0, task_store.USD_RANGE[1]),
+@click.option("--daily", "daily_usd", type=task_spec.USD.click_type(lo=0),
               help="USD the whole queue may spend per local day (0 removes the budget).")
-@click.option("--daily-tokens", type=click.IntRange(0, task_store.TOKENS_RANGE[1]),
+@click.option("--daily-tokens", type=task_spec.TOKENS.click_type(lo=0),
               help="Tokens the queue may use per local day (0 removes).")
-@click.option("--default-max-cost", "default_max_cost_usd", type=click.FloatRange(0, task_store.USD_RANGE[1]),
+@click.option("--default-max-cost", "default_max_cost_usd", type=task_spec.USD.click_type(lo=0),
               help="USD limit a new task gets when it names none (0 removes).")
-@click.option("--default-max-tokens", type=click.IntRange(0, task_store.TOKENS_RANGE[1]),
+@click.option("--default-max-tokens", type=task_spec.TOKENS.click_type(lo=0),
               help="Token limit a new task gets when it names none (0 removes).")
 @json_option
 def budget_set(daily_usd: float | None, daily_tokens: int | None, default_max_cost_usd: float | None,
@@ -1504,7 +1505,7 @@ def budget_set(daily_usd: float | None, daily_tokens: int | None, default_max_co
 @budget.command("raise")
 @click.argument("task_id", callback=task_id_arg)
 @click.argument("usd", required=False, callback=usd_arg)
-@click.option("--tokens", "max_tokens", type=click.IntRange(*task_store.TOKENS_RANGE), help="The new token limit.")
+@click.option("--tokens", "max_tokens", type=task_spec.TOKENS.click_type(), help="The new token limit.")
 @json_option
 def budget_raise(task_id: str, usd: float | None, max_tokens: int | None, as_json: bool) -> None:
     """Raise TASK_ID's limit to USD (or --tokens N); a task paused at its limit resumes its session."""
