@@ -130,9 +130,10 @@ def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
 
 
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
-        strip: bool = True, config: tuple[str, ...] = ()) -> str:
+        strip: bool = True, config: tuple[str, ...] = (), input: bytes | None = None) -> str:
     """Run one of TaskBridge's own git commands (see NEUTRAL_CONFIG and `git_env`; ``env``: extra
-    variables, ``config``: extra ``-c`` settings) with stdin from /dev/null, in its own process
+    variables, ``config``: extra ``-c`` settings) with stdin from /dev/null (``input``: these
+    bytes on stdin instead, for ``--stdin`` lists too long for a command line), in its own process
     group, bounded by ``git_timeout()`` and the thread's watcher. Returns stdout, stripped unless
     ``strip=False`` (a diff must keep its last newline to apply); bytes that are not UTF-8 are
     replaced, never fatal. Raises GitError with git's message when ``check`` (else returns ""),
@@ -144,14 +145,15 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
     if reason:
         raise GitStopped(f"{command} was not started: {reason}", reason)
     try:
-        proc = subprocess.Popen(["git", *flags, *args], cwd=cwd, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(["git", *flags, *args], cwd=cwd,
+                                stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=git_env(env),
                                 start_new_session=True)
     except OSError as exc:  # git missing, or cwd gone
         if check:
             raise GitError(f"{command} could not start in {cwd}: {exc.strerror or exc}") from exc
         return ""
-    out, err = _supervise(proc, command)
+    out, err = _supervise(proc, command, input)
     out_text, err_text = (b.decode("utf-8", errors="replace") for b in (out, err))
     if check and proc.returncode != 0:
         raise GitError(f"{command} failed: {(err_text or out_text).strip()}")
@@ -160,17 +162,18 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
     return out_text.strip() if strip else out_text
 
 
-def _supervise(proc: subprocess.Popen, command: str) -> tuple[bytes, bytes]:
-    """Collect a git command's output while watching its time limit and the thread's watcher;
-    end its process tree (a filter or helper it started included) when either says stop."""
+def _supervise(proc: subprocess.Popen, command: str, data: bytes | None = None) -> tuple[bytes, bytes]:
+    """Collect a git command's output (``data`` fed to its stdin) while watching its time limit
+    and the thread's watcher; end its process tree (a filter or helper it started included) when
+    either says stop."""
     limit = git_timeout()
     deadline = time.monotonic() + limit
     watcher = getattr(_watch, "check", None)
     while True:
         try:
-            return proc.communicate(timeout=0.2)
+            return proc.communicate(data, timeout=0.2)
         except subprocess.TimeoutExpired:
-            pass
+            data = None   # communicate keeps feeding what it was given once; a second input is refused
         try:
             reason = watcher() if watcher else None
         except BaseException:
@@ -947,14 +950,49 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     with a throw-away index so neither the user's index nor the worktree's is touched."""
     if not ws.top or not ws.base_commit:
         return [], ""
+    left_out = not_checked_out(ws.top)
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
         git(["read-tree", ws.base_commit], ws.top, env=env)
-        git(["add", "-A", "."], ws.top, env=env)
+        keep_left_out(ws.top, left_out, env)
+        git(["add", "-A", "."], ws.top, env=env, config=WHOLE_TREE_ADD)
         names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, ws.base_commit], ws.top, env=env)
         diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, ws.base_commit], ws.top,
                    env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
+
+
+# TaskBridge's own `add -A` takes every file a run left, inside a sparse checkout's cone or not:
+# with sparse checking on, git refuses a new file outside the cone, and the commit of a finished
+# run failed. The paths git left out stay out by their skip-worktree marks (`keep_left_out`).
+WHOLE_TREE_ADD = ("core.sparseCheckout=false",)
+
+
+def not_checked_out(top: str) -> list[str]:
+    """The tracked paths (relative to ``top``) a sparse checkout (``core.sparseCheckout``) left
+    out of the worktree at ``top``: marked skip-worktree in its index and absent on disk; [] when
+    it is not sparse. Read before an index is rebuilt from a commit (which drops the marks), they
+    keep those paths from showing, and being committed, as deleted. A file the run wrote at such
+    a path is on disk, so it counts as changed. Raises GitError when a sparse worktree's index
+    cannot be read: committing without it would delete every path outside the cone."""
+    if git(["config", "--bool", "--get", "core.sparseCheckout"], top, check=False) != "true":
+        return []
+    listing = git(["ls-files", "-t", "-z"], top, strip=False)
+    return [entry[2:] for entry in listing.split("\0")
+            if entry.startswith("S ") and not os.path.lexists(os.path.join(top, entry[2:]))]
+
+
+def keep_left_out(top: str, paths: list[str], env: dict[str, str] | None = None) -> None:
+    """Mark those of ``paths`` (see `not_checked_out`) that the index holds skip-worktree, in the
+    worktree's index or the one ``env``'s ``GIT_INDEX_FILE`` names, so `add -A` leaves them as
+    they are in the commit. Raises GitError."""
+    if not paths:
+        return
+    held = set(git(["ls-files", "-z"], top, env=env, strip=False).split("\0"))
+    kept = [path for path in paths if path in held]
+    if kept:   # on stdin: a monorepo leaves out more paths than a command line holds
+        git(["update-index", "-z", "--skip-worktree", "--stdin"], top, env=env,
+            input="".join(f"{path}\0" for path in kept).encode())
 
 
 def checkout_state(repo: str | None) -> dict[str, tuple]:
@@ -991,8 +1029,10 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     # The index from HEAD, not from the run: a boxed run's own `git add` wrote its objects to a
     # quarantine dropped after the run, so its index entries may name objects this repository
     # lacks (and an unchanged file's entry is trusted by `add -A`).
+    left_out = not_checked_out(ws.top)   # read before read-tree drops the index's sparse marks
     git(["read-tree", "HEAD"], ws.top)
-    git(["add", "-A", "."], ws.top)
+    keep_left_out(ws.top, left_out)
+    git(["add", "-A", "."], ws.top, config=WHOLE_TREE_ADD)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
         return None
     identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
