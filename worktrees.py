@@ -130,9 +130,10 @@ def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
 
 
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
-        strip: bool = True, config: tuple[str, ...] = ()) -> str:
+        strip: bool = True, config: tuple[str, ...] = (), input: bytes | None = None) -> str:
     """Run one of TaskBridge's own git commands (see NEUTRAL_CONFIG and `git_env`; ``env``: extra
-    variables, ``config``: extra ``-c`` settings) with stdin from /dev/null, in its own process
+    variables, ``config``: extra ``-c`` settings) with stdin from /dev/null (``input``: these
+    bytes on stdin instead, for ``--stdin`` lists too long for a command line), in its own process
     group, bounded by ``git_timeout()`` and the thread's watcher. Returns stdout, stripped unless
     ``strip=False`` (a diff must keep its last newline to apply); bytes that are not UTF-8 are
     replaced, never fatal. Raises GitError with git's message when ``check`` (else returns ""),
@@ -144,14 +145,15 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
     if reason:
         raise GitStopped(f"{command} was not started: {reason}", reason)
     try:
-        proc = subprocess.Popen(["git", *flags, *args], cwd=cwd, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(["git", *flags, *args], cwd=cwd,
+                                stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=git_env(env),
                                 start_new_session=True)
     except OSError as exc:  # git missing, or cwd gone
         if check:
             raise GitError(f"{command} could not start in {cwd}: {exc.strerror or exc}") from exc
         return ""
-    out, err = _supervise(proc, command)
+    out, err = _supervise(proc, command, input)
     out_text, err_text = (b.decode("utf-8", errors="replace") for b in (out, err))
     if check and proc.returncode != 0:
         raise GitError(f"{command} failed: {(err_text or out_text).strip()}")
@@ -160,17 +162,18 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
     return out_text.strip() if strip else out_text
 
 
-def _supervise(proc: subprocess.Popen, command: str) -> tuple[bytes, bytes]:
-    """Collect a git command's output while watching its time limit and the thread's watcher;
-    end its process tree (a filter or helper it started included) when either says stop."""
+def _supervise(proc: subprocess.Popen, command: str, data: bytes | None = None) -> tuple[bytes, bytes]:
+    """Collect a git command's output (``data`` fed to its stdin) while watching its time limit
+    and the thread's watcher; end its process tree (a filter or helper it started included) when
+    either says stop."""
     limit = git_timeout()
     deadline = time.monotonic() + limit
     watcher = getattr(_watch, "check", None)
     while True:
         try:
-            return proc.communicate(timeout=0.2)
+            return proc.communicate(data, timeout=0.2)
         except subprocess.TimeoutExpired:
-            pass
+            data = None   # communicate keeps feeding what it was given once; a second input is refused
         try:
             reason = watcher() if watcher else None
         except BaseException:
@@ -192,6 +195,73 @@ def worktree_root() -> Path:
         return Path(configured).expanduser().resolve()
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "taskbridge" / "worktrees" / store.queue_tag()
+
+
+# A repository's folder name longer than this (in bytes) is cut in its task folder's name, with a
+# hash of the whole name to keep two such repositories apart: the name plus "-t_0001" must stay
+# under the file system's limit for one name (255 bytes on most), and git names the worktree's
+# admin folder after it, adding a counter when that name is taken.
+FOLDER_LABEL_MAX = 100
+
+
+def task_folder(label: str, ident: str) -> Path:
+    """The worktree folder of task ``ident`` of the repository whose folder is named ``label``:
+    ``<worktree_root>/<label>-<ident>``, a label past FOLDER_LABEL_MAX bytes cut (on a character
+    boundary) and followed by 8 hex digits of its hash."""
+    raw = label.encode("utf-8", "surrogateescape")
+    if len(raw) > FOLDER_LABEL_MAX:
+        digest = hashlib.sha1(raw).hexdigest()[:8]
+        label = f"{raw[:FOLDER_LABEL_MAX - 20].decode('utf-8', 'ignore')}-{digest}"
+    return worktree_root() / f"{label}-{ident}"
+
+
+# Only a worktree this deep gets its files' depth checked too (a listing of the whole tree): below
+# it, the repository's own paths would have to be thousands of bytes long to pass the limit.
+DEEP_WORKTREE_BYTES = 1024
+
+
+def check_path_fits(path: Path, repo: str, commit: str) -> None:
+    """Before the worktree at ``path`` is made from ``commit`` of ``repo``: every name in its path
+    within this file system's limit for one name, and the path (for a deep worktree, the longest
+    path ``commit`` holds inside it too) within its limit for a whole path — past it git still
+    checks files out by relative paths, but nothing that names them by their full path (the
+    agent's tools, TaskBridge's own checks) can reach them. Raises Unrunnable naming the limit,
+    the length and TASKBRIDGE_WORKTREE_ROOT."""
+    name_max, path_max = _path_limits(path)
+    way_out = (f"set TASKBRIDGE_WORKTREE_ROOT to a shorter folder (it is {_clip_middle(str(worktree_root()))}) "
+               "and retry the task")
+    long_name = next((part for part in path.parts if len(os.fsencode(part)) > name_max), None)
+    if long_name is not None:
+        raise Unrunnable(f"the worktree folder {_clip_middle(str(path))} has a name of {len(os.fsencode(long_name))} "
+                         f"bytes, past this file system's limit of {name_max} for one name; {way_out}")
+    own = len(os.fsencode(str(path)))
+    if own + len("/.git") >= path_max:
+        raise Unrunnable(f"the worktree folder {_clip_middle(str(path))} would be {own} bytes long, past this "
+                         f"system's limit of {path_max - 1} for a path; {way_out}")
+    if own <= DEEP_WORKTREE_BYTES:
+        return
+    names = git(["ls-tree", "-r", "-z", "--name-only", commit], repo, strip=False).split("\0")
+    deepest = max(names, key=lambda name: len(os.fsencode(name)), default="")
+    if own + 1 + len(os.fsencode(deepest)) >= path_max:
+        raise Unrunnable(f"in the worktree folder {_clip_middle(str(path))} ({own} bytes) the repository's file "
+                         f"{_clip_middle(deepest)} would have a path of {own + 1 + len(os.fsencode(deepest))} bytes, "
+                         f"past this system's limit of {path_max - 1} for a path; {way_out}")
+
+
+def _clip_middle(text: str, keep: int = 120) -> str:
+    return text if len(text) <= keep else f"{text[:keep // 2]}…{text[-(keep // 2 - 10):]}"
+
+
+def _path_limits(path: Path) -> tuple[int, int]:
+    """(the longest name, the longest path incl. its NUL) the file system holding ``path``
+    allows, asked of its nearest folder that exists; 255 and 4096 where it cannot say."""
+    here = path
+    while not os.path.isdir(here) and here != here.parent:   # never raises, as Path.exists can here
+        here = here.parent
+    try:
+        return os.pathconf(here, "PC_NAME_MAX"), os.pathconf(here, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
 
 
 @dataclass
@@ -306,7 +376,7 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     sub = os.path.relpath(wd, top)
     if task.get("continue_from"):
         return _continued_workspace(task, top, sub)
-    path = worktree_root() / f"{Path(top).name}-{task['id']}"
+    path = task_folder(Path(top).name, task["id"])
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
     line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
@@ -346,12 +416,14 @@ def _continued_workspace(task: dict[str, Any], top: str, sub: str) -> Workspace:
     parent = store.get_task(task["continue_from"])
     tip = _parent_tip(parent, top)
     branch = parent["branch"]
-    path = Path(parent.get("worktree_path") or worktree_root() / f"{Path(top).name}-{parent['id']}")
+    path = Path(parent.get("worktree_path") or task_folder(Path(top).name, parent["id"]))
     base = task.get("base_commit") or tip
     line_base = task.get("line_base") or parent.get("line_base") or parent.get("base_commit") or base
     how = f"the head of {parent['id']}'s branch {branch} (follow-up)"
+    check_path_fits(path, top, tip)
     with _ADMIN:
         git(["worktree", "prune"], top, check=False)
+        clear_unfinished_add(top, path, task, replacing=False)   # a half-made folder is never reused
         reused = _is_registered(top, path)
         if reused:
             there = git(["symbolic-ref", "-q", "--short", "HEAD"], str(path), check=False)
@@ -436,17 +508,63 @@ def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
 
 
 def _is_registered(repo: str, path: Path) -> bool:
-    if not path.is_dir():  # the usual case: no git command needed to say no
+    if not os.path.isdir(path):  # the usual case: no git command needed to say no (never raises)
         return False
     return f"worktree {path}" in git(["worktree", "list", "--porcelain"], repo, check=False).splitlines()
+
+
+# What git writes in a new worktree's lock until `git worktree add` has finished (TaskBridge's git
+# runs in the C locale, so its own adds write exactly this): such a lock that outlived the add is
+# what an add killed midway leaves (TaskBridge's git time limit, a cancel, a killed worker).
+ADD_UNFINISHED = "initializing"
+
+
+def worktree_lock(repo: str, path: Path) -> tuple[str | None, str]:
+    """(the reason of git's lock on the worktree registered at ``path``, "" when it gave none, or
+    None when nothing locked is registered there; that worktree's branch, "" when none)."""
+    for block in git(["worktree", "list", "--porcelain"], repo, check=False).split("\n\n"):
+        lines = block.strip().splitlines()
+        if lines and lines[0] == f"worktree {path}":
+            locks = [line[len("locked "):] for line in lines[1:] if line == "locked" or line.startswith("locked ")]
+            branch = next((line[len("branch refs/heads/"):] for line in lines[1:]
+                           if line.startswith("branch refs/heads/")), "")
+            return (locks[0] if locks else None), branch
+    return None, ""
+
+
+def clear_unfinished_add(repo: str, path: Path, task: dict[str, Any], replacing: bool = True) -> str:
+    """Before TaskBridge makes the task's worktree at ``path`` (under its own root, named for the
+    task): a worktree git left there locked by an add that never finished is removed with its
+    registration, and its branch name returned (it was made for this task; "" otherwise). Any
+    other lock is someone's decision to keep that worktree: when ``replacing`` (what is there
+    would be removed), Unrunnable naming git's reason and the way out; else (a follow-up reuses
+    it as it is) left alone. Call with _ADMIN held."""
+    reason, branch = worktree_lock(repo, path)
+    if reason is None or (reason != ADD_UNFINISHED and not replacing):
+        return ""
+    if reason != ADD_UNFINISHED:
+        said = f"git says: {reason}" if reason else "no reason given"
+        raise Unrunnable(f"{path}, where task {task['id']}'s worktree goes, is a git worktree locked by someone "
+                         f"({said}); if nothing needs it, unlock it "
+                         f"({store.shell_command('git', '-C', repo, 'worktree', 'unlock', path)}) and retry the task")
+    git(["worktree", "unlock", str(path)], repo)
+    git(["worktree", "remove", "--force", "--force", str(path)], repo, check=False)
+    if os.path.lexists(path):
+        left = _leftover(str(path), _force_rmtree(str(path)))
+        if left:
+            raise Unrunnable(f"a killed git worktree add's leftover is still in the way: {left}")
+    git(["worktree", "prune"], repo, check=False)
+    return branch
 
 
 def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
     """Create the worktree on a free branch (returned), recovering from a crash's leftovers
     first: a registered worktree whose folder is gone, a folder nobody registered, a branch
     checked out at a vanished path."""
+    check_path_fits(path, repo, base)   # before anything looks at the path: the system refuses it whole
     with _ADMIN:
         git(["worktree", "prune"], repo, check=False)
+        unfinished = clear_unfinished_add(repo, path, task)
         in_the_way = _is_registered(repo, path)
         if in_the_way:
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
@@ -461,7 +579,7 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         if in_the_way:  # something was removed: forget its registration too (else nothing changed)
             git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        branch = _free_branch(repo, task, base)
+        branch = _free_branch(repo, {**task, "branch": task.get("branch") or unfinished or None}, base)
         git(["worktree", "add", "-B", branch, str(path), base], repo)
         return branch
 
@@ -715,8 +833,10 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
     """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first —
     but never one that holds a commit the remote does not have (a push that failed): that is the
     only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it."""
+    check_path_fits(path, mirror, base)
     with _ADMIN:
         git(["worktree", "prune"], mirror, check=False)
+        clear_unfinished_add(mirror, path, task)
         if _is_registered(mirror, path):
             _refuse_unpushed(mirror, path, task, base)
             git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
@@ -947,14 +1067,49 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     with a throw-away index so neither the user's index nor the worktree's is touched."""
     if not ws.top or not ws.base_commit:
         return [], ""
+    left_out = not_checked_out(ws.top)
     with tempfile.TemporaryDirectory() as tmp:
         env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
         git(["read-tree", ws.base_commit], ws.top, env=env)
-        git(["add", "-A", "."], ws.top, env=env)
+        keep_left_out(ws.top, left_out, env)
+        git(["add", "-A", "."], ws.top, env=env, config=WHOLE_TREE_ADD)
         names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, ws.base_commit], ws.top, env=env)
         diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, ws.base_commit], ws.top,
                    env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
+
+
+# TaskBridge's own `add -A` takes every file a run left, inside a sparse checkout's cone or not:
+# with sparse checking on, git refuses a new file outside the cone, and the commit of a finished
+# run failed. The paths git left out stay out by their skip-worktree marks (`keep_left_out`).
+WHOLE_TREE_ADD = ("core.sparseCheckout=false",)
+
+
+def not_checked_out(top: str) -> list[str]:
+    """The tracked paths (relative to ``top``) a sparse checkout (``core.sparseCheckout``) left
+    out of the worktree at ``top``: marked skip-worktree in its index and absent on disk; [] when
+    it is not sparse. Read before an index is rebuilt from a commit (which drops the marks), they
+    keep those paths from showing, and being committed, as deleted. A file the run wrote at such
+    a path is on disk, so it counts as changed. Raises GitError when a sparse worktree's index
+    cannot be read: committing without it would delete every path outside the cone."""
+    if git(["config", "--bool", "--get", "core.sparseCheckout"], top, check=False) != "true":
+        return []
+    listing = git(["ls-files", "-t", "-z"], top, strip=False)
+    return [entry[2:] for entry in listing.split("\0")
+            if entry.startswith("S ") and not os.path.lexists(os.path.join(top, entry[2:]))]
+
+
+def keep_left_out(top: str, paths: list[str], env: dict[str, str] | None = None) -> None:
+    """Mark those of ``paths`` (see `not_checked_out`) that the index holds skip-worktree, in the
+    worktree's index or the one ``env``'s ``GIT_INDEX_FILE`` names, so `add -A` leaves them as
+    they are in the commit. Raises GitError."""
+    if not paths:
+        return
+    held = set(git(["ls-files", "-z"], top, env=env, strip=False).split("\0"))
+    kept = [path for path in paths if path in held]
+    if kept:   # on stdin: a monorepo leaves out more paths than a command line holds
+        git(["update-index", "-z", "--skip-worktree", "--stdin"], top, env=env,
+            input="".join(f"{path}\0" for path in kept).encode())
 
 
 def checkout_state(repo: str | None) -> dict[str, tuple]:
@@ -991,8 +1146,10 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     # The index from HEAD, not from the run: a boxed run's own `git add` wrote its objects to a
     # quarantine dropped after the run, so its index entries may name objects this repository
     # lacks (and an unchanged file's entry is trusted by `add -A`).
+    left_out = not_checked_out(ws.top)   # read before read-tree drops the index's sparse marks
     git(["read-tree", "HEAD"], ws.top)
-    git(["add", "-A", "."], ws.top)
+    keep_left_out(ws.top, left_out)
+    git(["add", "-A", "."], ws.top, config=WHOLE_TREE_ADD)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
         return None
     identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
