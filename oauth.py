@@ -46,6 +46,7 @@ from collections import deque
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
 
+import anyio
 import task_store as store
 from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
                                       RefreshToken, RegistrationError, TokenError, construct_redirect_uri)
@@ -65,6 +66,12 @@ RATE_WINDOW_SEC = 600
 REGISTER_PER_PEER = 10        # registrations per client address per RATE_WINDOW_SEC (429 beyond)
 AUTHORIZE_PER_PEER = 20       # GET /authorize per client address per RATE_WINDOW_SEC (429 beyond)
 MAX_PEERS = 10_000            # client addresses remembered by the rate limits
+MAX_NAME_CHARS = 100          # of a registered client_name (the consent page shows it)
+MAX_REDIRECT_URIS = 5         # per registration
+MAX_URI_CHARS = 1024          # of each redirect URI
+MAX_CLIENT_BYTES = 4096       # of one stored registration: the store stays under ~1 MB (MAX_CLIENTS of them)
+MAX_USED_CODES = 1000         # spent authorization codes remembered, so a replay revokes what they issued
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class OAuthConfigError(Exception):
@@ -86,6 +93,42 @@ def public_url() -> str | None:
     return value
 
 
+def redirect_problem(uri: str) -> str | None:
+    """Why ``uri`` cannot be a client's redirect URI, or None when it can: ``https://`` with a host,
+    or ``http://`` to a loopback host (the MCP authorization spec and OAuth 2.1), with no user
+    name or password and no fragment, at most MAX_URI_CHARS long."""
+    parsed = urlparse(uri)
+    if len(uri) > MAX_URI_CHARS:
+        return f"a redirect URI may be at most {MAX_URI_CHARS} characters"
+    if parsed.username is not None or parsed.password is not None or "@" in parsed.netloc:
+        return "a redirect URI may not carry a user name or password (the part before @)"
+    if "#" in uri:
+        return "a redirect URI may not have a fragment (#...)"
+    if parsed.scheme == "https" and parsed.hostname:
+        return None
+    if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS:
+        return None
+    return ("a redirect URI must be https://host/... or http:// to 127.0.0.1, localhost or [::1]; "
+            f"{parsed.scheme or 'no scheme'}:// is refused")
+
+
+def registration_problem(info: dict[str, Any]) -> str | None:
+    """Why a registration (``model_dump(mode="json")`` of the client) is refused, or None: a name
+    over MAX_NAME_CHARS, no or more than MAX_REDIRECT_URIS redirect URIs, a URI redirect_problem
+    refuses, or a record over MAX_CLIENT_BYTES."""
+    if len(info.get("client_name") or "") > MAX_NAME_CHARS:
+        return f"client_name may be at most {MAX_NAME_CHARS} characters"
+    uris = info.get("redirect_uris") or []
+    if not uris or len(uris) > MAX_REDIRECT_URIS:
+        return f"register 1 to {MAX_REDIRECT_URIS} redirect URIs"
+    problem = next(filter(None, (redirect_problem(str(u)) for u in uris)), None)
+    if problem:
+        return problem
+    if len(json.dumps(info)) > MAX_CLIENT_BYTES:
+        return f"the registration is larger than {MAX_CLIENT_BYTES} bytes; send less metadata"
+    return None
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
@@ -104,6 +147,7 @@ class Provider:
         self.base_url, self.state_file = base_url, state_file
         self.resource = f"{base_url}/mcp"
         self._keyed_by: str | None = None
+        self._writes = anyio.Lock()
         self._rekey()
 
     def _rekey(self) -> None:
@@ -112,9 +156,13 @@ class Provider:
         self._keyed_by = self._bearer() or ""
         self.key = hmac.new(self._keyed_by.encode(), b"taskbridge oauth v1", hashlib.sha256).digest()
         self.codes: dict[str, AuthorizationCode] = {}
+        self.families: dict[str, str] = {}           # unspent code -> the grant family it will start
+        self.used_codes: dict[str, str] = {}         # spent code -> the family it started
         self.pending: dict[str, dict[str, Any]] = {}
         state = self._load()
-        self.clients: dict[str, dict[str, Any]] = state.get("clients", {})
+        # A registration stored before the redirect rule (or edited by hand) is dropped, not served.
+        self.clients: dict[str, dict[str, Any]] = {c: info for c, info in state.get("clients", {}).items()
+                                                   if registration_problem(info) is None}
         self.consented: dict[str, float] = {c: t for c, t in state.get("consented", {}).items() if c in self.clients}
         self.revoked: dict[str, float] = state.get("revoked", {})
 
@@ -144,11 +192,20 @@ class Provider:
     def _key_id(self) -> str:
         return _b64(hmac.new(self.key, b"key id", hashlib.sha256).digest()[:9])
 
-    def _save(self) -> None:
+    def _snapshot(self) -> str:
         now = time.time()
         self.revoked = {g: exp for g, exp in self.revoked.items() if exp > now}
-        data = json.dumps({"key_id": self._key_id(), "clients": self.clients, "consented": self.consented,
+        return json.dumps({"key_id": self._key_id(), "clients": self.clients, "consented": self.consented,
                            "revoked": self.revoked})
+
+    async def _save(self) -> None:
+        """Write oauth.json in a worker thread, one write at a time and in order: the snapshot is
+        taken on the event loop (no dict changes under it), the disk write never blocks the loop."""
+        async with self._writes:
+            data = self._snapshot()
+            await anyio.to_thread.run_sync(self._write, data)
+
+    def _write(self, data: str) -> None:
         self.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         store.write_private(self.state_file, data)
 
@@ -160,31 +217,33 @@ class Provider:
         return OAuthClientInformationFull.model_validate(found) if found else None
 
     async def register_client(self, client_info: OAuthClientInformationFull) -> None:
-        """Keep a new client. Raises RegistrationError for a redirect URI with a user name or
-        password in it (``https://claude.ai@evil.example/`` goes to evil.example). Past
-        MAX_CLIENTS registrations never consented to, the oldest of those goes; consented clients
-        (kept apart, at most MAX_CONSENTED) are never evicted by registrations."""
-        for uri in client_info.redirect_uris or []:
-            parsed = urlparse(str(uri))
-            if parsed.username is not None or parsed.password is not None or "@" in parsed.netloc:
-                raise RegistrationError("invalid_redirect_uri", "a redirect URI may not carry a user name or "
-                                                                "password (the part before @)")
+        """Keep a new client. Raises RegistrationError (400 invalid_redirect_uri or
+        invalid_client_metadata) for what registration_problem refuses: a redirect URI that is not
+        https or loopback http, has a fragment or a user name (``https://claude.ai@evil.example/``
+        goes to evil.example); a long name, too many URIs, a large record. Past MAX_CLIENTS
+        registrations never consented to, the oldest of those goes; consented clients (kept apart,
+        at most MAX_CONSENTED) are never evicted by registrations."""
+        info = client_info.model_dump(mode="json", exclude_none=True)
+        problem = registration_problem(info)
+        if problem:
+            kind = "invalid_redirect_uri" if "redirect URI" in problem else "invalid_client_metadata"
+            raise RegistrationError(kind, problem)
         self.bearer   # noqa: B018 - re-keys after a rotation
-        self.clients[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
+        self.clients[client_info.client_id] = info
         unused = [c for c in self.clients if c not in self.consented]
         for client_id in unused[:max(0, len(unused) - MAX_CLIENTS)]:
             self.clients.pop(client_id)
-        self._save()
+        await self._save()
         log.info("OAuth client registered: %r", (client_info.client_name or "")[:80])
 
-    def _mark_consented(self, client_id: str) -> None:
+    async def _mark_consented(self, client_id: str) -> None:
         self.consented.pop(client_id, None)
         self.consented[client_id] = time.time()
         while len(self.consented) > MAX_CONSENTED:   # only the token holder's consents get here
             gone = next(iter(self.consented))
             self.consented.pop(gone)
             self.clients.pop(gone, None)
-        self._save()
+        await self._save()
 
     # -- authorization and consent -------------------------------------------------------------
 
@@ -204,9 +263,9 @@ class Provider:
         found = self.pending.get(request_id)
         return found if found and found["expires"] > time.time() else None
 
-    def approve(self, request_id: str, token: str) -> str | None:
-        """The redirect URL carrying a one-time code when ``token`` is the bearer token; None when
-        it is not (the request ends after CONSENT_TRIES wrong tokens)."""
+    def _token_ok(self, request_id: str, token: str) -> dict[str, Any] | None:
+        """The waiting request when ``token`` is the bearer token; None when it is not (counted:
+        the request ends after CONSENT_TRIES wrong tokens) or the request is gone."""
         request = self.consent_request(request_id)
         if request is None:
             return None
@@ -215,8 +274,15 @@ class Provider:
             if request["tries"] >= CONSENT_TRIES:
                 self.pending.pop(request_id, None)
             return None
-        self.pending.pop(request_id, None)
-        self._mark_consented(request["client"].client_id)
+        return self.pending.pop(request_id, None)
+
+    async def approve(self, request_id: str, token: str) -> str | None:
+        """The redirect URL carrying a one-time code when ``token`` is the bearer token; None when
+        it is not (the request ends after CONSENT_TRIES wrong tokens)."""
+        request = self._token_ok(request_id, token)
+        if request is None:
+            return None
+        await self._mark_consented(request["client"].client_id)
         params: AuthorizationParams = request["params"]
         code = secrets.token_urlsafe(32)
         self.codes[code] = AuthorizationCode(
@@ -224,18 +290,28 @@ class Provider:
             client_id=request["client"].client_id, code_challenge=params.code_challenge,
             redirect_uri=params.redirect_uri, redirect_uri_provided_explicitly=params.redirect_uri_provided_explicitly,
             resource=params.resource)
+        self.families[code] = secrets.token_urlsafe(12)
         return construct_redirect_uri(str(params.redirect_uri), code=code, state=params.state)
 
-    def deny(self, request_id: str) -> str | None:
-        request = self.pending.pop(request_id, None)
+    def deny(self, request_id: str, token: str) -> str | None:
+        """The redirect URL carrying access_denied when ``token`` is the bearer token (else None,
+        counted as a wrong try): a request id alone must not end someone else's sign-in."""
+        request = self._token_ok(request_id, token)
         if request is None:
             return None
         params: AuthorizationParams = request["params"]
         return construct_redirect_uri(str(params.redirect_uri), error="access_denied", state=params.state)
 
     # -- codes and tokens ----------------------------------------------------------------------
+    # Every token carries its grant ("g", one per issue) and its family ("f", one per consent,
+    # kept across refreshes). A spent code or a rotated-out refresh token presented again means
+    # one of two parties holds a copy: the whole family is revoked (RFC 9700 4.14, RFC 6749 4.1.2).
 
     async def load_authorization_code(self, client: OAuthClientInformationFull, code: str) -> AuthorizationCode | None:
+        if code in self.used_codes:
+            log.warning("a spent authorization code was presented again: its tokens are revoked")
+            await self._revoke_family(self.used_codes[code])
+            return None
         found = self.codes.get(code)
         return found if found is not None and found.client_id == client.client_id else None
 
@@ -243,11 +319,20 @@ class Provider:
                                           authorization_code: AuthorizationCode) -> OAuthToken:
         if self.codes.pop(authorization_code.code, None) is None:
             raise TokenError("invalid_grant", "this authorization code was already used")
-        return self._issue(client.client_id, authorization_code.scopes, authorization_code.resource)
+        family = self.families.pop(authorization_code.code, None) or secrets.token_urlsafe(12)
+        self.used_codes[authorization_code.code] = family
+        while len(self.used_codes) > MAX_USED_CODES:
+            self.used_codes.pop(next(iter(self.used_codes)))
+        return self._issue(client.client_id, authorization_code.scopes, authorization_code.resource, family)
 
     async def load_refresh_token(self, client: OAuthClientInformationFull, refresh_token: str) -> RefreshToken | None:
-        claims = self._verify(refresh_token, "r")
+        claims = self._verify(refresh_token, "r", revoked_ok=True)
         if claims is None or claims["c"] != client.client_id:
+            return None
+        if self._is_revoked(claims):
+            if claims["g"] in self.revoked and claims.get("f") not in self.revoked:
+                log.warning("a used refresh token was presented again: every token of its sign-in is revoked")
+                await self._revoke_family(claims.get("f"))
             return None
         return RefreshToken(token=refresh_token, client_id=claims["c"], scopes=claims["s"], expires_at=claims["e"],
                             resource=claims.get("r"))
@@ -257,8 +342,8 @@ class Provider:
         claims = self._verify(refresh_token.token, "r")
         if claims is None:
             raise TokenError("invalid_grant", "this refresh token is no longer valid")
-        self._revoke(claims)   # a refresh replaces the whole grant: the old tokens stop working
-        return self._issue(client.client_id, scopes, refresh_token.resource)
+        await self._revoke(claims)   # a refresh replaces the whole grant: the old tokens stop working
+        return self._issue(client.client_id, scopes, refresh_token.resource, claims.get("f") or claims["g"])
 
     async def load_access_token(self, token: str) -> AccessToken | None:
         """The access token's grant when this server signed it with the key of the bearer token in
@@ -271,18 +356,21 @@ class Provider:
                            resource=claims.get("r"))
 
     async def revoke_token(self, token: AccessToken | RefreshToken) -> None:
+        """RFC 7009: revoking either token of a grant ends both (a refresh token ends its family)."""
         claims = self._verify(token.token, "a") or self._verify(token.token, "r")
         if claims is not None:
-            self._revoke(claims)
+            await self._revoke(claims)
+            if claims["k"] == "r":
+                await self._revoke_family(claims.get("f"))
 
     async def exchange_identity_assertion(self, client: Any, params: Any) -> OAuthToken:
         raise TokenError("unsupported_grant_type", "identity assertions are not accepted here")
 
-    def _issue(self, client_id: str, scopes: list[str], resource: str | None) -> OAuthToken:
+    def _issue(self, client_id: str, scopes: list[str], resource: str | None, family: str) -> OAuthToken:
         if resource and resource.rstrip("/") != self.resource:
             raise TokenError("invalid_target", f"this server is the resource {self.resource}")
         now, grant = int(time.time()), secrets.token_urlsafe(12)
-        base = {"c": client_id, "s": scopes, "r": self.resource, "g": grant}
+        base = {"c": client_id, "s": scopes, "r": self.resource, "g": grant, "f": family}
         access = self._sign(base | {"k": "a", "e": now + ACCESS_TOKEN_SEC})
         refresh = self._sign(base | {"k": "r", "e": now + REFRESH_TOKEN_SEC})
         return OAuthToken(access_token=access, token_type="Bearer", expires_in=ACCESS_TOKEN_SEC,
@@ -292,9 +380,9 @@ class Provider:
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return f"tb1.{body}.{_b64(hmac.new(self._current_key(), body.encode(), hashlib.sha256).digest())}"
 
-    def _verify(self, token: str, kind: str) -> dict[str, Any] | None:
+    def _verify(self, token: str, kind: str, revoked_ok: bool = False) -> dict[str, Any] | None:
         """The claims of a token this server signed with the current key, of ``kind``, unexpired
-        and not revoked; else None."""
+        and (unless ``revoked_ok``) not revoked; else None."""
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != "tb1" or len(token) > 4096:
             return None
@@ -305,13 +393,22 @@ class Provider:
             claims = json.loads(_unb64(parts[1]))
         except ValueError:
             return None
-        if claims.get("k") != kind or claims.get("e", 0) < time.time() or claims.get("g") in self.revoked:
+        if claims.get("k") != kind or claims.get("e", 0) < time.time():
             return None
-        return claims
+        return claims if revoked_ok or not self._is_revoked(claims) else None
 
-    def _revoke(self, claims: dict[str, Any]) -> None:
+    def _is_revoked(self, claims: dict[str, Any]) -> bool:
+        return claims.get("g") in self.revoked or (claims.get("f") or "") in self.revoked
+
+    async def _revoke(self, claims: dict[str, Any]) -> None:
         self.revoked[claims["g"]] = time.time() + REFRESH_TOKEN_SEC
-        self._save()
+        await self._save()
+
+    async def _revoke_family(self, family: str | None) -> None:
+        # Grant and family ids are drawn from one random space, so one map holds both.
+        if family:
+            self.revoked[family] = time.time() + REFRESH_TOKEN_SEC
+            await self._save()
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,7 +426,7 @@ input[type=password]{{width:100%;padding:.5em;font:inherit}}button{{padding:.5em
 wants to use the TaskBridge server on this machine: queue coding tasks that run with your user's
 rights, and read their results. After you allow it, your browser goes to the site
 <code>{redirect}</code>: allow only if that is the site you are connecting from.</p>
-<p>To allow it, paste the bearer token once (on the machine running TaskBridge:
+<p>To allow or deny it, paste the bearer token once (on the machine running TaskBridge:
 <code>cat .taskbridge/token</code>, or the <i>Token</i> line of the box ./install.sh printed).</p>
 {error}
 <form method="post" action="/oauth/consent">
@@ -374,20 +471,20 @@ def consent_routes(provider: Provider) -> list[Any]:
                                 "start connecting again from your MCP client.</p>", status_code=400,
                                 headers=PAGE_HEADERS)
         request_id, token = str(form.get("request", "")), str(form.get("token", ""))
-        if form.get("action") == "deny":
-            target = provider.deny(request_id)
-            return RedirectResponse(target, status_code=302) if target else gone()
         found = provider.consent_request(request_id)
         if found is None:
             return gone()
-        target = provider.approve(request_id, token)
+        deny = form.get("action") == "deny"
+        target = provider.deny(request_id, token) if deny else await provider.approve(request_id, token)
         if target:
-            log.info("OAuth consent given to %r", (found["client"].client_name or "")[:80])
+            log.info("OAuth consent %s %r", "refused to" if deny else "given to", (found["client"].client_name or "")[:80])
             return RedirectResponse(target, status_code=302, headers={"Cache-Control": "no-store"})
-        log.warning("OAuth consent refused: a wrong bearer token was entered")
+        log.warning("OAuth consent page: a wrong bearer token was entered")
         if provider.consent_request(request_id) is None:
             return gone()
-        return page(request_id, found, '<p class="error">That is not the bearer token. Try again.</p>', 401)
+        why = ("Deny needs the bearer token too (so no one else can end your sign-in); without it, close this "
+               "page: the request ends by itself." if deny else "That is not the bearer token. Try again.")
+        return page(request_id, found, f'<p class="error">{why}</p>', 401)
 
     return [Route("/oauth/consent", show, methods=["GET"]), Route("/oauth/consent", answer, methods=["POST"])]
 
@@ -407,8 +504,8 @@ def routes(provider: Provider) -> list[Any]:
                                 revocation_options=RevocationOptions(enabled=True))
     register_limit, authorize_limit = PeerLimit(lambda: REGISTER_PER_PEER), PeerLimit(lambda: AUTHORIZE_PER_PEER)
     wrapped = {"/register": lambda app: RateLimited(app, register_limit, "registrations"),
-               "/authorize": lambda app: RateLimited(app, authorize_limit, "sign-ins"),
-               "/token": lambda app: ResourceChecked(app, provider)}
+               "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins"),
+               "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
     server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
               if isinstance(r, Route) and r.path in wrapped else r for r in server]
     server = [_metadata_route(issuer) if isinstance(r, Route) and r.path == METADATA_PATH else r for r in server]
@@ -488,6 +585,18 @@ class RateLimited:
         await self.app(scope, receive, send)
 
 
+async def _whole_body(receive: Any) -> tuple[bytes | None, dict | None]:
+    """(the request body, None), or (None, the message that ended it early: a disconnect)."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, message
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(chunks), None
+
+
 class ResourceChecked:
     """Pure ASGI around ``/token``: a ``resource`` parameter (RFC 8707) naming anything but this
     server's MCP endpoint gets 400 invalid_target; the body (already capped by the HTTP side) is
@@ -499,14 +608,9 @@ class ResourceChecked:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body, early = await _whole_body(receive)
+        if body is None:
+            return await self.app(scope, _replay([early]), send)
         resources = parse_qs(body.decode("latin-1")).get("resource", [])
         if any(r.rstrip("/") != self.provider.resource for r in resources):
             data = json.dumps({"error": "invalid_target", "error_description":
@@ -515,6 +619,64 @@ class ResourceChecked:
                         "headers": [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]})
             return await send({"type": "http.response.body", "body": data})
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+class PublicRevoke:
+    """Pure ASGI around ``/revoke``: RFC 7009 lets a public client (no secret) revoke its own
+    token, but the SDK's form model requires a client_secret field; one left out is sent on as
+    empty. Clients are authenticated before the form is read, so a client with a secret still
+    needs it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        body, early = await _whole_body(receive)
+        if body is None:
+            return await self.app(scope, _replay([early]), send)
+        if "client_secret" not in parse_qs(body.decode("latin-1"), keep_blank_values=True):
+            body += b"&client_secret=" if body else b"client_secret="
+        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+class ErrorsShown:
+    """Pure ASGI around ``/authorize``: its only redirect is to the consent page. The SDK would send
+    errors (a bad parameter, a wrong resource) to the client's redirect URI without any consent
+    shown, and anyone may register a client: that made this host an open redirector. They are
+    shown to the person instead (400), as errors before the redirect URI is trusted must be."""
+
+    def __init__(self, app: Any, provider: Provider) -> None:
+        self.app, self.consent = app, f"{provider.base_url}/oauth/consent?"
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held = {"swallow": False}
+
+        async def guarded(message: dict) -> None:
+            if message["type"] == "http.response.start" and 300 <= message["status"] < 400:
+                location = dict(message.get("headers", [])).get(b"location", b"").decode("latin-1")
+                if not location.startswith(self.consent):
+                    held["swallow"] = True
+                    return await self._show(send, location)
+            if not held["swallow"]:
+                await send(message)
+
+        await self.app(scope, receive, guarded)
+
+    async def _show(self, send: Any, location: str) -> None:
+        query = parse_qs(urlparse(location).query)
+        error = (query.get("error") or ["invalid_request"])[0]
+        detail = (query.get("error_description") or [""])[0]
+        text = (f"<!doctype html><title>TaskBridge</title><p>This sign-in request cannot go on: "
+                f"<code>{html.escape(error[:80])}</code> {html.escape(detail[:300])}</p>"
+                "<p>Start connecting again from your MCP client.</p>").encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"text/html; charset=utf-8"),
+                                *((k.lower().encode(), v.encode()) for k, v in PAGE_HEADERS.items())]})
+        await send({"type": "http.response.body", "body": text})
 
 
 def _replay(messages: list[dict], then: Any = None) -> Any:
