@@ -34,6 +34,7 @@ import board_api
 import connectors
 import mcp_shared
 import oauth
+import process_tree
 import task_store
 import task_views
 from mcp.server.mcpserver import MCPServer
@@ -316,8 +317,8 @@ class Shield:
     head and stay under body_cap(path) bytes (408 / 413 otherwise, checked as it streams, chunked
     bodies too; a Content-Length over the cap is refused before reading); every answer gets the
     safety headers (safety_headers); a client that hangs up mid-body costs one log line, not a
-    traceback. One client address (beyond this machine, or the client a tunnel names:
-    oauth.peer_of) may have at most MAX_PEER_REQUESTS requests in progress (429 beyond), so one
+    traceback. One client address (beyond this machine, or the client the tunnel names:
+    client_address) may have at most MAX_PEER_REQUESTS requests in progress (429 beyond), so one
     peer behind a tunnel cannot hold every connection slot with slow requests."""
 
     def __init__(self, app: Any) -> None:
@@ -326,7 +327,7 @@ class Shield:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        peer = oauth.peer_of(scope)
+        peer = client_address(scope)
         if is_loopback(peer) or peer == "::1":
             return await self._serve(scope, receive, send)
         if self.active.get(peer, 0) >= MAX_PEER_REQUESTS:
@@ -499,7 +500,7 @@ def build_app(server: MCPServer) -> Any:
     if not token:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
     provider = oauth_provider(tokens)
-    auth_routes = oauth.routes(provider) if provider else []
+    auth_routes = oauth.routes(provider, client_address) if provider else []
     return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
                             middleware=[Middleware(HostGuard, hosts=hosts),
                                         Middleware(BearerGuard, tokens=tokens, provider=provider)]))
@@ -540,6 +541,44 @@ def oauth_provider(tokens: TokenSource) -> Any:
     return oauth.Provider(tokens.current, base, token_file().parent / "oauth.json")
 
 
+# Connections (their client (ip, port)) that the tunnel serve.py started holds open: only these may
+# name the client they carry. Filled and emptied by the deadline protocol, read by client_address.
+TUNNEL_CONNECTIONS: set[tuple[str, int]] = set()
+
+
+def tunnel_process() -> Any:
+    """The tunnel serve.py started, from ``$TASKBRIDGE_TUNNEL_PID`` (``pid:start time``, set by
+    serve.py for its server child), or None: none was started, or it is gone (a reused pid is not
+    it). Anything else on this machine is a local client like any other."""
+    pid, _, started = (os.environ.get("TASKBRIDGE_TUNNEL_PID") or "").partition(":")
+    try:
+        return process_tree.same_process(int(pid), float(started)) if pid else None
+    except ValueError:
+        return None
+
+
+def from_tunnel(client: tuple[str, int] | None, server_port: int) -> bool:
+    """Whether the loopback connection from ``client`` (ip, port) to our ``server_port`` is held
+    by the tunnel serve.py started (the operating system says whose socket it is)."""
+    if not client or client[0] not in ("127.0.0.1", "::1"):
+        return False
+    proc = tunnel_process()
+    return proc is not None and process_tree.holds_connection(proc, client, server_port)
+
+
+def client_address(scope: dict) -> str:
+    """The address a request came from: the TCP peer; for a connection the tunnel serve.py
+    started holds (TUNNEL_CONNECTIONS), the client the tunnel names (CF-Connecting-IP, else the
+    last X-Forwarded-For entry, which the tunnel appended). Any other peer's forwarding headers
+    are ignored: a local process, or a tunnel someone else runs, could write anything there."""
+    client = scope.get("client") or ("?", 0)
+    if tuple(client) not in TUNNEL_CONNECTIONS:
+        return client[0]
+    headers = {k: v.decode("latin-1") for k, v in scope.get("headers", [])}
+    named = headers.get(b"cf-connecting-ip") or headers.get(b"x-forwarded-for", "").split(",")[-1]
+    return named.strip()[:64] or client[0]
+
+
 def http_routes() -> list[Any]:
     """The routes beside the MCP transports: /health, then the board's shell and API."""
     from starlette.routing import Route
@@ -566,9 +605,12 @@ def connection_limits() -> dict[str, Any]:
     """uvicorn settings that keep idle or hostile connections from holding the port: the h11
     protocol with a request-head deadline, the keep-alive idle time, a cap on connections and on
     a request head's size. WebSocket upgrades are not served (no route takes one): such a request
-    reaches the guards as plain HTTP, so a protected path answers 401."""
+    reaches the guards as plain HTTP, so a protected path answers 401. uvicorn's own
+    proxy_headers is off: it would put any loopback peer's X-Forwarded-For in place of the real
+    peer, and a tunnel, a local process alike are loopback peers (client_address decides)."""
     return {"http": deadline_protocol(), "ws": "none", "timeout_keep_alive": KEEP_ALIVE_SEC,
-            "limit_concurrency": MAX_CONNECTIONS, "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
+            "limit_concurrency": MAX_CONNECTIONS, "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
+            "proxy_headers": False}
 
 
 def _quiet_upgrade_warnings(record: logging.LogRecord) -> bool:
@@ -592,9 +634,13 @@ def deadline_protocol() -> type:
         whole cap), are closed at once."""
 
         head_timer: Any = None
+        tunnel_client: tuple[str, int] | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            if self.client and self.server and from_tunnel(self.client, self.server[1]):
+                self.tunnel_client = tuple(self.client)
+                TUNNEL_CONNECTIONS.add(self.tunnel_client)
             if len(self.connections) > MAX_CONNECTIONS:
                 log.warning("more than %d open connections: closed a new one", MAX_CONNECTIONS)
                 transport.close()
@@ -633,6 +679,7 @@ def deadline_protocol() -> type:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            TUNNEL_CONNECTIONS.discard(self.tunnel_client)
             super().connection_lost(exc)
 
     return Protocol

@@ -489,9 +489,12 @@ def consent_routes(provider: Provider) -> list[Any]:
     return [Route("/oauth/consent", show, methods=["GET"]), Route("/oauth/consent", answer, methods=["POST"])]
 
 
-def routes(provider: Provider) -> list[Any]:
+def routes(provider: Provider, peer_of: Callable[[dict], str] = lambda scope: (scope.get("client") or ("?",))[0]
+           ) -> list[Any]:
     """Every OAuth route: the SDK's authorization server and protected-resource metadata (also at
-    the root well-known path, where some clients look first), and the consent page."""
+    the root well-known path, where some clients look first), and the consent page. ``peer_of``
+    gives a request's client address (an ASGI scope to a string) for the rate limits; the HTTP
+    side passes the one that knows its tunnel (default: the TCP peer)."""
     from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
     from mcp.server.auth.settings import AuthSettings, ClientRegistrationOptions, RevocationOptions
     from starlette.routing import Route
@@ -503,8 +506,8 @@ def routes(provider: Provider) -> list[Any]:
     server = create_auth_routes(provider, issuer, client_registration_options=ClientRegistrationOptions(enabled=True),
                                 revocation_options=RevocationOptions(enabled=True))
     register_limit, authorize_limit = PeerLimit(lambda: REGISTER_PER_PEER), PeerLimit(lambda: AUTHORIZE_PER_PEER)
-    wrapped = {"/register": lambda app: RateLimited(app, register_limit, "registrations"),
-               "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins"),
+    wrapped = {"/register": lambda app: RateLimited(app, register_limit, "registrations", peer_of),
+               "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins", peer_of),
                "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
     server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
               if isinstance(r, Route) and r.path in wrapped else r for r in server]
@@ -533,18 +536,6 @@ def _metadata_route(issuer: Any) -> Any:
                  methods=["GET", "OPTIONS"])
 
 
-def peer_of(scope: dict) -> str:
-    """The address a request came from: the TCP peer, or for a peer on this machine (a tunnel:
-    cloudflared, ngrok) the client address the tunnel names (CF-Connecting-IP, else the last
-    X-Forwarded-For entry, which the tunnel appended)."""
-    peer = (scope.get("client") or ("?", 0))[0]
-    if peer not in ("127.0.0.1", "::1"):
-        return peer
-    headers = {k: v.decode("latin-1") for k, v in scope.get("headers", [])}
-    named = headers.get(b"cf-connecting-ip") or headers.get(b"x-forwarded-for", "").split(",")[-1]
-    return named.strip()[:64] or peer
-
-
 class PeerLimit:
     """At most ``limit()`` events per client address per RATE_WINDOW_SEC (MAX_PEERS addresses
     remembered; the stalest forgotten first)."""
@@ -569,11 +560,11 @@ class PeerLimit:
 class RateLimited:
     """Pure ASGI around an open OAuth endpoint: 429 (with Retry-After) past its PeerLimit."""
 
-    def __init__(self, app: Any, limit: PeerLimit, what: str) -> None:
-        self.app, self.limit, self.what = app, limit, what
+    def __init__(self, app: Any, limit: PeerLimit, what: str, peer_of: Callable[[dict], str]) -> None:
+        self.app, self.limit, self.what, self.peer_of = app, limit, what, peer_of
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not self.limit.allow(peer_of(scope)):
+        if scope["type"] == "http" and scope.get("method") != "OPTIONS" and not self.limit.allow(self.peer_of(scope)):
             log.warning("too many OAuth %s from one address: refused (429)", self.what)
             data = json.dumps({"error": "temporarily_unavailable", "error_description":
                                f"too many {self.what} from this address; try again in {RATE_WINDOW_SEC // 60} "

@@ -17,7 +17,8 @@ connectors (they are signed with it).
 
 Env: PORT (default 8765); TASK_DB_URL (the queue; ``--db`` sets it, and the children get it from
 the environment, never on a command line, which ``ps`` shows); TUNNEL_BIN (the cloudflared or ngrok executable; default: on PATH);
-TUNNEL_HOST (the public host of a tunnel or proxy you run yourself: none is started);
+TUNNEL_HOST (the public host of a tunnel or proxy you run yourself: none is started, and the
+clients it names are not believed: they all count as one local client);
 MCP_TOKEN_FILE / MCP_BEARER_TOKEN (the token); MCP_ALLOWED_HOSTS (kept, the tunnel's host added);
 ``.ngrok-domain`` in the repository (a reserved ngrok domain). The server's and the worker's own
 knobs pass through to them.
@@ -44,6 +45,7 @@ from pathlib import Path
 
 import connectors
 import knobs
+import process_tree
 import task_store as store
 
 REPO = Path(__file__).resolve().parent
@@ -176,6 +178,11 @@ class Tunnel:
                                      errors="replace", start_new_session=True,
                                      preexec_fn=die_with_parent())
         threading.Thread(target=self._read, daemon=True).start()
+
+    def identity(self) -> str:
+        """``pid:start time`` of the tunnel process, for the server's TASKBRIDGE_TUNNEL_PID: only
+        connections this process holds may name the client they carry (http_app.client_address)."""
+        return f"{self.proc.pid}:{process_tree.start_time(self.proc.pid) or 0}"
 
     def _read(self) -> None:
         pattern = NGROK_URL_RE if self.kind == "ngrok" else CLOUDFLARE_URL_RE
@@ -447,6 +454,7 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
             tunnel = Tunnel(kind, binary, port)
             sup.adopt("tunnel", tunnel.proc)
             host = tunnel.wait_for_host(TUNNEL_WAIT_SEC, sup.stop_asked)
+            env["TASKBRIDGE_TUNNEL_PID"] = tunnel.identity()
         if host:
             env["MCP_ALLOWED_HOSTS"] = ",".join(filter(None, [env.get("MCP_ALLOWED_HOSTS", ""), host]))
             env["MCP_PUBLIC_URL"] = f"https://{host}"

@@ -145,10 +145,14 @@ def serving(port: int | None = None, app: Any = None) -> Iterator[str]:
 
     import uvicorn
 
+    import http_app
     import opencode_bridge_mcp as bridge
     port = port or free_port()
+    # The server's own connection settings (proxy headers off, the head deadline): a test must
+    # see the peer addresses the real server sees.
     config = uvicorn.Config(app or bridge.build_app(), host="127.0.0.1", port=port, log_config=None,
-                            access_log=False, log_level="warning", timeout_graceful_shutdown=1)
+                            access_log=False, log_level="warning", timeout_graceful_shutdown=1,
+                            **http_app.connection_limits())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,0 +1,44 @@
+"""A stand-in for ``cloudflared tunnel --url http://127.0.0.1:PORT`` in tests: this machine has no
+tunnel binary (and no network to Cloudflare's edge). Like the real one it is a separate process
+that opens its own loopback connections to the server and prints a trycloudflare.com URL; its
+public side is a plain TCP listener on 127.0.0.1 whose port it prints as ``listening on PORT``.
+Bytes pass through unchanged, so a test writes the CF-Connecting-IP header the edge would add.
+
+    python tests/fake_tunnel.py tunnel --no-autoupdate --url http://127.0.0.1:8765
+
+Reads no env.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+from urllib.parse import urlparse
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        writer.close()
+
+
+async def main() -> None:
+    target = urlparse(sys.argv[sys.argv.index("--url") + 1])
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(forward, "127.0.0.1", 0)
+    print(f"listening on {server.sockets[0].getsockname()[1]}", flush=True)
+    print("INF |  https://fake-door-test.trycloudflare.com  |", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
