@@ -6,13 +6,30 @@ Bytes pass through unchanged, so a test writes the CF-Connecting-IP header the e
 
     python tests/fake_tunnel.py tunnel --no-autoupdate --url http://127.0.0.1:8765
 
-Reads no env.
+Tests call ``start(folder, port)``: serve.py's own Tunnel runs it. Reads no env.
 """
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
+
+
+def start(folder: Path, port: int) -> tuple[Any, int]:
+    """(serve.Tunnel running this script as ``cloudflared`` towards 127.0.0.1:``port``, the port
+    of its public side). The caller ends ``tunnel.proc``."""
+    import threading
+
+    import serve
+    binary = folder / "cloudflared"
+    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} \"$@\"\n")
+    binary.chmod(0o755)
+    tunnel = serve.Tunnel("cloudflare", str(binary), port)
+    assert tunnel.wait_for_host(15, threading.Event()) == "fake-door-test.trycloudflare.com"
+    listening = next(line for line in tunnel.lines if line.startswith("listening on "))
+    return tunnel, int(listening.rsplit(" ", 1)[1])
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

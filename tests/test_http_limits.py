@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
+import fake_tunnel
 from helpers import ROOT, free_port, wait_healthy
 
 TOKEN = "s3cret-token-for-limit-tests"
@@ -256,26 +257,35 @@ def test_one_address_beyond_loopback_gets_only_its_share_of_the_connections(tmp_
 
 
 def test_one_client_behind_a_tunnel_gets_only_its_share_of_requests_in_progress(tmp_path):
-    """Through a tunnel every connection comes from 127.0.0.1; the tunnel names the client
-    (CF-Connecting-IP, X-Forwarded-For). Past MAX_PEER_REQUESTS slow requests in progress from
-    one named client, its next request gets 429 at once; other clients and local ones get in."""
+    """Through a tunnel every connection comes from 127.0.0.1; the tunnel serve.py started (a
+    stand-in here: tests/fake_tunnel.py) names the client (CF-Connecting-IP). Past
+    MAX_PEER_REQUESTS slow requests in progress from one named client, its next request gets 429
+    at once; other clients and local ones get in."""
     port, share = free_port(), 3
+    tunnel, public = fake_tunnel.start(tmp_path, port)
     proc = launch_limited(tmp_path, port, {"BODY_SEC": 30, "MAX_PEER_REQUESTS": share, "MAX_CONNECTIONS": 40},
-                          MCP_PUBLIC_URL=f"http://127.0.0.1:{port}")
+                          MCP_PUBLIC_URL=f"http://127.0.0.1:{port}", TASKBRIDGE_TUNNEL_PID=tunnel.identity())
     held = []
     try:
         for _ in range(share):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock = socket.create_connection(("127.0.0.1", public), timeout=5)
             sock.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
             held.append(sock)
         time.sleep(0.3)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+        with socket.create_connection(("127.0.0.1", public), timeout=5) as extra:
             extra.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
             assert read_answer(extra).startswith(b"HTTP/1.1 429")
-        other = httpx2.get(f"http://127.0.0.1:{port}/health", headers={"CF-Connecting-IP": "198.51.100.1"}, timeout=5)
+        other = httpx2.get(f"http://127.0.0.1:{public}/health", headers={"CF-Connecting-IP": "198.51.100.1"}, timeout=5)
         assert other.status_code == 200
+        # Straight to the port, the same header names no one: a local client, exempt.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as local:
+            local.sendall(head("/token", 1000, extra="CF-Connecting-IP: 203.0.113.9") + b"grant")
+            local.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                local.recv(1)   # not refused: it waits for its body like any local request
         assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     finally:
         for sock in held:
             sock.close()
+        tunnel.proc.kill()
         stderr_of(proc)

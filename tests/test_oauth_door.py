@@ -8,24 +8,29 @@ own tokens, and deny needs the bearer token."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import sys
 import time
-from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import anyio
+import fake_tunnel
 import httpx2
 import pytest
+from test_oauth import (
+    REDIRECT,
+    TOKEN,
+    Browser,
+    Storage,
+    connector,
+    ping_with,
+    serving_oauth,
+    status,
+)
+from test_oauth_abuse import refresh, registration
 
 import oauth
 import serve
-from test_oauth import REDIRECT, TOKEN, Browser, Storage, connector, ping_with, serving_oauth, status
-from test_oauth_abuse import refresh, registration
 
 pytestmark = pytest.mark.anyio
-FAKE_TUNNEL = Path(__file__).with_name("fake_tunnel.py")
 
 
 @pytest.fixture
@@ -109,13 +114,12 @@ async def test_a_slow_store_write_does_not_stall_health(base, monkeypatch):
     async def register() -> None:
         async with httpx2.AsyncClient(base_url=base, timeout=10) as other:
             assert (await other.post("/register", json=registration("slow"))).status_code == 201
-    async with httpx2.AsyncClient(base_url=base, timeout=10) as web:
-        async with anyio.create_task_group() as group:
-            group.start_soon(register)
-            await anyio.sleep(0.2)
-            started = time.monotonic()
-            assert (await web.get("/health")).status_code == 200
-            took = time.monotonic() - started
+    async with httpx2.AsyncClient(base_url=base, timeout=10) as web, anyio.create_task_group() as group:
+        group.start_soon(register)
+        await anyio.sleep(0.2)
+        started = time.monotonic()
+        assert (await web.get("/health")).status_code == 200
+        took = time.monotonic() - started
     assert took < 0.5, f"/health took {took:.2f} s behind a store write"
 
 
@@ -133,18 +137,8 @@ async def test_forwarded_addresses_from_a_local_process_are_not_believed(base):
     assert codes == [201] * oauth.REGISTER_PER_PEER + [429] * 3
 
 
-def start_fake_tunnel(tmp_path: Path, port: int) -> tuple[serve.Tunnel, int]:
-    binary = tmp_path / "cloudflared"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_TUNNEL} \"$@\"\n")
-    binary.chmod(0o755)
-    tunnel = serve.Tunnel("cloudflare", str(binary), port)
-    assert tunnel.wait_for_host(15, serve.threading.Event()) == "fake-door-test.trycloudflare.com"
-    listening = next(line for line in tunnel.lines if line.startswith("listening on "))
-    return tunnel, int(listening.rsplit(" ", 1)[1])
-
-
 async def test_the_tunnel_serve_started_may_name_its_clients_and_no_one_else(base, tmp_path, monkeypatch):
-    tunnel, public_port = start_fake_tunnel(tmp_path, int(urlparse(base).port))
+    tunnel, public_port = fake_tunnel.start(tmp_path, int(urlparse(base).port))
     try:
         monkeypatch.setenv("TASKBRIDGE_TUNNEL_PID", tunnel.identity())
         through = f"http://127.0.0.1:{public_port}"
@@ -174,10 +168,8 @@ def test_serve_tells_the_server_which_tunnel_it_started(tmp_path, monkeypatch):
         def start(self, name, argv, env):
             started[name] = dict(env)
             raise serve.SetupError("recorded")
-    binary = tmp_path / "cloudflared"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE_TUNNEL} \"$@\"\n")
-    binary.chmod(0o755)
-    monkeypatch.setenv("TUNNEL_BIN", str(binary))
+    fake_tunnel.start(tmp_path, 1)[0].proc.kill()   # writes the stand-in binary
+    monkeypatch.setenv("TUNNEL_BIN", str(tmp_path / "cloudflared"))
     monkeypatch.delenv("TUNNEL_HOST", raising=False)
     sup = Recorder()
     try:
