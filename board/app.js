@@ -83,11 +83,16 @@
   }
 
   // ---- token -------------------------------------------------------------------------------
-  function takeFragmentToken() {
-    const match = /^#token=([^&]+)/.exec(location.hash);
-    if (!match) return;
-    localStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
+  // A token in the address stays in the browser's history database for good (clearing the
+  // address bar afterwards does not reach that), so the board never takes one from its URL: it
+  // drops the fragment and says to paste the token instead.
+  const FRAGMENT_REFUSED = "A token in the address is not taken: the browser's history would keep it. " +
+    "Paste it here instead (and clear that address from the history).";
+
+  function refuseFragmentToken() {
+    if (!/^#token=/.test(location.hash)) return false;
     history.replaceState(null, "", location.pathname + location.search);
+    return true;
   }
 
   function askToken(message) {
@@ -102,9 +107,10 @@
     $("token-input").focus();
   }
 
-  async function start() {
+  async function start(notice) {
     S.token = localStorage.getItem(TOKEN_KEY);
-    if (!S.token) return askToken("");
+    if (!S.token) return askToken(notice || "");
+    if (notice) showError(notice);
     try {
       const status = await api("/api/status");
       $("login").hidden = true;
@@ -549,14 +555,14 @@
       if (S.list.next) { S.list.back.push(S.list.cursor); S.list.cursor = S.list.next; loadList().catch(showError); }
     });
     window.addEventListener("hashchange", () => {
-      if (/^#token=/.test(location.hash)) { takeFragmentToken(); start(); return; }
+      if (refuseFragmentToken()) { S.token ? showError(FRAGMENT_REFUSED) : askToken(FRAGMENT_REFUSED); return; }
       if (S.token) route().catch(showError);
     });
   }
 
   document.addEventListener("DOMContentLoaded", () => {
-    takeFragmentToken();
+    const refused = refuseFragmentToken();
     wire();
-    start();
+    start(refused ? FRAGMENT_REFUSED : "");
   });
 })();

@@ -288,9 +288,8 @@ def _hostile_queue(tmp_path: Path) -> tuple[str, str]:
 
 def test_hostile_strings_stay_text_and_run_nothing(store_backend, board, browser, tmp_path):
     asking, done = _hostile_queue(tmp_path)
-    browser.get(f"{board}/#token={TOKEN}")
+    log_in(browser, board)
     wait(browser, lambda d: text_of(d, "tally-waiting") == "1", what="the tallies")
-    assert "token" not in browser.current_url, "the token stays in the address bar"
     wait(browser, lambda d: HOSTILE in text_of(d, "tasks") and HOSTILE in text_of(d, "jobs")
          and HOSTILE in text_of(d, "engine") and HOSTILE in text_of(d, "feed"), what="hostile rows as text")
     no_script_ran(browser)
@@ -313,11 +312,25 @@ def test_every_worker_shows_with_its_host(board, browser, monkeypatch):
         elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
         task_store.write_worker_heartbeat({"state": "running", "task": "t_0001", "tasks": ["t_0001"]})
     task_store.write_worker_heartbeat({"state": "idle"})
-    browser.get(f"{board}/#token={TOKEN}")
+    log_in(browser, board)
     wait(browser, lambda d: "2 workers" in text_of(d, "workers"), what="the workers")
     shown = text_of(browser, "workers")
     assert f"build-server pid {os.getpid()} online" in shown and f"{task_store.host_name()} pid {os.getpid()} online" in shown
     assert console_errors(browser) == []
+
+
+def test_a_token_in_the_address_is_not_taken(board, browser):
+    """A ``#token=`` link left the token in the browser's history database: the board takes none
+    from its URL, drops the fragment and asks for the token to be pasted."""
+    browser.get(f"{board}/#token={TOKEN}")
+    wait(browser, lambda d: by_id(d, "token-input").is_displayed(), what="the token prompt")
+    assert "history would keep it" in text_of(browser, "login-msg")
+    assert browser.execute_script("return localStorage.getItem('taskbridge.token')") is None
+    assert "token" not in browser.current_url
+    log_in(browser, board)   # pasting it still works
+    browser.get(f"{board}/#token=another")
+    wait(browser, lambda d: "history would keep it" in text_of(d, "error"), what="the notice")
+    assert browser.execute_script("return localStorage.getItem('taskbridge.token')") == TOKEN
 
 
 def test_a_refused_token_goes_back_to_the_prompt(board, browser):

@@ -481,7 +481,7 @@ def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, 
     task_store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0002",
                            pushed_branch="taskbridge/t_0002", pushed_commit="ab" * 20)
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
-    browser.get(f"{board}/#token={tb.TOKEN}")
+    tb.log_in(browser, board)
     tb.wait(browser, lambda d: "→ taskbridge/t_0002" in tb.text_of(d, "tasks"), what="the pushed branch in the list")
     assert f"file://{remote} @ release/2.1" in tb.text_of(browser, "tasks")
     browser.get(f"{board}/#/task/{task['id']}")
