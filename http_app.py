@@ -13,8 +13,9 @@ data. uvicorn runs with a request-head deadline, idle time-outs and a connection
 
 Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_PUBLIC_URL (the
-public base URL: its host is allowed, and OAuth for remote connectors is served). Nothing happens
-at import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
+public base URL: its host is allowed, and OAuth for remote connectors is served);
+TASKBRIDGE_TUNNEL_PID (set by serve.py: the tunnel whose connections may name their client,
+client_address). Nothing happens at import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
 """
 from __future__ import annotations
 

@@ -20,9 +20,13 @@ server's ``/mcp`` as their resource and are refused for any other, or once their
 
 Abuse without the token: never-consented registrations are capped at MAX_CLIENTS (oldest out),
 consented clients kept apart (MAX_CONSENTED); registrations and ``/authorize`` are rate-limited
-per client address (PeerLimit); a full set of waiting sign-ins drops its oldest; a redirect URI
-with userinfo is refused. Registered clients, consents and revoked grants persist in
-``oauth.json`` beside the token file (0600).
+per client address (PeerLimit; the HTTP side says which address); a full set of waiting sign-ins
+drops its oldest; redirect URIs are https or loopback http only, without fragment or userinfo,
+and registrations are capped in size (registration_problem); /authorize shows its errors rather
+than redirecting them to a client's page (ErrorsShown); a spent code or refresh token presented
+again revokes its whole sign-in (token families); deny needs the token as allow does. Registered
+clients, consents and revoked grants persist in ``oauth.json`` beside the token file (0600),
+written off the event loop.
 
 Not run on its own: http_app mounts it, so it serves with ``python serve.py`` (public mode) or
 ``python opencode_bridge_mcp.py --transport streamable-http``.
