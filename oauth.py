@@ -321,7 +321,8 @@ class Provider:
 
     async def exchange_authorization_code(self, client: OAuthClientInformationFull,
                                           authorization_code: AuthorizationCode) -> OAuthToken:
-        if self.codes.pop(authorization_code.code, None) is None:
+        if self.codes.pop(authorization_code.code, None) is None:   # two exchanges raced: the loser is a replay
+            await self._revoke_family(self.used_codes.get(authorization_code.code))
             raise TokenError("invalid_grant", "this authorization code was already used")
         family = self.families.pop(authorization_code.code, None) or secrets.token_urlsafe(12)
         self.used_codes[authorization_code.code] = family

@@ -41,19 +41,13 @@ def same_process(pid: int | None, started: float | None, tolerance: float = 0.5)
 
 
 def holds_connection(proc: psutil.Process, local: tuple[str, int], remote_port: int) -> bool:
-    """Whether ``proc`` (or a descendant) holds the TCP socket whose own end is ``local`` (ip,
-    port) and whose far end is port ``remote_port``: which program opened a loopback connection
-    to us. False when the process is gone or may not be read."""
-    try:
-        procs = [proc, *proc.children(recursive=True)]
-    except _GONE:
-        return False
-    for each in procs:
-        with contextlib.suppress(*_GONE, OSError):
-            for conn in each.net_connections(kind="tcp"):
-                if conn.laddr and conn.raddr and (conn.laddr.ip, conn.laddr.port) == tuple(local) \
-                        and conn.raddr.port == remote_port:
-                    return True
+    """Whether ``proc`` itself holds the TCP socket whose own end is ``local`` (ip, port) and
+    whose far end is port ``remote_port``: which program opened a loopback connection to us.
+    False when the process is gone or may not be read. Its children are not asked: finding them
+    scans every process (tens of ms, on an event loop), and cloudflared and ngrok are one process."""
+    with contextlib.suppress(*_GONE, OSError):
+        return any(conn.laddr and conn.raddr and (conn.laddr.ip, conn.laddr.port) == tuple(local)
+                   and conn.raddr.port == remote_port for conn in proc.net_connections(kind="tcp"))
     return False
 
 
