@@ -15,7 +15,8 @@ Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (def
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_PUBLIC_URL (the
 public base URL: its host is allowed, and OAuth for remote connectors is served);
 TASKBRIDGE_TUNNEL_PID (set by serve.py: the tunnel whose connections may name their client,
-client_address). Nothing happens at import time. Run it through ``python opencode_bridge_mcp.py --transport streamable-http``.
+client_address). Nothing happens at import time. Run it through ``python opencode_bridge_mcp.py
+--transport streamable-http``.
 """
 from __future__ import annotations
 
@@ -639,9 +640,6 @@ def deadline_protocol() -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            if self.client and self.server and from_tunnel(self.client, self.server[1]):
-                self.tunnel_client = tuple(self.client)
-                TUNNEL_CONNECTIONS.add(self.tunnel_client)
             if len(self.connections) > MAX_CONNECTIONS:
                 log.warning("more than %d open connections: closed a new one", MAX_CONNECTIONS)
                 transport.close()
@@ -652,6 +650,10 @@ def deadline_protocol() -> type:
                 log.warning("more than %d open connections from one address: closed a new one", MAX_PEER_CONNECTIONS)
                 transport.close()
                 return
+            # Asked once per connection, after the caps (a refused one costs no lookup): ~1 ms.
+            if self.client and self.server and from_tunnel(self.client, self.server[1]):
+                self.tunnel_client = tuple(self.client)
+                TUNNEL_CONNECTIONS.add(self.tunnel_client)
             self._arm()
 
         def _arm(self) -> None:
