@@ -307,8 +307,20 @@ def parse_task_id(value: Any) -> int:
 
 
 def now() -> float:
-    """Unix time in seconds (float)."""
+    """Unix time in seconds (float), by this process's clock: for what this process shows or
+    keeps for itself. What the queue stamps and compares (leases, heartbeats, back-off) is
+    ``store_now``'s."""
     return time.time()
+
+
+def store_now(conn: Any) -> float:
+    """What "now" is for the queue on ``conn``, in Unix seconds: the database server's clock on
+    PostgreSQL (``clock_timestamp()``: hosts whose clocks disagree still stamp and compare leases
+    on one clock, so a host running ahead never reaps another's live attempt), this machine's
+    on SQLite (the file has no clock of its own and every process using it runs here)."""
+    if type(conn) is PgConnection:
+        return float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+    return now()
 
 
 ERROR_MAX = 4_000  # characters of a stored error; the whole text stays in the task's log
@@ -2439,7 +2451,7 @@ def queue_summary() -> dict[str, Any]:
             f"SELECT id, created_at FROM tasks{'' if pg else ' INDEXED BY tasks_pending_age'} WHERE status = 'pending'"
             " ORDER BY created_at, id LIMIT 1"
         ).fetchone()
-        claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": now()}).fetchone()[0]
+        claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
     return {
         "counts": tallies,
         "claimable": claimable,
@@ -2507,7 +2519,7 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
             return None
         row = conn.execute(
             _CLAIM_PG if type(conn) is PgConnection else _CLAIM,
-            {"now": now(), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host,
+            {"now": store_now(conn), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host,
              "default_account": default_account}
         ).fetchone()
         if row is None:
@@ -2532,7 +2544,7 @@ def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str, default_
     if blockers:
         raise InvalidTransition(f"task {name} waits for {', '.join(blockers)} to be done")
     held = conn.execute(f"SELECT 1 FROM tasks t WHERE t.id = :id AND {_HELD}",
-                        {"id": num, "now": now(), "default_account": default_account}).fetchone()
+                        {"id": num, "now": store_now(conn), "default_account": default_account}).fetchone()
     if held:
         raise InvalidTransition(f"task {name} waits for its provider's usage limit to reset (see queue_status's "
                                 "held accounts); resume the paused task with answer_task to try now")
@@ -2567,7 +2579,7 @@ def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
     with _writing() as conn:
         _fenced(conn, num, marker)
         conn.execute(
-            f"UPDATE tasks SET heartbeat_at = :now{sets} WHERE id = :id", fields | {"now": now(), "id": num}
+            f"UPDATE tasks SET heartbeat_at = :now{sets} WHERE id = :id", fields | {"now": store_now(conn), "id": num}
         )
 
 
@@ -2581,7 +2593,7 @@ def heartbeat(task_id: Any, owner: str | None = None) -> dict[str, Any]:
             raise InvalidTransition(f"task {format_task_id(num)} is {row['status']}, not running; nothing to renew")
         if owner and row["lease_owner"] != owner:
             raise InvalidTransition(f"task {format_task_id(num)} is leased by {row['lease_owner']}, not {owner}")
-        conn.execute("UPDATE tasks SET heartbeat_at = ? WHERE id = ?", (now(), num))
+        conn.execute("UPDATE tasks SET heartbeat_at = ? WHERE id = ?", (store_now(conn), num))
         return task_dict(_row(conn, num))
 
 
@@ -2624,7 +2636,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
             conn.execute(
                 "UPDATE tasks SET status = 'pending', not_before = ?, error = ?, result = ?, diff = ?,"
                 " usage = ?, session_id = coalesce(?, session_id), lease_owner = NULL WHERE id = ?",
-                (now() + backoff,) + values,
+                (store_now(conn) + backoff,) + values,
             )
             _event(conn, num, "retry", f"attempt {row['attempts']} failed: {error[:400]}")
         else:
@@ -2969,10 +2981,11 @@ def stale_leases(stale_after_sec: float, slack_sec: float = 60, host: str | None
     supervision ends an attempt past its timeout, and one whose heartbeat is fresh is alive."""
     host = host or host_name()
     with _reading() as conn:
+        at = store_now(conn)
         rows = conn.execute(
             "SELECT * FROM tasks WHERE status = 'running' AND (heartbeat_at < :cut"
             " OR (started_at + timeout_sec + :slack < :now AND (lease_host IS NULL OR lease_host = :host)))",
-            {"cut": now() - stale_after_sec, "slack": slack_sec, "now": now(), "host": host},
+            {"cut": at - stale_after_sec, "slack": slack_sec, "now": at, "host": host},
         ).fetchall()
     return [task_dict(r) for r in rows]
 
@@ -3787,8 +3800,9 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     """Record this worker process's heartbeat: the heartbeat file beside the database (atomic; what
     ``read_worker_heartbeat`` reads on this machine) and its row in ``workers`` (upserted, so
     every machine sees every worker). ``state``: what the worker says (state, task, tasks, slots,
-    ...); ``pid_start`` in it (process start time, Unix seconds) goes to its own column. pid,
-    host and time are added here. A new worker on a host deletes that host's rows of workers that
+    ...); ``pid_start`` in it (process start time, Unix seconds) goes to its own column and the
+    file. pid, host and time are added here (the row's time on the queue's clock, ``store_now``).
+    A new worker on a host deletes that host's rows of workers that
     stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
     WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
     Raises OSError (file), sqlite3.Error (database)."""
@@ -3797,7 +3811,7 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}
     path = state_path("worker.json")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_private(path, json.dumps(beat))
+    write_private(path, json.dumps(beat | {"pid_start": pid_start}))   # readers tell a reused pid by it
     _upsert_worker(beat, pid_start)
 
 
@@ -3818,18 +3832,19 @@ def _upsert_worker(beat: dict[str, Any], pid_start: float | None) -> None:
     if len(_ROW_SAID) > 64:            # a process that used many databases (tests)
         _ROW_SAID.clear()
     with _writing() as conn:
+        at = store_now(conn)   # the row is judged by other hosts: on the queue's clock, not this one's
         new = conn.execute("SELECT 1 FROM workers WHERE name = ?", (name,)).fetchone() is None
         conn.execute(
             "INSERT INTO workers (name, host, pid, pid_start, started_at, heartbeat_at, state)"
             " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (name) DO UPDATE SET heartbeat_at = excluded.heartbeat_at,"
             " state = excluded.state, pid_start = coalesce(excluded.pid_start, workers.pid_start)",
-            (name, beat["host"], beat["pid"], pid_start, beat["ts"], beat["ts"], said))
+            (name, beat["host"], beat["pid"], pid_start, at, at, said))
         if new:
             gone = [row[0] for row in conn.execute(
                 "SELECT name, state FROM workers WHERE host = ? AND name != ?", (beat["host"], name)).fetchall()
                 if _said(row[1]).get("state") == "stopped"]
             gone += [row[0] for row in conn.execute("SELECT name FROM workers WHERE heartbeat_at < ?",
-                                                    (beat["ts"] - WORKER_ROWS_KEEP_SEC,)).fetchall()]
+                                                    (at - WORKER_ROWS_KEEP_SEC,)).fetchall()]
             for old in gone:
                 conn.execute("DELETE FROM workers WHERE name = ?", (old,))
     _ROW_SAID[key] = (said, beat["ts"])
@@ -3852,7 +3867,8 @@ def list_workers() -> list[dict[str, Any]]:
     with _reading() as conn:
         rows = conn.execute("SELECT name, host, pid, pid_start, started_at, heartbeat_at, state FROM workers"
                             " ORDER BY heartbeat_at DESC, name").fetchall()
-    here, at = _host_here(), now()
+        at = store_now(conn)
+    here = _host_here()
     return [_said(row["state"]) | {
         "name": row["name"], "host": row["host"], "pid": row["pid"], "pid_start": row["pid_start"],
         "ts": row["heartbeat_at"], "at": iso(row["heartbeat_at"]), "started_at": iso(row["started_at"]),

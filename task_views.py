@@ -29,6 +29,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 import opencode_runner as oc
+import process_tree
 import redaction
 import task_store as store
 
@@ -285,11 +286,22 @@ def workers_state() -> list[dict[str, Any]]:
     return [judge_worker(beat) for beat in store.list_workers()] if store.queue_exists() else []
 
 
+def _worker_process_lives(beat: dict[str, Any]) -> bool | None:
+    """Whether the process that wrote ``beat`` still runs: None when it was written on another
+    host; on this one its pid, and its start time where the beat has it (``pid_start``), so a pid
+    reused by another program is not taken for the worker."""
+    running = beat.get("pid_running")
+    if running and beat.get("pid_start") is not None:
+        return process_tree.same_process(beat.get("pid"), beat["pid_start"]) is not None
+    return running
+
+
 def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     """One heartbeat (a ``list_workers`` row or ``read_worker_heartbeat``), judged (WorkerState):
-    ``recent`` when younger than 180 s (WORKER_RECENT_SEC) for a worker on this host, whose
-    process is checked, and 30 s (WORKER_ELSEWHERE_SILENT_SEC) for one on another host, which
-    refreshes its row every 5 s while it lives; ``pid_running`` (None when it was written on another
+    ``recent`` for a worker on this host whose process (pid and start time) still runs, whatever
+    its heartbeat's age, or whose heartbeat is younger than 180 s (WORKER_RECENT_SEC); for one on
+    another host, a heartbeat younger than 30 s (WORKER_ELSEWHERE_SILENT_SEC) by the queue's clock
+    (it refreshes its row every 5 s while it lives); ``pid_running`` (None when it was written on another
     host), ``died`` when its process is gone although it was not stopped or between passes,
     ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
     field the worker wrote (an ``error``, for one). None: no worker ever reported."""
@@ -300,10 +312,13 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                 "label": worker_label(False, False, None, False),
                 "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
                            "`python worker.py --watch`, or the restart_worker tool"}
-    running = beat["pid_running"]
+    running = _worker_process_lives(beat)
     age = beat.get("age_sec")
     silent_after = WORKER_RECENT_SEC if running is not None else WORKER_ELSEWHERE_SILENT_SEC
-    recent = age is not None and age <= silent_after
+    # A live worker process here is never called dead by its heartbeat's age alone: the age sets
+    # two wall-clock readings against each other, and a clock jumps (sleep, NTP, by hand) or
+    # differs per process (faketime) while the process goes on working.
+    recent = bool(running) or (age is not None and age <= silent_after)
     state = beat.get("state")
     tasks = beat.get("tasks")
     tasks = tasks if isinstance(tasks, list) else [t for t in [beat.get("task")] if t]
@@ -315,6 +330,9 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
         summary += f", task {beat['task']}"
     summary += "; its process is " + ("running" if running else "gone" if running is False
                                       else f"on another host ({beat.get('host')})")
+    if running and age is not None and abs(age) > silent_after:
+        summary += (f" (pid and start time checked), so it counts as alive although its heartbeat's time is "
+                    f"{abs(age):.0f} s off this clock: a clock that jumped or differs")
     if running is False and state == "pass" and not died:
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if beat.get("budget"):
