@@ -141,6 +141,14 @@ install_postgres() {  # the PostgreSQL store tests (pytest -m postgres): Debian'
   fi
 }
 
+install_faketime() {  # the skewed-clock tests (tests/test_clocks.py): Debian's faketime (libfaketime)
+  if [ "$want_test" = 1 ] && ! command -v faketime >/dev/null 2>&1; then
+    apt_get "for the skewed-clock tests" "the skewed-clock tests skip (and fail under CI=true)" \
+      "the skewed-clock tests need faketime on PATH: run as root to apt-get it (apt-get install faketime); without it they skip (and fail under CI=true)" \
+      faketime
+  fi
+}
+
 install_box() {  # the agent box: bubblewrap on Linux (every run; sandbox-exec ships with macOS)
   if [ "$(os_name)" = linux ] && ! command -v bwrap >/dev/null 2>&1; then
     apt_get "for the agent box (every agent run is boxed by it)" \
@@ -217,6 +225,7 @@ main() {
   install_box
   install_browser
   install_postgres
+  install_faketime
 
   if [ "$want_test" = 1 ]; then
     exec .venv/bin/python serve.py --setup-only --quiet ${serve_args[@]+"${serve_args[@]}"}

@@ -296,6 +296,19 @@ def _worker_process_lives(beat: dict[str, Any]) -> bool | None:
     return running
 
 
+def _beat_said(beat: dict[str, Any], running: bool | None, age: float, silent_after: float) -> str:
+    """The summary's head: who reported when, what it was doing, whether its process runs."""
+    said = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {beat.get('state') or 'unknown'}"
+    if beat.get("task"):
+        said += f", task {beat['task']}"
+    said += "; its process is " + ("running" if running else "gone" if running is False
+                                   else f"on another host ({beat.get('host')})")
+    if running and abs(age) > silent_after:
+        said += (f" (pid and start time checked), so it counts as alive although its heartbeat's time is "
+                 f"{abs(age):.0f} s off this clock: a clock that jumped or differs")
+    return said
+
+
 def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     """One heartbeat (a ``list_workers`` row or ``read_worker_heartbeat``), judged (WorkerState):
     ``recent`` for a worker on this host whose process (pid and start time) still runs, whatever
@@ -325,14 +338,7 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     # Gone with tasks in hand is dying mid-run whatever the state word (a pass with --max-tasks
     # reached keeps saying "pass" while its last task runs).
     died = running is False and (state not in QUIET_STATES or bool(tasks))
-    summary = f"worker pid {beat.get('pid')} last reported {age:.0f} s ago, state {state or 'unknown'}"
-    if beat.get("task"):
-        summary += f", task {beat['task']}"
-    summary += "; its process is " + ("running" if running else "gone" if running is False
-                                      else f"on another host ({beat.get('host')})")
-    if running and age is not None and abs(age) > silent_after:
-        summary += (f" (pid and start time checked), so it counts as alive although its heartbeat's time is "
-                    f"{abs(age):.0f} s off this clock: a clock that jumped or differs")
+    summary = _beat_said(beat, running, age, silent_after)
     if running is False and state == "pass" and not died:
         summary += " (a one-pass worker exits after each pass; the schedule starts the next)"
     if beat.get("budget"):
