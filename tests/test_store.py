@@ -2,7 +2,6 @@
 runs on SQLite and on PostgreSQL (tests/pg_server.py's real server)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -139,17 +138,16 @@ def test_fencing_refuses_a_superseded_attempt(tmp_path):
     assert store.get_task(task["id"])["result"]["summary"] == "ok"
 
 
-def test_retry_then_failed_when_spent(tmp_path):
+def test_retry_then_failed_when_spent(tmp_path, monkeypatch):
     task = submit(tmp_path, max_retries=1)
     first = store.claim_next("w")
     after = store.fail_attempt(task["id"], first["run_marker"], "flaky")
     assert after["status"] == "pending" and after["not_before"] is not None
-    store_now = time.time
-    try:
-        store.now = lambda: store_now() + 60  # past the bounded back-off
-        second = store.claim_next("w")
-    finally:
-        store.now = store_now
+    assert store.claim_next("w") is None, "claimed during its back-off"
+    queue_clock = store.store_now   # the back-off is judged on the queue's clock (the server's on PostgreSQL)
+    monkeypatch.setattr(store, "store_now", lambda conn: queue_clock(conn) + 60)  # past the bounded back-off
+    second = store.claim_next("w")
+    monkeypatch.setattr(store, "store_now", queue_clock)
     final = store.fail_attempt(task["id"], second["run_marker"], "flaky again")
     assert final["status"] == "failed" and final["attempts"] == 2
 
