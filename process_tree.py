@@ -113,3 +113,44 @@ def _signal(pgid: int | None, procs: Iterable[psutil.Process], sig: int) -> None
     for proc in procs:
         with contextlib.suppress(*_GONE):
             proc.send_signal(sig)
+
+
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_reaper.py")
+
+
+def reaper_argv(python: str, status_fd: int, argv: list[str]) -> list[str]:
+    """``argv`` started by run_reaper.py (a child subreaper, see there) under ``python``; it
+    writes ``exit CODE`` on ``status_fd`` (an inherited pipe's write end) when ``argv`` ends."""
+    return [python, "-I", REAPER, str(status_fd), "--", *argv]
+
+
+def described(procs: Iterable[psutil.Process]) -> list[dict]:
+    """``[{pid, command, ports}]`` of the live ``procs``: the command line clipped to 300
+    characters, ``ports`` the TCP ports each listens on (sorted). Gone ones are left out."""
+    out = []
+    for proc in procs:
+        try:
+            command = " ".join(proc.cmdline()) or proc.name()
+            ports = sorted({c.laddr.port for c in proc.net_connections("inet")
+                            if c.status == psutil.CONN_LISTEN and c.laddr})
+        except _GONE:
+            continue
+        out.append({"pid": proc.pid, "command": command[:300], "ports": ports})
+    return out
+
+
+def run_leftovers(root: int, keep: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
+    """The live descendants of ``root`` (our child's pid) for which ``keep`` is false: what a
+    run still has going beside the processes that carry it (the box, the reaper, OpenCode)."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except _GONE:
+        return []
+    left = []
+    for proc in children:
+        try:
+            if not keep(proc):
+                left.append(proc)
+        except _GONE:
+            continue
+    return left

@@ -312,6 +312,7 @@ class RunResult:
     limited: dict[str, Any] | None = None  # the provider's usage limit: {said, reset_at, source} (see _limit)
     not_believed: list[str] = field(default_factory=list)   # plugin replies the worker set aside, and why
     box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
+    ended: list[dict[str, Any]] = field(default_factory=list)   # still running at the run's end: {pid, command, ports}
 
 
 START_GATE_SEC = 3
@@ -662,6 +663,8 @@ class Supervisor:
         self.rules_file: str | None = None
         self.retry_file: str | None = None
         self.logged_limit: dict[str, Any] | None = None   # the last limit a --print-logs line named
+        self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
+        self.status_said = b""
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -673,15 +676,18 @@ class Supervisor:
                 self.courier.sync()
             StartGate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+            self.status, status_w = os.pipe()
             try:
                 self.proc = subprocess.Popen(
-                    self.boxed_argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
-                    stdout=writer, stderr=subprocess.PIPE, start_new_session=True)
+                    self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
+                    stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
             except BaseException:
                 os.close(self.spool)
+                os.close(self.status)
                 raise
             finally:
                 os.close(writer)
+                os.close(status_w)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
             self._send_prompt()
             self._record_pid()
@@ -689,11 +695,11 @@ class Supervisor:
                 self._watch()
             finally:
                 self._leave_gate()
-                process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec,
-                                       run_stragglers(self.marker, self.queue))
+                self._end_leftovers()
                 self._drain(final=True)
                 self.shipper.ship(last=True)
-                self.result.returncode = self.proc.wait()
+                code = self.proc.wait()
+                self.result.returncode = code if self.agent_code is None else self.agent_code
                 self._limit_at_give_up()
                 if self.meter is not None:
                     self._held(time.monotonic(), final=True)
@@ -703,6 +709,29 @@ class Supervisor:
                     self.courier.close()
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
+
+    def _adopting(self, status_w: int) -> list[str]:
+        """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
+        that it adopts what the agent detaches there), reporting OpenCode's exit on ``status_w``."""
+        at = len(self.boxed_argv) - len(self.argv)
+        if self.boxed_argv[at:] != self.argv:
+            raise ValueError("the box's command does not end with OpenCode's")
+        python = agent_box.box_python() if self.box.mechanism else sys.executable
+        return [*self.boxed_argv[:at], *process_tree.reaper_argv(python, status_w, self.argv)]
+
+    def _carries_run(self, proc: psutil.Process) -> bool:
+        """The box, the reaper and OpenCode itself: the processes a run is made of."""
+        cmdline = proc.cmdline()
+        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or cmdline[1:] == self.argv[1:]
+
+    def _end_leftovers(self) -> None:
+        """Name what the run still has going (a dev server the agent detached, the commands of a
+        run we stopped), then end the whole tree and anything tagged with the run."""
+        self.result.ended = process_tree.described(process_tree.run_leftovers(self.proc.pid, self._carries_run))
+        process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
+        for item in self.result.ended:
+            ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
+            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}", talk.VERBOSE)
 
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
@@ -731,6 +760,8 @@ class Supervisor:
         self.selector = selectors.DefaultSelector()
         os.set_blocking(self.proc.stderr.fileno(), False)
         self.selector.register(self.proc.stderr, selectors.EVENT_READ)
+        os.set_blocking(self.status, False)
+        self.selector.register(self.status, selectors.EVENT_READ)
         now = time.monotonic()
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         self.deadline = self.deadline_at or now + self.task["timeout_sec"]
@@ -741,8 +772,12 @@ class Supervisor:
             self._pump(0.2)
             self._check(time.monotonic())
 
+    def _agent_gone(self) -> bool:
+        """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
+        return self.agent_code is not None or self.proc.poll() is not None
+
     def _done(self) -> bool:
-        if self.proc.poll() is None:
+        if not self._agent_gone():
             return False
         self.exited_at = self.exited_at or time.monotonic()
         # A stray grandchild may hold the pipe open after the agent exited: do not wait on it.
@@ -785,7 +820,7 @@ class Supervisor:
             return None
         if self.result.stream.finished and self.finished_at is None:
             self.finished_at = now
-        if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and self.proc.poll() is None:
+        if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and not self._agent_gone():
             self.result.agent_exited = False   # ended by us; the run still counts by its events
             self.stop = True
 
@@ -863,9 +898,26 @@ class Supervisor:
         self.result.interrupted = interrupted
 
     def _pump(self, timeout: float) -> None:
-        for _ in self.selector.select(timeout):
-            self._read_stderr()
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj == self.status:
+                self._read_status()
+            else:
+                self._read_stderr()
         self._read_spool()
+
+    def _read_status(self) -> None:
+        """run_reaper.py's ``exit CODE`` line: OpenCode has ended (what it left may live on)."""
+        try:
+            data = os.read(self.status, 256)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(self.status)
+            return
+        self.status_said += data
+        words = self.status_said.split()
+        if len(words) >= 2 and words[0] == b"exit" and words[1].lstrip(b"-").isdigit():
+            self.agent_code = int(words[1])
 
     def _read_spool(self) -> None:
         """Everything OpenCode wrote to its stdout file since the last call."""
@@ -979,10 +1031,12 @@ class Supervisor:
             if self.partial.get(stream) or stream in self.oversized:
                 self._take(stream, b"", end=True)
         self.partial.clear()
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(self.proc.stderr)
+        for fileobj in (self.proc.stderr, self.status):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(fileobj)
         self.proc.stderr.close()
         os.close(self.spool)
+        os.close(self.status)
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:
@@ -1720,6 +1774,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "agent_exited": run.agent_exited,
         "non_json_lines": stream.bad_lines,
         "replies_not_believed": run.not_believed,
+        "ended_with_run": run.ended,
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],

@@ -1,0 +1,52 @@
+"""What a run leaves behind: daemons the agent started, with the real `opencode` and the box."""
+from __future__ import annotations
+
+import socket
+import psutil
+import pytest
+
+from fake_openai import text, tool_call
+from helpers import make_repo, run_task
+
+pytestmark = pytest.mark.real_opencode
+
+RECEIPT = '```json\n{"summary": "started a server", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def listener(port: int) -> list[psutil.Process]:
+    found = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+            found.append(psutil.Process(conn.pid))
+    return found
+
+
+@pytest.mark.parametrize("sandbox", ["on", "off"])
+def test_daemon_in_new_session_with_cleared_env_is_ended(opencode, tmp_path, monkeypatch, sandbox):
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", sandbox)
+    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
+    repo = make_repo(tmp_path / "repo")
+    port = free_port()
+    opencode.model.script("daemon", [
+        tool_call("bash", {"command": f"setsid env -i /usr/bin/python3 -m http.server {port} --bind 127.0.0.1 "
+                                      ">/dev/null 2>&1 </dev/null & sleep 1; echo started",
+                           "description": "dev server"}),
+        text("Started.\n" + RECEIPT),
+    ])
+    task = run_task("daemon", str(repo))
+    left = listener(port)
+    for proc in left:
+        proc.kill()
+    assert left == [], f"port {port} still held by {[p.cmdline() for p in left]}"
+    assert task["status"] == "done", task["error"]
+    receipt = task["result"]
+    assert [c["exit"] for c in receipt["commands"]] == [0]
+    ended = [e for e in receipt["ended_with_run"] if "http.server" in e["command"]]
+    assert len(ended) == 1 and ended[0]["ports"] == [port], receipt["ended_with_run"]
+    assert not psutil.pid_exists(ended[0]["pid"])
