@@ -8,7 +8,7 @@ tells the worker when OpenCode itself has ended.
   to find it by) is re-parented to it instead of init, and stays in the run's process tree where
   the worker finds it, names it and ends it. Inside the box it sits under bubblewrap's init, so
   the box's PID namespace lives until the worker has looked.
-- When OpenCode exits, it writes ``exit CODE`` on ``STATUS_FD``; then it holds what is left (its
+- When OpenCode exits, it writes ``exit CODE`` on ``STATUS_FD`` (``-N``: ended by signal N); then it holds what is left (its
   adopted children) until they are gone or a termination signal comes, and exits with CODE.
 - SIGTERM / SIGINT / SIGHUP: passed to OpenCode while it runs; once OpenCode is gone, it waits
   for its remaining children to end (the worker signals them itself) and exits.
@@ -79,14 +79,13 @@ def main(argv: list[str]) -> int:
         if pid == agent:
             break
     _State.agent = None
-    code = os.waitstatus_to_exitcode(status)
-    code = 128 - code if code < 0 else code
+    code = os.waitstatus_to_exitcode(status)   # -N: ended by signal N, said so to the worker
     try:
         os.write(status_fd, f"exit {code}\n".encode())
         os.close(status_fd)
     except OSError:
         pass
-    return _hold(code)
+    return _hold(128 - code if code < 0 else code)
 
 
 if __name__ == "__main__":
