@@ -80,11 +80,12 @@ def opencode_bin() -> str:
 def run_command(model: str, marker: str, *, session_id: str | None = None,
                 agent: str | None = None) -> list[str]:
     """argv of one headless run: ``opencode run --auto --format json -m MODEL --title MARKER
-    --print-logs --log-level ERROR`` (plus ``-s SESSION`` to resume, ``--agent`` when given). The
+    --print-logs --log-level WARN`` (plus ``-s SESSION`` to resume, ``--agent`` when given). The
     prompt goes on stdin. The ERROR log lines on stderr carry the cause an ``error`` event hides
-    behind "Unexpected server error" (see `logged_errors`)."""
+    behind "Unexpected server error" (see `logged_errors`); the WARN ones name the MCP servers
+    OpenCode gave up on (see `mcp_unavailable`), which the event stream never mentions."""
     argv = [opencode_bin(), "run", "--auto", "--format", "json", "-m", model, "--title", marker,
-            "--print-logs", "--log-level", "ERROR"]
+            "--print-logs", "--log-level", "WARN"]
     if session_id:
         argv += ["-s", session_id]
     if agent:
@@ -285,6 +286,26 @@ def logged_errors(stderr_lines: list[str]) -> list[str]:
     each once: the cause behind an ``UnknownError: Unexpected server error`` event."""
     found = [m.group(1).replace('\\"', '"') for line in stderr_lines if (m := _LOGGED_ERROR.search(line))]
     return list(dict.fromkeys(found))
+
+
+_MCP_DOWN = re.compile(r'^timestamp=(\S+) level=WARN\b.*\bmessage="server unavailable"(?P<rest>.*)$')
+
+
+def mcp_unavailable(line: str) -> dict[str, Any] | None:
+    """An MCP server OpenCode gave up on, from one ``--print-logs`` stderr line
+    (``timestamp=… level=WARN … message="server unavailable" key=NAME type=local status=failed``):
+    ``{"server", "type", "status", "at"}`` (``at``: Unix seconds, None if unreadable), or None.
+    OpenCode waits for every configured MCP server before its first model call, so a silent one
+    costs each run its connect timeout (measured: ~30 s more per run with 1.18.33)."""
+    match = _MCP_DOWN.match(line.strip())
+    if not match:
+        return None
+    fields = dict(re.findall(r'\b(key|type|status)=(\S+)', match.group("rest")))
+    try:
+        at = datetime.fromisoformat(match.group(1).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        at = None
+    return {"server": fields.get("key", "?"), "type": fields.get("type"), "status": fields.get("status"), "at": at}
 
 
 def model_missing(text: str) -> bool:

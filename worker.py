@@ -313,6 +313,7 @@ class RunResult:
     not_believed: list[str] = field(default_factory=list)   # plugin replies the worker set aside, and why
     box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
     ended: list[dict[str, Any]] = field(default_factory=list)   # still running at the run's end: {pid, command, ports}
+    mcp_down: list[dict[str, Any]] = field(default_factory=list)   # MCP servers OpenCode gave up on (mcp_note)
 
 
 START_GATE_SEC = 3
@@ -676,6 +677,7 @@ class Supervisor:
                 self.courier.sync()
             StartGate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+            self.started_wall = time.time()
             self.status, status_w = os.pipe()
             try:
                 self.proc = subprocess.Popen(
@@ -974,6 +976,8 @@ class Supervisor:
         if stream == "err":
             text = line[:STDERR_LINE_KEEP].decode(errors="replace")
             self.log.write(b"[stderr] " + line + b"\n")
+            if (down := oc.mcp_unavailable(text)) is not None:
+                return self._mcp_down(down)
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
             self.logged_limit = oc.limit_from_log(text, time.time()) or self.logged_limit
         else:
@@ -985,6 +989,17 @@ class Supervisor:
                 if event.get("type") == "step_finish" and self.meter is not None:
                     self._metered()
                 Talk.event(self.task["id"], event)
+        self.log.flush()
+
+    def _mcp_down(self, down: dict[str, Any]) -> None:
+        """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
+        since OpenCode started, and kept out of the stderr tail that an exit error quotes."""
+        if len(self.result.mcp_down) < DOUBTS_MAX:
+            after = round(max(0.0, down["at"] - self.started_wall), 1) if down["at"] else None
+            self.result.mcp_down.append({"server": down["server"][:200], "type": down["type"],
+                                         "status": down["status"], "after_sec": after})
+            log(f"{self.task['id']}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
+                f"({down['status']}) {after} s after it started", talk.VERBOSE)
         self.log.flush()
 
     def _metered(self) -> None:
@@ -1070,6 +1085,14 @@ def environment_fault(run: RunResult) -> str | None:
     return oc.environment_fault(run.stderr_tail)
 
 
+def mcp_note(run: RunResult) -> str:
+    """``; OpenCode waited for MCP servers that never answered: NAME (failed after N s)`` or ``""``."""
+    if not run.mcp_down:
+        return ""
+    named = ", ".join(f"{d['server']} ({d['status'] or 'unavailable'} after {d['after_sec']} s)" for d in run.mcp_down)
+    return f"; OpenCode waited for MCP servers that never answered: {named}"
+
+
 def failure_reason(run: RunResult) -> str | None:
     """None when the run succeeded by its events; else the specific reason it failed."""
     stream = run.stream
@@ -1077,7 +1100,7 @@ def failure_reason(run: RunResult) -> str | None:
         return None
     if run.killed:
         signal_note = "; the process tree was sent SIGTERM, then SIGKILL after the grace period"
-        return run.killed + signal_note
+        return run.killed + signal_note + mcp_note(run)
     if stream.errors:
         said = "; ".join(stream.errors)
         logged = oc.logged_errors(run.stderr_tail)
@@ -1775,6 +1798,7 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "non_json_lines": stream.bad_lines,
         "replies_not_believed": run.not_believed,
         "ended_with_run": run.ended,
+        "mcp_servers_unavailable": run.mcp_down,
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],

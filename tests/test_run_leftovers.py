@@ -6,6 +6,7 @@ import psutil
 import pytest
 
 from fake_openai import text, tool_call
+import task_store
 from helpers import make_repo, run_task
 
 pytestmark = pytest.mark.real_opencode
@@ -50,3 +51,21 @@ def test_daemon_in_new_session_with_cleared_env_is_ended(opencode, tmp_path, mon
     ended = [e for e in receipt["ended_with_run"] if "http.server" in e["command"]]
     assert len(ended) == 1 and ended[0]["ports"] == [port], receipt["ended_with_run"]
     assert not psutil.pid_exists(ended[0]["pid"])
+
+
+def test_receipt_names_the_mcp_servers_opencode_gave_up_on(opencode, tmp_path):
+    """A user's OpenCode MCP server that never answers holds up the first model call: the
+    receipt names it (and one whose binary is missing) with the seconds OpenCode had waited."""
+    opencode.configure({"mcp": {
+        "mute": {"type": "local", "command": ["/usr/bin/python3", "-c", "import time; time.sleep(600)"]},
+        "missing": {"type": "local", "command": [str(tmp_path / "no-such-server")]},
+    }})
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("mcp", [text("Nothing to do.\n" + RECEIPT)])
+    task = run_task("mcp", str(repo))
+    assert task["status"] == "done", task["error"]
+    down = {d["server"]: d for d in task["result"]["mcp_servers_unavailable"]}
+    assert set(down) == {"mute", "missing"}, down
+    assert down["mute"]["status"] == "failed" and down["mute"]["after_sec"] >= 20
+    assert down["mute"]["after_sec"] <= task["result"]["latency_sec"]
+    assert "server unavailable" in task_store.log_path(task["id"]).read_text()
