@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 import psutil
 
 _GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
+GONE = _GONE   # for callers that walk a run's processes themselves
 
 
 def start_time(pid: int) -> float | None:

@@ -321,6 +321,9 @@ HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the e
 REPLY_MAX = 1 << 20           # bytes of a plugin's reply read; a longer one is not believed
 DOUBTS_MAX = 20               # replies not believed that one receipt lists
 SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
+# Seconds a bash tool shell may be gone before its tool call is judged never to complete: the
+# tool_use event of a shell that exited follows within moments; a killed one's never comes.
+DEAD_SHELL_SEC = 15
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
 # Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
@@ -537,6 +540,72 @@ def fresh_run_folder(task_id: str, suffix: str = ".run") -> Path:
     return run
 
 
+class ShellWatch:
+    """The bash tool's shells of one run, seen from outside: OpenCode runs each command as
+    ``$SHELL -c COMMAND`` in a session of its own, and a shell killed by a signal (``kill -9
+    $$``, the OOM killer) leaves OpenCode 1.18.33's tool call waiting forever, with or without
+    a child living on (measured: no tool_use event after 120 s). A shell seen running that is
+    gone for DEAD_SHELL_SEC with no bash tool_use for its command is named as dead. Looked at
+    once a second: a shell killed within its first second is not seen (the timeout still ends
+    that run)."""
+
+    def __init__(self, root: int, argv: list[str]) -> None:
+        self.root, self.argv = root, argv
+        self.agent: psutil.Process | None = None
+        self.shells: dict[int, dict[str, Any]] = {}   # pid -> {proc, command, gone_at}
+        self.next_look = 0.0
+
+    def look(self, now: float) -> None:
+        """Note new shells and the time tracked ones went away (at most once a second)."""
+        if now < self.next_look:
+            return
+        self.next_look = now + 1.0
+        for pid, shell in self.shells.items():
+            if shell["gone_at"] is None and not _alive(shell["proc"]):
+                shell["gone_at"] = now
+        for proc in self._agent_children():
+            with contextlib.suppress(*process_tree.GONE, OSError):
+                if proc.pid not in self.shells and os.getsid(proc.pid) == proc.pid:
+                    self.shells[proc.pid] = {"proc": proc, "command": _shell_command(proc.cmdline()), "gone_at": None}
+
+    def completed(self, command: str) -> None:
+        """A bash tool call for ``command`` finished: its shell is accounted for."""
+        for pid, shell in list(self.shells.items()):
+            if shell["command"] == command or (shell["command"] and shell["command"] in command):
+                del self.shells[pid]
+                return
+
+    def dead(self, now: float) -> tuple[int, dict[str, Any]] | None:
+        """(pid, shell) of a shell gone for DEAD_SHELL_SEC whose tool call never completed."""
+        for pid, shell in self.shells.items():
+            if shell["gone_at"] is not None and now - shell["gone_at"] > DEAD_SHELL_SEC:
+                return pid, shell
+        return None
+
+    def _agent_children(self) -> list[psutil.Process]:
+        try:
+            if self.agent is None:
+                self.agent = next((p for p in psutil.Process(self.root).children(recursive=True)
+                                   if p.cmdline()[1:] == self.argv[1:]), None)
+            return self.agent.children() if self.agent is not None else []
+        except process_tree.GONE:
+            return []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except process_tree.GONE:
+        return False
+
+
+def _shell_command(cmdline: list[str]) -> str:
+    """COMMAND of ``SHELL … -c COMMAND``, else the whole command line (bash may have exec'd it)."""
+    if "-c" in cmdline[:-1]:
+        return cmdline[cmdline.index("-c") + 1]
+    return " ".join(cmdline)
+
+
 class Courier:
     """Carries notes added while an attempt runs into its running session: it writes the task's
     undelivered notes to the notes file the note courier plugin (``notes_courier.js``) reads
@@ -691,6 +760,7 @@ class Supervisor:
                 os.close(writer)
                 os.close(status_w)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
+            self.shells = ShellWatch(self.proc.pid, self.argv)
             self._send_prompt()
             self._record_pid()
             try:
@@ -774,6 +844,18 @@ class Supervisor:
             self._pump(0.2)
             self._check(time.monotonic())
 
+    def _shell_died(self, now: float) -> bool:
+        """End the run early when a bash tool shell died and its call will never complete."""
+        self.shells.look(now)
+        found = self.shells.dead(now)
+        if found is None:
+            return False
+        pid, shell = found
+        self._end(f"the agent's shell (pid {pid}) died while running {json.dumps(shell['command'][:300])}, and "
+                  f"OpenCode's bash tool call never completed (nothing for {DEAD_SHELL_SEC} s after): the run was "
+                  "ended early (a shell killed by a signal, e.g. `kill -9 $$` or the OOM killer)")
+        return True
+
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
         return self.agent_code is not None or self.proc.poll() is not None
@@ -813,6 +895,8 @@ class Supervisor:
             return self._end(f"timed out after {self.task['timeout_sec']} s")
         if now - self.last_activity > knobs.inactivity_sec:
             return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        if self._shell_died(now):
+            return None
         if self.meter is not None and self.meter.gate_file and not self.stop:
             self._held(now)
             if self.stop:
@@ -988,6 +1072,8 @@ class Supervisor:
             elif event is not None:
                 if event.get("type") == "step_finish" and self.meter is not None:
                     self._metered()
+                if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
+                    self.shells.completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
                 Talk.event(self.task["id"], event)
         self.log.flush()
 

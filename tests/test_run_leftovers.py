@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import psutil
 import pytest
 
@@ -69,3 +70,22 @@ def test_receipt_names_the_mcp_servers_opencode_gave_up_on(opencode, tmp_path):
     assert down["mute"]["status"] == "failed" and down["mute"]["after_sec"] >= 20
     assert down["mute"]["after_sec"] <= task["result"]["latency_sec"]
     assert "server unavailable" in task_store.log_path(task["id"]).read_text()
+
+
+def test_killed_shell_with_a_live_child_ends_the_run_early_and_is_named(opencode, tmp_path, monkeypatch):
+    """OpenCode's bash tool never completes a call whose shell was killed: the worker names the
+    dead shell and ends the run long before the task's timeout; the child is ended too."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("shot", [
+        tool_call("bash", {"command": "sleep 321 & sleep 3; kill -9 $$", "description": "dies"}),
+        text("unreachable\n" + RECEIPT),
+    ])
+    started = time.monotonic()
+    task = run_task("shot", str(repo), timeout_sec=400, max_retries=0)
+    took = time.monotonic() - started
+    assert task["status"] == "failed"
+    assert "the agent's shell (pid " in task["error"] and "sleep 321 & sleep 3; kill -9 $$" in task["error"]
+    assert "timed out" not in task["error"]
+    assert took < 150, took
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "321"]]
