@@ -9,6 +9,7 @@ import pytest
 from fake_openai import text, tool_call
 import task_store
 from helpers import make_repo, run_task
+from opencode_env import parse_events
 
 pytestmark = pytest.mark.real_opencode
 
@@ -37,7 +38,9 @@ def test_daemon_in_new_session_with_cleared_env_is_ended(opencode, tmp_path, mon
     port = free_port()
     opencode.model.script("daemon", [
         tool_call("bash", {"command": f"setsid env -i /usr/bin/python3 -m http.server {port} --bind 127.0.0.1 "
-                                      ">/dev/null 2>&1 </dev/null & sleep 1; echo started",
+                                      ">/dev/null 2>&1 </dev/null & for i in $(seq 100); do "
+                                      f"(exec 3<>/dev/tcp/127.0.0.1/{port}) 2>/dev/null && echo server-up && break; "
+                                      "sleep 0.2; done",
                            "description": "dev server"}),
         text("Started.\n" + RECEIPT),
     ])
@@ -49,6 +52,9 @@ def test_daemon_in_new_session_with_cleared_env_is_ended(opencode, tmp_path, mon
     assert task["status"] == "done", task["error"]
     receipt = task["result"]
     assert [c["exit"] for c in receipt["commands"]] == [0]
+    outputs = [e["part"]["state"].get("output", "") for e in parse_events(task_store.log_path(task["id"]).read_text())
+               if e.get("type") == "tool_use"]
+    assert outputs and "server-up" in outputs[0], f"the dev server never answered: {outputs}"
     ended = [e for e in receipt["ended_with_run"] if "http.server" in e["command"]]
     assert len(ended) == 1 and ended[0]["ports"] == [port], receipt["ended_with_run"]
     assert not psutil.pid_exists(ended[0]["pid"])
