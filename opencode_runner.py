@@ -302,7 +302,7 @@ def mcp_unavailable(line: str) -> dict[str, Any] | None:
         return None
     fields = dict(re.findall(r'\b(key|type|status)=(\S+)', match.group("rest")))
     try:
-        at = datetime.fromisoformat(match.group(1).replace("Z", "+00:00")).timestamp()
+        at = datetime.fromisoformat(match.group(1)).timestamp()
     except ValueError:
         at = None
     return {"server": fields.get("key", "?"), "type": fields.get("type"), "status": fields.get("status"), "at": at}

@@ -560,7 +560,7 @@ class ShellWatch:
         if now < self.next_look:
             return
         self.next_look = now + 1.0
-        for pid, shell in self.shells.items():
+        for shell in self.shells.values():
             if shell["gone_at"] is None and not _alive(shell["proc"]):
                 shell["gone_at"] = now
         for proc in self._agent_children():

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import socket
 import time
+
 import psutil
 import pytest
-
 from fake_openai import text, tool_call
-import task_store
 from helpers import make_repo, run_task
 from opencode_env import parse_events
+
+import task_store
 
 pytestmark = pytest.mark.real_opencode
 
