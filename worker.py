@@ -1723,8 +1723,23 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],
+        "permission_asks": permission_asks(task),
         "limit_pauses": current.get("limit_pauses") or [],
     }
+
+
+def permission_asks(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """The permission asks the planner decided over the task's attempts, each ``{tool, subject,
+    reason, decision}`` (``deny once`` …): a refused call never reaches the event stream, so
+    this is its only trace in the receipt. Carried over from the previous attempt's receipt."""
+    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    asks = list(result.get("permission_asks") or [])
+    ask = task.get("pending_ask") or {}
+    if ask.get("decision"):
+        record = {key: ask.get(key) for key in ("tool", "subject", "reason", "decision")}
+        if record not in asks:
+            asks.append(record)
+    return asks
 
 
 # --------------------------------------------------------------------------------------------

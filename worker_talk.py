@@ -240,6 +240,11 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     if status == "pending":
         return f"{ident} failed attempt {task['attempts']} after {took}{cost}; requeued for a retry: " \
                f"{plain(final.get('error'), 200)}", "yellow"
+    if status == "waiting" and final.get("paused_for") == "permission":
+        return f"{ident} waiting after {took}{cost}: it asks permission. {plain(final.get('question'), 200)}", "magenta"
+    if status == "waiting" and final.get("paused_for") == "usage_limit":
+        return f"{ident} paused at its provider's usage limit after {took}{cost}: " \
+               f"{plain(final.get('question'), 200)}", "magenta"
     if status == "waiting" and final.get("paused_for"):
         return f"{ident} paused at its spending limit after {took}{cost}: " \
                f"{plain(final.get('question'), 200)}", "magenta"
