@@ -422,7 +422,7 @@ def _submitted(task: dict[str, Any]) -> dict[str, Any]:
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
     return _echo(task) | {"task_id": task["id"], "duplicate": bool(task.get("duplicate")), "hint": hint,
-                         "warnings": task_views.limit_warnings(task)}
+                         "warnings": task_views.submit_warnings(task)}
 
 
 # --------------------------------------------------------------------------------------------

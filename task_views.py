@@ -32,6 +32,7 @@ import opencode_runner as oc
 import process_tree
 import redaction
 import task_store as store
+import worktrees
 
 VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
 ROW_TEXT_MAX = 300              # characters of error/question per list row
@@ -392,6 +393,26 @@ def limit_warnings(task: dict[str, Any]) -> list[str]:
     return [f"{task['id']}: OpenCode reports no price for {model} (cost 0), so max_cost_usd "
             f"${task['max_cost_usd']:g} can never be reached; give max_tokens (tokens) to limit it, "
             "or declare the model's cost in your OpenCode config"]
+
+
+def submit_warnings(task: dict[str, Any]) -> list[str]:
+    """Everything a submit warns about a task just queued (one line each, naming the way out):
+    its spending limit (`limit_warnings`) and a folder outside any git repository, where the
+    agent changes the files in place. Raises nothing."""
+    return limit_warnings(task) + place_warnings(task)
+
+
+def place_warnings(task: dict[str, Any]) -> list[str]:
+    """A folder task that asked for a worktree but whose folder is in no git repository: it
+    runs in place (no branch to review, nothing to undo), which a person should hear at once."""
+    folder = task.get("working_dir")
+    if task.get("repo") or not task.get("worktree") or not isinstance(folder, str) or not os.path.isdir(folder):
+        return []
+    if not worktrees.runs_in_place(folder):
+        return []
+    return [f"{task['id']}: {folder} is not in a git repository, so the agent will change its files in place "
+            "(no worktree, no branch to review, nothing to undo); cancel it and `git init` and commit "
+            "there first, or resubmit on a repository, if that is not what you want"]
 
 
 def queue_snapshot() -> dict[str, Any]:

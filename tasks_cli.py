@@ -877,7 +877,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         subagents=list(subagents), repo=repo, base_ref=base_ref, host=host,
         schedule_timeout_sec=schedule_timeout_sec,
     )
-    warnings = task_views.limit_warnings(task)
+    warnings = task_views.submit_warnings(task)
     if as_json:
         return emit_json(task | {"warnings": warnings})
     verb = "Already queued as" if task["duplicate"] else "Submitted"

@@ -128,6 +128,8 @@ async def test_the_submit_result_names_the_task_as_task_id_like_every_other_tool
         assert task["task_id"] == task["id"] == shown["id"]
         batch = await ok(c, "submit_batch", {"tasks": [task_args(wd), task_args(wd)]})
         assert [t["task_id"] for t in batch["tasks"]] == ["t_0002", "t_0003"]
+        # wd is no git repository: each submit says the agent changes it in place.
+        assert all(any(f"{wd} is not in a git repository" in w for w in t["warnings"]) for t in [task, *batch["tasks"]])
 
 
 async def test_free_text_that_looks_like_json_or_a_number_is_stored_exactly(mode, wd):
