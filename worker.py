@@ -1860,8 +1860,12 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
     lock = _take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
+        # One pass per queue by design: a person who started a second to get more done at once
+        # needs the knob that does that, not a silent exit.
         print(f"another worker pass holds the lock {store.worker_lock_path()} "
-              f"(pid {holder.get('pid', '?')}); exiting", flush=True)
+              f"(pid {holder.get('pid', '?')}, up to {holder.get('slots') or 1} task(s) at once); exiting. "
+              "To run more tasks at once, stop it and start one worker with --slots N "
+              "(or set WORKER_SLOTS)", flush=True)
         return 0
     try:
         Beat.slots, Beat.pid_start = slots, worker_identity()[2]
