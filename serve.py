@@ -363,15 +363,12 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
-        """The worker first (twice: a task in hand is ended and handed back without spending a
-        retry), then the server and the tunnel; whatever outlives the grace period is killed with
-        its process group."""
+        """The worker first (it runs with --stop-at-once: one SIGTERM ends a task in hand and hands
+        it back without spending a retry, and it says so in one line), then the server and the
+        tunnel; whatever outlives the grace period is killed with its process group."""
         worker = self.children.get("worker")
         if worker and worker.poll() is None:
             worker.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
         for name in ("server", "tunnel"):
             proc = self.children.get(name)
             if proc and proc.poll() is None:
@@ -463,7 +460,7 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
                                       "--log-level", "WARNING"], env)
         wait_healthy(port, server, HEALTH_WAIT_SEC, sup.stop_asked)
         cursor = store.last_event_id()
-        worker_argv = [sys.executable, str(REPO / "worker.py"), "--watch"]
+        worker_argv = [sys.executable, str(REPO / "worker.py"), "--watch", "--stop-at-once"]
         sup.start("worker", worker_argv, env)
     except SetupError as exc:
         print(f"serve: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@
     --slots N                   run up to N tasks at once (each in its own worktree)
     -q / -v                     say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
     --db URL                    the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
+    --stop-at-once              the first signal hands the tasks in hand back at once (serve.py)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
@@ -92,10 +93,11 @@ class Flags:
     """Set by signal handlers only; the loops act on them."""
     stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
     stop_now = False   # second: end the run at once and hand the task back
+    at_once = False    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if Flags.stopping:
+    if Flags.stopping or Flags.at_once:
         Flags.stop_now = True
     Flags.stopping = True
 
@@ -2108,6 +2110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="say only failures, errors and what a Ctrl-C does")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also say each attempt's details and every tool call the agent makes")
+    parser.add_argument("--stop-at-once", action="store_true",
+                        help="the first SIGTERM/SIGINT ends the runs in hand and hands them back (no retry "
+                             "spent), as a second one does otherwise; serve.py starts its worker so")
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
                              "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
@@ -2130,6 +2135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slots is None:
         args.slots = knobs.knob("WORKER_SLOTS")
     Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
+    Flags.at_once = args.stop_at_once
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:

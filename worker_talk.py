@@ -150,7 +150,7 @@ class Talk:
             return
         with cls.lock:
             ids = ", ".join(sorted(cls.running))
-        if cls.announced < 1:
+        if cls.announced < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
             cls.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
                     else "stopping: no task in hand", level=QUIET, style="yellow")
         if seen == 2:

@@ -66,3 +66,28 @@ def test_a_killed_serve_takes_its_children_with_it():
     os.kill(again.pid, signal.SIGTERM)
     assert again.wait(timeout=40) == 0
     assert all_gone(again_kids, 5) == []
+
+
+@pytest.mark.real_opencode
+def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_path):
+    """The terminal's Ctrl-C reaches serve.py alone; its worker (--stop-at-once) ends the run in
+    hand at its one SIGTERM, hands the task back, and says that in one line, not in the two of
+    a worker stopped twice ("Ctrl-C again to stop now", then "stopping now")."""
+    import task_store
+    from fake_openai import hang
+    from helpers import make_repo
+    opencode.model.script("waits", [hang()])
+    task = task_store.submit_task(title="waits", instructions="SCRIPT:waits", working_dir=str(make_repo(tmp_path / "repo")),
+                                  timeout_sec=300)
+    proc, lines = start_serving(free_port())
+    deadline = time.monotonic() + 90
+    while not (task_store.get_task(task["id"])["agent_pid"] and opencode.model.step_requests("waits")):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    said = "".join(lines)
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and after["handbacks"] == 1 and after["attempts"] == 1, said
+    assert said.count(f"stopping now: ending the run of {task['id']}") == 1, said
+    assert "Ctrl-C again" not in said, said
