@@ -231,6 +231,8 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     status = final["status"]
     if status == "done":
         branch = f", branch {final['branch']}" if final.get("branch") else " (in place)"
+        if final.get("branch") and not (final.get("result") or {}).get("commit"):
+            branch = f", no change: nothing committed on {final['branch']}"
         if final.get("repo"):
             branch = f", pushed {final['pushed_branch']} to {final['repo']}" if final.get("pushed_branch") \
                 else f", nothing pushed to {final['repo']} (no change)"
