@@ -1343,6 +1343,17 @@ def default_model(setting: str | None = None, cwd: str | None = None, *,
                          "configure a provider in OpenCode's config (see docs/models.md), or set WORKER_MODEL / set_default_model")
 
 
+def hosted_free_note(choice: ModelChoice) -> str | None:
+    """What to tell a person whose tasks fall back on OpenCode's hosted free model (nothing set,
+    nothing configured, no provider of their own: `first_usable` took an ``opencode/*`` one),
+    naming the ways to choose; None for any other choice."""
+    if choice.source != "opencode models" or not choice.model.startswith("opencode/"):
+        return None
+    return (f"no model is configured, so tasks that name none run on {choice.model}, OpenCode's hosted free "
+            "model (the code and prompts go to OpenCode's service); choose one with `tasks_cli.py models` "
+            "and set_default_model, WORKER_MODEL, or a model in your OpenCode config")
+
+
 def search_models(models: list[dict[str, Any]], query: str | None) -> list[dict[str, Any]]:
     """The models whose id or name contains every word of ``query`` (case-insensitive), in
     OpenCode's order; all of them for an empty query. (`list_models` and `tasks_cli.py models`.)"""

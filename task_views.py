@@ -397,9 +397,24 @@ def limit_warnings(task: dict[str, Any]) -> list[str]:
 
 def submit_warnings(task: dict[str, Any]) -> list[str]:
     """Everything a submit warns about a task just queued (one line each, naming the way out):
-    its spending limit (`limit_warnings`) and a folder outside any git repository, where the
-    agent changes the files in place. Raises nothing."""
-    return limit_warnings(task) + place_warnings(task)
+    its spending limit (`limit_warnings`), a folder outside any git repository, where the agent
+    changes the files in place, and no model chosen anywhere (OpenCode's hosted free model would
+    run it; judged from the worker's and doctor's cached answers of OpenCode: a submit never
+    waits on it). Raises nothing."""
+    hosted = hosted_model_note() if not task.get("model") else None
+    return limit_warnings(task) + place_warnings(task) + ([f"{task['id']}: {hosted}"] if hosted else [])
+
+
+def hosted_model_note(ask: bool = False) -> str | None:
+    """`opencode_runner.hosted_free_note` for this queue's default model, or None (also when it
+    cannot be told). Without ``ask`` only cached answers of OpenCode count."""
+    try:   # connect may run before any queue exists: it must not make one
+        setting = store.default_model() if store.queue_exists() else None
+        choice = oc.default_model(setting, cache_file=models_cache_file(), ask=ask)
+    except (LookupError, oc.NoDefaultModel, oc.OpencodeNotFound, OSError, subprocess.TimeoutExpired,
+            sqlite3.Error, store.TaskStoreError):
+        return None
+    return oc.hosted_free_note(choice)
 
 
 def place_warnings(task: dict[str, Any]) -> list[str]:
