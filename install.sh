@@ -207,6 +207,10 @@ main() {
   done
   # Checked before the install, not after it (serve.py checks its other knobs the same way).
   [ -z "${PORT:-}" ] || check_port "PORT" "$PORT"
+  # A second ./install.sh while the first serves: say so before reinstalling or asking anything.
+  if [ "$want_test$want_schedule$setup_only" = 000 ] && [ -x .venv/bin/python ]; then
+    .venv/bin/python serve.py --check-port ${serve_args[@]+"${serve_args[@]}"} || exit 1
+  fi
   local need_node=0   # npm installs opencode (and, for --test, the test binaries)
   if [ "$want_test" = 1 ] || { [ -z "${OPENCODE_BIN:-}" ] && [ ! -x node_modules/.bin/opencode ]; }; then
     need_node=1

@@ -91,3 +91,29 @@ def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_pat
     assert after["status"] == "pending" and after["handbacks"] == 1 and after["attempts"] == 1, said
     assert said.count(f"stopping now: ending the run of {task['id']}") == 1, said
     assert "Ctrl-C again" not in said, said
+
+
+def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
+    """A second ./install.sh (serve.py) while the first serves: refused at once, before any box,
+    naming the TaskBridge that serves there by its serve.py's pid and how to pick another port
+    (it printed a connector box as if serving, then uvicorn's raw "address already in use")."""
+    port = free_port()
+    first, lines = start_serving(port)
+    kids = children_of(first.pid)
+    try:
+        env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
+        for extra in ([], ["--check-port"]):
+            second = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", *extra], env=env,
+                                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+            assert second.returncode == 1, second.stderr
+            assert f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {first.pid})" in second.stderr
+            assert f"--port {port + 1}" in second.stderr and "Stop:" not in second.stderr
+            assert "address already in use" not in second.stderr and "Traceback" not in second.stderr
+            assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=40) == 0, "".join(lines)
+        all_gone(kids, 5)
+    free = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--check-port"], env=dict(os.environ, PORT=str(port)),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert free.returncode == 0 and free.stderr == "", free.stderr
