@@ -149,6 +149,9 @@ def check_model(live: bool) -> Check:
         return Check("default model", "fail",
                      f"{named} is not offered by OpenCode here" + (f"; similar: {', '.join(near)}" if near else ""),
                      fix_for_source(choice.source))
+    hosted = oc.hosted_free_note(choice)
+    if hosted:
+        return Check("default model", "warn", hosted[0].upper() + hosted[1:], "README, \"Use your own model\"")
     if not live:
         return Check("default model", "ok", f"{named}, listed by `opencode models` (--live runs a prompt through it)")
     said = live_prompt(choice.model)

@@ -100,13 +100,14 @@ install_opencode() {
   if [ "$want_test" = 1 ]; then
     say "installing the pinned opencode, claude and MCP Inspector into node_modules/"
     # Not `npm ci`: npm 11 reports the lock's other-platform optional binaries as missing. With
-    # exact versions in package.json and the lock present, `npm install` installs the locked tree.
-    npm install --no-audit --no-fund --loglevel=error >&2
+    # exact versions in package.json and the lock present, `npm install` installs the locked tree;
+    # --no-save keeps npm from rewriting the tracked lock (a fresh clone stayed dirty).
+    npm install --no-save --no-audit --no-fund --loglevel=error >&2
   elif [ -n "${OPENCODE_BIN:-}" ]; then
     [ -x "$OPENCODE_BIN" ] || command -v "$OPENCODE_BIN" >/dev/null || die "OPENCODE_BIN=$OPENCODE_BIN is not an executable"
   elif [ ! -x node_modules/.bin/opencode ]; then
     say "installing the pinned opencode into node_modules/"
-    npm install --omit=dev --no-audit --no-fund --loglevel=error >&2
+    npm install --omit=dev --no-save --no-audit --no-fund --loglevel=error >&2
   fi
   if [ -d .taskbridge/opencode ] && [ -x node_modules/.bin/opencode ]; then
     say "removing the second copy of opencode an older install.sh put in .taskbridge/opencode/"
@@ -206,6 +207,10 @@ main() {
   done
   # Checked before the install, not after it (serve.py checks its other knobs the same way).
   [ -z "${PORT:-}" ] || check_port "PORT" "$PORT"
+  # A second ./install.sh while the first serves: say so before reinstalling or asking anything.
+  if [ "$want_test$want_schedule$setup_only" = 000 ] && [ -x .venv/bin/python ]; then
+    .venv/bin/python serve.py --check-port ${serve_args[@]+"${serve_args[@]}"} || exit 1
+  fi
   local need_node=0   # npm installs opencode (and, for --test, the test binaries)
   if [ "$want_test" = 1 ] || { [ -z "${OPENCODE_BIN:-}" ] && [ ! -x node_modules/.bin/opencode ]; }; then
     need_node=1

@@ -144,6 +144,7 @@ Permission = Literal["auto", "readonly", "no-shell", "no-network"]
 
 
 class SubmittedTask(TaskInfo):
+    task_id: str          # the same as id, under the name every other tool takes
     duplicate: bool
     hint: str
     warnings: list[str]
@@ -420,8 +421,8 @@ def _submitted(task: dict[str, Any]) -> dict[str, Any]:
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
-    return _echo(task) | {"duplicate": bool(task.get("duplicate")), "hint": hint,
-                         "warnings": task_views.limit_warnings(task)}
+    return _echo(task) | {"task_id": task["id"], "duplicate": bool(task.get("duplicate")), "hint": hint,
+                         "warnings": task_views.submit_warnings(task)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -855,6 +855,7 @@ class EventStream:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     limit: dict[str, Any] | None = None   # the provider limit an error event reported (limit_from_error)
+    refused_status: int | None = None     # an HTTP status no retry can change (refused_by_provider)
     finished: bool = False          # a step_finish with reason "stop" was seen
     last_reason: str | None = None
     _step_texts: list[str] = field(default_factory=list)
@@ -933,6 +934,7 @@ class EventStream:
         # Bounded like the text: the last 20 errors, each clipped (the log has them whole).
         self.errors = (self.errors + [error_text(event)[:INPUT_KEEP]])[-20:]
         self.limit = limit_from_error(event, time.time()) or self.limit
+        self.refused_status = refused_by_provider(event) or self.refused_status
 
     @property
     def commands(self) -> list[dict[str, Any]]:
@@ -945,6 +947,20 @@ class EventStream:
     def usage(self) -> dict[str, Any]:
         """Tokens summed over step_finish events and cost in USD (OpenCode's own figure)."""
         return {"tokens": dict(self.tokens), "cost_usd": round(self.cost_usd, 8), "steps": self.steps}
+
+
+# 408 (timeout), 409 (conflict), 425 (too early) and 429 (limits, handled above) may pass later.
+_PASSING_4XX = (408, 409, 425, 429)
+
+
+def refused_by_provider(event: dict[str, Any]) -> int | None:
+    """The HTTP status of an ``error`` event when the provider refused the request itself (a 4xx
+    such as 400 bad request or 401 bad key, which the same request meets again on a retry), else
+    None."""
+    status = _dict(_dict(event.get("error")).get("data")).get("statusCode")
+    if isinstance(status, int) and 400 <= status < 500 and status not in _PASSING_4XX:
+        return status
+    return None
 
 
 def error_text(event: dict[str, Any]) -> str:
@@ -1346,6 +1362,17 @@ def default_model(setting: str | None = None, cwd: str | None = None, *,
         return ModelChoice(listed, "opencode models")
     raise NoDefaultModel("no model to run with: OpenCode lists none; run `opencode auth login` or "
                          "configure a provider in OpenCode's config (see docs/models.md), or set WORKER_MODEL / set_default_model")
+
+
+def hosted_free_note(choice: ModelChoice) -> str | None:
+    """What to tell a person whose tasks fall back on OpenCode's hosted free model (nothing set,
+    nothing configured, no provider of their own: `first_usable` took an ``opencode/*`` one),
+    naming the ways to choose; None for any other choice."""
+    if choice.source != "opencode models" or not choice.model.startswith("opencode/"):
+        return None
+    return (f"no model is configured, so tasks that name none run on {choice.model}, OpenCode's hosted free "
+            "model (the code and prompts go to OpenCode's service); choose one with `tasks_cli.py models` "
+            "and set_default_model, WORKER_MODEL, or a model in your OpenCode config")
 
 
 def search_models(models: list[dict[str, Any]], query: str | None) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sqlite3
 import stat
 import subprocess
@@ -42,6 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import connectors
 import knobs
@@ -299,6 +301,49 @@ def masked(token: str) -> str:
     return f"{token[:3]}…({len(token)} characters)"
 
 
+def port_taken(port: int) -> str | None:
+    """Why 127.0.0.1:``port`` cannot be served, in one line with the way out, or None when it is
+    free: another TaskBridge (its serve.py's pid) or another program. Asked before anything is
+    set up or printed, so a second ./install.sh never prints a box for a server it cannot start."""
+    with socket.socket() as probe:
+        # As uvicorn binds: connections of a server just stopped (TIME_WAIT) do not hold the port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+            return None
+        except OSError:
+            pass
+    holder = _listener(port)
+    other = f"./install.sh --port {port + 1} (or PORT={port + 1})"
+    if holder is None:
+        return f"port {port} on 127.0.0.1 is taken by another program; stop it, or serve on another port: {other}"
+    line = " ".join(holder.info["cmdline"] or [])
+    if "opencode_bridge_mcp.py" in line:
+        parent = holder.parent()
+        pid = parent.pid if parent and "serve.py" in " ".join(parent.cmdline()) else holder.pid
+        return (f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {pid}); use that one "
+                f"(board: http://127.0.0.1:{port}/), stop it with Ctrl-C in its terminal (or kill {pid}), "
+                f"or serve this one on another port: {other}")
+    return f"port {port} on 127.0.0.1 is taken by {holder.info['name']} (pid {holder.pid}); stop it, or serve on another port: {other}"
+
+
+def _listener(port: int) -> Any:
+    """The process listening on the loopback ``port`` (psutil.Process with info name and cmdline),
+    or None when it cannot be told (another user's, or a system without the call)."""
+    import psutil
+    try:
+        pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                and c.laddr and c.laddr.port == port and c.pid}
+    except (psutil.Error, OSError):
+        return None
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.info = {"name": proc.name(), "cmdline": proc.cmdline()}
+            return proc
+    return None
+
+
 def wait_healthy(port: int, server: subprocess.Popen, seconds: float, stop: threading.Event) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not stop.is_set():
@@ -363,15 +408,12 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
-        """The worker first (twice: a task in hand is ended and handed back without spending a
-        retry), then the server and the tunnel; whatever outlives the grace period is killed with
-        its process group."""
+        """The worker first (it runs with --stop-at-once: one SIGTERM ends a task in hand and hands
+        it back without spending a retry, and it says so in one line), then the server and the
+        tunnel; whatever outlives the grace period is killed with its process group."""
         worker = self.children.get("worker")
         if worker and worker.poll() is None:
             worker.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGTERM)
         for name in ("server", "tunnel"):
             proc = self.children.get(name)
             if proc and proc.poll() is None:
@@ -463,7 +505,7 @@ def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
                                       "--log-level", "WARNING"], env)
         wait_healthy(port, server, HEALTH_WAIT_SEC, sup.stop_asked)
         cursor = store.last_event_id()
-        worker_argv = [sys.executable, str(REPO / "worker.py"), "--watch"]
+        worker_argv = [sys.executable, str(REPO / "worker.py"), "--watch", "--stop-at-once"]
         sup.start("worker", worker_argv, env)
     except SetupError as exc:
         print(f"serve: {exc}", file=sys.stderr)
@@ -522,6 +564,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="public mode: none (default), cloudflare, ngrok, auto (whichever is installed)")
     parser.add_argument("--rotate", action="store_true", help="make a new token (old clients must be updated)")
     parser.add_argument("--setup-only", action="store_true", help="token, file modes and client set-up; serve nothing")
+    parser.add_argument("--check-port", action="store_true",
+                        help="only check the port: exit 0 when free, else say who holds it and exit 1 (install.sh asks first)")
     parser.add_argument("--quiet", action="store_true", help="with --setup-only: print no client snippets")
     parser.add_argument("--write-claude-desktop", action="store_true",
                         help="merge the taskbridge entry into Claude Desktop's config (a backup is kept)")
@@ -548,6 +592,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    taken = None if args.setup_only else port_taken(args.port)
+    if taken:
+        print(f"serve: {taken}", file=sys.stderr)
+        return 1
+    if args.check_port:
+        return 0
     try:
         token, how = ensure_token(args.rotate)
     except SetupError as exc:

@@ -32,6 +32,7 @@ import opencode_runner as oc
 import process_tree
 import redaction
 import task_store as store
+import worktrees
 
 VERSION = "0.1.0"               # TaskBridge's version, as /health, ping and /api/status report it
 ROW_TEXT_MAX = 300              # characters of error/question per list row
@@ -392,6 +393,41 @@ def limit_warnings(task: dict[str, Any]) -> list[str]:
     return [f"{task['id']}: OpenCode reports no price for {model} (cost 0), so max_cost_usd "
             f"${task['max_cost_usd']:g} can never be reached; give max_tokens (tokens) to limit it, "
             "or declare the model's cost in your OpenCode config"]
+
+
+def submit_warnings(task: dict[str, Any]) -> list[str]:
+    """Everything a submit warns about a task just queued (one line each, naming the way out):
+    its spending limit (`limit_warnings`), a folder outside any git repository, where the agent
+    changes the files in place, and no model chosen anywhere (OpenCode's hosted free model would
+    run it; judged from the worker's and doctor's cached answers of OpenCode: a submit never
+    waits on it). Raises nothing."""
+    hosted = hosted_model_note() if not task.get("model") else None
+    return limit_warnings(task) + place_warnings(task) + ([f"{task['id']}: {hosted}"] if hosted else [])
+
+
+def hosted_model_note(ask: bool = False) -> str | None:
+    """`opencode_runner.hosted_free_note` for this queue's default model, or None (also when it
+    cannot be told). Without ``ask`` only cached answers of OpenCode count."""
+    try:   # connect may run before any queue exists: it must not make one
+        setting = store.default_model() if store.queue_exists() else None
+        choice = oc.default_model(setting, cache_file=models_cache_file(), ask=ask)
+    except (LookupError, oc.NoDefaultModel, oc.OpencodeNotFound, OSError, subprocess.TimeoutExpired,
+            sqlite3.Error, store.TaskStoreError):
+        return None
+    return oc.hosted_free_note(choice)
+
+
+def place_warnings(task: dict[str, Any]) -> list[str]:
+    """A folder task that asked for a worktree but whose folder is in no git repository: it
+    runs in place (no branch to review, nothing to undo), which a person should hear at once."""
+    folder = task.get("working_dir")
+    if task.get("repo") or not task.get("worktree") or not isinstance(folder, str) or not os.path.isdir(folder):
+        return []
+    if not worktrees.runs_in_place(folder):
+        return []
+    return [f"{task['id']}: {folder} is not in a git repository, so the agent will change its files in place "
+            "(no worktree, no branch to review, nothing to undo); cancel it and `git init` and commit "
+            "there first, or resubmit on a repository, if that is not what you want"]
 
 
 def queue_snapshot() -> dict[str, Any]:

@@ -877,7 +877,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         subagents=list(subagents), repo=repo, base_ref=base_ref, host=host,
         schedule_timeout_sec=schedule_timeout_sec,
     )
-    warnings = task_views.limit_warnings(task)
+    warnings = task_views.submit_warnings(task)
     if as_json:
         return emit_json(task | {"warnings": warnings})
     verb = "Already queued as" if task["duplicate"] else "Submitted"
@@ -1546,6 +1546,9 @@ def connect(port: int, public_url: str | None, write_claude_desktop: bool) -> No
     if public_url and not re.fullmatch(r"https://[A-Za-z0-9.-]+(:[0-9]+)?/?", public_url):
         raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com", param_hint="--public-url")
     click.echo(connectors.snippets(port, public_url))
+    hosted = task_views.hosted_model_note(ask=True)
+    if hosted:
+        err().print(Text(f"Note: {visible(hosted)}", style="yellow"), soft_wrap=True)
     if write_claude_desktop:
         try:
             path, backup = connectors.write_claude_desktop()

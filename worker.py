@@ -6,6 +6,7 @@
     --slots N                   run up to N tasks at once (each in its own worktree)
     -q / -v                     say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
     --db URL                    the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
+    --stop-at-once              the first signal hands the tasks in hand back at once (serve.py)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's
@@ -92,10 +93,11 @@ class Flags:
     """Set by signal handlers only; the loops act on them."""
     stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
     stop_now = False   # second: end the run at once and hand the task back
+    at_once = False    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if Flags.stopping:
+    if Flags.stopping or Flags.at_once:
         Flags.stop_now = True
     Flags.stopping = True
 
@@ -1539,11 +1541,14 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         return _commit_and_finish(task, ws, run, receipt, diff, phases)
-    retryable = not oc.model_missing(reason)
-    if not retryable:
+    retryable = not oc.model_missing(reason) and run.stream.refused_status is None
+    if oc.model_missing(reason):
         # Retrying cannot bring the model back: fail once, naming it and quoting OpenCode.
         reason = (f"model {model} is not offered by OpenCode here (not retried; pick one with "
                   f"`tasks_cli.py models` and resubmit): {reason}")
+    elif not retryable:
+        reason += (f" (not retried: the provider refuses this request itself, HTTP {run.stream.refused_status}; "
+                   "fix the model's settings or the task, then retry_task)")
     log(f"{task['id']} attempt failed: {reason}", talk.VERBOSE)
     final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
                     session_id=run.stream.session_id,
@@ -1888,8 +1893,23 @@ def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: 
         "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
                    "delivered_how": n["delivered_how"]} for n in current["notes"]],
         "questions": current["questions"],
+        "permission_asks": permission_asks(task),
         "limit_pauses": current.get("limit_pauses") or [],
     }
+
+
+def permission_asks(task: dict[str, Any]) -> list[dict[str, Any]]:
+    """The permission asks the planner decided over the task's attempts, each ``{tool, subject,
+    reason, decision}`` (``deny once`` …): a refused call never reaches the event stream, so
+    this is its only trace in the receipt. Carried over from the previous attempt's receipt."""
+    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    asks = list(result.get("permission_asks") or [])
+    ask = task.get("pending_ask") or {}
+    if ask.get("decision"):
+        record = {key: ask.get(key) for key in ("tool", "subject", "reason", "decision")}
+        if record not in asks:
+            asks.append(record)
+    return asks
 
 
 # --------------------------------------------------------------------------------------------
@@ -2007,8 +2027,12 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
     lock = _take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
+        # One pass per queue by design: a person who started a second to get more done at once
+        # needs the knob that does that, not a silent exit.
         print(f"another worker pass holds the lock {store.worker_lock_path()} "
-              f"(pid {holder.get('pid', '?')}); exiting", flush=True)
+              f"(pid {holder.get('pid', '?')}, up to {holder.get('slots') or 1} task(s) at once); exiting. "
+              "To run more tasks at once, stop it and start one worker with --slots N "
+              "(or set WORKER_SLOTS)", flush=True)
         return 0
     try:
         Beat.slots, Beat.pid_start = slots, worker_identity()[2]
@@ -2251,6 +2275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="say only failures, errors and what a Ctrl-C does")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="also say each attempt's details and every tool call the agent makes")
+    parser.add_argument("--stop-at-once", action="store_true",
+                        help="the first SIGTERM/SIGINT ends the runs in hand and hands them back (no retry "
+                             "spent), as a second one does otherwise; serve.py starts its worker so")
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
                              "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
@@ -2273,6 +2300,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.slots is None:
         args.slots = knobs.knob("WORKER_SLOTS")
     Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
+    Flags.at_once = args.stop_at_once
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:

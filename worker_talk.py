@@ -150,7 +150,7 @@ class Talk:
             return
         with cls.lock:
             ids = ", ".join(sorted(cls.running))
-        if cls.announced < 1:
+        if cls.announced < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
             cls.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
                     else "stopping: no task in hand", level=QUIET, style="yellow")
         if seen == 2:
@@ -231,6 +231,8 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     status = final["status"]
     if status == "done":
         branch = f", branch {final['branch']}" if final.get("branch") else " (in place)"
+        if final.get("branch") and not (final.get("result") or {}).get("commit"):
+            branch = f", no change: nothing committed on {final['branch']}"
         if final.get("repo"):
             branch = f", pushed {final['pushed_branch']} to {final['repo']}" if final.get("pushed_branch") \
                 else f", nothing pushed to {final['repo']} (no change)"
@@ -240,6 +242,11 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     if status == "pending":
         return f"{ident} failed attempt {task['attempts']} after {took}{cost}; requeued for a retry: " \
                f"{plain(final.get('error'), 200)}", "yellow"
+    if status == "waiting" and final.get("paused_for") == "permission":
+        return f"{ident} waiting after {took}{cost}: it asks permission. {plain(final.get('question'), 200)}", "magenta"
+    if status == "waiting" and final.get("paused_for") == "usage_limit":
+        return f"{ident} paused at its provider's usage limit after {took}{cost}: " \
+               f"{plain(final.get('question'), 200)}", "magenta"
     if status == "waiting" and final.get("paused_for"):
         return f"{ident} paused at its spending limit after {took}{cost}: " \
                f"{plain(final.get('question'), 200)}", "magenta"

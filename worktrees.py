@@ -344,6 +344,15 @@ def _repo_top_or_none(path: str) -> str | None:
         return None
 
 
+def runs_in_place(path: str) -> bool:
+    """Whether a task on the existing folder ``path`` would run in place: git says it is in no
+    repository (a repository git cannot read fails the task instead, so it counts as not)."""
+    try:
+        return _repo_top(path) is None
+    except (Unrunnable, GitError):
+        return False
+
+
 def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
     resuming after an answer), else in place; for a task on a remote (``repo``), a worktree of the

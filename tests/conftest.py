@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -44,7 +45,17 @@ def isolated_queue(tmp_path, monkeypatch, request):
     monkeypatch.delenv("MCP_ALLOWED_HOSTS", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("WORKER_MODEL", raising=False)
+    # A TaskBridge the person serves beside the suite (8765, the default) must not be seen:
+    # doctor, connect and the like look at $PORT, so it names a port nothing listens on.
+    monkeypatch.setenv("PORT", str(_closed_port()))
     yield tmp_path
+
+
+def _closed_port() -> int:
+    """A loopback port free a moment ago (bound, read, closed): nothing answers there."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

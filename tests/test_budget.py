@@ -195,7 +195,7 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
         refused = await c.call_tool("set_budget", {"daily_usd": -1})
         assert refused.is_error and "daily_usd" in refused.content[0].text and "\n" not in refused.content[0].text
         task = (await c.call_tool("submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
-                                                  "max_tokens": 700})).structured_content
+                                                  "max_tokens": 700, "worktree": False})).structured_content
         assert task["max_tokens"] == 700 and task["max_cost_usd"] is None and task["warnings"] == []
         bad = await c.call_tool("submit_batch", {"tasks": [{"title": "t", "instructions": "i",
                                                             "working_dir": str(tmp_path), "max_cost_usd": "x"}]})

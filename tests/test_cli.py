@@ -122,6 +122,24 @@ def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
     assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
 
 
+def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
+    from helpers import make_repo
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    said = run("submit", "Loose", "--dir", str(loose))
+    assert said.exit_code == 0 and "Submitted t_0001" in said.stdout
+    assert "Warning:" in said.stderr and f"{loose} is not in a git repository" in said.stderr
+    assert "in place" in said.stderr and "git init" in said.stderr
+    as_json = json.loads(run("submit", "Loose", "--dir", str(loose), "--json").stdout)
+    assert any("in place" in w for w in as_json["warnings"])
+    repo = make_repo(tmp_path / "repo")
+    (repo / "sub").mkdir()
+    in_repo = run("submit", "Kept apart", "--dir", str(repo / "sub"))
+    assert in_repo.exit_code == 0 and "Warning" not in in_repo.stderr
+    unasked = run("submit", "Asked for in place", "--dir", str(loose), "--no-worktree")
+    assert "Warning" not in unasked.stderr
+
+
 def test_submit_with_key_is_idempotent_and_depends_on(tmp_path):
     first = json.loads(run("submit", "A", "-d", str(tmp_path), "--key", "k1", "--json").stdout)
     again = run("submit", "A", "-d", str(tmp_path), "--key", "k1")

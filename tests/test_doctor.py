@@ -96,3 +96,31 @@ def test_doctor_with_a_broken_opencode_config_quotes_opencode(opencode, monkeypa
     assert result.returncode == 1
     model = line_of(result.stdout, "default model")
     assert model.startswith("FAIL") and f"Config file at {config} is not valid JSON" in model
+
+
+def test_with_no_model_chosen_anywhere_submit_doctor_and_connect_name_the_hosted_free_model(opencode, monkeypatch, tmp_path):
+    """The real opencode with no model in its config and only its built-in hosted provider: a task
+    that names no model would go to OpenCode's free hosted model. The worker's start line said so;
+    now a submit, `doctor` and `connect` do too."""
+    import json as _json
+    from pathlib import Path
+    monkeypatch.delenv("WORKER_MODEL", raising=False)
+    Path(opencode.env["OPENCODE_CONFIG"]).write_text(_json.dumps(
+        # "$schema" as OpenCode writes it into a config that lacks it (a rewrite that would
+        # change the file's mtime, part of the key of OpenCode's cached answers).
+        {"$schema": "https://opencode.ai/config.json", "autoupdate": False, "share": "disabled",
+         "snapshot": False, "enabled_providers": ["opencode"]}))
+    task_store.connect().close()   # a served worker made the queue: OpenCode's answers are cached beside it
+    checked = doctor()
+    model = line_of(checked.stdout, "default model")
+    assert model.startswith("warn") and "OpenCode's hosted free model" in model and "opencode/" in model, model
+    repo = tmp_path / "repo"
+    from helpers import make_repo
+    make_repo(repo)
+    submitted = run_script("tasks_cli.py", "submit", "t", "--dir", str(repo))     # from the answers doctor cached
+    assert submitted.returncode == 0, submitted.stderr
+    assert "Warning:" in submitted.stderr and "hosted free model" in submitted.stderr, submitted.stderr
+    named = run_script("tasks_cli.py", "submit", "t", "--dir", str(repo), "--model", "opencode/big-pickle")
+    assert "hosted free model" not in named.stderr, "a task that names its model is not warned"
+    connected = run_script("tasks_cli.py", "connect")
+    assert connected.returncode == 0 and "hosted free model" in connected.stderr, connected.stderr

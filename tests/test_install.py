@@ -298,3 +298,26 @@ def test_fresh_clone_quick_start_serves_runs_a_task_from_mcp_and_ctrl_c_leaves_n
     assert oct(logs.stat().st_mode & 0o777) == "0o700" and oct((logs / "t_0001.log").stat().st_mode & 0o777) == "0o600"
     assert oct(Path(os.environ["TASK_DB_PATH"]).stat().st_mode & 0o777) == "0o600"
     assert oct((clone / ".taskbridge" / "token").stat().st_mode & 0o777) == "0o600"
+
+
+def test_installing_the_binaries_leaves_the_tracked_lock_file_as_it_is(tmp_path):
+    """install.sh's own npm step (--test: every locked package), run offline from npm's cache on a
+    copy of the checkout's package files over this checkout's installed node_modules, must
+    install from package-lock.json without rewriting it: a fresh clone stays clean."""
+    for name in ("install.sh", "package.json", "package-lock.json"):
+        shutil.copy2(ROOT / name, tmp_path / name)
+    modules = tmp_path / "node_modules"
+    subprocess.run(["cp", "-al", str((ROOT / "node_modules").resolve()), str(modules)], check=True)
+    # npm rewrites its hidden lock in place: a copy of its own, so the checkout's is never touched.
+    hidden = modules / ".package-lock.json"
+    data = hidden.read_bytes()
+    hidden.unlink()
+    hidden.write_bytes(data)
+    functions = (tmp_path / "install.sh").read_text().rsplit('\nmain "$@"', 1)[0]
+    (tmp_path / "functions.sh").write_text(functions)
+    env = os.environ | {"npm_config_offline": "true", "npm_config_update_notifier": "false"}
+    proc = subprocess.run(["bash", "-c", "source ./functions.sh && want_test=1 && install_opencode"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "package-lock.json").read_bytes() == (ROOT / "package-lock.json").read_bytes()
+    assert (tmp_path / "node_modules" / ".bin" / "opencode").exists()

@@ -235,7 +235,11 @@ def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(ope
                                   rules={"bash": {"git push*": "ask"}})
     assert task["rules"] == {"bash": {"git push*": "ask"}}
 
-    assert run_script("worker.py").returncode == 0
+    paused = run_script("worker.py")
+    assert paused.returncode == 0
+    said_then = paused.stdout + paused.stderr
+    assert f"{task['id']} waiting after" in said_then and "it asks permission" in said_then, said_then
+    assert "spending limit" not in said_then, said_then
     waiting = task_store.get_task(task["id"])
     assert waiting["status"] == "waiting", waiting["error"]
     command = PUSH.replace("{cwd}", waiting["worktree_path"])
@@ -253,6 +257,9 @@ def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(ope
     resumed = opencode.model.step_requests("push")[1]
     said = _body(resumed)
     ran = [c for c in done["result"]["commands"] if "git push" in c["command"]]
+    asked = done["result"]["permission_asks"]
+    assert asked == [{"tool": "bash", "subject": command, "reason": waiting["pending_ask"].get("reason"),
+                      "decision": {"deny": "deny once", "allow once": "allow once"}[decision]}], asked
     if decision == "deny":
         assert "refused your bash call" in said
         assert ran == [] and "pushed.txt" not in done["diff"], "the call was refused"

@@ -121,6 +121,17 @@ async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):
         assert ping["tasks"] == 2 and ping["version"] == bridge.VERSION
 
 
+async def test_the_submit_result_names_the_task_as_task_id_like_every_other_tool(mode, wd):
+    async with client(mode) as c:
+        task = await ok(c, "submit_task", task_args(wd))
+        shown = await ok(c, "get_task", {"task_id": task["task_id"]})
+        assert task["task_id"] == task["id"] == shown["id"]
+        batch = await ok(c, "submit_batch", {"tasks": [task_args(wd), task_args(wd)]})
+        assert [t["task_id"] for t in batch["tasks"]] == ["t_0002", "t_0003"]
+        # wd is no git repository: each submit says the agent changes it in place.
+        assert all(any(f"{wd} is not in a git repository" in w for w in t["warnings"]) for t in [task, *batch["tasks"]])
+
+
 async def test_free_text_that_looks_like_json_or_a_number_is_stored_exactly(mode, wd):
     texts = {"title": '{"steps":[1]}', "instructions": "12345", "idempotency_key": "[1, 2]"}
     async with client(mode) as c:

@@ -66,3 +66,54 @@ def test_a_killed_serve_takes_its_children_with_it():
     os.kill(again.pid, signal.SIGTERM)
     assert again.wait(timeout=40) == 0
     assert all_gone(again_kids, 5) == []
+
+
+@pytest.mark.real_opencode
+def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_path):
+    """The terminal's Ctrl-C reaches serve.py alone; its worker (--stop-at-once) ends the run in
+    hand at its one SIGTERM, hands the task back, and says that in one line, not in the two of
+    a worker stopped twice ("Ctrl-C again to stop now", then "stopping now")."""
+    import task_store
+    from fake_openai import hang
+    from helpers import make_repo
+    opencode.model.script("waits", [hang()])
+    task = task_store.submit_task(title="waits", instructions="SCRIPT:waits", working_dir=str(make_repo(tmp_path / "repo")),
+                                  timeout_sec=300)
+    proc, lines = start_serving(free_port())
+    deadline = time.monotonic() + 90
+    while not (task_store.get_task(task["id"])["agent_pid"] and opencode.model.step_requests("waits")):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    said = "".join(lines)
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and after["handbacks"] == 1 and after["attempts"] == 1, said
+    assert said.count(f"stopping now: ending the run of {task['id']}") == 1, said
+    assert "Ctrl-C again" not in said, said
+
+
+def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
+    """A second ./install.sh (serve.py) while the first serves: refused at once, before any box,
+    naming the TaskBridge that serves there by its serve.py's pid and how to pick another port
+    (it printed a connector box as if serving, then uvicorn's raw "address already in use")."""
+    port = free_port()
+    first, lines = start_serving(port)
+    kids = children_of(first.pid)
+    try:
+        env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
+        for extra in ([], ["--check-port"]):
+            second = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", *extra], env=env,
+                                    stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+            assert second.returncode == 1, second.stderr
+            assert f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {first.pid})" in second.stderr
+            assert f"--port {port + 1}" in second.stderr and "Stop:" not in second.stderr
+            assert "address already in use" not in second.stderr and "Traceback" not in second.stderr
+            assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=40) == 0, "".join(lines)
+        all_gone(kids, 5)
+    free = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--check-port"], env=dict(os.environ, PORT=str(port)),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert free.returncode == 0 and free.stderr == "", free.stderr

@@ -231,7 +231,7 @@ def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
         Path(str(path) + suffix).unlink(missing_ok=True)
     other = subprocess.run([sys.executable, "-c", "import os, sys, time, task_store\n"
                             "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
-                            "print(os.path.exists(str(task_store.db_path()) + '-wal'))\n"
+                            "print(os.path.exists(str(task_store.db_path()) + '-wal'), flush=True)  # _exit skips the flush\n"
                             "os._exit(0)  # keep its WAL: no last close checkpoints it away\n", str(tmp_path)],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert other.stdout.strip() == "True", other.stderr

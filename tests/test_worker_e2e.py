@@ -71,6 +71,19 @@ def test_model_http_500_fails_with_model_error(opencode, tmp_path, monkeypatch):
     assert "quota gone" in task["error"] and task["error"].startswith("model error")
 
 
+def test_a_provider_refusing_the_request_itself_is_not_retried(opencode, tmp_path):
+    """HTTP 400 meets the same request again on a retry: the task fails at its first attempt
+    with its retry unspent, and says why."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("bad", [http_error(400, "the scripted model refuses these tools")])
+    task = task_store.submit_task(title="bad", instructions="SCRIPT:bad", working_dir=str(repo), max_retries=1)
+    assert run_script("worker.py").returncode == 0
+    task = task_store.get_task(task["id"])
+    assert task["status"] == "failed" and task["attempts"] == 1, (task["status"], task["error"])
+    assert "refuses these tools" in task["error"] and "not retried" in task["error"] and "HTTP 400" in task["error"]
+    assert len(opencode.model.step_requests("bad")) == 1
+
+
 def test_silent_model_killed_at_timeout_then_retried_with_full_budget(opencode, tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("silent", [hang()])

@@ -65,6 +65,7 @@ def test_two_passes_started_together_one_runs_one_exits(opencode, tmp_path):
     assert first.returncode == 0 and second.returncode == 0
     held = [out for out, _ in outs if "holds the lock" in out]
     assert len(held) == 1, outs
+    assert "up to 1 task(s) at once" in held[0] and "--slots N" in held[0], held[0]
     assert task_store.get_task("t_0001")["status"] == "failed"
     assert tagged() == []
 
