@@ -120,8 +120,8 @@ OUTAGE_BACKOFF_SEC = (0.5, 5.0)   # the first wait before a retry, and the longe
 def db_outage(exc: BaseException) -> bool:
     """Whether ``exc`` says the queue database is away or busy for now (DatabaseUnavailable,
     DatabaseBusy, SQLite's "database is locked" / "busy"), not that the task or our code is at fault."""
-    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy)):
-        return True
+    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy, store.DiskFull)):
+        return True   # a full disk too: space can come back, and a finished run's result is held till then
     return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
 
 
@@ -132,16 +132,22 @@ class Outage:
     lock = threading.Lock()
     since: float | None = None   # time.time() of the first failed call of this outage
     said = False
+    full = False   # the outage is a full disk under a SQLite queue, not a database away
 
     @classmethod
     def failed(cls, exc: BaseException) -> None:
         with cls.lock:
             if cls.since is None:
-                cls.since = time.time()
-                return
+                cls.since, cls.full = time.time(), isinstance(exc, store.DiskFull)
+                if not cls.full:   # no connection to reopen: said at once
+                    return
             if cls.said:
                 return
             cls.said = True
+        if isinstance(exc, store.DiskFull):
+            log(f"{exc}; the queue cannot record anything there: what the running tasks finished is held "
+                "and written as soon as space returns (retrying)", talk.QUIET)
+            return
         said = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
         log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(cls.since))} "
             f"({said}); retrying (the running agents go on)", talk.QUIET)
@@ -153,7 +159,8 @@ class Outage:
         with cls.lock:
             since, said, cls.since, cls.said = cls.since, cls.said, None, False
         if since is not None and said:
-            log(f"queue database reachable again after {time.time() - since:.0f} s; carrying on", talk.QUIET)
+            what = "the queue's disk has space again" if cls.full else "queue database reachable again"
+            log(f"{what} after {time.time() - since:.0f} s; carrying on", talk.QUIET)
 
 
 def backoff(delay: float) -> float:
@@ -587,6 +594,36 @@ def spend_limited(task: dict[str, Any]) -> bool:
     return state["daily_usd"] is not None or state["daily_tokens"] is not None
 
 
+class TaskLog:
+    """The task's log as a run writes it, unbuffered. A write the disk refuses (full, over quota,
+    read-only) is named once, with the path and the way out, and the run goes on: the events are
+    still read and parsed for the receipt, only the log misses them (a line says how much)."""
+
+    def __init__(self, task_id: str, handle: Any) -> None:
+        self.task_id, self.handle, self.path = task_id, handle, store.log_path(task_id)
+        self.lost = 0   # bytes refused since the last write that landed
+
+    def write(self, data: bytes) -> None:
+        try:
+            if self.lost:
+                os.write(self.handle.fileno(), f"[worker] {self.lost:,} bytes of this log were lost: "
+                                               "the disk refused them\n".encode())
+                self.lost = 0
+            os.write(self.handle.fileno(), data)
+        except OSError as exc:
+            if not self.lost:
+                fault = store.storage_fault(exc, self.path)
+                log(f"{self.task_id}: {fault or exc}; the run goes on, its log misses what cannot be written",
+                    talk.QUIET)
+            self.lost += len(data) or 1
+
+    def flush(self) -> None:
+        """Nothing waits: every write went to the file at once."""
+
+    def fileno(self) -> int:
+        return self.handle.fileno()
+
+
 class LogShipper:
     """The task log on its way to the database, where logs live on PostgreSQL
     (``task_store.logs_in_database``): the worker writes its local file as always and ships what
@@ -665,7 +702,8 @@ class Supervisor:
 
     def run(self) -> RunResult:
         started = time.monotonic()
-        with store.open_task_log(self.task["id"]) as self.log:
+        with store.open_task_log(self.task["id"]) as handle:
+            self.log = TaskLog(self.task["id"], handle)
             self.shipper = LogShipper(self.task["id"], self.log)
             self.log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
@@ -986,10 +1024,14 @@ class Supervisor:
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:
-    """(read fd, write fd) of a fresh unlinked file in ``folder`` for OpenCode's stdout. A file,
+    """(read fd, write fd) of a fresh unlinked file (in memory where the system can, else in
+    ``folder``) for OpenCode's stdout. A file,
     not a pipe: Bun drops what is still queued for a pipe when `opencode run` exits, so a reader
     a little slower than a 20 MB event line lost its tail (measured: a reader pausing 5 ms per
     64 KB got 0.5 MB of 21 MB); a file keeps every byte and is read as it grows."""
+    if hasattr(os, "memfd_create"):   # Linux: in memory, so a disk that fills up loses no event
+        reader = os.memfd_create("opencode-stdout")
+        return reader, os.open(f"/proc/self/fd/{reader}", os.O_WRONLY | os.O_APPEND)
     reader, path = tempfile.mkstemp(prefix=".opencode-", suffix=".stdout", dir=folder)
     try:
         writer = os.open(path, os.O_WRONLY | os.O_APPEND)
