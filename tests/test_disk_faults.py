@@ -1,19 +1,22 @@
 """A disk that fills up or turns read-only under the queue (issue 24 §1), made for real: the worker
 runs in a mount namespace of its own (``unshare -m``, or ``unshare -rm`` as an ordinary user) on a
-small tmpfs that holds the queue, the logs and the worktrees; the repository stays on the test's
-disk, as a user's checkout does. The agent (the real `opencode`, scripted) fills that tmpfs with an
-ignored file in its worktree, so the disk is full when the run finishes and TaskBridge records it.
+small tmpfs that holds the queue and the worktrees; the repository stays on the test's disk, as a
+user's checkout does. The agent (the real `opencode`, scripted) fills that tmpfs with an ignored
+file in its worktree, and the test keeps it full from then on, so the disk is full when the run
+finishes and TaskBridge records it.
 
 A paid, finished run is never run again because a bookkeeping write failed: the worker holds the
 result and retries while the disk is full, and a worker killed meanwhile (or after its commit)
 leaves the commit on the task branch, from which the next pass records the task."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +81,28 @@ class SmallDisk:
             time.sleep(0.2)
         raise AssertionError(f"the worker never said {words!r}:\n{self.stderr()}")
 
+    def keep_full(self) -> None:
+        """From now on, whatever space frees up on the tmpfs is taken again at once (a filler
+        file grows into it), as on a disk other programs keep filling; ``release`` ends it."""
+        self.filling = True
+
+        def fill() -> None:
+            with open(self.inside("filler"), "ab", buffering=0) as handle:
+                while self.filling:
+                    try:
+                        handle.write(b"\0" * 65536)
+                    except OSError:
+                        time.sleep(0.01)
+        self.filler = threading.Thread(target=fill, daemon=True)
+        self.filler.start()
+
+    def release(self, *also: str) -> None:
+        self.filling = False
+        self.filler.join()
+        for rel in ("filler", *also):
+            with contextlib.suppress(FileNotFoundError):
+                self.inside(rel).unlink()
+
     def worker(self) -> psutil.Process:
         return next(p for p in psutil.Process(self.proc.pid).children(recursive=True)
                     if "worker.py" in " ".join(p.cmdline()))
@@ -94,8 +119,9 @@ class SmallDisk:
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch, opencode):
     disk = tmp_path / "disk"
-    for var, sub in (("TASK_DB_PATH", "q/tasks.db"), ("TASK_LOG_DIR", "q/task_logs"),
-                     ("TASKBRIDGE_WORKTREE_ROOT", "worktrees")):
+    # The logs (and with them each run's private temp folder) stay on the test's disk: the agent
+    # is not what fills up here, the queue and the worktrees are.
+    for var, sub in (("TASK_DB_PATH", "q/tasks.db"), ("TASKBRIDGE_WORKTREE_ROOT", "worktrees")):
         monkeypatch.setenv(var, str(disk / sub))
     (disk / "q").mkdir(parents=True)
     return SmallDisk(disk)
@@ -103,10 +129,10 @@ def small_disk(tmp_path, monkeypatch, opencode):
 
 def fill_the_disk(opencode, name: str) -> None:
     """A run that writes its feature, then fills the disk under its worktree (an ignored file,
-    so the commit leaves it out), then finishes."""
+    so the commit leaves it out; bounded, should it ever run on a real disk), then finishes."""
     opencode.model.script(name, [
         tool_call("write", {"filePath": "{cwd}/feature.txt", "content": "the feature\n"}),
-        tool_call("bash", {"command": "dd if=/dev/zero of=ballast bs=64k 2>/dev/null; df -k . | tail -1",
+        tool_call("bash", {"command": f"head -c {DISK_MB + 8}M /dev/zero > ballast; df -k . | tail -1",
                            "description": "fill"}),
         text("Done.\n" + DONE),
     ])
@@ -117,21 +143,35 @@ def submit(repo: Path, name: str) -> dict:
                                   worktree_keep=True, max_retries=2)
 
 
+def committed(repo: Path, task: dict, disk: SmallDisk, timeout: float = 120) -> str:
+    """Wait until the task's branch (in the repository, on the test's own disk) has a commit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = subprocess.run(["git", "rev-parse", "-q", "--verify", f"taskbridge/{task['id']}^{{commit}}"],
+                               cwd=repo, capture_output=True, text=True).stdout.strip()
+        if found and found != git(repo, "rev-parse", "main"):
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"the task's commit never came:\n{disk.stderr()}")
+
+
 @needs_namespaces
 def test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns(opencode, small_disk, tmp_path):
     repo = make_repo(tmp_path / "repo", {".gitignore": "ballast\n", "README.md": "x\n"})
     fill_the_disk(opencode, "fills")
     task = submit(repo, "fills")
     small_disk.start()
-    said = small_disk.wait_said("disk full")
-    ballast = small_disk.inside(f"worktrees/repo-{task['id']}/ballast")
-    assert ballast.exists()
-    ballast.unlink()   # space comes back while the worker holds the result
+    small_disk.wait_said("disk full")
+    small_disk.keep_full()
+    committed(repo, task, small_disk)
+    time.sleep(2)   # the worker holds the result and retries
+    assert small_disk.proc.poll() is None, "the worker holds the finished result"
+    small_disk.release(f"worktrees/repo-{task['id']}/ballast")   # space comes back
     assert small_disk.end() == 0, small_disk.stderr()
     err = small_disk.stderr()
     assert "Traceback" not in err
-    full_lines = [line for line in err.splitlines() if "disk full" in line]
-    assert len(full_lines) == 1 and str(small_disk.disk) in full_lines[0], said
+    full_lines = [line for line in err.splitlines() if "disk full" in line and "tasks.db" in line]
+    assert len(full_lines) == 1 and str(small_disk.disk) in full_lines[0], err
     final = task_store.get_task(task["id"])
     assert final["status"] == "done", (final["error"], err)
     assert len(opencode.model.step_requests("fills")) == 3, "the agent ran once"
@@ -145,19 +185,24 @@ def test_a_worker_killed_after_its_commit_is_finished_from_the_commit_not_rerun(
     fill_the_disk(opencode, "killed")
     task = submit(repo, "killed")
     small_disk.start()
-    small_disk.wait_said("disk full")   # committed, the row still says running
-    os.kill(small_disk.worker().pid, signal.SIGKILL)
+    small_disk.wait_said("disk full")
+    small_disk.keep_full()
+    committed(repo, task, small_disk)
+    time.sleep(1)
+    os.kill(small_disk.worker().pid, signal.SIGKILL)   # committed; the row still says running
+    small_disk.filling = False
     small_disk.end()
     mid = task_store.get_task(task["id"])
     assert mid["status"] == "running"
-    (small_disk.disk / f"worktrees/repo-{task['id']}/ballast").unlink()
+    for rel in ("filler", f"worktrees/repo-{task['id']}/ballast"):
+        (small_disk.disk / rel).unlink()
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     assert "Traceback" not in passed.stderr
     final = task_store.get_task(task["id"])
     assert final["status"] == "done", final["error"]
     assert len(opencode.model.step_requests("killed")) == 3, "the agent was not run again"
-    branches = git(repo, "branch", "--list", f"taskbridge/{task['id']}*").split()
+    branches = git(repo, "branch", "--list", "--format=%(refname:short)", f"taskbridge/{task['id']}*").split()
     assert branches == [f"taskbridge/{task['id']}"], branches
     tip = git(repo, "rev-parse", f"taskbridge/{task['id']}")
     assert git(repo, "rev-list", "--count", f"main..{tip}") == "1", "one commit, not a second copy"
