@@ -817,6 +817,8 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     if url:
         return _pg_connect(url)
     path = Path(path) if path else db_path()
+    if str(path) != ":memory:" and read_only_at(path.parent):
+        return _connect_read_only(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if str(path) != ":memory:" and not path.exists():
         _create_private(path)
@@ -832,6 +834,27 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
     conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
     _migrate(conn)
+    return conn
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to a queue whose folder is on a filesystem mounted read-only: the
+    tasks and results stay readable; a write raises ReadOnlyStorage (see ``storage_fault``). With
+    no WAL file beside it the database is opened immutable (SQLite cannot make its shared-memory
+    file there, and nothing can change the file while the mount is read-only). Raises
+    ReadOnlyStorage when there is no queue there, or one too old to use without a migration."""
+    if not path.is_file():
+        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) + f"; and there is no queue at {path}")
+    wal = path.with_name(path.name + "-wal")
+    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False,
+                           cached_statements=256)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA foreign_keys = ON")
+    if conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
+        conn.close()
+        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) +
+                              "; its queue needs an upgrade this TaskBridge cannot write there")
     return conn
 
 

@@ -2239,6 +2239,10 @@ def main(argv: list[str] | None = None) -> int:
         refuse(f"error: {exc}")
         return 1
     except (sqlite3.Error, OSError) as exc:
+        fault = store.storage_fault(exc, getattr(exc, "filename", None) or store.db_path())
+        if fault is not None:   # a full or read-only disk: its line names the folder and the way out
+            refuse(f"error: {fault}")
+            return 1
         refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "
                "(a readable, writable SQLite file and folder)")
         return 1

@@ -11,6 +11,7 @@ leaves the commit on the task branch, from which the next pass records the task.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -209,3 +210,57 @@ def test_a_worker_killed_after_its_commit_is_finished_from_the_commit_not_rerun(
     assert final["result"]["commit"] == tip
     assert "feature.txt" in final["result"]["files_touched"] and "the feature" in final["diff"]
     assert "not run again" in final["result"]["recovered"]
+
+
+def on_read_only_disk(folder: Path, *argv: str) -> list[str]:
+    """``argv`` run in a mount namespace where ``folder`` (holding the queue) is a tmpfs with the
+    folder's files, remounted read-only (as ``errors=remount-ro`` leaves a disk)."""
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    seed = folder.with_name(folder.name + ".seed")
+    shutil.copytree(folder, seed, dirs_exist_ok=True)
+    script = (f'mount -t tmpfs none "{folder}" && cp -a "{seed}/." "{folder}/" && '
+              f'mount -o remount,ro,bind "{folder}" || exit 97\nexec "$@"')
+    return [*unshare, "sh", "-c", script, "sh", *argv]
+
+
+@needs_namespaces
+def test_a_read_only_queue_is_still_read_and_a_write_names_the_read_only_filesystem(tmp_path):
+    task_store.submit_task(title="finished before", instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("worker:x:1", pid=1, pid_start=1.0)
+    task_store.complete_attempt(claimed["id"], claimed["run_marker"], result={"summary": "the result"})
+    task_store.close_connections()
+    queue = tmp_path / "q"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(on_read_only_disk(queue, sys.executable, *args), capture_output=True, text=True,
+                              timeout=120, stdin=subprocess.DEVNULL)
+
+    listed = run(str(ROOT / "tasks_cli.py"), "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert "finished before" in listed.stdout
+    for argv in ([str(ROOT / "tasks_cli.py"), "submit", "new", "--dir", str(tmp_path), "--instructions", "y"],
+                 [str(ROOT / "worker.py")]):
+        refused = run(*argv)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "read-only filesystem" in lines[0] and str(queue) in lines[0], lines
+        assert "may not be" not in lines[0] and "remounted read-write" in lines[0]
+
+
+@needs_namespaces
+@pytest.mark.anyio
+async def test_the_planner_reads_results_from_a_read_only_queue(tmp_path):
+    from mcp import Client, StdioServerParameters
+
+    task_store.submit_task(title="finished before", instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("worker:x:1", pid=1, pid_start=1.0)
+    task_store.complete_attempt(claimed["id"], claimed["run_marker"], result={"summary": "the result"})
+    task_store.close_connections()
+    argv = on_read_only_disk(tmp_path / "q", sys.executable, str(ROOT / "opencode_bridge_mcp.py"))
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(os.environ))
+    async with Client(params) as client:
+        result = await client.call_tool("get_task_result", {"task_id": claimed["id"]})
+        sent = await client.call_tool("submit_task", {"title": "t", "instructions": "x",
+                                                      "working_dir": str(tmp_path)})
+    assert not result.is_error and "the result" in json.dumps(result.structured_content)
+    assert sent.is_error and "read-only filesystem" in sent.content[0].text
