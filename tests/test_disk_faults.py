@@ -171,7 +171,7 @@ def test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns(ope
     assert small_disk.end() == 0, small_disk.stderr()
     err = small_disk.stderr()
     assert "Traceback" not in err
-    full_lines = [line for line in err.splitlines() if "disk full" in line and "tasks.db" in line]
+    full_lines = [line for line in err.splitlines() if "disk full" in line]   # said once, whichever write met it
     assert len(full_lines) == 1 and str(small_disk.disk) in full_lines[0], err
     final = task_store.get_task(task["id"])
     assert final["status"] == "done", (final["error"], err)
