@@ -27,6 +27,7 @@ Not run on its own (the MCP server, the CLI and the worker import it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import math
@@ -94,6 +95,21 @@ class JobNotFound(TaskStoreError):
 class DatabaseBusy(TaskStoreError):
     """A PostgreSQL lock was not granted in time (another process holds the queue's write lock
     longer than PG_LOCK_TIMEOUT_SEC, or a deadlock was broken); nothing was written: try again."""
+
+
+class StorageFault(TaskStoreError):
+    """The disk under the queue's files refused a write (full, over quota, read-only, ...);
+    nothing was written. The message names the folder, its mount and the way out."""
+
+
+class DiskFull(StorageFault):
+    """No space (or quota) left where the queue's files live: writing works again once space is
+    freed there, so a writer may hold what it has and retry."""
+
+
+class ReadOnlyStorage(StorageFault):
+    """The queue's folder is on a filesystem mounted read-only (``errors=remount-ro`` after disk
+    errors, say): reading still works; retrying a write cannot help until it is remounted."""
 
 
 class DatabaseUnavailable(TaskStoreError):
@@ -723,6 +739,58 @@ def is_network_filesystem(fstype: str) -> bool:
                (name == "fuse" and fstype.startswith("fuse")) for name in NETWORK_FILESYSTEMS)
 
 
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def storage_fault(exc: BaseException, path: Path | str) -> StorageFault | None:
+    """The StorageFault that ``exc`` (an OSError, or SQLite's error for a write) amounts to for
+    a write at ``path`` (a queue file or folder: the database, a log, a worktree): DiskFull for
+    ENOSPC/EDQUOT and SQLite's "database or disk is full", ReadOnlyStorage for EROFS and a
+    "readonly database" on a filesystem mounted read-only; None for any other error."""
+    if isinstance(exc, StorageFault):
+        return exc
+    code, text = getattr(exc, "errno", None), str(exc).lower()
+    if code in FULL_ERRNOS or (isinstance(exc, sqlite3.Error) and "disk is full" in text):
+        return DiskFull(disk_fault_line("full", path))
+    if code == errno.EROFS or (isinstance(exc, sqlite3.Error) and "readonly" in text and read_only_at(path)):
+        return ReadOnlyStorage(disk_fault_line("read-only", path))
+    return None
+
+
+def read_only_at(path: Path | str) -> bool:
+    """Whether the filesystem holding ``path`` (or its nearest existing folder) is mounted read-only."""
+    try:
+        return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _nearest_existing(path: Path | str) -> str:
+    folder = os.path.abspath(path)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def disk_fault_line(kind: str, path: Path | str) -> str:
+    """One line for a disk that is ``full`` or ``read-only`` under ``path``: the folder, its
+    filesystem, mount point and free space, and the way out."""
+    folder = _nearest_existing(path)
+    found = db_filesystem(folder)
+    mount = f"{found[0]} mounted at {found[1]}" if found else "its filesystem"
+    if kind == "read-only":
+        return (f"read-only filesystem: {folder} ({mount}, mounted read-only) cannot be written; reading "
+                "the queue still works; writing needs it remounted read-write (after a disk check) or "
+                "TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT on another disk")
+    try:
+        st = os.statvfs(folder)
+        free = f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"disk full: {path} could not be written ({mount}, {free}; or over a quota); free space "
+            "there, or point TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT at another disk")
+
+
 def journal_mode(path: Path | str) -> str:
     """The journal mode for the database at ``path``: ``wal`` on a local disk; on a network or
     virtual filesystem (NFS, SMB/CIFS, 9p, virtiofs, FUSE, ...) a ValidationError naming the
@@ -761,6 +829,8 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     if url:
         return _pg_connect(url)
     path = Path(path) if path else db_path()
+    if str(path) != ":memory:" and read_only_at(path.parent):
+        return _connect_read_only(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if str(path) != ":memory:" and not path.exists():
         _create_private(path)
@@ -776,6 +846,27 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
     conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
     _migrate(conn)
+    return conn
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    """A read-only connection to a queue whose folder is on a filesystem mounted read-only: the
+    tasks and results stay readable; a write raises ReadOnlyStorage (see ``storage_fault``). With
+    no WAL file beside it the database is opened immutable (SQLite cannot make its shared-memory
+    file there, and nothing can change the file while the mount is read-only). Raises
+    ReadOnlyStorage when there is no queue there, or one too old to use without a migration."""
+    if not path.is_file():
+        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) + f"; and there is no queue at {path}")
+    wal = path.with_name(path.name + "-wal")
+    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False,
+                           cached_statements=256)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA foreign_keys = ON")
+    if conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
+        conn.close()
+        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) +
+                              "; its queue needs an upgrade this TaskBridge cannot write there")
     return conn
 
 
@@ -966,6 +1057,9 @@ def _writing(serialize: bool = True) -> Iterator[sqlite3.Connection]:
             _discard()
         elif isinstance(exc, sqlite3.DatabaseError):
             _drop_if_broken(exc)
+        fault = storage_fault(exc, db_path()) if isinstance(exc, (sqlite3.DatabaseError, OSError)) else None
+        if fault is not None:
+            raise fault from exc
         raise
 
 
@@ -3805,13 +3899,19 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     A new worker on a host deletes that host's rows of workers that
     stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
     WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
-    Raises OSError (file), sqlite3.Error (database)."""
+    Raises StorageFault (a full or read-only disk), OSError (file), sqlite3.Error (database)."""
     state = dict(state)
     pid_start = state.pop("pid_start", None)
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}
     path = state_path("worker.json")
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    write_private(path, json.dumps(beat | {"pid_start": pid_start}))   # readers tell a reused pid by it
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_private(path, json.dumps(beat | {"pid_start": pid_start}))   # readers tell a reused pid by it
+    except OSError as exc:
+        fault = storage_fault(exc, path)
+        if fault is None:
+            raise
+        raise fault from exc
     _upsert_worker(beat, pid_start)
 
 

@@ -122,8 +122,8 @@ OUTAGE_BACKOFF_SEC = (0.5, 5.0)   # the first wait before a retry, and the longe
 def db_outage(exc: BaseException) -> bool:
     """Whether ``exc`` says the queue database is away or busy for now (DatabaseUnavailable,
     DatabaseBusy, SQLite's "database is locked" / "busy"), not that the task or our code is at fault."""
-    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy)):
-        return True
+    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy, store.DiskFull)):
+        return True   # a full disk too: space can come back, and a finished run's result is held till then
     return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
 
 
@@ -138,6 +138,8 @@ class Outage:
     @classmethod
     def failed(cls, exc: BaseException) -> None:
         with cls.lock:
+            if isinstance(exc, store.DiskFull):
+                return FullDisk.failed(exc)
             if cls.since is None:
                 cls.since = time.time()
                 return
@@ -158,23 +160,45 @@ class Outage:
             log(f"queue database reachable again after {time.time() - since:.0f} s; carrying on", talk.QUIET)
 
 
+class FullDisk:
+    """A full disk under the queue's files, said once per FULL_SAY_EVERY_SEC: on a nearly full
+    disk some writes land (SQLite reuses free pages) and others fail, so a success says nothing
+    about the next write, and a line per flip would flood the log."""
+    lock = threading.Lock()
+    said_at: float | None = None   # time.monotonic() of the last line
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> None:
+        with cls.lock:
+            if cls.said_at is not None and time.monotonic() - cls.said_at < FULL_SAY_EVERY_SEC:
+                return
+            cls.said_at = time.monotonic()
+        log(f"{exc}; what the running tasks finished is held and written once there is space (retrying)",
+            talk.QUIET)
+
+
+FULL_SAY_EVERY_SEC = 600
+
+
 def backoff(delay: float) -> float:
     """The next wait after ``delay`` seconds: doubled, at most OUTAGE_BACKOFF_SEC[1]."""
     return min(max(delay * 2, OUTAGE_BACKOFF_SEC[0]), OUTAGE_BACKOFF_SEC[1])
 
 
-def db(fn: Any, *args: Any, patience: float | None = None, **kwargs: Any) -> Any:
+def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = True, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` (a store call), retried with back-off while the queue database is
     away (``db_outage``) for up to ``patience`` seconds (default WORKER_STALE_SEC: past it the
     attempt may be reaped anyway); then, or after a second Ctrl-C, the last error is raised.
-    Any other error (StaleAttempt, TaskNotFound, ...) is raised at once."""
+    ``hold_full`` False: a full disk (DiskFull) is raised at once too. Any other error
+    (StaleAttempt, TaskNotFound, ...) is raised at once."""
     patience = knobs.knob("WORKER_STALE_SEC") if patience is None else patience
     deadline, delay = time.monotonic() + patience, OUTAGE_BACKOFF_SEC[0]
     while True:
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
-            if not db_outage(exc) or Flags.stop_now or time.monotonic() + delay > deadline:
+            if not db_outage(exc) or Flags.stop_now or time.monotonic() + delay > deadline or \
+                    (not hold_full and isinstance(exc, store.DiskFull)):
                 raise
             Outage.failed(exc)
             time.sleep(delay)
@@ -316,6 +340,7 @@ class RunResult:
     box: agent_box.Support | None = None   # the box the run was in (its mechanism None: unboxed)
     ended: list[dict[str, Any]] = field(default_factory=list)   # still running at the run's end: {pid, command, ports}
     mcp_down: list[dict[str, Any]] = field(default_factory=list)   # MCP servers OpenCode gave up on (mcp_note)
+    meter: Any = None                  # its Meter, whose last booking a full disk may have put off
 
 
 START_GATE_SEC = 3
@@ -380,6 +405,7 @@ class Meter:
         self.cost = 0.0
         self.tokens = 0
         self.booked = (0.0, 0)    # (cost, tokens) of this run already in today's spend
+        self.owed = False         # a full disk kept the last booking off (settle_owed books it)
         self.floor: tuple[float | None, int | None] = (None, None)   # lowest allowances the gate file carried
         self.budget: dict[str, Any] = db(store.budget_state) if gate_file else {}
         self.write_gate()
@@ -407,12 +433,16 @@ class Meter:
         if self.cost > self.booked[0] or self.tokens > self.booked[1]:
             self._book(last=True)
 
-    def _book(self, last: bool = False) -> None:
+    def _book(self, last: bool = False, hold_full: bool = False) -> None:
         cost, tokens = self.cost, self.tokens
         args = (self.task_id, self.marker, round(cost, 8), tokens, max(cost - self.booked[0], 0.0),
                 max(tokens - self.booked[1], 0))
         try:
-            self.budget = db(store.record_spend, *args) if last else store.record_spend(*args)
+            self.budget = db(store.record_spend, *args, hold_full=hold_full) if last else store.record_spend(*args)
+        except store.DiskFull as exc:   # the work is committed first; the spend is booked after (settle_owed)
+            Outage.failed(exc)
+            self.owed = True
+            return
         except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
                 Outage.failed(exc)   # said once for the worker; recorded with the next step
@@ -420,6 +450,13 @@ class Meter:
                 log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
             return
         self.booked = (cost, tokens)
+
+    def settle_owed(self) -> None:
+        """Book what a full disk kept ``settle`` from booking, holding on while the disk is full
+        (``db``): called once the run's work is committed, before the task is recorded."""
+        if self.owed:
+            self.owed = False
+            self._book(last=True, hold_full=True)
 
     def check(self) -> dict[str, Any] | None:
         usd, tokens = self.prior_usd + self.cost, self.prior_tokens + self.tokens
@@ -660,6 +697,36 @@ def spend_limited(task: dict[str, Any]) -> bool:
     return state["daily_usd"] is not None or state["daily_tokens"] is not None
 
 
+class TaskLog:
+    """The task's log as a run writes it, unbuffered. A write the disk refuses (full, over quota,
+    read-only) is named once, with the path and the way out, and the run goes on: the events are
+    still read and parsed for the receipt, only the log misses them (a line says how much)."""
+
+    def __init__(self, task_id: str, handle: Any) -> None:
+        self.task_id, self.handle, self.path = task_id, handle, store.log_path(task_id)
+        self.lost = 0   # bytes refused since the last write that landed
+
+    def write(self, data: bytes) -> None:
+        try:
+            if self.lost:
+                os.write(self.handle.fileno(), f"[worker] {self.lost:,} bytes of this log were lost: "
+                                               "the disk refused them\n".encode())
+                self.lost = 0
+            os.write(self.handle.fileno(), data)
+        except OSError as exc:
+            if not self.lost:
+                fault = store.storage_fault(exc, self.path)
+                log(f"{self.task_id}: {fault or exc}; the run goes on, its log misses what cannot be written",
+                    talk.QUIET)
+            self.lost += len(data) or 1
+
+    def flush(self) -> None:
+        """Nothing waits: every write went to the file at once."""
+
+    def fileno(self) -> int:
+        return self.handle.fileno()
+
+
 class LogShipper:
     """The task log on its way to the database, where logs live on PostgreSQL
     (``task_store.logs_in_database``): the worker writes its local file as always and ships what
@@ -740,7 +807,8 @@ class Supervisor:
 
     def run(self) -> RunResult:
         started = time.monotonic()
-        with store.open_task_log(self.task["id"]) as self.log:
+        with store.open_task_log(self.task["id"]) as handle:
+            self.log = TaskLog(self.task["id"], handle)
             self.shipper = LogShipper(self.task["id"], self.log)
             self.log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
@@ -778,6 +846,7 @@ class Supervisor:
                 if self.meter is not None:
                     self._held(time.monotonic(), final=True)
                     self.meter.settle()
+                    self.result.meter = self.meter
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
                 if self.courier is not None:
                     self.courier.close()
@@ -1143,10 +1212,14 @@ class Supervisor:
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:
-    """(read fd, write fd) of a fresh unlinked file in ``folder`` for OpenCode's stdout. A file,
+    """(read fd, write fd) of a fresh unlinked file (in memory where the system can, else in
+    ``folder``) for OpenCode's stdout. A file,
     not a pipe: Bun drops what is still queued for a pipe when `opencode run` exits, so a reader
     a little slower than a 20 MB event line lost its tail (measured: a reader pausing 5 ms per
     64 KB got 0.5 MB of 21 MB); a file keeps every byte and is read as it grows."""
+    if hasattr(os, "memfd_create"):   # Linux: in memory, so a disk that fills up loses no event
+        reader = os.memfd_create("opencode-stdout")
+        return reader, os.open(f"/proc/self/fd/{reader}", os.O_WRONLY | os.O_APPEND)
     reader, path = tempfile.mkstemp(prefix=".opencode-", suffix=".stdout", dir=folder)
     try:
         writer = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -1268,6 +1341,10 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     resume = bool(task.get("answer") and task.get("session_id"))
     phases = Phases(task, knobs)
     with worktrees.watched(phases.check):
+        earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
+        if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
+            Talk.runs(task, None)
+            return recorded
         if worktrees.holds_unpushed_work(task):
             try:
                 kept = worktrees.unpushed_workspace(task)
@@ -1650,7 +1727,9 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
     """The agent succeeded: commit on the task branch, remove the worktree (checked), done. A
     failed commit is bookkeeping: never a rerun of the agent."""
     try:
-        receipt["commit"] = worktrees.commit_changes(ws, f"taskbridge {task['id']}: {task['title']}")
+        message = worktrees.task_commit_message(task, receipt["summary"], {"usage": run.stream.usage(),
+                                                                         "session_id": run.stream.session_id})
+        receipt["commit"] = worktrees.commit_changes(ws, message)
         if task.get("continue_from") or task.get("fork_from"):
             receipt["line"] = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
                                **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
@@ -1667,6 +1746,8 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
             _remove(ws, receipt)
         except worktrees.GitError as exc:   # stopped: the work is committed; say what is left
             receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+    if run.meter is not None:
+        run.meter.settle_owed()
     notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=diff,
                    usage=run.stream.usage(), session_id=run.stream.session_id)
@@ -1957,11 +2038,51 @@ def reap(knobs: Knobs) -> int:
         if _lease_here(task, host):   # a pid from another machine names nothing here
             agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
             process_tree.kill_tree(agent, knobs.kill_grace_sec, run_stragglers(task["run_marker"], store.queue_tag()))
-        reason = f"lease of attempt {task['run_marker']} ended: {why}"
+        if _lease_here(task, host) and _recorded_from_commit(task, task["run_marker"]):
+            reaped += 1
+            continue
+        reason = f"{REAPED_PREFIX}{task['run_marker']} ended: {why}"
         if _finish(store.requeue_attempt, task, task["run_marker"], reason):
             reaped += 1
             log(f"reaped {task['id']}: {reason}")
     return reaped
+
+
+REAPED_PREFIX = "lease of attempt "   # how a reaped attempt's error begins (see _reaped_attempt)
+
+
+def _reaped_attempt(task: dict[str, Any]) -> str | None:
+    """The run marker of the attempt before this one when the reaper ended it (its worker gone
+    or silent): that attempt may have committed its work before it was stopped."""
+    error = task.get("error") or ""
+    if not error.startswith(REAPED_PREFIX):
+        return None
+    marker = error[len(REAPED_PREFIX):].split(" ", 1)[0]
+    return marker if marker != task["run_marker"] else None
+
+
+def _recorded_from_commit(task: dict[str, Any], marker: str) -> dict[str, Any] | None:
+    """Attempt ``marker`` of ``task`` committed its work but its worker stopped (killed, or its
+    disk full) before the queue recorded it: record the task done from that commit, as the
+    current attempt; the agent is not run again. The task's final dict, or None when the branch
+    holds no such commit (or git cannot tell: then the task runs as it would have)."""
+    try:
+        found = worktrees.unrecorded_commit(task, marker)
+    except worktrees.GitError as exc:
+        log(f"{task['id']}: could not look for attempt {marker}'s commit: {exc}", talk.VERBOSE)
+        return None
+    if found is None:
+        return None
+    receipt = {"summary": found["summary"], "files_touched": found["files"], "commit": found["commit"],
+               "recovered": (f"attempt {marker} committed this work ({found['commit'][:12]} on {task['branch']}) "
+                             "but its worker stopped before the queue recorded it; recorded from the commit: "
+                             "the agent was not run again")}
+    if task.get("worktree_path") and not task["worktree_keep"]:
+        left = worktrees.remove_worktree_at(task["worktree_path"])
+        receipt["worktree_removed"] = left is None
+    log(f"{task['id']}: {receipt['recovered']}")
+    return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=found["diff"],
+                   usage=found["usage"], session_id=found["session_id"])
 
 
 def _dead_leases(knobs: Knobs, host: str) -> list[tuple[dict[str, Any], str]]:
@@ -2311,6 +2432,10 @@ def main(argv: list[str] | None = None) -> int:
         refuse(f"error: {exc}")
         return 1
     except (sqlite3.Error, OSError) as exc:
+        fault = store.storage_fault(exc, getattr(exc, "filename", None) or store.db_path())
+        if fault is not None:   # a full or read-only disk: its line names the folder and the way out
+            refuse(f"error: {fault}")
+            return 1
         refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "
                "(a readable, writable SQLite file and folder)")
         return 1

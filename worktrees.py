@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -1166,6 +1167,54 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], ws.top,
         config=identity)
     return git(["rev-parse", "HEAD"], ws.top)
+
+
+COMMIT_TRAILER = "TaskBridge-Attempt"
+
+
+def task_commit_message(task: dict[str, Any], summary: str, facts: dict[str, Any]) -> str:
+    """The task branch's commit message: the title line, the agent's summary, and a trailer that
+    names this queue and attempt with ``facts`` (usage, session_id: what the receipt needs). The
+    commit lands on the repository's disk before the queue records the task: a pass that finds it
+    without its record (the worker killed, or its disk full, in between) records it from here."""
+    trailer = json.dumps({"attempt": task["run_marker"], "queue": store.queue_tag(), **facts},
+                         separators=(",", ":"), default=str)
+    body = " ".join(summary.split())[:2000]
+    return f"taskbridge {task['id']}: {task['title']}\n\n" + (f"{body}\n\n" if body else "") + \
+        f"{COMMIT_TRAILER}: {trailer}\n"
+
+
+def unrecorded_commit(task: dict[str, Any], marker: str) -> dict[str, Any] | None:
+    """The commit attempt ``marker`` of ``task`` (a local one) made on its branch, straight on its
+    base commit, by this queue (its trailer says so), which the queue never recorded: ``{"commit",
+    "files", "diff", "summary", "usage", "session_id"}``; None when the branch holds no such
+    commit. Raises GitError / GitStopped when git cannot read the repository."""
+    if task.get("repo") or not task.get("branch") or not task.get("base_commit") or \
+            not os.path.isdir(task["working_dir"]):
+        return None
+    top = _repo_top_or_none(task["working_dir"])
+    tip = _branch_tip(top, task["branch"]) if top else ""
+    if not tip or tip == task["base_commit"]:
+        return None
+    base = task["base_commit"]
+    facts = _trailer_facts(git(["log", "-1", "--format=%B", tip], top, strip=False))
+    if facts.get("attempt") != marker or facts.get("queue") != store.queue_tag() or \
+            git(["rev-parse", f"{tip}^"], top, check=False) != base:
+        return None
+    names = git(["diff", "--name-only", *DIFF_FLAGS, base, tip], top)
+    diff = git(["diff", "--binary", "--full-index", *DIFF_FLAGS, base, tip], top, strip=False)
+    summary = ("\n" + git(["log", "-1", "--format=%b", tip], top)).split(f"\n{COMMIT_TRAILER}: ")[0].strip()
+    return {"commit": tip, "files": [n for n in names.splitlines() if n], "diff": diff, "summary": summary,
+            "usage": facts.get("usage"), "session_id": facts.get("session_id")}
+
+
+def _trailer_facts(message: str) -> dict[str, Any]:
+    for line in reversed(message.splitlines()):
+        if line.startswith(f"{COMMIT_TRAILER}: "):
+            with contextlib.suppress(ValueError):
+                facts = json.loads(line.split(": ", 1)[1])
+                return facts if isinstance(facts, dict) else {}
+    return {}
 
 
 def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[list[str], list[str]]:
