@@ -3351,8 +3351,10 @@ def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
     limit = max(1, min(int(limit), 1000))
     where = "result_seen_at IS NULL AND status IN ('done', 'failed', 'cancelled')"
     with _reading() as conn:
-        rows = conn.execute(f"SELECT id FROM tasks WHERE {where} ORDER BY finished_at, id LIMIT ?",
-                            (limit,)).fetchall()
+        # SQLite's planner, left to itself, read every finished task through the status index
+        # and sorted them (0.4 s at 100,000 unread); the partial index holds exactly these rows.
+        rows = conn.execute(f"SELECT id FROM tasks{'' if backend() == 'postgresql' else ' INDEXED BY tasks_unseen'}"
+                            f" WHERE {where} ORDER BY finished_at, id LIMIT ?", (limit,)).fetchall()
         total = conn.execute(_UNSEEN_TOTAL[backend()]).fetchone()[0]
     return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
