@@ -104,6 +104,7 @@ def test_every_read_a_tool_makes_goes_through_an_index(tmp_path):
                              "priority": i % 3} for i in range(20)])
     store._kept().execute("UPDATE tasks SET status = 'done', finished_at = created_at WHERE id <= 2990")
     store.claim_next("w")
+    submit(tmp_path, schedule_timeout_sec=60)
     page = store.list_tasks(limit=50)
     reads = {
         "queue_summary": store.queue_summary, "counts": store.counts, "unseen": store.unseen_results,
@@ -112,7 +113,7 @@ def test_every_read_a_tool_makes_goes_through_an_index(tmp_path):
         "list running": lambda: store.list_tasks(status="running"),
         "get_task": lambda: store.get_task(1500), "events of a task": lambda: store.events_since(0, [1500]),
         "events since": lambda: store.events_since(store.last_event_id() - 5),
-        "running leases": store.running_leases,
+        "running leases": store.running_leases, "overdue": store.overdue_tasks,
     }
     for name, call in reads.items():
         for sql, plan in _plans(call):
