@@ -11,7 +11,6 @@ provider). Runs everything in a temporary folder; reads no env of its own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random

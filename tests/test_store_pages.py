@@ -5,9 +5,7 @@ tasks or events table."""
 from __future__ import annotations
 
 import sqlite3
-import time
 
-import pytest
 
 import task_store as store
 
