@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sqlite3
 
-
 import task_store as store
 
 
