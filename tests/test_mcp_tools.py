@@ -103,6 +103,47 @@ async def test_lists_the_17_tools_with_docs_and_output_schemas(mode):
     assert set(batch["items"]["required"]) == {"title", "instructions"}
 
 
+def _walk(node):
+    yield node
+    for value in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()):
+        yield from _walk(value)
+
+
+async def test_listed_output_schemas_are_lean_and_judge_every_result_as_the_sdk_schema_does(wd):
+    """The listed output schemas hold no $ref and no union of bare types (the client's jsonschema
+    check walked every row's fields through them), and accept and refuse what the SDK's own
+    schemas do: real results, a nullable text given as null, a number or left out."""
+    from jsonschema import Draft202012Validator
+    server = bridge.build_server()
+    for n in range(3):
+        task_store.submit_task(title=f"t{n}", instructions="x", working_dir=wd)
+    finish("t_0001")
+    async with Client(server, mode="legacy") as c:
+        listed = {t.name: t.output_schema for t in (await c.list_tools()).tools}
+        results = {name: await ok(c, name, args) for name, args in (
+            ("list_tasks", {"limit": 50}), ("get_task", {"task_id": "t_0001"}), ("queue_status", {}))}
+    for name, schema in listed.items():
+        nodes = list(_walk(schema))
+        assert not any(isinstance(n, dict) and "$ref" in n for n in nodes), name
+        assert not any(isinstance(n, dict) and isinstance(n.get("anyOf"), list)
+                       and all(isinstance(m, dict) and set(m) == {"type"} for m in n["anyOf"]) for n in nodes), name
+    for name, value in results.items():
+        original = Draft202012Validator(server._tool_manager.get_tool(name).output_schema)
+        lean = Draft202012Validator(listed[name])
+        row = value["tasks"][0] if name == "list_tasks" else value
+        key = "oldest_pending" if name == "queue_status" else "error"
+        for changed in (None, 5, "text", ...):
+            probe = json.loads(json.dumps(value))
+            target = probe["tasks"][0] if name == "list_tasks" else probe
+            if changed is ...:
+                del target[key]
+            else:
+                target[key] = changed
+            assert original.is_valid(probe) == lean.is_valid(probe), (name, changed)
+        assert lean.is_valid(value) and original.is_valid(value) and key in row, name
+    assert not Draft202012Validator(listed["list_tasks"]).is_valid({**results["list_tasks"], "tasks": [{"id": 1}]})
+
+
 async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):
     async with client(mode) as c:
         task = await ok(c, "submit_task", task_args(wd, priority=5))

@@ -298,3 +298,43 @@ def test_event_messages_keep_quotes_percents_and_backslashes_exactly(tmp_path):
     store.add_note(task["id"], title)
     messages = [e["message"] for e in store.events_since(0, [task["id"]])]
     assert messages == [title, f"planner: {title}"]
+
+
+def _truth() -> tuple[dict[str, int], int]:
+    """Counts per status and unread results as a plain scan of the tasks finds them."""
+    with store._reading() as conn:
+        counted = dict(conn.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall())
+        unseen = conn.execute("SELECT count(*) FROM tasks WHERE result_seen_at IS NULL"
+                              " AND status IN ('done', 'failed', 'cancelled')").fetchone()[0]
+    return {s: counted.get(s, 0) for s in store.STATUSES}, unseen
+
+
+def test_counts_and_unread_results_stay_right_after_every_kind_of_transition(tmp_path):
+    """The kept counts (SQLite: task_counts and its triggers, migration 9's unread count) agree
+    with a scan after submit, claim, finish, fail, question, answer, requeue, cancel, retry, a
+    read result and clear_finished."""
+    def check(step):
+        assert (store.counts(), store.unseen_results()["total"]) == _truth(), step
+    a, b, c, d = (submit(tmp_path, n, max_retries=0) for n in "abcd")
+    check("submit")
+    run = store.claim_next("w", task_id=a["id"])
+    check("claim")
+    store.complete_attempt(a["id"], run["run_marker"])
+    check("done")
+    store.fail_attempt(b["id"], store.claim_next("w", task_id=b["id"])["run_marker"], "broke", retryable=False)
+    check("failed")
+    store.pause_for_question(c["id"], store.claim_next("w", task_id=c["id"])["run_marker"], "which?")
+    check("question")
+    store.answer_task(c["id"], "this one")
+    check("answer")
+    store.requeue_attempt(c["id"], store.claim_next("w", task_id=c["id"])["run_marker"], "reaped")
+    check("requeue")
+    store.cancel_task(d["id"])
+    check("cancel")
+    store.retry_task(b["id"])
+    check("retry")
+    assert store.mark_result_seen(a["id"])
+    check("result read")
+    store.clear_finished(statuses=["cancelled"])
+    check("clear_finished")
+    assert store.counts()["done"] == 1 and store.counts()["cancelled"] == 0
