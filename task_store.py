@@ -1072,12 +1072,12 @@ def _reading() -> Iterator[sqlite3.Connection]:
 
 
 @contextlib.contextmanager
-def _writing(serialize: bool = True) -> Iterator[sqlite3.Connection]:
+def _writing() -> Iterator[sqlite3.Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read (on
-    PostgreSQL the writers' advisory lock, unless ``serialize`` is False: see ``_pg_transaction``)."""
+    PostgreSQL no global lock: rows are locked as they are read, see ``_pg_transaction``)."""
     conn = _kept()
     if type(conn) is PgConnection:
-        with _pg_transaction(conn, serialize):
+        with _pg_transaction(conn):
             yield conn
         return
     if conn.in_transaction:  # a store function called another inside its transaction: a bug
@@ -1101,19 +1101,39 @@ def _writing(serialize: bool = True) -> Iterator[sqlite3.Connection]:
         raise
 
 
+@contextlib.contextmanager
+def _single_write() -> Iterator[sqlite3.Connection]:
+    """For a write that is one statement: on PostgreSQL the kept connection in autocommit (the
+    statement is its own transaction: no BEGIN or COMMIT round trip); on SQLite ``_writing``."""
+    conn = _kept()
+    if type(conn) is PgConnection:
+        yield conn
+        return
+    with _writing() as conn:
+        yield conn
+
+
 # --------------------------------------------------------------------------------------------
 # PostgreSQL (TASK_DB_URL=postgresql://…): a kept connection per thread and process like the
 # SQLite ones, speaking the store's SQL through one adaptation (placeholders), rows like
-# sqlite3.Row, explicit transactions. Writers serialise on one advisory lock as SQLite's BEGIN
-# IMMEDIATE does; the claim does not (it picks with FOR UPDATE SKIP LOCKED). Events are appended
-# at the end of their transaction under a second advisory lock held to the commit, so event ids
-# commit in order (a cursor never skips one) and pg_notify tells listeners at the commit. Lock
-# order is always: writers' lock, task rows, events' lock — so the two kinds never deadlock.
+# sqlite3.Row, explicit transactions. No global lock: a claim picks with FOR UPDATE SKIP LOCKED,
+# every other write locks the rows it decides on (``_row``'s FOR UPDATE, FOR SHARE on a new task's
+# dependencies), so writers of different tasks never wait on one another. Events are appended in
+# the transaction's last statement with ids made of its transaction id (``PG_EVENT_ID``), and a
+# reader stops at the oldest transaction still open (``PG_EVENTS_FINAL``): ids commit out of
+# order, but below that horizon every one has committed or never will, so a cursor never skips an
+# event that commits late. pg_notify tells listeners at the commit.
 
 PG_CHANNEL = "taskbridge_events"
-PG_WRITE_LOCK = 0x7461736B62   # advisory lock keys ("taskb", "taskc", "taskd"): writers,
-PG_EVENT_LOCK = 0x7461736B63   # event appenders (held to the commit),
-PG_MIGRATE_LOCK = 0x7461736B64  # migrations
+PG_MIGRATE_LOCK = 0x7461736B64  # advisory lock keys: migrations ("taskd"),
+PG_KEY_LOCK = 0x74626B79        # the first key of an idempotency key's lock ("tbky"; the second its hash)
+# An event's id: its transaction's id (xid8, unique and assigned in start order) times 2^20 plus
+# its place in the transaction. Below the oldest open transaction's id times 2^20 no event can
+# still appear, whatever order the transactions commit in. 2^20 events a transaction, and ids
+# stay below 2^53 (exact in JavaScript, the board's) for 2^33 transactions.
+PG_EVENT_SLOTS = 1 << 20
+PG_EVENT_ID = f"pg_current_xact_id()::text::bigint * {PG_EVENT_SLOTS:d}"
+PG_EVENTS_FINAL = f"id < (SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint * {PG_EVENT_SLOTS:d})"
 PG_CONNECT_TIMEOUT_SEC = 10
 PG_LOCK_TIMEOUT_SEC = 30.0   # how long a write waits for a lock (as BUSY_WAIT_SEC on SQLite)
 
@@ -1205,11 +1225,19 @@ class PgConnection:
         self._errors = type(raw).OperationalError if hasattr(type(raw), "OperationalError") else Exception
 
     def execute(self, sql: str, params: Any = ()) -> Any:
+        return self._execute(sql, params, False)
+
+    def execute_idempotent(self, sql: str, params: Any = ()) -> Any:
+        """``execute`` for a statement that may run twice with the same effect (a fenced lease
+        renewal): outside a transaction it is retried once on a new connection like a SELECT."""
+        return self._execute(sql, params, True)
+
+    def _execute(self, sql: str, params: Any, idempotent: bool) -> Any:
         idle = self.raw.pgconn.transaction_status == 0   # IDLE: no transaction of ours to lose
         try:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
-            if not (idle and self._retryable(sql)):
+            if not (idle and self._retryable(sql, idempotent)):
                 raise self._lost(exc) from None
         # The server dropped the connection (a restart, an idle timeout) before a statement that
         # had nothing to lose: a read outside a transaction, or the BEGIN opening one. Log in
@@ -1220,9 +1248,10 @@ class PgConnection:
         except self._errors as exc:
             raise self._lost(exc) from None
 
-    def _retryable(self, sql: str) -> bool:
-        # Only a statement that cannot have changed anything: a SELECT, or a BEGIN (with the lock).
-        return (self.raw.broken or self.raw.closed) and sql.lstrip()[:6].upper() in ("SELECT", "BEGIN", "BEGIN;")
+    def _retryable(self, sql: str, idempotent: bool) -> bool:
+        # Only a statement that cannot have changed anything (a SELECT, a BEGIN) or one whose
+        # second run changes nothing more.
+        return (self.raw.broken or self.raw.closed) and (idempotent or sql.lstrip()[:6].upper() in ("SELECT", "BEGIN"))
 
     def executemany(self, sql: str, rows: Iterable[Any]) -> None:
         try:
@@ -1253,23 +1282,33 @@ class PgConnection:
         self.raw.close()
 
     def commit(self) -> None:
-        """COMMIT; with events, first append them under the events' lock (held to the commit, so
-        ids commit in order) and notify listeners (delivered at the commit). One message, one
-        round trip: the values go in as literals quoted by psycopg (``sql.Literal``)."""
+        """COMMIT; with events, first append them (ids from this transaction's id, see
+        ``PG_EVENT_ID``) and notify listeners (delivered at the commit). One message, one round
+        trip: the values go in as literals quoted by psycopg (``sql.Literal``)."""
         if not self.events:
             self.execute("COMMIT")
             return
-        from psycopg import sql
         rows, self.events = self.events, []
-        values = sql.SQL(", ").join(sql.SQL("({}, {}, {}, {})").format(*map(sql.Literal, row)) for row in rows)
-        statement = sql.SQL(
-            "SELECT pg_advisory_xact_lock({lock}); WITH added AS (INSERT INTO events (task_id, ts, kind, message)"
-            " VALUES {values} RETURNING id) SELECT pg_notify({channel}, max(id)::text) FROM added; COMMIT"
-        ).format(lock=sql.Literal(PG_EVENT_LOCK), values=values, channel=sql.Literal(PG_CHANNEL))
         try:
-            self.raw.execute(statement)
+            self.raw.execute(_events_statement(rows))
         except self._errors as exc:
             raise self._lost(exc) from None
+
+
+def _events_statement(rows: list[tuple[int | None, float, str, str]]) -> Any:
+    """The INSERT of ``rows`` (task_id, ts, kind, message) into events, the NOTIFY and the COMMIT,
+    as one psycopg ``sql.Composed``. Raises RuntimeError past PG_EVENT_SLOTS rows (a bug)."""
+    from psycopg import sql
+    if len(rows) >= PG_EVENT_SLOTS:
+        raise RuntimeError(f"task_store: {len(rows)} events in one transaction; at most {PG_EVENT_SLOTS - 1}")
+    values = sql.SQL(", ").join(
+        sql.SQL("({}, CAST({} AS BIGINT), CAST({} AS DOUBLE PRECISION), {}, {})").format(
+            *map(sql.Literal, (n, *row))) for n, row in enumerate(rows, 1))
+    return sql.SQL(
+        "WITH v (n, task_id, ts, kind, message) AS (VALUES {values}), added AS (INSERT INTO events"
+        " (id, task_id, ts, kind, message) SELECT {first} + n, task_id, ts, kind, message FROM v RETURNING id)"
+        " SELECT pg_notify({channel}, max(id)::text) FROM added; COMMIT"
+    ).format(values=values, first=sql.SQL(PG_EVENT_ID), channel=sql.Literal(PG_CHANNEL))
 
 
 def _pg_open(url: str) -> Any:
@@ -1334,14 +1373,14 @@ def _pg_migrate(conn: PgConnection) -> None:
 
 
 @contextlib.contextmanager
-def _pg_transaction(conn: PgConnection, serialize: bool) -> Iterator[PgConnection]:
-    """A PostgreSQL write transaction: BEGIN, the writers' advisory lock unless ``serialize`` is
-    False (the claim), the body, the buffered events, COMMIT; ROLLBACK on any error."""
+def _pg_transaction(conn: PgConnection) -> Iterator[PgConnection]:
+    """A PostgreSQL write transaction: BEGIN, the body (which locks the rows it decides on), the
+    buffered events, COMMIT; ROLLBACK on any error."""
     if conn.in_transaction:
         raise RuntimeError("task_store: a write transaction was opened inside another one")
     conn.writing = True
     try:
-        conn.execute(f"BEGIN; SELECT pg_advisory_xact_lock({PG_WRITE_LOCK:d})" if serialize else "BEGIN")
+        conn.execute("BEGIN")
         yield conn
         conn.commit()
     except BaseException:
@@ -2148,8 +2187,8 @@ def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
 
 
 def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
-    # In a PostgreSQL write transaction the row is locked: a claim (which does not take the
-    # writers' lock) cannot change it between this read and the write it decides.
+    # In a PostgreSQL write transaction the row is locked (there is no global writers' lock): no
+    # claim or other writer can change it between this read and the write it decides.
     locked = type(conn) is PgConnection and conn.writing
     row = conn.execute("SELECT * FROM tasks WHERE id = ? FOR UPDATE" if locked else "SELECT * FROM tasks WHERE id = ?",
                        (task_id,)).fetchone()
@@ -2179,6 +2218,8 @@ RETURNING *
 def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row | None:
     if key is None:
         return None
+    if type(conn) is PgConnection:   # two submits of one key: the second waits, then finds the first
+        conn.execute("SELECT pg_advisory_xact_lock(CAST(? AS integer), hashtext(?))", (PG_KEY_LOCK, key))
     return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
 
 
@@ -2192,7 +2233,10 @@ def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) ->
         if isinstance(dep, str) and dep.startswith("@"):
             raise ValidationError(f"{field} names {dep!r}, which no earlier task in the batch has as ref")
         dep_id = parse_task_id(dep)
-        row = conn.execute("SELECT status FROM tasks WHERE id = ?", (dep_id,)).fetchone()
+        # On PostgreSQL the dependency's row is share-locked to the commit: it cannot fail or be
+        # cancelled in between, unseen by its _fail_dependents (which would miss this new task).
+        row = conn.execute("SELECT status FROM tasks WHERE id = ? FOR SHARE" if type(conn) is PgConnection
+                           else "SELECT status FROM tasks WHERE id = ?", (dep_id,)).fetchone()
         if row is None:
             raise ValidationError(f"{field} names {format_task_id(dep_id)}, which does not exist")
         if row["status"] in ("failed", "cancelled"):
@@ -2648,7 +2692,7 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
     elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
     ``BEGIN IMMEDIATE``: exactly one claimer wins (on PostgreSQL its pick is ``FOR UPDATE SKIP
-    LOCKED``, without the writers' lock: claimers never wait on one another).
+    LOCKED``: claimers never wait on one another).
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
@@ -2664,7 +2708,7 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     """
     num = parse_task_id(task_id) if task_id is not None else None
     host = host_name()
-    with _writing(serialize=False) as conn:
+    with _writing() as conn:
         spent = _budget_spent(conn)
         if spent:
             if num is not None:
@@ -2729,11 +2773,20 @@ def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
         raise ValidationError(f"renew_lease cannot set {', '.join(sorted(bad))}")
     num = parse_task_id(task_id)
     sets = "".join(f", {k} = :{k}" for k in sorted(fields))
-    with _writing() as conn:
-        _fenced(conn, num, marker)
-        conn.execute(
-            f"UPDATE tasks SET heartbeat_at = :now{sets} WHERE id = :id", fields | {"now": store_now(conn), "id": num}
-        )
+    # One fenced statement: on PostgreSQL in autocommit, one round trip and one row lock held for
+    # the statement alone (a fleet renews every few seconds per running task).
+    # The server's clock on PostgreSQL (see store_now) read inside the statement, not a trip of its own.
+    with _single_write() as conn:
+        pg = type(conn) is PgConnection
+        stamp = "extract(epoch FROM clock_timestamp())" if pg else ":now"
+        renewed = (conn.execute_idempotent if pg else conn.execute)(
+            f"UPDATE tasks SET heartbeat_at = {stamp}{sets} WHERE id = :id AND run_marker = :marker"
+            " AND status = 'running' RETURNING id", fields | {"now": now(), "id": num, "marker": marker}
+        ).fetchone()
+    if renewed is None:
+        with _reading() as conn:
+            _fenced(conn, num, marker)   # raises TaskNotFound or StaleAttempt, naming why
+        raise StaleAttempt(f"attempt {marker} of task {format_task_id(num)} is not current; its renewal was refused")
 
 
 def heartbeat(task_id: Any, owner: str | None = None) -> dict[str, Any]:
@@ -3312,29 +3365,37 @@ def _event_dict(row: sqlite3.Row) -> dict[str, Any]:
     }
 
 
+def _final(conn: sqlite3.Connection) -> str:
+    """The condition that keeps a read of events below the horizon where none can still appear:
+    always true on SQLite (ids commit in order there), ``PG_EVENTS_FINAL`` on PostgreSQL."""
+    return PG_EVENTS_FINAL if type(conn) is PgConnection else "1 = 1"
+
+
 def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: int = 200) -> list[dict[str, Any]]:
     """Events with id > ``cursor`` (oldest first, at most ``limit``), optionally only for the
-    given tasks. Each: ``{id, task_id, ts, kind, message}``."""
+    given tasks. Each: ``{id, task_id, ts, kind, message}``. On PostgreSQL only events below the
+    oldest open transaction are returned, so the last id is a cursor that skips none."""
     limit = coerce_int("limit", limit, 1, 10_000)
     cursor = coerce_int("cursor", cursor, 0, MAX_ID)
     with _reading() as conn:
         if task_ids is None:
             rows = conn.execute(
-                "SELECT * FROM events WHERE id > ? ORDER BY id LIMIT ?", (cursor, limit)
+                f"SELECT * FROM events WHERE id > ? AND {_final(conn)} ORDER BY id LIMIT ?", (cursor, limit)
             ).fetchall()
         else:
             nums = [parse_task_id(t) for t in task_ids]
             rows = conn.execute(
-                "SELECT * FROM events WHERE id > ? AND task_id IN (%s) ORDER BY id LIMIT ?"
-                % ",".join("?" * len(nums)), [cursor, *nums, limit]
+                "SELECT * FROM events WHERE id > ? AND task_id IN (%s) AND %s ORDER BY id LIMIT ?"
+                % (",".join("?" * len(nums)), _final(conn)), [cursor, *nums, limit]
             ).fetchall()
     return [_event_dict(r) for r in rows]
 
 
 def last_event_id() -> int:
-    """The newest event id (0 when none): a cursor for ``events_since``."""
+    """The newest event id (0 when none): a cursor for ``events_since`` (on PostgreSQL the newest
+    below the oldest open transaction, see ``events_since``)."""
     with _reading() as conn:
-        return conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0]
+        return conn.execute(f"SELECT coalesce(max(id), 0) FROM events WHERE {_final(conn)}").fetchone()[0]
 
 
 def change_marks() -> dict[str, Any]:
@@ -3344,7 +3405,7 @@ def change_marks() -> dict[str, Any]:
     starts or ends)."""
     with _reading() as conn:
         row = conn.execute(
-            "SELECT (SELECT coalesce(max(id), 0) FROM events),"
+            f"SELECT (SELECT coalesce(max(id), 0) FROM events WHERE {_final(conn)}),"
             " (SELECT coalesce(max(id), 0) FROM claude_jobs),"
             " (SELECT count(*) FROM claude_jobs WHERE status = 'queued'),"
             " (SELECT count(*) FROM claude_jobs WHERE status = 'running')").fetchone()
@@ -3432,7 +3493,7 @@ def mark_result_seen(task_id: Any) -> bool:
     counts: a running task's has not been written yet). Returns whether this was the first read
     since it finished. Raises TaskNotFound."""
     num = parse_task_id(task_id)
-    with _writing(serialize=False) as conn:
+    with _writing() as conn:
         _row(conn, num)
         changed = conn.execute(
             "UPDATE tasks SET result_seen_at = ? WHERE id = ? AND result_seen_at IS NULL"
@@ -3838,9 +3899,9 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
             handle.write(data)
         return size + len(data)
     num = parse_task_id(task_id)
-    # Not under the writers' lock on PostgreSQL (ships come every second from each running task):
+    # PostgreSQL has no global writers' lock (ships come every second from each running task):
     # a lock of this task's log alone keeps two ships of one task from taking the same seq.
-    with _writing(serialize=False) as conn:
+    with _writing() as conn:
         if type(conn) is PgConnection:
             conn.execute("SELECT pg_advisory_xact_lock(CAST(? AS integer), CAST(? AS integer))",
                          (PG_LOG_LOCK, num % 2_147_483_647))

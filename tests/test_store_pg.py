@@ -255,14 +255,17 @@ def test_a_write_waiting_too_long_for_the_lock_is_busy_not_a_traceback(pg, monke
     monkeypatch.setattr(store, "PG_LOCK_TIMEOUT_SEC", 0.5)
     store.close_connections()
     task = store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    other_task = store.submit_task(title="u", instructions="i", working_dir=str(tmp_path))
     with psycopg.connect(pg, autocommit=True) as other:   # another process in the middle of a write
         other.execute("BEGIN")
-        other.execute("SELECT pg_advisory_xact_lock(%s)", (store.PG_WRITE_LOCK,))
+        other.execute("SELECT id FROM tasks WHERE id = %s FOR UPDATE", (store.parse_task_id(task["id"]),))
         started = time.monotonic()
         with pytest.raises(store.DatabaseBusy, match="is busy .*nothing was written: try again") as caught:
             store.add_note(task["id"], "waits")
         assert 0.4 < time.monotonic() - started < 5 and PASSWORD not in str(caught.value)
-        assert store.claim_next("w")["id"] == task["id"]   # a claim does not take that lock
+        # No global lock: a write to another task goes through, and a claim skips the locked row.
+        store.add_note(other_task["id"], "goes through")
+        assert store.claim_next("w")["id"] == other_task["id"]
         other.execute("ROLLBACK")
     store.add_note(task["id"], "now it goes")          # the same kept connection, usable again
     assert [n["text"] for n in store.get_task(task["id"])["notes"]] == ["now it goes"]
@@ -365,3 +368,82 @@ def test_a_role_that_may_not_create_the_tables_gets_one_line_with_the_fix(pg_ser
     finally:
         pg_server.drop_database("tb_not_owned")
         pg_server.execute("DROP ROLE IF EXISTS tb_limited")
+
+
+LATE_TRIGGER = """
+CREATE FUNCTION hold_late() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.message LIKE '%hold me%' THEN PERFORM pg_advisory_xact_lock(4242); END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER hold_late AFTER INSERT ON events FOR EACH ROW EXECUTE FUNCTION hold_late();
+"""
+
+
+def test_an_event_that_commits_late_is_never_skipped_by_a_cursor(pg, tmp_path):
+    import threading
+
+    import psycopg
+    late_task = store.submit_task(title="late", instructions="i", working_dir=str(tmp_path))
+    early_task = store.submit_task(title="early", instructions="i", working_dir=str(tmp_path))
+    with psycopg.connect(pg, autocommit=True) as test:
+        test.execute(LATE_TRIGGER)   # a real store write that holds its event, then commits last
+        test.execute("SELECT pg_advisory_lock(4242)")
+        cursor, seen = store.last_event_id(), []
+        late = threading.Thread(target=store.add_note, args=(late_task["id"], "hold me"))
+        late.start()
+        while not test.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'").fetchone():
+            time.sleep(0.01)
+        store.add_note(early_task["id"], "goes first")   # commits while the late one is open
+        for _ in range(3):
+            batch = store.events_since(cursor)
+            seen += batch
+            cursor = batch[-1]["id"] if batch else cursor
+        assert seen == [] and store.last_event_id() == cursor   # nothing past the open transaction
+        test.execute("SELECT pg_advisory_unlock(4242)")
+        late.join(10)
+    assert store.wait_for_change(cursor, timeout=5) > cursor
+    seen += store.events_since(cursor)
+    assert [e["message"] for e in seen] == ["planner: hold me", "planner: goes first"]
+    every = store.events_since(0, limit=10_000)
+    assert [e["id"] for e in every] == sorted(e["id"] for e in every) and every[-2:] == seen
+
+
+MIXED = r"""
+import json, os, sys, time, task_store as store
+os.environ["TASK_DB_URL"] = sys.argv[1]
+store.RETRY_BACKOFF_SEC = (0.01, 0.01)
+name, got = sys.argv[2], []
+while True:
+    task = store.claim_next(name)
+    if task is None:
+        if not store.counts().get("pending"):
+            break
+        time.sleep(0.01)   # a retry backing off
+        continue
+    got.append([task["id"], task["attempts"]])
+    store.renew_lease(task["id"], task["run_marker"])
+    if task["attempts"] == 1 and int(task["id"][2:]) % 3 == 0:
+        store.fail_attempt(task["id"], task["run_marker"], "once more")
+    else:
+        store.complete_attempt(task["id"], task["run_marker"])
+print(json.dumps(got))
+"""
+
+
+def test_sixteen_claimers_that_retry_and_finish_never_claim_an_attempt_twice(pg, tmp_path):
+    for _ in range(6):
+        store.submit_batch([{"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+                             "max_retries": 1}] * 20)
+    procs = [subprocess.Popen([sys.executable, "-c", MIXED, pg, f"w{i}"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(16)]
+    claimed = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        claimed += [tuple(c) for c in json.loads(out)]
+    retried = {f"t_{n:04d}" for n in range(1, 121) if n % 3 == 0}
+    assert sorted(claimed) == sorted([(f"t_{n:04d}", 1) for n in range(1, 121)] + [(t, 2) for t in retried])
+    assert store.counts()["done"] == 120
+    kinds = [e["kind"] for e in store.events_since(0, limit=10_000)]
+    assert kinds.count("claimed") == 160 and kinds.count("retry") == 40 and kinds.count("done") == 120
