@@ -395,6 +395,12 @@ def test_an_event_that_commits_late_is_never_skipped_by_a_cursor(pg, tmp_path):
         while not test.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'").fetchone():
             time.sleep(0.01)
         store.add_note(early_task["id"], "goes first")   # commits while the late one is open
+        # No global lock either: another task's claim and renewals go on beside the open write.
+        claimed = store.claim_next("w", task_id=early_task["id"])
+        started = time.monotonic()
+        for _ in range(5):
+            store.renew_lease(claimed["id"], claimed["run_marker"])
+        assert time.monotonic() - started < 2
         for _ in range(3):
             batch = store.events_since(cursor)
             seen += batch
@@ -404,7 +410,7 @@ def test_an_event_that_commits_late_is_never_skipped_by_a_cursor(pg, tmp_path):
         late.join(10)
     assert store.wait_for_change(cursor, timeout=5) > cursor
     seen += store.events_since(cursor)
-    assert [e["message"] for e in seen] == ["planner: hold me", "planner: goes first"]
+    assert [e["message"] for e in seen] == ["planner: hold me", "planner: goes first", "attempt 1 by w"]
     every = store.events_since(0, limit=10_000)
     assert [e["id"] for e in every] == sorted(e["id"] for e in every) and every[-2:] == seen
 
