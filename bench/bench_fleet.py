@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import os
 import random
 import statistics
@@ -41,8 +42,12 @@ LOG_CHUNK = b"x" * 300 + b"\n"   # an agent's step or two of output
 SIMULATOR = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1]]
-import bench_fleet
-print(json.dumps(bench_fleet.simulate(*map(float, sys.argv[2:]))))
+import bench_fleet, task_store
+task_store.last_event_id()   # imported and connected before the clock starts
+print("ready", flush=True)
+start_at = float(sys.stdin.readline())
+workers, threads, seconds, task_sec, lease_sec = map(float, sys.argv[2:])
+print(json.dumps(bench_fleet.simulate(workers, threads, start_at, start_at + seconds, task_sec, lease_sec)))
 """
 
 
@@ -103,31 +108,43 @@ def simulate(workers: float, threads: float, start_at: float, stop_at: float, ta
             **{k: sum(o[k] for o in out) for k in ("claims", "finishes", "ships", "idle")}}
 
 
-def feed(stop_at: float, keep: int, workdir: Path) -> int:
-    """Keep at least ``keep`` tasks pending until ``stop_at`` (batches of BATCH_MAX); returns how
+def top_up(keep: int, workdir: Path, stop_at: float = math.inf) -> int:
+    """Submit batches (BATCH_MAX) until ``keep`` tasks are pending (or ``stop_at``); returns how
     many were submitted."""
     import task_store
     submitted = 0
+    while task_store.counts().get("pending", 0) < keep and time.time() < stop_at:
+        task_store.submit_batch([{"title": "sim", "instructions": "i", "working_dir": str(workdir)}]
+                                * task_store.BATCH_MAX)
+        submitted += task_store.BATCH_MAX
+    return submitted
+
+
+def feed(stop_at: float, keep: int, workdir: Path) -> int:
+    """The feeder: keep at least ``keep`` tasks pending until ``stop_at``, looking every 0.2 s."""
+    submitted = 0
     while time.time() < stop_at:
-        while task_store.counts().get("pending", 0) < keep and time.time() < stop_at:
-            task_store.submit_batch([{"title": "sim", "instructions": "i", "working_dir": str(workdir)}]
-                                    * task_store.BATCH_MAX)
-            submitted += task_store.BATCH_MAX
+        submitted += top_up(keep, workdir, stop_at)
         time.sleep(0.2)
     return submitted
 
 
 def run_fleet(url: str, n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One fleet of ``n`` workers for ``args.seconds`` against ``url``: the merged results."""
-    feed(time.time() + 3600, n, workdir)   # a full queue before the clock starts
-    start_at = time.time() + 2 + n / 1000
-    stop_at = start_at + args.seconds
+    top_up(n, workdir)   # a full queue before the clock starts
     procs = [subprocess.Popen([PY, "-c", SIMULATOR, str(Path(__file__).resolve().parent),
-                               str(n // args.procs + (i < n % args.procs)), str(args.threads), str(start_at),
-                               str(stop_at), str(args.task_sec), str(args.lease_sec)],
-                              cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               str(n // args.procs + (i < n % args.procs)), str(args.threads), str(args.seconds),
+                               str(args.task_sec), str(args.lease_sec)], cwd=ROOT, env=dict(os.environ),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(args.procs)]
-    fed = feed(stop_at, max(n // 4, 20), workdir)
+    for proc in procs:
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"a simulator process failed: {proc.communicate()[1].strip()[-2000:]}")
+    start_at = time.time() + 1 + args.threads * 0.1   # its threads connect before then
+    for proc in procs:
+        proc.stdin.write(f"{start_at}\n")
+        proc.stdin.flush()
+    fed = feed(start_at + args.seconds, max(n // 4, 20), workdir)
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=args.seconds + 600)
