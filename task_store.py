@@ -2479,7 +2479,7 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
 _LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, max_cost_usd, max_tokens, paused_for, resume_at,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, json_extract(result, '$.model') AS ran_model, max_cost_usd, max_tokens, paused_for, resume_at,"
                  " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
@@ -2490,6 +2490,7 @@ _LIST_COLUMNS_PG = (_LIST_COLUMNS
                              "round((coalesce((usage::jsonb ->> 'cost_usd')::float8, 0)")
                     .replace("run_cost_usd ELSE 0 END), 8)", "run_cost_usd ELSE 0 END))::numeric, 8)::float8")
                     .replace("json_extract(usage, '$.cost_usd')", "(usage::jsonb ->> 'cost_usd')::float8")
+                    .replace("json_extract(result, '$.model')", "(result::jsonb ->> 'model')")
                     .replace("json_extract(usage, '$.tokens.total')", "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
@@ -2511,7 +2512,7 @@ def list_tasks(
     deep) or by ``offset`` ≥ 0 (rows to skip; deep offsets walk the skipped rows).
     Returns ``{"tasks": [...], "total": N, "offset": o, "next_offset": o2 | None,
     "next_cursor": str | None}`` (tasks without instructions/diff/result, to stay small, with
-    ``cost_usd`` from the usage (USD, or None);
+    ``cost_usd`` from the usage (USD, or None), ``ran_model`` the model the last receipt names (or None);
     ``next_offset`` only when paging by offset). ``total`` counts every match (kept per status, so
     cheap unless origin or search is given). Raises ValidationError.
     """

@@ -195,6 +195,17 @@ def shown_log(task_id: Any, offset: int = 0) -> tuple[bytes, int]:
     return shown(data), offset + len(data)
 
 
+def model_shown(task: dict[str, Any]) -> str:
+    """The model a task runs on, as a person reads it: its own ``model``; else the one its last
+    run used (the receipt's ``model``, or a list row's ``ran_model``) marked as the default; else
+    ``default``, for a task no run has recorded yet (the worker picks it at claim)."""
+    if task.get("model"):
+        return task["model"]
+    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    ran = result.get("model") or task.get("ran_model")
+    return f"{ran} (the default)" if ran else "default (chosen when it runs)"
+
+
 def info(task: dict[str, Any]) -> dict[str, Any]:
     """A store task dict reduced to the TaskInfo fields."""
     return {key: task.get(key, [] if key == "depends_on" else None) for key in _INFO_KEYS}

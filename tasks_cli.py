@@ -468,10 +468,9 @@ def when(value: str | None) -> str | None:
 def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """The task's identity, settings and timing."""
     return [
-        ("id", task["id"]), ("title", line(task["title"])), ("status", status_text(task["status"])),
         ("working dir", line(task["working_dir"])), ("repo", line(task.get("repo"))),
         ("base ref", line(task.get("base_ref") or ("the remote's HEAD branch" if task.get("repo") else None))),
-        ("host", line(task.get("host") or ("any" if task.get("repo") else None))), ("model", line(task["model"] or "(default at claim)")),
+        ("host", line(task.get("host") or ("any" if task.get("repo") else None))), ("model", line(task_views.model_shown(task))),
         ("agent", line(task["agent"])), ("priority", task["priority"]), ("permission", task["permission"]),
         ("worktree", "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
         ("timeout", f"{task['timeout_sec']} s per attempt"),
@@ -507,30 +506,91 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
          if worktrees.unpushed_note(task) else None),
         ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
         ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
-                  + (" so far" if task["status"] == "running" else "")),
+                  + (" so far" if task["status"] == "running" else f" over {task['attempts']} attempts")
+         if task["status"] == "running" or task["attempts"] > 1 else None),
         ("limit", None if task["max_cost_usd"] is None and task["max_tokens"] is None else
          ", ".join(x for x in (task["max_cost_usd"] is not None and money(task["max_cost_usd"]),
                               task["max_tokens"] is not None and f"{task['max_tokens']:,} tokens") if x)
          + (f" (paused: {task['paused_for'].replace('_', ' ')})" if task.get("paused_for") else "")),
-        ("error", Text(visible(task["error"]), style="red") if task["error"] else None),
     ]
 
 
-RECEIPT_KEYS = ("summary", "files_touched", "commands", "tests_run", "open_questions", "sandbox")
+RECEIPT_KEYS = ("summary", "files_touched", "files_reverted", "commands", "tests_run", "open_questions",
+                "tool_errors", "sandbox", "latency_sec")
+# Receipt keys `show` leaves out: shown once elsewhere on the page (branch, session, notes, the
+# model in the Task block, ...)
+# or the worker's own bookkeeping; the ones that mean trouble come back as warnings in words.
+RECEIPT_HIDDEN = frozenset({
+    "block_found", "files_claimed", "tool_calls", "attempt", "max_retries", "isolation", "branch", "repo",
+    "mirror", "base_commit", "base_from", "submodules", "worktree_path", "session_id", "session",
+    "exit_code", "agent_exited", "non_json_lines", "replies_not_believed", "ended_with_run",
+    "notes", "questions", "limit_pauses", "usage", "model"})
 
 
 def receipt_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The receipt (``result``) fields, usage, then any other keys the worker recorded."""
+    """The receipt (``result``) a person reads: its fields, the attempt's tokens and cost, what
+    went wrong in words, then any key the worker recorded that this view does not know."""
     result = task["result"] if isinstance(task["result"], dict) else {"result": task["result"]}
     rows = [(key.replace("_", " "), result.get(key)) for key in RECEIPT_KEYS]
-    rows += [(key.replace("_", " "), value) for key, value in result.items() if key not in RECEIPT_KEYS]
+    rows = [(k, f"{v} s") if k == "latency sec" and v is not None else (k, v) for k, v in rows]
+    rows += [(key.replace("_", " "), value) for key, value in result.items()
+             if key not in RECEIPT_KEYS and key not in RECEIPT_HIDDEN]
     usage = task["usage"] or result.get("usage")
     if isinstance(usage, dict):
-        rows = [row for row in rows if row[0] != "usage"]
-        rows += [(f"usage {key.replace('_', ' ')}", value) for key, value in usage.items()]
+        rows += [("tokens", usage.get("tokens")),
+                 ("cost", money(usage["cost_usd"]) if usage.get("cost_usd") is not None else None)]
+    rows.append(("warnings", receipt_warnings(task["id"], result) or None))
     if task["diff"]:
         rows.append(("diff", f"{len(task['diff'].splitlines())} line(s) (show --diff prints it)"))
     return rows
+
+
+def receipt_warnings(task_id: str, result: dict[str, Any]) -> list[str]:
+    """The receipt's internal flags that mean something went wrong, each as a sentence; none when
+    the run was clean (a flag at its normal value is not news)."""
+    said = []
+    if result.get("non_json_lines"):
+        said.append(f"{result['non_json_lines']} line(s) of the agent's output were not JSON events "
+                    f"(logs {task_id} --raw shows them)")
+    if result.get("block_found") is False:
+        said.append("the agent ended without a receipt block: the summary is its last text")
+    if result.get("exit_code") not in (None, 0):
+        said.append(f"opencode exited with code {result['exit_code']}")
+    if result.get("replies_not_believed"):
+        said.append(f"replies not believed: {flat(result['replies_not_believed'])}")
+    return said
+
+
+def next_step(task: dict[str, Any]) -> str:
+    """The command a person most likely runs next for a task in its status."""
+    tid, cli_ = task["id"], "python tasks_cli.py"
+    if task["status"] == "waiting":
+        return f"{cli_} answer {tid} \"your answer\""
+    if task["status"] == "running":
+        return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
+    if task["status"] == "pending":
+        return f"wait for a worker ({cli_} status shows it), or {cli_} cancel {tid}"
+    if task["status"] == "done":
+        return (f"{cli_} diff {tid} (read the changes), then {cli_} apply {tid}" if task["diff"]
+                else f"nothing to apply: the run changed no files; {cli_} retry {tid} runs it again")
+    return f"{cli_} retry {tid} (add --model provider/model to try another model)"
+
+
+def headline(task: dict[str, Any]) -> Text:
+    """``t_0001  Title  failed``: who the page is about, once."""
+    head = Text(f"{task['id']}  ", style="bold")
+    head.append(visible(task["title"], multiline=False), style="bold")
+    head.append("  ")
+    return head.append_text(status_text(task["status"]))
+
+
+def why_line(task: dict[str, Any]) -> Text | None:
+    """Why a task stopped, or what its last attempt hit, in the page's first lines."""
+    if not task["error"]:
+        return None
+    head = {"failed": "Why it failed: ", "cancelled": "Why it was cancelled: "}.get(
+        task["status"], "The last attempt hit: ")
+    return Text(head + visible(task["error"]), style="red" if task["status"] == "failed" else "yellow")
 
 
 def notes_table(task: dict[str, Any]) -> Table:
@@ -571,13 +631,19 @@ def print_fields(rows: list[tuple[str, Any]], title: str) -> None:
 
 
 def print_task(task: dict[str, Any]) -> None:
-    """Everything about one task, for a person."""
+    """Everything about one task, for a person: what it is and why it stands where it does, the
+    next step, then its settings, run, receipt, instructions, notes and events (each field once)."""
     console = out()
+    # soft_wrap: the head lines hold commands to copy; a fold would split them.
+    console.print(headline(task), soft_wrap=True)
+    why = why_line(task)
+    if why is not None:
+        console.print(why, soft_wrap=True)
+    if task["status"] == "waiting":
+        console.print(Text(f"Question: {visible(task['question'])}", style="magenta"), soft_wrap=True)
+    console.print(Text(f"Next step: {next_step(task)}", style="bold"), soft_wrap=True)
     print_fields(overview_rows(task), "Task")
     print_fields(run_rows(task), "Run")
-    if task["status"] == "waiting":
-        console.print(Text(f"Question: {visible(task['question'])}", style="magenta"))
-        console.print(Text(f"Answer it: python tasks_cli.py answer {task['id']} \"...\"", style="dim"))
     if task["result"] or task["usage"] or task["diff"]:
         print_fields(receipt_rows(task), "Result")
     print_fields([("instructions", task["instructions"])], "Instructions")
@@ -1452,12 +1518,33 @@ WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stop
 
 
 def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The judged heartbeat (task_views.worker_state), its age first."""
+    """The judged heartbeat (task_views.worker_state) in words: the worker's one-word label with
+    its pid and host, what its process is, what it runs, its heartbeat's age; the worker's own
+    extra fields (an ``error``) last."""
     if not worker["seen"]:
-        return [("heartbeat", "none: no worker pass has run against this queue")]
-    rows = [("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")]
-    rows += [(k, v) for k, v in worker.items() if k not in ("age_sec", "at", "seen", "summary", "extra")]
-    return rows + list(worker["extra"].items())
+        return [("worker", "never seen: no worker pass has run against this queue")]
+    label = Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], ""))
+    label.append(f", pid {worker['pid']} on {worker.get('host') or 'this host'}")
+    return [("worker", label), ("process", worker_process_words(worker)), ("runs", worker_runs_words(worker)),
+            ("slots", worker.get("slots")), ("started", when(worker.get("started_at"))),
+            ("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")] + list(worker["extra"].items())
+
+
+def worker_process_words(worker: dict[str, Any]) -> str:
+    """Whether the heartbeat's process still runs, as a person reads it (never a Python bool)."""
+    if worker["pid_running"] is None:
+        return f"on another host ({worker.get('host')}): not checked from here"
+    if worker["died"]:
+        return "gone: it ended mid-run (the next pass requeues its task)"
+    return "running" if worker["pid_running"] else "ended"
+
+
+def worker_runs_words(worker: dict[str, Any]) -> str:
+    """What the worker said it was doing: its tasks, or its state when it runs none."""
+    tasks = worker.get("tasks") or ([worker["task"]] if worker.get("task") else [])
+    if tasks:
+        return ", ".join(tasks) + (f" ({worker['state']})" if worker.get("state") else "")
+    return f"no task ({worker.get('state') or 'idle'})"
 
 
 @cli.group(cls=TaskGroup)

@@ -172,12 +172,46 @@ def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
     shown = run("show", "1").stdout
     for text in ("changed README", "README.md", "pytest -q", "tests/test_x.py", "ship it?",
                  "isolation=git worktree", "tool=bash, error=denied", "input=1234, output=56, cache={read=7}",
-                 "usage cost usd", "0.0042", "5 line(s)", "br-1-a1"):
+                 "$0.0042", "5 line(s)", "br-1-a1"):
         assert text in shown, text
     assert run("show", "1", "--diff").stdout == diff
     bare = add(tmp_path, "no diff")
     refused = run("show", bare["id"], "--diff")
     assert refused.exit_code == 1 and "has no diff" in refused.stderr
+
+
+def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path):
+    task = add(tmp_path, max_retries=0)
+    assert "or python tasks_cli.py cancel t_0001" in run("show", "1").stdout
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    receipt = {"summary": "half done", "model": "fake/model", "branch": "taskbridge/t_0001", "attempt": 1,
+               "max_retries": 0, "session_id": "ses_1", "non_json_lines": 0, "block_found": True,
+               "exit_code": 0, "agent_exited": True, "ended_with_run": [], "isolation": "worktree"}
+    task_store.fail_attempt(task["id"], claimed["run_marker"], "tests stayed red", retryable=False, result=receipt)
+    lines = run("show", "1").stdout.splitlines()
+    assert lines[0].split() == ["t_0001", "Fix", "the", "README", "failed"]
+    assert lines[1] == "Why it failed: tests stayed red"
+    assert lines[2].startswith("Next step: python tasks_cli.py retry t_0001")
+    shown = "\n".join(lines).split("Last events")[0]   # the event log keeps its own record
+    for internal in ("non json lines", "block found", "exit code", "agent exited", "ended with run",
+                     "max retries", "session id", "isolation"):
+        assert internal not in shown, internal
+    assert shown.count("tests stayed red") == 1 and shown.count("Fix the README") == 1
+    assert "fake/model (the default)" in shown and "warnings" not in shown
+    noisy = add(tmp_path, "noisy")
+    marker = task_store.claim_next("worker@host", task_id=noisy["id"])["run_marker"]
+    task_store.complete_attempt(noisy["id"], marker, result={"summary": "ok", "non_json_lines": 3,
+                                                             "block_found": False, "exit_code": 0})
+    shown = squash(run("show", noisy["id"]).stdout)
+    assert "3line(s)oftheagent'soutputwerenotJSONevents" in shown and "withoutareceiptblock" in shown
+    assert "Nextstep:nothingtoapply" in shown
+
+
+def test_show_names_the_command_for_a_waiting_task(tmp_path):
+    waiting_task(tmp_path)
+    lines = run("show", "1").stdout.splitlines()
+    assert lines[1] == "Question: Which branch?"
+    assert lines[2] == 'Next step: python tasks_cli.py answer t_0001 "your answer"'
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,6 +430,14 @@ def test_status_shows_counts_and_worker_heartbeat(tmp_path):
     assert data["counts"]["pending"] == 1 and data["worker"]["task"] == "t_0001"
 
 
+def test_status_tells_the_worker_in_words_not_python_values(tmp_path):
+    task_store.write_worker_heartbeat({"task": "t_0001", "state": "running"})   # this process: alive
+    worker = squash(run("status").stdout.split("Worker", 1)[1])
+    assert f"online,pid{os.getpid()}on" in worker and "processrunning" in worker and "runst_0001(running)" in worker
+    for internal in ("True", "False", "None", "pid_running", "died", "recent", "label", "started_at"):
+        assert internal not in worker, internal
+
+
 def test_events_lists_state_changes(tmp_path):
     add(tmp_path)
     task_store.cancel_task(1)
@@ -567,7 +609,7 @@ def test_every_human_view_makes_control_characters_visible(tmp_path, monkeypatch
         assert result.exit_code == 0, args
         assert_no_raw_controls(result.output)
     shown = squash(views[("show", "1")].stdout)
-    for text in (f"title{SHOWN}", f"error{SHOWN}", f"summary{SHOWN}", f"file{SHOWN}.py", f"cmd{SHOWN}",
+    for text in (f"t_0001{SHOWN}", f"error{SHOWN}", f"summary{SHOWN}", f"file{SHOWN}.py", f"cmd{SHOWN}",
                  f"Q:question{SHOWN}", f"A:answer{SHOWN}", f"note{SHOWN}", f"noter{SHOWN}",
                  f"client{SHOWN}", f"key{SHOWN}value", f"worker{SHOWN}"):
         assert squash(text) in shown, text
