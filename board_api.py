@@ -174,7 +174,8 @@ def task_page(query: Any) -> dict[str, Any]:
     found = store.list_tasks(status=status.split(",") if status else None, origin=query.get("origin"),
                              search=query.get("search"), limit=limit, offset=query.get("offset") or 0,
                              cursor=query.get("cursor") or None)
-    return found | {"tasks": [task_views.row(t) | {"cost_usd": t.get("cost_usd")} for t in found["tasks"]]}
+    return found | {"tasks": [task_views.row(t) | {"cost_usd": t.get("cost_usd"), "ran_model": t.get("ran_model")}
+                              for t in found["tasks"]]}
 
 
 @takes("status", "origin", "search", "limit", "cursor", "offset")
@@ -249,10 +250,35 @@ def whole_lines(source: Path | str, offset: int | None, chunk: int = LOG_CHUNK) 
 
 def task_log(task_id: str, offset: int | None) -> dict[str, Any]:
     """A task log's whole lines from ``offset`` (or its tail) as readable entries
-    (opencode_runner.render_log_line shapes)."""
+    (opencode_runner.render_log_line shapes), with ``model_calls`` (``model_calls_in``)."""
     task_id = next(iter(store.statuses_of([task_id])))
     part = whole_lines(task_id, offset)
-    return {"task_id": task_id, "entries": opencode_runner.render_log(part.pop("text"))} | part
+    text = part.pop("text")
+    return {"task_id": task_id, "entries": opencode_runner.render_log(text),
+            "model_calls": model_calls_in(text)} | part
+
+
+def model_calls_in(text: str) -> dict[str, Any]:
+    """The model calls a chunk of a task log shows: ``{"started": N, "last": "start" | "finish" |
+    None, "at": Unix seconds | None}`` (the chunk's last step event). OpenCode reports a tool call
+    only when it ends, but a model call's start at once: a step started and not finished is the
+    work in progress (the model answering, or the tool calls it asked for) that the board shows
+    while nothing else arrives."""
+    calls: dict[str, Any] = {"started": 0, "last": None, "at": None}
+    for line in text.splitlines():
+        if '"step_' not in line:          # most lines: no JSON parse
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        kind = event.get("type") if isinstance(event, dict) else None
+        if kind in ("step_start", "step_finish"):
+            calls["started"] += kind == "step_start"
+            stamp = event.get("timestamp")
+            calls["last"] = "start" if kind == "step_start" else "finish"
+            calls["at"] = stamp / 1000 if isinstance(stamp, (int, float)) else None
+    return calls
 
 
 @takes("offset")

@@ -54,6 +54,17 @@
     return (sec / 86400).toFixed(1) + " d";
   }
   function usd(value) { return typeof value === "number" ? "$" + value.toFixed(value < 0.01 ? 4 : 2) : ""; }
+  // The model a task ran on: its own, else the one its last run used (the worker's default, so
+  // marked), else "default" for a task no run has recorded yet.
+  function modelCell(t) {
+    if (t.model) return t.model;
+    if (t.ran_model) return [t.ran_model, el("span", { class: "empty" }, " (default)")];
+    return el("span", { class: "empty", title: "the worker picks it when it claims the task" }, "default");
+  }
+  function ranModel(t) {
+    const ran = t.result && typeof t.result === "object" ? t.result.model : null;
+    return t.model || (ran ? ran + " (the default)" : "the default (chosen when it runs)");
+  }
   function caller(t) { return [t.origin_name, t.origin_version].filter(Boolean).join(" ") || "-"; }
 
   // ---- the API -----------------------------------------------------------------------------
@@ -109,6 +120,7 @@
 
   async function start(notice) {
     S.token = localStorage.getItem(TOKEN_KEY);
+    $("loading").hidden = !S.token;
     if (!S.token) return askToken(notice || "");
     if (notice) showError(notice);
     try {
@@ -116,12 +128,14 @@
       $("login").hidden = true;
       $("board").hidden = false;
       $("logout").hidden = false;
+      $("loading").hidden = true;
       renderStatus(status);
       S.cursor = status.marks.events;
       S.jobsMark = status.marks.jobs;
       await Promise.all([loadList(), loadFeed(), loadJobs(), loadEngine(), loadRunning(), route()]);
       liveLoop(++S.live);
     } catch (err) {
+      $("loading").textContent = "the board could not load: " + String(err && err.message ? err.message : err);
       showError(err);
     }
   }
@@ -201,7 +215,7 @@
         el("td", {}, el("span", { class: "status s-" + t.status }, t.status),
           t.status === "waiting" && t.resume_at ? el("span", { class: "resumes", title: "paused at its provider's usage limit" },
             " resumes " + t.resume_at) : null), el("td", {}, caller(t)),
-        el("td", {}, t.model || el("span", { class: "empty" }, "default")), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
+        el("td", {}, modelCell(t)), el("td", {}, String(t.attempts) + "/" + String(t.max_retries + 1)),
         el("td", {}, age(t.created_at)), el("td", {}, usd(typeof t.spent_usd === "number" ? t.spent_usd : t.cost_usd))));
     }
     if (!page.tasks.length) body.append(el("tr", {}, el("td", { colspan: 8, class: "empty" }, "no tasks")));
@@ -233,6 +247,14 @@
     while (feed.children.length > FEED_MAX) feed.lastChild.remove();
   }
 
+  // A model call began: said at once, since its tool calls reach the feed only when they end.
+  function addCallLine(taskId, step) {
+    const feed = $("feed");
+    feed.prepend(el("li", { class: "ev k-step" }, el("time", {}, clock(step.at)), " ", taskLink(taskId), " ",
+      el("b", {}, "model call"), " ", el("span", { class: "m" }, "call " + step.calls + " started (in progress)")));
+    while (feed.children.length > FEED_MAX) feed.lastChild.remove();
+  }
+
   // The feed follows the logs of the tasks running now, for their tool calls: new ones start at
   // the log's current end; finished ones are dropped.
   async function loadRunning() {
@@ -243,7 +265,9 @@
       if (S.follow[id]) continue;
       S.follow[id] = { next: null, size: null };
       const d = await api("/api/tasks/" + encodeURIComponent(id) + "/log");
-      if (S.follow[id]) S.follow[id] = { next: d.next_offset, size: d.size };
+      if (!S.follow[id]) continue;
+      S.follow[id] = { next: d.next_offset, size: d.size, step: { calls: 0, last: null, at: null } };
+      noteCalls(S.follow[id].step, d.model_calls);
     }
   }
 
@@ -254,8 +278,12 @@
       if (!f || f.size === null || size === f.size) continue;
       const d = await api("/api/tasks/" + encodeURIComponent(id) + "/log?offset=" + f.next);
       if (!S.follow[id]) continue;
-      S.follow[id] = { next: d.next_offset, size: d.size };
+      const step = f.step || { calls: 0, last: null, at: null };
+      const before = step.calls;
+      noteCalls(step, d.model_calls);
+      S.follow[id] = { next: d.next_offset, size: d.size, step };
       addToolLines(id, d.entries);
+      if (step.calls > before && step.last === "start") addCallLine(id, step);
       grew = true;
     }
     if (grew) refreshSoon(false);   // the live spend in the header and the list
@@ -331,6 +359,7 @@
     const seen = JSON.stringify(t);
     if (seen === S.taskSeen && $("task-title")) return false;
     S.taskSeen = seen;
+    S.running = t.status === "running" ? { since: t.started_at, attempt: t.attempts } : null;
     const open = !FINISHED.includes(t.status);
     // The page is rebuilt on every change of the task: keep what the person is typing.
     const typed = {};
@@ -339,17 +368,17 @@
     view.append(el("p", {}, el("a", { href: "#/" }, "← all tasks")),
       el("h2", { id: "task-title" }, el("span", { class: "tid" }, t.id), " ", t.title, " ",
         el("span", { class: "status s-" + t.status, id: "task-status" }, t.status)),
-      actions(t, open),
+      why(t), actions(t, open),
       t.questions && t.questions.length ? section("Questions", list(t.questions, (q) => [
         el("pre", { class: "text question" }, "Q: " + q.question),
         el("pre", { class: "text answer" }, q.answer === null ? "(no answer yet)" : "A: " + q.answer)])) : "",
       receipt(t), usage(t), diff(t),
-      section("Log", el("div", { id: "log", class: "log" })),
+      section("Log", t.status === "running" ? el("p", { id: "live", class: "live" }) : "", el("div", { id: "log", class: "log" })),
       section("Instructions", el("pre", { class: "text", id: "instructions" }, t.instructions)),
       section("Dependencies", list(t.depends_on, (d) => taskLink(d))),
       section("Notes", list(t.notes, (n) => [el("b", {}, n.author), " ", el("time", {}, n.created_at || ""),
         n.delivered ? " (delivered)" : " (not yet delivered)", el("pre", { class: "text note" }, n.text)])),
-      section("Task", fields([["caller", caller(t)], ["model", t.model || "(the default model)"], ["agent", t.agent],
+      section("Task", fields([["caller", caller(t)], ["model", ranModel(t)], ["agent", t.agent],
         ["continues", t.continue_from ? taskLink(t.continue_from) : null],
         ["forked from", t.fork_from ? taskLink(t.fork_from) : null],
         ["rules", t.rules ? JSON.stringify(t.rules) : null],
@@ -362,7 +391,7 @@
         ["permission", t.permission], ["priority", t.priority],
         ["attempts", t.attempts + " of " + (t.max_retries + 1)], ["timeout", t.timeout_sec + " s"],
         ["branch", t.branch], ["worktree", t.worktree_path], ["created", t.created_at],
-        ["started", t.started_at], ["finished", t.finished_at], ["error", t.error]])),
+        ["started", t.started_at], ["finished", t.finished_at]])),
       section("Events", list(t.events, (e) => [el("time", {}, (e.ts || "").slice(11, 19)), " ",
         el("b", {}, e.kind), " ", e.message])));
     for (const [id, value] of Object.entries(typed)) if ($(id)) $(id).value = value;
@@ -409,9 +438,18 @@
     return box;
   }
 
+  // Why the task stands where it does, first: a failure's reason, a cancel's, or what the last
+  // attempt of a task waiting for its retry hit.
+  function why(t) {
+    if (!t.error || !["failed", "cancelled", "pending"].includes(t.status)) return "";
+    const head = { failed: "Why it failed: ", cancelled: "Why it was cancelled: " }[t.status] || "The last attempt hit: ";
+    return el("p", { class: "why s-" + t.status, id: "task-why" }, el("b", {}, head), t.error);
+  }
+
   function receipt(t) {
     const r = t.result;
-    if (!r || typeof r !== "object") return section("Receipt", el("p", { class: "empty" }, "no receipt yet"));
+    if (!r || typeof r !== "object") return section("Receipt", el("p", { class: "empty" }, t.error
+      ? "no receipt: the attempt ended before writing one (why: at the top of this page)" : "no receipt yet"));
     const commands = (r.commands || []).map((c) => (typeof c === "object" && c)
       ? (c.command || c.title || show(c)) + (c.exit === undefined || c.exit === null ? "" : "  → exit " + c.exit) : show(c));
     const sandbox = r.sandbox && typeof r.sandbox === "object"
@@ -467,13 +505,42 @@
       el("span", { class: "kind" }, e.kind), " ", el("span", { class: "t" }, logEntryText(e)));
   }
 
+  // A chunk's model calls (board_api.model_calls_in) folded into what is known of the run so far.
+  function noteCalls(state, calls) {
+    if (!state || !calls || !calls.last) return;
+    state.calls += calls.started;
+    state.last = calls.last;
+    state.at = calls.at;
+  }
+
+  function secs(from) { return Math.max(0, Math.round(Date.now() / 1000 - from)); }
+  function clock(unix) { return new Date(unix * 1000).toISOString().slice(11, 19); }
+
+  // What a running task is doing while no tool call has ended: OpenCode reports a tool call only
+  // when it ends, so this says what is known (the run's age, the model call open and since when).
+  function renderLive() {
+    const box = $("live");
+    if (!box || !S.running) return;
+    const parts = ["running: started " + age(S.running.since) + " ago (attempt " + S.running.attempt + ")"];
+    const st = S.step || {};
+    if (st.last === "start") {
+      parts.push("model call " + st.calls + " in progress since " + clock(st.at) + " (" + secs(st.at)
+        + " s): the model is answering or running the tools it asked for; a tool call shows below when it ends");
+    } else if (st.last === "finish") {
+      parts.push(st.calls + " model call(s) so far; the last ended at " + clock(st.at) + " (" + secs(st.at) + " s ago)");
+    } else parts.push("no model call has started yet (OpenCode is starting)");
+    box.textContent = parts.join(" · ");
+  }
+
   async function loadLog() {
     if (!S.task) return;
     const q = S.logNext === null ? "" : "?offset=" + S.logNext;
     const data = await api("/api/tasks/" + encodeURIComponent(S.task) + "/log" + q);
     const box = $("log");
     if (!box) return;
-    if (S.logNext === null || data.reset) clear(box);
+    if (S.logNext === null || data.reset) { clear(box); S.step = { calls: 0, last: null, at: null }; }
+    noteCalls(S.step, data.model_calls);
+    renderLive();
     for (const entry of data.entries) box.append(logEntry(entry));
     while (box.children.length > LOG_MAX) box.firstChild.remove();
     S.logNext = data.next_offset;
@@ -561,6 +628,7 @@
   }
 
   document.addEventListener("DOMContentLoaded", () => {
+    setInterval(renderLive, 1000);
     const refused = refuseFragmentToken();
     wire();
     start(refused ? FRAGMENT_REFUSED : "");

@@ -308,3 +308,40 @@ def test_a_task_page_names_the_task_it_continues_or_forks(client, tmp_path):
     fork = submit(tmp_path, fork_from=first["id"])
     assert client.get(f"/api/tasks/{follow['id']}", headers=AUTH).json()["continue_from"] == first["id"]
     assert client.get(f"/api/tasks/{fork['id']}", headers=AUTH).json()["fork_from"] == first["id"]
+
+
+def _step(kind: str, ms: int) -> str:
+    return json.dumps({"type": kind, "timestamp": ms, "sessionID": "s", "part": {"reason": "tool-calls"}})
+
+
+def test_the_log_tells_the_model_call_in_progress_before_any_tool_call_ends(client, tmp_path):
+    task = submit(tmp_path)
+    task_store.claim_next("test-worker", task_id=task["id"])
+    task_store.append_task_log(task["id"], f"[worker] starting\n{_step('step_start', 1_700_000_000_000)}\n".encode())
+    first = client.get(f"/api/tasks/{task['id']}/log", headers=AUTH).json()
+    assert first["entries"] == [{"kind": "worker", "text": "starting"}]     # nothing else to show yet
+    assert first["model_calls"] == {"started": 1, "last": "start", "at": 1_700_000_000.0}
+    task_store.append_task_log(task["id"], f"{_step('step_finish', 1_700_000_005_000)}\n"
+                                           f"{_step('step_start', 1_700_000_006_000)}\n".encode())
+    more = client.get(f"/api/tasks/{task['id']}/log?offset={first['next_offset']}", headers=AUTH).json()
+    assert more["model_calls"] == {"started": 1, "last": "start", "at": 1_700_000_006.0}
+    task_store.append_task_log(task["id"], b"[worker] still going\n")
+    idle = client.get(f"/api/tasks/{task['id']}/log?offset={more['next_offset']}", headers=AUTH).json()
+    assert idle["model_calls"] == {"started": 0, "last": None, "at": None}   # no news: the page keeps what it knew
+
+
+def test_the_list_names_the_model_a_default_run_used(client, tmp_path):
+    named = submit(tmp_path, title="named", model="fake/named")
+    ran = submit(tmp_path, title="ran")
+    submit(tmp_path, title="queued")
+    for task, model in ((named, "fake/named"), (ran, "fake/picked")):
+        claimed = task_store.claim_next("test-worker", task_id=task["id"])
+        task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok", "model": model})
+    rows = {t["title"]: t for t in client.get("/api/tasks", headers=AUTH).json()["tasks"]}
+    assert (rows["named"]["model"], rows["ran"]["model"], rows["queued"]["model"]) == ("fake/named", None, None)
+    assert (rows["ran"]["ran_model"], rows["queued"]["ran_model"]) == ("fake/picked", None)
+
+
+def test_the_shell_says_loading_before_the_script_runs(client):
+    page = client.get("/").text
+    assert '<p id="loading" class="loading">loading the board…</p>' in page

@@ -403,3 +403,41 @@ def test_a_usage_limit_pause_shows_its_resume_time_and_continue_resumes_it(board
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task resumed")
     assert task_store.get_task(task["id"])["limit_pauses"][0]["resumed"] == "by board"
     assert console_errors(browser) == []
+
+
+def _step_line(kind: str) -> bytes:
+    return (json.dumps({"type": kind, "timestamp": int(time.time() * 1000), "sessionID": "s", "part": {}}) + "\n").encode()
+
+
+def test_a_failed_task_says_why_on_top_a_running_one_shows_its_model_call_and_models_are_named(board, browser, tmp_path):
+    failed = task_store.submit_task(title="breaks", instructions="x", working_dir=str(tmp_path), max_retries=0)
+    marker = task_store.claim_next("test-worker", task_id=failed["id"])["run_marker"]
+    task_store.fail_attempt(failed["id"], marker, "the model refused: " + HOSTILE, retryable=False)
+    ran = task_store.submit_task(title="ran on the default", instructions="x", working_dir=str(tmp_path))
+    marker = task_store.claim_next("test-worker", task_id=ran["id"])["run_marker"]
+    task_store.complete_attempt(ran["id"], marker, result={"summary": "ok", "model": "fake/picked"})
+    queued = task_store.submit_task(title="queued", instructions="x", working_dir=str(tmp_path))
+    running = task_store.submit_task(title="thinking", instructions="x", working_dir=str(tmp_path))
+    task_store.claim_next("test-worker", task_id=running["id"])
+    task_store.append_task_log(running["id"], b"[worker] starting\n" + _step_line("step_start"))
+    from selenium.webdriver.common.by import By
+    log_in(browser, board)
+    cell = lambda d, tid: d.find_element(By.CSS_SELECTOR, f"tr[data-id='{tid}'] td:nth-child(5)").text  # noqa: E731
+    wait(browser, lambda d: by_id(d, "tasks") and queued["id"] in text_of(d, "tasks"), what="the list")
+    assert cell(browser, ran["id"]) == "fake/picked (default)" and cell(browser, queued["id"]) == "default"
+    assert not by_id(browser, "loading").is_displayed()
+
+    browser.get(f"{board}/#/task/{failed['id']}")
+    wait(browser, lambda d: "Why it failed" in text_of(d, "task-why"), what="the reason on top")
+    assert text_of(browser, "task-why") == "Why it failed: the model refused: " + HOSTILE
+    assert browser.execute_script("return document.getElementById('task-why').previousElementSibling.id") == "task-title"
+    assert "no receipt: the attempt ended before writing one" in text_of(browser, "task-view")
+    no_script_ran(browser)
+
+    browser.get(f"{board}/#/task/{running['id']}")
+    wait(browser, lambda d: "model call 1 in progress since" in text_of(d, "live"), what="the model call in progress")
+    assert "running: started" in text_of(browser, "live")
+    task_store.append_task_log(running["id"], _step_line("step_finish") + _step_line("step_start"))
+    wait(browser, lambda d: "model call 2 in progress" in text_of(d, "live"), what="the next model call")
+    wait(browser, lambda d: "call 2 started (in progress)" in text_of(d, "feed"), what="the model call in the feed")
+    assert console_errors(browser) == []
