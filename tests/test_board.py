@@ -330,7 +330,7 @@ def test_the_log_tells_the_model_call_in_progress_before_any_tool_call_ends(clie
     assert idle["model_calls"] == {"started": 0, "last": None, "at": None}   # no news: the page keeps what it knew
 
 
-def test_the_list_names_the_model_a_default_run_used(client, tmp_path):
+def test_the_list_names_the_model_a_default_run_used(client, tmp_path, store_backend):
     named = submit(tmp_path, title="named", model="fake/named")
     ran = submit(tmp_path, title="ran")
     submit(tmp_path, title="queued")
