@@ -588,8 +588,8 @@ class ShellWatch:
     once a second: a shell killed within its first second is not seen (the timeout still ends
     that run)."""
 
-    def __init__(self, root: int, argv: list[str]) -> None:
-        self.root, self.argv = root, argv
+    def __init__(self, root: int, argv: list[str], shell: str | None = None) -> None:
+        self.root, self.argv, self.shell = root, argv, shell
         self.agent: psutil.Process | None = None
         self.shells: dict[int, dict[str, Any]] = {}   # pid -> {proc, command, gone_at}
         self.next_look = 0.0
@@ -605,7 +605,9 @@ class ShellWatch:
         for proc in self._agent_children():
             with contextlib.suppress(*process_tree.GONE, OSError):
                 if proc.pid not in self.shells and os.getsid(proc.pid) == proc.pid:
-                    self.shells[proc.pid] = {"proc": proc, "command": _shell_command(proc.cmdline()), "gone_at": None}
+                    cmdline = proc.cmdline()
+                    if _runs_a_shell(cmdline, self.shell):   # OpenCode's own git helpers lead sessions too
+                        self.shells[proc.pid] = {"proc": proc, "command": _shell_command(cmdline), "gone_at": None}
 
     def completed(self, command: str) -> None:
         """A bash tool call for ``command`` finished: its shell is accounted for."""
@@ -636,6 +638,18 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except process_tree.GONE:
         return False
+
+
+SHELL_NAMES = {"sh", "bash", "dash", "zsh", "ksh", "fish"}
+
+
+def _runs_a_shell(cmdline: list[str], shell: str | None) -> bool:
+    """Whether ``cmdline`` is ``SHELL … -c COMMAND`` (the run's ``$SHELL``, run directly or by
+    its interpreter, or a shell by name): what OpenCode's bash tool starts, not its git helpers."""
+    if "-c" not in cmdline[:-1]:
+        return False
+    head = cmdline[:cmdline.index("-c")][:2]
+    return any(part == shell or os.path.basename(part) in SHELL_NAMES for part in head)
 
 
 def _shell_command(cmdline: list[str]) -> str:
@@ -830,7 +844,7 @@ class Supervisor:
                 os.close(writer)
                 os.close(status_w)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
-            self.shells = ShellWatch(self.proc.pid, self.argv)
+            self.shells = ShellWatch(self.proc.pid, self.argv, self.env.get("SHELL"))
             self._send_prompt()
             self._record_pid()
             try:

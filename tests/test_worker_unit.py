@@ -336,3 +336,38 @@ def test_diverging_dependencies_start_from_head_and_say_why(tmp_path):
     task_store.submit_task(title="both", instructions="i", working_dir=str(repo), depends_on=ids)
     ws = worktrees.prepare_workspace(task_store.claim_next("test"), resume=False)
     assert ws.base_commit == git(repo, "rev-parse", "HEAD") and "diverge" in ws.base_from
+
+
+def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers(tmp_path):
+    """OpenCode runs its own git helpers (``git -c core.autocrlf=false …``) in sessions of their
+    own too; one that came and went was taken for a killed bash-tool shell and a healthy run was
+    ended 15 s later (seen by a fresh user under load). Real processes: a stand-in agent starts a
+    git-named helper and a ``bash -c`` shell, each leading its own session; when both are gone,
+    only the shell may be called dead."""
+    helper = tmp_path / "git"
+    helper.write_text("#!/usr/bin/env python3\nimport time\ntime.sleep(2.5)\n")
+    helper.chmod(0o755)
+    agent_code = ("import subprocess, sys, time\n"
+                  f"g = subprocess.Popen([{str(helper)!r}, '-c', 'core.autocrlf=false', 'rev-parse', '--git-dir'], start_new_session=True)\n"
+                  "s = subprocess.Popen(['bash', '-c', 'sleep 2.5; true'], start_new_session=True)\n"
+                  "g.wait(); s.wait(); time.sleep(30)\n")
+    argv = ["python3", "-c", agent_code]
+    root = subprocess.Popen(["bash", "-c", 'exec "$@"', "root", *argv])   # the agent is the root's process here
+    try:
+        watch = worker.ShellWatch(os.getppid(), argv, shell="/bin/bash")
+        watch.root = os.getpid()
+        end = time.monotonic() + 15
+        while time.monotonic() < end and not watch.shells:
+            watch.next_look = 0
+            watch.look(time.monotonic())
+            time.sleep(0.2)
+        time.sleep(3)
+        watch.next_look = 0
+        watch.look(time.monotonic())
+        commands = [shell["command"] for shell in watch.shells.values()]
+        assert commands == ["sleep 2.5; true"], commands
+        dead = watch.dead(time.monotonic() + worker.DEAD_SHELL_SEC + 1)
+        assert dead is not None and dead[1]["command"] == "sleep 2.5; true"
+    finally:
+        root.kill()
+        root.wait()
