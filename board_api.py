@@ -303,10 +303,8 @@ async def api_engine(request: Any) -> Any:
 
 def recent_events(after: int | None, limit: int) -> dict[str, Any]:
     """Events after the cursor ``after`` (oldest first), or without it the last ``limit``."""
-    if after is None:
-        after = max(0, store.last_event_id() - limit)
-    events = store.events_since(after, limit=limit)
-    return {"events": events, "cursor": events[-1]["id"] if events else after}
+    events = store.latest_events(limit) if after is None else store.events_since(after, limit=limit)
+    return {"events": events, "cursor": events[-1]["id"] if events else (after or store.last_event_id())}
 
 
 @takes("after", "limit")

@@ -3392,6 +3392,16 @@ def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: 
     return [_event_dict(r) for r in rows]
 
 
+def latest_events(limit: int = 50) -> list[dict[str, Any]]:
+    """The newest ``limit`` events (1..10,000), oldest first, each as ``events_since`` gives it.
+    Ids are a cursor, not a count (on PostgreSQL they are made of transaction ids and leave
+    gaps), so "the last N" is asked here rather than worked out from the newest id."""
+    limit = coerce_int("limit", limit, 1, 10_000)
+    with _reading() as conn:
+        rows = conn.execute(f"SELECT * FROM events WHERE {_final(conn)} ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+    return [_event_dict(row) for row in reversed(rows)]
+
+
 def last_event_id() -> int:
     """The newest event id (0 when none): a cursor for ``events_since`` (on PostgreSQL the newest
     below the oldest open transaction, see ``events_since``)."""

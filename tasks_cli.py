@@ -1612,8 +1612,7 @@ def budget_raise(task_id: str, usd: float | None, max_tokens: int | None, as_jso
 @json_option
 def events(since: int | None, limit: int, as_json: bool) -> None:
     """Show the queue's event log (every state change), oldest first."""
-    cursor = since if since is not None else max(0, task_store.last_event_id() - limit)
-    rows = task_store.events_since(cursor, limit=limit)
+    rows = task_store.latest_events(limit) if since is None else task_store.events_since(since, limit=limit)
     if as_json:
         return emit_json(rows)
     if rows:

@@ -338,3 +338,14 @@ def test_counts_and_unread_results_stay_right_after_every_kind_of_transition(tmp
     store.clear_finished(statuses=["cancelled"])
     check("clear_finished")
     assert store.counts()["done"] == 1 and store.counts()["cancelled"] == 0
+
+
+def test_the_latest_events_are_the_newest_ones_whatever_the_ids(tmp_path):
+    """Ids are a cursor, not a count: on PostgreSQL they are made of transaction ids, so
+    "newest id minus 50" found none of the last 50 (the board's feed and `events` stayed empty)."""
+    for n in range(3):
+        store.submit_task(title=f"t{n}", instructions="x", working_dir=str(tmp_path))
+    every = store.events_since(0)
+    latest = store.latest_events(2)
+    assert [e["id"] for e in latest] == [e["id"] for e in every[-2:]]
+    assert latest[0]["id"] < latest[1]["id"] and latest[-1]["id"] == store.last_event_id()
