@@ -297,6 +297,8 @@ def _repo_top(path: str) -> str | None:
     except GitStopped:
         raise
     except GitError as exc:
+        if isinstance(exc.__cause__, OSError):   # git could not start (EMFILE, ...): not the repository's fault
+            raise
         reason = str(exc).split(" failed: ", 1)[-1]
     if "not a git repository" in reason:
         unread = _dot_git_above(path)

@@ -1,0 +1,53 @@
+"""Any OS error at any phase of a worker pass (too many open files, a name too long, ...) is named
+once with its path and the way out, without a traceback, and not retried when retrying cannot help."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import task_store
+from fake_openai import text, tool_call
+from helpers import ROOT, make_repo
+
+pytestmark = pytest.mark.real_opencode
+DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+
+# Measured here (Python 3, opencode 1.18.33): with 10-15 open files allowed the first git command
+# of the workspace phase cannot start; with 20-22 git runs and OpenCode's own realpath meets EMFILE.
+GIT_CANNOT_START, OPENCODE_RUNS_OUT = 12, 21
+
+
+def worker_with_open_files_limit(limit: int) -> subprocess.CompletedProcess:
+    """One worker pass whose process (and so git and opencode under it) may hold ``limit`` files."""
+    return subprocess.run(["prlimit", f"--nofile={limit}", sys.executable, str(ROOT / "worker.py")],
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def one_task_under_limit(opencode, tmp_path, limit: int) -> tuple[dict, str]:
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("w", [tool_call("write", {"filePath": "{cwd}/a.txt", "content": "a\n"}), text(DONE)])
+    task = task_store.submit_task(title="w", instructions="SCRIPT:w", working_dir=str(repo), max_retries=1)
+    done = worker_with_open_files_limit(limit)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout + done.stderr
+    assert "Traceback" not in said
+    return task_store.get_task(task["id"]), said
+
+
+def test_git_that_cannot_start_for_open_files_names_the_limit_not_the_repository(opencode, tmp_path):
+    task, said = one_task_under_limit(opencode, tmp_path, GIT_CANNOT_START)
+    assert task["status"] == "failed" and task["attempts"] == 1, task   # a retry meets the same limit
+    assert "too many open files (EMFILE)" in task["error"]
+    assert f"may hold {GIT_CANNOT_START} (ulimit -n" in task["error"]
+    assert str(tmp_path / "repo") in task["error"]   # what failed: git could not start in the repository
+    assert "fix the repository" not in task["error"]   # the repository is not what is wrong
+    assert said.count("too many open files (EMFILE)") == 1   # named once
+
+
+def test_opencode_running_out_of_open_files_is_named_and_not_retried(opencode, tmp_path):
+    task, said = one_task_under_limit(opencode, tmp_path, OPENCODE_RUNS_OUT)
+    assert task["status"] == "failed" and task["attempts"] == 1, task
+    assert "EMFILE" in task["error"] and f"may hold {OPENCODE_RUNS_OUT} (ulimit -n" in task["error"]
+    assert str(tmp_path / "worktrees") in task["error"]   # the path OpenCode could not open
