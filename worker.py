@@ -1821,7 +1821,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
         where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
-    error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
+    error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
     receipt["bookkeeping_error"] = error
     receipt["worktree_kept"] = ws.mode == "worktree"
     log(f"{task['id']}: {error}")

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
-import task_store
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo
+
+import task_store
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
@@ -19,10 +19,15 @@ DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_q
 GIT_CANNOT_START, OPENCODE_RUNS_OUT = 12, 21
 
 
+# Twenty folders of 240 bytes each, one inside the other: a file ~4,900 bytes deep, past PATH_MAX
+# (4096), made with relative names as a shell can; git only warns that it cannot open them.
+DEEP = "d=$(printf 'n%.0s' $(seq 240)); for i in $(seq 20); do mkdir $d && cd $d; done; echo work > f.txt"
+
+
 def worker_with_open_files_limit(limit: int) -> subprocess.CompletedProcess:
     """One worker pass whose process (and so git and opencode under it) may hold ``limit`` files."""
     return subprocess.run(["prlimit", f"--nofile={limit}", sys.executable, str(ROOT / "worker.py")],
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL, check=False)
 
 
 def one_task_under_limit(opencode, tmp_path, limit: int) -> tuple[dict, str]:
@@ -47,7 +52,24 @@ def test_git_that_cannot_start_for_open_files_names_the_limit_not_the_repository
 
 
 def test_opencode_running_out_of_open_files_is_named_and_not_retried(opencode, tmp_path):
-    task, said = one_task_under_limit(opencode, tmp_path, OPENCODE_RUNS_OUT)
+    task, _ = one_task_under_limit(opencode, tmp_path, OPENCODE_RUNS_OUT)
     assert task["status"] == "failed" and task["attempts"] == 1, task
     assert "EMFILE" in task["error"] and f"may hold {OPENCODE_RUNS_OUT} (ulimit -n" in task["error"]
     assert str(tmp_path / "worktrees") in task["error"]   # the path OpenCode could not open
+
+
+def test_work_git_cannot_see_past_path_max_is_named_and_kept_not_reported_as_no_change(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("deep", [tool_call("bash", {"command": DEEP, "description": "deep"}), text(DONE)])
+    task = task_store.submit_task(title="deep", instructions="SCRIPT:deep", working_dir=str(repo), max_retries=1)
+    done = subprocess.run([sys.executable, str(ROOT / "worker.py")], capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL, check=False)
+    assert done.returncode == 0 and "Traceback" not in done.stdout + done.stderr, done.stderr
+    task = task_store.get_task(task["id"])
+    assert task["status"] == "failed" and task["attempts"] == 1, task   # the paid run is not repeated
+    assert "file name too long (ENAMETOOLONG)" in task["error"] and "4096 per path" in task["error"]
+    kept = task["result"]["worktree_kept"] and task["worktree_path"]
+    assert kept and kept in task["error"]
+    found = subprocess.run(["find", kept, "-name", "f.txt"], capture_output=True, text=True, check=False)
+    assert found.stdout.count("/n") == 20   # the agent's file is still there, 20 folders down
+    assert "no change" not in done.stdout + done.stderr
