@@ -2,7 +2,7 @@
 with the path, the limit it met and the way out, and whether running the same attempt again can
 help. The worker, the CLI and the MCP server share it, so a fault reads the same everywhere.
 
-Not a script; reads no environment. The disk faults (full, over quota, read-only) are the
+Not run on its own; env: none. The disk faults (full, over quota, read-only) are the
 store's own (``task_store.storage_fault``); this module adds every other errno.
 """
 from __future__ import annotations

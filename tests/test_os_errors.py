@@ -5,13 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo
 
 import task_store
 
-pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
 # Measured here (Python 3, opencode 1.18.33): with 10-15 open files allowed the first git command
@@ -73,3 +71,21 @@ def test_work_git_cannot_see_past_path_max_is_named_and_kept_not_reported_as_no_
     found = subprocess.run(["find", kept, "-name", "f.txt"], capture_output=True, text=True, check=False)
     assert found.stdout.count("/n") == 20   # the agent's file is still there, 20 folders down
     assert "no change" not in done.stdout + done.stderr
+
+
+def too_long_log_dir(tmp_path, monkeypatch) -> str:
+    """TASK_LOG_DIR with one folder name past the 255 bytes a name may have here."""
+    folder = str(tmp_path / ("L" * 300))
+    monkeypatch.setenv("TASK_LOG_DIR", folder)
+    return folder
+
+
+def test_the_cli_names_a_name_too_long_with_the_knob_to_change(tmp_path, monkeypatch):
+    task = task_store.submit_task(title="w", instructions="x", working_dir=str(tmp_path))
+    too_long_log_dir(tmp_path, monkeypatch)
+    shown = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "logs", task["id"]], capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
+    assert shown.returncode == 1 and "Traceback" not in shown.stderr
+    said = " ".join(shown.stderr.split())
+    assert "file name too long (ENAMETOOLONG)" in said and "255 per name" in said and "TASK_LOG_DIR" in said
+
