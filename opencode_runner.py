@@ -553,7 +553,7 @@ def environment_fault(lines: list[str]) -> str | None:
 
 
 # Faults of the machine, not of the run: a retry seconds later meets the same folder.
-ENV_FAULTS = ("EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC", "EDQUOT", "ENAMETOOLONG", "ELOOP",
+ENV_FAULTS = ("EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC", "EDQUOT", "ENAMETOOLONG", "ELOOP", "EMFILE", "ENFILE",
               "EISDIR")
 
 

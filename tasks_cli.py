@@ -31,6 +31,7 @@ from rich.text import Text
 
 import knobs
 import opencode_runner
+import os_faults
 import task_spec
 import task_store
 import task_views
@@ -123,9 +124,8 @@ class TaskGroup(click.Group):
                 f"the task database {task_store.db_path()} could not be used ({exc}); "
                 "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
             ) from None
-        except OSError as exc:
-            where = f" {exc.filename}" if exc.filename else ""
-            raise CliError(f"could not use{where}: {exc.strerror or exc}") from None
+        except OSError as exc:   # the same line the worker and the MCP server give (os_faults)
+            raise CliError(str(os_faults.describe(exc) or exc)) from None
 
 
 def emit_json(value: Any) -> None:

@@ -52,6 +52,7 @@ import psutil
 import agent_box
 import knobs
 import opencode_runner as oc
+import os_faults
 import process_tree
 import redaction
 import reverse_bridge
@@ -1281,7 +1282,9 @@ def failure_reason(run: RunResult) -> str | None:
         logged = oc.logged_errors(run.stderr_tail)
         if logged and "Unexpected server error" in said:
             said += " (OpenCode's log: " + "; ".join(logged) + ")"
-        return "model error: " + said[:2000]
+        fault = environment_fault(run)   # OpenCode met this machine's limit, not the model's
+        named = os_faults.from_text(fault) if fault else None
+        return "model error: " + said[:2000] + (f"; {named}" if named else "")
     if stream.finished:
         return None
     stderr = "\n".join(run.stderr_tail)
@@ -1368,8 +1371,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
                 return _finish(store.fail_attempt, task, marker, str(exc))
             except (worktrees.Unrunnable, worktrees.GitError) as exc:
-                log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-                return _finish(store.fail_unrunnable, task, marker, str(exc))
+                return _cannot_run(task, exc)
             if kept is not None:
                 Talk.runs(task, None)
                 return _push_kept_work(task, kept)
@@ -1390,8 +1392,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
             return _finish(store.fail_attempt, task, marker, str(exc))
         except (worktrees.Unrunnable, worktrees.GitError) as exc:
-            log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-            return _finish(store.fail_unrunnable, task, marker, str(exc))
+            return _cannot_run(task, exc)
         try:
             notes = db(store.take_notes, task["id"], marker)
             snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
@@ -1431,9 +1432,23 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
             if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
                 raise
-            log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
+            fault = os_faults.describe(exc)
+            if fault is None:   # a bug of ours: its traceback is for us, in the worker log
+                log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
+            exc = fault or exc
             return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
                                        "recording the result", exc, phases)
+
+
+def _cannot_run(task: dict, exc: BaseException) -> dict | None:
+    """Fail an attempt whose workspace could not be had (``exc``: Unrunnable or GitError): an OS
+    fault behind it is named by ``os_faults`` and retried only when a retry can help; anything
+    else is the repository's fault and is not retried."""
+    fault = os_faults.describe(exc)
+    log(f"{task['id']} cannot run: {fault or exc}", talk.VERBOSE)
+    if fault is not None and fault.retry:
+        return _finish(store.fail_attempt, task, task["run_marker"], fault.line)
+    return _finish(store.fail_unrunnable, task, task["run_marker"], str(fault or exc))
 
 
 def task_model(task: dict[str, Any]) -> str:
@@ -1820,7 +1835,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
         where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
-    error = f"the agent finished, but {step} failed: {exc}; {where}. The agent is not run again"
+    error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
     receipt["bookkeeping_error"] = error
     receipt["worktree_kept"] = ws.mode == "worktree"
     log(f"{task['id']}: {error}")
@@ -2383,6 +2398,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
                 f"of outage ({' '.join(str(exc).split('; check TASK_DB_URL')[0].split())}): the attempt is "
                 "left to the reaper; its worktree and branch are kept", talk.QUIET)
             final = None
+        elif (fault := os_faults.describe(exc)) is not None:   # the machine's fault, named once, no traceback
+            log(f"{task['id']}: {fault}", talk.QUIET)
+            final = _finish(store.fail_attempt, task, task["run_marker"], fault.line, retryable=fault.retry)
         else:
             log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
@@ -2446,8 +2464,9 @@ def main(argv: list[str] | None = None) -> int:
         refuse(f"error: {exc}")
         return 1
     except (sqlite3.Error, OSError) as exc:
-        fault = store.storage_fault(exc, getattr(exc, "filename", None) or store.db_path())
-        if fault is not None:   # a full or read-only disk: its line names the folder and the way out
+        fault = store.storage_fault(exc, getattr(exc, "filename", None) or store.db_path()) or \
+            (os_faults.describe(exc) if isinstance(exc, OSError) else None)
+        if fault is not None:   # a full or read-only disk, an open-files limit: named with the way out
             refuse(f"error: {fault}")
             return 1
         refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "

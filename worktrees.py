@@ -18,10 +18,12 @@ the config files the git guard pins. No SQL here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -131,13 +133,15 @@ def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
 
 
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
-        strip: bool = True, config: tuple[str, ...] = (), input: bytes | None = None) -> str:
+        strip: bool = True, config: tuple[str, ...] = (), input: bytes | None = None,
+        stderr_to: list[str] | None = None) -> str:
     """Run one of TaskBridge's own git commands (see NEUTRAL_CONFIG and `git_env`; ``env``: extra
     variables, ``config``: extra ``-c`` settings) with stdin from /dev/null (``input``: these
     bytes on stdin instead, for ``--stdin`` lists too long for a command line), in its own process
     group, bounded by ``git_timeout()`` and the thread's watcher. Returns stdout, stripped unless
     ``strip=False`` (a diff must keep its last newline to apply); bytes that are not UTF-8 are
-    replaced, never fatal. Raises GitError with git's message when ``check`` (else returns ""),
+    replaced, never fatal; ``stderr_to``: a list git's stderr (its warnings) is appended to.
+    Raises GitError with git's message when ``check`` (else returns ""),
     and GitStopped, whatever ``check`` says, when the command was ended."""
     flags = [item for setting in (*NEUTRAL_CONFIG, *config) for item in ("-c", setting)]
     command = f"git {' '.join(args)}"
@@ -156,6 +160,8 @@ def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | Non
         return ""
     out, err = _supervise(proc, command, input)
     out_text, err_text = (b.decode("utf-8", errors="replace") for b in (out, err))
+    if stderr_to is not None:
+        stderr_to.append(err_text)
     if check and proc.returncode != 0:
         raise GitError(f"{command} failed: {(err_text or out_text).strip()}")
     if proc.returncode != 0:
@@ -297,6 +303,8 @@ def _repo_top(path: str) -> str | None:
     except GitStopped:
         raise
     except GitError as exc:
+        if isinstance(exc.__cause__, OSError):   # git could not start (EMFILE, ...): not the repository's fault
+            raise
         reason = str(exc).split(" failed: ", 1)[-1]
     if "not a git repository" in reason:
         unread = _dot_git_above(path)
@@ -1082,11 +1090,26 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
         env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
         git(["read-tree", ws.base_commit], ws.top, env=env)
         keep_left_out(ws.top, left_out, env)
-        git(["add", "-A", "."], ws.top, env=env, config=WHOLE_TREE_ADD)
+        add_all(ws.top, env)
         names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, ws.base_commit], ws.top, env=env)
         diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, ws.base_commit], ws.top,
                    env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
+
+
+def add_all(top: str, env: dict | None = None) -> None:
+    """``git add -A .`` in the worktree ``top`` (``env``: a throw-away index, say). A folder git
+    could not open (its path past PATH_MAX, no permission) raises the OSError git met there: git
+    only warns and leaves it out, and what the run wrote in it would be lost without a word.
+    Raises GitError / GitStopped / OSError."""
+    said: list[str] = []
+    git(["add", "-A", "."], top, env=env, config=WHOLE_TREE_ADD, stderr_to=said)
+    for rel, reason in re.findall(r"^warning: could not open directory '([^'\n]*)(': [^\n]*)?", "".join(said), re.M):
+        where = os.path.join(top, rel)
+        if not reason:   # git cuts a warning at 4 KB: only a path past PATH_MAX comes cut
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), where + "…")
+        os.scandir(where).close()   # meets git's OSError itself, with its path
+        raise GitError(f"git add -A could not open the folder {rel!r} in {top}{reason}: what is in it is not committed")
 
 
 # TaskBridge's own `add -A` takes every file a run left, inside a sparse checkout's cone or not:
@@ -1159,7 +1182,7 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     left_out = not_checked_out(ws.top)   # read before read-tree drops the index's sparse marks
     git(["read-tree", "HEAD"], ws.top)
     keep_left_out(ws.top, left_out)
-    git(["add", "-A", "."], ws.top, config=WHOLE_TREE_ADD)
+    add_all(ws.top)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
         return None
     identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
