@@ -3308,7 +3308,7 @@ def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]
         )
         _event(conn, num, "note", f"{author}: {text[:400]}")
     delivery = ("the running session at its next step (else the next attempt or resume)"
-                if row["status"] == "running" else "next prompt")
+                if row["status"] == "running" else "the agent's next prompt")
     return {"task_id": format_task_id(num), "status": row["status"], "delivery": delivery}
 
 

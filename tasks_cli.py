@@ -1118,7 +1118,7 @@ def answer(task_id: str, text: str) -> None:
 def note(task_id: str, text: str, author: str | None) -> None:
     """Add a note for the agent: a running task gets it in its session at the next step, else its next prompt."""
     result = task_store.add_note(task_id, text, author=author or person())
-    out().print(f"Note added to {result['task_id']} ({result['status']}); delivered at its {result['delivery']}.")
+    out().print(f"Note added to {result['task_id']} ({result['status']}); it reaches {result['delivery']}.")
 
 
 @cli.command()
@@ -1220,7 +1220,11 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
     """
     task = task_views.shown_task(task_id)
     if not task["diff"]:
-        made = "it changed no files" if task["status"] == "done" else f"it is {task['status']}"
+        receipt = task.get("result") or {}
+        in_place = receipt.get("isolation") == "in-place"
+        made = (f"it ran in place, outside git: no diff is kept; files it wrote: "
+                f"{', '.join(receipt.get('files_touched') or []) or 'none named'}" if in_place else
+                "it changed no files" if task["status"] == "done" else f"it is {task['status']}")
         raise CliError(f"task {task_id} has no diff ({made}); `python tasks_cli.py show {task_id}` tells more")
     if as_json:
         return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
@@ -1373,7 +1377,7 @@ def doctor(live: bool, as_json: bool) -> None:
     else:
         for result in results:
             mark, style = STATUS_MARK[result.status]
-            said = Text(f"{mark}  {result.name:<15}", style=style) + Text(visible(result.detail, multiline=False))
+            said = Text(f"{mark}  {result.name:<19}", style=style) + Text(visible(result.detail, multiline=False))
             if result.fix and result.status != "ok":
                 said += Text(f"  → {visible(result.fix, multiline=False)}", style="dim")
             out().print(said, soft_wrap=True)

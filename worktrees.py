@@ -1772,6 +1772,7 @@ def git_guard_label(ws: Workspace) -> str:
 # Getting a task's work back into the user's checkout (`tasks_cli.py apply`, MCP `apply_task`).
 
 APPLY_MODES = ("merge", "squash", "cherry-pick")
+APPLY_BY_HAND = {"merge": ("merge",), "squash": ("merge", "--squash"), "cherry-pick": ("cherry-pick",)}   # + the branch
 
 
 class ApplyRefused(store.TaskStoreError):
@@ -1971,7 +1972,8 @@ def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, confl
     if conflicts:
         shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
         return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "
-                f"Resolve it by hand ({store.shell_command('git', '-C', repo, 'merge', task['branch'])}) or retry the task on the current code")
+                f"Resolve it by hand ({store.shell_command('git', '-C', repo, *APPLY_BY_HAND[mode], task['branch'])}) "
+                "or retry the task on the current code")
     reason = str(exc).split("failed: ", 1)[-1].strip().replace("\n", " ")[:500]
     return f"git refused to apply task {task['id']} ({mode} of {task['branch']}): {reason}; {state}"
 

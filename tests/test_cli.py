@@ -858,3 +858,15 @@ def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_pat
     task_store.complete_attempt(first["id"], claimed["run_marker"], result={"summary": "by hand"})
     logs = runner.invoke(tasks_cli.cli, ["logs", first["id"]])
     assert logs.exit_code == 0 and "no worker ever ran it" in logs.stderr
+
+
+def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
+    """A task outside git keeps no diff; `diff` said "it changed no files" while `show` listed the
+    file it wrote (seen by a fresh user)."""
+    task = add(tmp_path, "in place")
+    claimed = task_store.claim_next("cli:x", task_id=task["id"])
+    task_store.complete_attempt(task["id"], claimed["run_marker"], diff="",
+                                result={"summary": "ok", "isolation": "in-place", "files_touched": [str(tmp_path / "hello.txt")]})
+    said = run("diff", task["id"])
+    assert said.exit_code != 0 and "ran in place" in said.stderr and "hello.txt" in said.stderr
+    assert "changed no files" not in said.stderr

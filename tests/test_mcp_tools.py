@@ -699,7 +699,7 @@ async def test_notes_cancel_and_dependents(mode, wd):
         base = await ok(c, "submit_task", task_args(wd, title="base"))
         child = await ok(c, "submit_task", task_args(wd, title="child", depends_on=[base["id"]]))
         note = await ok(c, "add_task_note", {"task_id": base["id"], "text": "use tabs"})
-        assert note == {"task_id": base["id"], "status": "pending", "delivery": "next prompt"}
+        assert note == {"task_id": base["id"], "status": "pending", "delivery": "the agent's next prompt"}
         cancelled = await ok(c, "cancel_task", {"task_id": base["id"]})
         assert cancelled["status"] == "cancelled"
         assert (await ok(c, "get_task", {"task_id": child["id"]}))["error"] == f"dependency {base['id']} cancelled"

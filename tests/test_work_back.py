@@ -142,10 +142,12 @@ def test_apply_merges_a_finished_run_refuses_a_dirty_checkout_and_a_conflict_cha
     git(repo, "add", "hello.txt")
     git(repo, "commit", "-q", "-m", "person's hello")
     before = checkout_state(repo)
-    for args in ((), ("--squash",), ("--cherry-pick",)):
+    for args, by_hand in (((), " merge taskbridge/"), (("--squash",), " merge --squash taskbridge/"),
+                          (("--cherry-pick",), " cherry-pick taskbridge/")):
         conflict = cli("apply", task["id"], *args)
         assert conflict.exit_code == 1, conflict.stdout
         assert "conflicts in hello.txt" in conflict.stderr and "the checkout is as it was" in conflict.stderr
+        assert by_hand in " ".join(conflict.stderr.split()), conflict.stderr   # the same kind of apply, by hand
         assert checkout_state(repo) == before
         assert not (repo / ".git" / "MERGE_HEAD").exists() and not (repo / ".git" / "CHERRY_PICK_HEAD").exists()
 
