@@ -615,7 +615,8 @@ def submit_task(
     malformed base_ref or host, an unknown dependency, a value out of range, a model `opencode
     models` does not list (the closest are named), both continue_from and fork_from, a second
     follow-up of one task (fork instead), following a task that ran with worktree=false or is
-    failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there.
+    failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there, a
+    working_dir that is a bare repository or a repository with no commits.
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
@@ -632,6 +633,7 @@ def submit_task(
               "rules": rules, "skills": skills, "subagents": subagents,
               "schedule_timeout_sec": schedule_timeout_sec}
     _check_names(fields)
+    worktrees.refuse_unrunnable_folder(working_dir, host)
     return _submitted(store.submit_task(**fields))
 
 
@@ -688,7 +690,14 @@ def submit_batch(
     raw = store.coerce_list("tasks", tasks)
     if not 1 <= len(raw) <= spec.BATCH_MAX:
         raise ToolError(f"a batch holds 1 to {spec.BATCH_MAX} tasks; got {len(raw)}. Split it")
-    done = store.submit_batch([_batch_item(item, name, version) for item in raw])
+    items = [_batch_item(item, name, version) for item in raw]
+    for index, item in enumerate(items):
+        try:
+            if isinstance(item, dict):
+                worktrees.refuse_unrunnable_folder(item.get("working_dir"), item.get("host"))
+        except store.ValidationError as exc:
+            raise store.ValidationError(f"task {index} of the batch: {exc}") from None
+    done = store.submit_batch(items)
     return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
 
 

@@ -932,6 +932,7 @@ def submit(title: str, working_dir: str | None, instructions: str | None, file: 
         working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
     checked_names(skills, subagents, working_dir, continue_from or fork_from)
+    worktrees.refuse_unrunnable_folder(working_dir, host)
     task = task_store.submit_task(
         title=title, instructions=text if text is not None and text.strip() else title,
         working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),

@@ -353,6 +353,33 @@ def _repo_top_or_none(path: str) -> str | None:
         return None
 
 
+def _first_commit_needed(top: str) -> str:
+    """HEAD's commit of the repository ``top``. Raises Unrunnable when it has no commit yet."""
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
+    if not head:
+        raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
+                         "(git add -A && git commit -m init) and resubmit")
+    return head
+
+
+def refuse_unrunnable_folder(path: str | None, host: str | None = None) -> None:
+    """Refuse at submit a folder a task could never run in here: a bare repository (or a .git
+    folder), a repository with no commits, one git refuses to read. Raises store.ValidationError
+    with the worker's own reason; a folder outside git and a missing one (the store names it)
+    pass, and so do a git that cannot start (the worker names that) and a task for another
+    ``host`` (its folder is on that machine)."""
+    if not path or not os.path.isdir(path) or (host and host != store.host_name()):
+        return
+    try:
+        top = _repo_top(path)
+        if top is not None:
+            _first_commit_needed(top)
+    except Unrunnable as exc:
+        raise store.ValidationError(str(exc)) from None
+    except GitError:
+        return
+
+
 def runs_in_place(path: str) -> bool:
     """Whether a task on the existing folder ``path`` would run in place: git says it is in no
     repository (a repository git cannot read fails the task instead, so it counts as not)."""
@@ -382,10 +409,7 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     top = _repo_top(wd)
     if top is None:
         return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
-    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
-    if not head:
-        raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
-                         "(git add -A && git commit -m init) and resubmit")
+    head = _first_commit_needed(top)
     if not task["worktree"]:
         return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
                          note="worktree=false: ran in place in the user's checkout")

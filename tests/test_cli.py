@@ -118,6 +118,8 @@ def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
     assert task["working_dir"] == str(tmp_path)
     assert task_store.get_task(task["id"])["instructions"] == "line one\nline two\n"
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "init"], check=True)   # a repository with no commits is refused
     plain = run("submit", "Title only", "--json")        # a git repository: no question
     assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
 

@@ -6,15 +6,18 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 import mcp_shared
 import opencode_bridge_mcp as bridge
 import task_store
+import tasks_cli
 from mcp import Client
 from mcp.types import Implementation
 
@@ -948,3 +951,19 @@ def test_a_malformed_allowed_hosts_entry_is_skipped_with_a_warning(monkeypatch, 
     monkeypatch.setenv("MCP_ALLOWED_HOSTS", "good.example.org, localhost:evil.com ,")
     assert bridge.allowed_hosts() == frozenset(bridge.LOOPBACK_NAMES) | {"good.example.org"}
     assert "'localhost:evil.com' is not a host name" in caplog.text
+
+
+async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
+    """A bare repository and a repository with no commits were queued and failed at their claim
+    (found by a fresh user); the worker's own reason now comes at submit, by every entry point."""
+    bare, empty = tmp_path / "bare.git", tmp_path / "empty"
+    subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
+    subprocess.run(["git", "init", "-q", str(empty)], check=True)
+    async with client() as c:
+        assert "bare repository" in await err(c, "submit_task", task_args(str(bare)))
+        assert "no commits" in await err(c, "submit_task", task_args(str(empty)))
+        batch = await err(c, "submit_batch", {"tasks": [task_args(str(tmp_path)), task_args(str(empty))]})
+        assert "task 1 of the batch" in batch and "no commits" in batch
+    said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(empty)])
+    assert said.exit_code != 0 and "no commits" in said.output and "Traceback" not in said.output
+    assert task_store.counts().get("pending", 0) == 0
