@@ -274,7 +274,7 @@ def worker_label(seen: bool, recent: bool, running: bool | None, died: bool, sto
         return "never seen"
     if died:
         return "gone"
-    if running is False or (stopped and not running):
+    if running is False or stopped:   # one that said it stopped claims nothing more while it exits
         return "stopped"
     return "online" if recent else "stale"
 

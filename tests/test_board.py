@@ -270,6 +270,14 @@ def test_a_worker_whose_process_ended_is_never_shown_online(client, beat, label)
     assert client.get("/api/status", headers=AUTH).json()["worker"]["label"] == "online"
 
 
+def test_a_worker_that_said_it_stopped_is_stopped_while_it_exits(client):
+    """Between its last heartbeat ("stopped") and its exit the worker's process still runs; the
+    board read it then as online and, with nothing changing after, kept showing it so (a flaky
+    browser test under load)."""
+    task_store.write_worker_heartbeat({"state": "stopped"})     # this live process says it stopped
+    assert client.get("/api/status", headers=AUTH).json()["worker"]["label"] == "stopped"
+
+
 def test_status_lists_every_worker_with_its_host(client, monkeypatch):
     with monkeypatch.context() as elsewhere:
         elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
