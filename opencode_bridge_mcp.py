@@ -754,7 +754,7 @@ def get_task_result(
             store.mark_result_seen(task["id"])
     result, cut = cap_json(task.get("result"))
     result, shortened = mcp_shared.fit(result, RECEIPT_CHARS)
-    hint = {"done": "finished; the diff is committed on the branch",
+    hint = {"done": worktrees.no_change_note(task) or "finished; the diff is committed on the branch",
             "failed": "failed; `error` says why (get_task_logs shows the run)",
             "waiting": "waiting for an answer: read `question` with get_task, reply with answer_task",
             "cancelled": "cancelled"}.get(task["status"], f"still {task['status']}; wait_for([id]) blocks until it ends")
@@ -1159,14 +1159,17 @@ async def apply_task(
     checkout at the task's working_dir. Returns `status` "applied" (with `files` changed and the new
     `head`) or "already-applied" (the branch was in HEAD already; nothing changed), and `before`, the
     commit to reset to in order to undo it.
-    Errors (the checkout untouched): the task is not done, has no branch or made no commit, its
+    Errors (the checkout untouched): the task is not done, made no change ("no change, nothing to
+    apply"; its empty branch was deleted), has no branch or made no commit, its
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an
     unfinished merge or rebase, or is on the task's branch. A conflict aborts the apply: the error
     names the conflicting files and the checkout is exactly as it was (HEAD, index, files).
     With a client that can show forms (elicitation) the person is asked first; their "no" is an
     error and nothing changes; a decline or no answer leaves your call to stand."""
     task = store.get_task(task_id)
-    if task["status"] == "done" and await human_asks.confirm_apply(ctx, task, mode or "merge") is False:
+    # A task that changed nothing has nothing to ask about: apply_branch says so.
+    if task["status"] == "done" and not worktrees.no_change_note(task) and \
+            await human_asks.confirm_apply(ctx, task, mode or "merge") is False:
         raise ToolError(f"the person chose not to apply {task['id']} now (asked through your client); "
                         "the checkout is unchanged")
     return await anyio.to_thread.run_sync(worktrees.apply_branch, task, mode or "merge")

@@ -1247,6 +1247,8 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
 def branch(task_id: str, as_json: bool) -> None:
     """Show the git branch holding a task's work, its commit, and how to check it out or apply it."""
     task = task_store.get_task(task_id)
+    if not task["branch"] and not task.get("repo") and worktrees.no_change_note(task):
+        raise CliError(worktrees.no_change_note(task))
     if not task["branch"] and not task.get("repo"):
         raise CliError(f"task {task_id} has no branch ({task['status']}; it ran in place or has not run "
                        "yet); its changes, if any, are in its directory")

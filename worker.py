@@ -1759,6 +1759,7 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
         message = worktrees.task_commit_message(task, receipt["summary"], {"usage": run.stream.usage(),
                                                                          "session_id": run.stream.session_id})
         receipt["commit"] = worktrees.commit_changes(ws, message)
+        receipt["no_change"] = ws.mode == "worktree" and not receipt["commit"]
         if task.get("continue_from") or task.get("fork_from"):
             receipt["line"] = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
                                **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
@@ -1775,6 +1776,8 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
             _remove(ws, receipt)
         except worktrees.GitError as exc:   # stopped: the work is committed; say what is left
             receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+        if not _drop_empty_branch(task, ws, receipt):
+            return None
     if run.meter is not None:
         run.meter.settle_owed()
     notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
@@ -1810,6 +1813,29 @@ def _remove(ws: Workspace, receipt: dict) -> None:
     if left:
         receipt["worktree_left"] = left
         log(left)
+
+
+def _drop_empty_branch(task: dict, ws: Workspace, receipt: dict) -> bool:
+    """A run that changed nothing, its worktree gone: its empty branch is deleted (see
+    worktrees.drop_empty_branch) and the receipt and the task's row say there is no branch.
+    False when the attempt was superseded meanwhile (the caller stops). A git command stopped on
+    the way keeps the branch, as before this cleanup existed."""
+    if not receipt.get("no_change") or not receipt.get("worktree_removed"):
+        return True
+    try:
+        if not worktrees.drop_empty_branch(ws):
+            return True
+    except worktrees.GitError as exc:
+        log(f"{task['id']}: its empty branch {ws.branch} is kept: {exc}")
+        return True
+    receipt.update(branch=None, branch_deleted=ws.branch)
+    log(f"{task['id']} changed nothing: its empty branch {ws.branch} was deleted", talk.VERBOSE)
+    try:
+        db(store.renew_lease, task["id"], task["run_marker"], branch=None)
+    except store.StaleAttempt as exc:
+        log(str(exc))
+        return False
+    return True
 
 
 def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,

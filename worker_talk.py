@@ -233,6 +233,8 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
         branch = f", branch {final['branch']}" if final.get("branch") else " (in place)"
         if final.get("branch") and not (final.get("result") or {}).get("commit"):
             branch = f", no change: nothing committed on {final['branch']}"
+        if (final.get("result") or {}).get("branch_deleted"):
+            branch = f", no change: nothing committed; its empty branch {final['result']['branch_deleted']} was deleted"
         if final.get("repo"):
             branch = f", pushed {final['pushed_branch']} to {final['repo']}" if final.get("pushed_branch") \
                 else f", nothing pushed to {final['repo']} (no change)"

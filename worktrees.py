@@ -288,6 +288,7 @@ class Workspace:
     remote: str | None = None      # a task on a remote: the URL or path its branch is pushed to
     push_lease: str | None = None  # the branch's commit on the remote when fetched ("": absent)
     mirror_cloned: bool = False    # this attempt made the mirror (else it fetched into it)
+    own_branch: bool = False       # the branch was made for this task (not a parent's: drop_empty_branch)
     git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
     git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
@@ -417,7 +418,7 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
         raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
     sub = os.path.relpath(wd, top)
     if task.get("continue_from"):
-        return _continued_workspace(task, top, sub)
+        return _continued_workspace(task, top, sub, resume)
     path = task_folder(Path(top).name, task["id"])
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
@@ -425,11 +426,12 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
                          task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
-                         base_from=base_from, line_base=line_base)
+                         base_from=base_from, line_base=line_base, own_branch=True)
     branch = _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
-                     base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base)
+                     base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base,
+                     own_branch=True)
 
 
 def _parent_tip(parent: dict[str, Any], top: str) -> str:
@@ -448,14 +450,26 @@ def _parent_line_base(parent_id: str) -> str | None:
 
 def _fork_base(task: dict[str, Any], top: str) -> tuple[str, str]:
     parent = store.get_task(task["fork_from"])
+    if _branch_dropped(parent):
+        return parent["base_commit"], f"{parent['id']}'s base commit ({parent['id']} changed nothing; fork)"
     return _parent_tip(parent, top), f"the head of {parent['id']}'s branch {parent['branch']} (fork)"
 
 
-def _continued_workspace(task: dict[str, Any], top: str, sub: str) -> Workspace:
+def _branch_dropped(parent: dict[str, Any]) -> bool:
+    """Whether ``parent`` changed nothing and its empty branch was deleted (drop_empty_branch):
+    what builds on it starts from its base commit."""
+    result = parent.get("result") if isinstance(parent.get("result"), dict) else {}
+    return not parent.get("branch") and bool(result.get("branch_deleted")) and bool(parent.get("base_commit"))
+
+
+def _continued_workspace(task: dict[str, Any], top: str, sub: str, resume: bool = False) -> Workspace:
     """A follow-up works on the branch of the task it continues, in that task's worktree folder
     (OpenCode resumes a session only from the folder it was created in): the folder is reused
-    when it is still there on that branch, else recreated there from the branch."""
+    when it is still there on that branch, else recreated there from the branch. A task that
+    changed nothing left no branch: see `_after_no_change`."""
     parent = store.get_task(task["continue_from"])
+    if _branch_dropped(parent):
+        return _after_no_change(task, parent, top, sub, resume)
     tip = _parent_tip(parent, top)
     branch = parent["branch"]
     path = Path(parent.get("worktree_path") or task_folder(Path(top).name, parent["id"]))
@@ -479,6 +493,42 @@ def _continued_workspace(task: dict[str, Any], top: str, sub: str) -> Workspace:
             git(["worktree", "add", str(path), branch], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
                      reused=reused, base_from=how, line_base=line_base)
+
+
+def _after_no_change(task: dict[str, Any], parent: dict[str, Any], top: str, sub: str, resume: bool) -> Workspace:
+    """A follow-up of a task whose empty branch was deleted: a branch of its own from that task's
+    base commit, in that task's worktree folder (where its OpenCode session was made)."""
+    path = Path(parent.get("worktree_path") or task_folder(Path(top).name, parent["id"]))
+    base = task.get("base_commit") or parent["base_commit"]
+    line_base = task.get("line_base") or parent.get("line_base") or parent["base_commit"]
+    how = f"{parent['id']}'s base commit {parent['base_commit'][:12]} ({parent['id']} changed nothing; follow-up)"
+    if resume and task.get("branch") and task.get("worktree_path") == str(path) and _is_registered(top, path):
+        return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, task["branch"], base,
+                         reused=True, base_from=how, line_base=line_base, own_branch=True)
+    branch = _fresh_worktree(top, path, task, base)
+    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
+    return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
+                     base_from=how, submodules=init_submodules(str(path), common), line_base=line_base,
+                     own_branch=True)
+
+
+def drop_empty_branch(ws: Workspace) -> bool:
+    """After a run that changed nothing, its worktree removed: delete the branch made for this
+    task (``ws.own_branch``) while it still points at its base commit and no worktree has it
+    checked out. Never a parent's branch (a follow-up's), a branch with commits of its own, or a
+    task on a remote. Returns whether it was deleted. Raises GitStopped."""
+    if ws.mode != "worktree" or ws.remote or not ws.own_branch or not ws.repo or not ws.branch \
+            or not ws.base_commit:
+        return False
+    ref = f"refs/heads/{ws.branch}"
+    with _ADMIN:
+        if _branch_tip(ws.repo, ws.branch) != ws.base_commit:
+            return False
+        if f"branch {ref}" in git(["worktree", "list", "--porcelain"], ws.repo, check=False).splitlines():
+            return False   # someone checked it out (the user's checkout, say): theirs now
+        # The old value makes the deletion conditional: a commit landing meanwhile keeps the branch.
+        git(["update-ref", "-d", ref, ws.base_commit], ws.repo, check=False)
+        return not _branch_tip(ws.repo, ws.branch)
 
 
 def line_of_work(ws: Workspace, head: str | None) -> dict[str, Any]:
@@ -1904,6 +1954,17 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
     return result | {"status": "applied", "head": head, "files": files}
 
 
+def no_change_note(task: dict[str, Any]) -> str | None:
+    """For a done task whose run changed nothing: "no change, nothing to apply" and where its
+    branch went (deleted when empty, or kept with its worktree); None for any other task."""
+    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    if task["status"] != "done" or result.get("commit") or not result.get("no_change"):
+        return None
+    where = f"its empty branch {result['branch_deleted']} was deleted" if result.get("branch_deleted") else \
+        f"nothing was committed on {task.get('branch')}" if task.get("branch") else "it left no branch"
+    return f"task {task['id']} made no change, nothing to apply ({where})"
+
+
 def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     """(checkout, branch, branch tip, checkout's branch) or ApplyRefused naming what is missing."""
     ident, status = task["id"], task["status"]
@@ -1914,6 +1975,8 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     if task.get("repo"):
         raise ApplyRefused(remote_work(task))
     branch, commit = task.get("branch"), (task.get("result") or {}).get("commit")
+    if not commit and no_change_note(task):
+        raise ApplyRefused(no_change_note(task))
     if not branch:
         raise ApplyRefused(f"task {ident} has no branch: it ran in place (worktree=false or not a git "
                            "repository), so its changes are already in its directory")

@@ -64,9 +64,9 @@ def check_life(out: Output, opencode, repo, ctrl_c) -> None:
     assert "worker started (pid" in out.text and "model fake/model (default from WORKER_MODEL)" in out.text
     assert "1 slot;" in out.text and "watching for tasks" in out.text
     assert f"{quick} claimed: Quick one (attempt 1 of 2, model fake/model)" in out.text
-    # Its bash call changed no file: the line says nothing was committed, not just "branch …".
-    assert re.search(rf"{quick} done in \d+\.\d s, \$0\.\d{{4}}, no change: nothing committed on taskbridge/{quick}",
-                     out.text), out.text
+    # Its bash call changed no file: the line says nothing was committed and its empty branch went.
+    assert re.search(rf"{quick} done in \d+\.\d s, \$0\.\d{{4}}, no change: nothing committed; "
+                     rf"its empty branch taskbridge/{quick} was deleted", out.text), out.text
     slow = task_store.submit_task(title="Slow one", instructions="SCRIPT:slow", working_dir=str(repo))["id"]
     out.wait_for(f"{slow} claimed: Slow one")
     deadline = time.monotonic() + 60
