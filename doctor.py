@@ -151,7 +151,7 @@ def check_model(live: bool) -> Check:
                      fix_for_source(choice.source))
     hosted = oc.hosted_free_note(choice)
     if hosted:
-        return Check("default model", "warn", hosted[0].upper() + hosted[1:], "README, \"Use your own model\"")
+        return Check("default model", "warn", hosted[0].upper() + hosted[1:], "docs/models.md")
     if not live:
         return Check("default model", "ok", f"{named}, listed by `opencode models` (--live runs a prompt through it)")
     said = live_prompt(choice.model)

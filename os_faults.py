@@ -34,9 +34,11 @@ class Fault:
 
 
 def find(exc: BaseException | None) -> tuple[OSError | None, str]:
-    """The first OSError carrying an errno in ``exc`` or behind it (``__cause__``, then
-    ``__context__``), and what the error just above it said (``""`` when ``exc`` is the OSError):
-    a GitError raised because git could not start hides one, for example."""
+    """The first OSError carrying an errno in ``exc`` or behind it (its ``__cause__`` chain: an
+    error raised *from* it), and what the error just above it said (``""`` when ``exc`` is the
+    OSError): a GitError raised because git could not start hides one, for example. An error
+    merely raised while an OSError was being handled (``__context__``) is not that OSError: a
+    bug there must keep its traceback."""
     seen: set[int] = set()
     above = ""
     while exc is not None and id(exc) not in seen:
@@ -44,14 +46,17 @@ def find(exc: BaseException | None) -> tuple[OSError | None, str]:
         if isinstance(exc, OSError) and exc.errno:
             return exc, above
         above = " ".join(str(exc).split())[:300]
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__
     return None, ""
 
 
-def describe(exc: BaseException, path: Path | str | None = None) -> Fault | None:
+def describe(exc: BaseException | Fault, path: Path | str | None = None) -> Fault | None:
     """The Fault behind ``exc`` (any exception; its OSError is found with ``find``), for a write
     or open at ``path`` (default: the OSError's own file name); None when no OSError is behind
-    it. A StorageFault from the store keeps its line (DiskFull: retry, space may come back)."""
+    it. A StorageFault from the store keeps its line (DiskFull: retry, space may come back); a
+    Fault already named is itself."""
+    if isinstance(exc, Fault):
+        return exc
     if isinstance(exc, store.StorageFault):
         return Fault(str(exc), isinstance(exc, store.DiskFull))
     err, above = find(exc)

@@ -1432,10 +1432,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
             if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
                 raise
-            fault = os_faults.describe(exc)
-            if fault is None:   # a bug of ours: its traceback is for us, in the worker log
+            if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
                 log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
-            exc = fault or exc
             return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
                                        "recording the result", exc, phases)
 

@@ -89,3 +89,30 @@ def test_the_cli_names_a_name_too_long_with_the_knob_to_change(tmp_path, monkeyp
     said = " ".join(shown.stderr.split())
     assert "file name too long (ENAMETOOLONG)" in said and "255 per name" in said and "TASK_LOG_DIR" in said
 
+
+
+def test_only_an_error_raised_from_an_os_error_is_named_as_that_fault():
+    """An error raised *from* an OSError (git could not start) is that fault; one merely raised
+    while handling it (a bug in the handler) is not, so its traceback is kept. And a named
+    fault handed on is still described (recording a finished run described its Fault again and
+    crashed with AttributeError, losing the receipt)."""
+    import errno
+
+    import os_faults
+    emfile = OSError(errno.EMFILE, "Too many open files", "/repo")
+    try:
+        try:
+            raise emfile
+        except OSError as exc:
+            raise RuntimeError("git could not start") from exc
+    except RuntimeError as named:
+        fault = os_faults.describe(named)
+    assert fault is not None and "ulimit -n" in fault.line and fault.retry is False
+    assert os_faults.describe(fault) is fault
+    try:
+        try:
+            raise emfile
+        except OSError:
+            raise KeyError("a bug in the handler")
+    except KeyError as bug:
+        assert os_faults.describe(bug) is None
