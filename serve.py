@@ -319,12 +319,22 @@ def port_taken(port: int) -> str | None:
         return f"port {port} on 127.0.0.1 is taken by another program; stop it, or serve on another port: {other}"
     line = " ".join(holder.info["cmdline"] or [])
     if "opencode_bridge_mcp.py" in line:
-        parent = holder.parent()
-        pid = parent.pid if parent and "serve.py" in " ".join(parent.cmdline()) else holder.pid
+        pid = _serving_pid(holder)
         return (f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {pid}); use that one "
                 f"(board: http://127.0.0.1:{port}/), stop it with Ctrl-C in its terminal (or kill {pid}), "
                 f"or serve this one on another port: {other}")
     return f"port {port} on 127.0.0.1 is taken by {holder.info['name']} (pid {holder.pid}); stop it, or serve on another port: {other}"
+
+
+def _serving_pid(server: Any) -> int:
+    """The pid of the serve.py that started ``server`` (a psutil.Process), else the server's own:
+    either may end while it is asked (then the server's pid is the one to name)."""
+    import psutil
+    try:
+        parent = server.parent()
+        return parent.pid if parent and "serve.py" in " ".join(parent.cmdline()) else server.pid
+    except psutil.Error:
+        return server.pid
 
 
 def _listener(port: int) -> Any:
