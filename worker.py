@@ -1645,13 +1645,16 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         return _commit_and_finish(task, ws, run, receipt, diff, phases)
-    retryable = not oc.model_missing(reason) and run.stream.refused_status is None
+    # A provider's refusal decides only a run that ended on the model's error, not one that was
+    # killed or timed out later (an earlier refused request may sit in its stream).
+    refused = run.stream.refused_status if reason.startswith("model error:") else None
+    retryable = not oc.model_missing(reason) and refused is None
     if oc.model_missing(reason):
         # Retrying cannot bring the model back: fail once, naming it and quoting OpenCode.
         reason = (f"model {model} is not offered by OpenCode here (not retried; pick one with "
                   f"`tasks_cli.py models` and resubmit): {reason}")
     elif not retryable:
-        reason += (f" (not retried: the provider refuses this request itself, HTTP {run.stream.refused_status}; "
+        reason += (f" (not retried: the provider refuses this request itself, HTTP {refused}; "
                    "fix the model's settings or the task, then retry_task)")
     log(f"{task['id']} attempt failed: {reason}", talk.VERBOSE)
     final = _finish(store.fail_attempt, task, marker, reason, result=receipt, diff=diff, usage=usage,
