@@ -616,7 +616,7 @@ def submit_task(
     models` does not list (the closest are named), both continue_from and fork_from, a second
     follow-up of one task (fork instead), following a task that ran with worktree=false or is
     failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there, a
-    working_dir that is a bare repository or a repository with no commits.
+    bare or commit-less repository.
     """
     name, version = caller_of(ctx)
     fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
