@@ -593,6 +593,15 @@ async def _whole_body(receive: Any) -> tuple[bytes | None, dict | None]:
     return b"".join(chunks), None
 
 
+async def _body_or_pass(app: Any, scope: dict, receive: Any, send: Any) -> bytes | None:
+    """The request's whole body, or None once ``app`` has been handed the request as it came (a
+    body that did not arrive whole: the app answers it as it would)."""
+    body, early = await _whole_body(receive)
+    if body is None:
+        await app(scope, _replay([early]), send)
+    return body
+
+
 class ResourceChecked:
     """Pure ASGI around ``/token``: a ``resource`` parameter (RFC 8707) naming anything but this
     server's MCP endpoint gets 400 invalid_target; the body (already capped by the HTTP side) is
@@ -604,9 +613,9 @@ class ResourceChecked:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        body, early = await _whole_body(receive)
+        body = await _body_or_pass(self.app, scope, receive, send)
         if body is None:
-            return await self.app(scope, _replay([early]), send)
+            return None
         resources = parse_qs(body.decode("latin-1")).get("resource", [])
         if any(r.rstrip("/") != self.provider.resource for r in resources):
             data = json.dumps({"error": "invalid_target", "error_description":
@@ -629,9 +638,9 @@ class PublicRevoke:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        body, early = await _whole_body(receive)
+        body = await _body_or_pass(self.app, scope, receive, send)
         if body is None:
-            return await self.app(scope, _replay([early]), send)
+            return None
         if "client_secret" not in parse_qs(body.decode("latin-1"), keep_blank_values=True):
             body += b"&client_secret=" if body else b"client_secret="
         await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
