@@ -481,7 +481,7 @@ def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
         script = Path(__file__).resolve().parent / "box_shell.py"
         if mechanism == "bubblewrap":   # Landlock and seccomp are Linux's
             cut = " --no-network" if permission == "no-network" else ""
-            lines.append(f"exec {_sh(box_python())} -I {_sh(str(script))}{cut} \"$@\"")
+            lines.append(f"exec {_sh(stdlib_python())} -I {_sh(str(script))}{cut} \"$@\"")
         else:
             lines.append('exec /bin/bash "$@"')
     path.write_text("\n".join(lines) + "\n")
@@ -489,10 +489,11 @@ def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
     return str(path)
 
 
-def box_python() -> str:
-    """The Python that runs box_shell.py inside the box (the standard library is all it needs):
-    the system's ``/usr/bin/python3`` where there is one, since the worker's own may sit where only
-    the worker's privileges reach (a virtualenv over a Python in /root), else the worker's."""
+def stdlib_python() -> str:
+    """The Python that runs the run's standard-library-only helpers (box_shell.py, run_reaper.py),
+    boxed or not: the system's ``/usr/bin/python3`` where there is one, since the worker's own may
+    sit where only the worker's start-up reached (a virtualenv over a Python in /root, which a
+    process of the worker's cannot exec again as an ordinary user), else the worker's."""
     system = "/usr/bin/python3"
     return system if os.access(system, os.X_OK) else sys.executable
 

@@ -874,8 +874,7 @@ class Supervisor:
         at = len(self.boxed_argv) - len(self.argv)
         if self.boxed_argv[at:] != self.argv:
             raise ValueError("the box's command does not end with OpenCode's")
-        python = agent_box.box_python() if self.box.mechanism else sys.executable
-        return [*self.boxed_argv[:at], *process_tree.reaper_argv(python, status_w, self.argv)]
+        return [*self.boxed_argv[:at], *process_tree.reaper_argv(agent_box.stdlib_python(), status_w, self.argv)]
 
     def _carries_run(self, proc: psutil.Process) -> bool:
         """The box, the reaper and OpenCode itself: the processes a run is made of."""
