@@ -18,7 +18,6 @@ import importlib.metadata
 import json
 import os
 import re
-import sqlite3
 import stat
 import subprocess
 import sys
@@ -141,7 +140,7 @@ def check_model(live: bool) -> Check:
         return Check("default model", "fail", "cannot be chosen or checked: opencode is missing", "see the opencode line")
     except (oc.NoDefaultModel, RuntimeError, subprocess.TimeoutExpired) as exc:
         return Check("default model", "fail", str(exc), "docs/models.md")
-    except (sqlite3.Error, store.TaskStoreError) as exc:
+    except store.TaskStoreError as exc:
         return Check("default model", "fail", f"the queue's setting cannot be read: {exc}", "see the database line")
     named = f"{choice.model} (from {choice.source})"
     if choice.model not in {m["id"] for m in models}:
@@ -202,8 +201,8 @@ def check_database() -> Check:
         health = store.database_health(path)
     except store.ValidationError as exc:
         return Check("database", "fail", str(exc).split(";")[0], "; ".join(str(exc).split(";")[1:]).strip())
-    except (sqlite3.Error, OSError) as exc:
-        return Check("database", "fail", f"{path} cannot be used: {exc}",
+    except (store.DatabaseUnusable, store.DatabaseBusy, store.StorageFault, OSError) as exc:
+        return Check("database", "fail", f"{path} cannot be used: {getattr(exc, 'detail', exc)}",
                      f"move it aside (mv {path} {path}.broken; a fresh queue is made on the next use) "
                      "or point TASK_DB_PATH at a good one")
     where = f" on {health['filesystem'][0]}" if health["filesystem"] else ""
@@ -233,7 +232,7 @@ def check_worker() -> Check:
     """The worker's heartbeat, the every-60-s schedule, the last pass."""
     try:
         beat = task_views.worker_state()
-    except (sqlite3.Error, store.TaskStoreError, OSError) as exc:
+    except (store.TaskStoreError, OSError) as exc:
         return Check("worker", "fail", f"the heartbeat cannot be read: {exc}", "see the database line")
     schedule = schedule_line()
     installed = "not installed" not in schedule and not schedule.startswith("no launchd")

@@ -21,7 +21,7 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
   their replies are written before the server exits (``DrainingReader``, ``ReplyTracker``).
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
-  its path and the way out, for the tools and for the HTTP API alike.
+  its path and the way out (the store's own message), for the tools and for the HTTP API alike.
 
 Not run on its own; reads no env of its own.
 """
@@ -31,10 +31,7 @@ import collections
 import copy
 import json
 import logging
-import os
-import sqlite3
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import anyio
@@ -49,8 +46,6 @@ import task_store
 import task_views
 
 log = logging.getLogger("taskbridge.mcp")
-
-_STORE_FILE = Path(task_store.__file__).resolve()
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,48 +129,13 @@ def nul_argument(value: Any, where: str = "") -> str | None:
 # The queue database.
 
 
-def _from_store(exc: BaseException) -> bool:
-    tb = exc.__traceback__
-    while tb is not None:
-        if Path(tb.tb_frame.f_code.co_filename).resolve() == _STORE_FILE:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _db_shown() -> str:
-    try:
-        return task_store.database_label()   # a PostgreSQL URL without its password
-    except (OSError, ValueError, task_store.TaskStoreError):
-        return repr(os.environ.get("TASK_DB_PATH", ""))
-
-
-def _way_out(exc: BaseException) -> str:
-    text = str(exc).lower()
-    if "not a database" in text or "malformed" in text or "corrupt" in text:
-        return ("it is not a SQLite database or it is damaged: restore it from a backup, or point "
-                "TASK_DB_PATH at another file (a new queue starts empty)")
-    if "readonly" in text or "read-only" in text or isinstance(exc, PermissionError):
-        return ("it cannot be written: fix the permissions of the file and of its folder (SQLite "
-                "writes -wal and -shm files beside it), or point TASK_DB_PATH elsewhere")
-    if "locked" in text or "busy" in text:
-        return "another process holds it locked: try again in a moment"
-    if "unable to open" in text or isinstance(exc, (IsADirectoryError, NotADirectoryError, FileNotFoundError,
-                                                    FileExistsError)):
-        return ("it cannot be opened: TASK_DB_PATH must name a file (not a folder) in a folder this "
-                "user can write")
-    return "check TASK_DB_PATH and the file's permissions, or restore it from a backup"
-
-
 def database_problem(exc: BaseException) -> str | None:
-    """A message for a failure of the queue database itself (any sqlite3.Error, or an OSError
-    raised inside task_store), naming the path and the way out; None for any other failure."""
-    if not isinstance(exc, sqlite3.Error) and not (isinstance(exc, OSError) and _from_store(exc)):
-        return None
-    detail = str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        detail = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-    return f"the task database {_db_shown()} cannot be used ({detail}): {_way_out(exc)}"
+    """The message for a failure of the queue database itself (the store's DatabaseUnusable,
+    DatabaseCorrupt or DatabaseBusy: its text names the file and the way out); None for any
+    other failure. The store sorts its driver's errors; nothing here reads their words."""
+    if isinstance(exc, (task_store.DatabaseUnusable, task_store.DatabaseBusy)):
+        return str(exc)
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sqlite3
 import stat
 import subprocess
 import sys
@@ -463,9 +462,11 @@ def queue_problem() -> str | None:
     broken SQLite file stops serve.py with that line, not with the children's exits."""
     try:
         store.last_event_id()
+    except store.DatabaseUnusable as exc:
+        return f"cannot use the queue {store.database_label()}: {exc.detail}; check TASK_DB_URL / TASK_DB_PATH"
     except store.TaskStoreError as exc:
         return str(exc)
-    except (sqlite3.Error, OSError) as exc:
+    except OSError as exc:
         return f"cannot use the queue {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH"
     return None
 

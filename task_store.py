@@ -93,8 +93,9 @@ class JobNotFound(TaskStoreError):
 
 
 class DatabaseBusy(TaskStoreError):
-    """A PostgreSQL lock was not granted in time (another process holds the queue's write lock
-    longer than PG_LOCK_TIMEOUT_SEC, or a deadlock was broken); nothing was written: try again."""
+    """Another process held the queue's write lock too long (SQLite's "database is locked" past
+    BUSY_WAIT_SEC; a PostgreSQL lock not granted within PG_LOCK_TIMEOUT_SEC, or a deadlock
+    broken); nothing was written: try again."""
 
 
 class StorageFault(TaskStoreError):
@@ -110,6 +111,22 @@ class DiskFull(StorageFault):
 class ReadOnlyStorage(StorageFault):
     """The queue's folder is on a filesystem mounted read-only (``errors=remount-ro`` after disk
     errors, say): reading still works; retrying a write cannot help until it is remounted."""
+
+
+class DatabaseUnusable(TaskStoreError):
+    """The SQLite queue file cannot be used as it is: a folder, a path that cannot be opened or
+    made, no permission to read or write it, or (DatabaseCorrupt) not a database at all. Retrying
+    cannot help until it is fixed. The message names the file and the way out; ``detail`` is the
+    operating system's or SQLite's own words."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail or message
+
+
+class DatabaseCorrupt(DatabaseUnusable):
+    """The queue file is not a SQLite database, or it is damaged ("file is not a database",
+    "database disk image is malformed")."""
 
 
 class DatabaseUnavailable(TaskStoreError):
@@ -795,6 +812,48 @@ def storage_fault(exc: BaseException, path: Path | str) -> StorageFault | None:
     return None
 
 
+# SQLite's primary result codes (the low byte of ``sqlite_errorcode``) a queue file's fault is told by.
+SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_CORRUPT = 3, 5, 6, 8, 11
+SQLITE_CANTOPEN, SQLITE_NOTADB = 14, 26
+_OPEN_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExistsError)
+
+
+def sqlite_fault(exc: BaseException, path: Path | str) -> TaskStoreError:
+    """The store error that ``exc`` (a sqlite3.Error, or an OSError met opening the queue) amounts
+    to for the SQLite queue file ``path``, its message naming the file and the way out: a
+    StorageFault for a full or read-only disk (``storage_fault``), DatabaseBusy when another
+    process held the lock too long, DatabaseCorrupt for a file that is no database or is damaged,
+    else DatabaseUnusable. A TaskStoreError is returned as it is. Told by SQLite's result code,
+    by its words where an error carries none."""
+    if isinstance(exc, TaskStoreError):
+        return exc
+    fault = storage_fault(exc, path)
+    if fault is not None:
+        return fault
+    code, text = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF, str(exc).lower()
+    detail = str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        detail = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+
+    def said(way_out: str) -> str:
+        return f"the task database {path} cannot be used ({detail}): {way_out}"
+
+    if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
+        return DatabaseCorrupt(said("it is not a SQLite database or it is damaged: restore it from a backup, or "
+                                    "point TASK_DB_PATH at another file (a new queue starts empty)"), detail)
+    if code in (SQLITE_BUSY, SQLITE_LOCKED) or "locked" in text or "busy" in text:
+        return DatabaseBusy(said("another process holds it locked: try again in a moment"))
+    if code in (SQLITE_READONLY, SQLITE_PERM) or "readonly" in text or isinstance(exc, PermissionError):
+        return DatabaseUnusable(said("it cannot be written: fix the permissions of the file and of its folder "
+                                     "(SQLite writes -wal and -shm files beside it), or point TASK_DB_PATH "
+                                     "elsewhere"), detail)
+    if code == SQLITE_CANTOPEN or "unable to open" in text or isinstance(exc, _OPEN_ERRORS):
+        return DatabaseUnusable(said("it cannot be opened: TASK_DB_PATH must name a file (not a folder) in a "
+                                     "folder this user can write"), detail)
+    return DatabaseUnusable(said("check TASK_DB_PATH and the file's permissions, or restore it from a backup"),
+                            detail)
+
+
 def read_only_at(path: Path | str) -> bool:
     """Whether the filesystem holding ``path`` (or its nearest existing folder) is mounted read-only."""
     try:
@@ -859,14 +918,22 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     new migrated PgConnection to it (raises DatabaseUnavailable).
 
     The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
-    The caller closes it (the store's own functions use ``_kept()`` instead). Raises sqlite3.Error
-    if the file cannot be opened, ValidationError when the folder is on a filesystem where WAL is
-    unsafe (see ``journal_mode``).
+    The caller closes it (the store's own functions use ``_kept()`` instead). Raises
+    DatabaseUnusable / DatabaseCorrupt / DatabaseBusy / StorageFault if the file cannot be opened
+    or migrated (see ``sqlite_fault``), ValidationError when the folder is on a filesystem where
+    WAL is unsafe (see ``journal_mode``).
     """
     url = None if path else database_url()
     if url:
         return _pg_connect(url)
     path = Path(path) if path else db_path()
+    try:
+        return _connect_sqlite(path)
+    except (sqlite3.Error, OSError) as exc:
+        raise sqlite_fault(exc, path) from exc
+
+
+def _connect_sqlite(path: Path) -> sqlite3.Connection:
     if str(path) != ":memory:" and read_only_at(path.parent):
         return _connect_read_only(path)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -874,6 +941,15 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
         _create_private(path)
     conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False,
                            cached_statements=256)
+    try:
+        _set_up(conn, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_up(conn: sqlite3.Connection, path: Path) -> None:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")
@@ -884,7 +960,6 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
     conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
     _migrate(conn)
-    return conn
 
 
 def _connect_read_only(path: Path) -> sqlite3.Connection:
@@ -899,12 +974,15 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
     uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
     conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False,
                            cached_statements=256)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA foreign_keys = ON")
-    if conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
+    try:
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA foreign_keys = ON")
+        if conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
+            raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) +
+                                  "; its queue needs an upgrade this TaskBridge cannot write there")
+    except BaseException:
         conn.close()
-        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) +
-                              "; its queue needs an upgrade this TaskBridge cannot write there")
+        raise
     return conn
 
 
@@ -913,8 +991,8 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
     "integrity" ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount
     point) | None, "tasks"}``; on PostgreSQL ``path`` is the URL without its password,
     ``integrity`` "ok" once a query answers, ``journal_mode`` and ``filesystem`` None, plus
-    ``server_version``. Opens (and migrates) it like every entry point: raises sqlite3.Error when
-    the file cannot be used as a database, ValidationError on a filesystem where WAL is unsafe,
+    ``server_version``. Opens (and migrates) it like every entry point: raises DatabaseUnusable
+    (DatabaseCorrupt, ...; see ``sqlite_fault``) when the file cannot be used as a database, ValidationError on a filesystem where WAL is unsafe,
     DatabaseUnavailable when PostgreSQL cannot be used."""
     url = None if path else database_url()
     if url:
@@ -932,6 +1010,8 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
         problems = [row[0] for row in conn.execute("PRAGMA integrity_check(5)")]
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
         tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+    except sqlite3.Error as exc:
+        raise sqlite_fault(exc, path) from exc
     finally:
         conn.close()
     return {"backend": "sqlite", "path": str(path), "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
@@ -977,7 +1057,10 @@ def _kept() -> sqlite3.Connection:
         return entry[0]
     if entry is not None:
         _discard(key)
-    conn = connect(path)
+    try:
+        conn = connect(path)
+    except (sqlite3.Error, OSError) as exc:
+        raise sqlite_fault(exc, path) from exc
     with _KEPT_LOCK:
         _KEPT[key] = (conn, _file_id(path))
         if len(_KEPT) > KEPT_MAX:
@@ -1066,9 +1149,9 @@ def _reading() -> Iterator[sqlite3.Connection]:
     conn = _kept()
     try:
         yield conn
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.Error as exc:
         _drop_if_broken(exc)
-        raise
+        raise sqlite_fault(exc, db_path()) from exc
 
 
 @contextlib.contextmanager
@@ -1093,9 +1176,11 @@ def _writing() -> Iterator[sqlite3.Connection]:
     except BaseException as exc:
         if conn.in_transaction:  # ROLLBACK itself failed: never reuse a connection mid-transaction
             _discard()
-        elif isinstance(exc, sqlite3.DatabaseError):
+        elif isinstance(exc, sqlite3.Error):
             _drop_if_broken(exc)
-        fault = storage_fault(exc, db_path()) if isinstance(exc, (sqlite3.DatabaseError, OSError)) else None
+        if isinstance(exc, sqlite3.Error):
+            raise sqlite_fault(exc, db_path()) from exc
+        fault = storage_fault(exc, db_path()) if isinstance(exc, OSError) else None
         if fault is not None:
             raise fault from exc
         raise
@@ -1577,9 +1662,9 @@ def _begin_immediate(conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA busy_timeout = 30000")
 
 
-def _drop_if_broken(exc: sqlite3.DatabaseError) -> None:
+def _drop_if_broken(exc: sqlite3.Error) -> None:
     # A busy/locked database or a constraint is no fault of the connection; anything else (disk
-    # I/O, corruption, a file gone read-only) reopens on the next call.
+    # I/O, corruption, a file gone read-only, a closed connection) reopens on the next call.
     if not isinstance(exc, sqlite3.IntegrityError) and "locked" not in str(exc) and "busy" not in str(exc):
         _discard()
 
@@ -4037,7 +4122,8 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     A new worker on a host deletes that host's rows of workers that
     stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
     WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
-    Raises StorageFault (a full or read-only disk), OSError (file), sqlite3.Error (database)."""
+    Raises StorageFault (a full or read-only disk), OSError (file), DatabaseUnusable / DatabaseBusy
+    (the database; see ``sqlite_fault``)."""
     state = dict(state)
     pid_start = state.pop("pid_start", None)
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}

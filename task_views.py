@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -286,7 +285,7 @@ def worker_state() -> dict[str, Any]:
     not exist yet is not made by asking."""
     try:
         rows = store.list_workers() if store.queue_exists() else []
-    except (sqlite3.Error, store.TaskStoreError, OSError):
+    except (store.TaskStoreError, OSError):
         rows = []
     return judge_worker(rows[0] if rows else store.read_worker_heartbeat())
 
@@ -423,7 +422,7 @@ def hosted_model_note(ask: bool = False) -> str | None:
         setting = store.default_model() if store.queue_exists() else None
         choice = oc.default_model(setting, cache_file=models_cache_file(), ask=ask)
     except (LookupError, oc.NoDefaultModel, oc.OpencodeNotFound, OSError, subprocess.TimeoutExpired,
-            sqlite3.Error, store.TaskStoreError):
+            store.TaskStoreError):
         return None
     return oc.hosted_free_note(choice)
 

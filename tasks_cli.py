@@ -16,7 +16,6 @@ import getpass
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import sys
 import time
@@ -115,15 +114,15 @@ class TaskGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except task_store.DatabaseUnusable as exc:
+            raise CliError(
+                f"the task database {task_store.db_path()} could not be used ({exc.detail}); "
+                "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
+            ) from None
         except task_store.TaskStoreError as exc:
             raise CliError(in_cli_words(str(exc))) from None
         except knobs.KnobError as exc:
             raise CliError(str(exc)) from None
-        except sqlite3.Error as exc:
-            raise CliError(
-                f"the task database {task_store.db_path()} could not be used ({exc}); "
-                "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
-            ) from None
         except OSError as exc:   # the same line the worker and the MCP server give (os_faults)
             raise CliError(str(os_faults.describe(exc) or exc)) from None
 

@@ -35,7 +35,6 @@ import platform
 import selectors
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -122,10 +121,9 @@ OUTAGE_BACKOFF_SEC = (0.5, 5.0)   # the first wait before a retry, and the longe
 
 def db_outage(exc: BaseException) -> bool:
     """Whether ``exc`` says the queue database is away or busy for now (DatabaseUnavailable,
-    DatabaseBusy, SQLite's "database is locked" / "busy"), not that the task or our code is at fault."""
-    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy, store.DiskFull)):
-        return True   # a full disk too: space can come back, and a finished run's result is held till then
-    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+    DatabaseBusy: PostgreSQL away or busy, SQLite locked), not that the task or our code is at fault."""
+    # a full disk too: space can come back, and a finished run's result is held till then
+    return isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy, store.DiskFull))
 
 
 class Outage:
@@ -444,7 +442,7 @@ class Meter:
             Outage.failed(exc)
             self.owed = True
             return
-        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
+        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
                 Outage.failed(exc)   # said once for the worker; recorded with the next step
             else:
@@ -490,7 +488,7 @@ class Meter:
             return
         try:
             self.budget = store.budget_state()
-        except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy):
+        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy):
             return
         self.write_gate()
 
@@ -673,7 +671,7 @@ class Courier:
 
     def sync(self) -> None:
         """Write the notes file when the undelivered notes changed; record new acknowledgements."""
-        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError, sqlite3.Error):
+        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError):
             self._record_acks()
             notes = store.undelivered_notes(self.task_id)
             ids = [n["id"] for n in notes]
@@ -697,7 +695,7 @@ class Courier:
 
     def close(self) -> None:
         """Record the last acknowledgements and remove the files."""
-        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError, sqlite3.Error):
+        with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError):
             self._record_acks()
         for path in (self.path, oc.reply_path(self.path, ".ack"), f"{self.path}.tmp"):
             with contextlib.suppress(OSError):
@@ -2486,12 +2484,15 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.slots <= 16:
             parser.error(f"--slots must be from 1 to 16; got {args.slots}")
         return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
+    except store.DatabaseUnusable as exc:
+        refuse(f"error: cannot use the queue database {store.database_label()}: {exc.detail}; check TASK_DB_URL / "
+               "TASK_DB_PATH (a readable, writable SQLite file and folder)")
+        return 1
     except store.TaskStoreError as exc:
         refuse(f"error: {exc}")
         return 1
-    except (sqlite3.Error, OSError) as exc:
-        fault = store.storage_fault(exc, getattr(exc, "filename", None) or store.db_path()) or \
-            (os_faults.describe(exc) if isinstance(exc, OSError) else None)
+    except OSError as exc:
+        fault = store.storage_fault(exc, exc.filename or store.db_path()) or os_faults.describe(exc)
         if fault is not None:   # a full or read-only disk, an open-files limit: named with the way out
             refuse(f"error: {fault}")
             return 1

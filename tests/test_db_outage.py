@@ -211,7 +211,8 @@ def test_serve_keeps_the_server_board_and_worker_through_a_postgresql_restart(tm
 OUTAGES = [task_store.DatabaseUnavailable("cannot use the PostgreSQL queue postgresql://u@h/db: terminating "
                                           "connection due to administrator command; check TASK_DB_URL"),
            task_store.DatabaseBusy("the PostgreSQL queue is busy"),
-           __import__("sqlite3").OperationalError("database is locked")]
+           task_store.DatabaseBusy("the task database /q/tasks.db cannot be used (database is locked): another "
+                                   "process holds it locked: try again in a moment")]
 
 
 @pytest.mark.parametrize("outage", OUTAGES, ids=["unavailable", "busy", "sqlite-locked"])

@@ -1,0 +1,127 @@
+"""Every fault of the SQLite queue file leaves the store as one of the store's own errors (issue 20).
+
+A locked database, a full disk, a file that cannot be written and a file that is no database
+each surface as the store error a caller can tell them by (DatabaseBusy, DiskFull,
+DatabaseUnusable, DatabaseCorrupt), whose message names the file and the way out; no sqlite3 or
+psycopg error reaches the modules above the store, and none of them reads a driver's words.
+"""
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+import task_store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def submit(tmp_path: Path, **extra) -> dict:
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    return task_store.submit_task(**{"title": "t", "instructions": "do it", "working_dir": str(project)} | extra)
+
+
+def test_a_locked_database_is_database_busy_naming_the_file(tmp_path, monkeypatch):
+    submit(tmp_path)
+    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.05)
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")   # another process's write lock, held past the wait
+    try:
+        with pytest.raises(task_store.DatabaseBusy) as raised:
+            submit(tmp_path)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert str(task_store.db_path()) in str(raised.value) and "try again" in str(raised.value)
+    assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+    assert len(task_store.list_tasks()["tasks"]) == 1 and submit(tmp_path)   # nothing written; works again
+
+
+def test_a_full_database_is_disk_full(tmp_path):
+    submit(tmp_path)
+    conn = task_store._kept()
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages:d}")   # SQLite's own "database or disk is full"
+    with pytest.raises(task_store.DiskFull) as raised:
+        submit(tmp_path, instructions="x" * 200_000)
+    assert "disk full" in str(raised.value) and "TASK_DB_PATH" in str(raised.value)
+
+
+def test_a_database_that_cannot_be_written_is_unusable_with_the_way_out(tmp_path):
+    submit(tmp_path)
+    task_store._kept().execute("PRAGMA query_only = 1")   # SQLite's "attempt to write a readonly database"
+    with pytest.raises(task_store.DatabaseUnusable) as raised:
+        submit(tmp_path)
+    message = str(raised.value)
+    assert f"the task database {task_store.db_path()} cannot be used" in message
+    assert "fix the permissions" in message and "TASK_DB_PATH" in message
+    assert not isinstance(raised.value, task_store.StorageFault)   # the disk is fine: no remount advice
+    assert task_store.list_tasks()["tasks"]                       # and the queue is read again
+
+
+@pytest.mark.parametrize("call", ["read", "write", "connect", "health"])
+def test_a_file_that_is_no_database_is_database_corrupt(tmp_path, monkeypatch, call):
+    path = tmp_path / "broken.db"
+    path.write_bytes(b"this is not a SQLite file\n" * 200)
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    run = {"read": task_store.list_tasks, "write": lambda: submit(tmp_path),
+           "connect": task_store.connect, "health": task_store.database_health}[call]
+    with pytest.raises(task_store.DatabaseCorrupt) as raised:
+        run()
+    assert f"the task database {path} cannot be used (file is not a database)" in str(raised.value)
+    assert "restore it from a backup" in str(raised.value) and raised.value.detail == "file is not a database"
+
+
+@pytest.mark.parametrize("kind", ["a folder", "under a file"])
+def test_a_path_that_cannot_be_opened_is_unusable(tmp_path, monkeypatch, kind):
+    if kind == "a folder":
+        path = tmp_path / "queue.db"
+        path.mkdir()
+    else:   # the folder cannot be made: an OSError met opening is the store's error too
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "queue.db"
+    monkeypatch.setenv("TASK_DB_PATH", str(path))
+    with pytest.raises(task_store.DatabaseUnusable) as raised:
+        task_store.get_task(1)
+    assert f"the task database {path} cannot be used" in str(raised.value)
+    assert "must name a file (not a folder)" in str(raised.value)
+
+
+def test_a_driver_error_raised_under_the_store_is_mapped_by_its_words_too(tmp_path, monkeypatch):
+    # An error made without SQLite's result code (as a test double raises it) is told by its words.
+    def readonly(*args, **kwargs):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+    monkeypatch.setattr(task_store, "connect", readonly)
+    with pytest.raises(task_store.DatabaseUnusable, match="fix the permissions"):
+        task_store.counts()
+
+
+def test_a_busy_database_in_another_thread_does_not_close_its_connection(tmp_path, monkeypatch):
+    # DatabaseBusy is no fault of the connection: the kept one stays (only a broken one reopens).
+    submit(tmp_path)
+    kept = task_store._kept()
+    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.02)
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(task_store.DatabaseBusy):
+            submit(tmp_path)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert task_store._kept() is kept and threading.active_count() >= 1
+
+
+OUTSIDE = ["worker.py", "mcp_shared.py", "tasks_cli.py", "serve.py", "doctor.py", "task_views.py", "board_api.py",
+           "http_app.py", "opencode_bridge_mcp.py", "claude_control_mcp.py"]
+
+
+@pytest.mark.parametrize("module", OUTSIDE)
+def test_no_module_above_the_store_catches_or_reads_driver_errors(module):
+    text = (ROOT / module).read_text()
+    assert not re.search(r"^\s*import (sqlite3|psycopg)|except[^:\n]*\b(sqlite3|psycopg)\.", text, re.MULTILINE)
+    assert "tb_frame" not in text and "__traceback__" not in text
