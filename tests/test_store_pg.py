@@ -15,6 +15,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+import store_pg
 import task_store as store
 from helpers import ROOT
 from pg_server import PASSWORD
@@ -252,7 +253,7 @@ def test_a_change_watch_reuses_the_process_listen_connection_not_a_forked_parent
 
 def test_a_write_waiting_too_long_for_the_lock_is_busy_not_a_traceback(pg, monkeypatch, tmp_path):
     import psycopg
-    monkeypatch.setattr(store, "PG_LOCK_TIMEOUT_SEC", 0.5)
+    monkeypatch.setattr(store_pg, "PG_LOCK_TIMEOUT_SEC", 0.5)
     store.close_connections()
     task = store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
     other_task = store.submit_task(title="u", instructions="i", working_dir=str(tmp_path))
@@ -287,6 +288,7 @@ def _drop_inherited(out: "multiprocessing.Queue") -> None:
     import gc
     store.counts()                         # the child's own connection
     store._INHERITED.clear()               # the parent's copies finalised here (libpq says goodbye)
+    store_pg._INHERITED.clear()
     gc.collect()
     out.put("ok")
 
@@ -318,7 +320,7 @@ def test_no_spelling_of_a_password_shows_in_the_label_or_an_error(url, monkeypat
     label = store.database_label()
     assert "S3cret" not in label and "S3%63ret" not in label
     assert label.startswith(url.partition(":")[0] + "://taskbridge@127.0.0.1:5432")
-    said = str(store._unavailable(url, RuntimeError(f"server said: {url} S3cretPW")))
+    said = str(store_pg.unavailable(url, RuntimeError(f"server said: {url} S3cretPW")))
     assert "S3cret" not in said and "S3%63ret" not in said and "***" in said
 
 
