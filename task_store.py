@@ -21,23 +21,24 @@ every host in ``workers`` (``write_worker_heartbeat``, ``list_workers``).
 Env read at call time: ``TASK_DB_URL``, ``TASK_DB_PATH``, ``TASK_LOG_DIR``, ``TASK_DB_JOURNAL``,
 ``TASKBRIDGE_HOST``, ``TASKBRIDGE_MOUNTINFO``.
 
-Behind it: store_errors.py (the error tree, every name also this module's) and store_pg.py (the
-PostgreSQL connection, transactions, LISTEN/NOTIFY, URL handling and psycopg's errors mapped into
-the store's). Imports the standard library, knobs.py and those only (psycopg through store_pg when
-TASK_DB_URL names PostgreSQL). Not run on its own (the MCP server, the CLI and the worker import it).
+Behind it, one flat module per database and the error tree they share: store_sqlite.py (the
+connection factory and pragmas, journal mode, read-only opening, BEGIN IMMEDIATE transactions with
+busy waits, the change watch on the file, sqlite3's errors mapped into the store's), store_pg.py
+(the same for PostgreSQL: connections, transactions, LISTEN/NOTIFY, URL handling, psycopg's errors)
+and store_errors.py (the error tree, every name also this module's). This module keeps the queue's
+SQL, its migrations and one connection per thread and database. Imports the standard library,
+knobs.py and those only (psycopg through store_pg when TASK_DB_URL names PostgreSQL).
+Not run on its own (the MCP server, the CLI and the worker import it).
 """
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import math
 import os
-import random
 import re
 import socket
-import sqlite3
 import threading
 import time
 from datetime import datetime, timezone
@@ -46,15 +47,50 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
 
 import knobs
 import store_pg
+import store_sqlite
 import task_spec as spec
-from store_errors import (DatabaseBusy, DatabaseCorrupt, DatabaseUnavailable, DatabaseUnusable,  # noqa: F401
-                          DiskFull, InvalidTransition, JobNotFound, ReadOnlyStorage, StaleAttempt,
-                          StorageFault, TaskNotFound, TaskStoreError, ValidationError)
-from store_pg import (PG_EVENTS_FINAL, PG_KEY_LOCK, PG_SCHEMES, URL_SHOWN_PARAMS, PgChangeWatch,  # noqa: F401
-                      PgConnection, PgRow, pg_sql, redact_url, url_secrets)
+from store_errors import (  # noqa: F401
+    DatabaseBusy,
+    DatabaseCorrupt,
+    DatabaseUnavailable,
+    DatabaseUnusable,
+    DiskFull,
+    InvalidTransition,
+    JobNotFound,
+    ReadOnlyStorage,
+    StaleAttempt,
+    StorageFault,
+    TaskNotFound,
+    TaskStoreError,
+    ValidationError,
+)
+from store_pg import (  # noqa: F401
+    PG_EVENTS_FINAL,
+    PG_KEY_LOCK,
+    PG_SCHEMES,
+    URL_SHOWN_PARAMS,
+    PgChangeWatch,
+    PgConnection,
+    PgRow,
+    pg_sql,
+    redact_url,
+    url_secrets,
+)
+from store_sqlite import (  # noqa: F401
+    JOURNAL_CHOICES,
+    NETWORK_FILESYSTEMS,
+    db_filesystem,
+    disk_fault_line,
+    is_network_filesystem,
+    journal_mode,
+    read_only_at,
+    storage_fault,
+)
 from task_spec import BATCH_MAX, INSTRUCTIONS_MAX, TITLE_MAX  # noqa: F401 - the store's callers read them here too
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the driver itself is store_sqlite's; here it only names types
+    import sqlite3
+
     from file_watch import FolderWatch
 
 REPO_DIR = Path(__file__).resolve().parent
@@ -163,13 +199,6 @@ def append_private(path: Path) -> BinaryIO:
     output) is for this user only. Raises OSError."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
-
-
-def _create_private(path: Path) -> None:
-    """Create an empty file readable by this user only, unless it exists (SQLite gives its WAL
-    and shared-memory files the database file's mode)."""
-    with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def write_private(path: Path, data: str | bytes) -> None:
@@ -617,192 +646,6 @@ def pg_migrations() -> list[list[str]]:
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
-def _migrate(conn: sqlite3.Connection) -> None:
-    if conn.execute("PRAGMA user_version").fetchone()[0] >= len(MIGRATIONS):
-        return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
-            step(conn)
-            conn.execute(f"PRAGMA user_version = {number:d}")
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-
-
-# SQLite's WAL keeps its index in shared memory (a mmap'd -shm file) that these filesystems do not
-# share between processes or machines; users report corrupted queues on them. "fuse" matches
-# every FUSE type (fuse.sshfs, fuse.s3fs, fuseblk, ...).
-NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "9p", "virtiofs",
-                       "fuse", "afs", "ncpfs", "ceph", "glusterfs", "lustre", "gpfs", "vboxsf",
-                       "vmhgfs", "prl_fs", "davfs", "webdav", "autofs", "osxfuse", "macfuse")
-JOURNAL_CHOICES = ("auto", "wal", "delete")
-
-
-def db_filesystem(folder: Path | str) -> tuple[str, str] | None:
-    """``(filesystem type, mount point)`` of the mount holding ``folder`` (resolved), from
-    ``/proc/self/mountinfo`` on Linux (or the file ``$TASKBRIDGE_MOUNTINFO`` names, in the same
-    format), else ``psutil.disk_partitions(all=True)`` (macOS: getfsstat). None when unknown."""
-    folder = os.path.realpath(folder)
-    table = os.environ.get("TASKBRIDGE_MOUNTINFO") or "/proc/self/mountinfo"
-    mounts: list[tuple[str, str]] = []
-    try:
-        with open(table, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                fields = line.split()
-                if " - " in line and len(fields) >= 5:
-                    fstype = line.split(" - ", 1)[1].split()[0]
-                    mounts.append((_unescape_mount(fields[4]), fstype))
-    except OSError:
-        mounts = _psutil_mounts()
-    best: tuple[str, str] | None = None
-    for point, fstype in mounts:
-        inside = folder == point or folder.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[1])):
-            best = (fstype, point)
-    return best
-
-
-def _unescape_mount(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040 ...).
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def _psutil_mounts() -> list[tuple[str, str]]:
-    try:
-        import psutil  # only where /proc is missing (macOS); the store is stdlib-only otherwise
-        return [(p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True)]
-    except Exception:  # noqa: BLE001 - detection is best effort; unknown means local
-        return []
-
-
-def is_network_filesystem(fstype: str) -> bool:
-    """True for a filesystem type on which SQLite's WAL is unsafe (see NETWORK_FILESYSTEMS)."""
-    fstype = fstype.lower()
-    return any(fstype == name or fstype.startswith(name + ".") or
-               (name == "fuse" and fstype.startswith("fuse")) for name in NETWORK_FILESYSTEMS)
-
-
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def storage_fault(exc: BaseException, path: Path | str) -> StorageFault | None:
-    """The StorageFault that ``exc`` (an OSError, or SQLite's error for a write) amounts to for
-    a write at ``path`` (a queue file or folder: the database, a log, a worktree): DiskFull for
-    ENOSPC/EDQUOT and SQLite's "database or disk is full", ReadOnlyStorage for EROFS and a
-    "readonly database" on a filesystem mounted read-only; None for any other error."""
-    if isinstance(exc, StorageFault):
-        return exc
-    code, text = getattr(exc, "errno", None), str(exc).lower()
-    if code in FULL_ERRNOS or (isinstance(exc, sqlite3.Error) and "disk is full" in text):
-        return DiskFull(disk_fault_line("full", path))
-    if code == errno.EROFS or (isinstance(exc, sqlite3.Error) and "readonly" in text and read_only_at(path)):
-        return ReadOnlyStorage(disk_fault_line("read-only", path))
-    return None
-
-
-# SQLite's primary result codes (the low byte of ``sqlite_errorcode``) a queue file's fault is told by.
-SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_CORRUPT = 3, 5, 6, 8, 11
-SQLITE_CANTOPEN, SQLITE_NOTADB = 14, 26
-_OPEN_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExistsError)
-
-
-def sqlite_fault(exc: BaseException, path: Path | str) -> TaskStoreError:
-    """The store error that ``exc`` (a sqlite3.Error, or an OSError met opening the queue) amounts
-    to for the SQLite queue file ``path``, its message naming the file and the way out: a
-    StorageFault for a full or read-only disk (``storage_fault``), DatabaseBusy when another
-    process held the lock too long, DatabaseCorrupt for a file that is no database or is damaged,
-    else DatabaseUnusable. A TaskStoreError is returned as it is. Told by SQLite's result code,
-    by its words where an error carries none."""
-    if isinstance(exc, TaskStoreError):
-        return exc
-    fault = storage_fault(exc, path)
-    if fault is not None:
-        return fault
-    code, text = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF, str(exc).lower()
-    detail = str(exc)
-    if isinstance(exc, OSError) and exc.strerror:
-        detail = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
-
-    def said(way_out: str) -> str:
-        return f"the task database {path} cannot be used ({detail}): {way_out}"
-
-    if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
-        return DatabaseCorrupt(said("it is not a SQLite database or it is damaged: restore it from a backup, or "
-                                    "point TASK_DB_PATH at another file (a new queue starts empty)"), detail)
-    if code in (SQLITE_BUSY, SQLITE_LOCKED) or "locked" in text or "busy" in text:
-        return DatabaseBusy(said("another process holds it locked: try again in a moment"))
-    if code in (SQLITE_READONLY, SQLITE_PERM) or "readonly" in text or isinstance(exc, PermissionError):
-        return DatabaseUnusable(said("it cannot be written: fix the permissions of the file and of its folder "
-                                     "(SQLite writes -wal and -shm files beside it), or point TASK_DB_PATH "
-                                     "elsewhere"), detail)
-    if code == SQLITE_CANTOPEN or "unable to open" in text or isinstance(exc, _OPEN_ERRORS):
-        return DatabaseUnusable(said("it cannot be opened: TASK_DB_PATH must name a file (not a folder) in a "
-                                     "folder this user can write"), detail)
-    return DatabaseUnusable(said("check TASK_DB_PATH and the file's permissions, or restore it from a backup"),
-                            detail)
-
-
-def read_only_at(path: Path | str) -> bool:
-    """Whether the filesystem holding ``path`` (or its nearest existing folder) is mounted read-only."""
-    try:
-        return bool(os.statvfs(_nearest_existing(path)).f_flag & os.ST_RDONLY)
-    except OSError:
-        return False
-
-
-def _nearest_existing(path: Path | str) -> str:
-    folder = os.path.abspath(path)
-    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)
-    return folder
-
-
-def disk_fault_line(kind: str, path: Path | str) -> str:
-    """One line for a disk that is ``full`` or ``read-only`` under ``path``: the folder, its
-    filesystem, mount point and free space, and the way out."""
-    folder = _nearest_existing(path)
-    found = db_filesystem(folder)
-    mount = f"{found[0]} mounted at {found[1]}" if found else "its filesystem"
-    if kind == "read-only":
-        return (f"read-only filesystem: {folder} ({mount}, mounted read-only) cannot be written; reading "
-                "the queue still works; writing needs it remounted read-write (after a disk check) or "
-                "TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT on another disk")
-    try:
-        st = os.statvfs(folder)
-        free = f"{st.f_bavail * st.f_frsize / 1e6:.1f} MB free"
-    except OSError:
-        free = "free space unknown"
-    return (f"disk full: {path} could not be written ({mount}, {free}; or over a quota); free space "
-            "there, or point TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT at another disk")
-
-
-def journal_mode(path: Path | str) -> str:
-    """The journal mode for the database at ``path``: ``wal`` on a local disk; on a network or
-    virtual filesystem (NFS, SMB/CIFS, 9p, virtiofs, FUSE, ...) a ValidationError naming the
-    filesystem, the folder and the ways out. ``TASK_DB_JOURNAL`` overrides: ``auto`` (default, as
-    described), ``wal`` (keep WAL: you know the mount is safe) or ``delete`` (a rollback journal:
-    slower, no concurrent readers during a write, for one machine only)."""
-    choice = (os.environ.get("TASK_DB_JOURNAL") or "auto").strip().lower()
-    if choice not in JOURNAL_CHOICES:
-        raise ValidationError(f"TASK_DB_JOURNAL={choice!r} is not one of {', '.join(JOURNAL_CHOICES)}; "
-                              "unset it for the default (auto)")
-    if choice != "auto":
-        return choice
-    folder = Path(path).parent
-    found = db_filesystem(folder)
-    if found and is_network_filesystem(found[0]):
-        raise ValidationError(
-            f"the queue database folder {folder} is on a {found[0]} filesystem (mounted at "
-            f"{found[1]}), where SQLite's WAL is unsafe (its shared memory is not shared there) and "
-            "queues get corrupted; point TASK_DB_PATH at a local disk, or set TASK_DB_JOURNAL=delete "
-            "to use a rollback journal there (one machine only), or TASK_DB_JOURNAL=wal if you know "
-            "this mount is safe")
-    return "wal"
-
-
 def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection:
     """Open a new connection (creating its folder): the journal (WAL; see ``journal_mode``), busy
     timeout, foreign keys; migrated. Without ``path`` while ``TASK_DB_URL`` names PostgreSQL: a
@@ -811,70 +654,13 @@ def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection
     The connection is in autocommit mode (``isolation_level=None``): transactions are explicit.
     The caller closes it (the store's own functions use ``_kept()`` instead). Raises
     DatabaseUnusable / DatabaseCorrupt / DatabaseBusy / StorageFault if the file cannot be opened
-    or migrated (see ``sqlite_fault``), ValidationError when the folder is on a filesystem where
+    or migrated (see ``store_sqlite.fault``), ValidationError when the folder is on a filesystem where
     WAL is unsafe (see ``journal_mode``).
     """
     url = None if path else database_url()
     if url:
         return store_pg.connect(url, pg_migrations())
-    path = Path(path) if path else db_path()
-    try:
-        return _connect_sqlite(path)
-    except (sqlite3.Error, OSError) as exc:
-        raise sqlite_fault(exc, path) from exc
-
-
-def _connect_sqlite(path: Path) -> sqlite3.Connection:
-    if str(path) != ":memory:" and read_only_at(path.parent):
-        return _connect_read_only(path)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if str(path) != ":memory:" and not path.exists():
-        _create_private(path)
-    conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False,
-                           cached_statements=256)
-    try:
-        _set_up(conn, path)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _set_up(conn: sqlite3.Connection, path: Path) -> None:
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 30000")
-    conn.execute("PRAGMA foreign_keys = ON")
-    mode = journal_mode(path)
-    if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
-        conn.execute(f"PRAGMA journal_mode = {mode}")
-    conn.execute("PRAGMA synchronous = NORMAL")
-    conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
-    conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
-    _migrate(conn)
-
-
-def _connect_read_only(path: Path) -> sqlite3.Connection:
-    """A read-only connection to a queue whose folder is on a filesystem mounted read-only: the
-    tasks and results stay readable; a write raises ReadOnlyStorage (see ``storage_fault``). With
-    no WAL file beside it the database is opened immutable (SQLite cannot make its shared-memory
-    file there, and nothing can change the file while the mount is read-only). Raises
-    ReadOnlyStorage when there is no queue there, or one too old to use without a migration."""
-    if not path.is_file():
-        raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) + f"; and there is no queue at {path}")
-    wal = path.with_name(path.name + "-wal")
-    uri = f"{path.resolve().as_uri()}?mode=ro" + ("" if wal.exists() else "&immutable=1")
-    conn = sqlite3.connect(uri, uri=True, timeout=30, isolation_level=None, check_same_thread=False,
-                           cached_statements=256)
-    try:
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA foreign_keys = ON")
-        if conn.execute("PRAGMA user_version").fetchone()[0] < len(MIGRATIONS):
-            raise ReadOnlyStorage(disk_fault_line("read-only", path.parent) +
-                                  "; its queue needs an upgrade this TaskBridge cannot write there")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return store_sqlite.connect(Path(path) if path else db_path(), MIGRATIONS)
 
 
 def database_health(path: Path | str | None = None) -> dict[str, Any]:
@@ -883,8 +669,9 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
     point) | None, "tasks"}``; on PostgreSQL ``path`` is the URL without its password,
     ``integrity`` "ok" once a query answers, ``journal_mode`` and ``filesystem`` None, plus
     ``server_version``. Opens (and migrates) it like every entry point: raises DatabaseUnusable
-    (DatabaseCorrupt, ...; see ``sqlite_fault``) when the file cannot be used as a database, ValidationError on a filesystem where WAL is unsafe,
-    DatabaseUnavailable when PostgreSQL cannot be used."""
+    (DatabaseCorrupt, ...; see ``store_sqlite.fault``) when the file cannot be used as a database,
+    ValidationError on a filesystem where WAL is unsafe, DatabaseUnavailable when PostgreSQL
+    cannot be used."""
     url = None if path else database_url()
     if url:
         conn = store_pg.connect(url, pg_migrations())
@@ -895,18 +682,7 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
             conn.close()
         return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
                 "filesystem": None, "tasks": tasks, "server_version": version}
-    path = Path(path) if path else db_path()
-    conn = connect(path)
-    try:
-        problems = [row[0] for row in conn.execute("PRAGMA integrity_check(5)")]
-        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
-    except sqlite3.Error as exc:
-        raise sqlite_fault(exc, path) from exc
-    finally:
-        conn.close()
-    return {"backend": "sqlite", "path": str(path), "integrity": "ok" if problems == ["ok"] else "; ".join(problems),
-            "journal_mode": mode, "filesystem": db_filesystem(path.parent), "tasks": tasks}
+    return store_sqlite.health(Path(path) if path else db_path(), MIGRATIONS)
 
 
 # Kept connections. Opening a connection per call cost ~1 ms (pragmas, schema check) and the last
@@ -948,10 +724,8 @@ def _kept() -> sqlite3.Connection:
         return entry[0]
     if entry is not None:
         _discard(key)
-    try:
+    with store_sqlite.mapped(path):   # connect maps its errors; this also holds for a test's double of it
         conn = connect(path)
-    except (sqlite3.Error, OSError) as exc:
-        raise sqlite_fault(exc, path) from exc
     with _KEPT_LOCK:
         _KEPT[key] = (conn, _file_id(path))
         if len(_KEPT) > KEPT_MAX:
@@ -1027,17 +801,17 @@ def checkpoint() -> None:
     if database_url():
         return
     with _reading() as conn:
-        conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        store_sqlite.checkpoint(conn)
 
 
 @contextlib.contextmanager
 def _reading() -> Iterator[sqlite3.Connection]:
     conn = _kept()
-    try:
+    if type(conn) is PgConnection:   # psycopg's errors are mapped by PgConnection itself
         yield conn
-    except sqlite3.Error as exc:
-        _drop_if_broken(exc)
-        raise sqlite_fault(exc, db_path()) from exc
+        return
+    with store_sqlite.reading(conn, db_path(), _discard):
+        yield conn
 
 
 @contextlib.contextmanager
@@ -1049,27 +823,8 @@ def _writing() -> Iterator[sqlite3.Connection]:
         with store_pg.transaction(conn):
             yield conn
         return
-    if conn.in_transaction:  # a store function called another inside its transaction: a bug
-        raise RuntimeError("task_store: a write transaction was opened inside another one")
-    try:
-        _begin_immediate(conn)
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-    except BaseException as exc:
-        if conn.in_transaction:  # ROLLBACK itself failed: never reuse a connection mid-transaction
-            _discard()
-        elif isinstance(exc, sqlite3.Error):
-            _drop_if_broken(exc)
-        if isinstance(exc, sqlite3.Error):
-            raise sqlite_fault(exc, db_path()) from exc
-        fault = storage_fault(exc, db_path()) if isinstance(exc, OSError) else None
-        if fault is not None:
-            raise fault from exc
-        raise
+    with store_sqlite.transaction(conn, db_path(), _discard):
+        yield conn
 
 
 @contextlib.contextmanager
@@ -1099,43 +854,6 @@ def _kept_pg(url: str) -> PgConnection:
         if len(_KEPT) > KEPT_MAX:
             _prune()
     return conn
-
-
-BUSY_WAIT_SEC = 30.0  # how long a write waits for the write lock before "database is locked"
-
-
-def _begin_immediate(conn: sqlite3.Connection) -> None:
-    """``BEGIN IMMEDIATE``, waiting for the write lock in short sleeps of our own.
-
-    SQLite's busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries: with a few
-    processes writing, each conflict cost milliseconds while the lock was free again in tens of
-    microseconds (4 processes reached ~450 cycles/s). Here the handler is off for this one
-    statement and the retry sleeps 50 µs, doubling to at most 2 ms, with jitter, for up to
-    BUSY_WAIT_SEC; every other statement keeps the 30 s busy timeout."""
-    conn.execute("PRAGMA busy_timeout = 0")
-    try:
-        delay, deadline = 0.00005, None
-        while True:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                deadline = deadline or time.monotonic() + BUSY_WAIT_SEC
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 0.002)
-    finally:
-        conn.execute("PRAGMA busy_timeout = 30000")
-
-
-def _drop_if_broken(exc: sqlite3.Error) -> None:
-    # A busy/locked database or a constraint is no fault of the connection; anything else (disk
-    # I/O, corruption, a file gone read-only, a closed connection) reopens on the next call.
-    if not isinstance(exc, sqlite3.IntegrityError) and "locked" not in str(exc) and "busy" not in str(exc):
-        _discard()
 
 
 def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
@@ -3016,9 +2734,7 @@ def change_watch() -> "FolderWatch | PgChangeWatch":
     url = database_url()
     if url:
         return PgChangeWatch(url)
-    from file_watch import FolderWatch  # imported by waiting processes only
-    path = db_path()
-    return FolderWatch(path.parent, (path.name, f"{path.name}-wal", f"{path.name}-journal"))
+    return store_sqlite.change_watch(db_path())
 
 
 def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
@@ -3592,7 +3308,7 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
     WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
     Raises StorageFault (a full or read-only disk), OSError (file), DatabaseUnusable / DatabaseBusy
-    (the database; see ``sqlite_fault``)."""
+    (the database; see ``store_sqlite.fault``)."""
     state = dict(state)
     pid_start = state.pop("pid_start", None)
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}

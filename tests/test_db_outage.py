@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
+import store_sqlite
 import task_store
 import task_views
 import worker
@@ -322,7 +323,7 @@ def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_a
     """SQLite's write lock really held by another connection (its wait shortened from 30 s): a
     step's spend that could not be recorded was dropped from today's spend for good."""
     import sqlite3
-    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.2)
+    monkeypatch.setattr(store_sqlite, "BUSY_WAIT_SEC", 0.2)
     monkeypatch.setattr(worker, "OUTAGE_BACKOFF_SEC", (0.1, 0.2))
     task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
     claimed = task_store.claim_next("w", task_id=task["id"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import store_sqlite
 import task_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ def submit(tmp_path: Path, **extra) -> dict:
 
 def test_a_locked_database_is_database_busy_naming_the_file(tmp_path, monkeypatch):
     submit(tmp_path)
-    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.05)
+    monkeypatch.setattr(store_sqlite, "BUSY_WAIT_SEC", 0.05)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")   # another process's write lock, held past the wait
     try:
@@ -104,7 +105,7 @@ def test_a_busy_database_in_another_thread_does_not_close_its_connection(tmp_pat
     # DatabaseBusy is no fault of the connection: the kept one stays (only a broken one reopens).
     submit(tmp_path)
     kept = task_store._kept()
-    monkeypatch.setattr(task_store, "BUSY_WAIT_SEC", 0.02)
+    monkeypatch.setattr(store_sqlite, "BUSY_WAIT_SEC", 0.02)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
