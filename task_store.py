@@ -33,6 +33,7 @@ Not run on its own (the MCP server, the CLI and the worker import it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -120,7 +121,41 @@ def database_url() -> str | None:
 
 def backend() -> str:
     """``"postgresql"`` when ``TASK_DB_URL`` names PostgreSQL, else ``"sqlite"``."""
-    return "postgresql" if database_url() else "sqlite"
+    return _dialect().name
+
+
+@dataclasses.dataclass(frozen=True)
+class Dialect:
+    """What the queue's SQL (written once, below) asks about the database it runs on."""
+    name: str                # backend()'s answer: "sqlite" or "postgresql"
+    locks_rows: bool         # no global writers' lock: a write transaction locks the rows it decides on
+    #                          (FOR UPDATE / FOR SHARE) and advisory-locks keys and logs
+    server_clock: bool       # "now" is the server's clock (store_now), not this machine's
+    clock_sql: str           # "now" inside a statement: the bound :now, or the server's clock
+    true_sql: str            # a condition that always holds
+    contains_fn: str         # position of a substring in a string (0: absent)
+    events_final: str        # the condition that keeps a read of events below any still to commit
+    events_at_commit: bool   # events wait in the connection until its commit (PgConnection.commit)
+    counts_table: bool       # tasks per status kept in task_counts by triggers (migration 9)
+    index_hints: bool        # the planner needs INDEXED BY / a unary + on a few partial indexes
+    logs_in_database: bool   # task logs are task_log_chunks rows, not files
+
+
+SQLITE = Dialect(name="sqlite", locks_rows=False, server_clock=False, clock_sql=":now", true_sql="1",
+                 contains_fn="instr", events_final="1 = 1", events_at_commit=False, counts_table=True,
+                 index_hints=True, logs_in_database=False)
+POSTGRESQL = Dialect(name="postgresql", locks_rows=True, server_clock=True,
+                     clock_sql="extract(epoch FROM clock_timestamp())", true_sql="true", contains_fn="strpos",
+                     events_final=PG_EVENTS_FINAL, events_at_commit=True, counts_table=False,
+                     index_hints=False, logs_in_database=True)
+
+
+def _dialect(conn: Any = None) -> Dialect:
+    """The dialect of ``conn`` (a connection from ``_kept`` or ``connect``), or without one of the
+    configured queue: the one place the store's SQL tells its two databases apart."""
+    if conn is None:
+        return POSTGRESQL if database_url() else SQLITE
+    return POSTGRESQL if type(conn) is PgConnection else SQLITE
 
 
 def _sqlite_setting(url: str | None = None) -> str | None:
@@ -271,8 +306,9 @@ def store_now(conn: Any) -> float:
     PostgreSQL (``clock_timestamp()``: hosts whose clocks disagree still stamp and compare leases
     on one clock, so a host running ahead never reaps another's live attempt), this machine's
     on SQLite (the file has no clock of its own and every process using it runs here)."""
-    if type(conn) is PgConnection:
-        return float(conn.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()[0])
+    dialect = _dialect(conn)
+    if dialect.server_clock:
+        return float(conn.execute(f"SELECT {dialect.clock_sql}").fetchone()[0])
     return now()
 
 
@@ -807,7 +843,7 @@ def checkpoint() -> None:
 @contextlib.contextmanager
 def _reading() -> Iterator[sqlite3.Connection]:
     conn = _kept()
-    if type(conn) is PgConnection:   # psycopg's errors are mapped by PgConnection itself
+    if _dialect(conn) is POSTGRESQL:   # psycopg's errors are mapped by PgConnection itself
         yield conn
         return
     with store_sqlite.reading(conn, db_path(), _discard):
@@ -819,7 +855,7 @@ def _writing() -> Iterator[sqlite3.Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read (on
     PostgreSQL no global lock: rows are locked as they are read, see ``store_pg.transaction``)."""
     conn = _kept()
-    if type(conn) is PgConnection:
+    if _dialect(conn) is POSTGRESQL:
         with store_pg.transaction(conn):
             yield conn
         return
@@ -832,7 +868,7 @@ def _single_write() -> Iterator[sqlite3.Connection]:
     """For a write that is one statement: on PostgreSQL the kept connection in autocommit (the
     statement is its own transaction: no BEGIN or COMMIT round trip); on SQLite ``_writing``."""
     conn = _kept()
-    if type(conn) is PgConnection:
+    if _dialect(conn) is POSTGRESQL:
         yield conn
         return
     with _writing() as conn:
@@ -857,7 +893,7 @@ def _kept_pg(url: str) -> PgConnection:
 
 
 def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
-    if type(conn) is PgConnection:   # appended at the commit, in order (PgConnection.commit)
+    if _dialect(conn).events_at_commit:   # appended at the commit, in order (PgConnection.commit)
         conn.events.append((task_id, now(), kind, message))
         return
     conn.execute(
@@ -1443,7 +1479,7 @@ def overdue_tasks() -> list[dict[str, Any]]:
     with _reading() as conn:
         # On SQLite its partial index (migration 9) holds only pending tasks with a timeout: the
         # planner, left alone, read every pending task through the claim index instead.
-        hint = "" if backend() == "postgresql" else " INDEXED BY tasks_schedule"
+        hint = " INDEXED BY tasks_schedule" if _dialect(conn).index_hints else ""
         rows = conn.execute(f"SELECT id, status, created_at, claimed_at, schedule_timeout_sec FROM tasks{hint}"
                             " WHERE status = 'pending' AND claimed_at IS NULL AND schedule_timeout_sec IS NOT NULL"
                             " AND created_at + schedule_timeout_sec < ? ORDER BY created_at, id LIMIT 100",
@@ -1461,7 +1497,7 @@ def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
 def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
     # In a PostgreSQL write transaction the row is locked (there is no global writers' lock): no
     # claim or other writer can change it between this read and the write it decides.
-    locked = type(conn) is PgConnection and conn.writing
+    locked = _dialect(conn).locks_rows and conn.writing
     row = conn.execute("SELECT * FROM tasks WHERE id = ? FOR UPDATE" if locked else "SELECT * FROM tasks WHERE id = ?",
                        (task_id,)).fetchone()
     if row is None:
@@ -1490,7 +1526,7 @@ RETURNING *
 def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row | None:
     if key is None:
         return None
-    if type(conn) is PgConnection:   # two submits of one key: the second waits, then finds the first
+    if _dialect(conn).locks_rows:   # two submits of one key: the second waits, then finds the first
         conn.execute("SELECT pg_advisory_xact_lock(CAST(? AS integer), hashtext(?))", (PG_KEY_LOCK, key))
     return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
 
@@ -1507,7 +1543,7 @@ def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) ->
         dep_id = parse_task_id(dep)
         # On PostgreSQL the dependency's row is share-locked to the commit: it cannot fail or be
         # cancelled in between, unseen by its _fail_dependents (which would miss this new task).
-        row = conn.execute("SELECT status FROM tasks WHERE id = ? FOR SHARE" if type(conn) is PgConnection
+        row = conn.execute("SELECT status FROM tasks WHERE id = ? FOR SHARE" if _dialect(conn).locks_rows
                            else "SELECT status FROM tasks WHERE id = ?", (dep_id,)).fetchone()
         if row is None:
             raise ValidationError(f"{field} names {format_task_id(dep_id)}, which does not exist")
@@ -1796,22 +1832,22 @@ def list_tasks(
     # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
     # the list-order index (no sort of every match); a filter of live statuses only reads those
     # few rows through the status index and sorts them.
-    pg = database_url() is not None
-    unary = "+" if "done" in statuses and not pg else ""
+    dialect = _dialect()
+    unary = "+" if "done" in statuses and dialect.index_hints else ""
     where, params = [f"{unary}status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
     if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
-        where, params = ["true" if pg else "1"], []
+        where, params = [dialect.true_sql], []
     origin = optional(origin)
     if origin:
         where.append("(origin_kind = ? OR origin_name = ?)")
         params += [origin, origin]
     if optional(search):
-        where.append(f"{'strpos' if pg else 'instr'}(lower(title), lower(?)) > 0")
+        where.append(f"{dialect.contains_fn}(lower(title), lower(?)) > 0")
         params.append(search)
     clause = " AND ".join(where)
-    columns = _LIST_COLUMNS_PG if pg else _LIST_COLUMNS
+    columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
     with _reading() as conn:
-        if len(where) == 1 and not pg:
+        if len(where) == 1 and dialect.counts_table:
             total = conn.execute("SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN (%s)"
                                  % ",".join("?" * len(statuses)), statuses).fetchone()[0]
         else:
@@ -1897,7 +1933,7 @@ _COUNTS = {"sqlite": "SELECT status, n FROM task_counts WHERE status != 'unseen'
 def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
-        rows = conn.execute(_COUNTS[backend()]).fetchall()
+        rows = conn.execute(_COUNTS[_dialect(conn).name]).fetchall()
     return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
 
 
@@ -1919,8 +1955,9 @@ SELECT t.id, t.created_at FROM p JOIN tasks t ON t.id = (SELECT id FROM tasks WH
 def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     with _reading() as conn:
-        tallies = {s: 0 for s in STATUSES} | dict(conn.execute(_COUNTS[backend()]).fetchall())
-        oldest = conn.execute(_OLDEST_PENDING[backend()]).fetchone()
+        dialect = _dialect(conn).name
+        tallies = {s: 0 for s in STATUSES} | dict(conn.execute(_COUNTS[dialect]).fetchall())
+        oldest = conn.execute(_OLDEST_PENDING[dialect]).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
     return {
         "counts": tallies,
@@ -1988,7 +2025,7 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
                 raise InvalidTransition(f"task {format_task_id(num)} waits: {spent}")
             return None
         row = conn.execute(
-            _CLAIM_PG if type(conn) is PgConnection else _CLAIM,
+            {"sqlite": _CLAIM, "postgresql": _CLAIM_PG}[_dialect(conn).name],
             {"now": store_now(conn), "owner": owner, "pid": pid, "pid_start": pid_start, "task_id": num, "host": host,
              "default_account": default_account}
         ).fetchone()
@@ -2050,10 +2087,9 @@ def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
     # the statement alone (a fleet renews every few seconds per running task).
     # The server's clock on PostgreSQL (see store_now) read inside the statement, not a trip of its own.
     with _single_write() as conn:
-        pg = type(conn) is PgConnection
-        stamp = "extract(epoch FROM clock_timestamp())" if pg else ":now"
-        renewed = (conn.execute_idempotent if pg else conn.execute)(
-            f"UPDATE tasks SET heartbeat_at = {stamp}{sets} WHERE id = :id AND run_marker = :marker"
+        # PgConnection retries this fenced (so idempotent) statement once on a new connection.
+        renewed = getattr(conn, "execute_idempotent", conn.execute)(
+            f"UPDATE tasks SET heartbeat_at = {_dialect(conn).clock_sql}{sets} WHERE id = :id AND run_marker = :marker"
             " AND status = 'running' RETURNING id", fields | {"now": now(), "id": num, "marker": marker}
         ).fetchone()
     if renewed is None:
@@ -2641,7 +2677,7 @@ def _event_dict(row: sqlite3.Row) -> dict[str, Any]:
 def _final(conn: sqlite3.Connection) -> str:
     """The condition that keeps a read of events below the horizon where none can still appear:
     always true on SQLite (ids commit in order there), ``PG_EVENTS_FINAL`` on PostgreSQL."""
-    return PG_EVENTS_FINAL if type(conn) is PgConnection else "1 = 1"
+    return _dialect(conn).events_final
 
 
 def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: int = 200) -> list[dict[str, Any]]:
@@ -2795,9 +2831,9 @@ def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
     with _reading() as conn:
         # SQLite's planner, left to itself, read every finished task through the status index
         # and sorted them (0.4 s at 100,000 unread); the partial index holds exactly these rows.
-        rows = conn.execute(f"SELECT id FROM tasks{'' if backend() == 'postgresql' else ' INDEXED BY tasks_unseen'}"
+        rows = conn.execute(f"SELECT id FROM tasks{' INDEXED BY tasks_unseen' if _dialect(conn).index_hints else ''}"
                             f" WHERE {where} ORDER BY finished_at, id LIMIT ?", (limit,)).fetchall()
-        total = conn.execute(_UNSEEN_TOTAL[backend()]).fetchone()[0]
+        total = conn.execute(_UNSEEN_TOTAL[_dialect(conn).name]).fetchone()[0]
     return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
 
@@ -3148,7 +3184,7 @@ PG_LOG_LOCK = 0x74626C67  # first key of a task log's advisory lock ("tblg"; the
 def logs_in_database() -> bool:
     """Whether task logs live in the database (PostgreSQL: the worker ships its log there, every
     reader reads it there) instead of files (SQLite: the file is the log)."""
-    return backend() == "postgresql"
+    return _dialect().logs_in_database
 
 
 def task_log_location(task_id: int | str) -> str:
@@ -3183,7 +3219,7 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
     # PostgreSQL has no global writers' lock (ships come every second from each running task):
     # a lock of this task's log alone keeps two ships of one task from taking the same seq.
     with _writing() as conn:
-        if type(conn) is PgConnection:
+        if _dialect(conn).locks_rows:
             conn.execute("SELECT pg_advisory_xact_lock(CAST(? AS integer), CAST(? AS integer))",
                          (PG_LOG_LOCK, num % 2_147_483_647))
         if conn.execute("SELECT 1 FROM tasks WHERE id = ?", (num,)).fetchone() is None:
