@@ -54,11 +54,14 @@ import knobs
 import opencode_runner as oc
 import os_faults
 import process_tree
+import receipt as receipt_mod
 import redaction
 import reverse_bridge
 import task_store as store
 import worker_talk as talk
 import worktrees
+from receipt import ITEM_MAX, ITEMS_MAX, SUMMARY_MAX, Receipt  # noqa: F401 - ITEM*/SUMMARY_MAX: worker's names too
+from receipt import clip_items as _clip_items  # noqa: F401 - the worker's name for it (tests read it)
 from worker_talk import Talk
 from worktrees import Workspace
 
@@ -355,10 +358,7 @@ DEAD_SHELL_SEC = 15
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
 # Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
-SUMMARY_MAX = 8_000
 QUESTION_MAX = 20_000
-ITEM_MAX = 2_000              # one open question, test command, claimed file
-ITEMS_MAX = 100               # items of each list
 
 
 class StartGate:
@@ -1433,7 +1433,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 raise
             if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
                 log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
-            return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
+            return _bookkeeping_failed(task, ws, run, Receipt(summary=run.stream.final_text[-2000:]), None,
                                        "recording the result", exc, phases)
 
 
@@ -1604,14 +1604,14 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     reverted, files, diff, problem = _observe(task, ws, snapshot)
     receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
     if reverted[1]:
-        receipt["not_reverted"] = reverted[1]
-        receipt["sandbox"]["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
+        receipt.not_reverted = reverted[1]
+        receipt.sandbox["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
                                               "not_reverted; the rest were")
-    receipt["changed_outside_worktree"] = worktrees.changed_outside(checkout_before, ws.repo) \
+    receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
         if ws.mode == "worktree" and not ws.remote and problem is None else []
-    receipt["repo_config"] = repo_config
+    receipt.repo_config = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
-        receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+        receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
     usage = run.stream.usage()
     if phases.superseded:
         _cleanup_superseded(task, ws)
@@ -1619,7 +1619,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if problem is not None and reason is None and not run.interrupted:
         return _bookkeeping_failed(task, ws, run, receipt, None, "building the receipt (git diff)", problem, phases)
     if problem is not None:
-        receipt["diff_error"] = str(problem)
+        receipt.diff_error = str(problem)
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
         _remove(ws, receipt)
     if run.interrupted:
@@ -1680,14 +1680,14 @@ def limit_resume_at(task: dict, limited: dict[str, Any], knobs: Knobs, now: floa
     return now + min(knobs.limit_backoff_sec * 2 ** (rounds - 1), LIMIT_BACKOFF_MAX_SEC)
 
 
-def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: dict, usage: dict,
+def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: Receipt, usage: dict,
                     knobs: Knobs) -> dict[str, Any] | None:
     """Pause the task at its provider's usage limit (not a failure: no retry spent, the worktree
     and the OpenCode session kept) until the reset; other tasks on the provider wait meanwhile."""
     limited, account = run.limited, model.split("/", 1)[0]
     resume_at = limit_resume_at(task, limited, knobs, time.time())
     said = " ".join(str(limited.get("said") or "a usage limit (no words given)").split())[:1000]
-    receipt["limit"] = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
+    receipt.limit = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
                         "seen_in": limited.get("source")}
     if resume_at is None:
         way = (f"It gave no reset time {knobs.limit_rounds} times in a row, so TaskBridge does not resume it by "
@@ -1751,18 +1751,18 @@ def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[tuple[li
     return reverted, files, diff, None
 
 
-def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
                        phases: Phases) -> dict[str, Any] | None:
     """The agent succeeded: commit on the task branch, remove the worktree (checked), done. A
     failed commit is bookkeeping: never a rerun of the agent."""
     try:
-        message = worktrees.task_commit_message(task, receipt["summary"], {"usage": run.stream.usage(),
+        message = worktrees.task_commit_message(task, receipt.summary, {"usage": run.stream.usage(),
                                                                          "session_id": run.stream.session_id})
-        receipt["commit"] = worktrees.commit_changes(ws, message)
-        receipt["no_change"] = ws.mode == "worktree" and not receipt["commit"]
+        receipt.commit = worktrees.commit_changes(ws, message)
+        receipt.no_change = ws.mode == "worktree" and not receipt.commit
         if task.get("continue_from") or task.get("fork_from"):
-            receipt["line"] = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
-                               **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
+            receipt.line = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
+                               **worktrees.line_of_work(ws, receipt.commit or ws.base_commit)}
     except worktrees.GitError as exc:
         return _bookkeeping_failed(task, ws, run, receipt, diff, "the commit", exc, phases)
     if ws.remote:
@@ -1775,21 +1775,21 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
         try:
             _remove(ws, receipt)
         except worktrees.GitError as exc:   # stopped: the work is committed; say what is left
-            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+            receipt.update(worktree_removed=False, worktree_left=f"{ws.top}: {exc}")
         if not _drop_empty_branch(task, ws, receipt):
             return None
     if run.meter is not None:
         run.meter.settle_owed()
-    notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
+    notify(f"TaskBridge {task['id']} done", receipt.summary[:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=diff,
                    usage=run.stream.usage(), session_id=run.stream.session_id)
 
 
-def _push(task: dict, ws: Workspace, receipt: dict) -> None:
+def _push(task: dict, ws: Workspace, receipt: Receipt) -> None:
     """A task on a remote: push its commit as its branch (leased: see worktrees.push_branch) and
     record where it went, in the receipt and on the task's row. Nothing committed: nothing
     pushed, and the receipt says so. Raises worktrees.GitError."""
-    receipt["repo"] = ws.remote
+    receipt.repo = ws.remote
     commit = receipt.get("commit")
     if not commit:
         receipt.update(pushed_branch=None, pushed_commit=None,
@@ -1802,20 +1802,20 @@ def _push(task: dict, ws: Workspace, receipt: dict) -> None:
     log(f"{task['id']} pushed {ws.branch} ({commit[:12]}) to {ws.remote}", talk.VERBOSE)
 
 
-def _remove(ws: Workspace, receipt: dict) -> None:
+def _remove(ws: Workspace, receipt: Receipt) -> None:
     """Remove the worktree and record in the receipt whether it is really gone, and what is
     left when it is not (the task keeps its worktree_path, so clear --remove-worktrees can
     retry)."""
     if ws.mode != "worktree":
         return
     left = worktrees.remove_worktree(ws)
-    receipt["worktree_removed"] = left is None
+    receipt.worktree_removed = left is None
     if left:
-        receipt["worktree_left"] = left
+        receipt.worktree_left = left
         log(left)
 
 
-def _drop_empty_branch(task: dict, ws: Workspace, receipt: dict) -> bool:
+def _drop_empty_branch(task: dict, ws: Workspace, receipt: Receipt) -> bool:
     """A run that changed nothing, its worktree gone: its empty branch is deleted (see
     worktrees.drop_empty_branch) and the receipt and the task's row say there is no branch.
     False when the attempt was superseded meanwhile (the caller stops). A git command stopped on
@@ -1838,7 +1838,7 @@ def _drop_empty_branch(task: dict, ws: Workspace, receipt: dict) -> bool:
     return True
 
 
-def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
                         step: str, exc: BaseException, phases: Phases) -> dict[str, Any] | None:
     """The agent finished but recording its work did not: the receipt is stored, the step and
     git's reason are named, the worktree is kept for the person, and the (paid) agent run is
@@ -1849,7 +1849,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
     if ws.mode != "worktree":
         where = f"its changes are in {ws.cwd}"
     elif ws.remote and receipt.get("commit"):
-        where = (f"its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: push it "
+        where = (f"its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: push it "
                  f"yourself once the remote takes it ({worktrees.push_command(ws.top, ws.remote, ws.branch)})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
@@ -1862,8 +1862,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
     error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
-    receipt["bookkeeping_error"] = error
-    receipt["worktree_kept"] = ws.mode == "worktree"
+    receipt.update(bookkeeping_error=error, worktree_kept=ws.mode == "worktree")
     log(f"{task['id']}: {error}")
     final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
                     diff=diff, usage=run.stream.usage(), session_id=run.stream.session_id,
@@ -1878,19 +1877,20 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     worktree on this machine (worktrees.unpushed_workspace): push that commit again — the agent is
     never run again — and finish with the earlier receipt. A push refused again fails the task
     the same way (worktree kept, host pinned, not retried)."""
-    receipt = {k: v for k, v in (task.get("result") or {}).items() if k not in ("bookkeeping_error", "worktree_kept")}
-    receipt["pushed_again"] = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
+    receipt = Receipt.from_json({k: v for k, v in (task.get("result") or {}).items()
+                                 if k not in ("bookkeeping_error", "worktree_kept")})
+    receipt.pushed_again = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
                                f"{ws.top}; the agent was not run again")
-    log(f"{task['id']}: pushing the kept commit {receipt['commit'][:12]} again (the agent is not run again)",
+    log(f"{task['id']}: pushing the kept commit {receipt.commit[:12]} again (the agent is not run again)",
         talk.VERBOSE)
     try:
         _push(task, ws, receipt)
     except worktrees.GitError as exc:
         error = (f"the agent finished in an earlier attempt, but the push of {ws.branch} to {ws.remote} failed "
-                 f"again: {exc}; its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: "
+                 f"again: {exc}; its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: "
                  f"push it yourself once the remote takes it "
                  f"({worktrees.push_command(ws.top, ws.remote, ws.branch)}). The agent is not run again")
-        receipt.pop("pushed_again")
+        receipt.unset("pushed_again")
         receipt.update(bookkeeping_error=error, worktree_kept=True)
         log(f"{task['id']}: {error}")
         return _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
@@ -1899,7 +1899,7 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
         try:
             _remove(ws, receipt)
         except worktrees.GitError as exc:
-            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+            receipt.update(worktree_removed=False, worktree_left=f"{ws.top}: {exc}")
     notify(f"TaskBridge {task['id']} done", receipt.get("summary", "")[:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=task.get("diff"))
 
@@ -1927,6 +1927,8 @@ def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict
         return fn(*args, **kwargs)
 
     # Everything an attempt stores (receipt, diff, error, question) passes here: redacted once.
+    if isinstance(kwargs.get("result"), Receipt):
+        kwargs["result"] = kwargs["result"].to_json()
     redactor = redaction.current()
     args, kwargs = redaction.redact_deep(args, redactor), redaction.redact_deep(kwargs, redactor)
     try:
@@ -1961,91 +1963,12 @@ def _whole_text_at(task: dict, run: RunResult) -> str:
         f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
 
 
-def _clip_items(items: list[str], where: str) -> list[str]:
-    """At most ITEMS_MAX items of at most ITEM_MAX characters each; a last item says what was cut."""
-    kept = [store.clip(item, ITEM_MAX, where) for item in items[:ITEMS_MAX]]
-    if len(items) > ITEMS_MAX:
-        kept.append(f"… [{len(items) - ITEMS_MAX:,} more items; all are in {where}]")
-    return kept
-
-
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
-                  files: list[str], reverted: list[str], session_note: str) -> dict[str, Any]:
-    """The receipt: what git and the event stream showed, beside what the agent says."""
-    stream = run.stream
+                  files: list[str], reverted: list[str], session_note: str) -> Receipt:
+    """The receipt (receipt.build): what git and the event stream showed, beside what the agent says."""
     current = db(store.get_task, task["id"])
-    if ws.mode == "in-place" and not ws.top:
-        files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
-                        if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
-    box = run.box or agent_box.Support(None, reason="the run did not start")
-    isolation = ws.note or (f"git worktree on {ws.branch}; " + (
-        f"{box.mechanism} lets the agent write only there" if box.mechanism else
-        "writes outside it are not prevented (no box): changes to your checkout are listed in "
-        "changed_outside_worktree"))
-    sandbox = {"isolation": isolation, "permission": task["permission"],
-               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws) + (
-                   f"; {box.mechanism} kept the rest (the repository's config, hooks, info/, the .git pointer, your "
-                   "own git config) read-only to the run" if box.mechanism else "")}
-    if task.get("rules"):
-        sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
-                            "sub-agents): deny refuses the call, ask pauses the task for the planner; "
-                            "the preset's own rules still apply")
-    denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
-    where = _whole_text_at(task, run)
-    return {
-        "summary": store.clip(block.get("summary") or block.get("question") or "", SUMMARY_MAX, where),
-        "block_found": block.get("block_found", block["kind"] == "question"),
-        "files_touched": files,
-        "files_claimed": _clip_items(block.get("files_touched", []), where),
-        "files_reverted": reverted,
-        "commands": stream.commands,
-        "tool_calls": len(stream.tool_calls),
-        "tool_errors": [{"tool": c["tool"], "status": c["status"], "error": c.get("error")} for c in denied],
-        "tests_run": _clip_items(block.get("tests_run", []), where),
-        "open_questions": _clip_items(block.get("open_questions", []), where),
-        "usage": stream.usage(),
-        "model": model,
-        "latency_sec": run.seconds,
-        "attempt": task["attempts"],
-        "max_retries": task["max_retries"],
-        "sandbox": sandbox,
-        "git_planted": ws.git_planted or [],
-        "isolation": ws.mode,
-        "branch": ws.branch,
-        "repo": ws.remote,
-        "mirror": {"path": ws.repo, "cloned": ws.mirror_cloned} if ws.remote else None,
-        "base_commit": ws.base_commit,
-        "base_from": ws.base_from or None,
-        "submodules": ws.submodules,
-        "worktree_path": ws.top if ws.mode == "worktree" else None,
-        "session_id": stream.session_id,
-        "session": session_note,
-        "exit_code": run.returncode,
-        "agent_exited": run.agent_exited,
-        "non_json_lines": stream.bad_lines,
-        "replies_not_believed": run.not_believed,
-        "ended_with_run": run.ended,
-        "mcp_servers_unavailable": run.mcp_down,
-        "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
-                   "delivered_how": n["delivered_how"]} for n in current["notes"]],
-        "questions": current["questions"],
-        "permission_asks": permission_asks(task),
-        "limit_pauses": current.get("limit_pauses") or [],
-    }
-
-
-def permission_asks(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """The permission asks the planner decided over the task's attempts, each ``{tool, subject,
-    reason, decision}`` (``deny once`` …): a refused call never reaches the event stream, so
-    this is its only trace in the receipt. Carried over from the previous attempt's receipt."""
-    result = task.get("result") if isinstance(task.get("result"), dict) else {}
-    asks = list(result.get("permission_asks") or [])
-    ask = task.get("pending_ask") or {}
-    if ask.get("decision"):
-        record = {key: ask.get(key) for key in ("tool", "subject", "reason", "decision")}
-        if record not in asks:
-            asks.append(record)
-    return asks
+    return receipt_mod.build(task, current, ws, run, model, block, files, reverted, session_note,
+                             _whole_text_at(task, run))
 
 
 # --------------------------------------------------------------------------------------------
@@ -2128,14 +2051,14 @@ def _recorded_from_commit(task: dict[str, Any], marker: str) -> dict[str, Any] |
         return None
     if found is None:
         return None
-    receipt = {"summary": found["summary"], "files_touched": found["files"], "commit": found["commit"],
-               "recovered": (f"attempt {marker} committed this work ({found['commit'][:12]} on {task['branch']}) "
+    receipt = Receipt(summary=found["summary"], files_touched=found["files"], commit=found["commit"],
+                      recovered=(f"attempt {marker} committed this work ({found['commit'][:12]} on {task['branch']}) "
                              "but its worker stopped before the queue recorded it; recorded from the commit: "
-                             "the agent was not run again")}
+                             "the agent was not run again"))
     if task.get("worktree_path") and not task["worktree_keep"]:
         left = worktrees.remove_worktree_at(task["worktree_path"])
-        receipt["worktree_removed"] = left is None
-    log(f"{task['id']}: {receipt['recovered']}")
+        receipt.worktree_removed = left is None
+    log(f"{task['id']}: {receipt.recovered}")
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=found["diff"],
                    usage=found["usage"], session_id=found["session_id"])
 
