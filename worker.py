@@ -95,21 +95,26 @@ class Knobs:
 
 class Flags:
     """Set by signal handlers only; the loops act on them."""
-    stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
-    stop_now = False   # second: end the run at once and hand the task back
-    at_once = False    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
+
+    def __init__(self, at_once: bool = False) -> None:
+        self.stopping = False     # first SIGTERM/SIGINT: finish the current task, then exit
+        self.stop_now = False     # second: end the run at once and hand the task back
+        self.at_once = at_once    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
+
+    def signalled(self) -> None:
+        if self.stopping or self.at_once:
+            self.stop_now = True
+        self.stopping = True
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if Flags.stopping or Flags.at_once:
-        Flags.stop_now = True
-    Flags.stopping = True
+    current().flags.signalled()
 
 
 def log(message: str, level: int = talk.NORMAL) -> None:
     """One line to stderr (launchd/systemd keep it) at ``level`` (``-q`` / ``-v``), also in the
     worker log beside the database unless verbose-only (see worker_talk)."""
-    Talk.say(message, level)
+    current().talk.say(message, level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,32 +139,33 @@ def db_outage(exc: BaseException) -> bool:
 class Outage:
     """This worker's view of the queue database: away since when, back. Said once each way, from
     the second failed call on: a kept connection that died with a restart fails its first call
-    and reopens on the next, which is no outage to report."""
-    lock = threading.Lock()
-    since: float | None = None   # time.time() of the first failed call of this outage
-    said = False
+    and reopens on the next, which is no outage to report. A full disk goes to ``full_disk``."""
 
-    @classmethod
-    def failed(cls, exc: BaseException) -> None:
-        with cls.lock:
+    def __init__(self, full_disk: FullDisk) -> None:
+        self.lock = threading.Lock()
+        self.full_disk = full_disk
+        self.since: float | None = None   # time.time() of the first failed call of this outage
+        self.said = False
+
+    def failed(self, exc: BaseException) -> None:
+        with self.lock:
             if isinstance(exc, store.DiskFull):
-                return FullDisk.failed(exc)
-            if cls.since is None:
-                cls.since = time.time()
+                return self.full_disk.failed(exc)
+            if self.since is None:
+                self.since = time.time()
                 return
-            if cls.said:
+            if self.said:
                 return
-            cls.said = True
+            self.said = True
         said = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
-        log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(cls.since))} "
+        log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(self.since))} "
             f"({said}); retrying (the running agents go on)", talk.QUIET)
 
-    @classmethod
-    def answered(cls) -> None:
-        if cls.since is None:
+    def answered(self) -> None:
+        if self.since is None:
             return
-        with cls.lock:
-            since, said, cls.since, cls.said = cls.since, cls.said, None, False
+        with self.lock:
+            since, said, self.since, self.said = self.since, self.said, None, False
         if since is not None and said:
             log(f"queue database reachable again after {time.time() - since:.0f} s; carrying on", talk.QUIET)
 
@@ -168,15 +174,16 @@ class FullDisk:
     """A full disk under the queue's files, said once per FULL_SAY_EVERY_SEC: on a nearly full
     disk some writes land (SQLite reuses free pages) and others fail, so a success says nothing
     about the next write, and a line per flip would flood the log."""
-    lock = threading.Lock()
-    said_at: float | None = None   # time.monotonic() of the last line
 
-    @classmethod
-    def failed(cls, exc: BaseException) -> None:
-        with cls.lock:
-            if cls.said_at is not None and time.monotonic() - cls.said_at < FULL_SAY_EVERY_SEC:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.said_at: float | None = None   # time.monotonic() of the last line
+
+    def failed(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.said_at is not None and time.monotonic() - self.said_at < FULL_SAY_EVERY_SEC:
                 return
-            cls.said_at = time.monotonic()
+            self.said_at = time.monotonic()
         log(f"{exc}; what the running tasks finished is held and written once there is space (retrying)",
             talk.QUIET)
 
@@ -201,14 +208,14 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
-            if not db_outage(exc) or Flags.stop_now or time.monotonic() + delay > deadline or \
+            if not db_outage(exc) or current().flags.stop_now or time.monotonic() + delay > deadline or \
                     (not hold_full and isinstance(exc, store.DiskFull)):
                 raise
-            Outage.failed(exc)
+            current().outage.failed(exc)
             time.sleep(delay)
             delay = backoff(delay)
             continue
-        Outage.answered()
+        current().outage.answered()
         return result
 
 
@@ -238,12 +245,12 @@ class Renewal:
         except Exception as exc:
             if not db_outage(exc):
                 raise
-            Outage.failed(exc)
+            current().outage.failed(exc)
             self.every = backoff(self.every)
             return False
         self.pending.clear()
         self.every = self.lease_sec
-        Outage.answered()
+        current().outage.answered()
         return True
 
 
@@ -366,15 +373,15 @@ class StartGate:
     fresh OpenCode data directory race on its own database migrations ("Failed query: CREATE
     TABLE"). A run holds the gate until its first event or for START_GATE_SEC seconds (the binary
     starts in ~1.7 s here), so slots still overlap for all but the first seconds."""
-    _lock = threading.Lock()
 
-    @classmethod
-    def enter(cls) -> None:
-        cls._lock.acquire()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
 
-    @classmethod
-    def leave(cls) -> None:
-        cls._lock.release()
+    def enter(self) -> None:
+        self._lock.acquire()
+
+    def leave(self) -> None:
+        self._lock.release()
 
 
 class Meter:
@@ -441,12 +448,12 @@ class Meter:
         try:
             self.budget = db(store.record_spend, *args, hold_full=hold_full) if last else store.record_spend(*args)
         except store.DiskFull as exc:   # the work is committed first; the spend is booked after (settle_owed)
-            Outage.failed(exc)
+            current().outage.failed(exc)
             self.owed = True
             return
         except (sqlite3.Error, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
-                Outage.failed(exc)   # said once for the worker; recorded with the next step
+                current().outage.failed(exc)   # said once for the worker; recorded with the next step
             else:
                 log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
             return
@@ -829,7 +836,7 @@ class Supervisor:
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
-            StartGate.enter()
+            current().start_gate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
             self.started_wall = time.time()
             self.status, status_w = os.pipe()
@@ -893,7 +900,7 @@ class Supervisor:
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
             self.gate_open_at = None
-            StartGate.leave()
+            current().start_gate.leave()
 
     def _send_prompt(self) -> None:
         try:
@@ -963,15 +970,15 @@ class Supervisor:
                 return self._end(str(exc), superseded=True)
             if renewed:   # while the database is away the agent runs on; the rest waits for it
                 self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
-                Beat.write()
+                current().beat.write()
                 self.shipper.ship()
                 if self.meter is not None:
                     self.meter.refresh()
                 if self.courier is not None:
                     self.courier.sync()
-        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and Outage.since is None:
+        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
             self.shipper.ship()
-        if Flags.stop_now:
+        if current().flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
         if self.rules_file and (asked := self._asked()) is not None:
             self.result.asked = asked
@@ -1159,7 +1166,7 @@ class Supervisor:
                     self._metered()
                 if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
                     self.shells.completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
-                Talk.event(self.task["id"], event)
+                current().talk.event(self.task["id"], event)
         self.log.flush()
 
     def _mcp_down(self, down: dict[str, Any]) -> None:
@@ -1329,11 +1336,11 @@ class Phases:
         if self.renewal.due(now):
             try:
                 if self.renewal.renew():   # the database away: git goes on, the renewal is retried
-                    Beat.write()
+                    current().beat.write()
             except store.StaleAttempt as exc:
                 self.superseded = True
                 return str(exc)
-        if Flags.stop_now and not self.agent_ran:
+        if current().flags.stop_now and not self.agent_ran:
             self.interrupted = True
             return "the worker was told to stop at once"
         if now > self.deadline:
@@ -1359,7 +1366,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     with worktrees.watched(phases.check):
         earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
         if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
-            Talk.runs(task, None)
+            current().talk.runs(task, None)
             return recorded
         if worktrees.holds_unpushed_work(task):
             try:
@@ -1372,15 +1379,15 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             except (worktrees.Unrunnable, worktrees.GitError) as exc:
                 return _cannot_run(task, exc)
             if kept is not None:
-                Talk.runs(task, None)
+                current().talk.runs(task, None)
                 return _push_kept_work(task, kept)
         try:
             model = task_model(task)
         except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
-            Talk.runs(task, None)
+            current().talk.runs(task, None)
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, marker, str(exc))
-        Talk.runs(task, model)
+        current().talk.runs(task, model)
         try:
             ws = worktrees.prepare_workspace(task, resume)
             db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
@@ -2085,8 +2092,8 @@ def _lease_here(task: dict[str, Any], host: str) -> bool:
 def _own_live_attempt(task: dict[str, Any]) -> bool:
     """This very process holds the lease and one of its slots runs that attempt now: its own
     supervision ends it (timeout, cancel); reaping it would start a second attempt beside it."""
-    with Beat.lock:
-        running = Beat.tasks.get(task["id"]) == task["run_marker"]
+    with current().beat.lock:
+        running = current().beat.tasks.get(task["id"]) == task["run_marker"]
     return running and task["lease_pid"] == os.getpid() and \
         process_tree.same_process(task["lease_pid"], task["lease_pid_start"]) is not None
 
@@ -2134,11 +2141,12 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               "(or set WORKER_SLOTS)", flush=True)
         return 0
     try:
-        Beat.slots, Beat.pid_start = slots, worker_identity()[2]
-        Beat.write("starting")
+        beat = current().beat
+        beat.slots, beat.pid_start = slots, worker_identity()[2]
+        current().beat.write("starting")
         return _loop(watch, max_tasks, Knobs(), slots)
     finally:
-        Beat.write("stopped")
+        current().beat.write("stopped")
         os.close(lock)  # closing the descriptor releases the flock
 
 
@@ -2158,44 +2166,79 @@ def _take_lock(path: Any) -> int | None:
 
 class Beat:
     """The worker heartbeat (the file beside the database and this worker's row in the workers
-    table): this process's state and the tasks it runs right now."""
-    lock = threading.Lock()
-    tasks: dict[str, str] = {}   # task id -> run marker
-    state = "starting"
-    slots = 1                    # how many tasks this pass may run at once (the board shows it)
-    budget: str | None = None    # why nothing new is claimed: the daily budget is spent
-    pid_start: float | None = None   # this process's start time (the workers table keeps it)
+    table): this process's state and the tasks it runs right now. A database away while it
+    writes is said through ``outage``."""
 
-    @classmethod
-    def write(cls, state: str | None = None, **extra: Any) -> None:
-        with cls.lock:
-            cls.state = state or cls.state
-            ids = sorted(cls.tasks)
-            said = {"budget": cls.budget} if cls.budget else {}
+    def __init__(self, outage: Outage) -> None:
+        self.outage = outage
+        self.lock = threading.Lock()
+        self.tasks: dict[str, str] = {}   # task id -> run marker
+        self.state = "starting"
+        self.slots = 1                    # how many tasks this pass may run at once (the board shows it)
+        self.budget: str | None = None    # why nothing new is claimed: the daily budget is spent
+        self.pid_start: float | None = None   # this process's start time (the workers table keeps it)
+
+    def write(self, state: str | None = None, **extra: Any) -> None:
+        with self.lock:
+            self.state = state or self.state
+            ids = sorted(self.tasks)
+            said = {"budget": self.budget} if self.budget else {}
             try:   # the heartbeat file is written first; the row waits for the database
-                store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                              "tasks": ids, "slots": cls.slots, "pid_start": cls.pid_start,
+                store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
+                                              "tasks": ids, "slots": self.slots, "pid_start": self.pid_start,
                                               **said, **extra})
             except Exception as exc:
                 if not db_outage(exc):
                     raise
-                Outage.failed(exc)
+                self.outage.failed(exc)
 
-    @classmethod
-    def running(cls, task: dict[str, Any], active: bool) -> None:
-        with cls.lock:
+    def running(self, task: dict[str, Any], active: bool) -> None:
+        with self.lock:
             if active:
-                cls.tasks[task["id"]] = task["run_marker"]
+                self.tasks[task["id"]] = task["run_marker"]
             else:
-                cls.tasks.pop(task["id"], None)
-        cls.write()
+                self.tasks.pop(task["id"], None)
+        self.write()
+
+
+class WorkerState:
+    """What one worker process keeps across its tasks and slots: the signal flags, its view of
+    the queue database (outage, full disk), its heartbeat, the start gate and its voice. One is
+    made per ``main()`` (``fresh_state``); ``current()`` is the one in use (a default one for
+    callers that never ran ``main``, such as tests, which get a fresh one per test)."""
+
+    def __init__(self, at_once: bool = False, voice: Talk | None = None) -> None:
+        self.flags = Flags(at_once)
+        self.full_disk = FullDisk()
+        self.outage = Outage(self.full_disk)
+        self.beat = Beat(self.outage)
+        self.start_gate = StartGate()
+        self.talk = voice or Talk()
+
+
+_state: WorkerState | None = None
+
+
+def current() -> WorkerState:
+    """This process's WorkerState (made on first use)."""
+    global _state
+    if _state is None:
+        _state = WorkerState()
+    return _state
+
+
+def fresh_state(at_once: bool = False, voice: Talk | None = None) -> WorkerState:
+    """A new WorkerState, now the current one (``main`` at its start; tests between cases)."""
+    global _state
+    _state = WorkerState(at_once, voice)
+    return _state
 
 
 def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
     problem = preflight()
     if problem:
         log(problem, talk.QUIET)
-        Beat.write("error", error=problem)
+        current().beat.write("error", error=problem)
         return 1
     owner, pid, pid_start = worker_identity()
     started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
@@ -2204,8 +2247,8 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
     # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
     nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
-        while not Flags.stopping and (max_tasks is None or started < max_tasks):
-            Talk.signals(Flags.stopping, Flags.stop_now)
+        while not current().flags.stopping and (max_tasks is None or started < max_tasks):
+            current().talk.signals(current().flags.stopping, current().flags.stop_now)
             busy = {f for f in busy if not f.done()}
             try:
                 announced = announced or (watch and announce_start(watch, slots))   # a one-pass: once it has work
@@ -2214,17 +2257,17 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                     if watch:
                         store.checkpoint()
                     last_reap = time.monotonic()
-                Beat.write("running" if busy else "idle" if watch else "pass")
+                current().beat.write("running" if busy else "idle" if watch else "pass")
                 mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
                 task = _claim(owner, pid, pid_start) if len(busy) < slots else None
                 if task is None and len(busy) < slots:
                     budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
-                Outage.answered()
+                current().outage.answered()
                 delay, failures = OUTAGE_BACKOFF_SEC[0], 0
             except Exception as exc:
                 if not db_outage(exc):
                     raise
-                Outage.failed(exc)
+                current().outage.failed(exc)
                 failures += 1
                 if not watch and failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
                     log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
@@ -2232,14 +2275,14 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                     status = 1
                     break
                 end = time.monotonic() + delay   # --watch: wait and try again (a signal stops it)
-                while time.monotonic() < end and not Flags.stopping:
+                while time.monotonic() < end and not current().flags.stopping:
                     time.sleep(min(0.2, max(0.0, end - time.monotonic())))
                 delay = backoff(delay)
                 continue
             if task is not None:
-                Beat.budget = budget_said = None
+                current().beat.budget = budget_said = None
                 announced = announced or announce_start(watch, slots)
-                Talk.claimed(task)
+                current().talk.claimed(task)
                 busy.add(pool.submit(_run_guarded, task, knobs))
                 started += 1
             elif len(busy) >= slots:
@@ -2255,13 +2298,13 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                 except Exception as exc:
                     if not db_outage(exc):
                         raise
-                    Outage.failed(exc)   # the next turn of the loop backs off
+                    current().outage.failed(exc)   # the next turn of the loop backs off
             else:
                 break
         while busy:  # first signal: the tasks in hand finish (a second one ends them at once)
-            Talk.signals(Flags.stopping, Flags.stop_now)
+            current().talk.signals(current().flags.stopping, current().flags.stop_now)
             busy = wait(busy, timeout=0.2).not_done
-        Talk.signals(Flags.stopping, Flags.stop_now)
+        current().talk.signals(current().flags.stopping, current().flags.stop_now)
     return status
 
 
@@ -2289,9 +2332,9 @@ def _say_budget(said: str | None, state: str) -> str | None:
     """Nothing was claimed: when the daily budget is why, say so in the heartbeat (``budget``)
     and once in the log. Returns the reason now in force (None when the budget is not spent)."""
     reason = store.budget_state()["reason"]
-    if reason != Beat.budget:
-        Beat.budget = reason
-        Beat.write(state)
+    if reason != current().beat.budget:
+        current().beat.budget = reason
+        current().beat.write(state)
     if reason and reason != said:
         log(f"claims nothing new: {reason}")
     return reason
@@ -2308,8 +2351,8 @@ def announce_start(watch: bool, slots: int) -> bool:
         if not db_outage(exc):
             raise
         model = "not known yet (the queue database does not answer)"
-    Talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
-    Talk.say(box_line())
+    current().talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    current().talk.say(box_line())
     return True
 
 
@@ -2337,7 +2380,7 @@ def _give_memory_back() -> None:
 
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
-    Beat.running(task, True)
+    current().beat.running(task, True)
     began, final = time.monotonic(), None
     try:
         final = run_task(task, knobs)
@@ -2354,8 +2397,8 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
-        Beat.running(task, False)
-        Talk.ended(task, final, time.monotonic() - began, handed_back=Flags.stop_now)
+        current().beat.running(task, False)
+        current().talk.ended(task, final, time.monotonic() - began, handed_back=current().flags.stop_now)
 
 
 def refuse(message: str) -> None:
@@ -2401,8 +2444,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.slots is None:
         args.slots = knobs.knob("WORKER_SLOTS")
-    Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
-    Flags.at_once = args.stop_at_once
+    fresh_state(at_once=args.stop_at_once,
+                voice=Talk(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL, terminal=None))
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
@@ -2422,7 +2465,7 @@ def main(argv: list[str] | None = None) -> int:
                "(a readable, writable SQLite file and folder)")
         return 1
     finally:
-        Talk.close()
+        current().talk.close()
 
 
 if __name__ == "__main__":
