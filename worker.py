@@ -801,31 +801,122 @@ class LogShipper:
             log(f"{self.task_id}: the log reaches the database again")
 
 
+class LimitWatch:
+    """The provider's usage limit as one run meets it: the retry time comes from the retry watch
+    plugin (OpenCode's own, from the provider's headers, in ``retry_file``), else from the words
+    of a ``--print-logs`` limit line (``log_line``). ``hold_sec``: WORKER_LIMIT_HOLD_SEC."""
+
+    def __init__(self, retry_file: str | None, hold_sec: float) -> None:
+        self.retry_file, self.hold_sec = retry_file, hold_sec
+        self.logged: dict[str, Any] | None = None   # the last limit a --print-logs line named
+
+    def log_line(self, text: str) -> None:
+        """A stderr line of OpenCode's: kept when it names a limit."""
+        self.logged = oc.limit_from_log(text, time.time()) or self.logged
+
+    def reached(self, stream: oc.EventStream) -> tuple[dict[str, Any], float] | None:
+        """``({said, reset_at, source}, seconds to wait)`` when OpenCode is about to sleep longer
+        than ``hold_sec`` for its next try (the session to resume is then named on ``stream``:
+        nothing was printed yet on a first call), else None."""
+        retry = self._retry_said()
+        if retry is not None and isinstance(retry.get("next"), (int, float)):
+            said, source, reset_at, session = str(retry.get("message") or ""), "retry", retry["next"] / 1000, \
+                retry.get("sessionID")
+        elif self.logged is not None and self.logged.get("reset_at"):
+            said, source, reset_at, session = self.logged["said"], "log", self.logged["reset_at"], \
+                self.logged.get("session_id")
+        else:
+            return None
+        wait = reset_at - time.time()
+        if wait <= self.hold_sec:
+            return None
+        stream.session_id = stream.session_id or (str(session) if session else None)
+        return {"said": said, "reset_at": reset_at, "source": source}, wait
+
+    def _retry_said(self) -> dict[str, Any] | None:
+        """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
+        if not self.retry_file:
+            return None
+        try:
+            with open(oc.reply_path(self.retry_file, ".json"), encoding="utf-8") as handle:
+                retry = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(retry, dict) or not (oc.is_limit(str(retry.get("message") or "")) or self.logged):
+            return None
+        return retry
+
+
+class AskWatch:
+    """The call the permission-rules plugin holds, from its ``.ask`` reply beside ``rules_file``
+    ({tool, subject, reason}). The reply folder is writable in the box, so the request is the
+    agent's word: it is believed only when the task's rules say ask for exactly it (what the
+    plugin checked before holding it). Any other reply is removed and the run goes on; a believed
+    one can at most ask for what the agent could have called anyway."""
+
+    def __init__(self, task: dict[str, Any], rules_file: str, cwd: str) -> None:
+        self.rules, self.path, self.cwd = task["rules"], oc.reply_path(rules_file, ".ask"), cwd
+
+    def held(self) -> tuple[dict[str, str] | None, str | None]:
+        """(the ask believed, or None; why a reply was not believed, or None)."""
+        if not os.path.exists(self.path):
+            return None, None
+        said = read_reply(self.path)
+        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
+        if said is not None and oc.rule_action(self.rules, asked["tool"], asked["subject"], self.cwd) == "ask":
+            return asked, None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        return None, (f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which "
+                      "the task's rules do not mark ask: not believed, the run went on (the reply folder is "
+                      "writable from inside the agent's box)")
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
-    cancel (fencing) and shutdown; ends the whole process tree whatever happens."""
-    deadline_at: float | None = None   # time.monotonic() at which the attempt's timeout ends
+    cancel (fencing) and shutdown; ends the whole process tree whatever happens. Its other jobs
+    are objects of their own: the lease (Renewal), the log's copy in the queue (LogShipper), the
+    spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
+    limit (LimitWatch) and the permission asks (AskWatch).
+
+    ``boxed_argv``: ``argv`` as the box runs it; ``deadline_at``: time.monotonic() at which the
+    attempt's timeout ends (None: ``timeout_sec`` from the start of the run); ``rules_file``,
+    ``retry_file``: the plugins' reply files (see write_rules_file, oc.with_retry_watch)."""
 
     def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs,
-                 box: agent_box.Support, boxed_argv: list[str] | None = None):
+                 box: agent_box.Support, boxed_argv: list[str] | None = None, *, meter: Meter | None = None,
+                 courier: Courier | None = None, rules_file: str | None = None, retry_file: str | None = None,
+                 deadline_at: float | None = None):
         self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
         self.box, self.boxed_argv = box, boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
+        self.meter, self.courier = meter, courier
+        self.limits = LimitWatch(retry_file, knobs.limit_hold_sec)
+        self.asks = AskWatch(task, rules_file, cwd) if rules_file else None
+        self.renewal = Renewal(task, knobs.lease_sec)
+        self.deadline_at = deadline_at
+        self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
+        self.last_activity = time.monotonic()
+        self.finished_at: float | None = None   # when the stream's terminal event came
+        self.exited_at: float | None = None     # when OpenCode was first seen gone
+        self.started_wall = time.time()
         self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
         self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
         self.redactor = redaction.current()
         self.stop = False
         self.gate_open_at: float | None = None
-        self.meter: Meter | None = None
         self.held_since: float | None = None   # when a spend gate reply was first seen
-        self.courier: Courier | None = None
-        self.rules_file: str | None = None
-        self.retry_file: str | None = None
-        self.logged_limit: dict[str, Any] | None = None   # the last limit a --print-logs line named
         self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
         self.status_said = b""
+        # Made by run(): the task's log, its shipper, OpenCode's process and output, the shells.
+        self.log: TaskLog | None = None
+        self.shipper: LogShipper | None = None
+        self.proc: subprocess.Popen | None = None
+        self.spool = self.status = -1   # file descriptors: OpenCode's stdout file, run_reaper's status pipe
+        self.selector = selectors.DefaultSelector()
+        self.shells: ShellWatch | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -914,14 +1005,12 @@ class Supervisor:
                 pass
 
     def _record_pid(self) -> None:
-        self.renewal = Renewal(self.task, self.knobs.lease_sec)
         try:   # while the database is away, the pid goes with the next renewal that lands
             self.renewal.renew(agent_pid=self.proc.pid, agent_pid_start=process_tree.start_time(self.proc.pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        self.selector = selectors.DefaultSelector()
         os.set_blocking(self.proc.stderr.fileno(), False)
         self.selector.register(self.proc.stderr, selectors.EVENT_READ)
         os.set_blocking(self.status, False)
@@ -930,8 +1019,6 @@ class Supervisor:
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         self.deadline = self.deadline_at or now + self.task["timeout_sec"]
         self.last_activity = now
-        self.finished_at: float | None = None
-        self.exited_at: float | None = None
         while not self.stop and not self._done():
             self._pump(0.2)
             self._check(time.monotonic())
@@ -980,7 +1067,7 @@ class Supervisor:
             self.shipper.ship()
         if current().flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
-        if self.rules_file and (asked := self._asked()) is not None:
+        if self.asks is not None and (asked := self._asked()) is not None:
             self.result.asked = asked
             return self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
         if now > self.deadline:
@@ -1003,39 +1090,12 @@ class Supervisor:
             self.stop = True
 
     def _limit(self, now: float) -> None:
-        """The provider answered with a usage limit and OpenCode is about to sleep longer than
-        WORKER_LIMIT_HOLD_SEC before its retry: end the run now and free the slot (the task pauses
-        until the reset). The retry time comes from the retry watch plugin (OpenCode's own, from the
-        provider's headers), else from the words of a ``--print-logs`` limit line."""
-        retry = self._retry_said()
-        wall = time.time()
-        if retry is not None and isinstance(retry.get("next"), (int, float)):
-            said, source, reset_at, session = str(retry.get("message") or ""), "retry", retry["next"] / 1000, \
-                retry.get("sessionID")
-        elif self.logged_limit is not None and self.logged_limit.get("reset_at"):
-            said, source, reset_at, session = self.logged_limit["said"], "log", self.logged_limit["reset_at"], \
-                self.logged_limit.get("session_id")
-        else:
-            return
-        wait = reset_at - wall
-        if wait > self.knobs.limit_hold_sec:
-            # Nothing was printed yet on a first call: the session to resume is named here only.
-            self.result.stream.session_id = self.result.stream.session_id or (str(session) if session else None)
-            self.result.limited = {"said": said, "reset_at": reset_at, "source": source}
+        """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
+        now and free the slot (the task pauses until the reset; see LimitWatch)."""
+        found = self.limits.reached(self.result.stream)
+        if found is not None:
+            self.result.limited, wait = found
             self._end(f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try")
-
-    def _retry_said(self) -> dict[str, Any] | None:
-        """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
-        if not self.retry_file:
-            return None
-        try:
-            with open(oc.reply_path(self.retry_file, ".json"), encoding="utf-8") as handle:
-                retry = json.load(handle)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(retry, dict) or not (oc.is_limit(str(retry.get("message") or "")) or self.logged_limit):
-            return None
-        return retry
 
     def _limit_at_give_up(self) -> None:
         """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
@@ -1045,25 +1105,12 @@ class Supervisor:
             self.result.limited = {**stream.limit, "source": "error"}
 
     def _asked(self) -> dict[str, str] | None:
-        """The call the permission-rules plugin holds, from its ``.ask`` reply ({tool, subject,
-        reason}), or None. The reply folder is writable in the box, so the request is the agent's
-        word: it is believed only when the task's rules say ask for exactly it (what the plugin
-        checked before holding it). Any other reply is removed, the receipt says so, and the run
-        goes on; a believed one can at most ask for what the agent could have called anyway."""
-        path = oc.reply_path(self.rules_file, ".ask")
-        if not os.path.exists(path):
-            return None
-        said = read_reply(path)
-        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
-        rules = self.task["rules"]
-        if said is not None and oc.rule_action(rules, asked["tool"], asked["subject"], self.cwd) == "ask":
-            return asked
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        self._doubt(f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which the "
-                    "task's rules do not mark ask: not believed, the run went on (the reply folder is writable "
-                    "from inside the agent's box)")
-        return None
+        """The permission ask the rules plugin holds, when believed (AskWatch); a reply not believed
+        is set aside, and the receipt says so."""
+        asked, doubt = self.asks.held()
+        if doubt:
+            self._doubt(doubt)
+        return asked
 
     def _doubt(self, line: str) -> None:
         if len(self.result.not_believed) < DOUBTS_MAX:   # the agent can forge replies in a loop
@@ -1155,7 +1202,7 @@ class Supervisor:
             if (down := oc.mcp_unavailable(text)) is not None:
                 return self._mcp_down(down)
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
-            self.logged_limit = oc.limit_from_log(text, time.time()) or self.logged_limit
+            self.limits.log_line(text)
         else:
             self.log.write(line + b"\n")
             event = self.result.stream.feed(line.decode(errors="replace"))
@@ -1553,13 +1600,9 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
         boxed, env = _boxed(task, ws, box, run_dir, argv, env)
-        supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed)
-        supervisor.courier = Courier(task, notes_file)
-        supervisor.rules_file = rules_file
-        supervisor.retry_file = retry_file
-        supervisor.deadline_at = deadline
-        supervisor.meter = Meter(task, gate)
-        return supervisor.run()
+        return Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed, meter=Meter(task, gate),
+                          courier=Courier(task, notes_file), rules_file=rules_file, retry_file=retry_file,
+                          deadline_at=deadline).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
