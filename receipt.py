@@ -213,6 +213,14 @@ def sandbox_labels(task: dict[str, Any], ws: worktrees.Workspace, box: agent_box
     return sandbox
 
 
+def _workspace_fields(ws: worktrees.Workspace) -> dict[str, Any]:
+    """The receipt's fields that git's workspace gives (isolation, branch, base, remote …)."""
+    return {"git_planted": ws.git_planted or [], "isolation": ws.mode, "branch": ws.branch, "repo": ws.remote,
+            "mirror": {"path": ws.repo, "cloned": ws.mirror_cloned} if ws.remote else None,
+            "base_commit": ws.base_commit, "base_from": ws.base_from or None, "submodules": ws.submodules,
+            "worktree_path": ws.top if ws.mode == "worktree" else None}
+
+
 def build(task: dict[str, Any], current: dict[str, Any], ws: worktrees.Workspace, run: Any, model: str,
           block: dict[str, Any], files: list[str], reverted: list[str], session_note: str,
           where: str) -> Receipt:
@@ -244,15 +252,7 @@ def build(task: dict[str, Any], current: dict[str, Any], ws: worktrees.Workspace
         attempt=task["attempts"],
         max_retries=task["max_retries"],
         sandbox=sandbox_labels(task, ws, box),
-        git_planted=ws.git_planted or [],
-        isolation=ws.mode,
-        branch=ws.branch,
-        repo=ws.remote,
-        mirror={"path": ws.repo, "cloned": ws.mirror_cloned} if ws.remote else None,
-        base_commit=ws.base_commit,
-        base_from=ws.base_from or None,
-        submodules=ws.submodules,
-        worktree_path=ws.top if ws.mode == "worktree" else None,
+        **_workspace_fields(ws),
         session_id=stream.session_id,
         session=session_note,
         exit_code=run.returncode,

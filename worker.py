@@ -1407,88 +1407,148 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     """Run one claimed attempt to its end and record the outcome (fenced by its run marker).
     Every phase renews the lease and honours the timeout and a cancel (see Phases). Returns the
     task's final dict, or None if the attempt was superseded."""
-    marker = task["run_marker"]
     resume = bool(task.get("answer") and task.get("session_id"))
     phases = Phases(task, knobs)
     with worktrees.watched(phases.check):
-        earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
-        if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
-            current().talk.runs(task, None)
-            return recorded
-        if worktrees.holds_unpushed_work(task):
-            try:
-                kept = worktrees.unpushed_workspace(task)
-            except worktrees.GitStopped as exc:
-                return _stopped_early(task, phases, f"fetching the remote: {exc}")
-            except worktrees.Unreachable as exc:
-                log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
-                return _finish(store.fail_attempt, task, marker, str(exc))
-            except (worktrees.Unrunnable, worktrees.GitError) as exc:
-                return _cannot_run(task, exc)
-            if kept is not None:
-                current().talk.runs(task, None)
-                return _push_kept_work(task, kept)
+        ended, final = _earlier_work(task, phases)
+        if ended:
+            return final
         try:
             model = task_model(task)
         except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
             current().talk.runs(task, None)
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-            return _finish(store.fail_unrunnable, task, marker, str(exc))
+            return _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
         current().talk.runs(task, model)
-        try:
-            ws = worktrees.prepare_workspace(task, resume)
-            db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
-               branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
-        except worktrees.GitStopped as exc:
-            return _stopped_early(task, phases, f"preparing the workspace: {exc}")
-        except worktrees.Unreachable as exc:   # the remote may answer next time: retried
-            log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
-            return _finish(store.fail_attempt, task, marker, str(exc))
-        except (worktrees.Unrunnable, worktrees.GitError) as exc:
-            return _cannot_run(task, exc)
-        try:
-            notes = db(store.take_notes, task["id"], marker)
-            snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
-            config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
-            try:
-                box = agent_box.choose(task["permission"])
-                base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
-                                                               *config_files.values()])
-                env = _boxed_run_env(task, ws, base, box)
-                if box.mechanism:
-                    agent_box.opencode_dirs(env)   # a folder that cannot be made fails here, named
-                    _guard_only_box_writable(task, ws, env)
-            except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
-                oc.undo_housekeeping(config_files)
-                if not task["worktree_keep"]:
-                    worktrees.remove_worktree(ws)
-                log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-                return _finish(store.fail_unrunnable, task, marker, str(exc))
-            checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
-        except worktrees.GitStopped as exc:
-            return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
-        run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, box, phases.deadline)
+        ws, final = _workspace(task, phases, resume)
+        if ws is None:
+            return final
+        setup, final = _run_setup(task, ws, phases, model)
+        if setup is None:
+            return final
+        run, session_note = _run_agent(task, ws, knobs, model, setup.notes, resume, setup.env, setup.box,
+                                       phases.deadline)
         phases.after_run()
-        try:   # before any further git command: what the run planted in git's configuration is undone
-            if worktrees.undo_planted_git(ws):
-                log(f"{task['id']}: undid git configuration the run planted: "
-                    + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
-        except worktrees.GitPlanted as exc:
-            log(f"{task['id']} stopped before any further git command: {exc}")
-            return _finish(store.fail_unrunnable, task, marker, str(exc))
+        return _after_run(task, ws, run, model, setup, session_note, phases)
+
+
+@dataclass
+class RunSetup:
+    """What run_task prepared around the workspace before the agent runs."""
+    notes: list[dict]                    # the planner's notes taken for this attempt
+    snapshot: dict | None                # readonly in place: the folder's state to revert to
+    config_files: dict[str, Any]         # the project's OpenCode config files (oc.project_config_files)
+    box: agent_box.Support               # the box the run goes in
+    env: dict[str, str]                  # the run's environment
+    checkout_before: dict                # the user's checkout before the run (worktrees.checkout_state)
+
+
+def _earlier_work(task: dict[str, Any], phases: Phases) -> tuple[bool, dict[str, Any] | None]:
+    """(True, the task's final dict) when an earlier attempt's work decides this one: its commit
+    landed after the reaper looked, or its unpushed commit is pushed again (the agent is not run);
+    (False, None) to run the agent."""
+    marker = task["run_marker"]
+    earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
+    if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
+        current().talk.runs(task, None)
+        return True, recorded
+    if not worktrees.holds_unpushed_work(task):
+        return False, None
+    try:
+        kept = worktrees.unpushed_workspace(task)
+    except worktrees.GitStopped as exc:
+        return True, _stopped_early(task, phases, f"fetching the remote: {exc}")
+    except worktrees.Unreachable as exc:
+        log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+        return True, _finish(store.fail_attempt, task, marker, str(exc))
+    except (worktrees.Unrunnable, worktrees.GitError) as exc:
+        return True, _cannot_run(task, exc)
+    if kept is None:
+        return False, None
+    current().talk.runs(task, None)
+    return True, _push_kept_work(task, kept)
+
+
+def _workspace(task: dict[str, Any], phases: Phases, resume: bool) -> tuple[Workspace | None, dict | None]:
+    """(the attempt's workspace, None), its place recorded on the lease; or (None, the task's final
+    dict) when it could not be had."""
+    marker = task["run_marker"]
+    try:
+        ws = worktrees.prepare_workspace(task, resume)
+        db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
+           branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
+    except worktrees.GitStopped as exc:
+        return None, _stopped_early(task, phases, f"preparing the workspace: {exc}")
+    except worktrees.Unreachable as exc:   # the remote may answer next time: retried
+        log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+        return None, _finish(store.fail_attempt, task, marker, str(exc))
+    except (worktrees.Unrunnable, worktrees.GitError) as exc:
+        return None, _cannot_run(task, exc)
+    return ws, None
+
+
+def _run_setup(task: dict[str, Any], ws: Workspace, phases: Phases,
+               model: str) -> tuple[RunSetup | None, dict | None]:
+    """(the notes, snapshot, box and environment of the run, None); or (None, the task's final
+    dict) when the run cannot be set up (a bad OpenCode config, no box where one is required)."""
+    try:
+        notes = db(store.take_notes, task["id"], task["run_marker"])
+        snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+        config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
         try:
-            repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
-                           "restrictions": oc.repo_restrictions(config_files, ws.cwd),
-                           "housekeeping_undone": [os.path.relpath(p, ws.cwd)
-                                                   for p in oc.undo_housekeeping(config_files)]}
-            return _conclude(task, ws, run, model, snapshot, session_note, checkout_before, repo_config, phases)
-        except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
-            if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
-                raise
-            if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
-                log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
-            return _bookkeeping_failed(task, ws, run, Receipt(summary=run.stream.final_text[-2000:]), None,
-                                       "recording the result", exc, phases)
+            box, env = _box_and_env(task, ws, model, config_files)
+        except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
+            oc.undo_housekeeping(config_files)
+            if not task["worktree_keep"]:
+                worktrees.remove_worktree(ws)
+            log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+            return None, _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
+        checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
+    except worktrees.GitStopped as exc:
+        return None, _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
+    return RunSetup(notes, snapshot, config_files, box, env, checkout_before), None
+
+
+def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
+                 config_files: dict[str, Any]) -> tuple[agent_box.Support, dict[str, str]]:
+    """The run's box and environment. Raises oc.ConfigProblem, agent_box.BoxUnavailable,
+    agent_box.BoxSettingError (a folder that cannot be made is named)."""
+    box = agent_box.choose(task["permission"])
+    base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
+                                                   *config_files.values()])
+    env = _boxed_run_env(task, ws, base, box)
+    if box.mechanism:
+        agent_box.opencode_dirs(env)
+        _guard_only_box_writable(task, ws, env)
+    return box, env
+
+
+def _after_run(task: dict[str, Any], ws: Workspace, run: RunResult, model: str, setup: RunSetup,
+               session_note: str, phases: Phases) -> dict[str, Any] | None:
+    """Undo what the run planted in git's configuration, then record the outcome (_conclude); a
+    failure of ours after a successful run fails the task without running the agent again."""
+    marker, config_files = task["run_marker"], setup.config_files
+    try:   # before any further git command: what the run planted in git's configuration is undone
+        if worktrees.undo_planted_git(ws):
+            log(f"{task['id']}: undid git configuration the run planted: "
+                + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
+    except worktrees.GitPlanted as exc:
+        log(f"{task['id']} stopped before any further git command: {exc}")
+        return _finish(store.fail_unrunnable, task, marker, str(exc))
+    try:
+        repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
+                       "restrictions": oc.repo_restrictions(config_files, ws.cwd),
+                       "housekeeping_undone": [os.path.relpath(p, ws.cwd)
+                                               for p in oc.undo_housekeeping(config_files)]}
+        return _conclude(task, ws, run, model, setup.snapshot, session_note, setup.checkout_before, repo_config,
+                         phases)
+    except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
+        if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
+            raise
+        if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
+            log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
+        return _bookkeeping_failed(task, ws, run, Receipt(summary=run.stream.final_text[-2000:]), None,
+                                   "recording the result", exc, phases)
 
 
 def _cannot_run(task: dict, exc: BaseException) -> dict | None:
@@ -1651,17 +1711,8 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         return None
     reason = failure_reason(run)
     block = oc.parse_closing_block(run.stream.final_text)
-    reverted, files, diff, problem = _observe(task, ws, snapshot)
-    receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
-    if reverted[1]:
-        receipt.not_reverted = reverted[1]
-        receipt.sandbox["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
-                                              "not_reverted; the rest were")
-    receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
-        if ws.mode == "worktree" and not ws.remote and problem is None else []
-    receipt.repo_config = repo_config
-    if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
-        receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, snapshot, session_note,
+                                               checkout_before, repo_config)
     usage = run.stream.usage()
     if phases.superseded:
         _cleanup_superseded(task, ws)
@@ -1694,6 +1745,33 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         return _commit_and_finish(task, ws, run, receipt, diff, phases)
+    return _failed(task, run, model, reason, receipt, diff, usage)
+
+
+def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, snapshot: dict | None,
+                      session_note: str, checkout_before: dict,
+                      repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
+    """(the receipt, the diff, the git failure that kept the diff from being read, or None): the
+    readonly revert, git's view of the changes and of your checkout, the project's config."""
+    reverted, files, diff, problem = _observe(task, ws, snapshot)
+    receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
+    if reverted[1]:
+        receipt.not_reverted = reverted[1]
+        receipt.sandbox["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
+                                           "not_reverted; the rest were")
+    receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
+        if ws.mode == "worktree" and not ws.remote and problem is None else []
+    receipt.repo_config = repo_config
+    if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
+        receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+    return receipt, diff, problem
+
+
+def _failed(task: dict, run: RunResult, model: str, reason: str, receipt: Receipt, diff: str | None,
+            usage: dict[str, Any]) -> dict[str, Any] | None:
+    """The run failed (``reason``): the attempt fails with its receipt, retried unless a retry
+    cannot help (a model OpenCode does not offer, a request the provider refuses, the machine)."""
+    marker = task["run_marker"]
     # A provider's refusal decides only a run that ended on the model's error, not one that was
     # killed or timed out later (an earlier refused request may sit in its stream).
     refused = run.stream.refused_status if reason.startswith("model error:") else None
@@ -1984,13 +2062,20 @@ def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict
     try:
         return db(once, task["id"], marker, *args, **kwargs)
     except store.StaleAttempt as exc:
-        if len(tries) > 1:
-            with contextlib.suppress(Exception):
-                current = store.get_task(task["id"])
-                if current["run_marker"] == marker and current["status"] != "running":
-                    return current
+        if len(tries) > 1 and (landed := _ended_as_written(task["id"], marker)) is not None:
+            return landed
         log(str(exc))
         return None
+
+
+def _ended_as_written(task_id: str, marker: str) -> dict[str, Any] | None:
+    """The task, when attempt ``marker`` already ended it (a write whose answer was lost landed);
+    else None (also when the queue cannot say)."""
+    with contextlib.suppress(Exception):
+        found = store.get_task(task_id)
+        if found["run_marker"] == marker and found["status"] != "running":
+            return found
+    return None
 
 
 def _cleanup_superseded(task: dict, ws: Workspace) -> None:
@@ -2278,77 +2363,126 @@ def fresh_state(at_once: bool = False, voice: Talk | None = None) -> WorkerState
 
 
 def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
+    """The pass's loop (see Loop); its exit code."""
     problem = preflight()
     if problem:
         log(problem, talk.QUIET)
         current().beat.write("error", error=problem)
         return 1
-    owner, pid, pid_start = worker_identity()
-    started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
-    announced, status, delay, failures = False, 0, OUTAGE_BACKOFF_SEC[0], 0
-    # The loop wakes at least this often, so the worker's row is refreshed every
-    # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
-    nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
-        while not current().flags.stopping and (max_tasks is None or started < max_tasks):
-            current().talk.signals(current().flags.stopping, current().flags.stop_now)
-            busy = {f for f in busy if not f.done()}
+        return Loop(watch, max_tasks, knobs, slots, pool).run()
+
+
+class Loop:
+    """One pass's loop: reap, claim, hand each task to a slot of ``pool``, wait for a change;
+    ride out the queue database's outages (``--watch``: back off and retry; a one-pass: claim
+    nothing more after the second failure and exit 1 once the tasks in hand end)."""
+
+    def __init__(self, watch: bool, max_tasks: int | None, knobs: Knobs, slots: int,
+                 pool: ThreadPoolExecutor) -> None:
+        self.watch, self.max_tasks, self.knobs, self.slots, self.pool = watch, max_tasks, knobs, slots, pool
+        self.state = current()
+        self.owner, self.pid, self.pid_start = worker_identity()
+        self.busy: set[Any] = set()   # the slots' futures
+        self.started = self.trimmed = 0   # tasks started; and when the heap was last handed back
+        self.last_reap = 0.0
+        self.budget_said: str | None = None
+        self.announced = False
+        self.status = 0
+        self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0   # the outage back-off, failed turns in a row
+        self.mark = 0   # the last event id before the claim: a change after it wakes the wait
+        # The loop wakes at least this often, so the worker's row is refreshed every
+        # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
+        self.nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
+
+    def run(self) -> int:
+        flags = self.state.flags
+        while not flags.stopping and (self.max_tasks is None or self.started < self.max_tasks):
+            self.state.talk.signals(flags.stopping, flags.stop_now)
+            self.busy = {f for f in self.busy if not f.done()}
             try:
-                announced = announced or (watch and announce_start(watch, slots))   # a one-pass: once it has work
-                if time.monotonic() - last_reap > (60 if watch else 0):
-                    reap(knobs)
-                    if watch:
-                        store.checkpoint()
-                    last_reap = time.monotonic()
-                current().beat.write("running" if busy else "idle" if watch else "pass")
-                mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
-                task = _claim(owner, pid, pid_start) if len(busy) < slots else None
-                if task is None and len(busy) < slots:
-                    budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
-                current().outage.answered()
-                delay, failures = OUTAGE_BACKOFF_SEC[0], 0
+                task = self._turn()
             except Exception as exc:
                 if not db_outage(exc):
                     raise
-                current().outage.failed(exc)
-                failures += 1
-                if not watch and failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
-                    log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
-                        f"once its {len(busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
-                    status = 1
-                    break
-                end = time.monotonic() + delay   # --watch: wait and try again (a signal stops it)
-                while time.monotonic() < end and not current().flags.stopping:
-                    time.sleep(min(0.2, max(0.0, end - time.monotonic())))
-                delay = backoff(delay)
-                continue
-            if task is not None:
-                current().beat.budget = budget_said = None
-                announced = announced or announce_start(watch, slots)
-                current().talk.claimed(task)
-                busy.add(pool.submit(_run_guarded, task, knobs))
-                started += 1
-            elif len(busy) >= slots:
-                wait(busy, timeout=nap, return_when=FIRST_COMPLETED)
-            elif busy or watch:
-                if not busy and started > trimmed:
-                    trimmed = started
-                    _give_memory_back()
-                # A submit, an answer or a slot's end records an event: the wait wakes within
-                # milliseconds; the poll is the fallback (back-off ends, no inotify).
-                try:
-                    store.wait_for_change(mark, nap, knobs.poll_sec)
-                except Exception as exc:
-                    if not db_outage(exc):
-                        raise
-                    current().outage.failed(exc)   # the next turn of the loop backs off
-            else:
+                if self._outage(exc):
+                    continue
                 break
-        while busy:  # first signal: the tasks in hand finish (a second one ends them at once)
-            current().talk.signals(current().flags.stopping, current().flags.stop_now)
-            busy = wait(busy, timeout=0.2).not_done
-        current().talk.signals(current().flags.stopping, current().flags.stop_now)
-    return status
+            if not self._next(task):
+                break
+        while self.busy:  # first signal: the tasks in hand finish (a second one ends them at once)
+            self.state.talk.signals(flags.stopping, flags.stop_now)
+            self.busy = wait(self.busy, timeout=0.2).not_done
+        self.state.talk.signals(flags.stopping, flags.stop_now)
+        return self.status
+
+    def _state_word(self) -> str:
+        return "running" if self.busy else "idle" if self.watch else "pass"
+
+    def _turn(self) -> dict[str, Any] | None:
+        """Reap when due, beat, claim a task when a slot is free; the task claimed, or None."""
+        # A one-pass announces itself once it has work; --watch at once.
+        self.announced = self.announced or (self.watch and announce_start(self.watch, self.slots))
+        if time.monotonic() - self.last_reap > (60 if self.watch else 0):
+            reap(self.knobs)
+            if self.watch:
+                store.checkpoint()
+            self.last_reap = time.monotonic()
+        self.state.beat.write(self._state_word())
+        self.mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
+        free = len(self.busy) < self.slots
+        task = _claim(self.owner, self.pid, self.pid_start) if free else None
+        if task is None and free:
+            self.budget_said = _say_budget(self.budget_said, self._state_word())
+        self.state.outage.answered()
+        self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0
+        return task
+
+    def _outage(self, exc: BaseException) -> bool:
+        """The queue database failed a turn: True to turn again after a back-off (``--watch``, or
+        a one-pass's first failure), False when a one-pass gives up claiming (exit status 1)."""
+        self.state.outage.failed(exc)
+        self.failures += 1
+        if not self.watch and self.failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
+            log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
+                f"once its {len(self.busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
+            self.status = 1
+            return False
+        end = time.monotonic() + self.delay   # --watch: wait and try again (a signal stops it)
+        while time.monotonic() < end and not self.state.flags.stopping:
+            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        self.delay = backoff(self.delay)
+        return True
+
+    def _next(self, task: dict[str, Any] | None) -> bool:
+        """Start ``task`` in a slot, or wait for a slot or a change; False when the pass is over."""
+        if task is not None:
+            self.state.beat.budget = self.budget_said = None
+            self.announced = self.announced or announce_start(self.watch, self.slots)
+            self.state.talk.claimed(task)
+            self.busy.add(self.pool.submit(_run_guarded, task, self.knobs))
+            self.started += 1
+        elif len(self.busy) >= self.slots:
+            wait(self.busy, timeout=self.nap, return_when=FIRST_COMPLETED)
+        elif self.busy or self.watch:
+            self._idle()
+        else:
+            return False
+        return True
+
+    def _idle(self) -> None:
+        """Nothing to claim: hand memory back once idle, then wait for a change."""
+        if not self.busy and self.started > self.trimmed:
+            self.trimmed = self.started
+            _give_memory_back()
+        # A submit, an answer or a slot's end records an event: the wait wakes within
+        # milliseconds; the poll is the fallback (back-off ends, no inotify).
+        try:
+            store.wait_for_change(self.mark, self.nap, self.knobs.poll_sec)
+        except Exception as exc:
+            if not db_outage(exc):
+                raise
+            self.state.outage.failed(exc)   # the next turn of the loop backs off
 
 
 def _claim(owner: str, pid: int, pid_start: float) -> dict[str, Any] | None:
@@ -2453,7 +2587,7 @@ def refuse(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--watch", action="store_true", help="loop, picking new work up within a second")
@@ -2469,6 +2603,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
                              "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
+    return parser
+
+
+def _refused() -> list[str]:
+    """What stops the worker before anything starts: a bad knob, box setting or host name."""
+    refused = knobs.problems() + agent_box.problems()
+    try:
+        store.host_name()
+    except store.ValidationError as exc:
+        refused.append(str(exc))
+    return refused
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:   # before anything touches the store
         knobs.select_database(args.db)
@@ -2477,18 +2626,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
-    refused = knobs.problems() + agent_box.problems()
-    try:
-        store.host_name()
-    except store.ValidationError as exc:
-        refused.append(str(exc))
+    refused = _refused()
     if refused:   # before anything starts: a typo must not run with a default nor stop a task mid-run
         print("\n".join(f"worker: {line}" for line in refused), file=sys.stderr)
         return 2
     if args.slots is None:
         args.slots = knobs.knob("WORKER_SLOTS")
-    fresh_state(at_once=args.stop_at_once,
-                voice=Talk(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL, terminal=None))
+    state = fresh_state(at_once=args.stop_at_once, voice=Talk(
+        talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL, terminal=None))
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
@@ -2508,7 +2653,7 @@ def main(argv: list[str] | None = None) -> int:
                "(a readable, writable SQLite file and folder)")
         return 1
     finally:
-        current().talk.close()
+        state.talk.close()
 
 
 if __name__ == "__main__":
