@@ -906,6 +906,7 @@ class Supervisor:
         self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
         self.redactor = redaction.current()
         self.stop = False
+        self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
         self.gate_open_at: float | None = None
         self.held_since: float | None = None   # when a spend gate reply was first seen
         self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
@@ -927,7 +928,7 @@ class Supervisor:
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
-            current().start_gate.enter()
+            self.start_gate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
             self.started_wall = time.time()
             self.status, status_w = os.pipe()
@@ -991,7 +992,7 @@ class Supervisor:
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
             self.gate_open_at = None
-            current().start_gate.leave()
+            self.start_gate.leave()
 
     def _send_prompt(self) -> None:
         try:
@@ -2332,8 +2333,8 @@ class Beat:
 class WorkerState:
     """What one worker process keeps across its tasks and slots: the signal flags, its view of
     the queue database (outage, full disk), its heartbeat, the start gate and its voice. One is
-    made per ``main()`` (``fresh_state``); ``current()`` is the one in use (a default one for
-    callers that never ran ``main``, such as tests, which get a fresh one per test)."""
+    made per ``main()`` (``fresh_state``); ``current()`` is the one in use (made on first use for
+    callers that never ran ``main``; a test that needs a clean one calls ``fresh_state``)."""
 
     def __init__(self, at_once: bool = False, voice: Talk | None = None) -> None:
         self.flags = Flags(at_once)
