@@ -390,7 +390,7 @@ def die_with_parent():
     return preexec
 
 
-class Supervisor:
+class Services:
     """The server, the worker and the tunnel, each in a session of its own so the terminal's
     Ctrl-C reaches only this process, which then stops them in order."""
 
@@ -487,7 +487,7 @@ def print_events(cursor: int) -> int:
 def serve(port: int, tunnel_kind: str, token: str) -> int:
     """Start everything, print the box, show task events until Ctrl-C or a child's exit, stop
     everything. Returns the exit status: 0 after Ctrl-C, 1 when a part stopped by itself."""
-    sup = Supervisor()
+    sup = Services()
     # Closing the terminal sends SIGHUP: it stops everything the way Ctrl-C does.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, sup.on_signal)
@@ -497,7 +497,7 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
         sup.stop()   # whatever ended serving (a signal, an error of ours): no child outlives it
 
 
-def _serve(sup: "Supervisor", port: int, tunnel_kind: str, token: str) -> int:
+def _serve(sup: "Services", port: int, tunnel_kind: str, token: str) -> int:
     env = dict(os.environ)
     host = os.environ.get("TUNNEL_HOST", "").strip().lower() or None
     try:

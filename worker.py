@@ -53,11 +53,14 @@ import knobs
 import opencode_runner as oc
 import os_faults
 import process_tree
+import receipt as receipt_mod
 import redaction
 import reverse_bridge
 import task_store as store
 import worker_talk as talk
 import worktrees
+from receipt import ITEM_MAX, ITEMS_MAX, SUMMARY_MAX, Receipt  # noqa: F401 - ITEM*/SUMMARY_MAX: worker's names too
+from receipt import clip_items as _clip_items  # noqa: F401 - the worker's name for it (tests read it)
 from worker_talk import Talk
 from worktrees import Workspace
 
@@ -91,21 +94,26 @@ class Knobs:
 
 class Flags:
     """Set by signal handlers only; the loops act on them."""
-    stopping = False   # first SIGTERM/SIGINT: finish the current task, then exit
-    stop_now = False   # second: end the run at once and hand the task back
-    at_once = False    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
+
+    def __init__(self, at_once: bool = False) -> None:
+        self.stopping = False     # first SIGTERM/SIGINT: finish the current task, then exit
+        self.stop_now = False     # second: end the run at once and hand the task back
+        self.at_once = at_once    # --stop-at-once: the first signal already stops now (serve.py's one Ctrl-C)
+
+    def signalled(self) -> None:
+        if self.stopping or self.at_once:
+            self.stop_now = True
+        self.stopping = True
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if Flags.stopping or Flags.at_once:
-        Flags.stop_now = True
-    Flags.stopping = True
+    current().flags.signalled()
 
 
 def log(message: str, level: int = talk.NORMAL) -> None:
     """One line to stderr (launchd/systemd keep it) at ``level`` (``-q`` / ``-v``), also in the
     worker log beside the database unless verbose-only (see worker_talk)."""
-    Talk.say(message, level)
+    current().talk.say(message, level)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,32 +137,33 @@ def db_outage(exc: BaseException) -> bool:
 class Outage:
     """This worker's view of the queue database: away since when, back. Said once each way, from
     the second failed call on: a kept connection that died with a restart fails its first call
-    and reopens on the next, which is no outage to report."""
-    lock = threading.Lock()
-    since: float | None = None   # time.time() of the first failed call of this outage
-    said = False
+    and reopens on the next, which is no outage to report. A full disk goes to ``full_disk``."""
 
-    @classmethod
-    def failed(cls, exc: BaseException) -> None:
-        with cls.lock:
+    def __init__(self, full_disk: FullDisk) -> None:
+        self.lock = threading.Lock()
+        self.full_disk = full_disk
+        self.since: float | None = None   # time.time() of the first failed call of this outage
+        self.said = False
+
+    def failed(self, exc: BaseException) -> None:
+        with self.lock:
             if isinstance(exc, store.DiskFull):
-                return FullDisk.failed(exc)
-            if cls.since is None:
-                cls.since = time.time()
+                return self.full_disk.failed(exc)
+            if self.since is None:
+                self.since = time.time()
                 return
-            if cls.said:
+            if self.said:
                 return
-            cls.said = True
+            self.said = True
         said = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
-        log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(cls.since))} "
+        log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(self.since))} "
             f"({said}); retrying (the running agents go on)", talk.QUIET)
 
-    @classmethod
-    def answered(cls) -> None:
-        if cls.since is None:
+    def answered(self) -> None:
+        if self.since is None:
             return
-        with cls.lock:
-            since, said, cls.since, cls.said = cls.since, cls.said, None, False
+        with self.lock:
+            since, said, self.since, self.said = self.since, self.said, None, False
         if since is not None and said:
             log(f"queue database reachable again after {time.time() - since:.0f} s; carrying on", talk.QUIET)
 
@@ -163,15 +172,16 @@ class FullDisk:
     """A full disk under the queue's files, said once per FULL_SAY_EVERY_SEC: on a nearly full
     disk some writes land (SQLite reuses free pages) and others fail, so a success says nothing
     about the next write, and a line per flip would flood the log."""
-    lock = threading.Lock()
-    said_at: float | None = None   # time.monotonic() of the last line
 
-    @classmethod
-    def failed(cls, exc: BaseException) -> None:
-        with cls.lock:
-            if cls.said_at is not None and time.monotonic() - cls.said_at < FULL_SAY_EVERY_SEC:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.said_at: float | None = None   # time.monotonic() of the last line
+
+    def failed(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.said_at is not None and time.monotonic() - self.said_at < FULL_SAY_EVERY_SEC:
                 return
-            cls.said_at = time.monotonic()
+            self.said_at = time.monotonic()
         log(f"{exc}; what the running tasks finished is held and written once there is space (retrying)",
             talk.QUIET)
 
@@ -196,14 +206,14 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
-            if not db_outage(exc) or Flags.stop_now or time.monotonic() + delay > deadline or \
+            if not db_outage(exc) or current().flags.stop_now or time.monotonic() + delay > deadline or \
                     (not hold_full and isinstance(exc, store.DiskFull)):
                 raise
-            Outage.failed(exc)
+            current().outage.failed(exc)
             time.sleep(delay)
             delay = backoff(delay)
             continue
-        Outage.answered()
+        current().outage.answered()
         return result
 
 
@@ -233,12 +243,12 @@ class Renewal:
         except Exception as exc:
             if not db_outage(exc):
                 raise
-            Outage.failed(exc)
+            current().outage.failed(exc)
             self.every = backoff(self.every)
             return False
         self.pending.clear()
         self.every = self.lease_sec
-        Outage.answered()
+        current().outage.answered()
         return True
 
 
@@ -353,10 +363,7 @@ DEAD_SHELL_SEC = 15
 LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longer ones are only logged
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
 # Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
-SUMMARY_MAX = 8_000
 QUESTION_MAX = 20_000
-ITEM_MAX = 2_000              # one open question, test command, claimed file
-ITEMS_MAX = 100               # items of each list
 
 
 class StartGate:
@@ -364,15 +371,15 @@ class StartGate:
     fresh OpenCode data directory race on its own database migrations ("Failed query: CREATE
     TABLE"). A run holds the gate until its first event or for START_GATE_SEC seconds (the binary
     starts in ~1.7 s here), so slots still overlap for all but the first seconds."""
-    _lock = threading.Lock()
 
-    @classmethod
-    def enter(cls) -> None:
-        cls._lock.acquire()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
 
-    @classmethod
-    def leave(cls) -> None:
-        cls._lock.release()
+    def enter(self) -> None:
+        self._lock.acquire()
+
+    def leave(self) -> None:
+        self._lock.release()
 
 
 class Meter:
@@ -439,12 +446,12 @@ class Meter:
         try:
             self.budget = db(store.record_spend, *args, hold_full=hold_full) if last else store.record_spend(*args)
         except store.DiskFull as exc:   # the work is committed first; the spend is booked after (settle_owed)
-            Outage.failed(exc)
+            current().outage.failed(exc)
             self.owed = True
             return
         except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
-                Outage.failed(exc)   # said once for the worker; recorded with the next step
+                current().outage.failed(exc)   # said once for the worker; recorded with the next step
             else:
                 log(f"{self.task_id}: could not record spend: {exc}", talk.QUIET)
             return
@@ -792,31 +799,123 @@ class LogShipper:
             log(f"{self.task_id}: the log reaches the database again")
 
 
+class LimitWatch:
+    """The provider's usage limit as one run meets it: the retry time comes from the retry watch
+    plugin (OpenCode's own, from the provider's headers, in ``retry_file``), else from the words
+    of a ``--print-logs`` limit line (``log_line``). ``hold_sec``: WORKER_LIMIT_HOLD_SEC."""
+
+    def __init__(self, retry_file: str | None, hold_sec: float) -> None:
+        self.retry_file, self.hold_sec = retry_file, hold_sec
+        self.logged: dict[str, Any] | None = None   # the last limit a --print-logs line named
+
+    def log_line(self, text: str) -> None:
+        """A stderr line of OpenCode's: kept when it names a limit."""
+        self.logged = oc.limit_from_log(text, time.time()) or self.logged
+
+    def reached(self, stream: oc.EventStream) -> tuple[dict[str, Any], float] | None:
+        """``({said, reset_at, source}, seconds to wait)`` when OpenCode is about to sleep longer
+        than ``hold_sec`` for its next try (the session to resume is then named on ``stream``:
+        nothing was printed yet on a first call), else None."""
+        retry = self._retry_said()
+        if retry is not None and isinstance(retry.get("next"), (int, float)):
+            said, source, reset_at, session = str(retry.get("message") or ""), "retry", retry["next"] / 1000, \
+                retry.get("sessionID")
+        elif self.logged is not None and self.logged.get("reset_at"):
+            said, source, reset_at, session = self.logged["said"], "log", self.logged["reset_at"], \
+                self.logged.get("session_id")
+        else:
+            return None
+        wait = reset_at - time.time()
+        if wait <= self.hold_sec:
+            return None
+        stream.session_id = stream.session_id or (str(session) if session else None)
+        return {"said": said, "reset_at": reset_at, "source": source}, wait
+
+    def _retry_said(self) -> dict[str, Any] | None:
+        """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
+        if not self.retry_file:
+            return None
+        try:
+            with open(oc.reply_path(self.retry_file, ".json"), encoding="utf-8") as handle:
+                retry = json.load(handle)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(retry, dict) or not (oc.is_limit(str(retry.get("message") or "")) or self.logged):
+            return None
+        return retry
+
+
+class AskWatch:
+    """The call the permission-rules plugin holds, from its ``.ask`` reply beside ``rules_file``
+    ({tool, subject, reason}). The reply folder is writable in the box, so the request is the
+    agent's word: it is believed only when the task's rules say ask for exactly it (what the
+    plugin checked before holding it). Any other reply is removed and the run goes on; a believed
+    one can at most ask for what the agent could have called anyway."""
+
+    def __init__(self, task: dict[str, Any], rules_file: str, cwd: str) -> None:
+        self.rules, self.path, self.cwd = task["rules"], oc.reply_path(rules_file, ".ask"), cwd
+
+    def held(self) -> tuple[dict[str, str] | None, str | None]:
+        """(the ask believed, or None; why a reply was not believed, or None)."""
+        if not os.path.exists(self.path):
+            return None, None
+        said = read_reply(self.path)
+        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
+        if said is not None and oc.rule_action(self.rules, asked["tool"], asked["subject"], self.cwd) == "ask":
+            return asked, None
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        return None, (f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which "
+                      "the task's rules do not mark ask: not believed, the run went on (the reply folder is "
+                      "writable from inside the agent's box)")
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
-    cancel (fencing) and shutdown; ends the whole process tree whatever happens."""
-    deadline_at: float | None = None   # time.monotonic() at which the attempt's timeout ends
+    cancel (fencing) and shutdown; ends the whole process tree whatever happens. Its other jobs
+    are objects of their own: the lease (Renewal), the log's copy in the queue (LogShipper), the
+    spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
+    limit (LimitWatch) and the permission asks (AskWatch).
+
+    ``boxed_argv``: ``argv`` as the box runs it; ``deadline_at``: time.monotonic() at which the
+    attempt's timeout ends (None: ``timeout_sec`` from the start of the run); ``rules_file``,
+    ``retry_file``: the plugins' reply files (see write_rules_file, oc.with_retry_watch)."""
 
     def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs,
-                 box: agent_box.Support, boxed_argv: list[str] | None = None):
+                 box: agent_box.Support, boxed_argv: list[str] | None = None, *, meter: Meter | None = None,
+                 courier: Courier | None = None, rules_file: str | None = None, retry_file: str | None = None,
+                 deadline_at: float | None = None):
         self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
         self.box, self.boxed_argv = box, boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
+        self.meter, self.courier = meter, courier
+        self.limits = LimitWatch(retry_file, knobs.limit_hold_sec)
+        self.asks = AskWatch(task, rules_file, cwd) if rules_file else None
+        self.renewal = Renewal(task, knobs.lease_sec)
+        self.deadline_at = deadline_at
+        self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
+        self.last_activity = time.monotonic()
+        self.finished_at: float | None = None   # when the stream's terminal event came
+        self.exited_at: float | None = None     # when OpenCode was first seen gone
+        self.started_wall = time.time()
         self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
         self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
         self.redactor = redaction.current()
         self.stop = False
+        self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
         self.gate_open_at: float | None = None
-        self.meter: Meter | None = None
         self.held_since: float | None = None   # when a spend gate reply was first seen
-        self.courier: Courier | None = None
-        self.rules_file: str | None = None
-        self.retry_file: str | None = None
-        self.logged_limit: dict[str, Any] | None = None   # the last limit a --print-logs line named
         self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
         self.status_said = b""
+        # Made by run(): the task's log, its shipper, OpenCode's process and output, the shells.
+        self.log: TaskLog | None = None
+        self.shipper: LogShipper | None = None
+        self.proc: subprocess.Popen | None = None
+        self.spool = self.status = -1   # file descriptors: OpenCode's stdout file, run_reaper's status pipe
+        self.selector = selectors.DefaultSelector()
+        self.shells: ShellWatch | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
@@ -827,7 +926,7 @@ class Supervisor:
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
-            StartGate.enter()
+            self.start_gate.enter()
             self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
             self.started_wall = time.time()
             self.status, status_w = os.pipe()
@@ -891,7 +990,7 @@ class Supervisor:
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
             self.gate_open_at = None
-            StartGate.leave()
+            self.start_gate.leave()
 
     def _send_prompt(self) -> None:
         try:
@@ -905,14 +1004,12 @@ class Supervisor:
                 pass
 
     def _record_pid(self) -> None:
-        self.renewal = Renewal(self.task, self.knobs.lease_sec)
         try:   # while the database is away, the pid goes with the next renewal that lands
             self.renewal.renew(agent_pid=self.proc.pid, agent_pid_start=process_tree.start_time(self.proc.pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        self.selector = selectors.DefaultSelector()
         os.set_blocking(self.proc.stderr.fileno(), False)
         self.selector.register(self.proc.stderr, selectors.EVENT_READ)
         os.set_blocking(self.status, False)
@@ -921,8 +1018,6 @@ class Supervisor:
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         self.deadline = self.deadline_at or now + self.task["timeout_sec"]
         self.last_activity = now
-        self.finished_at: float | None = None
-        self.exited_at: float | None = None
         while not self.stop and not self._done():
             self._pump(0.2)
             self._check(time.monotonic())
@@ -961,17 +1056,17 @@ class Supervisor:
                 return self._end(str(exc), superseded=True)
             if renewed:   # while the database is away the agent runs on; the rest waits for it
                 self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
-                Beat.write()
+                current().beat.write()
                 self.shipper.ship()
                 if self.meter is not None:
                     self.meter.refresh()
                 if self.courier is not None:
                     self.courier.sync()
-        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and Outage.since is None:
+        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
             self.shipper.ship()
-        if Flags.stop_now:
+        if current().flags.stop_now:
             return self._end("the worker was told to stop at once", interrupted=True)
-        if self.rules_file and (asked := self._asked()) is not None:
+        if self.asks is not None and (asked := self._asked()) is not None:
             self.result.asked = asked
             return self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
         if now > self.deadline:
@@ -994,39 +1089,12 @@ class Supervisor:
             self.stop = True
 
     def _limit(self, now: float) -> None:
-        """The provider answered with a usage limit and OpenCode is about to sleep longer than
-        WORKER_LIMIT_HOLD_SEC before its retry: end the run now and free the slot (the task pauses
-        until the reset). The retry time comes from the retry watch plugin (OpenCode's own, from the
-        provider's headers), else from the words of a ``--print-logs`` limit line."""
-        retry = self._retry_said()
-        wall = time.time()
-        if retry is not None and isinstance(retry.get("next"), (int, float)):
-            said, source, reset_at, session = str(retry.get("message") or ""), "retry", retry["next"] / 1000, \
-                retry.get("sessionID")
-        elif self.logged_limit is not None and self.logged_limit.get("reset_at"):
-            said, source, reset_at, session = self.logged_limit["said"], "log", self.logged_limit["reset_at"], \
-                self.logged_limit.get("session_id")
-        else:
-            return
-        wait = reset_at - wall
-        if wait > self.knobs.limit_hold_sec:
-            # Nothing was printed yet on a first call: the session to resume is named here only.
-            self.result.stream.session_id = self.result.stream.session_id or (str(session) if session else None)
-            self.result.limited = {"said": said, "reset_at": reset_at, "source": source}
+        """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
+        now and free the slot (the task pauses until the reset; see LimitWatch)."""
+        found = self.limits.reached(self.result.stream)
+        if found is not None:
+            self.result.limited, wait = found
             self._end(f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try")
-
-    def _retry_said(self) -> dict[str, Any] | None:
-        """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
-        if not self.retry_file:
-            return None
-        try:
-            with open(oc.reply_path(self.retry_file, ".json"), encoding="utf-8") as handle:
-                retry = json.load(handle)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(retry, dict) or not (oc.is_limit(str(retry.get("message") or "")) or self.logged_limit):
-            return None
-        return retry
 
     def _limit_at_give_up(self) -> None:
         """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
@@ -1036,25 +1104,12 @@ class Supervisor:
             self.result.limited = {**stream.limit, "source": "error"}
 
     def _asked(self) -> dict[str, str] | None:
-        """The call the permission-rules plugin holds, from its ``.ask`` reply ({tool, subject,
-        reason}), or None. The reply folder is writable in the box, so the request is the agent's
-        word: it is believed only when the task's rules say ask for exactly it (what the plugin
-        checked before holding it). Any other reply is removed, the receipt says so, and the run
-        goes on; a believed one can at most ask for what the agent could have called anyway."""
-        path = oc.reply_path(self.rules_file, ".ask")
-        if not os.path.exists(path):
-            return None
-        said = read_reply(path)
-        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
-        rules = self.task["rules"]
-        if said is not None and oc.rule_action(rules, asked["tool"], asked["subject"], self.cwd) == "ask":
-            return asked
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        self._doubt(f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which the "
-                    "task's rules do not mark ask: not believed, the run went on (the reply folder is writable "
-                    "from inside the agent's box)")
-        return None
+        """The permission ask the rules plugin holds, when believed (AskWatch); a reply not believed
+        is set aside, and the receipt says so."""
+        asked, doubt = self.asks.held()
+        if doubt:
+            self._doubt(doubt)
+        return asked
 
     def _doubt(self, line: str) -> None:
         if len(self.result.not_believed) < DOUBTS_MAX:   # the agent can forge replies in a loop
@@ -1146,7 +1201,7 @@ class Supervisor:
             if (down := oc.mcp_unavailable(text)) is not None:
                 return self._mcp_down(down)
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
-            self.logged_limit = oc.limit_from_log(text, time.time()) or self.logged_limit
+            self.limits.log_line(text)
         else:
             self.log.write(line + b"\n")
             event = self.result.stream.feed(line.decode(errors="replace"))
@@ -1157,7 +1212,7 @@ class Supervisor:
                     self._metered()
                 if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
                     self.shells.completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
-                Talk.event(self.task["id"], event)
+                current().talk.event(self.task["id"], event)
         self.log.flush()
 
     def _mcp_down(self, down: dict[str, Any]) -> None:
@@ -1327,11 +1382,11 @@ class Phases:
         if self.renewal.due(now):
             try:
                 if self.renewal.renew():   # the database away: git goes on, the renewal is retried
-                    Beat.write()
+                    current().beat.write()
             except store.StaleAttempt as exc:
                 self.superseded = True
                 return str(exc)
-        if Flags.stop_now and not self.agent_ran:
+        if current().flags.stop_now and not self.agent_ran:
             self.interrupted = True
             return "the worker was told to stop at once"
         if now > self.deadline:
@@ -1351,88 +1406,148 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     """Run one claimed attempt to its end and record the outcome (fenced by its run marker).
     Every phase renews the lease and honours the timeout and a cancel (see Phases). Returns the
     task's final dict, or None if the attempt was superseded."""
-    marker = task["run_marker"]
     resume = bool(task.get("answer") and task.get("session_id"))
     phases = Phases(task, knobs)
     with worktrees.watched(phases.check):
-        earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
-        if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
-            Talk.runs(task, None)
-            return recorded
-        if worktrees.holds_unpushed_work(task):
-            try:
-                kept = worktrees.unpushed_workspace(task)
-            except worktrees.GitStopped as exc:
-                return _stopped_early(task, phases, f"fetching the remote: {exc}")
-            except worktrees.Unreachable as exc:
-                log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
-                return _finish(store.fail_attempt, task, marker, str(exc))
-            except (worktrees.Unrunnable, worktrees.GitError) as exc:
-                return _cannot_run(task, exc)
-            if kept is not None:
-                Talk.runs(task, None)
-                return _push_kept_work(task, kept)
+        ended, final = _earlier_work(task, phases)
+        if ended:
+            return final
         try:
             model = task_model(task)
         except (oc.NoDefaultModel, oc.OpencodeNotFound) as exc:
-            Talk.runs(task, None)
+            current().talk.runs(task, None)
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-            return _finish(store.fail_unrunnable, task, marker, str(exc))
-        Talk.runs(task, model)
-        try:
-            ws = worktrees.prepare_workspace(task, resume)
-            db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
-               branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
-        except worktrees.GitStopped as exc:
-            return _stopped_early(task, phases, f"preparing the workspace: {exc}")
-        except worktrees.Unreachable as exc:   # the remote may answer next time: retried
-            log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
-            return _finish(store.fail_attempt, task, marker, str(exc))
-        except (worktrees.Unrunnable, worktrees.GitError) as exc:
-            return _cannot_run(task, exc)
-        try:
-            notes = db(store.take_notes, task["id"], marker)
-            snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
-            config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
-            try:
-                box = agent_box.choose(task["permission"])
-                base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
-                                                               *config_files.values()])
-                env = _boxed_run_env(task, ws, base, box)
-                if box.mechanism:
-                    agent_box.opencode_dirs(env)   # a folder that cannot be made fails here, named
-                    _guard_only_box_writable(task, ws, env)
-            except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
-                oc.undo_housekeeping(config_files)
-                if not task["worktree_keep"]:
-                    worktrees.remove_worktree(ws)
-                log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-                return _finish(store.fail_unrunnable, task, marker, str(exc))
-            checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
-        except worktrees.GitStopped as exc:
-            return _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
-        run, session_note = _run_agent(task, ws, knobs, model, notes, resume, env, box, phases.deadline)
+            return _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
+        current().talk.runs(task, model)
+        ws, final = _workspace(task, phases, resume)
+        if ws is None:
+            return final
+        setup, final = _run_setup(task, ws, phases, model)
+        if setup is None:
+            return final
+        run, session_note = _run_agent(task, ws, knobs, model, setup.notes, resume, setup.env, setup.box,
+                                       phases.deadline)
         phases.after_run()
-        try:   # before any further git command: what the run planted in git's configuration is undone
-            if worktrees.undo_planted_git(ws):
-                log(f"{task['id']}: undid git configuration the run planted: "
-                    + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
-        except worktrees.GitPlanted as exc:
-            log(f"{task['id']} stopped before any further git command: {exc}")
-            return _finish(store.fail_unrunnable, task, marker, str(exc))
+        return _after_run(task, ws, run, model, setup, session_note, phases)
+
+
+@dataclass
+class RunSetup:
+    """What run_task prepared around the workspace before the agent runs."""
+    notes: list[dict]                    # the planner's notes taken for this attempt
+    snapshot: dict | None                # readonly in place: the folder's state to revert to
+    config_files: dict[str, Any]         # the project's OpenCode config files (oc.project_config_files)
+    box: agent_box.Support               # the box the run goes in
+    env: dict[str, str]                  # the run's environment
+    checkout_before: dict                # the user's checkout before the run (worktrees.checkout_state)
+
+
+def _earlier_work(task: dict[str, Any], phases: Phases) -> tuple[bool, dict[str, Any] | None]:
+    """(True, the task's final dict) when an earlier attempt's work decides this one: its commit
+    landed after the reaper looked, or its unpushed commit is pushed again (the agent is not run);
+    (False, None) to run the agent."""
+    marker = task["run_marker"]
+    earlier = _reaped_attempt(task)   # its git commit may have landed after the reaper looked
+    if earlier and (recorded := _recorded_from_commit(task, earlier)) is not None:
+        current().talk.runs(task, None)
+        return True, recorded
+    if not worktrees.holds_unpushed_work(task):
+        return False, None
+    try:
+        kept = worktrees.unpushed_workspace(task)
+    except worktrees.GitStopped as exc:
+        return True, _stopped_early(task, phases, f"fetching the remote: {exc}")
+    except worktrees.Unreachable as exc:
+        log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+        return True, _finish(store.fail_attempt, task, marker, str(exc))
+    except (worktrees.Unrunnable, worktrees.GitError) as exc:
+        return True, _cannot_run(task, exc)
+    if kept is None:
+        return False, None
+    current().talk.runs(task, None)
+    return True, _push_kept_work(task, kept)
+
+
+def _workspace(task: dict[str, Any], phases: Phases, resume: bool) -> tuple[Workspace | None, dict | None]:
+    """(the attempt's workspace, None), its place recorded on the lease; or (None, the task's final
+    dict) when it could not be had."""
+    marker = task["run_marker"]
+    try:
+        ws = worktrees.prepare_workspace(task, resume)
+        db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
+           branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
+    except worktrees.GitStopped as exc:
+        return None, _stopped_early(task, phases, f"preparing the workspace: {exc}")
+    except worktrees.Unreachable as exc:   # the remote may answer next time: retried
+        log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
+        return None, _finish(store.fail_attempt, task, marker, str(exc))
+    except (worktrees.Unrunnable, worktrees.GitError) as exc:
+        return None, _cannot_run(task, exc)
+    return ws, None
+
+
+def _run_setup(task: dict[str, Any], ws: Workspace, phases: Phases,
+               model: str) -> tuple[RunSetup | None, dict | None]:
+    """(the notes, snapshot, box and environment of the run, None); or (None, the task's final
+    dict) when the run cannot be set up (a bad OpenCode config, no box where one is required)."""
+    try:
+        notes = db(store.take_notes, task["id"], task["run_marker"])
+        snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+        config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
         try:
-            repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
-                           "restrictions": oc.repo_restrictions(config_files, ws.cwd),
-                           "housekeeping_undone": [os.path.relpath(p, ws.cwd)
-                                                   for p in oc.undo_housekeeping(config_files)]}
-            return _conclude(task, ws, run, model, snapshot, session_note, checkout_before, repo_config, phases)
-        except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
-            if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
-                raise
-            if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
-                log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
-            return _bookkeeping_failed(task, ws, run, {"summary": run.stream.final_text[-2000:]}, None,
-                                       "recording the result", exc, phases)
+            box, env = _box_and_env(task, ws, model, config_files)
+        except (oc.ConfigProblem, agent_box.BoxUnavailable, agent_box.BoxSettingError) as exc:
+            oc.undo_housekeeping(config_files)
+            if not task["worktree_keep"]:
+                worktrees.remove_worktree(ws)
+            log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
+            return None, _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
+        checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
+    except worktrees.GitStopped as exc:
+        return None, _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
+    return RunSetup(notes, snapshot, config_files, box, env, checkout_before), None
+
+
+def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
+                 config_files: dict[str, Any]) -> tuple[agent_box.Support, dict[str, str]]:
+    """The run's box and environment. Raises oc.ConfigProblem, agent_box.BoxUnavailable,
+    agent_box.BoxSettingError (a folder that cannot be made is named)."""
+    box = agent_box.choose(task["permission"])
+    base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
+                                                   *config_files.values()])
+    env = _boxed_run_env(task, ws, base, box)
+    if box.mechanism:
+        agent_box.opencode_dirs(env)
+        _guard_only_box_writable(task, ws, env)
+    return box, env
+
+
+def _after_run(task: dict[str, Any], ws: Workspace, run: RunResult, model: str, setup: RunSetup,
+               session_note: str, phases: Phases) -> dict[str, Any] | None:
+    """Undo what the run planted in git's configuration, then record the outcome (_conclude); a
+    failure of ours after a successful run fails the task without running the agent again."""
+    marker, config_files = task["run_marker"], setup.config_files
+    try:   # before any further git command: what the run planted in git's configuration is undone
+        if worktrees.undo_planted_git(ws):
+            log(f"{task['id']}: undid git configuration the run planted: "
+                + "; ".join(f"{p['file']} {p['change']}" for p in ws.git_planted or []))
+    except worktrees.GitPlanted as exc:
+        log(f"{task['id']} stopped before any further git command: {exc}")
+        return _finish(store.fail_unrunnable, task, marker, str(exc))
+    try:
+        repo_config = {"files": [os.path.relpath(p, ws.cwd) for p in config_files],
+                       "restrictions": oc.repo_restrictions(config_files, ws.cwd),
+                       "housekeeping_undone": [os.path.relpath(p, ws.cwd)
+                                               for p in oc.undo_housekeeping(config_files)]}
+        return _conclude(task, ws, run, model, setup.snapshot, session_note, setup.checkout_before, repo_config,
+                         phases)
+    except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
+        if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
+            raise
+        if os_faults.describe(exc) is None:   # a bug of ours: its traceback is for us, in the worker log
+            log(f"{task['id']}: internal error after a successful run: {traceback.format_exc()}")
+        return _bookkeeping_failed(task, ws, run, Receipt(summary=run.stream.final_text[-2000:]), None,
+                                   "recording the result", exc, phases)
 
 
 def _cannot_run(task: dict, exc: BaseException) -> dict | None:
@@ -1544,13 +1659,9 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
         boxed, env = _boxed(task, ws, box, run_dir, argv, env)
-        supervisor = Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed)
-        supervisor.courier = Courier(task, notes_file)
-        supervisor.rules_file = rules_file
-        supervisor.retry_file = retry_file
-        supervisor.deadline_at = deadline
-        supervisor.meter = Meter(task, gate)
-        return supervisor.run()
+        return Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed, meter=Meter(task, gate),
+                          courier=Courier(task, notes_file), rules_file=rules_file, retry_file=retry_file,
+                          deadline_at=deadline).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -1599,17 +1710,8 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         return None
     reason = failure_reason(run)
     block = oc.parse_closing_block(run.stream.final_text)
-    reverted, files, diff, problem = _observe(task, ws, snapshot)
-    receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
-    if reverted[1]:
-        receipt["not_reverted"] = reverted[1]
-        receipt["sandbox"]["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
-                                              "not_reverted; the rest were")
-    receipt["changed_outside_worktree"] = worktrees.changed_outside(checkout_before, ws.repo) \
-        if ws.mode == "worktree" and not ws.remote and problem is None else []
-    receipt["repo_config"] = repo_config
-    if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
-        receipt["sandbox"]["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, snapshot, session_note,
+                                               checkout_before, repo_config)
     usage = run.stream.usage()
     if phases.superseded:
         _cleanup_superseded(task, ws)
@@ -1617,7 +1719,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     if problem is not None and reason is None and not run.interrupted:
         return _bookkeeping_failed(task, ws, run, receipt, None, "building the receipt (git diff)", problem, phases)
     if problem is not None:
-        receipt["diff_error"] = str(problem)
+        receipt.diff_error = str(problem)
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
         _remove(ws, receipt)
     if run.interrupted:
@@ -1642,6 +1744,33 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         return _commit_and_finish(task, ws, run, receipt, diff, phases)
+    return _failed(task, run, model, reason, receipt, diff, usage)
+
+
+def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, snapshot: dict | None,
+                      session_note: str, checkout_before: dict,
+                      repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
+    """(the receipt, the diff, the git failure that kept the diff from being read, or None): the
+    readonly revert, git's view of the changes and of your checkout, the project's config."""
+    reverted, files, diff, problem = _observe(task, ws, snapshot)
+    receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
+    if reverted[1]:
+        receipt.not_reverted = reverted[1]
+        receipt.sandbox["shell writes"] = (f"{len(reverted[1])} change(s) could not be reverted, listed in "
+                                           "not_reverted; the rest were")
+    receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
+        if ws.mode == "worktree" and not ws.remote and problem is None else []
+    receipt.repo_config = repo_config
+    if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
+        receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+    return receipt, diff, problem
+
+
+def _failed(task: dict, run: RunResult, model: str, reason: str, receipt: Receipt, diff: str | None,
+            usage: dict[str, Any]) -> dict[str, Any] | None:
+    """The run failed (``reason``): the attempt fails with its receipt, retried unless a retry
+    cannot help (a model OpenCode does not offer, a request the provider refuses, the machine)."""
+    marker = task["run_marker"]
     # A provider's refusal decides only a run that ended on the model's error, not one that was
     # killed or timed out later (an earlier refused request may sit in its stream).
     refused = run.stream.refused_status if reason.startswith("model error:") else None
@@ -1678,14 +1807,14 @@ def limit_resume_at(task: dict, limited: dict[str, Any], knobs: Knobs, now: floa
     return now + min(knobs.limit_backoff_sec * 2 ** (rounds - 1), LIMIT_BACKOFF_MAX_SEC)
 
 
-def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: dict, usage: dict,
+def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: Receipt, usage: dict,
                     knobs: Knobs) -> dict[str, Any] | None:
     """Pause the task at its provider's usage limit (not a failure: no retry spent, the worktree
     and the OpenCode session kept) until the reset; other tasks on the provider wait meanwhile."""
     limited, account = run.limited, model.split("/", 1)[0]
     resume_at = limit_resume_at(task, limited, knobs, time.time())
     said = " ".join(str(limited.get("said") or "a usage limit (no words given)").split())[:1000]
-    receipt["limit"] = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
+    receipt.limit = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
                         "seen_in": limited.get("source")}
     if resume_at is None:
         way = (f"It gave no reset time {knobs.limit_rounds} times in a row, so TaskBridge does not resume it by "
@@ -1749,18 +1878,18 @@ def _observe(task: dict, ws: Workspace, snapshot: dict | None) -> tuple[tuple[li
     return reverted, files, diff, None
 
 
-def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
                        phases: Phases) -> dict[str, Any] | None:
     """The agent succeeded: commit on the task branch, remove the worktree (checked), done. A
     failed commit is bookkeeping: never a rerun of the agent."""
     try:
-        message = worktrees.task_commit_message(task, receipt["summary"], {"usage": run.stream.usage(),
+        message = worktrees.task_commit_message(task, receipt.summary, {"usage": run.stream.usage(),
                                                                          "session_id": run.stream.session_id})
-        receipt["commit"] = worktrees.commit_changes(ws, message)
-        receipt["no_change"] = ws.mode == "worktree" and not receipt["commit"]
+        receipt.commit = worktrees.commit_changes(ws, message)
+        receipt.no_change = ws.mode == "worktree" and not receipt.commit
         if task.get("continue_from") or task.get("fork_from"):
-            receipt["line"] = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
-                               **worktrees.line_of_work(ws, receipt["commit"] or ws.base_commit)}
+            receipt.line = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
+                               **worktrees.line_of_work(ws, receipt.commit or ws.base_commit)}
     except worktrees.GitError as exc:
         return _bookkeeping_failed(task, ws, run, receipt, diff, "the commit", exc, phases)
     if ws.remote:
@@ -1773,21 +1902,21 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: dict,
         try:
             _remove(ws, receipt)
         except worktrees.GitError as exc:   # stopped: the work is committed; say what is left
-            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+            receipt.update(worktree_removed=False, worktree_left=f"{ws.top}: {exc}")
         if not _drop_empty_branch(task, ws, receipt):
             return None
     if run.meter is not None:
         run.meter.settle_owed()
-    notify(f"TaskBridge {task['id']} done", receipt["summary"][:200])
+    notify(f"TaskBridge {task['id']} done", receipt.summary[:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=diff,
                    usage=run.stream.usage(), session_id=run.stream.session_id)
 
 
-def _push(task: dict, ws: Workspace, receipt: dict) -> None:
+def _push(task: dict, ws: Workspace, receipt: Receipt) -> None:
     """A task on a remote: push its commit as its branch (leased: see worktrees.push_branch) and
     record where it went, in the receipt and on the task's row. Nothing committed: nothing
     pushed, and the receipt says so. Raises worktrees.GitError."""
-    receipt["repo"] = ws.remote
+    receipt.repo = ws.remote
     commit = receipt.get("commit")
     if not commit:
         receipt.update(pushed_branch=None, pushed_commit=None,
@@ -1800,20 +1929,20 @@ def _push(task: dict, ws: Workspace, receipt: dict) -> None:
     log(f"{task['id']} pushed {ws.branch} ({commit[:12]}) to {ws.remote}", talk.VERBOSE)
 
 
-def _remove(ws: Workspace, receipt: dict) -> None:
+def _remove(ws: Workspace, receipt: Receipt) -> None:
     """Remove the worktree and record in the receipt whether it is really gone, and what is
     left when it is not (the task keeps its worktree_path, so clear --remove-worktrees can
     retry)."""
     if ws.mode != "worktree":
         return
     left = worktrees.remove_worktree(ws)
-    receipt["worktree_removed"] = left is None
+    receipt.worktree_removed = left is None
     if left:
-        receipt["worktree_left"] = left
+        receipt.worktree_left = left
         log(left)
 
 
-def _drop_empty_branch(task: dict, ws: Workspace, receipt: dict) -> bool:
+def _drop_empty_branch(task: dict, ws: Workspace, receipt: Receipt) -> bool:
     """A run that changed nothing, its worktree gone: its empty branch is deleted (see
     worktrees.drop_empty_branch) and the receipt and the task's row say there is no branch.
     False when the attempt was superseded meanwhile (the caller stops). A git command stopped on
@@ -1836,7 +1965,7 @@ def _drop_empty_branch(task: dict, ws: Workspace, receipt: dict) -> bool:
     return True
 
 
-def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict, diff: str | None,
+def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
                         step: str, exc: BaseException, phases: Phases) -> dict[str, Any] | None:
     """The agent finished but recording its work did not: the receipt is stored, the step and
     git's reason are named, the worktree is kept for the person, and the (paid) agent run is
@@ -1847,7 +1976,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
     if ws.mode != "worktree":
         where = f"its changes are in {ws.cwd}"
     elif ws.remote and receipt.get("commit"):
-        where = (f"its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: push it "
+        where = (f"its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: push it "
                  f"yourself once the remote takes it ({worktrees.push_command(ws.top, ws.remote, ws.branch)})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
@@ -1860,8 +1989,7 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: dict
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
     error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
-    receipt["bookkeeping_error"] = error
-    receipt["worktree_kept"] = ws.mode == "worktree"
+    receipt.update(bookkeeping_error=error, worktree_kept=ws.mode == "worktree")
     log(f"{task['id']}: {error}")
     final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
                     diff=diff, usage=run.stream.usage(), session_id=run.stream.session_id,
@@ -1876,19 +2004,20 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     worktree on this machine (worktrees.unpushed_workspace): push that commit again — the agent is
     never run again — and finish with the earlier receipt. A push refused again fails the task
     the same way (worktree kept, host pinned, not retried)."""
-    receipt = {k: v for k, v in (task.get("result") or {}).items() if k not in ("bookkeeping_error", "worktree_kept")}
-    receipt["pushed_again"] = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
+    receipt = Receipt.from_json({k: v for k, v in (task.get("result") or {}).items()
+                                 if k not in ("bookkeeping_error", "worktree_kept")})
+    receipt.pushed_again = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
                                f"{ws.top}; the agent was not run again")
-    log(f"{task['id']}: pushing the kept commit {receipt['commit'][:12]} again (the agent is not run again)",
+    log(f"{task['id']}: pushing the kept commit {receipt.commit[:12]} again (the agent is not run again)",
         talk.VERBOSE)
     try:
         _push(task, ws, receipt)
     except worktrees.GitError as exc:
         error = (f"the agent finished in an earlier attempt, but the push of {ws.branch} to {ws.remote} failed "
-                 f"again: {exc}; its work is committed ({receipt['commit'][:12]}) in the kept worktree {ws.top}: "
+                 f"again: {exc}; its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: "
                  f"push it yourself once the remote takes it "
                  f"({worktrees.push_command(ws.top, ws.remote, ws.branch)}). The agent is not run again")
-        receipt.pop("pushed_again")
+        receipt.unset("pushed_again")
         receipt.update(bookkeeping_error=error, worktree_kept=True)
         log(f"{task['id']}: {error}")
         return _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
@@ -1897,7 +2026,7 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
         try:
             _remove(ws, receipt)
         except worktrees.GitError as exc:
-            receipt["worktree_removed"], receipt["worktree_left"] = False, f"{ws.top}: {exc}"
+            receipt.update(worktree_removed=False, worktree_left=f"{ws.top}: {exc}")
     notify(f"TaskBridge {task['id']} done", receipt.get("summary", "")[:200])
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=task.get("diff"))
 
@@ -1925,18 +2054,27 @@ def _finish(fn: Any, task: dict, marker: str, *args: Any, **kwargs: Any) -> dict
         return fn(*args, **kwargs)
 
     # Everything an attempt stores (receipt, diff, error, question) passes here: redacted once.
+    if isinstance(kwargs.get("result"), Receipt):
+        kwargs["result"] = kwargs["result"].to_json()
     redactor = redaction.current()
     args, kwargs = redaction.redact_deep(args, redactor), redaction.redact_deep(kwargs, redactor)
     try:
         return db(once, task["id"], marker, *args, **kwargs)
     except store.StaleAttempt as exc:
-        if len(tries) > 1:
-            with contextlib.suppress(Exception):
-                current = store.get_task(task["id"])
-                if current["run_marker"] == marker and current["status"] != "running":
-                    return current
+        if len(tries) > 1 and (landed := _ended_as_written(task["id"], marker)) is not None:
+            return landed
         log(str(exc))
         return None
+
+
+def _ended_as_written(task_id: str, marker: str) -> dict[str, Any] | None:
+    """The task, when attempt ``marker`` already ended it (a write whose answer was lost landed);
+    else None (also when the queue cannot say)."""
+    with contextlib.suppress(Exception):
+        found = store.get_task(task_id)
+        if found["run_marker"] == marker and found["status"] != "running":
+            return found
+    return None
 
 
 def _cleanup_superseded(task: dict, ws: Workspace) -> None:
@@ -1959,91 +2097,12 @@ def _whole_text_at(task: dict, run: RunResult) -> str:
         f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
 
 
-def _clip_items(items: list[str], where: str) -> list[str]:
-    """At most ITEMS_MAX items of at most ITEM_MAX characters each; a last item says what was cut."""
-    kept = [store.clip(item, ITEM_MAX, where) for item in items[:ITEMS_MAX]]
-    if len(items) > ITEMS_MAX:
-        kept.append(f"… [{len(items) - ITEMS_MAX:,} more items; all are in {where}]")
-    return kept
-
-
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
-                  files: list[str], reverted: list[str], session_note: str) -> dict[str, Any]:
-    """The receipt: what git and the event stream showed, beside what the agent says."""
-    stream = run.stream
+                  files: list[str], reverted: list[str], session_note: str) -> Receipt:
+    """The receipt (receipt.build): what git and the event stream showed, beside what the agent says."""
     current = db(store.get_task, task["id"])
-    if ws.mode == "in-place" and not ws.top:
-        files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
-                        if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
-    box = run.box or agent_box.Support(None, reason="the run did not start")
-    isolation = ws.note or (f"git worktree on {ws.branch}; " + (
-        f"{box.mechanism} lets the agent write only there" if box.mechanism else
-        "writes outside it are not prevented (no box): changes to your checkout are listed in "
-        "changed_outside_worktree"))
-    sandbox = {"isolation": isolation, "permission": task["permission"],
-               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws) + (
-                   f"; {box.mechanism} kept the rest (the repository's config, hooks, info/, the .git pointer, your "
-                   "own git config) read-only to the run" if box.mechanism else "")}
-    if task.get("rules"):
-        sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
-                            "sub-agents): deny refuses the call, ask pauses the task for the planner; "
-                            "the preset's own rules still apply")
-    denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
-    where = _whole_text_at(task, run)
-    return {
-        "summary": store.clip(block.get("summary") or block.get("question") or "", SUMMARY_MAX, where),
-        "block_found": block.get("block_found", block["kind"] == "question"),
-        "files_touched": files,
-        "files_claimed": _clip_items(block.get("files_touched", []), where),
-        "files_reverted": reverted,
-        "commands": stream.commands,
-        "tool_calls": len(stream.tool_calls),
-        "tool_errors": [{"tool": c["tool"], "status": c["status"], "error": c.get("error")} for c in denied],
-        "tests_run": _clip_items(block.get("tests_run", []), where),
-        "open_questions": _clip_items(block.get("open_questions", []), where),
-        "usage": stream.usage(),
-        "model": model,
-        "latency_sec": run.seconds,
-        "attempt": task["attempts"],
-        "max_retries": task["max_retries"],
-        "sandbox": sandbox,
-        "git_planted": ws.git_planted or [],
-        "isolation": ws.mode,
-        "branch": ws.branch,
-        "repo": ws.remote,
-        "mirror": {"path": ws.repo, "cloned": ws.mirror_cloned} if ws.remote else None,
-        "base_commit": ws.base_commit,
-        "base_from": ws.base_from or None,
-        "submodules": ws.submodules,
-        "worktree_path": ws.top if ws.mode == "worktree" else None,
-        "session_id": stream.session_id,
-        "session": session_note,
-        "exit_code": run.returncode,
-        "agent_exited": run.agent_exited,
-        "non_json_lines": stream.bad_lines,
-        "replies_not_believed": run.not_believed,
-        "ended_with_run": run.ended,
-        "mcp_servers_unavailable": run.mcp_down,
-        "notes": [{"author": n["author"], "text": n["text"], "delivered_at": n["delivered_at"],
-                   "delivered_how": n["delivered_how"]} for n in current["notes"]],
-        "questions": current["questions"],
-        "permission_asks": permission_asks(task),
-        "limit_pauses": current.get("limit_pauses") or [],
-    }
-
-
-def permission_asks(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """The permission asks the planner decided over the task's attempts, each ``{tool, subject,
-    reason, decision}`` (``deny once`` …): a refused call never reaches the event stream, so
-    this is its only trace in the receipt. Carried over from the previous attempt's receipt."""
-    result = task.get("result") if isinstance(task.get("result"), dict) else {}
-    asks = list(result.get("permission_asks") or [])
-    ask = task.get("pending_ask") or {}
-    if ask.get("decision"):
-        record = {key: ask.get(key) for key in ("tool", "subject", "reason", "decision")}
-        if record not in asks:
-            asks.append(record)
-    return asks
+    return receipt_mod.build(task, current, ws, run, model, block, files, reverted, session_note,
+                             _whole_text_at(task, run))
 
 
 # --------------------------------------------------------------------------------------------
@@ -2126,14 +2185,14 @@ def _recorded_from_commit(task: dict[str, Any], marker: str) -> dict[str, Any] |
         return None
     if found is None:
         return None
-    receipt = {"summary": found["summary"], "files_touched": found["files"], "commit": found["commit"],
-               "recovered": (f"attempt {marker} committed this work ({found['commit'][:12]} on {task['branch']}) "
+    receipt = Receipt(summary=found["summary"], files_touched=found["files"], commit=found["commit"],
+                      recovered=(f"attempt {marker} committed this work ({found['commit'][:12]} on {task['branch']}) "
                              "but its worker stopped before the queue recorded it; recorded from the commit: "
-                             "the agent was not run again")}
+                             "the agent was not run again"))
     if task.get("worktree_path") and not task["worktree_keep"]:
         left = worktrees.remove_worktree_at(task["worktree_path"])
-        receipt["worktree_removed"] = left is None
-    log(f"{task['id']}: {receipt['recovered']}")
+        receipt.worktree_removed = left is None
+    log(f"{task['id']}: {receipt.recovered}")
     return _finish(store.complete_attempt, task, task["run_marker"], result=receipt, diff=found["diff"],
                    usage=found["usage"], session_id=found["session_id"])
 
@@ -2160,8 +2219,8 @@ def _lease_here(task: dict[str, Any], host: str) -> bool:
 def _own_live_attempt(task: dict[str, Any]) -> bool:
     """This very process holds the lease and one of its slots runs that attempt now: its own
     supervision ends it (timeout, cancel); reaping it would start a second attempt beside it."""
-    with Beat.lock:
-        running = Beat.tasks.get(task["id"]) == task["run_marker"]
+    with current().beat.lock:
+        running = current().beat.tasks.get(task["id"]) == task["run_marker"]
     return running and task["lease_pid"] == os.getpid() and \
         process_tree.same_process(task["lease_pid"], task["lease_pid_start"]) is not None
 
@@ -2209,11 +2268,12 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               "(or set WORKER_SLOTS)", flush=True)
         return 0
     try:
-        Beat.slots, Beat.pid_start = slots, worker_identity()[2]
-        Beat.write("starting")
+        beat = current().beat
+        beat.slots, beat.pid_start = slots, worker_identity()[2]
+        current().beat.write("starting")
         return _loop(watch, max_tasks, Knobs(), slots)
     finally:
-        Beat.write("stopped")
+        current().beat.write("stopped")
         os.close(lock)  # closing the descriptor releases the flock
 
 
@@ -2233,111 +2293,195 @@ def _take_lock(path: Any) -> int | None:
 
 class Beat:
     """The worker heartbeat (the file beside the database and this worker's row in the workers
-    table): this process's state and the tasks it runs right now."""
-    lock = threading.Lock()
-    tasks: dict[str, str] = {}   # task id -> run marker
-    state = "starting"
-    slots = 1                    # how many tasks this pass may run at once (the board shows it)
-    budget: str | None = None    # why nothing new is claimed: the daily budget is spent
-    pid_start: float | None = None   # this process's start time (the workers table keeps it)
+    table): this process's state and the tasks it runs right now. A database away while it
+    writes is said through ``outage``."""
 
-    @classmethod
-    def write(cls, state: str | None = None, **extra: Any) -> None:
-        with cls.lock:
-            cls.state = state or cls.state
-            ids = sorted(cls.tasks)
-            said = {"budget": cls.budget} if cls.budget else {}
+    def __init__(self, outage: Outage) -> None:
+        self.outage = outage
+        self.lock = threading.Lock()
+        self.tasks: dict[str, str] = {}   # task id -> run marker
+        self.state = "starting"
+        self.slots = 1                    # how many tasks this pass may run at once (the board shows it)
+        self.budget: str | None = None    # why nothing new is claimed: the daily budget is spent
+        self.pid_start: float | None = None   # this process's start time (the workers table keeps it)
+
+    def write(self, state: str | None = None, **extra: Any) -> None:
+        with self.lock:
+            self.state = state or self.state
+            ids = sorted(self.tasks)
+            said = {"budget": self.budget} if self.budget else {}
             try:   # the heartbeat file is written first; the row waits for the database
-                store.write_worker_heartbeat({"state": cls.state, "task": ids[0] if ids else None,
-                                              "tasks": ids, "slots": cls.slots, "pid_start": cls.pid_start,
+                store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
+                                              "tasks": ids, "slots": self.slots, "pid_start": self.pid_start,
                                               **said, **extra})
             except Exception as exc:
                 if not db_outage(exc):
                     raise
-                Outage.failed(exc)
+                self.outage.failed(exc)
 
-    @classmethod
-    def running(cls, task: dict[str, Any], active: bool) -> None:
-        with cls.lock:
+    def running(self, task: dict[str, Any], active: bool) -> None:
+        with self.lock:
             if active:
-                cls.tasks[task["id"]] = task["run_marker"]
+                self.tasks[task["id"]] = task["run_marker"]
             else:
-                cls.tasks.pop(task["id"], None)
-        cls.write()
+                self.tasks.pop(task["id"], None)
+        self.write()
+
+
+class WorkerState:
+    """What one worker process keeps across its tasks and slots: the signal flags, its view of
+    the queue database (outage, full disk), its heartbeat, the start gate and its voice. One is
+    made per ``main()`` (``fresh_state``); ``current()`` is the one in use (made on first use for
+    callers that never ran ``main``; a test that needs a clean one calls ``fresh_state``)."""
+
+    def __init__(self, at_once: bool = False, voice: Talk | None = None) -> None:
+        self.flags = Flags(at_once)
+        self.full_disk = FullDisk()
+        self.outage = Outage(self.full_disk)
+        self.beat = Beat(self.outage)
+        self.start_gate = StartGate()
+        self.talk = voice or Talk()
+
+
+_state: WorkerState | None = None
+
+
+def current() -> WorkerState:
+    """This process's WorkerState (made on first use)."""
+    global _state
+    if _state is None:
+        _state = WorkerState()
+    return _state
+
+
+def fresh_state(at_once: bool = False, voice: Talk | None = None) -> WorkerState:
+    """A new WorkerState, now the current one (``main`` at its start; tests between cases)."""
+    global _state
+    _state = WorkerState(at_once, voice)
+    return _state
 
 
 def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
+    """The pass's loop (see Loop); its exit code."""
     problem = preflight()
     if problem:
         log(problem, talk.QUIET)
-        Beat.write("error", error=problem)
+        current().beat.write("error", error=problem)
         return 1
-    owner, pid, pid_start = worker_identity()
-    started, trimmed, last_reap, busy, budget_said = 0, 0, 0.0, set(), None
-    announced, status, delay, failures = False, 0, OUTAGE_BACKOFF_SEC[0], 0
-    # The loop wakes at least this often, so the worker's row is refreshed every
-    # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
-    nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
-        while not Flags.stopping and (max_tasks is None or started < max_tasks):
-            Talk.signals(Flags.stopping, Flags.stop_now)
-            busy = {f for f in busy if not f.done()}
+        return Loop(watch, max_tasks, knobs, slots, pool).run()
+
+
+class Loop:
+    """One pass's loop: reap, claim, hand each task to a slot of ``pool``, wait for a change;
+    ride out the queue database's outages (``--watch``: back off and retry; a one-pass: claim
+    nothing more after the second failure and exit 1 once the tasks in hand end)."""
+
+    def __init__(self, watch: bool, max_tasks: int | None, knobs: Knobs, slots: int,
+                 pool: ThreadPoolExecutor) -> None:
+        self.watch, self.max_tasks, self.knobs, self.slots, self.pool = watch, max_tasks, knobs, slots, pool
+        self.state = current()
+        self.owner, self.pid, self.pid_start = worker_identity()
+        self.busy: set[Any] = set()   # the slots' futures
+        self.started = self.trimmed = 0   # tasks started; and when the heap was last handed back
+        self.last_reap = 0.0
+        self.budget_said: str | None = None
+        self.announced = False
+        self.status = 0
+        self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0   # the outage back-off, failed turns in a row
+        self.mark = 0   # the last event id before the claim: a change after it wakes the wait
+        # The loop wakes at least this often, so the worker's row is refreshed every
+        # WORKER_ROW_EVERY_SEC while it lives (other hosts judge it silent after 30 s).
+        self.nap = min(knobs.poll_sec, store.WORKER_ROW_EVERY_SEC)
+
+    def run(self) -> int:
+        flags = self.state.flags
+        while not flags.stopping and (self.max_tasks is None or self.started < self.max_tasks):
+            self.state.talk.signals(flags.stopping, flags.stop_now)
+            self.busy = {f for f in self.busy if not f.done()}
             try:
-                announced = announced or (watch and announce_start(watch, slots))   # a one-pass: once it has work
-                if time.monotonic() - last_reap > (60 if watch else 0):
-                    reap(knobs)
-                    if watch:
-                        store.checkpoint()
-                    last_reap = time.monotonic()
-                Beat.write("running" if busy else "idle" if watch else "pass")
-                mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
-                task = _claim(owner, pid, pid_start) if len(busy) < slots else None
-                if task is None and len(busy) < slots:
-                    budget_said = _say_budget(budget_said, "running" if busy else "idle" if watch else "pass")
-                Outage.answered()
-                delay, failures = OUTAGE_BACKOFF_SEC[0], 0
+                task = self._turn()
             except Exception as exc:
                 if not db_outage(exc):
                     raise
-                Outage.failed(exc)
-                failures += 1
-                if not watch and failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
-                    log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
-                        f"once its {len(busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
-                    status = 1
-                    break
-                end = time.monotonic() + delay   # --watch: wait and try again (a signal stops it)
-                while time.monotonic() < end and not Flags.stopping:
-                    time.sleep(min(0.2, max(0.0, end - time.monotonic())))
-                delay = backoff(delay)
-                continue
-            if task is not None:
-                Beat.budget = budget_said = None
-                announced = announced or announce_start(watch, slots)
-                Talk.claimed(task)
-                busy.add(pool.submit(_run_guarded, task, knobs))
-                started += 1
-            elif len(busy) >= slots:
-                wait(busy, timeout=nap, return_when=FIRST_COMPLETED)
-            elif busy or watch:
-                if not busy and started > trimmed:
-                    trimmed = started
-                    _give_memory_back()
-                # A submit, an answer or a slot's end records an event: the wait wakes within
-                # milliseconds; the poll is the fallback (back-off ends, no inotify).
-                try:
-                    store.wait_for_change(mark, nap, knobs.poll_sec)
-                except Exception as exc:
-                    if not db_outage(exc):
-                        raise
-                    Outage.failed(exc)   # the next turn of the loop backs off
-            else:
+                if self._outage(exc):
+                    continue
                 break
-        while busy:  # first signal: the tasks in hand finish (a second one ends them at once)
-            Talk.signals(Flags.stopping, Flags.stop_now)
-            busy = wait(busy, timeout=0.2).not_done
-        Talk.signals(Flags.stopping, Flags.stop_now)
-    return status
+            if not self._next(task):
+                break
+        while self.busy:  # first signal: the tasks in hand finish (a second one ends them at once)
+            self.state.talk.signals(flags.stopping, flags.stop_now)
+            self.busy = wait(self.busy, timeout=0.2).not_done
+        self.state.talk.signals(flags.stopping, flags.stop_now)
+        return self.status
+
+    def _state_word(self) -> str:
+        return "running" if self.busy else "idle" if self.watch else "pass"
+
+    def _turn(self) -> dict[str, Any] | None:
+        """Reap when due, beat, claim a task when a slot is free; the task claimed, or None."""
+        # A one-pass announces itself once it has work; --watch at once.
+        self.announced = self.announced or (self.watch and announce_start(self.watch, self.slots))
+        if time.monotonic() - self.last_reap > (60 if self.watch else 0):
+            reap(self.knobs)
+            if self.watch:
+                store.checkpoint()
+            self.last_reap = time.monotonic()
+        self.state.beat.write(self._state_word())
+        self.mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
+        free = len(self.busy) < self.slots
+        task = _claim(self.owner, self.pid, self.pid_start) if free else None
+        if task is None and free:
+            self.budget_said = _say_budget(self.budget_said, self._state_word())
+        self.state.outage.answered()
+        self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0
+        return task
+
+    def _outage(self, exc: BaseException) -> bool:
+        """The queue database failed a turn: True to turn again after a back-off (``--watch``, or
+        a one-pass's first failure), False when a one-pass gives up claiming (exit status 1)."""
+        self.state.outage.failed(exc)
+        self.failures += 1
+        if not self.watch and self.failures > 1:   # a one-pass claims nothing more: the tasks in hand ride it out
+            log(f"error: the queue database is unreachable; this pass claims nothing more and exits "
+                f"once its {len(self.busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
+            self.status = 1
+            return False
+        end = time.monotonic() + self.delay   # --watch: wait and try again (a signal stops it)
+        while time.monotonic() < end and not self.state.flags.stopping:
+            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        self.delay = backoff(self.delay)
+        return True
+
+    def _next(self, task: dict[str, Any] | None) -> bool:
+        """Start ``task`` in a slot, or wait for a slot or a change; False when the pass is over."""
+        if task is not None:
+            self.state.beat.budget = self.budget_said = None
+            self.announced = self.announced or announce_start(self.watch, self.slots)
+            self.state.talk.claimed(task)
+            self.busy.add(self.pool.submit(_run_guarded, task, self.knobs))
+            self.started += 1
+        elif len(self.busy) >= self.slots:
+            wait(self.busy, timeout=self.nap, return_when=FIRST_COMPLETED)
+        elif self.busy or self.watch:
+            self._idle()
+        else:
+            return False
+        return True
+
+    def _idle(self) -> None:
+        """Nothing to claim: hand memory back once idle, then wait for a change."""
+        if not self.busy and self.started > self.trimmed:
+            self.trimmed = self.started
+            _give_memory_back()
+        # A submit, an answer or a slot's end records an event: the wait wakes within
+        # milliseconds; the poll is the fallback (back-off ends, no inotify).
+        try:
+            store.wait_for_change(self.mark, self.nap, self.knobs.poll_sec)
+        except Exception as exc:
+            if not db_outage(exc):
+                raise
+            self.state.outage.failed(exc)   # the next turn of the loop backs off
 
 
 def _claim(owner: str, pid: int, pid_start: float) -> dict[str, Any] | None:
@@ -2364,9 +2508,9 @@ def _say_budget(said: str | None, state: str) -> str | None:
     """Nothing was claimed: when the daily budget is why, say so in the heartbeat (``budget``)
     and once in the log. Returns the reason now in force (None when the budget is not spent)."""
     reason = store.budget_state()["reason"]
-    if reason != Beat.budget:
-        Beat.budget = reason
-        Beat.write(state)
+    if reason != current().beat.budget:
+        current().beat.budget = reason
+        current().beat.write(state)
     if reason and reason != said:
         log(f"claims nothing new: {reason}")
     return reason
@@ -2383,8 +2527,8 @@ def announce_start(watch: bool, slots: int) -> bool:
         if not db_outage(exc):
             raise
         model = "not known yet (the queue database does not answer)"
-    Talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
-    Talk.say(box_line())
+    current().talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    current().talk.say(box_line())
     return True
 
 
@@ -2412,7 +2556,7 @@ def _give_memory_back() -> None:
 
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
-    Beat.running(task, True)
+    current().beat.running(task, True)
     began, final = time.monotonic(), None
     try:
         final = run_task(task, knobs)
@@ -2429,8 +2573,8 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
-        Beat.running(task, False)
-        Talk.ended(task, final, time.monotonic() - began, handed_back=Flags.stop_now)
+        current().beat.running(task, False)
+        current().talk.ended(task, final, time.monotonic() - began, handed_back=current().flags.stop_now)
 
 
 def refuse(message: str) -> None:
@@ -2442,7 +2586,7 @@ def refuse(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--watch", action="store_true", help="loop, picking new work up within a second")
@@ -2458,6 +2602,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
                              "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
+    return parser
+
+
+def _refused() -> list[str]:
+    """What stops the worker before anything starts: a bad knob, box setting or host name."""
+    refused = knobs.problems() + agent_box.problems()
+    try:
+        store.host_name()
+    except store.ValidationError as exc:
+        refused.append(str(exc))
+    return refused
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     try:   # before anything touches the store
         knobs.select_database(args.db)
@@ -2466,18 +2625,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
-    refused = knobs.problems() + agent_box.problems()
-    try:
-        store.host_name()
-    except store.ValidationError as exc:
-        refused.append(str(exc))
+    refused = _refused()
     if refused:   # before anything starts: a typo must not run with a default nor stop a task mid-run
         print("\n".join(f"worker: {line}" for line in refused), file=sys.stderr)
         return 2
     if args.slots is None:
         args.slots = knobs.knob("WORKER_SLOTS")
-    Talk.setup(talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL)
-    Flags.at_once = args.stop_at_once
+    state = fresh_state(at_once=args.stop_at_once, voice=Talk(
+        talk.QUIET if args.quiet else talk.VERBOSE if args.verbose else talk.NORMAL, terminal=None))
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
@@ -2500,7 +2655,7 @@ def main(argv: list[str] | None = None) -> int:
                "(a readable, writable SQLite file and folder)")
         return 1
     finally:
-        Talk.close()
+        state.talk.close()
 
 
 if __name__ == "__main__":

@@ -70,42 +70,36 @@ class Running:
 
 
 class Talk:
-    """The worker's voice (one per process; class state like ``worker.Beat``)."""
-    level = NORMAL
-    lock = threading.RLock()
-    console: Console | None = None
-    live: Live | None = None
-    running: dict[str, Running] = {}
-    announced = 0      # how many stop signals have been announced
+    """The worker's voice: one per worker process (``worker.WorkerState.talk``), made at its start.
+    ``level``: QUIET, NORMAL or VERBOSE; ``terminal``: rich and a live line (None: when stderr is
+    a terminal this process has in the foreground; False, the default: plain lines)."""
 
-    @classmethod
-    def setup(cls, level: int = NORMAL, terminal: bool | None = None) -> None:
-        """Choose the level, and rich plus a live line when stderr is a terminal."""
-        cls.level = level
-        cls.running, cls.announced = {}, 0
-        terminal = owns_terminal() if terminal is None else terminal
-        if terminal:
+    def __init__(self, level: int = NORMAL, terminal: bool | None = False) -> None:
+        self.level = level
+        self.lock = threading.RLock()
+        self.live: Live | None = None
+        self.running: dict[str, Running] = {}
+        self.announced = 0      # how many stop signals have been announced
+        self.console: Console | None = None
+        if owns_terminal() if terminal is None else terminal:
             from rich.console import Console
-            cls.console = Console(stderr=True, highlight=False)
-        else:
-            cls.console = None
+            self.console = Console(stderr=True, highlight=False)
 
     # -- lines ------------------------------------------------------------------------------
 
-    @classmethod
-    def say(cls, message: str, level: int = NORMAL, style: str = "") -> None:
+    def say(self, message: str, level: int = NORMAL, style: str = "") -> None:
         """One line (shown at ``level`` and above); normal and quiet lines also go to the worker log.
         TaskBridge's secrets never reach either (redaction)."""
-        if level > NORMAL and level > cls.level:
+        if level > NORMAL and level > self.level:
             return   # before redacting: -v lines come per tool call, and most workers do not show them
         message = redaction.redact(message)
         if level <= NORMAL:
             write_log_line(message)
-        if level > cls.level:
+        if level > self.level:
             return
         # No lock of ours around printing: rich's live refresh holds the console's lock while it
         # renders the live line, so holding ours here as well could deadlock.
-        console = cls.console
+        console = self.console
         if console is not None:
             from rich.text import Text
             console.print(Text(f"[{time.strftime('%H:%M:%S')}] ", style="dim") + Text(message, style=style),
@@ -113,99 +107,90 @@ class Talk:
         else:
             print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    @classmethod
-    def started(cls, queue: str, model: str, slots: int, mode: str) -> None:
-        cls.say(f"worker started (pid {os.getpid()}): queue {queue}; model {model}; "
+    def started(self, queue: str, model: str, slots: int, mode: str) -> None:
+        self.say(f"worker started (pid {os.getpid()}): queue {queue}; model {model}; "
                 f"{slots} slot{'s' if slots != 1 else ''}; {mode}", style="bold")
 
-    @classmethod
-    def claimed(cls, task: dict[str, Any]) -> None:
+    def claimed(self, task: dict[str, Any]) -> None:
         """A task taken in hand (the live line and the Ctrl-C lines name it); its line follows
         from `runs` once its model is known."""
-        with cls.lock:
-            cls.running[task["id"]] = Running(task["id"], plain(task["title"], 40))
-        cls._refresh()
+        with self.lock:
+            self.running[task["id"]] = Running(task["id"], plain(task["title"], 40))
+        self._refresh()
 
-    @classmethod
-    def runs(cls, task: dict[str, Any], model: str | None) -> None:
+    def runs(self, task: dict[str, Any], model: str | None) -> None:
         """The claimed line: title, attempt, model (None: no model could be chosen)."""
-        cls.say(f"{task['id']} claimed: {plain(task['title'], 80)} ({task_views.attempt_text(task)}, "
+        self.say(f"{task['id']} claimed: {plain(task['title'], 80)} ({task_views.attempt_text(task)}, "
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
-    @classmethod
-    def ended(cls, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
+    def ended(self, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
               handed_back: bool = False) -> None:
         """The task's end line: status, duration, cost, branch (or why it failed or waits)."""
-        with cls.lock:
-            cls.running.pop(task["id"], None)
-        cls._refresh()
+        with self.lock:
+            self.running.pop(task["id"], None)
+        self._refresh()
         message, style = ended_line(task, final, seconds, handed_back)
-        cls.say(message, level=QUIET if style == "red" else NORMAL, style=style)
+        self.say(message, level=QUIET if style == "red" else NORMAL, style=style)
 
-    @classmethod
-    def signals(cls, stopping: bool, stop_now: bool) -> None:
+    def signals(self, stopping: bool, stop_now: bool) -> None:
         """Announce each stop signal once, naming what happens to the tasks in hand."""
         seen = 2 if stop_now else 1 if stopping else 0
-        if seen <= cls.announced:
+        if seen <= self.announced:
             return
-        with cls.lock:
-            ids = ", ".join(sorted(cls.running))
-        if cls.announced < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
-            cls.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
+        with self.lock:
+            ids = ", ".join(sorted(self.running))
+        if self.announced < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
+            self.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
                     else "stopping: no task in hand", level=QUIET, style="yellow")
         if seen == 2:
-            cls.say(f"stopping now: ending the run of {ids} and handing it back to the queue "
+            self.say(f"stopping now: ending the run of {ids} and handing it back to the queue "
                     "(no retry spent)" if ids else "stopping now", level=QUIET, style="yellow")
-        cls.announced = seen
+        self.announced = seen
 
     # -- the live line --------------------------------------------------------------------
 
-    @classmethod
-    def event(cls, task_id: str, event: dict[str, Any]) -> None:
+    def event(self, task_id: str, event: dict[str, Any]) -> None:
         """An event of a task's stream: the live line shows it; ``-v`` prints tool calls too."""
         kind = event.get("type")
-        with cls.lock:
-            run = cls.running.get(task_id)
+        with self.lock:
+            run = self.running.get(task_id)
             if run is not None and kind == "step_start":
                 run.steps += 1
         if kind != "tool_use":
             return
         tool = tool_text(event)
-        with cls.lock:
+        with self.lock:
             if run is not None:
                 run.last_tool = tool
-        cls.say(f"{task_id} {tool}", level=VERBOSE, style="dim")
+        self.say(f"{task_id} {tool}", level=VERBOSE, style="dim")
 
-    @classmethod
-    def _refresh(cls) -> None:
-        if cls.console is None or cls.level == QUIET:
+    def _refresh(self) -> None:
+        if self.console is None or self.level == QUIET:
             return
-        with cls.lock:
-            if cls.running and cls.live is None:
+        with self.lock:
+            if self.running and self.live is None:
                 from rich.live import Live
-                cls.live = Live(cls._render(), console=cls.console, transient=True,
-                                refresh_per_second=LIVE_REFRESH_PER_SEC, get_renderable=cls._render)
-                cls.live.start()
-            elif not cls.running and cls.live is not None:
-                cls.live.stop()
-                cls.live = None
+                self.live = Live(self._render(), console=self.console, transient=True,
+                                refresh_per_second=LIVE_REFRESH_PER_SEC, get_renderable=self._render)
+                self.live.start()
+            elif not self.running and self.live is not None:
+                self.live.stop()
+                self.live = None
 
-    @classmethod
-    def _render(cls) -> Table:
+    def _render(self) -> Table:
         from rich.spinner import Spinner
         from rich.table import Table
         from rich.text import Text
         grid = Table.grid(padding=(0, 1))
-        for run in list(cls.running.values()):   # a copy, without our lock (see `say`)
+        for run in list(self.running.values()):   # a copy, without our lock (see `say`)
             grid.add_row(Spinner("dots", style="cyan"), Text(run.status(), overflow="ellipsis", no_wrap=True))
         return grid
 
-    @classmethod
-    def close(cls) -> None:
-        with cls.lock:
-            if cls.live is not None:
-                cls.live.stop()
-                cls.live = None
+    def close(self) -> None:
+        with self.lock:
+            if self.live is not None:
+                self.live.stop()
+                self.live = None
 
 
 def tool_text(event: dict[str, Any]) -> str:

@@ -51,7 +51,7 @@ def main() -> int:
     import worker
     from worker_talk import Talk
 
-    Talk.setup(0)
+    worker.fresh_state(voice=Talk(0))   # quiet: the worker's voice says nothing while it is timed
     store.set_budget(daily_usd=1000)
     task = store.submit_task(title="bench", instructions="x", working_dir=folder, max_cost_usd=500)
     task = store.claim_next("bench")

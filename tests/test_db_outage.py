@@ -33,6 +33,12 @@ import worker
 from fake_openai import text, tool_call
 from helpers import ROOT, free_port, make_repo, worker_process
 
+
+@pytest.fixture(autouse=True)
+def fresh_worker_state():
+    """Each test starts with a worker process's state of its own (no outage said yet)."""
+    worker.fresh_state()
+
 RECEIPT = '```json\n{"summary": "wrote %s", "files_touched": ["%s"], "tests_run": [], "open_questions": []}\n```'
 
 
@@ -234,7 +240,6 @@ def test_a_store_call_is_retried_through_an_outage_and_said_once(outage, monkeyp
     with pytest.raises(type(outage)):
         worker.db(lambda: (_ for _ in ()).throw(outage), patience=0.05)
     assert worker.db_outage(outage) and not worker.db_outage(task_store.StaleAttempt("x"))
-    worker.Outage.since, worker.Outage.said = None, False
 
 
 def test_a_task_is_never_failed_because_the_database_stayed_away(tmp_path, monkeypatch):
@@ -245,7 +250,6 @@ def test_a_task_is_never_failed_because_the_database_stayed_away(tmp_path, monke
     worker._run_guarded(claimed, worker.Knobs())
     assert task_store.get_task(task["id"])["status"] == "running", "left to the reaper, not failed"
     assert "failed" not in kinds(task["id"])
-    worker.Outage.since, worker.Outage.said = None, False
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,8 +350,7 @@ def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_a
     finally:
         time.sleep(0.9)
         holder.close()
-        worker.Outage.since, worker.Outage.said = None, False
-
+    
 
 def test_status_asks_about_a_silent_worker_on_another_host_by_name(monkeypatch):
     from click.testing import CliRunner

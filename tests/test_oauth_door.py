@@ -164,7 +164,7 @@ def test_serve_tells_the_server_which_tunnel_it_started(tmp_path, monkeypatch):
     """serve._serve hands the tunnel's identity to the server child, never to anything it did not start."""
     started = {}
 
-    class Recorder(serve.Supervisor):
+    class Recorder(serve.Services):
         def start(self, name, argv, env):
             started[name] = dict(env)
             raise serve.SetupError("recorded")

@@ -94,10 +94,9 @@ def test_a_worker_never_reaps_the_attempt_its_own_live_process_runs(tmp_path, mo
     claimed = task_store.claim_next(owner, pid, start)
     monkeypatch.setenv("WORKER_STALE_SEC", "0")
     time.sleep(0.05)
-    worker.Beat.running(claimed, True)     # a slot of this process runs it (a long commit, say)
-    try:
-        assert worker.reap(worker.Knobs()) == 0
-        assert task_store.get_task(task["id"])["status"] == "running"
-    finally:
-        worker.Beat.running(claimed, False)
+    beat = worker.fresh_state().beat
+    beat.running(claimed, True)     # a slot of this process runs it (a long commit, say)
+    assert worker.reap(worker.Knobs()) == 0
+    assert task_store.get_task(task["id"])["status"] == "running"
+    beat.running(claimed, False)
     assert worker.reap(worker.Knobs()) == 1, "a stale lease no slot of ours runs is reaped"

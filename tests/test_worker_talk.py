@@ -172,7 +172,7 @@ def test_live_line_only_on_a_terminal_the_worker_has_in_the_foreground(foregroun
         if foreground:
             fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
 
-    probe = "import worker_talk as t; t.Talk.setup(); print('RICH' if t.Talk.console else 'PLAIN')"
+    probe = "import worker_talk as t; print('RICH' if t.Talk(terminal=None).console else 'PLAIN')"
     proc = subprocess.run([sys.executable, "-c", probe], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                           stderr=slave, cwd=ROOT, preexec_fn=session, text=True, timeout=60)
     os.close(slave)
