@@ -1,4 +1,12 @@
-"""Small helpers shared by the tests: real git repos, subprocess entry points, process checks."""
+"""Small helpers shared by the tests: real git repos, subprocess entry points, process checks.
+
+The one way each to do what many tests do (use these rather than writing another):
+- queue a task without a client: ``submit`` (``run_task`` also runs one worker pass over it);
+- call an MCP tool through an SDK client: ``call_tool`` (its structured result) and
+  ``tool_error`` (the error text of a call that must fail);
+- stand in for a program on PATH or behind a knob (OPENCODE_BIN, CLAUDE_BIN...): ``fake_binary``;
+- the real server as its own process on HTTP: ``bridge_process``; in a thread: ``serving``.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -81,7 +89,7 @@ def submit(working_dir: Path | str | None = None, title: str | None = None, *, i
     import task_store
     if working_dir is not None:
         fields["working_dir"] = str(working_dir)
-    return task_store.submit_task(title=title or script or "t",
+    return task_store.submit_task(title=title if title is not None else script or "t",
                                   instructions=f"SCRIPT:{script}" if script else instructions, **fields)
 
 

@@ -14,7 +14,7 @@ import opencode_runner
 import task_store
 import tasks_cli
 from fake_openai import http_error, text, tool_call
-from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
+from helpers import call_tool, checkout_state, git, make_repo, run_script, submit, tool_error
 
 RECEIPT = '```json\n{"summary": "Tried a few things", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
@@ -100,7 +100,7 @@ DONE = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], 
 
 def finished_by_hand(repo, files: dict[str, str], title: str = "hand work") -> dict:
     """A done task whose branch holds one commit with ``files`` (played without a worker)."""
-    task = task_store.submit_task(title=title, instructions="i", working_dir=str(repo))
+    task = submit(repo, title)
     claimed = task_store.claim_next("test-worker", task_id=task["id"])
     branch, base = f"taskbridge/{task['id']}", git(repo, "rev-parse", "HEAD")
     work = repo.parent / f"wt-{task['id']}"
