@@ -23,9 +23,8 @@ def start(folder: Path, port: int) -> tuple[Any, int]:
     import threading
 
     import serve
-    binary = folder / "cloudflared"
-    binary.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} \"$@\"\n")
-    binary.chmod(0o755)
+    from helpers import fake_binary
+    binary = fake_binary(folder, "cloudflared", f'exec {sys.executable} {Path(__file__).resolve()} "$@"\n')
     tunnel = serve.Tunnel("cloudflare", str(binary), port)
     assert tunnel.wait_for_host(15, threading.Event()) == "fake-door-test.trycloudflare.com"
     listening = next(line for line in tunnel.lines if line.startswith("listening on "))

@@ -1,4 +1,12 @@
-"""Small helpers shared by the tests: real git repos, subprocess entry points, process checks."""
+"""Small helpers shared by the tests: real git repos, subprocess entry points, process checks.
+
+The one way each to do what many tests do (use these rather than writing another):
+- queue a task without a client: ``submit`` (``run_task`` also runs one worker pass over it);
+- call an MCP tool through an SDK client: ``call_tool`` (its structured result) and
+  ``tool_error`` (the error text of a call that must fail);
+- stand in for a program on PATH or behind a knob (OPENCODE_BIN, CLAUDE_BIN...): ``fake_binary``;
+- the real server as its own process on HTTP: ``bridge_process``; in a thread: ``serving``.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -44,6 +52,21 @@ def checkout_state(repo: Path) -> tuple[str, str, dict[str, str]]:
     return git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain"), files
 
 
+def fake_binary(folder: Path, name: str, body: str, *, shebang: str = "#!/bin/sh") -> Path:
+    """An executable stand-in for a program the test cannot or must not run for real (``opencode``,
+    ``claude``, ``launchctl``, ``notify-send``, a git hook...): ``folder/name`` (folder made when
+    missing) holding ``shebang``, a newline and ``body`` (shell unless ``shebang`` says otherwise,
+    e.g. ``f"#!{sys.executable}"`` for Python), mode 0755. Returns its path; the test puts it to
+    use itself: first on PATH (``monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")``)
+    or named by a knob such as OPENCODE_BIN or CLAUDE_BIN. A stand-in that should record its calls
+    appends them to a file the test reads: ``f'echo "$@" >> {calls}'``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(f"{shebang}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
 def run_script(name: str, *args: str, timeout: float = 300, env: dict | None = None,
                input: str | None = None) -> subprocess.CompletedProcess:
     """`python <repo>/<name> args...` as launchd would run it (a separate process)."""
@@ -52,13 +75,30 @@ def run_script(name: str, *args: str, timeout: float = 300, env: dict | None = N
                           stdin=None if input is not None else subprocess.DEVNULL)
 
 
+def submit(working_dir: Path | str | None = None, title: str | None = None, *, instructions: str = "i",
+           script: str | None = None, **fields: Any) -> dict:
+    """Queue one task straight through the store (``task_store.submit_task``) and return it as
+    stored (its public dict: id, status, ...). The one way tests queue a task without a client.
+
+    working_dir: the task's folder (a Path or a str), or None when ``fields`` name a ``repo``, a
+    ``continue_from`` or a ``fork_from`` instead. title: "t" unless given (or the script's name).
+    script: the name of a fake model's script (tests/fake_openai.py) for a task a real worker
+    runs: the instructions become ``SCRIPT:<script>``. fields: any other submit_task field as it
+    takes it (``model=``, ``max_retries=``, ``depends_on=``, ...). Raises what submit_task raises
+    (``task_store.ValidationError`` for a field it refuses)."""
+    import task_store
+    if working_dir is not None:
+        fields["working_dir"] = str(working_dir)
+    return task_store.submit_task(title=title if title is not None else script or "t",
+                                  instructions=f"SCRIPT:{script}" if script else instructions, **fields)
+
+
 def run_task(script: str, working_dir: str, *, title: str | None = None, **fields) -> dict:
     """Queue a task whose instructions name the fake model's ``script`` (title: the script's
     name unless given; ``fields``: more submit_task fields), run one worker pass (it must exit 0)
     and return the task as stored after it."""
     import task_store
-    task = task_store.submit_task(title=title or script, instructions=f"SCRIPT:{script}",
-                                  working_dir=working_dir, **fields)
+    task = submit(working_dir, title, script=script, **fields)
     assert run_script("worker.py").returncode == 0
     return task_store.get_task(task["id"])
 
@@ -127,6 +167,29 @@ def claim_in_processes(workers: int, timeout: float, *, renew: bool = False) -> 
     return claimed
 
 
+async def call_tool(client: Any, tool: str, args: dict[str, Any] | None = None, **call_kw: Any) -> Any:
+    """Call ``tool`` with ``args`` (default none) through a connected MCP SDK client (an
+    ``mcp.Client`` on the server in memory, over stdio or over HTTP: the helper does not care)
+    and return its structured result (``structuredContent``, usually a dict). A tool error fails
+    the test, showing the error's text. ``call_kw`` go to ``Client.call_tool`` as they are (e.g.
+    ``progress_callback``, ``meta``). For a call that must fail, ``tool_error``."""
+    result = await client.call_tool(tool, args or {}, **call_kw)
+    assert not result.is_error, result.content[0].text
+    return result.structured_content
+
+
+async def tool_error(client: Any, tool: str, args: dict[str, Any] | None = None, **call_kw: Any) -> str:
+    """Call ``tool`` as ``call_tool`` does, where it must fail: return the error's text (what the
+    planner reads). Fails the test when the call succeeds, and when the text is not the tool's own
+    message but the SDK's wrapping of an unexpected exception ("Error executing tool ...") or a
+    traceback: bad input gets a clear one-line error, never a crash."""
+    result = await client.call_tool(tool, args or {}, **call_kw)
+    assert result.is_error, f"{tool} accepted {args}: {result.structured_content}"
+    text = result.content[0].text
+    assert "Error executing tool" not in text and "Traceback" not in text, text
+    return text
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
     import socket
@@ -165,6 +228,29 @@ def serving(port: int | None = None, app: Any = None) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+@contextlib.contextmanager
+def bridge_process(env: dict[str, str] | None = None, log_level: str | None = None) -> Iterator[str]:
+    """The real MCP server as users serve it, a process of its own: ``opencode_bridge_mcp.py
+    --transport streamable-http`` on a free 127.0.0.1 port, with ``env`` (default: this process's
+    environment as it is now; put MCP_BEARER_TOKEN in it for the token the test uses) and
+    ``--log-level log_level`` when given. Yields the base URL (``http://127.0.0.1:PORT``, the MCP
+    endpoint is ``/mcp``) once /health answers; fails with its stderr if it exits or does not come
+    up in 30 s. Ended on leaving (SIGTERM, then up to 30 s for it to exit)."""
+    port = free_port()
+    argv = [sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--transport", "streamable-http", "--port", str(port)]
+    if log_level:
+        argv += ["--log-level", log_level]
+    proc = subprocess.Popen(argv, env=env or dict(os.environ), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base)
+        yield base
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
 
 
 def require_pinned(binary: str | None, what: str) -> str:
@@ -273,7 +359,7 @@ def run_attack(opencode: Any, repo: Path, name: str, commands: list[str], **fiel
     import task_store
     from fake_openai import text
     opencode.model.script(name, [*(bash_step(c) for c in commands), text("Tried.\n" + AGENT_DONE)])
-    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo), **fields)
+    task = submit(repo, script=name, **fields)
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     return task_store.get_task(task["id"])

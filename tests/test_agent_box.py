@@ -15,7 +15,8 @@ import pytest
 import agent_box
 import task_store
 from fake_openai import text, tool_call
-from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, git, make_repo, run_script, tool_outputs as outputs
+from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, fake_binary, git, make_repo, run_script, submit, \
+    tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
@@ -35,10 +36,6 @@ def secrets(tmp_path, monkeypatch):
     return token_dir
 
 
-def submit(repo: Path, script: str, **fields) -> dict:
-    return task_store.submit_task(title=script, instructions=f"SCRIPT:{script}", working_dir=str(repo), **fields)
-
-
 def test_no_secret_reaches_the_agent(opencode, tmp_path, secrets):
     repo = make_repo(tmp_path / "repo")
     db = task_store.db_path()
@@ -48,7 +45,7 @@ def test_no_secret_reaches_the_agent(opencode, tmp_path, secrets):
         tool_call("read", {"filePath": str(secrets / "token")}),
         text("Looked.\n" + DONE),
     ])
-    task = submit(repo, "env")
+    task = submit(repo, script="env")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -80,7 +77,7 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
              "&& cat /tmp/tb-box-scratch && git status --short && git add inside.txt && echo git-ok"),
         text("Tried.\n" + DONE),
     ])
-    task = submit(repo, "raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
+    task = submit(repo, script="raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
     assert task["id"] == "t_0002"
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
@@ -109,7 +106,7 @@ def test_your_own_git_config_edit_during_a_boxed_run_is_kept(opencode, tmp_path,
     monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("slow", [bash("sleep 4; echo slept"), text("Done.\n" + DONE)])
-    task = submit(repo, "slow")
+    task = submit(repo, script="slow")
 
     def edit_while_running():
         deadline = time.monotonic() + 120
@@ -140,7 +137,7 @@ def test_the_shell_cannot_forge_opencodes_event_stream(opencode, tmp_path):
         bash(f"n=0; for f in /proc/[0-9]*/fd/1; do echo '{fake}' >> $f 2>/dev/null && n=$((n+1)); done; "
              "echo forged-into-$n; ls /proc/1/fd 2>&1 | head -1"),
         text("Done.\n" + DONE)])
-    task = submit(repo, "forge")
+    task = submit(repo, script="forge")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -181,7 +178,7 @@ def test_no_network_cuts_the_shell_off_but_not_the_model(opencode, tmp_path, can
              f"curl -s -m 5 {opencode.model.url}/models; echo model-$?"),
         text("Tried.\n" + DONE),
     ])
-    task = submit(repo, "net", permission="no-network")
+    task = submit(repo, script="net", permission="no-network")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]          # the model was reached all along
@@ -198,7 +195,7 @@ def test_unboxed_auto_run_reaches_the_canary(opencode, tmp_path, canary, monkeyp
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("net-open", [bash(f"curl -s -m 5 http://127.0.0.1:{canary}/open; echo"),
                                        text("Tried.\n" + DONE)])
-    task = submit(repo, "net-open")
+    task = submit(repo, script="net-open")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -214,7 +211,7 @@ def test_readonly_worktree_write_fails_when_made(opencode, tmp_path):
         bash(f"echo sneaky > via_shell.txt; echo inside-$?; echo escaped > {repo}/escaped.txt; echo outside-$?"),
         text("Tried.\n" + DONE),
     ])
-    task = submit(repo, "ro", permission="readonly", worktree_keep=True)
+    task = submit(repo, script="ro", permission="readonly", worktree_keep=True)
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -231,7 +228,7 @@ def test_no_shell_box_refuses_the_shell_too(opencode, tmp_path):
     behind it."""
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("nosh", [bash("echo shell-ran > shell.txt"), text("Tried.\n" + DONE)])
-    task = submit(repo, "nosh", permission="no-shell")
+    task = submit(repo, script="nosh", permission="no-shell")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -248,7 +245,7 @@ def test_restricted_preset_without_a_box_fails_at_once(opencode, tmp_path, monke
     monkeypatch.setenv("BWRAP_BIN", str(tmp_path / "no-such-bwrap"))
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("x", [text("should never run\n" + DONE)])
-    task = submit(repo, "x", permission="no-network", max_retries=3)
+    task = submit(repo, script="x", permission="no-network", max_retries=3)
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     assert "no agent box: bubblewrap is not installed" in passed.stdout + passed.stderr
@@ -264,7 +261,7 @@ def test_prompt_level_knob_runs_it_and_says_so(opencode, tmp_path, monkeypatch):
     monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("pl", [text("Done.\n" + DONE)])
-    task = submit(repo, "pl", permission="no-network")
+    task = submit(repo, script="pl", permission="no-network")
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
@@ -277,13 +274,11 @@ def test_prompt_level_knob_runs_it_and_says_so(opencode, tmp_path, monkeypatch):
 def test_a_box_that_fails_to_start_fails_the_attempt_once(opencode, tmp_path, monkeypatch):
     """The real bwrap, handed one bind it cannot make (a wrapper adds it to the run, not to the
     probe): its own message is the task's error, and the task is not retried."""
-    wrapper = tmp_path / "bwrap"
-    wrapper.write_text(f"#!/bin/sh\nfor last; do :; done\n[ \"$last\" = true ] && exec {shutil.which('bwrap')} \"$@\"\n"
-                       f"exec {shutil.which('bwrap')} --bind /no/such/folder /x \"$@\"\n")
-    wrapper.chmod(0o755)
+    wrapper = fake_binary(tmp_path, "bwrap", f"for last; do :; done\n[ \"$last\" = true ] && exec {shutil.which('bwrap')} \"$@\"\n"
+                                             f"exec {shutil.which('bwrap')} --bind /no/such/folder /x \"$@\"\n")
     monkeypatch.setenv("BWRAP_BIN", str(wrapper))
     repo = make_repo(tmp_path / "repo")
-    task = submit(repo, "never", max_retries=3)
+    task = submit(repo, script="never", max_retries=3)
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "failed" and done["attempts"] == 1, done
@@ -296,7 +291,7 @@ def test_a_box_folder_that_cannot_be_made_fails_once_named(opencode, tmp_path, m
     blocker.write_text("not a folder")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
     repo = make_repo(tmp_path / "repo")
-    task = submit(repo, "never", max_retries=3)
+    task = submit(repo, script="never", max_retries=3)
     passed = run_script("worker.py")
     assert passed.returncode == 0 and "Traceback" not in passed.stdout + passed.stderr
     done = task_store.get_task(task["id"])

@@ -13,6 +13,7 @@ from starlette.testclient import TestClient
 import board_api
 import opencode_bridge_mcp as bridge
 import task_store
+from helpers import submit
 
 TOKEN = "board-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -27,10 +28,6 @@ def token(monkeypatch):
 @pytest.fixture
 def client() -> TestClient:
     return TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
-
-
-def submit(tmp_path, **fields):
-    return task_store.submit_task(**({"title": "t", "instructions": "i", "working_dir": str(tmp_path)} | fields))
 
 
 def finish(task, diff="", question=None):

@@ -13,10 +13,7 @@ from mcp.types import Implementation
 import opencode_bridge_mcp as bridge
 import task_store
 import tasks_cli
-
-
-def _task(tmp_path, **fields) -> dict:
-    return task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path), **fields)
+from helpers import call_tool, submit, tool_error
 
 
 def _pause(task: dict, cost: float, kind: str = "task_limit") -> dict:
@@ -32,23 +29,23 @@ def _pause(task: dict, cost: float, kind: str = "task_limit") -> dict:
 def test_limits_are_validated_and_defaults_apply_only_when_none_given(tmp_path):
     for bad in (-1, 0, "abc", float("nan"), 10**9, True):
         with pytest.raises(task_store.ValidationError, match="max_cost_usd"):
-            _task(tmp_path, max_cost_usd=bad)
+            submit(tmp_path, max_cost_usd=bad)
     with pytest.raises(task_store.ValidationError, match="max_tokens"):
-        _task(tmp_path, max_tokens=0)
-    assert _task(tmp_path, max_cost_usd="$0.50")["max_cost_usd"] == 0.5
+        submit(tmp_path, max_tokens=0)
+    assert submit(tmp_path, max_cost_usd="$0.50")["max_cost_usd"] == 0.5
     task_store.set_budget(default_max_cost_usd=0.25, default_max_tokens=5000)
-    plain = _task(tmp_path)
+    plain = submit(tmp_path)
     assert (plain["max_cost_usd"], plain["max_tokens"]) == (0.25, 5000)
-    own = _task(tmp_path, max_tokens=100)
+    own = submit(tmp_path, max_tokens=100)
     assert (own["max_cost_usd"], own["max_tokens"]) == (None, 100), "a task's own limit replaces the defaults"
     task_store.set_budget(default_max_cost_usd=0, default_max_tokens=None)
-    assert _task(tmp_path)["max_cost_usd"] is None
+    assert submit(tmp_path)["max_cost_usd"] is None
     with pytest.raises(task_store.ValidationError, match="daily_usd"):
         task_store.set_budget(daily_usd=-3)
 
 
 def test_spend_is_live_on_the_running_task_and_counted_per_local_day(tmp_path):
-    task = _task(tmp_path)
+    task = submit(tmp_path)
     claimed = task_store.claim_next("w")
     state = task_store.record_spend(task["id"], claimed["run_marker"], 0.1, 500, 0.1, 500)
     task_store.record_spend(task["id"], claimed["run_marker"], 0.3, 900, 0.2, 400)
@@ -79,7 +76,7 @@ def test_the_day_is_the_local_calendar_day(monkeypatch):
 
 
 def test_a_spent_daily_budget_stops_claims_until_raised(tmp_path):
-    first, second = _task(tmp_path), _task(tmp_path)
+    first, second = submit(tmp_path), submit(tmp_path)
     task_store.set_budget(daily_usd=0.5)
     claimed = task_store.claim_next("w")
     task_store.record_spend(first["id"], claimed["run_marker"], 0.5, 10, 0.5, 10)
@@ -93,7 +90,7 @@ def test_a_spent_daily_budget_stops_claims_until_raised(tmp_path):
 
 
 def test_answers_to_a_limit_pause(tmp_path):
-    task = _task(tmp_path, max_cost_usd=0.2)
+    task = submit(tmp_path, max_cost_usd=0.2)
     paused = _pause(task, 0.25)
     assert paused["status"] == "waiting" and paused["paused_for"] == "task_limit"
     with pytest.raises(task_store.ValidationError, match="still at its spending limit"):
@@ -109,7 +106,7 @@ def test_answers_to_a_limit_pause(tmp_path):
 
 
 def test_stop_fails_the_paused_task_keeping_its_receipt_and_fails_dependents(tmp_path):
-    task = _task(tmp_path, max_cost_usd=0.2)
+    task = submit(tmp_path, max_cost_usd=0.2)
     child = task_store.submit_task(title="c", instructions="i", working_dir=str(tmp_path), depends_on=[task["id"]])
     _pause(task, 0.25)
     stopped = task_store.answer_task(task["id"], "Stop, that is enough")
@@ -119,14 +116,14 @@ def test_stop_fails_the_paused_task_keeping_its_receipt_and_fails_dependents(tmp
 
 
 def test_a_daily_budget_pause_resumes_on_continue_and_tokens_limits_read_bare_numbers(tmp_path):
-    task = _task(tmp_path)
+    task = submit(tmp_path)
     task_store.set_budget(daily_usd=0.1)
     _pause(task, 0.1, kind="daily_budget")
     with pytest.raises(task_store.ValidationError, match="raise the budget first"):
         task_store.answer_task(task["id"], "continue")
     task_store.set_budget(daily_usd=None)
     assert task_store.answer_task(task["id"], "continue")["status"] == "pending"
-    tokens = _task(tmp_path, max_tokens=800)
+    tokens = submit(tmp_path, max_tokens=800)
     _pause(tokens, 0.0)
     with pytest.raises(task_store.ValidationError, match="already used 1,000 tokens"):
         task_store.answer_task(tokens["id"], "900")
@@ -134,11 +131,11 @@ def test_a_daily_budget_pause_resumes_on_continue_and_tokens_limits_read_bare_nu
 
 
 def test_raise_limit_resumes_a_paused_task_and_refuses_finished_ones(tmp_path):
-    task = _task(tmp_path, max_cost_usd=0.2)
+    task = submit(tmp_path, max_cost_usd=0.2)
     _pause(task, 0.25)
     raised = task_store.raise_limit(task["id"], max_cost_usd=1.5, author="cli:me")
     assert raised["status"] == "pending" and raised["max_cost_usd"] == 1.5
-    other = _task(tmp_path)
+    other = submit(tmp_path)
     assert task_store.raise_limit(other["id"], max_tokens=10)["max_tokens"] == 10
     with pytest.raises(task_store.ValidationError, match="give the new limit"):
         task_store.raise_limit(other["id"])
@@ -188,22 +185,22 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
         assert hints.idempotent_hint and hints.destructive_hint and not hints.read_only_hint
         assert hints.open_world_hint is False
         assert tools["set_budget"].input_schema.get("additionalProperties") is False
-        assert (await c.call_tool("set_budget", {"daily_usd": 1, "monthly_usd": 5})).is_error
+        await tool_error(c, "set_budget", {"daily_usd": 1, "monthly_usd": 5})
         assert set(tools["submit_task"].input_schema["properties"]) >= {"max_cost_usd", "max_tokens"}
-        set_result = await c.call_tool("set_budget", {"daily_usd": 3, "default_max_cost_usd": 0.5})
-        assert not set_result.is_error and set_result.structured_content["daily_usd"] == 3
-        refused = await c.call_tool("set_budget", {"daily_usd": -1})
-        assert refused.is_error and "daily_usd" in refused.content[0].text and "\n" not in refused.content[0].text
-        task = (await c.call_tool("submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
-                                                  "max_tokens": 700, "worktree": False})).structured_content
+        set_result = await call_tool(c, "set_budget", {"daily_usd": 3, "default_max_cost_usd": 0.5})
+        assert set_result["daily_usd"] == 3
+        refused = await tool_error(c, "set_budget", {"daily_usd": -1})
+        assert "daily_usd" in refused and "\n" not in refused
+        task = await call_tool(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+                                                  "max_tokens": 700, "worktree": False})
         assert task["max_tokens"] == 700 and task["max_cost_usd"] is None and task["warnings"] == []
-        bad = await c.call_tool("submit_batch", {"tasks": [{"title": "t", "instructions": "i",
-                                                            "working_dir": str(tmp_path), "max_cost_usd": "x"}]})
-        assert bad.is_error and "max_cost_usd" in bad.content[0].text
-        status = (await c.call_tool("queue_status", {})).structured_content
+        bad = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "instructions": "i",
+                                                              "working_dir": str(tmp_path), "max_cost_usd": "x"}]})
+        assert "max_cost_usd" in bad
+        status = await call_tool(c, "queue_status")
         assert status["budget"]["daily_usd"] == 3 and status["budget"]["default_max_cost_usd"] == 0.5
         assert status["budget"]["exhausted"] is False and status["budget"]["resets_at"]
-        cleared = (await c.call_tool("set_budget", {"daily_usd": 0})).structured_content
+        cleared = await call_tool(c, "set_budget", {"daily_usd": 0})
         assert cleared["daily_usd"] is None and cleared["default_max_cost_usd"] == 0.5
 
 
@@ -212,7 +209,7 @@ def test_the_board_api_shows_todays_spend_the_budget_and_live_task_spend(tmp_pat
     monkeypatch.setenv("MCP_BEARER_TOKEN", "board-token-for-budget-tests")
     client = TestClient(bridge.build_app(), base_url="http://127.0.0.1:8765")
     auth = {"Authorization": "Bearer board-token-for-budget-tests"}
-    task = _task(tmp_path, max_cost_usd=1)
+    task = submit(tmp_path, max_cost_usd=1)
     task_store.set_budget(daily_usd=0.05)
     claimed = task_store.claim_next("w")
     task_store.record_spend(task["id"], claimed["run_marker"], 0.06, 10, 0.06, 10)
@@ -228,7 +225,7 @@ def test_the_board_api_shows_todays_spend_the_budget_and_live_task_spend(tmp_pat
 
 def test_the_worker_says_a_task_paused_at_its_limit(tmp_path):
     import worker_talk
-    task = _task(tmp_path, max_cost_usd=0.2)
+    task = submit(tmp_path, max_cost_usd=0.2)
     paused = _pause(task, 0.25)
     line, style = worker_talk.ended_line(task | {"attempts": 1}, paused, 3.0)
     assert line.startswith(f"{task['id']} paused at its spending limit after 3.0 s, $0.2500") and style == "magenta"
@@ -237,7 +234,7 @@ def test_the_worker_says_a_task_paused_at_its_limit(tmp_path):
 def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
     import worker
     task_store.set_budget(daily_usd=1.0)
-    mine, other = _task(tmp_path, max_cost_usd=0.5), _task(tmp_path)
+    mine, other = submit(tmp_path, max_cost_usd=0.5), submit(tmp_path)
     claimed = task_store.claim_next("w", task_id=mine["id"]) | {"usage": {"cost_usd": 0.1, "tokens": {"total": 5}}}
     gate = worker.fresh_run_folder(mine["id"]) / "control" / "gate"
     meter = worker.Meter(claimed, str(gate))
@@ -260,7 +257,7 @@ def test_the_meter_tells_the_gate_what_the_run_may_still_spend(tmp_path):
 
 
 def test_a_cancelled_then_retried_paused_task_is_not_shown_as_paused(tmp_path):
-    task = _task(tmp_path, max_cost_usd=0.2)
+    task = submit(tmp_path, max_cost_usd=0.2)
     _pause(task, 0.25)
     task_store.cancel_task(task["id"])
     task_store.retry_task(task["id"])

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -23,7 +20,7 @@ import pytest
 
 import task_store
 from fake_openai import text, tool_call
-from helpers import ROOT, free_port, git, make_repo, run_script, wait_healthy
+from helpers import bridge_process, git, make_repo, run_script
 from test_board_browser import HOSTILE, browser  # noqa: F401  (the Chromium fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.real_opencode]
@@ -107,17 +104,8 @@ class Proxy(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server(tmp_path, monkeypatch) -> Iterator[str]:
     monkeypatch.setenv("MCP_BEARER_TOKEN", TOKEN)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--transport", "streamable-http",
-                             "--port", str(port), "--log-level", "WARNING"], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
+    with bridge_process(log_level="WARNING") as base:
         yield base
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
 
 
 def card_resource(base: str) -> dict[str, Any]:

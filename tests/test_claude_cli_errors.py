@@ -10,7 +10,7 @@ from mcp import Client
 
 import claude_control_mcp as ccm
 from fake_anthropic import FakeAnthropic
-from helpers import require_pinned
+from helpers import require_pinned, tool_error
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_claude]
 REAL_CLAUDE = Path(__file__).resolve().parent.parent / "node_modules" / ".bin" / "claude"
@@ -47,9 +47,7 @@ def server() -> Iterator[Any]:
 
 async def ask_error(server: Any) -> str:
     async with Client(server, mode="legacy") as client:
-        result = await client.call_tool("claude_ask", {"prompt": "hello", "timeout_sec": 60})
-    assert result.is_error, result.structured_content
-    return result.content[0].text
+        return await tool_error(client, "claude_ask", {"prompt": "hello", "timeout_sec": 60})
 
 
 @pytest.mark.parametrize("credential", ["ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"])

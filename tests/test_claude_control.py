@@ -14,7 +14,6 @@ import json
 import os
 import select
 import signal
-import stat
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,7 @@ from mcp import Client, StdioServerParameters
 import claude_control_mcp as ccm
 import task_store
 from fake_anthropic import DEFAULT_ANSWER, FakeAnthropic
-from helpers import require_pinned
+from helpers import call_tool, fake_binary, require_pinned, tool_error
 
 pytestmark = pytest.mark.anyio
 
@@ -92,24 +91,10 @@ def server(runner: ccm.JobRunner) -> Any:
     return ccm.build_server(runner)
 
 
-async def call(client: Client, tool: str, **arguments: Any) -> Any:
-    """Call a tool; return its structured result (fails the test on a tool error)."""
-    result = await client.call_tool(tool, arguments)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-async def call_error(client: Client, tool: str, **arguments: Any) -> str:
-    """Call a tool that must fail; return the error text."""
-    result = await client.call_tool(tool, arguments)
-    assert result.is_error, f"{tool} should have failed: {result.structured_content}"
-    return result.content[0].text
-
-
 async def wait_status(client: Client, job_id: int, statuses: tuple[str, ...], timeout: float = 20) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        state = await call(client, "claude_poll", job_id=job_id)
+        state = await call_tool(client, "claude_poll", {"job_id": job_id})
         if state["status"] in statuses:
             return state
         assert time.monotonic() < deadline, f"job {job_id} still {state['status']} after {timeout} s"
@@ -172,9 +157,7 @@ FAKE_CLAUDE = textwrap.dedent('''\
 @pytest.fixture
 def fake_claude(tmp_path: Path, claude_env: dict, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Install FAKE_CLAUDE as CLAUDE_BIN (CLI backend); returns the path of its call log."""
-    script = tmp_path / "fake-claude"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_CLAUDE)
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    script = fake_binary(tmp_path, "fake-claude", FAKE_CLAUDE, shebang=f"#!{sys.executable}")
     log = tmp_path / "fake-claude.log"
     monkeypatch.setenv("CLAUDE_BIN", str(script))
     monkeypatch.setenv("CLAUDE_BACKEND", "cli")
@@ -191,8 +174,8 @@ def fake_claude_calls(log: Path) -> list[dict]:
 
 async def test_ask_returns_the_fakes_answer_with_usage(server: Any, backend: str, fake: FakeAnthropic) -> None:
     async with Client(server, mode="legacy") as client:
-        answer = await call(client, "claude_ask", prompt="-does this option-like prompt arrive?",
-                            system="Answer in one line.", model="claude-haiku-4-5")
+        answer = await call_tool(client, "claude_ask", {"prompt": "-does this option-like prompt arrive?",
+                                                        "system": "Answer in one line.", "model": "claude-haiku-4-5"})
     assert answer["answer"] == f"{DEFAULT_ANSWER} | echo: -does this option-like prompt arrive?"
     assert answer["backend"] == backend
     usage = answer["usage"]
@@ -209,18 +192,18 @@ async def test_api_model_defaults_to_claude_api_model(server: Any, claude_env: d
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAUDE_API_MODEL", "claude-sonnet-4-6")
     async with Client(server, mode="legacy") as client:
-        answer = await call(client, "claude_ask", prompt="which model?", system="null", timeout_sec="30")
+        answer = await call_tool(client, "claude_ask", {"prompt": "which model?", "system": "null", "timeout_sec": "30"})
     assert answer["model"] == "claude-sonnet-4-6" == fake.message_requests()[-1].body["model"]
     assert "system" not in fake.message_requests()[-1].body  # "null" means absent
 
 
 async def test_submit_poll_result(server: Any, backend: str) -> None:
     async with Client(server, mode="legacy") as client:
-        job = await call(client, "claude_submit", prompt="background question")
+        job = await call_tool(client, "claude_submit", {"prompt": "background question"})
         assert job["status"] in ("queued", "running") and job["backend"] == backend
         state = await wait_status(client, job["job_id"], ("done", "failed", "cancelled"))
         assert state["status"] == "done" and state["answer_ready"] and state["error"] is None
-        result = await call(client, "claude_result", job_id=str(job["job_id"]))
+        result = await call_tool(client, "claude_result", {"job_id": str(job["job_id"])})
     assert result["answer"].endswith("echo: background question")
     assert result["usage"]["output_tokens"] > 0 and result["usage"]["backend"] == backend
     stored = task_store.get_claude_job(job["job_id"])
@@ -237,7 +220,7 @@ async def test_api_errors_are_specific_and_fast(server: Any, backend: str, fake:
                                                 mode: str, kind: str, words: str) -> None:
     started = time.monotonic()
     async with Client(server, mode="legacy") as client:
-        error = await call_error(client, "claude_ask", prompt=f"MODE:{mode} please", timeout_sec=30)
+        error = await tool_error(client, "claude_ask", {"prompt": f"MODE:{mode} please", "timeout_sec": 30})
     assert f"{kind}: " in error and words.lower() in error.lower(), error
     assert "sk-fake-test-key" not in error
     assert time.monotonic() - started < 10
@@ -252,7 +235,7 @@ async def test_stall_and_slow_end_within_the_timeout(server: Any, backend: str, 
     monkeypatch.setenv("ANTHROPIC_CUSTOM_HEADERS", f"x-fake-mode: {mode}")  # the header route
     started = time.monotonic()
     async with Client(server, mode="legacy") as client:
-        error = await call_error(client, "claude_ask", prompt="hello", timeout_sec=3)
+        error = await tool_error(client, "claude_ask", {"prompt": "hello", "timeout_sec": 3})
     elapsed = time.monotonic() - started
     expected = "stalled" if backend == "api" and mode.startswith("stall") else "timeout"
     assert error.split("Error executing tool claude_ask: ")[-1].startswith(f"{expected}: "), error
@@ -262,7 +245,7 @@ async def test_stall_and_slow_end_within_the_timeout(server: Any, backend: str, 
 
 async def test_cancel_ends_a_running_job_within_seconds(server: Any, backend: str, fake: FakeAnthropic) -> None:
     async with Client(server, mode="legacy") as client:
-        job = await call(client, "claude_submit", prompt="MODE:stall:120 think hard", timeout_sec=600)
+        job = await call_tool(client, "claude_submit", {"prompt": "MODE:stall:120 think hard", "timeout_sec": 600})
         await wait_status(client, job["job_id"], ("running",))
         await wait_for(lambda: fake.message_requests(), 20, "the request to reach the fake")
         pid = task_store.get_claude_job(job["job_id"])["pid"]
@@ -271,16 +254,16 @@ async def test_cancel_ends_a_running_job_within_seconds(server: Any, backend: st
             remote = {c.raddr.ip for c in psutil.Process(pid).net_connections("inet") if c.raddr}
             assert remote <= {"127.0.0.1"}, remote
         started = time.monotonic()
-        cancelled = await call(client, "claude_cancel", job_id=job["job_id"])
+        cancelled = await call_tool(client, "claude_cancel", {"job_id": job["job_id"]})
         assert cancelled["cancelled"] and cancelled["status"] == "cancelled"
         assert time.monotonic() - started < 5
         if pid:
             await wait_for(lambda: gone(pid), 5, f"claude pid {pid} to exit")
-        state = await call(client, "claude_poll", job_id=job["job_id"])
+        state = await call_tool(client, "claude_poll", {"job_id": job["job_id"]})
         assert state["status"] == "cancelled"
-        error = await call_error(client, "claude_result", job_id=job["job_id"])
+        error = await tool_error(client, "claude_result", {"job_id": job["job_id"]})
         assert "cancelled" in error
-        again = await call(client, "claude_cancel", job_id=job["job_id"])
+        again = await call_tool(client, "claude_cancel", {"job_id": job["job_id"]})
         assert not again["cancelled"] and "already finished" in again["message"]
 
 
@@ -288,7 +271,7 @@ async def test_api_backend_retries_transient_overload(server: Any, claude_env: d
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAUDE_CODE_MAX_RETRIES", "2")
     async with Client(server, mode="legacy") as client:
-        answer = await call(client, "claude_ask", prompt="MODE:failnext:2:529 try twice")
+        answer = await call_tool(client, "claude_ask", {"prompt": "MODE:failnext:2:529 try twice"})
     assert answer["answer"].startswith(DEFAULT_ANSWER)
     assert [r.mode for r in fake.message_requests()] == ["529", "529", "normal"]
 
@@ -302,8 +285,8 @@ async def test_not_logged_in_is_a_clear_error(server: Any, claude_env: dict, fak
     monkeypatch.setenv("CLAUDE_BIN", require_real_claude())
     monkeypatch.delenv("ANTHROPIC_API_KEY")
     async with Client(server, mode="legacy") as client:
-        status = await call(client, "claude_status")
-        error = await call_error(client, "claude_ask", prompt="hello", timeout_sec=30)
+        status = await call_tool(client, "claude_status")
+        error = await tool_error(client, "claude_ask", {"prompt": "hello", "timeout_sec": 30})
     assert status["backend"] == "cli" and "ANTHROPIC_API_KEY is not set" in status["reason"]
     assert status["logged_in"] is False and not status["ready"] and status["problem"] == ccm.NOT_LOGGED_IN
     assert "not_logged_in: claude CLI is not logged in: run `claude login` or set ANTHROPIC_API_KEY" in error
@@ -316,7 +299,7 @@ async def test_real_cli_empty_result_is_an_error(server: Any, claude_env: dict, 
     monkeypatch.setenv("CLAUDE_BIN", require_real_claude())
     monkeypatch.setenv("CLAUDE_BACKEND", "cli")
     async with Client(server, mode="legacy") as client:
-        error = await call_error(client, "claude_ask", prompt="MODE:empty say nothing", timeout_sec=30)
+        error = await tool_error(client, "claude_ask", {"prompt": "MODE:empty say nothing", "timeout_sec": 30})
     assert "empty_answer: claude -p returned an empty answer" in error
 
 
@@ -327,7 +310,7 @@ async def test_long_prompt_goes_through_stdin(server: Any, claude_env: dict, fak
     prompt = "-starts like an option. " + "lorem ipsum " * 12_000 + "THE-END"
     assert len(prompt.encode()) > ccm.STDIN_PROMPT_BYTES
     async with Client(server, mode="legacy") as client:
-        answer = await call(client, "claude_ask", prompt=prompt, timeout_sec=60)
+        answer = await call_tool(client, "claude_ask", {"prompt": prompt, "timeout_sec": 60})
     assert answer["answer"].startswith(DEFAULT_ANSWER)
     received = fake.message_requests()[-1].user_text()
     assert received.strip().startswith("-starts like an option.") and received.strip().endswith("THE-END")
@@ -405,8 +388,8 @@ async def test_cli_argv_and_stdin(server: Any, fake_claude: Path) -> None:
     stdin from /dev/null (never the server's own stdin); a long prompt comes on stdin instead."""
     with protocol_bytes_on_fd0():
         async with Client(server, mode="legacy") as client:
-            await call(client, "claude_ask", prompt="--help", model="sonnet", system="Be brief.")
-            await call(client, "claude_ask", prompt="x" * (ccm.STDIN_PROMPT_BYTES + 1))
+            await call_tool(client, "claude_ask", {"prompt": "--help", "model": "sonnet", "system": "Be brief."})
+            await call_tool(client, "claude_ask", {"prompt": "x" * (ccm.STDIN_PROMPT_BYTES + 1)})
         assert select.select([0], [], [], 0)[0], "a child read the bytes waiting on the server's stdin"
         assert os.read(0, 100).startswith(b'{"jsonrpc"')
     short, long = fake_claude_calls(fake_claude)
@@ -425,19 +408,19 @@ async def test_timeout_and_cancel_kill_the_whole_tree(server: Any, fake_claude: 
     monkeypatch.setenv("FAKE_CLAUDE_SLEEP", "300")
     async with Client(server, mode="legacy") as client:
         started = time.monotonic()
-        error = await call_error(client, "claude_ask", prompt="hang", timeout_sec=3)
+        error = await tool_error(client, "claude_ask", {"prompt": "hang", "timeout_sec": 3})
         assert "timeout: claude -p gave no answer within 3 s" in error and time.monotonic() - started < 8
         pids = json.loads(pids_file.read_text())
         await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the timeout")
 
         pids_file.unlink()
-        job = await call(client, "claude_submit", prompt="hang", timeout_sec=600)
+        job = await call_tool(client, "claude_submit", {"prompt": "hang", "timeout_sec": 600})
         await wait_for(pids_file.exists, 20, "the fake claude to start its children")
         await wait_for(lambda: len(pids_file.read_text()) > 2, 5, "the pids")
         pids = json.loads(pids_file.read_text())
         assert all(not gone(p) for p in pids)
         started = time.monotonic()
-        assert (await call(client, "claude_cancel", job_id=job["job_id"]))["cancelled"]
+        assert (await call_tool(client, "claude_cancel", {"job_id": job["job_id"]}))["cancelled"]
         await wait_for(lambda: all(gone(p) for p in pids), 5, f"{pids} to die after the cancel")
         assert time.monotonic() - started < 6
 
@@ -463,12 +446,12 @@ async def test_a_job_cancelled_in_the_database_stops_here(server: Any, fake_clau
     monkeypatch.setenv("FAKE_CLAUDE_PIDS", str(pids_file))
     monkeypatch.setenv("FAKE_CLAUDE_SLEEP", "300")
     async with Client(server, mode="legacy") as client:
-        job = await call(client, "claude_submit", prompt="hang", timeout_sec=600)
+        job = await call_tool(client, "claude_submit", {"prompt": "hang", "timeout_sec": 600})
         await wait_for(lambda: pids_file.exists() and len(pids_file.read_text()) > 2, 20, "the fake claude's children")
         task_store.finish_claude_job(job["job_id"], "cancelled", error="cancelled elsewhere")
         pids = json.loads(pids_file.read_text())
         await wait_for(lambda: all(gone(p) for p in pids), 6, f"{pids} to die after the record was cancelled")
-        state = await call(client, "claude_poll", job_id=job["job_id"])
+        state = await call_tool(client, "claude_poll", {"job_id": job["job_id"]})
     assert state["status"] == "cancelled" and state["error"] == "cancelled elsewhere"
 
 
@@ -477,7 +460,7 @@ async def test_a_job_cancelled_in_the_database_stops_here(server: Any, fake_clau
 
 async def test_status_with_a_key_never_shows_it(server: Any, claude_env: dict) -> None:
     async with Client(server, mode="legacy") as client:
-        status = await call(client, "claude_status")
+        status = await call_tool(client, "claude_status")
     assert status["backend"] == "api" and status["api_key_present"] and status["ready"]
     assert "ANTHROPIC_API_KEY is set" in status["reason"] and status["model"] == ccm.DEFAULT_API_MODEL
     assert status["base_url"] == claude_env["ANTHROPIC_BASE_URL"]
@@ -486,7 +469,7 @@ async def test_status_with_a_key_never_shows_it(server: Any, claude_env: dict) -
 
 async def test_status_reports_the_cli(server: Any, backend: str) -> None:
     async with Client(server, mode="legacy") as client:
-        status = await call(client, "claude_status")
+        status = await call_tool(client, "claude_status")
     assert status["backend"] == backend and status["ready"] and status["problem"] is None
     if backend == "cli":
         assert status["claude_bin"] == str(REAL_CLAUDE) and "Claude Code" in status["claude_version"]
@@ -498,12 +481,12 @@ async def test_no_key_and_no_cli(server: Any, claude_env: dict, tmp_path: Path,
     monkeypatch.delenv("ANTHROPIC_API_KEY")
     monkeypatch.setenv("CLAUDE_BIN", str(tmp_path / "no-such-claude"))
     async with Client(server, mode="legacy") as client:
-        status = await call(client, "claude_status")
-        error = await call_error(client, "claude_ask", prompt="hello")
+        status = await call_tool(client, "claude_status")
+        error = await tool_error(client, "claude_ask", {"prompt": "hello"})
         monkeypatch.setenv("CLAUDE_BACKEND", "api")
-        forced = await call_error(client, "claude_ask", prompt="hello")
+        forced = await tool_error(client, "claude_ask", {"prompt": "hello"})
         monkeypatch.setenv("CLAUDE_BACKEND", "gpt")
-        bad = await call_error(client, "claude_ask", prompt="hello")
+        bad = await tool_error(client, "claude_ask", {"prompt": "hello"})
     assert not status["ready"] and "set ANTHROPIC_API_KEY" in status["problem"]
     assert "no_backend: ANTHROPIC_API_KEY is not set and CLAUDE_BIN=" in error and "claude login" in error
     assert "no_backend: CLAUDE_BACKEND=api but ANTHROPIC_API_KEY is not set" in forced
@@ -520,7 +503,7 @@ async def test_bad_arguments_are_refused_clearly(server: Any, claude_env: dict, 
                                                  fragment: str) -> None:
     async with Client(server, mode="legacy") as client:
         for tool in ("claude_ask", "claude_submit"):
-            assert fragment in await call_error(client, tool, **arguments)
+            assert fragment in await tool_error(client, tool, arguments)
     assert task_store.list_claude_jobs() == []
 
 
@@ -535,7 +518,7 @@ async def test_bad_arguments_are_refused_clearly(server: Any, claude_env: dict, 
 async def test_schema_failures_are_one_line_per_bad_argument(server: Any, claude_env: dict, tool: str,
                                                              arguments: dict, fragments: list[str]) -> None:
     async with Client(server, mode="legacy") as client:
-        error = await call_error(client, tool, **arguments)
+        error = await tool_error(client, tool, arguments)
     assert error.startswith(f"invalid arguments for {tool}: ") and "\n" not in error, error
     assert all(f in error for f in fragments), error
     assert "validation error" not in error and "pydantic" not in error and "Error executing tool" not in error
@@ -564,7 +547,7 @@ async def test_a_nul_character_is_refused_naming_the_field(server: Any, claude_e
     arguments = {"prompt": "hello"} | {field: "a\x00b"}
     async with Client(server, mode="legacy") as client:
         for tool in ("claude_ask", "claude_submit"):
-            error = await call_error(client, tool, **arguments)
+            error = await tool_error(client, tool, arguments)
             assert f"{field} contains a NUL character" in error and "internal" not in error, error
     assert task_store.list_claude_jobs() == []
 
@@ -583,10 +566,10 @@ async def test_a_broken_database_is_named_with_the_way_out(server: Any, claude_e
     async with Client(server, mode="legacy") as client:
         for tool, arguments in [("claude_submit", {"prompt": "p"}), ("claude_poll", {"job_id": 1}),
                                 ("claude_result", {"job_id": 1}), ("claude_cancel", {"job_id": 1})]:
-            error = await call_error(client, tool, **arguments)
+            error = await tool_error(client, tool, arguments)
             assert f"the task database {path} cannot be used" in error and "TASK_DB_PATH" in error, error
             assert "internal" not in error and "arguments" not in error
-        assert (await call(client, "claude_status"))["backend"] == "api"          # needs no database
+        assert (await call_tool(client, "claude_status"))["backend"] == "api"          # needs no database
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "missing-row"])
@@ -621,20 +604,20 @@ async def test_unknown_and_unfinished_jobs(server: Any, claude_env: dict, monkey
     monkeypatch.setenv("ANTHROPIC_CUSTOM_HEADERS", "x-fake-mode: slow:30")
     async with Client(server, mode="legacy") as client:
         for tool in ("claude_poll", "claude_result", "claude_cancel"):
-            assert "Claude job 999 not found" in await call_error(client, tool, job_id=999)
-        job = await call(client, "claude_submit", prompt="slow one", timeout_sec=60)
+            assert "Claude job 999 not found" in await tool_error(client, tool, {"job_id": 999})
+        job = await call_tool(client, "claude_submit", {"prompt": "slow one", "timeout_sec": 60})
         await wait_status(client, job["job_id"], ("running",))
-        assert "is still running" in await call_error(client, "claude_result", job_id=job["job_id"])
-        await call(client, "claude_cancel", job_id=job["job_id"])
+        assert "is still running" in await tool_error(client, "claude_result", {"job_id": job["job_id"]})
+        await call_tool(client, "claude_cancel", {"job_id": job["job_id"]})
 
 
 async def test_a_failed_job_keeps_its_reason(server: Any, claude_env: dict) -> None:
     async with Client(server, mode="legacy") as client:
-        job = await call(client, "claude_submit", prompt="MODE:529 busy?")
+        job = await call_tool(client, "claude_submit", {"prompt": "MODE:529 busy?"})
         state = await wait_status(client, job["job_id"], ("done", "failed", "cancelled"))
         assert state["status"] == "failed" and state["error"].startswith("overloaded: ")
-        assert f"job {job['job_id']} failed: overloaded: " in await call_error(client, "claude_result",
-                                                                               job_id=job["job_id"])
+        refused = await tool_error(client, "claude_result", {"job_id": job["job_id"]})
+        assert f"job {job['job_id']} failed: overloaded: " in refused
 
 
 async def test_jobs_wait_queued_beyond_max_parallel(claude_env: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -642,12 +625,12 @@ async def test_jobs_wait_queued_beyond_max_parallel(claude_env: dict, monkeypatc
     runner = ccm.JobRunner()
     try:
         async with Client(ccm.build_server(runner), mode="legacy") as client:
-            first = await call(client, "claude_submit", prompt="MODE:slow:30 first", timeout_sec=60)
+            first = await call_tool(client, "claude_submit", {"prompt": "MODE:slow:30 first", "timeout_sec": 60})
             await wait_status(client, first["job_id"], ("running",))
-            second = await call(client, "claude_submit", prompt="second")
+            second = await call_tool(client, "claude_submit", {"prompt": "second"})
             await anyio.sleep(0.5)
-            assert (await call(client, "claude_poll", job_id=second["job_id"]))["status"] == "queued"
-            await call(client, "claude_cancel", job_id=first["job_id"])
+            assert (await call_tool(client, "claude_poll", {"job_id": second["job_id"]}))["status"] == "queued"
+            await call_tool(client, "claude_cancel", {"job_id": first["job_id"]})
             assert (await wait_status(client, second["job_id"], ("done",)))["status"] == "done"
     finally:
         runner.shutdown()
@@ -667,11 +650,11 @@ async def test_stdio_session_survives_ten_bridge_calls(backend: str) -> None:
     async with Client(params, mode=mode) as client:
         for number in range(10):
             if number % 2:
-                answer = await call(client, "claude_ask", prompt=f"question {number}", timeout_sec=60)
+                answer = await call_tool(client, "claude_ask", {"prompt": f"question {number}", "timeout_sec": 60})
             else:
-                job = await call(client, "claude_submit", prompt=f"question {number}", timeout_sec=60)
+                job = await call_tool(client, "claude_submit", {"prompt": f"question {number}", "timeout_sec": 60})
                 await wait_status(client, job["job_id"], ("done",))
-                answer = await call(client, "claude_result", job_id=job["job_id"])
+                answer = await call_tool(client, "claude_result", {"job_id": job["job_id"]})
             assert answer["answer"].endswith(f"echo: question {number}")
         tools = await client.list_tools()
     assert sorted(t.name for t in tools.tools) == sorted(

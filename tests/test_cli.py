@@ -16,6 +16,7 @@ from click.testing import CliRunner
 import task_store
 import tasks_cli
 from tasks_cli import cli
+from helpers import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,10 +28,7 @@ def run(*args: str, input: str | None = None):
     return result
 
 
-def add(tmp_path: Path, title: str = "Fix the README", **fields) -> dict:
-    """Submit a task straight through the store."""
-    return task_store.submit_task(title=title, instructions=fields.pop("instructions", "do it"),
-                                  working_dir=str(tmp_path), **fields)
+TITLE = "Fix the README"     # a task's title where the test names none
 
 
 def snapshot() -> tuple:
@@ -152,8 +150,8 @@ def test_submit_with_key_is_idempotent_and_depends_on(tmp_path):
 
 
 def test_pending_lists_only_pending(tmp_path):
-    add(tmp_path, "queued one")
-    done = add(tmp_path, "finished one")
+    submit(tmp_path, "queued one")
+    done = submit(tmp_path, "finished one")
     claimed = task_store.claim_next("cli:x", task_id=done["id"])
     task_store.complete_attempt(done["id"], claimed["run_marker"], result={"summary": "ok"})
     page = json.loads(run("pending", "--json").stdout)
@@ -162,7 +160,7 @@ def test_pending_lists_only_pending(tmp_path):
 
 
 def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
-    task = add(tmp_path)
+    task = submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     usage = {"tokens": {"input": 1234, "output": 56, "cache": {"read": 7}}, "cost_usd": 0.0042}
     receipt = {"summary": "changed README", "files_touched": ["README.md"], "commands": ["pytest -q"],
@@ -177,13 +175,13 @@ def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
                  "$0.0042", "5 line(s)", "br-1-a1"):
         assert text in shown, text
     assert run("show", "1", "--diff").stdout == diff
-    bare = add(tmp_path, "no diff")
+    bare = submit(tmp_path, "no diff")
     refused = run("show", bare["id"], "--diff")
     assert refused.exit_code == 1 and "has no diff" in refused.stderr
 
 
 def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path):
-    task = add(tmp_path, max_retries=0)
+    task = submit(tmp_path, TITLE, max_retries=0)
     assert "or python tasks_cli.py cancel t_0001" in run("show", "1").stdout
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     receipt = {"summary": "half done", "model": "fake/model", "branch": "taskbridge/t_0001", "attempt": 1,
@@ -200,7 +198,7 @@ def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path
         assert internal not in shown, internal
     assert shown.count("tests stayed red") == 1 and shown.count("Fix the README") == 1
     assert "fake/model (the default)" in shown and "warnings" not in shown
-    noisy = add(tmp_path, "noisy")
+    noisy = submit(tmp_path, "noisy")
     marker = task_store.claim_next("worker@host", task_id=noisy["id"])["run_marker"]
     task_store.complete_attempt(noisy["id"], marker, result={"summary": "ok", "non_json_lines": 3,
                                                              "block_found": False, "exit_code": 0})
@@ -221,7 +219,7 @@ def test_show_names_the_command_for_a_waiting_task(tmp_path):
 
 
 def test_claim_then_complete_by_hand(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     claimed = run("claim", "1", "--as", "alice")
     assert claimed.exit_code == 0
     assert "br-1-a1" in claimed.stdout and "cli:alice" in claimed.stdout
@@ -236,8 +234,8 @@ def test_claim_then_complete_by_hand(tmp_path):
 
 def test_claim_defaults_owner_to_user_and_best_task(tmp_path, monkeypatch):
     monkeypatch.setenv("USER", "bob")
-    add(tmp_path, "low")
-    add(tmp_path, "high", priority=5)
+    submit(tmp_path, "low")
+    submit(tmp_path, "high", priority=5)
     claimed = json.loads(run("claim", "--json").stdout)
     assert claimed["title"] == "high" and claimed["lease_owner"] == "cli:bob"
     run("claim")
@@ -247,7 +245,7 @@ def test_claim_defaults_owner_to_user_and_best_task(tmp_path, monkeypatch):
 
 def test_claim_then_fail_requeues_then_fails_for_good(tmp_path, monkeypatch):
     monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))  # no back-off wait in the test
-    add(tmp_path, max_retries=1)
+    submit(tmp_path, TITLE, max_retries=1)
     run("claim", "1")
     failed = run("fail", "1", "--reason", "tests red")
     assert failed.exit_code == 0 and "requeued" in failed.stdout
@@ -260,8 +258,8 @@ def test_claim_then_fail_requeues_then_fails_for_good(tmp_path, monkeypatch):
 
 
 def test_fail_without_retry_ends_the_task_at_once(tmp_path):
-    add(tmp_path, max_retries=3)
-    dependent = add(tmp_path, "after", depends_on=["t_0001"])
+    submit(tmp_path, TITLE, max_retries=3)
+    dependent = submit(tmp_path, "after", depends_on=["t_0001"])
     run("claim", "1")
     assert run("fail", "1", "--reason", "cannot be done", "--no-retry").exit_code == 0
     assert task_store.get_task(1)["status"] == "failed"
@@ -269,7 +267,7 @@ def test_fail_without_retry_ends_the_task_at_once(tmp_path):
 
 
 def test_a_workers_lease_is_not_finished_by_hand_without_marker(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host:123", task_id=1)
     before = snapshot()
     for args in (("complete", "1"), ("fail", "1", "--reason", "x")):
@@ -285,7 +283,7 @@ def test_a_workers_lease_is_not_finished_by_hand_without_marker(tmp_path):
 
 
 def test_complete_with_a_stale_marker_is_refused(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     run("claim", "1")
     result = run("complete", "1", "--marker", "br-1-a9")
     assert result.exit_code == 1 and "is not the current attempt" in result.stderr
@@ -293,7 +291,7 @@ def test_complete_with_a_stale_marker_is_refused(tmp_path):
 
 
 def test_complete_a_task_that_is_not_claimed(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     result = run("complete", "1")
     assert result.exit_code == 1 and "not running; claim it first" in result.stderr
 
@@ -303,7 +301,7 @@ def test_complete_a_task_that_is_not_claimed(tmp_path):
 
 
 def waiting_task(tmp_path: Path) -> dict:
-    task = add(tmp_path)
+    task = submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     return task_store.pause_for_question(task["id"], claimed["run_marker"], "Which branch?")
 
@@ -321,7 +319,7 @@ def test_answer_a_waiting_task(tmp_path, monkeypatch):
 
 
 def test_note_reaches_the_task(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     result = run("note", "1", "mind the [bold]tests[/bold]", "--author", "dana")
     assert result.exit_code == 0 and "next prompt" in result.stdout
     assert task_store.get_task(1)["notes"][0] | {"created_at": None} == {
@@ -331,13 +329,13 @@ def test_note_reaches_the_task(tmp_path):
 
 
 def test_cancel_asks_first(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     declined = run("cancel", "1", input="n\n")
     assert declined.exit_code == 1 and "Aborted" in declined.output
     assert task_store.get_task(1)["status"] == "pending"
     accepted = run("cancel", "1", input="y\n")
     assert accepted.exit_code == 0 and task_store.get_task(1)["status"] == "cancelled"
-    add(tmp_path, "second")
+    submit(tmp_path, "second")
     assert run("cancel", "2", "--yes").exit_code == 0
     assert task_store.get_task(2)["status"] == "cancelled"
     again = run("cancel", "2", "--yes")
@@ -345,8 +343,8 @@ def test_cancel_asks_first(tmp_path):
 
 
 def test_clear_removes_finished_tasks_and_logs(tmp_path):
-    add(tmp_path, "keep me")
-    add(tmp_path, "drop me")
+    submit(tmp_path, "keep me")
+    submit(tmp_path, "drop me")
     task_store.cancel_task(2)
     log = task_store.log_path(2)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -371,18 +369,18 @@ def write_log(task_id: int, text: str) -> None:
 
 
 def test_logs_prints_whole_file_and_tail(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     write_log(1, "one\ntwo\nthree [red]x[/red]\n")
     assert run("logs", "1").stdout == "one\ntwo\nthree [red]x[/red]\n"
     assert run("logs", "1", "--tail", "2").stdout == "two\nthree [red]x[/red]\n"
-    add(tmp_path, "never ran")
+    submit(tmp_path, "never ran")
     empty = run("logs", "2")
     assert empty.exit_code == 0 and empty.stdout == "" and "no worker has run it yet" in empty.stderr
 
 
 def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host", task_id=1)
     write_log(1, "started\n")
 
@@ -404,7 +402,7 @@ def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
 
 
 def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     write_log(1, "waiting for a worker\n")
 
     def interrupt(seconds: float) -> None:
@@ -420,7 +418,7 @@ def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
 
 
 def test_status_shows_counts_and_worker_heartbeat(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     bare = run("status")
     assert bare.exit_code == 0 and "no worker pass has run" in bare.stdout
     assert "has not checked in" in bare.stderr
@@ -441,7 +439,7 @@ def test_status_tells_the_worker_in_words_not_python_values(tmp_path):
 
 
 def test_events_lists_state_changes(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     task_store.cancel_task(1)
     rows = json.loads(run("events", "--json").stdout)
     assert [e["kind"] for e in rows] == ["submitted", "cancelled"]
@@ -487,7 +485,7 @@ BAD_SUBMITS = [
 
 @pytest.mark.parametrize("extra,code,message", BAD_SUBMITS)
 def test_bad_submit_is_refused_and_writes_nothing(tmp_path, extra, code, message):
-    add(tmp_path, "existing")
+    submit(tmp_path, "existing")
     before = snapshot()
     args = ["submit", "Title"] + (extra if "-d" in extra else ["-d", str(tmp_path)] + extra)
     result = run(*args, input="")
@@ -531,7 +529,7 @@ BAD_COMMANDS = [
 
 @pytest.mark.parametrize("args,code,message", BAD_COMMANDS)
 def test_bad_input_to_each_command(tmp_path, args, code, message):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     before = snapshot()
     result = run(*args)
     assert result.exit_code == code, result.output
@@ -547,7 +545,7 @@ def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
 
 
 def test_claiming_a_running_task_is_refused(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     run("claim", "1")
     before = snapshot()
     result = run("claim", "1", "--as", "x")
@@ -589,7 +587,7 @@ def evil_task(tmp_path: Path, monkeypatch) -> dict:
     """A task whose every free-text field carries escape sequences, with a question, an answer,
     a note, a failed attempt and a receipt."""
     monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))
-    task = add(tmp_path, EVIL, instructions=f"do\n{EVIL}", origin_name=f"client{EVIL}",
+    task = submit(tmp_path, EVIL, instructions=f"do\n{EVIL}", origin_name=f"client{EVIL}",
                idempotency_key=f"key{EVIL}", max_retries=3)
     first = task_store.claim_next(f"worker{EVIL}", task_id=task["id"])
     task_store.pause_for_question(task["id"], first["run_marker"], f"question {EVIL}")
@@ -630,7 +628,7 @@ def test_messages_and_prompts_that_quote_task_text_make_it_visible(tmp_path):
     assert SHOWN in submitted.stdout
     claimed = run("claim", "1", "--as", f"me{EVIL}")
     assert claimed.exit_code == 0 and SHOWN in claimed.stdout
-    add(tmp_path, EVIL)
+    submit(tmp_path, EVIL)
     prompt = run("cancel", "2", input="n\n")
     assert "esc\\x1b[2J" in prompt.output
     for result in (submitted, claimed, prompt):
@@ -649,7 +647,7 @@ def test_json_stays_exact_and_terminal_safe(tmp_path, monkeypatch):
 
 
 def test_raw_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_path, monkeypatch):
-    task = add(tmp_path)
+    task = submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     diff = f"--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+{EVIL}\n"
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"}, diff=diff)
@@ -664,7 +662,7 @@ def test_raw_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_pat
 
 
 def test_errors_quoting_task_text_make_it_visible(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     task_store.claim_next(f"worker{EVIL}", task_id=1)
     result = run("complete", "1")
     assert result.exit_code == 1 and "worker" + SHOWN in result.stderr
@@ -676,7 +674,7 @@ def test_errors_quoting_task_text_make_it_visible(tmp_path):
 
 
 def finished_task(tmp_path: Path, status: str) -> dict:
-    task = add(tmp_path, max_retries=0)
+    task = submit(tmp_path, TITLE, max_retries=0)
     if status == "cancelled":
         return task_store.cancel_task(task["id"])
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
@@ -721,7 +719,7 @@ def test_finishing_a_waiting_task_points_to_answer(tmp_path, args, says):
 
 def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypatch):
     monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))
-    add(tmp_path, max_retries=1)
+    submit(tmp_path, TITLE, max_retries=1)
     first = task_store.claim_next("worker@host", task_id=1)
     task_store.requeue_attempt(1, first["run_marker"], "worker shut down", count_attempt=False)
     second = task_store.claim_next("worker@host", task_id=1)
@@ -783,7 +781,7 @@ HUGE_NUMBERS = [
 @pytest.mark.parametrize("args,message", HUGE_NUMBERS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_absurd_numbers_are_refused_clearly(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
-    done = add(tmp_path)
+    done = submit(tmp_path, TITLE)
     task_store.cancel_task(done["id"])  # something clear could remove
     before = snapshot()
     result = CliRunner().invoke(cli, args)
@@ -794,7 +792,7 @@ def test_absurd_numbers_are_refused_clearly(tmp_path, monkeypatch, args, message
 
 
 def test_events_since_the_largest_id_is_simply_empty(tmp_path):
-    add(tmp_path)
+    submit(tmp_path, TITLE)
     result = run("events", "--since", str(2**63 - 1))
     assert result.exit_code == 0 and "no events" in result.stdout
 
@@ -808,7 +806,7 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     from helpers import git, make_repo
 
     repo = make_repo(tmp_path / "repo")
-    task = add(repo, "kept", worktree_keep=True)
+    task = submit(repo, "kept", worktree_keep=True)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     ws = worktrees.prepare_workspace(claimed, resume=False)
     task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch)
@@ -823,7 +821,7 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     assert "`tasks_cli.py clear --remove-worktrees` removes those worktrees and the tasks" in kept.stderr
     assert os.path.isdir(ws.top) and task_store.counts()["done"] == 1
 
-    task2 = add(repo, "kept too", worktree_keep=True)
+    task2 = submit(repo, "kept too", worktree_keep=True)
     claimed2 = task_store.claim_next("worker@host", task_id=task2["id"])
     ws2 = worktrees.prepare_workspace(claimed2, resume=False)
     task_store.renew_lease(task2["id"], claimed2["run_marker"], worktree_path=ws2.top, branch=ws2.branch)
@@ -852,8 +850,8 @@ def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path):
 
 def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_path):
     runner = CliRunner()
-    first = task_store.submit_task(title="a", instructions="i", working_dir=str(tmp_path))
-    task_store.submit_task(title="b", instructions="i", working_dir=str(tmp_path), depends_on=[first["id"]])
+    first = submit(tmp_path, "a")
+    submit(tmp_path, "b", depends_on=[first["id"]])
     claimed = task_store.claim_next("cli:me")
     nothing = runner.invoke(tasks_cli.cli, ["claim"])
     assert nothing.exit_code == 0 and "1 pending task(s) wait for dependencies" in " ".join(nothing.stderr.split())
@@ -865,7 +863,7 @@ def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_pat
 def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
     """A task outside git keeps no diff; `diff` said "it changed no files" while `show` listed the
     file it wrote (seen by a fresh user)."""
-    task = add(tmp_path, "in place")
+    task = submit(tmp_path, "in place")
     claimed = task_store.claim_next("cli:x", task_id=task["id"])
     task_store.complete_attempt(task["id"], claimed["run_marker"], diff="",
                                 result={"summary": "ok", "isolation": "in-place", "files_touched": [str(tmp_path / "hello.txt")]})

@@ -18,7 +18,7 @@ import anyio
 import pytest
 from click.testing import CliRunner
 from fake_openai import text
-from helpers import AGENT_DONE, ROOT, bash_step, make_repo
+from helpers import AGENT_DONE, ROOT, bash_step, call_tool, make_repo
 from mcp import Client
 
 import doctor
@@ -117,6 +117,4 @@ def _wait_running(proc: subprocess.Popen, task_id: str, out, timeout: float = 90
 
 async def _worker_heartbeat_tool() -> dict:
     async with Client(bridge.build_server(), mode="legacy") as client:
-        result = await client.call_tool("worker_heartbeat", {})
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
+        return await call_tool(client, "worker_heartbeat")

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from click.testing import CliRunner
 from fake_openai import text, tool_call
-from helpers import checkout_state, git, make_repo, run_script
+from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 import task_store
 import tasks_cli
@@ -85,11 +85,10 @@ async def _mcp_says_nothing_to_apply(ident: str) -> None:
     import opencode_bridge_mcp as bridge
 
     async with Client(bridge.build_server()) as c:
-        result = (await c.call_tool("get_task_result", {"task_id": ident})).structured_content
+        result = await call_tool(c, "get_task_result", {"task_id": ident})
         assert result["branch"] is None and result["result"]["no_change"] is True
         assert result["hint"].startswith(f"task {ident} made no change, nothing to apply")
-        applied = await c.call_tool("apply_task", {"task_id": ident})
-        assert applied.is_error and "made no change, nothing to apply" in applied.content[0].text
+        assert "made no change, nothing to apply" in await tool_error(c, "apply_task", {"task_id": ident})
 
 
 def test_follow_up_and_fork_of_a_no_change_task_start_from_its_base(opencode, tmp_path):

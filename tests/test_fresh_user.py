@@ -131,16 +131,15 @@ CASES = ["/", "root by a link", "home", "own checkout", "own cwd", "queue folder
 async def test_mcp_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, monkeypatch, case):
     import opencode_bridge_mcp as bridge
     from mcp import Client
-    from helpers import ROOT
+    from helpers import ROOT, tool_error
     monkeypatch.chdir(ROOT)     # the server runs from its checkout, as serve.py starts it
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
     task_store.connect().close()
     value, said = wide_dirs(tmp_path)[case]
     async with Client(bridge.build_server(), mode="legacy") as c:
-        result = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "working_dir": value})
-    assert result.is_error and said in result.content[0].text, result.content[0].text
-    assert "give the project's own folder" in result.content[0].text
+        refused = await tool_error(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": value})
+    assert said in refused and "give the project's own folder" in refused, refused
     assert sum(task_store.queue_summary()["counts"].values()) == 0
 
 

@@ -12,7 +12,7 @@ import pytest
 import task_store
 import worktrees
 from fake_openai import text, tool_call
-from helpers import git, make_repo, run_script
+from helpers import git, make_repo, run_script, submit
 
 RECEIPT = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], ' \
           '"tests_run": [], "open_questions": []}\n```'
@@ -33,7 +33,7 @@ def _pass(opencode, repo: Path, name: str, steps: list) -> tuple[dict, str]:
     """Queue a task on ``repo`` scripted with ``steps`` (then the receipt), run one worker pass;
     return the task as stored and the worker's output."""
     opencode.model.script(name, [*steps, text("Done.\n" + RECEIPT)])
-    task = task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo))
+    task = submit(repo, script=name)
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     return task_store.get_task(task["id"]), passed.stdout + passed.stderr

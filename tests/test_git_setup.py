@@ -16,7 +16,7 @@ import pytest
 
 import task_store
 from fake_openai import text, tool_call
-from helpers import checkout_state, make_repo, normal_user, run_script, run_task, tagged
+from helpers import checkout_state, fake_binary, make_repo, normal_user, run_script, run_task, tagged
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "added notes", "files_touched": ["notes.txt"], "tests_run": [], "open_questions": []}\n```'
@@ -34,21 +34,15 @@ def hostile_config(tmp_path: Path) -> tuple[Path, Path]:
     """A global git config as found on real machines (and a log file its programs write to
     when they run, with the run marker of the agent whose git ran them, or "none": TaskBridge's
     own). Returns (config file, log file)."""
-    tools = tmp_path / "user-tools"
-    tools.mkdir()
+    tools, hooks = tmp_path / "user-tools", tmp_path / "user-hooks"
     ran = tmp_path / "user-programs-ran.log"
-    external = tools / "external-diff"
-    external.write_text(f"#!/bin/sh\necho external-diff run=${{TASKBRIDGE_RUN:-none}} >> {ran}\necho 'EXTERNAL DIFF OUTPUT'\n")
-    fsmonitor = tools / "fsmonitor"
-    fsmonitor.write_text(f"#!/bin/sh\necho fsmonitor run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nsleep 30\n")
-    hooks = tmp_path / "user-hooks"
-    hooks.mkdir()
+    external = fake_binary(tools, "external-diff",
+                           f"echo external-diff run=${{TASKBRIDGE_RUN:-none}} >> {ran}\necho 'EXTERNAL DIFF OUTPUT'\n")
+    fsmonitor = fake_binary(tools, "fsmonitor", f"echo fsmonitor run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nsleep 30\n")
     for hook in ("pre-commit", "prepare-commit-msg", "commit-msg", "post-commit", "post-checkout",
                  "reference-transaction"):
         # What commit-message helpers install: reopen the terminal (fails without one).
-        (hooks / hook).write_text(f"#!/bin/sh\necho {hook} run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nexec < /dev/tty\nexit 1\n")
-    for script in [external, fsmonitor, *hooks.iterdir()]:
-        script.chmod(0o755)
+        fake_binary(hooks, hook, f"echo {hook} run=${{TASKBRIDGE_RUN:-none}} >> {ran}\nexec < /dev/tty\nexit 1\n")
     config = tmp_path / "hostile.gitconfig"
     config.write_text(f"""\
 [user]

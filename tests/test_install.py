@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from fake_openai import text
-from helpers import GIT_ID, ROOT, free_port, make_repo
+from helpers import GIT_ID, ROOT, call_tool, fake_binary, free_port, make_repo
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -58,25 +58,20 @@ def source_repo(dest: Path) -> Path:
 
 
 def stand_in_tunnels(bin_dir: Path, calls: Path) -> None:
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    (bin_dir / "cloudflared").write_text(
-        "#!/bin/sh\n"
+    fake_binary(bin_dir, "cloudflared",
         f'echo "cloudflared $*" >> {calls}\n'
         "echo '2026-11-30T10:00:00Z INF Requesting new quick Tunnel on trycloudflare.com...' >&2\n"
         "echo '2026-11-30T10:00:01Z INF +--------------------------------------------------------------------------------------------+' >&2\n"
         "echo '2026-11-30T10:00:01Z INF |  Your quick Tunnel has been created! Visit it at (it may take some time to be reachable):  |' >&2\n"
         f"echo '2026-11-30T10:00:01Z INF |  https://{CLOUDFLARE_HOST}                                          |' >&2\n"
         "exec sleep 600\n")
-    (bin_dir / "ngrok").write_text(
-        "#!/bin/sh\n"
+    fake_binary(bin_dir, "ngrok",
         f'echo "ngrok $*" >> {calls}\n'
         'url=https://random-words-1234.ngrok-free.app\n'
         'for a in "$@"; do case "$a" in --domain=*) url="https://${a#--domain=}" ;; esac; done\n'
         'echo \'t=2026-11-30T10:00:00+0000 lvl=info msg="starting web service" obj=web addr=127.0.0.1:4040\'\n'
         'echo "t=2026-11-30T10:00:01+0000 lvl=info msg=\\"started tunnel\\" obj=tunnels name=command_line addr=http://127.0.0.1:8765 url=$url"\n'
         "exec sleep 600\n")
-    for name in ("cloudflared", "ngrok"):
-        (bin_dir / name).chmod(0o755)
 
 
 class Served:
@@ -152,17 +147,13 @@ async def mcp_ping(port: int, host: str, token: str) -> dict:
     transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp",
                                        http_client=httpx2.AsyncClient(headers=headers, timeout=30))
     async with Client(transport, mode="legacy", client_info=Implementation(name="claude-ai", version="1")) as c:
-        result = await c.call_tool("ping", {})
-        assert not result.is_error, result
-        return result.structured_content
+        return await call_tool(c, "ping")
 
 
 async def sse_ping(port: int, token: str) -> dict:
     streams = sse_client(f"http://127.0.0.1:{port}/sse", headers={"Authorization": f"Bearer {token}"})
     async with Client(streams, mode="legacy", client_info=Implementation(name="openai-mcp", version="1")) as c:
-        result = await c.call_tool("ping", {})
-        assert not result.is_error, result
-        return result.structured_content
+        return await call_tool(c, "ping")
 
 
 def status_of(port: int, path: str, host: str, token: str | None) -> int:
@@ -281,10 +272,9 @@ def test_fresh_clone_quick_start_serves_runs_a_task_from_mcp_and_ctrl_c_leaves_n
             transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp",
                                                http_client=httpx2.AsyncClient(headers=headers, timeout=120))
             async with Client(transport, mode="legacy") as c:
-                task = (await c.call_tool("submit_task", {"title": "Quick start", "working_dir": str(repo),
-                                                          "instructions": "Say done. SCRIPT:qs"})).structured_content
-                waited = await c.call_tool("wait_for", {"task_ids": [task["id"]], "timeout_sec": 120})
-                return waited.structured_content
+                task = await call_tool(c, "submit_task", {"title": "Quick start", "working_dir": str(repo),
+                                                          "instructions": "Say done. SCRIPT:qs"})
+                return await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 120})
 
         waited = anyio.run(submit_and_wait)
         assert waited["tasks"][0]["status"] == "done", (waited, served.output)

@@ -17,7 +17,7 @@ import pytest
 import task_store
 import task_views
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo, run_script
+from helpers import ROOT, git, make_repo, run_script, tool_error
 
 pytestmark = pytest.mark.real_opencode
 
@@ -299,9 +299,7 @@ def test_an_unknown_skill_or_subagent_is_refused_at_submit(opencode, tmp_path):
 
     async def over_mcp() -> str:
         async with Client(bridge.build_server()) as client:
-            result = await client.call_tool("submit_task", {"title": "t", "instructions": "x", "working_dir": str(repo),
+            return await tool_error(client, "submit_task", {"title": "t", "instructions": "x", "working_dir": str(repo),
                                                             "skills": ["no-such-skill"]})
-            assert result.is_error
-            return result.content[0].text
 
     assert "'no-such-skill' is not offered" in anyio.run(over_mcp)

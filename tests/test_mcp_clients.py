@@ -31,7 +31,7 @@ import mcp_shared
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_anthropic import FakeAnthropic
-from helpers import free_port, wait_healthy
+from helpers import bridge_process, free_port, wait_healthy
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import Implementation
@@ -55,22 +55,6 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return dict(os.environ, MCP_BEARER_TOKEN=TOKEN, **(extra or {}))
 
 
-@contextlib.contextmanager
-def http_bridge(env: dict[str, str]):
-    """`opencode_bridge_mcp.py --transport streamable-http` on a free port; yields its /mcp URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(bridge.REPO_DIR / "opencode_bridge_mcp.py"), "--transport",
-                             "streamable-http", "--port", str(port), "--log-level", "WARNING"], env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
-        yield f"{base}/mcp"
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
-
-
 def over_http(url: str, mode: str = "legacy") -> Client:
     transport = streamable_http_client(url, http_client=httpx2.AsyncClient(
         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120))
@@ -86,8 +70,8 @@ def over_stdio(script: str, env: dict[str, str], mode: str = "legacy") -> Client
 async def connected(which: str, mode: str = "legacy", env: dict[str, str] | None = None) -> AsyncIterator[Client]:
     env = env or server_env()
     if which == "bridge over http":
-        with http_bridge(env) as url:
-            async with over_http(url, mode) as client:
+        with bridge_process(env, log_level="WARNING") as base:
+            async with over_http(f"{base}/mcp", mode) as client:
                 yield client
     else:
         script = "opencode_bridge_mcp.py" if which == "bridge over stdio" else "claude_control_mcp.py"
@@ -488,7 +472,8 @@ def json_only_session(url: str) -> dict[str, str]:
 
 def test_a_client_that_accepts_only_json_gets_plain_json_and_sse_clients_keep_sse(tmp_path):
     (tmp_path / "project").mkdir()
-    with http_bridge(server_env()) as url:
+    with bridge_process(server_env(), log_level="WARNING") as base:
+        url = f"{base}/mcp"
         headers = json_only_session(url)
         listed = httpx2.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, headers=headers, timeout=30)
         sent = httpx2.post(url, json={"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {

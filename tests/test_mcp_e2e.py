@@ -14,7 +14,7 @@ import pytest
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_openai import text, tool_call
-from helpers import git, make_repo, step_finish_sums
+from helpers import call_tool, git, make_repo, step_finish_sums
 from mcp import Client
 from mcp.types import Implementation
 
@@ -45,12 +45,6 @@ def client() -> Client:
     return Client(bridge.build_server(), mode="legacy", client_info=Implementation(name="claude-ai", version="0.14.2"))
 
 
-async def call(c: Client, tool: str, args: dict, **kw) -> dict:
-    result = await c.call_tool(tool, args, **kw)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
 async def test_submit_over_mcp_worker_pass_wait_for_and_result(opencode, tmp_path, monkeypatch):
     monkeypatch.setattr(bridge, "PROGRESS_EVERY_SEC", 1.0)
     repo = make_repo(tmp_path / "repo")
@@ -65,17 +59,17 @@ async def test_submit_over_mcp_worker_pass_wait_for_and_result(opencode, tmp_pat
         progress.append(message)
 
     async with client() as c:
-        task = await call(c, "submit_task", {"title": "Say hello", "working_dir": str(repo),
+        task = await call_tool(c, "submit_task", {"title": "Say hello", "working_dir": str(repo),
                                              "instructions": "Create hello.txt. SCRIPT:hello"})
         worker = worker_pass()
         started = time.monotonic()
-        waited = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300},
+        waited = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300},
                             progress_callback=on_progress)
         woke = time.monotonic()
         output = finished(worker)
-        result = await call(c, "get_task_result", {"task_id": task["id"]})
-        logs = await call(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 3})
-        shown = await call(c, "get_task", {"task_id": task["id"]})
+        result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
+        logs = await call_tool(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 3})
+        shown = await call_tool(c, "get_task", {"task_id": task["id"]})
     assert worker.returncode == 0, output
     assert waited["met"] and waited["tasks"][0]["status"] == "done", (waited, output)
     assert progress, "wait_for sent no progress while the worker ran"
@@ -101,26 +95,26 @@ async def test_a_question_over_mcp_is_answered_and_the_task_resumes(opencode, tm
         text("Done.\n" + RECEIPT),
     ])
     async with client() as c:
-        task = await call(c, "submit_task", {"title": "Ask first", "working_dir": str(repo),
+        task = await call_tool(c, "submit_task", {"title": "Ask first", "working_dir": str(repo),
                                              "instructions": "Create hello.txt. SCRIPT:ask"})
         first = worker_pass()
-        waited = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300, "mode": "all"})
+        waited = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300, "mode": "all"})
         finished(first)
         assert waited["waiting"] == [task["id"]], waited
         assert "Which greeting" in waited["tasks"][0]["question"]
-        await call(c, "answer_task", {"task_id": task["id"], "answer": "bonjour"})
+        await call_tool(c, "answer_task", {"task_id": task["id"], "answer": "bonjour"})
         second = worker_pass()
-        done = await call(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300})
+        done = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 300})
         finished(second)
-        result = await call(c, "get_task_result", {"task_id": task["id"]})
+        result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
     assert done["tasks"][0]["status"] == "done", done
     assert "bonjour" in result["diff"] and result["result"]["questions"][0]["answer"] == "bonjour"
 
 
 async def test_list_models_and_set_default_model_with_the_real_opencode(opencode):
     async with client() as c:
-        models = await call(c, "list_models", {"search": "model"})
-        chosen = await call(c, "set_default_model", {"model": "model"})
+        models = await call_tool(c, "list_models", {"search": "model"})
+        chosen = await call_tool(c, "set_default_model", {"model": "model"})
     assert [m["id"] for m in models["models"]] == ["fake/model"] and models["resolved"] == "fake/model"
     assert models["models"][0]["cost"]["output"] == 2.0 and models["models"][0]["context"] == 128000
     assert chosen["model"] == "fake/model" and chosen["resolved_from"] == "model"

@@ -4,7 +4,6 @@ package.json) lists the tools and calls submit_task, get_task and ping over stdi
 CI=true where that is a failure. HOME points into tmp_path (the Inspector writes ~/.mcp-inspector)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import pytest
 
 import opencode_bridge_mcp as bridge
-from helpers import BRIDGE_TOOL_COUNT, free_port, require_pinned, wait_healthy
+from helpers import BRIDGE_TOOL_COUNT, bridge_process, require_pinned
 
 INSPECTOR = bridge.REPO_DIR / "node_modules" / ".bin" / "mcp-inspector"
 SCRIPT = str(bridge.REPO_DIR / "opencode_bridge_mcp.py")
@@ -71,24 +70,9 @@ def test_inspector_over_stdio(project):
     exercise(["--", sys.executable, SCRIPT, "--log-level", "DEBUG"], project, extra)
 
 
-@contextlib.contextmanager
-def http_server():
-    port = free_port()
-    env = dict(os.environ, MCP_BEARER_TOKEN=TOKEN)
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--transport", "streamable-http", "--port", str(port)],
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base)
-        yield base
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
-
-
 @pytest.mark.parametrize("path", ["/mcp", "/sse"])
 def test_inspector_over_http_with_the_token(path, project):
-    with http_server() as base:
+    with bridge_process(dict(os.environ, MCP_BEARER_TOKEN=TOKEN)) as base:
         exercise([f"{base}{path}"], project, ["--header", f"Authorization: Bearer {TOKEN}"])
         refused = subprocess.run([str(INSPECTOR), "--cli", "-q", "--format", "json", "--method", "tools/list",
                                   f"{base}{path}"], capture_output=True, text=True, timeout=120,

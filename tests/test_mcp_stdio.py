@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import stat
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import psutil
 import pytest
 
 import opencode_bridge_mcp as bridge
-from helpers import BRIDGE_TOOL_COUNT
+from helpers import BRIDGE_TOOL_COUNT, fake_binary
 from mcp import Client, StdioServerParameters
 from mcp.types import Implementation
 
@@ -73,22 +72,14 @@ class StdioSession:
         return code
 
 
-def fake_bin(folder: Path, name: str, body: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + body)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
 @pytest.fixture
 def env(tmp_path) -> dict[str, str]:
     """A first start: the database folder does not exist yet. OPENCODE_BIN is a fake that prints on
     both streams; PATH starts with a fake systemctl that knows no unit (so restart_worker detaches)."""
-    opencode = fake_bin(tmp_path / "bin", "opencode",
+    opencode = fake_binary(tmp_path / "bin", "opencode",
                         'echo "opencode: some chatter on stdout"\necho "noise" >&2\n'
                         "printf 'fake/model\\n{\"name\": \"Fake\"}\\n'\n")
-    fake_bin(tmp_path / "bin", "systemctl", "exit 1\n")
+    fake_binary(tmp_path / "bin", "systemctl", "exit 1\n")
     out = dict(os.environ)
     out.update({"TASK_DB_PATH": str(tmp_path / "fresh" / "deep" / "tasks.db"),
                 "TASK_LOG_DIR": str(tmp_path / "fresh" / "logs"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import stat
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ import mcp_shared
 import opencode_bridge_mcp as bridge
 import task_store
 import tasks_cli
+from helpers import call_tool, fake_binary, tool_error
 from mcp import Client
 from mcp.types import Implementation
 
@@ -51,20 +51,6 @@ def wd(tmp_path) -> str:
 
 def client(mode: str = "legacy", info: Implementation = CLAUDE) -> Client:
     return Client(bridge.build_server(), mode=mode, client_info=info)
-
-
-async def ok(c: Client, tool: str, args: dict | None = None, **kw) -> dict:
-    result = await c.call_tool(tool, args or {}, **kw)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
-async def err(c: Client, tool: str, args: dict) -> str:
-    result = await c.call_tool(tool, args)
-    assert result.is_error, f"{tool} accepted {args}: {result.structured_content}"
-    text = result.content[0].text
-    assert "Error executing tool" not in text and "Traceback" not in text, text
-    return text
 
 
 def task_args(wd: str, **over) -> dict:
@@ -123,7 +109,7 @@ async def test_listed_output_schemas_are_lean_and_judge_every_result_as_the_sdk_
     finish("t_0001")
     async with Client(server, mode="legacy") as c:
         listed = {t.name: t.output_schema for t in (await c.list_tools()).tools}
-        results = {name: await ok(c, name, args) for name, args in (
+        results = {name: await call_tool(c, name, args) for name, args in (
             ("list_tasks", {"limit": 50}), ("get_task", {"task_id": "t_0001"}), ("queue_status", {}))}
     for name, schema in listed.items():
         nodes = list(_walk(schema))
@@ -149,28 +135,28 @@ async def test_listed_output_schemas_are_lean_and_judge_every_result_as_the_sdk_
 
 async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd, priority=5))
+        task = await call_tool(c, "submit_task", task_args(wd, priority=5))
         assert task["id"] == "t_0001" and task["status"] == "pending" and task["duplicate"] is False
         assert (task["origin_name"], task["origin_version"], task["origin_kind"]) == ("claude-ai", "0.14.2", "claude")
-        shown = await ok(c, "get_task", {"task_id": "1"})
+        shown = await call_tool(c, "get_task", {"task_id": "1"})
         assert shown["instructions"] == "Write README.md" and shown["priority"] == 5
         assert shown["origin_kind"] == "claude" and shown["events"][0]["kind"] == "submitted"
-        assert (await ok(c, "list_tasks", {"origin": "claude"}))["total"] == 1
-        assert (await ok(c, "list_tasks", {"origin": "chatgpt"}))["total"] == 0
+        assert (await call_tool(c, "list_tasks", {"origin": "claude"}))["total"] == 1
+        assert (await call_tool(c, "list_tasks", {"origin": "chatgpt"}))["total"] == 0
     async with client(mode, Implementation(name="openai-mcp", version="1.0.0")) as c:
-        other = await ok(c, "submit_task", task_args(wd))
+        other = await call_tool(c, "submit_task", task_args(wd))
         assert other["origin_kind"] == "chatgpt"
-        ping = await ok(c, "ping")
+        ping = await call_tool(c, "ping")
         assert ping["caller"] == {"name": "openai-mcp", "version": "1.0.0", "kind": "chatgpt"}
         assert ping["tasks"] == 2 and ping["version"] == bridge.VERSION
 
 
 async def test_the_submit_result_names_the_task_as_task_id_like_every_other_tool(mode, wd):
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd))
-        shown = await ok(c, "get_task", {"task_id": task["task_id"]})
+        task = await call_tool(c, "submit_task", task_args(wd))
+        shown = await call_tool(c, "get_task", {"task_id": task["task_id"]})
         assert task["task_id"] == task["id"] == shown["id"]
-        batch = await ok(c, "submit_batch", {"tasks": [task_args(wd), task_args(wd)]})
+        batch = await call_tool(c, "submit_batch", {"tasks": [task_args(wd), task_args(wd)]})
         assert [t["task_id"] for t in batch["tasks"]] == ["t_0002", "t_0003"]
         # wd is no git repository: each submit says the agent changes it in place.
         assert all(any(f"{wd} is not in a git repository" in w for w in t["warnings"]) for t in [task, *batch["tasks"]])
@@ -179,11 +165,11 @@ async def test_the_submit_result_names_the_task_as_task_id_like_every_other_tool
 async def test_free_text_that_looks_like_json_or_a_number_is_stored_exactly(mode, wd):
     texts = {"title": '{"steps":[1]}', "instructions": "12345", "idempotency_key": "[1, 2]"}
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd, **texts, agent="build"))
-        await ok(c, "add_task_note", {"task_id": task["id"], "text": "null"})
-        await ok(c, "add_task_note", {"task_id": task["id"], "text": '["a", 1]'})
-        shown = await ok(c, "get_task", {"task_id": task["id"]})
-        batch = await ok(c, "submit_batch", {"tasks": [task_args(wd, title="007", instructions="true")]})
+        task = await call_tool(c, "submit_task", task_args(wd, **texts, agent="build"))
+        await call_tool(c, "add_task_note", {"task_id": task["id"], "text": "null"})
+        await call_tool(c, "add_task_note", {"task_id": task["id"], "text": '["a", 1]'})
+        shown = await call_tool(c, "get_task", {"task_id": task["id"]})
+        batch = await call_tool(c, "submit_batch", {"tasks": [task_args(wd, title="007", instructions="true")]})
     stored = task_store.get_task(task["id"])
     for key, value in texts.items():
         assert shown[key] == value and stored[key] == value and isinstance(stored[key], str)
@@ -194,28 +180,28 @@ async def test_free_text_that_looks_like_json_or_a_number_is_stored_exactly(mode
 
 async def test_odd_argument_shapes_are_accepted(mode, wd):
     async with client(mode) as c:
-        first = await ok(c, "submit_task", task_args(wd))
-        task = await ok(c, "submit_task", task_args(
+        first = await call_tool(c, "submit_task", task_args(wd))
+        task = await call_tool(c, "submit_task", task_args(
             wd, timeout_sec="600", priority="null", model="null", max_retries="2", worktree="false",
             depends_on=json.dumps([first["id"]]), idempotency_key="null", agent="null"))
         assert (task["timeout_sec"], task["priority"], task["model"], task["max_retries"]) == (600, 0, None, 2)
         assert task["worktree"] is False and task["depends_on"] == ["t_0001"]
         assert task["idempotency_key"] is None and task["agent"] is None
-        plain = await ok(c, "submit_task", task_args(wd, depends_on="t_0001, 2"))
+        plain = await call_tool(c, "submit_task", task_args(wd, depends_on="t_0001, 2"))
         assert plain["depends_on"] == ["t_0001", "t_0002"]
-        batch = await ok(c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])})
+        batch = await call_tool(c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])})
         assert batch["tasks"][0]["timeout_sec"] == 60 and batch["tasks"][0]["priority"] == 0
-        waited = await ok(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1", "mode": "null"})
+        waited = await call_tool(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1", "mode": "null"})
         assert [t["id"] for t in waited["tasks"]] == ["t_0001", "t_0002"]
-        page = await ok(c, "list_tasks", {"status": '["pending"]', "limit": "2", "offset": "null"})
+        page = await call_tool(c, "list_tasks", {"status": '["pending"]', "limit": "2", "offset": "null"})
         assert page["total"] == 4 and len(page["tasks"]) == 2 and page["next_offset"] == 2
-        assert (await ok(c, "list_tasks", {"status": "pending,running"}))["total"] == 4
+        assert (await call_tool(c, "list_tasks", {"status": "pending,running"}))["total"] == 4
 
 
 async def test_idempotency_key_returns_the_first_task(mode, wd):
     async with client(mode) as c:
-        first = await ok(c, "submit_task", task_args(wd, idempotency_key="job-7"))
-        again = await ok(c, "submit_task", task_args(wd, idempotency_key="job-7", title="other"))
+        first = await call_tool(c, "submit_task", task_args(wd, idempotency_key="job-7"))
+        again = await call_tool(c, "submit_task", task_args(wd, idempotency_key="job-7", title="other"))
     assert again["id"] == first["id"] and again["duplicate"] is True and "idempotency_key" in again["hint"]
     assert task_store.counts()["pending"] == 1
 
@@ -223,7 +209,7 @@ async def test_idempotency_key_returns_the_first_task(mode, wd):
 async def test_batch_with_refs_inside_the_batch(mode, wd):
     items = [task_args(wd, title="tests", ref="@t", depends_on=["@lib"]), task_args(wd, title="lib", ref="@lib")]
     async with client(mode) as c:
-        batch = await ok(c, "submit_batch", {"tasks": items})
+        batch = await call_tool(c, "submit_batch", {"tasks": items})
     tests, lib = batch["tasks"]
     assert batch["count"] == 2 and tests["depends_on"] == [lib["id"]]
     assert tests["origin_kind"] == lib["origin_kind"] == "claude"
@@ -231,13 +217,13 @@ async def test_batch_with_refs_inside_the_batch(mode, wd):
 
 async def test_follow_ups_and_forks_through_submit_task_and_batch(mode, wd):
     async with client(mode) as c:
-        first = await ok(c, "submit_task", task_args(wd, title="first"))
-        follow = await ok(c, "submit_task", task_args(wd, title="next", continue_from=first["id"]))
-        batch = await ok(c, "submit_batch", {"tasks": [
+        first = await call_tool(c, "submit_task", task_args(wd, title="first"))
+        follow = await call_tool(c, "submit_task", task_args(wd, title="next", continue_from=first["id"]))
+        batch = await call_tool(c, "submit_batch", {"tasks": [
             task_args(wd, title="base", ref="@base"),
             task_args(wd, title="after", continue_from="@base"),
             task_args(wd, title="other way", fork_from="@base")]})
-        again = await err(c, "submit_task", task_args(wd, title="again", continue_from=first["id"]))
+        again = await tool_error(c, "submit_task", task_args(wd, title="again", continue_from=first["id"]))
     assert follow["depends_on"] == [first["id"]]
     assert task_store.get_task(follow["id"])["continue_from"] == first["id"]
     base, after, other = batch["tasks"]
@@ -248,10 +234,10 @@ async def test_follow_ups_and_forks_through_submit_task_and_batch(mode, wd):
 
 async def test_get_task_transcript_pages_turns(mode, wd):
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd, instructions="transcript-brief"))
-        page = await ok(c, "get_task_transcript", {"task_id": task["id"]})
-        bad = await err(c, "get_task_transcript", {"task_id": task["id"], "limit": 0})
-        gone = await err(c, "get_task_transcript", {"task_id": "t_0404"})
+        task = await call_tool(c, "submit_task", task_args(wd, instructions="transcript-brief"))
+        page = await call_tool(c, "get_task_transcript", {"task_id": task["id"]})
+        bad = await tool_error(c, "get_task_transcript", {"task_id": task["id"], "limit": 0})
+        gone = await tool_error(c, "get_task_transcript", {"task_id": "t_0404"})
     assert page["source"] == "task logs" and page["line"] == [task["id"]] and page["total"] == 1
     assert page["turns"][0]["role"] == "user" and "transcript-brief" in page["turns"][0]["text"]
     assert "limit" in bad and "not found" in gone
@@ -289,7 +275,7 @@ BAD_SUBMITS = [
 async def test_bad_submit_is_refused_with_a_clear_message(over, needle, wd, monkeypatch):
     monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")
     async with client("legacy") as c:
-        text = await err(c, "submit_task", task_args(wd, **over))
+        text = await tool_error(c, "submit_task", task_args(wd, **over))
     assert needle in text
     assert sum(task_store.counts().values()) == 0
 
@@ -305,16 +291,16 @@ async def test_deep_or_huge_json_text_in_arguments_gets_one_short_line(wd):
              ("wait_for", {"task_ids": "[" + "x" * 100_000, "timeout_sec": 1}, "task_ids must be a list"),
              ("add_task_note", {"task_id": 1, "text": "\ud800"}, "unpaired UTF-16 surrogate")]
     async with client("legacy") as c:
-        await ok(c, "submit_task", task_args(wd))
+        await call_tool(c, "submit_task", task_args(wd))
         for tool, args, needle in cases:
-            text = await err(c, tool, args)
+            text = await tool_error(c, tool, args)
             assert needle in text and "internal error" not in text and len(text) < 400, (tool, text[:400])
     assert sum(task_store.counts().values()) == 1 and task_store.get_task(1)["notes"] == []
 
 
 async def test_bad_input_in_both_modes(mode, wd):
     async with client(mode) as c:
-        await ok(c, "submit_task", task_args(wd))
+        await call_tool(c, "submit_task", task_args(wd))
         cases = [
             ("get_task", {"task_id": "t_0999"}, "t_0999 not found"),
             ("get_task", {"task_id": "task-one"}, "use t_0001, 0001 or 1"),
@@ -342,13 +328,13 @@ async def test_bad_input_in_both_modes(mode, wd):
             ("nonexistent_tool", {}, "Unknown tool"),
         ]
         for tool, args, needle in cases:
-            assert needle in await err(c, tool, args), (tool, args)
+            assert needle in await tool_error(c, tool, args), (tool, args)
     assert task_store.counts()["pending"] == 1 and len(task_store.get_task(1)["notes"]) == 0
 
 
 async def test_a_batch_of_21_is_refused_and_nothing_is_written(mode, wd):
     async with client(mode) as c:
-        text = await err(c, "submit_batch", {"tasks": [task_args(wd, title=f"t{i}") for i in range(21)]})
+        text = await tool_error(c, "submit_batch", {"tasks": [task_args(wd, title=f"t{i}") for i in range(21)]})
     assert "1 to 20" in text and "got 21" in text
     assert sum(task_store.counts().values()) == 0
 
@@ -356,12 +342,12 @@ async def test_a_batch_of_21_is_refused_and_nothing_is_written(mode, wd):
 async def test_a_batch_with_one_bad_item_or_a_cycle_writes_nothing(mode, wd):
     async with client(mode) as c:
         bad_item = [task_args(wd), task_args(wd), task_args(wd, working_dir="rel")]
-        assert "task 2 of the batch" in await err(c, "submit_batch", {"tasks": bad_item})
+        assert "task 2 of the batch" in await tool_error(c, "submit_batch", {"tasks": bad_item})
         cycle = [task_args(wd, ref="@a", depends_on=["@c"]), task_args(wd, ref="@b", depends_on=["@a"]),
                  task_args(wd, ref="@c", depends_on=["@b"])]
-        assert "dependency cycle refused" in await err(c, "submit_batch", {"tasks": cycle})
+        assert "dependency cycle refused" in await tool_error(c, "submit_batch", {"tasks": cycle})
         own = [task_args(wd, ref="@a", depends_on=["@a"])]
-        assert "depends on itself" in await err(c, "submit_batch", {"tasks": own})
+        assert "depends on itself" in await tool_error(c, "submit_batch", {"tasks": own})
     assert sum(task_store.counts().values()) == 0
 
 
@@ -370,7 +356,7 @@ async def test_a_crash_inside_a_tool_is_logged_not_leaked(monkeypatch, caplog):
         raise RuntimeError("secret internals /etc/shadow")
     monkeypatch.setattr(task_store, "queue_summary", broken)
     async with client("legacy") as c:
-        text = await err(c, "queue_status", {})
+        text = await tool_error(c, "queue_status", {})
     assert "internal error (RuntimeError)" in text and "secret" not in text
     assert "secret internals" in caplog.text
 
@@ -413,7 +399,7 @@ async def test_a_broken_database_is_named_with_the_way_out_by_every_tool(kind, w
     async with client("legacy") as c:
         for tool, args in DB_TOOLS:
             args = {"tasks": [task_args(wd)]} if tool == "submit_batch" else task_args(wd) if args is None else args
-            text = await err(c, tool, args)
+            text = await tool_error(c, tool, args)
             assert f"the task database {path} cannot be used" in text, (tool, text)
             assert WAY_OUT[kind] in text and "TASK_DB_PATH" in text, (tool, text)
             assert "internal error" not in text and "arguments" not in text, (tool, text)
@@ -492,7 +478,7 @@ async def test_a_nul_character_in_any_text_is_refused_naming_the_field(tool, fie
     else:
         args[field] = (wd if field == "working_dir" else "x") + "\x00y"
     async with client("legacy") as c:
-        text = await err(c, tool, args)
+        text = await tool_error(c, tool, args)
     assert f"{field} contains a NUL character" in text and "internal error" not in text
     assert sum(task_store.counts().values()) == 0
 
@@ -505,7 +491,7 @@ async def test_wait_for_reports_the_event_of_a_change_that_lands_between_its_rea
     """A task finishing between wait_for's events read and its statuses read: the answer says
     done and carries the done event too (it used to carry only the claim)."""
     async with client() as c:
-        task = await ok(c, "submit_task", task_args(wd, title="racy"))
+        task = await call_tool(c, "submit_task", task_args(wd, title="racy"))
         real, calls = task_store.statuses_of, []
 
         def statuses_with_a_commit_landing_first(ids):
@@ -518,19 +504,19 @@ async def test_wait_for_reports_the_event_of_a_change_that_lands_between_its_rea
 
         monkeypatch.setattr(task_store, "statuses_of", statuses_with_a_commit_landing_first)
         threading.Timer(0.3, task_store.claim_next, args=("test-worker",), kwargs={"task_id": task["id"]}).start()
-        waited = await ok(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 10})
+        waited = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 10})
     assert waited["tasks"][0]["status"] == "done"
     assert [e["kind"] for e in waited["events"]] == ["claimed", "done"]
 
 
 async def test_wait_for_any_returns_when_one_task_finishes(mode, wd):
     async with client(mode) as c:
-        a = await ok(c, "submit_task", task_args(wd, title="a"))
-        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        a = await call_tool(c, "submit_task", task_args(wd, title="a"))
+        b = await call_tool(c, "submit_task", task_args(wd, title="b"))
         timer = threading.Timer(0.5, finish, args=(b["id"],))
         timer.start()
         started = time.monotonic()
-        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30})
+        waited = await call_tool(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30})
         elapsed = time.monotonic() - started
     timer.join()
     assert 0.4 < elapsed < 3, elapsed
@@ -542,13 +528,13 @@ async def test_wait_for_any_returns_when_one_task_finishes(mode, wd):
 
 async def test_wait_for_all_waits_for_every_task(mode, wd):
     async with client(mode) as c:
-        a = await ok(c, "submit_task", task_args(wd, title="a"))
-        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        a = await call_tool(c, "submit_task", task_args(wd, title="a"))
+        b = await call_tool(c, "submit_task", task_args(wd, title="b"))
         finish(a["id"])
         timer = threading.Timer(0.6, finish, args=(b["id"], "failed"))
         timer.start()
         started = time.monotonic()
-        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
+        waited = await call_tool(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
     timer.join()
     assert time.monotonic() - started > 0.5
     assert waited["met"] and sorted(waited["ready"]) == [a["id"], b["id"]] and waited["unfinished"] == []
@@ -557,15 +543,15 @@ async def test_wait_for_all_waits_for_every_task(mode, wd):
 
 async def test_wait_for_returns_for_a_waiting_task_even_in_all_mode(mode, wd):
     async with client(mode) as c:
-        a = await ok(c, "submit_task", task_args(wd, title="a"))
-        b = await ok(c, "submit_task", task_args(wd, title="b"))
+        a = await call_tool(c, "submit_task", task_args(wd, title="a"))
+        b = await call_tool(c, "submit_task", task_args(wd, title="b"))
         timer = threading.Timer(0.3, finish, args=(b["id"], "waiting"))
         timer.start()
-        waited = await ok(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
+        waited = await call_tool(c, "wait_for", {"task_ids": [a["id"], b["id"]], "timeout_sec": 30, "mode": "all"})
         timer.join()
         assert waited["met"] and waited["waiting"] == [b["id"]] and "answer_task" in waited["hint"]
         assert waited["tasks"][1]["question"] == "Which license?"
-        answered = await ok(c, "answer_task", {"task_id": b["id"], "answer": "MIT"})
+        answered = await call_tool(c, "answer_task", {"task_id": b["id"], "answer": "MIT"})
     assert answered["status"] == "pending" and answered["answer"] == "MIT"
     assert task_store.get_task(b["id"])["questions"][0]["answer"] == "MIT"
 
@@ -578,9 +564,9 @@ async def test_wait_for_times_out_with_every_status_and_reports_progress(mode, w
         progress.append((value, total, message))
 
     async with client(mode) as c:
-        a = await ok(c, "submit_task", task_args(wd))
+        a = await call_tool(c, "submit_task", task_args(wd))
         started = time.monotonic()
-        waited = await ok(c, "wait_for", {"task_ids": [a["id"]], "timeout_sec": 2}, progress_callback=on_progress)
+        waited = await call_tool(c, "wait_for", {"task_ids": [a["id"]], "timeout_sec": 2}, progress_callback=on_progress)
     assert 1.9 < time.monotonic() - started < 4
     assert waited["timed_out"] is True and waited["met"] is False and waited["tasks"][0]["status"] == "pending"
     assert len(progress) >= 4, progress
@@ -597,16 +583,16 @@ async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mod
     diff = "".join(f"+ línea {i}: 日本語 ✓ 🚀\n" for i in range(6000))   # ~190 KB, multibyte
     receipt = {"summary": "wrote it", "files_touched": ["a.txt"], "commands": [{"command": f"echo {i}"} for i in range(300)]}
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd))
+        task = await call_tool(c, "submit_task", task_args(wd))
         finish(task["id"], diff=diff, result=receipt)
         pages, offset = [], 0
         while offset is not None:
-            page = await ok(c, "get_task_result", {"task_id": task["id"], "diff_offset": offset, "diff_max_bytes": 65536})
+            page = await call_tool(c, "get_task_result", {"task_id": task["id"], "diff_offset": offset, "diff_max_bytes": 65536})
             assert len(page["diff"].encode()) <= 65536 and "\ufffd" not in page["diff"]
             pages.append(page)
             offset = page["diff_next_offset"]
-        shown = await ok(c, "get_task", {"task_id": task["id"]})
-        past = await err(c, "get_task_result", {"task_id": task["id"], "diff_offset": 10**7})
+        shown = await call_tool(c, "get_task", {"task_id": task["id"]})
+        past = await tool_error(c, "get_task_result", {"task_id": task["id"], "diff_offset": 10**7})
     assert "".join(p["diff"] for p in pages) == diff and len(pages) >= -(-len(diff.encode()) // 65530)
     assert all(mcp_shared.result_chars(p) <= mcp_shared.RESULT_CHARS_MAX for p in pages)
     first = pages[0]
@@ -627,36 +613,36 @@ def write_big_log(task_id: str) -> bytes:
 
 async def test_a_5_mb_log_is_capped_tailed_and_paged_without_splitting_utf8(wd):
     async with client("legacy") as c:
-        task = await ok(c, "submit_task", task_args(wd))
+        task = await call_tool(c, "submit_task", task_args(wd))
         data = write_big_log(task["id"])
-        tail = await ok(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5})
+        tail = await call_tool(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5})
         assert tail["text"].count("\n") == 5 and tail["text"].endswith("\n")
         assert tail["next_offset"] == tail["size"] == len(data) and tail["truncated"] is False
         assert data[tail["offset"]:].decode() == tail["text"]
-        capped = await ok(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5000})
+        capped = await call_tool(c, "get_task_logs", {"task_id": task["id"], "tail_lines": 5000})
         assert len(capped["text"].encode()) <= 65536 and capped["truncated"] is True
         assert "\ufffd" not in capped["text"] and capped["text"].startswith("{")
-        mid = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": 47, "max_bytes": 1000})
+        mid = await call_tool(c, "get_task_logs", {"task_id": task["id"], "offset": 47, "max_bytes": 1000})
         assert "\ufffd" not in mid["text"] and mid["offset"] >= 47
         assert data[mid["offset"]:mid["next_offset"]].decode() == mid["text"]
         pieces, offset, calls = [], 0, 0
         while True:
-            page = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": offset})
+            page = await call_tool(c, "get_task_logs", {"task_id": task["id"], "offset": offset})
             assert len(page["text"].encode()) <= 65536 and "\ufffd" not in page["text"]
             pieces.append(page["text"])
             offset, calls = page["next_offset"], calls + 1
             if not page["truncated"]:
                 break
         assert "".join(pieces).encode() == data and calls <= len(data) // (bridge.LOG_PAGE_DEFAULT - 4) + 1
-        end = await ok(c, "get_task_logs", {"task_id": task["id"], "offset": len(data)})
+        end = await call_tool(c, "get_task_logs", {"task_id": task["id"], "offset": len(data)})
         assert end["text"] == "" and end["truncated"] is False
-        assert "past the end of the log" in await err(c, "get_task_logs", {"task_id": task["id"], "offset": len(data) + 1})
+        assert "past the end of the log" in await tool_error(c, "get_task_logs", {"task_id": task["id"], "offset": len(data) + 1})
 
 
 async def test_logs_of_a_task_that_has_not_started(mode, wd):
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd))
-        page = await ok(c, "get_task_logs", {"task_id": task["id"]})
+        task = await call_tool(c, "submit_task", task_args(wd))
+        page = await call_tool(c, "get_task_logs", {"task_id": task["id"]})
     assert page["exists"] is False and page["text"] == "" and page["path"] == task_store.task_log_location(task["id"])
     assert task_store.backend() != "sqlite" or page["path"].endswith("t_0001.log")
 
@@ -670,16 +656,16 @@ def seed(count: int, wd: str) -> None:
 async def test_a_5000_task_list_is_capped_and_paged(wd):
     seed(5000, wd)
     async with client("legacy") as c:
-        assert "limit must be ≤ 200" in await err(c, "list_tasks", {"limit": 5000})
+        assert "limit must be ≤ 200" in await tool_error(c, "list_tasks", {"limit": 5000})
         seen, offset, calls = [], 0, 0
         while offset is not None:
-            page = await ok(c, "list_tasks", {"limit": 200, "offset": offset})
+            page = await call_tool(c, "list_tasks", {"limit": 200, "offset": offset})
             assert len(page["tasks"]) <= 200 and page["total"] == 5000
             assert mcp_shared.result_chars(page) <= mcp_shared.RESULT_CHARS_MAX
             seen += [t["id"] for t in page["tasks"]]
             offset, calls = page["next_offset"], calls + 1
-        default = await ok(c, "list_tasks")
-        found = await ok(c, "list_tasks", {"search": "task 4999 ✓"})
+        default = await call_tool(c, "list_tasks")
+        found = await call_tool(c, "list_tasks", {"search": "task 4999 ✓"})
     assert calls >= 25 and len(seen) == len(set(seen)) == 5000      # pages shrink to stay under the budget
     assert len(default["tasks"]) == 20 and default["next_offset"] == 20 and "offset=20" in default["hint"]
     assert [t["id"] for t in found["tasks"]] == ["t_5000"]
@@ -687,9 +673,9 @@ async def test_a_5000_task_list_is_capped_and_paged(wd):
 
 async def test_list_rows_cut_long_errors(mode, wd):
     async with client(mode) as c:
-        task = await ok(c, "submit_task", task_args(wd))
-        await ok(c, "cancel_task", {"task_id": task["id"], "reason": "é" * 5000})
-        row = (await ok(c, "list_tasks"))["tasks"][0]
+        task = await call_tool(c, "submit_task", task_args(wd))
+        await call_tool(c, "cancel_task", {"task_id": task["id"], "reason": "é" * 5000})
+        row = (await call_tool(c, "list_tasks"))["tasks"][0]
     assert row["status"] == "cancelled" and len(row["error"]) == bridge.ROW_TEXT_MAX
 
 
@@ -699,31 +685,31 @@ async def test_list_rows_cut_long_errors(mode, wd):
 
 async def test_notes_cancel_and_dependents(mode, wd):
     async with client(mode) as c:
-        base = await ok(c, "submit_task", task_args(wd, title="base"))
-        child = await ok(c, "submit_task", task_args(wd, title="child", depends_on=[base["id"]]))
-        note = await ok(c, "add_task_note", {"task_id": base["id"], "text": "use tabs"})
+        base = await call_tool(c, "submit_task", task_args(wd, title="base"))
+        child = await call_tool(c, "submit_task", task_args(wd, title="child", depends_on=[base["id"]]))
+        note = await call_tool(c, "add_task_note", {"task_id": base["id"], "text": "use tabs"})
         assert note == {"task_id": base["id"], "status": "pending", "delivery": "the agent's next prompt"}
-        cancelled = await ok(c, "cancel_task", {"task_id": base["id"]})
+        cancelled = await call_tool(c, "cancel_task", {"task_id": base["id"]})
         assert cancelled["status"] == "cancelled"
-        assert (await ok(c, "get_task", {"task_id": child["id"]}))["error"] == f"dependency {base['id']} cancelled"
-        assert "already cancelled" in await err(c, "cancel_task", {"task_id": base["id"]})
-        assert "is cancelled" in await err(c, "add_task_note", {"task_id": base["id"], "text": "late"})
+        assert (await call_tool(c, "get_task", {"task_id": child["id"]}))["error"] == f"dependency {base['id']} cancelled"
+        assert "already cancelled" in await tool_error(c, "cancel_task", {"task_id": base["id"]})
+        assert "is cancelled" in await tool_error(c, "add_task_note", {"task_id": base["id"], "text": "late"})
 
 
 async def test_clear_finished_removes_finished_tasks_and_asked_for_logs(mode, wd):
     async with client(mode) as c:
-        done = await ok(c, "submit_task", task_args(wd, title="done"))
-        keep = await ok(c, "submit_task", task_args(wd, title="pending"))
+        done = await call_tool(c, "submit_task", task_args(wd, title="done"))
+        keep = await call_tool(c, "submit_task", task_args(wd, title="pending"))
         finish(done["id"])
         task_store.log_path(done["id"]).parent.mkdir(parents=True, exist_ok=True)
         task_store.log_path(done["id"]).write_text("log\n")
-        nothing = await ok(c, "clear_finished", {"older_than_sec": 3600})
+        nothing = await call_tool(c, "clear_finished", {"older_than_sec": 3600})
         assert nothing["count"] == 0
-        cleared = await ok(c, "clear_finished", {"statuses": '["done"]', "remove_logs": "true"})
+        cleared = await call_tool(c, "clear_finished", {"statuses": '["done"]', "remove_logs": "true"})
         assert cleared["removed"] == [done["id"]] and cleared["logs_removed"] == 1
         assert not task_store.log_path(done["id"]).exists()
-        assert "t_0001 not found" in await err(c, "get_task", {"task_id": done["id"]})
-        assert (await ok(c, "get_task", {"task_id": keep["id"]}))["status"] == "pending"
+        assert "t_0001 not found" in await tool_error(c, "get_task", {"task_id": done["id"]})
+        assert (await call_tool(c, "get_task", {"task_id": keep["id"]}))["status"] == "pending"
 
 
 async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_path):
@@ -736,9 +722,9 @@ async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_pat
     task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=str(tree), branch="taskbridge/t_0001")
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
     async with client("legacy") as c:
-        kept = await ok(c, "clear_finished", {})
+        kept = await call_tool(c, "clear_finished", {})
         assert kept["removed"] == [] and kept["kept_for_worktrees"] == [task["id"]], "the queue still knows the worktree"
-        cleared = await ok(c, "clear_finished", {"remove_worktrees": True})
+        cleared = await call_tool(c, "clear_finished", {"remove_worktrees": True})
     assert cleared["removed"] == [task["id"]] and cleared["kept_for_worktrees"] == []
     assert cleared["worktrees_removed"] == [str(tree)] and cleared["problems"] == []
     assert not tree.exists() and "taskbridge/t_0001" in git(repo, "branch", "--list")
@@ -750,12 +736,12 @@ async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_pat
 
 async def test_queue_status_and_worker_heartbeat(mode, wd):
     async with client(mode) as c:
-        status = await ok(c, "queue_status")
+        status = await call_tool(c, "queue_status")
         assert status["worker"]["seen"] is False and "worker.py" in status["worker"]["summary"]
-        await ok(c, "submit_task", task_args(wd))
+        await call_tool(c, "submit_task", task_args(wd))
         task_store.write_worker_heartbeat({"task": "t_0001", "state": "running"})
-        status = await ok(c, "queue_status")
-        beat = await ok(c, "worker_heartbeat")
+        status = await call_tool(c, "queue_status")
+        beat = await call_tool(c, "worker_heartbeat")
     assert status["counts"]["pending"] == 1 and status["total"] == 1 and status["claimable"] == 1
     assert status["oldest_pending"] == "t_0001" and status["oldest_pending_age_sec"] >= 0
     assert status["default_model"] is None   # no setting, no WORKER_MODEL, OpenCode not asked yet
@@ -764,21 +750,13 @@ async def test_queue_status_and_worker_heartbeat(mode, wd):
     assert "t_0001" in beat["summary"] and beat["age_sec"] < 60
 
 
-def fake_bin(folder: Path, name: str, script: str) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("#!/bin/sh\n" + script)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
 async def test_restart_worker_kickstarts_launchd_when_the_agent_is_loaded(tmp_path, monkeypatch):
     """launchctl is a fake binary first on PATH (this is Linux); it records its arguments."""
     calls = tmp_path / "calls"
-    fake_bin(tmp_path / "bin", "launchctl", f'echo "$@" >> {calls}\nexit 0\n')
+    fake_binary(tmp_path / "bin", "launchctl", f'echo "$@" >> {calls}\nexit 0\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     async with client("legacy") as c:
-        done = await ok(c, "restart_worker")
+        done = await call_tool(c, "restart_worker")
     target = f"gui/{os.getuid()}/com.taskbridge.worker"
     assert done["method"] == "launchctl" and done["command"][1:] == ["kickstart", "-k", target]
     assert calls.read_text().splitlines() == [f"print {target}", f"kickstart -k {target}"]
@@ -787,10 +765,10 @@ async def test_restart_worker_kickstarts_launchd_when_the_agent_is_loaded(tmp_pa
 async def test_restart_worker_restarts_the_systemd_unit_when_installed(tmp_path, monkeypatch):
     """systemctl is a fake binary first on PATH that knows the unit; no launchctl is on PATH."""
     calls = tmp_path / "calls"
-    fake_bin(tmp_path / "bin", "systemctl", f'echo "$@" >> {calls}\nexit 0\n')
+    fake_binary(tmp_path / "bin", "systemctl", f'echo "$@" >> {calls}\nexit 0\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     async with client("auto") as c:
-        done = await ok(c, "restart_worker")
+        done = await call_tool(c, "restart_worker")
     assert done["method"] == "systemctl" and "taskbridge-worker.service" in done["detail"]
     assert calls.read_text().splitlines() == ["--user cat taskbridge-worker.service",
                                               "--user restart taskbridge-worker.service"]
@@ -798,10 +776,10 @@ async def test_restart_worker_restarts_the_systemd_unit_when_installed(tmp_path,
 
 async def test_restart_worker_reports_a_refusing_service_manager(tmp_path, monkeypatch):
     """A fake systemctl whose restart fails: the tool says so instead of claiming success."""
-    fake_bin(tmp_path / "bin", "systemctl", 'case "$2" in cat) exit 0;; *) echo "Access denied" >&2; exit 1;; esac\n')
+    fake_binary(tmp_path / "bin", "systemctl", 'case "$2" in cat) exit 0;; *) echo "Access denied" >&2; exit 1;; esac\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     async with client("legacy") as c:
-        text = await err(c, "restart_worker", {})
+        text = await tool_error(c, "restart_worker", {})
     assert "systemctl --user restart" in text and "Access denied" in text
 
 
@@ -810,10 +788,10 @@ async def test_restart_worker_starts_a_detached_pass_otherwise(tmp_path, monkeyp
     test queue, detached, its output in the log folder (never the server's stdout)."""
     if not (bridge.REPO_DIR / "worker.py").exists():
         pytest.skip("worker.py is not written yet")
-    fake_bin(tmp_path / "bin", "systemctl", "exit 1\n")
+    fake_binary(tmp_path / "bin", "systemctl", "exit 1\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     async with client("legacy") as c:
-        done = await ok(c, "restart_worker")
+        done = await call_tool(c, "restart_worker")
     assert done["method"] == "detached" and done["pid"] > 0 and done["command"][-1].endswith("worker.py")
     import psutil
     if psutil.pid_exists(done["pid"]):
@@ -851,7 +829,7 @@ def fake_opencode(tmp_path, monkeypatch):
     """OPENCODE_BIN points at a fake `opencode models --verbose` (the real one is exercised in
     the end-to-end test); an unknown provider fails as OpenCode does."""
     (tmp_path / "models.txt").write_text(MODELS_OUT)
-    binary = fake_bin(tmp_path / "oc", "opencode",
+    binary = fake_binary(tmp_path / "oc", "opencode",
                       'if [ "$1" = "debug" ]; then echo \'{"model": "other/model"}\'; exit 0; fi\n'
                       'if [ "$2" = "nope" ]; then echo "Error: Provider not found: nope" >&2; exit 1; fi\n'
                       f'cat {tmp_path / "models.txt"}\n')
@@ -861,38 +839,38 @@ def fake_opencode(tmp_path, monkeypatch):
 
 async def test_list_models_search_paging_and_resolution(mode, fake_opencode):
     async with client(mode) as c:
-        everything = await ok(c, "list_models")
+        everything = await call_tool(c, "list_models")
         assert [m["id"] for m in everything["models"]] == ["opencode/cat-jam-free", "fake/model", "other/model"]
         fake = everything["models"][1]
         assert fake["cost"]["output"] == 2.0 and fake["context"] == 128000 and fake["output_limit"] == 8192
-        assert (await ok(c, "list_models", {"search": "CAT jam"}))["resolved"] is None
-        found = await ok(c, "list_models", {"search": "cat-jam-free"})
+        assert (await call_tool(c, "list_models", {"search": "CAT jam"}))["resolved"] is None
+        found = await call_tool(c, "list_models", {"search": "cat-jam-free"})
         assert found["total"] == 1 and found["resolved"] == "opencode/cat-jam-free"
-        paged = await ok(c, "list_models", {"limit": 2})
+        paged = await call_tool(c, "list_models", {"limit": 2})
         assert len(paged["models"]) == 2 and paged["next_offset"] == 2 and paged["total"] == 3
-        assert "Provider not found: nope" in await err(c, "list_models", {"provider": "nope"})
+        assert "Provider not found: nope" in await tool_error(c, "list_models", {"provider": "nope"})
 
 
 async def test_set_default_model_validates_resolves_and_persists(mode, fake_opencode, wd):
     async with client(mode) as c:
-        ambiguous = await err(c, "set_default_model", {"model": "model"})
+        ambiguous = await tool_error(c, "set_default_model", {"model": "model"})
         assert "ambiguous" in ambiguous and "fake/model" in ambiguous and "other/model" in ambiguous
-        assert "similar: opencode/cat-jam-free" in await err(c, "set_default_model", {"model": "cat-jam"})
-        assert "not offered" in await err(c, "set_default_model", {"model": "nobody/nothing"})
-        chosen = await ok(c, "set_default_model", {"model": "cat-jam-free"})
+        assert "similar: opencode/cat-jam-free" in await tool_error(c, "set_default_model", {"model": "cat-jam"})
+        assert "not offered" in await tool_error(c, "set_default_model", {"model": "nobody/nothing"})
+        chosen = await call_tool(c, "set_default_model", {"model": "cat-jam-free"})
         # Before any setting the default is the user's OpenCode config's model.
         assert chosen == {"model": "opencode/cat-jam-free", "previous": "other/model",
                           "resolved_from": "cat-jam-free"}
-        chosen = await ok(c, "set_default_model", {"model": "fake/model"})
+        chosen = await call_tool(c, "set_default_model", {"model": "fake/model"})
         assert chosen["resolved_from"] is None and task_store.default_model() == "fake/model"
-        assert (await ok(c, "queue_status"))["default_model"] == "fake/model"
-        task = await ok(c, "submit_task", task_args(wd, model="cat-jam-free"))
+        assert (await call_tool(c, "queue_status"))["default_model"] == "fake/model"
+        task = await call_tool(c, "submit_task", task_args(wd, model="cat-jam-free"))
         assert task["model"] == "opencode/cat-jam-free"
-        assert "ambiguous" in await err(c, "submit_task", task_args(wd, model="model"))
-        refused = await err(c, "submit_task", task_args(wd, model="fake/modle"))
+        assert "ambiguous" in await tool_error(c, "submit_task", task_args(wd, model="model"))
+        refused = await tool_error(c, "submit_task", task_args(wd, model="fake/modle"))
         assert "'fake/modle' is not offered by OpenCode" in refused and "similar: fake/model" in refused
         batch = [task_args(wd), task_args(wd, model="othr/model")]
-        assert "similar: other/model" in await err(c, "submit_batch", {"tasks": batch})
+        assert "similar: other/model" in await tool_error(c, "submit_batch", {"tasks": batch})
     assert task_store.get_setting("default_model") == "fake/model"
     assert task_store.counts()["pending"] == 1      # the refused ones wrote nothing
 
@@ -900,7 +878,7 @@ async def test_set_default_model_validates_resolves_and_persists(mode, fake_open
 async def test_list_models_without_opencode_says_how_to_fix_it(monkeypatch):
     monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")
     async with client("legacy") as c:
-        text = await err(c, "list_models", {})
+        text = await tool_error(c, "list_models", {})
     assert "not found" in text and "OPENCODE_BIN" in text
 
 
@@ -960,9 +938,9 @@ async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
     subprocess.run(["git", "init", "-q", "--bare", str(bare)], check=True)
     subprocess.run(["git", "init", "-q", str(empty)], check=True)
     async with client() as c:
-        assert "bare repository" in await err(c, "submit_task", task_args(str(bare)))
-        assert "no commits" in await err(c, "submit_task", task_args(str(empty)))
-        batch = await err(c, "submit_batch", {"tasks": [task_args(str(tmp_path)), task_args(str(empty))]})
+        assert "bare repository" in await tool_error(c, "submit_task", task_args(str(bare)))
+        assert "no commits" in await tool_error(c, "submit_task", task_args(str(empty)))
+        batch = await tool_error(c, "submit_batch", {"tasks": [task_args(str(tmp_path)), task_args(str(empty))]})
         assert "task 1 of the batch" in batch and "no commits" in batch
     said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(empty)])
     assert said.exit_code != 0 and "no commits" in said.output and "Traceback" not in said.output

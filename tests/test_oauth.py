@@ -18,7 +18,7 @@ import pytest
 import http_app
 import oauth
 import opencode_bridge_mcp as bridge
-from helpers import free_port, serving
+from helpers import call_tool, free_port, serving
 from mcp import Client
 from mcp.client.auth import OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
@@ -110,9 +110,7 @@ def connector(base: str, browser: Browser, storage: Storage) -> OAuthClientProvi
 async def ping_with(base: str, auth: OAuthClientProvider) -> dict:
     transport = streamable_http_client(f"{base}/mcp", http_client=httpx2.AsyncClient(auth=auth, timeout=30))
     async with Client(transport, mode="legacy", client_info=Implementation(name="claude-ai", version="0.1")) as c:
-        result = await c.call_tool("ping", {})
-        assert not result.is_error, result
-        return result.structured_content
+        return await call_tool(c, "ping")
 
 
 async def status(base: str, token: str, path: str = "/api/status") -> int:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from fake_openai import text, tool_call
-from helpers import ROOT, make_repo
+from helpers import ROOT, make_repo, submit
 
 import task_store
 
@@ -31,7 +31,7 @@ def worker_with_open_files_limit(limit: int) -> subprocess.CompletedProcess:
 def one_task_under_limit(opencode, tmp_path, limit: int) -> tuple[dict, str]:
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("w", [tool_call("write", {"filePath": "{cwd}/a.txt", "content": "a\n"}), text(DONE)])
-    task = task_store.submit_task(title="w", instructions="SCRIPT:w", working_dir=str(repo), max_retries=1)
+    task = submit(repo, script="w", max_retries=1)
     done = worker_with_open_files_limit(limit)
     assert done.returncode == 0, done.stderr
     said = done.stdout + done.stderr

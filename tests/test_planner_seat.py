@@ -21,7 +21,7 @@ import pytest
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_openai import text, tool_call
-from helpers import git, make_repo, run_script
+from helpers import call_tool, git, make_repo, run_script
 from mcp import Client
 from mcp.types import ElicitResult, ErrorData, Implementation, ResourceLink
 
@@ -32,12 +32,6 @@ RECEIPT = '```json\n{"summary": "Wrote {name}", "files_touched": ["{name}"], "te
 
 def client() -> Client:
     return Client(bridge.build_server(), mode="legacy", client_info=Implementation(name="claude-code", version="2.1"))
-
-
-async def call(c: Client, tool: str, args: dict) -> dict:
-    result = await c.call_tool(tool, args)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
 
 
 def script_writer(opencode, name: str) -> None:
@@ -63,17 +57,17 @@ async def test_a_finished_result_stays_unseen_until_the_planner_reads_it(opencod
     for name in ("first", "second"):
         script_writer(opencode, name)
     async with client() as c:
-        first = await call(c, "submit_task", {"title": "first", "working_dir": str(repo), "instructions": "SCRIPT:first"})
-        second = await call(c, "submit_task", {"title": "second", "working_dir": str(repo), "instructions": "SCRIPT:second"})
-        assert (await call(c, "queue_status", {}))["unseen"] == []
+        first = await call_tool(c, "submit_task", {"title": "first", "working_dir": str(repo), "instructions": "SCRIPT:first"})
+        second = await call_tool(c, "submit_task", {"title": "second", "working_dir": str(repo), "instructions": "SCRIPT:second"})
+        assert (await call_tool(c, "queue_status", {}))["unseen"] == []
         run_until_finished([first["id"], second["id"]])
-        waited = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
-        again = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})   # nothing read yet
-        await call(c, "get_task_result", {"task_id": first["id"]})
-        after_one = await call(c, "queue_status", {})
-        told = await call(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
-        await call(c, "get_task_result", {"task_id": second["id"]})
-        after_both = await call(c, "queue_status", {})
+        waited = await call_tool(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
+        again = await call_tool(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})   # nothing read yet
+        await call_tool(c, "get_task_result", {"task_id": first["id"]})
+        after_one = await call_tool(c, "queue_status", {})
+        told = await call_tool(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
+        await call_tool(c, "get_task_result", {"task_id": second["id"]})
+        after_both = await call_tool(c, "queue_status", {})
     assert waited["ready"] == [first["id"]] and sorted(waited["unseen"]) == [first["id"], second["id"]]
     assert second["id"] in waited["hint"] and "not read yet" in waited["hint"]
     assert sorted(again["unseen"]) == sorted(waited["unseen"]) and again["unseen_total"] == 2
@@ -86,15 +80,15 @@ async def test_a_finished_result_stays_unseen_until_the_planner_reads_it(opencod
 async def test_a_retried_task_is_announced_again_and_a_running_one_is_not_marked(tmp_path):
     (tmp_path / "p").mkdir()
     async with client() as c:
-        task = await call(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
-        await call(c, "get_task_result", {"task_id": task["id"]})          # pending: nothing to see yet
-        await call(c, "cancel_task", {"task_id": task["id"]})
-        cancelled = await call(c, "queue_status", {})
-        await call(c, "get_task_result", {"task_id": task["id"]})
-        read = await call(c, "queue_status", {})
-        await call(c, "retry_task", {"task_id": task["id"]})
-        await call(c, "cancel_task", {"task_id": task["id"]})
-        ended_again = await call(c, "queue_status", {})
+        task = await call_tool(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
+        await call_tool(c, "get_task_result", {"task_id": task["id"]})          # pending: nothing to see yet
+        await call_tool(c, "cancel_task", {"task_id": task["id"]})
+        cancelled = await call_tool(c, "queue_status", {})
+        await call_tool(c, "get_task_result", {"task_id": task["id"]})
+        read = await call_tool(c, "queue_status", {})
+        await call_tool(c, "retry_task", {"task_id": task["id"]})
+        await call_tool(c, "cancel_task", {"task_id": task["id"]})
+        ended_again = await call_tool(c, "queue_status", {})
     assert cancelled["unseen"] == [task["id"]]
     assert read["unseen"] == []
     assert ended_again["unseen"] == [task["id"]]
@@ -130,7 +124,7 @@ async def test_a_finished_tasks_log_diff_transcript_and_receipt_are_linked_resou
     repo = make_repo(tmp_path / "repo")
     script_writer(opencode, "linked")
     async with client() as c:
-        task = await call(c, "submit_task", {"title": "linked", "working_dir": str(repo), "instructions": "SCRIPT:linked"})
+        task = await call_tool(c, "submit_task", {"title": "linked", "working_dir": str(repo), "instructions": "SCRIPT:linked"})
         pending = await c.call_tool("get_task", {"task_id": task["id"]})
         run_until_finished([task["id"]])
         waited = await c.call_tool("wait_for", {"task_ids": [task["id"]], "timeout_sec": 5})
@@ -188,7 +182,7 @@ async def test_the_person_raises_the_limit_and_confirms_the_apply_through_forms(
                                               usage=STEP_USAGE) for n in (1, 2, 3)]
                           + [text("Counted.\n" + RECEIPT.replace("{name}", "n.txt"), usage=STEP_USAGE)])
     async with as_person(None) as planner:
-        task = await call(planner, "submit_task", {"title": "count", "working_dir": str(repo),
+        task = await call_tool(planner, "submit_task", {"title": "count", "working_dir": str(repo),
                                                    "instructions": "SCRIPT:count", "max_cost_usd": 0.15})
     assert run_script("worker.py").returncode == 0
     assert task_store.get_task(task["id"])["paused_for"] == "task_limit"
@@ -196,12 +190,12 @@ async def test_the_person_raises_the_limit_and_confirms_the_apply_through_forms(
 
     declining = Person(ElicitResult(action="decline"))
     async with as_person(declining) as c:                 # Claude Code -p declines every form
-        declined = await call(c, "wait_for", ids)
+        declined = await call_tool(c, "wait_for", ids)
     async with as_person(None) as c:                      # a client without forms
-        formless = await call(c, "wait_for", ids)
+        formless = await call_tool(c, "wait_for", ids)
     person = Person(accept(decision="sideways"), accept(decision="raise", new_limit_usd=2))
     async with as_person(person) as c:
-        raised = await call(c, "wait_for", ids)
+        raised = await call_tool(c, "wait_for", ids)
 
     assert declined["waiting"] == [task["id"]] and declined["asked_human"][0]["acted"] is False
     assert "decline: left to the planner" in declined["asked_human"][0]["outcome"]
@@ -223,12 +217,12 @@ async def test_the_person_raises_the_limit_and_confirms_the_apply_through_forms(
     assert git(repo, "rev-parse", "HEAD") == head and "apply" in no.asked[0].requested_schema["properties"]
     broken = Person(ErrorData(code=-32603, message="this client cannot show forms here"))
     async with as_person(broken) as c:                    # asked, the client failed: the planner's call stands
-        applied = await call(c, "apply_task", {"task_id": task["id"]})
+        applied = await call_tool(c, "apply_task", {"task_id": task["id"]})
     assert len(broken.asked) == 1 and applied["status"] == "applied" and git(repo, "rev-parse", "HEAD") != head
     assert (repo / "n.txt").read_text() == "1\n2\n3\n"
     yes = Person(accept(apply=True))
     async with as_person(yes) as c:
-        again = await call(c, "apply_task", {"task_id": task["id"]})
+        again = await call_tool(c, "apply_task", {"task_id": task["id"]})
     assert len(yes.asked) == 1 and again["status"] == "already-applied"
 
 
@@ -236,7 +230,7 @@ async def test_an_apply_that_cannot_happen_is_not_asked_and_keeps_its_usual_erro
     (tmp_path / "p").mkdir()
     person = Person(accept(apply=True))
     async with as_person(person) as c:
-        task = await call(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
+        task = await call_tool(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
         result = await c.call_tool("apply_task", {"task_id": task["id"]})
     assert person.asked == []
     assert result.is_error and "pending" in result.content[0].text
@@ -251,16 +245,16 @@ async def test_a_permission_ask_of_an_ask_human_task_goes_to_the_person_and_othe
                                      text("Finished.\n" + RECEIPT.replace("{name}", "pushed.txt"))])
     rules = {"bash": [{"pattern": "*", "action": "allow"}, {"pattern": "echo pushed*", "action": "ask"}]}
     async with as_person(None) as c:
-        human = await call(c, "submit_task", {"title": "human", "working_dir": str(repo), "instructions": "SCRIPT:human",
+        human = await call_tool(c, "submit_task", {"title": "human", "working_dir": str(repo), "instructions": "SCRIPT:human",
                                               "rules": rules, "ask_human": True})
-        planner = await call(c, "submit_task", {"title": "planner", "working_dir": str(repo),
+        planner = await call_tool(c, "submit_task", {"title": "planner", "working_dir": str(repo),
                                                 "instructions": "SCRIPT:planner", "rules": rules})
     run_until_waiting = [run_script("worker.py") for _ in range(2)]
     assert all(r.returncode == 0 for r in run_until_waiting)
     assert [task_store.get_task(t["id"])["paused_for"] for t in (human, planner)] == ["permission", "permission"]
     person = Person(accept(decision="allow once"))
     async with as_person(person) as c:
-        waited = await call(c, "wait_for", {"task_ids": [human["id"], planner["id"]], "timeout_sec": 2})
+        waited = await call_tool(c, "wait_for", {"task_ids": [human["id"], planner["id"]], "timeout_sec": 2})
     assert len(person.asked) == 1 and human["id"] in person.asked[0].message
     assert [(a["task_id"], a["acted"]) for a in waited["asked_human"]] == [(human["id"], True)]
     assert task_store.get_task(human["id"])["status"] == "pending"

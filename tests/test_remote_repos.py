@@ -18,7 +18,7 @@ import pytest
 import task_store
 import worker
 import worktrees
-from helpers import git, make_repo, run_script
+from helpers import fake_binary, git, make_repo, run_script, submit
 from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 
@@ -29,11 +29,6 @@ def remote(tmp_path):
     bare = tmp_path / "remote.git"
     git(tmp_path, "clone", "-q", "--bare", str(work), str(bare))
     return bare
-
-
-def submit(**fields):
-    return task_store.submit_task(title=fields.pop("title", "t"), instructions=fields.pop("instructions", "i"),
-                                  **fields)
 
 
 # ------------------------------------------------------------------------------------------
@@ -273,9 +268,7 @@ def test_a_follow_up_continues_the_pushed_branch_and_the_mirror_is_fetched_not_c
 
 @pytest.mark.real_opencode
 def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, remote):
-    hook = remote / "hooks" / "pre-receive"
-    hook.write_text("#!/bin/sh\necho 'policy: this branch is protected' >&2\nexit 1\n")
-    hook.chmod(0o755)
+    hook = fake_binary(remote / "hooks", "pre-receive", "echo 'policy: this branch is protected' >&2\nexit 1\n")
     opencode.model.script("refused", _writes("hello.txt", "hello\n", "wrote hello.txt"))
     task = submit(instructions="Write hello.txt. SCRIPT:refused", repo=str(remote), max_retries=2)
     assert run_script("worker.py").returncode == 0
@@ -689,9 +682,7 @@ def test_a_retry_after_a_refused_push_runs_only_on_the_host_holding_the_commit(r
 
 
 def test_the_holding_hosts_worker_pushes_the_kept_commit_without_running_the_agent(remote, monkeypatch):
-    hook = remote / "hooks" / "pre-receive"
-    hook.write_text("#!/bin/sh\necho 'policy: protected' >&2\nexit 1\n")
-    hook.chmod(0o755)
+    hook = fake_binary(remote / "hooks", "pre-receive", "echo 'policy: protected' >&2\nexit 1\n")
     failed, commit = _failed_push_on("b", remote, monkeypatch)
     task_store.retry_task(failed["id"])
     monkeypatch.setenv("TASKBRIDGE_HOST", "b")

@@ -15,7 +15,7 @@ import task_store
 import worker
 import worktrees
 from fake_openai import text, tool_call
-from helpers import git, make_repo, run_script
+from helpers import git, make_repo, run_script, submit
 
 RECEIPT = '```json\n{"summary": "wrote docs and code", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
@@ -33,7 +33,7 @@ def sparse_repo(tmp_path):
 def claimed(repo, **fields):
     """Queue and claim a task in ``repo``; a test that lets the worker go past preparing takes the
     ``opencode`` fixture, so a regression runs the scripted model, never the user's OpenCode."""
-    task_store.submit_task(title="t", instructions="i", working_dir=str(repo), model="fake/model", **fields)
+    submit(repo, model="fake/model", **fields)
     return task_store.claim_next("test")
 
 

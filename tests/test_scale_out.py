@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo, worker_process
+from helpers import ROOT, call_tool, git, make_repo, worker_process
 from opencode_env import opencode_env, require_opencode_bin
 
 pytestmark = [pytest.mark.postgres, pytest.mark.real_opencode]
@@ -80,16 +80,10 @@ def bridge(env: dict[str, str]) -> Any:
     return Client(params, client_info=Implementation(name="claude-code", version="2.1.197"))
 
 
-async def call(client: Any, tool: str, **args: Any) -> dict[str, Any]:
-    result = await client.call_tool(tool, args)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
-
-
 async def wait_all(client: Any, ids: list[str], seconds: float) -> dict[str, str]:
     deadline = time.monotonic() + seconds
     while True:
-        waited = await call(client, "wait_for", task_ids=ids, mode="all", timeout_sec=20)
+        waited = await call_tool(client, "wait_for", {"task_ids": ids, "mode": "all", "timeout_sec": 20})
         statuses = {t["id"]: t["status"] for t in waited["tasks"]}
         if all(s in ("done", "failed", "cancelled") for s in statuses.values()) or time.monotonic() > deadline:
             return statuses
@@ -119,8 +113,8 @@ async def test_two_machines_take_the_tasks_once_and_push_their_branches(tmp_path
     async with bridge(server) as client:
         ids = []
         for n in range(1, 5):
-            task = await call(client, "submit_task", title=f"task {n}", instructions=f"Write it. SCRIPT:scale-{n}",
-                              repo=str(remote), base_ref="main")
+            task = await call_tool(client, "submit_task", {"title": f"task {n}", "repo": str(remote), "base_ref": "main",
+                                                           "instructions": f"Write it. SCRIPT:scale-{n}"})
             ids.append(task["id"])
         # --max-tasks 2 each: four tasks done means each machine ran two of them.
         with worker(machines["machine-a"], "--watch", "--max-tasks", "2"), \
@@ -135,14 +129,14 @@ async def test_two_machines_take_the_tasks_once_and_push_their_branches(tmp_path
             assert row["attempts"] == 1 and events_of(task_id).count("claimed") == 1, (row, events_of(task_id))
             hosts.append(row["lease_host"])
             # The branch is in the bare repository, holding the agent's change, at the receipt's commit.
-            result = await call(client, "get_task_result", task_id=task_id)
+            result = await call_tool(client, "get_task_result", {"task_id": task_id})
             branch = f"taskbridge/{task_id}"
             assert result["result"]["pushed_branch"] == branch and row["pushed_branch"] == branch
             assert bare_git(remote, "rev-parse", branch) == row["pushed_commit"] == result["result"]["pushed_commit"]
             assert bare_git(remote, "show", f"{branch}:out-{n}.txt") == f"written by task {n}"
             assert f"out-{n}.txt" in result["diff"] and result["result"]["summary"] == f"wrote out-{n}.txt"
             # The log, read on the server's side, which has no log file of its own.
-            logs = await call(client, "get_task_logs", task_id=task_id)
+            logs = await call_tool(client, "get_task_logs", {"task_id": task_id})
             assert '"type":"step_finish"' in logs["text"].replace(" ", ""), logs
         assert sorted(hosts) == ["machine-a", "machine-a", "machine-b", "machine-b"]
         assert not any((tmp_path / "server" / "logs").iterdir()), "the server read every log from the database"
@@ -182,8 +176,8 @@ async def test_a_killed_machines_task_is_taken_over_only_once_its_heartbeat_is_s
     b = machine(tmp_path, "machine-b", scripted_model.url, pg_url, WORKER_STALE_SEC=str(stale))
     import task_store
     async with bridge(server_env(tmp_path, pg_url)) as client:
-        task_id = (await call(client, "submit_task", title="take over", instructions="SCRIPT:takeover",
-                              repo=str(remote), base_ref="main"))["id"]
+        task_id = (await call_tool(client, "submit_task", {"title": "take over", "instructions": "SCRIPT:takeover",
+                                                           "repo": str(remote), "base_ref": "main"}))["id"]
         with worker(a, "--watch") as proc_a:
             deadline = time.monotonic() + 180
             while not runs_command(proc_a.pid, "sleep 300"):
@@ -223,5 +217,5 @@ async def test_a_killed_machines_task_is_taken_over_only_once_its_heartbeat_is_s
         assert row["lease_host"] == "machine-b" and row["attempts"] == 2
         assert events_of(task_id).count("claimed") == 2 and events_of(task_id).count("requeued") == 1
         assert bare_git(remote, "show", f"taskbridge/{task_id}:over.txt") == "taken-over"
-        result = await call(client, "get_task_result", task_id=task_id)
+        result = await call_tool(client, "get_task_result", {"task_id": task_id})
         assert result["result"]["pushed_commit"] == bare_git(remote, "rev-parse", f"taskbridge/{task_id}")

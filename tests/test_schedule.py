@@ -13,27 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, fake_binary
 
 sys.path.insert(0, str(ROOT / "launchd"))
 import schedule  # noqa: E402
-
-
-def fake_tool(bin_dir: Path, name: str, calls: Path) -> None:
-    bin_dir.mkdir(exist_ok=True)
-    script = bin_dir / name
-    script.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {calls}\n")
-    script.chmod(0o755)
 
 
 @pytest.fixture
 def fake_bins(tmp_path, monkeypatch):
     bins, calls = tmp_path / "bin", tmp_path / "calls.txt"
     for name in ("launchctl", "systemctl"):
-        fake_tool(bins, name, calls)
-    opencode = bins / "opencode"
-    opencode.write_text("#!/bin/sh\nexit 0\n")
-    opencode.chmod(0o755)
+        fake_binary(bins, name, f'echo {name} "$@" >> {calls}\n')
+    fake_binary(bins, "opencode", "exit 0\n")
     monkeypatch.setenv("PATH", f"{bins}{os.pathsep}/usr/bin{os.pathsep}/bin")
     monkeypatch.delenv("OPENCODE_BIN", raising=False)
     return bins, calls
@@ -96,8 +87,7 @@ def test_paths_with_spaces_and_markup_survive_every_format(fake_bins, tmp_path, 
 def stand_in_loginctl(bins: Path, linger: str) -> None:
     """loginctl needs a running systemd-logind, which this machine lacks: a stand-in prints what
     `loginctl show-user USER -p Linger` prints."""
-    (bins / "loginctl").write_text(f"#!/bin/sh\necho Linger={linger}\n")
-    (bins / "loginctl").chmod(0o755)
+    fake_binary(bins, "loginctl", f"echo Linger={linger}\n")
 
 
 def test_linger_off_is_said_with_the_command_that_fixes_it(fake_bins, tmp_path, monkeypatch):
@@ -117,8 +107,8 @@ def test_linger_off_is_said_with_the_command_that_fixes_it(fake_bins, tmp_path, 
 def test_status_says_what_is_installed_and_the_last_pass(fake_bins, tmp_path, monkeypatch):
     bins, _ = fake_bins
     stand_in_loginctl(bins, "yes")
-    (bins / "systemctl").write_text(
-        "#!/bin/sh\ncase \"$*\" in\n"
+    fake_binary(bins, "systemctl",
+        "case \"$*\" in\n"
         "  *show*timer*) printf 'ActiveState=active\\nLastTriggerUSec=Mon 2026-11-30 10:00:00 UTC\\n' ;;\n"
         "  *show*service*) printf 'Result=success\\nExecMainStatus=0\\nExecMainExitTimestamp=Mon 2026-11-30 10:00:02 UTC\\n' ;;\n"
         "esac\n")
@@ -169,8 +159,8 @@ def test_schedule_status_from_the_command_line(fake_bins, tmp_path, monkeypatch,
 
 def test_status_on_macos_reads_launchctl_print(fake_bins, tmp_path, monkeypatch):
     bins, _ = fake_bins
-    (bins / "launchctl").write_text(
-        "#!/bin/sh\n[ \"$1\" = print ] && printf 'gui/501/com.taskbridge.worker = {\\n\\tstate = not running\\n"
+    fake_binary(bins, "launchctl",
+        "[ \"$1\" = print ] && printf 'gui/501/com.taskbridge.worker = {\\n\\tstate = not running\\n"
         "\\truns = 14\\n\\tlast exit code = 1\\n}\\n'\nexit 0\n")
     monkeypatch.setattr(schedule.platform, "system", lambda: "Darwin")
     monkeypatch.setenv("LAUNCH_AGENTS_DIR", str(tmp_path / "agents"))

@@ -19,7 +19,7 @@ import serve
 import task_store
 import tasks_cli
 import worker_talk
-from helpers import ROOT, normal_user, run_script
+from helpers import ROOT, fake_binary, normal_user, run_script
 
 
 def mode(path: Path) -> int:
@@ -291,9 +291,7 @@ def test_install_names_every_missing_prerequisite_with_the_way_to_get_it(tmp_pat
 
 
 def test_install_says_how_to_get_a_new_enough_python(tmp_path):
-    old = tmp_path / "python3.9"
-    old.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Python 3.9.18'; exit 0; }\nexit 1\n")
-    old.chmod(0o755)
+    old = fake_binary(tmp_path, "python3.9", "[ \"$1\" = --version ] && { echo 'Python 3.9.18'; exit 0; }\nexit 1\n")
     copy = checkout_copy(tmp_path)
     env = {"PATH": sandbox_path(tmp_path, str(old)), "HOME": str(tmp_path)}
     result = subprocess.run(["bash", str(copy / "install.sh")], env=env, capture_output=True, text=True,

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from helpers import ROOT, free_port
+from helpers import ROOT, fake_binary, free_port
 
 
 def get(port: int, path: str, host: str, token: str | None = None) -> int:
@@ -38,11 +38,8 @@ def wait_for_box(proc: subprocess.Popen, lines: list[str], timeout: float = 60) 
 
 @pytest.fixture
 def fake_tunnel(tmp_path):
-    tunnel = tmp_path / "cloudflared"
-    tunnel.write_text("#!/bin/sh\necho 'INF |  https://quiet-river-42.trycloudflare.com  |' >&2\n"
-                      "exec sleep 300\n")
-    tunnel.chmod(0o755)
-    return tunnel
+    return fake_binary(tmp_path, "cloudflared", "echo 'INF |  https://quiet-river-42.trycloudflare.com  |' >&2\n"
+                                                "exec sleep 300\n")
 
 
 def test_public_start_admits_the_tunnel_host_only(fake_tunnel, tmp_path):

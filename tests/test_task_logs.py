@@ -19,6 +19,7 @@ import task_store
 import task_views
 import tasks_cli
 import worker
+from helpers import submit
 
 HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)> \x1b[31mred\x1b[0m"
 
@@ -45,10 +46,6 @@ def in_db(request, monkeypatch):
     return request.param
 
 
-def submit(tmp_path: Path, title: str = "t") -> str:
-    return task_store.submit_task(title=title, instructions="i", working_dir=str(tmp_path))["id"]
-
-
 def chunk_lengths(task_id: str) -> list[int]:
     conn = task_store.connect()
     try:
@@ -63,7 +60,7 @@ def chunk_lengths(task_id: str) -> list[int]:
 
 
 def test_append_read_and_size_agree_across_chunk_boundaries(tmp_path, where):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     assert task_store.task_log_size(tid) == 0 and task_store.read_task_log(tid) == b""
     data = os.urandom(3 * task_store.LOG_CHUNK_MAX + 123)
     size = 0
@@ -82,13 +79,13 @@ def test_append_read_and_size_agree_across_chunk_boundaries(tmp_path, where):
         assert max(chunk_lengths(tid)) <= task_store.LOG_CHUNK_MAX and sum(chunk_lengths(tid)) == len(data)
     else:
         assert task_store.log_path(tid).read_bytes() == data and chunk_lengths(tid) == []
-    assert task_store.task_log_sizes([tid, submit(tmp_path)]) == {tid: len(data), "t_0002": 0}
+    assert task_store.task_log_sizes([tid, submit(tmp_path)["id"]]) == {tid: len(data), "t_0002": 0}
     with pytest.raises(task_store.ValidationError):
         task_store.read_task_log(tid, -1)
 
 
 def test_a_retried_ship_never_writes_its_bytes_twice(tmp_path, where):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     task_store.append_task_log(tid, b"line 1\nline 2\n", at=0)
     # the first ship landed but its acknowledgement was lost: the retry carries the same bytes and more
     assert task_store.append_task_log(tid, b"line 1\nline 2\nline 3\n", at=0) == 21
@@ -102,7 +99,7 @@ def test_a_retried_ship_never_writes_its_bytes_twice(tmp_path, where):
 
 def test_writers_appending_at_once_lose_nothing_and_never_collide(tmp_path, where):
     from concurrent.futures import ThreadPoolExecutor
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
 
     def write(n: int) -> None:
         for i in range(40):
@@ -117,7 +114,7 @@ def test_writers_appending_at_once_lose_nothing_and_never_collide(tmp_path, wher
 
 
 def test_clearing_a_task_drops_its_log_chunks(tmp_path, where):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     task_store.append_task_log(tid, b"x" * 100_000)
     task_store.cancel_task(tid)
     task_store.clear_finished()
@@ -160,7 +157,7 @@ def log_lines(count: int) -> list[bytes]:
 
 
 def test_a_log_written_on_machine_a_is_read_whole_on_machine_b(tmp_path, monkeypatch, in_db):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     on_machine(monkeypatch, tmp_path, "machine-a")
     written = ship_like_a_worker(tid, log_lines(100))
     assert len(written) > 4 * task_store.LOG_CHUNK_MAX
@@ -194,7 +191,7 @@ def test_cli_follow_reads_a_log_that_grows_in_the_database(tmp_path, monkeypatch
     import threading
     import time
     monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     claimed = task_store.claim_next("worker:elsewhere:1", task_id=1)
     task_store.append_task_log(tid, b"started\n")
 
@@ -216,7 +213,7 @@ def test_cli_follow_reads_a_log_that_grows_in_the_database(tmp_path, monkeypatch
 
 
 def test_the_board_follows_a_log_growing_in_the_database(tmp_path, monkeypatch, in_db):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     marks = task_store.change_marks()
     watch = board_api.Watch({"cursor": str(marks["events"]), "jobs": marks["jobs"], "task": tid, "log": "0",
                              "follow": f"{tid}:0"})
@@ -237,7 +234,7 @@ def test_the_board_follows_a_log_growing_in_the_database(tmp_path, monkeypatch, 
 
 
 def test_a_ship_that_fails_is_retried_with_nothing_lost_or_doubled(tmp_path, monkeypatch, in_db):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     on_machine(monkeypatch, tmp_path, "machine-a")
     real = task_store.append_task_log
     calls = {"n": 0}
@@ -263,7 +260,7 @@ def test_a_ship_that_fails_is_retried_with_nothing_lost_or_doubled(tmp_path, mon
 
 
 def test_a_new_attempt_on_another_machine_appends_after_the_first(tmp_path, monkeypatch, in_db):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     on_machine(monkeypatch, tmp_path, "machine-a")
     first = ship_like_a_worker(tid, [b"=== attempt 1\n", b"one\n"])
     on_machine(monkeypatch, tmp_path, "machine-b")
@@ -274,7 +271,7 @@ def test_a_new_attempt_on_another_machine_appends_after_the_first(tmp_path, monk
 
 
 def test_on_sqlite_the_worker_ships_nothing(tmp_path):
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     ship_like_a_worker(tid, [b"hello\n"])
     assert chunk_lengths(tid) == [] and task_store.read_task_log(tid) == b"hello\n"
 
@@ -415,7 +412,7 @@ def test_doctor_names_every_worker_and_its_host(tmp_path, monkeypatch):
 @pytest.mark.postgres
 def test_ships_go_on_after_the_server_dropped_the_connection(tmp_path, monkeypatch, pg_server, pg_url):
     monkeypatch.setenv("TASK_DB_URL", pg_url)
-    tid = submit(tmp_path)
+    tid = submit(tmp_path)["id"]
     database = pg_url.rsplit("/", 1)[1].split("?")[0]
     with task_store.open_task_log(tid) as log:
         shipper = worker.LogShipper(tid, log)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import task_store as store
+from helpers import submit
 
 
 def _paused(store_backend, tmp_path, model="fake/model", resume_in=60.0, known=True):
-    task = store.submit_task(title="limited", instructions="x", working_dir=str(tmp_path), model=model,
-                             max_retries=0)
+    task = submit(tmp_path, "limited", model=model, max_retries=0)
     claimed = store.claim_next("w", task_id=task["id"])
     return store.pause_for_limit(claimed["id"], claimed["run_marker"], "Usage limit: wait", account="fake",
                                  said="Rate limit reached", resume_at=store.now() + resume_in if resume_in else None,

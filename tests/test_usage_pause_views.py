@@ -12,6 +12,7 @@ from mcp import Client
 import opencode_bridge_mcp as bridge
 import task_store
 import tasks_cli
+from helpers import call_tool, submit
 
 pytestmark = pytest.mark.anyio
 
@@ -19,12 +20,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(autouse=True)
 def no_token_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
-
-
-async def ok(c: Client, tool: str, args: dict) -> dict:
-    result = await c.call_tool(tool, args)
-    assert not result.is_error, result.content[0].text
-    return result.structured_content
 
 
 def pause(task_id: str, resume_in: float = 600) -> None:
@@ -35,43 +30,39 @@ def pause(task_id: str, resume_in: float = 600) -> None:
                                known_reset=True, session_id="ses_1")
 
 
-def submit(tmp_path, title: str, model: str = "fake/model") -> dict:
-    return task_store.submit_task(title=title, instructions="x", working_dir=str(tmp_path), model=model)
-
-
 async def test_wait_for_returns_on_the_pause_then_waits_through_it_and_returns_on_the_resume(tmp_path):
-    task = submit(tmp_path, "limited")
+    task = submit(tmp_path, "limited", model="fake/model")
     async with Client(bridge.build_server(), mode="legacy") as c:
         timer = threading.Timer(0.3, pause, args=(task["id"], 1.0))
         timer.start()
-        paused = await ok(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 20})
+        paused = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 20})
         timer.join()
         assert paused["met"] and paused["tasks"][0]["resume_at"] and "resuming by itself" in paused["hint"]
         assert [e["kind"] for e in paused["events"]][-1] == "paused"
-        info = await ok(c, "get_task", {"task_id": task["id"]})
+        info = await call_tool(c, "get_task", {"task_id": task["id"]})
         assert info["paused_for"] == "usage_limit" and info["limit_account"] == "fake" and info["resume_at"]
-        status = await ok(c, "queue_status", {})
+        status = await call_tool(c, "queue_status", {})
         assert [h["account"] for h in status["held_accounts"]] == ["fake"]
-        listed = await ok(c, "list_tasks", {})
+        listed = await call_tool(c, "list_tasks", {})
         assert listed["tasks"][0]["resume_at"] == info["resume_at"]
         # A wait begun during the pause does not return at once: it returns when the task resumes.
         threading.Timer(1.5, task_store.resume_due).start()
-        resumed = await ok(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 20})
+        resumed = await call_tool(c, "wait_for", {"task_ids": [task["id"]], "timeout_sec": 20})
         assert resumed["met"] and resumed["waited_sec"] >= 1.0 and resumed["tasks"][0]["status"] == "pending"
         assert "resumed" in [e["kind"] for e in resumed["events"]]
 
 
 async def test_answer_task_resumes_a_pause_now(tmp_path):
-    task = submit(tmp_path, "limited")
+    task = submit(tmp_path, "limited", model="fake/model")
     pause(task["id"])
     async with Client(bridge.build_server(), mode="legacy") as c:
-        answered = await ok(c, "answer_task", {"task_id": task["id"], "answer": "continue"})
+        answered = await call_tool(c, "answer_task", {"task_id": task["id"], "answer": "continue"})
     assert answered["status"] == "pending" and answered["resume_at"] is None
     assert task_store.get_task(task["id"])["limit_pauses"][0]["resumed"] == "by planner"
 
 
 def test_cli_status_and_show_name_the_held_account_and_the_resume_time(tmp_path):
-    task = submit(tmp_path, "limited")
+    task = submit(tmp_path, "limited", model="fake/model")
     pause(task["id"])
     shown = CliRunner().invoke(tasks_cli.cli, ["show", task["id"]])
     resume_at = task_store.get_task(task["id"])["resume_at"]
@@ -84,20 +75,20 @@ def test_cli_status_and_show_name_the_held_account_and_the_resume_time(tmp_path)
 
 async def test_a_task_queued_past_its_schedule_timeout_is_flagged(tmp_path, monkeypatch):
     async with Client(bridge.build_server(), mode="legacy") as c:
-        late = await ok(c, "submit_task", {"title": "late", "instructions": "x", "working_dir": str(tmp_path),
+        late = await call_tool(c, "submit_task", {"title": "late", "instructions": "x", "working_dir": str(tmp_path),
                                            "schedule_timeout_sec": 60})
-        plain = await ok(c, "submit_task", {"title": "plain", "instructions": "x", "working_dir": str(tmp_path)})
+        plain = await call_tool(c, "submit_task", {"title": "plain", "instructions": "x", "working_dir": str(tmp_path)})
         assert late["schedule_timeout_sec"] == 60 and late["start_overdue"] is None
         started = task_store.now()
         monkeypatch.setattr(task_store, "now", lambda: started + 61)   # a minute passes, no worker runs
-        info = await ok(c, "get_task", {"task_id": late["id"]})
+        info = await call_tool(c, "get_task", {"task_id": late["id"]})
         assert "past its schedule timeout of 60 s" in info["start_overdue"]
-        assert (await ok(c, "get_task", {"task_id": plain["id"]}))["start_overdue"] is None
-        status = await ok(c, "queue_status", {})
+        assert (await call_tool(c, "get_task", {"task_id": plain["id"]}))["start_overdue"] is None
+        status = await call_tool(c, "queue_status", {})
         assert [t["id"] for t in status["start_overdue"]] == [late["id"]]
         shown = CliRunner().invoke(tasks_cli.cli, ["status"])
         assert f"{late['id']}: queued 61 s without starting" in shown.output
         task_store.claim_next("w", task_id=late["id"])   # started: no longer flagged
-        assert (await ok(c, "get_task", {"task_id": late["id"]}))["start_overdue"] is None
+        assert (await call_tool(c, "get_task", {"task_id": late["id"]}))["start_overdue"] is None
     bad = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(tmp_path), "--schedule-timeout", "0"])
     assert bad.exit_code == 2 and "--schedule-timeout" in bad.output

@@ -14,7 +14,7 @@ import opencode_runner
 import task_store
 import tasks_cli
 from fake_openai import http_error, text, tool_call
-from helpers import checkout_state, git, make_repo, run_script
+from helpers import call_tool, checkout_state, git, make_repo, run_script, submit, tool_error
 
 RECEIPT = '```json\n{"summary": "Tried a few things", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
@@ -100,7 +100,7 @@ DONE = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], 
 
 def finished_by_hand(repo, files: dict[str, str], title: str = "hand work") -> dict:
     """A done task whose branch holds one commit with ``files`` (played without a worker)."""
-    task = task_store.submit_task(title=title, instructions="i", working_dir=str(repo))
+    task = submit(repo, title)
     claimed = task_store.claim_next("test-worker", task_id=task["id"])
     branch, base = f"taskbridge/{task['id']}", git(repo, "rev-parse", "HEAD")
     work = repo.parent / f"wt-{task['id']}"
@@ -324,37 +324,25 @@ async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
         assert set(tools["apply_task"].input_schema["properties"]) == {"task_id", "mode"}
         assert set(tools["retry_task"].input_schema["properties"]) == {"task_id", "model", "note"}
 
-        async def call(name, args):
-            return await c.call_tool(name, args)
-
         before = checkout_state(repo)
         (repo / "README.md").write_text("dirty\n")
-        dirty = await call("apply_task", {"task_id": done["id"]})
-        assert dirty.is_error and "uncommitted changes (README.md)" in dirty.content[0].text
+        assert "uncommitted changes (README.md)" in await tool_error(c, "apply_task", {"task_id": done["id"]})
         git(repo, "checkout", "README.md")
         assert checkout_state(repo) == before
-        bad_mode = await call("apply_task", {"task_id": done["id"], "mode": "rebase"})
-        assert bad_mode.is_error and "mode must be one of" in bad_mode.content[0].text
-        not_done = await call("apply_task", {"task_id": failing["id"]})
-        assert not_done.is_error and "is failed, not done" in not_done.content[0].text
+        assert "mode must be one of" in await tool_error(c, "apply_task", {"task_id": done["id"], "mode": "rebase"})
+        assert "is failed, not done" in await tool_error(c, "apply_task", {"task_id": failing["id"]})
         assert checkout_state(repo) == before
 
-        applied = await call("apply_task", {"task_id": done["id"], "mode": "squash"})
-        assert not applied.is_error, applied.content[0].text
-        result = applied.structured_content
+        result = await call_tool(c, "apply_task", {"task_id": done["id"], "mode": "squash"})
         assert result["status"] == "applied" and result["files"] == ["a.txt"]
         assert result["head"] == git(repo, "rev-parse", "HEAD") and result["before"] == before[0]
 
-        retried = await call("retry_task", {"task_id": failing["id"], "note": "look again"})
-        assert not retried.is_error, retried.content[0].text
-        assert retried.structured_content["status"] == "pending"
-        assert retried.structured_content["requeued_dependents"] == []
-        twice = await call("retry_task", {"task_id": failing["id"]})
-        assert twice.is_error and "is pending, not failed or cancelled" in twice.content[0].text
-        unknown = await call("retry_task", {"task_id": "t_0099"})
-        assert unknown.is_error and "t_0099 not found" in unknown.content[0].text
-        extra = await call("retry_task", {"task_id": failing["id"], "budget": 3})
-        assert extra.is_error
+        retried = await call_tool(c, "retry_task", {"task_id": failing["id"], "note": "look again"})
+        assert retried["status"] == "pending" and retried["requeued_dependents"] == []
+        twice = await tool_error(c, "retry_task", {"task_id": failing["id"]})
+        assert "is pending, not failed or cancelled" in twice
+        assert "t_0099 not found" in await tool_error(c, "retry_task", {"task_id": "t_0099"})
+        await tool_error(c, "retry_task", {"task_id": failing["id"], "budget": 3})
 
 
 def test_logs_follow_renders_events_as_they_come_and_says_why_there_is_no_log(tmp_path, monkeypatch):

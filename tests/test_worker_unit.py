@@ -14,11 +14,11 @@ import opencode_runner as oc
 import task_store
 import worker
 import worktrees
-from helpers import checkout_state, git, make_repo, run_script
+from helpers import checkout_state, fake_binary, git, make_repo, run_script, submit
 
 
 def claimed(tmp_path, repo, **kw):
-    task_store.submit_task(title="t", instructions="i", working_dir=str(repo), **kw)
+    submit(repo, **kw)
     return task_store.claim_next("test")
 
 
@@ -165,9 +165,7 @@ def test_closing_block_parsed_tolerantly(text, kind, field, value):
 def test_agent_that_stays_alive_after_its_terminal_event(tmp_path, monkeypatch):
     """The real binary cannot be made to hang after `stop`; a stand-in script that prints a
     terminal step_finish and then sleeps shows the exit grace (field-failures 9)."""
-    fake = tmp_path / "opencode"
-    fake.write_text(f"#!/bin/sh\ncat > /dev/null\necho '{STEP_STOP}'\nexec sleep 300\n")
-    fake.chmod(0o755)
+    fake = fake_binary(tmp_path, "opencode", f"cat > /dev/null\necho '{STEP_STOP}'\nexec sleep 300\n")
     monkeypatch.setenv("OPENCODE_BIN", str(fake))
     monkeypatch.setenv("WORKER_MODEL", "fake/model")   # the stand-in cannot answer `debug config`
     monkeypatch.setenv("WORKER_EXIT_GRACE_SEC", "1")
@@ -184,9 +182,7 @@ def test_a_failing_banner_never_fails_anything(tmp_path, monkeypatch):
     """notify-send cannot show a banner on this headless machine; a stand-in records the call
     and fails the way a missing desktop session does."""
     bins, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bins.mkdir()
-    (bins / "notify-send").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'no DBus' >&2\nexit 1\n")
-    (bins / "notify-send").chmod(0o755)
+    fake_binary(bins, "notify-send", f"echo \"$@\" >> {calls}\necho 'no DBus' >&2\nexit 1\n")
     monkeypatch.setenv("PATH", f"{bins}:{os.environ['PATH']}")
     monkeypatch.setattr(worker.platform, "system", lambda: "Linux")
     monkeypatch.setenv("WORKER_NOTIFY", "1")
@@ -344,9 +340,7 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
     ended 15 s later (seen by a fresh user under load). Real processes: a stand-in agent starts a
     git-named helper and a ``bash -c`` shell, each leading its own session; when both are gone,
     only the shell may be called dead."""
-    helper = tmp_path / "git"
-    helper.write_text("#!/usr/bin/env python3\nimport time\ntime.sleep(2.5)\n")
-    helper.chmod(0o755)
+    helper = fake_binary(tmp_path, "git", "import time\ntime.sleep(2.5)\n", shebang="#!/usr/bin/env python3")
     agent_code = ("import subprocess, sys, time\n"
                   f"g = subprocess.Popen([{str(helper)!r}, '-c', 'core.autocrlf=false', 'rev-parse', '--git-dir'], start_new_session=True)\n"
                   "s = subprocess.Popen(['bash', '-c', 'sleep 2.5; true'], start_new_session=True)\n"
