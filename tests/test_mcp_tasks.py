@@ -2,15 +2,21 @@
 SDK's own client: a submit_task handle whose taskId is the queue's id, tasks/get following the
 task as the store moves it (pending, running, waiting with its question, done with the result
 get_task_result gives, failed, cancelled), tasks/update answering, tasks/cancel cancelling, the
-protocol's errors for bad input; in memory and over streamable-http on a loopback port."""
+protocol's errors for bad input; in memory and over streamable-http on a loopback port, and the
+MCP Inspector's CLI (TypeScript, @modelcontextprotocol/ext-tasks) following a handle to its end."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import threading
+import time
 from typing import Any, Literal
 
 import anyio
 import httpx2
 import pytest
-from helpers import serving
+from helpers import require_pinned, serving
 from mcp import Client
 from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.streamable_http import streamable_http_client
@@ -311,3 +317,49 @@ async def test_over_streamable_http_a_task_is_followed_answered_and_finished(wd,
             with pytest.raises(MCPError) as undeclared:
                 await get(plain, "t_0001")
             assert undeclared.value.code == -32021
+
+
+# ---------------------------------------------------------------------------------------------
+# A client nobody here wrote: the MCP Inspector CLI (pinned in package.json) in its modern era
+# calls tools through @modelcontextprotocol/ext-tasks, which follows the handle with tasks/get.
+
+
+def play_worker_when_queued(task_id: str, summary: str) -> threading.Thread:
+    """A thread that waits for ``task_id`` to be queued, then claims and finishes it."""
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                task_store.get_task(task_id)
+                break
+            except task_store.TaskNotFound:
+                time.sleep(0.05)
+        marker = claim(task_id)
+        time.sleep(0.5)         # a poll or two sees it running
+        task_store.complete_attempt(task_id, marker, result={"summary": summary}, diff="",
+                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_inspector_follows_a_submit_task_handle_to_the_finished_task(wd, bearer, tmp_path, monkeypatch):
+    inspector = require_pinned(str(bridge.REPO_DIR / "node_modules" / ".bin" / "mcp-inspector"),
+                               "the MCP Inspector (@modelcontextprotocol/inspector)")
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))      # the Inspector writes ~/.mcp-inspector
+    with serving() as base:
+        worker = play_worker_when_queued("t_0001", "README written")
+        proc = subprocess.run(
+            [inspector, "--cli", "-q", "--format", "json", "--protocol-era", "modern",
+             "--header", f"Authorization: Bearer {TOKEN}", "--method", "tools/call", "--tool-name", "submit_task",
+             "--tool-args-json", json.dumps(args(wd)), f"{base}/mcp"],
+            check=False, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=dict(os.environ))
+        worker.join(10)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    result = json.loads(proc.stdout)["result"]
+    final = result["structuredContent"]
+    # Only the task's own end gives this: a plain submit_task answers while the task is pending.
+    assert final["task_id"] == "t_0001" and final["status"] == "done"
+    assert final["result"]["summary"] == "README written" and final["origin_name"] == "inspector-cli"
+    assert json.loads(result["content"][0]["text"]) == final
