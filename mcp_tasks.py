@@ -16,11 +16,18 @@ the queue's id (``t_0001``). Then:
   extension asks, and the task keeps waiting.
 - ``tasks/cancel`` cancels the task as ``cancel_task`` does.
 
-Bad input is a JSON-RPC error with one line naming it: an unknown or malformed task id or the
-cancel of a finished task (-32602), a client that did not declare the extension (-32021).
-The 2025-11-25 form (a ``task`` field on ``tools/call``, ``tasks/result``, ``tasks/list``) is
-not served: the SDK defines its types only, and its client refuses a task handle in reply to
-``tools/call`` on that protocol.
+The 2025-11-25 form (the experimental tasks of that protocol's core, which VS Code declares) is
+served too: the ``tasks`` capability at ``initialize``, ``execution.taskSupport: optional`` on
+``submit_task``; a call with a ``task`` field gets ``{"task": ...}`` (``ttl``/``pollInterval``);
+``tasks/get``, ``tasks/cancel`` (returning the task), ``tasks/result`` (blocks until the task
+ends: its final result, ``isError`` for a failed task) and ``tasks/list`` (pages of 20, cursor).
+A question is answered there with ``answer_task``. The SDK checks a 2025-11-25 ``tools/call``
+reply against ``CallToolResult`` even from an extension, so that handle is made by a server
+middleware, whose own result the SDK sends as it is.
+
+Bad input is a JSON-RPC error with one line naming it: an unknown or malformed task id or cursor,
+the cancel of a finished task, the result of a cancelled one (-32602), a 2026 client that did not
+declare the extension (-32021).
 
 Used by opencode_bridge_mcp.py (``build_server``); not run on its own; reads no env of its own.
 """
@@ -41,7 +48,9 @@ from mcp_types import (
     CallToolResult,
     CancelTaskRequestParams,
     ElicitResult,
+    GetTaskPayloadRequestParams,
     GetTaskRequestParams,
+    PaginatedRequestParams,
     RequestParams,
 )
 from mcp_types.jsonrpc import (
@@ -60,9 +69,13 @@ ANSWER_FIELD = "answer"     # the one field of the question's form
 
 STATUS = {"pending": "working", "running": "working", "waiting": "input_required",
           "done": "completed", "failed": "failed", "cancelled": "cancelled"}
-# The extension's methods exist only on the 2026 wire: on 2025-11-25 the same names carry
-# other shapes (``ttl``, ``tasks/result``), which this module does not speak.
 _MODERN = frozenset(MODERN_PROTOCOL_VERSIONS)
+LEGACY = "2025-11-25"       # the handshake protocol whose core has (experimental) tasks
+_BOTH = _MODERN | {LEGACY}
+LIST_PAGE = 20              # tasks/list rows a page
+RESULT_POLL_SEC = 1.0       # how often a blocked tasks/result reads the task again
+RELATED_TASK = "io.modelcontextprotocol/related-task"
+LEGACY_CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 
 
 class UpdateTaskParams(RequestParams):
@@ -85,14 +98,19 @@ class QueueTasks(Extension):
     def attach(self, server: MCPServer, echo: Callable[[dict[str, Any]], dict[str, Any]]) -> MCPServer:
         """Remember ``server`` (built with this extension), whose ``get_task_result`` gives a
         finished task's receipt, and ``echo``, which shapes a store task dict as ``submit_task``
-        answers (the final result must fit the called tool's output schema); returns ``server``."""
+        answers (the final result must fit the called tool's output schema); add the 2025-11-25
+        form's middleware to it. Returns ``server``."""
         self.server, self.echo = server, echo
+        server.middleware.append(self.legacy_middleware)
         return server
 
     def methods(self) -> Sequence[MethodBinding]:
-        return (MethodBinding("tasks/get", GetTaskRequestParams, self.get, _MODERN),
+        # One binding a method: where both protocols have it, the handler answers each its shape.
+        return (MethodBinding("tasks/get", GetTaskRequestParams, self.get, _BOTH),
                 MethodBinding("tasks/update", UpdateTaskParams, self.update, _MODERN),
-                MethodBinding("tasks/cancel", CancelTaskRequestParams, self.cancel, _MODERN))
+                MethodBinding("tasks/cancel", CancelTaskRequestParams, self.cancel, _BOTH),
+                MethodBinding("tasks/result", GetTaskPayloadRequestParams, self.result, frozenset({LEGACY})),
+                MethodBinding("tasks/list", PaginatedRequestParams, self.list, frozenset({LEGACY})))
 
     async def intercept_tool_call(self, params: CallToolRequestParams, ctx: ServerRequestContext[Any, Any],
                                   call_next: CallNext) -> HandlerResult:
@@ -117,6 +135,8 @@ class QueueTasks(Extension):
 
         Raises MCPError: -32021 (extension not declared), -32602 (unknown or malformed id)."""
         task = await _task(ctx, params.task_id)
+        if ctx.protocol_version == LEGACY:
+            return legacy_view(task)
         return task_view(task) | await self._payload(task)
 
     async def update(self, ctx: ServerRequestContext[Any, Any], params: UpdateTaskParams) -> dict[str, Any]:
@@ -137,8 +157,62 @@ class QueueTasks(Extension):
 
         Raises MCPError: -32021, -32602 (unknown id, or the task already finished)."""
         _require_declared(ctx)
-        await _store_call(store.cancel_task, params.task_id, "cancelled by the client (tasks/cancel)")
+        task = await _store_call(store.cancel_task, params.task_id, "cancelled by the client (tasks/cancel)")
+        if ctx.protocol_version == LEGACY:
+            return legacy_view(await _store_call(store.get_task, task["id"]))
         return {}
+
+    async def result(self, ctx: ServerRequestContext[Any, Any], params: GetTaskPayloadRequestParams) -> dict[str, Any]:
+        """``tasks/result`` (2025-11-25): block until the task ends, then give the tool's result:
+        for a done task as ``get`` completes it, for a failed one that result marked ``isError``.
+
+        Raises MCPError -32602: unknown or malformed id, or the task was cancelled."""
+        task = await _store_call(store.get_task, params.task_id)
+        while task["status"] not in store.TERMINAL:
+            await anyio.sleep(RESULT_POLL_SEC)
+            task = await _store_call(store.get_task, task["id"])
+        if task["status"] == "cancelled":
+            raise MCPError(INVALID_PARAMS, f"{task['id']} was cancelled, so it has no result: {status_message(task)}")
+        final = await self._final_result(task)
+        meta = {**(final.get("_meta") or {}), RELATED_TASK: {"taskId": task["id"]}}
+        return final | {"_meta": meta} | ({"isError": True} if task["status"] == "failed" else {})
+
+    async def list(self, ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams) -> dict[str, Any]:
+        """``tasks/list`` (2025-11-25): a page of the queue's tasks in list_tasks' order, with
+        ``nextCursor`` while more follow.
+
+        Raises MCPError -32602: a cursor tasks/list did not give."""
+        page = await _store_call(lambda: store.list_tasks(limit=LIST_PAGE, cursor=params.cursor))
+        return {"tasks": [legacy_view(task) for task in page["tasks"]],
+                **({"nextCursor": page["next_cursor"]} if page["next_cursor"] else {})}
+
+    async def legacy_middleware(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        """The 2025-11-25 form, where the SDK's per-version result check refuses what an
+        extension returns for ``tools/call``: a server middleware's own result is sent as it is.
+        Advertises the ``tasks`` capability at ``initialize``, marks the task tools
+        ``execution.taskSupport: optional`` in ``tools/list``, and answers a task tool called
+        with ``task`` (its success) with ``{"task": ...}``; every other request passes."""
+        result = await call_next(ctx)
+        if ctx.request_id is None or not isinstance(result, dict):
+            return result
+        if ctx.method == "initialize" and result.get("protocolVersion") == LEGACY:
+            return result | {"capabilities": {**result.get("capabilities", {}), "tasks": LEGACY_CAPABILITY}}
+        if ctx.protocol_version != LEGACY:
+            return result
+        if ctx.method == "tools/list":
+            return result | {"tools": [tool | {"execution": {"taskSupport": "optional"}} if tool.get("name") in TASK_TOOLS
+                                       else tool for tool in result.get("tools", [])]}
+        params = ctx.params or {}
+        if ctx.method != "tools/call" or params.get("name") not in TASK_TOOLS or params.get("task") is None:
+            return result
+        task_id = (result.get("structuredContent") or {}).get("id")
+        if result.get("isError") or not isinstance(task_id, str):
+            return result
+        try:
+            task = await anyio.to_thread.run_sync(store.get_task, task_id)
+        except store.TaskStoreError:
+            return result
+        return {"task": legacy_view(task)}
 
     async def _payload(self, task: dict[str, Any]) -> dict[str, Any]:
         """The status's own field: the question, the tool result, or the error."""
@@ -182,7 +256,8 @@ def declares_tasks(ctx: ServerRequestContext[Any, Any]) -> bool:
 
 
 def _require_declared(ctx: ServerRequestContext[Any, Any]) -> None:
-    if not declares_tasks(ctx):
+    # On 2025-11-25 the server's ``tasks`` capability is the whole negotiation.
+    if ctx.protocol_version != LEGACY and not declares_tasks(ctx):
         raise MCPError(MISSING_REQUIRED_CLIENT_CAPABILITY,
                        f"Missing required client capability: declare the {EXTENSION_ID} extension in the "
                        "request's capabilities to use tasks/get, tasks/update and tasks/cancel",
@@ -204,10 +279,25 @@ async def _store_call(fn: Any, *args: Any) -> Any:
 
 def task_view(task: dict[str, Any]) -> dict[str, Any]:
     """The extension's ``Task`` fields for a queue task dict (``store.get_task``'s shape)."""
-    events = task.get("events") or []
     return {"taskId": task["id"], "status": STATUS[task["status"]], "statusMessage": status_message(task),
-            "createdAt": task["created_at"], "lastUpdatedAt": events[-1]["ts"] if events else task["created_at"],
+            "createdAt": task["created_at"], "lastUpdatedAt": last_updated(task),
             "ttlMs": None, "pollIntervalMs": POLL_INTERVAL_MS}
+
+
+def legacy_view(task: dict[str, Any]) -> dict[str, Any]:
+    """The 2025-11-25 ``Task`` (``ttl`` and ``pollInterval`` where 2026 has ``ttlMs``, ``pollIntervalMs``)."""
+    return {"taskId": task["id"], "status": STATUS[task["status"]], "statusMessage": status_message(task),
+            "createdAt": task["created_at"], "lastUpdatedAt": last_updated(task),
+            "ttl": None, "pollInterval": POLL_INTERVAL_MS}
+
+
+def last_updated(task: dict[str, Any]) -> str:
+    """The time of the task's last event (a list row has no events: its latest timestamp)."""
+    events = task.get("events") or []
+    if events:
+        return events[-1]["ts"]
+    stamps = [task.get(key) for key in ("created_at", "claimed_at", "started_at", "heartbeat_at", "finished_at")]
+    return max(stamp for stamp in stamps if stamp)
 
 
 def status_message(task: dict[str, Any]) -> str:

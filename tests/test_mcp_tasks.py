@@ -363,3 +363,115 @@ def test_the_inspector_follows_a_submit_task_handle_to_the_finished_task(wd, bea
     assert final["task_id"] == "t_0001" and final["status"] == "done"
     assert final["result"]["summary"] == "README written" and final["origin_name"] == "inspector-cli"
     assert json.loads(result["content"][0]["text"]) == final
+
+
+# ---------------------------------------------------------------------------------------------
+# The 2025-11-25 form (what VS Code declares): a `task` field on tools/call, tasks/get,
+# tasks/result, tasks/list, tasks/cancel. The SDK's client refuses a task handle in reply to
+# tools/call on that protocol (it checks the reply against CallToolResult, whose `content` a
+# handle lacks), so this client speaks JSON-RPC over streamable-http itself.
+
+LEGACY = "2025-11-25"
+
+
+class LegacySession:
+    """A streamable-http session on one protocol version, sending JSON-RPC by hand."""
+
+    def __init__(self, http: httpx2.Client, version: str = LEGACY) -> None:
+        self.http, self.version, self.ids = http, version, 0
+        response, self.init = self._post("initialize", {"protocolVersion": version, "capabilities": {},
+                                                        "clientInfo": {"name": "Visual Studio Code", "version": "1.107.0"}})
+        self.headers = {"Mcp-Session-Id": response.headers["mcp-session-id"], "MCP-Protocol-Version": version}
+        self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=self.headers)
+
+    def _post(self, method: str, params: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[Any, dict]:
+        self.ids += 1
+        response = self.http.post("/mcp", json={"jsonrpc": "2.0", "id": self.ids, "method": method, "params": params},
+                                  headers=headers or {})
+        body = response.text
+        if "data:" in body:
+            body = [line[5:] for line in body.splitlines() if line.startswith("data:")][-1]
+        return response, json.loads(body)
+
+    def call(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The result; a JSON-RPC error is raised as MCPError."""
+        reply = self._post(method, params, self.headers)[1]
+        if "error" in reply:
+            raise MCPError(reply["error"]["code"], reply["error"]["message"])
+        return reply["result"]
+
+
+@pytest.fixture
+def legacy(bearer):
+    with serving() as base, httpx2.Client(base_url=base, timeout=30, headers={
+            "Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}) as http:
+        yield LegacySession(http)
+
+
+def test_legacy_capabilities_and_the_tools_that_take_a_task(legacy):
+    assert legacy.init["result"]["capabilities"]["tasks"] == mcp_tasks.LEGACY_CAPABILITY
+    tools = {t["name"]: t for t in legacy.call("tools/list", {})["tools"]}
+    assert tools["submit_task"]["execution"] == {"taskSupport": "optional"}
+    assert all("execution" not in t for name, t in tools.items() if name != "submit_task")
+
+
+def test_legacy_a_task_augmented_submit_is_followed_to_its_result(wd, legacy):
+    created = legacy.call("tools/call", {"name": "submit_task", "arguments": args(wd), "task": {"ttl": 60000}})
+    task = created["task"]
+    assert task["taskId"] == "t_0001" and task["status"] == "working" and task["ttl"] is None
+    assert task["pollInterval"] == mcp_tasks.POLL_INTERVAL_MS and task_store.get_task("t_0001")["status"] == "pending"
+    task_store.pause_for_question("t_0001", claim("t_0001"), "Which license?")
+    waiting = legacy.call("tasks/get", {"taskId": "t_0001"})
+    assert waiting["status"] == "input_required" and "Which license?" in waiting["statusMessage"]
+    legacy.call("tools/call", {"name": "answer_task", "arguments": {"task_id": "t_0001", "answer": "MIT"}})
+    assert legacy.call("tasks/get", {"taskId": "t_0001"})["status"] == "working"
+
+    marker = claim("t_0001")
+    def finish() -> None:
+        time.sleep(1.0)
+        task_store.complete_attempt("t_0001", marker, result={"summary": "licensed"}, diff="",
+                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+    threading.Thread(target=finish, daemon=True).start()
+    started = time.monotonic()
+    result = legacy.call("tasks/result", {"taskId": "t_0001"})       # blocks until the task ends
+    assert time.monotonic() - started >= 0.9
+    assert result["structuredContent"]["status"] == "done" and result["structuredContent"]["result"]["summary"] == "licensed"
+    assert result["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": "t_0001"}
+    assert not result.get("isError") and legacy.call("tasks/get", {"taskId": "t_0001"})["status"] == "completed"
+
+
+def test_legacy_cancel_list_failure_and_bad_ids(wd, legacy):
+    for n in range(mcp_tasks.LIST_PAGE + 2):
+        legacy.call("tools/call", {"name": "submit_task", "arguments": args(wd, title=f"t{n}")})
+    first = legacy.call("tasks/list", {})
+    second = legacy.call("tasks/list", {"cursor": first["nextCursor"]})
+    ids = [t["taskId"] for t in first["tasks"] + second["tasks"]]
+    assert len(first["tasks"]) == mcp_tasks.LIST_PAGE and "nextCursor" not in second
+    assert sorted(ids) == [f"t_{n:04d}" for n in range(1, mcp_tasks.LIST_PAGE + 3)]
+
+    cancelled = legacy.call("tasks/cancel", {"taskId": "t_0001"})
+    assert cancelled["taskId"] == "t_0001" and cancelled["status"] == "cancelled"
+    task_store.fail_attempt("t_0002", claim("t_0002"), "it broke", retryable=False)
+    failed = legacy.call("tasks/result", {"taskId": "t_0002"})
+    assert failed["isError"] is True and failed["structuredContent"]["error"] == "it broke"
+    for method, task_id, needle in (("tasks/cancel", "t_0001", "already cancelled"), ("tasks/result", "t_0001", "cancelled"),
+                                    ("tasks/get", "t_0999", "t_0999"), ("tasks/result", "banana", "banana")):
+        with pytest.raises(MCPError) as refused:
+            legacy.call(method, {"taskId": task_id})
+        assert refused.value.code == -32602 and needle in refused.value.message, (method, refused.value.message)
+    with pytest.raises(MCPError) as bad_cursor:
+        legacy.call("tasks/list", {"cursor": "nonsense"})
+    assert bad_cursor.value.code == -32602
+
+
+def test_legacy_calls_without_a_task_and_older_protocols_are_unchanged(wd, legacy):
+    plain = legacy.call("tools/call", {"name": "submit_task", "arguments": args(wd)})
+    assert plain["structuredContent"]["id"] == "t_0001" and "task" not in plain
+    other = legacy.call("tools/call", {"name": "get_task", "arguments": {"task_id": "t_0001"}, "task": {}})
+    assert other["structuredContent"]["id"] == "t_0001"
+    older = LegacySession(legacy.http, "2025-06-18")
+    assert "tasks" not in older.init["result"]["capabilities"]
+    assert all("execution" not in t for t in older.call("tools/list", {})["tools"])
+    with pytest.raises(MCPError) as refused:
+        older.call("tasks/get", {"taskId": "t_0001"})
+    assert refused.value.code == -32601
