@@ -21,7 +21,8 @@ served too: the ``tasks`` capability at ``initialize``, ``execution.taskSupport:
 ``submit_task``; a call with a ``task`` field gets ``{"task": ...}`` (``ttl``/``pollInterval``);
 ``tasks/get``, ``tasks/cancel`` (returning the task), ``tasks/result`` (blocks until the task
 ends: its final result, ``isError`` for a failed task) and ``tasks/list`` (pages of 20, cursor).
-A question is answered there with ``answer_task``. The SDK checks a 2025-11-25 ``tools/call``
+A question reaches a client that declared elicitation as a form on the blocked ``tasks/result``
+request's stream (else, and after a decline, ``answer_task`` answers it). The SDK checks a 2025-11-25 ``tools/call``
 reply against ``CallToolResult`` even from an extension, so that handle is made by a server
 middleware, whose own result the SDK sends as it is.
 
@@ -34,6 +35,7 @@ Used by opencode_bridge_mcp.py (``build_server``); not run on its own; reads no 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +63,8 @@ from mcp_types.jsonrpc import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 import task_store as store
+
+log = logging.getLogger("taskbridge.mcp")
 
 EXTENSION_ID = "io.modelcontextprotocol/tasks"
 TASK_TOOLS = frozenset({"submit_task"})     # the tools whose call becomes a task handle
@@ -165,10 +169,16 @@ class QueueTasks(Extension):
     async def result(self, ctx: ServerRequestContext[Any, Any], params: GetTaskPayloadRequestParams) -> dict[str, Any]:
         """``tasks/result`` (2025-11-25): block until the task ends, then give the tool's result:
         for a done task as ``get`` completes it, for a failed one that result marked ``isError``.
+        A question asked meanwhile goes to a client that declared elicitation as a form on this
+        request's stream (once per question).
 
         Raises MCPError -32602: unknown or malformed id, or the task was cancelled."""
         task = await _store_call(store.get_task, params.task_id)
+        asked: set[str | None] = set()
         while task["status"] not in store.TERMINAL:
+            if task["status"] == "waiting" and question_key(task) not in asked and _can_elicit(ctx):
+                asked.add(question_key(task))       # each question once: a decline leaves it to answer_task
+                await _ask_on_result_stream(ctx, task)
             await anyio.sleep(RESULT_POLL_SEC)
             task = await _store_call(store.get_task, task["id"])
         if task["status"] == "cancelled":
@@ -253,6 +263,28 @@ def declares_tasks(ctx: ServerRequestContext[Any, Any]) -> bool:
     capabilities = ctx.session.client_capabilities
     extensions = capabilities.extensions if capabilities else None
     return EXTENSION_ID in (extensions or {})
+
+
+def _can_elicit(ctx: ServerRequestContext[Any, Any]) -> bool:
+    """Whether the (2025-11-25) client declared form elicitation at initialize."""
+    capabilities = ctx.session.client_capabilities
+    elicitation = capabilities.elicitation if capabilities else None
+    return elicitation is not None and (elicitation.form is not None or elicitation.url is None)
+
+
+async def _ask_on_result_stream(ctx: ServerRequestContext[Any, Any], task: dict[str, Any]) -> None:
+    """Ask a waiting task's question as 2025-11-25 asks a task's input: an elicitation sent on
+    the blocked ``tasks/result`` request's stream; an accepted answer answers the task. A client
+    that fails the form, declines it, or sends an answer the store refuses leaves the question
+    to ``answer_task``."""
+    form = question_request(task)["params"]
+    try:
+        reply = await ctx.session.elicit_form(form["message"], form["requestedSchema"], related_request_id=ctx.request_id)
+        answer = _accepted_answer(reply.model_dump(by_alias=True, mode="json"))
+        if answer is not None:
+            await _store_call(store.answer_task, task["id"], answer, "planner")
+    except Exception as exc:  # noqa: BLE001 - whatever the client did, the task keeps waiting for answer_task
+        log.info("tasks/result could not ask %s's question (%s): left to answer_task", task["id"], exc)
 
 
 def _require_declared(ctx: ServerRequestContext[Any, Any]) -> None:

@@ -377,9 +377,9 @@ LEGACY = "2025-11-25"
 class LegacySession:
     """A streamable-http session on one protocol version, sending JSON-RPC by hand."""
 
-    def __init__(self, http: httpx2.Client, version: str = LEGACY) -> None:
+    def __init__(self, http: httpx2.Client, version: str = LEGACY, capabilities: dict | None = None) -> None:
         self.http, self.version, self.ids = http, version, 0
-        response, self.init = self._post("initialize", {"protocolVersion": version, "capabilities": {},
+        response, self.init = self._post("initialize", {"protocolVersion": version, "capabilities": capabilities or {},
                                                         "clientInfo": {"name": "Visual Studio Code", "version": "1.107.0"}})
         self.headers = {"Mcp-Session-Id": response.headers["mcp-session-id"], "MCP-Protocol-Version": version}
         self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=self.headers)
@@ -475,3 +475,39 @@ def test_legacy_calls_without_a_task_and_older_protocols_are_unchanged(wd, legac
     with pytest.raises(MCPError) as refused:
         older.call("tasks/get", {"taskId": "t_0001"})
     assert refused.value.code == -32601
+
+
+def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
+    """A 2025-11-25 client that declared elicitation gets the agent's question as a form on its
+    tasks/result stream; its answer resumes the task, and the stream ends with the result."""
+    def finish_when_answered() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and task_store.get_task("t_0001")["status"] != "pending":
+            time.sleep(0.05)
+        task_store.complete_attempt("t_0001", claim("t_0001"), result={"summary": "MIT it is"}, diff="",
+                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+
+    with serving() as base, httpx2.Client(base_url=base, timeout=60, headers={
+            "Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}) as http:
+        session = LegacySession(http, capabilities={"elicitation": {"form": {}}})
+        session.call("tools/call", {"name": "submit_task", "arguments": args(wd), "task": {}})
+        task_store.pause_for_question("t_0001", claim("t_0001"), "Which license?")
+        threading.Thread(target=finish_when_answered, daemon=True).start()
+        asked, final = [], None
+        body = {"jsonrpc": "2.0", "id": 99, "method": "tasks/result", "params": {"taskId": "t_0001"}}
+        with http.stream("POST", "/mcp", json=body, headers=session.headers) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                message = json.loads(line[5:])
+                if message.get("method") == "elicitation/create":
+                    asked.append(message["params"])
+                    reply = {"jsonrpc": "2.0", "id": message["id"],
+                             "result": {"action": "accept", "content": {"answer": "MIT"}}}
+                    assert http.post("/mcp", json=reply, headers=session.headers).status_code == 202
+                elif message.get("id") == 99:
+                    final = message["result"]
+                    break
+    assert [a["message"] for a in asked] == ["Which license?"]
+    assert task_store.get_task("t_0001")["questions"][-1]["answer"] == "MIT"
+    assert final["structuredContent"]["status"] == "done" and final["structuredContent"]["result"]["summary"] == "MIT it is"
