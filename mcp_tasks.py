@@ -79,7 +79,7 @@ _BOTH = _MODERN | {LEGACY}
 LIST_PAGE = 20              # tasks/list rows a page
 RESULT_POLL_SEC = 1.0       # how often a blocked tasks/result reads the task again
 RELATED_TASK = "io.modelcontextprotocol/related-task"
-LEGACY_CAPABILITY = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
+LEGACY_CAPABILITY: dict[str, Any] = {"list": {}, "cancel": {}, "requests": {"tools": {"call": {}}}}
 
 
 class UpdateTaskParams(RequestParams):
@@ -114,7 +114,7 @@ class QueueTasks(Extension):
                 MethodBinding("tasks/update", UpdateTaskParams, self.update, _MODERN),
                 MethodBinding("tasks/cancel", CancelTaskRequestParams, self.cancel, _BOTH),
                 MethodBinding("tasks/result", GetTaskPayloadRequestParams, self.result, frozenset({LEGACY})),
-                MethodBinding("tasks/list", PaginatedRequestParams, self.list, frozenset({LEGACY})))
+                MethodBinding("tasks/list", PaginatedRequestParams, self.list_page, frozenset({LEGACY})))
 
     async def intercept_tool_call(self, params: CallToolRequestParams, ctx: ServerRequestContext[Any, Any],
                                   call_next: CallNext) -> HandlerResult:
@@ -157,7 +157,8 @@ class QueueTasks(Extension):
         return {}
 
     async def cancel(self, ctx: ServerRequestContext[Any, Any], params: CancelTaskRequestParams) -> dict[str, Any]:
-        """``tasks/cancel``: cancel the task as ``cancel_task`` does; returns the empty acknowledgement.
+        """``tasks/cancel``: cancel the task as ``cancel_task`` does; returns the empty
+        acknowledgement (2026-07-28) or the cancelled task (2025-11-25).
 
         Raises MCPError: -32021, -32602 (unknown id, or the task already finished)."""
         _require_declared(ctx)
@@ -187,7 +188,7 @@ class QueueTasks(Extension):
         meta = {**(final.get("_meta") or {}), RELATED_TASK: {"taskId": task["id"]}}
         return final | {"_meta": meta} | ({"isError": True} if task["status"] == "failed" else {})
 
-    async def list(self, ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams) -> dict[str, Any]:
+    async def list_page(self, ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams) -> dict[str, Any]:
         """``tasks/list`` (2025-11-25): a page of the queue's tasks in list_tasks' order, with
         ``nextCursor`` while more follow.
 
