@@ -557,7 +557,8 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 21 TaskBridge tools and the task resources (nothing is opened until a tool runs)."""
+    """A fresh MCPServer with the 21 TaskBridge tools, the task resources and MCP Tasks for submit_task
+    (mcp_tasks; nothing is opened until a tool runs)."""
     tasks = mcp_tasks.QueueTasks()
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS,
                        extensions=[dispatch_card.apps(), tasks])
