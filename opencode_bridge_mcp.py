@@ -19,7 +19,7 @@ what the planner reads. Store errors reach the client as `is_error` results carr
 message; malformed arguments get one message naming each bad field and the allowed values; a
 database that cannot be used is named with its path and the way out (see mcp_shared).
 The HTTP side (guards, routes) is http_app; the board and /api are board_api; the shapes shared
-with the CLI and the board are task_views.
+with the CLI and the board are task_views; MCP Tasks (a task handle for submit_task) are mcp_tasks.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import http_app
 import human_asks
 import knobs
 import mcp_shared
+import mcp_tasks
 import opencode_runner
 import task_resources
 import task_spec as spec
@@ -556,9 +557,12 @@ registry = mcp_shared.ToolRegistry()
 
 
 def build_server() -> MCPServer:
-    """A fresh MCPServer with the 21 TaskBridge tools and the task resources (nothing is opened until a tool runs)."""
-    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS, extensions=[dispatch_card.apps()])
-    return task_resources.install(registry.install(mcp, dispatch_card.tool_meta()))
+    """A fresh MCPServer with the 21 TaskBridge tools, the task resources and MCP Tasks for submit_task
+    (mcp_tasks; nothing is opened until a tool runs)."""
+    tasks = mcp_tasks.QueueTasks()
+    mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS,
+                       extensions=[dispatch_card.apps(), tasks])
+    return tasks.attach(task_resources.install(registry.install(mcp, dispatch_card.tool_meta())), _submitted)
 
 
 @registry.tool(ADDS, title="Submit a coding task")
