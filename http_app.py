@@ -32,6 +32,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from mcp.server.mcpserver import MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
+from starlette.requests import ClientDisconnect
+
 import board_api
 import connectors
 import mcp_shared
@@ -39,9 +43,6 @@ import oauth
 import process_tree
 import task_store
 import task_views
-from mcp.server.mcpserver import MCPServer
-from starlette.requests import ClientDisconnect
-from mcp.server.transport_security import TransportSecuritySettings
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
@@ -115,7 +116,7 @@ class TokenSource:
         self._broken = secrets.token_urlsafe(32)   # matches nothing anyone holds
 
     @classmethod
-    def fixed_to(cls, token: str | None) -> "TokenSource":
+    def fixed_to(cls, token: str | None) -> TokenSource:
         """A source that always gives ``token`` (for a guard built around a known token)."""
         source = cls.__new__(cls)
         source.fixed, source._stamp, source._token, source._broken = True, None, token or None, ""
@@ -426,7 +427,7 @@ class BearerGuard:
     takes a WebSocket today; one added later must not be open). The token is never logged, and a
     refused path is logged escaped and cut short."""
 
-    def __init__(self, app: Any, tokens: "TokenSource | str | None", provider: Any = None,
+    def __init__(self, app: Any, tokens: TokenSource | str | None, provider: Any = None,
                  where: str = "MCP_BEARER_TOKEN or the .taskbridge/token file") -> None:
         self.app, self.oauth, self.where = app, provider, where
         self.tokens = tokens if isinstance(tokens, TokenSource) else TokenSource.fixed_to(tokens)

@@ -14,7 +14,8 @@ Not run on its own; opencode_bridge_mcp's wait_for and apply_task call it. Reads
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import anyio
 from pydantic import BaseModel, Field

@@ -45,16 +45,26 @@ import logging
 import os
 import secrets
 import time
-from pathlib import Path
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import anyio
-import task_store as store
-from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
-                                      RefreshToken, RegistrationError, TokenError, construct_redirect_uri)
+from mcp.server.auth.provider import (
+    AccessToken,
+    AuthorizationCode,
+    AuthorizationParams,
+    AuthorizeError,
+    RefreshToken,
+    RegistrationError,
+    TokenError,
+    construct_redirect_uri,
+)
 from mcp.shared.auth import OAuthClientInformationFull, OAuthToken
+
+import task_store as store
 
 log = logging.getLogger("taskbridge.oauth")
 
@@ -144,7 +154,7 @@ def _unb64(text: str) -> bytes:
 class Provider:
     """The SDK's OAuthAuthorizationServerProvider for TaskBridge (see the module docstring)."""
 
-    def __init__(self, bearer: "str | Callable[[], str | None]", base_url: str, state_file: Path) -> None:
+    def __init__(self, bearer: str | Callable[[], str | None], base_url: str, state_file: Path) -> None:
         """``bearer``: the bearer token, or a function giving the one in force now (asked on every
         use, so a rotated token file revokes every grant at once); ``state_file``: oauth.json."""
         self._bearer = bearer if callable(bearer) else (lambda: bearer)

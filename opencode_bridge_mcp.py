@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
@@ -51,16 +53,40 @@ import task_spec as spec
 import task_store as store
 import task_views
 import worktrees
-from launchd import schedule
-from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+
 # The HTTP side and the shared views; names re-exported here are what this server's callers and
 # tests have always found on it.
-from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
-                      bearer_token, host_name, is_loopback, parse_host, token_file)
-from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
-                        WorkerState, cap_json, info, page_utf8, queue_snapshot, read_log_page,
-                        row, short, transcript, worker_state)
+from http_app import (  # noqa: F401
+    LOOPBACK_NAMES,
+    BearerGuard,
+    HostGuard,
+    TokenConfigError,
+    allowed_hosts,
+    bearer_token,
+    host_name,
+    is_loopback,
+    parse_host,
+    token_file,
+)
+from launchd import schedule
+from task_views import (  # noqa: F401
+    ROW_TEXT_MAX,
+    WORKER_RECENT_SEC,
+    BudgetState,
+    QueueStatus,
+    TaskInfo,
+    TaskRow,
+    WorkerState,
+    cap_json,
+    info,
+    page_utf8,
+    queue_snapshot,
+    read_log_page,
+    row,
+    short,
+    transcript,
+    worker_state,
+)
 
 VERSION = task_views.VERSION
 SERVER_NAME = "taskbridge"

@@ -850,7 +850,7 @@ class EventStream:
     events: int = 0
     bad_lines: int = 0
     steps: int = 0
-    tokens: dict[str, int] = field(default_factory=lambda: {k: 0 for k in TOKEN_KEYS})
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_KEYS, 0))
     cost_usd: float = 0.0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)

@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import connectors
 import task_store
@@ -36,7 +37,7 @@ ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anth
                ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
 
 _files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
-_built: dict[tuple, "Redactor"] = {}               # the secret set -> its compiled matcher
+_built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:

@@ -30,14 +30,14 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import knobs
 import process_tree
 import task_store as store
-
 
 # Worker slots run in threads: git's worktree bookkeeping (add, remove, prune) is not safe to run
 # concurrently on one repository, so those steps take this lock.

@@ -35,8 +35,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -73,7 +74,7 @@ class Postgres:
     root: the folder is its own, outside any folder that user could not enter)."""
 
     def __init__(self) -> None:
-        import pg_server   # tests/pg_server.py: where the binaries are, a free port
+        import pg_server  # tests/pg_server.py: where the binaries are, a free port
         bindir = pg_server.pg_bin_dir()
         if bindir is None:
             raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")

@@ -78,8 +78,9 @@ async def one_round(client, workdir: str, rng: random.Random) -> tuple[float, fl
 
 
 async def main(rounds: int) -> None:
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
 
     logging.basicConfig(level=logging.WARNING)
     rng = random.Random(7)

@@ -18,10 +18,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
@@ -177,8 +177,9 @@ def scale(folder: Path, calls: int) -> None:
 async def tool_latency(folder: Path, rounds: int) -> None:
     import logging
 
-    import bench_tool_latency
     from mcp.client.session import ClientSession
+
+    import bench_tool_latency
 
     logging.getLogger("taskbridge").setLevel(logging.ERROR)
     bench_tool_latency.seed(str(use_queue(folder)))
@@ -197,9 +198,10 @@ async def tool_latency(folder: Path, rounds: int) -> None:
 
 
 async def tool_rounds(folder: Path, rounds: int, label: str) -> None:
+    from mcp import Client
+
     import bench_tool_latency
     import opencode_bridge_mcp as bridge
-    from mcp import Client
 
     cases = [("bare", "ping", {}), ("ours", "get_task", {"task_id": "t_0001"}),
              ("ours", "list_tasks", {"limit": 50}), ("ours", "queue_status", {}),
@@ -221,9 +223,10 @@ async def tool_rounds(folder: Path, rounds: int, label: str) -> None:
 
 
 async def wake(folder: Path, rounds: int) -> None:
+    from mcp import Client
+
     import bench_wait_for
     import opencode_bridge_mcp as bridge
-    from mcp import Client
 
     work = use_queue(folder)
     rng = random.Random(7)
@@ -247,7 +250,6 @@ DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_q
 def real_runs(folder: Path, trials: int) -> None:
     import psutil
 
-    import task_store
     from fake_openai import ScriptedModel, text
     from helpers import make_repo
     from opencode_env import opencode_bin, opencode_env
