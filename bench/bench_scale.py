@@ -118,10 +118,10 @@ class Postgres:
             try:
                 return psycopg.connect(host=str(self.folder / "sock"), port=self.port, user=PG_USER,
                                        dbname="postgres", autocommit=True, connect_timeout=5)
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as exc:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("postgres did not start: "
-                                       + (self.folder / "postgres.log").read_text(errors="replace")[-2000:])
+                                       + (self.folder / "postgres.log").read_text(errors="replace")[-2000:]) from exc
                 time.sleep(0.05)
 
     def url(self, dbname: str) -> str:

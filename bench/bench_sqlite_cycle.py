@@ -133,7 +133,8 @@ def measure(procs: tuple[int, ...] = PROCS, cycles: int = 400, trials: int = 3) 
                                              max(50, cycles // max(1, n // 4)))
                     rates[(mode, n)].append(rate)
                     doubles[(mode, n)] += double
-                    print(f"  {mode:5} {n:2} processes trial {trial}: {rate:,.0f} cycles/s", file=sys.stderr, flush=True)
+                    print(f"  {mode:5} {n:2} processes trial {trial}: {rate:,.0f} cycles/s",
+                          file=sys.stderr, flush=True)
     return {"rates": rates, "doubles": doubles}
 
 
