@@ -527,9 +527,9 @@ def routes(provider: Provider, peer_of: Callable[[dict], str] = lambda scope: (s
                                 revocation_options=RevocationOptions(enabled=True))
     register_limit, authorize_limit = PeerLimit(lambda: REGISTER_PER_PEER), PeerLimit(lambda: AUTHORIZE_PER_PEER)
     wrapped: dict[str, Callable[[Any], Any]] = {
-               "/register": lambda app: RateLimited(app, register_limit, "registrations", peer_of),
-               "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins", peer_of),
-               "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
+        "/register": lambda app: RateLimited(app, register_limit, "registrations", peer_of),
+        "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins", peer_of),
+        "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
     server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
               if isinstance(r, Route) and r.path in wrapped else r for r in server]
     server = [_metadata_route(issuer) if isinstance(r, Route) and r.path == METADATA_PATH else r for r in server]
