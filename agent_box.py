@@ -6,11 +6,11 @@ namespace whose root is the host's, read-only; TaskBridge's data (the queue and 
 the token and OAuth store, task logs, worktrees, mirrors) hidden under empty folders or
 ``/dev/null``; writable only the task's worktree (or in-place folder), a private ``/tmp`` and
 OpenCode's own data, cache and state folders (its config folder read-only); the repository's
-``config``, ``hooks`` and ``info/`` read-only; a PID namespace of its own (the worker's ``/proc/<pid>/environ`` is out of
-sight); every capability dropped (a root worker's run is no root inside); for ``no-network``
-every bash tool command under a seccomp filter that refuses inet sockets (box_shell.py). Why not
-``@anthropic-ai/sandbox-runtime``: it is a Node CLI whose network proxy filters by host name
-only (the model server on loopback would let a loopback canary through) and whose file rules
+``config``, ``hooks`` and ``info/`` read-only; a PID namespace of its own (the worker's
+``/proc/<pid>/environ`` is out of sight); every capability dropped (a root worker's run is no root
+inside); for ``no-network`` every bash tool command under a seccomp filter that refuses inet
+sockets (box_shell.py). Why not ``@anthropic-ai/sandbox-runtime``: it is a Node CLI whose network
+proxy filters by host name only (the model server on loopback would let a loopback canary through) and whose file rules
 are deny-lists over a writable root; the box here needs allow-lists, binds over a hidden folder
 and a per-tool network cut, which are a few bwrap arguments.
 
@@ -32,9 +32,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import connectors
 import task_store as store
@@ -309,7 +309,8 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -
         plan.writable += [admin, str(quarantine)]
         plan.read_only += [p for p in (f"{admin}/HEAD", f"{admin}/logs", f"{admin}/commondir", f"{admin}/gitdir",
                                        f"{top}/.git") if os.path.exists(p)]
-        plan.shell_env = {"GIT_OBJECT_DIRECTORY": str(quarantine), "GIT_ALTERNATE_OBJECT_DIRECTORIES": f"{common}/objects"}
+        plan.shell_env = {"GIT_OBJECT_DIRECTORY": str(quarantine),
+                          "GIT_ALTERNATE_OBJECT_DIRECTORIES": f"{common}/objects"}
 
 
 # What OpenCode writes into its config folder at start when it is missing (1.18.33): made by the

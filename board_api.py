@@ -27,8 +27,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 
@@ -80,7 +81,7 @@ def _static(name: str) -> Any:
                              "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"})
 
 
-async def board_page(request: Any) -> Any:
+async def board_page(_request: Any) -> Any:
     """``GET /``: the board's shell (board/index.html); open, no data in it."""
     return _static("index.html")
 
@@ -158,7 +159,7 @@ def _offset(value: str | None, name: str = "offset") -> int | None:
 
 
 @takes()
-async def api_status(request: Any) -> Any:
+async def api_status(_request: Any) -> Any:
     """``GET /api/status``: what queue_status returns, plus the server version and the change
     marks (``marks.events`` is the newest event id: the feed's cursor)."""
     return await answer_json(lambda: task_views.queue_snapshot()
@@ -343,7 +344,7 @@ async def api_jobs(request: Any) -> Any:
 def _stamp(*paths: Path) -> tuple:
     """(mtime_ns, size) of each file: SQLite writes the database or its -wal file on every commit,
     so an unchanged stamp means nothing was committed (checked again every 5 s regardless)."""
-    out = []
+    out: list[tuple[int, int] | None] = []
     for path in paths:
         try:
             st = path.stat()

@@ -126,11 +126,11 @@ def claude_bin() -> str | None:
     return shutil.which(wanted)
 
 
-def choose_backend() -> tuple[str, str]:
+def choose_backend() -> tuple[Literal["api", "cli"], str]:
     """``(backend, why)``: ``api`` or ``cli``. Raises BridgeError for a bad CLAUDE_BACKEND."""
     forced = os.environ.get("CLAUDE_BACKEND", "").strip().lower()
     if forced in ("api", "cli"):
-        return forced, f"CLAUDE_BACKEND={forced}"
+        return ("api" if forced == "api" else "cli"), f"CLAUDE_BACKEND={forced}"
     if forced not in ("", "auto"):
         raise BridgeError("config", f"CLAUDE_BACKEND must be auto, api or cli; got {forced!r}")
     if api_key_present():
@@ -490,7 +490,7 @@ def parse_cli_output(stdout: str, stderr: str, returncode: int) -> dict[str, Any
         raise _no_output_error(stderr, returncode)
     parsed = _parse_json_shapes(text)
     if parsed is None:
-        raise _plain_output_error(text, stderr, returncode)
+        raise _plain_output_error(text, returncode)
     result = _result_event(parsed)
     if result is None:
         raise BridgeError("cli_output", f"claude -p printed JSON without a result event (exit {returncode}): "
@@ -618,7 +618,7 @@ def _no_output_error(stderr: str, returncode: int) -> BridgeError:
                                      f"{_clip(stderr) or '(empty)'}")
 
 
-def _plain_output_error(text: str, stderr: str, returncode: int) -> BridgeError:
+def _plain_output_error(text: str, returncode: int) -> BridgeError:
     if text[:1] in "{[":
         return BridgeError("cli_output", f"claude -p printed JSON that does not parse (cut off after "
                                          f"{len(text)} characters?), exit {returncode}: {_clip(text)}")
@@ -635,7 +635,7 @@ def _clip(text: str, limit: int = 300) -> str:
 
 
 def _cli_answer(result: dict, request: Request, duration_ms: int) -> Answer:
-    usage = result.get("usage") if isinstance(result.get("usage"), dict) else {}
+    usage = given if isinstance(given := result.get("usage"), dict) else {}
     models = list((result.get("modelUsage") or {}).keys())
     model = re.sub(r"\[.*\]$", "", models[0]) if models else request.model
     return Answer(
@@ -750,7 +750,7 @@ def api_error(exc: BaseException, timeout_sec: int) -> BridgeError:
 
 def _status_error(exc: Any) -> BridgeError:
     body = exc.body if isinstance(getattr(exc, "body", None), dict) else {}
-    error = body.get("error") if isinstance(body.get("error"), dict) else body
+    error = given if isinstance(given := body.get("error"), dict) else body
     kind_name = str(error.get("type") or "")
     detail = str(error.get("message") or exc.message)
     status = exc.status_code
@@ -1208,7 +1208,8 @@ def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
     if other:
         kill_tree(other)  # a job of another live bridge server on this machine
     return CancelResult(job_id=job_id, status="cancelled", cancelled=True,
-                        message=f"job {job_id} cancelled" + (f"; claude (pid {job['pid']}) was killed" if job.get("pid") else ""))
+                        message=f"job {job_id} cancelled"
+                        + (f"; claude (pid {job['pid']}) was killed" if job.get("pid") else ""))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1298,7 +1299,7 @@ def serve() -> None:
     configure_logging()
     recover_at_start()
     runner = JobRunner()
-    signal.signal(signal.SIGTERM, lambda signum, frame: _stop_soon(runner, 128 + signum))
+    signal.signal(signal.SIGTERM, lambda signum, _frame: _stop_soon(runner, 128 + signum))
     try:
         build_server(runner).run("stdio")
     finally:
@@ -1357,7 +1358,7 @@ def http_bridge_app(server: MCPServer, token: str) -> Any:
     return http_app.Shield(Starlette(routes=[route, Route("/health", _health)], lifespan=lifespan, middleware=guards))
 
 
-async def _health(request: Any) -> Any:
+async def _health(_request: Any) -> Any:
     from starlette.responses import JSONResponse
     return JSONResponse({"ok": True, "server": SERVER_NAME})
 

@@ -95,7 +95,7 @@ class FolderWatch:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "FolderWatch":
+    def __enter__(self) -> FolderWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:

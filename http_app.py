@@ -28,9 +28,14 @@ import logging
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.transport_security import TransportSecuritySettings
+from starlette.requests import ClientDisconnect
 
 import board_api
 import connectors
@@ -39,9 +44,6 @@ import oauth
 import process_tree
 import task_store
 import task_views
-from mcp.server.mcpserver import MCPServer
-from starlette.requests import ClientDisconnect
-from mcp.server.transport_security import TransportSecuritySettings
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 PROTECTED_PREFIXES = ("/mcp", "/sse", "/messages", "/api")
@@ -115,7 +117,7 @@ class TokenSource:
         self._broken = secrets.token_urlsafe(32)   # matches nothing anyone holds
 
     @classmethod
-    def fixed_to(cls, token: str | None) -> "TokenSource":
+    def fixed_to(cls, token: str | None) -> TokenSource:
         """A source that always gives ``token`` (for a guard built around a known token)."""
         source = cls.__new__(cls)
         source.fixed, source._stamp, source._token, source._broken = True, None, token or None, ""
@@ -234,7 +236,7 @@ def transport_security(hosts: frozenset[str]) -> TransportSecuritySettings:
     )
 
 
-async def _plain(send: Any, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _plain(send: Any, status: int, body: dict[str, Any], headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -324,7 +326,8 @@ class Shield:
     peer behind a tunnel cannot hold every connection slot with slow requests."""
 
     def __init__(self, app: Any) -> None:
-        self.app, self.active = app, {}
+        self.app = app
+        self.active: dict[str, int] = {}   # client address: its requests in progress
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -426,7 +429,7 @@ class BearerGuard:
     takes a WebSocket today; one added later must not be open). The token is never logged, and a
     refused path is logged escaped and cut short."""
 
-    def __init__(self, app: Any, tokens: "TokenSource | str | None", provider: Any = None,
+    def __init__(self, app: Any, tokens: TokenSource | str | None, provider: Any = None,
                  where: str = "MCP_BEARER_TOKEN or the .taskbridge/token file") -> None:
         self.app, self.oauth, self.where = app, provider, where
         self.tokens = tokens if isinstance(tokens, TokenSource) else TokenSource.fixed_to(tokens)
@@ -468,7 +471,7 @@ async def _deny_websocket(scope: dict, receive: Any, send: Any, headers: list[tu
         await send({"type": "websocket.close", "code": 1008})
 
 
-async def health(request: Any) -> Any:
+async def health(_request: Any) -> Any:
     """``GET /health``: open, and reveals nothing private."""
     from starlette.responses import JSONResponse
     return JSONResponse({"ok": True, "version": task_views.VERSION})
@@ -523,7 +526,7 @@ def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> 
     plain = server.session_manager
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Any):
+    async def lifespan(_app: Any):
         async with streaming.run(), plain.run():
             yield
 
@@ -621,6 +624,19 @@ def _quiet_upgrade_warnings(record: logging.LogRecord) -> bool:
     return not (text.startswith("Unsupported upgrade request") or text.startswith("No supported WebSocket library"))
 
 
+def _over_the_caps(client: tuple[str, int] | None, connections: Any) -> str | None:
+    """The log line when a new connection from ``client`` (ip, port) is one too many (``connections``:
+    uvicorn's set of open ones, the new one included), or None to keep it: past MAX_CONNECTIONS in
+    all, or past MAX_PEER_CONNECTIONS from one address that is not this machine's loopback."""
+    if len(connections) > MAX_CONNECTIONS:
+        return f"more than {MAX_CONNECTIONS} open connections: closed a new one"
+    peer = (client or ("", 0))[0]
+    if peer and not is_loopback(peer) and peer != "::1" and MAX_PEER_CONNECTIONS < sum(
+            1 for other in connections if (getattr(other, "client", None) or ("", 0))[0] == peer):
+        return f"more than {MAX_PEER_CONNECTIONS} open connections from one address: closed a new one"
+    return None
+
+
 @functools.cache
 def deadline_protocol() -> type:
     """uvicorn's h11 protocol class with the request-head deadline and the connection cap."""
@@ -640,19 +656,15 @@ def deadline_protocol() -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            if len(self.connections) > MAX_CONNECTIONS:
-                log.warning("more than %d open connections: closed a new one", MAX_CONNECTIONS)
-                transport.close()
-                return
-            peer = (self.client or ("", 0))[0]
-            if peer and not is_loopback(peer) and peer != "::1" and MAX_PEER_CONNECTIONS < sum(
-                    1 for other in self.connections if (getattr(other, "client", None) or ("", 0))[0] == peer):
-                log.warning("more than %d open connections from one address: closed a new one", MAX_PEER_CONNECTIONS)
+            refused = _over_the_caps(self.client, self.connections)
+            if refused:
+                log.warning(refused)
                 transport.close()
                 return
             # Asked once per connection, after the caps (a refused one costs no lookup): ~1 ms.
-            if self.client and self.server and from_tunnel(self.client, self.server[1]):
-                self.tunnel_client = tuple(self.client)
+            port = self.server[1] if self.server else None
+            if self.client and port is not None and from_tunnel(self.client, port):
+                self.tunnel_client = (self.client[0], self.client[1])
                 TUNNEL_CONNECTIONS.add(self.tunnel_client)
             self._arm()
 

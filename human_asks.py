@@ -14,7 +14,8 @@ Not run on its own; opencode_bridge_mcp's wait_for and apply_task call it. Reads
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import anyio
 from pydantic import BaseModel, Field
@@ -35,13 +36,16 @@ class HumanAsk(TypedDict):
     acted: bool           # the answer changed the task (or the checkout)
 
 
+RAISE_OR_STOP = "raise: let it go on up to the new limit; stop: fail it with its receipt"
+
+
 class RaiseUsd(BaseModel):
-    decision: Literal["raise", "stop"] = Field(description="raise: let it go on up to the new limit; stop: fail it with its receipt")
+    decision: Literal["raise", "stop"] = Field(description=RAISE_OR_STOP)
     new_limit_usd: float = Field(default=0, ge=0, description="the new limit in USD (above what it spent)")
 
 
 class RaiseTokens(BaseModel):
-    decision: Literal["raise", "stop"] = Field(description="raise: let it go on up to the new limit; stop: fail it with its receipt")
+    decision: Literal["raise", "stop"] = Field(description=RAISE_OR_STOP)
     new_limit_tokens: int = Field(default=0, ge=0, description="the new limit in tokens (above what it used)")
 
 

@@ -136,7 +136,7 @@ def database_problem(value: str, source: str = "TASK_DB_URL") -> str | None:
             return (f"{source} is a {scheme}:// URL; only postgresql:// and postgres:// URLs are understood "
                     "(for SQLite give the file's path, e.g. /path/to/tasks.db)")
         try:
-            urllib.parse.urlsplit(value).port
+            urllib.parse.urlsplit(value).port   # noqa: B018 - reading it raises ValueError for a bad port
         except ValueError:
             return f"{source} is a {scheme}:// URL whose port is not a number from 0 to 65535; fix the URL"
         return None

@@ -45,16 +45,26 @@ import logging
 import os
 import secrets
 import time
-from pathlib import Path
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
 from urllib.parse import parse_qs, urlparse
 
 import anyio
-import task_store as store
-from mcp.server.auth.provider import (AccessToken, AuthorizationCode, AuthorizationParams, AuthorizeError,
-                                      RefreshToken, RegistrationError, TokenError, construct_redirect_uri)
+from mcp.server.auth.provider import (
+    AccessToken,
+    AuthorizationCode,
+    AuthorizationParams,
+    AuthorizeError,
+    RefreshToken,
+    RegistrationError,
+    TokenError,
+    construct_redirect_uri,
+)
 from mcp.shared.auth import OAuthClientInformationFull, OAuthToken
+
+import task_store as store
 
 log = logging.getLogger("taskbridge.oauth")
 
@@ -144,7 +154,7 @@ def _unb64(text: str) -> bytes:
 class Provider:
     """The SDK's OAuthAuthorizationServerProvider for TaskBridge (see the module docstring)."""
 
-    def __init__(self, bearer: "str | Callable[[], str | None]", base_url: str, state_file: Path) -> None:
+    def __init__(self, bearer: str | Callable[[], str | None], base_url: str, state_file: Path) -> None:
         """``bearer``: the bearer token, or a function giving the one in force now (asked on every
         use, so a rotated token file revokes every grant at once); ``state_file``: oauth.json."""
         self._bearer = bearer if callable(bearer) else (lambda: bearer)
@@ -230,6 +240,7 @@ class Provider:
         info = client_info.model_dump(mode="json", exclude_none=True)
         problem = registration_problem(info)
         if problem:
+            kind: Literal["invalid_redirect_uri", "invalid_client_metadata"]
             kind = "invalid_redirect_uri" if "redirect URI" in problem else "invalid_client_metadata"
             raise RegistrationError(kind, problem)
         self.bearer   # noqa: B018 - re-keys after a rotation
@@ -368,7 +379,7 @@ class Provider:
             if claims["k"] == "r":
                 await self._revoke_family(claims.get("f"))
 
-    async def exchange_identity_assertion(self, client: Any, params: Any) -> OAuthToken:
+    async def exchange_identity_assertion(self, client: Any, params: Any) -> OAuthToken:  # noqa: ARG002 - the SDK provider's signature
         raise TokenError("unsupported_grant_type", "identity assertions are not accepted here")
 
     def _issue(self, client_id: str, scopes: list[str], resource: str | None, family: str) -> OAuthToken:
@@ -424,7 +435,8 @@ CONSENT_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width">
 <title>Connect to TaskBridge</title>
 <style>body{{font:16px system-ui,sans-serif;max-width:34em;margin:3em auto;padding:0 1em}}
-input[type=password]{{width:100%;padding:.5em;font:inherit}}button{{padding:.5em 1.2em;font:inherit;margin:.8em .5em 0 0}}
+input[type=password]{{width:100%;padding:.5em;font:inherit}}
+button{{padding:.5em 1.2em;font:inherit;margin:.8em .5em 0 0}}
 .error{{color:#b00020}}code{{background:#f3f3f3;padding:0 .2em}}</style></head>
 <body><h1>Connect to TaskBridge</h1>
 <p>A client that calls itself <b>{client}</b> (a name it chose itself: anyone can claim any name)
@@ -441,8 +453,10 @@ rights, and read their results. After you allow it, your browser goes to the sit
 </form></body></html>
 """
 
-PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
-                "form-action 'self'; frame-ancestors 'none'", "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
+PAGE_HEADERS = {"X-Frame-Options": "DENY",
+                "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; "
+                                           "form-action 'self'; frame-ancestors 'none'",
+                "Cache-Control": "no-store", "Referrer-Policy": "no-referrer"}
 
 
 def consent_routes(provider: Provider) -> list[Any]:
@@ -482,7 +496,8 @@ def consent_routes(provider: Provider) -> list[Any]:
         deny = form.get("action") == "deny"
         target = provider.deny(request_id, token) if deny else await provider.approve(request_id, token)
         if target:
-            log.info("OAuth consent %s %r", "refused to" if deny else "given to", (found["client"].client_name or "")[:80])
+            log.info("OAuth consent %s %r", "refused to" if deny else "given to",
+                     (found["client"].client_name or "")[:80])
             return RedirectResponse(target, status_code=302, headers={"Cache-Control": "no-store"})
         log.warning("OAuth consent page: a wrong bearer token was entered")
         if provider.consent_request(request_id) is None:
@@ -505,18 +520,20 @@ def routes(provider: Provider, peer_of: Callable[[dict], str] = lambda scope: (s
     from starlette.routing import Route
 
     # AuthSettings keeps a path-less issuer without a trailing slash (RFC 8414 compares exactly).
-    settings = AuthSettings(issuer_url=provider.base_url, resource_server_url=provider.resource,
-                            validate_token_resource=True)
+    settings = AuthSettings.model_validate({"issuer_url": provider.base_url, "resource_server_url": provider.resource,
+                                            "validate_token_resource": True})
     issuer = settings.issuer_url
     server = create_auth_routes(provider, issuer, client_registration_options=ClientRegistrationOptions(enabled=True),
                                 revocation_options=RevocationOptions(enabled=True))
     register_limit, authorize_limit = PeerLimit(lambda: REGISTER_PER_PEER), PeerLimit(lambda: AUTHORIZE_PER_PEER)
-    wrapped = {"/register": lambda app: RateLimited(app, register_limit, "registrations", peer_of),
-               "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins", peer_of),
-               "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
+    wrapped: dict[str, Callable[[Any], Any]] = {
+        "/register": lambda app: RateLimited(app, register_limit, "registrations", peer_of),
+        "/authorize": lambda app: RateLimited(ErrorsShown(app, provider), authorize_limit, "sign-ins", peer_of),
+        "/token": lambda app: ResourceChecked(app, provider), "/revoke": PublicRevoke}
     server = [Route(r.path, endpoint=wrapped[r.path](r.app), methods=list(r.methods or []))
               if isinstance(r, Route) and r.path in wrapped else r for r in server]
     server = [_metadata_route(issuer) if isinstance(r, Route) and r.path == METADATA_PATH else r for r in server]
+    assert settings.resource_server_url is not None   # provider.resource, given above
     resource = create_protected_resource_routes(settings.resource_server_url, [issuer], resource_name="TaskBridge")
     root = Route("/.well-known/oauth-protected-resource", endpoint=resource[0].endpoint, methods=["GET", "OPTIONS"])
     return [*server, *resource, root, *consent_routes(provider)]
@@ -546,7 +563,8 @@ class PeerLimit:
     remembered; the stalest forgotten first)."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
-        self.limit, self.seen = limit, {}
+        self.limit = limit
+        self.seen: dict[str, deque[float]] = {}   # peer: its events' monotonic times, stalest peer first
 
     def allow(self, peer: str) -> bool:
         now = time.monotonic()
@@ -581,7 +599,7 @@ class RateLimited:
         await self.app(scope, receive, send)
 
 
-async def _whole_body(receive: Any) -> tuple[bytes | None, dict | None]:
+async def _whole_body(receive: Any) -> tuple[bytes, None] | tuple[None, dict]:
     """(the request body, None), or (None, the message that ended it early: a disconnect)."""
     chunks, more = [], True
     while more:
@@ -597,7 +615,7 @@ async def _body_or_pass(app: Any, scope: dict, receive: Any, send: Any) -> bytes
     """The request's whole body, or None once ``app`` has been handed the request as it came (a
     body that did not arrive whole: the app answers it as it would)."""
     body, early = await _whole_body(receive)
-    if body is None:
+    if early is not None:
         await app(scope, _replay([early]), send)
     return body
 

@@ -34,9 +34,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import anyio
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
@@ -52,16 +54,40 @@ import task_spec as spec
 import task_store as store
 import task_views
 import worktrees
-from launchd import schedule
-from mcp.server.mcpserver import Context, MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
+
 # The HTTP side and the shared views; names re-exported here are what this server's callers and
 # tests have always found on it.
-from http_app import (LOOPBACK_NAMES, BearerGuard, HostGuard, TokenConfigError, allowed_hosts,  # noqa: F401
-                      bearer_token, host_name, is_loopback, parse_host, token_file)
-from task_views import (ROW_TEXT_MAX, WORKER_RECENT_SEC, BudgetState, QueueStatus, TaskInfo, TaskRow,  # noqa: F401
-                        WorkerState, cap_json, info, page_utf8, queue_snapshot, read_log_page,
-                        row, short, transcript, worker_state)
+from http_app import (  # noqa: F401
+    LOOPBACK_NAMES,
+    BearerGuard,
+    HostGuard,
+    TokenConfigError,
+    allowed_hosts,
+    bearer_token,
+    host_name,
+    is_loopback,
+    parse_host,
+    token_file,
+)
+from launchd import schedule
+from task_views import (  # noqa: F401
+    ROW_TEXT_MAX,
+    WORKER_RECENT_SEC,
+    BudgetState,
+    QueueStatus,
+    TaskInfo,
+    TaskRow,
+    WorkerState,
+    cap_json,
+    info,
+    page_utf8,
+    queue_snapshot,
+    read_log_page,
+    row,
+    short,
+    transcript,
+    worker_state,
+)
 
 VERSION = task_views.VERSION
 SERVER_NAME = "taskbridge"
@@ -111,7 +137,10 @@ def _as_list(value: Any) -> Any:
                          f"got {store.shown_value(value)}") from None
 
 
-OptText = Annotated[str, WrapValidator(_null_ok), WithJsonSchema({"type": ["string", "null"]})]
+if TYPE_CHECKING:   # what a tool receives: the validator lets None through
+    OptText = str | None
+else:               # a str field to pydantic, so a list or number is refused as "must be text"
+    OptText = Annotated[str, WrapValidator(_null_ok), WithJsonSchema({"type": ["string", "null"]})]
 def _id_shape(value: Any) -> Any:
     """Ids pass on to the store, which parses them; only shapes it could not even read stop here
     (Python refuses to turn more than 4300 digits into an int)."""
@@ -566,7 +595,7 @@ def build_server() -> MCPServer:
 
 
 @registry.tool(ADDS, title="Submit a coding task")
-def submit_task(
+def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schema
     title: Annotated[str, Field(description=f"short title shown in lists, ≤{spec.TITLE_MAX} characters; stored exactly as sent")],
     instructions: Annotated[str, Field(description=f"what the agent must do, as a full brief (≤{spec.INSTRUCTIONS_MAX:,} characters)")],
     ctx: Context,
@@ -576,7 +605,7 @@ def submit_task(
     host: Annotated[OptText, Field(description="only workers whose TASKBRIDGE_HOST is this name may run it (default: the server's machine for a working_dir, any machine for a repo)")] = None,
     model: Annotated[OptText, Field(description="provider/model (or a plain model name that one provider offers); default: the queue's default model")] = None,
     priority: Annotated[int | None, spec.PRIORITY.field("higher runs first, then oldest")] = spec.PRIORITY.default,
-    depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],
+    depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],  # noqa: B006 - never mutated; the schema shows []
     timeout_sec: Annotated[int | None, spec.TIMEOUT.field("seconds per attempt (each retry gets it again)")] = spec.TIMEOUT.default,
     max_retries: Annotated[int | None, spec.RETRIES.field("extra attempts after a failure")] = spec.RETRIES.default,
     permission: Annotated[Permission | None, Field(description="Every run is boxed by the OS (writes only in its worktree, no TaskBridge secret). auto: "
@@ -622,23 +651,21 @@ def submit_task(
     failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there, a
     bare or commit-less repository.
     """
-    name, version = caller_of(ctx)
-    fields = {"title": title, "instructions": instructions, "working_dir": working_dir,
-              "repo": repo, "base_ref": base_ref, "host": host,
-              "model": _model_arg(model), "priority": priority, "depends_on": depends_on,
-              "timeout_sec": timeout_sec, "max_retries": max_retries, "permission": permission,
-              "worktree": True if worktree is None else worktree,
-              "worktree_keep": False if worktree_keep is None else worktree_keep,
-              "ask_human": bool(ask_human),
-              "agent": agent, "idempotency_key": idempotency_key,
-              "origin_name": name, "origin_version": version,
-              "max_cost_usd": max_cost_usd, "max_tokens": max_tokens,
-              "continue_from": continue_from, "fork_from": fork_from,
-              "rules": rules, "skills": skills, "subagents": subagents,
-              "schedule_timeout_sec": schedule_timeout_sec}
+    fields = _task_fields(ctx, {k: v for k, v in locals().items() if k != "ctx"})   # locals(): the parameters
     _check_names(fields)
     worktrees.refuse_unrunnable_folder(working_dir, host)
-    return _submitted(store.submit_task(**fields))
+    return cast(SubmittedTask, _submitted(store.submit_task(**fields)))
+
+
+def _task_fields(ctx: Context, given: dict[str, Any]) -> dict[str, Any]:
+    """submit_task's parameters (``given``, by name) as store.submit_task's fields: the model as
+    _model_arg resolves it, a null worktree, worktree_keep or ask_human at its default, and the
+    calling client (``ctx``) as the task's origin. Raises ToolError for a model nobody offers."""
+    name, version = caller_of(ctx)
+    return given | {"model": _model_arg(given["model"]),
+                    "worktree": True if given["worktree"] is None else given["worktree"],
+                    "worktree_keep": False if given["worktree_keep"] is None else given["worktree_keep"],
+                    "ask_human": bool(given["ask_human"]), "origin_name": name, "origin_version": version}
 
 
 def _check_names(fields: dict[str, Any]) -> None:
@@ -814,7 +841,7 @@ async def get_task_transcript(
     `task logs` (no session yet, or OpenCode could not give it: `note` says why). `next_offset`:
     where the next page starts, null at the end. Takes ~2 s (OpenCode is asked).
     Errors: unknown or malformed id, offset or limit out of range."""
-    return await anyio.to_thread.run_sync(transcript, task_id, offset or 0, limit or 20)
+    return cast(Transcript, await anyio.to_thread.run_sync(transcript, task_id, offset or 0, limit or 20))
 
 
 def _wait_met(statuses: dict[str, str], mode: str) -> bool:
@@ -871,12 +898,13 @@ async def wait_for(
     timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
         raise ToolError(f"task_ids must name 1 to {WAIT_IDS_MAX} tasks; got {len(ids)}")
-    started, asked = time.monotonic(), []
+    started = time.monotonic()
+    asked: list[human_asks.HumanAsk] = []
     while True:
         result = await _wait_round(ids, mode, ctx, started, timeout_sec)
         left = started + timeout_sec - time.monotonic()
         if result["timed_out"] or not await human_asks.ask_waiting(ctx, result["waiting"], asked, left):
-            return result | {"asked_human": asked}
+            return cast(WaitResult, result | {"asked_human": asked})
 
 
 async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, timeout_sec: int) -> dict[str, Any]:
@@ -977,7 +1005,7 @@ def answer_task(
     with the call refused. Errors: unknown id, empty answer, the task is not waiting
     (add_task_note reaches a running task instead), a limit not above the spend, another answer
     to a permission ask."""
-    return _echo(store.answer_task(task_id, answer, author="planner"))
+    return cast(TaskInfo, _echo(store.answer_task(task_id, answer, author="planner")))
 
 
 @registry.tool(READ_ONLY, title="List tasks")
@@ -1039,7 +1067,7 @@ def queue_status() -> PlannerStatus:
     `unseen`: finished tasks whose result you have not read with get_task_result yet (oldest
     first, at most 50; `unseen_total` counts them all)."""
     unseen = store.unseen_results()
-    return queue_snapshot() | {"unseen": unseen["ids"], "unseen_total": unseen["total"]}
+    return cast(PlannerStatus, queue_snapshot() | {"unseen": unseen["ids"], "unseen_total": unseen["total"]})
 
 
 @registry.tool(READ_ONLY, title="Worker heartbeat")
@@ -1048,7 +1076,7 @@ def worker_heartbeat() -> WorkerState:
     idle, running, stopped, error), current task, pid, host, age in seconds, whether that process
     still runs (null when it runs on another host), and a summary with what to do if no worker
     has been seen lately (restart_worker starts one)."""
-    return worker_state()
+    return cast(WorkerState, worker_state())
 
 
 def _run_quiet(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
@@ -1105,7 +1133,7 @@ def restart_worker() -> RestartResult:
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
     installed; otherwise it starts one detached `python worker.py` pass. Returns which it did
     (`method`), the command and, for a detached pass, its pid. Errors: the service manager refused."""
-    return _launchd_restart() or _systemd_restart() or _detached_pass()
+    return cast(RestartResult, _launchd_restart() or _systemd_restart() or _detached_pass())
 
 
 @registry.tool(ADDS, title="Add a note to a task")
@@ -1119,7 +1147,7 @@ def add_task_note(
     task's notes (get_task) and its receipt say when and how each note was delivered.
     Errors: unknown id, empty or too long text, the task already finished (submit a follow-up
     with continue_from instead)."""
-    return store.add_note(task_id, text, author="planner")
+    return cast(NoteResult, store.add_note(task_id, text, author="planner"))
 
 
 @registry.tool(ENDS, title="Cancel a task")
@@ -1129,7 +1157,7 @@ def cancel_task(
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     Tasks that depend on it fail, naming it. Errors: unknown id, the task already finished."""
-    return _echo(store.cancel_task(task_id, reason or "cancelled by the planner"))
+    return cast(TaskInfo, _echo(store.cancel_task(task_id, reason or "cancelled by the planner")))
 
 
 @registry.tool(ADDS, title="Retry a task")
@@ -1149,7 +1177,7 @@ def retry_task(
     submit a follow-up task; pending, running or waiting: cancel it first), a bad model, an empty
     or too long note."""
     task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
-    return _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)}
+    return cast(RetryResult, _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)})
 
 
 @registry.tool(ADDS, title="Apply a task to the checkout")
@@ -1176,7 +1204,7 @@ async def apply_task(
             await human_asks.confirm_apply(ctx, task, mode or "merge") is False:
         raise ToolError(f"the person chose not to apply {task['id']} now (asked through your client); "
                         "the checkout is unchanged")
-    return await anyio.to_thread.run_sync(worktrees.apply_branch, task, mode or "merge")
+    return cast(ApplyResult, await anyio.to_thread.run_sync(worktrees.apply_branch, task, mode or "merge"))
 
 
 @registry.tool(REMOVES, title="Clear finished tasks")
@@ -1260,7 +1288,7 @@ def set_budget(
     take work. Errors: a negative or too large value."""
     given = {"daily_usd": daily_usd, "daily_tokens": daily_tokens,
              "default_max_cost_usd": default_max_cost_usd, "default_max_tokens": default_max_tokens}
-    return store.set_budget(**{k: v for k, v in given.items() if v is not None})
+    return cast(BudgetState, store.set_budget(**{k: v for k, v in given.items() if v is not None}))
 
 
 @registry.tool(READ_ONLY, title="Check the server")

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -234,6 +235,11 @@ _OPENCODE_ID = re.compile(r"\b(?:ses|msg|prt)_[0-9a-f]{12}[A-Za-z0-9]{14}\b")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
+def _literally(replacement: str) -> Callable[[re.Match[str]], str]:
+    """A ``re.sub`` replacement that inserts ``replacement`` as it is (a path's backslashes are no escapes)."""
+    return lambda _match: replacement
+
+
 def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],
                  timeout_sec: float = 120) -> str:
     """A copy of OpenCode session ``session_id`` (its whole history) that lives in ``new_dir``;
@@ -259,7 +265,7 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
 
     text = _OPENCODE_ID.sub(renamed, text)
     for old, new in ((old_dir, new_dir), (json.dumps(old_dir)[1:-1], json.dumps(new_dir)[1:-1])):
-        text = re.sub(re.escape(old) + r"(?![\w.\-])", lambda _m, new=new: new, text)
+        text = re.sub(re.escape(old) + r"(?![\w.\-])", _literally(new), text)
     try:
         json.loads(text)
     except ValueError as exc:
@@ -332,7 +338,8 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
 
     A restricted task reads OpenCode's resolved config once (``opencode debug config``, ~1.5 s),
     in the agent's box when ``box`` is given (``box(argv, env) -> (argv, env)``: the worktree's
-    own OpenCode plugins load there, and the agent wrote them). Raises ConfigProblem when the rules cannot be pinned or that config cannot be read.
+    own OpenCode plugins load there, and the agent wrote them). Raises ConfigProblem when the rules
+    cannot be pinned or that config cannot be read.
     """
     env = dict(base)
     env["PWD"] = cwd
@@ -397,7 +404,8 @@ def _with_plugin(env: dict[str, str], plugin: Path, variable: str, file: str) ->
     (the user's own plugins stay) and ``variable`` naming ``file``. Raises ConfigProblem."""
     env = dict(env)
     content = _config_content(env)
-    plugins = content.get("plugin") if isinstance(content.get("plugin"), list) else []
+    listed = content.get("plugin")
+    plugins = listed if isinstance(listed, list) else []
     content["plugin"] = [*plugins, plugin.as_uri()]
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     env[variable] = file
@@ -850,7 +858,7 @@ class EventStream:
     events: int = 0
     bad_lines: int = 0
     steps: int = 0
-    tokens: dict[str, int] = field(default_factory=lambda: {k: 0 for k in TOKEN_KEYS})
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOKEN_KEYS, 0))
     cost_usd: float = 0.0
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -884,10 +892,10 @@ class EventStream:
             handler(event.get("part") or {}, event)
         return event
 
-    def _on_step_start(self, part: dict, event: dict) -> None:
+    def _on_step_start(self, _part: dict, _event: dict) -> None:
         self._step_texts, self._step_chars, self._kept_chars = [], 0, 0
 
-    def _on_text(self, part: dict, event: dict) -> None:
+    def _on_text(self, part: dict, _event: dict) -> None:
         if part.get("text"):
             # Only a bounded tail is kept: the closing block sits at the end, the log has it all.
             self._step_chars += len(part["text"]) + (1 if self._step_texts else 0)
@@ -897,7 +905,7 @@ class EventStream:
                 self._step_texts = ["\n".join(self._step_texts)[-TEXT_KEEP:]]
                 self._kept_chars = len(self._step_texts[0])
 
-    def _on_tool_use(self, part: dict, event: dict) -> None:
+    def _on_tool_use(self, part: dict, _event: dict) -> None:
         state = part.get("state") or {}
         call = {
             "tool": part.get("tool"),
@@ -914,7 +922,7 @@ class EventStream:
             call["exit"] = exit_code
         self.tool_calls.append(call)
 
-    def _on_step_finish(self, part: dict, event: dict) -> None:
+    def _on_step_finish(self, part: dict, _event: dict) -> None:
         self.steps += 1
         tokens = part.get("tokens") or {}
         cache = tokens.get("cache") or {}
@@ -930,7 +938,7 @@ class EventStream:
         if self.last_reason == "stop":
             self.finished = True
 
-    def _on_error(self, part: dict, event: dict) -> None:
+    def _on_error(self, _part: dict, event: dict) -> None:
         # Bounded like the text: the last 20 errors, each clipped (the log has them whole).
         self.errors = (self.errors + [error_text(event)[:INPUT_KEEP]])[-20:]
         self.limit = limit_from_error(event, time.time()) or self.limit
@@ -1361,7 +1369,8 @@ def default_model(setting: str | None = None, cwd: str | None = None, *,
     if listed:
         return ModelChoice(listed, "opencode models")
     raise NoDefaultModel("no model to run with: OpenCode lists none; run `opencode auth login` or "
-                         "configure a provider in OpenCode's config (see docs/models.md), or set WORKER_MODEL / set_default_model")
+                         "configure a provider in OpenCode's config (see docs/models.md), "
+                         "or set WORKER_MODEL / set_default_model")
 
 
 def hosted_free_note(choice: ModelChoice) -> str | None:

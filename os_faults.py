@@ -88,7 +88,7 @@ def _named(err: OSError, where: str) -> Fault:
         return Fault(open_files_line(err.errno, at), False)
     if err.errno == errno.ENAMETOOLONG and where:
         return Fault(name_too_long_line(where), False)
-    name = errno.errorcode.get(err.errno, str(err.errno))
+    name = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "None"
     return Fault(f"{err.strerror or err} ({name}){at}", err.errno in PASSING)
 
 
@@ -100,7 +100,8 @@ def open_files_line(code: int, at: str = "") -> str:
                 "full; close programs or raise fs.file-max (sysctl), then retry the task")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return (f"too many open files (EMFILE){at}: the worker may hold {soft} (ulimit -n; hard limit "
-            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}); raise it (`ulimit -n {max(4096, soft * 4)}` before "
+            f"{'unlimited' if hard == resource.RLIM_INFINITY else hard}); "
+            f"raise it (`ulimit -n {max(4096, soft * 4)}` before "
             "starting the worker, LimitNOFILE= in its systemd unit, or launchctl limit maxfiles on macOS), "
             "then retry the task")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 

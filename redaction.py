@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import connectors
 import task_store
@@ -36,7 +37,7 @@ ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anth
                ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
 
 _files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
-_built: dict[tuple, "Redactor"] = {}               # the secret set -> its compiled matcher
+_built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -107,7 +108,7 @@ def secret_values() -> dict[str, str]:
 
 def _forms(values: dict[str, str]) -> dict[str, str]:
     """Each value as written and JSON-escaped (how it stands inside the event stream's strings)."""
-    forms = {}
+    forms: dict[str, str] = {}
     for value, label in values.items():
         for form in (value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]):
             forms.setdefault(form, label)
@@ -130,23 +131,27 @@ class Redactor:
         self._str_at = re.compile(f"(?=({alternation}))") if ordered else None
         self._bytes_at = re.compile(f"(?=({alternation}))".encode()) if ordered else None
 
-    def spans(self, data: str | bytes) -> list[tuple[int, int, list[str]]]:
+    def spans(self, data: str | bytes | bytearray) -> list[tuple[int, int, list[str]]]:
         """Merged ``(start, end, labels)`` of every secret value in ``data``, in order."""
-        binary = isinstance(data, (bytes, bytearray))
-        first = (self._bytes if binary else self._str)
-        hit = first.search(data) if first is not None else None
-        if hit is None:
-            return []
         merged: list[tuple[int, int, list[str]]] = []
-        for found in (self._bytes_at if binary else self._str_at).finditer(data, hit.start()):
-            start, end = found.start(), found.start() + len(found.group(1))
-            label = self.labels[found.group(1).decode() if binary else found.group(1)]
+        for start, end, label in self._hits(data):
             if merged and start < merged[-1][1]:
                 last = merged[-1]
                 merged[-1] = (last[0], max(last[1], end), last[2] + [label] * (label not in last[2]))
             else:
                 merged.append((start, end, [label]))
         return merged
+
+    def _hits(self, data: str | bytes | bytearray) -> Iterator[tuple[int, int, str]]:
+        """``(start, end, label)`` of each value where it starts in ``data``, overlapping ones too; the
+        plain search first, so a text without any value costs one pass."""
+        if isinstance(data, (bytes, bytearray)):
+            if self._bytes is not None and self._bytes_at is not None and (hit := self._bytes.search(data)):
+                for found in self._bytes_at.finditer(data, hit.start()):
+                    yield found.start(), found.start() + len(found.group(1)), self.labels[found.group(1).decode()]
+        elif self._str is not None and self._str_at is not None and (hit_str := self._str.search(data)):
+            for found_str in self._str_at.finditer(data, hit_str.start()):
+                yield found_str.start(), found_str.start() + len(found_str.group(1)), self.labels[found_str.group(1)]
 
     def redact(self, data: Any) -> Any:
         """``data`` (str or bytes) with every secret value replaced by its label; anything else
@@ -161,13 +166,16 @@ def replace(data: Any, spans: list[tuple[int, int, list[str]]]) -> Any:
     if not spans:
         return data
     binary = isinstance(data, (bytes, bytearray))
-    parts, at = [], 0
+    parts: list[Any] = []
+    at = 0
     for start, end, labels in spans:
         label = f"[redacted: {', '.join(labels)}]"
         parts += [data[at:start], label.encode() if binary else label]
         at = end
     parts.append(data[at:])
-    return (b"" if binary else "").join(bytes(p) if binary else p for p in parts)
+    if binary:
+        return b"".join(bytes(p) for p in parts)
+    return "".join(parts)
 
 
 def current() -> Redactor:

@@ -36,8 +36,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import opencode_runner as oc
 import process_tree
@@ -76,7 +77,8 @@ class BridgeServer:
         """Close its stdin (it shuts down, ending its jobs as interrupted); its whole tree is
         killed if it is still there after STOP_GRACE_SEC."""
         with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
         try:
             self.proc.wait(STOP_GRACE_SEC)
         except subprocess.TimeoutExpired:
@@ -107,7 +109,8 @@ def reverse_bridge_env(env: dict[str, str], model: str | None = None,
             say(f"the reverse bridge (claude_ask) is off for this run: {exc}")
         return _disabled(out)
     content = oc._config_content(out)
-    servers = content.get("mcp") if isinstance(content.get("mcp"), dict) else {}
+    listed = content.get("mcp")
+    servers = listed if isinstance(listed, dict) else {}
     content["mcp"] = {**servers, SERVER_NAME: {"type": "remote", "url": server.url, "enabled": True,
                                                "headers": {"Authorization": f"Bearer {server.token}"}}}
     out["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
@@ -122,7 +125,8 @@ def _disabled(env: dict[str, str]) -> dict[str, str]:
     # Without this OpenCode would start the local entry inside the box, where it has neither the
     # key nor the queue: every claude_* call would fail, later and less clearly.
     content = oc._config_content(env)
-    servers = content.get("mcp") if isinstance(content.get("mcp"), dict) else {}
+    listed = content.get("mcp")
+    servers = listed if isinstance(listed, dict) else {}
     content["mcp"] = {**servers, SERVER_NAME: {"enabled": False}}
     return {**env, "OPENCODE_CONFIG_CONTENT": json.dumps(content)}
 
@@ -215,6 +219,7 @@ def start_server(start_sec: float = START_SEC) -> BridgeServer:
     finally:
         listener.close()
     server = BridgeServer(proc, port, token)
+    assert proc.stdin is not None   # stdin=PIPE above
     try:
         proc.stdin.write(f"{token}\n".encode())
         proc.stdin.flush()

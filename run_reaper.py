@@ -8,8 +8,8 @@ tells the worker when OpenCode itself has ended.
   to find it by) is re-parented to it instead of init, and stays in the run's process tree where
   the worker finds it, names it and ends it. Inside the box it sits under bubblewrap's init, so
   the box's PID namespace lives until the worker has looked.
-- When OpenCode exits, it writes ``exit CODE`` on ``STATUS_FD`` (``-N``: ended by signal N); then it holds what is left (its
-  adopted children) until they are gone or a termination signal comes, and exits with CODE.
+- When OpenCode exits, it writes ``exit CODE`` on ``STATUS_FD`` (``-N``: ended by signal N); then
+  it holds what is left (its adopted children) until they are gone or a termination signal comes, and exits with CODE.
 - SIGTERM / SIGINT / SIGHUP: passed to OpenCode while it runs; once OpenCode is gone, it waits
   for its remaining children to end (the worker signals them itself) and exits.
 
@@ -31,7 +31,7 @@ class _State:
     agent: int | None = None      # OpenCode's pid while it runs
 
 
-def _on_signal(signum: int, frame: object) -> None:
+def _on_signal(signum: int, _frame: object) -> None:
     # Forwarded here, not from the loop: the loop sits in wait(), which Python resumes after a
     # handler (PEP 475), so a flag alone would not reach OpenCode until something exits.
     if _State.agent is not None:

@@ -15,7 +15,8 @@ store reads TASK_DB_URL / TASK_DB_PATH / TASK_LOG_DIR).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from mcp.server.mcpserver import MCPServer

@@ -13,34 +13,36 @@ Env: none. Not run on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+N = TypeVar("N", int, float)   # a bound's number type: what ``kind`` says
 
 DAY_SEC = 86_400
 
 
 @dataclass(frozen=True)
-class Bound:
+class Bound(Generic[N]):
     """One numeric field: ``kind`` (int or float), ``default`` (None: absent unless given),
     the accepted range ``lo``..``hi`` (``lo`` itself refused when ``lo_open``: "above 0") and
     the ``unit`` a message names (seconds, USD, tokens, or "")."""
 
     name: str
-    kind: type
-    default: int | float | None
-    lo: int | float
-    hi: int | float
+    kind: type[N]
+    default: N | None
+    lo: N
+    hi: N
     unit: str = ""
     lo_open: bool = False
 
     @property
-    def range(self) -> tuple[int | float, int | float]:
+    def range(self) -> tuple[N, N]:
         """``(lo, hi)``, for the store's ``coerce_int(name, value, *bound.range)``."""
         return self.lo, self.hi
 
     def field(self, description: str, **extra: Any) -> Any:
         """A pydantic ``Field`` with this bound's limits and ``description`` (a tool parameter)."""
         from pydantic import Field
-        low = {"gt": self.lo} if self.lo_open else {"ge": self.lo}
+        low: dict[str, Any] = {"gt": self.lo} if self.lo_open else {"ge": self.lo}
         return Field(le=self.hi, description=description, **low, **extra)
 
     def click_type(self, lo: int | float | None = None) -> Any:

@@ -200,7 +200,8 @@ def model_shown(task: dict[str, Any]) -> str:
     ``default``, for a task no run has recorded yet (the worker picks it at claim)."""
     if task.get("model"):
         return task["model"]
-    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    given = task.get("result")
+    result = given if isinstance(given, dict) else {}
     ran = result.get("model") or task.get("ran_model")
     return f"{ran} (the default)" if ran else "default (chosen when it runs)"
 
@@ -337,7 +338,7 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                 "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
                            "`python worker.py --watch`, or the restart_worker tool"}
     running = _worker_process_lives(beat)
-    age = beat.get("age_sec")
+    age: float = beat["age_sec"]   # every heartbeat the store gives has its age
     silent_after = WORKER_RECENT_SEC if running is not None else WORKER_ELSEWHERE_SILENT_SEC
     # A live worker process here is never called dead by its heartbeat's age alone: the age sets
     # two wall-clock readings against each other, and a clock jumps (sleep, NTP, by hand) or
@@ -567,7 +568,8 @@ def transcript(task_id: Any, offset: int = 0, limit: int = 20) -> dict[str, Any]
     origin's), with the briefs as user turns. Source ``task logs`` when OpenCode cannot give it
     (no session yet, the session deleted): each task's brief, then what its log shows the agent
     said and did. Texts are clipped (a turn at 8,000 characters, a tool output at 1,000, 20
-    tool calls a turn; the task log holds them whole). Raises ValidationError (bad id, offset, limit) or TaskNotFound."""
+    tool calls a turn; the task log holds them whole). Raises ValidationError (bad id, offset,
+    limit) or TaskNotFound."""
     offset = store.coerce_int("offset", store._or(offset, 0), 0, 10**6)
     limit = store.coerce_int("limit", store._or(limit, 20), 1, TRANSCRIPT_PAGE_MAX)
     task = store.get_task(task_id)

@@ -30,14 +30,14 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import knobs
 import process_tree
 import task_store as store
-
 
 # Worker slots run in threads: git's worktree bookkeeping (add, remove, prune) is not safe to run
 # concurrently on one repository, so those steps take this lock.
@@ -293,6 +293,19 @@ class Workspace:
     git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
 
+    def root(self) -> str:
+        """``top``, which a ``worktree`` workspace always has. Raises ValueError for one without it
+        (a caller that skipped its mode check)."""
+        if self.top is None:
+            raise ValueError(f"the {self.mode} workspace at {self.cwd} has no repository root")
+        return self.top
+
+    def base(self) -> str:
+        """``base_commit``, which a ``worktree`` workspace always has. Raises ValueError without it."""
+        if self.base_commit is None:
+            raise ValueError(f"the {self.mode} workspace at {self.cwd} has no base commit")
+        return self.base_commit
+
 
 def _repo_top(path: str) -> str | None:
     """The root of the repository holding ``path``, or None only when git says it is not inside
@@ -313,7 +326,8 @@ def _repo_top(path: str) -> str | None:
             return None
         raise Unrunnable(f"{path} is inside {os.path.dirname(unread)}, whose {unread} git does not read "
                          f"as a repository (git: {_one_line(reason)}); repair that repository ("
-                         f"{store.shell_command('git', '-C', os.path.dirname(unread), 'status')} says what is wrong) and resubmit; the task was "
+                         f"{store.shell_command('git', '-C', os.path.dirname(unread), 'status')} says what is "
+                         "wrong) and resubmit; the task was "
                          "not run in place")
     if "dubious ownership" in reason or "unsafe repository" in reason:
         raise Unrunnable(f"git refuses to read the repository at {path}: it belongs to another user "
@@ -458,7 +472,7 @@ def _fork_base(task: dict[str, Any], top: str) -> tuple[str, str]:
 def _branch_dropped(parent: dict[str, Any]) -> bool:
     """Whether ``parent`` changed nothing and its empty branch was deleted (drop_empty_branch):
     what builds on it starts from its base commit."""
-    result = parent.get("result") if isinstance(parent.get("result"), dict) else {}
+    result = given if isinstance(given := parent.get("result"), dict) else {}
     return not parent.get("branch") and bool(result.get("branch_deleted")) and bool(parent.get("base_commit"))
 
 
@@ -485,7 +499,8 @@ def _continued_workspace(task: dict[str, Any], top: str, sub: str, resume: bool 
             there = git(["symbolic-ref", "-q", "--short", "HEAD"], str(path), check=False)
             if there != branch:
                 raise Unrunnable(f"the worktree {path} of {parent['id']} is on {there or 'a detached HEAD'}, "
-                                 f"not {branch}; switch it back ({store.shell_command('git', '-C', path, 'switch', branch)}) or remove it")
+                                 f"not {branch}; switch it back "
+                                 f"({store.shell_command('git', '-C', path, 'switch', branch)}) or remove it")
         else:
             if os.path.lexists(path):
                 _force_rmtree(str(path))
@@ -534,7 +549,7 @@ def drop_empty_branch(ws: Workspace) -> bool:
 def line_of_work(ws: Workspace, head: str | None) -> dict[str, Any]:
     """The whole line of work up to ``head`` (a follow-up's receipt): the commit it started from,
     the files changed since, the diff's size and the diff (clipped at LINE_DIFF_MAX characters)."""
-    if ws.mode != "worktree" or not ws.line_base or not head:
+    if ws.mode != "worktree" or not ws.line_base or not head or not ws.repo:
         return {}
     names = git(["diff", "--name-only", *DIFF_FLAGS, ws.line_base, head], ws.repo)
     diff = git(["diff", "--binary", "--full-index", *DIFF_FLAGS, ws.line_base, head], ws.repo, strip=False)
@@ -818,7 +833,8 @@ def _resolve_base(mirror: str, url: str, ref: str | None) -> str:
                              "first commit there, or give base_ref")
         return commit
     for candidate in (f"refs/heads/{ref}", f"refs/tags/{ref}", ref):
-        commit = git(["rev-parse", "--verify", "-q", "--end-of-options", f"{candidate}^{{commit}}"], mirror, check=False)
+        commit = git(["rev-parse", "--verify", "-q", "--end-of-options", f"{candidate}^{{commit}}"], mirror,
+                     check=False)
         if commit:
             return commit
     branches = git(["for-each-ref", "--count=10", "--format=%(refname:short)", "refs/heads"], mirror, check=False)
@@ -865,7 +881,7 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     if parent is not None:
         branch_of_parent = parent.get("pushed_branch")
         tip = _remote_tip(mirror, branch_of_parent) if branch_of_parent else ""
-        if not tip:
+        if not tip or not branch_of_parent:
             raise Unrunnable(f"{parent['id']}'s branch {branch_of_parent or '(never pushed)'} is not on {url}; a "
                              "follow-up or fork starts from it: push it back or submit a new task")
         base = task.get("base_commit") or tip
@@ -878,7 +894,8 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
             branch, lease = _remote_branch(mirror, task)
             path = worktree_root() / f"{_repo_label(url)}-{task['id']}"
     else:
-        base = task.get("base_commit") or _remote_dependency_base(task, mirror) or _resolve_base(mirror, url, task.get("base_ref"))
+        base = (task.get("base_commit") or _remote_dependency_base(task, mirror)
+                or _resolve_base(mirror, url, task.get("base_ref")))
         base_from = "earlier attempt" if task.get("base_commit") else \
             f"{task.get('base_ref') or 'the HEAD branch'} of {url}"
         line_base = task.get("line_base") or base
@@ -891,7 +908,7 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
     if resume and task.get("worktree_path") == str(path) and _is_registered(mirror, path):
         ws.reused = True
         return ws
-    if task.get("continue_from") and _is_registered(mirror, path):
+    if parent is not None and task.get("continue_from") and _is_registered(mirror, path):
         here = git(["rev-parse", "HEAD"], str(path), check=False)
         if here != base:
             raise Unrunnable(f"the kept worktree {path} of {parent['id']} is at {here[:12] or 'nothing'}, not at "
@@ -946,8 +963,10 @@ def _refuse_unpushed(mirror: str, path: Path, task: dict[str, Any], base: str) -
     if not head or head == base or git(["for-each-ref", "--count=1", "--contains", head], mirror, check=False):
         return
     raise Unrunnable(f"the kept worktree {path} holds commit {head[:12]}, which was never pushed to {task['repo']} "
-                     f"(an earlier attempt's push failed); push it ({push_command(path, task['repo'], task.get('branch') or 'taskbridge/' + task['id'])}) or "
-                     f"remove the worktree ({store.shell_command('git', '-C', mirror, 'worktree', 'remove', '--force', path)}), "
+                     f"(an earlier attempt's push failed); push it "
+                     f"({push_command(str(path), task['repo'], task.get('branch') or 'taskbridge/' + task['id'])}) or "
+                     "remove the worktree "
+                     f"({store.shell_command('git', '-C', mirror, 'worktree', 'remove', '--force', path)}), "
                      "then retry the task")
 
 
@@ -987,15 +1006,16 @@ def unpushed_workspace(task: dict[str, Any]) -> Workspace | None:
         return None
     mirror_p, _ = sync_mirror(task["repo"])
     mirror = str(mirror_p)
-    if not _is_registered(mirror, Path(path)) or git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False) != commit:
+    if not _is_registered(mirror, Path(path)) or \
+            git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False) != commit:
         return None
     own = task.get("branch") or f"taskbridge/{task['id']}"
     tip = _remote_tip(mirror, own)
     branch, lease = (own, tip) if tip in ("", commit, task.get("pushed_commit")) else _remote_branch(mirror, task)
     note = (f"git worktree of this worker's mirror of {task['repo']}, kept by an earlier attempt whose push "
             "failed; pushed again without running the agent")
-    return Workspace("worktree", path, path, mirror, branch, task["result"].get("base_commit") or task.get("base_commit"),
-                     note=note, remote=task["repo"], push_lease=lease)
+    base = task["result"].get("base_commit") or task.get("base_commit")
+    return Workspace("worktree", path, path, mirror, branch, base, note=note, remote=task["repo"], push_lease=lease)
 
 
 def leftover_remote_worktrees() -> list[dict[str, Any]]:
@@ -1031,7 +1051,8 @@ def leftover_remote_worktrees() -> list[dict[str, Any]]:
                                                 check=False))
             found.append({"path": path, "mirror": str(mirror), "task_id": ident, "why": why,
                           "unpushed": head if head and not contained else None,
-                          "remove": store.shell_command("git", "-C", str(mirror), "worktree", "remove", "--force", path)})
+                          "remove": store.shell_command("git", "-C", str(mirror), "worktree", "remove", "--force",
+                                                        path)})
     return found
 
 
@@ -1047,9 +1068,11 @@ def push_branch(ws: Workspace, commit: str) -> str:
     (absent, or what an earlier attempt pushed), so nobody else's work there is overwritten,
     and a retried attempt replaces its own earlier push. Returns the pushed commit. Raises
     GitError quoting the remote's answer (GitStopped when ended)."""
+    if ws.remote is None:
+        raise ValueError(f"the workspace at {ws.cwd} is not a remote task's: it has nowhere to push")
     ref = f"refs/heads/{ws.branch}"
     git(["push", f"--force-with-lease={ref}:{ws.push_lease or ''}", "--", ws.remote,
-         f"{commit}:{ref}"], ws.top)
+         f"{commit}:{ref}"], ws.root())
     ws.push_lease = commit
     return commit
 
@@ -1119,7 +1142,8 @@ def _force_rmtree(path: str) -> list[str]:
     (a non-root user cannot empty a ``chmod 555`` folder). Returns the errors met."""
     problems: list[str] = []
     _owner_writable_tree(path, problems)
-    shutil.rmtree(path, onerror=lambda _fn, where, info: problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
+    shutil.rmtree(path, onerror=lambda _fn, where, info:
+                  problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
     return problems
 
 
@@ -1151,7 +1175,8 @@ def _leftover(path: str, problems: list[str]) -> str | None:
     why = "; ".join(dict.fromkeys(problems))[:400] or "unknown"
     return (f"{path} could not be removed: {len(left)}{'+' if len(left) > 1000 else ''} entries left "
             f"({sample}); errors: {why}. Fix the permissions and remove it "
-            f"({store.shell_command('chmod', '-R', 'u+rwx', path)} && {store.shell_command('rm', '-rf', path)}), or run clear --remove-worktrees again")
+            f"({store.shell_command('chmod', '-R', 'u+rwx', path)} && {store.shell_command('rm', '-rf', path)}), "
+            "or run clear --remove-worktrees again")
 
 
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
@@ -1226,7 +1251,7 @@ def checkout_state(repo: str | None) -> dict[str, tuple]:
     if not repo:
         return {}
     out = git(["status", "--porcelain", "-z", "--untracked-files=all"], repo, check=False, strip=False)
-    state = {}
+    state: dict[str, tuple] = {}
     for entry in filter(None, out.split("\0")):
         path = entry[3:]
         try:
@@ -1253,17 +1278,18 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     # The index from HEAD, not from the run: a boxed run's own `git add` wrote its objects to a
     # quarantine dropped after the run, so its index entries may name objects this repository
     # lacks (and an unchanged file's entry is trusted by `add -A`).
-    left_out = not_checked_out(ws.top)   # read before read-tree drops the index's sparse marks
-    git(["read-tree", "HEAD"], ws.top)
-    keep_left_out(ws.top, left_out)
-    add_all(ws.top)
-    if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], ws.top):
+    top = ws.root()
+    left_out = not_checked_out(top)   # read before read-tree drops the index's sparse marks
+    git(["read-tree", "HEAD"], top)
+    keep_left_out(top, left_out)
+    add_all(top)
+    if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], top):
         return None
     identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
-                     if not git(["config", "--get", key], ws.top, check=False))
-    git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], ws.top,
+                     if not git(["config", "--get", key], top, check=False))
+    git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], top,
         config=identity)
-    return git(["rev-parse", "HEAD"], ws.top)
+    return git(["rev-parse", "HEAD"], top)
 
 
 COMMIT_TRAILER = "TaskBridge-Attempt"
@@ -1291,7 +1317,7 @@ def unrecorded_commit(task: dict[str, Any], marker: str) -> dict[str, Any] | Non
         return None
     top = _repo_top_or_none(task["working_dir"])
     tip = _branch_tip(top, task["branch"]) if top else ""
-    if not tip or tip == task["base_commit"]:
+    if top is None or not tip or tip == task["base_commit"]:
         return None
     base = task["base_commit"]
     facts = _trailer_facts(git(["log", "-1", "--format=%B", tip], top, strip=False))
@@ -1320,9 +1346,9 @@ def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[li
     Returns (the reverted paths, what could not be reverted as ``path: why`` lines)."""
     if ws.mode == "worktree":
         changed, _ = observed_changes(ws)
-        _owner_writable_tree(ws.top, [])     # a chmod 555 build folder must not stop the revert
-        git(["reset", "-q", "--hard", ws.base_commit], ws.top)
-        git(["clean", "-q", "-fdx"], ws.top)
+        _owner_writable_tree(ws.root(), [])     # a chmod 555 build folder must not stop the revert
+        git(["reset", "-q", "--hard", ws.base()], ws.root())
+        git(["clean", "-q", "-fdx"], ws.root())
         return changed, []
     return restore_snapshot(ws.cwd, snapshot or {})
 
@@ -1392,8 +1418,13 @@ def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], 
     now = {rel: (e[0], modes.get(rel, e[1]), *e[2:]) if e[0] != "link" else e
            for rel, e in (take_snapshot(root, snapshot) or {}).items()}
     hidden = [rel for rel, e in snapshot.items() if e[0] == "opaque"]
-    left_alone = lambda rel: any(rel == h or rel.startswith(h + os.sep) for h in hidden)
-    shown = lambda rel, kind: rel + "/" if kind == "dir" else rel
+
+    def left_alone(rel: str) -> bool:
+        return any(rel == h or rel.startswith(h + os.sep) for h in hidden)
+
+    def shown(rel: str, kind: str) -> str:
+        return rel + "/" if kind == "dir" else rel
+
     reverted: set[str] = set()
     for rel in sorted(now, key=lambda r: -r.count(os.sep)):          # deepest first
         if rel != "." and not left_alone(rel) and (rel not in snapshot or snapshot[rel][0] != now[rel][0]):
@@ -1882,8 +1913,9 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
                     "apply": sh("python", "tasks_cli.py", "apply", task["id"])}
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": tip or None, "base_commit": base, "repo": repo,
-            "checkout_branch": git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
-            "applied": bool(tip and head and _is_ancestor(repo, tip, head)),
+            "checkout_branch":
+                git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
+            "applied": bool(repo and tip and head and _is_ancestor(repo, tip, head)),
             "worktree_path": kept, "commands": commands}
 
 
@@ -1908,7 +1940,8 @@ def remote_work(task: dict[str, Any]) -> str:
     if branch:
         return (f"task {task['id']} worked on the remote {remote}: its branch {branch} was pushed there "
                 f"(commit {str(task.get('pushed_commit'))[:12]}), and there is no checkout of it on this machine. "
-                f"In a clone of that repository: {store.shell_command('git', 'fetch', remote, branch)} && git merge FETCH_HEAD "
+                f"In a clone of that repository: {store.shell_command('git', 'fetch', remote, branch)} "
+                "&& git merge FETCH_HEAD "
                 "(or open a pull request from the branch)")
     kept = f"; its worktree {task['worktree_path']} is kept" if task.get("worktree_path") else ""
     return (f"task {task['id']} works on the remote {remote} and has pushed no branch there yet "
@@ -1957,7 +1990,7 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
 def no_change_note(task: dict[str, Any]) -> str | None:
     """For a done task whose run changed nothing: "no change, nothing to apply" and where its
     branch went (deleted when empty, or kept with its worktree); None for any other task."""
-    result = task.get("result") if isinstance(task.get("result"), dict) else {}
+    result = given if isinstance(given := task.get("result"), dict) else {}
     if task["status"] != "done" or result.get("commit") or not result.get("no_change"):
         return None
     where = f"its empty branch {result['branch_deleted']} was deleted" if result.get("branch_deleted") else \
@@ -1975,8 +2008,9 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     if task.get("repo"):
         raise ApplyRefused(remote_work(task))
     branch, commit = task.get("branch"), (task.get("result") or {}).get("commit")
-    if not commit and no_change_note(task):
-        raise ApplyRefused(no_change_note(task))
+    nothing = no_change_note(task)
+    if not commit and nothing:
+        raise ApplyRefused(nothing)
     if not branch:
         raise ApplyRefused(f"task {ident} has no branch: it ran in place (worktree=false or not a git "
                            "repository), so its changes are already in its directory")
@@ -1994,9 +2028,11 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
         raise ApplyRefused(f"branch {branch} of task {ident} no longer exists in {repo}; nothing to apply")
     into = git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False)
     if not into:
-        raise ApplyRefused(f"{repo} has a detached HEAD; check out the branch to apply to (git switch main) and apply again")
+        raise ApplyRefused(f"{repo} has a detached HEAD; check out the branch to apply to (git switch main) "
+                           "and apply again")
     if into == branch:
-        raise ApplyRefused(f"{repo} is on the task's own branch {branch}; switch to the branch to apply it to and apply again")
+        raise ApplyRefused(f"{repo} is on the task's own branch {branch}; switch to the branch to apply it to "
+                           "and apply again")
     return repo, branch, tip, into
 
 
@@ -2014,7 +2050,8 @@ def _refuse_unclean(repo: str, ident: str) -> None:
             if entry[0] in "RC":
                 next(entries, None)  # a rename or copy is followed by its source path
     if dirty:
-        shown = ", ".join(entry[3:] for entry in dirty[:10]) + (f" and {len(dirty) - 10} more" if len(dirty) > 10 else "")
+        shown = ", ".join(entry[3:] for entry in dirty[:10])
+        shown += f" and {len(dirty) - 10} more" if len(dirty) > 10 else ""
         raise ApplyRefused(f"{repo} has uncommitted changes ({shown}); commit or stash them (git stash) "
                            f"and apply {ident} again")
 
@@ -2032,7 +2069,8 @@ def _run_apply(repo: str, mode: str, task: dict[str, Any], branch: str, tip: str
         git([*who, "merge", "--no-edit", "-m", f"Merge {branch}: {title} (TaskBridge {task['id']})", tip], repo)
     elif mode == "squash":
         git([*who, "merge", "--squash", tip], repo)
-        git([*who, "commit", "-q", "--no-edit", "-m", f"{title} (TaskBridge {task['id']}, squashed from {branch})"], repo)
+        git([*who, "commit", "-q", "--no-edit", "-m", f"{title} (TaskBridge {task['id']}, squashed from {branch})"],
+            repo)
     else:
         base = task.get("base_commit")
         picks = f"{base}..{tip}" if base and _is_ancestor(repo, base, tip) else tip
@@ -2055,7 +2093,8 @@ def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, confl
     restored = git(["rev-parse", "HEAD"], repo, check=False) == before and not \
         git(["status", "--porcelain", "--untracked-files=no"], repo, check=False)
     state = (f"the checkout is as it was (HEAD {before[:12]})" if restored else
-             f"the checkout could NOT be fully restored: check `{store.shell_command('git', '-C', repo, 'status')}` (HEAD was {before[:12]})")
+             f"the checkout could NOT be fully restored: check `{store.shell_command('git', '-C', repo, 'status')}` "
+             f"(HEAD was {before[:12]})")
     if conflicts:
         shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
         return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "

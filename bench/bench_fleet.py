@@ -24,7 +24,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -129,8 +128,9 @@ def feed(stop_at: float, keep: int, workdir: Path) -> int:
     return submitted
 
 
-def run_fleet(url: str, n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """One fleet of ``n`` workers for ``args.seconds`` against ``url``: the merged results."""
+def run_fleet(n: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """One fleet of ``n`` workers for ``args.seconds`` against the queue the environment names: the
+    merged results."""
     top_up(n, workdir)   # a full queue before the clock starts
     procs = [subprocess.Popen([PY, "-c", SIMULATOR, str(Path(__file__).resolve().parent),
                                str(n // args.procs + (i < n % args.procs)), str(args.threads), str(args.seconds),
@@ -179,14 +179,15 @@ def main() -> int:
                 url = pg.create(f"fleet_{n}")
                 try:
                     with queue_at(url, Path(tmp) / "logs"):
-                        r = run_fleet(url, n, args, Path(tmp) / "work")
+                        r = run_fleet(n, args, Path(tmp) / "work")
                 finally:
                     pg.drop(f"fleet_{n}")
                 ok = r["p99"] < 1.0 and r["lost"] == 0
                 holds = n if ok else holds
                 rows.append(f"| {n:,} | {r['renewals'] / r['seconds']:,.0f}/s | {r['p50'] * 1000:,.0f} ms "
                             f"| {r['p99'] * 1000:,.0f} ms | {r['max'] * 1000:,.0f} ms | {r['lost']} "
-                            f"| {r['claims']:,} / {r['finishes']:,} / {r['ships']:,} / {r['fed']:,} | {'holds' if ok else 'no'} |")
+                            f"| {r['claims']:,} / {r['finishes']:,} / {r['ships']:,} / {r['fed']:,} "
+                            f"| {'holds' if ok else 'no'} |")
                 print(rows[-1], file=sys.stderr, flush=True)
     finally:
         pg.stop()

@@ -143,7 +143,8 @@ def measure(workers: tuple[int, ...], seconds: float, trials: int) -> dict[str, 
                             pg.drop(db)
                         rates.setdefault((system, n), []).append(rate)
                         doubles[(system, n)] += bad
-                        print(f"  {system:13} {n:2} processes, trial {t + 1}: {rate:,.0f} cycles/s, {bad} double claims",
+                        print(f"  {system:13} {n:2} processes, trial {t + 1}: {rate:,.0f} cycles/s, "
+                              f"{bad} double claims",
                               file=sys.stderr, flush=True)
     finally:
         pg.stop()
@@ -154,7 +155,8 @@ def table(result: dict[str, Any], workers: tuple[int, ...]) -> str:
     """The Markdown table of medians (slowest in brackets), the ratio and TaskBridge's growth."""
     rates, doubles = result["rates"], result["doubles"]
     med = {key: statistics.median(v) for key, v in rates.items()}
-    lines = ["| processes | TaskBridge: median (slowest) | procrastinate: median (slowest) | TaskBridge ÷ procrastinate "
+    lines = ["| processes | TaskBridge: median (slowest) | procrastinate: median (slowest) "
+             "| TaskBridge ÷ procrastinate "
              "| TaskBridge vs its 1 process | double claims (TaskBridge / procrastinate) |",
              "|---|---|---|---|---|---|"]
     for n in workers:

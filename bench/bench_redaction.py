@@ -1,6 +1,7 @@
 """The cost of redaction on the worker's hot log path: a 10 MB task log through the worker's
 line handling (``worker.Supervisor._feed``: lines assembled, redacted, parsed, written), with
-and without secrets held (three: token, API key, database password), and the same log through ``redaction.redact`` alone.
+and without secrets held (three: token, API key, database password), and the same log through
+``redaction.redact`` alone.
 
     .venv/bin/python bench/bench_redaction.py [MB]      # default 10 MB, ~10 s
 

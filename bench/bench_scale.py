@@ -35,8 +35,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -73,7 +74,7 @@ class Postgres:
     root: the folder is its own, outside any folder that user could not enter)."""
 
     def __init__(self) -> None:
-        import pg_server   # tests/pg_server.py: where the binaries are, a free port
+        import pg_server  # tests/pg_server.py: where the binaries are, a free port
         bindir = pg_server.pg_bin_dir()
         if bindir is None:
             raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
@@ -117,10 +118,10 @@ class Postgres:
             try:
                 return psycopg.connect(host=str(self.folder / "sock"), port=self.port, user=PG_USER,
                                        dbname="postgres", autocommit=True, connect_timeout=5)
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as exc:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("postgres did not start: "
-                                       + (self.folder / "postgres.log").read_text(errors="replace")[-2000:])
+                                       + (self.folder / "postgres.log").read_text(errors="replace")[-2000:]) from exc
                 time.sleep(0.05)
 
     def url(self, dbname: str) -> str:

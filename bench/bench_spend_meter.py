@@ -84,7 +84,8 @@ def main() -> int:
         sup._line("out", step_line)
         times.append(time.perf_counter() - start)
     times.sort()
-    print(f"per step_finish (parse + record_spend + check + gate file): median {statistics.median(times) * 1e3:.2f} ms, "
+    print("per step_finish (parse + record_spend + check + gate file): "
+          f"median {statistics.median(times) * 1e3:.2f} ms, "
           f"p95 {times[int(len(times) * 0.95)] * 1e3:.2f} ms; a model call takes seconds")
     meter.close()
     return 0

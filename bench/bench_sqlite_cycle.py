@@ -123,7 +123,7 @@ def measure(procs: tuple[int, ...] = PROCS, cycles: int = 400, trials: int = 3) 
     """Rates per (mode, processes): {"rates": {(mode, n): [cycles/s per trial]}, "doubles": {(mode,
     n): count}}. ``cycles`` per process per trial; the order of the modes rotates every trial."""
     rates: dict[tuple[str, int], list[float]] = {(m, n): [] for m in MODES for n in procs}
-    doubles = {key: 0 for key in rates}
+    doubles = dict.fromkeys(rates, 0)
     with tempfile.TemporaryDirectory() as tmp:
         for trial in range(trials):
             for n in procs:
@@ -133,7 +133,8 @@ def measure(procs: tuple[int, ...] = PROCS, cycles: int = 400, trials: int = 3) 
                                              max(50, cycles // max(1, n // 4)))
                     rates[(mode, n)].append(rate)
                     doubles[(mode, n)] += double
-                    print(f"  {mode:5} {n:2} processes trial {trial}: {rate:,.0f} cycles/s", file=sys.stderr, flush=True)
+                    print(f"  {mode:5} {n:2} processes trial {trial}: {rate:,.0f} cycles/s",
+                          file=sys.stderr, flush=True)
     return {"rates": rates, "doubles": doubles}
 
 
@@ -162,7 +163,7 @@ def store_pages(folder: Path, drop: tuple[str, ...] = (), cycles: int = 200) -> 
     steps = {"submit": lambda _: task_store.submit_task(title="c", instructions="i", working_dir=work),
              "claim": lambda _: task_store.claim_next("bench"),
              "finish": lambda task: task_store.complete_attempt(task["id"], task["run_marker"])}
-    pages = {step: 0 for step in steps}
+    pages = dict.fromkeys(steps, 0)
     for i in range(300 + cycles):
         if i == 300:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

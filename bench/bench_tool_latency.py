@@ -76,11 +76,11 @@ def report(title: str, times: dict[tuple[str, str], list[float]]) -> None:
 
 async def main(calls: int) -> None:
     import httpx2
-    import opencode_bridge_mcp as bridge
     from mcp import Client
     from mcp.client.streamable_http import streamable_http_client
 
-    from helpers import serving   # tests/helpers.py: the app under uvicorn in a thread
+    import opencode_bridge_mcp as bridge
+    from helpers import serving  # tests/helpers.py: the app under uvicorn in a thread
 
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:

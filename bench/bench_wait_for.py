@@ -78,8 +78,9 @@ async def one_round(client, workdir: str, rng: random.Random) -> tuple[float, fl
 
 
 async def main(rounds: int) -> None:
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
 
     logging.basicConfig(level=logging.WARNING)
     rng = random.Random(7)
@@ -94,8 +95,10 @@ async def main(rounds: int) -> None:
                 polls.append(poll)
     poll_sec = os.environ.get("MCP_WAIT_POLL_SEC") or "0.2"
     print(f"wait_for wake-up after a task finishes ({rounds} rounds, events-log poll {poll_sec} s):")
-    print(f"  wait_for (server-side)   median {statistics.median(waits) * 1000:7.0f} ms   p95 {percentile(waits, 0.95) * 1000:7.0f} ms")
-    print(f"  client polling every 4 s median {statistics.median(polls) * 1000:7.0f} ms   p95 {percentile(polls, 0.95) * 1000:7.0f} ms")
+    print(f"  wait_for (server-side)   median {statistics.median(waits) * 1000:7.0f} ms   "
+          f"p95 {percentile(waits, 0.95) * 1000:7.0f} ms")
+    print(f"  client polling every 4 s median {statistics.median(polls) * 1000:7.0f} ms   "
+          f"p95 {percentile(polls, 0.95) * 1000:7.0f} ms")
     print(f"  ratio (polling / wait_for): median {statistics.median(polls) / statistics.median(waits):.1f}x, "
           f"p95 {percentile(polls, 0.95) / percentile(waits, 0.95):.1f}x")
 

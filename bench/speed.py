@@ -18,10 +18,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
@@ -74,7 +74,8 @@ def table() -> str:
         ratio = f"{row['ratio']:.2f}×" if "ratio" in row else "—"
         met = {True: "yes", False: "**no**"}.get(row.get("met"), "—")
         note = f" ({row['note']})" if row["note"] else ""
-        lines.append(f"| {row['figure']}{note} | {ours} | {row['ref_name']} | {ref} | {ratio} | {row['target']} | {met} |")
+        lines.append(f"| {row['figure']}{note} | {ours} | {row['ref_name']} | {ref} | {ratio} "
+                     f"| {row['target']} | {met} |")
     return "\n".join(lines)
 
 
@@ -149,9 +150,10 @@ def scale(folder: Path, calls: int) -> None:
     rng = random.Random(5)
     ops = {
         "get_task": lambda size: task_store.get_task(rng.randint(1, sizes[size])),
-        "list_tasks, a random page (cursor)": lambda size: task_store.list_tasks(limit=50, cursor=rng.choice(pages[size])),
+        "list_tasks, a random page (cursor)":
+            lambda size: task_store.list_tasks(limit=50, cursor=rng.choice(pages[size])),
         "list_tasks, a deep page by offset": lambda size: task_store.list_tasks(limit=50, offset=sizes[size] * 9 // 10),
-        "queue_status (counts, oldest, claimable)": lambda size: task_store.queue_summary(),
+        "queue_status (counts, oldest, claimable)": lambda _size: task_store.queue_summary(),
     }
     times = {(op, size): [] for op in ops for size in sizes}
     for round_ in range(calls):
@@ -167,7 +169,7 @@ def scale(folder: Path, calls: int) -> None:
         strict = "offset" not in op
         add(f"{op} at 100,000 tasks", times[(op, "100k")], times[(op, "1k")], "the same at 1,000 tasks",
             "p95 ≤ 20 ms and ≤ 1.5×" if strict else "(offset kept for old callers)",
-            (lambda m, p, r: p <= 0.020 and r <= 1.5) if strict else None)
+            (lambda _m, p, r: p <= 0.020 and r <= 1.5) if strict else None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,8 +179,9 @@ def scale(folder: Path, calls: int) -> None:
 async def tool_latency(folder: Path, rounds: int) -> None:
     import logging
 
-    import bench_tool_latency
     from mcp.client.session import ClientSession
+
+    import bench_tool_latency
 
     logging.getLogger("taskbridge").setLevel(logging.ERROR)
     bench_tool_latency.seed(str(use_queue(folder)))
@@ -187,7 +190,7 @@ async def tool_latency(folder: Path, rounds: int) -> None:
     # tool's output schema: the part of a call that grows with the rows a result holds.
     check = ClientSession.validate_tool_result
 
-    async def unchecked(self, name, result):
+    async def unchecked(_self, _name, _result):
         return None
     ClientSession.validate_tool_result = unchecked
     try:
@@ -197,9 +200,10 @@ async def tool_latency(folder: Path, rounds: int) -> None:
 
 
 async def tool_rounds(folder: Path, rounds: int, label: str) -> None:
+    from mcp import Client
+
     import bench_tool_latency
     import opencode_bridge_mcp as bridge
-    from mcp import Client
 
     cases = [("bare", "ping", {}), ("ours", "get_task", {"task_id": "t_0001"}),
              ("ours", "list_tasks", {"limit": 50}), ("ours", "queue_status", {}),
@@ -216,14 +220,16 @@ async def tool_rounds(folder: Path, rounds: int, label: str) -> None:
                     times[tool].append(time.perf_counter() - started)
                 assert not result.is_error, result
     for _, tool, _ in cases[1:]:
-        add(f"MCP `{tool}` in memory" + (" (50 rows)" if tool == "list_tasks" else "") + label, times[tool], times["ping"],
-            "bare `MCPServer` tool returning a constant", "≤ 1.3× at p50", lambda m, p, r: r <= 1.3)
+        rows = " (50 rows)" if tool == "list_tasks" else ""
+        add(f"MCP `{tool}` in memory{rows}{label}", times[tool], times["ping"],
+            "bare `MCPServer` tool returning a constant", "≤ 1.3× at p50", lambda _m, _p, r: r <= 1.3)
 
 
 async def wake(folder: Path, rounds: int) -> None:
+    from mcp import Client
+
     import bench_wait_for
     import opencode_bridge_mcp as bridge
-    from mcp import Client
 
     work = use_queue(folder)
     rng = random.Random(7)
@@ -234,7 +240,7 @@ async def wake(folder: Path, rounds: int) -> None:
             waits.append(waited)
             polls.append(polled)
     add("wake, task finished → `wait_for` returns", waits, polls, "a client polling `get_task` every 4 s",
-        "median ≤ 50 ms", lambda m, p, r: m <= 0.050)
+        "median ≤ 50 ms", lambda m, _p, _r: m <= 0.050)
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +253,6 @@ DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_q
 def real_runs(folder: Path, trials: int) -> None:
     import psutil
 
-    import task_store
     from fake_openai import ScriptedModel, text
     from helpers import make_repo
     from opencode_env import opencode_bin, opencode_env
@@ -295,15 +300,15 @@ def real_runs(folder: Path, trials: int) -> None:
         worker.wait(60)
         model.stop()
     add("pickup, submit → claimed by `--watch`", pickups, None, "60 s schedule: median 30 s, p95 57 s",
-        "median ≤ 50 ms", lambda m, p, r: m <= 0.050, note="reference computed, not waited for")
+        "median ≤ 50 ms", lambda m, _p, _r: m <= 0.050, note="reference computed, not waited for")
     add("pickup, submit → agent process started", agents, None, "60 s schedule: median 30 s, p95 57 s",
-        "median ≤ 50 ms", lambda m, p, r: m <= 0.050, note="worktree made, opencode spawned")
+        "median ≤ 50 ms", lambda m, _p, _r: m <= 0.050, note="worktree made, opencode spawned")
     add("one task end to end, cold (submit → done)", ends, bares, "bare `opencode run`, same prompt",
-        "≤ 1.05×", lambda m, p, r: r <= 1.05)
+        "≤ 1.05×", lambda _m, _p, r: r <= 1.05)
     add("one task end to end, warm engine", None, None, "bare `opencode run`", "≤ 0.6×", None,
         note="not built")
     add("idle RSS of `worker.py --watch`", idle_rss, python_rss, "a bare Python", "≤ 3×",
-        lambda m, p, r: r <= 3, unit="MB")
+        lambda _m, _p, r: r <= 3, unit="MB")
 
 
 def box(trials: int) -> None:
@@ -314,9 +319,9 @@ def box(trials: int) -> None:
         print(f"  skipped: the agent box ({agent_box.support().reason})", file=sys.stderr)
         return
     result = bench_box.measure(trials)
-    added = [b - a for a, b in zip(result["bare"], result["boxed"])]
+    added = [b - a for a, b in zip(result["bare"], result["boxed"], strict=False)]
     add("what the agent box adds to a run's start (bwrap with a task's binds)", added, None,
-        "the same command unboxed, interleaved", "median ≤ 50 ms", lambda m, p, r: m <= 0.050)
+        "the same command unboxed, interleaved", "median ≤ 50 ms", lambda m, _p, _r: m <= 0.050)
     add("memory of the box's own processes (bwrap)", result["rss"], None, "", "a few MB", None, unit="MB")
 
 
@@ -389,7 +394,7 @@ def mcp_rss(folder: Path, samples: int) -> None:
             proc.kill()
             proc.wait()
     add("idle RSS of the MCP server (stdio)", ours, bare, "a bare `MCPServer`", "≤ 1.1×",
-        lambda m, p, r: r <= 1.1, unit="MB")
+        lambda _m, _p, r: r <= 1.1, unit="MB")
 
 
 # --------------------------------------------------------------------------------------------

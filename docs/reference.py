@@ -54,8 +54,8 @@ def knob_ranges() -> str:
     knobs = _import("knobs")
     rows = ["| variable | kind | default | lowest | highest |", "|---|---|---|---|---|"]
     for name, (kind, default, lo, hi) in sorted(knobs.REGISTRY.items()):
-        show = (lambda v: f"{kind(v):g}") if kind is float else (lambda v: str(kind(v)))
-        rows.append(f"| `{name}` | {kind.__name__} | {show(default)} | {show(lo)} | {show(hi)} |")
+        shown = [f"{kind(v):g}" if kind is float else str(kind(v)) for v in (default, lo, hi)]
+        rows.append(f"| `{name}` | {kind.__name__} | {' | '.join(shown)} |")
     return "\n".join(rows)
 
 
@@ -85,7 +85,8 @@ def _tool_section(tool: Any) -> str:
     rows = ["| parameter | type | default | bounds | meaning |", "|---|---|---|---|---|"]
     for name, prop in schema.get("properties", {}).items():
         default = "required" if name in required else f"`{json.dumps(prop.get('default'))}`"
-        rows.append(f"| `{name}` | {_kind(prop)} | {default} | {_bounds(prop)} | {_cell(prop.get('description', ''))} |")
+        described = _cell(prop.get("description", ""))
+        rows.append(f"| `{name}` | {_kind(prop)} | {default} | {_bounds(prop)} | {described} |")
     body = [head, "", inspect.cleandoc(tool.description or ""), ""]
     if len(rows) > 2:
         body += rows

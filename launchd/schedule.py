@@ -13,8 +13,8 @@ shell that installed it.
 
 Env: TASK_DB_PATH, TASK_LOG_DIR, OPENCODE_BIN, a PostgreSQL TASK_DB_URL (without its password:
 the job's libpq reads it from ~/.pgpass, so no job file holds one) and, when set, the knobs in
-CARRIED (WORKER_MODEL, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_HOST, …) are baked into the job; LAUNCH_AGENTS_DIR and SYSTEMD_USER_DIR say
-where the files go (defaults ~/Library/LaunchAgents, ~/.config/systemd/user).
+CARRIED (WORKER_MODEL, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_HOST, …) are baked into the job;
+LAUNCH_AGENTS_DIR and SYSTEMD_USER_DIR say where the files go (defaults ~/Library/LaunchAgents, ~/.config/systemd/user).
 
 On Linux a user timer runs only while its user is logged in unless lingering is on
 (`loginctl show-user USER -p Linger`): install and status say so and print the command that
@@ -185,10 +185,12 @@ def status() -> str:
         timer = _show(f"{UNIT}.timer", "ActiveState", "LastTriggerUSec", "NextElapseUSecRealtime")
         service = _show(f"{UNIT}.service", "Result", "ExecMainStatus", "ExecMainExitTimestamp")
         if timer:
-            lines.append(f"  timer {timer.get('ActiveState', '?')}; last fired {timer.get('LastTriggerUSec') or 'never'}")
+            lines.append(f"  timer {timer.get('ActiveState', '?')}; "
+                         f"last fired {timer.get('LastTriggerUSec') or 'never'}")
         if service:
             lines.append(f"  last pass: result {service.get('Result', '?')}, exit status "
-                         f"{service.get('ExecMainStatus', '?')}, ended {service.get('ExecMainExitTimestamp') or 'never'}")
+                         f"{service.get('ExecMainStatus', '?')}, "
+                         f"ended {service.get('ExecMainExitTimestamp') or 'never'}")
         advice = linger_advice()
         lines.append("  " + (advice or "lingering is on: the timer keeps running after logout"))
     else:
