@@ -116,7 +116,8 @@ def error_response(exc: Exception) -> Any:
     from starlette.responses import JSONResponse
     if isinstance(exc, store.TaskNotFound):
         return JSONResponse({"error": str(exc)}, status_code=404)
-    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy, store.DatabaseUnusable)):   # the database, not the request
+    if isinstance(exc, (store.DatabaseUnavailable, store.DatabaseBusy,
+                        store.DatabaseUnusable)):   # the database, not the request
         return JSONResponse({"error": str(exc)}, status_code=503)
     if isinstance(exc, store.TaskStoreError):
         return JSONResponse({"error": str(exc)}, status_code=400)

@@ -188,7 +188,7 @@ class QueueTasks(Extension):
         meta = {**(final.get("_meta") or {}), RELATED_TASK: {"taskId": task["id"]}}
         return final | {"_meta": meta} | ({"isError": True} if task["status"] == "failed" else {})
 
-    async def list_page(self, ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams) -> dict[str, Any]:
+    async def list_page(self, _ctx: ServerRequestContext[Any, Any], params: PaginatedRequestParams) -> dict[str, Any]:
         """``tasks/list`` (2025-11-25): a page of the queue's tasks in list_tasks' order, with
         ``nextCursor`` while more follow.
 
@@ -211,8 +211,9 @@ class QueueTasks(Extension):
         if ctx.protocol_version != LEGACY:
             return result
         if ctx.method == "tools/list":
-            return result | {"tools": [tool | {"execution": {"taskSupport": "optional"}} if tool.get("name") in TASK_TOOLS
-                                       else tool for tool in result.get("tools", [])]}
+            marked = {"execution": {"taskSupport": "optional"}}
+            return result | {"tools": [tool | marked if tool.get("name") in TASK_TOOLS else tool
+                                       for tool in result.get("tools", [])]}
         params = ctx.params or {}
         if ctx.method != "tools/call" or params.get("name") not in TASK_TOOLS or params.get("task") is None:
             return result
@@ -280,7 +281,8 @@ async def _ask_on_result_stream(ctx: ServerRequestContext[Any, Any], task: dict[
     to ``answer_task``."""
     form = question_request(task)["params"]
     try:
-        reply = await ctx.session.elicit_form(form["message"], form["requestedSchema"], related_request_id=ctx.request_id)
+        reply = await ctx.session.elicit_form(form["message"], form["requestedSchema"],
+                                              related_request_id=ctx.request_id)
         answer = _accepted_answer(reply.model_dump(by_alias=True, mode="json"))
         if answer is not None:
             await _store_call(store.answer_task, task["id"], answer, "planner")

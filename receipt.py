@@ -186,8 +186,8 @@ def permission_asks(task: dict[str, Any]) -> list[dict[str, Any]]:
     """The permission asks the planner decided over the task's attempts, each ``{tool, subject,
     reason, decision}`` (``deny once`` …): a refused call never reaches the event stream, so
     this is its only trace in the receipt. Carried over from the previous attempt's receipt."""
-    result = task.get("result") if isinstance(task.get("result"), dict) else {}
-    asks = list(result.get("permission_asks") or [])
+    result = task.get("result")
+    asks = list((result.get("permission_asks") if isinstance(result, dict) else None) or [])
     ask = task.get("pending_ask") or {}
     if ask.get("decision"):
         record = {key: ask.get(key) for key in ("tool", "subject", "reason", "decision")}
@@ -221,14 +221,23 @@ def _workspace_fields(ws: worktrees.Workspace) -> dict[str, Any]:
             "worktree_path": ws.top if ws.mode == "worktree" else None}
 
 
+def whole_text_at(task: dict[str, Any], run: Any) -> str:
+    """Where a receipt text clipped from the agent's final message can be read whole: the task's
+    log, with the final message's size when it was longer than what was kept."""
+    size = run.stream.final_text_chars
+    return f"the task's log, {store.task_log_location(task['id'])}" + (
+        f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
+
+
 def build(task: dict[str, Any], current: dict[str, Any], ws: worktrees.Workspace, run: Any, model: str,
-          block: dict[str, Any], files: list[str], reverted: list[str], session_note: str,
-          where: str) -> Receipt:
+          block: dict[str, Any], git_seen: tuple[list[str], list[str]], session_note: str) -> Receipt:
     """The receipt of one finished run (every ``always`` field set): what git and the event stream
     showed, beside what the agent says. ``task``: the task as claimed; ``current``: as it is now
     (its notes and questions); ``run``: the worker's RunResult; ``block``: the parsed closing
-    block (``opencode_runner.parse_closing_block``); ``files``: the changed paths git saw;
-    ``reverted``: paths reverted (readonly); ``where``: where a clipped text can be read whole."""
+    block (``opencode_runner.parse_closing_block``); ``git_seen``: (the changed paths git saw,
+    the paths reverted for readonly)."""
+    files, reverted = git_seen
+    where = whole_text_at(task, run)
     stream = run.stream
     if ws.mode == "in-place" and not ws.top:
         files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls

@@ -1739,7 +1739,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
                        result=receipt, usage=usage, paused_for="permission", ask=run.asked)
     if reason is None and block["kind"] == "question":
         notify(f"TaskBridge {task['id']} asks", block["question"][:200])
-        question = store.clip(block["question"], QUESTION_MAX, _whole_text_at(task, run))
+        question = store.clip(block["question"], QUESTION_MAX, receipt_mod.whole_text_at(task, run))
         return _finish(store.pause_for_question, task, marker, question,
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
@@ -2090,19 +2090,11 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
             log(left)
 
 
-def _whole_text_at(task: dict, run: RunResult) -> str:
-    """Where a clipped receipt text can be read whole: the task's log (the raw event stream)."""
-    size = run.stream.final_text_chars
-    return f"the task's log, {store.task_log_location(task['id'])}" + (
-        f" (the agent's final message has {size:,} characters)" if size > len(run.stream.final_text) else "")
-
-
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,
                   files: list[str], reverted: list[str], session_note: str) -> Receipt:
     """The receipt (receipt.build): what git and the event stream showed, beside what the agent says."""
     current = db(store.get_task, task["id"])
-    return receipt_mod.build(task, current, ws, run, model, block, files, reverted, session_note,
-                             _whole_text_at(task, run))
+    return receipt_mod.build(task, current, ws, run, model, block, (files, reverted), session_note)
 
 
 # --------------------------------------------------------------------------------------------
