@@ -44,8 +44,11 @@ def per_event(supervisor, batch: list[bytes], rounds: int) -> float:
 def main() -> int:
     total = int(sys.argv[1]) if len(sys.argv) > 1 else 200_000
     folder = tempfile.mkdtemp(prefix="bench-spend-")
-    os.environ["TASK_DB_PATH"] = str(Path(folder) / "tasks.db")
-    os.environ["TASK_LOG_DIR"] = str(Path(folder) / "logs")
+    os.environ["TASK_DB_PATH"] = str(Path(folder) / "q" / "tasks.db")
+    os.environ["TASK_LOG_DIR"] = str(Path(folder) / "q" / "logs")
+    project = Path(folder) / "project"   # the queue's own folder is refused as a task's working_dir
+    project.mkdir()
+    import agent_box
     import opencode_runner as oc
     import task_store as store
     import worker
@@ -53,11 +56,12 @@ def main() -> int:
 
     worker.fresh_state(voice=Talk(0))   # quiet: the worker's voice says nothing while it is timed
     store.set_budget(daily_usd=1000)
-    task = store.submit_task(title="bench", instructions="x", working_dir=folder, max_cost_usd=500)
+    task = store.submit_task(title="bench", instructions="x", working_dir=str(project), max_cost_usd=500)
     task = store.claim_next("bench")
-    sup = worker.Supervisor.__new__(worker.Supervisor)
-    sup.task, sup.log, sup.stop = task, io.BytesIO(), False
-    sup.result = worker.RunResult(oc.EventStream())
+    # A real Supervisor, fed lines by hand: no OpenCode runs, its log is in memory.
+    sup = worker.Supervisor(task, ["opencode"], {oc.QUEUE_ENV: "bench"}, str(project), "", worker.Knobs(),
+                            agent_box.Support(None, reason="bench: no run"))
+    sup.log, sup.shells = io.BytesIO(), worker.ShellWatch(os.getpid(), ["opencode"])
     meter = worker.Meter(task, str(Path(folder) / "bench.gate"))
     batch = lines() * 500
     rounds = max(total // (2 * len(batch)), 1)
