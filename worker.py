@@ -44,7 +44,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import psutil
 
@@ -64,10 +64,12 @@ from receipt import clip_items as _clip_items  # noqa: F401 - the worker's name 
 from worker_talk import Talk
 from worktrees import Workspace
 
-RECEIPT_PROTOCOL = """\
+_RECEIPT_EXAMPLE = ('{"summary": "what you did, in two or three sentences", "files_touched": ["relative/path"], '
+                    '"tests_run": ["command you ran to test"], "open_questions": ["anything left open"]}')
+RECEIPT_PROTOCOL = f"""\
 When you are finished, end your final message with exactly one fenced JSON block:
 ```json
-{"summary": "what you did, in two or three sentences", "files_touched": ["relative/path"], "tests_run": ["command you ran to test"], "open_questions": ["anything left open"]}
+{_RECEIPT_EXAMPLE}
 ```
 If you cannot go on without an answer from the person who gave you this task, do not guess:
 end your message with a fenced question block instead, and stop:
@@ -89,7 +91,7 @@ class Knobs:
     limit_hold_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_HOLD_SEC"))
     limit_margin_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_MARGIN_SEC"))
     limit_backoff_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_BACKOFF_SEC"))
-    limit_rounds: int = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_ROUNDS"))
+    limit_rounds: int = field(default_factory=lambda: int(knobs.knob("WORKER_LIMIT_ROUNDS")))   # an int knob
 
 
 class Flags:
@@ -106,7 +108,7 @@ class Flags:
         self.stopping = True
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+def _on_signal(_signum: int, _frame: Any) -> None:   # the signal module's handler signature
     current().flags.signalled()
 
 
@@ -274,7 +276,8 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
     if task["permission"] == "no-network":
         rules.append("- Do not use the network (no curl, wget, pip or npm downloads).")
     if task.get("skills"):
-        rules.append(f"- Before you start, load these OpenCode skills with your skill tool: {', '.join(task['skills'])}.")
+        rules.append("- Before you start, load these OpenCode skills with your skill tool: "
+                     f"{', '.join(task['skills'])}.")
     if task.get("subagents"):
         rules.append(f"- You may hand parts of the work to these sub-agents with your task tool: "
                      f"{', '.join(task['subagents'])}.")
@@ -449,7 +452,8 @@ class Meter:
             current().outage.failed(exc)
             self.owed = True
             return
-        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
+        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable,
+                store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
                 current().outage.failed(exc)   # said once for the worker; recorded with the next step
             else:
@@ -529,8 +533,9 @@ class Meter:
 
     def set_aside(self, held: dict[str, Any]) -> str:
         """Remove a reply the stream did not bear out; the receipt's line saying so."""
-        with contextlib.suppress(OSError):
-            os.unlink(oc.reply_path(self.gate_file, ".held"))
+        if self.gate_file is not None:   # always so: held() read the reply beside it
+            with contextlib.suppress(OSError):
+                os.unlink(oc.reply_path(self.gate_file, ".held"))
         usd, _ = self.floor
         said = {key: json.dumps(held.get(key))[:40] for key in ("cost_usd", "tokens", "steps")}
         return (f"the spend gate's reply claimed {said['cost_usd']} USD, {said['tokens']} tokens over "
@@ -545,7 +550,10 @@ class Meter:
                     os.unlink(path)
 
 
-def _lowest(old: float | None, new: float | None) -> float | None:
+_Number = TypeVar("_Number", int, float)   # an allowance: USD (float) or tokens (int), kept as it came
+
+
+def _lowest(old: _Number | None, new: _Number | None) -> _Number | None:
     return new if old is None else old if new is None else min(old, new)
 
 
@@ -920,9 +928,9 @@ class Supervisor:
     def run(self) -> RunResult:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as handle:
-            self.log = TaskLog(self.task["id"], handle)
-            self.shipper = LogShipper(self.task["id"], self.log)
-            self.log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
+            self.log = task_log = TaskLog(self.task["id"], handle)
+            self.shipper = shipper = LogShipper(self.task["id"], task_log)
+            task_log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
@@ -931,7 +939,7 @@ class Supervisor:
             self.started_wall = time.time()
             self.status, status_w = os.pipe()
             try:
-                self.proc = subprocess.Popen(
+                self.proc = proc = subprocess.Popen(
                     self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                     stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
             except BaseException:
@@ -942,7 +950,7 @@ class Supervisor:
                 os.close(writer)
                 os.close(status_w)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
-            self.shells = ShellWatch(self.proc.pid, self.argv, self.env.get("SHELL"))
+            self.shells = ShellWatch(proc.pid, self.argv, self.env.get("SHELL"))
             self._send_prompt()
             self._record_pid()
             try:
@@ -950,13 +958,13 @@ class Supervisor:
             finally:
                 self._leave_gate()
                 self._end_leftovers()
-                self._drain(final=True)
-                self.shipper.ship(last=True)
-                code = self.proc.wait()
+                self._drain()
+                shipper.ship(last=True)
+                code = proc.wait()
                 self.result.returncode = code if self.agent_code is None else self.agent_code
                 self._limit_at_give_up()
                 if self.meter is not None:
-                    self._held(time.monotonic(), final=True)
+                    self._held(self.meter, time.monotonic(), final=True)
                     self.meter.settle()
                     self.result.meter = self.meter
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
@@ -964,6 +972,37 @@ class Supervisor:
                     self.courier.close()
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
+
+    def _agent(self) -> subprocess.Popen[bytes]:
+        """OpenCode's process; run() starts it before anything else here reads it."""
+        if self.proc is None:
+            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
+        return self.proc
+
+    def _stderr(self) -> IO[bytes]:
+        """OpenCode's stderr pipe (run() asks for one)."""
+        stderr = self._agent().stderr
+        if stderr is None:
+            raise RuntimeError("OpenCode was started without a stderr pipe")
+        return stderr
+
+    def _task_log(self) -> TaskLog:
+        """The task's log; run() opens it before anything else here writes to it."""
+        if self.log is None:
+            raise RuntimeError("the supervisor has not opened the task's log yet (run() does)")
+        return self.log
+
+    def _log_shipper(self) -> LogShipper:
+        """The log's shipper; run() makes it with the log."""
+        if self.shipper is None:
+            raise RuntimeError("the supervisor has no log shipper yet (run() makes it)")
+        return self.shipper
+
+    def _shell_watch(self) -> ShellWatch:
+        """The watch over the bash tool's shells; run() makes it once OpenCode has started."""
+        if self.shells is None:
+            raise RuntimeError("the supervisor watches no shells yet (run() starts them)")
+        return self.shells
 
     def _adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -981,11 +1020,13 @@ class Supervisor:
     def _end_leftovers(self) -> None:
         """Name what the run still has going (a dev server the agent detached, the commands of a
         run we stopped), then end the whole tree and anything tagged with the run."""
-        self.result.ended = process_tree.described(process_tree.run_leftovers(self.proc.pid, self._carries_run))
-        process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
+        pid = self._agent().pid
+        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self._carries_run))
+        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
         for item in self.result.ended:
             ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
-            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}", talk.VERBOSE)
+            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}",
+                talk.VERBOSE)
 
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
@@ -993,25 +1034,30 @@ class Supervisor:
             self.start_gate.leave()
 
     def _send_prompt(self) -> None:
+        stdin = self._agent().stdin
+        if stdin is None:
+            raise RuntimeError("OpenCode was started without a stdin pipe")
         try:
-            self.proc.stdin.write(self.prompt.encode())
+            stdin.write(self.prompt.encode())
         except BrokenPipeError:
             pass
         finally:
             try:
-                self.proc.stdin.close()
+                stdin.close()
             except BrokenPipeError:
                 pass
 
     def _record_pid(self) -> None:
         try:   # while the database is away, the pid goes with the next renewal that lands
-            self.renewal.renew(agent_pid=self.proc.pid, agent_pid_start=process_tree.start_time(self.proc.pid))
+            pid = self._agent().pid
+            self.renewal.renew(agent_pid=pid, agent_pid_start=process_tree.start_time(pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        os.set_blocking(self.proc.stderr.fileno(), False)
-        self.selector.register(self.proc.stderr, selectors.EVENT_READ)
+        stderr = self._stderr()
+        os.set_blocking(stderr.fileno(), False)
+        self.selector.register(stderr, selectors.EVENT_READ)
         os.set_blocking(self.status, False)
         self.selector.register(self.status, selectors.EVENT_READ)
         now = time.monotonic()
@@ -1024,8 +1070,9 @@ class Supervisor:
 
     def _shell_died(self, now: float) -> bool:
         """End the run early when a bash tool shell died and its call will never complete."""
-        self.shells.look(now)
-        found = self.shells.dead(now)
+        shells = self._shell_watch()
+        shells.look(now)
+        found = shells.dead(now)
         if found is None:
             return False
         pid, shell = found
@@ -1036,7 +1083,7 @@ class Supervisor:
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
-        return self.agent_code is not None or self.proc.poll() is not None
+        return self.agent_code is not None or self._agent().poll() is not None
 
     def _done(self) -> bool:
         if not self._agent_gone():
@@ -1046,49 +1093,66 @@ class Supervisor:
         return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
 
     def _check(self, now: float) -> None:
-        knobs = self.knobs
+        """One round of the watch (``now``: time.monotonic()): the start gate, the lease, then the
+        first thing found that ends the run, then the exit grace after a terminal event."""
         if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
             self._leave_gate()
+        if self._keep_lease(now) or self._ended_by_watch(now):
+            return
+        if self.meter is not None and self.meter.gate_file and not self.stop:
+            self._held(self.meter, now)
+            if self.stop:
+                return
+        self._limit()
+        if self.stop:
+            return
+        if self.result.stream.finished and self.finished_at is None:
+            self.finished_at = now
+        if self.finished_at and now - self.finished_at > self.knobs.exit_grace_sec and not self._agent_gone():
+            self.result.agent_exited = False   # ended by us; the run still counts by its events
+            self.stop = True
+
+    def _keep_lease(self, now: float) -> bool:
+        """Renew the lease when due, and with a renewal that landed refresh what waits on the
+        database (the log's copy, the spend, the notes); else ship a full log chunk. True when the
+        attempt was superseded (the run is ended)."""
+        shipper = self._log_shipper()
         if self.renewal.due(now):
             try:
                 renewed = self.renewal.renew()
             except store.StaleAttempt as exc:
-                return self._end(str(exc), superseded=True)
+                self._end(str(exc), superseded=True)
+                return True
             if renewed:   # while the database is away the agent runs on; the rest waits for it
                 self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
                 current().beat.write()
-                self.shipper.ship()
+                shipper.ship()
                 if self.meter is not None:
                     self.meter.refresh()
                 if self.courier is not None:
                     self.courier.sync()
-        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
-            self.shipper.ship()
-        if current().flags.stop_now:
-            return self._end("the worker was told to stop at once", interrupted=True)
-        if self.asks is not None and (asked := self._asked()) is not None:
-            self.result.asked = asked
-            return self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
-        if now > self.deadline:
-            return self._end(f"timed out after {self.task['timeout_sec']} s")
-        if now - self.last_activity > knobs.inactivity_sec:
-            return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
-        if self._shell_died(now):
-            return None
-        if self.meter is not None and self.meter.gate_file and not self.stop:
-            self._held(now)
-            if self.stop:
-                return None
-        self._limit(now)
-        if self.stop:
-            return None
-        if self.result.stream.finished and self.finished_at is None:
-            self.finished_at = now
-        if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and not self._agent_gone():
-            self.result.agent_exited = False   # ended by us; the run still counts by its events
-            self.stop = True
+        elif shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
+            shipper.ship()
+        return False
 
-    def _limit(self, now: float) -> None:
+    def _ended_by_watch(self, now: float) -> bool:
+        """End the run on the first reason found (told to stop at once, a permission ask, the
+        timeout, the inactivity watchdog, a dead shell); True when one was."""
+        knobs = self.knobs
+        if current().flags.stop_now:
+            self._end("the worker was told to stop at once", interrupted=True)
+        elif self.asks is not None and (asked := self._asked(self.asks)) is not None:
+            self.result.asked = asked
+            self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
+        elif now > self.deadline:
+            self._end(f"timed out after {self.task['timeout_sec']} s")
+        elif now - self.last_activity > knobs.inactivity_sec:
+            self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        else:
+            return self._shell_died(now)
+        return True
+
+    def _limit(self) -> None:
         """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
         now and free the slot (the task pauses until the reset; see LimitWatch)."""
         found = self.limits.reached(self.result.stream)
@@ -1103,10 +1167,10 @@ class Supervisor:
         if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
             self.result.limited = {**stream.limit, "source": "error"}
 
-    def _asked(self) -> dict[str, str] | None:
-        """The permission ask the rules plugin holds, when believed (AskWatch); a reply not believed
-        is set aside, and the receipt says so."""
-        asked, doubt = self.asks.held()
+    def _asked(self, asks: AskWatch) -> dict[str, str] | None:
+        """The permission ask the rules plugin holds, when believed (``asks``); a reply not
+        believed is set aside, and the receipt says so."""
+        asked, doubt = asks.held()
         if doubt:
             self._doubt(doubt)
         return asked
@@ -1151,11 +1215,11 @@ class Supervisor:
 
     def _read_stderr(self) -> None:
         try:
-            data = os.read(self.proc.stderr.fileno(), 65536)
+            data = os.read(self._stderr().fileno(), 65536)
         except BlockingIOError:
             return
         if not data:
-            self.selector.unregister(self.proc.stderr)
+            self.selector.unregister(self._stderr())
             return
         self.last_activity = time.monotonic()
         self._feed("err", data)
@@ -1171,12 +1235,13 @@ class Supervisor:
     def _take(self, stream: str, piece: bytes, end: bool) -> None:
         """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
         past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
+        task_log = self._task_log()
         if stream in self.oversized:
-            self.log.write(self.oversized[stream].feed(piece))
+            task_log.write(self.oversized[stream].feed(piece))
             if end:
-                self.log.write(self.oversized.pop(stream).end())
+                task_log.write(self.oversized.pop(stream).end())
                 self.result.stream.bad_lines += 1
-                self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
+                task_log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
             return
         buf = self.partial.setdefault(stream, bytearray())
         buf += piece
@@ -1188,32 +1253,33 @@ class Supervisor:
             # Written as it comes, so a secret may be split between pieces: LongLine holds back
             # what a later piece could complete.
             self.oversized[stream] = redaction.LongLine(self.redactor)
-            self.log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
+            task_log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
             buf.clear()
 
     def _line(self, stream: str, line: bytes) -> None:
         # Redacted before anything reads it: the log, the receipt's texts and the worker's own
         # lines are all made from the redacted line.
         line = self.redactor.redact(line)
+        task_log = self._task_log()
         if stream == "err":
             text = line[:STDERR_LINE_KEEP].decode(errors="replace")
-            self.log.write(b"[stderr] " + line + b"\n")
+            task_log.write(b"[stderr] " + line + b"\n")
             if (down := oc.mcp_unavailable(text)) is not None:
                 return self._mcp_down(down)
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
             self.limits.log_line(text)
         else:
-            self.log.write(line + b"\n")
+            task_log.write(line + b"\n")
             event = self.result.stream.feed(line.decode(errors="replace"))
             if event is None and line.strip():
-                self.log.write(b"[worker] skipped a non-JSON line above\n")
+                task_log.write(b"[worker] skipped a non-JSON line above\n")
             elif event is not None:
                 if event.get("type") == "step_finish" and self.meter is not None:
-                    self._metered()
+                    self._metered(self.meter)
                 if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
-                    self.shells.completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
+                    self._shell_watch().completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
                 current().talk.event(self.task["id"], event)
-        self.log.flush()
+        task_log.flush()
 
     def _mcp_down(self, down: dict[str, Any]) -> None:
         """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
@@ -1224,42 +1290,43 @@ class Supervisor:
                                          "status": down["status"], "after_sec": after})
             log(f"{self.task['id']}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
                 f"({down['status']}) {after} s after it started", talk.VERBOSE)
-        self.log.flush()
+        self._task_log().flush()
 
-    def _metered(self) -> None:
-        """A step finished: meter it; at a reached limit end the run at this step boundary (the
+    def _metered(self, meter: Meter) -> None:
+        """A step finished: ``meter`` it; at a reached limit end the run at this step boundary (the
         gate keeps the next model call from going out), else let the next call go."""
         stream = self.result.stream
-        paused = self.meter.step(stream)
+        paused = meter.step(stream)
         if paused is not None and not stream.finished and not self.stop:
-            self._pause(paused)
+            self._pause(meter, paused)
 
-    def _pause(self, paused: dict[str, Any]) -> None:
-        paused["gated"] = self.meter.gate_file is not None
-        self.meter.write_gate(stop=paused["reason"])
+    def _pause(self, meter: Meter, paused: dict[str, Any]) -> None:
+        paused["gated"] = meter.gate_file is not None
+        meter.write_gate(stop=paused["reason"])
         self.result.paused = paused
         self._end(f"paused at a spending limit: {paused['reason']}")
 
-    def _held(self, now: float, final: bool = False) -> None:
+    def _held(self, meter: Meter, now: float, final: bool = False) -> None:
         """The spend gate's reply says it held a model call. Its figures are the agent's word (the
         reply folder is writable in the box), so nothing is booked from them: a real hold follows
         steps the event stream shows within moments, and once their spend reaches the gate's
         allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
         run's end, ``final``) is set aside, the receipt says so, and the run goes on."""
-        held = self.meter.held()
+        held = meter.held()
         if held is None:
             self.held_since = None
             return
         self.held_since = self.held_since or time.monotonic()
-        if self.meter.believes():
+        if meter.believes():
             if not final and not self.stop:
-                self._pause(self.meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": self.meter.cost,
-                                                   "limit": None, "reason": "the spend gate held the next model call"})
+                self._pause(meter, meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
+                                                     "limit": None,
+                                                     "reason": "the spend gate held the next model call"})
         elif final or now - self.held_since > HELD_WAIT_SEC:
-            self._doubt(self.meter.set_aside(held))
+            self._doubt(meter.set_aside(held))
             self.held_since = None
 
-    def _drain(self, final: bool) -> None:
+    def _drain(self) -> None:
         """Read what is left after the tree is gone (stderr for up to a second: a stray process
         may hold it open; the stdout file to its end), finish partial lines, close both."""
         end = time.monotonic() + 1.0
@@ -1270,10 +1337,11 @@ class Supervisor:
             if self.partial.get(stream) or stream in self.oversized:
                 self._take(stream, b"", end=True)
         self.partial.clear()
-        for fileobj in (self.proc.stderr, self.status):
+        stderr = self._stderr()
+        for fileobj in (stderr, self.status):
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(fileobj)
-        self.proc.stderr.close()
+        stderr.close()
         os.close(self.spool)
         os.close(self.status)
 
