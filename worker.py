@@ -1277,7 +1277,8 @@ class Supervisor:
                 if event.get("type") == "step_finish" and self.meter is not None:
                     self._metered(self.meter)
                 if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
-                    self._shell_watch().completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
+                    called = (event["part"].get("state") or {}).get("input") or {}
+                    self._shell_watch().completed(str(called.get("command")))
                 current().talk.event(self.task["id"], event)
         task_log.flush()
 
@@ -1560,7 +1561,8 @@ def _run_setup(task: dict[str, Any], ws: Workspace, phases: Phases,
     dict) when the run cannot be set up (a bad OpenCode config, no box where one is required)."""
     try:
         notes = db(store.take_notes, task["id"], task["run_marker"])
-        snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+        readonly_in_place = task["permission"] == "readonly" and ws.mode == "in-place"
+        snapshot = worktrees.take_snapshot(ws.cwd) if readonly_in_place else None
         config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
         try:
             box, env = _box_and_env(task, ws, model, config_files)
@@ -1581,7 +1583,7 @@ def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
     """The run's box and environment. Raises oc.ConfigProblem, agent_box.BoxUnavailable,
     agent_box.BoxSettingError (a folder that cannot be made is named)."""
     box = agent_box.choose(task["permission"])
-    base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
+    base = agent_box.agent_env(dict(os.environ), model, [*agent_box.config_texts(dict(os.environ)),
                                                    *config_files.values()])
     env = _boxed_run_env(task, ws, base, box)
     if box.mechanism:
@@ -1880,6 +1882,8 @@ def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: Receipt, us
     """Pause the task at its provider's usage limit (not a failure: no retry spent, the worktree
     and the OpenCode session kept) until the reset; other tasks on the provider wait meanwhile."""
     limited, account = run.limited, model.split("/", 1)[0]
+    if limited is None:
+        raise ValueError(f"{task['id']}'s run reached no usage limit to pause at")
     resume_at = limit_resume_at(task, limited, knobs, time.time())
     said = " ".join(str(limited.get("said") or "a usage limit (no words given)").split())[:1000]
     receipt.limit = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
@@ -1904,6 +1908,8 @@ def limit_question(task: dict, run: RunResult) -> str:
     """The question a task paused at a spending limit asks: the spend, the limit, what the agent
     was doing, and the ways on."""
     paused, stream, name = run.paused, run.stream, task["id"]
+    if paused is None:
+        raise ValueError(f"{name}'s run reached no spending limit to ask about")
     usage = f"this attempt: {stream.steps} model calls, ${stream.cost_usd:.4f}, {stream.tokens['total']:,} tokens"
     if paused["kind"] == "daily_budget":
         head = f"Daily budget reached: {paused['reason']}."
@@ -1911,7 +1917,8 @@ def limit_question(task: dict, run: RunResult) -> str:
                "'continue' to resume the same session, or answer 'stop' to fail the task with its receipt kept.")
     else:
         head = f"Spending limit reached: {name} has {paused['reason']} ({usage})."
-        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else f"{paused['limit'] * 2:,} tokens"
+        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else \
+            f"{paused['limit'] * 2:,} tokens"
         cli = f"`tasks_cli.py budget raise {name} {more.lstrip('$')}`" if paused["unit"] == "usd" else \
             f"`tasks_cli.py budget raise {name} --tokens {paused['limit'] * 2}`"
         way = (f"Answer 'continue, up to {more}' (or run {cli}) to resume the same session, or "
@@ -2043,9 +2050,9 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
         return None
     if ws.mode != "worktree":
         where = f"its changes are in {ws.cwd}"
-    elif ws.remote and receipt.get("commit"):
-        where = (f"its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: push it "
-                 f"yourself once the remote takes it ({worktrees.push_command(ws.top, ws.remote, ws.branch)})")
+    elif ws.remote and (commit := receipt.get("commit")):
+        where = (f"its work is committed ({commit[:12]}) in the kept worktree {ws.top}: push it "
+                 f"yourself once the remote takes it ({_push_yourself(ws)})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
     elif _still_a_checkout(ws.top):
@@ -2056,7 +2063,8 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
         where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
-    error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
+    error = (f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. "
+             "The agent is not run again")
     receipt.update(bookkeeping_error=error, worktree_kept=ws.mode == "worktree")
     log(f"{task['id']}: {error}")
     final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
@@ -2067,6 +2075,14 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
     return final
 
 
+def _push_yourself(ws: Workspace) -> str:
+    """The command a person runs to push a kept worktree's commit (a workspace on a remote has its
+    root, remote and branch). Raises ValueError for a workspace without them."""
+    if ws.remote is None or ws.branch is None:
+        raise ValueError(f"the {ws.mode} workspace at {ws.cwd} has no remote branch to push")
+    return worktrees.push_command(ws.root(), ws.remote, ws.branch)
+
+
 def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     """A retried task on a remote whose earlier attempt's push failed, its commit kept in a
     worktree on this machine (worktrees.unpushed_workspace): push that commit again — the agent is
@@ -2074,17 +2090,20 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     the same way (worktree kept, host pinned, not retried)."""
     receipt = Receipt.from_json({k: v for k, v in (task.get("result") or {}).items()
                                  if k not in ("bookkeeping_error", "worktree_kept")})
+    commit = receipt.get("commit")
+    if not commit:   # unpushed_workspace found the worktree at the receipt's commit
+        raise ValueError(f"{task['id']}'s earlier receipt names no commit to push again")
     receipt.pushed_again = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
                                f"{ws.top}; the agent was not run again")
-    log(f"{task['id']}: pushing the kept commit {receipt.commit[:12]} again (the agent is not run again)",
+    log(f"{task['id']}: pushing the kept commit {commit[:12]} again (the agent is not run again)",
         talk.VERBOSE)
     try:
         _push(task, ws, receipt)
     except worktrees.GitError as exc:
         error = (f"the agent finished in an earlier attempt, but the push of {ws.branch} to {ws.remote} failed "
-                 f"again: {exc}; its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: "
+                 f"again: {exc}; its work is committed ({commit[:12]}) in the kept worktree {ws.top}: "
                  f"push it yourself once the remote takes it "
-                 f"({worktrees.push_command(ws.top, ws.remote, ws.branch)}). The agent is not run again")
+                 f"({_push_yourself(ws)}). The agent is not run again")
         receipt.unset("pushed_again")
         receipt.update(bookkeeping_error=error, worktree_kept=True)
         log(f"{task['id']}: {error}")
@@ -2587,7 +2606,8 @@ def announce_start(watch: bool, slots: int) -> bool:
         if not db_outage(exc):
             raise
         model = "not known yet (the queue database does not answer)"
-    current().talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    current().talk.started(store.database_label(), model, slots,
+                           "watching for tasks (Ctrl-C stops)" if watch else "one pass")
     current().talk.say(box_line())
     return True
 
@@ -2711,8 +2731,8 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:   # a full or read-only disk, an open-files limit: named with the way out
             refuse(f"error: {fault}")
             return 1
-        refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "
-               "(a readable, writable SQLite file and folder)")
+        refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / "
+               "TASK_DB_PATH (a readable, writable SQLite file and folder)")
         return 1
     finally:
         state.talk.close()
