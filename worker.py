@@ -878,6 +878,18 @@ class AskWatch:
                       "writable from inside the agent's box)")
 
 
+@dataclass
+class Launch:
+    """One attempt's OpenCode command as the Supervisor starts it."""
+    argv: list[str]                      # `opencode run ...` (oc.run_command)
+    env: dict[str, str]                  # its environment, the plugins' control files named in it
+    cwd: str                             # the agent's working directory
+    prompt: str                          # sent on its stdin
+    boxed_argv: list[str] | None = None  # ``argv`` as the box runs it (None: argv itself)
+    rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
+    retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -886,21 +898,20 @@ class Supervisor:
     spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
     limit (LimitWatch) and the permission asks (AskWatch).
 
-    ``boxed_argv``: ``argv`` as the box runs it; ``deadline_at``: time.monotonic() at which the
-    attempt's timeout ends (None: ``timeout_sec`` from the start of the run); ``rules_file``,
-    ``retry_file``: the plugins' reply files (see write_rules_file, oc.with_retry_watch)."""
+    ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
+    time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
+    the run)."""
 
-    def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs,
-                 box: agent_box.Support, boxed_argv: list[str] | None = None, *, meter: Meter | None = None,
-                 courier: Courier | None = None, rules_file: str | None = None, retry_file: str | None = None,
-                 deadline_at: float | None = None):
-        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
-        self.box, self.boxed_argv = box, boxed_argv or argv
+    def __init__(self, task: dict, launch: Launch, knobs: Knobs, box: agent_box.Support, *,
+                 meter: Meter | None = None, courier: Courier | None = None, deadline_at: float | None = None):
+        argv, env, cwd = launch.argv, launch.env, launch.cwd
+        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, launch.prompt, knobs
+        self.box, self.boxed_argv = box, launch.boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
         self.meter, self.courier = meter, courier
-        self.limits = LimitWatch(retry_file, knobs.limit_hold_sec)
-        self.asks = AskWatch(task, rules_file, cwd) if rules_file else None
+        self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
+        self.asks = AskWatch(task, launch.rules_file, cwd) if launch.rules_file else None
         self.renewal = Renewal(task, knobs.lease_sec)
         self.deadline_at = deadline_at
         self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
@@ -1494,8 +1505,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         setup, final = _run_setup(task, ws, phases, model)
         if setup is None:
             return final
-        run, session_note = _run_agent(task, ws, knobs, model, setup.notes, resume, setup.env, setup.box,
-                                       phases.deadline)
+        run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)
 
@@ -1609,8 +1619,7 @@ def _after_run(task: dict[str, Any], ws: Workspace, run: RunResult, model: str, 
                        "restrictions": oc.repo_restrictions(config_files, ws.cwd),
                        "housekeeping_undone": [os.path.relpath(p, ws.cwd)
                                                for p in oc.undo_housekeeping(config_files)]}
-        return _conclude(task, ws, run, model, setup.snapshot, session_note, setup.checkout_before, repo_config,
-                         phases)
+        return _conclude(task, ws, run, model, setup, session_note, repo_config, phases)
     except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
         if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
             raise
@@ -1658,37 +1667,38 @@ def _stopped_early(task: dict, phases: Phases, message: str, ws: Workspace | Non
     return _finish(store.fail_attempt, task, task["run_marker"], message)
 
 
-def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], resume: bool,
-               env: dict[str, str], box: agent_box.Support,
+def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, resume: bool,
                deadline: float | None = None) -> tuple[RunResult, str]:
     """Resume the waiting session with the answer when it can; otherwise a new session whose
-    prompt carries the instructions (and, after a lost session, every question and answer)."""
+    prompt carries the instructions (and, after a lost session, every question and answer).
+    ``setup``: the attempt's notes, box and environment (_run_setup)."""
+    notes, box = setup.notes, setup.box
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes, task.get("pending_ask")),
-                       task["session_id"], env, box, deadline)
+        run = _attempt(task, ws, knobs, model, setup, resume_message(task["answer"], notes, task.get("pending_ask")),
+                       task["session_id"], deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
     if not resume and (task.get("continue_from") or task.get("fork_from")):
-        return _run_line(task, ws, knobs, model, notes, env, box, deadline)
+        return _run_line(task, ws, knobs, model, setup, deadline)
     if not resume:
-        return (_attempt(task, ws, knobs, model, build_prompt(task, ws, notes, [], box=box), None, env, box, deadline),
+        return (_attempt(task, ws, knobs, model, setup, build_prompt(task, ws, notes, [], box=box), None, deadline),
                 "new session")
     current = db(store.get_task, task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"], box=box)
-    return (_attempt(task, ws, knobs, model, prompt, None, env, box, deadline),
+    return (_attempt(task, ws, knobs, model, setup, prompt, None, deadline),
             f"{lost}; a new session got the history in its prompt")
 
 
-def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], env: dict[str, str],
-              box: agent_box.Support, deadline: float | None) -> tuple[RunResult, str]:
+def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup,
+              deadline: float | None) -> tuple[RunResult, str]:
     """A follow-up resumes the OpenCode session of the task it continues; a fork resumes a copy
     of it made for its own worktree. Both get the brief as the next message; a session that is
     gone (or cannot be copied) gives way to a new session with the brief."""
     parent = db(store.get_task, task["continue_from"] or task["fork_from"])
-    prompt = build_prompt(task, ws, notes, [], parent, box)
+    prompt = build_prompt(task, ws, setup.notes, [], parent, setup.box)
     session, how = task.get("session_id"), f"resumed this task's OpenCode session {task.get('session_id')}"
     if not session and not parent.get("session_id"):
         how = f"{parent['id']} left no OpenCode session; a new session got the brief"
@@ -1697,20 +1707,21 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[d
     elif not session:
         try:
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
-                                      ws.top or ws.cwd, env)
+                                      ws.top or ws.cwd, setup.env)
             how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
     if session:
-        run = _attempt(task, ws, knobs, model, prompt, session, env, box, deadline)
+        run = _attempt(task, ws, knobs, model, setup, prompt, session, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, how
         how = f"the OpenCode session {session} was gone; a new session got the brief"
-    return _attempt(task, ws, knobs, model, prompt, None, env, box, deadline), how
+    return _attempt(task, ws, knobs, model, setup, prompt, None, deadline), how
 
 
-def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, session_id: str | None,
-             env: dict[str, str], box: agent_box.Support, deadline: float | None = None) -> RunResult:
+def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
+             session_id: str | None, deadline: float | None = None) -> RunResult:
+    env, box = setup.env, setup.box
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode}; box: {box.label})",
         talk.VERBOSE)
@@ -1729,8 +1740,8 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
         boxed, env = _boxed(task, ws, box, run_dir, argv, env)
-        return Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed, meter=Meter(task, gate),
-                          courier=Courier(task, notes_file), rules_file=rules_file, retry_file=retry_file,
+        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=rules_file, retry_file=retry_file)
+        return Supervisor(task, launch, knobs, box, meter=Meter(task, gate), courier=Courier(task, notes_file),
                           deadline_at=deadline).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -1770,9 +1781,8 @@ def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, arg
     return agent_box.wrap(box.mechanism, plan, argv), env
 
 
-def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
-              session_note: str, checkout_before: dict, repo_config: dict[str, Any],
-              phases: Phases) -> dict[str, Any] | None:
+def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunSetup,
+              session_note: str, repo_config: dict[str, Any], phases: Phases) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
@@ -1780,8 +1790,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         return None
     reason = failure_reason(run)
     block = oc.parse_closing_block(run.stream.final_text)
-    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, snapshot, session_note,
-                                               checkout_before, repo_config)
+    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
     usage = run.stream.usage()
     if phases.superseded:
         _cleanup_superseded(task, ws)
@@ -1817,11 +1826,12 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     return _failed(task, run, model, reason, receipt, diff, usage)
 
 
-def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, snapshot: dict | None,
-                      session_note: str, checkout_before: dict,
-                      repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
+def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, setup: RunSetup,
+                      session_note: str, repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
     """(the receipt, the diff, the git failure that kept the diff from being read, or None): the
-    readonly revert, git's view of the changes and of your checkout, the project's config."""
+    readonly revert (``setup.snapshot``), git's view of the changes and of your checkout (against
+    ``setup.checkout_before``), the project's config."""
+    snapshot, checkout_before = setup.snapshot, setup.checkout_before
     reverted, files, diff, problem = _observe(task, ws, snapshot)
     receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
     if reverted[1]:
