@@ -44,7 +44,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import psutil
 
@@ -64,10 +64,12 @@ from receipt import clip_items as _clip_items  # noqa: F401 - the worker's name 
 from worker_talk import Talk
 from worktrees import Workspace
 
-RECEIPT_PROTOCOL = """\
+_RECEIPT_EXAMPLE = ('{"summary": "what you did, in two or three sentences", "files_touched": ["relative/path"], '
+                    '"tests_run": ["command you ran to test"], "open_questions": ["anything left open"]}')
+RECEIPT_PROTOCOL = f"""\
 When you are finished, end your final message with exactly one fenced JSON block:
 ```json
-{"summary": "what you did, in two or three sentences", "files_touched": ["relative/path"], "tests_run": ["command you ran to test"], "open_questions": ["anything left open"]}
+{_RECEIPT_EXAMPLE}
 ```
 If you cannot go on without an answer from the person who gave you this task, do not guess:
 end your message with a fenced question block instead, and stop:
@@ -89,7 +91,7 @@ class Knobs:
     limit_hold_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_HOLD_SEC"))
     limit_margin_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_MARGIN_SEC"))
     limit_backoff_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_BACKOFF_SEC"))
-    limit_rounds: int = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_ROUNDS"))
+    limit_rounds: int = field(default_factory=lambda: int(knobs.knob("WORKER_LIMIT_ROUNDS")))   # an int knob
 
 
 class Flags:
@@ -106,7 +108,7 @@ class Flags:
         self.stopping = True
 
 
-def _on_signal(signum: int, frame: Any) -> None:
+def _on_signal(_signum: int, _frame: Any) -> None:   # the signal module's handler signature
     current().flags.signalled()
 
 
@@ -274,7 +276,8 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
     if task["permission"] == "no-network":
         rules.append("- Do not use the network (no curl, wget, pip or npm downloads).")
     if task.get("skills"):
-        rules.append(f"- Before you start, load these OpenCode skills with your skill tool: {', '.join(task['skills'])}.")
+        rules.append("- Before you start, load these OpenCode skills with your skill tool: "
+                     f"{', '.join(task['skills'])}.")
     if task.get("subagents"):
         rules.append(f"- You may hand parts of the work to these sub-agents with your task tool: "
                      f"{', '.join(task['subagents'])}.")
@@ -449,7 +452,8 @@ class Meter:
             current().outage.failed(exc)
             self.owed = True
             return
-        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy) as exc:   # the meter never fails a run
+        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable,
+                store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
                 current().outage.failed(exc)   # said once for the worker; recorded with the next step
             else:
@@ -529,8 +533,9 @@ class Meter:
 
     def set_aside(self, held: dict[str, Any]) -> str:
         """Remove a reply the stream did not bear out; the receipt's line saying so."""
-        with contextlib.suppress(OSError):
-            os.unlink(oc.reply_path(self.gate_file, ".held"))
+        if self.gate_file is not None:   # always so: held() read the reply beside it
+            with contextlib.suppress(OSError):
+                os.unlink(oc.reply_path(self.gate_file, ".held"))
         usd, _ = self.floor
         said = {key: json.dumps(held.get(key))[:40] for key in ("cost_usd", "tokens", "steps")}
         return (f"the spend gate's reply claimed {said['cost_usd']} USD, {said['tokens']} tokens over "
@@ -545,7 +550,10 @@ class Meter:
                     os.unlink(path)
 
 
-def _lowest(old: float | None, new: float | None) -> float | None:
+_Number = TypeVar("_Number", int, float)   # an allowance: USD (float) or tokens (int), kept as it came
+
+
+def _lowest(old: _Number | None, new: _Number | None) -> _Number | None:
     return new if old is None else old if new is None else min(old, new)
 
 
@@ -870,6 +878,18 @@ class AskWatch:
                       "writable from inside the agent's box)")
 
 
+@dataclass
+class Launch:
+    """One attempt's OpenCode command as the Supervisor starts it."""
+    argv: list[str]                      # `opencode run ...` (oc.run_command)
+    env: dict[str, str]                  # its environment, the plugins' control files named in it
+    cwd: str                             # the agent's working directory
+    prompt: str                          # sent on its stdin
+    boxed_argv: list[str] | None = None  # ``argv`` as the box runs it (None: argv itself)
+    rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
+    retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -878,21 +898,20 @@ class Supervisor:
     spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
     limit (LimitWatch) and the permission asks (AskWatch).
 
-    ``boxed_argv``: ``argv`` as the box runs it; ``deadline_at``: time.monotonic() at which the
-    attempt's timeout ends (None: ``timeout_sec`` from the start of the run); ``rules_file``,
-    ``retry_file``: the plugins' reply files (see write_rules_file, oc.with_retry_watch)."""
+    ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
+    time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
+    the run)."""
 
-    def __init__(self, task: dict, argv: list[str], env: dict, cwd: str, prompt: str, knobs: Knobs,
-                 box: agent_box.Support, boxed_argv: list[str] | None = None, *, meter: Meter | None = None,
-                 courier: Courier | None = None, rules_file: str | None = None, retry_file: str | None = None,
-                 deadline_at: float | None = None):
-        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, prompt, knobs
-        self.box, self.boxed_argv = box, boxed_argv or argv
+    def __init__(self, task: dict, launch: Launch, knobs: Knobs, box: agent_box.Support, *,
+                 meter: Meter | None = None, courier: Courier | None = None, deadline_at: float | None = None):
+        argv, env, cwd = launch.argv, launch.env, launch.cwd
+        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, launch.prompt, knobs
+        self.box, self.boxed_argv = box, launch.boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
         self.meter, self.courier = meter, courier
-        self.limits = LimitWatch(retry_file, knobs.limit_hold_sec)
-        self.asks = AskWatch(task, rules_file, cwd) if rules_file else None
+        self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
+        self.asks = AskWatch(task, launch.rules_file, cwd) if launch.rules_file else None
         self.renewal = Renewal(task, knobs.lease_sec)
         self.deadline_at = deadline_at
         self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
@@ -920,9 +939,9 @@ class Supervisor:
     def run(self) -> RunResult:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as handle:
-            self.log = TaskLog(self.task["id"], handle)
-            self.shipper = LogShipper(self.task["id"], self.log)
-            self.log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
+            self.log = task_log = TaskLog(self.task["id"], handle)
+            self.shipper = shipper = LogShipper(self.task["id"], task_log)
+            task_log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
@@ -931,7 +950,7 @@ class Supervisor:
             self.started_wall = time.time()
             self.status, status_w = os.pipe()
             try:
-                self.proc = subprocess.Popen(
+                self.proc = proc = subprocess.Popen(
                     self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                     stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
             except BaseException:
@@ -942,7 +961,7 @@ class Supervisor:
                 os.close(writer)
                 os.close(status_w)
             self.gate_open_at = time.monotonic() + START_GATE_SEC
-            self.shells = ShellWatch(self.proc.pid, self.argv, self.env.get("SHELL"))
+            self.shells = ShellWatch(proc.pid, self.argv, self.env.get("SHELL"))
             self._send_prompt()
             self._record_pid()
             try:
@@ -950,13 +969,13 @@ class Supervisor:
             finally:
                 self._leave_gate()
                 self._end_leftovers()
-                self._drain(final=True)
-                self.shipper.ship(last=True)
-                code = self.proc.wait()
+                self._drain()
+                shipper.ship(last=True)
+                code = proc.wait()
                 self.result.returncode = code if self.agent_code is None else self.agent_code
                 self._limit_at_give_up()
                 if self.meter is not None:
-                    self._held(time.monotonic(), final=True)
+                    self._held(self.meter, time.monotonic(), final=True)
                     self.meter.settle()
                     self.result.meter = self.meter
                     self.meter.close()   # after the tree is gone: a missing gate file lets calls go
@@ -964,6 +983,37 @@ class Supervisor:
                     self.courier.close()
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
+
+    def _agent(self) -> subprocess.Popen[bytes]:
+        """OpenCode's process; run() starts it before anything else here reads it."""
+        if self.proc is None:
+            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
+        return self.proc
+
+    def _stderr(self) -> IO[bytes]:
+        """OpenCode's stderr pipe (run() asks for one)."""
+        stderr = self._agent().stderr
+        if stderr is None:
+            raise RuntimeError("OpenCode was started without a stderr pipe")
+        return stderr
+
+    def _task_log(self) -> TaskLog:
+        """The task's log; run() opens it before anything else here writes to it."""
+        if self.log is None:
+            raise RuntimeError("the supervisor has not opened the task's log yet (run() does)")
+        return self.log
+
+    def _log_shipper(self) -> LogShipper:
+        """The log's shipper; run() makes it with the log."""
+        if self.shipper is None:
+            raise RuntimeError("the supervisor has no log shipper yet (run() makes it)")
+        return self.shipper
+
+    def _shell_watch(self) -> ShellWatch:
+        """The watch over the bash tool's shells; run() makes it once OpenCode has started."""
+        if self.shells is None:
+            raise RuntimeError("the supervisor watches no shells yet (run() starts them)")
+        return self.shells
 
     def _adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -981,11 +1031,13 @@ class Supervisor:
     def _end_leftovers(self) -> None:
         """Name what the run still has going (a dev server the agent detached, the commands of a
         run we stopped), then end the whole tree and anything tagged with the run."""
-        self.result.ended = process_tree.described(process_tree.run_leftovers(self.proc.pid, self._carries_run))
-        process_tree.kill_tree(self.proc.pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
+        pid = self._agent().pid
+        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self._carries_run))
+        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
         for item in self.result.ended:
             ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
-            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}", talk.VERBOSE)
+            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}",
+                talk.VERBOSE)
 
     def _leave_gate(self) -> None:
         if self.gate_open_at is not None:
@@ -993,25 +1045,30 @@ class Supervisor:
             self.start_gate.leave()
 
     def _send_prompt(self) -> None:
+        stdin = self._agent().stdin
+        if stdin is None:
+            raise RuntimeError("OpenCode was started without a stdin pipe")
         try:
-            self.proc.stdin.write(self.prompt.encode())
+            stdin.write(self.prompt.encode())
         except BrokenPipeError:
             pass
         finally:
             try:
-                self.proc.stdin.close()
+                stdin.close()
             except BrokenPipeError:
                 pass
 
     def _record_pid(self) -> None:
         try:   # while the database is away, the pid goes with the next renewal that lands
-            self.renewal.renew(agent_pid=self.proc.pid, agent_pid_start=process_tree.start_time(self.proc.pid))
+            pid = self._agent().pid
+            self.renewal.renew(agent_pid=pid, agent_pid_start=process_tree.start_time(pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        os.set_blocking(self.proc.stderr.fileno(), False)
-        self.selector.register(self.proc.stderr, selectors.EVENT_READ)
+        stderr = self._stderr()
+        os.set_blocking(stderr.fileno(), False)
+        self.selector.register(stderr, selectors.EVENT_READ)
         os.set_blocking(self.status, False)
         self.selector.register(self.status, selectors.EVENT_READ)
         now = time.monotonic()
@@ -1024,8 +1081,9 @@ class Supervisor:
 
     def _shell_died(self, now: float) -> bool:
         """End the run early when a bash tool shell died and its call will never complete."""
-        self.shells.look(now)
-        found = self.shells.dead(now)
+        shells = self._shell_watch()
+        shells.look(now)
+        found = shells.dead(now)
         if found is None:
             return False
         pid, shell = found
@@ -1036,7 +1094,7 @@ class Supervisor:
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
-        return self.agent_code is not None or self.proc.poll() is not None
+        return self.agent_code is not None or self._agent().poll() is not None
 
     def _done(self) -> bool:
         if not self._agent_gone():
@@ -1046,49 +1104,66 @@ class Supervisor:
         return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
 
     def _check(self, now: float) -> None:
-        knobs = self.knobs
+        """One round of the watch (``now``: time.monotonic()): the start gate, the lease, then the
+        first thing found that ends the run, then the exit grace after a terminal event."""
         if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
             self._leave_gate()
+        if self._keep_lease(now) or self._ended_by_watch(now):
+            return
+        if self.meter is not None and self.meter.gate_file and not self.stop:
+            self._held(self.meter, now)
+            if self.stop:
+                return
+        self._limit()
+        if self.stop:
+            return
+        if self.result.stream.finished and self.finished_at is None:
+            self.finished_at = now
+        if self.finished_at and now - self.finished_at > self.knobs.exit_grace_sec and not self._agent_gone():
+            self.result.agent_exited = False   # ended by us; the run still counts by its events
+            self.stop = True
+
+    def _keep_lease(self, now: float) -> bool:
+        """Renew the lease when due, and with a renewal that landed refresh what waits on the
+        database (the log's copy, the spend, the notes); else ship a full log chunk. True when the
+        attempt was superseded (the run is ended)."""
+        shipper = self._log_shipper()
         if self.renewal.due(now):
             try:
                 renewed = self.renewal.renew()
             except store.StaleAttempt as exc:
-                return self._end(str(exc), superseded=True)
+                self._end(str(exc), superseded=True)
+                return True
             if renewed:   # while the database is away the agent runs on; the rest waits for it
                 self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
                 current().beat.write()
-                self.shipper.ship()
+                shipper.ship()
                 if self.meter is not None:
                     self.meter.refresh()
                 if self.courier is not None:
                     self.courier.sync()
-        elif self.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
-            self.shipper.ship()
-        if current().flags.stop_now:
-            return self._end("the worker was told to stop at once", interrupted=True)
-        if self.asks is not None and (asked := self._asked()) is not None:
-            self.result.asked = asked
-            return self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
-        if now > self.deadline:
-            return self._end(f"timed out after {self.task['timeout_sec']} s")
-        if now - self.last_activity > knobs.inactivity_sec:
-            return self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
-        if self._shell_died(now):
-            return None
-        if self.meter is not None and self.meter.gate_file and not self.stop:
-            self._held(now)
-            if self.stop:
-                return None
-        self._limit(now)
-        if self.stop:
-            return None
-        if self.result.stream.finished and self.finished_at is None:
-            self.finished_at = now
-        if self.finished_at and now - self.finished_at > knobs.exit_grace_sec and not self._agent_gone():
-            self.result.agent_exited = False   # ended by us; the run still counts by its events
-            self.stop = True
+        elif shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
+            shipper.ship()
+        return False
 
-    def _limit(self, now: float) -> None:
+    def _ended_by_watch(self, now: float) -> bool:
+        """End the run on the first reason found (told to stop at once, a permission ask, the
+        timeout, the inactivity watchdog, a dead shell); True when one was."""
+        knobs = self.knobs
+        if current().flags.stop_now:
+            self._end("the worker was told to stop at once", interrupted=True)
+        elif self.asks is not None and (asked := self._asked(self.asks)) is not None:
+            self.result.asked = asked
+            self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
+        elif now > self.deadline:
+            self._end(f"timed out after {self.task['timeout_sec']} s")
+        elif now - self.last_activity > knobs.inactivity_sec:
+            self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        else:
+            return self._shell_died(now)
+        return True
+
+    def _limit(self) -> None:
         """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
         now and free the slot (the task pauses until the reset; see LimitWatch)."""
         found = self.limits.reached(self.result.stream)
@@ -1103,10 +1178,10 @@ class Supervisor:
         if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
             self.result.limited = {**stream.limit, "source": "error"}
 
-    def _asked(self) -> dict[str, str] | None:
-        """The permission ask the rules plugin holds, when believed (AskWatch); a reply not believed
-        is set aside, and the receipt says so."""
-        asked, doubt = self.asks.held()
+    def _asked(self, asks: AskWatch) -> dict[str, str] | None:
+        """The permission ask the rules plugin holds, when believed (``asks``); a reply not
+        believed is set aside, and the receipt says so."""
+        asked, doubt = asks.held()
         if doubt:
             self._doubt(doubt)
         return asked
@@ -1151,11 +1226,11 @@ class Supervisor:
 
     def _read_stderr(self) -> None:
         try:
-            data = os.read(self.proc.stderr.fileno(), 65536)
+            data = os.read(self._stderr().fileno(), 65536)
         except BlockingIOError:
             return
         if not data:
-            self.selector.unregister(self.proc.stderr)
+            self.selector.unregister(self._stderr())
             return
         self.last_activity = time.monotonic()
         self._feed("err", data)
@@ -1171,12 +1246,13 @@ class Supervisor:
     def _take(self, stream: str, piece: bytes, end: bool) -> None:
         """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
         past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
+        task_log = self._task_log()
         if stream in self.oversized:
-            self.log.write(self.oversized[stream].feed(piece))
+            task_log.write(self.oversized[stream].feed(piece))
             if end:
-                self.log.write(self.oversized.pop(stream).end())
+                task_log.write(self.oversized.pop(stream).end())
                 self.result.stream.bad_lines += 1
-                self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
+                task_log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
             return
         buf = self.partial.setdefault(stream, bytearray())
         buf += piece
@@ -1188,32 +1264,34 @@ class Supervisor:
             # Written as it comes, so a secret may be split between pieces: LongLine holds back
             # what a later piece could complete.
             self.oversized[stream] = redaction.LongLine(self.redactor)
-            self.log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
+            task_log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
             buf.clear()
 
     def _line(self, stream: str, line: bytes) -> None:
         # Redacted before anything reads it: the log, the receipt's texts and the worker's own
         # lines are all made from the redacted line.
         line = self.redactor.redact(line)
+        task_log = self._task_log()
         if stream == "err":
             text = line[:STDERR_LINE_KEEP].decode(errors="replace")
-            self.log.write(b"[stderr] " + line + b"\n")
+            task_log.write(b"[stderr] " + line + b"\n")
             if (down := oc.mcp_unavailable(text)) is not None:
                 return self._mcp_down(down)
             self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
             self.limits.log_line(text)
         else:
-            self.log.write(line + b"\n")
+            task_log.write(line + b"\n")
             event = self.result.stream.feed(line.decode(errors="replace"))
             if event is None and line.strip():
-                self.log.write(b"[worker] skipped a non-JSON line above\n")
+                task_log.write(b"[worker] skipped a non-JSON line above\n")
             elif event is not None:
                 if event.get("type") == "step_finish" and self.meter is not None:
-                    self._metered()
+                    self._metered(self.meter)
                 if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
-                    self.shells.completed(str(((event["part"].get("state") or {}).get("input") or {}).get("command")))
+                    called = (event["part"].get("state") or {}).get("input") or {}
+                    self._shell_watch().completed(str(called.get("command")))
                 current().talk.event(self.task["id"], event)
-        self.log.flush()
+        task_log.flush()
 
     def _mcp_down(self, down: dict[str, Any]) -> None:
         """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
@@ -1224,42 +1302,43 @@ class Supervisor:
                                          "status": down["status"], "after_sec": after})
             log(f"{self.task['id']}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
                 f"({down['status']}) {after} s after it started", talk.VERBOSE)
-        self.log.flush()
+        self._task_log().flush()
 
-    def _metered(self) -> None:
-        """A step finished: meter it; at a reached limit end the run at this step boundary (the
+    def _metered(self, meter: Meter) -> None:
+        """A step finished: ``meter`` it; at a reached limit end the run at this step boundary (the
         gate keeps the next model call from going out), else let the next call go."""
         stream = self.result.stream
-        paused = self.meter.step(stream)
+        paused = meter.step(stream)
         if paused is not None and not stream.finished and not self.stop:
-            self._pause(paused)
+            self._pause(meter, paused)
 
-    def _pause(self, paused: dict[str, Any]) -> None:
-        paused["gated"] = self.meter.gate_file is not None
-        self.meter.write_gate(stop=paused["reason"])
+    def _pause(self, meter: Meter, paused: dict[str, Any]) -> None:
+        paused["gated"] = meter.gate_file is not None
+        meter.write_gate(stop=paused["reason"])
         self.result.paused = paused
         self._end(f"paused at a spending limit: {paused['reason']}")
 
-    def _held(self, now: float, final: bool = False) -> None:
+    def _held(self, meter: Meter, now: float, final: bool = False) -> None:
         """The spend gate's reply says it held a model call. Its figures are the agent's word (the
         reply folder is writable in the box), so nothing is booked from them: a real hold follows
         steps the event stream shows within moments, and once their spend reaches the gate's
         allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
         run's end, ``final``) is set aside, the receipt says so, and the run goes on."""
-        held = self.meter.held()
+        held = meter.held()
         if held is None:
             self.held_since = None
             return
         self.held_since = self.held_since or time.monotonic()
-        if self.meter.believes():
+        if meter.believes():
             if not final and not self.stop:
-                self._pause(self.meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": self.meter.cost,
-                                                   "limit": None, "reason": "the spend gate held the next model call"})
+                self._pause(meter, meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
+                                                     "limit": None,
+                                                     "reason": "the spend gate held the next model call"})
         elif final or now - self.held_since > HELD_WAIT_SEC:
-            self._doubt(self.meter.set_aside(held))
+            self._doubt(meter.set_aside(held))
             self.held_since = None
 
-    def _drain(self, final: bool) -> None:
+    def _drain(self) -> None:
         """Read what is left after the tree is gone (stderr for up to a second: a stray process
         may hold it open; the stdout file to its end), finish partial lines, close both."""
         end = time.monotonic() + 1.0
@@ -1270,10 +1349,11 @@ class Supervisor:
             if self.partial.get(stream) or stream in self.oversized:
                 self._take(stream, b"", end=True)
         self.partial.clear()
-        for fileobj in (self.proc.stderr, self.status):
+        stderr = self._stderr()
+        for fileobj in (stderr, self.status):
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(fileobj)
-        self.proc.stderr.close()
+        stderr.close()
         os.close(self.spool)
         os.close(self.status)
 
@@ -1425,8 +1505,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         setup, final = _run_setup(task, ws, phases, model)
         if setup is None:
             return final
-        run, session_note = _run_agent(task, ws, knobs, model, setup.notes, resume, setup.env, setup.box,
-                                       phases.deadline)
+        run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)
 
@@ -1492,7 +1571,8 @@ def _run_setup(task: dict[str, Any], ws: Workspace, phases: Phases,
     dict) when the run cannot be set up (a bad OpenCode config, no box where one is required)."""
     try:
         notes = db(store.take_notes, task["id"], task["run_marker"])
-        snapshot = worktrees.take_snapshot(ws.cwd) if task["permission"] == "readonly" and ws.mode == "in-place" else None
+        readonly_in_place = task["permission"] == "readonly" and ws.mode == "in-place"
+        snapshot = worktrees.take_snapshot(ws.cwd) if readonly_in_place else None
         config_files = oc.project_config_files(ws.cwd, ws.top or ws.cwd)
         try:
             box, env = _box_and_env(task, ws, model, config_files)
@@ -1513,7 +1593,7 @@ def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
     """The run's box and environment. Raises oc.ConfigProblem, agent_box.BoxUnavailable,
     agent_box.BoxSettingError (a folder that cannot be made is named)."""
     box = agent_box.choose(task["permission"])
-    base = agent_box.agent_env(os.environ, model, [*agent_box.config_texts(dict(os.environ)),
+    base = agent_box.agent_env(dict(os.environ), model, [*agent_box.config_texts(dict(os.environ)),
                                                    *config_files.values()])
     env = _boxed_run_env(task, ws, base, box)
     if box.mechanism:
@@ -1539,8 +1619,7 @@ def _after_run(task: dict[str, Any], ws: Workspace, run: RunResult, model: str, 
                        "restrictions": oc.repo_restrictions(config_files, ws.cwd),
                        "housekeeping_undone": [os.path.relpath(p, ws.cwd)
                                                for p in oc.undo_housekeeping(config_files)]}
-        return _conclude(task, ws, run, model, setup.snapshot, session_note, setup.checkout_before, repo_config,
-                         phases)
+        return _conclude(task, ws, run, model, setup, session_note, repo_config, phases)
     except Exception as exc:  # noqa: BLE001 - a finished agent run is never run again for our fault
         if run.superseded or run.interrupted or failure_reason(run) is not None or db_outage(exc):
             raise
@@ -1588,37 +1667,38 @@ def _stopped_early(task: dict, phases: Phases, message: str, ws: Workspace | Non
     return _finish(store.fail_attempt, task, task["run_marker"], message)
 
 
-def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], resume: bool,
-               env: dict[str, str], box: agent_box.Support,
+def _run_agent(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, resume: bool,
                deadline: float | None = None) -> tuple[RunResult, str]:
     """Resume the waiting session with the answer when it can; otherwise a new session whose
-    prompt carries the instructions (and, after a lost session, every question and answer)."""
+    prompt carries the instructions (and, after a lost session, every question and answer).
+    ``setup``: the attempt's notes, box and environment (_run_setup)."""
+    notes, box = setup.notes, setup.box
     if resume and ws.reused:
-        run = _attempt(task, ws, knobs, model, resume_message(task["answer"], notes, task.get("pending_ask")),
-                       task["session_id"], env, box, deadline)
+        run = _attempt(task, ws, knobs, model, setup, resume_message(task["answer"], notes, task.get("pending_ask")),
+                       task["session_id"], deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, f"resumed OpenCode session {task['session_id']}"
         lost = "the earlier OpenCode session was gone"
     else:
         lost = "the earlier worktree was gone"
     if not resume and (task.get("continue_from") or task.get("fork_from")):
-        return _run_line(task, ws, knobs, model, notes, env, box, deadline)
+        return _run_line(task, ws, knobs, model, setup, deadline)
     if not resume:
-        return (_attempt(task, ws, knobs, model, build_prompt(task, ws, notes, [], box=box), None, env, box, deadline),
+        return (_attempt(task, ws, knobs, model, setup, build_prompt(task, ws, notes, [], box=box), None, deadline),
                 "new session")
     current = db(store.get_task, task["id"])
     prompt = build_prompt(task, ws, current["notes"], current["questions"], box=box)
-    return (_attempt(task, ws, knobs, model, prompt, None, env, box, deadline),
+    return (_attempt(task, ws, knobs, model, setup, prompt, None, deadline),
             f"{lost}; a new session got the history in its prompt")
 
 
-def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[dict], env: dict[str, str],
-              box: agent_box.Support, deadline: float | None) -> tuple[RunResult, str]:
+def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup,
+              deadline: float | None) -> tuple[RunResult, str]:
     """A follow-up resumes the OpenCode session of the task it continues; a fork resumes a copy
     of it made for its own worktree. Both get the brief as the next message; a session that is
     gone (or cannot be copied) gives way to a new session with the brief."""
     parent = db(store.get_task, task["continue_from"] or task["fork_from"])
-    prompt = build_prompt(task, ws, notes, [], parent, box)
+    prompt = build_prompt(task, ws, setup.notes, [], parent, setup.box)
     session, how = task.get("session_id"), f"resumed this task's OpenCode session {task.get('session_id')}"
     if not session and not parent.get("session_id"):
         how = f"{parent['id']} left no OpenCode session; a new session got the brief"
@@ -1627,20 +1707,21 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, notes: list[d
     elif not session:
         try:
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
-                                      ws.top or ws.cwd, env)
+                                      ws.top or ws.cwd, setup.env)
             how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
     if session:
-        run = _attempt(task, ws, knobs, model, prompt, session, env, box, deadline)
+        run = _attempt(task, ws, knobs, model, setup, prompt, session, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, how
         how = f"the OpenCode session {session} was gone; a new session got the brief"
-    return _attempt(task, ws, knobs, model, prompt, None, env, box, deadline), how
+    return _attempt(task, ws, knobs, model, setup, prompt, None, deadline), how
 
 
-def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, session_id: str | None,
-             env: dict[str, str], box: agent_box.Support, deadline: float | None = None) -> RunResult:
+def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
+             session_id: str | None, deadline: float | None = None) -> RunResult:
+    env, box = setup.env, setup.box
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode}; box: {box.label})",
         talk.VERBOSE)
@@ -1659,8 +1740,8 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, prompt: str, s
         if rules_file:
             env = oc.with_permission_rules(env, rules_file)
         boxed, env = _boxed(task, ws, box, run_dir, argv, env)
-        return Supervisor(task, argv, env, ws.cwd, prompt, knobs, box, boxed, meter=Meter(task, gate),
-                          courier=Courier(task, notes_file), rules_file=rules_file, retry_file=retry_file,
+        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=rules_file, retry_file=retry_file)
+        return Supervisor(task, launch, knobs, box, meter=Meter(task, gate), courier=Courier(task, notes_file),
                           deadline_at=deadline).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -1700,9 +1781,8 @@ def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, arg
     return agent_box.wrap(box.mechanism, plan, argv), env
 
 
-def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: dict | None,
-              session_note: str, checkout_before: dict, repo_config: dict[str, Any],
-              phases: Phases) -> dict[str, Any] | None:
+def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunSetup,
+              session_note: str, repo_config: dict[str, Any], phases: Phases) -> dict[str, Any] | None:
     marker = task["run_marker"]
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
@@ -1710,8 +1790,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
         return None
     reason = failure_reason(run)
     block = oc.parse_closing_block(run.stream.final_text)
-    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, snapshot, session_note,
-                                               checkout_before, repo_config)
+    receipt, diff, problem = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
     usage = run.stream.usage()
     if phases.superseded:
         _cleanup_superseded(task, ws)
@@ -1747,11 +1826,12 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, snapshot: d
     return _failed(task, run, model, reason, receipt, diff, usage)
 
 
-def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, snapshot: dict | None,
-                      session_note: str, checkout_before: dict,
-                      repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
+def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, setup: RunSetup,
+                      session_note: str, repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
     """(the receipt, the diff, the git failure that kept the diff from being read, or None): the
-    readonly revert, git's view of the changes and of your checkout, the project's config."""
+    readonly revert (``setup.snapshot``), git's view of the changes and of your checkout (against
+    ``setup.checkout_before``), the project's config."""
+    snapshot, checkout_before = setup.snapshot, setup.checkout_before
     reverted, files, diff, problem = _observe(task, ws, snapshot)
     receipt = build_receipt(task, ws, run, model, block, files, reverted[0], session_note)
     if reverted[1]:
@@ -1812,6 +1892,8 @@ def _pause_at_limit(task: dict, run: RunResult, model: str, receipt: Receipt, us
     """Pause the task at its provider's usage limit (not a failure: no retry spent, the worktree
     and the OpenCode session kept) until the reset; other tasks on the provider wait meanwhile."""
     limited, account = run.limited, model.split("/", 1)[0]
+    if limited is None:
+        raise ValueError(f"{task['id']}'s run reached no usage limit to pause at")
     resume_at = limit_resume_at(task, limited, knobs, time.time())
     said = " ".join(str(limited.get("said") or "a usage limit (no words given)").split())[:1000]
     receipt.limit = {"provider": account, "said": said, "reset_at": store.iso(limited.get("reset_at")),
@@ -1836,6 +1918,8 @@ def limit_question(task: dict, run: RunResult) -> str:
     """The question a task paused at a spending limit asks: the spend, the limit, what the agent
     was doing, and the ways on."""
     paused, stream, name = run.paused, run.stream, task["id"]
+    if paused is None:
+        raise ValueError(f"{name}'s run reached no spending limit to ask about")
     usage = f"this attempt: {stream.steps} model calls, ${stream.cost_usd:.4f}, {stream.tokens['total']:,} tokens"
     if paused["kind"] == "daily_budget":
         head = f"Daily budget reached: {paused['reason']}."
@@ -1843,7 +1927,8 @@ def limit_question(task: dict, run: RunResult) -> str:
                "'continue' to resume the same session, or answer 'stop' to fail the task with its receipt kept.")
     else:
         head = f"Spending limit reached: {name} has {paused['reason']} ({usage})."
-        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else f"{paused['limit'] * 2:,} tokens"
+        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else \
+            f"{paused['limit'] * 2:,} tokens"
         cli = f"`tasks_cli.py budget raise {name} {more.lstrip('$')}`" if paused["unit"] == "usd" else \
             f"`tasks_cli.py budget raise {name} --tokens {paused['limit'] * 2}`"
         way = (f"Answer 'continue, up to {more}' (or run {cli}) to resume the same session, or "
@@ -1975,9 +2060,9 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
         return None
     if ws.mode != "worktree":
         where = f"its changes are in {ws.cwd}"
-    elif ws.remote and receipt.get("commit"):
-        where = (f"its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: push it "
-                 f"yourself once the remote takes it ({worktrees.push_command(ws.top, ws.remote, ws.branch)})")
+    elif ws.remote and (commit := receipt.get("commit")):
+        where = (f"its work is committed ({commit[:12]}) in the kept worktree {ws.top}: push it "
+                 f"yourself once the remote takes it ({_push_yourself(ws)})")
     elif task["permission"] == "readonly":
         where = f"the worktree {ws.top} is kept as the agent left it"
     elif _still_a_checkout(ws.top):
@@ -1988,7 +2073,8 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
         where = (f"its files are kept in {ws.top}, which is no longer a git worktree (its .git was removed or "
                  f"broken, so nothing can be committed there): copy what you need out of it, then remove the "
                  f"folder and run {store.shell_command('git', '-C', ws.repo, 'worktree', 'prune')}")
-    error = f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. The agent is not run again"
+    error = (f"the agent finished, but {step} failed: {os_faults.describe(exc) or exc}; {where}. "
+             "The agent is not run again")
     receipt.update(bookkeeping_error=error, worktree_kept=ws.mode == "worktree")
     log(f"{task['id']}: {error}")
     final = _finish(store.fail_attempt, task, task["run_marker"], error, retryable=False, result=receipt,
@@ -1999,6 +2085,14 @@ def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Rece
     return final
 
 
+def _push_yourself(ws: Workspace) -> str:
+    """The command a person runs to push a kept worktree's commit (a workspace on a remote has its
+    root, remote and branch). Raises ValueError for a workspace without them."""
+    if ws.remote is None or ws.branch is None:
+        raise ValueError(f"the {ws.mode} workspace at {ws.cwd} has no remote branch to push")
+    return worktrees.push_command(ws.root(), ws.remote, ws.branch)
+
+
 def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     """A retried task on a remote whose earlier attempt's push failed, its commit kept in a
     worktree on this machine (worktrees.unpushed_workspace): push that commit again — the agent is
@@ -2006,17 +2100,20 @@ def _push_kept_work(task: dict, ws: Workspace) -> dict[str, Any] | None:
     the same way (worktree kept, host pinned, not retried)."""
     receipt = Receipt.from_json({k: v for k, v in (task.get("result") or {}).items()
                                  if k not in ("bookkeeping_error", "worktree_kept")})
+    commit = receipt.get("commit")
+    if not commit:   # unpushed_workspace found the worktree at the receipt's commit
+        raise ValueError(f"{task['id']}'s earlier receipt names no commit to push again")
     receipt.pushed_again = (f"attempt {task['attempts']} pushed the commit an earlier attempt left in "
                                f"{ws.top}; the agent was not run again")
-    log(f"{task['id']}: pushing the kept commit {receipt.commit[:12]} again (the agent is not run again)",
+    log(f"{task['id']}: pushing the kept commit {commit[:12]} again (the agent is not run again)",
         talk.VERBOSE)
     try:
         _push(task, ws, receipt)
     except worktrees.GitError as exc:
         error = (f"the agent finished in an earlier attempt, but the push of {ws.branch} to {ws.remote} failed "
-                 f"again: {exc}; its work is committed ({receipt.commit[:12]}) in the kept worktree {ws.top}: "
+                 f"again: {exc}; its work is committed ({commit[:12]}) in the kept worktree {ws.top}: "
                  f"push it yourself once the remote takes it "
-                 f"({worktrees.push_command(ws.top, ws.remote, ws.branch)}). The agent is not run again")
+                 f"({_push_yourself(ws)}). The agent is not run again")
         receipt.unset("pushed_again")
         receipt.update(bookkeeping_error=error, worktree_kept=True)
         log(f"{task['id']}: {error}")
@@ -2519,7 +2616,8 @@ def announce_start(watch: bool, slots: int) -> bool:
         if not db_outage(exc):
             raise
         model = "not known yet (the queue database does not answer)"
-    current().talk.started(store.database_label(), model, slots, "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+    current().talk.started(store.database_label(), model, slots,
+                           "watching for tasks (Ctrl-C stops)" if watch else "one pass")
     current().talk.say(box_line())
     return True
 
@@ -2643,8 +2741,8 @@ def main(argv: list[str] | None = None) -> int:
         if fault is not None:   # a full or read-only disk, an open-files limit: named with the way out
             refuse(f"error: {fault}")
             return 1
-        refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH "
-               "(a readable, writable SQLite file and folder)")
+        refuse(f"error: cannot use the queue database {store.database_label()}: {exc}; check TASK_DB_URL / "
+               "TASK_DB_PATH (a readable, writable SQLite file and folder)")
         return 1
     finally:
         state.talk.close()

@@ -365,3 +365,27 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
     finally:
         root.kill()
         root.wait()
+
+
+def test_a_supervisor_read_before_run_names_what_is_missing():
+    sup = worker.Supervisor.__new__(worker.Supervisor)   # what run() makes is not there yet
+    sup.proc = sup.log = sup.shipper = sup.shells = None
+    for step in (sup._agent, sup._task_log, sup._log_shipper, sup._shell_watch):
+        with pytest.raises(RuntimeError, match=r"run\(\)"):
+            step()
+
+
+def test_the_push_command_for_a_kept_worktree_needs_its_remote_and_branch():
+    ws = worktrees.Workspace("worktree", "/kept", "/kept", remote="https://example.org/r.git", branch="tb/t_0001")
+    assert worker._push_yourself(ws) == worktrees.push_command("/kept", "https://example.org/r.git", "tb/t_0001")
+    ws.branch = None
+    with pytest.raises(ValueError, match="no remote branch to push"):
+        worker._push_yourself(ws)
+
+
+def test_a_limit_question_or_pause_without_its_limit_is_refused_by_name():
+    run = worker.RunResult(oc.EventStream())   # neither paused at a spending limit nor at a usage limit
+    with pytest.raises(ValueError, match="no spending limit"):
+        worker.limit_question({"id": "t_0001"}, run)
+    with pytest.raises(ValueError, match="no usage limit"):
+        worker._pause_at_limit({"id": "t_0001"}, run, "prov/model", worker.Receipt(), {}, worker.Knobs())
