@@ -40,17 +40,19 @@ def event_lines(megabytes: float) -> list[bytes]:
 
 
 def through_worker(data: bytes, secrets_held: bool) -> float:
+    import agent_box
     import opencode_runner as oc
-    import redaction
     import worker
     for name, value in HELD.items():
         os.environ.pop(name, None)
         if secrets_held:
             os.environ[name] = value
-    sup = worker.Supervisor.__new__(worker.Supervisor)
-    sup.log, sup.partial, sup.oversized, sup.meter = io.BytesIO(), {}, {}, None
-    sup.task = {"id": "t_0001"}
-    sup.result, sup.redactor = worker.RunResult(oc.EventStream()), redaction.current()
+    # A real Supervisor (its redactor made now, from the secrets just set), fed OpenCode's output by
+    # hand: no OpenCode runs, its log is in memory.
+    task = {"id": "t_0001", "run_marker": "br-1-a1", "attempts": 1}
+    launch = worker.Launch(["opencode"], {oc.QUEUE_ENV: "bench"}, os.getcwd(), "")
+    sup = worker.Supervisor(task, launch, worker.Knobs(), agent_box.Support(None, reason="bench: no run"))
+    sup.log, sup.shells = io.BytesIO(), worker.ShellWatch(os.getpid(), ["opencode"])
     started = time.perf_counter()
     for at in range(0, len(data), worker.SPOOL_READ):   # as the worker reads OpenCode's stdout file
         sup._feed("out", data[at:at + worker.SPOOL_READ])

@@ -59,8 +59,8 @@ def main() -> int:
     task = store.submit_task(title="bench", instructions="x", working_dir=str(project), max_cost_usd=500)
     task = store.claim_next("bench")
     # A real Supervisor, fed lines by hand: no OpenCode runs, its log is in memory.
-    sup = worker.Supervisor(task, ["opencode"], {oc.QUEUE_ENV: "bench"}, str(project), "", worker.Knobs(),
-                            agent_box.Support(None, reason="bench: no run"))
+    launch = worker.Launch(["opencode"], {oc.QUEUE_ENV: "bench"}, str(project), "")
+    sup = worker.Supervisor(task, launch, worker.Knobs(), agent_box.Support(None, reason="bench: no run"))
     sup.log, sup.shells = io.BytesIO(), worker.ShellWatch(os.getpid(), ["opencode"])
     meter = worker.Meter(task, str(Path(folder) / "bench.gate"))
     batch = lines() * 500
