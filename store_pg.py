@@ -20,7 +20,8 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from store_errors import DatabaseBusy, DatabaseUnavailable
 
@@ -503,7 +504,7 @@ class PgChangeWatch:
         if conn is not None:
             _give_back_listener(self.url, conn)
 
-    def __enter__(self) -> "PgChangeWatch":
+    def __enter__(self) -> PgChangeWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -42,9 +42,10 @@ import re
 import socket
 import threading
 import time
-from datetime import datetime, timezone
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import knobs
 import store_pg
@@ -330,7 +331,7 @@ def iso(ts: float | None) -> str | None:
     """Unix seconds -> ISO 8601 UTC with seconds precision, or None."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1934,7 +1935,7 @@ def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
         rows = conn.execute(_COUNTS[_dialect(conn).name]).fetchall()
-    return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
+    return dict.fromkeys(STATUSES, 0) | {r[0]: r[1] for r in rows}
 
 
 # The oldest pending task. PostgreSQL reads its partial index tasks_pending_age; SQLite (which
@@ -1956,7 +1957,7 @@ def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     with _reading() as conn:
         dialect = _dialect(conn).name
-        tallies = {s: 0 for s in STATUSES} | dict(conn.execute(_COUNTS[dialect]).fetchall())
+        tallies = dict.fromkeys(STATUSES, 0) | dict(conn.execute(_COUNTS[dialect]).fetchall())
         oldest = conn.execute(_OLDEST_PENDING[dialect]).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
     return {
@@ -2761,7 +2762,7 @@ def wait_for_change(since: int, timeout: float, poll: float = 0.5) -> int:
 SETTLE_PAUSES = (0, 0.001, 0.002, 0.005, 0.01)
 
 
-def change_watch() -> "FolderWatch | PgChangeWatch":
+def change_watch() -> FolderWatch | PgChangeWatch:
     """A ``file_watch.FolderWatch`` on the files SQLite writes at each commit to this queue's
     database (the ``-wal`` file; the database itself in rollback-journal mode); on PostgreSQL a
     PgChangeWatch (the same interface) listening for the events' NOTIFY on a connection of its
