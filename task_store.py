@@ -42,7 +42,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -270,6 +270,11 @@ def queue_tag() -> str:
     except ImportError:
         from hashlib import sha1
     return sha1(database_label().encode()).hexdigest()[:10]
+
+
+def _marks(values: Sized) -> str:
+    """``"?,?,?"``: one placeholder per value, for ``IN (...)``; the values themselves go as parameters."""
+    return ",".join("?" * len(values))
 
 
 def format_task_id(num: int) -> str:
@@ -630,7 +635,8 @@ SCHEMA_V9 = [
     "DROP INDEX tasks_pending_age",
     # Pending tasks that have a schedule timeout (queue_status's overdue check read every pending
     # task through the claim index); a task without one is not in it and costs it no page.
-    "CREATE INDEX tasks_schedule ON tasks (created_at, id) WHERE status = 'pending' AND schedule_timeout_sec IS NOT NULL",
+    "CREATE INDEX tasks_schedule ON tasks (created_at, id)"
+    " WHERE status = 'pending' AND schedule_timeout_sec IS NOT NULL",
     # Unread results counted beside the statuses, in the counts row's page a finish writes anyway:
     # queue_status counted them through their index (100,000 unread: 4x the time of 1,000).
     f"INSERT INTO task_counts (status, n) SELECT 'unseen', count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}",
@@ -728,7 +734,8 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
 # connection (the worker's slot threads and the MCP server's threads each write in their own
 # transactions), and a process never uses one it inherited through fork (SQLite forbids carrying
 # a connection across fork; the child opens its own). The WAL is checkpointed by SQLite's own
-# autocheckpoint (every 10,000 pages, ~40 MB: fewer fsyncs per write) and by ``checkpoint()``, which the worker calls each minute.
+# autocheckpoint (every 10,000 pages, ~40 MB: fewer fsyncs per write) and by ``checkpoint()``, which the
+# worker calls each minute.
 _KEPT: dict[tuple[int, str], tuple[sqlite3.Connection, tuple[int, int] | None]] = {}
 _KEPT_LOCK = threading.Lock()
 _KEPT_PID = [os.getpid()]
@@ -1185,8 +1192,8 @@ def validate_repo(value: Any) -> str | None:
                               "file://) nor an absolute path of a git repository")
     path = os.path.realpath(text)
     if not _is_git_repository(path):
-        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here (no .git, or not a bare repository); "
-                              "give a repository's path or its URL")
+        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here "
+                              "(no .git, or not a bare repository); give a repository's path or its URL")
     return path
 
 
@@ -1447,7 +1454,8 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     live = task["status"] == "running"
     usage = task["usage"] or {}
     task["spent_usd"] = round(float(usage.get("cost_usd") or 0) + (task.get("run_cost_usd") or 0 if live else 0), 8)
-    task["spent_tokens"] = int((usage.get("tokens") or {}).get("total") or 0) + (task.get("run_tokens") or 0 if live else 0)
+    task["spent_tokens"] = (int((usage.get("tokens") or {}).get("total") or 0)
+                            + (task.get("run_tokens") or 0 if live else 0))
     for column in ("continue_from", "fork_from"):
         if task.get(column) is not None:
             task[column] = format_task_id(task[column])
@@ -1599,9 +1607,9 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     refs = [s["ref"] for s in specs if s["ref"]]
     if len(refs) != len(set(refs)):
         raise ValidationError("refs in a batch must be unique")
-    for spec in specs:
-        if spec["ref"] is not None and spec["ref"] in spec["depends_on"]:
-            raise ValidationError(f"dependency cycle refused: task {spec['ref']!r} depends on itself")
+    for item in specs:
+        if item["ref"] is not None and item["ref"] in item["depends_on"]:
+            raise ValidationError(f"dependency cycle refused: task {item['ref']!r} depends on itself")
     _check_batch_cycles(specs)
     # Insert in dependency order so a ref always points at an already-inserted task.
     ordered = _topological(specs)
@@ -1785,14 +1793,17 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
     ]
 
 
-_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
+_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority,"
+                 " status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, json_extract(result, '$.model') AS ran_model, max_cost_usd, max_tokens, paused_for, resume_at,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, json_extract(result, '$.model') AS ran_model,"
+                 " max_cost_usd, max_tokens, paused_for, resume_at,"
                  " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
-                 " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, " + LIST_RANK + " AS rank")
+                 " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, "
+                 + LIST_RANK + " AS rank")
 # PostgreSQL reads the usage JSON with its own operators and rounds a numeric.
 _LIST_COLUMNS_PG = (_LIST_COLUMNS
                     .replace("round(coalesce(json_extract(usage, '$.cost_usd'), 0)",
@@ -1800,7 +1811,8 @@ _LIST_COLUMNS_PG = (_LIST_COLUMNS
                     .replace("run_cost_usd ELSE 0 END), 8)", "run_cost_usd ELSE 0 END))::numeric, 8)::float8")
                     .replace("json_extract(usage, '$.cost_usd')", "(usage::jsonb ->> 'cost_usd')::float8")
                     .replace("json_extract(result, '$.model')", "(result::jsonb ->> 'model')")
-                    .replace("json_extract(usage, '$.tokens.total')", "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
+                    .replace("json_extract(usage, '$.tokens.total')",
+                             "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
 
@@ -1835,7 +1847,7 @@ def list_tasks(
     # few rows through the status index and sorts them.
     dialect = _dialect()
     unary = "+" if "done" in statuses and dialect.index_hints else ""
-    where, params = [f"{unary}status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
+    where, params = [f"{unary}status IN ({_marks(statuses)})"], list(statuses)
     if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
         where, params = [dialect.true_sql], []
     origin = optional(origin)
@@ -1849,8 +1861,8 @@ def list_tasks(
     columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
     with _reading() as conn:
         if len(where) == 1 and dialect.counts_table:
-            total = conn.execute("SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN (%s)"
-                                 % ",".join("?" * len(statuses)), statuses).fetchone()[0]
+            total = conn.execute(f"SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN ({_marks(statuses)})",
+                                 statuses).fetchone()[0]
         else:
             total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
         if after is None:
@@ -1918,7 +1930,8 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
     status = optional(status)
     if status is None:
         return list(STATUSES)
-    values = coerce_list("status", status) if not isinstance(status, str) or "," in status or status.startswith("[") else [status]
+    several = not isinstance(status, str) or "," in status or status.startswith("[")
+    values = coerce_list("status", status) if several else [status]
     for value in values:
         if value not in STATUSES:
             raise ValidationError(f"status {value!r} is not one of {', '.join(STATUSES)}")
@@ -2130,7 +2143,8 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
     return task_dict(row)
 
 
-def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,
+# The worker's record of an attempt, one keyword-only field an argument (worker.py names each).
+def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,  # noqa: PLR0913
                  result: dict | None = None, diff: str | None = None, usage: dict | None = None,
                  session_id: str | None = None, pin_host: bool = False) -> dict[str, Any]:
     """Finish the attempt ``marker`` as failed with ``error`` (the specific reason). If
@@ -2184,7 +2198,9 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         return task_dict(_row(conn, num))
 
 
-def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str, session_id: str | None,
+# The columns a pause writes, one an argument, as its two public callers take them.
+def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str,  # noqa: PLR0913
+                session_id: str | None,
                 result: dict | None, usage: dict | None, paused_for: str | None, ask: dict | None) -> None:
     row = _fenced(conn, num, marker)
     conn.execute(
@@ -2200,7 +2216,8 @@ def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str, 
     _event(conn, num, "paused" if paused_for else "waiting", question[:500])
 
 
-def pause_for_limit(task_id: Any, marker: str, question: str, *, account: str, said: str,
+# The worker's record of the pause, one keyword-only field an argument (worker.py names each).
+def pause_for_limit(task_id: Any, marker: str, question: str, *, account: str, said: str,  # noqa: PLR0913
                     resume_at: float | None, known_reset: bool, session_id: str | None = None,
                     result: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
     """The model's provider reported a usage limit: the attempt ends ``waiting`` with
@@ -2695,8 +2712,8 @@ def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: 
         else:
             nums = [parse_task_id(t) for t in task_ids]
             rows = conn.execute(
-                "SELECT * FROM events WHERE id > ? AND task_id IN (%s) AND %s ORDER BY id LIMIT ?"
-                % (",".join("?" * len(nums)), _final(conn)), [cursor, *nums, limit]
+                f"SELECT * FROM events WHERE id > ? AND task_id IN ({_marks(nums)}) AND {_final(conn)}"
+                " ORDER BY id LIMIT ?", [cursor, *nums, limit]
             ).fetchall()
     return [_event_dict(r) for r in rows]
 
@@ -2779,7 +2796,7 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     nums = [parse_task_id(t) for t in task_ids]
     with _reading() as conn:
         rows = dict(conn.execute(
-            "SELECT id, status FROM tasks WHERE id IN (%s)" % ",".join("?" * len(nums)), nums
+            f"SELECT id, status FROM tasks WHERE id IN ({_marks(nums)})", nums
         ).fetchall()) if nums else {}
     missing = [format_task_id(n) for n in nums if n not in rows]
     if missing:
@@ -2795,7 +2812,7 @@ def resuming_by_itself(task_ids: Iterable[Any]) -> list[str]:
         return []
     with _reading() as conn:
         rows = conn.execute("SELECT id FROM tasks WHERE status = 'waiting' AND paused_for = 'usage_limit'"
-                            " AND resume_at IS NOT NULL AND id IN (%s) ORDER BY id" % ",".join("?" * len(nums)),
+                            f" AND resume_at IS NOT NULL AND id IN ({_marks(nums)}) ORDER BY id",
                             nums).fetchall()
     return [format_task_id(r[0]) for r in rows]
 
@@ -2888,7 +2905,7 @@ def next_local_midnight(ts: float | None = None) -> float:
     return datetime.fromtimestamp(day.timestamp() + 26 * 3600).replace(hour=0).timestamp()
 
 
-_BUDGET_SETTINGS = "SELECT key, value FROM settings WHERE key IN (%s)" % ",".join("?" * len(BUDGET_KEYS))
+_BUDGET_SETTINGS = f"SELECT key, value FROM settings WHERE key IN ({_marks(BUDGET_KEYS)})"
 
 
 def _budget_settings(conn: sqlite3.Connection) -> dict[str, float | None]:
@@ -3039,7 +3056,8 @@ def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: fl
         conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (amount, row["id"]))
         return f"${amount:.4f}"
     count = coerce_tokens("the new token limit", int(amount))
-    spent = int((usage.get("tokens") or {}).get("total") or 0) + (row["run_tokens"] if row["status"] == "running" else 0)
+    spent = (int((usage.get("tokens") or {}).get("total") or 0)
+             + (row["run_tokens"] if row["status"] == "running" else 0))
     if count <= spent:
         raise ValidationError(f"task {name} has already used {spent:,} tokens; give a limit above that "
                               f"(for example {spent * 2:,} tokens) or answer stop")
@@ -3145,19 +3163,19 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
     if any(s not in TERMINAL for s in chosen):
         raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
     nums = None if only_ids is None else [parse_task_id(i) for i in only_ids]
-    where = ("status IN (%s) AND finished_at <= ?"
+    where = (f"status IN ({_marks(chosen)}) AND finished_at <= ?"
              " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
-             " WHERE t.status NOT IN ('done','failed','cancelled'))" % ",".join("?" * len(chosen)))
+             " WHERE t.status NOT IN ('done','failed','cancelled'))")
     if nums is not None:
-        where += " AND id IN (%s)" % ",".join("?" * len(nums))
+        where += f" AND id IN ({_marks(nums)})"
     params = [*chosen, now() - older_than_sec, *(nums or [])]
     with _writing() as conn:
         if dry_run:
             rows = conn.execute(f"SELECT id, branch, worktree_path, lease_host, result FROM tasks WHERE {where}",
                                 params).fetchall()
         else:
-            rows = conn.execute(f"DELETE FROM tasks WHERE {where} RETURNING id, branch, worktree_path, lease_host, result",
-                                params).fetchall()
+            rows = conn.execute(f"DELETE FROM tasks WHERE {where}"
+                                " RETURNING id, branch, worktree_path, lease_host, result", params).fetchall()
         if rows and not dry_run:
             _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
     return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
@@ -3308,8 +3326,8 @@ def task_log_sizes(task_ids: Iterable[Any]) -> dict[str, int]:
     if nums:
         with _reading() as conn:
             found = {row[0]: int(row[1]) for row in conn.execute(
-                "SELECT task_id, sum(length(data)) FROM task_log_chunks WHERE task_id IN (%s)"
-                " GROUP BY task_id" % ",".join("?" * len(nums)), nums).fetchall()}
+                f"SELECT task_id, sum(length(data)) FROM task_log_chunks WHERE task_id IN ({_marks(nums)})"
+                " GROUP BY task_id", nums).fetchall()}
     return {format_task_id(num): int(found.get(num, 0)) for num in nums}
 
 
@@ -3522,7 +3540,7 @@ def list_claude_jobs(status: Iterable[str] | None = None, limit: int = 50) -> li
     chosen = list(status) if status else list(JOB_STATUSES)
     with _reading() as conn:
         rows = conn.execute(
-            "SELECT * FROM claude_jobs WHERE status IN (%s) ORDER BY id DESC LIMIT ?"
-            % ",".join("?" * len(chosen)), [*chosen, limit]
+            f"SELECT * FROM claude_jobs WHERE status IN ({_marks(chosen)}) ORDER BY id DESC LIMIT ?",
+            [*chosen, limit]
         ).fetchall()
     return [_job_dict(r) for r in rows]
