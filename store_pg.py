@@ -291,7 +291,7 @@ def connect(url: str, steps: list[list[str]]) -> PgConnection:
         _migrate(conn, steps)
     except _psycopg(url).Error as exc:   # e.g. a role that may not create tables, a statement_timeout in the URL
         conn.close()
-        raise unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None), "")) from None
+        raise unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None) or "", "")) from None
     except BaseException:
         conn.close()
         raise

@@ -42,7 +42,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sized
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -658,7 +658,8 @@ def _migrate_v9_fewer_pages(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
-MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+              _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
               _migrate_v8_usage_limits, _migrate_v9_fewer_pages]
 
@@ -1028,12 +1029,10 @@ def _bounded(bound: spec.Bound, raw: dict[str, Any]) -> int | None:
     return None if value is None else coerce_int(bound.name, value, *bound.range)
 
 
-def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | None:
-    if value is None and not required:
-        return None
+def _text(name: str, value: Any, limit: int) -> str:
     if not isinstance(value, str):
         raise ValidationError(f"{name} must be text; got {type(value).__name__}")
-    if required and not value.strip():
+    if not value.strip():
         raise ValidationError(f"{name} must not be empty")
     if "\x00" in value:
         raise ValidationError(f"{name} contains a NUL character; send plain text")
@@ -1095,8 +1094,8 @@ def _too_wide(path: str) -> str | None:
         return f"the system folder {system}"
     own = [(REPO_DIR, "TaskBridge's own folder"), (db_path().parent, "the folder of TaskBridge's queue"),
            (log_dir(), "the folder of TaskBridge's task logs")]
-    for folder, what in own:
-        folder = os.path.realpath(folder)
+    for place, what in own:
+        folder = os.path.realpath(place)
         if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep) and folder == str(REPO_DIR):
             return what
         if folder == str(REPO_DIR) and folder.startswith(path.rstrip(os.sep) + os.sep):
@@ -1268,6 +1267,27 @@ def caller_kind(name: str | None) -> str:
     return "other"
 
 
+def _place(raw: dict[str, Any], parent: Any) -> tuple[Any, str | None, str | None]:
+    """Where a submission runs: ``(working_dir as given or None, repo URL or None, base_ref or
+    None)``, checked to go together (a follow-up or fork, ``parent``, may name neither). Raises
+    ValidationError."""
+    working_dir, repo = optional(raw.get("working_dir")), validate_repo(raw.get("repo"))
+    if working_dir is not None and repo is not None:
+        raise ValidationError("give working_dir (a folder on the worker's machine) or repo (a git remote the "
+                              "worker clones and pushes to), not both")
+    if working_dir is None and repo is None and parent is None:
+        raise ValidationError("working_dir or repo is required: an absolute path of an existing directory, or a "
+                              "git remote (https://, ssh://, git@host:path, file://, or a repository's path)")
+    base_ref = validate_ref(raw.get("base_ref"))
+    if base_ref is not None and repo is None and parent is None:
+        raise ValidationError("base_ref goes with repo (the ref of the remote the task starts from); a task "
+                              "with a working_dir starts from its checkout's HEAD")
+    if repo is not None and not coerce_bool("worktree", raw.get("worktree", True)):
+        raise ValidationError("worktree=false cannot go with repo: a task on a remote runs in a worktree of "
+                              "the worker's mirror and pushes its branch")
+    return working_dir, repo, base_ref
+
+
 def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     """Validate one submission; returns the normalised column values (no SQL)."""
     if not isinstance(raw, dict):
@@ -1292,20 +1312,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
     origin_name = optional(raw.get("origin_name"))
     parent, parent_kind = _line_parent(raw)
-    working_dir, repo = optional(raw.get("working_dir")), validate_repo(raw.get("repo"))
-    if working_dir is not None and repo is not None:
-        raise ValidationError("give working_dir (a folder on the worker's machine) or repo (a git remote the "
-                              "worker clones and pushes to), not both")
-    if working_dir is None and repo is None and parent is None:
-        raise ValidationError("working_dir or repo is required: an absolute path of an existing directory, or a "
-                              "git remote (https://, ssh://, git@host:path, file://, or a repository's path)")
-    base_ref = validate_ref(raw.get("base_ref"))
-    if base_ref is not None and repo is None and parent is None:
-        raise ValidationError("base_ref goes with repo (the ref of the remote the task starts from); a task "
-                              "with a working_dir starts from its checkout's HEAD")
-    if repo is not None and not coerce_bool("worktree", raw.get("worktree", True)):
-        raise ValidationError("worktree=false cannot go with repo: a task on a remote runs in a worktree of "
-                              "the worker's mirror and pushes its branch")
+    working_dir, repo, base_ref = _place(raw, parent)
     return {
         "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
         "instructions": _text("instructions", raw.get("instructions"), INSTRUCTIONS_MAX),
@@ -1587,14 +1594,9 @@ def _check_batch_cycles(specs: list[dict]) -> None:
         visit(node, [])
 
 
-def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Submit 1–20 tasks all or nothing; returns their public dicts in order.
-
-    Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
-    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
-    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
-    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
-    """
+def _batch_specs(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A batch's submissions validated (``_spec`` each), their refs unique and free of cycles.
+    Raises ValidationError naming the item."""
     raw = coerce_list("tasks", tasks)
     if not 1 <= len(raw) <= BATCH_MAX:
         raise ValidationError(f"a batch holds 1 to {BATCH_MAX} tasks; got {len(raw)}. Split it")
@@ -1611,6 +1613,18 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["ref"] is not None and item["ref"] in item["depends_on"]:
             raise ValidationError(f"dependency cycle refused: task {item['ref']!r} depends on itself")
     _check_batch_cycles(specs)
+    return specs
+
+
+def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submit 1–20 tasks all or nothing; returns their public dicts in order.
+
+    Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
+    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
+    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
+    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
+    """
+    specs = _batch_specs(tasks)
     # Insert in dependency order so a ref always points at an already-inserted task.
     ordered = _topological(specs)
     out: dict[int, tuple[sqlite3.Row, list[int], bool]] = {}
@@ -1817,6 +1831,26 @@ _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
 
 
+def _list_filter(dialect: Dialect, statuses: list[str], origin: str | None,
+                 search: str | None) -> tuple[list[str], list[Any]]:
+    """``list_tasks``' WHERE terms (ANDed) and their parameters, for ``dialect``."""
+    # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
+    # the list-order index (no sort of every match); a filter of live statuses only reads those
+    # few rows through the status index and sorts them.
+    unary = "+" if "done" in statuses and dialect.index_hints else ""
+    where, params = [f"{unary}status IN ({_marks(statuses)})"], list(statuses)
+    if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
+        where, params = [dialect.true_sql], []
+    origin = optional(origin)
+    if origin:
+        where.append("(origin_kind = ? OR origin_name = ?)")
+        params += [origin, origin]
+    if search is not None and optional(search):
+        where.append(f"{dialect.contains_fn}(lower(title), lower(?)) > 0")
+        params.append(search)
+    return where, params
+
+
 def list_tasks(
     status: str | Iterable[str] | None = None,
     origin: str | None = None,
@@ -1842,21 +1876,8 @@ def list_tasks(
     offset = coerce_int("offset", _or(offset, 0), 0, 10**9)
     cursor = optional(cursor)
     after = _parse_cursor(cursor) if cursor is not None else None
-    # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
-    # the list-order index (no sort of every match); a filter of live statuses only reads those
-    # few rows through the status index and sorts them.
     dialect = _dialect()
-    unary = "+" if "done" in statuses and dialect.index_hints else ""
-    where, params = [f"{unary}status IN ({_marks(statuses)})"], list(statuses)
-    if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
-        where, params = [dialect.true_sql], []
-    origin = optional(origin)
-    if origin:
-        where.append("(origin_kind = ? OR origin_name = ?)")
-        params += [origin, origin]
-    if optional(search):
-        where.append(f"{dialect.contains_fn}(lower(title), lower(?)) > 0")
-        params.append(search)
+    where, params = _list_filter(dialect, statuses, origin, search)
     clause = " AND ".join(where)
     columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
     with _reading() as conn:
@@ -2317,6 +2338,7 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
                 f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
                 "a question takes an answer (add_task_note reaches a task at its next attempt)"
             )
+        resume: str | None   # None: stopped at its limit
         if row["paused_for"] == "permission":
             resume = _answer_permission(conn, row, answer)
         elif row["paused_for"] == "usage_limit":
@@ -3043,22 +3065,26 @@ def _limit_reached(row: sqlite3.Row) -> str | None:
     return None
 
 
-def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float) -> str:
-    """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent."""
+def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
+    """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent. Raises
+    ValidationError when ``amount`` is not a valid limit above what the task has spent, or None."""
     name = format_task_id(row["id"])
+    if amount is None:   # parse_limit_answer gives an amount with every "usd" and "tokens" answer
+        raise ValidationError(f"task {name}: the answer names no new limit; answer 'continue, up to $2', "
+                              "'200000 tokens' or 'stop'")
     usage = json.loads(row["usage"]) if row["usage"] else {}
     if unit == "usd":
-        amount = coerce_usd("the new limit", amount)
+        usd = coerce_usd("the new limit", amount)
         spent = float(usage.get("cost_usd") or 0) + (row["run_cost_usd"] if row["status"] == "running" else 0)
-        if amount <= spent:
+        if usd is None or usd <= spent:
             raise ValidationError(f"task {name} has already spent ${spent:.4f}; give a limit above that "
                                   f"(for example ${max(spent * 2, 0.01):.2f}) or answer stop")
-        conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (amount, row["id"]))
-        return f"${amount:.4f}"
+        conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (usd, row["id"]))
+        return f"${usd:.4f}"
     count = coerce_tokens("the new token limit", int(amount))
     spent = (int((usage.get("tokens") or {}).get("total") or 0)
              + (row["run_tokens"] if row["status"] == "running" else 0))
-    if count <= spent:
+    if count is None or count <= spent:
         raise ValidationError(f"task {name} has already used {spent:,} tokens; give a limit above that "
                               f"(for example {spent * 2:,} tokens) or answer stop")
     conn.execute("UPDATE tasks SET max_tokens = ? WHERE id = ?", (count, row["id"]))
