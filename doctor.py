@@ -3,10 +3,10 @@
 Each check returns one `Check` (ok / warn / fail, what was found, the fix): Python and the
 packages of requirements.txt, the opencode binary and its version against the pinned one, the
 default model (listed by `opencode models`; with ``live`` a one-line prompt runs through it), the
-queue database (opens, integrity, journal mode, filesystem), the agent box (bubblewrap or sandbox-exec), the worker (heartbeat, schedule,
-last pass), the token file's permissions, the MCP server on ``$PORT`` when one answers, and the
-reverse bridge's backend (an API key, or the `claude` CLI logged in). A warn is worth knowing; a
-fail stops tasks from running (the command exits 1).
+queue database (opens, integrity, journal mode, filesystem), the agent box (bubblewrap or sandbox-exec),
+the worker (heartbeat, schedule, last pass), the token file's permissions, the MCP server on ``$PORT``
+when one answers, and the reverse bridge's backend (an API key, or the `claude` CLI logged in).
+A warn is worth knowing; a fail stops tasks from running (the command exits 1).
 
 Env read at call time: those of the parts it checks (TASK_DB_PATH, OPENCODE_BIN, WORKER_MODEL,
 MCP_TOKEN_FILE, MCP_BEARER_TOKEN, ANTHROPIC_API_KEY, CLAUDE_BIN, ...), ``PORT`` (the MCP server's
@@ -24,9 +24,10 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import agent_box
 import knobs
@@ -55,9 +56,9 @@ class Check:
 
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
-    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode, lambda: check_model(live),
-                                         check_database, check_worker, check_leftover_worktrees, check_token,
-                                         check_server, check_reverse_bridge]
+    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode,
+                                         lambda: check_model(live), check_database, check_worker,
+                                         check_leftover_worktrees, check_token, check_server, check_reverse_bridge]
     results = []
     for check in checks:
         try:
@@ -71,7 +72,8 @@ def run_checks(live: bool = False) -> list[Check]:
 def check_python() -> Check:
     """Python ≥ 3.11 and every package requirements.txt names, installed."""
     version = ".".join(map(str, sys.version_info[:3]))
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - doctor says so when install.sh's floor is not met by this python
+
         return Check("python", "fail", f"Python {version} at {sys.executable}; TaskBridge needs 3.11 or newer",
                      "PYTHON=/path/to/python3.11 ./install.sh")
     missing = []
@@ -137,7 +139,8 @@ def check_model(live: bool) -> Check:
         choice = oc.default_model(store.default_model() if store.queue_exists() else None, cache_file=cache)
         models = oc.known_models(cache_file=cache, refresh=True)
     except oc.OpencodeNotFound:
-        return Check("default model", "fail", "cannot be chosen or checked: opencode is missing", "see the opencode line")
+        return Check("default model", "fail", "cannot be chosen or checked: opencode is missing",
+                     "see the opencode line")
     except (oc.NoDefaultModel, RuntimeError, subprocess.TimeoutExpired) as exc:
         return Check("default model", "fail", str(exc), "docs/models.md")
     except store.TaskStoreError as exc:
@@ -209,7 +212,8 @@ def check_database() -> Check:
     detail = (f"{path}: {health['tasks']} task(s), integrity {health['integrity']}, "
               f"journal {health['journal_mode']}{where}")
     if health["integrity"] != "ok":
-        return Check("database", "fail", detail, f"copy what you need, then {store.shell_command('mv', path, f'{path}.broken')} "
+        broken = store.shell_command("mv", path, f"{path}.broken")
+        return Check("database", "fail", detail, f"copy what you need, then {broken} "
                      "(sqlite3 .recover can salvage rows)")
     if health["journal_mode"] != "wal":
         return Check("database", "warn", detail, "WAL lets readers work during writes; unset TASK_DB_JOURNAL "
@@ -279,15 +283,16 @@ def check_leftover_worktrees() -> Check:
         return Check("leftover worktrees", "ok", "no worktree of a remote task is left behind on this machine")
     unpushed = [item for item in left if item["unpushed"]]
     shown = "; ".join(f"{item['path']} ({item['why']}"
-                      + (f"; holds commit {item['unpushed'][:12]}, on no branch of the remote" if item["unpushed"] else "")
+                      + (f"; holds commit {item['unpushed'][:12]}, on no branch of the remote"
+                         if item["unpushed"] else "")
                       + ")" for item in left[:5])
     more = f" and {len(left) - 5} more" if len(left) > 5 else ""
     fix = " ; ".join(item["remove"] for item in left[:5] if not item["unpushed"])
     if unpushed:
-        fix = (f"push or copy the unpushed commit(s) first (git -C <path> push <repo> HEAD:refs/heads/<branch>), "
-               f"then remove" + (f": {fix}" if fix else " them"))
-    return Check("leftover worktrees", "warn", f"{len(left)} worktree(s) of remote tasks nobody will remove: {shown}{more}",
-                 fix or "remove them")
+        fix = ("push or copy the unpushed commit(s) first (git -C <path> push <repo> HEAD:refs/heads/<branch>), "
+               "then remove" + (f": {fix}" if fix else " them"))
+    return Check("leftover worktrees", "warn",
+                 f"{len(left)} worktree(s) of remote tasks nobody will remove: {shown}{more}", fix or "remove them")
 
 
 def check_token() -> Check:
@@ -301,7 +306,8 @@ def check_token() -> Check:
                      "./install.sh writes one (stdio clients need none)")
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
-        return Check("token", "fail", f"{path} is readable by others (mode {mode:o})", store.shell_command("chmod", "600", path))
+        return Check("token", "fail", f"{path} is readable by others (mode {mode:o})",
+                     store.shell_command("chmod", "600", path))
     try:
         http_app.bearer_token()
     except http_app.TokenConfigError as exc:
@@ -351,7 +357,8 @@ def check_server() -> Check:
         return Check("mcp server", "warn", f"{base}/health did not answer as TaskBridge does: {exc}",
                      "is another program on this port? set PORT")
     if not isinstance(health, dict) or health.get("ok") is not True:
-        return Check("mcp server", "warn", f"{base}/health answered {str(health)[:80]}", "set PORT to TaskBridge's port")
+        return Check("mcp server", "warn", f"{base}/health answered {str(health)[:80]}",
+                     "set PORT to TaskBridge's port")
     return Check("mcp server", *token_accepted(base, health.get("version")))
 
 
@@ -369,7 +376,8 @@ def token_accepted(base: str, version: Any) -> tuple[str, str, str]:
     except urllib.error.HTTPError as exc:
         if exc.code == 401:
             return ("fail", f"TaskBridge {version} answers on {base} but refuses this set-up's token",
-                    "restart the server after changing the token, or set MCP_TOKEN_FILE / MCP_BEARER_TOKEN to its token")
+                    "restart the server after changing the token, "
+                    "or set MCP_TOKEN_FILE / MCP_BEARER_TOKEN to its token")
         return "warn", f"TaskBridge {version} on {base}: /api/status answered {exc.code}", "see the server's log"
     except (urllib.error.URLError, OSError) as exc:
         return "warn", f"TaskBridge {version} on {base}: /api/status did not answer ({exc})", "see the server's log"
@@ -386,7 +394,8 @@ def check_reverse_bridge() -> Check:
                      "when OpenCode asks Claude)")
     if backend == "api":
         if not bridge.api_key_present():
-            return Check("reverse bridge", "warn", f"the API backend is chosen ({reason}) but ANTHROPIC_API_KEY is not set",
+            return Check("reverse bridge", "warn",
+                         f"the API backend is chosen ({reason}) but ANTHROPIC_API_KEY is not set",
                          "set ANTHROPIC_API_KEY, or CLAUDE_BACKEND=auto to use the claude CLI")
         return Check("reverse bridge", "ok", f"Anthropic API ({reason})")
     binary = bridge.claude_bin()

@@ -32,15 +32,23 @@ import copy
 import json
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import pydantic
 import pydantic_core
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
-from mcp.types import (CallToolResult, JSONRPCError, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse,
-                       TextContent, ToolAnnotations)
+from mcp.types import (
+    CallToolResult,
+    JSONRPCError,
+    JSONRPCNotification,
+    JSONRPCRequest,
+    JSONRPCResponse,
+    TextContent,
+    ToolAnnotations,
+)
 
 import task_store
 import task_views
@@ -52,7 +60,7 @@ log = logging.getLogger("taskbridge.mcp")
 # Arguments that fail the input schema.
 
 
-def _loc(error: dict[str, Any]) -> str:
+def _loc(error: pydantic_core.ErrorDetails) -> str:
     parts = [str(p) for p in error["loc"]
              if isinstance(p, int) or not any(c in str(p) for c in "[(-") and str(p) not in
              ("str", "int", "float", "bool", "list", "dict", "none", "literal")]
@@ -67,7 +75,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _phrase(error: dict[str, Any]) -> str:
+def _phrase(error: pydantic_core.ErrorDetails) -> str:
     kind, ctx, shown = error["type"], error.get("ctx") or {}, _shown(error.get("input"))
     phrases = {
         "missing": "is required",
@@ -218,8 +226,8 @@ def shown_result(result: Any) -> Any:
     both servers passes through."""
     if not isinstance(result, CallToolResult):
         return task_views.shown(result)
-    blocks = [b.model_copy(update={"text": task_views.shown(b.text)}) if isinstance(getattr(b, "text", None), str)
-              else b for b in result.content]
+    blocks = [b.model_copy(update={"text": task_views.shown(text)})
+              if isinstance(text := getattr(b, "text", None), str) else b for b in result.content]
     return result.model_copy(update={"structured_content": task_views.shown(result.structured_content),
                                      "content": blocks})
 
@@ -381,7 +389,7 @@ class DrainingReader(_WrappedStream):
         self.tracker.read(getattr(item, "message", None))
         return item
 
-    def __aiter__(self) -> "DrainingReader":
+    def __aiter__(self) -> DrainingReader:
         return self
 
     async def __anext__(self) -> Any:
@@ -536,7 +544,8 @@ def _merged(member: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
 def _inclusive_bounds(node: dict[str, Any]) -> None:
     """exclusiveMinimum/Maximum become minimum/maximum with the strict bound said in words:
     Gemini-model routes refuse the exclusive keywords. The server still refuses the bound itself."""
-    for exclusive, inclusive, word in (("exclusiveMinimum", "minimum", "more"), ("exclusiveMaximum", "maximum", "less")):
+    bounds = (("exclusiveMinimum", "minimum", "more"), ("exclusiveMaximum", "maximum", "less"))
+    for exclusive, inclusive, word in bounds:
         if exclusive in node:
             bound = node.pop(exclusive)
             node.setdefault(inclusive, bound)
@@ -611,7 +620,8 @@ class StreamableEndpoint:
         manager, scope = self._route(scope)
         gone = anyio.Event()
         scope[GONE_KEY] = gone
-        state = {"body_done": anyio.Event(), "complete": False}
+        body_done = anyio.Event()
+        state = {"complete": False}
 
         async def receive_marked() -> dict:
             message = await receive()
@@ -619,7 +629,7 @@ class StreamableEndpoint:
                 if not state["complete"]:
                     gone.set()
             elif not message.get("more_body", False):
-                state["body_done"].set()
+                body_done.set()
             return message
 
         async def send_marked(message: dict) -> None:
@@ -633,7 +643,7 @@ class StreamableEndpoint:
             # Once the body is read, the server's next message can only be http.disconnect: when
             # it comes before the response is complete, the client has gone. (The SDK answers a
             # JSON-mode request only when the tool ends, and reads nothing more meanwhile.)
-            await state["body_done"].wait()
+            await body_done.wait()
             if (await receive())["type"] == "http.disconnect" and not state["complete"]:
                 gone.set()
 
@@ -647,7 +657,8 @@ class StreamableEndpoint:
                 group.cancel_scope.cancel()
         if scope.get("method") == "DELETE":
             session = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"mcp-session-id"), None)
-            self.json_sessions.pop(session, None)
+            if session is not None:
+                self.json_sessions.pop(session, None)
 
     def _remember(self, headers: list[tuple[bytes, bytes]]) -> None:
         for key, value in headers:
@@ -687,11 +698,13 @@ class ToolRegistry:
         """Decorator collecting a tool: ``annotations`` from ``hints()``, ``title`` a short
         human label (≤ 60 characters). Raises TypeError when either is missing."""
         missing = [h for h in HINT_NAMES if annotations is None or getattr(annotations, h) is None]
-        if missing:
+        if missing or annotations is None:   # None leaves every hint missing
             raise TypeError(f"every tool states all four behaviour hints: use @registry.tool(mcp_shared.hints("
                             f"read_only=…, destructive=…, idempotent=…, open_world=…)); missing {', '.join(missing)}")
         if not (title or "").strip() or len(title or "") > 60:
-            raise TypeError("every tool has a title of 1 to 60 characters: @registry.tool(hints, title=\"Show a task\")")
+            raise TypeError("every tool has a title of 1 to 60 characters: "
+                            "@registry.tool(hints, title=\"Show a task\")")
+
 
         def mark(fn: Any) -> Any:
             self.entries.append((fn, annotations, title or ""))

@@ -16,9 +16,9 @@ on every run; ``--rotate`` replaces it, which also revokes every OAuth token iss
 connectors (they are signed with it).
 
 Env: PORT (default 8765); TASK_DB_URL (the queue; ``--db`` sets it, and the children get it from
-the environment, never on a command line, which ``ps`` shows); TUNNEL_BIN (the cloudflared or ngrok executable; default: on PATH);
-TUNNEL_HOST (the public host of a tunnel or proxy you run yourself: none is started, and the
-clients it names are not believed: they all count as one local client);
+the environment, never on a command line, which ``ps`` shows); TUNNEL_BIN (the cloudflared or ngrok
+executable; default: on PATH); TUNNEL_HOST (the public host of a tunnel or proxy you run yourself:
+none is started, and the clients it names are not believed: they all count as one local client);
 MCP_TOKEN_FILE / MCP_BEARER_TOKEN (the token); MCP_ALLOWED_HOSTS (kept, the tunnel's host added);
 ``.ngrok-domain`` in the repository (a reserved ngrok domain). The server's and the worker's own
 knobs pass through to them.
@@ -136,7 +136,8 @@ def ensure_token(rotate: bool = False) -> tuple[str, str]:
 def rotation_notice(port: int) -> str:
     """Who must be told about a new token."""
     return ("the bearer token was rotated; the old one no longer works, also on a server already running. Update:\n"
-            f"  - Claude Code over HTTP: claude mcp remove -s user taskbridge, then the `claude mcp add -s user --transport http` "
+            "  - Claude Code over HTTP: claude mcp remove -s user taskbridge, "
+            "then the `claude mcp add -s user --transport http` "
             f"line from `tasks_cli.py connect` (port {port})\n"
             "  - any client sending the old Authorization header or ?token=\n"
             "  - claude.ai / ChatGPT connectors: their OAuth tokens are revoked; they ask you to connect again "
@@ -152,7 +153,8 @@ def tighten_modes() -> list[str]:
     db = store.db_path()
     candidates = [(token_file().parent, 0o700), (token_file(), 0o600), (store.log_dir(), 0o700)]
     candidates += [(db.with_name(db.name + suffix), 0o600) for suffix in ("", "-wal", "-shm")]
-    candidates += [(store.state_path(name), 0o600) for name in ("worker.json", "worker.lock", "worker.log", "models.json")]
+    state_files = ("worker.json", "worker.lock", "worker.log", "models.json")
+    candidates += [(store.state_path(name), 0o600) for name in state_files]
     if store.log_dir().is_dir():
         candidates += [(p, 0o600) for p in store.log_dir().iterdir() if p.is_file()]
     for path, mode in candidates:
@@ -187,6 +189,8 @@ class Tunnel:
 
     def _read(self) -> None:
         pattern = NGROK_URL_RE if self.kind == "ngrok" else CLOUDFLARE_URL_RE
+        if self.proc.stdout is None:   # started with stdout=PIPE in __init__: never, unless that changes
+            raise RuntimeError("the tunnel's output is not piped to serve")
         for line in self.proc.stdout:
             self.lines.append(line.rstrip())
             match = pattern.search(line)
@@ -322,7 +326,8 @@ def port_taken(port: int) -> str | None:
         return (f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {pid}); use that one "
                 f"(board: http://127.0.0.1:{port}/), stop it with Ctrl-C in its terminal (or kill {pid}), "
                 f"or serve this one on another port: {other}")
-    return f"port {port} on 127.0.0.1 is taken by {holder.info['name']} (pid {holder.pid}); stop it, or serve on another port: {other}"
+    return (f"port {port} on 127.0.0.1 is taken by {holder.info['name']} (pid {holder.pid}); "
+            f"stop it, or serve on another port: {other}")
 
 
 def _serving_pid(server: Any) -> int:
@@ -407,7 +412,8 @@ class Services:
     def adopt(self, name: str, proc: subprocess.Popen) -> None:
         self.children[name] = proc
 
-    def on_signal(self, signum: int, frame: object) -> None:
+    def on_signal(self, _signum: int, _frame: object) -> None:
+        """A ``signal.signal`` handler (its (signum, frame) arguments are the signal module's): ask to stop."""
         self.stop_asked.set()
 
     def first_exit(self) -> tuple[str, int] | None:
@@ -497,17 +503,26 @@ def serve(port: int, tunnel_kind: str, token: str) -> int:
         sup.stop()   # whatever ended serving (a signal, an error of ours): no child outlives it
 
 
-def _serve(sup: "Services", port: int, tunnel_kind: str, token: str) -> int:
-    env = dict(os.environ)
+def _public_host(sup: Services, port: int, tunnel_kind: str, env: dict[str, str]) -> str | None:
+    """The public host clients reach the server on: TUNNEL_HOST's, or that of a tunnel started here
+    (adopted by ``sup``; its identity goes into ``env``), or None when serving on loopback only.
+    Raises SetupError when the tunnel cannot be started or names no host in time."""
     host = os.environ.get("TUNNEL_HOST", "").strip().lower() or None
+    if tunnel_kind != "none" and not host:
+        kind, binary = tunnel_binary(tunnel_kind)
+        say(f"starting the {kind} tunnel ({binary})")
+        tunnel = Tunnel(kind, binary, port)
+        sup.adopt("tunnel", tunnel.proc)
+        host = tunnel.wait_for_host(TUNNEL_WAIT_SEC, sup.stop_asked)
+        env["TASKBRIDGE_TUNNEL_PID"] = tunnel.identity()
+    return host
+
+
+def _serve(sup: Services, port: int, tunnel_kind: str, token: str) -> int:
+    env = dict(os.environ)
+    host = None
     try:
-        if tunnel_kind != "none" and not host:
-            kind, binary = tunnel_binary(tunnel_kind)
-            say(f"starting the {kind} tunnel ({binary})")
-            tunnel = Tunnel(kind, binary, port)
-            sup.adopt("tunnel", tunnel.proc)
-            host = tunnel.wait_for_host(TUNNEL_WAIT_SEC, sup.stop_asked)
-            env["TASKBRIDGE_TUNNEL_PID"] = tunnel.identity()
+        host = _public_host(sup, port, tunnel_kind, env)
         if host:
             env["MCP_ALLOWED_HOSTS"] = ",".join(filter(None, [env.get("MCP_ALLOWED_HOSTS", ""), host]))
             env["MCP_PUBLIC_URL"] = f"https://{host}"
@@ -576,7 +591,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rotate", action="store_true", help="make a new token (old clients must be updated)")
     parser.add_argument("--setup-only", action="store_true", help="token, file modes and client set-up; serve nothing")
     parser.add_argument("--check-port", action="store_true",
-                        help="only check the port: exit 0 when free, else say who holds it and exit 1 (install.sh asks first)")
+                        help="only check the port: exit 0 when free, else say who holds it and exit 1 "
+                             "(install.sh asks first)")
+
     parser.add_argument("--quiet", action="store_true", help="with --setup-only: print no client snippets")
     parser.add_argument("--write-claude-desktop", action="store_true",
                         help="merge the taskbridge entry into Claude Desktop's config (a backup is kept)")
@@ -622,11 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"made {path} private to this user")
     if args.write_claude_desktop:
         try:
-            path, backup = connectors.write_claude_desktop()
+            config, backup = connectors.write_claude_desktop()
         except (ValueError, OSError) as exc:
             print(f"serve: {exc}", file=sys.stderr)
             return 1
-        say(f"Claude Desktop: added taskbridge to {path}" + (f" (backup: {backup})" if backup else "")
+        say(f"Claude Desktop: added taskbridge to {config}" + (f" (backup: {backup})" if backup else "")
             + "; restart Claude Desktop")
     if args.setup_only or how == "new":   # the snippets on the first run; `tasks_cli.py connect` later
         if not args.quiet:

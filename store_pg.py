@@ -20,7 +20,8 @@ import re
 import threading
 import time
 import urllib.parse
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from store_errors import DatabaseBusy, DatabaseUnavailable
 
@@ -290,7 +291,7 @@ def connect(url: str, steps: list[list[str]]) -> PgConnection:
         _migrate(conn, steps)
     except _psycopg(url).Error as exc:   # e.g. a role that may not create tables, a statement_timeout in the URL
         conn.close()
-        raise unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None), "")) from None
+        raise unavailable(url, exc, _PG_SETUP_HINTS.get(getattr(exc, "sqlstate", None) or "", "")) from None
     except BaseException:
         conn.close()
         raise
@@ -503,7 +504,7 @@ class PgChangeWatch:
         if conn is not None:
             _give_back_listener(self.url, conn)
 
-    def __enter__(self) -> "PgChangeWatch":
+    def __enter__(self) -> PgChangeWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,8 +22,9 @@ import random
 import re
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from store_errors import (
     DatabaseBusy,
@@ -321,7 +322,7 @@ def checkpoint(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
 
-def change_watch(path: Path) -> "FolderWatch":
+def change_watch(path: Path) -> FolderWatch:
     """A ``file_watch.FolderWatch`` on the files SQLite writes at each commit to the queue file
     ``path`` (the ``-wal`` file; the file itself in rollback-journal mode)."""
     from file_watch import FolderWatch  # imported by waiting processes only

@@ -42,9 +42,10 @@ import re
 import socket
 import threading
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable, Iterator, Sized
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import knobs
 import store_pg
@@ -271,6 +272,11 @@ def queue_tag() -> str:
     return sha1(database_label().encode()).hexdigest()[:10]
 
 
+def _marks(values: Sized) -> str:
+    """``"?,?,?"``: one placeholder per value, for ``IN (...)``; the values themselves go as parameters."""
+    return ",".join("?" * len(values))
+
+
 def format_task_id(num: int) -> str:
     """``1`` -> ``"t_0001"``."""
     return f"t_{num:04d}"
@@ -330,7 +336,7 @@ def iso(ts: float | None) -> str | None:
     """Unix seconds -> ISO 8601 UTC with seconds precision, or None."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
 # --------------------------------------------------------------------------------------------
@@ -629,7 +635,8 @@ SCHEMA_V9 = [
     "DROP INDEX tasks_pending_age",
     # Pending tasks that have a schedule timeout (queue_status's overdue check read every pending
     # task through the claim index); a task without one is not in it and costs it no page.
-    "CREATE INDEX tasks_schedule ON tasks (created_at, id) WHERE status = 'pending' AND schedule_timeout_sec IS NOT NULL",
+    "CREATE INDEX tasks_schedule ON tasks (created_at, id)"
+    " WHERE status = 'pending' AND schedule_timeout_sec IS NOT NULL",
     # Unread results counted beside the statuses, in the counts row's page a finish writes anyway:
     # queue_status counted them through their index (100,000 unread: 4x the time of 1,000).
     f"INSERT INTO task_counts (status, n) SELECT 'unseen', count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}",
@@ -651,7 +658,8 @@ def _migrate_v9_fewer_pages(conn: sqlite3.Connection) -> None:
         conn.execute(statement)
 
 
-MIGRATIONS = [_migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
+MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+              _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
               _migrate_v8_usage_limits, _migrate_v9_fewer_pages]
 
@@ -727,7 +735,8 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
 # connection (the worker's slot threads and the MCP server's threads each write in their own
 # transactions), and a process never uses one it inherited through fork (SQLite forbids carrying
 # a connection across fork; the child opens its own). The WAL is checkpointed by SQLite's own
-# autocheckpoint (every 10,000 pages, ~40 MB: fewer fsyncs per write) and by ``checkpoint()``, which the worker calls each minute.
+# autocheckpoint (every 10,000 pages, ~40 MB: fewer fsyncs per write) and by ``checkpoint()``, which the
+# worker calls each minute.
 _KEPT: dict[tuple[int, str], tuple[sqlite3.Connection, tuple[int, int] | None]] = {}
 _KEPT_LOCK = threading.Lock()
 _KEPT_PID = [os.getpid()]
@@ -1020,12 +1029,10 @@ def _bounded(bound: spec.Bound, raw: dict[str, Any]) -> int | None:
     return None if value is None else coerce_int(bound.name, value, *bound.range)
 
 
-def _text(name: str, value: Any, limit: int, *, required: bool = True) -> str | None:
-    if value is None and not required:
-        return None
+def _text(name: str, value: Any, limit: int) -> str:
     if not isinstance(value, str):
         raise ValidationError(f"{name} must be text; got {type(value).__name__}")
-    if required and not value.strip():
+    if not value.strip():
         raise ValidationError(f"{name} must not be empty")
     if "\x00" in value:
         raise ValidationError(f"{name} contains a NUL character; send plain text")
@@ -1087,8 +1094,8 @@ def _too_wide(path: str) -> str | None:
         return f"the system folder {system}"
     own = [(REPO_DIR, "TaskBridge's own folder"), (db_path().parent, "the folder of TaskBridge's queue"),
            (log_dir(), "the folder of TaskBridge's task logs")]
-    for folder, what in own:
-        folder = os.path.realpath(folder)
+    for place, what in own:
+        folder = os.path.realpath(place)
         if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep) and folder == str(REPO_DIR):
             return what
         if folder == str(REPO_DIR) and folder.startswith(path.rstrip(os.sep) + os.sep):
@@ -1184,8 +1191,8 @@ def validate_repo(value: Any) -> str | None:
                               "file://) nor an absolute path of a git repository")
     path = os.path.realpath(text)
     if not _is_git_repository(path):
-        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here (no .git, or not a bare repository); "
-                              "give a repository's path or its URL")
+        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here "
+                              "(no .git, or not a bare repository); give a repository's path or its URL")
     return path
 
 
@@ -1260,6 +1267,27 @@ def caller_kind(name: str | None) -> str:
     return "other"
 
 
+def _place(raw: dict[str, Any], parent: Any) -> tuple[Any, str | None, str | None]:
+    """Where a submission runs: ``(working_dir as given or None, repo URL or None, base_ref or
+    None)``, checked to go together (a follow-up or fork, ``parent``, may name neither). Raises
+    ValidationError."""
+    working_dir, repo = optional(raw.get("working_dir")), validate_repo(raw.get("repo"))
+    if working_dir is not None and repo is not None:
+        raise ValidationError("give working_dir (a folder on the worker's machine) or repo (a git remote the "
+                              "worker clones and pushes to), not both")
+    if working_dir is None and repo is None and parent is None:
+        raise ValidationError("working_dir or repo is required: an absolute path of an existing directory, or a "
+                              "git remote (https://, ssh://, git@host:path, file://, or a repository's path)")
+    base_ref = validate_ref(raw.get("base_ref"))
+    if base_ref is not None and repo is None and parent is None:
+        raise ValidationError("base_ref goes with repo (the ref of the remote the task starts from); a task "
+                              "with a working_dir starts from its checkout's HEAD")
+    if repo is not None and not coerce_bool("worktree", raw.get("worktree", True)):
+        raise ValidationError("worktree=false cannot go with repo: a task on a remote runs in a worktree of "
+                              "the worker's mirror and pushes its branch")
+    return working_dir, repo, base_ref
+
+
 def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     """Validate one submission; returns the normalised column values (no SQL)."""
     if not isinstance(raw, dict):
@@ -1284,20 +1312,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
     origin_name = optional(raw.get("origin_name"))
     parent, parent_kind = _line_parent(raw)
-    working_dir, repo = optional(raw.get("working_dir")), validate_repo(raw.get("repo"))
-    if working_dir is not None and repo is not None:
-        raise ValidationError("give working_dir (a folder on the worker's machine) or repo (a git remote the "
-                              "worker clones and pushes to), not both")
-    if working_dir is None and repo is None and parent is None:
-        raise ValidationError("working_dir or repo is required: an absolute path of an existing directory, or a "
-                              "git remote (https://, ssh://, git@host:path, file://, or a repository's path)")
-    base_ref = validate_ref(raw.get("base_ref"))
-    if base_ref is not None and repo is None and parent is None:
-        raise ValidationError("base_ref goes with repo (the ref of the remote the task starts from); a task "
-                              "with a working_dir starts from its checkout's HEAD")
-    if repo is not None and not coerce_bool("worktree", raw.get("worktree", True)):
-        raise ValidationError("worktree=false cannot go with repo: a task on a remote runs in a worktree of "
-                              "the worker's mirror and pushes its branch")
+    working_dir, repo, base_ref = _place(raw, parent)
     return {
         "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
         "instructions": _text("instructions", raw.get("instructions"), INSTRUCTIONS_MAX),
@@ -1446,7 +1461,8 @@ def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]
     live = task["status"] == "running"
     usage = task["usage"] or {}
     task["spent_usd"] = round(float(usage.get("cost_usd") or 0) + (task.get("run_cost_usd") or 0 if live else 0), 8)
-    task["spent_tokens"] = int((usage.get("tokens") or {}).get("total") or 0) + (task.get("run_tokens") or 0 if live else 0)
+    task["spent_tokens"] = (int((usage.get("tokens") or {}).get("total") or 0)
+                            + (task.get("run_tokens") or 0 if live else 0))
     for column in ("continue_from", "fork_from"):
         if task.get(column) is not None:
             task[column] = format_task_id(task[column])
@@ -1578,14 +1594,9 @@ def _check_batch_cycles(specs: list[dict]) -> None:
         visit(node, [])
 
 
-def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Submit 1–20 tasks all or nothing; returns their public dicts in order.
-
-    Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
-    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
-    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
-    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
-    """
+def _batch_specs(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A batch's submissions validated (``_spec`` each), their refs unique and free of cycles.
+    Raises ValidationError naming the item."""
     raw = coerce_list("tasks", tasks)
     if not 1 <= len(raw) <= BATCH_MAX:
         raise ValidationError(f"a batch holds 1 to {BATCH_MAX} tasks; got {len(raw)}. Split it")
@@ -1598,10 +1609,22 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     refs = [s["ref"] for s in specs if s["ref"]]
     if len(refs) != len(set(refs)):
         raise ValidationError("refs in a batch must be unique")
-    for spec in specs:
-        if spec["ref"] is not None and spec["ref"] in spec["depends_on"]:
-            raise ValidationError(f"dependency cycle refused: task {spec['ref']!r} depends on itself")
+    for item in specs:
+        if item["ref"] is not None and item["ref"] in item["depends_on"]:
+            raise ValidationError(f"dependency cycle refused: task {item['ref']!r} depends on itself")
     _check_batch_cycles(specs)
+    return specs
+
+
+def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Submit 1–20 tasks all or nothing; returns their public dicts in order.
+
+    Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
+    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
+    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
+    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
+    """
+    specs = _batch_specs(tasks)
     # Insert in dependency order so a ref always points at an already-inserted task.
     ordered = _topological(specs)
     out: dict[int, tuple[sqlite3.Row, list[int], bool]] = {}
@@ -1784,14 +1807,17 @@ def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
     ]
 
 
-_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority, status, permission, attempts, handbacks,"
+_LIST_COLUMNS = ("id, title, working_dir, repo_url, base_ref, host, pushed_branch, pushed_commit, model, priority,"
+                 " status, permission, attempts, handbacks,"
                  " spent_before_retry, max_retries, origin_name, origin_version, origin_kind, created_at, started_at,"
                  " finished_at, heartbeat_at, error, branch, question, timeout_sec,"
-                 " json_extract(usage, '$.cost_usd') AS cost_usd, json_extract(result, '$.model') AS ran_model, max_cost_usd, max_tokens, paused_for, resume_at,"
+                 " json_extract(usage, '$.cost_usd') AS cost_usd, json_extract(result, '$.model') AS ran_model,"
+                 " max_cost_usd, max_tokens, paused_for, resume_at,"
                  " round(coalesce(json_extract(usage, '$.cost_usd'), 0)"
                  " + (CASE status WHEN 'running' THEN run_cost_usd ELSE 0 END), 8) AS spent_usd,"
                  " coalesce(json_extract(usage, '$.tokens.total'), 0)"
-                 " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, " + LIST_RANK + " AS rank")
+                 " + (CASE status WHEN 'running' THEN run_tokens ELSE 0 END) AS spent_tokens, "
+                 + LIST_RANK + " AS rank")
 # PostgreSQL reads the usage JSON with its own operators and rounds a numeric.
 _LIST_COLUMNS_PG = (_LIST_COLUMNS
                     .replace("round(coalesce(json_extract(usage, '$.cost_usd'), 0)",
@@ -1799,9 +1825,30 @@ _LIST_COLUMNS_PG = (_LIST_COLUMNS
                     .replace("run_cost_usd ELSE 0 END), 8)", "run_cost_usd ELSE 0 END))::numeric, 8)::float8")
                     .replace("json_extract(usage, '$.cost_usd')", "(usage::jsonb ->> 'cost_usd')::float8")
                     .replace("json_extract(result, '$.model')", "(result::jsonb ->> 'model')")
-                    .replace("json_extract(usage, '$.tokens.total')", "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
+                    .replace("json_extract(usage, '$.tokens.total')",
+                             "(usage::jsonb #>> '{tokens,total}')::float8::bigint"))
 _LIST_ORDER = f" ORDER BY {LIST_RANK}, priority DESC, id DESC"
 CURSOR_RE = re.compile(r"^([0-3])\.(-?\d{1,4})\.(\d{1,19})$")
+
+
+def _list_filter(dialect: Dialect, statuses: list[str], origin: str | None,
+                 search: str | None) -> tuple[list[str], list[Any]]:
+    """``list_tasks``' WHERE terms (ANDed) and their parameters, for ``dialect``."""
+    # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
+    # the list-order index (no sort of every match); a filter of live statuses only reads those
+    # few rows through the status index and sorts them.
+    unary = "+" if "done" in statuses and dialect.index_hints else ""
+    where, params = [f"{unary}status IN ({_marks(statuses)})"], list(statuses)
+    if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
+        where, params = [dialect.true_sql], []
+    origin = optional(origin)
+    if origin:
+        where.append("(origin_kind = ? OR origin_name = ?)")
+        params += [origin, origin]
+    if search is not None and optional(search):
+        where.append(f"{dialect.contains_fn}(lower(title), lower(?)) > 0")
+        params.append(search)
+    return where, params
 
 
 def list_tasks(
@@ -1829,27 +1876,14 @@ def list_tasks(
     offset = coerce_int("offset", _or(offset, 0), 0, 10**9)
     cursor = optional(cursor)
     after = _parse_cursor(cursor) if cursor is not None else None
-    # With finished tasks in the filter (the bulk of a long-lived queue), ``+status`` keeps SQLite on
-    # the list-order index (no sort of every match); a filter of live statuses only reads those
-    # few rows through the status index and sorts them.
     dialect = _dialect()
-    unary = "+" if "done" in statuses and dialect.index_hints else ""
-    where, params = [f"{unary}status IN (%s)" % ",".join("?" * len(statuses))], list(statuses)
-    if set(statuses) == set(STATUSES):  # no filter: a skipped row (offset) never reads its table row
-        where, params = [dialect.true_sql], []
-    origin = optional(origin)
-    if origin:
-        where.append("(origin_kind = ? OR origin_name = ?)")
-        params += [origin, origin]
-    if optional(search):
-        where.append(f"{dialect.contains_fn}(lower(title), lower(?)) > 0")
-        params.append(search)
+    where, params = _list_filter(dialect, statuses, origin, search)
     clause = " AND ".join(where)
     columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
     with _reading() as conn:
         if len(where) == 1 and dialect.counts_table:
-            total = conn.execute("SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN (%s)"
-                                 % ",".join("?" * len(statuses)), statuses).fetchone()[0]
+            total = conn.execute(f"SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN ({_marks(statuses)})",
+                                 statuses).fetchone()[0]
         else:
             total = conn.execute(f"SELECT count(*) FROM tasks WHERE {clause}", params).fetchone()[0]
         if after is None:
@@ -1917,7 +1951,8 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
     status = optional(status)
     if status is None:
         return list(STATUSES)
-    values = coerce_list("status", status) if not isinstance(status, str) or "," in status or status.startswith("[") else [status]
+    several = not isinstance(status, str) or "," in status or status.startswith("[")
+    values = coerce_list("status", status) if several else [status]
     for value in values:
         if value not in STATUSES:
             raise ValidationError(f"status {value!r} is not one of {', '.join(STATUSES)}")
@@ -1934,7 +1969,7 @@ def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
         rows = conn.execute(_COUNTS[_dialect(conn).name]).fetchall()
-    return {s: 0 for s in STATUSES} | {r[0]: r[1] for r in rows}
+    return dict.fromkeys(STATUSES, 0) | {r[0]: r[1] for r in rows}
 
 
 # The oldest pending task. PostgreSQL reads its partial index tasks_pending_age; SQLite (which
@@ -1956,7 +1991,7 @@ def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     with _reading() as conn:
         dialect = _dialect(conn).name
-        tallies = {s: 0 for s in STATUSES} | dict(conn.execute(_COUNTS[dialect]).fetchall())
+        tallies = dict.fromkeys(STATUSES, 0) | dict(conn.execute(_COUNTS[dialect]).fetchall())
         oldest = conn.execute(_OLDEST_PENDING[dialect]).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
     return {
@@ -2129,7 +2164,8 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
     return task_dict(row)
 
 
-def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,
+# The worker's record of an attempt, one keyword-only field an argument (worker.py names each).
+def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = True,  # noqa: PLR0913
                  result: dict | None = None, diff: str | None = None, usage: dict | None = None,
                  session_id: str | None = None, pin_host: bool = False) -> dict[str, Any]:
     """Finish the attempt ``marker`` as failed with ``error`` (the specific reason). If
@@ -2183,7 +2219,9 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
         return task_dict(_row(conn, num))
 
 
-def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str, session_id: str | None,
+# The columns a pause writes, one an argument, as its two public callers take them.
+def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str,  # noqa: PLR0913
+                session_id: str | None,
                 result: dict | None, usage: dict | None, paused_for: str | None, ask: dict | None) -> None:
     row = _fenced(conn, num, marker)
     conn.execute(
@@ -2199,7 +2237,8 @@ def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str, 
     _event(conn, num, "paused" if paused_for else "waiting", question[:500])
 
 
-def pause_for_limit(task_id: Any, marker: str, question: str, *, account: str, said: str,
+# The worker's record of the pause, one keyword-only field an argument (worker.py names each).
+def pause_for_limit(task_id: Any, marker: str, question: str, *, account: str, said: str,  # noqa: PLR0913
                     resume_at: float | None, known_reset: bool, session_id: str | None = None,
                     result: dict | None = None, usage: dict | None = None) -> dict[str, Any]:
     """The model's provider reported a usage limit: the attempt ends ``waiting`` with
@@ -2299,6 +2338,7 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
                 f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
                 "a question takes an answer (add_task_note reaches a task at its next attempt)"
             )
+        resume: str | None   # None: stopped at its limit
         if row["paused_for"] == "permission":
             resume = _answer_permission(conn, row, answer)
         elif row["paused_for"] == "usage_limit":
@@ -2694,8 +2734,8 @@ def events_since(cursor: int = 0, task_ids: Iterable[Any] | None = None, limit: 
         else:
             nums = [parse_task_id(t) for t in task_ids]
             rows = conn.execute(
-                "SELECT * FROM events WHERE id > ? AND task_id IN (%s) AND %s ORDER BY id LIMIT ?"
-                % (",".join("?" * len(nums)), _final(conn)), [cursor, *nums, limit]
+                f"SELECT * FROM events WHERE id > ? AND task_id IN ({_marks(nums)}) AND {_final(conn)}"
+                " ORDER BY id LIMIT ?", [cursor, *nums, limit]
             ).fetchall()
     return [_event_dict(r) for r in rows]
 
@@ -2761,7 +2801,7 @@ def wait_for_change(since: int, timeout: float, poll: float = 0.5) -> int:
 SETTLE_PAUSES = (0, 0.001, 0.002, 0.005, 0.01)
 
 
-def change_watch() -> "FolderWatch | PgChangeWatch":
+def change_watch() -> FolderWatch | PgChangeWatch:
     """A ``file_watch.FolderWatch`` on the files SQLite writes at each commit to this queue's
     database (the ``-wal`` file; the database itself in rollback-journal mode); on PostgreSQL a
     PgChangeWatch (the same interface) listening for the events' NOTIFY on a connection of its
@@ -2778,7 +2818,7 @@ def statuses_of(task_ids: Iterable[Any]) -> dict[str, str]:
     nums = [parse_task_id(t) for t in task_ids]
     with _reading() as conn:
         rows = dict(conn.execute(
-            "SELECT id, status FROM tasks WHERE id IN (%s)" % ",".join("?" * len(nums)), nums
+            f"SELECT id, status FROM tasks WHERE id IN ({_marks(nums)})", nums
         ).fetchall()) if nums else {}
     missing = [format_task_id(n) for n in nums if n not in rows]
     if missing:
@@ -2794,7 +2834,7 @@ def resuming_by_itself(task_ids: Iterable[Any]) -> list[str]:
         return []
     with _reading() as conn:
         rows = conn.execute("SELECT id FROM tasks WHERE status = 'waiting' AND paused_for = 'usage_limit'"
-                            " AND resume_at IS NOT NULL AND id IN (%s) ORDER BY id" % ",".join("?" * len(nums)),
+                            f" AND resume_at IS NOT NULL AND id IN ({_marks(nums)}) ORDER BY id",
                             nums).fetchall()
     return [format_task_id(r[0]) for r in rows]
 
@@ -2887,7 +2927,7 @@ def next_local_midnight(ts: float | None = None) -> float:
     return datetime.fromtimestamp(day.timestamp() + 26 * 3600).replace(hour=0).timestamp()
 
 
-_BUDGET_SETTINGS = "SELECT key, value FROM settings WHERE key IN (%s)" % ",".join("?" * len(BUDGET_KEYS))
+_BUDGET_SETTINGS = f"SELECT key, value FROM settings WHERE key IN ({_marks(BUDGET_KEYS)})"
 
 
 def _budget_settings(conn: sqlite3.Connection) -> dict[str, float | None]:
@@ -3025,21 +3065,26 @@ def _limit_reached(row: sqlite3.Row) -> str | None:
     return None
 
 
-def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float) -> str:
-    """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent."""
+def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
+    """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent. Raises
+    ValidationError when ``amount`` is not a valid limit above what the task has spent, or None."""
     name = format_task_id(row["id"])
+    if amount is None:   # parse_limit_answer gives an amount with every "usd" and "tokens" answer
+        raise ValidationError(f"task {name}: the answer names no new limit; answer 'continue, up to $2', "
+                              "'200000 tokens' or 'stop'")
     usage = json.loads(row["usage"]) if row["usage"] else {}
     if unit == "usd":
-        amount = coerce_usd("the new limit", amount)
+        usd = coerce_usd("the new limit", amount)
         spent = float(usage.get("cost_usd") or 0) + (row["run_cost_usd"] if row["status"] == "running" else 0)
-        if amount <= spent:
+        if usd is None or usd <= spent:
             raise ValidationError(f"task {name} has already spent ${spent:.4f}; give a limit above that "
                                   f"(for example ${max(spent * 2, 0.01):.2f}) or answer stop")
-        conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (amount, row["id"]))
-        return f"${amount:.4f}"
+        conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (usd, row["id"]))
+        return f"${usd:.4f}"
     count = coerce_tokens("the new token limit", int(amount))
-    spent = int((usage.get("tokens") or {}).get("total") or 0) + (row["run_tokens"] if row["status"] == "running" else 0)
-    if count <= spent:
+    spent = (int((usage.get("tokens") or {}).get("total") or 0)
+             + (row["run_tokens"] if row["status"] == "running" else 0))
+    if count is None or count <= spent:
         raise ValidationError(f"task {name} has already used {spent:,} tokens; give a limit above that "
                               f"(for example {spent * 2:,} tokens) or answer stop")
     conn.execute("UPDATE tasks SET max_tokens = ? WHERE id = ?", (count, row["id"]))
@@ -3144,19 +3189,19 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
     if any(s not in TERMINAL for s in chosen):
         raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
     nums = None if only_ids is None else [parse_task_id(i) for i in only_ids]
-    where = ("status IN (%s) AND finished_at <= ?"
+    where = (f"status IN ({_marks(chosen)}) AND finished_at <= ?"
              " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
-             " WHERE t.status NOT IN ('done','failed','cancelled'))" % ",".join("?" * len(chosen)))
+             " WHERE t.status NOT IN ('done','failed','cancelled'))")
     if nums is not None:
-        where += " AND id IN (%s)" % ",".join("?" * len(nums))
+        where += f" AND id IN ({_marks(nums)})"
     params = [*chosen, now() - older_than_sec, *(nums or [])]
     with _writing() as conn:
         if dry_run:
             rows = conn.execute(f"SELECT id, branch, worktree_path, lease_host, result FROM tasks WHERE {where}",
                                 params).fetchall()
         else:
-            rows = conn.execute(f"DELETE FROM tasks WHERE {where} RETURNING id, branch, worktree_path, lease_host, result",
-                                params).fetchall()
+            rows = conn.execute(f"DELETE FROM tasks WHERE {where}"
+                                " RETURNING id, branch, worktree_path, lease_host, result", params).fetchall()
         if rows and not dry_run:
             _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
     return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
@@ -3307,8 +3352,8 @@ def task_log_sizes(task_ids: Iterable[Any]) -> dict[str, int]:
     if nums:
         with _reading() as conn:
             found = {row[0]: int(row[1]) for row in conn.execute(
-                "SELECT task_id, sum(length(data)) FROM task_log_chunks WHERE task_id IN (%s)"
-                " GROUP BY task_id" % ",".join("?" * len(nums)), nums).fetchall()}
+                f"SELECT task_id, sum(length(data)) FROM task_log_chunks WHERE task_id IN ({_marks(nums)})"
+                " GROUP BY task_id", nums).fetchall()}
     return {format_task_id(num): int(found.get(num, 0)) for num in nums}
 
 
@@ -3521,7 +3566,7 @@ def list_claude_jobs(status: Iterable[str] | None = None, limit: int = 50) -> li
     chosen = list(status) if status else list(JOB_STATUSES)
     with _reading() as conn:
         rows = conn.execute(
-            "SELECT * FROM claude_jobs WHERE status IN (%s) ORDER BY id DESC LIMIT ?"
-            % ",".join("?" * len(chosen)), [*chosen, limit]
+            f"SELECT * FROM claude_jobs WHERE status IN ({_marks(chosen)}) ORDER BY id DESC LIMIT ?",
+            [*chosen, limit]
         ).fetchall()
     return [_job_dict(r) for r in rows]
