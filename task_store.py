@@ -95,6 +95,12 @@ if TYPE_CHECKING:   # the driver itself is store_sqlite's; here it only names ty
 
     from file_watch import FolderWatch
 
+# A kept connection: a Connection, or a store_pg.PgConnection, which takes the same calls
+# (execute, executemany, commit, in_transaction, close) with SQLite's placeholders and rows that
+# read like sqlite3.Row. The store's SQL is written once for both, so its functions take either:
+# Any to the type checker, which cannot follow a dialect check (_dialect) to the right one.
+Connection = Any
+
 REPO_DIR = Path(__file__).resolve().parent
 
 STATUSES = ("pending", "running", "waiting", "done", "failed", "cancelled")
@@ -445,14 +451,14 @@ CREATE TABLE claude_jobs (
 """
 
 
-def _run_script(conn: sqlite3.Connection, script: str) -> None:
+def _run_script(conn: Connection, script: str) -> None:
     # executescript() would commit the migration's transaction; run statement by statement.
     for statement in script.split(";"):
         if statement.strip():
             conn.execute(statement)
 
 
-def _migrate_v1(conn: sqlite3.Connection) -> None:
+def _migrate_v1(conn: Connection) -> None:
     _run_script(conn, SCHEMA_V1)
 
 
@@ -482,7 +488,7 @@ SCHEMA_V2 = [
 ]
 
 
-def _migrate_v2(conn: sqlite3.Connection) -> None:
+def _migrate_v2(conn: Connection) -> None:
     """Indexes for every lookup (notes and questions by task, the list order, jobs by status) and
     the per-status counts table."""
     for statement in SCHEMA_V2:
@@ -494,7 +500,7 @@ def _migrate_v2(conn: sqlite3.Connection) -> None:
 SCHEMA_V3 = ["ALTER TABLE tasks ADD COLUMN spent_before_retry INTEGER NOT NULL DEFAULT 0"]
 
 
-def _migrate_v3_retry_budget(conn: sqlite3.Connection) -> None:
+def _migrate_v3_retry_budget(conn: Connection) -> None:
     for statement in SCHEMA_V3:
         conn.execute(statement)
 
@@ -514,7 +520,7 @@ SCHEMA_V4 = [
 ]
 
 
-def _migrate_v4_spending_limits(conn: sqlite3.Connection) -> None:
+def _migrate_v4_spending_limits(conn: Connection) -> None:
     """Spending limits (issue 14): per-task limits, the live spend of a running attempt, why a
     task is paused, and the spend per local day."""
     for statement in SCHEMA_V4:
@@ -542,7 +548,7 @@ SCHEMA_V5 = [
 ]
 
 
-def _migrate_v5_lines_of_work(conn: sqlite3.Connection) -> None:
+def _migrate_v5_lines_of_work(conn: Connection) -> None:
     for statement in SCHEMA_V5:
         conn.execute(statement)
 
@@ -570,7 +576,7 @@ SCHEMA_V6 = [
 ]
 
 
-def _migrate_v6_past_one_machine(conn: sqlite3.Connection) -> None:
+def _migrate_v6_past_one_machine(conn: Connection) -> None:
     """Past one machine (issue 13): remote-repository tasks, host affinity, pushed branches, logs
     in the database and the workers table."""
     for statement in SCHEMA_V6:
@@ -591,7 +597,7 @@ SCHEMA_V7 = [
 ]
 
 
-def _migrate_v7_results_seen(conn: sqlite3.Connection) -> None:
+def _migrate_v7_results_seen(conn: Connection) -> None:
     for statement in SCHEMA_V7:
         conn.execute(statement)
 
@@ -613,7 +619,7 @@ SCHEMA_V8 = [
 ]
 
 
-def _migrate_v8_usage_limits(conn: sqlite3.Connection) -> None:
+def _migrate_v8_usage_limits(conn: Connection) -> None:
     """Usage-limit pauses (issue 23): the resume time, the held account and the pauses' record."""
     for statement in SCHEMA_V8:
         conn.execute(statement)
@@ -651,14 +657,14 @@ SCHEMA_V9 = [
 ]
 
 
-def _migrate_v9_fewer_pages(conn: sqlite3.Connection) -> None:
+def _migrate_v9_fewer_pages(conn: Connection) -> None:
     """Events without AUTOINCREMENT and the unread results' count kept (SQLite only: PostgreSQL's
     identity column writes no extra page, and it counts with a query)."""
     for statement in SCHEMA_V9:
         conn.execute(statement)
 
 
-MIGRATIONS: list[Callable[[sqlite3.Connection], None]] = [
+MIGRATIONS: list[Callable[[Connection], None]] = [
               _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
               _migrate_v8_usage_limits, _migrate_v9_fewer_pages]
@@ -690,7 +696,7 @@ def pg_migrations() -> list[list[str]]:
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
-def connect(path: Path | str | None = None) -> sqlite3.Connection | PgConnection:
+def connect(path: Path | str | None = None) -> Connection | PgConnection:
     """Open a new connection (creating its folder): the journal (WAL; see ``journal_mode``), busy
     timeout, foreign keys; migrated. Without ``path`` while ``TASK_DB_URL`` names PostgreSQL: a
     new migrated PgConnection to it (raises DatabaseUnavailable).
@@ -737,10 +743,10 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
 # a connection across fork; the child opens its own). The WAL is checkpointed by SQLite's own
 # autocheckpoint (every 10,000 pages, ~40 MB: fewer fsyncs per write) and by ``checkpoint()``, which the
 # worker calls each minute.
-_KEPT: dict[tuple[int, str], tuple[sqlite3.Connection, tuple[int, int] | None]] = {}
+_KEPT: dict[tuple[int, str], tuple[Connection, tuple[int, int] | None]] = {}
 _KEPT_LOCK = threading.Lock()
 _KEPT_PID = [os.getpid()]
-_INHERITED: list[sqlite3.Connection] = []   # held, never used or closed: they belong to the parent
+_INHERITED: list[Connection] = []   # held, never used or closed: they belong to the parent
 KEPT_MAX = 32  # connections one process keeps (threads x databases); the oldest are closed past it
 
 
@@ -752,7 +758,7 @@ def _file_id(path: Path) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _kept() -> sqlite3.Connection:
+def _kept() -> Connection:
     """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
     again when the process forked, the file was replaced or removed, or the last use broke it
     (on PostgreSQL: to ``TASK_DB_URL``, see ``_kept_pg``)."""
@@ -821,7 +827,7 @@ def _discard(key: tuple[int, str] | None = None) -> None:
         _close_quietly(entry[0])
 
 
-def _close_quietly(conn: sqlite3.Connection | PgConnection) -> None:
+def _close_quietly(conn: Connection) -> None:
     with contextlib.suppress(Exception):
         conn.close()
 
@@ -850,7 +856,7 @@ def checkpoint() -> None:
 
 
 @contextlib.contextmanager
-def _reading() -> Iterator[sqlite3.Connection]:
+def _reading() -> Iterator[Connection]:
     conn = _kept()
     if _dialect(conn) is POSTGRESQL:   # psycopg's errors are mapped by PgConnection itself
         yield conn
@@ -860,7 +866,7 @@ def _reading() -> Iterator[sqlite3.Connection]:
 
 
 @contextlib.contextmanager
-def _writing() -> Iterator[sqlite3.Connection]:
+def _writing() -> Iterator[Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read (on
     PostgreSQL no global lock: rows are locked as they are read, see ``store_pg.transaction``)."""
     conn = _kept()
@@ -873,7 +879,7 @@ def _writing() -> Iterator[sqlite3.Connection]:
 
 
 @contextlib.contextmanager
-def _single_write() -> Iterator[sqlite3.Connection]:
+def _single_write() -> Iterator[Connection]:
     """For a write that is one statement: on PostgreSQL the kept connection in autocommit (the
     statement is its own transaction: no BEGIN or COMMIT round trip); on SQLite ``_writing``."""
     conn = _kept()
@@ -901,7 +907,7 @@ def _kept_pg(url: str) -> PgConnection:
     return conn
 
 
-def _event(conn: sqlite3.Connection, task_id: int | None, kind: str, message: str = "") -> None:
+def _event(conn: Connection, task_id: int | None, kind: str, message: str = "") -> None:
     if _dialect(conn).events_at_commit:   # appended at the commit, in order (PgConnection.commit)
         conn.events.append((task_id, now(), kind, message))
         return
@@ -1503,14 +1509,14 @@ def overdue_tasks() -> list[dict[str, Any]]:
     return [{"id": format_task_id(r["id"]), "warning": start_overdue(r)} for r in rows]
 
 
-def _deps(conn: sqlite3.Connection, task_id: int) -> list[int]:
+def _deps(conn: Connection, task_id: int) -> list[int]:
     rows = conn.execute(
         "SELECT depends_on FROM task_deps WHERE task_id = ? ORDER BY depends_on", (task_id,)
     )
     return [r[0] for r in rows]
 
 
-def _row(conn: sqlite3.Connection, task_id: int) -> sqlite3.Row:
+def _row(conn: Connection, task_id: int) -> sqlite3.Row:
     # In a PostgreSQL write transaction the row is locked (there is no global writers' lock): no
     # claim or other writer can change it between this read and the write it decides.
     locked = _dialect(conn).locks_rows and conn.writing
@@ -1539,7 +1545,7 @@ RETURNING *
 """
 
 
-def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row | None:
+def _existing_by_key(conn: Connection, key: str | None) -> sqlite3.Row | None:
     if key is None:
         return None
     if _dialect(conn).locks_rows:   # two submits of one key: the second waits, then finds the first
@@ -1547,7 +1553,7 @@ def _existing_by_key(conn: sqlite3.Connection, key: str | None) -> sqlite3.Row |
     return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
 
 
-def _resolve_deps(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> list[int]:
+def _resolve_deps(conn: Connection, spec: dict, refs: dict[str, int]) -> list[int]:
     resolved = []
     for dep in spec["depends_on"]:
         field = spec.get("parent_kind") if dep == spec.get("parent") else "depends_on"
@@ -1676,7 +1682,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             (out[i] for i in range(len(specs)))]
 
 
-def _line_values(conn: sqlite3.Connection, spec: dict, refs: dict[str, int]) -> dict[str, Any]:
+def _line_values(conn: Connection, spec: dict, refs: dict[str, int]) -> dict[str, Any]:
     """continue_from / fork_from (row ids) and the working_dir of a follow-up or fork, checked
     against the task it builds on. Raises ValidationError naming the way out."""
     values: dict[str, Any] = {"continue_from": None, "fork_from": None}
@@ -1799,7 +1805,7 @@ def get_task(task_id: Any) -> dict[str, Any]:
     return task
 
 
-def _questions(conn: sqlite3.Connection, num: int) -> list[dict[str, Any]]:
+def _questions(conn: Connection, num: int) -> list[dict[str, Any]]:
     return [
         {"attempt": r["attempt"], "question": r["question"], "answer": r["answer"],
          "asked_at": iso(r["asked_at"]), "answered_at": iso(r["answered_at"])}
@@ -1917,7 +1923,7 @@ def _parse_cursor(cursor: Any) -> tuple[int, int, int]:
     return int(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
-def _rows_after(conn: sqlite3.Connection, clause: str, params: list, after: tuple[int, int, int],
+def _rows_after(conn: Connection, clause: str, params: list, after: tuple[int, int, int],
                 limit: int, columns: str = _LIST_COLUMNS) -> list[sqlite3.Row]:
     """Rows after ``(rank, priority, id)`` in list order: three index range reads (the rest of that
     priority, the rest of that rank, the later ranks), each stopping at ``limit`` rows."""
@@ -2073,7 +2079,7 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     return task_dict(row, deps)
 
 
-def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str, default_account: str | None) -> None:
+def _explain_unclaimable(conn: Connection, num: int, host: str, default_account: str | None) -> None:
     row = _row(conn, num)
     name = format_task_id(num)
     if row["status"] != "pending":
@@ -2093,7 +2099,7 @@ def _explain_unclaimable(conn: sqlite3.Connection, num: int, host: str, default_
     raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
 
 
-def _fenced(conn: sqlite3.Connection, num: int, marker: str) -> sqlite3.Row:
+def _fenced(conn: Connection, num: int, marker: str) -> sqlite3.Row:
     row = _row(conn, num)
     name = format_task_id(num)
     if row["run_marker"] != marker:
@@ -2220,7 +2226,7 @@ def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: 
 
 
 # The columns a pause writes, one an argument, as its two public callers take them.
-def _to_waiting(conn: sqlite3.Connection, num: int, marker: str, question: str,  # noqa: PLR0913
+def _to_waiting(conn: Connection, num: int, marker: str, question: str,  # noqa: PLR0913
                 session_id: str | None,
                 result: dict | None, usage: dict | None, paused_for: str | None, ask: dict | None) -> None:
     row = _fenced(conn, num, marker)
@@ -2287,7 +2293,7 @@ def resume_due(at: float | None = None) -> list[dict[str, Any]]:
     return resumed
 
 
-def _resume_limit(conn: sqlite3.Connection, row: sqlite3.Row, how: str, by: str) -> None:
+def _resume_limit(conn: Connection, row: sqlite3.Row, how: str, by: str) -> None:
     """A usage-limit pause ends: ``pending`` again with the message the resumed session gets."""
     pauses = json.loads(row["limit_pauses"]) if row["limit_pauses"] else []
     if pauses:
@@ -2362,7 +2368,7 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         return task_dict(_row(conn, num))
 
 
-def _answer_usage_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+def _answer_usage_pause(conn: Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
     """A planner's answer to a usage-limit pause: ``stop`` fails the task (its receipt kept; None);
     anything else resumes it now (the answer reaches the session); returns "" once resumed."""
     if _STOP_WORDS.match(answer):
@@ -2389,7 +2395,7 @@ def literal_pattern(subject: str) -> str:
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
 
 
-def _answer_permission(conn: sqlite3.Connection, row: sqlite3.Row, answer: str) -> str:
+def _answer_permission(conn: Connection, row: sqlite3.Row, answer: str) -> str:
     """A task paused on a permission ask reads ``allow`` / ``deny``, each ``once`` (default) or
     ``always`` (for this task: a rule for exactly that request is added after its own rules).
     The decision goes into ``pending_ask`` for the resumed attempt; returns the answer to store.
@@ -2496,7 +2502,7 @@ def _not_retryable(num: int, status: str) -> str:
             f"(cancel it first to start it over)")
 
 
-def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None) -> None:
+def _requeue_fresh(conn: Connection, row: sqlite3.Row, model: str | None) -> None:
     # The OpenCode session, question, answer and base commit go: the next attempt starts afresh
     # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
     # branch name stays, and the worker moves it there when that loses no commit.
@@ -2510,7 +2516,7 @@ def _requeue_fresh(conn: sqlite3.Connection, row: sqlite3.Row, model: str | None
     )
 
 
-def _requeue_dependents(conn: sqlite3.Connection, num: int) -> list[int]:
+def _requeue_dependents(conn: Connection, num: int) -> list[int]:
     """Requeue the tasks that failed because ``num`` failed or was cancelled (and theirs)."""
     requeued, parents = [], [num]
     while parents:
@@ -2585,7 +2591,7 @@ def _kept_work(row: sqlite3.Row) -> str | None:
     return kept
 
 
-def _fail_dependents(conn: sqlite3.Connection, num: int, why: str) -> None:
+def _fail_dependents(conn: Connection, num: int, why: str) -> None:
     pending = [(num, why)]
     while pending:
         parent, parent_status = pending.pop()
@@ -2714,7 +2720,7 @@ def _event_dict(row: sqlite3.Row) -> dict[str, Any]:
     }
 
 
-def _final(conn: sqlite3.Connection) -> str:
+def _final(conn: Connection) -> str:
     """The condition that keeps a read of events below the horizon where none can still appear:
     always true on SQLite (ids commit in order there), ``PG_EVENTS_FINAL`` on PostgreSQL."""
     return _dialect(conn).events_final
@@ -2930,7 +2936,7 @@ def next_local_midnight(ts: float | None = None) -> float:
 _BUDGET_SETTINGS = f"SELECT key, value FROM settings WHERE key IN ({_marks(BUDGET_KEYS)})"
 
 
-def _budget_settings(conn: sqlite3.Connection) -> dict[str, float | None]:
+def _budget_settings(conn: Connection) -> dict[str, float | None]:
     """The budget settings (BUDGET_KEYS' names -> number or None) in one statement: a claim reads
     them every time (on PostgreSQL each statement is a round trip)."""
     stored = dict(conn.execute(_BUDGET_SETTINGS, tuple(BUDGET_KEYS.values())).fetchall())
@@ -2943,13 +2949,13 @@ def _budget_settings(conn: sqlite3.Connection) -> dict[str, float | None]:
     return numbers
 
 
-def _limit_defaults(conn: sqlite3.Connection, numbers: dict[str, float | None] | None = None) -> dict[str, Any]:
+def _limit_defaults(conn: Connection, numbers: dict[str, float | None] | None = None) -> dict[str, Any]:
     numbers = numbers or _budget_settings(conn)
     tokens = numbers["default_max_tokens"]
     return {"max_cost_usd": numbers["default_max_cost_usd"], "max_tokens": int(tokens) if tokens else None}
 
 
-def _budget(conn: sqlite3.Connection, ts: float | None = None,
+def _budget(conn: Connection, ts: float | None = None,
             numbers: dict[str, float | None] | None = None) -> dict[str, Any]:
     day = local_day(ts)
     spent = conn.execute("SELECT cost_usd, tokens FROM daily_spend WHERE day = ?", (day,)).fetchone()
@@ -2971,7 +2977,7 @@ def _budget(conn: sqlite3.Connection, ts: float | None = None,
             "resets_at": iso(next_local_midnight(ts))}
 
 
-def _budget_spent(conn: sqlite3.Connection) -> str | None:
+def _budget_spent(conn: Connection) -> str | None:
     numbers = _budget_settings(conn)
     if numbers["daily_usd"] is None and numbers["daily_tokens"] is None:
         return None   # no daily budget: nothing to read today's spend for
@@ -3065,7 +3071,7 @@ def _limit_reached(row: sqlite3.Row) -> str | None:
     return None
 
 
-def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
+def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
     """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent. Raises
     ValidationError when ``amount`` is not a valid limit above what the task has spent, or None."""
     name = format_task_id(row["id"])
@@ -3091,7 +3097,7 @@ def _set_limit(conn: sqlite3.Connection, row: sqlite3.Row, unit: str, amount: fl
     return f"{count:,} tokens"
 
 
-def _answer_limit_pause(conn: sqlite3.Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+def _answer_limit_pause(conn: Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
     """A planner's answer to a spending-limit pause: None when it stops the task (failed now,
     its receipt kept); else the message the resumed session gets."""
     name = format_task_id(row["id"])
@@ -3306,7 +3312,7 @@ def read_task_log(task_id: int | str, offset: int = 0, limit: int | None = None)
         return _read_chunks(conn, num, offset, limit)
 
 
-def _read_chunks(conn: sqlite3.Connection, num: int, offset: int, limit: int | None) -> bytes:
+def _read_chunks(conn: Connection, num: int, offset: int, limit: int | None) -> bytes:
     """``limit`` bytes (None: all) of task ``num``'s chunks from byte ``offset``: the chunks'
     lengths first (no data read), then only the chunks that hold the range."""
     if limit == 0:
