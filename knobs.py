@@ -40,6 +40,7 @@ REGISTRY: dict[str, tuple[type, float, float, float]] = {
     "WORKER_LIMIT_ROUNDS": (int, 3, 1, 20),
     "TASKBRIDGE_GIT_TIMEOUT_SEC": (float, 300, 0.1, DAY_SEC),
     "MCP_WAIT_POLL_SEC": (float, 0.2, 0.01, 5),
+    "MCP_CHANNEL_PUSH": (int, 1, 0, 1),
     "CLAUDE_CODE_MAX_RETRIES": (int, 2, 0, 20),
     "CLAUDE_STALL_SEC": (int, 60, 1, 3600),
     "CLAUDE_MAX_TOKENS": (int, 8192, 1, 128_000),

@@ -10,7 +10,8 @@ Run:
 Env read at call time: TASK_DB_URL, TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL (through task_store);
 OPENCODE_BIN (list_models); MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_WAIT_POLL_SEC
-(how often wait_for reads the events log, default 0.2 s). A token source that is set but unusable
+(how often wait_for reads the events log, default 0.2 s); MCP_CHANNEL_PUSH (0: no channel notices,
+see channel_push). A token source that is set but unusable
 (a blank MCP_BEARER_TOKEN; a token file that is a folder, unreadable or empty) stops the HTTP
 server with exit status 2, on loopback too; a bad --port or --host is a usage error (exit 2).
 
@@ -19,7 +20,8 @@ what the planner reads. Store errors reach the client as `is_error` results carr
 message; malformed arguments get one message naming each bad field and the allowed values; a
 database that cannot be used is named with its path and the way out (see mcp_shared).
 The HTTP side (guards, routes) is http_app; the board and /api are board_api; the shapes shared
-with the CLI and the board are task_views; MCP Tasks (a task handle for submit_task) are mcp_tasks.
+with the CLI and the board are task_views; MCP Tasks (a task handle for submit_task) are mcp_tasks;
+the Claude Code channel notice when a task ends or asks is channel_push.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import BeforeValidator, Field, TypeAdapter, WithJsonSchema, WrapValidator
 from typing_extensions import TypedDict
 
+import channel_push
 import dispatch_card
 import http_app
 import human_asks
@@ -563,7 +566,9 @@ INSTRUCTIONS = """TaskBridge queues coding tasks for OpenCode agents running on 
 Typical flow: submit_task (or submit_batch) -> wait_for (blocks server-side, returns when a task
 finishes or asks a question) -> get_task_result (receipt, usage, diff). A task in status `waiting`
 asked a question: read it with get_task, reply with answer_task. Task ids look like t_0001 (0001
-and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes; cost is USD."""
+and 1 work too). Times are ISO 8601 UTC; durations are seconds; sizes are bytes; cost is USD.
+A <channel> message from this server (attributes task_id, status, event) says a task ended (status
+done/failed/cancelled: call get_task_result) or asks (status waiting: get_task, then answer_task)."""
 
 # Behaviour hints (mcp_shared.hints). "Open world" means reaching beyond this machine's queue:
 # queueing a task only writes the queue (the agent runs later, in the worker); list_models and
@@ -591,7 +596,8 @@ def build_server() -> MCPServer:
     tasks = mcp_tasks.QueueTasks()
     mcp = BridgeServer(SERVER_NAME, version=VERSION, instructions=INSTRUCTIONS,
                        extensions=[dispatch_card.apps(), tasks])
-    return tasks.attach(task_resources.install(registry.install(mcp, dispatch_card.tool_meta())), _submitted)
+    served = tasks.attach(task_resources.install(registry.install(mcp, dispatch_card.tool_meta())), _submitted)
+    return channel_push.install(served)
 
 
 @registry.tool(ADDS, title="Submit a coding task")
@@ -1371,7 +1377,7 @@ def main(argv: list[str] | None = None) -> int:
     except knobs.KnobError as exc:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
-    refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC", "MCP_WAIT_POLL_SEC"))   # the ones its tools read
+    refused = knobs.problems(("TASKBRIDGE_GIT_TIMEOUT_SEC", "MCP_WAIT_POLL_SEC", "MCP_CHANNEL_PUSH"))   # the ones its tools read
     if refused:
         print(f"refusing to start: {refused[0]}", file=sys.stderr)
         return 2
