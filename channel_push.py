@@ -28,6 +28,7 @@ Used by opencode_bridge_mcp.py (``install``); not run on its own.
 """
 from __future__ import annotations
 
+import html
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -171,9 +172,11 @@ def _task_or_none(task_id: str | None) -> dict[str, Any] | None:
 
 
 def _line(text: str | None, limit: int) -> str:
-    """``text`` on one line (control characters and breaks as spaces), clipped to ``limit``."""
+    """``text`` on one line (control characters and breaks as spaces), clipped to ``limit``, with
+    ``&``, ``<`` and ``>`` escaped: Claude Code wraps the content in a ``<channel>`` tag, and a
+    question is the agent's word (untrusted), so a ``</channel>`` in it must stay text."""
     flat = task_views.CONTROL_OR_BREAK_RE.sub(" ", text or "").strip()
-    return task_views.short(flat, limit) or ""
+    return html.escape(task_views.short(flat, limit) or "", quote=False)
 
 
 def notice(event: dict[str, Any], task: dict[str, Any] | None) -> dict[str, Any]:
