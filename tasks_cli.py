@@ -19,9 +19,9 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
 
 import click
 from rich.console import Console
@@ -328,7 +328,7 @@ def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
     stamp = datetime.fromisoformat(value)
-    return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
 def age(seconds: float | None) -> str:
@@ -1371,7 +1371,7 @@ def doctor(live: bool, as_json: bool) -> None:
     prompt), the database, the worker and its schedule, the token file, a running MCP server,
     the reverse bridge's backend.
     """
-    import doctor as checks   # the checks import the HTTP and reverse-bridge modules: only here
+    import doctor as checks  # the checks import the HTTP and reverse-bridge modules: only here
     results = checks.run_checks(live)
     failed = any(r.status == "fail" for r in results)
     if as_json:

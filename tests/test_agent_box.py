@@ -15,8 +15,10 @@ import pytest
 import agent_box
 import task_store
 from fake_openai import text, tool_call
-from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, fake_binary, git, make_repo, run_script, submit, \
-    tool_outputs as outputs
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import checkout_state, fake_binary, git, make_repo, run_script, submit
+from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
@@ -415,6 +417,7 @@ def test_the_box_holds_for_an_ordinary_user(tmp_path):
     and the run's /tmp are writable, and the worker's environment is out of sight in /proc."""
     import subprocess
     import tempfile
+
     from helpers import normal_user
     user = normal_user()
     if user is None:

@@ -13,15 +13,16 @@ import http.server
 import json
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx2
 import pytest
+from test_board_browser import HOSTILE, browser  # noqa: F401  (the Chromium fixture)
 
 import task_store
 from fake_openai import text, tool_call
 from helpers import bridge_process, git, make_repo, run_script
-from test_board_browser import HOSTILE, browser  # noqa: F401  (the Chromium fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.real_opencode]
 

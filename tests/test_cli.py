@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 import task_store
 import tasks_cli
-from tasks_cli import cli
 from helpers import submit
+from tasks_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -98,6 +98,7 @@ def test_a_relative_db_file_is_the_same_queue_for_the_cli_and_the_worker(tmp_pat
 @pytest.mark.anyio
 async def test_both_mcp_servers_use_the_db_they_are_given(tmp_path):
     from mcp import Client, StdioServerParameters
+
     import task_store
     mine = tmp_path / "elsewhere" / "mine.db"
     mine.parent.mkdir()
@@ -202,6 +203,7 @@ def test_the_worker_and_the_bridge_name_the_database_without_its_password(tmp_pa
 @pytest.mark.anyio
 async def test_ping_names_the_database_without_its_password(tmp_path, pg_url):
     from mcp import Client, StdioServerParameters
+
     import pg_server
     params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url],
                                    env=dict(os.environ))

@@ -11,7 +11,6 @@ the scripted model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -350,10 +349,11 @@ def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_a
     finally:
         time.sleep(0.9)
         holder.close()
-    
+
 
 def test_status_asks_about_a_silent_worker_on_another_host_by_name(monkeypatch):
     from click.testing import CliRunner
+
     import tasks_cli
     with monkeypatch.context() as elsewhere:
         elsewhere.setenv("TASKBRIDGE_HOST", "hostA")

@@ -10,11 +10,11 @@ import json
 import anyio
 import pytest
 from click.testing import CliRunner
-from fake_openai import text, tool_call
-from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 import task_store
 import tasks_cli
+from fake_openai import text, tool_call
+from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 pytestmark = pytest.mark.real_opencode
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import opencode_env as oc_env
 from fake_openai import (
     ScriptedModel,
     default_usage,
@@ -29,7 +30,6 @@ from fake_openai import (
     text,
     tool_call,
 )
-import opencode_env as oc_env
 from opencode_env import OPENCODE_VERSION, OpenCode, opencode_config, opencode_env, parse_events
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]

@@ -11,7 +11,11 @@ import pytest
 
 import task_store
 from fake_openai import text
-from helpers import AGENT_DONE as DONE, bash_step as bash, git, make_repo, run_attack as run, run_script, tool_outputs as outputs
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import git, make_repo, run_script
+from helpers import run_attack as run
+from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 

@@ -129,8 +129,9 @@ CASES = ["/", "root by a link", "home", "own checkout", "own cwd", "queue folder
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", CASES)
 async def test_mcp_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, monkeypatch, case):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
     from helpers import ROOT, tool_error
     monkeypatch.chdir(ROOT)     # the server runs from its checkout, as serve.py starts it
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -210,8 +211,9 @@ def test_an_agent_that_deletes_its_worktrees_git_pointer_gets_it_back(opencode, 
 
 
 def test_a_repeated_cherry_pick_says_it_is_already_applied(tmp_path):
-    from helpers import git, make_repo
     from test_work_back import cli, finished_by_hand
+
+    from helpers import git, make_repo
     repo = make_repo(tmp_path / "repo")
     task = finished_by_hand(repo, {"a.txt": "a\n"})
     for mode in ("--cherry-pick", "--squash"):

@@ -25,13 +25,13 @@ import anyio
 import httpx2
 import psutil
 import pytest
-
-from fake_openai import text
-from helpers import GIT_ID, ROOT, call_tool, fake_binary, free_port, make_repo
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import Implementation
+
+from fake_openai import text
+from helpers import GIT_ID, ROOT, call_tool, fake_binary, free_port, make_repo
 
 pytestmark = pytest.mark.install
 

@@ -19,12 +19,16 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import httpx2
 import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import Implementation
 
 import claude_control_mcp as control
 import mcp_shared
@@ -32,9 +36,6 @@ import opencode_bridge_mcp as bridge
 import task_store
 from fake_anthropic import FakeAnthropic
 from helpers import bridge_process, free_port, wait_healthy
-from mcp import Client, StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp.types import Implementation
 from opencode_env import opencode_env
 
 pytestmark = pytest.mark.anyio

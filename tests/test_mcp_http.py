@@ -14,15 +14,15 @@ import time
 import anyio
 import httpx2
 import pytest
+from mcp import Client
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import Implementation
 from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
 from helpers import BRIDGE_TOOL_COUNT, free_port, serving, wait_healthy
-from mcp import Client
-from mcp.client.sse import sse_client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.types import Implementation
 
 TOKEN = "s3cret-token-value-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

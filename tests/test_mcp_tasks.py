@@ -16,7 +16,6 @@ from typing import Any, Literal
 import anyio
 import httpx2
 import pytest
-from helpers import require_pinned, serving
 from mcp import Client
 from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.streamable_http import streamable_http_client
@@ -35,6 +34,7 @@ from pydantic import ConfigDict
 import mcp_tasks
 import opencode_bridge_mcp as bridge
 import task_store
+from helpers import require_pinned, serving
 
 pytestmark = pytest.mark.anyio
 MODERN = "2026-07-28"

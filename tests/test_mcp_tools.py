@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from mcp import Client
+from mcp.types import Implementation
 
 import mcp_shared
 import opencode_bridge_mcp as bridge
 import task_store
 import tasks_cli
 from helpers import call_tool, fake_binary, tool_error
-from mcp import Client
-from mcp.types import Implementation
 
 pytestmark = pytest.mark.anyio
 

@@ -12,7 +12,6 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 import anyio
-import fake_tunnel
 import httpx2
 import pytest
 from test_oauth import (
@@ -27,6 +26,7 @@ from test_oauth import (
 )
 from test_oauth_abuse import refresh, registration
 
+import fake_tunnel
 import oauth
 import serve
 

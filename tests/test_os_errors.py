@@ -5,10 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import task_store
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo, submit
-
-import task_store
 
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 

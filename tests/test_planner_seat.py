@@ -17,13 +17,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from mcp import Client
+from mcp.types import ElicitResult, ErrorData, Implementation, ResourceLink
 
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_openai import text, tool_call
 from helpers import call_tool, git, make_repo, run_script
-from mcp import Client
-from mcp.types import ElicitResult, ErrorData, Implementation, ResourceLink
 
 pytestmark = pytest.mark.anyio
 

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 import task_store
 import worker
 import worktrees
 from helpers import fake_binary, git, make_repo, run_script, submit
-from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 
 @pytest.fixture
@@ -424,9 +424,10 @@ def test_a_retry_replaces_its_own_push_but_never_anothers(remote, tmp_path, stor
 
 @pytest.mark.anyio
 async def test_mcp_submit_takes_a_repo_and_refuses_bad_ones_in_one_line(remote, tmp_path):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
     from mcp.types import Implementation
+
+    import opencode_bridge_mcp as bridge
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         got = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "repo": str(remote),
                                                 "base_ref": "main", "host": "buildbox"})
@@ -746,9 +747,11 @@ def test_a_refused_repo_never_echoes_its_credentials(repo):
 @pytest.mark.anyio
 async def test_mcp_refuses_a_repo_with_a_password_without_echoing_or_logging_it(caplog):
     import logging
-    import opencode_bridge_mcp as bridge
+
     from mcp import Client
     from mcp.types import Implementation
+
+    import opencode_bridge_mcp as bridge
     caplog.set_level(logging.DEBUG)
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         refused = await c.call_tool("submit_task", {"title": "t", "instructions": "i",
@@ -791,6 +794,7 @@ def test_the_token_files_hints_quote_its_path(tmp_path, monkeypatch, caplog):
     """doctor's fix, the server's warning and serve.py's copy line for a token file whose folder
     name holds shell syntax: each is one literal argument, and pasting the line runs nothing."""
     import logging
+
     import doctor
     import http_app
     import serve

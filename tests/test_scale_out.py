@@ -11,7 +11,6 @@ pinned opencode against the scripted model of tests/fake_openai.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys

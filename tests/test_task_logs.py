@@ -346,6 +346,7 @@ def test_a_worker_process_ships_its_log_live_to_a_reader_on_another_machine(open
     import time
 
     import psutil
+
     from fake_openai import hang, tool_call
     from helpers import make_repo
     monkeypatch.setenv("TASK_DB_URL", pg_url)

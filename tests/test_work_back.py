@@ -307,8 +307,9 @@ def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
 
 @pytest.mark.anyio
 async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
 
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
     repo = make_repo(tmp_path / "repo")
