@@ -92,7 +92,10 @@ def test_task_page_api_has_everything_the_page_shows(client, tmp_path):
 
 def test_actions_go_through_the_store_and_are_refused_with_its_message(client, tmp_path):
     task = submit(tmp_path)
-    post = lambda action, body: client.post(f"/api/tasks/{task['id']}/{action}", headers=AUTH, json=body)
+
+    def post(action, body):
+        return client.post(f"/api/tasks/{task['id']}/{action}", headers=AUTH, json=body)
+
     refused = post("answer", {"answer": "42"})
     assert refused.status_code == 400 and "not waiting" in refused.json()["error"]
     finish(task, question="Which port?")

@@ -184,7 +184,7 @@ def no_script_ran(driver) -> None:
     from selenium.common.exceptions import NoAlertPresentException
     from selenium.webdriver.common.by import By
     with pytest.raises(NoAlertPresentException):
-        driver.switch_to.alert.text
+        _ = driver.switch_to.alert.text
     assert driver.execute_script("return window.__pwned === undefined")
     assert driver.find_elements(By.CSS_SELECTOR, "img") == []
     assert driver.find_elements(By.CSS_SELECTOR, "a[href^='javascript']") == []

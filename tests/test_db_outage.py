@@ -245,7 +245,7 @@ def test_a_task_is_never_failed_because_the_database_stayed_away(tmp_path, monke
     task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
     owner, pid, start = worker.worker_identity()
     claimed = task_store.claim_next(owner, pid, start)
-    monkeypatch.setattr(worker, "run_task", lambda *a: (_ for _ in ()).throw(OUTAGES[0]))
+    monkeypatch.setattr(worker, "run_task", lambda *_: (_ for _ in ()).throw(OUTAGES[0]))
     worker._run_guarded(claimed, worker.Knobs())
     assert task_store.get_task(task["id"])["status"] == "running", "left to the reaper, not failed"
     assert "failed" not in kinds(task["id"])

@@ -16,7 +16,7 @@ README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
 CONFIGURATION, CLI, TOOLS, COMPONENTS = ((DOCS / name).read_text() for name in
                                         ("configuration.md", "cli.md", "mcp-tools.md", "components.md"))
-SCRIPTS = [p for p in ROOT.glob("*.py")] + list((ROOT / "launchd").glob("*.py"))
+SCRIPTS = list(ROOT.glob("*.py")) + list((ROOT / "launchd").glob("*.py"))
 OS_VARIABLES = {"PATH", "USER", "HOME", "PWD", "CI", "SHELL", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "TMPDIR"}
 KNOB = re.compile(r"""(?:environ(?:\.get)?\(?\[?|_env_\w+\()\s*["']([A-Z][A-Z0-9_]+)["']""")
 

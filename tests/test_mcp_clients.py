@@ -94,6 +94,19 @@ def schema_problems(node: Any, where: str = "arguments") -> list[str]:
         return problems
     if not isinstance(node, dict):
         return problems
+    problems += own_schema_problems(node, where)
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions"):
+            for name, sub in value.items():
+                problems += schema_problems(sub, f"{where}.{name}")
+        elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+            problems += schema_problems(value, f"{where}.{key}")
+    return problems
+
+
+def own_schema_problems(node: dict[str, Any], where: str) -> list[str]:
+    """schema_problems of one schema object itself, not of the schemas nested in it."""
+    problems: list[str] = []
     if isinstance(node.get("type"), list):
         problems.append(f"{where}: type array {node['type']}")
     if node.get("type") == "null":
@@ -108,12 +121,6 @@ def schema_problems(node: Any, where: str = "arguments") -> list[str]:
     for key in ("exclusiveMinimum", "exclusiveMaximum"):
         if key in node:
             problems.append(f"{where}: {key} (Gemini-model routes refuse it)")
-    for key, value in node.items():
-        if key in ("properties", "$defs", "definitions"):
-            for name, sub in value.items():
-                problems += schema_problems(sub, f"{where}.{name}")
-        elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
-            problems += schema_problems(value, f"{where}.{key}")
     return problems
 
 
@@ -323,14 +330,14 @@ def extremes(root: Path) -> dict[str, Any]:
     marker = task_store.claim_next("test", task_id=failed["id"])["run_marker"]
     task_store.fail_attempt(failed["id"], marker, nasty(200_000), retryable=False)
     waiting = []
-    for start in range(0, 100, 20):
+    for _batch in range(0, 100, 20):
         batch = task_store.submit_batch([{"title": nasty(200), "instructions": "x", "working_dir": wd}
                                          for _ in range(20)])
         for task in batch:
             marker = task_store.claim_next("test", task_id=task["id"])["run_marker"]
             task_store.pause_for_question(task["id"], marker, nasty(task_store.ANSWER_MAX))
             waiting.append(task["id"])
-    for start in range(0, 120, 20):
+    for _batch in range(0, 120, 20):
         task_store.submit_batch([{"title": nasty(200), "instructions": "x", "working_dir": wd,
                                   "model": LONG_MODEL} for _ in range(20)])
     return {"wd": wd, "big": big["id"], "failed": failed["id"], "waiting": waiting}

@@ -467,7 +467,7 @@ def test_cli_submit_takes_repo_base_ref_and_host(remote, tmp_path):
 
 
 @pytest.mark.browser
-def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, browser):
+def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, browser):  # noqa: F811 (fixtures)
     import test_board_browser as tb
     waiting = submit(title="on a branch", repo=f"file://{remote}", base_ref="release/2.1")
     task = submit(title="pushed one", repo=f"file://{remote}")
@@ -636,7 +636,7 @@ def test_a_kept_remote_worktrees_refusal_prints_quoted_commands(tmp_path):
     seed = make_repo(tmp_path / "seed", {"README.md": "# r\n"})
     bare = tmp_path / f"{HOSTILE}.git"
     git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
-    task = submit(repo=str(bare))
+    submit(repo=str(bare))
     claimed = task_store.claim_next("me")
     ws = worktrees.prepare_workspace(claimed, False)
     (Path(ws.top) / "work.txt").write_text("work\n")

@@ -105,7 +105,7 @@ async def test_two_machines_take_the_tasks_once_and_push_their_branches(tmp_path
     monkeypatch.setenv("TASK_DB_URL", pg_url)   # this test reads the queue itself too
     for n in range(1, 5):
         scripted_model.script(f"scale-{n}", [
-            tool_call("write", {"filePath": "{cwd}/out-%d.txt" % n, "content": f"written by task {n}\n"}),
+            tool_call("write", {"filePath": f"{{cwd}}/out-{n}.txt", "content": f"written by task {n}\n"}),
             text("Done.\n" + RECEIPT % (f"out-{n}.txt", f"out-{n}.txt"))])
     machines = {name: machine(tmp_path, name, scripted_model.url, pg_url) for name in ("machine-a", "machine-b")}
     server = server_env(tmp_path, pg_url)

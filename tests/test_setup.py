@@ -106,7 +106,7 @@ def test_opencode_as_the_planner_connects_with_the_printed_entry(tmp_path, monke
     with serving(port):
         listed = subprocess.run([require_opencode_bin(), "mcp", "list"], env={**env, "PWD": str(tmp_path)},
                                 cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-    line = next((l for l in listed.stdout.splitlines() if "taskbridge" in l), "")
+    line = next((row for row in listed.stdout.splitlines() if "taskbridge" in row), "")
     assert "connected" in line and "not connected" not in line.lower(), listed.stdout + listed.stderr
 
 
@@ -333,7 +333,7 @@ def test_the_real_claude_code_takes_both_printed_lines_for_every_project(tmp_pat
     assert len(lines) == 2
     env = dict(os.environ, HOME=str(tmp_path / "home"), PATH=f"{claude.parent}:{os.environ['PATH']}")
     (tmp_path / "home").mkdir()
-    for folder, line in zip(("one", "two"), lines):
+    for folder, line in zip(("one", "two"), lines, strict=True):
         (tmp_path / folder).mkdir()
         http = line.replace("taskbridge", "taskbridge-http", 1) if "--transport http" in line else line
         added = subprocess.run(["bash", "-c", http], cwd=tmp_path / folder, env=env, capture_output=True, text=True,
