@@ -36,9 +36,11 @@ def test_every_script_opens_with_a_docstring_naming_its_env(script):
     """What it is, how it is run (or that it is not run on its own) and the env it reads."""
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
     assert re.search(r"\benv\b", doc, re.I), f"{script.name}: its docstring names no env (say 'Env: none')"
-    assert re.search(r"python |\.sh\b|tasks_cli\.py |used by|not run on its own|mounted by|shared by|^ *import \w+$", doc,
-                     re.I | re.M), \
-        f"{script.name}: its docstring does not say how it is run"
+    assert re.search(
+        r"python |\.sh\b|tasks_cli\.py |used by|not run on its own|mounted by|shared by|^ *import \w+$",
+        doc,
+        re.I | re.M,
+    ), f"{script.name}: its docstring does not say how it is run"
 
 
 def test_the_spend_gate_plugin_says_what_it_reads():

@@ -79,9 +79,16 @@ def test_text_that_is_not_utf8_is_refused_naming_the_argument(tmp_path, case):
     os.mkdir(os.fsencode(odd))
     d = str(tmp_path).encode()
     args, stdin, said = {
-        "file": ([b"submit", b"x", b"--dir", d, b"--file", os.fsencode(tmp_path / "bin.dat")], b"",
-                 f"--file {tmp_path / 'bin.dat'} is not UTF-8 text"),
-        "stdin": ([b"submit", b"y", b"--dir", d, b"-i", b"-"], b"ok\xff\xfe", "--instructions - (stdin) is not UTF-8 text"),
+        "file": (
+            [b"submit", b"x", b"--dir", d, b"--file", os.fsencode(tmp_path / "bin.dat")],
+            b"",
+            f"--file {tmp_path / 'bin.dat'} is not UTF-8 text",
+        ),
+        "stdin": (
+            [b"submit", b"y", b"--dir", d, b"-i", b"-"],
+            b"ok\xff\xfe",
+            "--instructions - (stdin) is not UTF-8 text",
+        ),
         "title": ([b"submit", b"bad\xffutf", b"--dir", d], b"", "Invalid value for 'TITLE'"),
         "dir": ([b"submit", b"z", b"--dir", os.fsencode(odd)], b"", "Invalid value for '--dir'"),
         "db": ([b"--db", d + b"/q\xff.db", b"status"], b"", "holds bytes that are not UTF-8"),
@@ -230,6 +237,8 @@ def test_depending_on_a_failed_task_names_retry(tmp_path):
     task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
     claimed = task_store.claim_next("w", task_id=task["id"])
     task_store.fail_attempt(task["id"], claimed["run_marker"], "red", retryable=False)
-    result = run_script("tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60)
+    result = run_script(
+        "tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60
+    )
     assert result.returncode == 1 and "can never be done" not in result.stderr
     assert f"retry it first (`tasks_cli.py retry` {task['id']})" in result.stderr, result.stderr

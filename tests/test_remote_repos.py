@@ -97,7 +97,9 @@ def test_a_path_or_file_url_of_a_repository_is_accepted(remote, tmp_path):
 # Hosts: where a task may be claimed.
 
 
-def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(remote, tmp_path, monkeypatch, store_backend):
+def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(
+    remote, tmp_path, monkeypatch, store_backend
+):
     monkeypatch.delenv("TASKBRIDGE_HOST", raising=False)
     assert submit(working_dir=str(tmp_path))["host"] == socket.gethostname()
     monkeypatch.setenv("TASKBRIDGE_HOST", "laptop")
@@ -274,7 +276,9 @@ def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, 
     assert run_script("worker.py").returncode == 0
     failed = task_store.get_task(task["id"])
     assert failed["status"] == "failed" and failed["attempts"] == 1
-    assert "the push of taskbridge/t_0001 to" in failed["error"] and "policy: this branch is protected" in failed["error"]
+    assert (
+        "the push of taskbridge/t_0001 to" in failed["error"] and "policy: this branch is protected" in failed["error"]
+    )
     assert "The agent is not run again" in failed["error"] and "push" in failed["error"]
     receipt = failed["result"]
     assert receipt["worktree_kept"] is True and receipt["bookkeeping_error"] == failed["error"]
@@ -574,7 +578,9 @@ def _pushed_task(repo: str, branch_tip: str) -> dict:
     claimed = task_store.claim_next("worker:x:1", task_id=task["id"])
     task_store.renew_lease(task["id"], claimed["run_marker"], branch=f"taskbridge/{task['id']}",
                            pushed_branch=f"taskbridge/{task['id']}", pushed_commit=branch_tip)
-    return task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok", "commit": branch_tip})
+    return task_store.complete_attempt(
+        task["id"], claimed["run_marker"], result={"summary": "ok", "commit": branch_tip}
+    )
 
 
 def _run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -690,7 +696,11 @@ def test_the_holding_hosts_worker_pushes_the_kept_commit_without_running_the_age
     monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")   # the agent must not be needed
     claimed = task_store.claim_next("worker:b:1")
     refused = worker.run_task(claimed, worker.Knobs())
-    assert refused["status"] == "failed" and "failed again: " in refused["error"] and "policy: protected" in refused["error"]
+    assert (
+        refused["status"] == "failed"
+        and "failed again: " in refused["error"]
+        and "policy: protected" in refused["error"]
+    )
     assert refused["host"] == "b" and refused["result"]["commit"] == commit and refused["attempts"] == 2
     assert os.path.isdir(failed["worktree_path"]) and _bare_branches(remote) == ["main"]
     hook.unlink()
@@ -709,7 +719,9 @@ def test_clear_on_another_host_keeps_tasks_whose_worktrees_were_kept_there(remot
     other = submit(repo=str(remote))
     claimed = _claim_as("a", monkeypatch)
     task_store.renew_lease(other["id"], claimed["run_marker"], worktree_path="/on/host/a/keep-t_0002")
-    task_store.complete_attempt(other["id"], claimed["run_marker"], result={"summary": "kept", "worktree_removed": False})
+    task_store.complete_attempt(
+        other["id"], claimed["run_marker"], result={"summary": "kept", "worktree_removed": False}
+    )
     gone = submit(repo=str(remote))
     claimed = _claim_as("a", monkeypatch)
     task_store.renew_lease(gone["id"], claimed["run_marker"], worktree_path="/on/host/a/gone-t_0003")
@@ -818,7 +830,9 @@ def test_the_token_files_hints_quote_its_path(tmp_path, monkeypatch, caplog):
     assert not list(tmp_path.rglob("PWNED*")), "pasting a printed command ran what the path holds"
 
 
-def test_doctor_lists_the_worktree_of_an_attempt_taken_over_by_another_host(remote, tmp_path, monkeypatch, store_backend):
+def test_doctor_lists_the_worktree_of_an_attempt_taken_over_by_another_host(
+    remote, tmp_path, monkeypatch, store_backend
+):
     import doctor
     taken = submit(repo=str(remote))
     mine = submit(repo=str(remote))

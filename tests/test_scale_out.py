@@ -112,8 +112,16 @@ async def test_two_machines_take_the_tasks_once_and_push_their_branches(tmp_path
     async with bridge(server) as client:
         ids = []
         for n in range(1, 5):
-            task = await call_tool(client, "submit_task", {"title": f"task {n}", "repo": str(remote), "base_ref": "main",
-                                                           "instructions": f"Write it. SCRIPT:scale-{n}"})
+            task = await call_tool(
+                client,
+                "submit_task",
+                {
+                    "title": f"task {n}",
+                    "repo": str(remote),
+                    "base_ref": "main",
+                    "instructions": f"Write it. SCRIPT:scale-{n}",
+                },
+            )
             ids.append(task["id"])
         # --max-tasks 2 each: four tasks done means each machine ran two of them.
         with worker(machines["machine-a"], "--watch", "--max-tasks", "2"), \

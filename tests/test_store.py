@@ -129,7 +129,9 @@ def test_fencing_refuses_a_superseded_attempt(tmp_path):
         store.requeue_attempt(task["id"], first["run_marker"], "twice")
     second = store.claim_next("w2")
     assert second["run_marker"] == "br-1-a2"
-    with pytest.raises(store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"):
+    with pytest.raises(
+        store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"
+    ):
         store.complete_attempt(task["id"], first["run_marker"], result={"summary": "late"})
     with pytest.raises(store.StaleAttempt):
         store.renew_lease(task["id"], first["run_marker"])

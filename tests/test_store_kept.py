@@ -229,11 +229,21 @@ def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
     path = store.db_path()
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
-    other = subprocess.run([sys.executable, "-c", "import os, sys, time, task_store\n"
-                            "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
-                            "print(os.path.exists(str(task_store.db_path()) + '-wal'), flush=True)  # _exit skips the flush\n"
-                            "os._exit(0)  # keep its WAL: no last close checkpoints it away\n", str(tmp_path)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time, task_store\n"
+            "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
+            "print(os.path.exists(str(task_store.db_path()) + '-wal'), flush=True)  # _exit skips the flush\n"
+            "os._exit(0)  # keep its WAL: no last close checkpoints it away\n",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert other.stdout.strip() == "True", other.stderr
     assert store.get_task("t_0001")["title"] == "theirs"   # reopened; the old connection closed
     assert Path(str(path) + "-wal").exists()

@@ -55,7 +55,10 @@ def test_limit_from_an_error_event_and_not_from_other_errors():
     assert oc.limit_from_error(event, NOW) == {"said": "Too many requests", "status": 429, "reset_at": NOW + 30}
     quota = {"type": "error", "error": {"name": "APIError", "data": {"message": "You exceeded your current quota"}}}
     assert oc.limit_from_error(quota, NOW)["reset_at"] is None
-    down = {"type": "error", "error": {"name": "APIError", "data": {"message": "quota service down", "statusCode": 500}}}
+    down = {
+        "type": "error",
+        "error": {"name": "APIError", "data": {"message": "quota service down", "statusCode": 500}},
+    }
     assert oc.limit_from_error(down, NOW) is None
 
 
