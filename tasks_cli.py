@@ -5,7 +5,8 @@ Tables are for people; ``--json`` on the listing commands prints plain JSON for 
 to stderr: exit 1 when the queue refuses (unknown task, wrong status), exit 2 for a bad option.
 Task ids are accepted as ``t_0001``, ``0001`` or ``1``.
 
-Env read at call time: ``TASK_DB_URL`` (also ``--db``: a postgresql:// URL or a SQLite file), ``TASK_DB_PATH``, ``TASK_LOG_DIR`` (the per-task logs),
+Env read at call time: ``TASK_DB_URL`` (also ``--db``: a postgresql:// URL or a SQLite file), ``TASK_DB_PATH``,
+``TASK_LOG_DIR`` (the per-task logs),
 ``USER`` (the default name of a person who claims, notes or answers: ``cli:$USER``).
 
 Every read and write goes through ``task_store``; this file holds no SQL.
@@ -19,9 +20,9 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
 
 import click
 from rich.console import Console
@@ -63,9 +64,15 @@ def err() -> Console:
 class CliError(click.ClickException):
     """A refusal shown to the person on stderr (exit 1); the message names the way out."""
 
-    def show(self, file: Any = None) -> None:
+    def show(self, file: Any = None) -> None:  # noqa: ARG002  (click's ClickException.show signature; always stderr)
         # Store messages may quote task text (titles, owners), so they are made visible too.
         err().print(Text(f"Error: {visible(self.format_message())}", style="red"), soft_wrap=True)
+
+
+class CliUsageError(CliError):
+    """A refusal of a bad option value shown like CliError, but exit 2 as click's own bad options."""
+
+    exit_code = 2
 
 
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
@@ -76,7 +83,7 @@ CLI_WORDS = {"list_tasks": "`tasks_cli.py list`", "add_task_note": "`tasks_cli.p
 
 def in_cli_words(message: str) -> str:
     """A store message with MCP tool names replaced by the matching CLI commands."""
-    return re.sub(r"\b(%s)\b" % "|".join(CLI_WORDS), lambda m: CLI_WORDS[m.group(1)], message)
+    return re.sub(r"\b({})\b".format("|".join(CLI_WORDS)), lambda m: CLI_WORDS[m.group(1)], message)
 
 
 # The commands that may make a new queue (they write to it). Every other command reads or changes
@@ -192,19 +199,19 @@ def raw_or_visible(text: str) -> str:
 # Option callbacks: a bad value is a click.BadParameter (exit 2) before anything is written.
 
 
-def task_id_arg(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+def task_id_arg(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
     """Parse ``t_0001`` / ``0001`` / ``1`` (or a tuple of them) to ``t_0001`` form."""
     if value is None:
         return None
     if isinstance(value, tuple):
-        return tuple(task_id_arg(ctx, param, v) for v in value)
+        return tuple(task_id_arg(_ctx, _param, v) for v in value)
     try:
         return task_store.format_task_id(task_store.parse_task_id(value))
     except task_store.ValidationError as exc:
         raise click.BadParameter(str(exc)) from None
 
 
-def working_dir_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def working_dir_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """An existing directory as an absolute path; a relative one (``.``, ``../app``) is taken from
     the current directory. None when ``--dir`` was not given (submit then asks about the cwd)."""
     if value is None:
@@ -254,7 +261,7 @@ def checked_model(model: str | None) -> str | None:
         raise click.BadParameter(str(exc), param_hint="'--model'") from None
 
 
-def usd_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+def usd_arg(_ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
     """An amount in USD above 0 (``0.50`` or ``$0.50``), or None."""
     try:
         return task_store.coerce_usd(param.name or "amount", value)
@@ -282,7 +289,7 @@ def checked_names(skills: Iterable[str], subagents: Iterable[str], working_dir: 
                          style="yellow"), soft_wrap=True)
 
 
-def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def model_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     """``provider/model`` or None."""
     try:
         return task_store.validate_model(value)
@@ -290,33 +297,30 @@ def model_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> 
         raise click.BadParameter(str(exc)) from None
 
 
-def finite_arg(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+def finite_arg(_ctx: click.Context, _param: click.Parameter, value: float | None) -> float | None:
     """Refuse ``nan``, which passes click's FloatRange (every comparison with it is false)."""
     if value is not None and value != value:
         raise click.BadParameter("nan is not a number of seconds; give one like 3600")
     return value
 
 
-def db_arg(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+def db_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
     """Point ``task_store`` at ``--db`` (a postgresql:// URL or a SQLite file) by setting
     TASK_DB_URL for this process; a value that cannot be one is refused in one line, exit 2, its
     password never shown."""
     if value is not None and _has_surrogates(value):
-        refusal = CliError(f"--db {value.encode('utf-8', 'surrogateescape')!r} holds bytes that are not UTF-8; "
-                           "give the queue a UTF-8 path")
-        refusal.exit_code = 2
-        raise refusal
+        raise CliUsageError(f"--db {value.encode('utf-8', 'surrogateescape')!r} holds bytes that are not UTF-8; "
+                            "give the queue a UTF-8 path")
     try:
         knobs.select_database(value)
     except knobs.KnobError as exc:
-        refusal = CliError(str(exc))
-        refusal.exit_code = 2
-        raise refusal from None
+        raise CliUsageError(str(exc)) from None
 
 
 def json_option(command: Callable) -> Callable:
     """The ``--json`` flag shared by the listing commands."""
-    return click.option("--json", "as_json", is_flag=True, help="Print plain JSON for scripts instead of a table.")(command)
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print plain JSON for scripts instead of a table.")(command)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +332,7 @@ def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
     stamp = datetime.fromisoformat(value)
-    return stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
 def age(seconds: float | None) -> str:
@@ -469,9 +473,11 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     return [
         ("working dir", line(task["working_dir"])), ("repo", line(task.get("repo"))),
         ("base ref", line(task.get("base_ref") or ("the remote's HEAD branch" if task.get("repo") else None))),
-        ("host", line(task.get("host") or ("any" if task.get("repo") else None))), ("model", line(task_views.model_shown(task))),
+        ("host", line(task.get("host") or ("any" if task.get("repo") else None))),
+        ("model", line(task_views.model_shown(task))),
         ("agent", line(task["agent"])), ("priority", task["priority"]), ("permission", task["permission"]),
-        ("worktree", "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
+        ("worktree",
+         "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
         ("timeout", f"{task['timeout_sec']} s per attempt"),
         ("attempts", attempts_text(task)),
         ("depends on", task.get("depends_on")),
@@ -875,7 +881,8 @@ def cli() -> None:
 @click.option("--instructions", "-i", help="What the agent should do; '-' reads stdin (default: the title).")
 @click.option("--file", "-f", type=click.File("rb"), help="Read the instructions from a file; '-' is stdin.")
 @click.option("--model", "-m", callback=model_arg,
-              help="Model as provider/model, checked against `opencode models` (default: chosen at claim; see `models`).")
+              help="Model as provider/model, checked against `opencode models` "
+                   "(default: chosen at claim; see `models`).")
 @click.option("--priority", "-p", type=task_spec.PRIORITY.click_type(), default=task_spec.PRIORITY.default,
               show_default=True, help="Higher runs first.")
 @click.option("--depends-on", multiple=True, callback=task_id_arg, help="A task that must be done first (repeatable).")
@@ -887,30 +894,40 @@ def cli() -> None:
               help="What the agent may do, on top of the OS box every run gets: readonly (worktree read-only), "
                    "no-shell, no-network (bash gets no network); see docs/tasks.md, Permissions.")
 @click.option("--no-worktree", is_flag=True, help="Run in the directory itself, not in a git worktree.")
-@click.option("--keep-worktree", is_flag=True, help="Keep the worktree after a successful run (the branch always stays).")
+@click.option("--keep-worktree", is_flag=True,
+              help="Keep the worktree after a successful run (the branch always stays).")
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
 @click.option("--key", "idempotency_key", help="Idempotency key: submitting the same key again returns the first task.")
-@click.option("--yes", "-y", is_flag=True, help="Without --dir, queue for the current folder even when it is not a git repository.")
+@click.option("--yes", "-y", is_flag=True,
+              help="Without --dir, queue for the current folder even when it is not a git repository.")
 @click.option("--max-cost", "max_cost_usd", callback=usd_arg,
-              help="USD the task may spend over all its attempts; at the limit it pauses and asks (default: the queue's).")
+              help="USD the task may spend over all its attempts; at the limit it pauses and asks "
+                   "(default: the queue's).")
 @click.option("--max-tokens", type=task_spec.TOKENS.click_type(),
               help="Tokens the task may use, for a model that reports no price (default: the queue's).")
 @click.option("--continue", "continue_from", callback=task_id_arg,
               help="Follow-up of this task: resume its OpenCode session and commit on its branch (waits for it).")
 @click.option("--fork", "fork_from", callback=task_id_arg,
               help="Fork of this task: a new branch from its head with a copy of its session (waits for it).")
-@click.option("--rules", help='Permission rules in OpenCode\'s format, e.g. \'{"bash": {"git push*": "ask"}}\' (ask pauses the task for your answer).')
-@click.option("--skill", "skills", multiple=True, help="An OpenCode skill the agent loads first (repeatable; checked against OpenCode).")
-@click.option("--subagent", "subagents", multiple=True, help="An OpenCode sub-agent it may hand work to (repeatable; checked).")
-@click.option("--repo", help="A git remote to work on instead of a folder (https://, ssh://, git@host:path, file://, or a "
-                             "repository's absolute path): a worker clones it, runs, and pushes branch taskbridge/<id> "
-                             "back with its own git credentials.")
-@click.option("--base-ref", help="With --repo: the branch, tag or commit to start from (default: the remote's HEAD branch).")
-@click.option("--host", help="Only workers with this TASKBRIDGE_HOST may run it (default: this machine for --dir, any for --repo).")
+@click.option("--rules", help='Permission rules in OpenCode\'s format, e.g. \'{"bash": {"git push*": "ask"}}\' '
+                              "(ask pauses the task for your answer).")
+@click.option("--skill", "skills", multiple=True,
+              help="An OpenCode skill the agent loads first (repeatable; checked against OpenCode).")
+@click.option("--subagent", "subagents", multiple=True,
+              help="An OpenCode sub-agent it may hand work to (repeatable; checked).")
+@click.option("--repo", help="A git remote to work on instead of a folder (https://, ssh://, git@host:path, file://, "
+                             "or a repository's absolute path): a worker clones it, runs, and pushes branch "
+                             "taskbridge/<id> back with its own git credentials.")
+@click.option("--base-ref",
+              help="With --repo: the branch, tag or commit to start from (default: the remote's HEAD branch).")
+@click.option("--host",
+              help="Only workers with this TASKBRIDGE_HOST may run it "
+                   "(default: this machine for --dir, any for --repo).")
 @click.option("--schedule-timeout", "schedule_timeout_sec", type=task_spec.SCHEDULE_TIMEOUT.click_type(),
               help="Seconds it may stay queued without starting; past it `show` and `status` warn.")
 @json_option
-def submit(title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
+def submit(  # noqa: PLR0913  (click passes each of submit's options as one parameter)
+           title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
            permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
            idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
@@ -992,7 +1009,8 @@ def pending(limit: int, offset: int, as_json: bool) -> None:
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--diff", "diff_only", is_flag=True,
-              help="Print only the task's diff: exact when piped (for patch); on a terminal control characters show as escapes.")
+              help="Print only the task's diff: exact when piped (for patch); on a terminal control characters "
+                   "show as escapes.")
 @json_option
 def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     """Show everything about one task: status, run, receipt, notes, questions, events."""
@@ -1025,7 +1043,8 @@ def transcript(task_id: str, offset: int, limit: int, as_json: bool) -> None:
                              f"from the {page['source']}" + (f" ({page['note']})" if page["note"] else ""),
                              multiline=False), style="bold"))
     for turn in page["turns"]:
-        out().print(Text(visible(f"[{turn['index']}] {turn['role']} {turn['at'] or ''}", multiline=False), style="cyan"))
+        out().print(Text(visible(f"[{turn['index']}] {turn['role']} {turn['at'] or ''}", multiline=False),
+                         style="cyan"))
         if turn["text"]:
             out().print(Text(visible(turn["text"])))
         for call in turn["tools"]:
@@ -1057,7 +1076,8 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--summary", default="completed by hand", show_default=True, help="What was done (the receipt's summary).")
+@click.option("--summary", default="completed by hand", show_default=True,
+              help="What was done (the receipt's summary).")
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 def complete(task_id: str, summary: str, marker: str | None) -> None:
     """Mark a task you claimed by hand as done."""
@@ -1107,8 +1127,10 @@ def answer(task_id: str, text: str) -> None:
         text = read_stdin("TEXT -")
     task = task_store.answer_task(task_id, text, author=person())
     if task["status"] == "failed":
-        return out().print(Text(f"Stopped {task['id']} at its spending limit: it failed, its receipt kept.", style="yellow"))
-    out().print(Text(f"Answered {task['id']}; it is {task['status']} again and resumes with your answer.", style="green"))
+        return out().print(Text(f"Stopped {task['id']} at its spending limit: it failed, its receipt kept.",
+                                style="yellow"))
+    out().print(Text(f"Answered {task['id']}; it is {task['status']} again and resumes with your answer.",
+                     style="green"))
 
 
 @cli.command()
@@ -1137,9 +1159,12 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
 
 @cli.command()
 @click.option("--older-than", type=click.FloatRange(0, OLDER_THAN_MAX_SEC), default=0, show_default=True,
-              callback=finite_arg, help=f"Only tasks finished at least this many seconds ago (0..{OLDER_THAN_MAX_SEC}).")
+              callback=finite_arg,
+              help=f"Only tasks finished at least this many seconds ago (0..{OLDER_THAN_MAX_SEC}).")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-@click.option("--purge-logs", is_flag=True, help="Also delete the removed tasks' log files (on PostgreSQL a log is in the database and always goes with its task).")
+@click.option("--purge-logs", is_flag=True,
+              help="Also delete the removed tasks' log files (on PostgreSQL a log is in the database and always "
+                   "goes with its task).")
 @click.option("--remove-worktrees", is_flag=True,
               help="Also remove worktrees kept with --keep-worktree (task branches stay); without it their tasks stay.")
 @json_option
@@ -1173,7 +1198,8 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
     for host, ids in purged.get("kept_on_hosts", {}).items():
         err().print(Text(visible(f"Kept {len(ids)} task(s) whose worktrees were kept on host {host}, not this "
                                  f"one ({task_store.host_name()}): {', '.join(ids)}; this machine cannot see or "
-                                 f"remove them (not even with --remove-worktrees): run clear on {host}", multiline=False), style="dim"), soft_wrap=True)
+                                 f"remove them (not even with --remove-worktrees): run clear on {host}",
+                                 multiline=False), style="dim"), soft_wrap=True)
     kept = purged["kept_for_worktrees"]
     if kept:
         err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "
@@ -1246,9 +1272,10 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
 def branch(task_id: str, as_json: bool) -> None:
     """Show the git branch holding a task's work, its commit, and how to check it out or apply it."""
     task = task_store.get_task(task_id)
-    if not task["branch"] and not task.get("repo") and worktrees.no_change_note(task):
-        raise CliError(worktrees.no_change_note(task))
     if not task["branch"] and not task.get("repo"):
+        note = worktrees.no_change_note(task)
+        if note:
+            raise CliError(note)
         raise CliError(f"task {task_id} has no branch ({task['status']}; it ran in place or has not run "
                        "yet); its changes, if any, are in its directory")
     info = worktrees.branch_info(task)
@@ -1256,10 +1283,11 @@ def branch(task_id: str, as_json: bool) -> None:
         return emit_json(info)
     if task.get("repo"):
         out().print(Text(visible(worktrees.remote_work(task)), style="yellow"), soft_wrap=True)
-        rows = [(name, line(command)) for name, command in info["commands"].items()]
-        return out().print(fields_table([("kept worktree", line(info["worktree_path"])), *rows],
+        commands = [(name, line(command)) for name, command in info["commands"].items()]
+        return out().print(fields_table([("kept worktree", line(info["worktree_path"])), *commands],
                                         title=f"Work of {task_id}"))
-    rows = [("branch", line(info["branch"])), ("commit", line(info["commit"] or "none (no changes committed)")),
+    rows: list[tuple[str, Any]] = [
+            ("branch", line(info["branch"])), ("commit", line(info["commit"] or "none (no changes committed)")),
             ("tip now", line(info["tip"] or "the branch no longer exists")), ("base commit", line(info["base_commit"])),
             ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),
             ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else "no"),
@@ -1295,8 +1323,8 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
     out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: "
                      f"{len(result['files'])} file(s) changed; HEAD is now {result['head'][:12]}.", style="green"),
                 soft_wrap=True)
-    out().print(Text("Undo with: " + visible(task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12]), multiline=False),
-                     style="dim"), soft_wrap=True)
+    undo = task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12])
+    out().print(Text("Undo with: " + visible(undo, multiline=False), style="dim"), soft_wrap=True)
 
 
 @cli.command()
@@ -1331,8 +1359,8 @@ def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
                     soft_wrap=True)
         return False
     if status == "running" and owner.startswith("cli:"):
-        err().print(f"{ident} is claimed by hand by {visible(owner, multiline=False)}: no worker runs it, so it has no log.",
-                    soft_wrap=True)
+        err().print(f"{ident} is claimed by hand by {visible(owner, multiline=False)}: no worker runs it, "
+                    "so it has no log.", soft_wrap=True)
         return False
     if status == "pending":
         wait = "; waiting for a worker to start it (Ctrl-C stops)" if follow else ""
@@ -1371,7 +1399,7 @@ def doctor(live: bool, as_json: bool) -> None:
     prompt), the database, the worker and its schedule, the token file, a running MCP server,
     the reverse bridge's backend.
     """
-    import doctor as checks   # the checks import the HTTP and reverse-bridge modules: only here
+    import doctor as checks  # the checks import the HTTP and reverse-bridge modules: only here
     results = checks.run_checks(live)
     failed = any(r.status == "fail" for r in results)
     if as_json:
@@ -1497,8 +1525,10 @@ def money(usd: float | None) -> str:
 def budget_rows(budget: dict[str, Any]) -> list[tuple[str, Any]]:
     """Today's spend against the daily budget, and the default task limits (task_store.budget_state)."""
     daily = money(budget["daily_usd"])
-    rows = [("spent today", f"{money(budget['spent_usd'])} of {daily} ({budget['spent_tokens']:,} tokens"
-                            + (f" of {budget['daily_tokens']:,}" if budget["daily_tokens"] else "") + f") on {budget['day']}"),
+    token_limit = f" of {budget['daily_tokens']:,}" if budget["daily_tokens"] else ""
+    rows: list[tuple[str, Any]] = [
+            ("spent today", f"{money(budget['spent_usd'])} of {daily} ({budget['spent_tokens']:,} tokens"
+                            f"{token_limit}) on {budget['day']}"),
             ("resets", f"at local midnight ({budget['resets_at']})"),
             ("default task limit", money(budget["default_max_cost_usd"])
              + (f", {budget['default_max_tokens']:,} tokens" if budget["default_max_tokens"] else ""))]
@@ -1516,7 +1546,8 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for worker in workers:
         table.add_row(line(worker["host"]), Text(str(worker["pid"])),
                       Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], "")),
-                      line(worker["state"] or "-"), line(", ".join(worker["tasks"]) or "-"), Text(age(worker["age_sec"])))
+                      line(worker["state"] or "-"), line(", ".join(worker["tasks"]) or "-"),
+                      Text(age(worker["age_sec"])))
     return table
 
 
@@ -1614,7 +1645,8 @@ def budget_raise(task_id: str, usd: float | None, max_tokens: int | None, as_jso
 @cli.command()
 @click.option("--since", type=click.IntRange(0, task_store.MAX_ID),
               help="Events after this event id (default: the most recent ones).")
-@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True, help="At most this many events.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=50, show_default=True,
+              help="At most this many events.")
 @json_option
 def events(since: int | None, limit: int, as_json: bool) -> None:
     """Show the queue's event log (every state change), oldest first."""
@@ -1633,10 +1665,12 @@ def events(since: int | None, limit: int, as_json: bool) -> None:
 @click.option("--write-claude-desktop", is_flag=True,
               help="Merge the taskbridge entry into Claude Desktop's config (other servers kept, backup made).")
 def connect(port: int, public_url: str | None, write_claude_desktop: bool) -> None:
-    """Print how each MCP client connects: Claude Desktop and Code, Cursor, VS Code, Codex, Gemini, OpenCode, claude.ai, ChatGPT."""
+    """Print how each MCP client connects: Claude Desktop and Code, Cursor, VS Code, Codex, Gemini, OpenCode,
+    claude.ai, ChatGPT."""
     import connectors
     if public_url and not re.fullmatch(r"https://[A-Za-z0-9.-]+(:[0-9]+)?/?", public_url):
-        raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com", param_hint="--public-url")
+        raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com",
+                                 param_hint="--public-url")
     click.echo(connectors.snippets(port, public_url))
     hosted = task_views.hosted_model_note(ask=True)
     if hosted:

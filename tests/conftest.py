@@ -22,7 +22,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     opencode_env's hook marks ``real_opencode``, maybe after this one) is also marked ``slow``, so
     the fast set is ``-m "not slow"`` (pytest's own ``-m`` filter runs after both hooks)."""
     for item in items:
-        if "opencode" in getattr(item, "fixturenames", ()) or any(item.get_closest_marker(name) for name in SLOW_MARKERS):
+        if "opencode" in getattr(item, "fixturenames", ()) or any(
+            item.get_closest_marker(name) for name in SLOW_MARKERS
+        ):
             item.add_marker(pytest.mark.slow)
 
 
@@ -32,7 +34,9 @@ def isolated_queue(tmp_path, monkeypatch, request):
     ``TASKBRIDGE_TEST_DB=postgresql`` every test's queue is a fresh PostgreSQL database instead
     (``pg_url``): the whole suite on the other backend."""
     monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / "tasks.db"))
-    monkeypatch.delenv("TASK_DB_URL", raising=False)   # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
+    monkeypatch.delenv(
+        "TASK_DB_URL", raising=False
+    )  # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
     if os.environ.get("TASKBRIDGE_TEST_DB", "").strip().lower() == "postgresql":
         monkeypatch.setenv("TASK_DB_URL", request.getfixturevalue("pg_url"))
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))

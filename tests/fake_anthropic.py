@@ -115,7 +115,7 @@ class FakeAnthropic:
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "FakeAnthropic":
+    def start(self) -> FakeAnthropic:
         handler = type("Handler", (_Handler,), {"fake": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
         self._server.daemon_threads = True
@@ -131,7 +131,7 @@ class FakeAnthropic:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "FakeAnthropic":
+    def __enter__(self) -> FakeAnthropic:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -283,7 +283,7 @@ class _Reply:
 class _Handler(BaseHTTPRequestHandler):
     """Routes to the owning ScriptedModel; quiet about clients that hang up."""
 
-    server: "_Server"
+    server: _Server
     protocol_version = "HTTP/1.0"  # close-delimited bodies: no chunked encoding to get wrong
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -298,7 +298,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    model: "ScriptedModel"
+    model: ScriptedModel
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Swallow client disconnects; anything else is a bug in the fake and is printed."""
@@ -327,7 +327,7 @@ class ScriptedModel:
 
     # -- life cycle ---------------------------------------------------------------------------
 
-    def start(self) -> "ScriptedModel":
+    def start(self) -> ScriptedModel:
         """Listen on a free 127.0.0.1 port and serve in a daemon thread."""
         if self._server is not None:
             return self
@@ -353,7 +353,7 @@ class ScriptedModel:
         if self._thread is not None:
             self._thread.join(timeout=1)
 
-    def __enter__(self) -> "ScriptedModel":
+    def __enter__(self) -> ScriptedModel:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

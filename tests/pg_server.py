@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -172,7 +173,7 @@ def start_server() -> PgServer:
     if init.returncode != 0:
         shutil.rmtree(folder, ignore_errors=True)
         pytest.fail(f"initdb failed: {init.stderr or init.stdout}")
-    for attempt in range(5):
+    for _attempt in range(5):
         port = free_port()
         log = open(folder / "postgres.log", "ab")
         argv = [str(bindir / "postgres"), "-D", str(folder / "data"), "-h", "127.0.0.1", "-p", str(port),

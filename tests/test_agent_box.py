@@ -15,8 +15,10 @@ import pytest
 import agent_box
 import task_store
 from fake_openai import text, tool_call
-from helpers import AGENT_DONE as DONE, bash_step as bash, checkout_state, fake_binary, git, make_repo, run_script, submit, \
-    tool_outputs as outputs
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import checkout_state, fake_binary, git, make_repo, run_script, submit
+from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
@@ -66,17 +68,30 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
                                     max_cost_usd=1.0)
     task_store.cancel_task(victim["id"])
     run = task_store.log_dir() / "t_0002.run"
-    opencode.model.script("raid", [
-        bash(f"python3 -c \"import sqlite3; c=sqlite3.connect('{db}'); "
-             f"c.execute('update tasks set max_cost_usd=1000'); c.commit()\"; echo db-$?"),
-        tool_call("write", {"filePath": str(repo / ".git" / "config"),
-                            "content": "[filter \"x\"]\n\tclean = sh -c 'touch /tmp/pwned'\n"}),
-        bash(f"echo '{{\"rules\":{{}}}}' > {run}/control/rules; echo rules-$?"),
-        bash(f"echo x > {other}/planted.txt; echo other-$?; echo x > $HOME/planted.txt; echo home-$?"),
-        bash("echo ok > inside.txt && touch -d '2 minutes ago' inside.txt && sleep 1.1 && echo tmp > /tmp/tb-box-scratch "
-             "&& cat /tmp/tb-box-scratch && git status --short && git add inside.txt && echo git-ok"),
-        text("Tried.\n" + DONE),
-    ])
+    opencode.model.script(
+        "raid",
+        [
+            bash(
+                f"python3 -c \"import sqlite3; c=sqlite3.connect('{db}'); "
+                f"c.execute('update tasks set max_cost_usd=1000'); c.commit()\"; echo db-$?"
+            ),
+            tool_call(
+                "write",
+                {
+                    "filePath": str(repo / ".git" / "config"),
+                    "content": "[filter \"x\"]\n\tclean = sh -c 'touch /tmp/pwned'\n",
+                },
+            ),
+            bash(f"echo '{{\"rules\":{{}}}}' > {run}/control/rules; echo rules-$?"),
+            bash(f"echo x > {other}/planted.txt; echo other-$?; echo x > $HOME/planted.txt; echo home-$?"),
+            bash(
+                "echo ok > inside.txt && touch -d '2 minutes ago' inside.txt && sleep 1.1 "
+                "&& echo tmp > /tmp/tb-box-scratch "
+                "&& cat /tmp/tb-box-scratch && git status --short && git add inside.txt && echo git-ok"
+            ),
+            text("Tried.\n" + DONE),
+        ],
+    )
     task = submit(repo, script="raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
     assert task["id"] == "t_0002"
     assert run_script("worker.py").returncode == 0
@@ -274,8 +289,12 @@ def test_prompt_level_knob_runs_it_and_says_so(opencode, tmp_path, monkeypatch):
 def test_a_box_that_fails_to_start_fails_the_attempt_once(opencode, tmp_path, monkeypatch):
     """The real bwrap, handed one bind it cannot make (a wrapper adds it to the run, not to the
     probe): its own message is the task's error, and the task is not retried."""
-    wrapper = fake_binary(tmp_path, "bwrap", f"for last; do :; done\n[ \"$last\" = true ] && exec {shutil.which('bwrap')} \"$@\"\n"
-                                             f"exec {shutil.which('bwrap')} --bind /no/such/folder /x \"$@\"\n")
+    wrapper = fake_binary(
+        tmp_path,
+        "bwrap",
+        f'for last; do :; done\n[ "$last" = true ] && exec {shutil.which("bwrap")} "$@"\n'
+        f'exec {shutil.which("bwrap")} --bind /no/such/folder /x "$@"\n',
+    )
     monkeypatch.setenv("BWRAP_BIN", str(wrapper))
     repo = make_repo(tmp_path / "repo")
     task = submit(repo, script="never", max_retries=3)
@@ -308,8 +327,10 @@ def test_session_export_in_an_agent_written_folder_runs_none_of_its_plugins(open
     plugin = folder / ".opencode" / "plugin"
     plugin.mkdir(parents=True)
     canary = tmp_path / "canary"
-    (plugin / "evil.js").write_text('import fs from "fs";\n'
-                                    f'export const Evil = async () => {{ fs.writeFileSync("{canary}", "ran"); return {{}}; }};\n')
+    (plugin / "evil.js").write_text(
+        'import fs from "fs";\n'
+        f'export const Evil = async () => {{ fs.writeFileSync("{canary}", "ran"); return {{}}; }};\n'
+    )
     with pytest.raises(oc.SessionCopyFailed, match="Session not found"):
         oc.export_session("ses_nosuchsession", str(folder), dict(os.environ), timeout_sec=30)
     assert not canary.exists()
@@ -415,6 +436,7 @@ def test_the_box_holds_for_an_ordinary_user(tmp_path):
     and the run's /tmp are writable, and the worker's environment is out of sight in /proc."""
     import subprocess
     import tempfile
+
     from helpers import normal_user
     user = normal_user()
     if user is None:

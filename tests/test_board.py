@@ -17,7 +17,9 @@ from helpers import submit
 
 TOKEN = "board-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"><a href="javascript:window.__pwned=3">x</a>'
+HOSTILE = (
+    '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2"><a href="javascript:window.__pwned=3">x</a>'
+)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +94,10 @@ def test_task_page_api_has_everything_the_page_shows(client, tmp_path):
 
 def test_actions_go_through_the_store_and_are_refused_with_its_message(client, tmp_path):
     task = submit(tmp_path)
-    post = lambda action, body: client.post(f"/api/tasks/{task['id']}/{action}", headers=AUTH, json=body)
+
+    def post(action, body):
+        return client.post(f"/api/tasks/{task['id']}/{action}", headers=AUTH, json=body)
+
     refused = post("answer", {"answer": "42"})
     assert refused.status_code == 400 and "not waiting" in refused.json()["error"]
     finish(task, question="Which port?")
@@ -156,7 +161,9 @@ def test_engine_tail_reads_the_worker_log_from_an_offset(client):
     assert tail["lines"] == ["10:00 pass started", "10:01 claimed t_0001"]
     with path.open("a") as handle:
         handle.write("10:02 done t_0001\n")
-    assert client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()["lines"] == ["10:02 done t_0001"]
+    assert client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()["lines"] == [
+        "10:02 done t_0001"
+    ]
     path.write_text("10:03 kept half\n")                 # the worker cut its log: the page starts over
     cut = client.get(f"/api/engine?offset={tail['next_offset']}", headers=AUTH).json()
     assert cut["reset"] is True and cut["lines"] == ["10:03 kept half"] and cut["next_offset"] == cut["size"]
@@ -168,7 +175,9 @@ def test_jobs_and_events_feed(client, tmp_path):
     assert jobs[0]["id"] == job["id"] and jobs[0]["prompt"].startswith("review <script>")
     submit(tmp_path)
     feed = client.get("/api/events?limit=5", headers=AUTH).json()
-    assert [e["kind"] for e in feed["events"]] == ["claude_job", "submitted"] and feed["cursor"] == feed["events"][-1]["id"]
+    assert [e["kind"] for e in feed["events"]] == ["claude_job", "submitted"] and feed["cursor"] == feed["events"][-1][
+        "id"
+    ]
     assert client.get(f"/api/events?after={feed['cursor']}", headers=AUTH).json()["events"] == []
 
 

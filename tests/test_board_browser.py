@@ -184,7 +184,7 @@ def no_script_ran(driver) -> None:
     from selenium.common.exceptions import NoAlertPresentException
     from selenium.webdriver.common.by import By
     with pytest.raises(NoAlertPresentException):
-        driver.switch_to.alert.text
+        _ = driver.switch_to.alert.text
     assert driver.execute_script("return window.__pwned === undefined")
     assert driver.find_elements(By.CSS_SELECTOR, "img") == []
     assert driver.find_elements(By.CSS_SELECTOR, "a[href^='javascript']") == []
@@ -315,7 +315,10 @@ def test_every_worker_shows_with_its_host(board, browser, monkeypatch):
     log_in(browser, board)
     wait(browser, lambda d: "2 workers" in text_of(d, "workers"), what="the workers")
     shown = text_of(browser, "workers")
-    assert f"build-server pid {os.getpid()} online" in shown and f"{task_store.host_name()} pid {os.getpid()} online" in shown
+    assert (
+        f"build-server pid {os.getpid()} online" in shown
+        and f"{task_store.host_name()} pid {os.getpid()} online" in shown
+    )
     assert console_errors(browser) == []
 
 
@@ -392,7 +395,9 @@ def test_a_usage_limit_pause_shows_its_resume_time_and_continue_resumes_it(board
                                account="fake", said="slow down", resume_at=task_store.now() + 600, known_reset=True)
     resume_at = task_store.get_task(task["id"])["resume_at"]
     log_in(browser, board)
-    wait(browser, lambda d: f"fake at its usage limit until {resume_at}" in text_of(d, "spend"), what="the held account")
+    wait(
+        browser, lambda d: f"fake at its usage limit until {resume_at}" in text_of(d, "spend"), what="the held account"
+    )
     row = browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}']")
     assert f"resumes {resume_at}" in row.text
     row.find_element(By.CSS_SELECTOR, "a").click()
@@ -406,10 +411,14 @@ def test_a_usage_limit_pause_shows_its_resume_time_and_continue_resumes_it(board
 
 
 def _step_line(kind: str) -> bytes:
-    return (json.dumps({"type": kind, "timestamp": int(time.time() * 1000), "sessionID": "s", "part": {}}) + "\n").encode()
+    return (
+        json.dumps({"type": kind, "timestamp": int(time.time() * 1000), "sessionID": "s", "part": {}}) + "\n"
+    ).encode()
 
 
-def test_a_failed_task_says_why_on_top_a_running_one_shows_its_model_call_and_models_are_named(board, browser, tmp_path):
+def test_a_failed_task_says_why_on_top_a_running_one_shows_its_model_call_and_models_are_named(
+    board, browser, tmp_path
+):
     failed = task_store.submit_task(title="breaks", instructions="x", working_dir=str(tmp_path), max_retries=0)
     marker = task_store.claim_next("test-worker", task_id=failed["id"])["run_marker"]
     task_store.fail_attempt(failed["id"], marker, "the model refused: " + HOSTILE, retryable=False)
@@ -430,7 +439,9 @@ def test_a_failed_task_says_why_on_top_a_running_one_shows_its_model_call_and_mo
     browser.get(f"{board}/#/task/{failed['id']}")
     wait(browser, lambda d: "Why it failed" in text_of(d, "task-why"), what="the reason on top")
     assert text_of(browser, "task-why") == "Why it failed: the model refused: " + HOSTILE
-    assert browser.execute_script("return document.getElementById('task-why').previousElementSibling.id") == "task-title"
+    assert (
+        browser.execute_script("return document.getElementById('task-why').previousElementSibling.id") == "task-title"
+    )
     assert "no receipt: the attempt ended before writing one" in text_of(browser, "task-view")
     no_script_ran(browser)
 

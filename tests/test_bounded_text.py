@@ -38,7 +38,9 @@ async def test_a_20_mb_final_message_gives_a_small_receipt(opencode, tmp_path):
     async with Client(bridge.build_server(), mode="legacy") as client:
         got = await client.call_tool("get_task", {"task_id": task["id"]})
     assert not got.is_error
-    size = len(json.dumps(got.structured_content)) + sum(len(getattr(c, "text", "")) for c in got.content)   # resource links carry no text
+    size = len(json.dumps(got.structured_content)) + sum(
+        len(getattr(c, "text", "")) for c in got.content
+    )  # resource links carry no text
     assert size < 100_000, f"get_task answered {size:,} characters"
     shown = run_script("tasks_cli.py", "show", task["id"])
     assert shown.returncode == 0 and len(shown.stdout) < 100_000, len(shown.stdout)
@@ -59,7 +61,9 @@ def test_the_event_stream_keeps_only_a_tail_of_text():
 def test_error_events_are_bounded():
     stream = oc.EventStream()
     for n in range(50):
-        stream.feed(json.dumps({"type": "error", "error": {"name": "APIError", "data": {"message": f"{n} " + "m" * 100_000}}}))
+        stream.feed(
+            json.dumps({"type": "error", "error": {"name": "APIError", "data": {"message": f"{n} " + "m" * 100_000}}})
+        )
     assert len(stream.errors) == 20 and stream.errors[-1].startswith("APIError: 49 ")
     assert all(len(e) <= oc.INPUT_KEEP for e in stream.errors)
 
@@ -120,7 +124,9 @@ async def test_every_tool_answer_has_a_size_cap():
     async with Client(server, mode="legacy") as client:
         got = await client.call_tool("big", {})
     assert not got.is_error
-    size = len(json.dumps(got.structured_content)) + sum(len(getattr(c, "text", "")) for c in got.content)   # resource links carry no text
+    size = len(json.dumps(got.structured_content)) + sum(
+        len(getattr(c, "text", "")) for c in got.content
+    )  # resource links carry no text
     assert size <= mcp_shared.RESPONSE_MAX
     assert "3,000,000 characters" in got.structured_content["summary"]
     assert got.structured_content["items"] == ["i" * 10] * 10

@@ -144,18 +144,28 @@ def test_raise_limit_resumes_a_paused_task_and_refuses_finished_ones(tmp_path):
         task_store.raise_limit(other["id"], max_cost_usd=1)
 
 
-@pytest.mark.parametrize("text,unit,expected", [
-    ("continue, up to $2", "usd", ("usd", 2.0)), ("2.50", "usd", ("usd", 2.5)), ("3 dollars", "tokens", ("usd", 3.0)),
-    ("50000 tokens", "usd", ("tokens", 50000.0)), ("1.5m tokens", "usd", ("tokens", 1_500_000.0)),
-    ("400000", "tokens", ("tokens", 400000.0)), ("no", "usd", ("stop", None)), ("yes, go on", "usd", ("continue", None)),
-])
+@pytest.mark.parametrize(
+    "text,unit,expected",
+    [
+        ("continue, up to $2", "usd", ("usd", 2.0)),
+        ("2.50", "usd", ("usd", 2.5)),
+        ("3 dollars", "tokens", ("usd", 3.0)),
+        ("50000 tokens", "usd", ("tokens", 50000.0)),
+        ("1.5m tokens", "usd", ("tokens", 1_500_000.0)),
+        ("400000", "tokens", ("tokens", 400000.0)),
+        ("no", "usd", ("stop", None)),
+        ("yes, go on", "usd", ("continue", None)),
+    ],
+)
 def test_parse_limit_answer(text, unit, expected):
     assert task_store.parse_limit_answer(text, unit) == expected
 
 
 def test_cli_submit_limits_budget_commands_and_status(tmp_path):
     run = CliRunner().invoke
-    result = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "$0.40", "--max-tokens", "900", "--json"])
+    result = run(
+        tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "$0.40", "--max-tokens", "900", "--json"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["max_cost_usd"] == 0.4
     bad = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "lots"])

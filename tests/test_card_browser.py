@@ -13,23 +13,27 @@ import http.server
 import json
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx2
 import pytest
+from test_board_browser import HOSTILE, browser  # noqa: F401  (the Chromium fixture)
 
 import task_store
 from fake_openai import text, tool_call
 from helpers import bridge_process, git, make_repo, run_script
-from test_board_browser import HOSTILE, browser  # noqa: F401  (the Chromium fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.real_opencode]
 
 TOKEN = "card-browser-token-0123456789"
 STEP_USAGE = {"prompt_tokens": 100_000, "completion_tokens": 1_000, "cached_tokens": 0, "reasoning_tokens": 0}
-RECEIPT = '```json\n{"summary": "counted to three", "files_touched": ["n.txt"], "tests_run": [], "open_questions": []}\n```'
+RECEIPT = (
+    '```json\n{"summary": "counted to three", "files_touched": ["n.txt"], "tests_run": [], "open_questions": []}\n```'
+)
 
-HOST_PAGE = """<!doctype html><html><body><iframe id="view" sandbox="allow-scripts" style="width:900px;height:700px"></iframe>
+HOST_PAGE = """<!doctype html><html><body>\
+<iframe id="view" sandbox="allow-scripts" style="width:900px;height:700px"></iframe>
 <script>
 const CALL = %(call)s, CARD = %(card)s;
 window.__seen = [];

@@ -2,8 +2,9 @@
 claude CLI against tests/fake_anthropic.py, through the MCP SDK client in memory."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from mcp import Client

@@ -18,8 +18,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anyio
 import psutil
@@ -121,7 +122,7 @@ def gone(pid: int) -> bool:
 # FAKE_CLAUDE_STDOUT / FAKE_CLAUDE_STDERR / FAKE_CLAUDE_RC (what to print, the exit code; default a
 # normal result echoing the prompt), FAKE_CLAUDE_SLEEP (seconds to hang first), FAKE_CLAUDE_PIDS
 # (spawn a child and a setsid grandchild that sleep, write all pids there).
-FAKE_CLAUDE = textwrap.dedent('''\
+FAKE_CLAUDE = textwrap.dedent("""\
     import json, os, select, subprocess, sys, time
     env = os.environ
     if env.get("FAKE_CLAUDE_LOG"):
@@ -133,7 +134,8 @@ FAKE_CLAUDE = textwrap.dedent('''\
                 break
             data += chunk
         with open(env["FAKE_CLAUDE_LOG"], "a") as log:
-            log.write(json.dumps({"argv": sys.argv[1:], "stdin_is_devnull": (st.st_dev, st.st_ino) == (null.st_dev, null.st_ino),
+            log.write(json.dumps({"argv": sys.argv[1:],
+                                  "stdin_is_devnull": (st.st_dev, st.st_ino) == (null.st_dev, null.st_ino),
                                   "stdin_bytes": len(data)}) + "\\n")
     if env.get("FAKE_CLAUDE_PIDS"):
         sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
@@ -146,12 +148,13 @@ FAKE_CLAUDE = textwrap.dedent('''\
             json.dump([os.getpid(), child.pid, grandchild.pid, escaped], out)
     time.sleep(float(env.get("FAKE_CLAUDE_SLEEP", "0")))
     prompt = sys.argv[-1] if "--" in sys.argv else ""
-    default = json.dumps({"type": "result", "subtype": "success", "is_error": False, "result": "fake cli: " + prompt[:50],
+    default = json.dumps({"type": "result", "subtype": "success", "is_error": False,
+                          "result": "fake cli: " + prompt[:50],
                           "usage": {"input_tokens": 3, "output_tokens": 4}, "total_cost_usd": 0.001})
     sys.stdout.write(env.get("FAKE_CLAUDE_STDOUT", default))
     sys.stderr.write(env.get("FAKE_CLAUDE_STDERR", ""))
     sys.exit(int(env.get("FAKE_CLAUDE_RC", "0")))
-''')
+""")
 
 
 @pytest.fixture
@@ -192,7 +195,9 @@ async def test_api_model_defaults_to_claude_api_model(server: Any, claude_env: d
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAUDE_API_MODEL", "claude-sonnet-4-6")
     async with Client(server, mode="legacy") as client:
-        answer = await call_tool(client, "claude_ask", {"prompt": "which model?", "system": "null", "timeout_sec": "30"})
+        answer = await call_tool(
+            client, "claude_ask", {"prompt": "which model?", "system": "null", "timeout_sec": "30"}
+        )
     assert answer["model"] == "claude-sonnet-4-6" == fake.message_requests()[-1].body["model"]
     assert "system" not in fake.message_requests()[-1].body  # "null" means absent
 
@@ -732,13 +737,26 @@ def test_a_question_piped_before_stdin_closes_is_answered_before_exit(fake_claud
     """Raw bytes: initialize, a claude_ask that takes a second, claude_status, then stdin closes.
     The SDK cancelled the ask at stdin's end (its reply never written though claude ran); now
     every request read is answered before the server exits."""
-    messages = [{"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                 "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                            "clientInfo": {"name": "pipe", "version": "1"}}},
-                {"jsonrpc": "2.0", "method": "notifications/initialized"},
-                {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                 "params": {"name": "claude_ask", "arguments": {"prompt": "piped", "timeout_sec": 60}}},
-                {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "claude_status", "arguments": {}}}]
+    messages = [
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-11-25",
+                "capabilities": {},
+                "clientInfo": {"name": "pipe", "version": "1"},
+            },
+        },
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "claude_ask", "arguments": {"prompt": "piped", "timeout_sec": 60}},
+        },
+        {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": "claude_status", "arguments": {}}},
+    ]
     data = b"".join(json.dumps(m).encode() + b"\n" for m in messages)
     done = subprocess.run([sys.executable, str(SCRIPT)], input=data, env=server_env(FAKE_CLAUDE_SLEEP="1"),
                           capture_output=True, timeout=120)

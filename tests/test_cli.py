@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 import task_store
 import tasks_cli
-from tasks_cli import cli
 from helpers import submit
+from tasks_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,7 +84,11 @@ def test_submit_list_show_round_trip(tmp_path, monkeypatch):
     assert "Could not check opencode/cat-jam-free against OpenCode" in result.stderr
     assert "queued unchecked" in result.stderr
     task = task_store.get_task(1)
-    assert (task["title"], task["instructions"], task["working_dir"]) == ("Add a [/red] test", "write tests", str(tmp_path))
+    assert (task["title"], task["instructions"], task["working_dir"]) == (
+        "Add a [/red] test",
+        "write tests",
+        str(tmp_path),
+    )
     assert (task["priority"], task["timeout_sec"], task["max_retries"]) == (7, 600, 2)
     assert (task["permission"], task["worktree"], task["agent"]) == ("readonly", False, "build")
     assert (task["origin_name"], task["origin_version"]) == ("tasks_cli", tasks_cli.__version__)
@@ -865,8 +869,12 @@ def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
     file it wrote (seen by a fresh user)."""
     task = submit(tmp_path, "in place")
     claimed = task_store.claim_next("cli:x", task_id=task["id"])
-    task_store.complete_attempt(task["id"], claimed["run_marker"], diff="",
-                                result={"summary": "ok", "isolation": "in-place", "files_touched": [str(tmp_path / "hello.txt")]})
+    task_store.complete_attempt(
+        task["id"],
+        claimed["run_marker"],
+        diff="",
+        result={"summary": "ok", "isolation": "in-place", "files_touched": [str(tmp_path / "hello.txt")]},
+    )
     said = run("diff", task["id"])
     assert said.exit_code != 0 and "ran in place" in said.stderr and "hello.txt" in said.stderr
     assert "changed no files" not in said.stderr

@@ -17,8 +17,6 @@ from datetime import datetime
 import anyio
 import pytest
 from click.testing import CliRunner
-from fake_openai import text
-from helpers import AGENT_DONE, ROOT, bash_step, call_tool, make_repo
 from mcp import Client
 
 import doctor
@@ -26,6 +24,8 @@ import opencode_bridge_mcp as bridge
 import task_store
 import task_views
 import tasks_cli
+from fake_openai import text
+from helpers import AGENT_DONE, ROOT, bash_step, call_tool, make_repo
 
 HOUR = 3600
 

@@ -98,6 +98,7 @@ def test_a_relative_db_file_is_the_same_queue_for_the_cli_and_the_worker(tmp_pat
 @pytest.mark.anyio
 async def test_both_mcp_servers_use_the_db_they_are_given(tmp_path):
     from mcp import Client, StdioServerParameters
+
     import task_store
     mine = tmp_path / "elsewhere" / "mine.db"
     mine.parent.mkdir()
@@ -105,13 +106,15 @@ async def test_both_mcp_servers_use_the_db_they_are_given(tmp_path):
     task_store.submit_task(title="in mine", instructions="i", working_dir=str(tmp_path))
     os.environ["TASK_DB_PATH"] = str(tmp_path / "q" / "tasks.db")
     env = dict(os.environ)
-    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", str(mine)],
-                                   env=env)
+    params = StdioServerParameters(
+        command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", str(mine)], env=env
+    )
     async with Client(params) as client:
         result = await client.call_tool("list_tasks", {})
         assert [t["title"] for t in result.structured_content["tasks"]] == ["in mine"]
-    params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "claude_control_mcp.py"), "--db", str(mine)],
-                                   env=env)
+    params = StdioServerParameters(
+        command=sys.executable, args=[str(ROOT / "claude_control_mcp.py"), "--db", str(mine)], env=env
+    )
     async with Client(params) as client:
         result = await client.call_tool("claude_poll", {"job_id": "j_0001"})
         assert result.is_error
@@ -192,8 +195,14 @@ def test_the_worker_and_the_bridge_name_the_database_without_its_password(tmp_pa
     assert "queue postgresql://taskbridge@" in worker_log
     assert pg_server.PASSWORD not in first + rest + worker_log
 
-    bridge = subprocess.run([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url, "--log-level", "INFO"],
-                            input="", capture_output=True, text=True, timeout=60, env=env)
+    bridge = subprocess.run(
+        [sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url, "--log-level", "INFO"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert "database postgresql://taskbridge@127.0.0.1" in bridge.stderr, bridge.stderr
     assert pg_server.PASSWORD not in bridge.stderr + bridge.stdout
 
@@ -202,6 +211,7 @@ def test_the_worker_and_the_bridge_name_the_database_without_its_password(tmp_pa
 @pytest.mark.anyio
 async def test_ping_names_the_database_without_its_password(tmp_path, pg_url):
     from mcp import Client, StdioServerParameters
+
     import pg_server
     params = StdioServerParameters(command=sys.executable, args=[str(ROOT / "opencode_bridge_mcp.py"), "--db", pg_url],
                                    env=dict(os.environ))

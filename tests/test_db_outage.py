@@ -11,7 +11,6 @@ the scripted model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -246,7 +245,7 @@ def test_a_task_is_never_failed_because_the_database_stayed_away(tmp_path, monke
     task = task_store.submit_task(title="x", instructions="i", working_dir=str(tmp_path))
     owner, pid, start = worker.worker_identity()
     claimed = task_store.claim_next(owner, pid, start)
-    monkeypatch.setattr(worker, "run_task", lambda *a: (_ for _ in ()).throw(OUTAGES[0]))
+    monkeypatch.setattr(worker, "run_task", lambda *_: (_ for _ in ()).throw(OUTAGES[0]))
     worker._run_guarded(claimed, worker.Knobs())
     assert task_store.get_task(task["id"])["status"] == "running", "left to the reaper, not failed"
     assert "failed" not in kinds(task["id"])
@@ -350,10 +349,11 @@ def test_the_meter_records_a_step_the_locked_database_missed_with_the_next_and_a
     finally:
         time.sleep(0.9)
         holder.close()
-    
+
 
 def test_status_asks_about_a_silent_worker_on_another_host_by_name(monkeypatch):
     from click.testing import CliRunner
+
     import tasks_cli
     with monkeypatch.context() as elsewhere:
         elsewhere.setenv("TASKBRIDGE_HOST", "hostA")

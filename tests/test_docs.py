@@ -16,7 +16,7 @@ README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
 CONFIGURATION, CLI, TOOLS, COMPONENTS = ((DOCS / name).read_text() for name in
                                         ("configuration.md", "cli.md", "mcp-tools.md", "components.md"))
-SCRIPTS = [p for p in ROOT.glob("*.py")] + list((ROOT / "launchd").glob("*.py"))
+SCRIPTS = list(ROOT.glob("*.py")) + list((ROOT / "launchd").glob("*.py"))
 OS_VARIABLES = {"PATH", "USER", "HOME", "PWD", "CI", "SHELL", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "TMPDIR"}
 KNOB = re.compile(r"""(?:environ(?:\.get)?\(?\[?|_env_\w+\()\s*["']([A-Z][A-Z0-9_]+)["']""")
 
@@ -27,7 +27,7 @@ def knobs_in_code() -> set[str]:
         found |= set(KNOB.findall(path.read_text()))
     for path in ROOT.glob("*.sh"):   # the shell scripts' knobs: ${NAME:-default}
         found |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]+):-", path.read_text()))
-    import knobs   # the numeric knobs are read by name through its registry
+    import knobs  # the numeric knobs are read by name through its registry
     return (found | set(knobs.REGISTRY)) - OS_VARIABLES
 
 
@@ -36,9 +36,11 @@ def test_every_script_opens_with_a_docstring_naming_its_env(script):
     """What it is, how it is run (or that it is not run on its own) and the env it reads."""
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
     assert re.search(r"\benv\b", doc, re.I), f"{script.name}: its docstring names no env (say 'Env: none')"
-    assert re.search(r"python |\.sh\b|tasks_cli\.py |used by|not run on its own|mounted by|shared by|^ *import \w+$", doc,
-                     re.I | re.M), \
-        f"{script.name}: its docstring does not say how it is run"
+    assert re.search(
+        r"python |\.sh\b|tasks_cli\.py |used by|not run on its own|mounted by|shared by|^ *import \w+$",
+        doc,
+        re.I | re.M,
+    ), f"{script.name}: its docstring does not say how it is run"
 
 
 def test_the_spend_gate_plugin_says_what_it_reads():

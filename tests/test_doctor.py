@@ -43,7 +43,18 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
     assert "FAIL" not in result.stdout
     report = json.loads(doctor("--json").stdout)
     assert report["ok"] is True and [c["name"] for c in report["checks"]] == [
-        "python", "settings", "agent box", "opencode", "default model", "database", "worker", "leftover worktrees", "token", "mcp server", "reverse bridge"]
+        "python",
+        "settings",
+        "agent box",
+        "opencode",
+        "default model",
+        "database",
+        "worker",
+        "leftover worktrees",
+        "token",
+        "mcp server",
+        "reverse bridge",
+    ]
 
 
 def test_doctor_with_opencode_missing(opencode, monkeypatch, tmp_path):
@@ -98,7 +109,9 @@ def test_doctor_with_a_broken_opencode_config_quotes_opencode(opencode, monkeypa
     assert model.startswith("FAIL") and f"Config file at {config} is not valid JSON" in model
 
 
-def test_with_no_model_chosen_anywhere_submit_doctor_and_connect_name_the_hosted_free_model(opencode, monkeypatch, tmp_path):
+def test_with_no_model_chosen_anywhere_submit_doctor_and_connect_name_the_hosted_free_model(
+    opencode, monkeypatch, tmp_path
+):
     """The real opencode with no model in its config and only its built-in hosted provider: a task
     that names no model would go to OpenCode's free hosted model. The worker's start line said so;
     now a submit, `doctor` and `connect` do too."""

@@ -10,11 +10,11 @@ import json
 import anyio
 import pytest
 from click.testing import CliRunner
-from fake_openai import text, tool_call
-from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 import task_store
 import tasks_cli
+from fake_openai import text, tool_call
+from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 pytestmark = pytest.mark.real_opencode
 
@@ -26,11 +26,17 @@ def _receipt(summary: str) -> str:
 
 def _look() -> list:
     """An agent step that changes no file: a bash call, then the receipt."""
-    return [tool_call("bash", {"command": "echo looked", "description": "look"}), text("Looked.\n" + _receipt("looked"))]
+    return [
+        tool_call("bash", {"command": "echo looked", "description": "look"}),
+        text("Looked.\n" + _receipt("looked")),
+    ]
 
 
 def _write(name: str) -> list:
-    return [tool_call("write", {"filePath": "{cwd}/" + name, "content": f"{name}\n"}), text("Wrote.\n" + _receipt(name))]
+    return [
+        tool_call("write", {"filePath": "{cwd}/" + name, "content": f"{name}\n"}),
+        text("Wrote.\n" + _receipt(name)),
+    ]
 
 
 def _task_branches(repo) -> list[str]:
@@ -54,7 +60,9 @@ def test_no_change_leaves_no_branch_and_says_nothing_to_apply(opencode, tmp_path
     kept = task_store.submit_task(title="kept", instructions="SCRIPT:kept", working_dir=str(repo), worktree_keep=True)
     assert run_script("worker.py").returncode == 0
     idle, work, after, kept = (task_store.get_task(t["id"]) for t in (idle, work, after, kept))
-    assert [t["status"] for t in (idle, work, after, kept)] == ["done"] * 4, [t["error"] for t in (idle, work, after, kept)]
+    assert [t["status"] for t in (idle, work, after, kept)] == ["done"] * 4, [
+        t["error"] for t in (idle, work, after, kept)
+    ]
 
     assert idle["branch"] is None and idle["result"]["branch"] is None
     assert idle["result"]["no_change"] is True and idle["result"]["branch_deleted"] == f"taskbridge/{idle['id']}"

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import opencode_env as oc_env
 from fake_openai import (
     ScriptedModel,
     default_usage,
@@ -29,7 +30,6 @@ from fake_openai import (
     text,
     tool_call,
 )
-import opencode_env as oc_env
 from opencode_env import OPENCODE_VERSION, OpenCode, opencode_config, opencode_env, parse_events
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -39,7 +39,7 @@ SAMPLE_EVENTS = Path("/tmp/opencode_events_sample.jsonl")
 def chat_body(user: Any, assistants: int = 0, *, stream: bool = True, tools: bool = True,
               cwd: str | None = "/tmp/proj") -> dict[str, Any]:
     """A request body like OpenCode's: system prompt, the user turn, `assistants` earlier turns."""
-    system = "You are a coding agent.\n<env>\n  Working directory: %s\n</env>" % cwd if cwd else "Hi."
+    system = f"You are a coding agent.\n<env>\n  Working directory: {cwd}\n</env>" if cwd else "Hi."
     messages: list[dict[str, Any]] = [{"role": "system", "content": system},
                                       {"role": "user", "content": user}]
     for i in range(assistants):
@@ -266,7 +266,7 @@ def test_bad_script_definitions_are_refused() -> None:
     with pytest.raises(ValueError, match="args must be a dict"):
         tool_call("bash")
     with pytest.raises(RuntimeError, match="not started"):
-        model.url
+        _ = model.url
 
 
 # --- failures ------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ import pytest
 import opencode_runner as oc
 import task_store
 from fake_openai import text
-from helpers import AGENT_DONE as DONE, bash_step as bash, make_repo, run_attack as run, run_script
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import make_repo, run_script
+from helpers import run_attack as run
 
 pytestmark = pytest.mark.real_opencode
 

@@ -11,7 +11,11 @@ import pytest
 
 import task_store
 from fake_openai import text
-from helpers import AGENT_DONE as DONE, bash_step as bash, git, make_repo, run_attack as run, run_script, tool_outputs as outputs
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import git, make_repo, run_script
+from helpers import run_attack as run
+from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
 
@@ -90,7 +94,9 @@ def test_a_reflog_symlinked_by_the_agent_is_not_appended_to_outside_the_box(open
         f"ln -sf {victim} \"$admin/logs/HEAD\"; echo change > new.txt; echo linked-$?",
     ])
     assert "linked-0" in outputs(done)
-    assert victim.read_text() == "the user's own file\n", f"appended through a planted reflog link: {victim.read_text()!r}"
+    assert victim.read_text() == "the user's own file\n", (
+        f"appended through a planted reflog link: {victim.read_text()!r}"
+    )
 
 
 def test_the_agent_cannot_rewrite_the_users_committed_history(opencode, tmp_path):
@@ -140,8 +146,9 @@ def test_a_working_dir_above_the_queue_does_not_uncover_it(opencode, tmp_path, m
     (tbdata / "token").write_text("tbsecret-above-token\n")
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tbdata / "token"))
     db = task_store.db_path()
-    victim = task_store.submit_task(title="victim", instructions="never claimed", working_dir=str(make_repo(tmp_path / "r")),
-                                    max_cost_usd=1.0)
+    victim = task_store.submit_task(
+        title="victim", instructions="never claimed", working_dir=str(make_repo(tmp_path / "r")), max_cost_usd=1.0
+    )
     task_store.cancel_task(victim["id"])
     try:
         task = task_store.submit_task(title="above", instructions="SCRIPT:above", working_dir=str(tmp_path))

@@ -79,9 +79,16 @@ def test_text_that_is_not_utf8_is_refused_naming_the_argument(tmp_path, case):
     os.mkdir(os.fsencode(odd))
     d = str(tmp_path).encode()
     args, stdin, said = {
-        "file": ([b"submit", b"x", b"--dir", d, b"--file", os.fsencode(tmp_path / "bin.dat")], b"",
-                 f"--file {tmp_path / 'bin.dat'} is not UTF-8 text"),
-        "stdin": ([b"submit", b"y", b"--dir", d, b"-i", b"-"], b"ok\xff\xfe", "--instructions - (stdin) is not UTF-8 text"),
+        "file": (
+            [b"submit", b"x", b"--dir", d, b"--file", os.fsencode(tmp_path / "bin.dat")],
+            b"",
+            f"--file {tmp_path / 'bin.dat'} is not UTF-8 text",
+        ),
+        "stdin": (
+            [b"submit", b"y", b"--dir", d, b"-i", b"-"],
+            b"ok\xff\xfe",
+            "--instructions - (stdin) is not UTF-8 text",
+        ),
         "title": ([b"submit", b"bad\xffutf", b"--dir", d], b"", "Invalid value for 'TITLE'"),
         "dir": ([b"submit", b"z", b"--dir", os.fsencode(odd)], b"", "Invalid value for '--dir'"),
         "db": ([b"--db", d + b"/q\xff.db", b"status"], b"", "holds bytes that are not UTF-8"),
@@ -129,8 +136,9 @@ CASES = ["/", "root by a link", "home", "own checkout", "own cwd", "queue folder
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", CASES)
 async def test_mcp_submit_refuses_a_working_dir_wider_than_a_project(tmp_path, monkeypatch, case):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
     from helpers import ROOT, tool_error
     monkeypatch.chdir(ROOT)     # the server runs from its checkout, as serve.py starts it
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -210,8 +218,9 @@ def test_an_agent_that_deletes_its_worktrees_git_pointer_gets_it_back(opencode, 
 
 
 def test_a_repeated_cherry_pick_says_it_is_already_applied(tmp_path):
-    from helpers import git, make_repo
     from test_work_back import cli, finished_by_hand
+
+    from helpers import git, make_repo
     repo = make_repo(tmp_path / "repo")
     task = finished_by_hand(repo, {"a.txt": "a\n"})
     for mode in ("--cherry-pick", "--squash"):
@@ -228,6 +237,8 @@ def test_depending_on_a_failed_task_names_retry(tmp_path):
     task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
     claimed = task_store.claim_next("w", task_id=task["id"])
     task_store.fail_attempt(task["id"], claimed["run_marker"], "red", retryable=False)
-    result = run_script("tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60)
+    result = run_script(
+        "tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60
+    )
     assert result.returncode == 1 and "can never be done" not in result.stderr
     assert f"retry it first (`tasks_cli.py retry` {task['id']})" in result.stderr, result.stderr

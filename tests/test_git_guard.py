@@ -113,12 +113,20 @@ def test_include_planted_in_an_included_file_never_runs(opencode, tmp_path, unbo
     git(repo, "config", "include.path", str(team))
     config_before, team_before = (repo / ".git" / "config").read_bytes(), team.read_bytes()
     canary = tmp_path / "canary"
-    task, _ = _pass(opencode, repo, "plant-include", [
-        tool_call("write", {"filePath": "{cwd}/evil.cfg", "content": _filter(canary)}),
-        tool_call("write", {"filePath": str(team), "content": team_before.decode() + "[include]\n\tpath = {cwd}/evil.cfg\n"}),
-        tool_call("write", {"filePath": "{cwd}/.gitattributes", "content": "* filter=x\n"}),
-        _hello(),
-    ])
+    task, _ = _pass(
+        opencode,
+        repo,
+        "plant-include",
+        [
+            tool_call("write", {"filePath": "{cwd}/evil.cfg", "content": _filter(canary)}),
+            tool_call(
+                "write",
+                {"filePath": str(team), "content": team_before.decode() + "[include]\n\tpath = {cwd}/evil.cfg\n"},
+            ),
+            tool_call("write", {"filePath": "{cwd}/.gitattributes", "content": "* filter=x\n"}),
+            _hello(),
+        ],
+    )
     assert not canary.exists(), canary.read_text()
     assert team.read_bytes() == team_before and (repo / ".git" / "config").read_bytes() == config_before
     _assert_work_committed(repo, task)

@@ -22,10 +22,12 @@ from helpers import ROOT, free_port, wait_healthy
 TOKEN = "s3cret-token-for-limit-tests"
 BODY_SEC = 2.0
 MAX_CONNECTIONS = 8
-LAUNCH = ("import sys, runpy; sys.path.insert(0, {root!r}); import http_app; "
-          "{limits}; "
-          "sys.argv = ['opencode_bridge_mcp.py', '--transport', 'streamable-http', '--host', {host!r}, '--port', '{port}']; "
-          "runpy.run_path({script!r}, run_name='__main__')")
+LAUNCH = (
+    "import sys, runpy; sys.path.insert(0, {root!r}); import http_app; "
+    "{limits}; "
+    "sys.argv = ['opencode_bridge_mcp.py', '--transport', 'streamable-http', '--host', {host!r}, '--port', '{port}']; "
+    "runpy.run_path({script!r}, run_name='__main__')"
+)
 
 
 def launch_limited(tmp_path: Path, port: int, limits: dict[str, int], host: str = "127.0.0.1",

@@ -25,13 +25,13 @@ import anyio
 import httpx2
 import psutil
 import pytest
-
-from fake_openai import text
-from helpers import GIT_ID, ROOT, call_tool, fake_binary, free_port, make_repo
 from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import Implementation
+
+from fake_openai import text
+from helpers import GIT_ID, ROOT, call_tool, fake_binary, free_port, make_repo
 
 pytestmark = pytest.mark.install
 
@@ -58,20 +58,29 @@ def source_repo(dest: Path) -> Path:
 
 
 def stand_in_tunnels(bin_dir: Path, calls: Path) -> None:
-    fake_binary(bin_dir, "cloudflared",
+    fake_binary(
+        bin_dir,
+        "cloudflared",
         f'echo "cloudflared $*" >> {calls}\n'
         "echo '2026-11-30T10:00:00Z INF Requesting new quick Tunnel on trycloudflare.com...' >&2\n"
-        "echo '2026-11-30T10:00:01Z INF +--------------------------------------------------------------------------------------------+' >&2\n"
-        "echo '2026-11-30T10:00:01Z INF |  Your quick Tunnel has been created! Visit it at (it may take some time to be reachable):  |' >&2\n"
+        "echo '2026-11-30T10:00:01Z INF +----------------------------------------------"
+        "----------------------------------------------+' >&2\n"
+        "echo '2026-11-30T10:00:01Z INF |  Your quick Tunnel has been created! "
+        "Visit it at (it may take some time to be reachable):  |' >&2\n"
         f"echo '2026-11-30T10:00:01Z INF |  https://{CLOUDFLARE_HOST}                                          |' >&2\n"
-        "exec sleep 600\n")
-    fake_binary(bin_dir, "ngrok",
+        "exec sleep 600\n",
+    )
+    fake_binary(
+        bin_dir,
+        "ngrok",
         f'echo "ngrok $*" >> {calls}\n'
-        'url=https://random-words-1234.ngrok-free.app\n'
+        "url=https://random-words-1234.ngrok-free.app\n"
         'for a in "$@"; do case "$a" in --domain=*) url="https://${a#--domain=}" ;; esac; done\n'
-        'echo \'t=2026-11-30T10:00:00+0000 lvl=info msg="starting web service" obj=web addr=127.0.0.1:4040\'\n'
-        'echo "t=2026-11-30T10:00:01+0000 lvl=info msg=\\"started tunnel\\" obj=tunnels name=command_line addr=http://127.0.0.1:8765 url=$url"\n'
-        "exec sleep 600\n")
+        "echo 't=2026-11-30T10:00:00+0000 lvl=info msg=\"starting web service\" obj=web addr=127.0.0.1:4040'\n"
+        'echo "t=2026-11-30T10:00:01+0000 lvl=info msg=\\"started tunnel\\" obj=tunnels name=command_line '
+        'addr=http://127.0.0.1:8765 url=$url"\n'
+        "exec sleep 600\n",
+    )
 
 
 class Served:
@@ -234,7 +243,10 @@ def test_piped_install_clones_serves_behind_a_tunnel_and_keeps_or_rotates_the_to
                            env=env | {"CLAUDE_DESKTOP_CONFIG": str(desktop)}, capture_output=True, text=True,
                            timeout=300, stdin=subprocess.DEVNULL)
     assert setup.returncode == 0, setup.stderr
-    assert f"claude mcp add -s user taskbridge -- {target}/.venv/bin/python {target}/opencode_bridge_mcp.py --db " in setup.stderr
+    assert (
+        f"claude mcp add -s user taskbridge -- {target}/.venv/bin/python {target}/opencode_bridge_mcp.py --db "
+        in setup.stderr
+    )
     entry = json.loads(desktop.read_text())["mcpServers"]["taskbridge"]
     assert entry["args"] == [str(target / "opencode_bridge_mcp.py")]
     assert (target / ".taskbridge" / "token").read_text().strip() == new

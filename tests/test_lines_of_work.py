@@ -183,7 +183,9 @@ def test_transcript_without_a_session_comes_from_the_task_logs(tmp_path):
     with log.open("a") as handle:
         handle.write(call * 25 + '{"type":"text","timestamp":4000,"sessionID":"s","part":{"text":"busy"}}\n')
     busy = task_views.transcript(task["id"])["turns"][2]
-    assert len(busy["tools"]) == 21 and busy["tools"][-1]["status"] == "omitted" and "5 more" in busy["tools"][-1]["title"]
+    assert (
+        len(busy["tools"]) == 21 and busy["tools"][-1]["status"] == "omitted" and "5 more" in busy["tools"][-1]["title"]
+    )
     assert len(busy["tools"][0]["output"]) < 1100
     refused = run_script("tasks_cli.py", "transcript", "t_0099")
     assert refused.returncode != 0 and "not found" in refused.stderr and "Traceback" not in refused.stderr

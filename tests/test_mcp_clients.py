@@ -19,12 +19,16 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 import httpx2
 import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import Implementation
 
 import claude_control_mcp as control
 import mcp_shared
@@ -32,9 +36,6 @@ import opencode_bridge_mcp as bridge
 import task_store
 from fake_anthropic import FakeAnthropic
 from helpers import bridge_process, free_port, wait_healthy
-from mcp import Client, StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp.types import Implementation
 from opencode_env import opencode_env
 
 pytestmark = pytest.mark.anyio
@@ -93,6 +94,19 @@ def schema_problems(node: Any, where: str = "arguments") -> list[str]:
         return problems
     if not isinstance(node, dict):
         return problems
+    problems += own_schema_problems(node, where)
+    for key, value in node.items():
+        if key in ("properties", "$defs", "definitions"):
+            for name, sub in value.items():
+                problems += schema_problems(sub, f"{where}.{name}")
+        elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
+            problems += schema_problems(value, f"{where}.{key}")
+    return problems
+
+
+def own_schema_problems(node: dict[str, Any], where: str) -> list[str]:
+    """schema_problems of one schema object itself, not of the schemas nested in it."""
+    problems: list[str] = []
     if isinstance(node.get("type"), list):
         problems.append(f"{where}: type array {node['type']}")
     if node.get("type") == "null":
@@ -107,12 +121,6 @@ def schema_problems(node: Any, where: str = "arguments") -> list[str]:
     for key in ("exclusiveMinimum", "exclusiveMaximum"):
         if key in node:
             problems.append(f"{where}: {key} (Gemini-model routes refuse it)")
-    for key, value in node.items():
-        if key in ("properties", "$defs", "definitions"):
-            for name, sub in value.items():
-                problems += schema_problems(sub, f"{where}.{name}")
-        elif key in ("items", "additionalProperties", "anyOf", "oneOf", "allOf", "prefixItems", "not"):
-            problems += schema_problems(value, f"{where}.{key}")
     return problems
 
 
@@ -132,7 +140,9 @@ def declaration_problems(tool: Any) -> list[str]:
     if len(tool.description or "") < 60:
         problems.append(f"{tool.name}: no real description")
     if len(tool.description or "") > DESCRIPTION_MAX:
-        problems.append(f"{tool.name}: description of {len(tool.description)} characters (Claude Code cuts at {DESCRIPTION_MAX})")
+        problems.append(
+            f"{tool.name}: description of {len(tool.description)} characters (Claude Code cuts at {DESCRIPTION_MAX})"
+        )
     if not (wire.get("title") and hints.get("title") == wire["title"]):
         problems.append(f"{tool.name}: no title (on the tool and in its annotations)")
     return problems
@@ -189,8 +199,9 @@ async def test_rules_in_the_strict_list_form_are_stored_as_opencode_rules_and_bo
 async def test_closed_schemas_are_true_unknown_arguments_are_refused_and_null_still_works(tmp_path):
     (tmp_path / "project").mkdir()
     async with connected("bridge over stdio") as client:
-        typo = await client.call_tool("submit_task", {"title": "t", "instructions": "x", "working_dir": str(tmp_path / "project"),
-                                                      "timeout": 60})
+        typo = await client.call_tool(
+            "submit_task", {"title": "t", "instructions": "x", "working_dir": str(tmp_path / "project"), "timeout": 60}
+        )
         none = await client.call_tool("ping", {"verbose": True})
         nulls = await client.call_tool("list_tasks", {"origin": None, "search": None, "limit": None})
     assert typo.is_error and "unknown argument(s) 'timeout'" in typo.content[0].text
@@ -322,14 +333,14 @@ def extremes(root: Path) -> dict[str, Any]:
     marker = task_store.claim_next("test", task_id=failed["id"])["run_marker"]
     task_store.fail_attempt(failed["id"], marker, nasty(200_000), retryable=False)
     waiting = []
-    for start in range(0, 100, 20):
+    for _batch in range(0, 100, 20):
         batch = task_store.submit_batch([{"title": nasty(200), "instructions": "x", "working_dir": wd}
                                          for _ in range(20)])
         for task in batch:
             marker = task_store.claim_next("test", task_id=task["id"])["run_marker"]
             task_store.pause_for_question(task["id"], marker, nasty(task_store.ANSWER_MAX))
             waiting.append(task["id"])
-    for start in range(0, 120, 20):
+    for _batch in range(0, 120, 20):
         task_store.submit_batch([{"title": nasty(200), "instructions": "x", "working_dir": wd,
                                   "model": LONG_MODEL} for _ in range(20)])
     return {"wd": wd, "big": big["id"], "failed": failed["id"], "waiting": waiting}
@@ -337,9 +348,14 @@ def extremes(root: Path) -> dict[str, Any]:
 
 def many_models(count: int = 250) -> dict[str, Any]:
     """A provider whose catalogue has `count` models with long names (OpenCode's own config)."""
-    models = {f"model-{i:03d}-{'x' * 80}": {"name": f"Model {i} " + "y" * 80, "limit": {"context": 128000, "output": 8192},
-                                           "cost": {"input": 1.0, "output": 2.0, "cache_read": 0.1, "cache_write": 1.25}}
-              for i in range(count)}
+    models = {
+        f"model-{i:03d}-{'x' * 80}": {
+            "name": f"Model {i} " + "y" * 80,
+            "limit": {"context": 128000, "output": 8192},
+            "cost": {"input": 1.0, "output": 2.0, "cache_read": 0.1, "cache_write": 1.25},
+        }
+        for i in range(count)
+    }
     return {"provider": {"fake": {"models": models}}}
 
 
@@ -349,13 +365,24 @@ def bridge_calls(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     submit_max = {"title": "€" * 200, "instructions": nasty(task_store.INSTRUCTIONS_MAX), "working_dir": wd,
                   "model": LONG_MODEL, "agent": "a" * 64, "idempotency_key": "i" * 200}
     return [
-        ("ping", {}), ("queue_status", {}), ("worker_heartbeat", {}),
+        ("ping", {}),
+        ("queue_status", {}),
+        ("worker_heartbeat", {}),
         ("submit_task", {"title": "t", "instructions": "x", "working_dir": wd}),
         ("submit_task", submit_max),
         # (instructions are not echoed; 20 x 200,000 characters would pass the SDK's 4 MB request limit)
-        ("submit_batch", {"tasks": [submit_max | {"instructions": "x", "idempotency_key": f"b{i}" * 60, "ref": f"@{i}" * 50}
-                                    for i in range(task_store.BATCH_MAX)]}),
-        ("get_task", {"task_id": big}), ("get_task", {"task_id": failed}), ("get_task", {"task_id": waiting[0]}),
+        (
+            "submit_batch",
+            {
+                "tasks": [
+                    submit_max | {"instructions": "x", "idempotency_key": f"b{i}" * 60, "ref": f"@{i}" * 50}
+                    for i in range(task_store.BATCH_MAX)
+                ]
+            },
+        ),
+        ("get_task", {"task_id": big}),
+        ("get_task", {"task_id": failed}),
+        ("get_task", {"task_id": waiting[0]}),
         ("get_task_result", {"task_id": big}),
         ("get_task_result", {"task_id": big, "diff_max_bytes": bridge.DIFF_PAGE_MAX}),
         ("get_task_result", {"task_id": failed}),
@@ -365,12 +392,14 @@ def bridge_calls(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         ("get_task_logs", {"task_id": big, "offset": 1_500_000, "max_bytes": bridge.LOG_PAGE_MAX}),
         ("wait_for", {"task_ids": [waiting[0]]}),
         ("wait_for", {"task_ids": waiting, "mode": "all", "timeout_sec": 1}),
-        ("list_tasks", {}), ("list_tasks", {"limit": bridge.LIST_PAGE_MAX}),
+        ("list_tasks", {}),
+        ("list_tasks", {"limit": bridge.LIST_PAGE_MAX}),
         ("list_tasks", {"limit": bridge.LIST_PAGE_MAX, "status": ["waiting"]}),
         ("answer_task", {"task_id": waiting[1], "answer": nasty(task_store.ANSWER_MAX)}),
         ("add_task_note", {"task_id": waiting[2], "text": nasty(task_store.NOTE_MAX)}),
-        ("cancel_task", {"task_id": waiting[3], "reason": nasty(task_store.NOTE_MAX)}),   # its maximum
-        ("list_models", {}), ("list_models", {"limit": bridge.LIST_PAGE_MAX}),
+        ("cancel_task", {"task_id": waiting[3], "reason": nasty(task_store.NOTE_MAX)}),  # its maximum
+        ("list_models", {}),
+        ("list_models", {"limit": bridge.LIST_PAGE_MAX}),
         ("set_default_model", {"model": f"fake/model-001-{'x' * 80}"}),
         ("clear_finished", {"remove_logs": True}),
     ]
@@ -396,8 +425,12 @@ async def test_every_bridge_result_stays_under_the_budget_at_defaults_and_maxima
         # Paged results page on: the whole diff comes back through its pages.
         diff, offset = [], 0
         while offset is not None and len(diff) < 400:
-            page = (await client.call_tool("get_task_result", {"task_id": data["big"], "diff_offset": offset,
-                                                               "diff_max_bytes": bridge.DIFF_PAGE_MAX})).structured_content
+            page = (
+                await client.call_tool(
+                    "get_task_result",
+                    {"task_id": data["big"], "diff_offset": offset, "diff_max_bytes": bridge.DIFF_PAGE_MAX},
+                )
+            ).structured_content
             diff.append(page["diff"])
             offset = page["diff_next_offset"]
         for name, args in calls:
@@ -454,8 +487,16 @@ async def test_every_reverse_bridge_result_stays_under_the_budget_and_a_long_ans
 
 JSON_ONLY = {"Accept": "application/json", "Content-Type": "application/json",
              "Authorization": f"Bearer {TOKEN}"}
-INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "json-only", "version": "1"}}}
+INIT = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "json-only", "version": "1"},
+    },
+}
 
 
 def json_only_session(url: str) -> dict[str, str]:
@@ -476,9 +517,20 @@ def test_a_client_that_accepts_only_json_gets_plain_json_and_sse_clients_keep_ss
         url = f"{base}/mcp"
         headers = json_only_session(url)
         listed = httpx2.post(url, json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"}, headers=headers, timeout=30)
-        sent = httpx2.post(url, json={"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
-            "name": "submit_task", "arguments": {"title": "json", "instructions": "x",
-                                                 "working_dir": str(tmp_path / "project")}}}, headers=headers, timeout=30)
+        sent = httpx2.post(
+            url,
+            json={
+                "jsonrpc": "2.0",
+                "id": 3,
+                "method": "tools/call",
+                "params": {
+                    "name": "submit_task",
+                    "arguments": {"title": "json", "instructions": "x", "working_dir": str(tmp_path / "project")},
+                },
+            },
+            headers=headers,
+            timeout=30,
+        )
         streamed = httpx2.post(url, json=INIT, headers=JSON_ONLY | {"Accept": "application/json, text/event-stream"},
                                timeout=30)
     assert listed.status_code == 200 and listed.headers["content-type"].startswith("application/json")

@@ -10,13 +10,13 @@ import tempfile
 import time
 
 import pytest
+from mcp import Client
+from mcp.types import Implementation
 
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_openai import text, tool_call
 from helpers import call_tool, git, make_repo, step_finish_sums
-from mcp import Client
-from mcp.types import Implementation
 
 pytestmark = [pytest.mark.real_opencode, pytest.mark.anyio]
 

@@ -14,15 +14,15 @@ import time
 import anyio
 import httpx2
 import pytest
+from mcp import Client
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.types import Implementation
 from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
 from helpers import BRIDGE_TOOL_COUNT, free_port, serving, wait_healthy
-from mcp import Client
-from mcp.client.sse import sse_client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.types import Implementation
 
 TOKEN = "s3cret-token-value-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -136,8 +136,11 @@ async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works
             assert first.status_code == 200 and session
     with serving(port) as base:
         async with httpx2.AsyncClient(headers=AUTH | MCP_HEADERS) as raw:
-            stale = await raw.post(f"{base}/mcp", headers={"mcp-session-id": session, "mcp-protocol-version": "2025-06-18"},
-                                   json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"})
+            stale = await raw.post(
+                f"{base}/mcp",
+                headers={"mcp-session-id": session, "mcp-protocol-version": "2025-06-18"},
+                json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
+            )
         assert stale.status_code == 404
         async with http_client(base, mode="legacy") as c:
             got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
@@ -194,7 +197,13 @@ def test_api_with_the_token(wd):
     assert bogus.status_code == 400 and "'bogus'" in bogus.json()["error"]
 
 
-FOREIGN = ["evil.example.com", "evil.example.com:8765", "localhost.evil.com", "127.0.0.1.nip.io:80", "abc.ngrok-free.app"]
+FOREIGN = [
+    "evil.example.com",
+    "evil.example.com:8765",
+    "localhost.evil.com",
+    "127.0.0.1.nip.io:80",
+    "abc.ngrok-free.app",
+]
 
 
 @pytest.mark.parametrize("host", FOREIGN)

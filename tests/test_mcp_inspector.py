@@ -48,7 +48,9 @@ def inspect(target: list[str], method: str, tool: str | None = None, args: dict 
 
 def exercise(target: list[str], project: str, extra: list[str] | None = None) -> None:
     tools = inspect(target, "tools/list", extra=extra)["tools"]
-    assert len(tools) == BRIDGE_TOOL_COUNT and {"submit_task", "get_task", "ping", "wait_for"} <= {t["name"] for t in tools}
+    assert len(tools) == BRIDGE_TOOL_COUNT and {"submit_task", "get_task", "ping", "wait_for"} <= {
+        t["name"] for t in tools
+    }
     sent = inspect(target, "tools/call", "submit_task",
                    {"title": "12345", "instructions": '{"steps":[1]}', "working_dir": project, "timeout_sec": "600"},
                    extra=extra)

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from mcp import Client, StdioServerParameters
+from mcp.types import Implementation
 
 import opencode_bridge_mcp as bridge
 from helpers import BRIDGE_TOOL_COUNT, fake_binary
-from mcp import Client, StdioServerParameters
-from mcp.types import Implementation
 
 SCRIPT = str(bridge.REPO_DIR / "opencode_bridge_mcp.py")
 

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import anyio
 import httpx2
 import pytest
-from helpers import require_pinned, serving
 from mcp import Client
 from mcp.client.extension import ClaimContext, ClientExtension, ResultClaim
 from mcp.client.streamable_http import streamable_http_client
@@ -35,6 +34,7 @@ from pydantic import ConfigDict
 import mcp_tasks
 import opencode_bridge_mcp as bridge
 import task_store
+from helpers import require_pinned, serving
 
 pytestmark = pytest.mark.anyio
 MODERN = "2026-07-28"
@@ -379,8 +379,14 @@ class LegacySession:
 
     def __init__(self, http: httpx2.Client, version: str = LEGACY, capabilities: dict | None = None) -> None:
         self.http, self.version, self.ids = http, version, 0
-        response, self.init = self._post("initialize", {"protocolVersion": version, "capabilities": capabilities or {},
-                                                        "clientInfo": {"name": "Visual Studio Code", "version": "1.107.0"}})
+        response, self.init = self._post(
+            "initialize",
+            {
+                "protocolVersion": version,
+                "capabilities": capabilities or {},
+                "clientInfo": {"name": "Visual Studio Code", "version": "1.107.0"},
+            },
+        )
         self.headers = {"Mcp-Session-Id": response.headers["mcp-session-id"], "MCP-Protocol-Version": version}
         self.http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=self.headers)
 
@@ -435,7 +441,10 @@ def test_legacy_a_task_augmented_submit_is_followed_to_its_result(wd, legacy):
     started = time.monotonic()
     result = legacy.call("tasks/result", {"taskId": "t_0001"})       # blocks until the task ends
     assert time.monotonic() - started >= 0.9
-    assert result["structuredContent"]["status"] == "done" and result["structuredContent"]["result"]["summary"] == "licensed"
+    assert (
+        result["structuredContent"]["status"] == "done"
+        and result["structuredContent"]["result"]["summary"] == "licensed"
+    )
     assert result["_meta"]["io.modelcontextprotocol/related-task"] == {"taskId": "t_0001"}
     assert not result.get("isError") and legacy.call("tasks/get", {"taskId": "t_0001"})["status"] == "completed"
 
@@ -454,8 +463,12 @@ def test_legacy_cancel_list_failure_and_bad_ids(wd, legacy):
     task_store.fail_attempt("t_0002", claim("t_0002"), "it broke", retryable=False)
     failed = legacy.call("tasks/result", {"taskId": "t_0002"})
     assert failed["isError"] is True and failed["structuredContent"]["error"] == "it broke"
-    for method, task_id, needle in (("tasks/cancel", "t_0001", "already cancelled"), ("tasks/result", "t_0001", "cancelled"),
-                                    ("tasks/get", "t_0999", "t_0999"), ("tasks/result", "banana", "banana")):
+    for method, task_id, needle in (
+        ("tasks/cancel", "t_0001", "already cancelled"),
+        ("tasks/result", "t_0001", "cancelled"),
+        ("tasks/get", "t_0999", "t_0999"),
+        ("tasks/result", "banana", "banana"),
+    ):
         with pytest.raises(MCPError) as refused:
             legacy.call(method, {"taskId": task_id})
         assert refused.value.code == -32602 and needle in refused.value.message, (method, refused.value.message)
@@ -510,4 +523,7 @@ def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
                     break
     assert [a["message"] for a in asked] == ["Which license?"]
     assert task_store.get_task("t_0001")["questions"][-1]["answer"] == "MIT"
-    assert final["structuredContent"]["status"] == "done" and final["structuredContent"]["result"]["summary"] == "MIT it is"
+    assert (
+        final["structuredContent"]["status"] == "done"
+        and final["structuredContent"]["result"]["summary"] == "MIT it is"
+    )

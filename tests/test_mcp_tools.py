@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from mcp import Client
+from mcp.types import Implementation
 
 import mcp_shared
 import opencode_bridge_mcp as bridge
 import task_store
 import tasks_cli
 from helpers import call_tool, fake_binary, tool_error
-from mcp import Client
-from mcp.types import Implementation
 
 pytestmark = pytest.mark.anyio
 
@@ -189,7 +189,9 @@ async def test_odd_argument_shapes_are_accepted(mode, wd):
         assert task["idempotency_key"] is None and task["agent"] is None
         plain = await call_tool(c, "submit_task", task_args(wd, depends_on="t_0001, 2"))
         assert plain["depends_on"] == ["t_0001", "t_0002"]
-        batch = await call_tool(c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])})
+        batch = await call_tool(
+            c, "submit_batch", {"tasks": json.dumps([task_args(wd, timeout_sec="60", priority="null")])}
+        )
         assert batch["tasks"][0]["timeout_sec"] == 60 and batch["tasks"][0]["priority"] == 0
         waited = await call_tool(c, "wait_for", {"task_ids": '["t_0001", "2"]', "timeout_sec": "1", "mode": "null"})
         assert [t["id"] for t in waited["tasks"]] == ["t_0001", "t_0002"]
@@ -425,10 +427,20 @@ def numeric_fields(schema: dict) -> list[str]:
 
 
 def base_args(tool: str, wd: str) -> dict:
-    return {"submit_task": task_args(wd), "submit_batch": {"tasks": [task_args(wd)]},
-            "answer_task": {"task_id": 1, "answer": "yes"}, "add_task_note": {"task_id": 1, "text": "hi"},
-            "set_default_model": {"model": "fake/model"}}.get(tool, {"task_id": 1} if tool.startswith(("get_", "cancel"))
-                                                             else {"task_ids": [1], "timeout_sec": 1} if tool == "wait_for" else {})
+    return {
+        "submit_task": task_args(wd),
+        "submit_batch": {"tasks": [task_args(wd)]},
+        "answer_task": {"task_id": 1, "answer": "yes"},
+        "add_task_note": {"task_id": 1, "text": "hi"},
+        "set_default_model": {"model": "fake/model"},
+    }.get(
+        tool,
+        {"task_id": 1}
+        if tool.startswith(("get_", "cancel"))
+        else {"task_ids": [1], "timeout_sec": 1}
+        if tool == "wait_for"
+        else {},
+    )
 
 
 def assert_clear(result, tool: str, args: dict) -> None:
@@ -566,7 +578,9 @@ async def test_wait_for_times_out_with_every_status_and_reports_progress(mode, w
     async with client(mode) as c:
         a = await call_tool(c, "submit_task", task_args(wd))
         started = time.monotonic()
-        waited = await call_tool(c, "wait_for", {"task_ids": [a["id"]], "timeout_sec": 2}, progress_callback=on_progress)
+        waited = await call_tool(
+            c, "wait_for", {"task_ids": [a["id"]], "timeout_sec": 2}, progress_callback=on_progress
+        )
     assert 1.9 < time.monotonic() - started < 4
     assert waited["timed_out"] is True and waited["met"] is False and waited["tasks"][0]["status"] == "pending"
     assert len(progress) >= 4, progress
@@ -580,14 +594,20 @@ async def test_wait_for_times_out_with_every_status_and_reports_progress(mode, w
 
 
 async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mode, wd):
-    diff = "".join(f"+ línea {i}: 日本語 ✓ 🚀\n" for i in range(6000))   # ~190 KB, multibyte
-    receipt = {"summary": "wrote it", "files_touched": ["a.txt"], "commands": [{"command": f"echo {i}"} for i in range(300)]}
+    diff = "".join(f"+ línea {i}: 日本語 ✓ 🚀\n" for i in range(6000))  # ~190 KB, multibyte
+    receipt = {
+        "summary": "wrote it",
+        "files_touched": ["a.txt"],
+        "commands": [{"command": f"echo {i}"} for i in range(300)],
+    }
     async with client(mode) as c:
         task = await call_tool(c, "submit_task", task_args(wd))
         finish(task["id"], diff=diff, result=receipt)
         pages, offset = [], 0
         while offset is not None:
-            page = await call_tool(c, "get_task_result", {"task_id": task["id"], "diff_offset": offset, "diff_max_bytes": 65536})
+            page = await call_tool(
+                c, "get_task_result", {"task_id": task["id"], "diff_offset": offset, "diff_max_bytes": 65536}
+            )
             assert len(page["diff"].encode()) <= 65536 and "\ufffd" not in page["diff"]
             pages.append(page)
             offset = page["diff_next_offset"]
@@ -636,7 +656,9 @@ async def test_a_5_mb_log_is_capped_tailed_and_paged_without_splitting_utf8(wd):
         assert "".join(pieces).encode() == data and calls <= len(data) // (bridge.LOG_PAGE_DEFAULT - 4) + 1
         end = await call_tool(c, "get_task_logs", {"task_id": task["id"], "offset": len(data)})
         assert end["text"] == "" and end["truncated"] is False
-        assert "past the end of the log" in await tool_error(c, "get_task_logs", {"task_id": task["id"], "offset": len(data) + 1})
+        assert "past the end of the log" in await tool_error(
+            c, "get_task_logs", {"task_id": task["id"], "offset": len(data) + 1}
+        )
 
 
 async def test_logs_of_a_task_that_has_not_started(mode, wd):
@@ -691,7 +713,9 @@ async def test_notes_cancel_and_dependents(mode, wd):
         assert note == {"task_id": base["id"], "status": "pending", "delivery": "the agent's next prompt"}
         cancelled = await call_tool(c, "cancel_task", {"task_id": base["id"]})
         assert cancelled["status"] == "cancelled"
-        assert (await call_tool(c, "get_task", {"task_id": child["id"]}))["error"] == f"dependency {base['id']} cancelled"
+        assert (await call_tool(c, "get_task", {"task_id": child["id"]}))[
+            "error"
+        ] == f"dependency {base['id']} cancelled"
         assert "already cancelled" in await tool_error(c, "cancel_task", {"task_id": base["id"]})
         assert "is cancelled" in await tool_error(c, "add_task_note", {"task_id": base["id"], "text": "late"})
 
@@ -723,7 +747,9 @@ async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_pat
     task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
     async with client("legacy") as c:
         kept = await call_tool(c, "clear_finished", {})
-        assert kept["removed"] == [] and kept["kept_for_worktrees"] == [task["id"]], "the queue still knows the worktree"
+        assert kept["removed"] == [] and kept["kept_for_worktrees"] == [task["id"]], (
+            "the queue still knows the worktree"
+        )
         cleared = await call_tool(c, "clear_finished", {"remove_worktrees": True})
     assert cleared["removed"] == [task["id"]] and cleared["kept_for_worktrees"] == []
     assert cleared["worktrees_removed"] == [str(tree)] and cleared["problems"] == []
@@ -776,7 +802,9 @@ async def test_restart_worker_restarts_the_systemd_unit_when_installed(tmp_path,
 
 async def test_restart_worker_reports_a_refusing_service_manager(tmp_path, monkeypatch):
     """A fake systemctl whose restart fails: the tool says so instead of claiming success."""
-    fake_binary(tmp_path / "bin", "systemctl", 'case "$2" in cat) exit 0;; *) echo "Access denied" >&2; exit 1;; esac\n')
+    fake_binary(
+        tmp_path / "bin", "systemctl", 'case "$2" in cat) exit 0;; *) echo "Access denied" >&2; exit 1;; esac\n'
+    )
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
     async with client("legacy") as c:
         text = await tool_error(c, "restart_worker", {})

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from test_oauth import TOKEN, Browser, Storage, connector, ping_with, serving_oauth, status
 
 import oauth
 import serve
 from helpers import free_port, serving
-from test_oauth import TOKEN, Browser, Storage, connector, ping_with, serving_oauth, status
 
 pytestmark = pytest.mark.anyio
 

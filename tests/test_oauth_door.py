@@ -12,7 +12,6 @@ import time
 from urllib.parse import parse_qs, urlparse
 
 import anyio
-import fake_tunnel
 import httpx2
 import pytest
 from test_oauth import (
@@ -27,6 +26,7 @@ from test_oauth import (
 )
 from test_oauth_abuse import refresh, registration
 
+import fake_tunnel
 import oauth
 import serve
 
@@ -143,7 +143,9 @@ async def test_the_tunnel_serve_started_may_name_its_clients_and_no_one_else(bas
         monkeypatch.setenv("TASKBRIDGE_TUNNEL_PID", tunnel.identity())
         through = f"http://127.0.0.1:{public_port}"
         # Each client the tunnel names has its own budget: the edge writes CF-Connecting-IP.
-        assert await rotating_registrations(through, oauth.REGISTER_PER_PEER + 3) == [201] * (oauth.REGISTER_PER_PEER + 3)
+        assert await rotating_registrations(through, oauth.REGISTER_PER_PEER + 3) == [201] * (
+            oauth.REGISTER_PER_PEER + 3
+        )
         async with httpx2.AsyncClient(base_url=through, timeout=10) as web:
             one = [(await web.post("/register", json=registration("x"), headers={"CF-Connecting-IP": "192.0.2.9"})
                     ).status_code for _ in range(oauth.REGISTER_PER_PEER + 1)]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import task_store
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo, submit
-
-import task_store
 
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
@@ -113,6 +112,6 @@ def test_only_an_error_raised_from_an_os_error_is_named_as_that_fault():
         try:
             raise emfile
         except OSError:
-            raise KeyError("a bug in the handler")
+            raise KeyError("a bug in the handler")  # noqa: B904  (implicitly chained, as a buggy handler's is)
     except KeyError as bug:
         assert os_faults.describe(bug) is None

@@ -28,10 +28,12 @@ def test_pg_url_is_a_fresh_database_of_its_own(pg_server, pg_url):
 
 
 def test_server_runs_as_a_normal_user_on_loopback_with_a_password(pg_server, pg_url):
-    import psycopg
     import psutil
+    import psycopg
     owner = psutil.Process(pg_server.proc.pid).uids().real
-    assert owner != 0 and pwd.getpwuid(owner).pw_name == ("taskbridge-test" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name)
+    assert owner != 0 and pwd.getpwuid(owner).pw_name == (
+        "taskbridge-test" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    )
     assert "127.0.0.1" in pg_url
     with pytest.raises(psycopg.OperationalError, match="password"):
         psycopg.connect(pg_url.replace(":tb-secret-pw@", ":wrong@"), connect_timeout=5).close()

@@ -17,17 +17,19 @@ from __future__ import annotations
 import json
 
 import pytest
+from mcp import Client
+from mcp.types import ElicitResult, ErrorData, Implementation, ResourceLink
 
 import opencode_bridge_mcp as bridge
 import task_store
 from fake_openai import text, tool_call
 from helpers import call_tool, git, make_repo, run_script
-from mcp import Client
-from mcp.types import ElicitResult, ErrorData, Implementation, ResourceLink
 
 pytestmark = pytest.mark.anyio
 
-RECEIPT = '```json\n{"summary": "Wrote {name}", "files_touched": ["{name}"], "tests_run": [], "open_questions": []}\n```'
+RECEIPT = (
+    '```json\n{"summary": "Wrote {name}", "files_touched": ["{name}"], "tests_run": [], "open_questions": []}\n```'
+)
 
 
 def client() -> Client:
@@ -57,8 +59,12 @@ async def test_a_finished_result_stays_unseen_until_the_planner_reads_it(opencod
     for name in ("first", "second"):
         script_writer(opencode, name)
     async with client() as c:
-        first = await call_tool(c, "submit_task", {"title": "first", "working_dir": str(repo), "instructions": "SCRIPT:first"})
-        second = await call_tool(c, "submit_task", {"title": "second", "working_dir": str(repo), "instructions": "SCRIPT:second"})
+        first = await call_tool(
+            c, "submit_task", {"title": "first", "working_dir": str(repo), "instructions": "SCRIPT:first"}
+        )
+        second = await call_tool(
+            c, "submit_task", {"title": "second", "working_dir": str(repo), "instructions": "SCRIPT:second"}
+        )
         assert (await call_tool(c, "queue_status", {}))["unseen"] == []
         run_until_finished([first["id"], second["id"]])
         waited = await call_tool(c, "wait_for", {"task_ids": [first["id"]], "timeout_sec": 5})
@@ -80,7 +86,9 @@ async def test_a_finished_result_stays_unseen_until_the_planner_reads_it(opencod
 async def test_a_retried_task_is_announced_again_and_a_running_one_is_not_marked(tmp_path):
     (tmp_path / "p").mkdir()
     async with client() as c:
-        task = await call_tool(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
+        task = await call_tool(
+            c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"}
+        )
         await call_tool(c, "get_task_result", {"task_id": task["id"]})          # pending: nothing to see yet
         await call_tool(c, "cancel_task", {"task_id": task["id"]})
         cancelled = await call_tool(c, "queue_status", {})
@@ -124,7 +132,9 @@ async def test_a_finished_tasks_log_diff_transcript_and_receipt_are_linked_resou
     repo = make_repo(tmp_path / "repo")
     script_writer(opencode, "linked")
     async with client() as c:
-        task = await call_tool(c, "submit_task", {"title": "linked", "working_dir": str(repo), "instructions": "SCRIPT:linked"})
+        task = await call_tool(
+            c, "submit_task", {"title": "linked", "working_dir": str(repo), "instructions": "SCRIPT:linked"}
+        )
         pending = await c.call_tool("get_task", {"task_id": task["id"]})
         run_until_finished([task["id"]])
         waited = await c.call_tool("wait_for", {"task_ids": [task["id"]], "timeout_sec": 5})
@@ -230,14 +240,18 @@ async def test_an_apply_that_cannot_happen_is_not_asked_and_keeps_its_usual_erro
     (tmp_path / "p").mkdir()
     person = Person(accept(apply=True))
     async with as_person(person) as c:
-        task = await call_tool(c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"})
+        task = await call_tool(
+            c, "submit_task", {"title": "t", "working_dir": str(tmp_path / "p"), "instructions": "x"}
+        )
         result = await c.call_tool("apply_task", {"task_id": task["id"]})
     assert person.asked == []
     assert result.is_error and "pending" in result.content[0].text
 
 
 @pytest.mark.real_opencode
-async def test_a_permission_ask_of_an_ask_human_task_goes_to_the_person_and_others_stay_with_the_planner(opencode, tmp_path):
+async def test_a_permission_ask_of_an_ask_human_task_goes_to_the_person_and_others_stay_with_the_planner(
+    opencode, tmp_path
+):
     repo = make_repo(tmp_path / "repo")
     push = "echo pushed > {cwd}/pushed.txt # git push origin"
     for name in ("human", "planner"):
@@ -245,8 +259,17 @@ async def test_a_permission_ask_of_an_ask_human_task_goes_to_the_person_and_othe
                                      text("Finished.\n" + RECEIPT.replace("{name}", "pushed.txt"))])
     rules = {"bash": [{"pattern": "*", "action": "allow"}, {"pattern": "echo pushed*", "action": "ask"}]}
     async with as_person(None) as c:
-        human = await call_tool(c, "submit_task", {"title": "human", "working_dir": str(repo), "instructions": "SCRIPT:human",
-                                              "rules": rules, "ask_human": True})
+        human = await call_tool(
+            c,
+            "submit_task",
+            {
+                "title": "human",
+                "working_dir": str(repo),
+                "instructions": "SCRIPT:human",
+                "rules": rules,
+                "ask_human": True,
+            },
+        )
         planner = await call_tool(c, "submit_task", {"title": "planner", "working_dir": str(repo),
                                                 "instructions": "SCRIPT:planner", "rules": rules})
     run_until_waiting = [run_script("worker.py") for _ in range(2)]

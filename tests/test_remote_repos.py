@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 import task_store
 import worker
 import worktrees
 from helpers import fake_binary, git, make_repo, run_script, submit
-from test_board_browser import board, browser  # noqa: F401 - fixtures of the board tests
 
 
 @pytest.fixture
@@ -97,7 +97,9 @@ def test_a_path_or_file_url_of_a_repository_is_accepted(remote, tmp_path):
 # Hosts: where a task may be claimed.
 
 
-def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(remote, tmp_path, monkeypatch, store_backend):
+def test_a_local_task_is_for_the_submitting_host_and_a_remote_task_for_any(
+    remote, tmp_path, monkeypatch, store_backend
+):
     monkeypatch.delenv("TASKBRIDGE_HOST", raising=False)
     assert submit(working_dir=str(tmp_path))["host"] == socket.gethostname()
     monkeypatch.setenv("TASKBRIDGE_HOST", "laptop")
@@ -274,7 +276,9 @@ def test_a_refused_push_keeps_the_worktree_and_never_reruns_the_agent(opencode, 
     assert run_script("worker.py").returncode == 0
     failed = task_store.get_task(task["id"])
     assert failed["status"] == "failed" and failed["attempts"] == 1
-    assert "the push of taskbridge/t_0001 to" in failed["error"] and "policy: this branch is protected" in failed["error"]
+    assert (
+        "the push of taskbridge/t_0001 to" in failed["error"] and "policy: this branch is protected" in failed["error"]
+    )
     assert "The agent is not run again" in failed["error"] and "push" in failed["error"]
     receipt = failed["result"]
     assert receipt["worktree_kept"] is True and receipt["bookkeeping_error"] == failed["error"]
@@ -424,9 +428,10 @@ def test_a_retry_replaces_its_own_push_but_never_anothers(remote, tmp_path, stor
 
 @pytest.mark.anyio
 async def test_mcp_submit_takes_a_repo_and_refuses_bad_ones_in_one_line(remote, tmp_path):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
     from mcp.types import Implementation
+
+    import opencode_bridge_mcp as bridge
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         got = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "repo": str(remote),
                                                 "base_ref": "main", "host": "buildbox"})
@@ -466,7 +471,7 @@ def test_cli_submit_takes_repo_base_ref_and_host(remote, tmp_path):
 
 
 @pytest.mark.browser
-def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, browser):
+def test_the_board_shows_repo_base_ref_and_pushed_branch_as_text(remote, board, browser):  # noqa: F811 (fixtures)
     import test_board_browser as tb
     waiting = submit(title="on a branch", repo=f"file://{remote}", base_ref="release/2.1")
     task = submit(title="pushed one", repo=f"file://{remote}")
@@ -573,7 +578,9 @@ def _pushed_task(repo: str, branch_tip: str) -> dict:
     claimed = task_store.claim_next("worker:x:1", task_id=task["id"])
     task_store.renew_lease(task["id"], claimed["run_marker"], branch=f"taskbridge/{task['id']}",
                            pushed_branch=f"taskbridge/{task['id']}", pushed_commit=branch_tip)
-    return task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok", "commit": branch_tip})
+    return task_store.complete_attempt(
+        task["id"], claimed["run_marker"], result={"summary": "ok", "commit": branch_tip}
+    )
 
 
 def _run_printed(command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -635,7 +642,7 @@ def test_a_kept_remote_worktrees_refusal_prints_quoted_commands(tmp_path):
     seed = make_repo(tmp_path / "seed", {"README.md": "# r\n"})
     bare = tmp_path / f"{HOSTILE}.git"
     git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
-    task = submit(repo=str(bare))
+    submit(repo=str(bare))
     claimed = task_store.claim_next("me")
     ws = worktrees.prepare_workspace(claimed, False)
     (Path(ws.top) / "work.txt").write_text("work\n")
@@ -689,7 +696,11 @@ def test_the_holding_hosts_worker_pushes_the_kept_commit_without_running_the_age
     monkeypatch.setenv("OPENCODE_BIN", "/nonexistent/opencode")   # the agent must not be needed
     claimed = task_store.claim_next("worker:b:1")
     refused = worker.run_task(claimed, worker.Knobs())
-    assert refused["status"] == "failed" and "failed again: " in refused["error"] and "policy: protected" in refused["error"]
+    assert (
+        refused["status"] == "failed"
+        and "failed again: " in refused["error"]
+        and "policy: protected" in refused["error"]
+    )
     assert refused["host"] == "b" and refused["result"]["commit"] == commit and refused["attempts"] == 2
     assert os.path.isdir(failed["worktree_path"]) and _bare_branches(remote) == ["main"]
     hook.unlink()
@@ -708,7 +719,9 @@ def test_clear_on_another_host_keeps_tasks_whose_worktrees_were_kept_there(remot
     other = submit(repo=str(remote))
     claimed = _claim_as("a", monkeypatch)
     task_store.renew_lease(other["id"], claimed["run_marker"], worktree_path="/on/host/a/keep-t_0002")
-    task_store.complete_attempt(other["id"], claimed["run_marker"], result={"summary": "kept", "worktree_removed": False})
+    task_store.complete_attempt(
+        other["id"], claimed["run_marker"], result={"summary": "kept", "worktree_removed": False}
+    )
     gone = submit(repo=str(remote))
     claimed = _claim_as("a", monkeypatch)
     task_store.renew_lease(gone["id"], claimed["run_marker"], worktree_path="/on/host/a/gone-t_0003")
@@ -746,9 +759,11 @@ def test_a_refused_repo_never_echoes_its_credentials(repo):
 @pytest.mark.anyio
 async def test_mcp_refuses_a_repo_with_a_password_without_echoing_or_logging_it(caplog):
     import logging
-    import opencode_bridge_mcp as bridge
+
     from mcp import Client
     from mcp.types import Implementation
+
+    import opencode_bridge_mcp as bridge
     caplog.set_level(logging.DEBUG)
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         refused = await c.call_tool("submit_task", {"title": "t", "instructions": "i",
@@ -791,6 +806,7 @@ def test_the_token_files_hints_quote_its_path(tmp_path, monkeypatch, caplog):
     """doctor's fix, the server's warning and serve.py's copy line for a token file whose folder
     name holds shell syntax: each is one literal argument, and pasting the line runs nothing."""
     import logging
+
     import doctor
     import http_app
     import serve
@@ -814,7 +830,9 @@ def test_the_token_files_hints_quote_its_path(tmp_path, monkeypatch, caplog):
     assert not list(tmp_path.rglob("PWNED*")), "pasting a printed command ran what the path holds"
 
 
-def test_doctor_lists_the_worktree_of_an_attempt_taken_over_by_another_host(remote, tmp_path, monkeypatch, store_backend):
+def test_doctor_lists_the_worktree_of_an_attempt_taken_over_by_another_host(
+    remote, tmp_path, monkeypatch, store_backend
+):
     import doctor
     taken = submit(repo=str(remote))
     mine = submit(repo=str(remote))

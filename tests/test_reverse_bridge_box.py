@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx2
 import psutil
@@ -222,7 +223,9 @@ def test_a_worker_run_goes_on_without_a_bridge_that_cannot_start(
     (broken / "__init__.py").write_text("raise ImportError('uvicorn is broken in this test')\n")
     monkeypatch.setenv("PYTHONPATH", str(broken.parent))
     opencode.model.script("plain", [text("Nothing to ask.\n" + RECEIPT)])
-    task = task_store.submit_task(title="plain", instructions="SCRIPT:plain", working_dir=str(make_repo(tmp_path / "r")))
+    task = task_store.submit_task(
+        title="plain", instructions="SCRIPT:plain", working_dir=str(make_repo(tmp_path / "r"))
+    )
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     assert task_store.get_task(task["id"])["status"] == "done"

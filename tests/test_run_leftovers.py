@@ -6,11 +6,11 @@ import time
 
 import psutil
 import pytest
+
+import task_store
 from fake_openai import text, tool_call
 from helpers import make_repo, run_task
 from opencode_env import parse_events
-
-import task_store
 
 pytestmark = pytest.mark.real_opencode
 

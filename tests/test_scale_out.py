@@ -11,7 +11,6 @@ pinned opencode against the scripted model of tests/fake_openai.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -106,15 +105,23 @@ async def test_two_machines_take_the_tasks_once_and_push_their_branches(tmp_path
     monkeypatch.setenv("TASK_DB_URL", pg_url)   # this test reads the queue itself too
     for n in range(1, 5):
         scripted_model.script(f"scale-{n}", [
-            tool_call("write", {"filePath": "{cwd}/out-%d.txt" % n, "content": f"written by task {n}\n"}),
+            tool_call("write", {"filePath": f"{{cwd}}/out-{n}.txt", "content": f"written by task {n}\n"}),
             text("Done.\n" + RECEIPT % (f"out-{n}.txt", f"out-{n}.txt"))])
     machines = {name: machine(tmp_path, name, scripted_model.url, pg_url) for name in ("machine-a", "machine-b")}
     server = server_env(tmp_path, pg_url)
     async with bridge(server) as client:
         ids = []
         for n in range(1, 5):
-            task = await call_tool(client, "submit_task", {"title": f"task {n}", "repo": str(remote), "base_ref": "main",
-                                                           "instructions": f"Write it. SCRIPT:scale-{n}"})
+            task = await call_tool(
+                client,
+                "submit_task",
+                {
+                    "title": f"task {n}",
+                    "repo": str(remote),
+                    "base_ref": "main",
+                    "instructions": f"Write it. SCRIPT:scale-{n}",
+                },
+            )
             ids.append(task["id"])
         # --max-tasks 2 each: four tasks done means each machine ran two of them.
         with worker(machines["machine-a"], "--watch", "--max-tasks", "2"), \

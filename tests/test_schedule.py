@@ -107,11 +107,15 @@ def test_linger_off_is_said_with_the_command_that_fixes_it(fake_bins, tmp_path, 
 def test_status_says_what_is_installed_and_the_last_pass(fake_bins, tmp_path, monkeypatch):
     bins, _ = fake_bins
     stand_in_loginctl(bins, "yes")
-    fake_binary(bins, "systemctl",
-        "case \"$*\" in\n"
+    fake_binary(
+        bins,
+        "systemctl",
+        'case "$*" in\n'
         "  *show*timer*) printf 'ActiveState=active\\nLastTriggerUSec=Mon 2026-11-30 10:00:00 UTC\\n' ;;\n"
-        "  *show*service*) printf 'Result=success\\nExecMainStatus=0\\nExecMainExitTimestamp=Mon 2026-11-30 10:00:02 UTC\\n' ;;\n"
-        "esac\n")
+        "  *show*service*) printf "
+        "'Result=success\\nExecMainStatus=0\\nExecMainExitTimestamp=Mon 2026-11-30 10:00:02 UTC\\n' ;;\n"
+        "esac\n",
+    )
     monkeypatch.setattr(schedule.platform, "system", lambda: "Linux")
     monkeypatch.setenv("SYSTEMD_USER_DIR", str(tmp_path / "units"))
     assert "not installed" in schedule.status()

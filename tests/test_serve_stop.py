@@ -77,8 +77,9 @@ def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_pat
     from fake_openai import hang
     from helpers import make_repo
     opencode.model.script("waits", [hang()])
-    task = task_store.submit_task(title="waits", instructions="SCRIPT:waits", working_dir=str(make_repo(tmp_path / "repo")),
-                                  timeout_sec=300)
+    task = task_store.submit_task(
+        title="waits", instructions="SCRIPT:waits", working_dir=str(make_repo(tmp_path / "repo")), timeout_sec=300
+    )
     proc, lines = start_serving(free_port())
     deadline = time.monotonic() + 90
     while not (task_store.get_task(task["id"])["agent_pid"] and opencode.model.step_requests("waits")):
@@ -114,6 +115,12 @@ def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
         os.kill(first.pid, signal.SIGTERM)
         assert first.wait(timeout=40) == 0, "".join(lines)
         all_gone(kids, 5)
-    free = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--check-port"], env=dict(os.environ, PORT=str(port)),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    free = subprocess.run(
+        [sys.executable, str(ROOT / "serve.py"), "--check-port"],
+        env=dict(os.environ, PORT=str(port)),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert free.returncode == 0 and free.stderr == "", free.stderr

@@ -40,7 +40,10 @@ def test_connect_prints_every_clients_setup_with_absolute_paths(monkeypatch, tmp
     assert Path(desktop["command"]).is_absolute() and desktop["args"] == [str(ROOT / "opencode_bridge_mcp.py")]
     assert desktop["env"]["TASK_DB_PATH"] == os.environ["TASK_DB_PATH"]
     queue = os.environ["TASK_DB_PATH"]
-    assert f"claude mcp add -s user taskbridge -- {desktop['command']} {ROOT / 'opencode_bridge_mcp.py'} --db {queue}\n" in out
+    assert (
+        f"claude mcp add -s user taskbridge -- {desktop['command']} {ROOT / 'opencode_bridge_mcp.py'} --db {queue}\n"
+        in out
+    )
     assert "claude mcp add -s user --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
     assert "codex mcp add taskbridge --url http://127.0.0.1:9876/mcp --bearer-token-env-var TASKBRIDGE_TOKEN" in out
     assert "gemini mcp add -s user --transport http taskbridge http://127.0.0.1:9876/mcp --header" in out
@@ -106,7 +109,7 @@ def test_opencode_as_the_planner_connects_with_the_printed_entry(tmp_path, monke
     with serving(port):
         listed = subprocess.run([require_opencode_bin(), "mcp", "list"], env={**env, "PWD": str(tmp_path)},
                                 cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-    line = next((l for l in listed.stdout.splitlines() if "taskbridge" in l), "")
+    line = next((row for row in listed.stdout.splitlines() if "taskbridge" in row), "")
     assert "connected" in line and "not connected" not in line.lower(), listed.stdout + listed.stderr
 
 
@@ -205,9 +208,18 @@ def test_queue_files_token_and_logs_are_private(monkeypatch):
             and mode(root / "tasks.db-shm") == 0o600
         assert mode(root / "task_logs") == 0o700 and mode(root / "task_logs" / "t_0001.log") == 0o600
         assert mode(root / "tasks.worker.json") == 0o600 and mode(root / "tasks.worker.log") == 0o600
-        for path in ("tasks.db", "tasks.db-wal", "tasks.db-shm", ".taskbridge/token", "task_logs/t_0001.log", "tasks.worker.json",
-                     "tasks.worker.log"):
-            read = subprocess.run(["runuser", "-u", user, "--", "cat", str(root / path)], capture_output=True, text=True)
+        for path in (
+            "tasks.db",
+            "tasks.db-wal",
+            "tasks.db-shm",
+            ".taskbridge/token",
+            "task_logs/t_0001.log",
+            "tasks.worker.json",
+            "tasks.worker.log",
+        ):
+            read = subprocess.run(
+                ["runuser", "-u", user, "--", "cat", str(root / path)], capture_output=True, text=True
+            )
             assert read.returncode != 0 and "Permission denied" in read.stderr, (path, read)
         held.close()
     finally:
@@ -333,7 +345,7 @@ def test_the_real_claude_code_takes_both_printed_lines_for_every_project(tmp_pat
     assert len(lines) == 2
     env = dict(os.environ, HOME=str(tmp_path / "home"), PATH=f"{claude.parent}:{os.environ['PATH']}")
     (tmp_path / "home").mkdir()
-    for folder, line in zip(("one", "two"), lines):
+    for folder, line in zip(("one", "two"), lines, strict=True):
         (tmp_path / folder).mkdir()
         http = line.replace("taskbridge", "taskbridge-http", 1) if "--transport http" in line else line
         added = subprocess.run(["bash", "-c", http], cwd=tmp_path / folder, env=env, capture_output=True, text=True,

@@ -2,7 +2,6 @@
 runs on SQLite and on PostgreSQL (tests/pg_server.py's real server)."""
 from __future__ import annotations
 
-
 import pytest
 
 import task_store as store
@@ -130,7 +129,9 @@ def test_fencing_refuses_a_superseded_attempt(tmp_path):
         store.requeue_attempt(task["id"], first["run_marker"], "twice")
     second = store.claim_next("w2")
     assert second["run_marker"] == "br-1-a2"
-    with pytest.raises(store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"):
+    with pytest.raises(
+        store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"
+    ):
         store.complete_attempt(task["id"], first["run_marker"], result={"summary": "late"})
     with pytest.raises(store.StaleAttempt):
         store.renew_lease(task["id"], first["run_marker"])
@@ -205,7 +206,7 @@ def test_clear_finished_keeps_what_others_depend_on(tmp_path):
     store.cancel_task("t_0002")
     removed = store.clear_finished()
     assert sorted(r["id"] for r in removed) == ["t_0001", "t_0002"]
-    assert store.counts() == {s: 0 for s in store.STATUSES}
+    assert store.counts() == dict.fromkeys(store.STATUSES, 0)
 
 
 def test_eight_processes_claim_200_tasks_exactly_once(tmp_path):

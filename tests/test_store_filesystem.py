@@ -32,7 +32,9 @@ def test_cli_refuses_a_queue_on_a_network_filesystem(tmp_path, monkeypatch, fsty
     share = tmp_path / "my share"
     monkeypatch.setenv("TASKBRIDGE_MOUNTINFO", str(fake_mountinfo(tmp_path, {str(share): fstype})))
     monkeypatch.setenv("TASK_DB_PATH", str(share / "queue" / "tasks.db"))
-    result = run_script("tasks_cli.py", "submit", "a title", "--dir", str(tmp_path))   # submit makes a queue; list would not
+    result = run_script(
+        "tasks_cli.py", "submit", "a title", "--dir", str(tmp_path)
+    )  # submit makes a queue; list would not
     assert result.returncode != 0
     message = result.stderr.strip()
     assert "Traceback" not in message

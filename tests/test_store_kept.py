@@ -28,7 +28,7 @@ def test_eight_processes_claim_4000_tasks_exactly_once_on_kept_connections(tmp_p
     submit_many(tmp_path, 4000)
     claimed = claim_in_processes(8, timeout=240, renew=True)   # each exits 0 without a "locked" error
     assert len(claimed) == 4000 and len(set(claimed)) == 4000
-    assert store.counts() == {s: 0 for s in store.STATUSES} | {"done": 4000}
+    assert store.counts() == dict.fromkeys(store.STATUSES, 0) | {"done": 4000}
     events = store.events_since(0, limit=10_000)
     events += store.events_since(events[-1]["id"], limit=10_000)
     claims = [e for e in events if e["kind"] == "claimed"]
@@ -94,7 +94,7 @@ def test_a_replaced_database_file_is_reopened_not_written_through_a_stale_connec
     path = store.db_path()
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
-    assert store.counts() == {s: 0 for s in store.STATUSES}
+    assert store.counts() == dict.fromkeys(store.STATUSES, 0)
     store.submit_task(title="fresh", instructions="i", working_dir=str(tmp_path))
     assert path.exists() and store.get_task("t_0001")["title"] == "fresh"
 
@@ -169,7 +169,7 @@ def test_a_version_1_database_migrates_with_its_counts(tmp_path, monkeypatch):
                          [(f"t{n}", str(tmp_path), n, "done" if n == 0 else "pending") for n in range(5)])
         conn.close()
         store.close_connections()
-    assert store.counts() == {s: 0 for s in store.STATUSES} | {"pending": 4, "done": 1}
+    assert store.counts() == dict.fromkeys(store.STATUSES, 0) | {"pending": 4, "done": 1}
     assert store.get_task("t_0001")["status"] == "done"
 
 
@@ -229,11 +229,21 @@ def test_a_replaced_file_never_loses_the_new_databases_wal(tmp_path):
     path = store.db_path()
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
-    other = subprocess.run([sys.executable, "-c", "import os, sys, time, task_store\n"
-                            "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
-                            "print(os.path.exists(str(task_store.db_path()) + '-wal'), flush=True)  # _exit skips the flush\n"
-                            "os._exit(0)  # keep its WAL: no last close checkpoints it away\n", str(tmp_path)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time, task_store\n"
+            "task_store.submit_task(title='theirs', instructions='i', working_dir=sys.argv[1])\n"
+            "print(os.path.exists(str(task_store.db_path()) + '-wal'), flush=True)  # _exit skips the flush\n"
+            "os._exit(0)  # keep its WAL: no last close checkpoints it away\n",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert other.stdout.strip() == "True", other.stderr
     assert store.get_task("t_0001")["title"] == "theirs"   # reopened; the old connection closed
     assert Path(str(path) + "-wal").exists()

@@ -118,5 +118,10 @@ def test_every_read_a_tool_makes_goes_through_an_index(tmp_path):
             assert not scanned, f"{name}: {plan}\n{sql}"
             # A sort of every match grows with the history; only the live filters, the walk over the
             # pending priorities and get_task's last 20 events (put back in order) sort, a few rows each.
-            sorted_all = "TEMP B-TREE" in plan and name not in ("list running", "running leases", "queue_summary", "get_task")
+            sorted_all = "TEMP B-TREE" in plan and name not in (
+                "list running",
+                "running leases",
+                "queue_summary",
+                "get_task",
+            )
             assert not sorted_all, f"{name}: {plan}\n{sql}"

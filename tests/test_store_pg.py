@@ -29,7 +29,7 @@ def pg(pg_url, monkeypatch):
     return pg_url
 
 
-def _claimer(url: str, name: str, out: "multiprocessing.Queue") -> None:
+def _claimer(url: str, name: str, out: multiprocessing.Queue) -> None:
     os.environ["TASK_DB_URL"] = url
     got = []
     while (task := store.claim_next(name)) is not None:
@@ -225,7 +225,7 @@ def test_doctor_reports_the_server_or_the_way_out(pg, monkeypatch):
     assert check.status == "fail" and PASSWORD not in check.detail + check.fix and "TASK_DB_URL" in check.fix
 
 
-def _listener_pid(out: "multiprocessing.Queue") -> None:
+def _listener_pid(out: multiprocessing.Queue) -> None:
     with store.change_watch() as watch:
         out.put((watch.available, watch.conn.info.backend_pid))
 
@@ -284,7 +284,7 @@ def test_the_board_answers_503_naming_an_unreachable_queue(monkeypatch):
     assert "postgresql://bob@127.0.0.1:1/queue" in answer.json()["error"] and "s3cr3t" not in answer.text
 
 
-def _drop_inherited(out: "multiprocessing.Queue") -> None:
+def _drop_inherited(out: multiprocessing.Queue) -> None:
     import gc
     store.counts()                         # the child's own connection
     store._INHERITED.clear()               # the parent's copies finalised here (libpq says goodbye)

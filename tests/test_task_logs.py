@@ -109,8 +109,10 @@ def test_writers_appending_at_once_lose_nothing_and_never_collide(tmp_path, wher
         list(pool.map(write, range(4)))
     lines = task_store.read_task_log(tid).decode().splitlines()
     assert sorted(lines) == sorted(f"writer {n} line {i}" for n in range(4) for i in range(40))
-    for n in range(4):                       # each writer's lines stay in its order
-        assert [line for line in lines if line.startswith(f"writer {n} ")] == [f"writer {n} line {i}" for i in range(40)]
+    for n in range(4):  # each writer's lines stay in its order
+        assert [line for line in lines if line.startswith(f"writer {n} ")] == [
+            f"writer {n} line {i}" for i in range(40)
+        ]
 
 
 def test_clearing_a_task_drops_its_log_chunks(tmp_path, where):
@@ -346,6 +348,7 @@ def test_a_worker_process_ships_its_log_live_to_a_reader_on_another_machine(open
     import time
 
     import psutil
+
     from fake_openai import hang, tool_call
     from helpers import make_repo
     monkeypatch.setenv("TASK_DB_URL", pg_url)

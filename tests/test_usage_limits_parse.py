@@ -4,7 +4,7 @@ the providers' own header and message formats; the back-off when no reset is giv
 from __future__ import annotations
 
 import email.utils
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -22,7 +22,7 @@ LOG_LINE = ('timestamp=2026-12-01T20:43:22.445Z level=ERROR run=b8744a01 message
     ({"retry-after-ms": "1500"}, 1.5),
     ({"Retry-After": "20"}, 20),
     ({"x-ratelimit-reset-requests": "1s", "x-ratelimit-reset-tokens": "6m0s"}, 360),   # OpenAI: the later
-    ({"anthropic-ratelimit-tokens-reset": datetime.fromtimestamp(NOW + 90, timezone.utc).isoformat()}, 90),
+    ({"anthropic-ratelimit-tokens-reset": datetime.fromtimestamp(NOW + 90, UTC).isoformat()}, 90),
     ({"retry-after": email.utils.formatdate(NOW + 120, usegmt=True)}, 120),
     ({"x-ratelimit-reset": str(int(NOW + 45))}, 45),
 ])
@@ -55,7 +55,10 @@ def test_limit_from_an_error_event_and_not_from_other_errors():
     assert oc.limit_from_error(event, NOW) == {"said": "Too many requests", "status": 429, "reset_at": NOW + 30}
     quota = {"type": "error", "error": {"name": "APIError", "data": {"message": "You exceeded your current quota"}}}
     assert oc.limit_from_error(quota, NOW)["reset_at"] is None
-    down = {"type": "error", "error": {"name": "APIError", "data": {"message": "quota service down", "statusCode": 500}}}
+    down = {
+        "type": "error",
+        "error": {"name": "APIError", "data": {"message": "quota service down", "statusCode": 500}},
+    }
     assert oc.limit_from_error(down, NOW) is None
 
 

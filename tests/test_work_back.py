@@ -178,7 +178,10 @@ def test_apply_squash_and_cherry_pick(tmp_path):
     assert squashed.exit_code == 0, squashed.stderr
     result = json.loads(squashed.stdout)
     assert result["status"] == "applied" and result["files"] == ["a.txt"] and result["mode"] == "squash"
-    assert git(repo, "log", "-1", "--format=%s") == f"add a (TaskBridge {first['id']}, squashed from taskbridge/{first['id']})"
+    assert (
+        git(repo, "log", "-1", "--format=%s")
+        == f"add a (TaskBridge {first['id']}, squashed from taskbridge/{first['id']})"
+    )
     assert git(repo, "rev-list", "--count", "HEAD") == "2"  # one new commit, no merge
     picked = cli("apply", second["id"], "--cherry-pick")
     assert picked.exit_code == 0 and f"Cherry-picked taskbridge/{second['id']}" in picked.stdout
@@ -257,7 +260,9 @@ def test_retry_reruns_a_failed_task_to_done_with_a_note_and_a_fresh_budget(openc
 def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
     first = task_store.submit_task(title="a", instructions="i", working_dir=str(tmp_path), max_retries=1)
     child = task_store.submit_task(title="b", instructions="i", working_dir=str(tmp_path), depends_on=[first["id"]])
-    grandchild = task_store.submit_task(title="c", instructions="i", working_dir=str(tmp_path), depends_on=[child["id"]])
+    grandchild = task_store.submit_task(
+        title="c", instructions="i", working_dir=str(tmp_path), depends_on=[child["id"]]
+    )
     for _ in range(2):
         claimed = task_store.claim_next("w", task_id=first["id"])
         task_store.fail_attempt(first["id"], claimed["run_marker"], "broke")
@@ -295,7 +300,9 @@ def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
         task_store.retry_task(done["id"])
     with pytest.raises(task_store.TaskNotFound):
         task_store.retry_task(99)
-    cancelled = task_store.cancel_task(task_store.submit_task(title="e", instructions="i", working_dir=str(tmp_path))["id"])
+    cancelled = task_store.cancel_task(
+        task_store.submit_task(title="e", instructions="i", working_dir=str(tmp_path))["id"]
+    )
     assert task_store.retry_task(cancelled["id"])["status"] == "pending"
     refused = cli("retry", done["id"])
     assert refused.exit_code == 1 and "is done" in refused.stderr
@@ -307,8 +314,9 @@ def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
 
 @pytest.mark.anyio
 async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
-    import opencode_bridge_mcp as bridge
     from mcp import Client
+
+    import opencode_bridge_mcp as bridge
 
     monkeypatch.setenv("MCP_TOKEN_FILE", str(tmp_path / "no-token"))
     repo = make_repo(tmp_path / "repo")

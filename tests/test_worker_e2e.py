@@ -62,7 +62,9 @@ def test_cli_submit_worker_pass_receipt(opencode, tmp_path):
 
 def test_model_http_500_fails_with_model_error(opencode, tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
-    opencode.model.script("boom", [http_error(500, "the scripted model is down: quota gone", headers={"retry-after-ms": "50"})])
+    opencode.model.script(
+        "boom", [http_error(500, "the scripted model is down: quota gone", headers={"retry-after-ms": "50"})]
+    )
     task = task_store.submit_task(title="boom", instructions="SCRIPT:boom", working_dir=str(repo),
                                   max_retries=0)
     assert run_script("worker.py").returncode == 0

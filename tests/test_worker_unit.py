@@ -341,10 +341,13 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
     git-named helper and a ``bash -c`` shell, each leading its own session; when both are gone,
     only the shell may be called dead."""
     helper = fake_binary(tmp_path, "git", "import time\ntime.sleep(2.5)\n", shebang="#!/usr/bin/env python3")
-    agent_code = ("import subprocess, sys, time\n"
-                  f"g = subprocess.Popen([{str(helper)!r}, '-c', 'core.autocrlf=false', 'rev-parse', '--git-dir'], start_new_session=True)\n"
-                  "s = subprocess.Popen(['bash', '-c', 'sleep 2.5; true'], start_new_session=True)\n"
-                  "g.wait(); s.wait(); time.sleep(30)\n")
+    agent_code = (
+        "import subprocess, sys, time\n"
+        f"g = subprocess.Popen([{str(helper)!r}, '-c', 'core.autocrlf=false', 'rev-parse', '--git-dir'], "
+        "start_new_session=True)\n"
+        "s = subprocess.Popen(['bash', '-c', 'sleep 2.5; true'], start_new_session=True)\n"
+        "g.wait(); s.wait(); time.sleep(30)\n"
+    )
     argv = ["python3", "-c", agent_code]
     root = subprocess.Popen(["bash", "-c", 'exec "$@"', "root", *argv])   # the agent is the root's process here
     try:

@@ -231,7 +231,9 @@ def test_what_an_in_place_revert_cannot_undo_is_named(tmp_path):
         assert failed == ["rootdir/f: not removed (Permission denied)", "rootdir: not removed (Directory not empty)"]
         assert (plain / "keep.txt").read_text() == "original\n" and not (plain / "new.txt").exists()
         assert (plain / "secret").stat().st_mode & 0o777 == 0 and (plain / "locked.txt").stat().st_mode & 0o777 == 0
-        assert (plain / "secret" / "inside").read_text() == "mine\n" and (plain / "locked.txt").read_text() == "mine too\n"
+        assert (plain / "secret" / "inside").read_text() == "mine\n" and (
+            plain / "locked.txt"
+        ).read_text() == "mine too\n"
     finally:
         shutil.rmtree(plain, ignore_errors=True)
         (plain.parent / f"snap-{plain.name}").unlink(missing_ok=True)
