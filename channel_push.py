@@ -4,10 +4,10 @@ that nobody called. wait_for stays the fallback for clients that do not listen.
 
 The server declares ``capabilities.experimental["claude/channel"] = {}`` at ``initialize``; once
 a session is initialized (``notifications/initialized``: stdio, and streamable-http sessions of
-the handshake protocols; not the deprecated HTTP+SSE transport) a watcher follows the store's events log from its newest event at that
-moment and, for each task that ends (``done``, ``failed``, ``cancelled``) or starts waiting (a
-question, a spending limit, a permission ask: ``waiting``; a usage-limit pause: ``paused``),
-sends one notification::
+the handshake protocols; not the deprecated HTTP+SSE transport) a watcher follows the store's
+events log from its newest event at that moment and, for each task that ends (``done``,
+``failed``, ``cancelled``) or starts waiting (a question, a spending limit, a permission ask:
+``waiting``; a usage-limit pause: ``paused``), sends one notification::
 
     {"method": "notifications/claude/channel",
      "params": {"content": "t_0003 done: <title> — call get_task_result",

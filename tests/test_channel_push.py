@@ -13,15 +13,15 @@ from typing import Any
 
 import anyio
 import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.extension import ClientExtension, NotificationBinding
+from mcp.types import Implementation
 from pydantic import BaseModel, ConfigDict
 
 import channel_push
 import opencode_bridge_mcp as bridge
 import task_store
 from helpers import call_tool, submit
-from mcp import Client, StdioServerParameters
-from mcp.client.extension import ClientExtension, NotificationBinding
-from mcp.types import Implementation
 
 CLAUDE = Implementation(name="claude-code", version="2.1.80")
 SCRIPT = str(bridge.REPO_DIR / "opencode_bridge_mcp.py")
@@ -215,9 +215,9 @@ def _pushed(s: Any) -> list[dict]:
 @pytest.mark.anyio
 async def test_over_streamable_http_a_session_gets_the_notices(wd):
     import httpx2
+    from mcp.client.streamable_http import streamable_http_client
 
     from helpers import serving
-    from mcp.client.streamable_http import streamable_http_client
     listener = ChannelListener()
     with serving() as base:
         transport = streamable_http_client(f"{base}/mcp", http_client=httpx2.AsyncClient(timeout=30))
