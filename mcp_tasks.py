@@ -63,6 +63,7 @@ from mcp_types.jsonrpc import (
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 import task_store as store
+import task_views
 
 log = logging.getLogger("taskbridge.mcp")
 
@@ -127,7 +128,7 @@ class QueueTasks(Extension):
         if result.is_error or not isinstance(task_id, str):
             return result
         try:
-            task = await anyio.to_thread.run_sync(store.get_task, task_id)
+            task = await anyio.to_thread.run_sync(task_views.shown_task, task_id)
         except store.TaskStoreError:
             # The task is queued (the handle must not come before that); a queue that cannot be
             # read back this moment still owes the caller the submit's own result.
@@ -179,7 +180,7 @@ class QueueTasks(Extension):
         while task["status"] not in store.TERMINAL:
             if task["status"] == "waiting" and question_key(task) not in asked and _can_elicit(ctx):
                 asked.add(question_key(task))       # each question once: a decline leaves it to answer_task
-                await _ask_on_result_stream(ctx, task)
+                await _ask_while_waiting(ctx, task)
             await anyio.sleep(RESULT_POLL_SEC)
             task = await _store_call(store.get_task, task["id"])
         if task["status"] == "cancelled":
@@ -221,7 +222,7 @@ class QueueTasks(Extension):
         if result.get("isError") or not isinstance(task_id, str):
             return result
         try:
-            task = await anyio.to_thread.run_sync(store.get_task, task_id)
+            task = await anyio.to_thread.run_sync(task_views.shown_task, task_id)
         except store.TaskStoreError:
             return result
         return {"task": legacy_view(task)}
@@ -290,6 +291,23 @@ async def _ask_on_result_stream(ctx: ServerRequestContext[Any, Any], task: dict[
         log.info("tasks/result could not ask %s's question (%s): left to answer_task", task["id"], exc)
 
 
+async def _ask_while_waiting(ctx: ServerRequestContext[Any, Any], task: dict[str, Any]) -> None:
+    """``_ask_on_result_stream`` for as long as the question stands: the form is given up (its
+    reply no longer awaited) once the task is answered elsewhere (answer_task, the CLI, another
+    client) or ends, so tasks/result returns with the task, not with the person's form."""
+    async with anyio.create_task_group() as group:
+        async def ask() -> None:
+            await _ask_on_result_stream(ctx, task)
+            group.cancel_scope.cancel()
+        group.start_soon(ask)
+        while True:
+            await anyio.sleep(RESULT_POLL_SEC)
+            now = await _store_call(store.get_task, task["id"])
+            if now["status"] != "waiting" or question_key(now) != question_key(task):
+                group.cancel_scope.cancel()
+                return
+
+
 def _require_declared(ctx: ServerRequestContext[Any, Any]) -> None:
     # On 2025-11-25 the server's ``tasks`` capability is the whole negotiation.
     if ctx.protocol_version != LEGACY and not declares_tasks(ctx):
@@ -305,9 +323,11 @@ async def _task(ctx: ServerRequestContext[Any, Any], task_id: str) -> dict[str, 
 
 
 async def _store_call(fn: Any, *args: Any) -> Any:
-    """Run a store function off the event loop; its refusals become the protocol's -32602."""
+    """Run a store function off the event loop; what it returns as it may be shown (task_views.shown:
+    TaskBridge's secrets redacted, as every tool shows a task); its refusals become the protocol's
+    -32602."""
     try:
-        return await anyio.to_thread.run_sync(fn, *args)
+        return task_views.shown(await anyio.to_thread.run_sync(fn, *args))
     except (store.TaskNotFound, store.ValidationError, store.InvalidTransition) as exc:
         raise MCPError(INVALID_PARAMS, str(exc)) from None
 

@@ -527,3 +527,56 @@ def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
         final["structuredContent"]["status"] == "done"
         and final["structuredContent"]["result"]["summary"] == "MIT it is"
     )
+
+
+async def test_task_text_is_redacted_as_every_tool_shows_it(wd, monkeypatch):
+    """A question or an error carrying one of TaskBridge's secrets (the agent's word) reaches the
+    client redacted in statusMessage, the form's message and tasks/get's error, as get_task shows it."""
+    secret = "tbk_SuperSecretValue0123456789"
+    monkeypatch.setenv("MCP_BEARER_TOKEN", secret)
+    async with in_memory(extensions=[PollingTasks()]) as c:
+        first, second = await submit(c, wd), await submit(c, wd, title="second")
+        task_store.pause_for_question(first.task_id, claim(first.task_id), f"paste {secret} here?")
+        task_store.fail_attempt(second.task_id, claim(second.task_id), f"auth failed with {secret}",
+                                retryable=False)
+        waiting, failed = await get(c, first.task_id), await get(c, second.task_id)
+    wire = json.dumps([waiting, failed])
+    assert secret not in wire
+    assert "[redacted: bearer token]" in waiting["statusMessage"]
+    [request] = waiting["inputRequests"].values()
+    assert request["params"]["message"] == "paste [redacted: bearer token] here?"
+    assert "[redacted: bearer token]" in failed["error"]["message"]
+
+
+def test_legacy_a_blocked_result_returns_when_the_question_is_answered_elsewhere(wd, bearer):
+    """The client got the form and never answers it; the planner answers with answer_task and the
+    task finishes: tasks/result returns the result instead of waiting on the form."""
+    def answer_elsewhere_then_finish() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not asked:
+            time.sleep(0.05)
+        task_store.answer_task("t_0001", "MIT", "planner")
+        task_store.complete_attempt("t_0001", claim("t_0001"), result={"summary": "MIT it is"}, diff="",
+                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+
+    asked: list[dict[str, Any]] = []
+    final = None
+    with serving() as base, httpx2.Client(base_url=base, timeout=60, headers={
+            "Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}) as http:
+        session = LegacySession(http, capabilities={"elicitation": {"form": {}}})
+        session.call("tools/call", {"name": "submit_task", "arguments": args(wd), "task": {}})
+        task_store.pause_for_question("t_0001", claim("t_0001"), "Which license?")
+        threading.Thread(target=answer_elsewhere_then_finish, daemon=True).start()
+        body = {"jsonrpc": "2.0", "id": 99, "method": "tasks/result", "params": {"taskId": "t_0001"}}
+        with http.stream("POST", "/mcp", json=body, headers=session.headers) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                message = json.loads(line[5:])
+                if message.get("method") == "elicitation/create":
+                    asked.append(message["params"])     # and never answered
+                elif message.get("id") == 99:
+                    final = message["result"]
+                    break
+    assert [a["message"] for a in asked] == ["Which license?"]
+    assert final is not None and final["structuredContent"]["result"]["summary"] == "MIT it is"
