@@ -106,18 +106,20 @@ async def follow(send: Send) -> None:
     """Send a notice (``send(params)``) for each end or ask recorded after this call starts,
     forever (the caller cancels it). A store error is logged once, then read again every
     ``RETRY_SEC`` until the store answers (logged again when it does)."""
-    cursor: int | None = None
+    cursor: list[int] = []   # the last event seen, moved as each is sent: a failure midway resends none
     failing = False
     while True:
         try:
-            if cursor is None:
-                cursor = await anyio.to_thread.run_sync(store.last_event_id)
-            with store.change_watch() as watch:
+            if not cursor:
+                cursor.append(await anyio.to_thread.run_sync(store.last_event_id))
+            # Opened off the event loop: on PostgreSQL the watch is a connection of its own, whose
+            # connect may wait on a server that is down (every session would stall with it).
+            with await anyio.to_thread.run_sync(store.change_watch) as watch:
                 if failing:
                     log.info("channel push: the task store answers again")
                     failing = False
                 while True:
-                    cursor = await _push_new(send, cursor)
+                    await _push_new(send, cursor)
                     await _changed(watch, _poll_sec())
         except (store.TaskStoreError, OSError) as exc:
             if not failing:
@@ -127,17 +129,18 @@ async def follow(send: Send) -> None:
             await anyio.sleep(RETRY_SEC)
 
 
-async def _push_new(send: Send, cursor: int) -> int:
-    """Send the notices of the events after ``cursor``; returns the new cursor."""
+async def _push_new(send: Send, cursor: list[int]) -> None:
+    """Send the notices of the events after ``cursor[0]``, moving it past each event once its
+    notice is sent (a store error midway leaves it at the last one sent)."""
     while True:
-        events = await anyio.to_thread.run_sync(store.events_since, cursor, None, EVENTS_READ)
+        events = await anyio.to_thread.run_sync(store.events_since, cursor[0], None, EVENTS_READ)
         for event in events:
             if event["kind"] in ENDED or event["kind"] in ASKED:
                 task = await anyio.to_thread.run_sync(_task_or_none, event["task_id"])
                 await send(notice(event, task))
-            cursor = event["id"]
+            cursor[0] = event["id"]
         if len(events) < EVENTS_READ:
-            return cursor
+            return
 
 
 async def _changed(watch: Any, timeout: float) -> None:
