@@ -452,7 +452,7 @@ class Meter:
             current().outage.failed(exc)
             self.owed = True
             return
-        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable,
+        except (store.DatabaseUnusable, store.StorageFault, OSError, store.DatabaseUnavailable,
                 store.DatabaseBusy) as exc:   # the meter never fails a run
             if db_outage(exc) and not last:
                 current().outage.failed(exc)   # said once for the worker; recorded with the next step
@@ -499,7 +499,8 @@ class Meter:
             return
         try:
             self.budget = store.budget_state()
-        except (store.DatabaseUnusable, OSError, store.DatabaseUnavailable, store.DatabaseBusy):
+        except (store.DatabaseUnusable, store.StorageFault, OSError, store.DatabaseUnavailable,
+                store.DatabaseBusy):   # a read the disk refused: the allowance stays as it was
             return
         self.write_gate()
 

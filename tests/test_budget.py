@@ -272,3 +272,24 @@ def test_a_cancelled_then_retried_paused_task_is_not_shown_as_paused(tmp_path):
     task_store.cancel_task(task["id"])
     task_store.retry_task(task["id"])
     assert task_store.claim_next("w", task_id=task["id"])["paused_for"] is None
+
+
+@pytest.mark.parametrize("fault", ["DiskFull", "ReadOnlyStorage"])
+def test_a_refresh_the_disk_refuses_keeps_the_allowance_and_the_run(tmp_path, monkeypatch, fault):
+    """store_sqlite maps a read's 'disk is full' or read-only mount to a StorageFault: the meter's
+    refresh keeps the gate it had instead of ending the run as a worker error."""
+    import worker
+    task_store.set_budget(daily_usd=1.0)
+    mine = submit(tmp_path, max_cost_usd=0.5)
+    claimed = task_store.claim_next("w", task_id=mine["id"]) | {"usage": {"cost_usd": 0.1, "tokens": {"total": 5}}}
+    gate = worker.fresh_run_folder(mine["id"]) / "control" / "gate"
+    meter = worker.Meter(claimed, str(gate))
+    before = gate.read_text()
+
+    def refused():
+        raise getattr(task_store, fault)(f"{fault}: the disk under the queue refused it")
+
+    monkeypatch.setattr(task_store, "budget_state", refused)
+    meter.refresh()
+    assert gate.read_text() == before
+    meter.close()
