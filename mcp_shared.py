@@ -50,6 +50,7 @@ from mcp.types import (
     ToolAnnotations,
 )
 
+import os_faults
 import task_store
 import task_views
 
@@ -138,11 +139,15 @@ def nul_argument(value: Any, where: str = "") -> str | None:
 
 
 def database_problem(exc: BaseException) -> str | None:
-    """The message for a failure of the queue database itself (the store's DatabaseUnusable,
-    DatabaseCorrupt or DatabaseBusy: its text names the file and the way out); None for any
-    other failure. The store sorts its driver's errors; nothing here reads their words."""
+    """The message for a failure of the queue's storage itself: the store's DatabaseUnusable,
+    DatabaseCorrupt or DatabaseBusy (its text names the file and the way out), or an OSError the
+    OS raised on one of its files (a task log, the heartbeat file), named by os_faults in one line;
+    None for any other failure. The store sorts its driver's errors; nothing here reads their words."""
     if isinstance(exc, (task_store.DatabaseUnusable, task_store.DatabaseBusy)):
         return str(exc)
+    if isinstance(exc, OSError):
+        fault = os_faults.describe(exc)
+        return fault.line if fault else None
     return None
 
 

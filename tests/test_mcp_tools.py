@@ -973,3 +973,16 @@ async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
     said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(empty)])
     assert said.exit_code != 0 and "no commits" in said.output and "Traceback" not in said.output
     assert task_store.counts().get("pending", 0) == 0
+
+
+@pytest.mark.anyio
+async def test_a_log_file_the_os_refuses_is_named_not_an_internal_error(wd):
+    """A task log the OS will not read (here a folder where the file should be) is named in one
+    line with the path, as the CLI names it; it was 'failed with an internal error'."""
+    async with client() as c:
+        task = await call_tool(c, "submit_task", task_args(wd))
+        path = task_store.log_path(task["id"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+        text = await tool_error(c, "get_task_logs", {"task_id": task["id"]})
+    assert "internal error" not in text and str(path) in text, text
