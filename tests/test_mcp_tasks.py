@@ -11,6 +11,7 @@ import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
@@ -490,23 +491,20 @@ def test_legacy_calls_without_a_task_and_older_protocols_are_unchanged(wd, legac
     assert refused.value.code == -32601
 
 
-def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
-    """A 2025-11-25 client that declared elicitation gets the agent's question as a form on its
-    tasks/result stream; its answer resumes the task, and the stream ends with the result."""
-    def finish_when_answered() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and task_store.get_task("t_0001")["status"] != "pending":
-            time.sleep(0.05)
-        task_store.complete_attempt("t_0001", claim("t_0001"), result={"summary": "MIT it is"}, diff="",
-                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
-
+def blocked_result(wd: str, after_question: Callable[[list[dict[str, Any]]], None],
+                   answer: str | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A 2025-11-25 client that declared elicitation submits t_0001 as a task; the task asks
+    "Which license?" and ``after_question(asked)`` runs in a thread while the client blocks in
+    tasks/result, answering each form with ``answer`` (None: never). Returns (the forms asked,
+    tasks/result's result or None)."""
+    asked: list[dict[str, Any]] = []
+    final = None
     with serving() as base, httpx2.Client(base_url=base, timeout=60, headers={
             "Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}) as http:
         session = LegacySession(http, capabilities={"elicitation": {"form": {}}})
         session.call("tools/call", {"name": "submit_task", "arguments": args(wd), "task": {}})
         task_store.pause_for_question("t_0001", claim("t_0001"), "Which license?")
-        threading.Thread(target=finish_when_answered, daemon=True).start()
-        asked, final = [], None
+        threading.Thread(target=after_question, args=(asked,), daemon=True).start()
         body = {"jsonrpc": "2.0", "id": 99, "method": "tasks/result", "params": {"taskId": "t_0001"}}
         with http.stream("POST", "/mcp", json=body, headers=session.headers) as stream:
             for line in stream.iter_lines():
@@ -515,18 +513,35 @@ def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
                 message = json.loads(line[5:])
                 if message.get("method") == "elicitation/create":
                     asked.append(message["params"])
-                    reply = {"jsonrpc": "2.0", "id": message["id"],
-                             "result": {"action": "accept", "content": {"answer": "MIT"}}}
-                    assert http.post("/mcp", json=reply, headers=session.headers).status_code == 202
+                    if answer is not None:
+                        reply = {"jsonrpc": "2.0", "id": message["id"],
+                                 "result": {"action": "accept", "content": {"answer": answer}}}
+                        assert http.post("/mcp", json=reply, headers=session.headers).status_code == 202
                 elif message.get("id") == 99:
                     final = message["result"]
                     break
+    return asked, final
+
+
+def _finish_t_0001() -> None:
+    task_store.complete_attempt("t_0001", claim("t_0001"), result={"summary": "MIT it is"}, diff="",
+                                usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+
+
+def test_legacy_a_question_is_asked_on_the_blocked_result_stream(wd, bearer):
+    """A 2025-11-25 client that declared elicitation gets the agent's question as a form on its
+    tasks/result stream; its answer resumes the task, and the stream ends with the result."""
+    def finish_when_answered(_asked: list[dict[str, Any]]) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and task_store.get_task("t_0001")["status"] != "pending":
+            time.sleep(0.05)
+        _finish_t_0001()
+
+    asked, final = blocked_result(wd, finish_when_answered, "MIT")
     assert [a["message"] for a in asked] == ["Which license?"]
     assert task_store.get_task("t_0001")["questions"][-1]["answer"] == "MIT"
-    assert (
-        final["structuredContent"]["status"] == "done"
-        and final["structuredContent"]["result"]["summary"] == "MIT it is"
-    )
+    assert final is not None and final["structuredContent"]["status"] == "done"
+    assert final["structuredContent"]["result"]["summary"] == "MIT it is"
 
 
 async def test_task_text_is_redacted_as_every_tool_shows_it(wd, monkeypatch):
@@ -551,32 +566,13 @@ async def test_task_text_is_redacted_as_every_tool_shows_it(wd, monkeypatch):
 def test_legacy_a_blocked_result_returns_when_the_question_is_answered_elsewhere(wd, bearer):
     """The client got the form and never answers it; the planner answers with answer_task and the
     task finishes: tasks/result returns the result instead of waiting on the form."""
-    def answer_elsewhere_then_finish() -> None:
+    def answer_elsewhere_then_finish(asked: list[dict[str, Any]]) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not asked:
             time.sleep(0.05)
         task_store.answer_task("t_0001", "MIT", "planner")
-        task_store.complete_attempt("t_0001", claim("t_0001"), result={"summary": "MIT it is"}, diff="",
-                                    usage={"tokens": {"input": 1, "output": 1}, "cost_usd": 0.0})
+        _finish_t_0001()
 
-    asked: list[dict[str, Any]] = []
-    final = None
-    with serving() as base, httpx2.Client(base_url=base, timeout=60, headers={
-            "Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}) as http:
-        session = LegacySession(http, capabilities={"elicitation": {"form": {}}})
-        session.call("tools/call", {"name": "submit_task", "arguments": args(wd), "task": {}})
-        task_store.pause_for_question("t_0001", claim("t_0001"), "Which license?")
-        threading.Thread(target=answer_elsewhere_then_finish, daemon=True).start()
-        body = {"jsonrpc": "2.0", "id": 99, "method": "tasks/result", "params": {"taskId": "t_0001"}}
-        with http.stream("POST", "/mcp", json=body, headers=session.headers) as stream:
-            for line in stream.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                message = json.loads(line[5:])
-                if message.get("method") == "elicitation/create":
-                    asked.append(message["params"])     # and never answered
-                elif message.get("id") == 99:
-                    final = message["result"]
-                    break
+    asked, final = blocked_result(wd, answer_elsewhere_then_finish, None)
     assert [a["message"] for a in asked] == ["Which license?"]
     assert final is not None and final["structuredContent"]["result"]["summary"] == "MIT it is"
