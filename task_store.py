@@ -3071,6 +3071,16 @@ def _limit_reached(row: sqlite3.Row) -> str | None:
     return None
 
 
+def limit_example(unit: str, spent: float, limit: float | None = None) -> float | int:
+    """A new limit to suggest for a task stopped at its spending limit: twice the larger of what
+    it has spent and its old limit, so it is always above the spend (which answer_task requires).
+    ``unit`` is "usd" (``spent``/``limit`` in USD; returns USD, at least 0.01) or "tokens"
+    (returns a whole count). The question the worker asks and the refusal of a too-low answer
+    both suggest this figure."""
+    base = max(spent, limit or 0) * 2
+    return max(round(base, 2), 0.01) if unit == "usd" else int(base)
+
+
 def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
     """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent. Raises
     ValidationError when ``amount`` is not a valid limit above what the task has spent, or None."""
@@ -3084,7 +3094,7 @@ def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | No
         spent = float(usage.get("cost_usd") or 0) + (row["run_cost_usd"] if row["status"] == "running" else 0)
         if usd is None or usd <= spent:
             raise ValidationError(f"task {name} has already spent ${spent:.4f}; give a limit above that "
-                                  f"(for example ${max(spent * 2, 0.01):.2f}) or answer stop")
+                                  f"(for example ${limit_example('usd', spent):.2f}) or answer stop")
         conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (usd, row["id"]))
         return f"${usd:.4f}"
     count = coerce_tokens("the new token limit", int(amount))
@@ -3092,7 +3102,7 @@ def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | No
              + (row["run_tokens"] if row["status"] == "running" else 0))
     if count is None or count <= spent:
         raise ValidationError(f"task {name} has already used {spent:,} tokens; give a limit above that "
-                              f"(for example {spent * 2:,} tokens) or answer stop")
+                              f"(for example {limit_example('tokens', spent):,} tokens) or answer stop")
     conn.execute("UPDATE tasks SET max_tokens = ? WHERE id = ?", (count, row["id"]))
     return f"{count:,} tokens"
 

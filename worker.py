@@ -1928,10 +1928,10 @@ def limit_question(task: dict, run: RunResult) -> str:
                "'continue' to resume the same session, or answer 'stop' to fail the task with its receipt kept.")
     else:
         head = f"Spending limit reached: {name} has {paused['reason']} ({usage})."
-        more = f"${max(paused['limit'] * 2, 0.01):.2f}" if paused["unit"] == "usd" else \
-            f"{paused['limit'] * 2:,} tokens"
-        cli = f"`tasks_cli.py budget raise {name} {more.lstrip('$')}`" if paused["unit"] == "usd" else \
-            f"`tasks_cli.py budget raise {name} --tokens {paused['limit'] * 2}`"
+        figure = store.limit_example(paused["unit"], paused["spent"], paused["limit"])
+        more = f"${figure:.2f}" if paused["unit"] == "usd" else f"{figure:,} tokens"
+        cli = f"`tasks_cli.py budget raise {name} {figure:.2f}`" if paused["unit"] == "usd" else \
+            f"`tasks_cli.py budget raise {name} --tokens {figure}`"
         way = (f"Answer 'continue, up to {more}' (or run {cli}) to resume the same session, or "
                "'stop' to fail the task with its receipt kept.")
     doing = _last_activity(stream)

@@ -293,3 +293,34 @@ def test_a_refresh_the_disk_refuses_keeps_the_allowance_and_the_run(tmp_path, mo
     meter.refresh()
     assert gate.read_text() == before
     meter.close()
+
+
+@pytest.mark.parametrize("unit, limits, spend", [("tokens", {"max_tokens": 100}, (0.01, 1050)),
+                                                  ("usd", {"max_cost_usd": 0.01}, (0.25, 10))])
+def test_the_limit_question_suggests_answers_the_queue_takes(tmp_path, unit, limits, spend):
+    # A step can overshoot a limit many times over (1,050 tokens of 100): the question's suggested
+    # answer and its CLI command must both name a limit above the spend, which answer_task requires.
+    import re
+
+    import opencode_runner as oc
+    import worker
+    cost, tokens = spend
+    for way in ("answer", "cli"):
+        task = submit(tmp_path, **limits)
+        claimed = task_store.claim_next("w", task_id=task["id"])
+        task_store.record_spend(task["id"], claimed["run_marker"], cost, tokens, cost, tokens)
+        limit = limits.get("max_tokens") or limits["max_cost_usd"]
+        spent = tokens if unit == "tokens" else cost
+        run = worker.RunResult(oc.EventStream())
+        run.paused = {"kind": "task_limit", "unit": unit, "spent": spent, "limit": limit, "reason": "over"}
+        question = worker.limit_question(task, run)
+        task_store.pause_for_question(task["id"], claimed["run_marker"], question, session_id="ses_1",
+                                      result={"summary": "so far"}, paused_for="task_limit",
+                                      usage={"tokens": {"total": tokens}, "cost_usd": cost, "steps": 1})
+        if way == "answer":
+            task_store.answer_task(task["id"], re.search(r"Answer '([^']+)'", question).group(1))
+        else:
+            argv = re.search(r"`tasks_cli.py (budget raise [^`]+)`", question).group(1).split()
+            out = CliRunner().invoke(tasks_cli.cli, ["--db", str(task_store.db_path()), *argv])
+            assert out.exit_code == 0, out.output
+        assert task_store.get_task(task["id"])["status"] == "pending", question
