@@ -107,6 +107,11 @@ class Flags:
             self.stop_now = True
         self.stopping = True
 
+    def stop_reason(self) -> str:
+        """Why the task in hand goes back unfinished, as the requeue event and ``show`` say it."""
+        return "worker stopped (Ctrl-C or SIGTERM)" if self.at_once else \
+            "worker stopped at once (a second Ctrl-C or SIGTERM)"
+
 
 def _on_signal(_signum: int, _frame: Any) -> None:   # the signal module's handler signature
     current().flags.signalled()
@@ -1664,7 +1669,7 @@ def _stopped_early(task: dict, phases: Phases, message: str, ws: Workspace | Non
         return None
     if phases.interrupted:
         return _finish(store.requeue_attempt, task, task["run_marker"],
-                       "worker stopped at once (second signal) while preparing; handed back", count_attempt=False)
+                       f"{current().flags.stop_reason()} while preparing; handed back", count_attempt=False)
     return _finish(store.fail_attempt, task, task["run_marker"], message)
 
 
@@ -1803,7 +1808,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
     if not task["worktree_keep"] and (run.interrupted or reason is not None):
         _remove(ws, receipt)
     if run.interrupted:
-        return _finish(store.requeue_attempt, task, marker, "worker stopped at once (second signal); handed back",
+        return _finish(store.requeue_attempt, task, marker, f"{current().flags.stop_reason()}; handed back",
                        count_attempt=False)
     if run.limited is not None:
         return _pause_at_limit(task, run, model, receipt, usage, phases.knobs)

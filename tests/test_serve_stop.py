@@ -90,6 +90,7 @@ def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_pat
     said = "".join(lines)
     after = task_store.get_task(task["id"])
     assert after["status"] == "pending" and after["handbacks"] == 1 and after["attempts"] == 1, said
+    assert after["error"] == "worker stopped (Ctrl-C or SIGTERM); handed back", "one signal, not 'second signal'"
     assert said.count(f"stopping now: ending the run of {task['id']}") == 1, said
     assert "Ctrl-C again" not in said, said
 

@@ -215,7 +215,8 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     proc.communicate(timeout=30)
     assert proc.returncode == 0
     after = task_store.get_task(second["id"])
-    assert after["status"] == "pending" and "handed back" in after["error"]
+    assert after["status"] == "pending"
+    assert after["error"] == "worker stopped at once (a second Ctrl-C or SIGTERM); handed back"
     assert after["attempts"] == 1 and after["handbacks"] == 1
     # By pid *and* start time: a recycled pid now owned by another program is not our agent.
     agent = process_tree.same_process(running["agent_pid"], running["agent_pid_start"])
