@@ -518,6 +518,19 @@ def _public_host(sup: Services, port: int, tunnel_kind: str, env: dict[str, str]
     return host
 
 
+def how_it_ended(code: int) -> str:
+    """How a child serve.py started ended, from its exit status (``Popen.returncode``, negative
+    for a signal): 'was killed by SIGKILL (…)' or 'stopped by itself (status 1); its message is
+    above'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (a kill, or the kernel out of memory: it printed nothing)"
+    return f"stopped by itself (status {code}); its message is above"
+
+
 def _serve(sup: Services, port: int, tunnel_kind: str, token: str) -> int:
     env = dict(os.environ)
     host = None
@@ -558,14 +571,14 @@ def _serve(sup: Services, port: int, tunnel_kind: str, token: str) -> int:
             # database that refuses it at start, a kill), the server and the board keep serving
             # (tasks wait in the queue) and the worker is started again, with back-off.
             pause = WORKER_RESTART_SEC[0] if time.monotonic() - started_at > WORKER_SETTLED_SEC else pause
-            say(f"the worker stopped by itself (status {ended[1]}); its message is above. The server and the "
+            say(f"the worker {how_it_ended(ended[1])}. The server and the "
                 f"board go on; starting the worker again in {pause} s")
             del sup.children["worker"]
             worker_again = time.monotonic() + pause
             pause = min(pause * 2, WORKER_RESTART_SEC[1])
         elif ended:
             name, code = ended
-            say(f"the {name} stopped by itself (status {code}); its message is above. Stopping everything.")
+            say(f"the {name} {how_it_ended(code)}. Stopping everything.")
             status = 1
             break
     print_events(cursor)
