@@ -244,6 +244,21 @@ async def _plain(send: Any, status: int, body: dict[str, Any], headers: Sequence
     await send({"type": "http.response.body", "body": data})
 
 
+
+def host_refusal(count: int, parsed: tuple[str, str | None] | None) -> str:
+    """The 421's one line: the refused name and the knob that allows it, or what is malformed
+    about the Host header (``count`` Host headers were sent; ``parsed`` is parse_host's answer for
+    the one, None when malformed). A malformed value is never echoed; a parsed name holds only
+    the characters a host name may."""
+    if parsed is not None:
+        return (f"the Host {parsed[0]!r} is not on this server's allowlist; if it is yours, add it to "
+                "MCP_ALLOWED_HOSTS (comma-separated names) and restart")
+    if count != 1:
+        return f"a request needs exactly one Host header ({count} sent)"
+    return ("the Host header is malformed: a host name or IP address, then optionally ':' and a port "
+            "of at most 65535")
+
+
 class HostGuard:
     """Pure ASGI: 421 for a malformed Host or one outside the allowlist, on every route. The Host
     header goes on in its canonical form (lower case, ``name`` or ``name:port``), so the SDK's own
@@ -260,8 +275,7 @@ class HostGuard:
         parsed = parse_host(values[0]) if len(values) == 1 else None
         if parsed is None or parsed[0] not in self.hosts:
             log.warning("refused a request for a Host outside the allowlist (421)")
-            return await _plain(send, 421, {"error": "this Host is not allowed (a host name, then optionally "
-                                                     "':' and a port of digits); add the name to MCP_ALLOWED_HOSTS"})
+            return await _plain(send, 421, {"error": host_refusal(len(values), parsed)})
         canonical = (parsed[0] if parsed[1] is None else f"{parsed[0]}:{parsed[1]}").encode("latin-1")
         scope = dict(scope, headers=[(k, canonical if k == b"host" else v) for k, v in headers])
         await self.app(scope, receive, send)
