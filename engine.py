@@ -161,10 +161,13 @@ class Engine:
         self.port = port or free_port()
         argv = [binary, "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
                 "--print-logs", "--log-level", "WARN"]
-        env = {**self.env, "OPENCODE_SERVER_PASSWORD": self.password, ENGINE_ENV: self.tag, "PWD": self.cwd}
-        env.pop("OPENCODE_SERVER_USERNAME", None)
+        env = {**self.env, "PWD": self.cwd}
         if self.box:
             argv, env = self.box(argv, env)
+        # Set after the box has had its say: an allowlisting box must not drop the password or the
+        # tag the stop's sweep finds every process by.
+        env = {**env, "OPENCODE_SERVER_PASSWORD": self.password, ENGINE_ENV: self.tag}
+        env.pop("OPENCODE_SERVER_USERNAME", None)
         fd, log = tempfile.mkstemp(prefix="opencode-serve-", suffix=".log")
         self.log_path = Path(log)
         with os.fdopen(fd, "wb") as log_file:

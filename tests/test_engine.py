@@ -16,10 +16,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+import agent_box
 import engine
 import opencode_runner
+import worktrees
 from fake_openai import default_usage, hang, text, tool_call
-from helpers import make_repo
+from helpers import git, make_repo
 
 MODEL = "fake/model"
 
@@ -147,6 +149,64 @@ def test_stop_leaves_no_process_and_a_dead_server_breaks_the_stream(opencode, tm
     gone, alive = psutil.wait_procs(procs, timeout=5)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     assert not engine.process_tree.tagged_processes({engine.ENGINE_ENV: eng.tag})
+
+
+def test_a_permission_ask_is_held_until_the_engine_replies(opencode, tmp_path):
+    """A session whose ruleset says ``ask`` for bash waits at the call (what a headless `opencode
+    run` cannot do); the reply lets the command run."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("ask", [
+        tool_call("bash", {"command": "echo ran > {cwd}/asked.txt", "description": "asked"}),
+        text("done"),
+    ])
+    rules = [{"permission": "bash", "pattern": "*", "action": "ask"}]
+    with start_engine(opencode, repo) as eng:
+        session_id = eng.create_session(str(repo), "br-ask", rules)
+        with eng.events(str(repo)) as stream:
+            eng.prompt(session_id, str(repo), "SCRIPT:ask", model=MODEL)
+            seen = []
+            for event in stream.follow(session_id):
+                seen.append(event["type"])
+                if event["type"] == "permission_asked":
+                    assert event["request"]["permission"] == "bash"
+                    assert not (repo / "asked.txt").exists()
+                    eng.reply_permission(event["request"]["id"], str(repo), "once")
+    assert "permission_asked" in seen
+    assert (repo / "asked.txt").read_text() == "ran\n"
+
+
+def test_a_boxed_engine_writes_only_its_own_worktree(opencode, tmp_path):
+    """The engine in the agent box of one worktree (the binds a worker run gets): its sessions
+    write there, and neither another task's worktree nor the user's checkout, even with OpenCode's
+    own rules allowing everything (the box, not the rules, holds)."""
+    if agent_box.support().mechanism != "bubblewrap":
+        pytest.skip(f"no bubblewrap box here: {agent_box.support().reason}")
+    repo = make_repo(tmp_path / "repo")
+    mine, other = (worktrees.worktree_root() / name for name in ("repo-t_0001", "repo-t_0002"))
+    for n, tree in enumerate((mine, other), 1):
+        git(repo, "worktree", "add", "-q", "-b", f"taskbridge/t_000{n}", str(tree))
+    run = tmp_path / "q" / "task_logs" / "t_0001.run"
+    for sub in ("control", "reply", "tmp", "objects"):
+        (run / sub).mkdir(parents=True)
+    env = opencode_runner.run_env(agent_box.agent_env(opencode.env, MODEL), str(mine), "br-box", "q", "auto")
+    plan = agent_box.plan_for(worktrees.Workspace(mode="worktree", cwd=str(mine), top=str(mine), repo=str(repo)),
+                              env, "auto", run)
+    steal = f"echo x > {other}/stolen.txt; echo x > {repo}/stolen.txt; echo done"
+    opencode.model.script("box", [
+        tool_call([("write", {"filePath": "{cwd}/mine.txt", "content": "ok\n"}),
+                   ("bash", {"command": steal, "description": "steal"})]),
+        text("done"),
+    ])
+    everything = [{"permission": "*", "pattern": "*", "action": "allow"}]
+    box = lambda argv, e: (agent_box.bwrap_argv(plan, argv), {**e, "TMPDIR": "/tmp"})  # noqa: E731
+    with engine.Engine(env, str(mine), box=box).start() as eng:
+        session_id = eng.create_session(str(mine), "br-box", everything)
+        with eng.events(str(mine)) as stream:
+            eng.prompt(session_id, str(mine), "SCRIPT:box", model=MODEL)
+            calls = [e for e in stream.follow(session_id) if e["type"] == "tool_use"]
+    assert (mine / "mine.txt").read_text() == "ok\n"
+    assert len(calls) == 2
+    assert not (other / "stolen.txt").exists() and not (repo / "stolen.txt").exists()
 
 
 def test_a_taken_port_is_named_in_one_line(opencode, tmp_path):
