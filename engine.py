@@ -282,6 +282,12 @@ class Engine:
         killed by OpenCode. Raises as ``request``."""
         self.request("POST", f"/session/{session_id}/abort", directory=directory)
 
+    def release(self, directory: str) -> None:
+        """Unload ``directory`` from the server (``POST /instance/dispose``): its project state, file
+        watcher and LSP go; a later session there loads it again (seconds). Call it when a task's
+        worktree is done with, or every folder stays loaded. Raises as ``request``."""
+        self.request("POST", "/instance/dispose", directory=directory, timeout=max(self.request_timeout, 30))
+
     def reply_permission(self, request_id: str, directory: str, reply: str) -> None:
         """Answer a permission ask (``permission_asked`` event's ``id``) with ``once``, ``always`` or
         ``reject``. Raises as ``request``."""

@@ -164,7 +164,11 @@ def trials(model: TimedModel, eng: engine.Engine, env: dict[str, str], repo: Pat
             else:
                 before = eng.rss()
                 got = warm(model, eng, new_worktree(repo, name), name)
+                folder = repo.parent / "wt" / name
                 got["added_rss"] = eng.rss() - before
+                eng.release(str(folder))
+                time.sleep(1)
+                got["released_rss"] = eng.rss() - before
             if n:
                 results[kind].append(got)
     return results
@@ -196,7 +200,8 @@ def report(results: dict[str, Any]) -> None:
               f"(from session create {med(rows, 'first_from_create') * 1000:.0f} ms), "
               f"prompt → done {med(rows, 'done'):.2f} s (from create {med(rows, 'done_from_create'):.2f} s), "
               f"{med(rows, 'done_from_create') / med(c, 'done'):.2f}× the cold run")
-    print(f"a new worktree adds {med(n, 'added_rss') / MB:.0f} MB to the engine")
+    print(f"a new worktree adds {med(n, 'added_rss') / MB:.0f} MB to the engine; "
+          f"{med(n, 'released_rss') / MB:.0f} MB stay after `release` (POST /instance/dispose)")
     print(f"engine idle RSS (whole tree): {results['idle'] / MB:.0f} MB; "
           f"after the trials: {results['after'] / MB:.0f} MB")
     if "four" in results:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -76,6 +78,8 @@ def test_a_session_writes_through_the_model_and_reports_its_usage(opencode, tmp_
         with eng.events(str(repo)) as stream:
             eng.prompt(session_id, str(repo), "SCRIPT:write please", model=MODEL)
             events = follow_all(stream, session_id)
+        eng.release(str(repo))   # unloaded; a later session there loads it again
+        assert eng.create_session(str(repo), "br-1-a2").startswith("ses_")
     assert (repo / "hello.txt").read_text() == "hi\n"
     run = opencode_runner.EventStream()
     for event in events:
@@ -120,6 +124,15 @@ def test_abort_ends_a_slow_model_turn_and_kills_the_bash_child(opencode, tmp_pat
         psutil.wait_procs([child], timeout=10)
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
         assert eng.health()["healthy"]   # the server itself goes on
+        # A server that stops answering (frozen here) is named within the timeouts, not waited on.
+        stream = eng.events(str(repo), read_timeout=3)
+        os.kill(eng.proc.pid, signal.SIGSTOP)
+        with pytest.raises(engine.EngineGone, match="did not answer"):
+            eng.health(timeout=1)
+        with pytest.raises(engine.EngineGone, match="silent"):
+            follow_all(stream, shell)
+        stream.close()
+    assert not eng.alive()   # the stop ends a frozen server too
 
 
 def test_stop_leaves_no_process_and_a_dead_server_breaks_the_stream(opencode, tmp_path):
