@@ -9,8 +9,9 @@ opened (session create → first request, prompt → first request, prompt → i
 engine in a new worktree of the repository it has not opened (the same, plus the RSS it adds).
 The task is small: one write tool call, then the answer (2 model calls). Medians are printed, and
 the engine's start time and idle RSS (its whole tree). ``--box``: the engine runs in the agent
-box (bubblewrap) of the first worktree, the binds a worker run gets. ``--four``: four sessions at
-once in one engine (four new worktrees), its peak RSS against four bare runs' peaks.
+box (bubblewrap) of the first worktree, the binds a worker run gets (the new-worktree trials are
+skipped: that box hides every other worktree). ``--four``: four sessions at once in one engine
+(four new worktrees), its peak RSS against four times one bare run's peak.
 Env: none of its own (everything lives in a temporary folder; the pinned opencode is used).
 """
 from __future__ import annotations
@@ -150,10 +151,11 @@ def box_for(folder: Path, env: dict[str, str]) -> engine.Box:
 
 def trials(model: TimedModel, eng: engine.Engine, env: dict[str, str], repo: Path, count: int,
            opened: Path) -> dict[str, list[dict[str, float]]]:
-    """``count`` rounds of (cold, warm in ``opened``, warm in a new worktree), in random order."""
+    """``count`` rounds of (cold, warm in ``opened``, warm in a new worktree), in random order.
+    A boxed engine skips the new worktrees: its box, made for ``opened``, hides them."""
     results: dict[str, list[dict[str, float]]] = {"cold": [], "opened": [], "new": []}
     for n in range(count + 1):   # round 0 warms disks and caches and is not counted
-        kinds = ["cold", "opened", "new"]
+        kinds = ["cold", "opened"] if eng.box else ["cold", "opened", "new"]
         random.shuffle(kinds)
         for kind in kinds:
             name = f"{kind}{n}"
@@ -192,16 +194,18 @@ def med(rows: list[dict[str, float]], key: str) -> float:
 
 def report(results: dict[str, Any]) -> None:
     c, o, n = results["cold"], results["opened"], results["new"]
-    print(f"trials: {len(c)} each (medians); engine start → healthy and config loaded: {results['start']:.2f} s")
+    print(f"trials: {len(c)} each (medians); engine start → healthy and config loaded: {results['start']:.2f} s, "
+          f"stop (whole tree gone): {results['stop']:.2f} s")
     print(f"cold `opencode run`: start → first model request {med(c, 'first'):.2f} s, "
           f"start → done {med(c, 'done'):.2f} s, peak RSS {med(c, 'peak') / MB:.0f} MB")
-    for label, rows in (("opened folder", o), ("new worktree", n)):
+    for label, rows in (("opened folder", o), ("new worktree", n)) if n else (("opened folder, boxed", o),):
         print(f"warm engine, {label}: prompt → first request {med(rows, 'first') * 1000:.0f} ms "
               f"(from session create {med(rows, 'first_from_create') * 1000:.0f} ms), "
               f"prompt → done {med(rows, 'done'):.2f} s (from create {med(rows, 'done_from_create'):.2f} s), "
               f"{med(rows, 'done_from_create') / med(c, 'done'):.2f}× the cold run")
-    print(f"a new worktree adds {med(n, 'added_rss') / MB:.0f} MB to the engine; "
-          f"{med(n, 'released_rss') / MB:.0f} MB stay after `release` (POST /instance/dispose)")
+    if n:
+        print(f"a new worktree adds {med(n, 'added_rss') / MB:.0f} MB to the engine; "
+              f"{med(n, 'released_rss') / MB:.0f} MB stay after `release` (POST /instance/dispose)")
     print(f"engine idle RSS (whole tree): {results['idle'] / MB:.0f} MB; "
           f"after the trials: {results['after'] / MB:.0f} MB")
     if "four" in results:
@@ -226,15 +230,20 @@ def main() -> int:
         opened = new_worktree(repo, "opened")
         box = box_for(opened, env) if "--box" in sys.argv else None
         started = time.monotonic()
-        with engine.Engine(opencode_runner.run_env(env, str(opened), "br-engine", "bench", "auto"),
-                           str(opened), box=box) as eng:
-            results: dict[str, Any] = {"start": time.monotonic() - started}
+        eng = engine.Engine(opencode_runner.run_env(env, str(opened), "br-engine", "bench", "auto"),
+                            str(opened), box=box).start()
+        results: dict[str, Any] = {"start": time.monotonic() - started}
+        try:
             time.sleep(2)
             results["idle"] = eng.rss()
             results.update(trials(model, eng, env, repo, count, opened))
             results["after"] = eng.rss()
-            if "--four" in sys.argv:
+            if "--four" in sys.argv and not box:
                 results["four"] = four_at_once(model, eng, repo)
+        finally:
+            stopping = time.monotonic()
+            eng.stop()
+            results["stop"] = time.monotonic() - stopping
     report(results)
     print(json.dumps({k: v for k, v in results.items() if not isinstance(v, list)}))
     return 0
