@@ -139,7 +139,8 @@ class Engine:
         self.log_path: Path | None = None
 
     def __enter__(self) -> Engine:
-        return self.start()
+        # ``with Engine(...).start() as eng`` is common: a started engine is not started twice.
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()

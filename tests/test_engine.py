@@ -54,6 +54,8 @@ def test_start_answers_health_and_refuses_a_wrong_password(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     with start_engine(opencode, repo) as eng:
         assert eng.health() == {"healthy": True, "version": "1.18.33"}
+        servers = [p for p in eng.processes() if p.ppid() == os.getpid()]
+        assert [p.pid for p in servers] == [eng.proc.pid]   # `with` on a started engine starts no second one
         with pytest.raises(engine.EngineRefused) as refused:
             eng.request("GET", "/session", password="not-the-password")
         assert refused.value.status == 401
