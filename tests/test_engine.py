@@ -1,0 +1,313 @@
+"""engine.py: the kept `opencode serve`, driven through its HTTP API.
+
+The real-opencode tests (marked by the `opencode` fixture) start the pinned binary against the
+scripted model; the others check the event mapping and the one-line errors without it.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import agent_box
+import engine
+import opencode_runner
+import worktrees
+from fake_openai import default_usage, hang, text, tool_call
+from helpers import git, make_repo
+
+MODEL = "fake/model"
+
+
+def start_engine(opencode, cwd: Path, **kwargs) -> engine.Engine:
+    """An engine in the run environment opencode_runner builds for an `auto` task in `cwd`."""
+    env = opencode_runner.run_env(opencode.env, str(cwd), "br-eng-a1", "q-test", "auto")
+    return engine.Engine(env, str(cwd), **kwargs).start()
+
+
+def wait_for(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def follow_all(stream: engine.SessionEvents, session_id: str) -> list[dict]:
+    return list(stream.follow(session_id))
+
+
+# -- the real server ------------------------------------------------------------------------------
+
+def test_start_answers_health_and_refuses_a_wrong_password(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    with start_engine(opencode, repo) as eng:
+        assert eng.health() == {"healthy": True, "version": "1.18.33"}
+        servers = [p for p in eng.processes() if p.ppid() == os.getpid()]
+        assert [p.pid for p in servers] == [eng.proc.pid]   # `with` on a started engine starts no second one
+        with pytest.raises(engine.EngineRefused) as refused:
+            eng.request("GET", "/session", password="not-the-password")
+        assert refused.value.status == 401
+        conn = http.client.HTTPConnection("127.0.0.1", eng.port, timeout=10)
+        conn.request("GET", "/session")   # no Authorization at all
+        assert conn.getresponse().status == 401
+        conn.close()
+
+
+def test_a_session_writes_through_the_model_and_reports_its_usage(opencode, tmp_path):
+    """The file the model's write call names appears, and the step_finish events carry the very
+    tokens and cost the scripted model reported (totalled by the cold run's EventStream)."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("write", [
+        tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "hi\n"}),
+        text("All done."),
+    ])
+    rules = [{"permission": "webfetch", "pattern": "*", "action": "deny"}]
+    with start_engine(opencode, repo) as eng:
+        session_id = eng.create_session(str(repo), "br-1-a1", rules)
+        assert eng.session(session_id, str(repo))["permission"] == rules
+        with eng.events(str(repo)) as stream:
+            eng.prompt(session_id, str(repo), "SCRIPT:write please", model=MODEL)
+            events = follow_all(stream, session_id)
+        eng.release(str(repo))   # unloaded; a later session there loads it again
+        assert eng.create_session(str(repo), "br-1-a2").startswith("ses_")
+    assert (repo / "hello.txt").read_text() == "hi\n"
+    run = opencode_runner.EventStream()
+    for event in events:
+        run.feed(json.dumps(event))
+    assert [e["type"] for e in events] == ["step_start", "tool_use", "step_finish",
+                                           "step_start", "text", "step_finish"]
+    sent = [default_usage(step) for step in (0, 1)]
+    assert run.tokens["input"] == sum(u["prompt_tokens"] - u["cached_tokens"] for u in sent)
+    assert run.tokens["output"] == sum(u["completion_tokens"] for u in sent)
+    assert run.tokens["cache_read"] == sum(u["cached_tokens"] for u in sent)
+    prices = {"input": 1.0, "output": 2.0, "cache_read": 0.1}   # opencode_env's, USD per million
+    expected = sum(run.tokens[k] * price for k, price in prices.items()) / 1e6
+    assert run.cost_usd == pytest.approx(expected)
+    assert run.finished and run.final_text == "All done."
+    assert run.tool_calls[0]["tool"] == "write" and run.tool_calls[0]["status"] == "completed"
+
+
+def test_abort_ends_a_slow_model_turn_and_kills_the_bash_child(opencode, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("slow", [hang()])
+    opencode.model.script("shell", [
+        tool_call("bash", {"command": "echo $$ > {cwd}/shell.pid; sleep 600", "description": "wait"}),
+        text("never"),
+    ])
+    with start_engine(opencode, repo) as eng:
+        slow = eng.create_session(str(repo), "br-slow")
+        with eng.events(str(repo)) as stream:
+            eng.prompt(slow, str(repo), "SCRIPT:slow", model=MODEL)
+            wait_for(lambda: opencode.model.step_requests("slow"), 60, "the slow model request")
+            threading.Timer(0.5, eng.abort, (slow, str(repo))).start()
+            started = time.monotonic()
+            follow_all(stream, slow)
+            assert time.monotonic() - started < 15
+        shell = eng.create_session(str(repo), "br-shell")
+        with eng.events(str(repo)) as stream:
+            eng.prompt(shell, str(repo), "SCRIPT:shell", model=MODEL)
+            pid_file = repo / "shell.pid"
+            wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the bash command")
+            child = psutil.Process(int(pid_file.read_text()))
+            eng.abort(shell, str(repo))
+            follow_all(stream, shell)
+        psutil.wait_procs([child], timeout=10)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+        assert eng.health()["healthy"]   # the server itself goes on
+        # A server that stops answering (frozen here) is named within the timeouts, not waited on.
+        stream = eng.events(str(repo), read_timeout=3)
+        os.kill(eng.proc.pid, signal.SIGSTOP)
+        with pytest.raises(engine.EngineGone, match="did not answer"):
+            eng.health(timeout=1)
+        with pytest.raises(engine.EngineGone, match="silent"):
+            follow_all(stream, shell)
+        stream.close()
+    assert not eng.alive()   # the stop ends a frozen server too
+
+
+def test_stop_leaves_no_process_and_a_dead_server_breaks_the_stream(opencode, tmp_path):
+    """A detached grandchild (re-parented away from the server) is found by the engine's tag."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("detach", [
+        tool_call("bash", {"command": "nohup sleep 600 >/dev/null 2>&1 & echo $! > {cwd}/bg.pid",
+                           "description": "detach"}),
+        text("left it running"),
+    ])
+    eng = start_engine(opencode, repo)
+    try:
+        session_id = eng.create_session(str(repo), "br-detach")
+        with eng.events(str(repo)) as stream:
+            eng.prompt(session_id, str(repo), "SCRIPT:detach", model=MODEL)
+            follow_all(stream, session_id)
+        detached = psutil.Process(int((repo / "bg.pid").read_text()))
+        procs = eng.processes()
+        assert detached.pid in {p.pid for p in procs}
+        assert eng.rss() > 50 * 1024 * 1024
+        stream = eng.events(str(repo), read_timeout=30)
+        eng.stop()
+        with pytest.raises(engine.EngineGone):
+            follow_all(stream, session_id)
+    finally:
+        eng.stop()
+    gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not engine.process_tree.tagged_processes({engine.ENGINE_ENV: eng.tag})
+
+
+def test_a_permission_ask_is_held_until_the_engine_replies(opencode, tmp_path):
+    """A session whose ruleset says ``ask`` for bash waits at the call (what a headless `opencode
+    run` cannot do); the reply lets the command run."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("ask", [
+        tool_call("bash", {"command": "echo ran > {cwd}/asked.txt", "description": "asked"}),
+        text("done"),
+    ])
+    rules = [{"permission": "bash", "pattern": "*", "action": "ask"}]
+    with start_engine(opencode, repo) as eng:
+        session_id = eng.create_session(str(repo), "br-ask", rules)
+        with eng.events(str(repo)) as stream:
+            eng.prompt(session_id, str(repo), "SCRIPT:ask", model=MODEL)
+            seen = []
+            for event in stream.follow(session_id):
+                seen.append(event["type"])
+                if event["type"] == "permission_asked":
+                    assert event["request"]["permission"] == "bash"
+                    assert not (repo / "asked.txt").exists()
+                    eng.reply_permission(event["request"]["id"], str(repo), "once")
+    assert "permission_asked" in seen
+    assert (repo / "asked.txt").read_text() == "ran\n"
+
+
+def test_a_boxed_engine_writes_only_its_own_worktree(opencode, tmp_path):
+    """The engine in the agent box of one worktree (the binds a worker run gets): its sessions
+    write there, and neither another task's worktree nor the user's checkout, even with OpenCode's
+    own rules allowing everything (the box, not the rules, holds)."""
+    if agent_box.support().mechanism != "bubblewrap":
+        pytest.skip(f"no bubblewrap box here: {agent_box.support().reason}")
+    repo = make_repo(tmp_path / "repo")
+    mine, other = (worktrees.worktree_root() / name for name in ("repo-t_0001", "repo-t_0002"))
+    for n, tree in enumerate((mine, other), 1):
+        git(repo, "worktree", "add", "-q", "-b", f"taskbridge/t_000{n}", str(tree))
+    run = tmp_path / "q" / "task_logs" / "t_0001.run"
+    for sub in ("control", "reply", "tmp", "objects"):
+        (run / sub).mkdir(parents=True)
+    env = opencode_runner.run_env(agent_box.agent_env(opencode.env, MODEL), str(mine), "br-box", "q", "auto")
+    plan = agent_box.plan_for(worktrees.Workspace(mode="worktree", cwd=str(mine), top=str(mine), repo=str(repo)),
+                              env, "auto", run)
+    steal = f"echo x > {other}/stolen.txt; echo x > {repo}/stolen.txt; echo done"
+    opencode.model.script("box", [
+        tool_call([("write", {"filePath": "{cwd}/mine.txt", "content": "ok\n"}),
+                   ("bash", {"command": steal, "description": "steal"})]),
+        text("done"),
+    ])
+    everything = [{"permission": "*", "pattern": "*", "action": "allow"}]
+    box = lambda argv, e: (agent_box.bwrap_argv(plan, argv), {**e, "TMPDIR": "/tmp"})  # noqa: E731
+    with engine.Engine(env, str(mine), box=box).start() as eng:
+        session_id = eng.create_session(str(mine), "br-box", everything)
+        with eng.events(str(mine)) as stream:
+            eng.prompt(session_id, str(mine), "SCRIPT:box", model=MODEL)
+            calls = [e for e in stream.follow(session_id) if e["type"] == "tool_use"]
+    assert (mine / "mine.txt").read_text() == "ok\n"
+    assert len(calls) == 2
+    assert not (other / "stolen.txt").exists() and not (repo / "stolen.txt").exists()
+
+
+def test_a_taken_port_is_named_in_one_line(opencode, tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = opencode_runner.run_env(opencode.env, str(tmp_path), "br-x", "q", "auto")
+        eng = engine.Engine(env, str(tmp_path))
+        with pytest.raises(engine.EngineStartFailed) as failed:
+            eng.start(port=port)
+    message = str(failed.value)
+    assert f"127.0.0.1:{port}" in message and "in use" in message and "\n" not in message
+    assert not eng.alive()
+
+
+def test_a_bad_config_is_named_in_one_line(opencode, tmp_path):
+    env = opencode_runner.run_env(opencode.env, str(tmp_path), "br-x", "q", "auto")
+    content = json.loads(env["OPENCODE_CONFIG_CONTENT"])
+    env["OPENCODE_CONFIG_CONTENT"] = json.dumps({**content, "model": 5})
+    eng = engine.Engine(env, str(tmp_path))
+    with pytest.raises(engine.EngineStartFailed) as failed:
+        eng.start()
+    message = str(failed.value)
+    assert "configuration" in message and "model" in message and "OPENCODE_CONFIG_CONTENT" in message
+    assert "\n" not in message
+    assert not eng.alive()
+
+
+# -- without the binary ---------------------------------------------------------------------------
+
+def test_a_missing_binary_is_a_start_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "no-such-opencode"))
+    with pytest.raises(engine.EngineStartFailed, match="not found"):
+        engine.Engine({}, str(tmp_path)).start()
+
+
+def test_server_events_map_to_the_cold_runs_shapes_once_each():
+    stream = engine.SessionEvents.__new__(engine.SessionEvents)
+    stream._seen = set()
+    sid = "ses_1"
+    tool = {"id": "prt_2", "sessionID": sid, "type": "tool", "tool": "bash",
+            "state": {"status": "running", "input": {"command": "ls"}}}
+    finished_tool = {**tool, "state": {"status": "completed", "input": {"command": "ls"},
+                                       "output": "x", "metadata": {"exit": 0}}}
+    streaming = {"id": "prt_3", "sessionID": sid, "type": "text", "text": "Al", "time": {"start": 1}}
+    done_text = {**streaming, "text": "All done.", "time": {"start": 1, "end": 2}}
+    finish = {"id": "prt_4", "sessionID": sid, "type": "step-finish", "reason": "stop", "cost": 0.5,
+              "tokens": {"total": 3, "input": 1, "output": 2, "reasoning": 0, "cache": {"read": 0, "write": 0}}}
+    parts = [{"id": "prt_1", "sessionID": sid, "type": "step-start"}, tool, finished_tool, finished_tool,
+             streaming, done_text, finish]
+    mapped = [stream.mapped("message.part.updated", {"sessionID": sid, "part": p}) for p in parts]
+    assert [m and m["type"] for m in mapped] == ["step_start", None, "tool_use", None, None, "text",
+                                                  "step_finish"]
+    run = opencode_runner.EventStream()
+    for event in filter(None, mapped):
+        run.feed(json.dumps(event))
+    assert run.usage() == {"tokens": {"input": 1, "output": 2, "reasoning": 0, "cache_read": 0,
+                                      "cache_write": 0, "total": 3}, "cost_usd": 0.5, "steps": 1}
+    assert run.commands == [{"command": "ls", "status": "completed", "exit": 0}]
+    assert run.final_text == "All done." and run.finished
+    error = stream.mapped("session.error", {"sessionID": sid, "error": {"name": "APIError",
+                                                                        "data": {"message": "boom"}}})
+    assert opencode_runner.error_text(error) == "APIError: boom"
+    ask = stream.mapped("permission.asked", {"id": "per_1", "sessionID": sid, "permission": "bash"})
+    assert ask["type"] == "permission_asked" and ask["request"]["id"] == "per_1"
+
+
+def test_one_line_errors_for_config_and_start():
+    body = json.dumps({"name": "ConfigInvalidError", "data": {
+        "path": "OPENCODE_CONFIG_CONTENT", "issues": [{"path": ["model"], "message": "Expected string"}]}})
+    line = engine.config_problem(body.encode())
+    assert "ConfigInvalidError in OPENCODE_CONFIG_CONTENT: model: Expected string" in line
+    said = engine.start_problem("\x1b[91mError: \x1b[0mUnexpected error\n\nServeError\n", engine.free_port(), 1)
+    assert said.startswith("opencode serve exited with code 1 (Error: Unexpected error / ServeError)")
+    assert "\n" not in said
+
+
+def test_a_model_name_without_a_provider_is_refused():
+    assert engine.split_model("fake/model") == {"providerID": "fake", "modelID": "model"}
+    with pytest.raises(engine.EngineError, match="provider/model"):
+        engine.split_model("model")
+
+
+def test_the_password_is_basic_auth_for_the_opencode_user():
+    eng = engine.Engine({}, "/tmp")
+    user, _, password = base64.b64decode(eng.auth_header().split()[1]).decode().partition(":")
+    assert (user, password) == ("opencode", eng.password)
+    assert engine.Engine({}, "/tmp").password != eng.password
