@@ -460,6 +460,26 @@ def _run_script(conn: Connection, script: str) -> None:
 
 def _migrate_v1(conn: Connection) -> None:
     _run_script(conn, SCHEMA_V1)
+    if not _dialect(conn).logs_in_database:
+        _set_aside_earlier_logs(conn)
+
+
+def _set_aside_earlier_logs(conn: Connection) -> None:
+    """A new SQLite queue numbers its tasks from t_0001 again: log files an earlier queue left in
+    its log folder (the file moved aside, as ``doctor`` advises for a broken one, or deleted) are
+    moved into ``<log folder>/earlier-<UTC time>/``, so a new task's log never starts with an old
+    task's run of the same id. Only for the configured queue (a ``connect(path)`` to another file
+    has no log folder of its own)."""
+    row = conn.execute("PRAGMA database_list").fetchone()
+    if not row or not row[2] or Path(row[2]).resolve() != db_path():
+        return
+    folder = log_dir()
+    old = sorted(folder.glob("t_*.log")) if folder.is_dir() else []
+    if old:
+        aside = folder / f"earlier-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}"
+        aside.mkdir(mode=0o700, exist_ok=True)
+        for log in old:
+            log.rename(aside / log.name)
 
 
 # The order list_tasks shows: running, waiting, pending, then finished; higher priority first;

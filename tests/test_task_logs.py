@@ -426,3 +426,23 @@ def test_ships_go_on_after_the_server_dropped_the_connection(tmp_path, monkeypat
             log.write(line)
             shipper.ship()                   # the first may fail on the dead connection; the next retries
     assert task_store.read_task_log(tid) == b"one\ntwo\nthree\n"
+
+
+def test_a_new_queue_in_place_of_a_moved_one_never_shows_the_old_tasks_logs(tmp_path):
+    # doctor's way out for a broken file is to move it aside; the new queue numbers from t_0001
+    # again, and its t_0001 showed the old t_0001's run first (found by a new-user test).
+    old = submit(tmp_path, title="old")
+    task_store.append_task_log(old["id"], b"the old queue's run\n")
+    db = task_store.db_path()
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for part in db.parent.glob(db.name + "*"):
+        part.rename(moved / part.name)
+    new = submit(tmp_path, title="new")
+    assert new["id"] == old["id"], "the premise: a new queue reuses the id"
+    assert task_store.read_task_log(new["id"]) == b""
+    task_store.append_task_log(new["id"], b"the new run\n")
+    assert task_store.read_task_log(new["id"]) == b"the new run\n"
+    (aside,) = task_store.log_dir().glob("earlier-*/")
+    assert (aside / f"{old['id']}.log").read_bytes() == b"the old queue's run\n"
+    assert oct(aside.stat().st_mode & 0o777) == "0o700"
