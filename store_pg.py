@@ -74,8 +74,9 @@ def url_secrets(url: str) -> list[str]:
 # SQLite ones, speaking the store's SQL through one adaptation (placeholders), rows like
 # sqlite3.Row, explicit transactions. No global lock: a claim picks with FOR UPDATE SKIP LOCKED,
 # every other write locks the rows it decides on (``_row``'s FOR UPDATE, FOR SHARE on a new task's
-# dependencies), so writers of different tasks never wait on one another. Events are appended in
-# the transaction's last statement with ids made of its transaction id (``PG_EVENT_ID``), and a
+# dependencies), so writers of different tasks never wait on one another; the hot calls are one
+# autocommit statement each (``with_event``). Events are appended in the transaction's last
+# statement (or in that one statement) with ids made of its transaction id (``PG_EVENT_ID``), and a
 # reader stops at the oldest transaction still open (``PG_EVENTS_FINAL``): ids commit out of
 # order, but below that horizon every one has committed or never will, so a cursor never skips an
 # event that commits late. pg_notify tells listeners at the commit.

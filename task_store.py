@@ -2119,7 +2119,8 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
     elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
     ``BEGIN IMMEDIATE``: exactly one claimer wins (on PostgreSQL its pick is ``FOR UPDATE SKIP
-    LOCKED``: claimers never wait on one another).
+    LOCKED``: claimers never wait on one another; without a task_id or a daily budget the claim,
+    its event and its wake-up are one autocommit statement, ``_CLAIM_PG_ALONE``).
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
