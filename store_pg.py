@@ -74,8 +74,9 @@ def url_secrets(url: str) -> list[str]:
 # SQLite ones, speaking the store's SQL through one adaptation (placeholders), rows like
 # sqlite3.Row, explicit transactions. No global lock: a claim picks with FOR UPDATE SKIP LOCKED,
 # every other write locks the rows it decides on (``_row``'s FOR UPDATE, FOR SHARE on a new task's
-# dependencies), so writers of different tasks never wait on one another. Events are appended in
-# the transaction's last statement with ids made of its transaction id (``PG_EVENT_ID``), and a
+# dependencies), so writers of different tasks never wait on one another; the hot calls are one
+# autocommit statement each (``with_event``). Events are appended in the transaction's last
+# statement (or in that one statement) with ids made of its transaction id (``PG_EVENT_ID``), and a
 # reader stops at the oldest transaction still open (``PG_EVENTS_FINAL``): ids commit out of
 # order, but below that horizon every one has committed or never will, so a cursor never skips an
 # event that commits late. pg_notify tells listeners at the commit.
@@ -265,6 +266,24 @@ def _events_statement(rows: list[tuple[int | None, float, str, str]]) -> Any:
         " (id, task_id, ts, kind, message) SELECT {first} + n, task_id, ts, kind, message FROM v RETURNING id)"
         " SELECT pg_notify({channel}, max(id)::text) FROM added; COMMIT"
     ).format(values=values, first=sql.SQL(PG_EVENT_ID), channel=sql.Literal(PG_CHANNEL))
+
+
+def with_event(change: str, kind: str, message: str, *, before: str = "", also: str = "",
+               source: str = "changed") -> str:
+    """One statement that makes ``change`` (the store's ``UPDATE`` or ``INSERT … RETURNING *`` of
+    task rows) and, for each row it returns, appends an event (``kind``: a literal kind;
+    ``message``: an SQL expression over ``changed``'s columns; the time is ``:event_ts``) and
+    notifies listeners, as ``commit`` does for a transaction's events: one round trip instead of
+    BEGIN, the write and the COMMIT. For autocommit only: the statement is its own transaction, so
+    its events' ids (PG_EVENT_ID plus 1, 2, …) are that transaction's only ones and a cursor's
+    horizon (PG_EVENTS_FINAL) keeps them as it keeps a commit's. ``before``: CTEs to put first
+    (``name AS (…), ``); ``also``: columns to select besides (``, expr AS name``); ``source``:
+    what the rows are selected from. Rows: ``notified`` (NULL), ``also``'s columns, the row's."""
+    return (f"WITH {before}changed AS ({change}), added AS (INSERT INTO events (id, task_id, ts, kind, message)"
+            f" SELECT {PG_EVENT_ID} + row_number() OVER (ORDER BY changed.id), changed.id,"
+            f" CAST(:event_ts AS DOUBLE PRECISION), '{kind}', {message} FROM changed RETURNING id)"
+            f" SELECT (SELECT pg_notify('{PG_CHANNEL}', max(id)::text) FROM added HAVING count(*) > 0) AS notified"
+            f"{also}, changed.* FROM {source}")
 
 
 def _pg_open(url: str) -> Any:

@@ -1651,6 +1651,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
     """
     specs = _batch_specs(tasks)
+    if len(specs) == 1 and _dialect() is POSTGRESQL and _plain(specs[0]):
+        return [_submit_alone(specs[0])]
     # Insert in dependency order so a ref always points at an already-inserted task.
     ordered = _topological(specs)
     out: dict[int, tuple[sqlite3.Row, list[int], bool]] = {}
@@ -1667,16 +1669,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             deps = _resolve_deps(conn, spec, ref_ids)
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
-            values = {k: v for k, v in spec.items()
-                      if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
-                                   *extras)}
-            if values["max_cost_usd"] is None and values["max_tokens"] is None:
-                values.update(defaults)
-            line = _line_values(conn, spec, ref_ids)
-            where = {k: line.pop(k, values[k]) for k in ("working_dir", "worktree_keep", "repo_url", "base_ref")}
-            where["host"] = _task_host(spec, line.pop("parent_host", None), where)
-            where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
-            row = conn.execute(_INSERT_TASK, values | {"created_at": now()} | where).fetchone()
+            values, line = _insert_values(conn, spec, ref_ids, defaults)
+            row = conn.execute(_INSERT_TASK, values).fetchone()
             task_id = row["id"]
             if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
                 row = conn.execute("UPDATE tasks SET ask_human = 1 WHERE id = ? RETURNING *", (task_id,)).fetchone()
@@ -1700,6 +1694,47 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     # Shaped after the commit: the write lock is held for the SQL only.
     return [task_dict(row, deps) | {"duplicate": duplicate} for row, deps, duplicate in
             (out[i] for i in range(len(specs)))]
+
+
+def _insert_values(conn: Connection, spec: dict, refs: dict[str, int],
+                   defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(_INSERT_TASK's parameters, ``_line_values``' rest) for ``spec``: the queue's default
+    limits (``defaults``) when it gave neither, the folder, remote and host a follow-up or fork
+    takes from its parent. Raises ValidationError."""
+    values = {k: v for k, v in spec.items()
+              if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
+                           "rules", "skills", "subagents")}
+    if values["max_cost_usd"] is None and values["max_tokens"] is None:
+        values.update(defaults)
+    line = _line_values(conn, spec, refs)
+    where = {k: line.pop(k, values[k]) for k in ("working_dir", "worktree_keep", "repo_url", "base_ref")}
+    where["host"] = _task_host(spec, line.pop("parent_host", None), where)
+    where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
+    return values | {"created_at": now()} | where, line
+
+
+def _plain(spec: dict[str, Any]) -> bool:
+    """Whether a submission is one INSERT and its event: no key to look up, no dependency, parent or
+    column set apart (``submit_batch``'s later UPDATEs)."""
+    return (spec["idempotency_key"] is None and spec["parent"] is None and not spec["depends_on"]
+            and not spec["ask_human"] and spec["schedule_timeout_sec"] is None
+            and not any(spec[k] for k in ("rules", "skills", "subagents")))
+
+
+# A plain submission on PostgreSQL: the INSERT and its event in one autocommit statement.
+_SUBMIT_PG = store_pg.with_event(_INSERT_TASK, "submitted", "CAST(:event_message AS TEXT)")
+
+
+def _submit_alone(spec: dict[str, Any]) -> dict[str, Any]:
+    """``submit_task`` of a ``_plain`` spec on PostgreSQL without a transaction: the default
+    limits read when it set none, then one statement (a single row: nothing to keep atomic)."""
+    origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
+    with _single_write() as conn:
+        defaults = _limit_defaults(conn) if spec["max_cost_usd"] is None and spec["max_tokens"] is None else {}
+        values, _ = _insert_values(conn, spec, {}, defaults)
+        row = conn.execute(_SUBMIT_PG, values | {"event_ts": now(),
+                                                 "event_message": f"{spec['title']}{origin}"}).fetchone()
+    return task_dict(_task_columns(row), []) | {"duplicate": False}
 
 
 def _line_values(conn: Connection, spec: dict, refs: dict[str, int]) -> dict[str, Any]:
@@ -2058,12 +2093,54 @@ _CLAIM_PG = _CLAIM.replace("(:task_id IS NULL OR t.id = :task_id)",
     "LIMIT 1)", "LIMIT 1 FOR UPDATE OF t SKIP LOCKED)")
 
 
+# The same claim on PostgreSQL as one autocommit statement (a round trip instead of six): the
+# server's clock read once (``clock``), the claimed event appended and notified (store_pg.with_event),
+# the dependencies read; it claims only while no daily budget is set (``budgeted``, which the row
+# reports even when nothing was claimed): a queue with one takes the transaction below, which
+# reads today's spend first.
+_CLAIM_PG_ALONE = store_pg.with_event(
+    _CLAIM_PG.replace(":now", "(SELECT clock_now FROM clock)").replace(
+        "(CAST(:task_id AS BIGINT) IS NULL OR t.id = :task_id)", "(SELECT n FROM budgeted) = 0"),
+    "claimed", "'attempt ' || changed.attempts || ' by ' || CAST(:owner AS TEXT)",
+    before="clock AS (SELECT CAST(extract(epoch FROM clock_timestamp()) AS DOUBLE PRECISION) AS clock_now),"
+           " budgeted AS (SELECT count(*) AS n FROM settings WHERE key IN (:daily_usd, :daily_tokens)"
+           " AND value <> ''), ",
+    also=", budgeted.n AS budgeted, (SELECT coalesce(array_agg(depends_on ORDER BY depends_on), '{}')"
+         " FROM task_deps WHERE task_id = changed.id) AS deps",
+    source="budgeted LEFT JOIN changed ON true")
+
+
+def _task_columns(row: Any) -> Any:
+    """A row of a ``store_pg.with_event`` statement as the task's columns alone (a dict that
+    ``task_dict`` reads as it reads a row)."""
+    task = dict(row)
+    for name in ("notified", "budgeted", "deps"):
+        task.pop(name, None)
+    return task
+
+
+def _claim_alone(owner: str, pid: int | None, pid_start: float | None, host: str,
+                 default_account: str | None) -> tuple[dict[str, Any] | None, bool]:
+    """``claim_next`` on PostgreSQL in one statement: (the task dict or None, whether a daily
+    budget is set: then nothing was claimed, and the caller claims in a transaction that checks
+    today's spend)."""
+    with _single_write() as conn:
+        row = conn.execute(_CLAIM_PG_ALONE, {
+            "owner": owner, "pid": pid, "pid_start": pid_start, "host": host, "default_account": default_account,
+            "daily_usd": BUDGET_KEYS["daily_usd"], "daily_tokens": BUDGET_KEYS["daily_tokens"],
+            "event_ts": now()}).fetchone()
+    if row["id"] is None:
+        return None, bool(row["budgeted"])
+    return task_dict(_task_columns(row), list(row["deps"])), False
+
+
 def claim_next(owner: str, pid: int | None = None, pid_start: float | None = None,
                task_id: Any = None, default_account: str | None = None) -> dict[str, Any] | None:
     """Atomically claim the best claimable task (priority, then oldest; dependencies done; back-off
     elapsed), or the given ``task_id`` if it is claimable. One ``UPDATE … RETURNING`` in
     ``BEGIN IMMEDIATE``: exactly one claimer wins (on PostgreSQL its pick is ``FOR UPDATE SKIP
-    LOCKED``: claimers never wait on one another).
+    LOCKED``: claimers never wait on one another; without a task_id or a daily budget the claim,
+    its event and its wake-up are one autocommit statement, ``_CLAIM_PG_ALONE``).
 
     ``owner``: a lease owner name (``worker@host``, ``cli:alice``); ``pid``/``pid_start``: the
     claiming process and its start time (psutil create_time, seconds) for the reaper.
@@ -2079,6 +2156,10 @@ def claim_next(owner: str, pid: int | None = None, pid_start: float | None = Non
     """
     num = parse_task_id(task_id) if task_id is not None else None
     host = host_name()
+    if num is None and _dialect() is POSTGRESQL:
+        claimed, budgeted = _claim_alone(owner, pid, pid_start, host, default_account)
+        if not budgeted:
+            return claimed
     with _writing() as conn:
         spent = _budget_spent(conn)
         if spent:
@@ -2173,12 +2254,44 @@ def heartbeat(task_id: Any, owner: str | None = None) -> dict[str, Any]:
         return task_dict(_row(conn, num))
 
 
+# complete_attempt's write on PostgreSQL as one autocommit statement, fenced in its WHERE; with
+# ``usage`` it goes ahead only while the task's usage is still the one read to sum it (:old_usage).
+_COMPLETE_PG = store_pg.with_event(
+    "UPDATE tasks SET status = 'done', finished_at = :finished_at, result = :result, diff = :diff,"
+    " usage = coalesce(CAST(:usage AS TEXT), usage), session_id = coalesce(CAST(:session_id AS TEXT), session_id),"
+    " error = NULL WHERE id = :id AND run_marker = :marker AND status = 'running'"
+    " AND (CAST(:usage AS TEXT) IS NULL OR usage IS NOT DISTINCT FROM CAST(:old_usage AS TEXT)) RETURNING *",
+    "done", "CAST(:summary AS TEXT)")
+
+
+def _complete_alone(num: int, marker: str, fields: dict[str, Any], usage: dict | None) -> dict[str, Any] | None:
+    """``complete_attempt`` on PostgreSQL without a transaction: one fenced statement (with
+    ``usage`` a read of the usage so far before it). None when the fence or the usage check
+    refused it: the caller's transaction then finishes it or says why not."""
+    with _single_write() as conn:
+        old = total = None
+        if usage is not None:
+            row = conn.execute("SELECT usage, attempts FROM tasks WHERE id = ? AND run_marker = ?",
+                               (num, marker)).fetchone()
+            if row is None:
+                return None
+            old, total = row["usage"], _total_usage(row, usage)
+        row = conn.execute(_COMPLETE_PG, fields | {"id": num, "marker": marker, "usage": total, "old_usage": old,
+                                                   "finished_at": now(), "event_ts": now()}).fetchone()
+    return None if row is None else task_dict(_task_columns(row))
+
+
 def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, diff: str | None = None,
                      usage: dict | None = None, session_id: str | None = None) -> dict[str, Any]:
     """Finish the attempt ``marker`` as done with its receipt (``result``), ``diff`` text and
     ``usage`` (tokens, cost_usd). Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
     result_json, summary = _json(result), ((result or {}).get("summary") or "")[:500]
+    if _dialect() is POSTGRESQL:
+        done = _complete_alone(num, marker, {"result": result_json, "diff": diff, "session_id": session_id,
+                                             "summary": summary}, usage)
+        if done is not None:
+            return done
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         row = conn.execute(
@@ -3297,6 +3410,10 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
             handle.write(data)
         return size + len(data)
     num = parse_task_id(task_id)
+    if _dialect() is POSTGRESQL and 0 < len(data) <= LOG_CHUNK_MAX:
+        shipped = _ship_alone(num, data, at)
+        if shipped is not None:
+            return shipped
     # PostgreSQL has no global writers' lock (ships come every second from each running task):
     # a lock of this task's log alone keeps two ships of one task from taking the same seq.
     with _writing() as conn:
@@ -3315,6 +3432,29 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
             conn.execute("INSERT INTO task_log_chunks (task_id, seq, data) VALUES (?, ?, ?)",
                          (num, last, data[start:start + LOG_CHUNK_MAX]))
     return size + len(data)
+
+
+# A ship of one chunk as one autocommit statement: the next seq and the size read in the
+# statement's snapshot, the row added under the log's lock (as the transaction below adds it:
+# while it is held no other ship of the log runs) unless ``at`` falls inside the log (a retried
+# ship: the transaction below compares the bytes) or a ship that ended after the snapshot was
+# taken (while this one waited for the lock) took that seq: the primary key refuses it, ON
+# CONFLICT says so with no row, and the transaction below appends after it.
+_SHIP_PG = """WITH held AS (SELECT coalesce(max(seq), 0) AS last, coalesce(sum(length(data)), 0) AS size,
+ pg_advisory_xact_lock(CAST(:lock AS integer), CAST(:key AS integer)) AS locked
+ FROM task_log_chunks WHERE task_id = :id), wrote AS (INSERT INTO task_log_chunks (task_id, seq, data)
+ SELECT :id, last + 1, :data FROM held WHERE (CAST(:at AS BIGINT) IS NULL OR CAST(:at AS BIGINT) >= size)
+ AND EXISTS (SELECT 1 FROM tasks WHERE id = :id) ON CONFLICT (task_id, seq) DO NOTHING RETURNING seq)
+SELECT size, (SELECT count(*) FROM wrote) AS wrote FROM held"""
+
+
+def _ship_alone(num: int, data: bytes, at: int | None) -> int | None:
+    """``append_task_log`` of one chunk on PostgreSQL in one statement: the log's size afterwards,
+    or None when it was not written (no such task, ``at`` inside the log, a seq taken)."""
+    with _single_write() as conn:
+        row = conn.execute(_SHIP_PG, {"id": num, "data": data, "at": at, "lock": PG_LOG_LOCK,
+                                      "key": num % 2_147_483_647}).fetchone()
+    return int(row["size"]) + len(data) if row["wrote"] else None
 
 
 def _after_retried(data: bytes, held: bytes) -> bytes:

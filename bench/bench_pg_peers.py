@@ -2,6 +2,7 @@
 submit → claim → finish (procrastinate: defer → fetch → finish) with 1, 4 and 16 processes.
 
     .venv/bin/python bench/bench_pg_peers.py [--quick] [--workers 1,4,16] [--seconds S] [--trials N]
+    .venv/bin/python bench/bench_pg_peers.py --trips     # round trips per store call, then stop
 
 Each trial makes a fresh database on one server of the bench's own (bench_scale.Postgres: initdb
 in a temporary folder, ``fsync`` on, ``synchronous_commit=off``), sets up the queue (TaskBridge's
@@ -12,6 +13,11 @@ library's own public calls only: ``task_store.submit_task`` / ``claim_next`` /
 ``finish_job`` over its ``PsycopgConnector``. The two systems alternate trial by trial (and which
 goes first alternates) so both see the same machine noise; the table shows medians. A double
 claim is an id fetched by two processes (or twice): there must be none.
+
+``--trips`` counts the round trips each of the queue's hot calls makes (``submit_task``,
+``claim_next``, ``renew_lease``, ``append_task_log``, ``complete_attempt``): every message the
+store's connection sends and waits on (psycopg's ``execute``, ``executemany``), counted by a
+wrapper around it, in a warm process (connected, statements prepared).
 
 procrastinate is a benchmark-only dependency (requirements-dev.txt). Env: none read.
 """
@@ -168,13 +174,98 @@ def table(result: dict[str, Any], workers: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
+class _CountingConnection:
+    """A psycopg connection that counts what is sent and waited on (one round trip each)."""
+
+    def __init__(self, raw: Any, tally: Counter) -> None:
+        self._raw, self._tally = raw, tally
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        self._tally["trips"] += 1
+        return self._raw.execute(*args, **kwargs)
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        return _CountingCursor(self._raw.cursor(*args, **kwargs), self._tally)
+
+
+class _CountingCursor:
+    """A psycopg cursor whose ``executemany`` counts one round trip when it has rows to send (the
+    store's only use of a cursor; psycopg sends them pipelined)."""
+
+    def __init__(self, raw: Any, tally: Counter) -> None:
+        self._raw, self._tally = raw, tally
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def __enter__(self) -> _CountingCursor:
+        self._raw.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._raw.__exit__(*exc)
+
+    def executemany(self, query: Any, rows: list) -> None:
+        self._tally["trips"] += bool(rows)
+        self._raw.executemany(query, rows)
+
+
+def round_trips() -> dict[str, int]:
+    """{call: round trips} for the queue's hot calls on a fresh PostgreSQL database: each call made
+    a few times first (connected, statements prepared), then counted once."""
+    import store_pg
+    import task_store
+    tally: Counter = Counter()
+    opened = store_pg._pg_open
+    pg = Postgres()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-pg-trips-") as tmp:
+            url = pg.create("trips")
+            store_pg._pg_open = lambda u: _CountingConnection(opened(u), tally)
+            try:
+                with queue_at(url, Path(tmp) / "logs"):
+                    return _count_calls(task_store, tally, tmp)
+            finally:
+                store_pg._pg_open = opened
+    finally:
+        pg.stop()
+
+
+def _count_calls(task_store: Any, tally: Counter, workdir: str) -> dict[str, int]:
+    calls = {
+        "submit_task": lambda _: task_store.submit_task(title="cycle", instructions="i", working_dir=workdir),
+        "claim_next": lambda t: t.update(task_store.claim_next("bench")),
+        "renew_lease": lambda t: task_store.renew_lease(t["id"], t["run_marker"]),
+        "append_task_log": lambda t: task_store.append_task_log(t["id"], b"x" * 300 + b"\n"),
+        "complete_attempt": lambda t: task_store.complete_attempt(t["id"], t["run_marker"]),
+    }
+    counted: dict[str, int] = {}
+    for _ in range(8):   # psycopg prepares a statement at its 5th run: count a later one
+        task: dict[str, Any] = {}
+        for name, call in calls.items():
+            before = tally["trips"]
+            call(task)
+            counted[name] = tally["trips"] - before
+    counted["cycle (submit, claim, finish)"] = sum(counted[k] for k in ("submit_task", "claim_next",
+                                                                        "complete_attempt"))
+    return counted
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter and fewer trials (~1 min), for a smoke run")
     parser.add_argument("--workers", default=",".join(map(str, WORKERS)), help="comma list of process counts")
     parser.add_argument("--seconds", type=float, default=None, help="seconds each trial cycles (default 5; --quick 2)")
     parser.add_argument("--trials", type=int, default=None, help="trials per system and count (default 3; --quick 1)")
+    parser.add_argument("--trips", action="store_true", help="count round trips per store call, then stop")
     args = parser.parse_args()
+    if args.trips:
+        for name, trips in round_trips().items():
+            print(f"{name:30} {trips} round trips")
+        return 0
     workers = tuple(int(n) for n in args.workers.split(","))
     seconds = args.seconds or (2.0 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 3)

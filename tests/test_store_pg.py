@@ -455,3 +455,57 @@ def test_sixteen_claimers_that_retry_and_finish_never_claim_an_attempt_twice(pg,
     assert store.counts()["done"] == 120
     kinds = [e["kind"] for e in store.events_since(0, limit=10_000)]
     assert kinds.count("claimed") == 160 and kinds.count("retry") == 40 and kinds.count("done") == 120
+
+
+class _Counted:
+    """A psycopg connection that counts the statements sent on it (each one round trip)."""
+
+    def __init__(self, raw, sent: list) -> None:
+        self._raw, self._sent = raw, sent
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+    def execute(self, query, *args, **kwargs):
+        self._sent.append(query)
+        return self._raw.execute(query, *args, **kwargs)
+
+
+def test_the_hot_calls_are_one_statement_each_and_still_evented_and_fenced(pg, tmp_path):
+    store.last_event_id()
+    sent: list = []
+    store._kept().raw = _Counted(store._kept().raw, sent)
+
+    def trips(call):
+        before = len(sent)
+        return call(), len(sent) - before
+
+    with store.change_watch() as watch:
+        task, submit_trips = trips(lambda: store.submit_task(title="t", instructions="i", working_dir=str(tmp_path)))
+        claimed, claim_trips = trips(lambda: store.claim_next("w"))
+        assert claimed["id"] == task["id"] and claimed["depends_on"] == [] and watch.wait(5)
+        _, renew_trips = trips(lambda: store.renew_lease(task["id"], claimed["run_marker"]))
+        size, ship_trips = trips(lambda: store.append_task_log(task["id"], b"step\n", at=0))
+        done, done_trips = trips(lambda: store.complete_attempt(task["id"], claimed["run_marker"],
+                                                                usage={"cost_usd": 0.5, "steps": 1}))
+    # Before: 4, 6, 1, 6 and 4 (BEGIN, reads, the write, COMMIT each); submit reads the default limits.
+    assert (submit_trips, claim_trips, renew_trips, ship_trips, done_trips) == (2, 1, 1, 1, 2)
+    assert size == 5 and store.read_task_log(task["id"]) == b"step\n"
+    assert done["status"] == "done" and done["spent_usd"] == 0.5 and "notified" not in done
+    assert [e["kind"] for e in store.events_since(0)] == ["submitted", "claimed", "done"]
+    with pytest.raises(store.StaleAttempt, match="task is now done"):   # the one statement is fenced
+        store.complete_attempt(task["id"], claimed["run_marker"])
+
+
+def test_a_claim_still_stops_at_a_spent_daily_budget_and_waits_for_dependencies(pg, tmp_path):
+    first = store.submit_task(title="a", instructions="i", working_dir=str(tmp_path))
+    store.set_budget(daily_usd=1)
+    claimed = store.claim_next("w")   # a budget set but not spent: claimed in the checking transaction
+    store.record_spend(first["id"], claimed["run_marker"], 2.0, 10, 2.0, 10)
+    later = store.submit_task(title="b", instructions="i", working_dir=str(tmp_path), depends_on=[first["id"]])
+    assert store.claim_next("w") is None                      # spent
+    store.set_budget(daily_usd=None)
+    assert store.claim_next("w") is None                      # no budget now, but b waits for a
+    store.complete_attempt(first["id"], claimed["run_marker"])
+    again = store.claim_next("w")
+    assert again["id"] == later["id"] and again["depends_on"] == [first["id"]]
