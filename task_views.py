@@ -321,6 +321,17 @@ def _beat_said(beat: dict[str, Any], running: bool | None, age: float, silent_af
     return said
 
 
+
+def holder_gone(task: dict[str, Any]) -> bool:
+    """Whether a running task's worker process is gone: it was claimed on this host by a process
+    (``lease_pid`` and its start time, as the store keeps them) that no longer runs. Such a task
+    is requeued by the next worker pass; until then its log grows no more. False for any other
+    status, a lease taken on another host (its pid means nothing here) or without a pid."""
+    if task["status"] != "running" or not task.get("lease_pid") or task.get("lease_host") != store.host_name():
+        return False
+    return process_tree.same_process(task["lease_pid"], task["lease_pid_start"]) is None
+
+
 def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     """One heartbeat (a ``list_workers`` row or ``read_worker_heartbeat``), judged (WorkerState):
     ``recent`` for a worker on this host whose process (pid and start time) still runs, whatever

@@ -571,6 +571,9 @@ def next_step(task: dict[str, Any]) -> str:
     tid, cli_ = task["id"], "python tasks_cli.py"
     if task["status"] == "waiting":
         return f"{cli_} answer {tid} \"your answer\""
+    if task["status"] == "running" and task_views.holder_gone(task):
+        return (f"its worker (pid {task['lease_pid']}) is gone: the next worker pass hands the task back to the "
+                f"queue (python worker.py runs one now), or {cli_} cancel {tid}")
     if task["status"] == "running":
         return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
     if task["status"] == "pending":
@@ -836,15 +839,20 @@ def print_log_entry(entry: dict[str, Any]) -> None:
     out().print(log_entry_text(entry), soft_wrap=True)
 
 
+WORKER_GONE = "running, but its worker is gone (the next worker pass hands it back to the queue)"
+
+
 def follow_log(task_id: str, offset: int, raw: bool = False) -> str:
     """Print lines appended to a task's log from byte ``offset`` until the task is finished or
-    waiting (rendered, or as stored with ``raw``); returns its status."""
+    waiting, or its worker is gone (rendered, or as stored with ``raw``); returns its status in
+    words (a status, or WORKER_GONE)."""
     pending = b""
     while True:
-        status = task_store.get_task(task_id)["status"]
+        task = task_store.get_task(task_id)
+        status = WORKER_GONE if task_views.holder_gone(task) else task["status"]
         data, offset = read_new(task_id, offset)
         pending += data
-        done = status in FINISHED or status == "waiting"
+        done = status in FINISHED or status in ("waiting", WORKER_GONE)
         cut = len(pending) if done else pending.rfind(b"\n") + 1
         chunk, pending = pending[:cut], pending[cut:]
         if raw:

@@ -405,6 +405,26 @@ def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
     assert "t_0001 is done; log ends" in result.stderr
 
 
+def test_a_running_task_whose_worker_died_is_named_by_show_and_ends_logs_follow(tmp_path, monkeypatch):
+    # A worker killed with -9 mid-run: `logs --follow` waited forever and `show` said "running,
+    # watch it" until the next pass requeued the task (found by a new-user test).
+    import psutil
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    submit(tmp_path, TITLE)
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    task_store.claim_next("worker@host", worker.pid, psutil.Process(worker.pid).create_time(), task_id=1)
+    write_log(1, "started\n")
+    alive = run("show", "1")
+    assert "logs t_0001 --follow (watch it)" in alive.stdout and "is gone" not in alive.stdout
+    worker.kill()
+    worker.wait()
+    shown = run("show", "1")
+    assert f"its worker (pid {worker.pid}) is gone: the next worker pass hands the task back" in shown.stdout
+    followed = run("logs", "1", "--follow")             # returns instead of waiting for ever
+    assert followed.exit_code == 0 and followed.stdout == "started\n"
+    assert "t_0001 is running, but its worker is gone" in followed.stderr
+
+
 def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
     submit(tmp_path, TITLE)
     write_log(1, "waiting for a worker\n")
