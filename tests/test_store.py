@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 
 import task_store as store
-from helpers import claim_in_processes
+from helpers import claim_in_processes, submit
 
 
 @pytest.fixture(autouse=True)
 def backend(store_backend):
     """Each test of this file on both backends (sqlite, postgresql)."""
     return store_backend
-
-
-def submit(tmp_path, title="t", **kw):
-    return store.submit_task(title=title, instructions="do it", working_dir=str(tmp_path), **kw)
 
 
 def test_ids_accept_three_shapes(tmp_path):
