@@ -8,7 +8,8 @@ migrates, ``transaction`` wraps a write, ``PgChangeWatch`` wakes a waiter on the
 A lost server becomes DatabaseUnavailable, a lock not granted in time DatabaseBusy, each naming the
 URL without its password (``redact_url``) and the way out.
 
-Imports the standard library, store_errors, and psycopg 3 only when a connection is opened.
+Imports the standard library, store_errors, psycopg 3 only when a connection is opened, and
+file_watch (its wait loop) only in a waiting process.
 Env: none (the URL comes from task_store). Not run on its own (task_store imports it).
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import functools
 import os
 import re
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -470,18 +470,8 @@ class PgChangeWatch:
 
     def wait(self, timeout: float) -> bool:
         """Block until a change is notified (True) or ``timeout`` seconds pass (False)."""
-        import select
-        deadline = time.monotonic() + max(0.0, timeout)
-        if self.fd < 0:
-            time.sleep(max(0.0, timeout))
-            return False
-        while True:
-            if self.drain():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0 or self.fd < 0:
-                return False
-            select.select([self.fd], [], [], left)
+        from file_watch import wait_for  # imported by waiting processes only
+        return wait_for(self, timeout, buffered=True)
 
     def drain(self) -> bool:
         """Read what the server sent (never blocks); True when a change was notified (or the
