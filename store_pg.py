@@ -23,7 +23,7 @@ import urllib.parse
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from store_errors import DatabaseBusy, DatabaseUnavailable
+from store_errors import CONSTRAINT_WAY_OUT, ConstraintViolated, DatabaseBusy, DatabaseUnavailable
 
 PG_SCHEMES = ("postgresql://", "postgres://")
 
@@ -178,7 +178,10 @@ class PgConnection:
         self.raw, self.url = raw, url
         self.writing = False
         self.events: list[tuple[int | None, float, str, str]] = []
-        self._errors = type(raw).OperationalError if hasattr(type(raw), "OperationalError") else Exception
+        # The driver's errors this connection maps (``_mapped``): a lost or refused operation, and
+        # a write a constraint refused. Any other (a ProgrammingError: a bug in a statement) stays raw.
+        self._errors = tuple(getattr(type(raw), name) for name in ("OperationalError", "IntegrityError")
+                             if hasattr(type(raw), name)) or (Exception,)
 
     def execute(self, sql: str, params: Any = ()) -> Any:
         return self._execute(sql, params, False)
@@ -194,7 +197,7 @@ class PgConnection:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
             if not (idle and self._retryable(sql, idempotent)):
-                raise self._lost(exc) from None
+                raise self._mapped(exc) from None
         # The server dropped the connection (a restart, an idle timeout) before a statement that
         # had nothing to lose: a read outside a transaction, or the BEGIN opening one. Log in
         # again and run it once more, instead of failing this call (a lease renewal, say).
@@ -202,7 +205,7 @@ class PgConnection:
         try:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
     def _retryable(self, sql: str, idempotent: bool) -> bool:
         # Only a statement that cannot have changed anything (a SELECT, a BEGIN) or one whose
@@ -214,12 +217,17 @@ class PgConnection:
             with self.raw.cursor() as cur:
                 cur.executemany(pg_sql(sql), list(rows))
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
-    def _lost(self, exc: BaseException) -> BaseException:
-        # A lock not granted in time or a broken deadlock is a busy queue (try again); any other
+    def _mapped(self, exc: BaseException) -> BaseException:
+        # A write a constraint refused (SQLSTATE class 23) is ConstraintViolated, as on SQLite; a
+        # lock not granted in time or a broken deadlock is a busy queue (try again); any other
         # operational failure (a lost connection, a server going down) its unavailability.
         state = getattr(exc, "sqlstate", None) or ""
+        if state.startswith("23"):
+            said = " ".join(str(exc).split())
+            return ConstraintViolated(f"the PostgreSQL queue {redact_url(self.url)} refused a write ({said}): "
+                                      f"{CONSTRAINT_WAY_OUT}", said)
         if state == "55P03" or state.startswith("40"):
             said = " ".join(str(exc).split())
             return DatabaseBusy(f"the PostgreSQL queue {redact_url(self.url)} is busy ({said}); nothing was "
@@ -248,7 +256,7 @@ class PgConnection:
         try:
             self.raw.execute(_events_statement(rows))
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
 
 def _events_statement(rows: list[tuple[int | None, float, str, str]]) -> Any:

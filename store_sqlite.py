@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from store_errors import (
+    CONSTRAINT_WAY_OUT,
+    ConstraintViolated,
     DatabaseBusy,
     DatabaseCorrupt,
     DatabaseUnusable,
@@ -114,7 +116,7 @@ def storage_fault(exc: BaseException, path: Path | str) -> StorageFault | None:
 
 # SQLite's primary result codes (the low byte of ``sqlite_errorcode``) a queue file's fault is told by.
 SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_CORRUPT = 3, 5, 6, 8, 11
-SQLITE_CANTOPEN, SQLITE_NOTADB = 14, 26
+SQLITE_CANTOPEN, SQLITE_CONSTRAINT, SQLITE_NOTADB = 14, 19, 26
 _OPEN_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExistsError)
 
 
@@ -123,8 +125,8 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     to for the SQLite queue file ``path``, its message naming the file and the way out: a
     StorageFault for a full or read-only disk (``storage_fault``), DatabaseBusy when another
     process held the lock too long, DatabaseCorrupt for a file that is no database or is damaged,
-    else DatabaseUnusable. A TaskStoreError is returned as it is. Told by SQLite's result code,
-    by its words where an error carries none."""
+    ConstraintViolated for a write a constraint refused, else DatabaseUnusable. A TaskStoreError is
+    returned as it is. Told by SQLite's result code, by its words where an error carries none."""
     if isinstance(exc, TaskStoreError):
         return exc
     fault = storage_fault(exc, path)
@@ -138,6 +140,8 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     def said(way_out: str) -> str:
         return f"the task database {path} cannot be used ({detail}): {way_out}"
 
+    if code == SQLITE_CONSTRAINT or isinstance(exc, sqlite3.IntegrityError):
+        return ConstraintViolated(f"the task database {path} refused a write ({detail}): {CONSTRAINT_WAY_OUT}", detail)
     if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
         return DatabaseCorrupt(said("it is not a SQLite database or it is damaged: restore it from a backup, or "
                                     "point TASK_DB_PATH at another file (a new queue starts empty)"), detail)

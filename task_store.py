@@ -52,6 +52,7 @@ import store_pg
 import store_sqlite
 import task_spec as spec
 from store_errors import (  # noqa: F401
+    ConstraintViolated,
     DatabaseBusy,
     DatabaseCorrupt,
     DatabaseUnavailable,
