@@ -22,7 +22,7 @@ import random
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -216,7 +216,7 @@ def journal_mode(path: Path | str) -> str:
     return "wal"
 
 
-def migrate(conn: sqlite3.Connection, migrations: list[Callable[[sqlite3.Connection], None]]) -> None:
+def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> None:
     """Apply the ``migrations`` the file lacks (its version in ``PRAGMA user_version``), in one
     BEGIN IMMEDIATE transaction."""
     if conn.execute("PRAGMA user_version").fetchone()[0] >= len(migrations):
@@ -240,7 +240,7 @@ def _create_private(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
-def connect(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
+def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
     """A new connection to the queue file ``path`` (its folder made 0700, the file 0600), set up
     once here: autocommit (transactions explicit), rows as sqlite3.Row, busy timeout, foreign keys,
     the journal (WAL; see ``journal_mode``), and migrated by ``migrations``; on a filesystem mounted
@@ -304,7 +304,7 @@ def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], N
         raise
 
 
-def health(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> dict[str, Any]:
+def health(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> dict[str, Any]:
     """``task_store.database_health`` for the queue file ``path``: ``{"backend": "sqlite", "path",
     "integrity" ("ok" or SQLite's first complaints), "journal_mode", "filesystem", "tasks"}``.
     Opens (and migrates) it like every entry point; raises as ``connect``."""
@@ -333,7 +333,7 @@ def change_watch(path: Path) -> FolderWatch:
     return FolderWatch(path.parent, (path.name, f"{path.name}-wal", f"{path.name}-journal"))
 
 
-def _open(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
+def _open(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
     if str(path) != ":memory:" and read_only_at(path.parent):
         return _connect_read_only(path, len(migrations))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -349,7 +349,7 @@ def _open(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) ->
     return conn
 
 
-def _set_up(conn: sqlite3.Connection, path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> None:
+def _set_up(conn: sqlite3.Connection, path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> None:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")

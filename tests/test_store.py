@@ -367,3 +367,13 @@ def test_a_write_a_constraint_refuses_is_the_same_store_error_on_both(tmp_path, 
     assert "password" not in message.lower()
     assert [store.get_task(t["id"])["status"] for t in (first, second)] == ["pending", "pending"]
     assert store.get_task(second["id"])["idempotency_key"] is None and submit(tmp_path)["id"] == "t_0003"
+
+
+def test_the_kept_connection_and_its_rows_are_the_stores_protocols(tmp_path):
+    # task_store.Connection / Row are what the store's SQL is typed against on both databases.
+    submit(tmp_path)
+    conn = store._kept()
+    assert isinstance(conn, store.Connection)
+    row = conn.execute("SELECT id, title FROM tasks").fetchone()
+    assert isinstance(row, store.Row) and row["id"] == row[0] == 1 and dict(row) == {"id": 1, "title": "t"}
+    assert row.keys() == ["id", "title"] and list(row) == [1, "t"] and len(row) == 2
