@@ -314,6 +314,21 @@ _PG_SETUP_HINTS = {
 }
 
 
+def health(url: str, steps: list[list[str]]) -> dict[str, Any]:
+    """``task_store.database_health`` for the PostgreSQL queue ``url``: ``{"backend":
+    "postgresql", "path" (the URL without its password), "integrity" ("ok" once a query answers),
+    "journal_mode" and "filesystem" (None), "tasks", "server_version"}``. Opens (and migrates)
+    it like every entry point; raises as ``connect``."""
+    conn = connect(url, steps)
+    try:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+        tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+    finally:
+        conn.close()
+    return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
+            "filesystem": None, "tasks": tasks, "server_version": version}
+
+
 def _migrate(conn: PgConnection, steps: list[list[str]]) -> None:
     try:
         version = conn.raw.execute("SELECT max(version) FROM schema_version").fetchone()[0] or 0
@@ -450,6 +465,11 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def change_watch(url: str) -> PgChangeWatch:
+    """A PgChangeWatch on the PostgreSQL queue ``url`` (as store_sqlite.change_watch on a file)."""
+    return PgChangeWatch(url)
 
 
 class PgChangeWatch:

@@ -178,9 +178,10 @@ def backend() -> str:
     return _dialect().name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Dialect:
-    """What the queue's SQL (written once, below) asks about the database it runs on."""
+    """What the queue's SQL (written once, below) asks about the database it runs on. A statement
+    that differs as a whole is kept in a dict keyed by the two dialects (``_COUNTS[dialect]``)."""
     name: str                # backend()'s answer: "sqlite" or "postgresql"
     locks_rows: bool         # no global writers' lock: a write transaction locks the rows it decides on
     #                          (FOR UPDATE / FOR SHARE) and advisory-locks keys and logs
@@ -193,15 +194,16 @@ class Dialect:
     counts_table: bool       # tasks per status kept in task_counts by triggers (migration 9)
     index_hints: bool        # the planner needs INDEXED BY / a unary + on a few partial indexes
     logs_in_database: bool   # task logs are task_log_chunks rows, not files
+    wal_checkpoints: bool    # checkpoint() copies the WAL back (the PostgreSQL server checkpoints by itself)
 
 
 SQLITE = Dialect(name="sqlite", locks_rows=False, server_clock=False, clock_sql=":now", true_sql="1",
                  contains_fn="instr", events_final="1 = 1", events_at_commit=False, counts_table=True,
-                 index_hints=True, logs_in_database=False)
+                 index_hints=True, logs_in_database=False, wal_checkpoints=True)
 POSTGRESQL = Dialect(name="postgresql", locks_rows=True, server_clock=True,
                      clock_sql="extract(epoch FROM clock_timestamp())", true_sql="true", contains_fn="strpos",
                      events_final=PG_EVENTS_FINAL, events_at_commit=True, counts_table=False,
-                     index_hints=False, logs_in_database=True)
+                     index_hints=False, logs_in_database=True, wal_checkpoints=False)
 
 
 def _dialect(conn: Any = None) -> Dialect:
@@ -781,14 +783,7 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
     cannot be used."""
     url = None if path else database_url()
     if url:
-        conn = store_pg.connect(url, pg_migrations())
-        try:
-            version = conn.execute("SHOW server_version").fetchone()[0]
-            tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
-        finally:
-            conn.close()
-        return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
-                "filesystem": None, "tasks": tasks, "server_version": version}
+        return store_pg.health(url, pg_migrations())
     return store_sqlite.health(Path(path) if path else db_path(), MIGRATIONS)
 
 
@@ -906,7 +901,7 @@ def checkpoint() -> None:
     """Copy the WAL back into the database without waiting for readers (``PASSIVE``); SQLite
     also does this by itself every 10,000 pages. The worker calls it once a minute. Nothing on
     PostgreSQL (the server checkpoints)."""
-    if database_url():
+    if not _dialect().wal_checkpoints:
         return
     with _reading() as conn:
         store_sqlite.checkpoint(_as_sqlite(conn))
@@ -1942,7 +1937,7 @@ def list_tasks(
     dialect = _dialect()
     where, params = _list_filter(dialect, statuses, origin, search)
     clause = " AND ".join(where)
-    columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
+    columns = {SQLITE: _LIST_COLUMNS, POSTGRESQL: _LIST_COLUMNS_PG}[dialect]
     with _reading() as conn:
         if len(where) == 1 and dialect.counts_table:
             total = conn.execute(f"SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN ({_marks(statuses)})",
@@ -2024,14 +2019,14 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
 
 # Tasks per status: SQLite keeps them in task_counts (triggers); PostgreSQL counts (no trigger-kept
 # rows there: they would serialise every claim).
-_COUNTS = {"sqlite": "SELECT status, n FROM task_counts WHERE status != 'unseen'",
-           "postgresql": "SELECT status, count(*) FROM tasks GROUP BY status"}
+_COUNTS = {SQLITE: "SELECT status, n FROM task_counts WHERE status != 'unseen'",
+           POSTGRESQL: "SELECT status, count(*) FROM tasks GROUP BY status"}
 
 
 def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
-        rows = conn.execute(_COUNTS[_dialect(conn).name]).fetchall()
+        rows = conn.execute(_COUNTS[_dialect(conn)]).fetchall()
     return dict.fromkeys(STATUSES, 0) | {r[0]: r[1] for r in rows}
 
 
@@ -2040,8 +2035,8 @@ def counts() -> dict[str, int]:
 # found with one probe of the claim index (status, priority DESC, created_at, id), and takes each
 # one's oldest: a few probes, however long the history or the backlog.
 _OLDEST_PENDING = {
-    "postgresql": "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1",
-    "sqlite": """WITH RECURSIVE p(pr) AS (
+    POSTGRESQL: "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1",
+    SQLITE: """WITH RECURSIVE p(pr) AS (
   SELECT (SELECT max(priority) FROM tasks WHERE status = 'pending')
   UNION ALL
   SELECT (SELECT max(priority) FROM tasks WHERE status = 'pending' AND priority < p.pr) FROM p WHERE p.pr IS NOT NULL)
@@ -2053,7 +2048,7 @@ SELECT t.id, t.created_at FROM p JOIN tasks t ON t.id = (SELECT id FROM tasks WH
 def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     with _reading() as conn:
-        dialect = _dialect(conn).name
+        dialect = _dialect(conn)
         tallies = dict.fromkeys(STATUSES, 0) | dict(conn.execute(_COUNTS[dialect]).fetchall())
         oldest = conn.execute(_OLDEST_PENDING[dialect]).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
@@ -2872,7 +2867,7 @@ def change_watch() -> FolderWatch | PgChangeWatch:
     ``wait_for_change``."""
     url = database_url()
     if url:
-        return PgChangeWatch(url)
+        return store_pg.change_watch(url)
     return store_sqlite.change_watch(db_path())
 
 
@@ -2922,8 +2917,8 @@ def mark_result_seen(task_id: Any) -> bool:
 
 
 # SQLite keeps the count in task_counts (migration 9's triggers); PostgreSQL counts the index.
-_UNSEEN_TOTAL = {"sqlite": "SELECT n FROM task_counts WHERE status = 'unseen'",
-                 "postgresql": f"SELECT count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}"}
+_UNSEEN_TOTAL = {SQLITE: "SELECT n FROM task_counts WHERE status = 'unseen'",
+                 POSTGRESQL: f"SELECT count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}"}
 
 
 def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
@@ -2936,7 +2931,7 @@ def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
         # and sorted them (0.4 s at 100,000 unread); the partial index holds exactly these rows.
         rows = conn.execute(f"SELECT id FROM tasks{' INDEXED BY tasks_unseen' if _dialect(conn).index_hints else ''}"
                             f" WHERE {where} ORDER BY finished_at, id LIMIT ?", (limit,)).fetchall()
-        total = conn.execute(_UNSEEN_TOTAL[_dialect(conn).name]).fetchone()[0]
+        total = conn.execute(_UNSEEN_TOTAL[_dialect(conn)]).fetchone()[0]
     return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
 
