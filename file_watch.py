@@ -7,7 +7,8 @@ network filesystem that reports nothing) ``available`` is False and ``wait`` sim
 caller re-checks on its own schedule, so a missing notification costs latency, never correctness.
 
 The store uses it for ``wait_for_change`` (SQLite writes every commit to the ``-wal`` file, or to
-the database file itself in rollback-journal mode). Imports the standard library only; reads no env; not run on its own.
+the database file itself in rollback-journal mode); ``wait_for`` is the wait loop it shares with
+store_pg.PgChangeWatch. Imports the standard library only; reads no env; not run on its own.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import struct
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x2, 0x8, 0x80, 0x100
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
@@ -34,6 +36,34 @@ def _libc():
         except (OSError, AttributeError):
             _LIBC.append(None)
     return _LIBC[0]
+
+
+class Watch(Protocol):
+    """What ``wait_for`` needs of a watch: a descriptor that turns readable when notices come
+    (negative: none, the waiter sleeps), and ``drain()`` reading them without blocking (True
+    when one is a change the waiter wants)."""
+    fd: int
+
+    def drain(self) -> bool: ...
+
+
+def wait_for(watch: Watch, timeout: float, *, buffered: bool = False) -> bool:
+    """Block until ``watch`` drains a change (True) or ``timeout`` seconds pass (False); without
+    a descriptor, sleep the timeout (False). ``buffered``: the watch may already hold notices it
+    read (libpq does), which no select would show, so it is drained before the first wait; a
+    descriptor dropped meanwhile (``fd`` < 0) ends the wait."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    if watch.fd < 0:
+        time.sleep(max(0.0, timeout))
+        return False
+    ready = buffered
+    while True:
+        if ready and watch.drain():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0 or watch.fd < 0:
+            return False
+        ready = bool(select.select([watch.fd], [], [], left)[0]) or buffered
 
 
 class FolderWatch:
@@ -62,17 +92,7 @@ class FolderWatch:
 
     def wait(self, timeout: float) -> bool:
         """Block until one of the watched files changes (True) or ``timeout`` seconds pass (False)."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        if self.fd < 0:
-            time.sleep(max(0.0, timeout))
-            return False
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            ready, _, _ = select.select([self.fd], [], [], left)
-            if ready and self.drain():
-                return True
+        return wait_for(self, timeout)
 
     def drain(self) -> bool:
         """Read the queued notifications (never blocks); True when one names a watched file.

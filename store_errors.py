@@ -71,6 +71,19 @@ class DatabaseCorrupt(DatabaseUnusable):
     "database disk image is malformed")."""
 
 
+class ConstraintViolated(DatabaseUnusable):
+    """The database refused a write that would break one of the queue's constraints (a duplicate
+    key, a reference to a row that is not there, a value a CHECK refuses), on either database;
+    nothing was written. Not the file's or the server's fault: a write the store should not have
+    made (a bug), or one racing another writer. ``detail`` is the database's own words. A
+    DatabaseUnusable, as SQLite's constraint errors were before both databases said it alike."""
+
+
+# The way out a ConstraintViolated's message gives, on either database.
+CONSTRAINT_WAY_OUT = ("nothing was written; try again, and if it happens again report it as a TaskBridge bug "
+                      "(the queue's data is intact)")
+
+
 class DatabaseUnavailable(TaskStoreError):
     """The PostgreSQL queue cannot be used: a bad URL, a server that does not answer or refuses
     the login, a lost connection, or psycopg missing. The message names the URL (never its

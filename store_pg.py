@@ -8,7 +8,8 @@ migrates, ``transaction`` wraps a write, ``PgChangeWatch`` wakes a waiter on the
 A lost server becomes DatabaseUnavailable, a lock not granted in time DatabaseBusy, each naming the
 URL without its password (``redact_url``) and the way out.
 
-Imports the standard library, store_errors, and psycopg 3 only when a connection is opened.
+Imports the standard library, store_errors, psycopg 3 only when a connection is opened, and
+file_watch (its wait loop) only in a waiting process.
 Env: none (the URL comes from task_store). Not run on its own (task_store imports it).
 """
 from __future__ import annotations
@@ -18,12 +19,11 @@ import functools
 import os
 import re
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from store_errors import DatabaseBusy, DatabaseUnavailable
+from store_errors import CONSTRAINT_WAY_OUT, ConstraintViolated, DatabaseBusy, DatabaseUnavailable
 
 PG_SCHEMES = ("postgresql://", "postgres://")
 
@@ -179,7 +179,10 @@ class PgConnection:
         self.raw, self.url = raw, url
         self.writing = False
         self.events: list[tuple[int | None, float, str, str]] = []
-        self._errors = type(raw).OperationalError if hasattr(type(raw), "OperationalError") else Exception
+        # The driver's errors this connection maps (``_mapped``): a lost or refused operation, and
+        # a write a constraint refused. Any other (a ProgrammingError: a bug in a statement) stays raw.
+        self._errors = tuple(getattr(type(raw), name) for name in ("OperationalError", "IntegrityError")
+                             if hasattr(type(raw), name)) or (Exception,)
 
     def execute(self, sql: str, params: Any = ()) -> Any:
         return self._execute(sql, params, False)
@@ -195,7 +198,7 @@ class PgConnection:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
             if not (idle and self._retryable(sql, idempotent)):
-                raise self._lost(exc) from None
+                raise self._mapped(exc) from None
         # The server dropped the connection (a restart, an idle timeout) before a statement that
         # had nothing to lose: a read outside a transaction, or the BEGIN opening one. Log in
         # again and run it once more, instead of failing this call (a lease renewal, say).
@@ -203,7 +206,7 @@ class PgConnection:
         try:
             return self.raw.execute(pg_sql(sql), params)
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
     def _retryable(self, sql: str, idempotent: bool) -> bool:
         # Only a statement that cannot have changed anything (a SELECT, a BEGIN) or one whose
@@ -215,12 +218,17 @@ class PgConnection:
             with self.raw.cursor() as cur:
                 cur.executemany(pg_sql(sql), list(rows))
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
-    def _lost(self, exc: BaseException) -> BaseException:
-        # A lock not granted in time or a broken deadlock is a busy queue (try again); any other
+    def _mapped(self, exc: BaseException) -> BaseException:
+        # A write a constraint refused (SQLSTATE class 23) is ConstraintViolated, as on SQLite; a
+        # lock not granted in time or a broken deadlock is a busy queue (try again); any other
         # operational failure (a lost connection, a server going down) its unavailability.
         state = getattr(exc, "sqlstate", None) or ""
+        if state.startswith("23"):
+            said = " ".join(str(exc).split())
+            return ConstraintViolated(f"the PostgreSQL queue {redact_url(self.url)} refused a write ({said}): "
+                                      f"{CONSTRAINT_WAY_OUT}", said)
         if state == "55P03" or state.startswith("40"):
             said = " ".join(str(exc).split())
             return DatabaseBusy(f"the PostgreSQL queue {redact_url(self.url)} is busy ({said}); nothing was "
@@ -249,7 +257,7 @@ class PgConnection:
         try:
             self.raw.execute(_events_statement(rows))
         except self._errors as exc:
-            raise self._lost(exc) from None
+            raise self._mapped(exc) from None
 
 
 def _events_statement(rows: list[tuple[int | None, float, str, str]]) -> Any:
@@ -323,6 +331,21 @@ _PG_SETUP_HINTS = {
              "(ALTER DATABASE … OWNER TO …) or GRANT CREATE ON SCHEMA public TO it",
     "57014": "a statement was cancelled by a timeout: take statement_timeout out of the URL's options",
 }
+
+
+def health(url: str, steps: list[list[str]]) -> dict[str, Any]:
+    """``task_store.database_health`` for the PostgreSQL queue ``url``: ``{"backend":
+    "postgresql", "path" (the URL without its password), "integrity" ("ok" once a query answers),
+    "journal_mode" and "filesystem" (None), "tasks", "server_version"}``. Opens (and migrates)
+    it like every entry point; raises as ``connect``."""
+    conn = connect(url, steps)
+    try:
+        version = conn.execute("SHOW server_version").fetchone()[0]
+        tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
+    finally:
+        conn.close()
+    return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
+            "filesystem": None, "tasks": tasks, "server_version": version}
 
 
 def _migrate(conn: PgConnection, steps: list[list[str]]) -> None:
@@ -463,6 +486,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def change_watch(url: str) -> PgChangeWatch:
+    """A PgChangeWatch on the PostgreSQL queue ``url`` (as store_sqlite.change_watch on a file)."""
+    return PgChangeWatch(url)
+
+
 class PgChangeWatch:
     """``file_watch.FolderWatch``'s interface over ``LISTEN taskbridge_events`` on a connection of
     its own (kept for the next watch of this process when closed): ``wait(timeout) -> bool``,
@@ -489,18 +517,8 @@ class PgChangeWatch:
 
     def wait(self, timeout: float) -> bool:
         """Block until a change is notified (True) or ``timeout`` seconds pass (False)."""
-        import select
-        deadline = time.monotonic() + max(0.0, timeout)
-        if self.fd < 0:
-            time.sleep(max(0.0, timeout))
-            return False
-        while True:
-            if self.drain():
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0 or self.fd < 0:
-                return False
-            select.select([self.fd], [], [], left)
+        from file_watch import wait_for  # imported by waiting processes only
+        return wait_for(self, timeout, buffered=True)
 
     def drain(self) -> bool:
         """Read what the server sent (never blocks); True when a change was notified (or the

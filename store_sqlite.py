@@ -22,11 +22,13 @@ import random
 import re
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from store_errors import (
+    CONSTRAINT_WAY_OUT,
+    ConstraintViolated,
     DatabaseBusy,
     DatabaseCorrupt,
     DatabaseUnusable,
@@ -114,7 +116,7 @@ def storage_fault(exc: BaseException, path: Path | str) -> StorageFault | None:
 
 # SQLite's primary result codes (the low byte of ``sqlite_errorcode``) a queue file's fault is told by.
 SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY, SQLITE_CORRUPT = 3, 5, 6, 8, 11
-SQLITE_CANTOPEN, SQLITE_NOTADB = 14, 26
+SQLITE_CANTOPEN, SQLITE_CONSTRAINT, SQLITE_NOTADB = 14, 19, 26
 _OPEN_ERRORS = (IsADirectoryError, NotADirectoryError, FileNotFoundError, FileExistsError)
 
 
@@ -123,8 +125,8 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     to for the SQLite queue file ``path``, its message naming the file and the way out: a
     StorageFault for a full or read-only disk (``storage_fault``), DatabaseBusy when another
     process held the lock too long, DatabaseCorrupt for a file that is no database or is damaged,
-    else DatabaseUnusable. A TaskStoreError is returned as it is. Told by SQLite's result code,
-    by its words where an error carries none."""
+    ConstraintViolated for a write a constraint refused, else DatabaseUnusable. A TaskStoreError is
+    returned as it is. Told by SQLite's result code, by its words where an error carries none."""
     if isinstance(exc, TaskStoreError):
         return exc
     fault = storage_fault(exc, path)
@@ -138,6 +140,8 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     def said(way_out: str) -> str:
         return f"the task database {path} cannot be used ({detail}): {way_out}"
 
+    if code == SQLITE_CONSTRAINT or isinstance(exc, sqlite3.IntegrityError):
+        return ConstraintViolated(f"the task database {path} refused a write ({detail}): {CONSTRAINT_WAY_OUT}", detail)
     if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
         return DatabaseCorrupt(said("it is not a SQLite database or it is damaged: restore it from a backup, or "
                                     "point TASK_DB_PATH at another file (a new queue starts empty)"), detail)
@@ -212,7 +216,7 @@ def journal_mode(path: Path | str) -> str:
     return "wal"
 
 
-def migrate(conn: sqlite3.Connection, migrations: list[Callable[[sqlite3.Connection], None]]) -> None:
+def migrate(conn: sqlite3.Connection, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> None:
     """Apply the ``migrations`` the file lacks (its version in ``PRAGMA user_version``), in one
     BEGIN IMMEDIATE transaction."""
     if conn.execute("PRAGMA user_version").fetchone()[0] >= len(migrations):
@@ -236,7 +240,7 @@ def _create_private(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
-def connect(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
+def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
     """A new connection to the queue file ``path`` (its folder made 0700, the file 0600), set up
     once here: autocommit (transactions explicit), rows as sqlite3.Row, busy timeout, foreign keys,
     the journal (WAL; see ``journal_mode``), and migrated by ``migrations``; on a filesystem mounted
@@ -300,7 +304,7 @@ def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], N
         raise
 
 
-def health(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> dict[str, Any]:
+def health(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> dict[str, Any]:
     """``task_store.database_health`` for the queue file ``path``: ``{"backend": "sqlite", "path",
     "integrity" ("ok" or SQLite's first complaints), "journal_mode", "filesystem", "tasks"}``.
     Opens (and migrates) it like every entry point; raises as ``connect``."""
@@ -329,7 +333,7 @@ def change_watch(path: Path) -> FolderWatch:
     return FolderWatch(path.parent, (path.name, f"{path.name}-wal", f"{path.name}-journal"))
 
 
-def _open(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
+def _open(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> sqlite3.Connection:
     if str(path) != ":memory:" and read_only_at(path.parent):
         return _connect_read_only(path, len(migrations))
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -345,7 +349,7 @@ def _open(path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) ->
     return conn
 
 
-def _set_up(conn: sqlite3.Connection, path: Path, migrations: list[Callable[[sqlite3.Connection], None]]) -> None:
+def _set_up(conn: sqlite3.Connection, path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None]]) -> None:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")

@@ -45,13 +45,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sized
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast, runtime_checkable
 
 import knobs
 import store_pg
 import store_sqlite
 import task_spec as spec
 from store_errors import (  # noqa: F401
+    ConstraintViolated,
     DatabaseBusy,
     DatabaseCorrupt,
     DatabaseUnavailable,
@@ -95,11 +96,57 @@ if TYPE_CHECKING:   # the driver itself is store_sqlite's; here it only names ty
 
     from file_watch import FolderWatch
 
-# A kept connection: a Connection, or a store_pg.PgConnection, which takes the same calls
-# (execute, executemany, commit, in_transaction, close) with SQLite's placeholders and rows that
-# read like sqlite3.Row. The store's SQL is written once for both, so its functions take either:
-# Any to the type checker, which cannot follow a dialect check (_dialect) to the right one.
-Connection = Any
+
+@runtime_checkable
+class Row(Protocol):
+    """A row as both databases give it (sqlite3.Row, store_pg.PgRow): ``row["col"]``, ``row[0]``,
+    ``row.keys()``, ``dict(row)``; iterating gives the values."""
+
+    def __getitem__(self, key: Any, /) -> Any: ...
+
+    def keys(self) -> list[str]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __len__(self) -> int: ...
+
+
+class Cursor(Protocol):
+    """What the store reads of a statement's result: its rows (each a Row), and how many it changed."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+@runtime_checkable
+class Connection(Protocol):
+    """A kept connection as the store's SQL (written once for both databases) uses it: a
+    sqlite3.Connection, or a store_pg.PgConnection, which takes the same statements with SQLite's
+    placeholders (``?``, ``:name``) and gives rows that read like Row. Transactions are
+    opened and ended by the backend modules (``_writing``), not through this interface; what only
+    one database has (PgConnection's ``writing``, ``events``) is reached through ``_dialect``."""
+
+    def execute(self, sql: str, parameters: Any = ..., /) -> Cursor: ...
+
+    def executemany(self, sql: str, parameters: Iterable[Any], /) -> object: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+
+if TYPE_CHECKING:
+    def _both_are_connections(sqlite: sqlite3.Connection, pg: PgConnection, row: sqlite3.Row,
+                              pg_row: PgRow) -> tuple[list[Connection], list[Row]]:
+        # mypy checks here that each database's connection and row satisfy the protocols above.
+        return [sqlite, pg], [row, pg_row]
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -131,9 +178,10 @@ def backend() -> str:
     return _dialect().name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Dialect:
-    """What the queue's SQL (written once, below) asks about the database it runs on."""
+    """What the queue's SQL (written once, below) asks about the database it runs on. A statement
+    that differs as a whole is kept in a dict keyed by the two dialects (``_COUNTS[dialect]``)."""
     name: str                # backend()'s answer: "sqlite" or "postgresql"
     locks_rows: bool         # no global writers' lock: a write transaction locks the rows it decides on
     #                          (FOR UPDATE / FOR SHARE) and advisory-locks keys and logs
@@ -146,15 +194,16 @@ class Dialect:
     counts_table: bool       # tasks per status kept in task_counts by triggers (migration 9)
     index_hints: bool        # the planner needs INDEXED BY / a unary + on a few partial indexes
     logs_in_database: bool   # task logs are task_log_chunks rows, not files
+    wal_checkpoints: bool    # checkpoint() copies the WAL back (the PostgreSQL server checkpoints by itself)
 
 
 SQLITE = Dialect(name="sqlite", locks_rows=False, server_clock=False, clock_sql=":now", true_sql="1",
                  contains_fn="instr", events_final="1 = 1", events_at_commit=False, counts_table=True,
-                 index_hints=True, logs_in_database=False)
+                 index_hints=True, logs_in_database=False, wal_checkpoints=True)
 POSTGRESQL = Dialect(name="postgresql", locks_rows=True, server_clock=True,
                      clock_sql="extract(epoch FROM clock_timestamp())", true_sql="true", contains_fn="strpos",
                      events_final=PG_EVENTS_FINAL, events_at_commit=True, counts_table=False,
-                     index_hints=False, logs_in_database=True)
+                     index_hints=False, logs_in_database=True, wal_checkpoints=False)
 
 
 def _dialect(conn: Any = None) -> Dialect:
@@ -163,6 +212,16 @@ def _dialect(conn: Any = None) -> Dialect:
     if conn is None:
         return POSTGRESQL if database_url() else SQLITE
     return POSTGRESQL if type(conn) is PgConnection else SQLITE
+
+
+def _as_sqlite(conn: Connection) -> sqlite3.Connection:
+    """``conn`` as the type checker cannot tell it is where ``_dialect(conn)`` is SQLITE."""
+    return cast("sqlite3.Connection", conn)
+
+
+def _as_pg(conn: Connection) -> PgConnection:
+    """``conn`` as the type checker cannot tell it is where ``_dialect(conn)`` is POSTGRESQL."""
+    return cast(PgConnection, conn)
 
 
 def _sqlite_setting(url: str | None = None) -> str | None:
@@ -716,7 +775,7 @@ def pg_migrations() -> list[list[str]]:
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
-def connect(path: Path | str | None = None) -> Connection | PgConnection:
+def connect(path: Path | str | None = None) -> Connection:
     """Open a new connection (creating its folder): the journal (WAL; see ``journal_mode``), busy
     timeout, foreign keys; migrated. Without ``path`` while ``TASK_DB_URL`` names PostgreSQL: a
     new migrated PgConnection to it (raises DatabaseUnavailable).
@@ -744,14 +803,7 @@ def database_health(path: Path | str | None = None) -> dict[str, Any]:
     cannot be used."""
     url = None if path else database_url()
     if url:
-        conn = store_pg.connect(url, pg_migrations())
-        try:
-            version = conn.execute("SHOW server_version").fetchone()[0]
-            tasks = conn.execute("SELECT count(*) FROM tasks").fetchone()[0]
-        finally:
-            conn.close()
-        return {"backend": "postgresql", "path": redact_url(url), "integrity": "ok", "journal_mode": None,
-                "filesystem": None, "tasks": tasks, "server_version": version}
+        return store_pg.health(url, pg_migrations())
     return store_sqlite.health(Path(path) if path else db_path(), MIGRATIONS)
 
 
@@ -869,10 +921,10 @@ def checkpoint() -> None:
     """Copy the WAL back into the database without waiting for readers (``PASSIVE``); SQLite
     also does this by itself every 10,000 pages. The worker calls it once a minute. Nothing on
     PostgreSQL (the server checkpoints)."""
-    if database_url():
+    if not _dialect().wal_checkpoints:
         return
     with _reading() as conn:
-        store_sqlite.checkpoint(conn)
+        store_sqlite.checkpoint(_as_sqlite(conn))
 
 
 @contextlib.contextmanager
@@ -881,7 +933,7 @@ def _reading() -> Iterator[Connection]:
     if _dialect(conn) is POSTGRESQL:   # psycopg's errors are mapped by PgConnection itself
         yield conn
         return
-    with store_sqlite.reading(conn, db_path(), _discard):
+    with store_sqlite.reading(_as_sqlite(conn), db_path(), _discard):
         yield conn
 
 
@@ -891,10 +943,10 @@ def _writing() -> Iterator[Connection]:
     PostgreSQL no global lock: rows are locked as they are read, see ``store_pg.transaction``)."""
     conn = _kept()
     if _dialect(conn) is POSTGRESQL:
-        with store_pg.transaction(conn):
+        with store_pg.transaction(_as_pg(conn)):
             yield conn
         return
-    with store_sqlite.transaction(conn, db_path(), _discard):
+    with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard):
         yield conn
 
 
@@ -915,8 +967,8 @@ def _kept_pg(url: str) -> PgConnection:
     process forked or the last use broke it."""
     key = (threading.get_ident(), url)
     entry = _KEPT.get(key)
-    if entry is not None and entry[0].usable:
-        return entry[0]
+    if entry is not None and _as_pg(entry[0]).usable:
+        return _as_pg(entry[0])
     if entry is not None:
         _discard(key)
     conn = store_pg.connect(url, pg_migrations())
@@ -929,7 +981,7 @@ def _kept_pg(url: str) -> PgConnection:
 
 def _event(conn: Connection, task_id: int | None, kind: str, message: str = "") -> None:
     if _dialect(conn).events_at_commit:   # appended at the commit, in order (PgConnection.commit)
-        conn.events.append((task_id, now(), kind, message))
+        _as_pg(conn).events.append((task_id, now(), kind, message))
         return
     conn.execute(
         "INSERT INTO events (task_id, ts, kind, message) VALUES (?, ?, ?, ?)",
@@ -1470,7 +1522,7 @@ _TIME_COLUMNS = ("created_at", "claimed_at", "started_at", "finished_at", "heart
                  "result_seen_at", "resume_at")
 
 
-def task_dict(row: sqlite3.Row, deps: list[int] | None = None) -> dict[str, Any]:
+def task_dict(row: Row, deps: list[int] | None = None) -> dict[str, Any]:
     """A task row as the public shape every boundary shows (ids as ``t_0001``, ISO UTC times,
     JSON columns parsed, booleans as booleans)."""
     task = dict(row)
@@ -1536,10 +1588,10 @@ def _deps(conn: Connection, task_id: int) -> list[int]:
     return [r[0] for r in rows]
 
 
-def _row(conn: Connection, task_id: int) -> sqlite3.Row:
+def _row(conn: Connection, task_id: int) -> Row:
     # In a PostgreSQL write transaction the row is locked (there is no global writers' lock): no
     # claim or other writer can change it between this read and the write it decides.
-    locked = _dialect(conn).locks_rows and conn.writing
+    locked = _dialect(conn).locks_rows and _as_pg(conn).writing
     row = conn.execute("SELECT * FROM tasks WHERE id = ? FOR UPDATE" if locked else "SELECT * FROM tasks WHERE id = ?",
                        (task_id,)).fetchone()
     if row is None:
@@ -1565,7 +1617,7 @@ RETURNING *
 """
 
 
-def _existing_by_key(conn: Connection, key: str | None) -> sqlite3.Row | None:
+def _existing_by_key(conn: Connection, key: str | None) -> Row | None:
     if key is None:
         return None
     if _dialect(conn).locks_rows:   # two submits of one key: the second waits, then finds the first
@@ -1655,7 +1707,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         return [_submit_alone(specs[0])]
     # Insert in dependency order so a ref always points at an already-inserted task.
     ordered = _topological(specs)
-    out: dict[int, tuple[sqlite3.Row, list[int], bool]] = {}
+    out: dict[int, tuple[Row, list[int], bool]] = {}
     with _writing() as conn:
         ref_ids: dict[str, int] = {}
         defaults = _limit_defaults(conn)
@@ -1940,7 +1992,7 @@ def list_tasks(
     dialect = _dialect()
     where, params = _list_filter(dialect, statuses, origin, search)
     clause = " AND ".join(where)
-    columns = {"sqlite": _LIST_COLUMNS, "postgresql": _LIST_COLUMNS_PG}[dialect.name]
+    columns = {SQLITE: _LIST_COLUMNS, POSTGRESQL: _LIST_COLUMNS_PG}[dialect]
     with _reading() as conn:
         if len(where) == 1 and dialect.counts_table:
             total = conn.execute(f"SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN ({_marks(statuses)})",
@@ -1979,7 +2031,7 @@ def _parse_cursor(cursor: Any) -> tuple[int, int, int]:
 
 
 def _rows_after(conn: Connection, clause: str, params: list, after: tuple[int, int, int],
-                limit: int, columns: str = _LIST_COLUMNS) -> list[sqlite3.Row]:
+                limit: int, columns: str = _LIST_COLUMNS) -> list[Row]:
     """Rows after ``(rank, priority, id)`` in list order: three index range reads (the rest of that
     priority, the rest of that rank, the later ranks), each stopping at ``limit`` rows."""
     rank, priority, num = after
@@ -1989,7 +2041,7 @@ def _rows_after(conn: Connection, clause: str, params: list, after: tuple[int, i
         (f" AND {LIST_RANK} = ? AND priority < ? ORDER BY priority DESC, id DESC", [rank, priority]),
         (f" AND {LIST_RANK} > ?{_LIST_ORDER}", [rank]),
     )
-    rows: list[sqlite3.Row] = []
+    rows: list[Row] = []
     for extra, values in steps:
         if len(rows) >= limit:
             break
@@ -1998,7 +2050,7 @@ def _rows_after(conn: Connection, clause: str, params: list, after: tuple[int, i
     return rows
 
 
-def _list_row(row: sqlite3.Row) -> dict[str, Any]:
+def _list_row(row: Row) -> dict[str, Any]:
     task = dict(row)
     del task["rank"]
     task["num"], task["id"] = task["id"], format_task_id(task["id"])
@@ -2022,14 +2074,14 @@ def _statuses(status: str | Iterable[str] | None) -> list[str]:
 
 # Tasks per status: SQLite keeps them in task_counts (triggers); PostgreSQL counts (no trigger-kept
 # rows there: they would serialise every claim).
-_COUNTS = {"sqlite": "SELECT status, n FROM task_counts WHERE status != 'unseen'",
-           "postgresql": "SELECT status, count(*) FROM tasks GROUP BY status"}
+_COUNTS = {SQLITE: "SELECT status, n FROM task_counts WHERE status != 'unseen'",
+           POSTGRESQL: "SELECT status, count(*) FROM tasks GROUP BY status"}
 
 
 def counts() -> dict[str, int]:
     """Tasks per status, every status present (zero when none)."""
     with _reading() as conn:
-        rows = conn.execute(_COUNTS[_dialect(conn).name]).fetchall()
+        rows = conn.execute(_COUNTS[_dialect(conn)]).fetchall()
     return dict.fromkeys(STATUSES, 0) | {r[0]: r[1] for r in rows}
 
 
@@ -2038,8 +2090,8 @@ def counts() -> dict[str, int]:
 # found with one probe of the claim index (status, priority DESC, created_at, id), and takes each
 # one's oldest: a few probes, however long the history or the backlog.
 _OLDEST_PENDING = {
-    "postgresql": "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1",
-    "sqlite": """WITH RECURSIVE p(pr) AS (
+    POSTGRESQL: "SELECT id, created_at FROM tasks WHERE status = 'pending' ORDER BY created_at, id LIMIT 1",
+    SQLITE: """WITH RECURSIVE p(pr) AS (
   SELECT (SELECT max(priority) FROM tasks WHERE status = 'pending')
   UNION ALL
   SELECT (SELECT max(priority) FROM tasks WHERE status = 'pending' AND priority < p.pr) FROM p WHERE p.pr IS NOT NULL)
@@ -2051,7 +2103,7 @@ SELECT t.id, t.created_at FROM p JOIN tasks t ON t.id = (SELECT id FROM tasks WH
 def queue_summary() -> dict[str, Any]:
     """Counts per status, the oldest pending task (id, age in seconds) and claimable count."""
     with _reading() as conn:
-        dialect = _dialect(conn).name
+        dialect = _dialect(conn)
         tallies = dict.fromkeys(STATUSES, 0) | dict(conn.execute(_COUNTS[dialect]).fetchall())
         oldest = conn.execute(_OLDEST_PENDING[dialect]).fetchone()
         claimable = conn.execute(f"SELECT count(*) FROM tasks t WHERE {_READY}", {"now": store_now(conn)}).fetchone()[0]
@@ -2200,7 +2252,7 @@ def _explain_unclaimable(conn: Connection, num: int, host: str, default_account:
     raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
 
 
-def _fenced(conn: Connection, num: int, marker: str) -> sqlite3.Row:
+def _fenced(conn: Connection, num: int, marker: str) -> Row:
     row = _row(conn, num)
     name = format_task_id(num)
     if row["run_marker"] != marker:
@@ -2426,7 +2478,7 @@ def resume_due(at: float | None = None) -> list[dict[str, Any]]:
     return resumed
 
 
-def _resume_limit(conn: Connection, row: sqlite3.Row, how: str, by: str) -> None:
+def _resume_limit(conn: Connection, row: Row, how: str, by: str) -> None:
     """A usage-limit pause ends: ``pending`` again with the message the resumed session gets."""
     pauses = json.loads(row["limit_pauses"]) if row["limit_pauses"] else []
     if pauses:
@@ -2501,7 +2553,7 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         return task_dict(_row(conn, num))
 
 
-def _answer_usage_pause(conn: Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+def _answer_usage_pause(conn: Connection, row: Row, answer: str, author: str) -> str | None:
     """A planner's answer to a usage-limit pause: ``stop`` fails the task (its receipt kept; None);
     anything else resumes it now (the answer reaches the session); returns "" once resumed."""
     if _STOP_WORDS.match(answer):
@@ -2528,7 +2580,7 @@ def literal_pattern(subject: str) -> str:
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
 
 
-def _answer_permission(conn: Connection, row: sqlite3.Row, answer: str) -> str:
+def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
     """A task paused on a permission ask reads ``allow`` / ``deny``, each ``once`` (default) or
     ``always`` (for this task: a rule for exactly that request is added after its own rules).
     The decision goes into ``pending_ask`` for the resumed attempt; returns the answer to store.
@@ -2577,13 +2629,13 @@ def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bo
         return task_dict(_row(conn, num))
 
 
-def _retries_left(row: sqlite3.Row) -> bool:
+def _retries_left(row: Row) -> bool:
     # Only failures spend retries: a hand-back (worker shutdown) or an attempt that ended asking a
     # question is counted in handbacks. Attempt numbers stay unique for fencing.
     return _counted_attempts(row) <= row["max_retries"]
 
 
-def _counted_attempts(row: sqlite3.Row) -> int:
+def _counted_attempts(row: Row) -> int:
     """Attempts that spent the retry budget: neither hand-backs nor those before a retry_task."""
     return row["attempts"] - row["handbacks"] - row["spent_before_retry"]
 
@@ -2635,7 +2687,7 @@ def _not_retryable(num: int, status: str) -> str:
             f"(cancel it first to start it over)")
 
 
-def _requeue_fresh(conn: Connection, row: sqlite3.Row, model: str | None) -> None:
+def _requeue_fresh(conn: Connection, row: Row, model: str | None) -> None:
     # The OpenCode session, question, answer and base commit go: the next attempt starts afresh
     # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
     # branch name stays, and the worker moves it there when that loses no commit.
@@ -2714,7 +2766,7 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         return task_dict(_row(conn, num)) | {"kept": kept}
 
 
-def _kept_work(row: sqlite3.Row) -> str | None:
+def _kept_work(row: Row) -> str | None:
     """Where a cancelled task's work stays: its branch (and a waiting task's worktree)."""
     if not row["branch"]:
         return None
@@ -2747,7 +2799,7 @@ def fail_unrunnable(task_id: Any, marker: str, error: str) -> dict[str, Any]:
     return fail_attempt(task_id, marker, error, retryable=False)
 
 
-def _total_usage(row: sqlite3.Row, attempt: dict | None) -> str | None:
+def _total_usage(row: Row, attempt: dict | None) -> str | None:
     """The task's usage over all its attempts: tokens, cost_usd and steps summed, and each
     attempt's own figures under ``by_attempt`` (an attempt that asked a question, failed or was
     resumed keeps its cost in the total)."""
@@ -2843,7 +2895,7 @@ def mark_notes_delivered(task_id: Any, marker: str, delivered: list[tuple[int, f
 # Events.
 
 
-def _event_dict(row: sqlite3.Row) -> dict[str, Any]:
+def _event_dict(row: Row) -> dict[str, Any]:
     return {
         "id": row["id"],
         "task_id": format_task_id(row["task_id"]) if row["task_id"] is not None else None,
@@ -2948,7 +3000,7 @@ def change_watch() -> FolderWatch | PgChangeWatch:
     ``wait_for_change``."""
     url = database_url()
     if url:
-        return PgChangeWatch(url)
+        return store_pg.change_watch(url)
     return store_sqlite.change_watch(db_path())
 
 
@@ -2998,8 +3050,8 @@ def mark_result_seen(task_id: Any) -> bool:
 
 
 # SQLite keeps the count in task_counts (migration 9's triggers); PostgreSQL counts the index.
-_UNSEEN_TOTAL = {"sqlite": "SELECT n FROM task_counts WHERE status = 'unseen'",
-                 "postgresql": f"SELECT count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}"}
+_UNSEEN_TOTAL = {SQLITE: "SELECT n FROM task_counts WHERE status = 'unseen'",
+                 POSTGRESQL: f"SELECT count(*) FROM tasks t WHERE {_UNSEEN.format(row='t')}"}
 
 
 def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
@@ -3012,7 +3064,7 @@ def unseen_results(limit: int = UNSEEN_SHOWN) -> dict[str, Any]:
         # and sorted them (0.4 s at 100,000 unread); the partial index holds exactly these rows.
         rows = conn.execute(f"SELECT id FROM tasks{' INDEXED BY tasks_unseen' if _dialect(conn).index_hints else ''}"
                             f" WHERE {where} ORDER BY finished_at, id LIMIT ?", (limit,)).fetchall()
-        total = conn.execute(_UNSEEN_TOTAL[_dialect(conn).name]).fetchone()[0]
+        total = conn.execute(_UNSEEN_TOTAL[_dialect(conn)]).fetchone()[0]
     return {"ids": [format_task_id(r[0]) for r in rows], "total": int(total)}
 
 
@@ -3194,7 +3246,7 @@ def parse_limit_answer(text: str, unit: str = "usd") -> tuple[str, float | None]
     return "continue", None
 
 
-def _limit_reached(row: sqlite3.Row) -> str | None:
+def _limit_reached(row: Row) -> str | None:
     usage = json.loads(row["usage"]) if row["usage"] else {}
     usd, tokens = float(usage.get("cost_usd") or 0), int((usage.get("tokens") or {}).get("total") or 0)
     if row["max_cost_usd"] is not None and usd >= row["max_cost_usd"]:
@@ -3214,7 +3266,7 @@ def limit_example(unit: str, spent: float, limit: float | None = None) -> float 
     return max(round(base, 2), 0.01) if unit == "usd" else int(base)
 
 
-def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | None) -> str:
+def _set_limit(conn: Connection, row: Row, unit: str, amount: float | None) -> str:
     """Raise the task's limit in ``unit`` to ``amount``; returns it as said to the agent. Raises
     ValidationError when ``amount`` is not a valid limit above what the task has spent, or None."""
     name = format_task_id(row["id"])
@@ -3240,7 +3292,7 @@ def _set_limit(conn: Connection, row: sqlite3.Row, unit: str, amount: float | No
     return f"{count:,} tokens"
 
 
-def _answer_limit_pause(conn: Connection, row: sqlite3.Row, answer: str, author: str) -> str | None:
+def _answer_limit_pause(conn: Connection, row: Row, answer: str, author: str) -> str | None:
     """A planner's answer to a spending-limit pause: None when it stops the task (failed now,
     its receipt kept); else the message the resumed session gets."""
     name = format_task_id(row["id"])
@@ -3674,7 +3726,7 @@ def _pid_running(pid: Any) -> bool:
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 
 
-def _job_dict(row: sqlite3.Row) -> dict[str, Any]:
+def _job_dict(row: Row) -> dict[str, Any]:
     job = dict(row)
     job["usage"] = json.loads(job["usage"]) if job["usage"] else None
     for column in ("created_at", "started_at", "finished_at"):

@@ -26,7 +26,7 @@ import pytest
 
 import task_store
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo, run_script
+from helpers import ROOT, git, make_repo, run_script, submit
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "wrote the feature", "files_touched": ["feature.txt"], "tests_run": [], ' \
@@ -139,11 +139,6 @@ def fill_the_disk(opencode, name: str) -> None:
     ])
 
 
-def submit(repo: Path, name: str) -> dict:
-    return task_store.submit_task(title=name, instructions=f"SCRIPT:{name}", working_dir=str(repo),
-                                  worktree_keep=True, max_retries=2)
-
-
 def committed(repo: Path, task: dict, disk: SmallDisk, timeout: float = 120) -> str:
     """Wait until the task's branch (in the repository, on the test's own disk) has a commit."""
     deadline = time.monotonic() + timeout
@@ -160,7 +155,7 @@ def committed(repo: Path, task: dict, disk: SmallDisk, timeout: float = 120) -> 
 def test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns(opencode, small_disk, tmp_path):
     repo = make_repo(tmp_path / "repo", {".gitignore": "ballast\n", "README.md": "x\n"})
     fill_the_disk(opencode, "fills")
-    task = submit(repo, "fills")
+    task = submit(repo, script="fills", worktree_keep=True, max_retries=2)
     small_disk.start()
     small_disk.wait_said("disk full")
     small_disk.keep_full()
@@ -184,7 +179,7 @@ def test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns(ope
 def test_a_worker_killed_after_its_commit_is_finished_from_the_commit_not_rerun(opencode, small_disk, tmp_path):
     repo = make_repo(tmp_path / "repo", {".gitignore": "ballast\n", "README.md": "x\n"})
     fill_the_disk(opencode, "killed")
-    task = submit(repo, "killed")
+    task = submit(repo, script="killed", worktree_keep=True, max_retries=2)
     small_disk.start()
     small_disk.wait_said("disk full")
     small_disk.keep_full()

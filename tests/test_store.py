@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 
 import task_store as store
-from helpers import claim_in_processes
+from helpers import claim_in_processes, submit
 
 
 @pytest.fixture(autouse=True)
 def backend(store_backend):
     """Each test of this file on both backends (sqlite, postgresql)."""
     return store_backend
-
-
-def submit(tmp_path, title="t", **kw):
-    return store.submit_task(title=title, instructions="do it", working_dir=str(tmp_path), **kw)
 
 
 def test_ids_accept_three_shapes(tmp_path):
@@ -350,3 +346,34 @@ def test_the_latest_events_are_the_newest_ones_whatever_the_ids(tmp_path):
     latest = store.latest_events(2)
     assert [e["id"] for e in latest] == [e["id"] for e in every[-2:]]
     assert latest[0]["id"] < latest[1]["id"] and latest[-1]["id"] == store.last_event_id()
+
+
+@pytest.mark.parametrize("how", ["_writing", "_single_write"])
+@pytest.mark.parametrize("statement", [
+    "INSERT INTO task_deps (task_id, depends_on) VALUES (1, 99)",     # a reference to no task
+    "UPDATE tasks SET status = 'lost' WHERE id = 1",                   # a value a CHECK refuses
+    "UPDATE tasks SET idempotency_key = 'k' WHERE id = 2",             # a duplicate of a unique key
+    "UPDATE tasks SET title = NULL WHERE id = 1",                      # NOT NULL
+])
+def test_a_write_a_constraint_refuses_is_the_same_store_error_on_both(tmp_path, statement, how):
+    # The seam's contract: sqlite3.IntegrityError and psycopg's IntegrityError (UniqueViolation,
+    # ForeignKeyViolation, CheckViolation, NotNullViolation) leave the store as one error.
+    first, second = submit(tmp_path, idempotency_key="k"), submit(tmp_path)
+    with pytest.raises(store.ConstraintViolated) as raised, getattr(store, how)() as conn:
+        conn.execute(statement)
+    message = str(raised.value)
+    assert isinstance(raised.value, store.DatabaseUnusable) and raised.value.detail in message
+    assert f"{store.database_label()} refused a write (" in message and "nothing was written" in message
+    assert "password" not in message.lower()
+    assert [store.get_task(t["id"])["status"] for t in (first, second)] == ["pending", "pending"]
+    assert store.get_task(second["id"])["idempotency_key"] is None and submit(tmp_path)["id"] == "t_0003"
+
+
+def test_the_kept_connection_and_its_rows_are_the_stores_protocols(tmp_path):
+    # task_store.Connection / Row are what the store's SQL is typed against on both databases.
+    submit(tmp_path)
+    conn = store._kept()
+    assert isinstance(conn, store.Connection)
+    row = conn.execute("SELECT id, title FROM tasks").fetchone()
+    assert isinstance(row, store.Row) and row["id"] == row[0] == 1 and dict(row) == {"id": 1, "title": "t"}
+    assert row.keys() == ["id", "title"] and list(row) == [1, "t"] and len(row) == 2

@@ -16,47 +16,50 @@ import pytest
 
 import store_sqlite
 import task_store
+from helpers import submit
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def submit(tmp_path: Path, **extra) -> dict:
-    project = tmp_path / "project"
-    project.mkdir(exist_ok=True)
-    return task_store.submit_task(**{"title": "t", "instructions": "do it", "working_dir": str(project)} | extra)
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """The tasks' folder: beside the queue's files, not their folder (which submit refuses)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    return folder
 
 
-def test_a_locked_database_is_database_busy_naming_the_file(tmp_path, monkeypatch):
-    submit(tmp_path)
+def test_a_locked_database_is_database_busy_naming_the_file(project, monkeypatch):
+    submit(project)
     monkeypatch.setattr(store_sqlite, "BUSY_WAIT_SEC", 0.05)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")   # another process's write lock, held past the wait
     try:
         with pytest.raises(task_store.DatabaseBusy) as raised:
-            submit(tmp_path)
+            submit(project)
     finally:
         holder.execute("ROLLBACK")
         holder.close()
     assert str(task_store.db_path()) in str(raised.value) and "try again" in str(raised.value)
     assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
-    assert len(task_store.list_tasks()["tasks"]) == 1 and submit(tmp_path)   # nothing written; works again
+    assert len(task_store.list_tasks()["tasks"]) == 1 and submit(project)   # nothing written; works again
 
 
-def test_a_full_database_is_disk_full(tmp_path):
-    submit(tmp_path)
+def test_a_full_database_is_disk_full(project):
+    submit(project)
     conn = task_store._kept()
     pages = conn.execute("PRAGMA page_count").fetchone()[0]
     conn.execute(f"PRAGMA max_page_count = {pages:d}")   # SQLite's own "database or disk is full"
     with pytest.raises(task_store.DiskFull) as raised:
-        submit(tmp_path, instructions="x" * 200_000)
+        submit(project, instructions="x" * 200_000)
     assert "disk full" in str(raised.value) and "TASK_DB_PATH" in str(raised.value)
 
 
-def test_a_database_that_cannot_be_written_is_unusable_with_the_way_out(tmp_path):
-    submit(tmp_path)
+def test_a_database_that_cannot_be_written_is_unusable_with_the_way_out(project):
+    submit(project)
     task_store._kept().execute("PRAGMA query_only = 1")   # SQLite's "attempt to write a readonly database"
     with pytest.raises(task_store.DatabaseUnusable) as raised:
-        submit(tmp_path)
+        submit(project)
     message = str(raised.value)
     assert f"the task database {task_store.db_path()} cannot be used" in message
     assert "fix the permissions" in message and "TASK_DB_PATH" in message
@@ -65,11 +68,11 @@ def test_a_database_that_cannot_be_written_is_unusable_with_the_way_out(tmp_path
 
 
 @pytest.mark.parametrize("call", ["read", "write", "connect", "health"])
-def test_a_file_that_is_no_database_is_database_corrupt(tmp_path, monkeypatch, call):
+def test_a_file_that_is_no_database_is_database_corrupt(project, tmp_path, monkeypatch, call):
     path = tmp_path / "broken.db"
     path.write_bytes(b"this is not a SQLite file\n" * 200)
     monkeypatch.setenv("TASK_DB_PATH", str(path))
-    run = {"read": task_store.list_tasks, "write": lambda: submit(tmp_path),
+    run = {"read": task_store.list_tasks, "write": lambda: submit(project),
            "connect": task_store.connect, "health": task_store.database_health}[call]
     with pytest.raises(task_store.DatabaseCorrupt) as raised:
         run()
@@ -101,16 +104,16 @@ def test_a_driver_error_raised_under_the_store_is_mapped_by_its_words_too(tmp_pa
         task_store.counts()
 
 
-def test_a_busy_database_in_another_thread_does_not_close_its_connection(tmp_path, monkeypatch):
+def test_a_busy_database_in_another_thread_does_not_close_its_connection(project, monkeypatch):
     # DatabaseBusy is no fault of the connection: the kept one stays (only a broken one reopens).
-    submit(tmp_path)
+    submit(project)
     kept = task_store._kept()
     monkeypatch.setattr(store_sqlite, "BUSY_WAIT_SEC", 0.02)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
         with pytest.raises(task_store.DatabaseBusy):
-            submit(tmp_path)
+            submit(project)
     finally:
         holder.execute("ROLLBACK")
         holder.close()

@@ -7,10 +7,7 @@ from __future__ import annotations
 import sqlite3
 
 import task_store as store
-
-
-def submit(tmp_path, title="t", **kw):
-    return store.submit_task(title=title, instructions="do it", working_dir=str(tmp_path), **kw)
+from helpers import submit
 
 
 def frames() -> int:
