@@ -121,9 +121,11 @@ class TaskGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except task_store.ConstraintViolated as exc:   # not the file's fault: its own words and way out
+            raise CliError(str(exc)) from None
         except task_store.DatabaseUnusable as exc:
             raise CliError(
-                f"the task database {task_store.db_path()} could not be used ({exc.detail}); "
+                f"the task database {task_store.database_label()} could not be used ({exc.detail}); "
                 "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
             ) from None
         except task_store.TaskStoreError as exc:

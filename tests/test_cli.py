@@ -898,3 +898,17 @@ def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
     said = run("diff", task["id"])
     assert said.exit_code != 0 and "ran in place" in said.stderr and "hello.txt" in said.stderr
     assert "changed no files" not in said.stderr
+
+
+def test_a_write_the_database_refuses_by_a_constraint_is_said_in_the_stores_words(tmp_path, monkeypatch):
+    # ConstraintViolated is a DatabaseUnusable; the CLI's catch of the latter told the person to
+    # check --db and the file's permissions, which a refused write is not about.
+    submit(tmp_path, TITLE)
+    said = "the task database x refused a write (UNIQUE constraint failed): nothing was written; try again"
+
+    def refuse(*_args, **_kw):
+        raise task_store.ConstraintViolated(said, "UNIQUE constraint failed")
+    monkeypatch.setattr(task_store, "cancel_task", refuse)
+    result = run("cancel", "1", "--yes")
+    assert result.exit_code == 1 and said in result.stderr.replace("\n", " ")
+    assert "check --db" not in result.stderr and "Traceback" not in result.stderr
