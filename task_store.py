@@ -2527,7 +2527,8 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         if row["status"] != "waiting":
             raise InvalidTransition(
                 f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
-                "a question takes an answer (add_task_note reaches a task at its next attempt)"
+                "a question takes an answer (add_task_note reaches a running task before its next model call, "
+                "a pending one when it starts)"
             )
         resume: str | None   # None: stopped at its limit
         if row["paused_for"] == "permission":

@@ -377,3 +377,14 @@ def test_the_kept_connection_and_its_rows_are_the_stores_protocols(tmp_path):
     row = conn.execute("SELECT id, title FROM tasks").fetchone()
     assert isinstance(row, store.Row) and row["id"] == row[0] == 1 and dict(row) == {"id": 1, "title": "t"}
     assert row.keys() == ["id", "title"] and list(row) == [1, "t"] and len(row) == 2
+
+
+def test_an_answer_to_a_task_that_asked_nothing_points_at_a_note_and_when_it_arrives(tmp_path):
+    # It said a note "reaches a task at its next attempt"; a running task gets it before its next
+    # model call (the notes courier), a pending one when it starts (found by a new-user test).
+    task = submit(tmp_path)
+    store.claim_next("w", task_id=task["id"])
+    with pytest.raises(store.InvalidTransition) as refused:
+        store.answer_task(task["id"], "yes")
+    assert "is running, not waiting" in str(refused.value)
+    assert "add_task_note reaches a running task before its next model call" in str(refused.value)
