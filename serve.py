@@ -468,9 +468,7 @@ def queue_problem() -> str | None:
     broken SQLite file stops serve.py with that line, not with the children's exits."""
     try:
         store.last_event_id()
-    except store.DatabaseUnusable as exc:
-        return f"cannot use the queue {store.database_label()}: {exc.detail}; check TASK_DB_URL / TASK_DB_PATH"
-    except store.TaskStoreError as exc:
+    except store.TaskStoreError as exc:   # its message names the queue and the way out
         return str(exc)
     except OSError as exc:
         return f"cannot use the queue {store.database_label()}: {exc}; check TASK_DB_URL / TASK_DB_PATH"
@@ -639,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.check_port:
         return 0
+    problem = None if args.setup_only else queue_problem()
+    if problem:   # before anything is written or its mode changed: a file that is no queue stays as it was
+        print(f"serve: {problem}", file=sys.stderr)
+        return 1
     try:
         token, how = ensure_token(args.rotate)
     except SetupError as exc:
@@ -663,10 +665,6 @@ def main(argv: list[str] | None = None) -> int:
             print(connectors.snippets(args.port), file=sys.stderr)
     if args.setup_only:
         return 0
-    problem = queue_problem()
-    if problem:
-        print(f"serve: {problem}", file=sys.stderr)
-        return 1
     tunnel = args.tunnel
     if tunnel is None:
         tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"

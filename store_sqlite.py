@@ -20,6 +20,7 @@ import errno
 import os
 import random
 import re
+import shlex
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -143,8 +144,10 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     if code == SQLITE_CONSTRAINT or isinstance(exc, sqlite3.IntegrityError):
         return ConstraintViolated(f"the task database {path} refused a write ({detail}): {CONSTRAINT_WAY_OUT}", detail)
     if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
-        return DatabaseCorrupt(said("it is not a SQLite database or it is damaged: restore it from a backup, or "
-                                    "point TASK_DB_PATH at another file (a new queue starts empty)"), detail)
+        aside = f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.broken')}"
+        return DatabaseCorrupt(said(f"it is not a SQLite database or it is damaged: restore it from a backup, move "
+                                    f"it aside ({aside}; a new, empty queue is made in its place), or point "
+                                    "TASK_DB_PATH at another file"), detail)
     if code in (SQLITE_BUSY, SQLITE_LOCKED) or "locked" in text or "busy" in text:
         return DatabaseBusy(said("another process holds it locked: try again in a moment"))
     if code in (SQLITE_READONLY, SQLITE_PERM) or "readonly" in text or isinstance(exc, PermissionError):

@@ -78,11 +78,12 @@ class CliUsageError(CliError):
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
 CLI_WORDS = {"list_tasks": "`tasks_cli.py list`", "add_task_note": "`tasks_cli.py note`",
              "answer_task": "`tasks_cli.py answer`", "cancel_task": "`tasks_cli.py cancel`",
-             "retry_task": "`tasks_cli.py retry`"}
+             "retry_task": "`tasks_cli.py retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH"}
 
 
 def in_cli_words(message: str) -> str:
-    """A store message with MCP tool names replaced by the matching CLI commands."""
+    """A store message with MCP tool names replaced by the matching CLI commands (and the
+    environment's TASK_DB_PATH by the CLI's --db beside it)."""
     return re.sub(r"\b({})\b".format("|".join(CLI_WORDS)), lambda m: CLI_WORDS[m.group(1)], message)
 
 
@@ -107,10 +108,15 @@ class QueueCommand(click.Command):
         bad = not_utf8_param(ctx)
         if bad:
             raise bad
-        if name not in MAKES_QUEUE | NO_QUEUE_NEEDED and task_store.backend() == "sqlite" and \
-                not task_store.db_path().exists():   # a PostgreSQL queue is made by its first use
+        missing = task_store.backend() == "sqlite" and not task_store.db_path().exists()
+        if missing and name not in MAKES_QUEUE | NO_QUEUE_NEEDED:   # a PostgreSQL queue is made by its first use
             raise queue_missing_error()
-        return super().invoke(ctx)
+        done = super().invoke(ctx)
+        if missing and name in MAKES_QUEUE and task_store.db_path().exists():
+            err().print(Text(f"made a new queue at {task_store.db_path()}: a worker runs its tasks only when started "
+                             "with the same --db / TASK_DB_PATH (a typo? `tasks_cli.py status` there says whether "
+                             "a worker serves it)", style="yellow"), soft_wrap=True)
+        return done
 
 
 class TaskGroup(click.Group):
@@ -121,14 +127,7 @@ class TaskGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except task_store.ConstraintViolated as exc:   # not the file's fault: its own words and way out
-            raise CliError(str(exc)) from None
-        except task_store.DatabaseUnusable as exc:
-            raise CliError(
-                f"the task database {task_store.database_label()} could not be used ({exc.detail}); "
-                "check --db / TASK_DB_PATH and that the file is a TaskBridge queue you may write"
-            ) from None
-        except task_store.TaskStoreError as exc:
+        except task_store.TaskStoreError as exc:   # its message names the queue and the way out
             raise CliError(in_cli_words(str(exc))) from None
         except knobs.KnobError as exc:
             raise CliError(str(exc)) from None

@@ -2735,14 +2735,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.slots <= 16:
             parser.error(f"--slots must be from 1 to 16; got {args.slots}")
         return run_pass(watch=args.watch, max_tasks=args.max_tasks, slots=args.slots)
-    except store.ConstraintViolated as exc:   # not the file's fault: its own words and way out
-        refuse(f"error: {exc}")
-        return 1
-    except store.DatabaseUnusable as exc:
-        refuse(f"error: cannot use the queue database {store.database_label()}: {exc.detail}; check TASK_DB_URL / "
-               "TASK_DB_PATH (a readable, writable SQLite file and folder)")
-        return 1
-    except store.TaskStoreError as exc:
+    except store.TaskStoreError as exc:   # its message names the queue and the way out
         refuse(f"error: {exc}")
         return 1
     except OSError as exc:

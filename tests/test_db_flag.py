@@ -258,3 +258,17 @@ def test_install_refuses_another_scheme_before_installing():
                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 1 and "--db is a mysql:// URL; only postgresql:// and postgres://" in result.stderr
     assert SECRET not in result.stderr and "installing" not in result.stderr and time.monotonic() - began < 10
+
+
+def test_serve_on_a_file_that_is_no_queue_leaves_it_as_it_was_and_says_how_to_move_it_aside(tmp_path):
+    # serve.py made the junk file 0600 first ("made … private to this user") and then refused it
+    # without doctor's way out (found by a new-user test).
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"these bytes are not SQLite " * 40)
+    junk.chmod(0o644)
+    result = run_with_db("serve.py", str(junk), env=dict(os.environ, MCP_BEARER_TOKEN="t", PORT=str(free_port())))
+    assert result.returncode == 1, result.stderr
+    assert f"the task database {junk} cannot be used" in result.stderr
+    assert f"move it aside (mv {junk} {junk}.broken" in result.stderr
+    assert "private to this user" not in result.stderr and "Traceback" not in result.stderr
+    assert junk.stat().st_mode & 0o777 == 0o644 and sorted(p.name for p in tmp_path.iterdir()) == ["junk.db"]

@@ -48,7 +48,7 @@ def test_a_refused_worker_leaves_nothing_beside_the_queue(tmp_path, kind):
     else:
         db.write_text("these bytes are not SQLite " * 10)
     result = run_script("worker.py", env=dict(os.environ, TASK_DB_PATH=str(db)), timeout=60)
-    assert result.returncode == 1 and "cannot use the queue database" in result.stderr, result.stderr
+    assert result.returncode == 1 and f"error: the task database {db} cannot be used" in result.stderr, result.stderr
     assert sorted(p.name for p in queue.iterdir()) == ["tasks.db"], "no worker.json, lock, log or logs folder"
 
 
@@ -242,3 +242,16 @@ def test_depending_on_a_failed_task_names_retry(tmp_path):
     )
     assert result.returncode == 1 and "can never be done" not in result.stderr
     assert f"retry it first (`tasks_cli.py retry` {task['id']})" in result.stderr, result.stderr
+
+
+def test_a_submit_that_makes_a_new_queue_says_so(tmp_path):
+    # A mistyped --db on submit made a queue no worker watches and said only "Submitted t_0001".
+    (tmp_path / "repo").mkdir()
+    typo = tmp_path / "no" / "tasks.db"
+    made = run_script("tasks_cli.py", "--db", str(typo), "submit", "x", "--dir", str(tmp_path / "repo"),
+                      "-i", "do it", timeout=60)
+    assert made.returncode == 0, made.stderr
+    assert f"made a new queue at {typo}" in made.stderr.replace("\n", "") and "same --db" in made.stderr
+    again = run_script("tasks_cli.py", "--db", str(typo), "submit", "y", "--dir", str(tmp_path / "repo"),
+                       "-i", "do it", timeout=60)
+    assert again.returncode == 0 and "made a new queue" not in again.stderr, again.stderr

@@ -237,7 +237,9 @@ def test_a_broken_database_is_named_without_a_traceback(tmp_path, breakage):
         db.mkdir()
     result = run_script("worker.py", env=dict(os.environ, TASK_DB_PATH=str(db)))
     assert result.returncode == 1
-    assert f"cannot use the queue database {db}" in result.stderr and "TASK_DB_PATH" in result.stderr
+    assert f"the task database {db} cannot be used" in result.stderr and "TASK_DB_PATH" in result.stderr
+    if breakage == "corrupt":   # the way out doctor gives too: move it aside, a new queue is made
+        assert f"move it aside (mv {db} {db}.broken; a new, empty queue is made" in result.stderr
     assert "Traceback" not in result.stderr
 
 
