@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -891,6 +892,189 @@ class Launch:
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
 
 
+class OutputLines:
+    """OpenCode's two output streams (``"out"``: the event stream on its stdout; ``"err"``: its
+    stderr) cut into lines as their bytes arrive (``feed``). Each line is redacted before anything
+    reads it, written to the task's log and handed on: an event to the run's EventStream, then to
+    ``on_event`` (the Supervisor's watchers) and the worker's voice; a stderr line to the stderr
+    tail and the usage-limit watch (``limits``), unless it names an MCP server OpenCode gave up on
+    (kept for the receipt instead). A line past LINE_MAX bytes is logged as it comes and not
+    parsed, so memory stays bounded.
+
+    ``log``: the task's log (a TaskLog; any binary file will do); ``result``: the run's
+    RunResult, written into; ``started_wall``: time.time() when OpenCode started (default: now),
+    from which an MCP server's wait is counted."""
+
+    def __init__(self, task_id: str, log: Any, result: RunResult, limits: LimitWatch,
+                 on_event: Callable[[dict[str, Any]], None] | None = None, started_wall: float | None = None) -> None:
+        self.task_id, self.log, self.result, self.limits, self.on_event = task_id, log, result, limits, on_event
+        self.started_wall = time.time() if started_wall is None else started_wall
+        self.redactor = redaction.current()
+        self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
+        self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
+
+    def refresh_secrets(self) -> None:
+        """Redact with the secrets held now (a token rotated mid-run: files are stat'ed, not re-read)."""
+        self.redactor = redaction.current()
+
+    def feed(self, stream: str, data: bytes) -> None:
+        """``data`` as read from ``stream`` ("out" or "err"): each line it completes is handled."""
+        start = 0
+        while (newline := data.find(b"\n", start)) >= 0:
+            self._take(stream, data[start:newline], end=True)
+            start = newline + 1
+        if start < len(data):
+            self._take(stream, data[start:], end=False)
+
+    def finish(self) -> None:
+        """The streams have ended: a last line without its newline is handled as one."""
+        for stream in ("out", "err"):
+            if self.partial.get(stream) or stream in self.oversized:
+                self._take(stream, b"", end=True)
+        self.partial.clear()
+
+    def _take(self, stream: str, piece: bytes, end: bool) -> None:
+        """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
+        past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
+        if stream in self.oversized:
+            self.log.write(self.oversized[stream].feed(piece))
+            if end:
+                self.log.write(self.oversized.pop(stream).end())
+                self.result.stream.bad_lines += 1
+                self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
+            return
+        buf = self.partial.setdefault(stream, bytearray())
+        buf += piece
+        if end:
+            line = bytes(buf)
+            buf.clear()
+            self._line(stream, line)
+        elif len(buf) > LINE_MAX:
+            # Written as it comes, so a secret may be split between pieces: LongLine holds back
+            # what a later piece could complete.
+            self.oversized[stream] = redaction.LongLine(self.redactor)
+            self.log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
+            buf.clear()
+
+    def _line(self, stream: str, line: bytes) -> None:
+        # Redacted before anything reads it: the log, the receipt's texts and the worker's own
+        # lines are all made from the redacted line.
+        line = self.redactor.redact(line)
+        if stream == "err":
+            text = line[:STDERR_LINE_KEEP].decode(errors="replace")
+            self.log.write(b"[stderr] " + line + b"\n")
+            if (down := oc.mcp_unavailable(text)) is not None:
+                return self._mcp_down(down)
+            self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
+            self.limits.log_line(text)
+        else:
+            self.log.write(line + b"\n")
+            event = self.result.stream.feed(line.decode(errors="replace"))
+            if event is None and line.strip():
+                self.log.write(b"[worker] skipped a non-JSON line above\n")
+            elif event is not None:
+                if self.on_event is not None:
+                    self.on_event(event)
+                current().talk.event(self.task_id, event)
+        self.log.flush()
+
+    def _mcp_down(self, down: dict[str, Any]) -> None:
+        """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
+        since OpenCode started, and kept out of the stderr tail that an exit error quotes."""
+        if len(self.result.mcp_down) < DOUBTS_MAX:
+            after = round(max(0.0, down["at"] - self.started_wall), 1) if down["at"] else None
+            self.result.mcp_down.append({"server": down["server"][:200], "type": down["type"],
+                                         "status": down["status"], "after_sec": after})
+            log(f"{self.task_id}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
+                f"({down['status']}) {after} s after it started", talk.VERBOSE)
+        self.log.flush()
+
+
+class OutputReader:
+    """What a running OpenCode writes, read without blocking as it grows: its stdout file
+    (``spool``, see _spool_file), its stderr pipe and run_reaper.py's status pipe (``status``,
+    whose ``exit CODE`` is kept as ``agent_code``). Their lines go to ``lines``. Owns the three:
+    ``drain`` reads them to their end and closes them. ``last_activity``: time.monotonic() of the
+    last output read (or of ``start``)."""
+
+    def __init__(self, lines: OutputLines, spool: int, status: int, stderr: IO[bytes]) -> None:
+        self.lines, self.spool, self.status, self.stderr = lines, spool, status, stderr
+        self.selector = selectors.DefaultSelector()
+        self.status_said = b""
+        self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
+        self.last_activity = time.monotonic()
+        self.exited_at: float | None = None   # when OpenCode was first seen gone
+
+    def start(self, now: float) -> None:
+        """Begin watching the pipes; inactivity counts from ``now`` (time.monotonic())."""
+        os.set_blocking(self.stderr.fileno(), False)
+        self.selector.register(self.stderr, selectors.EVENT_READ)
+        os.set_blocking(self.status, False)
+        self.selector.register(self.status, selectors.EVENT_READ)
+        self.last_activity = now
+
+    def pump(self, timeout: float) -> None:
+        """Read what arrived, waiting up to ``timeout`` seconds for the pipes."""
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj == self.status:
+                self._read_status()
+            else:
+                self._read_stderr()
+        self._read_spool()
+
+    def read_out(self) -> bool:
+        """Asked once OpenCode has exited: True when its pipes are read to their end, or a second
+        after it was first seen gone (a stray grandchild may hold them open: not waited on)."""
+        self.exited_at = self.exited_at or time.monotonic()
+        return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
+
+    def drain(self) -> None:
+        """Read what is left after the tree is gone (stderr for up to a second: a stray process
+        may hold it open; the stdout file to its end), finish partial lines, close all three."""
+        end = time.monotonic() + 1.0
+        while self.selector.get_map() and time.monotonic() < end:
+            self.pump(0.1)
+        self._read_spool()
+        self.lines.finish()
+        for fileobj in (self.stderr, self.status):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(fileobj)
+        self.stderr.close()
+        os.close(self.spool)
+        os.close(self.status)
+
+    def _read_status(self) -> None:
+        """run_reaper.py's ``exit CODE`` line: OpenCode has ended (what it left may live on)."""
+        try:
+            data = os.read(self.status, 256)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(self.status)
+            return
+        self.status_said += data
+        words = self.status_said.split()
+        if len(words) >= 2 and words[0] == b"exit" and words[1].lstrip(b"-").isdigit():
+            self.agent_code = int(words[1])
+
+    def _read_spool(self) -> None:
+        """Everything OpenCode wrote to its stdout file since the last call."""
+        while data := os.read(self.spool, SPOOL_READ):
+            self.last_activity = time.monotonic()
+            self.lines.feed("out", data)
+
+    def _read_stderr(self) -> None:
+        try:
+            data = os.read(self.stderr.fileno(), 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(self.stderr)
+            return
+        self.last_activity = time.monotonic()
+        self.lines.feed("err", data)
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -916,51 +1100,42 @@ class Supervisor:
         self.renewal = Renewal(task, knobs.lease_sec)
         self.deadline_at = deadline_at
         self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
-        self.last_activity = time.monotonic()
         self.finished_at: float | None = None   # when the stream's terminal event came
-        self.exited_at: float | None = None     # when OpenCode was first seen gone
-        self.started_wall = time.time()
-        self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
-        self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
-        self.redactor = redaction.current()
         self.stop = False
         self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
         self.gate_open_at: float | None = None
         self.held_since: float | None = None   # when a spend gate reply was first seen
-        self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
-        self.status_said = b""
-        # Made by run(): the task's log, its shipper, OpenCode's process and output, the shells.
-        self.log: TaskLog | None = None
+        # Made by run(): the log's shipper, OpenCode's process, the reader of its output, the shells.
         self.shipper: LogShipper | None = None
         self.proc: subprocess.Popen | None = None
-        self.spool = self.status = -1   # file descriptors: OpenCode's stdout file, run_reaper's status pipe
-        self.selector = selectors.DefaultSelector()
+        self.output: OutputReader | None = None
         self.shells: ShellWatch | None = None
 
     def run(self) -> RunResult:
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as handle:
-            self.log = task_log = TaskLog(self.task["id"], handle)
+            task_log = TaskLog(self.task["id"], handle)
             self.shipper = shipper = LogShipper(self.task["id"], task_log)
-            task_log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
+            task_log.write(redaction.current().redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
                                                 f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
             if self.courier is not None:
                 self.courier.sync()
             self.start_gate.enter()
-            self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
-            self.started_wall = time.time()
-            self.status, status_w = os.pipe()
+            spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+            started_wall = time.time()
+            status, status_w = os.pipe()
             try:
                 self.proc = proc = subprocess.Popen(
                     self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
                     stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
             except BaseException:
-                os.close(self.spool)
-                os.close(self.status)
+                os.close(spool)
+                os.close(status)
                 raise
             finally:
                 os.close(writer)
                 os.close(status_w)
+            self.output = output = OutputReader(self._lines(task_log, started_wall), spool, status, self._stderr())
             self.gate_open_at = time.monotonic() + START_GATE_SEC
             self.shells = ShellWatch(proc.pid, self.argv, self.env.get("SHELL"))
             self._send_prompt()
@@ -970,10 +1145,10 @@ class Supervisor:
             finally:
                 self._leave_gate()
                 self._end_leftovers()
-                self._drain()
+                output.drain()
                 shipper.ship(last=True)
                 code = proc.wait()
-                self.result.returncode = code if self.agent_code is None else self.agent_code
+                self.result.returncode = code if output.agent_code is None else output.agent_code
                 self._limit_at_give_up()
                 if self.meter is not None:
                     self._held(self.meter, time.monotonic(), final=True)
@@ -998,11 +1173,11 @@ class Supervisor:
             raise RuntimeError("OpenCode was started without a stderr pipe")
         return stderr
 
-    def _task_log(self) -> TaskLog:
-        """The task's log; run() opens it before anything else here writes to it."""
-        if self.log is None:
-            raise RuntimeError("the supervisor has not opened the task's log yet (run() does)")
-        return self.log
+    def _output(self) -> OutputReader:
+        """The reader of OpenCode's output; run() makes it once OpenCode has started."""
+        if self.output is None:
+            raise RuntimeError("the supervisor reads no output yet (run() starts OpenCode)")
+        return self.output
 
     def _log_shipper(self) -> LogShipper:
         """The log's shipper; run() makes it with the log."""
@@ -1067,17 +1242,13 @@ class Supervisor:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        stderr = self._stderr()
-        os.set_blocking(stderr.fileno(), False)
-        self.selector.register(stderr, selectors.EVENT_READ)
-        os.set_blocking(self.status, False)
-        self.selector.register(self.status, selectors.EVENT_READ)
+        output = self._output()
         now = time.monotonic()
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         self.deadline = self.deadline_at or now + self.task["timeout_sec"]
-        self.last_activity = now
+        output.start(now)
         while not self.stop and not self._done():
-            self._pump(0.2)
+            output.pump(0.2)
             self._check(time.monotonic())
 
     def _shell_died(self, now: float) -> bool:
@@ -1095,14 +1266,10 @@ class Supervisor:
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
-        return self.agent_code is not None or self._agent().poll() is not None
+        return self._output().agent_code is not None or self._agent().poll() is not None
 
     def _done(self) -> bool:
-        if not self._agent_gone():
-            return False
-        self.exited_at = self.exited_at or time.monotonic()
-        # A stray grandchild may hold the pipe open after the agent exited: do not wait on it.
-        return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
+        return self._agent_gone() and self._output().read_out()
 
     def _check(self, now: float) -> None:
         """One round of the watch (``now``: time.monotonic()): the start gate, the lease, then the
@@ -1136,7 +1303,7 @@ class Supervisor:
                 self._end(str(exc), superseded=True)
                 return True
             if renewed:   # while the database is away the agent runs on; the rest waits for it
-                self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
+                self._output().lines.refresh_secrets()
                 current().beat.write()
                 shipper.ship()
                 if self.meter is not None:
@@ -1158,7 +1325,7 @@ class Supervisor:
             self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
         elif now > self.deadline:
             self._end(f"timed out after {self.task['timeout_sec']} s")
-        elif now - self.last_activity > knobs.inactivity_sec:
+        elif now - self._output().last_activity > knobs.inactivity_sec:
             self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
         else:
             return self._shell_died(now)
@@ -1197,113 +1364,19 @@ class Supervisor:
         self.result.superseded = superseded
         self.result.interrupted = interrupted
 
-    def _pump(self, timeout: float) -> None:
-        for key, _ in self.selector.select(timeout):
-            if key.fileobj == self.status:
-                self._read_status()
-            else:
-                self._read_stderr()
-        self._read_spool()
+    def _lines(self, log: Any, started_wall: float | None = None) -> OutputLines:
+        """The line handling of this run's output, written to ``log`` (the task's TaskLog; the
+        benches pass any binary file) and handing events to this supervisor's watchers."""
+        return OutputLines(self.task["id"], log, self.result, self.limits, self._event, started_wall)
 
-    def _read_status(self) -> None:
-        """run_reaper.py's ``exit CODE`` line: OpenCode has ended (what it left may live on)."""
-        try:
-            data = os.read(self.status, 256)
-        except BlockingIOError:
-            return
-        if not data:
-            self.selector.unregister(self.status)
-            return
-        self.status_said += data
-        words = self.status_said.split()
-        if len(words) >= 2 and words[0] == b"exit" and words[1].lstrip(b"-").isdigit():
-            self.agent_code = int(words[1])
-
-    def _read_spool(self) -> None:
-        """Everything OpenCode wrote to its stdout file since the last call."""
-        while data := os.read(self.spool, SPOOL_READ):
-            self.last_activity = time.monotonic()
-            self._feed("out", data)
-
-    def _read_stderr(self) -> None:
-        try:
-            data = os.read(self._stderr().fileno(), 65536)
-        except BlockingIOError:
-            return
-        if not data:
-            self.selector.unregister(self._stderr())
-            return
-        self.last_activity = time.monotonic()
-        self._feed("err", data)
-
-    def _feed(self, stream: str, data: bytes) -> None:
-        start = 0
-        while (newline := data.find(b"\n", start)) >= 0:
-            self._take(stream, data[start:newline], end=True)
-            start = newline + 1
-        if start < len(data):
-            self._take(stream, data[start:], end=False)
-
-    def _take(self, stream: str, piece: bytes, end: bool) -> None:
-        """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
-        past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
-        task_log = self._task_log()
-        if stream in self.oversized:
-            task_log.write(self.oversized[stream].feed(piece))
-            if end:
-                task_log.write(self.oversized.pop(stream).end())
-                self.result.stream.bad_lines += 1
-                task_log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
-            return
-        buf = self.partial.setdefault(stream, bytearray())
-        buf += piece
-        if end:
-            line = bytes(buf)
-            buf.clear()
-            self._line(stream, line)
-        elif len(buf) > LINE_MAX:
-            # Written as it comes, so a secret may be split between pieces: LongLine holds back
-            # what a later piece could complete.
-            self.oversized[stream] = redaction.LongLine(self.redactor)
-            task_log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
-            buf.clear()
-
-    def _line(self, stream: str, line: bytes) -> None:
-        # Redacted before anything reads it: the log, the receipt's texts and the worker's own
-        # lines are all made from the redacted line.
-        line = self.redactor.redact(line)
-        task_log = self._task_log()
-        if stream == "err":
-            text = line[:STDERR_LINE_KEEP].decode(errors="replace")
-            task_log.write(b"[stderr] " + line + b"\n")
-            if (down := oc.mcp_unavailable(text)) is not None:
-                return self._mcp_down(down)
-            self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
-            self.limits.log_line(text)
-        else:
-            task_log.write(line + b"\n")
-            event = self.result.stream.feed(line.decode(errors="replace"))
-            if event is None and line.strip():
-                task_log.write(b"[worker] skipped a non-JSON line above\n")
-            elif event is not None:
-                if event.get("type") == "step_finish" and self.meter is not None:
-                    self._metered(self.meter)
-                if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
-                    called = (event["part"].get("state") or {}).get("input") or {}
-                    self._shell_watch().completed(str(called.get("command")))
-                current().talk.event(self.task["id"], event)
-        task_log.flush()
-
-    def _mcp_down(self, down: dict[str, Any]) -> None:
-        """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
-        since OpenCode started, and kept out of the stderr tail that an exit error quotes."""
-        if len(self.result.mcp_down) < DOUBTS_MAX:
-            after = round(max(0.0, down["at"] - self.started_wall), 1) if down["at"] else None
-            self.result.mcp_down.append({"server": down["server"][:200], "type": down["type"],
-                                         "status": down["status"], "after_sec": after})
-            log(f"{self.task['id']}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
-                f"({down['status']}) {after} s after it started", talk.VERBOSE)
-        self._task_log().flush()
+    def _event(self, event: dict[str, Any]) -> None:
+        """An event OpenCode printed (OutputLines hands each on): a finished step is metered, a
+        completed bash call accounts for its shell (none is watched before run() starts OpenCode)."""
+        if event.get("type") == "step_finish" and self.meter is not None:
+            self._metered(self.meter)
+        if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash" and self.shells:
+            called = (event["part"].get("state") or {}).get("input") or {}
+            self.shells.completed(str(called.get("command")))
 
     def _metered(self, meter: Meter) -> None:
         """A step finished: ``meter`` it; at a reached limit end the run at this step boundary (the
@@ -1338,25 +1411,6 @@ class Supervisor:
         elif final or now - self.held_since > HELD_WAIT_SEC:
             self._doubt(meter.set_aside(held))
             self.held_since = None
-
-    def _drain(self) -> None:
-        """Read what is left after the tree is gone (stderr for up to a second: a stray process
-        may hold it open; the stdout file to its end), finish partial lines, close both."""
-        end = time.monotonic() + 1.0
-        while self.selector.get_map() and time.monotonic() < end:
-            self._pump(0.1)
-        self._read_spool()
-        for stream in ("out", "err"):
-            if self.partial.get(stream) or stream in self.oversized:
-                self._take(stream, b"", end=True)
-        self.partial.clear()
-        stderr = self._stderr()
-        for fileobj in (stderr, self.status):
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(fileobj)
-        stderr.close()
-        os.close(self.spool)
-        os.close(self.status)
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:

@@ -372,8 +372,8 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
 
 def test_a_supervisor_read_before_run_names_what_is_missing():
     sup = worker.Supervisor.__new__(worker.Supervisor)   # what run() makes is not there yet
-    sup.proc = sup.log = sup.shipper = sup.shells = None
-    for step in (sup._agent, sup._task_log, sup._log_shipper, sup._shell_watch):
+    sup.proc = sup.output = sup.shipper = sup.shells = None
+    for step in (sup._agent, sup._output, sup._log_shipper, sup._shell_watch):
         with pytest.raises(RuntimeError, match=r"run\(\)"):
             step()
 
