@@ -355,6 +355,11 @@ class RunResult:
     mcp_down: list[dict[str, Any]] = field(default_factory=list)   # MCP servers OpenCode gave up on (mcp_note)
     meter: Any = None                  # its Meter, whose last booking a full disk may have put off
 
+    def doubt(self, line: str) -> None:
+        """Note a plugin reply set aside, and why (the first DOUBTS_MAX: the agent can forge replies in a loop)."""
+        if len(self.not_believed) < DOUBTS_MAX:
+            self.not_believed.append(line)
+
 
 START_GATE_SEC = 3
 HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the event stream to bear it out
@@ -1075,6 +1080,73 @@ class OutputReader:
         self.lines.feed("err", data)
 
 
+class SpendWatch:
+    """A run's spend as the Supervisor watches it, through the task's Meter: each finished step
+    is booked and checked, and at a reached limit the run is to end at that step boundary, the
+    gate file telling the spend gate plugin to hold the next model call. The gate's own replies
+    (``held``) are checked too. ``step`` and ``held`` return why the run must end (the Supervisor
+    ends it), or None; ``result``: the run's RunResult, written into."""
+
+    def __init__(self, meter: Meter, result: RunResult) -> None:
+        self.meter, self.result = meter, result
+        self.held_since: float | None = None   # when a spend gate reply was first seen
+
+    def gated(self) -> bool:
+        """Whether the run has a spend gate whose replies are to be read."""
+        return bool(self.meter.gate_file)
+
+    def step(self, stopping: bool) -> str | None:
+        """A step finished: meter it; at a reached limit, pause the run at this step boundary (the
+        gate keeps the next model call from going out), else let the next call go. ``stopping``:
+        the run is ending already (nothing to pause)."""
+        stream = self.result.stream
+        paused = self.meter.step(stream)
+        if paused is not None and not stream.finished and not stopping:
+            return self._pause(paused)
+        return None
+
+    def held(self, now: float, stopping: bool, final: bool = False) -> str | None:
+        """The spend gate's reply says it held a model call. Its figures are the agent's word (the
+        reply folder is writable in the box), so nothing is booked from them: a real hold follows
+        steps the event stream shows within moments, and once their spend reaches the gate's
+        allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
+        run's end, ``final``) is set aside, the receipt says so, and the run goes on. ``now``:
+        time.monotonic(); ``stopping``: the run is ending already."""
+        meter = self.meter
+        held = meter.held()
+        if held is None:
+            self.held_since = None
+            return None
+        self.held_since = self.held_since or time.monotonic()
+        if meter.believes():
+            if not final and not stopping:
+                return self._pause(meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
+                                                     "limit": None,
+                                                     "reason": "the spend gate held the next model call"})
+        elif final or now - self.held_since > HELD_WAIT_SEC:
+            self.result.doubt(meter.set_aside(held))
+            self.held_since = None
+        return None
+
+    def refresh(self) -> None:
+        """A lease renewal landed: take the queue's spend as it is now (Meter.refresh)."""
+        self.meter.refresh()
+
+    def close(self) -> None:
+        """The run's end, once its tree is gone: a last look at the gate's reply, the last booking,
+        the meter handed to the result, the gate file removed (a missing one lets calls go)."""
+        self.held(time.monotonic(), stopping=True, final=True)
+        self.meter.settle()
+        self.result.meter = self.meter
+        self.meter.close()
+
+    def _pause(self, paused: dict[str, Any]) -> str:
+        paused["gated"] = self.meter.gate_file is not None
+        self.meter.write_gate(stop=paused["reason"])
+        self.result.paused = paused
+        return f"paused at a spending limit: {paused['reason']}"
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
@@ -1094,7 +1166,8 @@ class Supervisor:
         self.box, self.boxed_argv = box, launch.boxed_argv or argv
         self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
         self.result = RunResult(oc.EventStream(), box=box)
-        self.meter, self.courier = meter, courier
+        self.spend = SpendWatch(meter, self.result) if meter is not None else None
+        self.courier = courier
         self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
         self.asks = AskWatch(task, launch.rules_file, cwd) if launch.rules_file else None
         self.renewal = Renewal(task, knobs.lease_sec)
@@ -1104,7 +1177,6 @@ class Supervisor:
         self.stop = False
         self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
         self.gate_open_at: float | None = None
-        self.held_since: float | None = None   # when a spend gate reply was first seen
         # Made by run(): the log's shipper, OpenCode's process, the reader of its output, the shells.
         self.shipper: LogShipper | None = None
         self.proc: subprocess.Popen | None = None
@@ -1150,11 +1222,8 @@ class Supervisor:
                 code = proc.wait()
                 self.result.returncode = code if output.agent_code is None else output.agent_code
                 self._limit_at_give_up()
-                if self.meter is not None:
-                    self._held(self.meter, time.monotonic(), final=True)
-                    self.meter.settle()
-                    self.result.meter = self.meter
-                    self.meter.close()   # after the tree is gone: a missing gate file lets calls go
+                if self.spend is not None:
+                    self.spend.close()
                 if self.courier is not None:
                     self.courier.close()
         self.result.seconds = round(time.monotonic() - started, 2)
@@ -1278,9 +1347,10 @@ class Supervisor:
             self._leave_gate()
         if self._keep_lease(now) or self._ended_by_watch(now):
             return
-        if self.meter is not None and self.meter.gate_file and not self.stop:
-            self._held(self.meter, now)
-            if self.stop:
+        if self.spend is not None and self.spend.gated() and not self.stop:
+            paused = self.spend.held(now, self.stop)
+            if paused is not None:
+                self._end(paused)
                 return
         self._limit()
         if self.stop:
@@ -1306,8 +1376,8 @@ class Supervisor:
                 self._output().lines.refresh_secrets()
                 current().beat.write()
                 shipper.ship()
-                if self.meter is not None:
-                    self.meter.refresh()
+                if self.spend is not None:
+                    self.spend.refresh()
                 if self.courier is not None:
                     self.courier.sync()
         elif shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
@@ -1351,12 +1421,8 @@ class Supervisor:
         believed is set aside, and the receipt says so."""
         asked, doubt = asks.held()
         if doubt:
-            self._doubt(doubt)
+            self.result.doubt(doubt)
         return asked
-
-    def _doubt(self, line: str) -> None:
-        if len(self.result.not_believed) < DOUBTS_MAX:   # the agent can forge replies in a loop
-            self.result.not_believed.append(line)
 
     def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
         self.stop = True
@@ -1372,45 +1438,13 @@ class Supervisor:
     def _event(self, event: dict[str, Any]) -> None:
         """An event OpenCode printed (OutputLines hands each on): a finished step is metered, a
         completed bash call accounts for its shell (none is watched before run() starts OpenCode)."""
-        if event.get("type") == "step_finish" and self.meter is not None:
-            self._metered(self.meter)
+        if event.get("type") == "step_finish" and self.spend is not None:
+            paused = self.spend.step(self.stop)
+            if paused is not None:
+                self._end(paused)
         if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash" and self.shells:
             called = (event["part"].get("state") or {}).get("input") or {}
             self.shells.completed(str(called.get("command")))
-
-    def _metered(self, meter: Meter) -> None:
-        """A step finished: ``meter`` it; at a reached limit end the run at this step boundary (the
-        gate keeps the next model call from going out), else let the next call go."""
-        stream = self.result.stream
-        paused = meter.step(stream)
-        if paused is not None and not stream.finished and not self.stop:
-            self._pause(meter, paused)
-
-    def _pause(self, meter: Meter, paused: dict[str, Any]) -> None:
-        paused["gated"] = meter.gate_file is not None
-        meter.write_gate(stop=paused["reason"])
-        self.result.paused = paused
-        self._end(f"paused at a spending limit: {paused['reason']}")
-
-    def _held(self, meter: Meter, now: float, final: bool = False) -> None:
-        """The spend gate's reply says it held a model call. Its figures are the agent's word (the
-        reply folder is writable in the box), so nothing is booked from them: a real hold follows
-        steps the event stream shows within moments, and once their spend reaches the gate's
-        allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
-        run's end, ``final``) is set aside, the receipt says so, and the run goes on."""
-        held = meter.held()
-        if held is None:
-            self.held_since = None
-            return
-        self.held_since = self.held_since or time.monotonic()
-        if meter.believes():
-            if not final and not self.stop:
-                self._pause(meter, meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
-                                                     "limit": None,
-                                                     "reason": "the spend gate held the next model call"})
-        elif final or now - self.held_since > HELD_WAIT_SEC:
-            self._doubt(meter.set_aside(held))
-            self.held_since = None
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:
