@@ -644,6 +644,24 @@ class ShellWatch:
                 return pid, shell
         return None
 
+    def tool_used(self, event: dict[str, Any]) -> None:
+        """An event OpenCode printed: a completed bash tool call accounts for its shell."""
+        if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
+            called = (event["part"].get("state") or {}).get("input") or {}
+            self.completed(str(called.get("command")))
+
+    def died(self, now: float) -> str | None:
+        """Why the run must end early, when a bash tool shell died and its call will never
+        complete (``now``: time.monotonic(); looked at once a second), else None."""
+        self.look(now)
+        found = self.dead(now)
+        if found is None:
+            return None
+        pid, shell = found
+        return (f"the agent's shell (pid {pid}) died while running {json.dumps(shell['command'][:300])}, and "
+                f"OpenCode's bash tool call never completed (nothing for {DEAD_SHELL_SEC} s after): the run was "
+                "ended early (a shell killed by a signal, e.g. `kill -9 $$` or the OOM killer)")
+
     def _agent_children(self) -> list[psutil.Process]:
         try:
             if self.agent is None:
@@ -846,6 +864,23 @@ class LimitWatch:
         stream.session_id = stream.session_id or (str(session) if session else None)
         return {"said": said, "reset_at": reset_at, "source": source}, wait
 
+    def ended(self, result: RunResult) -> str | None:
+        """Why the run must end now, when the limit holds OpenCode longer than ``hold_sec`` (the
+        slot is freed; the task pauses until the reset, which ``result.limited`` names), else None."""
+        found = self.reached(result.stream)
+        if found is None:
+            return None
+        result.limited, wait = found
+        return f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try"
+
+    @staticmethod
+    def at_give_up(result: RunResult) -> None:
+        """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
+        provider's headers; ``result.limited`` says so, and the task pauses instead of failing."""
+        stream = result.stream
+        if result.limited is None and stream.limit is not None and not stream.finished and not result.killed:
+            result.limited = {**stream.limit, "source": "error"}
+
     def _retry_said(self) -> dict[str, Any] | None:
         """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
         if not self.retry_file:
@@ -884,6 +919,14 @@ class AskWatch:
                       "the task's rules do not mark ask: not believed, the run went on (the reply folder is "
                       "writable from inside the agent's box)")
 
+    def asked(self, result: RunResult) -> dict[str, str] | None:
+        """The ask believed, or None; a reply not believed is set aside and noted in ``result``
+        (the receipt says so)."""
+        asked, doubt = self.held()
+        if doubt:
+            result.doubt(doubt)
+        return asked
+
 
 @dataclass
 class Launch:
@@ -895,6 +938,21 @@ class Launch:
     boxed_argv: list[str] | None = None  # ``argv`` as the box runs it (None: argv itself)
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
+
+    def adopting(self, status_w: int) -> list[str]:
+        """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
+        that it adopts what the agent detaches there), reporting OpenCode's exit on ``status_w``.
+        Raises ValueError when the box's command does not end with OpenCode's."""
+        boxed = self.boxed_argv or self.argv
+        at = len(boxed) - len(self.argv)
+        if boxed[at:] != self.argv:
+            raise ValueError("the box's command does not end with OpenCode's")
+        return [*boxed[:at], *process_tree.reaper_argv(agent_box.stdlib_python(), status_w, self.argv)]
+
+    def carries_run(self, proc: psutil.Process) -> bool:
+        """Whether ``proc`` is the box, the reaper or OpenCode itself: the processes a run is made of."""
+        cmdline = proc.cmdline()
+        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or cmdline[1:] == self.argv[1:]
 
 
 class OutputLines:
@@ -1147,13 +1205,51 @@ class SpendWatch:
         return f"paused at a spending limit: {paused['reason']}"
 
 
+class StartTurn:
+    """One run's turn at the worker's StartGate: entered before OpenCode starts, left at its
+    first event, START_GATE_SEC after it started, or at the run's end, whichever comes first."""
+
+    def __init__(self, gate: StartGate) -> None:
+        self.gate = gate
+        self.open_at: float | None = None   # time.monotonic() by which the turn ends (set as OpenCode starts)
+
+    def enter(self) -> None:
+        self.gate.enter()
+
+    def started(self, now: float) -> None:
+        """OpenCode started at ``now`` (time.monotonic())."""
+        self.open_at = now + START_GATE_SEC
+
+    def look(self, now: float, events: int) -> None:
+        """Leave once the run has printed ``events`` or its START_GATE_SEC are over."""
+        if self.open_at is not None and (events or now > self.open_at):
+            self.leave()
+
+    def leave(self) -> None:
+        """Leave the gate (once; a later call does nothing)."""
+        if self.open_at is not None:
+            self.open_at = None
+            self.gate.leave()
+
+
+@dataclass
+class Running:
+    """What Supervisor.run() makes as it starts OpenCode: the process, the reader of its output,
+    the watch over the bash tool's shells, and the task log's shipper."""
+    proc: subprocess.Popen[bytes]
+    output: OutputReader
+    shells: ShellWatch
+    shipper: LogShipper
+
+
 class Supervisor:
     """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
     lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
     cancel (fencing) and shutdown; ends the whole process tree whatever happens. Its other jobs
-    are objects of their own: the lease (Renewal), the log's copy in the queue (LogShipper), the
-    spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
-    limit (LimitWatch) and the permission asks (AskWatch).
+    are objects of their own: the command (Launch), the output (OutputReader, OutputLines), the
+    lease (Renewal), the log's copy in the queue (LogShipper), the spend (SpendWatch over a
+    Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage limit
+    (LimitWatch), the permission asks (AskWatch) and the start gate (StartTurn).
 
     ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
     time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
@@ -1161,198 +1257,133 @@ class Supervisor:
 
     def __init__(self, task: dict, launch: Launch, knobs: Knobs, box: agent_box.Support, *,
                  meter: Meter | None = None, courier: Courier | None = None, deadline_at: float | None = None):
-        argv, env, cwd = launch.argv, launch.env, launch.cwd
-        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, launch.prompt, knobs
-        self.box, self.boxed_argv = box, launch.boxed_argv or argv
-        self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
+        self.task, self.launch, self.knobs, self.deadline_at = task, launch, knobs, deadline_at
         self.result = RunResult(oc.EventStream(), box=box)
         self.spend = SpendWatch(meter, self.result) if meter is not None else None
         self.courier = courier
         self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
-        self.asks = AskWatch(task, launch.rules_file, cwd) if launch.rules_file else None
+        self.asks = AskWatch(task, launch.rules_file, launch.cwd) if launch.rules_file else None
         self.renewal = Renewal(task, knobs.lease_sec)
-        self.deadline_at = deadline_at
-        self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
+        self.turn = StartTurn(current().start_gate)   # entered and left on the same gate, whatever happens meanwhile
         self.finished_at: float | None = None   # when the stream's terminal event came
         self.stop = False
-        self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
-        self.gate_open_at: float | None = None
-        # Made by run(): the log's shipper, OpenCode's process, the reader of its output, the shells.
-        self.shipper: LogShipper | None = None
-        self.proc: subprocess.Popen | None = None
-        self.output: OutputReader | None = None
-        self.shells: ShellWatch | None = None
+        self.running: Running | None = None   # made by run() as OpenCode starts
 
     def run(self) -> RunResult:
+        """Run the attempt to its end; the RunResult says what it did. Raises what starting
+        OpenCode raises (OSError; ValueError when the box's command does not end with OpenCode's)."""
         started = time.monotonic()
         with store.open_task_log(self.task["id"]) as handle:
             task_log = TaskLog(self.task["id"], handle)
-            self.shipper = shipper = LogShipper(self.task["id"], task_log)
-            task_log.write(redaction.current().redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
-                                                f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
+            shipper = LogShipper(self.task["id"], task_log)
+            task_log.write(_run_header(self.task["run_marker"], self.launch, self.result.box))
             if self.courier is not None:
                 self.courier.sync()
-            self.start_gate.enter()
-            spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
-            started_wall = time.time()
-            status, status_w = os.pipe()
-            try:
-                self.proc = proc = subprocess.Popen(
-                    self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
-                    stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
-            except BaseException:
-                os.close(spool)
-                os.close(status)
-                raise
-            finally:
-                os.close(writer)
-                os.close(status_w)
-            self.output = output = OutputReader(self._lines(task_log, started_wall), spool, status, self._stderr())
-            self.gate_open_at = time.monotonic() + START_GATE_SEC
-            self.shells = ShellWatch(proc.pid, self.argv, self.env.get("SHELL"))
-            self._send_prompt()
-            self._record_pid()
+            self.turn.enter()
+            self.running = running = self._start(task_log, shipper)
+            _send_prompt(running.proc, self.launch.prompt)
+            self._record_pid(running.proc.pid)
             try:
                 self._watch()
             finally:
-                self._leave_gate()
-                self._end_leftovers()
-                output.drain()
-                shipper.ship(last=True)
-                code = proc.wait()
-                self.result.returncode = code if output.agent_code is None else output.agent_code
-                self._limit_at_give_up()
-                if self.spend is not None:
-                    self.spend.close()
-                if self.courier is not None:
-                    self.courier.close()
+                self._wind_up(running)
         self.result.seconds = round(time.monotonic() - started, 2)
         return self.result
 
-    def _agent(self) -> subprocess.Popen[bytes]:
-        """OpenCode's process; run() starts it before anything else here reads it."""
-        if self.proc is None:
-            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
-        return self.proc
-
-    def _stderr(self) -> IO[bytes]:
-        """OpenCode's stderr pipe (run() asks for one)."""
-        stderr = self._agent().stderr
-        if stderr is None:
+    def _start(self, task_log: TaskLog, shipper: LogShipper) -> Running:
+        """Start OpenCode in its own session, its stdout to a spool file (_spool_file), and what watches it."""
+        launch = self.launch
+        spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+        started_wall = time.time()
+        status, status_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                launch.adopting(status_w), cwd=launch.cwd, env=launch.env, stdin=subprocess.PIPE,
+                stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
+        except BaseException:
+            os.close(spool)
+            os.close(status)
+            raise
+        finally:
+            os.close(writer)
+            os.close(status_w)
+        if proc.stderr is None:
             raise RuntimeError("OpenCode was started without a stderr pipe")
-        return stderr
+        output = OutputReader(self._lines(task_log, started_wall), spool, status, proc.stderr)
+        self.turn.started(time.monotonic())
+        return Running(proc, output, ShellWatch(proc.pid, launch.argv, launch.env.get("SHELL")), shipper)
 
-    def _output(self) -> OutputReader:
-        """The reader of OpenCode's output; run() makes it once OpenCode has started."""
-        if self.output is None:
-            raise RuntimeError("the supervisor reads no output yet (run() starts OpenCode)")
-        return self.output
+    def _wind_up(self, running: Running) -> None:
+        """The run's end, whatever ended it: the gate left, the tree ended, the output read to its
+        end and shipped, the exit code, the usage limit's, the spend's and the notes' last word."""
+        self.turn.leave()
+        self._end_leftovers(running.proc.pid)
+        running.output.drain()
+        running.shipper.ship(last=True)
+        code = running.proc.wait()
+        self.result.returncode = code if running.output.agent_code is None else running.output.agent_code
+        self.limits.at_give_up(self.result)
+        if self.spend is not None:
+            self.spend.close()
+        if self.courier is not None:
+            self.courier.close()
 
-    def _log_shipper(self) -> LogShipper:
-        """The log's shipper; run() makes it with the log."""
-        if self.shipper is None:
-            raise RuntimeError("the supervisor has no log shipper yet (run() makes it)")
-        return self.shipper
+    def _started(self) -> Running:
+        """OpenCode's process and what watches it; run() makes them before anything here reads them."""
+        if self.running is None:
+            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
+        return self.running
 
-    def _shell_watch(self) -> ShellWatch:
-        """The watch over the bash tool's shells; run() makes it once OpenCode has started."""
-        if self.shells is None:
-            raise RuntimeError("the supervisor watches no shells yet (run() starts them)")
-        return self.shells
-
-    def _adopting(self, status_w: int) -> list[str]:
-        """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
-        that it adopts what the agent detaches there), reporting OpenCode's exit on ``status_w``."""
-        at = len(self.boxed_argv) - len(self.argv)
-        if self.boxed_argv[at:] != self.argv:
-            raise ValueError("the box's command does not end with OpenCode's")
-        return [*self.boxed_argv[:at], *process_tree.reaper_argv(agent_box.stdlib_python(), status_w, self.argv)]
-
-    def _carries_run(self, proc: psutil.Process) -> bool:
-        """The box, the reaper and OpenCode itself: the processes a run is made of."""
-        cmdline = proc.cmdline()
-        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or cmdline[1:] == self.argv[1:]
-
-    def _end_leftovers(self) -> None:
+    def _end_leftovers(self, pid: int) -> None:
         """Name what the run still has going (a dev server the agent detached, the commands of a
         run we stopped), then end the whole tree and anything tagged with the run."""
-        pid = self._agent().pid
-        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self._carries_run))
-        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
+        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self.launch.carries_run))
+        stragglers = run_stragglers(self.task["run_marker"], self.launch.env[oc.QUEUE_ENV])
+        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, stragglers)
         for item in self.result.ended:
             ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
             log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}",
                 talk.VERBOSE)
 
-    def _leave_gate(self) -> None:
-        if self.gate_open_at is not None:
-            self.gate_open_at = None
-            self.start_gate.leave()
-
-    def _send_prompt(self) -> None:
-        stdin = self._agent().stdin
-        if stdin is None:
-            raise RuntimeError("OpenCode was started without a stdin pipe")
-        try:
-            stdin.write(self.prompt.encode())
-        except BrokenPipeError:
-            pass
-        finally:
-            try:
-                stdin.close()
-            except BrokenPipeError:
-                pass
-
-    def _record_pid(self) -> None:
+    def _record_pid(self, pid: int) -> None:
         try:   # while the database is away, the pid goes with the next renewal that lands
-            pid = self._agent().pid
             self.renewal.renew(agent_pid=pid, agent_pid_start=process_tree.start_time(pid))
         except store.StaleAttempt:
             self._end("cancelled or reaped before it started", superseded=True)
 
     def _watch(self) -> None:
-        output = self._output()
+        output = self._started().output
         now = time.monotonic()
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
-        self.deadline = self.deadline_at or now + self.task["timeout_sec"]
+        deadline = self.deadline_at or now + self.task["timeout_sec"]
         output.start(now)
         while not self.stop and not self._done():
             output.pump(0.2)
-            self._check(time.monotonic())
-
-    def _shell_died(self, now: float) -> bool:
-        """End the run early when a bash tool shell died and its call will never complete."""
-        shells = self._shell_watch()
-        shells.look(now)
-        found = shells.dead(now)
-        if found is None:
-            return False
-        pid, shell = found
-        self._end(f"the agent's shell (pid {pid}) died while running {json.dumps(shell['command'][:300])}, and "
-                  f"OpenCode's bash tool call never completed (nothing for {DEAD_SHELL_SEC} s after): the run was "
-                  "ended early (a shell killed by a signal, e.g. `kill -9 $$` or the OOM killer)")
-        return True
+            self._check(time.monotonic(), deadline)
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
-        return self._output().agent_code is not None or self._agent().poll() is not None
+        running = self._started()
+        return running.output.agent_code is not None or running.proc.poll() is not None
 
     def _done(self) -> bool:
-        return self._agent_gone() and self._output().read_out()
+        return self._agent_gone() and self._started().output.read_out()
 
-    def _check(self, now: float) -> None:
-        """One round of the watch (``now``: time.monotonic()): the start gate, the lease, then the
-        first thing found that ends the run, then the exit grace after a terminal event."""
-        if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
-            self._leave_gate()
-        if self._keep_lease(now) or self._ended_by_watch(now):
+    def _check(self, now: float, deadline: float) -> None:
+        """One round of the watch (``now``, ``deadline``: time.monotonic()): the start gate, the
+        lease, then the first thing found that ends the run, then the exit grace after a terminal
+        event."""
+        self.turn.look(now, self.result.stream.events)
+        if self._keep_lease(now) or self._ended_by_watch(now, deadline):
             return
         if self.spend is not None and self.spend.gated() and not self.stop:
             paused = self.spend.held(now, self.stop)
             if paused is not None:
                 self._end(paused)
                 return
-        self._limit()
+        limited = self.limits.ended(self.result)
+        if limited is not None:
+            self._end(limited)
         if self.stop:
             return
         if self.result.stream.finished and self.finished_at is None:
@@ -1365,7 +1396,7 @@ class Supervisor:
         """Renew the lease when due, and with a renewal that landed refresh what waits on the
         database (the log's copy, the spend, the notes); else ship a full log chunk. True when the
         attempt was superseded (the run is ended)."""
-        shipper = self._log_shipper()
+        running = self._started()
         if self.renewal.due(now):
             try:
                 renewed = self.renewal.renew()
@@ -1373,56 +1404,35 @@ class Supervisor:
                 self._end(str(exc), superseded=True)
                 return True
             if renewed:   # while the database is away the agent runs on; the rest waits for it
-                self._output().lines.refresh_secrets()
+                running.output.lines.refresh_secrets()
                 current().beat.write()
-                shipper.ship()
+                running.shipper.ship()
                 if self.spend is not None:
                     self.spend.refresh()
                 if self.courier is not None:
                     self.courier.sync()
-        elif shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
-            shipper.ship()
+        elif running.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
+            running.shipper.ship()
         return False
 
-    def _ended_by_watch(self, now: float) -> bool:
+    def _ended_by_watch(self, now: float, deadline: float) -> bool:
         """End the run on the first reason found (told to stop at once, a permission ask, the
         timeout, the inactivity watchdog, a dead shell); True when one was."""
         knobs = self.knobs
         if current().flags.stop_now:
             self._end("the worker was told to stop at once", interrupted=True)
-        elif self.asks is not None and (asked := self._asked(self.asks)) is not None:
+        elif self.asks is not None and (asked := self.asks.asked(self.result)) is not None:
             self.result.asked = asked
             self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
-        elif now > self.deadline:
+        elif now > deadline:
             self._end(f"timed out after {self.task['timeout_sec']} s")
-        elif now - self._output().last_activity > knobs.inactivity_sec:
+        elif now - self._started().output.last_activity > knobs.inactivity_sec:
             self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        elif (died := self._started().shells.died(now)) is not None:
+            self._end(died)
         else:
-            return self._shell_died(now)
+            return False
         return True
-
-    def _limit(self) -> None:
-        """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
-        now and free the slot (the task pauses until the reset; see LimitWatch)."""
-        found = self.limits.reached(self.result.stream)
-        if found is not None:
-            self.result.limited, wait = found
-            self._end(f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try")
-
-    def _limit_at_give_up(self) -> None:
-        """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
-        provider's headers; the task pauses instead of failing."""
-        stream = self.result.stream
-        if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
-            self.result.limited = {**stream.limit, "source": "error"}
-
-    def _asked(self, asks: AskWatch) -> dict[str, str] | None:
-        """The permission ask the rules plugin holds, when believed (``asks``); a reply not
-        believed is set aside, and the receipt says so."""
-        asked, doubt = asks.held()
-        if doubt:
-            self.result.doubt(doubt)
-        return asked
 
     def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
         self.stop = True
@@ -1442,9 +1452,32 @@ class Supervisor:
             paused = self.spend.step(self.stop)
             if paused is not None:
                 self._end(paused)
-        if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash" and self.shells:
-            called = (event["part"].get("state") or {}).get("input") or {}
-            self.shells.completed(str(called.get("command")))
+        if self.running is not None:
+            self.running.shells.tool_used(event)
+
+
+def _run_header(marker: str, launch: Launch, box: agent_box.Support | None) -> bytes:
+    """The lines a run's part of the task log opens with (redacted): the attempt, when, where, in
+    which box, and the command."""
+    return redaction.current().redact(f"=== {marker} {store.iso(time.time())} cwd={launch.cwd} "
+                                      f"box={box.label if box else None}\n$ {' '.join(launch.argv)}\n".encode())
+
+
+def _send_prompt(proc: subprocess.Popen[bytes], prompt: str) -> None:
+    """Write ``prompt`` to OpenCode's stdin and close it; an OpenCode already gone is no error.
+    Raises RuntimeError when it was started without a stdin pipe."""
+    stdin = proc.stdin
+    if stdin is None:
+        raise RuntimeError("OpenCode was started without a stdin pipe")
+    try:
+        stdin.write(prompt.encode())
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            stdin.close()
+        except BrokenPipeError:
+            pass
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:

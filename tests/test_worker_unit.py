@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import agent_box
 import opencode_runner as oc
 import task_store
 import worker
@@ -371,9 +372,10 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
 
 
 def test_a_supervisor_read_before_run_names_what_is_missing():
-    sup = worker.Supervisor.__new__(worker.Supervisor)   # what run() makes is not there yet
-    sup.proc = sup.output = sup.shipper = sup.shells = None
-    for step in (sup._agent, sup._output, sup._log_shipper, sup._shell_watch):
+    launch = worker.Launch(["opencode"], {oc.QUEUE_ENV: "test"}, os.getcwd(), "")
+    sup = worker.Supervisor({"id": "t_0001", "run_marker": "br-1-a1"}, launch, worker.Knobs(),
+                            agent_box.Support(None, reason="test: no run"))   # what run() makes is not there yet
+    for step in (sup._started, sup._agent_gone, sup._done):
         with pytest.raises(RuntimeError, match=r"run\(\)"):
             step()
 
