@@ -1317,7 +1317,7 @@ class Supervisor:
         """The run's end, whatever ended it: the gate left, the tree ended, the output read to its
         end and shipped, the exit code, the usage limit's, the spend's and the notes' last word."""
         self.turn.leave()
-        self._end_leftovers(running.proc.pid)
+        self.result.ended = _end_leftovers(self.task, self.launch, running.proc.pid, self.knobs.kill_grace_sec)
         running.output.drain()
         running.shipper.ship(last=True)
         code = running.proc.wait()
@@ -1333,17 +1333,6 @@ class Supervisor:
         if self.running is None:
             raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
         return self.running
-
-    def _end_leftovers(self, pid: int) -> None:
-        """Name what the run still has going (a dev server the agent detached, the commands of a
-        run we stopped), then end the whole tree and anything tagged with the run."""
-        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self.launch.carries_run))
-        stragglers = run_stragglers(self.task["run_marker"], self.launch.env[oc.QUEUE_ENV])
-        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, stragglers)
-        for item in self.result.ended:
-            ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
-            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}",
-                talk.VERBOSE)
 
     def _record_pid(self, pid: int) -> None:
         try:   # while the database is away, the pid goes with the next renewal that lands
@@ -1454,6 +1443,18 @@ class Supervisor:
                 self._end(paused)
         if self.running is not None:
             self.running.shells.tool_used(event)
+
+
+def _end_leftovers(task: dict[str, Any], launch: Launch, pid: int, grace_sec: float) -> list[dict[str, Any]]:
+    """Name what the run of ``launch`` (OpenCode's ``pid``) still has going (a dev server the agent
+    detached, the commands of a run we stopped), then end the whole tree and anything tagged with
+    the run, SIGKILL after ``grace_sec`` seconds. Returns what was named: [{pid, command, ports}]."""
+    ended = process_tree.described(process_tree.run_leftovers(pid, launch.carries_run))
+    process_tree.kill_tree(pid, grace_sec, run_stragglers(task["run_marker"], launch.env[oc.QUEUE_ENV]))
+    for item in ended:
+        ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
+        log(f"{task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}", talk.VERBOSE)
+    return ended
 
 
 def _run_header(marker: str, launch: Launch, box: agent_box.Support | None) -> bytes:
