@@ -1207,14 +1207,17 @@ class SpendWatch:
 
 class StartTurn:
     """One run's turn at the worker's StartGate: entered before OpenCode starts, left at its
-    first event, START_GATE_SEC after it started, or at the run's end, whichever comes first."""
+    first event, START_GATE_SEC after it started, or at the run's end (also a run whose OpenCode
+    never started), whichever comes first."""
 
     def __init__(self, gate: StartGate) -> None:
         self.gate = gate
+        self.held = False
         self.open_at: float | None = None   # time.monotonic() by which the turn ends (set as OpenCode starts)
 
     def enter(self) -> None:
         self.gate.enter()
+        self.held = True
 
     def started(self, now: float) -> None:
         """OpenCode started at ``now`` (time.monotonic())."""
@@ -1227,8 +1230,8 @@ class StartTurn:
 
     def leave(self) -> None:
         """Leave the gate (once; a later call does nothing)."""
-        if self.open_at is not None:
-            self.open_at = None
+        if self.held:
+            self.held, self.open_at = False, None
             self.gate.leave()
 
 
@@ -1280,7 +1283,11 @@ class Supervisor:
             if self.courier is not None:
                 self.courier.sync()
             self.turn.enter()
-            self.running = running = self._start(task_log, shipper)
+            try:
+                self.running = running = self._start(task_log, shipper)
+            except BaseException:
+                self.turn.leave()   # OpenCode did not start: the worker's next run must not wait on the gate
+                raise
             _send_prompt(running.proc, self.launch.prompt)
             self._record_pid(running.proc.pid)
             try:
