@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,6 +360,11 @@ class RunResult:
     mcp_down: list[dict[str, Any]] = field(default_factory=list)   # MCP servers OpenCode gave up on (mcp_note)
     meter: Any = None                  # its Meter, whose last booking a full disk may have put off
 
+    def doubt(self, line: str) -> None:
+        """Note a plugin reply set aside, and why (the first DOUBTS_MAX: the agent can forge replies in a loop)."""
+        if len(self.not_believed) < DOUBTS_MAX:
+            self.not_believed.append(line)
+
 
 START_GATE_SEC = 3
 HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the event stream to bear it out
@@ -643,6 +649,24 @@ class ShellWatch:
                 return pid, shell
         return None
 
+    def tool_used(self, event: dict[str, Any]) -> None:
+        """An event OpenCode printed: a completed bash tool call accounts for its shell."""
+        if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
+            called = (event["part"].get("state") or {}).get("input") or {}
+            self.completed(str(called.get("command")))
+
+    def died(self, now: float) -> str | None:
+        """Why the run must end early, when a bash tool shell died and its call will never
+        complete (``now``: time.monotonic(); looked at once a second), else None."""
+        self.look(now)
+        found = self.dead(now)
+        if found is None:
+            return None
+        pid, shell = found
+        return (f"the agent's shell (pid {pid}) died while running {json.dumps(shell['command'][:300])}, and "
+                f"OpenCode's bash tool call never completed (nothing for {DEAD_SHELL_SEC} s after): the run was "
+                "ended early (a shell killed by a signal, e.g. `kill -9 $$` or the OOM killer)")
+
     def _agent_children(self) -> list[psutil.Process]:
         try:
             if self.agent is None:
@@ -845,6 +869,23 @@ class LimitWatch:
         stream.session_id = stream.session_id or (str(session) if session else None)
         return {"said": said, "reset_at": reset_at, "source": source}, wait
 
+    def ended(self, result: RunResult) -> str | None:
+        """Why the run must end now, when the limit holds OpenCode longer than ``hold_sec`` (the
+        slot is freed; the task pauses until the reset, which ``result.limited`` names), else None."""
+        found = self.reached(result.stream)
+        if found is None:
+            return None
+        result.limited, wait = found
+        return f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try"
+
+    @staticmethod
+    def at_give_up(result: RunResult) -> None:
+        """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
+        provider's headers; ``result.limited`` says so, and the task pauses instead of failing."""
+        stream = result.stream
+        if result.limited is None and stream.limit is not None and not stream.finished and not result.killed:
+            result.limited = {**stream.limit, "source": "error"}
+
     def _retry_said(self) -> dict[str, Any] | None:
         """The retry OpenCode last scheduled (retry_watch.js's file), when its words are a limit's."""
         if not self.retry_file:
@@ -883,6 +924,14 @@ class AskWatch:
                       "the task's rules do not mark ask: not believed, the run went on (the reply folder is "
                       "writable from inside the agent's box)")
 
+    def asked(self, result: RunResult) -> dict[str, str] | None:
+        """The ask believed, or None; a reply not believed is set aside and noted in ``result``
+        (the receipt says so)."""
+        asked, doubt = self.held()
+        if doubt:
+            result.doubt(doubt)
+        return asked
+
 
 @dataclass
 class Launch:
@@ -895,320 +944,172 @@ class Launch:
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
 
-
-class Supervisor:
-    """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
-    lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
-    cancel (fencing) and shutdown; ends the whole process tree whatever happens. Its other jobs
-    are objects of their own: the lease (Renewal), the log's copy in the queue (LogShipper), the
-    spend (Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage
-    limit (LimitWatch) and the permission asks (AskWatch).
-
-    ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
-    time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
-    the run)."""
-
-    def __init__(self, task: dict, launch: Launch, knobs: Knobs, box: agent_box.Support, *,
-                 meter: Meter | None = None, courier: Courier | None = None, deadline_at: float | None = None):
-        argv, env, cwd = launch.argv, launch.env, launch.cwd
-        self.task, self.argv, self.env, self.cwd, self.prompt, self.knobs = task, argv, env, cwd, launch.prompt, knobs
-        self.box, self.boxed_argv = box, launch.boxed_argv or argv
-        self.marker, self.queue = task["run_marker"], env[oc.QUEUE_ENV]
-        self.result = RunResult(oc.EventStream(), box=box)
-        self.meter, self.courier = meter, courier
-        self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
-        self.asks = AskWatch(task, launch.rules_file, cwd) if launch.rules_file else None
-        self.renewal = Renewal(task, knobs.lease_sec)
-        self.deadline_at = deadline_at
-        self.deadline = deadline_at or 0.0   # set when the run starts (_watch)
-        self.last_activity = time.monotonic()
-        self.finished_at: float | None = None   # when the stream's terminal event came
-        self.exited_at: float | None = None     # when OpenCode was first seen gone
-        self.started_wall = time.time()
-        self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
-        self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
-        self.redactor = redaction.current()
-        self.stop = False
-        self.start_gate = current().start_gate   # entered and left on the same gate, whatever happens meanwhile
-        self.gate_open_at: float | None = None
-        self.held_since: float | None = None   # when a spend gate reply was first seen
-        self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
-        self.status_said = b""
-        # Made by run(): the task's log, its shipper, OpenCode's process and output, the shells.
-        self.log: TaskLog | None = None
-        self.shipper: LogShipper | None = None
-        self.proc: subprocess.Popen | None = None
-        self.spool = self.status = -1   # file descriptors: OpenCode's stdout file, run_reaper's status pipe
-        self.selector = selectors.DefaultSelector()
-        self.shells: ShellWatch | None = None
-
-    def run(self) -> RunResult:
-        started = time.monotonic()
-        with store.open_task_log(self.task["id"]) as handle:
-            self.log = task_log = TaskLog(self.task["id"], handle)
-            self.shipper = shipper = LogShipper(self.task["id"], task_log)
-            task_log.write(self.redactor.redact(f"=== {self.marker} {store.iso(time.time())} cwd={self.cwd} "
-                                                f"box={self.box.label}\n$ {' '.join(self.argv)}\n".encode()))
-            if self.courier is not None:
-                self.courier.sync()
-            self.start_gate.enter()
-            self.spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
-            self.started_wall = time.time()
-            self.status, status_w = os.pipe()
-            try:
-                self.proc = proc = subprocess.Popen(
-                    self._adopting(status_w), cwd=self.cwd, env=self.env, stdin=subprocess.PIPE,
-                    stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
-            except BaseException:
-                os.close(self.spool)
-                os.close(self.status)
-                raise
-            finally:
-                os.close(writer)
-                os.close(status_w)
-            self.gate_open_at = time.monotonic() + START_GATE_SEC
-            self.shells = ShellWatch(proc.pid, self.argv, self.env.get("SHELL"))
-            self._send_prompt()
-            self._record_pid()
-            try:
-                self._watch()
-            finally:
-                self._leave_gate()
-                self._end_leftovers()
-                self._drain()
-                shipper.ship(last=True)
-                code = proc.wait()
-                self.result.returncode = code if self.agent_code is None else self.agent_code
-                self._limit_at_give_up()
-                if self.meter is not None:
-                    self._held(self.meter, time.monotonic(), final=True)
-                    self.meter.settle()
-                    self.result.meter = self.meter
-                    self.meter.close()   # after the tree is gone: a missing gate file lets calls go
-                if self.courier is not None:
-                    self.courier.close()
-        self.result.seconds = round(time.monotonic() - started, 2)
-        return self.result
-
-    def _agent(self) -> subprocess.Popen[bytes]:
-        """OpenCode's process; run() starts it before anything else here reads it."""
-        if self.proc is None:
-            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
-        return self.proc
-
-    def _stderr(self) -> IO[bytes]:
-        """OpenCode's stderr pipe (run() asks for one)."""
-        stderr = self._agent().stderr
-        if stderr is None:
-            raise RuntimeError("OpenCode was started without a stderr pipe")
-        return stderr
-
-    def _task_log(self) -> TaskLog:
-        """The task's log; run() opens it before anything else here writes to it."""
-        if self.log is None:
-            raise RuntimeError("the supervisor has not opened the task's log yet (run() does)")
-        return self.log
-
-    def _log_shipper(self) -> LogShipper:
-        """The log's shipper; run() makes it with the log."""
-        if self.shipper is None:
-            raise RuntimeError("the supervisor has no log shipper yet (run() makes it)")
-        return self.shipper
-
-    def _shell_watch(self) -> ShellWatch:
-        """The watch over the bash tool's shells; run() makes it once OpenCode has started."""
-        if self.shells is None:
-            raise RuntimeError("the supervisor watches no shells yet (run() starts them)")
-        return self.shells
-
-    def _adopting(self, status_w: int) -> list[str]:
+    def adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
-        that it adopts what the agent detaches there), reporting OpenCode's exit on ``status_w``."""
-        at = len(self.boxed_argv) - len(self.argv)
-        if self.boxed_argv[at:] != self.argv:
+        that it adopts what the agent detaches there), reporting OpenCode's exit on ``status_w``.
+        Raises ValueError when the box's command does not end with OpenCode's."""
+        boxed = self.boxed_argv or self.argv
+        at = len(boxed) - len(self.argv)
+        if boxed[at:] != self.argv:
             raise ValueError("the box's command does not end with OpenCode's")
-        return [*self.boxed_argv[:at], *process_tree.reaper_argv(agent_box.stdlib_python(), status_w, self.argv)]
+        return [*boxed[:at], *process_tree.reaper_argv(agent_box.stdlib_python(), status_w, self.argv)]
 
-    def _carries_run(self, proc: psutil.Process) -> bool:
-        """The box, the reaper and OpenCode itself: the processes a run is made of."""
+    def carries_run(self, proc: psutil.Process) -> bool:
+        """Whether ``proc`` is the box, the reaper or OpenCode itself: the processes a run is made of."""
         cmdline = proc.cmdline()
         return proc.name() == "bwrap" or process_tree.REAPER in cmdline or cmdline[1:] == self.argv[1:]
 
-    def _end_leftovers(self) -> None:
-        """Name what the run still has going (a dev server the agent detached, the commands of a
-        run we stopped), then end the whole tree and anything tagged with the run."""
-        pid = self._agent().pid
-        self.result.ended = process_tree.described(process_tree.run_leftovers(pid, self._carries_run))
-        process_tree.kill_tree(pid, self.knobs.kill_grace_sec, run_stragglers(self.marker, self.queue))
-        for item in self.result.ended:
-            ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
-            log(f"{self.task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}",
-                talk.VERBOSE)
 
-    def _leave_gate(self) -> None:
-        if self.gate_open_at is not None:
-            self.gate_open_at = None
-            self.start_gate.leave()
+class OutputLines:
+    """OpenCode's two output streams (``"out"``: the event stream on its stdout; ``"err"``: its
+    stderr) cut into lines as their bytes arrive (``feed``). Each line is redacted before anything
+    reads it, written to the task's log and handed on: an event to the run's EventStream, then to
+    ``on_event`` (the Supervisor's watchers) and the worker's voice; a stderr line to the stderr
+    tail and the usage-limit watch (``limits``), unless it names an MCP server OpenCode gave up on
+    (kept for the receipt instead). A line past LINE_MAX bytes is logged as it comes and not
+    parsed, so memory stays bounded.
 
-    def _send_prompt(self) -> None:
-        stdin = self._agent().stdin
-        if stdin is None:
-            raise RuntimeError("OpenCode was started without a stdin pipe")
-        try:
-            stdin.write(self.prompt.encode())
-        except BrokenPipeError:
-            pass
-        finally:
-            try:
-                stdin.close()
-            except BrokenPipeError:
-                pass
+    ``log``: the task's log (a TaskLog; any binary file will do); ``result``: the run's
+    RunResult, written into; ``started_wall``: time.time() when OpenCode started (default: now),
+    from which an MCP server's wait is counted."""
 
-    def _record_pid(self) -> None:
-        try:   # while the database is away, the pid goes with the next renewal that lands
-            pid = self._agent().pid
-            self.renewal.renew(agent_pid=pid, agent_pid_start=process_tree.start_time(pid))
-        except store.StaleAttempt:
-            self._end("cancelled or reaped before it started", superseded=True)
+    def __init__(self, task_id: str, log: Any, result: RunResult, limits: LimitWatch,
+                 on_event: Callable[[dict[str, Any]], None] | None = None, started_wall: float | None = None) -> None:
+        self.task_id, self.log, self.result, self.limits, self.on_event = task_id, log, result, limits, on_event
+        self.started_wall = time.time() if started_wall is None else started_wall
+        self.redactor = redaction.current()
+        self.partial: dict[str, bytearray] = {}   # the line being read: "out" and "err"
+        self.oversized: dict[str, redaction.LongLine] = {}   # streams in the middle of a line over LINE_MAX
 
-    def _watch(self) -> None:
-        stderr = self._stderr()
-        os.set_blocking(stderr.fileno(), False)
-        self.selector.register(stderr, selectors.EVENT_READ)
+    def refresh_secrets(self) -> None:
+        """Redact with the secrets held now (a token rotated mid-run: files are stat'ed, not re-read)."""
+        self.redactor = redaction.current()
+
+    def feed(self, stream: str, data: bytes) -> None:
+        """``data`` as read from ``stream`` ("out" or "err"): each line it completes is handled."""
+        start = 0
+        while (newline := data.find(b"\n", start)) >= 0:
+            self._take(stream, data[start:newline], end=True)
+            start = newline + 1
+        if start < len(data):
+            self._take(stream, data[start:], end=False)
+
+    def finish(self) -> None:
+        """The streams have ended: a last line without its newline is handled as one."""
+        for stream in ("out", "err"):
+            if self.partial.get(stream) or stream in self.oversized:
+                self._take(stream, b"", end=True)
+        self.partial.clear()
+
+    def _take(self, stream: str, piece: bytes, end: bool) -> None:
+        """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
+        past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
+        if stream in self.oversized:
+            self.log.write(self.oversized[stream].feed(piece))
+            if end:
+                self.log.write(self.oversized.pop(stream).end())
+                self.result.stream.bad_lines += 1
+                self.log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
+            return
+        buf = self.partial.setdefault(stream, bytearray())
+        buf += piece
+        if end:
+            line = bytes(buf)
+            buf.clear()
+            self._line(stream, line)
+        elif len(buf) > LINE_MAX:
+            # Written as it comes, so a secret may be split between pieces: LongLine holds back
+            # what a later piece could complete.
+            self.oversized[stream] = redaction.LongLine(self.redactor)
+            self.log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
+            buf.clear()
+
+    def _line(self, stream: str, line: bytes) -> None:
+        # Redacted before anything reads it: the log, the receipt's texts and the worker's own
+        # lines are all made from the redacted line.
+        line = self.redactor.redact(line)
+        if stream == "err":
+            text = line[:STDERR_LINE_KEEP].decode(errors="replace")
+            self.log.write(b"[stderr] " + line + b"\n")
+            if (down := oc.mcp_unavailable(text)) is not None:
+                return self._mcp_down(down)
+            self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
+            self.limits.log_line(text)
+        else:
+            self.log.write(line + b"\n")
+            event = self.result.stream.feed(line.decode(errors="replace"))
+            if event is None and line.strip():
+                self.log.write(b"[worker] skipped a non-JSON line above\n")
+            elif event is not None:
+                if self.on_event is not None:
+                    self.on_event(event)
+                current().talk.event(self.task_id, event)
+        self.log.flush()
+
+    def _mcp_down(self, down: dict[str, Any]) -> None:
+        """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
+        since OpenCode started, and kept out of the stderr tail that an exit error quotes."""
+        if len(self.result.mcp_down) < DOUBTS_MAX:
+            after = round(max(0.0, down["at"] - self.started_wall), 1) if down["at"] else None
+            self.result.mcp_down.append({"server": down["server"][:200], "type": down["type"],
+                                         "status": down["status"], "after_sec": after})
+            log(f"{self.task_id}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
+                f"({down['status']}) {after} s after it started", talk.VERBOSE)
+        self.log.flush()
+
+
+class OutputReader:
+    """What a running OpenCode writes, read without blocking as it grows: its stdout file
+    (``spool``, see _spool_file), its stderr pipe and run_reaper.py's status pipe (``status``,
+    whose ``exit CODE`` is kept as ``agent_code``). Their lines go to ``lines``. Owns the three:
+    ``drain`` reads them to their end and closes them. ``last_activity``: time.monotonic() of the
+    last output read (or of ``start``)."""
+
+    def __init__(self, lines: OutputLines, spool: int, status: int, stderr: IO[bytes]) -> None:
+        self.lines, self.spool, self.status, self.stderr = lines, spool, status, stderr
+        self.selector = selectors.DefaultSelector()
+        self.status_said = b""
+        self.agent_code: int | None = None   # OpenCode's exit code, as run_reaper.py reported it
+        self.last_activity = time.monotonic()
+        self.exited_at: float | None = None   # when OpenCode was first seen gone
+
+    def start(self, now: float) -> None:
+        """Begin watching the pipes; inactivity counts from ``now`` (time.monotonic())."""
+        os.set_blocking(self.stderr.fileno(), False)
+        self.selector.register(self.stderr, selectors.EVENT_READ)
         os.set_blocking(self.status, False)
         self.selector.register(self.status, selectors.EVENT_READ)
-        now = time.monotonic()
-        # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
-        self.deadline = self.deadline_at or now + self.task["timeout_sec"]
         self.last_activity = now
-        while not self.stop and not self._done():
-            self._pump(0.2)
-            self._check(time.monotonic())
 
-    def _shell_died(self, now: float) -> bool:
-        """End the run early when a bash tool shell died and its call will never complete."""
-        shells = self._shell_watch()
-        shells.look(now)
-        found = shells.dead(now)
-        if found is None:
-            return False
-        pid, shell = found
-        self._end(f"the agent's shell (pid {pid}) died while running {json.dumps(shell['command'][:300])}, and "
-                  f"OpenCode's bash tool call never completed (nothing for {DEAD_SHELL_SEC} s after): the run was "
-                  "ended early (a shell killed by a signal, e.g. `kill -9 $$` or the OOM killer)")
-        return True
-
-    def _agent_gone(self) -> bool:
-        """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
-        return self.agent_code is not None or self._agent().poll() is not None
-
-    def _done(self) -> bool:
-        if not self._agent_gone():
-            return False
-        self.exited_at = self.exited_at or time.monotonic()
-        # A stray grandchild may hold the pipe open after the agent exited: do not wait on it.
-        return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
-
-    def _check(self, now: float) -> None:
-        """One round of the watch (``now``: time.monotonic()): the start gate, the lease, then the
-        first thing found that ends the run, then the exit grace after a terminal event."""
-        if self.gate_open_at is not None and (self.result.stream.events or now > self.gate_open_at):
-            self._leave_gate()
-        if self._keep_lease(now) or self._ended_by_watch(now):
-            return
-        if self.meter is not None and self.meter.gate_file and not self.stop:
-            self._held(self.meter, now)
-            if self.stop:
-                return
-        self._limit()
-        if self.stop:
-            return
-        if self.result.stream.finished and self.finished_at is None:
-            self.finished_at = now
-        if self.finished_at and now - self.finished_at > self.knobs.exit_grace_sec and not self._agent_gone():
-            self.result.agent_exited = False   # ended by us; the run still counts by its events
-            self.stop = True
-
-    def _keep_lease(self, now: float) -> bool:
-        """Renew the lease when due, and with a renewal that landed refresh what waits on the
-        database (the log's copy, the spend, the notes); else ship a full log chunk. True when the
-        attempt was superseded (the run is ended)."""
-        shipper = self._log_shipper()
-        if self.renewal.due(now):
-            try:
-                renewed = self.renewal.renew()
-            except store.StaleAttempt as exc:
-                self._end(str(exc), superseded=True)
-                return True
-            if renewed:   # while the database is away the agent runs on; the rest waits for it
-                self.redactor = redaction.current()   # a token rotated mid-run (files are stat'ed, not re-read)
-                current().beat.write()
-                shipper.ship()
-                if self.meter is not None:
-                    self.meter.refresh()
-                if self.courier is not None:
-                    self.courier.sync()
-        elif shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
-            shipper.ship()
-        return False
-
-    def _ended_by_watch(self, now: float) -> bool:
-        """End the run on the first reason found (told to stop at once, a permission ask, the
-        timeout, the inactivity watchdog, a dead shell); True when one was."""
-        knobs = self.knobs
-        if current().flags.stop_now:
-            self._end("the worker was told to stop at once", interrupted=True)
-        elif self.asks is not None and (asked := self._asked(self.asks)) is not None:
-            self.result.asked = asked
-            self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
-        elif now > self.deadline:
-            self._end(f"timed out after {self.task['timeout_sec']} s")
-        elif now - self.last_activity > knobs.inactivity_sec:
-            self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
-        else:
-            return self._shell_died(now)
-        return True
-
-    def _limit(self) -> None:
-        """The provider's usage limit holds OpenCode longer than WORKER_LIMIT_HOLD_SEC: end the run
-        now and free the slot (the task pauses until the reset; see LimitWatch)."""
-        found = self.limits.reached(self.result.stream)
-        if found is not None:
-            self.result.limited, wait = found
-            self._end(f"paused at the provider's usage limit: OpenCode would wait {wait:.0f} s for its next try")
-
-    def _limit_at_give_up(self) -> None:
-        """OpenCode gave up on a limit (its retries spent): the ``error`` event names it, with the
-        provider's headers; the task pauses instead of failing."""
-        stream = self.result.stream
-        if self.result.limited is None and stream.limit is not None and not stream.finished and not self.result.killed:
-            self.result.limited = {**stream.limit, "source": "error"}
-
-    def _asked(self, asks: AskWatch) -> dict[str, str] | None:
-        """The permission ask the rules plugin holds, when believed (``asks``); a reply not
-        believed is set aside, and the receipt says so."""
-        asked, doubt = asks.held()
-        if doubt:
-            self._doubt(doubt)
-        return asked
-
-    def _doubt(self, line: str) -> None:
-        if len(self.result.not_believed) < DOUBTS_MAX:   # the agent can forge replies in a loop
-            self.result.not_believed.append(line)
-
-    def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
-        self.stop = True
-        self.result.killed = reason
-        self.result.superseded = superseded
-        self.result.interrupted = interrupted
-
-    def _pump(self, timeout: float) -> None:
+    def pump(self, timeout: float) -> None:
+        """Read what arrived, waiting up to ``timeout`` seconds for the pipes."""
         for key, _ in self.selector.select(timeout):
             if key.fileobj == self.status:
                 self._read_status()
             else:
                 self._read_stderr()
         self._read_spool()
+
+    def read_out(self) -> bool:
+        """Asked once OpenCode has exited: True when its pipes are read to their end, or a second
+        after it was first seen gone (a stray grandchild may hold them open: not waited on)."""
+        self.exited_at = self.exited_at or time.monotonic()
+        return not self.selector.get_map() or time.monotonic() - self.exited_at > 1.0
+
+    def drain(self) -> None:
+        """Read what is left after the tree is gone (stderr for up to a second: a stray process
+        may hold it open; the stdout file to its end), finish partial lines, close all three."""
+        end = time.monotonic() + 1.0
+        while self.selector.get_map() and time.monotonic() < end:
+            self.pump(0.1)
+        self._read_spool()
+        self.lines.finish()
+        for fileobj in (self.stderr, self.status):
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(fileobj)
+        self.stderr.close()
+        os.close(self.spool)
+        os.close(self.status)
 
     def _read_status(self) -> None:
         """run_reaper.py's ``exit CODE`` line: OpenCode has ended (what it left may live on)."""
@@ -1228,140 +1129,368 @@ class Supervisor:
         """Everything OpenCode wrote to its stdout file since the last call."""
         while data := os.read(self.spool, SPOOL_READ):
             self.last_activity = time.monotonic()
-            self._feed("out", data)
+            self.lines.feed("out", data)
 
     def _read_stderr(self) -> None:
         try:
-            data = os.read(self._stderr().fileno(), 65536)
+            data = os.read(self.stderr.fileno(), 65536)
         except BlockingIOError:
             return
         if not data:
-            self.selector.unregister(self._stderr())
+            self.selector.unregister(self.stderr)
             return
         self.last_activity = time.monotonic()
-        self._feed("err", data)
+        self.lines.feed("err", data)
 
-    def _feed(self, stream: str, data: bytes) -> None:
-        start = 0
-        while (newline := data.find(b"\n", start)) >= 0:
-            self._take(stream, data[start:newline], end=True)
-            start = newline + 1
-        if start < len(data):
-            self._take(stream, data[start:], end=False)
 
-    def _take(self, stream: str, piece: bytes, end: bool) -> None:
-        """Add ``piece`` to the line being read on ``stream``; ``end``: the line is complete. A line
-        past LINE_MAX bytes goes to the log as it comes and is not parsed (memory stays bounded)."""
-        task_log = self._task_log()
-        if stream in self.oversized:
-            task_log.write(self.oversized[stream].feed(piece))
-            if end:
-                task_log.write(self.oversized.pop(stream).end())
-                self.result.stream.bad_lines += 1
-                task_log.write(f"\n[worker] the line above is over {LINE_MAX:,} bytes: logged, not parsed\n".encode())
-            return
-        buf = self.partial.setdefault(stream, bytearray())
-        buf += piece
-        if end:
-            line = bytes(buf)
-            buf.clear()
-            self._line(stream, line)
-        elif len(buf) > LINE_MAX:
-            # Written as it comes, so a secret may be split between pieces: LongLine holds back
-            # what a later piece could complete.
-            self.oversized[stream] = redaction.LongLine(self.redactor)
-            task_log.write((b"[stderr] " if stream == "err" else b"") + self.oversized[stream].feed(bytes(buf)))
-            buf.clear()
+class SpendWatch:
+    """A run's spend as the Supervisor watches it, through the task's Meter: each finished step
+    is booked and checked, and at a reached limit the run is to end at that step boundary, the
+    gate file telling the spend gate plugin to hold the next model call. The gate's own replies
+    (``held``) are checked too. ``step`` and ``held`` return why the run must end (the Supervisor
+    ends it), or None; ``result``: the run's RunResult, written into."""
 
-    def _line(self, stream: str, line: bytes) -> None:
-        # Redacted before anything reads it: the log, the receipt's texts and the worker's own
-        # lines are all made from the redacted line.
-        line = self.redactor.redact(line)
-        task_log = self._task_log()
-        if stream == "err":
-            text = line[:STDERR_LINE_KEEP].decode(errors="replace")
-            task_log.write(b"[stderr] " + line + b"\n")
-            if (down := oc.mcp_unavailable(text)) is not None:
-                return self._mcp_down(down)
-            self.result.stderr_tail = (self.result.stderr_tail + [text])[-20:]
-            self.limits.log_line(text)
-        else:
-            task_log.write(line + b"\n")
-            event = self.result.stream.feed(line.decode(errors="replace"))
-            if event is None and line.strip():
-                task_log.write(b"[worker] skipped a non-JSON line above\n")
-            elif event is not None:
-                if event.get("type") == "step_finish" and self.meter is not None:
-                    self._metered(self.meter)
-                if event.get("type") == "tool_use" and (event.get("part") or {}).get("tool") == "bash":
-                    called = (event["part"].get("state") or {}).get("input") or {}
-                    self._shell_watch().completed(str(called.get("command")))
-                current().talk.event(self.task["id"], event)
-        task_log.flush()
+    def __init__(self, meter: Meter, result: RunResult) -> None:
+        self.meter, self.result = meter, result
+        self.held_since: float | None = None   # when a spend gate reply was first seen
 
-    def _mcp_down(self, down: dict[str, Any]) -> None:
-        """An MCP server OpenCode gave up on: kept for the receipt with the seconds it had waited
-        since OpenCode started, and kept out of the stderr tail that an exit error quotes."""
-        if len(self.result.mcp_down) < DOUBTS_MAX:
-            after = round(max(0.0, down["at"] - self.started_wall), 1) if down["at"] else None
-            self.result.mcp_down.append({"server": down["server"][:200], "type": down["type"],
-                                         "status": down["status"], "after_sec": after})
-            log(f"{self.task['id']}: OpenCode gave up on its MCP server {down['server'][:200]!r} "
-                f"({down['status']}) {after} s after it started", talk.VERBOSE)
-        self._task_log().flush()
+    def gated(self) -> bool:
+        """Whether the run has a spend gate whose replies are to be read."""
+        return bool(self.meter.gate_file)
 
-    def _metered(self, meter: Meter) -> None:
-        """A step finished: ``meter`` it; at a reached limit end the run at this step boundary (the
-        gate keeps the next model call from going out), else let the next call go."""
+    def step(self, stopping: bool) -> str | None:
+        """A step finished: meter it; at a reached limit, pause the run at this step boundary (the
+        gate keeps the next model call from going out), else let the next call go. ``stopping``:
+        the run is ending already (nothing to pause)."""
         stream = self.result.stream
-        paused = meter.step(stream)
-        if paused is not None and not stream.finished and not self.stop:
-            self._pause(meter, paused)
+        paused = self.meter.step(stream)
+        if paused is not None and not stream.finished and not stopping:
+            return self._pause(paused)
+        return None
 
-    def _pause(self, meter: Meter, paused: dict[str, Any]) -> None:
-        paused["gated"] = meter.gate_file is not None
-        meter.write_gate(stop=paused["reason"])
-        self.result.paused = paused
-        self._end(f"paused at a spending limit: {paused['reason']}")
-
-    def _held(self, meter: Meter, now: float, final: bool = False) -> None:
+    def held(self, now: float, stopping: bool, final: bool = False) -> str | None:
         """The spend gate's reply says it held a model call. Its figures are the agent's word (the
         reply folder is writable in the box), so nothing is booked from them: a real hold follows
         steps the event stream shows within moments, and once their spend reaches the gate's
         allowance the run pauses on them. A reply not borne out after HELD_WAIT_SEC (or by the
-        run's end, ``final``) is set aside, the receipt says so, and the run goes on."""
+        run's end, ``final``) is set aside, the receipt says so, and the run goes on. ``now``:
+        time.monotonic(); ``stopping``: the run is ending already."""
+        meter = self.meter
         held = meter.held()
         if held is None:
             self.held_since = None
-            return
+            return None
         self.held_since = self.held_since or time.monotonic()
         if meter.believes():
-            if not final and not self.stop:
-                self._pause(meter, meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
+            if not final and not stopping:
+                return self._pause(meter.check() or {"kind": "daily_budget", "unit": "usd", "spent": meter.cost,
                                                      "limit": None,
                                                      "reason": "the spend gate held the next model call"})
         elif final or now - self.held_since > HELD_WAIT_SEC:
-            self._doubt(meter.set_aside(held))
+            self.result.doubt(meter.set_aside(held))
             self.held_since = None
+        return None
 
-    def _drain(self) -> None:
-        """Read what is left after the tree is gone (stderr for up to a second: a stray process
-        may hold it open; the stdout file to its end), finish partial lines, close both."""
-        end = time.monotonic() + 1.0
-        while self.selector.get_map() and time.monotonic() < end:
-            self._pump(0.1)
-        self._read_spool()
-        for stream in ("out", "err"):
-            if self.partial.get(stream) or stream in self.oversized:
-                self._take(stream, b"", end=True)
-        self.partial.clear()
-        stderr = self._stderr()
-        for fileobj in (stderr, self.status):
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(fileobj)
-        stderr.close()
-        os.close(self.spool)
-        os.close(self.status)
+    def refresh(self) -> None:
+        """A lease renewal landed: take the queue's spend as it is now (Meter.refresh)."""
+        self.meter.refresh()
+
+    def close(self) -> None:
+        """The run's end, once its tree is gone: a last look at the gate's reply, the last booking,
+        the meter handed to the result, the gate file removed (a missing one lets calls go)."""
+        self.held(time.monotonic(), stopping=True, final=True)
+        self.meter.settle()
+        self.result.meter = self.meter
+        self.meter.close()
+
+    def _pause(self, paused: dict[str, Any]) -> str:
+        paused["gated"] = self.meter.gate_file is not None
+        self.meter.write_gate(stop=paused["reason"])
+        self.result.paused = paused
+        return f"paused at a spending limit: {paused['reason']}"
+
+
+class StartTurn:
+    """One run's turn at the worker's StartGate: entered before OpenCode starts, left at its
+    first event, START_GATE_SEC after it started, or at the run's end (also a run whose OpenCode
+    never started), whichever comes first."""
+
+    def __init__(self, gate: StartGate) -> None:
+        self.gate = gate
+        self.held = False
+        self.open_at: float | None = None   # time.monotonic() by which the turn ends (set as OpenCode starts)
+
+    def enter(self) -> None:
+        self.gate.enter()
+        self.held = True
+
+    def started(self, now: float) -> None:
+        """OpenCode started at ``now`` (time.monotonic())."""
+        self.open_at = now + START_GATE_SEC
+
+    def look(self, now: float, events: int) -> None:
+        """Leave once the run has printed ``events`` or its START_GATE_SEC are over."""
+        if self.open_at is not None and (events or now > self.open_at):
+            self.leave()
+
+    def leave(self) -> None:
+        """Leave the gate (once; a later call does nothing)."""
+        if self.held:
+            self.held, self.open_at = False, None
+            self.gate.leave()
+
+
+@dataclass
+class Running:
+    """What Supervisor.run() makes as it starts OpenCode: the process, the reader of its output,
+    the watch over the bash tool's shells, and the task log's shipper."""
+    proc: subprocess.Popen[bytes]
+    output: OutputReader
+    shells: ShellWatch
+    shipper: LogShipper
+
+
+class Supervisor:
+    """Runs `opencode run` for one attempt and watches it: output to the log as it arrives, the
+    lease renewed, the timeout, the inactivity watchdog, the exit grace after a terminal event,
+    cancel (fencing) and shutdown; ends the whole process tree whatever happens. Its other jobs
+    are objects of their own: the command (Launch), the output (OutputReader, OutputLines), the
+    lease (Renewal), the log's copy in the queue (LogShipper), the spend (SpendWatch over a
+    Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage limit
+    (LimitWatch), the permission asks (AskWatch) and the start gate (StartTurn).
+
+    ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
+    time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
+    the run)."""
+
+    def __init__(self, task: dict, launch: Launch, knobs: Knobs, box: agent_box.Support, *,
+                 meter: Meter | None = None, courier: Courier | None = None, deadline_at: float | None = None):
+        self.task, self.launch, self.knobs, self.deadline_at = task, launch, knobs, deadline_at
+        self.result = RunResult(oc.EventStream(), box=box)
+        self.spend = SpendWatch(meter, self.result) if meter is not None else None
+        self.courier = courier
+        self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
+        self.asks = AskWatch(task, launch.rules_file, launch.cwd) if launch.rules_file else None
+        self.renewal = Renewal(task, knobs.lease_sec)
+        self.turn = StartTurn(current().start_gate)   # entered and left on the same gate, whatever happens meanwhile
+        self.finished_at: float | None = None   # when the stream's terminal event came
+        self.stop = False
+        self.running: Running | None = None   # made by run() as OpenCode starts
+
+    def run(self) -> RunResult:
+        """Run the attempt to its end; the RunResult says what it did. Raises what starting
+        OpenCode raises (OSError; ValueError when the box's command does not end with OpenCode's)."""
+        started = time.monotonic()
+        with store.open_task_log(self.task["id"]) as handle:
+            task_log = TaskLog(self.task["id"], handle)
+            shipper = LogShipper(self.task["id"], task_log)
+            task_log.write(_run_header(self.task["run_marker"], self.launch, self.result.box))
+            if self.courier is not None:
+                self.courier.sync()
+            self.turn.enter()
+            try:
+                self.running = running = self._start(task_log, shipper)
+            except BaseException:
+                self.turn.leave()   # OpenCode did not start: the worker's next run must not wait on the gate
+                raise
+            _send_prompt(running.proc, self.launch.prompt)
+            self._record_pid(running.proc.pid)
+            try:
+                self._watch()
+            finally:
+                self._wind_up(running)
+        self.result.seconds = round(time.monotonic() - started, 2)
+        return self.result
+
+    def _start(self, task_log: TaskLog, shipper: LogShipper) -> Running:
+        """Start OpenCode in its own session, its stdout to a spool file (_spool_file), and what watches it."""
+        launch = self.launch
+        spool, writer = _spool_file(store.log_path(self.task["id"]).parent)
+        started_wall = time.time()
+        status, status_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                launch.adopting(status_w), cwd=launch.cwd, env=launch.env, stdin=subprocess.PIPE,
+                stdout=writer, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
+        except BaseException:
+            os.close(spool)
+            os.close(status)
+            raise
+        finally:
+            os.close(writer)
+            os.close(status_w)
+        if proc.stderr is None:
+            raise RuntimeError("OpenCode was started without a stderr pipe")
+        output = OutputReader(self._lines(task_log, started_wall), spool, status, proc.stderr)
+        self.turn.started(time.monotonic())
+        return Running(proc, output, ShellWatch(proc.pid, launch.argv, launch.env.get("SHELL")), shipper)
+
+    def _wind_up(self, running: Running) -> None:
+        """The run's end, whatever ended it: the gate left, the tree ended, the output read to its
+        end and shipped, the exit code, the usage limit's, the spend's and the notes' last word."""
+        self.turn.leave()
+        self.result.ended = _end_leftovers(self.task, self.launch, running.proc.pid, self.knobs.kill_grace_sec)
+        running.output.drain()
+        running.shipper.ship(last=True)
+        code = running.proc.wait()
+        self.result.returncode = code if running.output.agent_code is None else running.output.agent_code
+        self.limits.at_give_up(self.result)
+        if self.spend is not None:
+            self.spend.close()
+        if self.courier is not None:
+            self.courier.close()
+
+    def _started(self) -> Running:
+        """OpenCode's process and what watches it; run() makes them before anything here reads them."""
+        if self.running is None:
+            raise RuntimeError("the supervisor has not started OpenCode yet (run() does)")
+        return self.running
+
+    def _record_pid(self, pid: int) -> None:
+        try:   # while the database is away, the pid goes with the next renewal that lands
+            self.renewal.renew(agent_pid=pid, agent_pid_start=process_tree.start_time(pid))
+        except store.StaleAttempt:
+            self._end("cancelled or reaped before it started", superseded=True)
+
+    def _watch(self) -> None:
+        output = self._started().output
+        now = time.monotonic()
+        # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
+        deadline = self.deadline_at or now + self.task["timeout_sec"]
+        output.start(now)
+        while not self.stop and not self._done():
+            output.pump(0.2)
+            self._check(time.monotonic(), deadline)
+
+    def _agent_gone(self) -> bool:
+        """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
+        running = self._started()
+        return running.output.agent_code is not None or running.proc.poll() is not None
+
+    def _done(self) -> bool:
+        return self._agent_gone() and self._started().output.read_out()
+
+    def _check(self, now: float, deadline: float) -> None:
+        """One round of the watch (``now``, ``deadline``: time.monotonic()): the start gate, the
+        lease, then the first thing found that ends the run, then the exit grace after a terminal
+        event."""
+        self.turn.look(now, self.result.stream.events)
+        if self._keep_lease(now) or self._ended_by_watch(now, deadline):
+            return
+        if self.spend is not None and self.spend.gated() and not self.stop:
+            paused = self.spend.held(now, self.stop)
+            if paused is not None:
+                self._end(paused)
+                return
+        limited = self.limits.ended(self.result)
+        if limited is not None:
+            self._end(limited)
+        if self.stop:
+            return
+        if self.result.stream.finished and self.finished_at is None:
+            self.finished_at = now
+        if self.finished_at and now - self.finished_at > self.knobs.exit_grace_sec and not self._agent_gone():
+            self.result.agent_exited = False   # ended by us; the run still counts by its events
+            self.stop = True
+
+    def _keep_lease(self, now: float) -> bool:
+        """Renew the lease when due, and with a renewal that landed refresh what waits on the
+        database (the log's copy, the spend, the notes); else ship a full log chunk. True when the
+        attempt was superseded (the run is ended)."""
+        running = self._started()
+        if self.renewal.due(now):
+            try:
+                renewed = self.renewal.renew()
+            except store.StaleAttempt as exc:
+                self._end(str(exc), superseded=True)
+                return True
+            if renewed:   # while the database is away the agent runs on; the rest waits for it
+                running.output.lines.refresh_secrets()
+                current().beat.write()
+                running.shipper.ship()
+                if self.spend is not None:
+                    self.spend.refresh()
+                if self.courier is not None:
+                    self.courier.sync()
+        elif running.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
+            running.shipper.ship()
+        return False
+
+    def _ended_by_watch(self, now: float, deadline: float) -> bool:
+        """End the run on the first reason found (told to stop at once, a permission ask, the
+        timeout, the inactivity watchdog, a dead shell); True when one was."""
+        knobs = self.knobs
+        if current().flags.stop_now:
+            self._end("the worker was told to stop at once", interrupted=True)
+        elif self.asks is not None and (asked := self.asks.asked(self.result)) is not None:
+            self.result.asked = asked
+            self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
+        elif now > deadline:
+            self._end(f"timed out after {self.task['timeout_sec']} s")
+        elif now - self._started().output.last_activity > knobs.inactivity_sec:
+            self._end(f"no output or event for {knobs.inactivity_sec:g} s (inactivity watchdog)")
+        elif (died := self._started().shells.died(now)) is not None:
+            self._end(died)
+        else:
+            return False
+        return True
+
+    def _end(self, reason: str, superseded: bool = False, interrupted: bool = False) -> None:
+        self.stop = True
+        self.result.killed = reason
+        self.result.superseded = superseded
+        self.result.interrupted = interrupted
+
+    def _lines(self, log: Any, started_wall: float | None = None) -> OutputLines:
+        """The line handling of this run's output, written to ``log`` (the task's TaskLog; the
+        benches pass any binary file) and handing events to this supervisor's watchers."""
+        return OutputLines(self.task["id"], log, self.result, self.limits, self._event, started_wall)
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """An event OpenCode printed (OutputLines hands each on): a finished step is metered, a
+        completed bash call accounts for its shell (none is watched before run() starts OpenCode)."""
+        if event.get("type") == "step_finish" and self.spend is not None:
+            paused = self.spend.step(self.stop)
+            if paused is not None:
+                self._end(paused)
+        if self.running is not None:
+            self.running.shells.tool_used(event)
+
+
+def _end_leftovers(task: dict[str, Any], launch: Launch, pid: int, grace_sec: float) -> list[dict[str, Any]]:
+    """Name what the run of ``launch`` (OpenCode's ``pid``) still has going (a dev server the agent
+    detached, the commands of a run we stopped), then end the whole tree and anything tagged with
+    the run, SIGKILL after ``grace_sec`` seconds. Returns what was named: [{pid, command, ports}]."""
+    ended = process_tree.described(process_tree.run_leftovers(pid, launch.carries_run))
+    process_tree.kill_tree(pid, grace_sec, run_stragglers(task["run_marker"], launch.env[oc.QUEUE_ENV]))
+    for item in ended:
+        ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
+        log(f"{task['id']}: ended pid {item['pid']}{ports} with the run: {item['command'][:120]}", talk.VERBOSE)
+    return ended
+
+
+def _run_header(marker: str, launch: Launch, box: agent_box.Support | None) -> bytes:
+    """The lines a run's part of the task log opens with (redacted): the attempt, when, where, in
+    which box, and the command."""
+    return redaction.current().redact(f"=== {marker} {store.iso(time.time())} cwd={launch.cwd} "
+                                      f"box={box.label if box else None}\n$ {' '.join(launch.argv)}\n".encode())
+
+
+def _send_prompt(proc: subprocess.Popen[bytes], prompt: str) -> None:
+    """Write ``prompt`` to OpenCode's stdin and close it; an OpenCode already gone is no error.
+    Raises RuntimeError when it was started without a stdin pipe."""
+    stdin = proc.stdin
+    if stdin is None:
+        raise RuntimeError("OpenCode was started without a stdin pipe")
+    try:
+        stdin.write(prompt.encode())
+    except BrokenPipeError:
+        pass
+    finally:
+        try:
+            stdin.close()
+        except BrokenPipeError:
+            pass
 
 
 def _spool_file(folder: Any) -> tuple[int, int]:

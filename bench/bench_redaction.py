@@ -1,5 +1,5 @@
 """The cost of redaction on the worker's hot log path: a 10 MB task log through the worker's
-line handling (``worker.Supervisor._feed``: lines assembled, redacted, parsed, written), with
+line handling (``worker.OutputLines.feed``: lines assembled, redacted, parsed, written), with
 and without secrets held (three: token, API key, database password), and the same log through
 ``redaction.redact`` alone.
 
@@ -47,17 +47,18 @@ def through_worker(data: bytes, secrets_held: bool) -> float:
         os.environ.pop(name, None)
         if secrets_held:
             os.environ[name] = value
-    # A real Supervisor (its redactor made now, from the secrets just set), fed OpenCode's output by
-    # hand: no OpenCode runs, its log is in memory.
+    # A real Supervisor's line handling (its redactor made now, from the secrets just set), fed
+    # OpenCode's output by hand: no OpenCode runs, its log is in memory.
     task = {"id": "t_0001", "run_marker": "br-1-a1", "attempts": 1}
     launch = worker.Launch(["opencode"], {oc.QUEUE_ENV: "bench"}, os.getcwd(), "")
     sup = worker.Supervisor(task, launch, worker.Knobs(), agent_box.Support(None, reason="bench: no run"))
-    sup.log, sup.shells = io.BytesIO(), worker.ShellWatch(os.getpid(), ["opencode"])
+    log = io.BytesIO()
+    lines = sup._lines(log)
     started = time.perf_counter()
     for at in range(0, len(data), worker.SPOOL_READ):   # as the worker reads OpenCode's stdout file
-        sup._feed("out", data[at:at + worker.SPOOL_READ])
+        lines.feed("out", data[at:at + worker.SPOOL_READ])
     seconds = time.perf_counter() - started
-    assert (TOKEN.encode() in sup.log.getvalue()) is not secrets_held
+    assert (TOKEN.encode() in log.getvalue()) is not secrets_held
     return seconds
 
 

@@ -207,13 +207,12 @@ def test_a_value_split_between_pieces_of_a_long_line_is_redacted():
 
 def test_the_workers_oversized_line_path_redacts_across_reads(monkeypatch):
     monkeypatch.setattr(worker, "LINE_MAX", 1000)
-    sup = worker.Supervisor.__new__(worker.Supervisor)
-    sup.log, sup.partial, sup.oversized = io.BytesIO(), {}, {}
-    sup.result, sup.redactor = worker.RunResult(oc.EventStream()), redaction.current()
+    log = io.BytesIO()
+    lines = worker.OutputLines("t_0001", log, worker.RunResult(oc.EventStream()), worker.LimitWatch(None, 60))
     line = b"o" * 1500 + TOKEN.encode() + b"p" * 2000
     split = 1500 + len(TOKEN) // 2                   # the token straddles two reads of OpenCode's stdout
-    sup._feed("out", line[:split])
-    sup._feed("out", line[split:] + b"\n")
-    written = sup.log.getvalue()
+    lines.feed("out", line[:split])
+    lines.feed("out", line[split:] + b"\n")
+    written = log.getvalue()
     assert TOKEN.encode() not in written and b"[redacted: bearer token]" in written
-    assert written.startswith(b"o" * 1500) and b"p" * 2000 in written and not sup.oversized
+    assert written.startswith(b"o" * 1500) and b"p" * 2000 in written and not lines.oversized

@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
 
+import agent_box
 import opencode_runner as oc
 import task_store
 import worker
@@ -373,11 +375,27 @@ def test_the_shell_watch_follows_the_bash_tools_shells_not_opencodes_git_helpers
 
 
 def test_a_supervisor_read_before_run_names_what_is_missing():
-    sup = worker.Supervisor.__new__(worker.Supervisor)   # what run() makes is not there yet
-    sup.proc = sup.log = sup.shipper = sup.shells = None
-    for step in (sup._agent, sup._task_log, sup._log_shipper, sup._shell_watch):
+    launch = worker.Launch(["opencode"], {oc.QUEUE_ENV: "test"}, os.getcwd(), "")
+    sup = worker.Supervisor({"id": "t_0001", "run_marker": "br-1-a1"}, launch, worker.Knobs(),
+                            agent_box.Support(None, reason="test: no run"))   # what run() makes is not there yet
+    for step in (sup._started, sup._agent_gone, sup._done):
         with pytest.raises(RuntimeError, match=r"run\(\)"):
             step()
+
+
+def test_a_run_whose_agent_cannot_start_leaves_the_start_gate():
+    # The gate is entered before OpenCode starts; a start that fails (here the box's command does
+    # not end with OpenCode's) must leave it, or the worker's next run waits on it forever.
+    worker.fresh_state()
+    launch = worker.Launch(["opencode", "run"], {oc.QUEUE_ENV: "test"}, os.getcwd(), "",
+                           boxed_argv=["bwrap", "--", "something-else"])
+    sup = worker.Supervisor({"id": "t_0001", "run_marker": "br-1-a1"}, launch, worker.Knobs(),
+                            agent_box.Support(None, reason="test: no run"))
+    with pytest.raises(ValueError, match="does not end with OpenCode's"):
+        sup.run()
+    entered = threading.Event()
+    threading.Thread(target=lambda: (worker.current().start_gate.enter(), entered.set()), daemon=True).start()
+    assert entered.wait(5), "the start gate was left held: the next run would wait on it forever"
 
 
 def test_the_push_command_for_a_kept_worktree_needs_its_remote_and_branch():
