@@ -167,12 +167,12 @@ def test_cli_submit_limits_budget_commands_and_status(tmp_path):
         tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "$0.40", "--max-tokens", "900", "--json"]
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["max_cost_usd"] == 0.4
+    assert json.loads(result.stdout)["max_cost_usd"] == 0.4
     bad = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "lots"])
     assert bad.exit_code == 2 and "max_cost_usd must be an amount in USD" in bad.output
     assert run(tasks_cli.cli, ["budget", "set"]).exit_code == 2
     result = run(tasks_cli.cli, ["budget", "set", "--daily", "0.001", "--json"])
-    assert result.exit_code == 0 and json.loads(result.output)["daily_usd"] == 0.001
+    assert result.exit_code == 0 and json.loads(result.stdout)["daily_usd"] == 0.001
     claimed = task_store.claim_next("w")
     task_store.record_spend(claimed["id"], claimed["run_marker"], 0.002, 5, 0.002, 5)
     shown = run(tasks_cli.cli, ["status"])

@@ -183,7 +183,7 @@ def test_the_password_never_shows_in_labels_health_or_status(pg_server, pg, monk
     assert PASSWORD not in proc.stdout + proc.stderr and store.database_label() in proc.stdout + proc.stderr
     import tasks_cli
     shown = CliRunner().invoke(tasks_cli.cli, ["status", "--json"])
-    assert shown.exit_code == 0 and json.loads(shown.output)["db"] == store.database_label()
+    assert shown.exit_code == 0 and json.loads(shown.stdout)["db"] == store.database_label()
 
 
 def test_missing_psycopg_is_one_line_with_the_way_out(monkeypatch):
