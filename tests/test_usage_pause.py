@@ -46,7 +46,9 @@ def test_limit_pauses_frees_the_slot_holds_the_account_and_resumes_the_session(o
     monkeypatch.setenv("WORKER_LIMIT_MARGIN_SEC", "1")
     repo = make_repo(tmp_path / "repo")
     model = opencode.model
-    model.script("lim", [http_error(429, LIMIT, {"retry-after": "20"})])
+    # A 40 s window: the other provider's cold run (10-25 s on a loaded 2-core machine) must end
+    # inside it, or the watching worker resumes the paused task before the checks below.
+    model.script("lim", [http_error(429, LIMIT, {"retry-after": "40"})])
     model.script("same", [text("Same provider.\n" + RECEIPT)])
     model.script("other", [text("Other provider.\n" + RECEIPT)])
     a = task_store.submit_task(title="limited", instructions="Write a.txt. SCRIPT:lim", working_dir=str(repo),
@@ -68,7 +70,7 @@ def test_limit_pauses_frees_the_slot_holds_the_account_and_resumes_the_session(o
     assert paused["limit_account"] == "fake" and limit["said"] == LIMIT and limit["seen_in"] == "retry"
     reset = datetime.fromisoformat(limit["reset_at"]).timestamp()
     pause_at = datetime.fromisoformat(paused["limit_pauses"][0]["at"]).timestamp()
-    assert 14 <= reset - pause_at <= 21   # the header's 20 s, counted from the failed call
+    assert 34 <= reset - pause_at <= 41   # the header's 40 s, counted from the failed call
     # OpenCode was stopped at its first retry instead of sleeping out the 20 s window in the slot.
     assert len(model.step_requests("lim")) == 1
     assert paused["attempts"] - paused["handbacks"] == 0   # no retry spent (max_retries is 0)
