@@ -330,6 +330,26 @@ def port_taken(port: int) -> str | None:
             f"stop it, or serve on another port: {other}")
 
 
+def hold_queue(port: int) -> tuple[int | None, str | None]:
+    """This queue's serve lock (``<db>.serve.lock`` beside the database, as the worker's): its
+    descriptor, held while serving, with ``pid port`` written in it; or (None, why) when another
+    serve.py holds it: one line naming that serve.py's pid and port and the way out. Two serve.py
+    on one queue on two ports would run two --watch workers, one of them only retrying the lock."""
+    path = store.state_path("serve.lock")
+    fd = store.take_lock(path)
+    if fd is None:
+        try:
+            pid, held_port = path.read_text().split()[:2]
+        except (OSError, ValueError):
+            pid, held_port = "?", "?"
+        return None, (f"another TaskBridge (serve.py pid {pid}) already serves the queue {store.database_label()} "
+                      f"on 127.0.0.1:{held_port}; use that one (board: http://127.0.0.1:{held_port}/), stop it "
+                      f"(Ctrl-C in its terminal, or kill {pid}), or give this one another queue with --db")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {port}\n".encode(), 0)
+    return fd, None
+
+
 def _serving_pid(server: Any) -> int:
     """The pid of the serve.py that started ``server`` (a psutil.Process), else the server's own:
     either may end while it is asked (then the server's pid is the one to name)."""
@@ -631,15 +651,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    taken = None if args.setup_only else port_taken(args.port)
-    if taken:
-        print(f"serve: {taken}", file=sys.stderr)
-        return 1
-    if args.check_port:
-        return 0
-    problem = None if args.setup_only else queue_problem()
-    if problem:   # before anything is written or its mode changed: a file that is no queue stays as it was
-        print(f"serve: {problem}", file=sys.stderr)
+    refused = _refusal(args)
+    if refused is not None:
+        return refused
+    lock, other = (None, None) if args.setup_only else hold_queue(args.port)
+    if other and not args.rotate:
+        print(f"serve: {other}", file=sys.stderr)
         return 1
     try:
         token, how = ensure_token(args.rotate)
@@ -650,6 +667,41 @@ def main(argv: list[str] | None = None) -> int:
         say(f"wrote a new bearer token to {token_file()} (mode 0600)")
     if how == "rotated":
         say(rotation_notice(args.port))
+        if other:   # rotated for the TaskBridge already serving this queue: nothing more to start
+            say(f"{other.split(';')[0]}: it uses the new token from now on")
+            return 0
+    failed = _set_up(args, first_run=how == "new")
+    if failed is not None or args.setup_only:
+        return failed or 0
+    tunnel = args.tunnel
+    if tunnel is None:
+        tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"
+    try:
+        return serve(args.port, tunnel, token)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _refusal(args: argparse.Namespace) -> int | None:
+    """The exit status when serving stops before anything is written: the port taken or the
+    queue unusable (1, said in one line), or --check-port answered (0); None to go on."""
+    taken = None if args.setup_only else port_taken(args.port)
+    if taken:
+        print(f"serve: {taken}", file=sys.stderr)
+        return 1
+    if args.check_port:
+        return 0
+    problem = None if args.setup_only else queue_problem()
+    if problem:   # before anything is written or its mode changed: a file that is no queue stays as it was
+        print(f"serve: {problem}", file=sys.stderr)
+        return 1
+    return None
+
+
+def _set_up(args: argparse.Namespace, first_run: bool) -> int | None:
+    """Private modes, the Claude Desktop entry (--write-claude-desktop), the client snippets on
+    the first run; 1 when the Claude Desktop config cannot be written, else None."""
     for path in tighten_modes():
         say(f"made {path} private to this user")
     if args.write_claude_desktop:
@@ -660,16 +712,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         say(f"Claude Desktop: added taskbridge to {config}" + (f" (backup: {backup})" if backup else "")
             + "; restart Claude Desktop")
-    if args.setup_only or how == "new":   # the snippets on the first run; `tasks_cli.py connect` later
-        if not args.quiet:
-            print(connectors.snippets(args.port), file=sys.stderr)
-    if args.setup_only:
-        return 0
-    tunnel = args.tunnel
-    if tunnel is None:
-        tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"
-    return serve(args.port, tunnel, token)
-
+    if (args.setup_only or first_run) and not args.quiet:   # the snippets; `tasks_cli.py connect` later
+        print(connectors.snippets(args.port), file=sys.stderr)
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
@@ -3589,6 +3590,22 @@ def task_log_sizes(task_ids: Iterable[Any]) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 # Workers: the heartbeat file beside the database (this machine's last worker) and the workers
 # table (every worker on every host).
+
+
+def take_lock(path: Path | str) -> int | None:
+    """A single-instance lock (a worker pass's, serve.py's): an exclusive, non-blocking ``flock``
+    on ``path`` (made 0600, its folder too when missing); the open descriptor, whose close
+    releases it, or None when another process holds it. (The filelock package does the same flock,
+    but importing it cost ~100 ms and ~8 MB of the worker's memory.) Raises OSError when the file
+    cannot be made."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def worker_lock_path() -> Path:

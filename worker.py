@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import platform
@@ -2481,7 +2480,7 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
     once. Returns the exit code: 0 (also when another pass holds the lock), 1 when a required
     tool is missing."""
     store.connect().close()   # an unusable queue is refused before anything is written beside it
-    lock = _take_lock(store.worker_lock_path())
+    lock = store.take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
         # One pass per queue by design: a person who started a second to get more done at once
@@ -2499,20 +2498,6 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
     finally:
         current().beat.write("stopped")
         os.close(lock)  # closing the descriptor releases the flock
-
-
-def _take_lock(path: Any) -> int | None:
-    """This queue's single-instance lock: an exclusive, non-blocking ``flock`` on ``path``;
-    the open descriptor, or None when another pass holds it. (The filelock package did the same
-    flock, but importing it cost ~100 ms and ~8 MB of the worker's memory.)"""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 class Beat:

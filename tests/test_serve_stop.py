@@ -95,6 +95,36 @@ def test_one_ctrl_c_hands_a_running_task_back_and_says_so_once(opencode, tmp_pat
     assert "Ctrl-C again" not in said, said
 
 
+def test_a_second_serve_of_the_same_queue_on_another_port_is_refused_and_rotate_only_rotates(tmp_path):
+    """A second ./install.sh --port N (or --rotate) while the first serves the same queue started a
+    second server and a second --watch worker that only retried the queue's lock (found by a
+    new-user test). Now it is refused by name; --rotate rotates the token file and stops there."""
+    port = free_port()
+    first, lines = start_serving(port)
+    try:
+        other_port = free_port()
+        env = dict(os.environ, PORT=str(other_port), MCP_BEARER_TOKEN="s3cret-token")
+        second = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none"], env=env,
+                                stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr
+        said = second.stderr.strip()
+        assert len(said.splitlines()) == 1 and "Traceback" not in said, said
+        assert f"another TaskBridge (serve.py pid {first.pid}) already serves the queue" in said
+        assert f"on 127.0.0.1:{port}" in said and "--db" in said
+        token_file = tmp_path / "token"
+        token_file.write_text("old-token\n")
+        env = {k: v for k, v in env.items() if k != "MCP_BEARER_TOKEN"} | {"MCP_TOKEN_FILE": str(token_file)}
+        rotated = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", "--rotate"], env=env,
+                                 stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        assert rotated.returncode == 0, rotated.stderr
+        assert token_file.read_text().strip() not in ("", "old-token")
+        assert "it uses the new token from now on" in rotated.stderr and "Stop:" not in rotated.stderr
+        assert first.poll() is None
+    finally:
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=40) == 0, "".join(lines)
+
+
 def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
     """A second ./install.sh (serve.py) while the first serves: refused at once, before any box,
     naming the TaskBridge that serves there by its serve.py's pid and how to pick another port

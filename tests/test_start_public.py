@@ -119,10 +119,9 @@ def test_a_terminal_is_asked_and_stays_on_loopback_unless_the_answer_is_a_tunnel
 def test_a_served_worker_that_finds_the_lock_taken_keeps_the_server_up(tmp_path, monkeypatch):
     """A scheduled pass holds the queue's lock: serving goes on, and the worker tries again later."""
     import task_store
-    import worker
     port = free_port()
     env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
-    lock = worker._take_lock(str(task_store.worker_lock_path()))  # what a scheduled pass holds
+    lock = task_store.take_lock(task_store.worker_lock_path())  # what a scheduled pass holds
     assert lock is not None
     proc = subprocess.Popen([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none"], env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
