@@ -14,10 +14,11 @@ and the ratio of medians to the bare ping.
 folder), in memory: two processes, one per tree, each with its own bare server and queue, taking
 rounds in turn (which goes first alternates), so before and after see the same machine; the bare
 server also answers `page`, the same 50 rows as `list_tasks` returned as a constant (what the SDK
-alone costs for that page). Each tool is called with the SDK client's output-schema check and without it (the server's own cost;
-the check is the client's). ``--split`` also times the layers of each call in this tree: the
-tool function, the SDK's server side around it (argument validation, the worker thread, the
-result's conversion, the wire dump), TaskBridge's server wrapper, the client's check.
+alone costs for that page). Each tool is called with the SDK client's output-schema check and
+without it (the server's own cost; the check is the client's). ``--split`` also times the
+layers of each call in each tree: the tool function, the SDK's server side around it (argument
+validation, the worker thread, the result's conversion, the wire dump), TaskBridge's server
+wrapper, the client's check.
 Reads no env of its own.
 """
 from __future__ import annotations
