@@ -6,6 +6,9 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
 
 - ``ToolRegistry``: collects a module's tool functions so each ``build_server()`` makes a fresh
   server; every tool must declare all four behaviour hints (``hints()``), or the module does not load.
+  A tool returning a TypedDict is registered through ``answering``: its result is redacted,
+  sized and written as text once (``answer``, a ``ShownAnswer``), and the SDK only checks it
+  against the output schema (it would otherwise dump it and write its text a second time).
 - ``TranslatingServer``: an MCPServer whose tool errors read as one clear line, never the SDK's
   "Error executing tool …" or pydantic's multi-line dump; arguments holding a NUL character, and
   arguments the tool does not take, are refused before any tool runs. It lists every tool with a
@@ -29,11 +32,14 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import inspect
 import json
 import logging
 import time
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import pydantic
@@ -49,6 +55,7 @@ from mcp.types import (
     TextContent,
     ToolAnnotations,
 )
+from typing_extensions import is_typeddict
 
 import os_faults
 import task_store
@@ -279,8 +286,10 @@ class TranslatingServer(MCPServer):
         if unknown:
             raise ToolError(unknown)
         try:
-            return shown_result(_within_budget(name, cap_result(name, await super().call_tool(name, arguments,
-                                                                                     context))))
+            result = await super().call_tool(name, arguments, context)
+            if isinstance(result, ShownAnswer):     # redacted and sized where it was built (answer())
+                return result
+            return shown_result(_within_budget(name, cap_result(name, result)))
         except UnexpectedToolError as exc:
             raise translate(name, exc, self.passthrough) from None
         except ToolError as exc:
@@ -690,6 +699,53 @@ def _within_budget(tool: str, result: Any) -> Any:
                                      "content": [TextContent(type="text", text=text)]})
 
 
+class ShownAnswer(CallToolResult):
+    """A tool's answer built once by ``answer``: its structured content redacted and held to
+    RESULT_CHARS_MAX, its one text block the JSON of that same content. TranslatingServer passes
+    it on as it is (the general path would redact and measure it again)."""
+
+
+def answer(tool: str, value: Any) -> ShownAnswer:
+    """``value`` (a tool function's structured result, a dict) as the answer a client gets: every
+    text redacted (``task_views.shown``), its longest texts cut when its JSON text would pass
+    RESULT_CHARS_MAX characters (``fit``, logged), and the text content written once from the
+    same content, as MCPServer writes it (indented JSON). The SDK then checks the structured
+    content against the tool's output model and sends it without dumping or writing it again."""
+    shown = task_views.shown(value)
+    text = pydantic_core.to_json(shown, fallback=str, indent=2).decode()
+    if len(text) > RESULT_CHARS_MAX:
+        log.warning("tool %s returned %d characters; its texts were cut to fit %d", tool, len(text),
+                    RESULT_CHARS_MAX)
+        shown, _ = fit(shown)
+        text = pydantic_core.to_json(shown, fallback=str, indent=2).decode()
+    return ShownAnswer(content=[TextContent(type="text", text=text)], structured_content=shown)
+
+
+def answering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a tool function returning a TypedDict) as a tool returning its ``answer``, with the
+    same name, docstring, parameters and output schema (its return annotated ``Annotated[
+    CallToolResult, TheTypedDict]``, the SDK's form for a tool that builds its own result: the
+    SDK validates the structured content once and neither dumps it again nor writes a second
+    text). A function returning anything else is returned unchanged."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    returned = hints.get("return")
+    if not is_typeddict(returned):
+        return fn
+    name = fn.__name__
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def tool(*args: Any, **kwargs: Any) -> Any:
+            return answer(name, await fn(*args, **kwargs))
+    else:
+        @functools.wraps(fn)
+        def tool(*args: Any, **kwargs: Any) -> Any:
+            return answer(name, fn(*args, **kwargs))
+    final = Annotated[CallToolResult, returned]
+    tool.__signature__ = inspect.signature(fn, eval_str=True).replace(return_annotation=final)  # type: ignore[attr-defined]
+    tool.__annotations__ = hints | {"return": final}
+    return tool
+
+
 class ToolRegistry:
     """Collects the tool functions as the module is read; no server exists until build_server().
     ``tool(hints(...), title="…")`` is the only way in: a tool without all four behaviour hints,
@@ -722,7 +778,7 @@ class ToolRegistry:
         maps a tool name to its ``_meta`` (e.g. an MCP Apps ``ui.resourceUri``)."""
         for fn, hinted, title in self.entries:
             server.tool(title=title, annotations=hinted.model_copy(update={"title": title}),
-                        meta=(meta or {}).get(fn.__name__))(fn)
+                        meta=(meta or {}).get(fn.__name__))(answering(fn))
         return server
 
 

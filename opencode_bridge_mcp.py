@@ -494,7 +494,10 @@ def _linked_tasks(tool: str, data: Any) -> list[dict[str, Any]]:
     if tool == "wait_for":
         return [t for t in data.get("tasks", []) if t.get("id") in data.get("ready", [])]
     ident = data.get("id") or data.get("task_id")
-    return [store.get_task(ident)] if ident else []
+    if not ident:
+        return []
+    # get_task's own answer has what the links need (read in the same call): no second read
+    return [data] if "status" in data and "attempts" in data else [store.get_task(ident)]
 
 
 # --------------------------------------------------------------------------------------------

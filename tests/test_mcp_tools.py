@@ -986,3 +986,42 @@ async def test_a_log_file_the_os_refuses_is_named_not_an_internal_error(wd):
         path.mkdir()
         text = await tool_error(c, "get_task_logs", {"task_id": task["id"]})
     assert "internal error" not in text and str(path) in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# A tool's answer built once (issue 25).
+
+
+async def test_a_tool_answer_is_built_once_with_its_text_from_the_same_content(wd, monkeypatch):
+    """A registry tool answers a ready result: the structured content redacted once and its one
+    text block the indented JSON of that same content (the SDK neither dumps it again nor writes
+    a second text), with the output schema it always listed; the bearer token stays redacted."""
+    import pydantic_core
+    token = "tok-" + "z" * 40
+    monkeypatch.setenv("MCP_BEARER_TOKEN", token)
+    server = bridge.build_server()
+    async with Client(server, mode="legacy") as c:
+        await call_tool(c, "submit_task", task_args(wd, title=f"uses {token}"))
+        listed = {t.name: t for t in (await c.list_tools()).tools}
+        got = await c.call_tool("list_tasks", {"limit": 5})
+    direct = await server.call_tool("list_tasks", {"limit": 5})
+    assert isinstance(direct, mcp_shared.ShownAnswer)
+    assert direct.content[0].text == pydantic_core.to_json(direct.structured_content, indent=2).decode()
+    assert got.structured_content == direct.structured_content == json.loads(got.content[0].text)
+    assert token not in got.content[0].text and "[redacted: bearer token]" in got.content[0].text
+    assert listed["list_tasks"].output_schema["properties"]["tasks"]["items"]["properties"]["title"]
+
+
+async def test_get_task_reads_its_task_once(wd, monkeypatch):
+    """get_task's resource links come from its own answer: the task was read a second time."""
+    monkeypatch.setenv("MCP_CHANNEL_PUSH", "0")    # the channel's notice of the end reads it too
+    async with client() as c:
+        task = await call_tool(c, "submit_task", task_args(wd))
+        finish(task["id"])
+        reads = []
+        real = task_store.get_task
+        monkeypatch.setattr(task_store, "get_task", lambda *a, **k: reads.append(a) or real(*a, **k))
+        got = await c.call_tool("get_task", {"task_id": task["id"]})
+    assert not got.is_error and len(reads) == 1
+    kinds = [b.uri.rsplit("/", 1)[-1] for b in got.content if b.type == "resource_link"]
+    assert kinds == ["log", "transcript", "diff", "receipt"], kinds
