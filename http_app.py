@@ -21,6 +21,7 @@ client_address). Nothing happens at import time. Run it through ``python opencod
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hmac
 import json
@@ -28,6 +29,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -604,10 +606,35 @@ def http_routes() -> list[Any]:
     return [Route("/health", health), *board_api.routes()]
 
 
-def serve(app: Any, host: str, port: int, log_level: str) -> None:
-    """Run ``app`` under uvicorn on host:port until SIGINT/SIGTERM (access log off: URLs may carry
-    ?token=). At the first signal the board's long polls answer at once, so the shutdown neither
-    waits for them nor cancels them mid-request."""
+class PortTaken(OSError):
+    """The address to serve on cannot be bound; the message names the holder and the way out."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn binds), for uvicorn to listen on.
+    Raises PortTaken naming the process that holds the port (when it can be told) and the way out,
+    where uvicorn logged its start-up and then a raw "[Errno 98] address already in use"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno != errno.EADDRINUSE:   # a host name that does not resolve, an address not of this machine
+            raise PortTaken(exc.errno, f"cannot serve on {host}:{port}: {exc.strerror}; give --host an address of "
+                                       "this machine (127.0.0.1 for this machine alone)") from None
+        holder = process_tree.listening_on(port)
+        who = f" by {holder.info['name']} (pid {holder.pid})" if holder is not None else ""
+        raise PortTaken(exc.errno, f"cannot serve on {host}:{port}: the port is taken{who}; stop it, or give "
+                                   "another --port") from None
+    return sock
+
+
+def serve(app: Any, sock: socket.socket, log_level: str) -> None:
+    """Run ``app`` under uvicorn on ``sock`` (from ``listening_socket``) until SIGINT/SIGTERM
+    (access log off: URLs may carry ?token=). At the first signal the board's long polls answer at
+    once, so the shutdown neither waits for them nor cancels them mid-request."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -616,8 +643,8 @@ def serve(app: Any, host: str, port: int, log_level: str) -> None:
             super().handle_exit(sig, frame)
 
     logging.getLogger("uvicorn.error").addFilter(_quiet_upgrade_warnings)
-    Server(uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False,
-                          log_level=log_level, timeout_graceful_shutdown=3, **connection_limits())).run()
+    Server(uvicorn.Config(app, log_config=None, access_log=False,
+                          log_level=log_level, timeout_graceful_shutdown=3, **connection_limits())).run(sockets=[sock])
 
 
 def connection_limits() -> dict[str, Any]:

@@ -1402,9 +1402,14 @@ def main(argv: list[str] | None = None) -> int:
     except TokenConfigError as exc:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = http_app.listening_socket(args.host, args.port)
+    except http_app.PortTaken as exc:
+        print(exc.strerror, file=sys.stderr)
+        return 1
     log.info("TaskBridge MCP %s on http://%s:%d (/mcp, /sse, /health, /api); database %s",
              VERSION, args.host, args.port, store.database_label())
-    http_app.serve(app, args.host, args.port, args.log_level.lower())
+    http_app.serve(app, sock, args.log_level.lower())
     return 0
 
 

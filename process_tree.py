@@ -155,3 +155,19 @@ def run_leftovers(root: int, keep: Callable[[psutil.Process], bool]) -> list[psu
         except _GONE:
             continue
     return left
+
+
+def listening_on(port: int) -> psutil.Process | None:
+    """The process listening on TCP ``port`` (any address), with ``info`` = {name, cmdline}, or
+    None when it cannot be told (another user's process, or a system without the call)."""
+    try:
+        pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                and c.laddr and c.laddr.port == port and c.pid}
+    except (psutil.Error, OSError):
+        return None
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.info = {"name": proc.name(), "cmdline": proc.cmdline()}
+            return proc
+    return None

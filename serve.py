@@ -316,7 +316,7 @@ def port_taken(port: int) -> str | None:
             return None
         except OSError:
             pass
-    holder = _listener(port)
+    holder = process_tree.listening_on(port)
     other = f"./install.sh --port {port + 1} (or PORT={port + 1})"
     if holder is None:
         return f"port {port} on 127.0.0.1 is taken by another program; stop it, or serve on another port: {other}"
@@ -359,23 +359,6 @@ def _serving_pid(server: Any) -> int:
         return parent.pid if parent and "serve.py" in " ".join(parent.cmdline()) else server.pid
     except psutil.Error:
         return server.pid
-
-
-def _listener(port: int) -> Any:
-    """The process listening on the loopback ``port`` (psutil.Process with info name and cmdline),
-    or None when it cannot be told (another user's, or a system without the call)."""
-    import psutil
-    try:
-        pids = {c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
-                and c.laddr and c.laddr.port == port and c.pid}
-    except (psutil.Error, OSError):
-        return None
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            proc.info = {"name": proc.name(), "cmdline": proc.cmdline()}
-            return proc
-    return None
 
 
 def wait_healthy(port: int, server: subprocess.Popen, seconds: float, stop: threading.Event) -> None:

@@ -404,6 +404,27 @@ def test_a_port_out_of_range_on_the_command_line_is_a_usage_error_not_a_tracebac
     assert proc.returncode == 2 and b"Traceback" not in err and b"not a port number" in err
 
 
+def test_a_taken_port_or_a_foreign_address_is_one_line_before_any_start_up_log():
+    # uvicorn logged "on http://…", "Application startup complete", then a raw "[Errno 98]"
+    # (found by a new-user test).
+    import socket
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = start_cli("--transport", "streamable-http", "--port", str(port), env=dict(os.environ))
+        _, err = proc.communicate(timeout=60)
+    said = err.decode().strip()
+    assert proc.returncode == 1 and len(said.splitlines()) == 1, said
+    assert f"cannot serve on 127.0.0.1:{port}: the port is taken by python" in said and "another --port" in said
+    assert f"(pid {os.getpid()})" in said and "TaskBridge MCP" not in said
+    proc = start_cli("--transport", "streamable-http", "--host", "192.0.2.7", "--port", str(port),
+                     env=dict(os.environ))
+    _, err = proc.communicate(timeout=60)
+    said = err.decode().strip()
+    assert proc.returncode == 1 and "give --host an address of this machine" in said and "Traceback" not in said
+
+
 @pytest.mark.parametrize("transport", ["sse", "streamable-http"])
 def test_the_cli_serves_one_port_and_never_logs_the_token(transport):
     port = free_port()
