@@ -15,6 +15,7 @@ import os
 import pwd
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -364,3 +365,15 @@ def run_attack(opencode: Any, repo: Path, name: str, commands: list[str], **fiel
     passed = run_script("worker.py")
     assert passed.returncode == 0, passed.stderr
     return task_store.get_task(task["id"])
+
+
+def until(check: Any, timeout: float = 60.0, what: str = "the condition", every: float = 0.1) -> Any:
+    """Poll ``check()`` every ``every`` seconds until it returns something truthy (returned), for
+    up to ``timeout`` seconds; then fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

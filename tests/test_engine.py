@@ -23,7 +23,7 @@ import engine
 import opencode_runner
 import worktrees
 from fake_openai import default_usage, hang, text, tool_call
-from helpers import git, make_repo
+from helpers import git, make_repo, until
 
 MODEL = "fake/model"
 
@@ -32,16 +32,6 @@ def start_engine(opencode, cwd: Path, **kwargs) -> engine.Engine:
     """An engine in the run environment opencode_runner builds for an `auto` task in `cwd`."""
     env = opencode_runner.run_env(opencode.env, str(cwd), "br-eng-a1", "q-test", "auto")
     return engine.Engine(env, str(cwd), **kwargs).start()
-
-
-def wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def follow_all(stream: engine.SessionEvents, session_id: str) -> list[dict]:
@@ -110,7 +100,7 @@ def test_abort_ends_a_slow_model_turn_and_kills_the_bash_child(opencode, tmp_pat
         slow = eng.create_session(str(repo), "br-slow")
         with eng.events(str(repo)) as stream:
             eng.prompt(slow, str(repo), "SCRIPT:slow", model=MODEL)
-            wait_for(lambda: opencode.model.step_requests("slow"), 60, "the slow model request")
+            until(lambda: opencode.model.step_requests("slow"), 60, "the slow model request")
             threading.Timer(0.5, eng.abort, (slow, str(repo))).start()
             started = time.monotonic()
             follow_all(stream, slow)
@@ -119,7 +109,7 @@ def test_abort_ends_a_slow_model_turn_and_kills_the_bash_child(opencode, tmp_pat
         with eng.events(str(repo)) as stream:
             eng.prompt(shell, str(repo), "SCRIPT:shell", model=MODEL)
             pid_file = repo / "shell.pid"
-            wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the bash command")
+            until(lambda: pid_file.exists() and pid_file.read_text().strip(), 60, "the bash command")
             child = psutil.Process(int(pid_file.read_text()))
             eng.abort(shell, str(repo))
             follow_all(stream, shell)

@@ -12,7 +12,7 @@ from datetime import datetime
 
 import task_store
 from fake_openai import http_error, text, tool_call
-from helpers import ROOT, make_repo, run_script, tagged
+from helpers import ROOT, make_repo, run_script, tagged, until
 
 RECEIPT = '```json\n{"summary": "done", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 # No time in the words: only the retry-after header (through OpenCode's retry, which the retry
@@ -28,16 +28,6 @@ def _two_providers(opencode):
     other = json.loads(json.dumps(OTHER))
     other["provider"]["other"]["options"]["baseURL"] = opencode.model.url
     opencode.configure(other)
-
-
-def _until(check, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_limit_pauses_frees_the_slot_holds_the_account_and_resumes_the_session(opencode, tmp_path, monkeypatch):
@@ -59,7 +49,7 @@ def test_limit_pauses_frees_the_slot_holds_the_account_and_resumes_the_session(o
     watcher = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch"], env=dict(os.environ),
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _until(lambda: task_store.get_task(c["id"])["status"] == "done", 150, "the other provider's task")
+        until(lambda: task_store.get_task(c["id"])["status"] == "done", 150, "the other provider's task", every=0.3)
     finally:
         watcher.send_signal(signal.SIGKILL)   # killed during the pause: nothing may be lost
         watcher.wait(10)
@@ -83,7 +73,7 @@ def test_limit_pauses_frees_the_slot_holds_the_account_and_resumes_the_session(o
     model.script("lim", [tool_call("write", {"filePath": "{cwd}/a.txt", "content": "after the reset\n"}),
                          text("Wrote it.\n" + RECEIPT)])
     time.sleep(max(0.0, datetime.fromisoformat(paused["resume_at"]).timestamp() + 1 - time.time()))
-    _until(lambda: not task_store.held_accounts(), 40, "the reset")
+    until(lambda: not task_store.held_accounts(), 40, "the reset")
     assert run_script("worker.py").returncode == 0
     resumed, same = task_store.get_task(a["id"]), task_store.get_task(b["id"])
     assert resumed["status"] == "done", resumed["error"]

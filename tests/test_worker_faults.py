@@ -16,7 +16,7 @@ import process_tree
 import task_store
 import worker
 from fake_openai import hang, text, tool_call
-from helpers import ROOT, make_repo, run_script, tagged
+from helpers import ROOT, make_repo, run_script, tagged, until
 
 pytestmark = pytest.mark.real_opencode
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
@@ -25,16 +25,6 @@ DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_q
 def start_worker(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / "worker.py"), *args], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(predicate, timeout=60.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 def own_sleep() -> tuple[str, list[str]]:
@@ -76,7 +66,7 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
     task = task_store.submit_task(title="slow", instructions="SCRIPT:slow", working_dir=str(repo),
                                   timeout_sec=300, max_retries=2)
     proc = start_worker()
-    running = wait_for(lambda: running_with_agent(task["id"]))
+    running = until(lambda: running_with_agent(task["id"]))
     agent = psutil.Process(running["agent_pid"])
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -185,7 +175,7 @@ def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkey
     task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
                                   timeout_sec=300)
     proc = start_worker()
-    running = wait_for(lambda: running_with_agent(task["id"]))
+    running = until(lambda: running_with_agent(task["id"]))
     agent = psutil.Process(running["agent_pid"])
     cancelled_at = time.monotonic()
     task_store.cancel_task(task["id"])
@@ -204,10 +194,10 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     opencode.model.script("waits", [hang()])
     first = task_store.submit_task(title="a", instructions="SCRIPT:ok", working_dir=str(repo))
     proc = start_worker("--watch")
-    wait_for(lambda: task_store.get_task(first["id"])["status"] == "done", timeout=90)
+    until(lambda: task_store.get_task(first["id"])["status"] == "done", timeout=90)
     second = task_store.submit_task(title="b", instructions="SCRIPT:waits", working_dir=str(repo),
                                     timeout_sec=300)
-    running = wait_for(lambda: running_with_agent(second["id"]))
+    running = until(lambda: running_with_agent(second["id"]))
     proc.send_signal(signal.SIGTERM)
     time.sleep(1)
     assert proc.poll() is None, "the first SIGTERM lets the current task go on"
