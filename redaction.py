@@ -9,9 +9,10 @@ The secrets: the HTTP bearer token (``MCP_BEARER_TOKEN`` and the token file), th
 client secrets (``oauth.json`` beside the token file; its access and refresh tokens are signed,
 never stored), the reverse bridge's ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``, the queue
 database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file ``PGPASSFILE`` or
-``~/.pgpass``) and ``OPENCODE_SERVER_PASSWORD``. Values shorter than MIN_SECRET_CHARS are not
-matched (they would hit ordinary words). Each value is matched as written and in its JSON-escaped
-form (the task log is OpenCode's JSON event stream).
+``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model providers' keys the worker's OpenCode
+may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables, ``apiKey`` in its config, its ``auth.json``).
+Values shorter than MIN_SECRET_CHARS are not matched (they would hit ordinary words). Each value
+is matched as written and in its JSON-escaped form (the task log is OpenCode's JSON event stream).
 
 Cost: files are re-read only when their (inode, mtime, size) changes; the matcher is one
 precompiled alternation (longest value first), one pass over a text that holds no secret.
@@ -87,6 +88,52 @@ def _pgpass_file() -> Path:
     return Path(os.environ.get("PGPASSFILE") or Path.home() / ".pgpass").expanduser()
 
 
+def _provider_key_values(text: str) -> list[str]:
+    """The model providers' keys an OpenCode config (``provider.<id>.options.apiKey``) or its
+    credentials file (``auth.json``: ``{<provider>: {"key"|"access"|"refresh": ...}}``) holds;
+    ``{env:…}`` / ``{file:…}`` references are not secrets themselves. Raises ValueError for a
+    file that is not JSON (a JSONC config with comments is skipped: the env form still counts)."""
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        return []
+    found = []
+    providers = data.get("provider")
+    for entry in providers.values() if isinstance(providers, dict) else []:
+        options = entry.get("options") if isinstance(entry, dict) else None
+        if isinstance(options, dict):
+            found.append(options.get("apiKey"))
+    found += [entry.get(name) for entry in data.values() if isinstance(entry, dict) and "type" in entry
+              for name in ("key", "access", "refresh")]
+    return [v for v in found if isinstance(v, str) and not v.startswith(("{env:", "{file:"))]
+
+
+def _opencode_files() -> list[Path]:
+    """Where the worker's OpenCode reads provider keys: its global config, OPENCODE_CONFIG and the
+    credentials `opencode auth login` stores."""
+    home = Path(os.environ.get("HOME") or Path.home())
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
+    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
+    files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
+    return files + ([Path(os.environ["OPENCODE_CONFIG"])] if os.environ.get("OPENCODE_CONFIG") else [])
+
+
+def _provider_keys() -> list[tuple[str, str]]:
+    """(value, label) of the model providers' keys the worker's OpenCode can use: the environment's
+    ``*_API_KEY`` / ``*_AUTH_TOKEN`` variables (OPENAI_API_KEY, …), OPENCODE_CONFIG_CONTENT and the
+    files of ``_opencode_files``. A provider's error quoting its key (a 401 "Incorrect API key
+    provided: sk-…") is then stored and shown without it."""
+    found = [(value, f"api key ({name})") for name, value in os.environ.items()
+             if name.endswith(("_API_KEY", "_AUTH_TOKEN")) and name not in dict(ENV_SECRETS)]
+    try:
+        inline = _provider_key_values(os.environ.get("OPENCODE_CONFIG_CONTENT") or "{}")
+    except ValueError:
+        inline = []
+    found += [(value, "provider api key") for value in inline]
+    for path in _opencode_files():
+        found += [(value, "provider api key") for value in _from_file(path, _provider_key_values)]
+    return found
+
+
 def secret_values() -> dict[str, str]:
     """Every secret value TaskBridge holds now, read at call time: ``{value: label}`` (labels like
     ``"bearer token"``), values of at least MIN_SECRET_CHARS characters only. Never raises: an
@@ -98,6 +145,7 @@ def secret_values() -> dict[str, str]:
     found += [(value, "bearer token") for value in _from_file(token_file, _token_values)]
     found += [(value, "oauth client secret") for value in _from_file(token_file.parent / "oauth.json", _oauth_values)]
     found += [(value, "database password") for value in _from_file(_pgpass_file(), _pgpass_values)]
+    found += _provider_keys()
     values: dict[str, str] = {}
     for value, label in found:
         value = value.strip()

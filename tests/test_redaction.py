@@ -216,3 +216,31 @@ def test_the_workers_oversized_line_path_redacts_across_reads(monkeypatch):
     written = log.getvalue()
     assert TOKEN.encode() not in written and b"[redacted: bearer token]" in written
     assert written.startswith(b"o" * 1500) and b"p" * 2000 in written and not lines.oversized
+
+
+def test_the_model_providers_keys_are_secrets_too(tmp_path, monkeypatch):
+    # A provider's 401 ("Incorrect API key provided: sk-…") put the key in the worker's line, the
+    # failure reason and `show` (found by a new-user test).
+    config = tmp_path / "xdg-config" / "opencode"
+    config.mkdir(parents=True)
+    (config / "opencode.json").write_text(json.dumps({"provider": {
+        "mine": {"options": {"baseURL": "http://127.0.0.1:1/v1", "apiKey": "sk-from-the-config-file"}},
+        "ref": {"options": {"apiKey": "{env:SOME_KEY}"}}}}))
+    data = tmp_path / "xdg-data" / "opencode"
+    data.mkdir(parents=True)
+    (data / "auth.json").write_text(json.dumps({"openai": {"type": "api", "key": "sk-from-opencode-auth"}}))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    inline = {"provider": {"x": {"options": {"apiKey": "sk-inline-1"}}}}
+    monkeypatch.setenv("OPENCODE_CONFIG_CONTENT", json.dumps(inline))
+    values = redaction.secret_values()
+    assert values["sk-from-the-config-file"] == values["sk-from-opencode-auth"] == "provider api key"
+    assert values["sk-inline-1"] == "provider api key"
+    assert values["sk-from-the-environment"] == "api key (OPENAI_API_KEY)"
+    assert "{env:SOME_KEY}" not in values
+    said = "401: Incorrect API key provided: sk-from-opencode-auth"
+    assert redaction.redact(said) == "401: Incorrect API key provided: [redacted: provider api key]"
+    (config / "opencode.json").write_text("[1, 2]")   # not a config at all: no value, no error
+    os.utime(config / "opencode.json", ns=(1, 1))
+    assert "sk-from-the-config-file" not in redaction.secret_values()
