@@ -1553,9 +1553,12 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for name in ("Host", "Pid", "Worker", "State", "Tasks", "Heartbeat"):
         table.add_column(name)
     for worker in workers:
+        # A gone worker's state and tasks are what it said last, not what it does now.
+        then = " (when last seen)" if worker["label"] == "gone" else ""
+        tasks = ", ".join(worker["tasks"])
         table.add_row(line(worker["host"]), Text(str(worker["pid"])),
                       Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], "")),
-                      line(worker["state"] or "-"), line(", ".join(worker["tasks"]) or "-"),
+                      line((worker["state"] or "-") + then), line(tasks + then if tasks else "-"),
                       Text(age(worker["age_sec"])))
     return table
 
