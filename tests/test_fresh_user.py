@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 
 import pytest
 
 import task_store
-from helpers import run_script
+from helpers import ROOT, run_script
 
 
 @pytest.mark.parametrize("command", [["status"], ["list"], ["show", "1"], ["logs", "1"], ["events"],
@@ -255,3 +256,16 @@ def test_a_submit_that_makes_a_new_queue_says_so(tmp_path):
     again = run_script("tasks_cli.py", "--db", str(typo), "submit", "y", "--dir", str(tmp_path / "repo"),
                        "-i", "do it", timeout=60)
     assert again.returncode == 0 and "made a new queue" not in again.stderr, again.stderr
+
+
+def test_every_file_kept_beside_the_default_queue_is_ignored_by_git():
+    # tasks.models.json and tasks.serve.lock showed as untracked in the checkout, ready to be
+    # committed by mistake (found by a new-user test).
+    import re
+    names = set()
+    for source in ROOT.glob("*.py"):
+        names.update(re.findall(r'state_path\("([^"]+)"\)', source.read_text()))
+    assert {"worker.lock", "serve.lock", "models.json"} <= names
+    for name in sorted(names):
+        checked = subprocess.run(["git", "check-ignore", "--no-index", "-q", f"tasks.{name}"], cwd=ROOT)
+        assert checked.returncode == 0, f"tasks.{name} is not in .gitignore"
