@@ -730,10 +730,16 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
         raise click.UsageError("give the instructions once: --instructions or --file, not both")
     if file is not None:
         name = getattr(file, "name", "-")
-        return utf8_text(file.read(), "--file" if name in ("-", "<stdin>") else f"--file {name}")
-    if instructions == "-":
-        return read_stdin("--instructions -")
-    return instructions
+        what = "--file" if name in ("-", "<stdin>") else f"--file {name}"
+        text = utf8_text(file.read(), what)
+    elif instructions == "-":
+        what, text = "--instructions -", read_stdin("--instructions -")
+    else:
+        return instructions
+    if not text.strip():   # else the title would silently stand in for what was meant to be read
+        raise click.UsageError(f"{what} read no instructions (empty input); give them, or leave the option "
+                               "out to use the title")
+    return text
 
 
 def read_stdin(what: str) -> str:

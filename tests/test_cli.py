@@ -124,6 +124,11 @@ def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
                     "--allow-empty", "-m", "init"], check=True)   # a repository with no commits is refused
     plain = run("submit", "Title only", "--json")        # a git repository: no question
     assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
+    # An empty pipe was taken silently, the title standing in (found by a new-user test).
+    for option in (["-i", "-"], ["--file", "-"]):
+        empty = run("submit", "Empty", *option, input="\n")
+        assert empty.exit_code == 2 and "read no instructions (empty input)" in empty.stderr, empty.stderr
+    assert task_store.counts()["pending"] == 2, "nothing queued by the refused submits"
 
 
 def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
