@@ -1403,7 +1403,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to start: {exc}", file=sys.stderr)
         return 2
     try:
+        store.last_event_id()   # a queue that cannot be used is refused before serving, as serve.py does
         sock = http_app.listening_socket(args.host, args.port)
+    except store.TaskStoreError as exc:   # its message names the queue and the way out
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        return 1
     except http_app.PortTaken as exc:
         print(exc.strerror, file=sys.stderr)
         return 1

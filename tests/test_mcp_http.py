@@ -425,6 +425,21 @@ def test_a_taken_port_or_a_foreign_address_is_one_line_before_any_start_up_log()
     assert proc.returncode == 1 and "give --host an address of this machine" in said and "Traceback" not in said
 
 
+
+def test_the_http_server_refuses_a_queue_file_that_is_no_database_before_serving(tmp_path):
+    # It served until killed, every tool call failing (found by a new-user test); serve.py, the
+    # worker and the CLI refused at once.
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not SQLite at all " * 50)
+    proc = start_cli("--transport", "streamable-http", "--port", str(free_port()), "--db", str(junk),
+                     env=dict(os.environ))
+    _, err = proc.communicate(timeout=60)
+    said = err.decode().strip()
+    assert proc.returncode == 1 and len(said.splitlines()) == 1, said
+    assert f"refusing to start: the task database {junk} cannot be used" in said and "move it aside" in said
+    assert junk.read_bytes() == b"not SQLite at all " * 50
+
+
 @pytest.mark.parametrize("transport", ["sse", "streamable-http"])
 def test_the_cli_serves_one_port_and_never_logs_the_token(transport):
     port = free_port()
