@@ -103,6 +103,15 @@ def queue_missing_error() -> CliError:
 class QueueCommand(click.Command):
     """A command that refuses to run on a queue that does not exist, unless it may make one."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:   # click's hint for it was "Did you mean '--dir'?"
+            if exc.option_name.split("=", 1)[0] != "--db":
+                raise
+            raise click.UsageError("--db goes before the command: tasks_cli.py --db FILE_OR_URL "
+                                   f"{ctx.info_name} ...", ctx) from None
+
     def invoke(self, ctx: click.Context) -> Any:
         name = ctx.command_path.split(" ", 1)[1] if " " in ctx.command_path else ctx.command_path
         bad = not_utf8_param(ctx)

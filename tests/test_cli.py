@@ -917,3 +917,11 @@ def test_a_write_the_database_refuses_by_a_constraint_is_said_in_the_stores_word
     result = run("cancel", "1", "--yes")
     assert result.exit_code == 1 and said in result.stderr.replace("\n", " ")
     assert "check --db" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["submit", "x", "--db", "/tmp/q.db"], ["status", "--db=/tmp/q.db"]])
+def test_db_after_the_command_says_where_it_goes(tmp_path, argv):
+    # click answered "No such option '--db'. Did you mean '--dir'?" (found by a new-user test).
+    result = run(*argv)
+    assert result.exit_code == 2 and "--db goes before the command: tasks_cli.py --db FILE_OR_URL" in result.stderr
+    assert "Did you mean" not in result.stderr
