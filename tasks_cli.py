@@ -588,6 +588,10 @@ def next_step(task: dict[str, Any]) -> str:
         return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
     if task["status"] == "pending":
         return f"wait for a worker ({cli_} status shows it), or {cli_} cancel {tid}"
+    in_place = (task.get("result") or {}).get("isolation") == "in-place"
+    if task["status"] == "done" and in_place:
+        return (f"nothing to apply: it ran in place and its changes are already in {task['working_dir']} "
+                f"({cli_} diff {tid} names the files it wrote)")
     if task["status"] == "done":
         return (f"{cli_} diff {tid} (read the changes), then {cli_} apply {tid}" if task["diff"]
                 else f"nothing to apply: the run changed no files; {cli_} retry {tid} runs it again")

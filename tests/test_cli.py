@@ -903,6 +903,8 @@ def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
     said = run("diff", task["id"])
     assert said.exit_code != 0 and "ran in place" in said.stderr and "hello.txt" in said.stderr
     assert "changed no files" not in said.stderr
+    shown = run("show", task["id"]).stdout   # said "the run changed no files" beside it (a new-user test)
+    assert "it ran in place and its changes are already in" in shown and "changed no files" not in shown
 
 
 def test_a_write_the_database_refuses_by_a_constraint_is_said_in_the_stores_words(tmp_path, monkeypatch):
