@@ -338,9 +338,11 @@ def check_box() -> Check:
 
 
 def check_server() -> Check:
-    """When something answers on 127.0.0.1:$PORT: TaskBridge's /health, and the token accepted."""
+    """When something answers on 127.0.0.1 at the port of the serve.py serving this queue (else
+    $PORT): TaskBridge's /health, and the token accepted."""
+    serving = store.served_by()
     try:
-        port = knobs.knob("PORT")
+        port = serving[1] if serving else knobs.knob("PORT")
     except knobs.KnobError:
         return Check("mcp server", "warn", "not checked: PORT is not a port number", "see the settings line")
     base = f"http://127.0.0.1:{port}"

@@ -335,13 +335,9 @@ def hold_queue(port: int) -> tuple[int | None, str | None]:
     descriptor, held while serving, with ``pid port`` written in it; or (None, why) when another
     serve.py holds it: one line naming that serve.py's pid and port and the way out. Two serve.py
     on one queue on two ports would run two --watch workers, one of them only retrying the lock."""
-    path = store.state_path("serve.lock")
-    fd = store.take_lock(path)
+    fd = store.take_lock(store.state_path("serve.lock"))
     if fd is None:
-        try:
-            pid, held_port = path.read_text().split()[:2]
-        except (OSError, ValueError):
-            pid, held_port = "?", "?"
+        pid, held_port = store.served_by() or ("?", "?")
         return None, (f"another TaskBridge (serve.py pid {pid}) already serves the queue {store.database_label()} "
                       f"on 127.0.0.1:{held_port}; use that one (board: http://127.0.0.1:{held_port}/), stop it "
                       f"(Ctrl-C in its terminal, or kill {pid}), or give this one another queue with --db")

@@ -3608,6 +3608,20 @@ def take_lock(path: Path | str) -> int | None:
     return fd
 
 
+def served_by() -> tuple[str, int] | None:
+    """(serve.py's pid, its port) when a serve.py serves this queue now: the ``pid port`` it wrote
+    in the serve lock beside the database (see serve.hold_queue), its process alive; else None.
+    The port is what `connect` and `doctor` mean by default."""
+    try:
+        pid, port = state_path("serve.lock").read_text().split()[:2]
+        os.kill(int(pid), 0)   # read, never locked here: a probe's lock would refuse a serve.py starting
+    except PermissionError:    # alive, another user's
+        pass
+    except (OSError, ValueError):
+        return None
+    return pid, int(port)
+
+
 def worker_lock_path() -> Path:
     """The single-instance lock file of this queue's worker passes."""
     return state_path("worker.lock")

@@ -1690,15 +1690,19 @@ def events(since: int | None, limit: int, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--port", type=click.IntRange(1, 65535), default=8765, envvar="PORT", show_default=True,
-              help="The port ./install.sh serves on (for the HTTP snippets).")
+@click.option("--port", type=click.IntRange(1, 65535), envvar="PORT",
+              help="The port ./install.sh serves on, for the HTTP snippets (default: the port of the TaskBridge "
+                   "serving this queue now, else 8765).")
 @click.option("--public-url", help="The public https://host of your tunnel, for claude.ai / ChatGPT connectors.")
 @click.option("--write-claude-desktop", is_flag=True,
               help="Merge the taskbridge entry into Claude Desktop's config (other servers kept, backup made).")
-def connect(port: int, public_url: str | None, write_claude_desktop: bool) -> None:
+def connect(port: int | None, public_url: str | None, write_claude_desktop: bool) -> None:
     """Print how each MCP client connects: Claude Desktop and Code, Cursor, VS Code, Codex, Gemini, OpenCode,
     claude.ai, ChatGPT."""
     import connectors
+    if port is None:
+        serving = task_store.served_by()
+        port = serving[1] if serving else 8765
     if public_url and not re.fullmatch(r"https://[A-Za-z0-9.-]+(:[0-9]+)?/?", public_url):
         raise click.BadParameter("give the tunnel's base URL, like https://abc.trycloudflare.com",
                                  param_hint="--public-url")

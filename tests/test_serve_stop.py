@@ -111,6 +111,11 @@ def test_a_second_serve_of_the_same_queue_on_another_port_is_refused_and_rotate_
         assert len(said.splitlines()) == 1 and "Traceback" not in said, said
         assert f"another TaskBridge (serve.py pid {first.pid}) already serves the queue" in said
         assert f"on 127.0.0.1:{port}" in said and "--db" in said
+        # connect's snippets name the port this queue is served on, not the default 8765
+        env_cli = {k: v for k, v in os.environ.items() if k != "PORT"}
+        snippets = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "connect"], env=env_cli,
+                                  capture_output=True, text=True, timeout=60)
+        assert f"http://127.0.0.1:{port}/mcp" in snippets.stdout and ":8765/" not in snippets.stdout
         token_file = tmp_path / "token"
         token_file.write_text("old-token\n")
         env = {k: v for k, v in env.items() if k != "MCP_BEARER_TOKEN"} | {"MCP_TOKEN_FILE": str(token_file)}
