@@ -300,7 +300,11 @@ def checked_names(skills: Iterable[str], subagents: Iterable[str], working_dir: 
 
 
 def model_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    """``provider/model`` or None."""
+    """``provider/model`` or None (not given). An empty one is refused: the store reads a blank as
+    not given (MCP clients send "" for that), which would silently mean the default model here."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("it is empty; give provider/model (`tasks_cli.py models` lists them) or leave "
+                                 "--model out for the default")
     try:
         return task_store.validate_model(value)
     except task_store.ValidationError as exc:

@@ -927,3 +927,10 @@ def test_db_after_the_command_says_where_it_goes(tmp_path, argv):
     result = run(*argv)
     assert result.exit_code == 2 and "--db goes before the command: tasks_cli.py --db FILE_OR_URL" in result.stderr
     assert "Did you mean" not in result.stderr
+
+
+def test_an_empty_model_is_refused_not_read_as_the_default(tmp_path):
+    # `submit --model ""` queued the task on the default model without a word (a new-user test).
+    result = run("submit", "x", "--dir", str(tmp_path), "--model", "", "--yes")
+    assert result.exit_code == 2 and "it is empty; give provider/model" in result.stderr, result.stderr
+    assert task_store.counts()["pending"] == 0
