@@ -333,9 +333,13 @@ def port_taken(port: int) -> str | None:
 def hold_queue(port: int) -> tuple[int | None, str | None]:
     """This queue's serve lock (``<db>.serve.lock`` beside the database, as the worker's): its
     descriptor, held while serving, with ``pid port`` written in it; or (None, why) when another
-    serve.py holds it: one line naming that serve.py's pid and port and the way out. Two serve.py
-    on one queue on two ports would run two --watch workers, one of them only retrying the lock."""
-    fd = store.take_lock(store.state_path("serve.lock"))
+    serve.py holds it: one line naming that serve.py's pid and port and the way out; (None, None)
+    when the lock file cannot be made (a read-only folder). Two serve.py on one queue on two ports
+    would run two --watch workers, one of them only retrying the lock."""
+    try:
+        fd = store.take_lock(store.state_path("serve.lock"))
+    except OSError:   # a read-only queue folder: nothing can write the queue twice there; serve unlocked
+        return None, None
     if fd is None:
         pid, held_port = store.served_by() or ("?", "?")
         return None, (f"another TaskBridge (serve.py pid {pid}) already serves the queue {store.database_label()} "

@@ -160,3 +160,17 @@ def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
         timeout=60,
     )
     assert free.returncode == 0 and free.stderr == "", free.stderr
+
+
+def test_a_queue_folder_where_no_lock_can_be_made_is_served_unlocked(monkeypatch):
+    # A read-only queue opens read-only (reads work); making the serve lock there raised EROFS
+    # out of main() as a traceback.
+    import errno
+
+    import serve
+    import task_store
+
+    def read_only(_path):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(task_store, "take_lock", read_only)
+    assert serve.hold_queue(8765) == (None, None)
