@@ -1241,18 +1241,23 @@ def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:
     return said or f"{what} exited {proc.returncode}"
 
 
+def user_config_files() -> list[Path]:
+    """The files this user's OpenCode reads its config and provider credentials from, outside any
+    project: the global config (``$XDG_CONFIG_HOME/opencode/opencode.json[c]``, ``config.json``),
+    ``auth.json`` (what `opencode auth login` stores) and ``$OPENCODE_CONFIG``; missing ones too."""
+    home = Path(os.environ.get("HOME") or Path.home())
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
+    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
+    files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
+    return files + ([Path(os.environ["OPENCODE_CONFIG"])] if os.environ.get("OPENCODE_CONFIG") else [])
+
+
 def _setup_key(*extra: Any) -> str:
     """What an answer of OpenCode's depends on: its binary, config env and config files' mtimes."""
     names = ("OPENCODE_BIN", "OPENCODE_CONFIG", "OPENCODE_CONFIG_CONTENT", "OPENCODE_CONFIG_DIR",
              "OPENCODE_DISABLE_PROJECT_CONFIG", "PATH", "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")
     parts: list[Any] = [os.environ.get(name) for name in names]
-    home = Path(os.environ.get("HOME") or Path.home())
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
-    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
-    files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
-    if os.environ.get("OPENCODE_CONFIG"):
-        files.append(Path(os.environ["OPENCODE_CONFIG"]))
-    for path in files:
+    for path in user_config_files():
         try:
             parts.append(path.stat().st_mtime_ns)
         except OSError:

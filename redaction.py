@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import connectors
+import opencode_runner as oc
 import task_store
 
 MIN_SECRET_CHARS = 8
@@ -107,20 +108,10 @@ def _provider_key_values(text: str) -> list[str]:
     return [v for v in found if isinstance(v, str) and not v.startswith(("{env:", "{file:"))]
 
 
-def _opencode_files() -> list[Path]:
-    """Where the worker's OpenCode reads provider keys: its global config, OPENCODE_CONFIG and the
-    credentials `opencode auth login` stores."""
-    home = Path(os.environ.get("HOME") or Path.home())
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
-    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
-    files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
-    return files + ([Path(os.environ["OPENCODE_CONFIG"])] if os.environ.get("OPENCODE_CONFIG") else [])
-
-
 def _provider_keys() -> list[tuple[str, str]]:
     """(value, label) of the model providers' keys the worker's OpenCode can use: the environment's
     ``*_API_KEY`` / ``*_AUTH_TOKEN`` variables (OPENAI_API_KEY, …), OPENCODE_CONFIG_CONTENT and the
-    files of ``_opencode_files``. A provider's error quoting its key (a 401 "Incorrect API key
+    files of ``opencode_runner.user_config_files``. A provider's error quoting its key (a 401 "Incorrect API key
     provided: sk-…") is then stored and shown without it."""
     found = [(value, f"api key ({name})") for name, value in os.environ.items()
              if name.endswith(("_API_KEY", "_AUTH_TOKEN")) and name not in dict(ENV_SECRETS)]
@@ -129,7 +120,7 @@ def _provider_keys() -> list[tuple[str, str]]:
     except ValueError:
         inline = []
     found += [(value, "provider api key") for value in inline]
-    for path in _opencode_files():
+    for path in oc.user_config_files():
         found += [(value, "provider api key") for value in _from_file(path, _provider_key_values)]
     return found
 
