@@ -449,13 +449,15 @@ def _echo(task: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-def _submitted(task: dict[str, Any]) -> dict[str, Any]:
+def _submitted(task: dict[str, Any], in_place: dict[str, bool | None]) -> dict[str, Any]:
+    """submit_task's answer for ``task``; ``in_place``: folder → whether it runs in place, from the
+    submit's own check (`task_views.place_warnings`)."""
     hint = (f"the worker picks it up on its next pass; wait_for(['{task['id']}']) blocks until it "
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
     return _echo(task) | {"task_id": task["id"], "duplicate": bool(task.get("duplicate")), "hint": hint,
-                         "warnings": task_views.submit_warnings(task)}
+                         "warnings": task_views.submit_warnings(task, in_place)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -662,8 +664,8 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     """
     fields = _task_fields(ctx, {k: v for k, v in locals().items() if k != "ctx"})   # locals(): the parameters
     _check_names(fields)
-    worktrees.refuse_unrunnable_folder(working_dir, host)
-    return cast(SubmittedTask, _submitted(store.submit_task(**fields)))
+    in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host)} if working_dir else {}
+    return cast(SubmittedTask, _submitted(store.submit_task(**fields), in_place))
 
 
 def _task_fields(ctx: Context, given: dict[str, Any]) -> dict[str, Any]:
@@ -731,14 +733,18 @@ def submit_batch(
     if not 1 <= len(raw) <= spec.BATCH_MAX:
         raise ToolError(f"a batch holds 1 to {spec.BATCH_MAX} tasks; got {len(raw)}. Split it")
     items = [_batch_item(item, name, version) for item in raw]
+    in_place: dict[str, bool | None] = {}
     for index, item in enumerate(items):
+        folder = item.get("working_dir") if isinstance(item, dict) else None
         try:
-            if isinstance(item, dict):
-                worktrees.refuse_unrunnable_folder(item.get("working_dir"), item.get("host"))
+            answer = worktrees.refuse_unrunnable_folder(folder, item.get("host")) if isinstance(folder, str) else None
+            if answer is not None:
+                in_place[folder] = answer
         except store.ValidationError as exc:
             raise store.ValidationError(f"task {index} of the batch: {exc}") from None
     done = store.submit_batch(items)
-    return mcp_shared.fit({"tasks": [_submitted(t) for t in done], "count": len(done)}, RESULT_CHARS)[0]
+    return mcp_shared.fit({"tasks": [_submitted(t, in_place) for t in done], "count": len(done)},
+                          RESULT_CHARS)[0]
 
 
 @registry.tool(READ_ONLY, title="Show a task")

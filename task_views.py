@@ -417,14 +417,14 @@ def limit_warnings(task: dict[str, Any]) -> list[str]:
             "or declare the model's cost in your OpenCode config"]
 
 
-def submit_warnings(task: dict[str, Any]) -> list[str]:
+def submit_warnings(task: dict[str, Any], in_place: dict[str, bool | None] | None = None) -> list[str]:
     """Everything a submit warns about a task just queued (one line each, naming the way out):
     its spending limit (`limit_warnings`), a folder outside any git repository, where the agent
     changes the files in place, and no model chosen anywhere (OpenCode's hosted free model would
     run it; judged from the worker's and doctor's cached answers of OpenCode: a submit never
-    waits on it). Raises nothing."""
+    waits on it). ``in_place``: as `place_warnings` takes it. Raises nothing."""
     hosted = hosted_model_note() if not task.get("model") else None
-    return limit_warnings(task) + place_warnings(task) + ([f"{task['id']}: {hosted}"] if hosted else [])
+    return limit_warnings(task) + place_warnings(task, in_place) + ([f"{task['id']}: {hosted}"] if hosted else [])
 
 
 def hosted_model_note(ask: bool = False) -> str | None:
@@ -439,13 +439,16 @@ def hosted_model_note(ask: bool = False) -> str | None:
     return oc.hosted_free_note(choice)
 
 
-def place_warnings(task: dict[str, Any]) -> list[str]:
+def place_warnings(task: dict[str, Any], in_place: dict[str, bool | None] | None = None) -> list[str]:
     """A folder task that asked for a worktree but whose folder is in no git repository: it
-    runs in place (no branch to review, nothing to undo), which a person should hear at once."""
+    runs in place (no branch to review, nothing to undo), which a person should hear at once.
+    ``in_place``: folder → `worktrees.refuse_unrunnable_folder`'s answer, from the submit's own
+    check (a folder not in it, or None there, is asked of git)."""
     folder = task.get("working_dir")
     if task.get("repo") or not task.get("worktree") or not isinstance(folder, str) or not os.path.isdir(folder):
         return []
-    if not worktrees.runs_in_place(folder):
+    known = (in_place or {}).get(folder)
+    if not (worktrees.runs_in_place(folder) if known is None else known):
         return []
     return [f"{task['id']}: {folder} is not in a git repository, so the agent will change its files in place "
             "(no worktree, no branch to review, nothing to undo); cancel it and `git init` and commit "

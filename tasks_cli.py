@@ -980,7 +980,7 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
         working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
     checked_names(skills, subagents, working_dir, continue_from or fork_from)
-    worktrees.refuse_unrunnable_folder(working_dir, host)
+    in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host)} if working_dir else {}
     task = task_store.submit_task(
         title=title, instructions=text if text is not None and text.strip() else title,
         working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),
@@ -992,7 +992,7 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
         subagents=list(subagents), repo=repo, base_ref=base_ref, host=host,
         schedule_timeout_sec=schedule_timeout_sec,
     )
-    warnings = task_views.submit_warnings(task)
+    warnings = task_views.submit_warnings(task, in_place)
     if as_json:
         return emit_json(task | {"warnings": warnings})
     verb = "Already queued as" if task["duplicate"] else "Submitted"

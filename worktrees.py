@@ -93,6 +93,7 @@ _DROPPED_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", 
                 "GIT_CONFIG_COUNT", "GIT_PAGER", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "SSH_ASKPASS",
                 "LANGUAGE", "LANG")
 # Options that keep a diff in the one shape `git apply` takes whatever the configuration says.
+COMMIT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")   # a SHA-1 or SHA-256 object name
 DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/")
 FALLBACK_IDENTITY = {"user.name": "TaskBridge", "user.email": "taskbridge@localhost"}
 
@@ -309,11 +310,23 @@ class Workspace:
 
 def _repo_top(path: str) -> str | None:
     """The root of the repository holding ``path``, or None only when git says it is not inside
-    one. Any other refusal (a repository owned by another user, a bare repository, a broken
-    .git) raises Unrunnable with git's reason and the way out: the task must never fall back to
-    running in place in a checkout git merely would not read."""
+    one. Raises Unrunnable as `_repo_head` does."""
+    return _repo_head(path)[0]
+
+
+def _repo_head(path: str) -> tuple[str | None, str | None]:
+    """(the root of the repository holding ``path``, its HEAD commit or None before the first
+    commit), from one git run; (None, None) only when git says ``path`` is in no repository. Any
+    other refusal (a repository owned by another user, a bare repository, a broken .git) raises
+    Unrunnable with git's reason and the way out: the task must never fall back to running in
+    place in a checkout git merely would not read."""
     try:
-        return os.path.realpath(git(["rev-parse", "--show-toplevel"], path))
+        # --revs-only drops a HEAD that names no commit yet instead of failing on it.
+        out = git(["rev-parse", "--show-toplevel", "--revs-only", "HEAD"], path)
+        top, _, head = out.rpartition("\n")
+        if not (top and COMMIT_ID.fullmatch(head)):   # no commit yet: the root alone (it may hold a newline)
+            top, head = out, ""
+        return os.path.realpath(top), head or None
     except GitStopped:
         raise
     except GitError as exc:
@@ -323,7 +336,7 @@ def _repo_top(path: str) -> str | None:
     if "not a git repository" in reason:
         unread = _dot_git_above(path)
         if unread is None:
-            return None
+            return None, None
         raise Unrunnable(f"{path} is inside {os.path.dirname(unread)}, whose {unread} git does not read "
                          f"as a repository (git: {_one_line(reason)}); repair that repository ("
                          f"{store.shell_command('git', '-C', os.path.dirname(unread), 'status')} says what is "
@@ -368,31 +381,34 @@ def _repo_top_or_none(path: str) -> str | None:
         return None
 
 
-def _first_commit_needed(top: str) -> str:
-    """HEAD's commit of the repository ``top``. Raises Unrunnable when it has no commit yet."""
-    head = git(["rev-parse", "--verify", "-q", "HEAD"], top, check=False)
+def _first_commit_needed(top: str, head: str | None) -> str:
+    """``head``, the HEAD commit `_repo_head` found in the repository ``top``. Raises Unrunnable
+    when it has no commit yet."""
     if not head:
         raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
                          "(git add -A && git commit -m init) and resubmit")
     return head
 
 
-def refuse_unrunnable_folder(path: str | None, host: str | None = None) -> None:
+def refuse_unrunnable_folder(path: str | None, host: str | None = None) -> bool | None:
     """Refuse at submit a folder a task could never run in here: a bare repository (or a .git
     folder), a repository with no commits, one git refuses to read. Raises store.ValidationError
     with the worker's own reason; a folder outside git and a missing one (the store names it)
     pass, and so do a git that cannot start (the worker names that) and a task for another
-    ``host`` (its folder is on that machine)."""
+    ``host`` (its folder is on that machine). Returns whether a task there runs in place (see
+    `runs_in_place`, answered by the same git run), None when that was not asked (no folder
+    here, or git could not tell)."""
     if not path or not os.path.isdir(path) or (host and host != store.host_name()):
-        return
+        return None
     try:
-        top = _repo_top(path)
+        top, head = _repo_head(path)
         if top is not None:
-            _first_commit_needed(top)
+            _first_commit_needed(top, head)
     except Unrunnable as exc:
         raise store.ValidationError(str(exc)) from None
     except GitError:
-        return
+        return None
+    return top is None
 
 
 def runs_in_place(path: str) -> bool:
@@ -421,10 +437,10 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     wd = task["working_dir"]
     if not os.path.isdir(wd):
         raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
-    top = _repo_top(wd)
+    top, head = _repo_head(wd)
     if top is None:
         return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
-    head = _first_commit_needed(top)
+    head = _first_commit_needed(top, head)
     if not task["worktree"]:
         return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
                          note="worktree=false: ran in place in the user's checkout")

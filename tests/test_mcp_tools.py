@@ -975,6 +975,42 @@ async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
     assert task_store.counts().get("pending", 0) == 0
 
 
+async def test_a_submit_asks_git_about_its_folder_once(tmp_path, monkeypatch):
+    """A submit ran `git rev-parse` three times on one folder (the root, then HEAD to refuse a
+    repository with no commits, then the root again for the in-place warning): ~3 ms each, most of
+    submit_task's own time. One run now answers all three, by every entry point."""
+    real_git = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True).stdout.strip()
+    calls = tmp_path / "git-calls"
+    fake_binary(tmp_path / "bin", "git", f'echo "$@" >> {calls}\nexec {real_git} "$@"')
+    repo, plain = tmp_path / "repo", tmp_path / "plain"
+    plain.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "init"], check=True)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+    def runs() -> int:
+        count = len(calls.read_text().splitlines()) if calls.exists() else 0
+        calls.unlink(missing_ok=True)
+        return count
+
+    async with client() as c:
+        in_repo = await call_tool(c, "submit_task", task_args(str(repo)))
+        assert runs() == 1 and in_repo["warnings"] == []
+        outside = await call_tool(c, "submit_task", task_args(str(plain)))
+        assert runs() == 1 and any(f"{plain} is not in a git repository" in w for w in outside["warnings"])
+        batch = await call_tool(c, "submit_batch", {"tasks": [task_args(str(repo)), task_args(str(plain))]})
+        assert runs() == 2 and [bool(t["warnings"]) for t in batch["tasks"]] == [False, True]
+        # A duplicate is the earlier task in its own folder: its warning is asked of git, not taken
+        # from the folder this submit named.
+        first = await call_tool(c, "submit_task", task_args(str(plain), idempotency_key="k"))
+        again = await call_tool(c, "submit_task", task_args(str(repo), idempotency_key="k"))
+        assert again["duplicate"] and again["warnings"] == first["warnings"] != []
+    runs()
+    said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(plain), "--json"])
+    assert said.exit_code == 0 and "is not in a git repository" in said.output and runs() == 1
+
+
 @pytest.mark.anyio
 async def test_a_log_file_the_os_refuses_is_named_not_an_internal_error(wd):
     """A task log the OS will not read (here a folder where the file should be) is named in one
