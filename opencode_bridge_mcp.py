@@ -449,9 +449,9 @@ def _echo(task: dict[str, Any]) -> dict[str, Any]:
     return shown
 
 
-def _submitted(task: dict[str, Any], in_place: dict[str, bool | None]) -> dict[str, Any]:
+def _submitted(task: dict[str, Any], in_place: dict[str, bool | None] | None = None) -> dict[str, Any]:
     """submit_task's answer for ``task``; ``in_place``: folder → whether it runs in place, from the
-    submit's own check (`task_views.place_warnings`)."""
+    submit's own check (`task_views.place_warnings`; None: git is asked)."""
     hint = (f"the worker picks it up on its next pass; wait_for(['{task['id']}']) blocks until it "
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
@@ -736,8 +736,10 @@ def submit_batch(
     in_place: dict[str, bool | None] = {}
     for index, item in enumerate(items):
         folder = item.get("working_dir") if isinstance(item, dict) else None
+        if not isinstance(folder, str):
+            continue
         try:
-            answer = worktrees.refuse_unrunnable_folder(folder, item.get("host")) if isinstance(folder, str) else None
+            answer = worktrees.refuse_unrunnable_folder(folder, item.get("host"))
             if answer is not None:
                 in_place[folder] = answer
         except store.ValidationError as exc:
