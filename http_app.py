@@ -21,7 +21,6 @@ client_address). Nothing happens at import time. Run it through ``python opencod
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hmac
 import json
@@ -614,21 +613,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (SO_REUSEADDR, as uvicorn binds), for uvicorn to listen on.
     Raises PortTaken naming the process that holds the port (when it can be told) and the way out,
     where uvicorn logged its start-up and then a raw "[Errno 98] address already in use"."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno != errno.EADDRINUSE:   # a host name that does not resolve, an address not of this machine
-            raise PortTaken(exc.errno, f"cannot serve on {host}:{port}: {exc.strerror}; give --host an address of "
-                                       "this machine (127.0.0.1 for this machine alone)") from None
-        holder = process_tree.listening_on(port)
-        who = f" by {holder.info['name']} (pid {holder.pid})" if holder is not None else ""
+        return process_tree.bind_port(host, port)
+    except process_tree.AddressInUse as exc:
+        who = f" by {exc.holder.info['name']} (pid {exc.holder.pid})" if exc.holder is not None else ""
         raise PortTaken(exc.errno, f"cannot serve on {host}:{port}: the port is taken{who}; stop it, or give "
                                    "another --port") from None
-    return sock
+    except OSError as exc:   # a host name that does not resolve, an address not of this machine
+        raise PortTaken(exc.errno, f"cannot serve on {host}:{port}: {exc.strerror}; give --host an address of "
+                                   "this machine (127.0.0.1 for this machine alone)") from None
 
 
 def serve(app: Any, sock: socket.socket, log_level: str) -> None:

@@ -11,8 +11,10 @@ Imports psutil and the standard library only; no SQL; reads no env; not run on i
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 from collections.abc import Callable, Iterable
 
 import psutil
@@ -155,6 +157,32 @@ def run_leftovers(root: int, keep: Callable[[psutil.Process], bool]) -> list[psu
         except _GONE:
             continue
     return left
+
+
+class AddressInUse(OSError):
+    """``bind_port`` found the port taken; ``holder``: the process listening there (as
+    ``listening_on`` gives it), or None when that cannot be told."""
+
+    def __init__(self, port: int, holder: psutil.Process | None) -> None:
+        super().__init__(errno.EADDRINUSE, f"port {port} is taken")
+        self.holder = holder
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` with SO_REUSEADDR, as uvicorn binds (connections of a
+    server just stopped, in TIME_WAIT, do not hold the port); the caller listens on it or closes
+    it. Raises AddressInUse naming the holder, or the OSError of any other refusal (a host name
+    that does not resolve, an address not of this machine)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUse(port, listening_on(port)) from None
+        raise
+    return sock
 
 
 def listening_on(port: int) -> psutil.Process | None:

@@ -33,7 +33,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -308,15 +307,13 @@ def port_taken(port: int) -> str | None:
     """Why 127.0.0.1:``port`` cannot be served, in one line with the way out, or None when it is
     free: another TaskBridge (its serve.py's pid) or another program. Asked before anything is
     set up or printed, so a second ./install.sh never prints a box for a server it cannot start."""
-    with socket.socket() as probe:
-        # As uvicorn binds: connections of a server just stopped (TIME_WAIT) do not hold the port.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-            return None
-        except OSError:
-            pass
-    holder = process_tree.listening_on(port)
+    try:
+        process_tree.bind_port("127.0.0.1", port).close()
+        return None
+    except process_tree.AddressInUse as exc:
+        holder = exc.holder
+    except OSError:
+        holder = None
     other = f"./install.sh --port {port + 1} (or PORT={port + 1})"
     if holder is None:
         return f"port {port} on 127.0.0.1 is taken by another program; stop it, or serve on another port: {other}"
