@@ -205,9 +205,11 @@ def check_database() -> Check:
     except store.ValidationError as exc:
         return Check("database", "fail", str(exc).split(";")[0], "; ".join(str(exc).split(";")[1:]).strip())
     except (store.DatabaseUnusable, store.DatabaseBusy, store.StorageFault, OSError) as exc:
+        # A damaged queue is moved aside; any other file (/etc/passwd) or fault gets the store's way out.
+        fix = getattr(exc, "way_out", "") if not isinstance(exc, store.DatabaseCorrupt) else ""
         return Check("database", "fail", f"{path} cannot be used: {getattr(exc, 'detail', exc)}",
-                     f"move it aside (mv {path} {path}.broken; a fresh queue is made on the next use) "
-                     "or point TASK_DB_PATH at a good one")
+                     fix or f"move it aside (mv {path} {path}.broken; a fresh queue is made on the next use) "
+                            "or point TASK_DB_PATH at a good one")
     where = f" on {health['filesystem'][0]}" if health["filesystem"] else ""
     detail = (f"{path}: {health['tasks']} task(s), integrity {health['integrity']}, "
               f"journal {health['journal_mode']}{where}")

@@ -141,8 +141,12 @@ def database_problem(value: str, source: str = "TASK_DB_URL") -> str | None:
         except ValueError:
             return f"{source} is a {scheme}:// URL whose port is not a number from 0 to 65535; fix the URL"
         return None
-    if os.path.isdir(os.path.expanduser(value)):
+    path = os.path.expanduser(value)
+    if os.path.isdir(path):
         return f"{source} {value} is a folder; give the SQLite file in it (e.g. {os.path.join(value, 'tasks.db')})"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return (f"{source} {value} is not a regular file (a device, pipe or socket); give the path of a queue "
+                "file such as /path/to/tasks.db (a new one is made on first use)")
     return None
 
 

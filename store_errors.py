@@ -59,11 +59,12 @@ class DatabaseUnusable(TaskStoreError):
     """The SQLite queue file cannot be used as it is: a folder, a path that cannot be opened or
     made, no permission to read or write it, or (DatabaseCorrupt) not a database at all. Retrying
     cannot help until it is fixed. The message names the file and the way out; ``detail`` is the
-    operating system's or SQLite's own words."""
+    operating system's or SQLite's own words, ``way_out`` the way out alone (or "")."""
 
-    def __init__(self, message: str, detail: str = "") -> None:
+    def __init__(self, message: str, detail: str = "", way_out: str = "") -> None:
         super().__init__(message)
         self.detail = detail or message
+        self.way_out = way_out
 
 
 class DatabaseCorrupt(DatabaseUnusable):

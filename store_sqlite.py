@@ -141,24 +141,46 @@ def fault(exc: BaseException, path: Path | str) -> TaskStoreError:
     def said(way_out: str) -> str:
         return f"the task database {path} cannot be used ({detail}): {way_out}"
 
+    def unusable(kind: type[DatabaseUnusable], way_out: str) -> DatabaseUnusable:
+        return kind(said(way_out), detail, way_out)
+
     if code == SQLITE_CONSTRAINT or isinstance(exc, sqlite3.IntegrityError):
         return ConstraintViolated(f"the task database {path} refused a write ({detail}): {CONSTRAINT_WAY_OUT}", detail)
     if code in (SQLITE_NOTADB, SQLITE_CORRUPT) or "not a database" in text or "malformed" in text or "corrupt" in text:
+        if not _maybe_queue(path):   # some other file (/etc/passwd): nobody's queue to move aside
+            return unusable(DatabaseUnusable, "it is not a SQLite database at all, so not a queue: point "
+                                              "TASK_DB_PATH at the queue's file, or at a new path (a new queue "
+                                              "is made there)")
         aside = f"mv {shlex.quote(str(path))} {shlex.quote(str(path) + '.broken')}"
-        return DatabaseCorrupt(said(f"it is not a SQLite database or it is damaged: restore it from a backup, move "
-                                    f"it aside ({aside}; a new, empty queue is made in its place), or point "
-                                    "TASK_DB_PATH at another file"), detail)
+        return unusable(DatabaseCorrupt, f"it is not a SQLite database or it is damaged: restore it from a backup, "
+                                         f"move it aside ({aside}; a new, empty queue is made in its place), or "
+                                         "point TASK_DB_PATH at another file")
     if code in (SQLITE_BUSY, SQLITE_LOCKED) or "locked" in text or "busy" in text:
         return DatabaseBusy(said("another process holds it locked: try again in a moment"))
     if code in (SQLITE_READONLY, SQLITE_PERM) or "readonly" in text or isinstance(exc, PermissionError):
-        return DatabaseUnusable(said("it cannot be written: fix the permissions of the file and of its folder "
-                                     "(SQLite writes -wal and -shm files beside it), or point TASK_DB_PATH "
-                                     "elsewhere"), detail)
+        return unusable(DatabaseUnusable, "it cannot be written: fix the permissions of the file and of its folder "
+                                          "(SQLite writes -wal and -shm files beside it), or point TASK_DB_PATH "
+                                          "elsewhere")
     if code == SQLITE_CANTOPEN or "unable to open" in text or isinstance(exc, _OPEN_ERRORS):
-        return DatabaseUnusable(said("it cannot be opened: TASK_DB_PATH must name a file (not a folder) in a "
-                                     "folder this user can write"), detail)
-    return DatabaseUnusable(said("check TASK_DB_PATH and the file's permissions, or restore it from a backup"),
-                            detail)
+        return unusable(DatabaseUnusable, "it cannot be opened: TASK_DB_PATH must name a file (not a folder) in "
+                                          "a folder this user can write")
+    return unusable(DatabaseUnusable, "check TASK_DB_PATH and the file's permissions, or restore it from a backup")
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"   # the first 16 bytes of every SQLite database file
+
+
+def _maybe_queue(path: Path | str) -> bool:
+    """Whether the file ``path``, which SQLite refused, may be a damaged queue (so moving it aside
+    for a new one is the way out): it begins as a SQLite database does, is named as one (.db,
+    .sqlite, .sqlite3), or cannot be read to tell."""
+    if Path(path).suffix.lower() in (".db", ".sqlite", ".sqlite3"):
+        return True
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(SQLITE_HEADER)) in (SQLITE_HEADER, b"")
+    except OSError:
+        return True
 
 
 def read_only_at(path: Path | str) -> bool:

@@ -56,6 +56,36 @@ def test_a_folder_is_refused_naming_the_file_to_give(tmp_path, script):
     assert result.returncode == 2 and f"{tmp_path} is a folder; give the SQLite file in it" in result.stderr
 
 
+@pytest.mark.parametrize("script", ["worker.py", "tasks_cli.py", "serve.py"])
+def test_a_device_or_pipe_is_refused_as_no_queue_file(tmp_path, script):
+    """--db /dev/null answered SQLite's "cannot rollback - no transaction is active"."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for value in ("/dev/null", str(fifo)):
+        result = run_with_db(script, value)
+        assert result.returncode == 2 and f"{value} is not a regular file" in result.stderr, result.stderr
+        assert "path of a queue file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_file_that_is_no_sqlite_at_all_is_not_to_be_moved_aside(tmp_path):
+    """A --db naming some other file (/etc/passwd, say) was told to `mv` it aside for a new queue,
+    a command that would break the system it belongs to; only a file that may be a damaged queue
+    (SQLite's header, or named .db) gets that way out, from the CLI and from doctor alike."""
+    other = tmp_path / "passwd"
+    other.write_text("root:x:0:0:root:/root:/bin/bash\n" * 20)
+    damaged = tmp_path / "queue.db"
+    damaged.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4000)
+    for path, aside in ((other, False), (damaged, True)):
+        said = run_with_db("tasks_cli.py", str(path))
+        doctor = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--db", str(path), "doctor"],
+                                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        database = next(line for line in doctor.stdout.splitlines() if line.split()[1:2] == ["database"])
+        for text in (said.stderr, database):
+            assert (f"mv {path} {path}.broken" in text) is aside, text
+            assert aside or "not a SQLite database at all" in text
+    assert other.read_text().startswith("root:x")
+
+
 @pytest.mark.parametrize("script", ["worker.py", "opencode_bridge_mcp.py"])
 def test_a_bad_task_db_url_in_the_environment_is_refused_the_same_way(tmp_path, script):
     result = run_script(script, env=dict(os.environ, TASK_DB_URL=f"mongodb://me:{SECRET}@h/q"), timeout=60)
