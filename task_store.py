@@ -1046,6 +1046,20 @@ def shell_command(*args: Any) -> str:
     return " ".join(shlex.quote(str(arg)) for arg in args)
 
 
+# The interpreter ./install.sh makes, as the README runs every script: a bare `python` on a fresh
+# machine lacks the dependencies.
+CHECKOUT_PYTHON = ".venv/bin/python"
+
+
+def script_command(script: str, *args: Any) -> str:
+    """The command line a person runs for one of this checkout's scripts from its folder:
+    ``script_command("tasks_cli.py", "show", "t_0001")`` -> ``.venv/bin/python tasks_cli.py show
+    t_0001`` (arguments quoted as `shell_command` does; pass a placeholder such as ``"..."`` as one
+    argument). ``script`` is a path relative to the checkout (``worker.py``,
+    ``launchd/schedule.py``). Every hint that names a TaskBridge script is built here."""
+    return shell_command(CHECKOUT_PYTHON, script, *args)
+
+
 def shown_repo(value: Any, limit: int = 120) -> str:
     """A refused ``repo`` value for a one-line message, never whole: any user-info part (what
     comes before the last ``@`` of the host part — a user name, a password, a token, in a URL or
