@@ -870,13 +870,25 @@ def print_log_entry(entry: dict[str, Any]) -> None:
 WORKER_GONE = "running, but its worker is gone (the next worker pass hands it back to the queue)"
 
 
+def say_if_no_worker() -> bool:
+    """On stderr, `status`'s line about the missing worker when none runs this queue (see
+    `missing_worker_line`); True when said."""
+    missing = missing_worker_line(last_worker())
+    if missing:
+        err().print(Text(missing, style="yellow"), soft_wrap=True)
+    return missing is not None
+
+
 def follow_log(task_id: str, offset: int, raw: bool = False) -> str:
     """Print lines appended to a task's log from byte ``offset`` until the task is finished or
     waiting, or its worker is gone (rendered, or as stored with ``raw``); returns its status in
-    words (a status, or WORKER_GONE)."""
-    pending = b""
+    words (a status, or WORKER_GONE). While the task is pending and no worker runs the queue, says
+    so once on stderr (`say_if_no_worker`) and goes on following."""
+    pending, warned = b"", False
     while True:
         task = task_store.get_task(task_id)
+        if task["status"] == "pending" and not warned:   # said once: a pending task waits for a worker
+            warned = say_if_no_worker()
         status = WORKER_GONE if task_views.holder_gone(task) else task["status"]
         data, offset = read_new(task_id, offset)
         pending += data
@@ -1511,7 +1523,7 @@ def status(as_json: bool) -> None:
     """Show the queue's counts, the last worker heartbeat and every worker on every host."""
     summary = task_store.queue_summary()
     workers = task_views.workers_state()
-    worker = workers[0] if workers else task_views.worker_state()
+    worker = last_worker(workers)
     budget = task_store.budget_state()
     held, overdue = task_store.held_accounts(), task_store.overdue_tasks()
     if as_json:
@@ -1530,17 +1542,33 @@ def status(as_json: bool) -> None:
                          style="yellow"), soft_wrap=True)
     for late in overdue:
         err().print(Text(visible(f"{late['id']}: {late['warning']}"), style="yellow"), soft_wrap=True)
+    missing = missing_worker_line(worker)
+    if missing:
+        err().print(Text(missing, style="yellow"), soft_wrap=True)
+
+
+def last_worker(workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The queue's newest worker, judged (task_views.WorkerState): the first of ``workers``
+    (``task_views.workers_state()``, read when not given), else the heartbeat file's."""
+    workers = task_views.workers_state() if workers is None else workers
+    return workers[0] if workers else task_views.worker_state()
+
+
+def missing_worker_line(worker: dict[str, Any]) -> str | None:
+    """What `status` (and `logs --follow` on a pending task) says when no worker runs the queue:
+    ``worker`` (a WorkerState, see `last_worker`) never checked in, went silent or died mid-run;
+    the line names how to start one. None while it runs."""
     if not worker["recent"] and worker["pid_running"] is None and worker["seen"]:
-        err().print(Text(f"The worker on {worker.get('host')} has not checked in for over "
-                         f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
-                         "running there?", style="yellow"), soft_wrap=True)
-    elif not worker["recent"]:
-        err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
-                         f"running? ({WORKER} runs one pass by hand)", style="yellow"))
-    elif worker["died"]:
-        err().print(Text(f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
-                         f"mid-run. The next pass requeues its task ({WORKER} runs one now).",
-                         style="yellow"))
+        return (f"The worker on {worker.get('host')} has not checked in for over "
+                f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
+                "running there?")
+    if not worker["recent"]:
+        return ("No worker is running this queue: the worker has not checked in recently (is its launchd agent / "
+                f"systemd timer running?); {WORKER} --watch starts one, {WORKER} runs one pass by hand")
+    if worker["died"]:
+        return (f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
+                f"mid-run. The next pass requeues its task ({WORKER} runs one now).")
+    return None
 
 
 def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:

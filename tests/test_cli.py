@@ -459,6 +459,41 @@ def test_a_running_task_whose_worker_died_is_named_by_show_and_ends_logs_follow(
     assert "t_0001 is running, but its worker is gone" in followed.stderr
 
 
+def finish_later(task_id: str, delay: float) -> threading.Thread:
+    """A thread that claims and completes ``task_id`` after ``delay`` seconds, as a worker would."""
+    def finish() -> None:
+        time.sleep(delay)
+        claimed = task_store.claim_next("worker@host", task_id=task_id)
+        task_store.complete_attempt(task_id, claimed["run_marker"], result={"summary": "ok"})
+    thread = threading.Thread(target=finish)
+    thread.start()
+    return thread
+
+
+def test_logs_follow_on_a_pending_task_says_once_that_no_worker_runs_the_queue(tmp_path, monkeypatch):
+    # It waited in silence for ever on a queue no worker serves (found by a new-user test).
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    task = submit(tmp_path, TITLE)
+    finisher = finish_later(task["id"], 0.5)             # ten polls and more before it ends
+    followed = run("logs", "1", "--follow")
+    finisher.join()
+    said = [line for line in followed.stderr.splitlines() if "No worker is running this queue" in line]
+    assert followed.exit_code == 0 and len(said) == 1, followed.stderr
+    assert any(command.endswith("worker.py") for command in hinted_scripts(said[0])), said[0]   # how to start one
+    assert said[0] in run("status").stderr                # the words status uses
+    assert "t_0001 is done; log ends" in followed.stderr
+
+
+def test_logs_follow_on_a_pending_task_says_nothing_of_a_worker_that_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    task = submit(tmp_path, TITLE)
+    task_store.write_worker_heartbeat({"state": "idle"})   # this process, alive
+    finisher = finish_later(task["id"], 0.3)
+    followed = run("logs", "1", "--follow")
+    finisher.join()
+    assert followed.exit_code == 0 and "No worker" not in followed.stderr and "checked in" not in followed.stderr
+
+
 def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
     submit(tmp_path, TITLE)
     write_log(1, "waiting for a worker\n")
