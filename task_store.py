@@ -1261,7 +1261,8 @@ def validate_repo(value: Any) -> str | None:
     """A task's ``repo``: a git remote the worker mirrors and pushes the task branch to — a URL
     (``https://``, ``http://``, ``ssh://``, ``git://``, ``file://``), the scp form
     ``user@host:path``, or the absolute path of a git repository on this machine (bare or not;
-    resolved). None when absent. A URL carrying credentials (a password, or any user name in an
+    resolved). A path or ``file://`` URL must name a git repository here at submit; a remote is
+    never contacted. None when absent. A URL carrying credentials (a password, or any user name in an
     http(s) URL, where it is usually a token; a query string) is refused: each worker's own git
     credentials are used, never stored in the queue. Raises ValidationError."""
     value = optional(value)
@@ -1282,11 +1283,7 @@ def validate_repo(value: Any) -> str | None:
     if "::" in text or not os.path.isabs(text):
         raise ValidationError(f"repo {shown_repo(value)} is neither a git URL (https://, ssh://, git@host:path, "
                               "file://) nor an absolute path of a git repository")
-    path = os.path.realpath(text)
-    if not _is_git_repository(path):
-        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here "
-                              "(no .git, or not a bare repository); give a repository's path or its URL")
-    return path
+    return _local_repository(text, text)
 
 
 def _repo_url(text: str) -> str:
@@ -1312,7 +1309,20 @@ def _repo_url(text: str) -> str:
         raise ValidationError("repo must not carry credentials (a user name or password in the URL, or a query "
                               "string): each worker pushes with its own git credentials (a credential helper, "
                               "an SSH key), never stored in the queue; give the URL without them")
+    if scheme == "file":   # on this machine: looked at now, as a plain path is (a remote is never probed)
+        from urllib.parse import unquote
+        _local_repository(unquote(parts.path), text)
     return text
+
+
+def _local_repository(path: str, given: str) -> str:
+    """``path`` resolved, when it is a git repository on this machine (see `_is_git_repository`);
+    else ValidationError naming ``given`` (what the submitter wrote: the path or file:// URL)."""
+    resolved = os.path.realpath(path)
+    if not _is_git_repository(resolved):
+        raise ValidationError(f"repo {shown_repo(given)} is not a git repository here "
+                              "(no .git, or not a bare repository); give a repository's path or its URL")
+    return resolved
 
 
 def _is_git_repository(path: str) -> bool:
