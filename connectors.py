@@ -96,7 +96,7 @@ def _local_clients(port: int) -> list[str]:
     desktop = json.dumps({"mcpServers": {SERVER_KEY: claude_desktop_entry()}}, indent=2)
     return [
         f"Claude Desktop (stdio): merge into {claude_desktop_config()} "
-        "(or run: .venv/bin/python tasks_cli.py connect --write-claude-desktop)",
+        f"(or run: {task_store.script_command('tasks_cli.py', 'connect', '--write-claude-desktop')})",
         desktop, "",
         "Claude Code, stdio, for every project (user scope):",
         f"  claude mcp add -s user {SERVER_KEY} -- {shlex.join(argv)}",
@@ -127,7 +127,7 @@ def _http_clients(port: int) -> list[str]:
         "OpenCode as the planner (it queues tasks here): merge into ~/.config/opencode/opencode.json:",
         json.dumps({"mcp": {SERVER_KEY: planner}}, indent=2),
         "OpenCode, the reverse bridge (agents ask Claude); merge into ~/.config/opencode/opencode.json "
-        "(or run: .venv/bin/python claude_control_mcp.py --register-opencode):",
+        f"(or run: {task_store.script_command('claude_control_mcp.py', '--register-opencode')}):",
         json.dumps({"mcp": {"claude-control": opencode_entry()}}, indent=2), "",
     ]
 

@@ -244,13 +244,15 @@ def check_worker() -> Check:
     installed = "not installed" not in schedule and not schedule.startswith("no launchd")
     if not beat["seen"]:
         return Check("worker", "warn", f"no worker has run on this queue yet; {schedule}",
-                     "python worker.py --watch (or ./install.sh --schedule for a pass every 60 s)")
+                     f"{store.script_command('worker.py', '--watch')} "
+                     "(or ./install.sh --schedule for a pass every 60 s)")
     detail = f"{beat['summary']}; {schedule}" + others_line()
     if beat.get("died"):
-        return Check("worker", "warn", detail, "python worker.py (the next pass requeues its task)")
+        return Check("worker", "warn", detail, f"{store.script_command('worker.py')} (the next pass requeues its task)")
     if not beat["recent"] and not (beat.get("pid_running") and beat.get("state") == "idle"):
-        return Check("worker", "warn", detail, "python worker.py --watch, or ./install.sh --schedule"
-                     if not installed else "the schedule is installed but quiet: python launchd/schedule.py status")
+        return Check("worker", "warn", detail, f"{store.script_command('worker.py', '--watch')}, or ./install.sh "
+                     "--schedule" if not installed else
+                     f"the schedule is installed but quiet: {store.script_command('launchd/schedule.py', 'status')}")
     return Check("worker", "ok", detail)
 
 

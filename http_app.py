@@ -4,9 +4,10 @@ JSON API (/api/*, see board_api).
 
 Guards, outermost first: Shield (a whole-request body deadline and size cap on every route, 408 /
 413, and the safety headers on every answer), HostGuard (421 for a malformed Host or one outside the allowlist, on
-every route) and BearerGuard (401 without the bearer token on /mcp, /sse, /messages and /api;
+every route), BearerGuard (401 without the bearer token on /mcp, /sse, /messages and /api;
 constant-time compare; the token is never logged; an OAuth access token from the oauth module is
-accepted too; the token file is re-read when it changes, see TokenSource). /health, the board's
+accepted too; the token file is re-read when it changes, see TokenSource) and TransportGuard (the
+SDK's Origin and Content-Type checks on the MCP transports, 403 / 400, answered as JSON). /health, the board's
 static shell and the OAuth endpoints stay open and hold no
 data. uvicorn runs with a request-head deadline, idle time-outs and a connection cap
 (connection_limits).
@@ -473,6 +474,53 @@ class BearerGuard:
             return await _deny_websocket(scope, receive, send, headers)
 
 
+MCP_TRANSPORT_PREFIXES = ("/mcp", "/sse", "/messages")   # where the SDK's transport_security check runs
+
+
+def origin_allowed(origin: str, allowed_origins: Sequence[str]) -> bool:
+    """Whether the SDK's transport security admits the ``Origin`` value ``origin`` given
+    ``allowed_origins`` (TransportSecuritySettings.allowed_origins: ``scheme://name``, or
+    ``scheme://name:*`` for any port). The SDK's own rule, so that nothing this lets through is
+    refused later in the SDK's plain-text shape."""
+    return origin in allowed_origins or any(
+        allowed.endswith(":*") and origin.startswith(allowed[:-1]) for allowed in allowed_origins)
+
+
+def transport_refusal(scope: dict, allowed_origins: Sequence[str]) -> tuple[int, str] | None:
+    """``(status, one line)`` for a request to an MCP transport the SDK's transport security would
+    refuse: 400 for a POST whose Content-Type is not JSON, 403 for an Origin not allowed (absent is
+    fine); None when it passes. Names the value sent (escaped, cut short) and the way out."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    content_type = headers.get("content-type")
+    if scope.get("method") == "POST" and not (content_type or "").lower().startswith("application/json"):
+        return 400, (f"an MCP message must be sent as JSON: send Content-Type: application/json "
+                     f"(sent: {loggable(content_type, 80) if content_type is not None else 'none'})")
+    origin = headers.get("origin")
+    if origin and not origin_allowed(origin, allowed_origins):
+        return 403, (f"the Origin {loggable(origin, 80)!r} is not one this server takes MCP requests from "
+                     "(a web page elsewhere may not drive it): send no Origin header or one naming this "
+                     "server's host, or if that site is yours add its host name to MCP_ALLOWED_HOSTS and restart")
+    return None
+
+
+class TransportGuard:
+    """Pure ASGI: the SDK's Origin and Content-Type checks on /mcp, /sse and /messages, judged
+    first with the SDK's rules so a refusal is a JSON ``{"error": ...}`` like every other one (the
+    SDK answers them in plain text)."""
+
+    def __init__(self, app: Any, allowed_origins: Sequence[str]) -> None:
+        self.app, self.allowed_origins = app, list(allowed_origins)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and any(path == p or path.startswith(p + "/") for p in MCP_TRANSPORT_PREFIXES):
+            refused = transport_refusal(scope, self.allowed_origins)
+            if refused:
+                log.warning("refused %s %s (%d): %s", loggable(str(scope.get("method"))), loggable(path), *refused)
+                return await _plain(send, refused[0], {"error": refused[1]})
+        await self.app(scope, receive, send)
+
+
 async def _deny_websocket(scope: dict, receive: Any, send: Any, headers: list[tuple[bytes, bytes]]) -> None:
     """Refuse a WebSocket handshake: a 401 where the server supports ASGI's denial response,
     else a close before accepting (the server answers 403)."""
@@ -523,7 +571,8 @@ def build_app(server: MCPServer) -> Any:
     auth_routes = oauth.routes(provider, client_address) if provider else []
     return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
                             middleware=[Middleware(HostGuard, hosts=hosts),
-                                        Middleware(BearerGuard, tokens=tokens, provider=provider)]))
+                                        Middleware(BearerGuard, tokens=tokens, provider=provider),
+                                        Middleware(TransportGuard, allowed_origins=security.allowed_origins)]))
 
 
 def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> tuple[Any, Any]:

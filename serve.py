@@ -291,7 +291,7 @@ def connector_box(port: int, token: str, host: str | None) -> str:
              f"Token:              {masked(token)}", "Header clients:     Authorization: Bearer <token>",
              f"Copy the token:     {copy}" if "MCP_BEARER_TOKEN" not in os.environ else
              "Copy the token:     it is $MCP_BEARER_TOKEN",
-             "Client set-up:      .venv/bin/python tasks_cli.py connect",
+             f"Client set-up:      {store.script_command('tasks_cli.py', 'connect')}",
              "Stop:               Ctrl-C (server, worker" + (" and tunnel)" if host else ")")]
     rule = "+" + "-" * 86 + "+"
     return "\n".join([rule, *("  " + r for r in rows), rule])

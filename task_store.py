@@ -1058,6 +1058,20 @@ def shell_command(*args: Any) -> str:
     return " ".join(shlex.quote(str(arg)) for arg in args)
 
 
+# The interpreter ./install.sh makes, as the README runs every script: a bare `python` on a fresh
+# machine lacks the dependencies.
+CHECKOUT_PYTHON = ".venv/bin/python"
+
+
+def script_command(script: str, *args: Any) -> str:
+    """The command line a person runs for one of this checkout's scripts from its folder:
+    ``script_command("tasks_cli.py", "show", "t_0001")`` -> ``.venv/bin/python tasks_cli.py show
+    t_0001`` (arguments quoted as `shell_command` does; pass a placeholder such as ``"..."`` as one
+    argument). ``script`` is a path relative to the checkout (``worker.py``,
+    ``launchd/schedule.py``). Every hint that names a TaskBridge script is built here."""
+    return shell_command(CHECKOUT_PYTHON, script, *args)
+
+
 def shown_repo(value: Any, limit: int = 120) -> str:
     """A refused ``repo`` value for a one-line message, never whole: any user-info part (what
     comes before the last ``@`` of the host part — a user name, a password, a token, in a URL or
@@ -1260,7 +1274,8 @@ def validate_repo(value: Any) -> str | None:
     """A task's ``repo``: a git remote the worker mirrors and pushes the task branch to — a URL
     (``https://``, ``http://``, ``ssh://``, ``git://``, ``file://``), the scp form
     ``user@host:path``, or the absolute path of a git repository on this machine (bare or not;
-    resolved). None when absent. A URL carrying credentials (a password, or any user name in an
+    resolved). A path or ``file://`` URL must name a git repository here at submit; a remote is
+    never contacted. None when absent. A URL carrying credentials (a password, or any user name in an
     http(s) URL, where it is usually a token; a query string) is refused: each worker's own git
     credentials are used, never stored in the queue. Raises ValidationError."""
     value = optional(value)
@@ -1281,11 +1296,7 @@ def validate_repo(value: Any) -> str | None:
     if "::" in text or not os.path.isabs(text):
         raise ValidationError(f"repo {shown_repo(value)} is neither a git URL (https://, ssh://, git@host:path, "
                               "file://) nor an absolute path of a git repository")
-    path = os.path.realpath(text)
-    if not _is_git_repository(path):
-        raise ValidationError(f"repo {shown_repo(text)} is not a git repository here "
-                              "(no .git, or not a bare repository); give a repository's path or its URL")
-    return path
+    return _local_repository(text, text)
 
 
 def _repo_url(text: str) -> str:
@@ -1311,7 +1322,20 @@ def _repo_url(text: str) -> str:
         raise ValidationError("repo must not carry credentials (a user name or password in the URL, or a query "
                               "string): each worker pushes with its own git credentials (a credential helper, "
                               "an SSH key), never stored in the queue; give the URL without them")
+    if scheme == "file":   # on this machine: looked at now, as a plain path is (a remote is never probed)
+        from urllib.parse import unquote
+        _local_repository(unquote(parts.path), text)
     return text
+
+
+def _local_repository(path: str, given: str) -> str:
+    """``path`` resolved, when it is a git repository on this machine (see `_is_git_repository`);
+    else ValidationError naming ``given`` (what the submitter wrote: the path or file:// URL)."""
+    resolved = os.path.realpath(path)
+    if not _is_git_repository(resolved):
+        raise ValidationError(f"repo {shown_repo(given)} is not a git repository here "
+                              "(no .git, or not a bare repository); give a repository's path or its URL")
+    return resolved
 
 
 def _is_git_repository(path: str) -> bool:

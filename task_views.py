@@ -346,8 +346,8 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                 "pid": None, "host": None, "started_at": None, "at": None, "age_sec": None,
                 "pid_running": None, "recent": False, "died": False, "extra": {},
                 "label": worker_label(False, False, None, False),
-                "summary": "no worker has run on this queue yet; run `python worker.py` (one pass), "
-                           "`python worker.py --watch`, or the restart_worker tool"}
+                "summary": f"no worker has run on this queue yet; run `{store.script_command('worker.py')}` "
+                           f"(one pass), `{store.script_command('worker.py', '--watch')}`, or the restart_worker tool"}
     running = _worker_process_lives(beat)
     age: float = beat["age_sec"]   # every heartbeat the store gives has its age
     silent_after = WORKER_RECENT_SEC if running is not None else WORKER_ELSEWHERE_SILENT_SEC

@@ -1,6 +1,7 @@
 """TaskBridge's command line for people: submit, inspect, claim by hand, answer, cancel, clear.
 
-Run it as ``python tasks_cli.py COMMAND ...`` (``python tasks_cli.py -h`` lists the commands).
+Run it as ``.venv/bin/python tasks_cli.py COMMAND ...`` from the checkout (``.venv/bin/python tasks_cli.py -h``
+lists the commands; ./install.sh makes the ``.venv``).
 Tables are for people; ``--json`` on the listing commands prints plain JSON for scripts. Errors go
 to stderr: exit 1 when the queue refuses (unknown task, wrong status), exit 2 for a bad option.
 Task ids are accepted as ``t_0001``, ``0001`` or ``1``.
@@ -76,9 +77,12 @@ class CliUsageError(CliError):
 
 
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
-CLI_WORDS = {"list_tasks": "`tasks_cli.py list`", "add_task_note": "`tasks_cli.py note`",
-             "answer_task": "`tasks_cli.py answer`", "cancel_task": "`tasks_cli.py cancel`",
-             "retry_task": "`tasks_cli.py retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH"}
+# Every hint names the command as the README runs it (task_store.script_command).
+CLI = task_store.script_command("tasks_cli.py")
+WORKER = task_store.script_command("worker.py")
+CLI_WORDS = {"list_tasks": f"`{CLI} list`", "add_task_note": f"`{CLI} note`",
+             "answer_task": f"`{CLI} answer`", "cancel_task": f"`{CLI} cancel`",
+             "retry_task": f"`{CLI} retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH"}
 
 
 def in_cli_words(message: str) -> str:
@@ -96,7 +100,7 @@ NO_QUEUE_NEEDED = {"doctor", "connect", "models"}
 
 def queue_missing_error() -> CliError:
     path = task_store.db_path()
-    return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `tasks_cli.py submit` "
+    return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `{CLI} submit` "
                     "makes a new queue there, as do the worker and serve.py")
 
 
@@ -109,11 +113,11 @@ class QueueCommand(click.Command):
         except click.NoSuchOption as exc:   # click's hint for it was "Did you mean '--dir'?"
             if exc.option_name.split("=", 1)[0] != "--db":
                 raise
-            raise click.UsageError("--db goes before the command: tasks_cli.py --db FILE_OR_URL "
+            raise click.UsageError(f"--db goes before the command: {CLI} --db FILE_OR_URL "
                                    f"{ctx.info_name} ...", ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        name = ctx.command_path.split(" ", 1)[1] if " " in ctx.command_path else ctx.command_path
+        name = ctx.command_path.removeprefix(ctx.find_root().info_name or "").strip()   # "budget set"
         bad = not_utf8_param(ctx)
         if bad:
             raise bad
@@ -123,7 +127,7 @@ class QueueCommand(click.Command):
         done = super().invoke(ctx)
         if missing and name in MAKES_QUEUE and task_store.db_path().exists():
             err().print(Text(f"made a new queue at {task_store.db_path()}: a worker runs its tasks only when started "
-                             "with the same --db / TASK_DB_PATH (a typo? `tasks_cli.py status` there says whether "
+                             f"with the same --db / TASK_DB_PATH (a typo? `{CLI} status` there says whether "
                              "a worker serves it)", style="yellow"), soft_wrap=True)
         return done
 
@@ -303,7 +307,7 @@ def model_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -
     """``provider/model`` or None (not given). An empty one is refused: the store reads a blank as
     not given (MCP clients send "" for that), which would silently mean the default model here."""
     if value is not None and not value.strip():
-        raise click.BadParameter("it is empty; give provider/model (`tasks_cli.py models` lists them) or leave "
+        raise click.BadParameter(f"it is empty; give provider/model (`{CLI} models` lists them) or leave "
                                  "--model out for the default")
     try:
         return task_store.validate_model(value)
@@ -582,12 +586,12 @@ def receipt_warnings(task_id: str, result: dict[str, Any]) -> list[str]:
 
 def next_step(task: dict[str, Any]) -> str:
     """The command a person most likely runs next for a task in its status."""
-    tid, cli_ = task["id"], "python tasks_cli.py"
+    tid, cli_ = task["id"], CLI
     if task["status"] == "waiting":
         return f"{cli_} answer {tid} \"your answer\""
     if task["status"] == "running" and task_views.holder_gone(task):
         return (f"its worker (pid {task['lease_pid']}) is gone: the next worker pass hands the task back to the "
-                f"queue (python worker.py runs one now), or {cli_} cancel {tid}")
+                f"queue ({WORKER} runs one now), or {cli_} cancel {tid}")
     if task["status"] == "running":
         return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
     if task["status"] == "pending":
@@ -686,9 +690,9 @@ def print_marker_help(task: dict[str, Any]) -> None:
     console.print(Text(claimed, style="green"))
     console.print(Text(f"run marker: {task['run_marker']}", style="bold"))
     console.print(Text(
-        f"Finish with: python tasks_cli.py complete {task['id']} --summary \"...\"  "
-        f"or: python tasks_cli.py fail {task['id']} --reason \"...\"\n"
-        f"Renew the lease with `python tasks_cli.py heartbeat {task['id']}` while you work: a lease idle "
+        f"Finish with: {CLI} complete {task['id']} --summary \"...\"  "
+        f"or: {CLI} fail {task['id']} --reason \"...\"\n"
+        f"Renew the lease with `{CLI} heartbeat {task['id']}` while you work: a lease idle "
         "past the worker's stale limit (15 min by default) is requeued.", style="dim"))
 
 
@@ -714,7 +718,7 @@ def hand_lease(task_id: str, marker: str | None, action: str) -> tuple[dict[str,
                     "(shown by `show`)") if action != "renew" else ""
         raise CliError(
             f"task {task_id} is being run by {owner or 'a worker'}, not claimed by hand; refusing to "
-            f"{action} a worker's attempt. Cancel it (python tasks_cli.py cancel {task_id}){override}"
+            f"{action} a worker's attempt. Cancel it ({CLI} cancel {task_id}){override}"
         )
     return task, task["run_marker"]
 
@@ -732,13 +736,13 @@ def refuse_unless_running(task: dict[str, Any], action: str, marker_given: bool)
     what = NOTHING_TO[action]
     if status in FINISHED:
         raise CliError(f"task {ident} is {status}: it has finished, so {what}; "
-                       f"`python tasks_cli.py show {ident}` tells what happened")
+                       f"`{CLI} show {ident}` tells what happened")
     if status == "waiting":
         raise CliError(f"task {ident} is waiting for an answer to its question, so {what}; answer it "
-                       f"(python tasks_cli.py answer {ident} \"...\") and it resumes")
+                       f"({CLI} answer {ident} \"...\") and it resumes")
     if status == "pending" and not marker_given:
         raise CliError(f"task {ident} is pending, not running; claim it first "
-                       f"(python tasks_cli.py claim {ident})")
+                       f"({CLI} claim {ident})")
 
 
 def read_text_source(instructions: str | None, file: Any) -> str | None:
@@ -866,13 +870,25 @@ def print_log_entry(entry: dict[str, Any]) -> None:
 WORKER_GONE = "running, but its worker is gone (the next worker pass hands it back to the queue)"
 
 
+def say_if_no_worker() -> bool:
+    """On stderr, `status`'s line about the missing worker when none runs this queue (see
+    `missing_worker_line`); True when said."""
+    missing = missing_worker_line(last_worker())
+    if missing:
+        err().print(Text(missing, style="yellow"), soft_wrap=True)
+    return missing is not None
+
+
 def follow_log(task_id: str, offset: int, raw: bool = False) -> str:
     """Print lines appended to a task's log from byte ``offset`` until the task is finished or
     waiting, or its worker is gone (rendered, or as stored with ``raw``); returns its status in
-    words (a status, or WORKER_GONE)."""
-    pending = b""
+    words (a status, or WORKER_GONE). While the task is pending and no worker runs the queue, says
+    so once on stderr (`say_if_no_worker`) and goes on following."""
+    pending, warned = b"", False
     while True:
         task = task_store.get_task(task_id)
+        if task["status"] == "pending" and not warned:   # said once: a pending task waits for a worker
+            warned = say_if_no_worker()
         status = WORKER_GONE if task_views.holder_gone(task) else task["status"]
         data, offset = read_new(task_id, offset)
         pending += data
@@ -1235,7 +1251,7 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
     kept = purged["kept_for_worktrees"]
     if kept:
         err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "
-                         "`tasks_cli.py clear --remove-worktrees` removes those worktrees and the tasks "
+                         f"`{CLI} clear --remove-worktrees` removes those worktrees and the tasks "
                          "(branches stay)", style="dim"), soft_wrap=True)
 
 
@@ -1283,7 +1299,7 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
         made = (f"it ran in place, outside git: no diff is kept; files it wrote: "
                 f"{', '.join(receipt.get('files_touched') or []) or 'none named'}" if in_place else
                 "it changed no files" if task["status"] == "done" else f"it is {task['status']}")
-        raise CliError(f"task {task_id} has no diff ({made}); `python tasks_cli.py show {task_id}` tells more")
+        raise CliError(f"task {task_id} has no diff ({made}); `{CLI} show {task_id}` tells more")
     if as_json:
         return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
     if task.get("repo"):   # stdout stays the exact diff; where the work is goes to stderr
@@ -1507,7 +1523,7 @@ def status(as_json: bool) -> None:
     """Show the queue's counts, the last worker heartbeat and every worker on every host."""
     summary = task_store.queue_summary()
     workers = task_views.workers_state()
-    worker = workers[0] if workers else task_views.worker_state()
+    worker = last_worker(workers)
     budget = task_store.budget_state()
     held, overdue = task_store.held_accounts(), task_store.overdue_tasks()
     if as_json:
@@ -1526,17 +1542,33 @@ def status(as_json: bool) -> None:
                          style="yellow"), soft_wrap=True)
     for late in overdue:
         err().print(Text(visible(f"{late['id']}: {late['warning']}"), style="yellow"), soft_wrap=True)
+    missing = missing_worker_line(worker)
+    if missing:
+        err().print(Text(missing, style="yellow"), soft_wrap=True)
+
+
+def last_worker(workers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The queue's newest worker, judged (task_views.WorkerState): the first of ``workers``
+    (``task_views.workers_state()``, read when not given), else the heartbeat file's."""
+    workers = task_views.workers_state() if workers is None else workers
+    return workers[0] if workers else task_views.worker_state()
+
+
+def missing_worker_line(worker: dict[str, Any]) -> str | None:
+    """What `status` (and `logs --follow` on a pending task) says when no worker runs the queue:
+    ``worker`` (a WorkerState, see `last_worker`) never checked in, went silent or died mid-run;
+    the line names how to start one. None while it runs."""
     if not worker["recent"] and worker["pid_running"] is None and worker["seen"]:
-        err().print(Text(f"The worker on {worker.get('host')} has not checked in for over "
-                         f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
-                         "running there?", style="yellow"), soft_wrap=True)
-    elif not worker["recent"]:
-        err().print(Text("The worker has not checked in recently: is its launchd agent / systemd timer "
-                         "running? (python worker.py runs one pass by hand)", style="yellow"))
-    elif worker["died"]:
-        err().print(Text(f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
-                         "mid-run. The next pass requeues its task (python worker.py runs one now).",
-                         style="yellow"))
+        return (f"The worker on {worker.get('host')} has not checked in for over "
+                f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
+                "running there?")
+    if not worker["recent"]:
+        return ("No worker is running this queue: the worker has not checked in recently (is its launchd agent / "
+                f"systemd timer running?); {WORKER} --watch starts one, {WORKER} runs one pass by hand")
+    if worker["died"]:
+        return (f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
+                f"mid-run. The next pass requeues its task ({WORKER} runs one now).")
+    return None
 
 
 def queue_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -1724,8 +1756,8 @@ def connect(port: int | None, public_url: str | None, write_claude_desktop: bool
 
 
 def main() -> None:
-    """Entry point: ``python tasks_cli.py``."""
-    cli(prog_name="tasks_cli.py")
+    """Entry point: ``.venv/bin/python tasks_cli.py``."""
+    cli(prog_name=CLI)   # click's usage lines and "Try ... -h" name the command that works too
 
 
 if __name__ == "__main__":

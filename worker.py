@@ -1,12 +1,12 @@
 """TaskBridge worker: claims tasks from the queue and runs each with the real `opencode run`.
 
-    python worker.py            one pass: lock, reap, run every claimable task, exit
-                                (what launchd / the systemd timer fires every 60 s)
-    python worker.py --watch    loop: picks new work up within a second, reaps every minute
-    --slots N                   run up to N tasks at once (each in its own worktree)
-    -q / -v                     say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
-    --db URL                    the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
-    --stop-at-once              the first signal hands the tasks in hand back at once (serve.py)
+    .venv/bin/python worker.py            one pass: lock, reap, run every claimable task, exit
+                                          (what launchd / the systemd timer fires every 60 s)
+    .venv/bin/python worker.py --watch    loop: picks new work up within a second, reaps every minute
+    --slots N                             run up to N tasks at once (each in its own worktree)
+    -q / -v                               say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
+    --db URL                              the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
+    --stop-at-once                        the first signal hands the tasks in hand back at once (serve.py)
 
 A pass holds a single-instance lock per queue; a second pass that finds it held exits 0 at once.
 Each task runs in its own git worktree on branch ``taskbridge/t_0001`` (outside the user's

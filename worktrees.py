@@ -1926,7 +1926,7 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
         commands = {"log": sh("git", "-C", repo, "log", "-p", f"{base + '..' if base else ''}{branch}"),
                     "switch": sh("git", "-C", repo, "switch", branch),
                     "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}", branch),
-                    "apply": sh("python", "tasks_cli.py", "apply", task["id"])}
+                    "apply": store.script_command("tasks_cli.py", "apply", task["id"])}
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": tip or None, "base_commit": base, "repo": repo,
             "checkout_branch":

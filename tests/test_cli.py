@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -62,7 +63,7 @@ def test_script_runs_as_python_tasks_cli(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--help"], capture_output=True,
                           text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "submit" in proc.stdout and "Usage: tasks_cli.py" in proc.stdout
+    assert "submit" in proc.stdout and f"Usage: {tasks_cli.CLI}" in proc.stdout
     version = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--version"],
                              capture_output=True, text=True, env=env, timeout=60)
     assert version.stdout.strip() == f"tasks_cli {tasks_cli.__version__}"
@@ -189,9 +190,37 @@ def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
     assert refused.exit_code == 1 and "has no diff" in refused.stderr
 
 
+def hinted_scripts(text: str) -> list[str]:
+    """Each command a hint names to start one of this checkout's scripts: what stands before
+    ``NAME.py`` (the interpreter, if any) and the script, e.g. ``python worker.py``."""
+    return re.findall(r"(?:[^\s`(]*python[^\s`]* )?[\w/]+\.py\b", text)
+
+
+def test_every_hint_names_a_command_that_runs_from_the_checkout(tmp_path):
+    # A fresh machine's `python` (when there is one) lacks the dependencies: a hint's command
+    # must run from the checkout with nothing but what ./install.sh made, no python on PATH.
+    import doctor
+    import task_views
+    submit(tmp_path, TITLE)
+    hand = submit(tmp_path, "by hand")
+    texts = {"show": run("show", "1").stdout, "status": run("status").stderr,
+             "claim": run("claim", hand["id"]).stdout, "judge_worker": task_views.judge_worker(None)["summary"],
+             "doctor": doctor.check_worker().fix, "not running": run("complete", "1", "--summary", "x").stderr}
+    empty = tmp_path / "no-python-on-path"
+    empty.mkdir()
+    for where, text in texts.items():
+        commands = hinted_scripts(text)
+        assert commands, (where, text)
+        for command in set(commands):
+            proc = subprocess.run(f"{command} --help", shell=True, executable="/bin/sh", cwd=ROOT,
+                                  capture_output=True, text=True, timeout=60,
+                                  env={"PATH": str(empty), "TASK_DB_PATH": str(tmp_path / "help.db")})
+            assert proc.returncode == 0, (where, command, proc.stderr)
+
+
 def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path):
     task = submit(tmp_path, TITLE, max_retries=0)
-    assert "or python tasks_cli.py cancel t_0001" in run("show", "1").stdout
+    assert f"or {tasks_cli.CLI} cancel t_0001" in run("show", "1").stdout
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     receipt = {"summary": "half done", "model": "fake/model", "branch": "taskbridge/t_0001", "attempt": 1,
                "max_retries": 0, "session_id": "ses_1", "non_json_lines": 0, "block_found": True,
@@ -200,7 +229,7 @@ def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path
     lines = run("show", "1").stdout.splitlines()
     assert lines[0].split() == ["t_0001", "Fix", "the", "README", "failed"]
     assert lines[1] == "Why it failed: tests stayed red"
-    assert lines[2].startswith("Next step: python tasks_cli.py retry t_0001")
+    assert lines[2].startswith(f"Next step: {tasks_cli.CLI} retry t_0001")
     shown = "\n".join(lines).split("Last events")[0]   # the event log keeps its own record
     for internal in ("non json lines", "block found", "exit code", "agent exited", "ended with run",
                      "max retries", "session id", "isolation"):
@@ -220,7 +249,7 @@ def test_show_names_the_command_for_a_waiting_task(tmp_path):
     waiting_task(tmp_path)
     lines = run("show", "1").stdout.splitlines()
     assert lines[1] == "Question: Which branch?"
-    assert lines[2] == 'Next step: python tasks_cli.py answer t_0001 "your answer"'
+    assert lines[2] == f'Next step: {tasks_cli.CLI} answer t_0001 "your answer"'
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,6 +459,41 @@ def test_a_running_task_whose_worker_died_is_named_by_show_and_ends_logs_follow(
     assert "t_0001 is running, but its worker is gone" in followed.stderr
 
 
+def finish_later(task_id: str, delay: float) -> threading.Thread:
+    """A thread that claims and completes ``task_id`` after ``delay`` seconds, as a worker would."""
+    def finish() -> None:
+        time.sleep(delay)
+        claimed = task_store.claim_next("worker@host", task_id=task_id)
+        task_store.complete_attempt(task_id, claimed["run_marker"], result={"summary": "ok"})
+    thread = threading.Thread(target=finish)
+    thread.start()
+    return thread
+
+
+def test_logs_follow_on_a_pending_task_says_once_that_no_worker_runs_the_queue(tmp_path, monkeypatch):
+    # It waited in silence for ever on a queue no worker serves (found by a new-user test).
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    task = submit(tmp_path, TITLE)
+    finisher = finish_later(task["id"], 0.5)             # ten polls and more before it ends
+    followed = run("logs", "1", "--follow")
+    finisher.join()
+    said = [line for line in followed.stderr.splitlines() if "No worker is running this queue" in line]
+    assert followed.exit_code == 0 and len(said) == 1, followed.stderr
+    assert any(command.endswith("worker.py") for command in hinted_scripts(said[0])), said[0]   # how to start one
+    assert said[0] in run("status").stderr                # the words status uses
+    assert "t_0001 is done; log ends" in followed.stderr
+
+
+def test_logs_follow_on_a_pending_task_says_nothing_of_a_worker_that_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    task = submit(tmp_path, TITLE)
+    task_store.write_worker_heartbeat({"state": "idle"})   # this process, alive
+    finisher = finish_later(task["id"], 0.3)
+    followed = run("logs", "1", "--follow")
+    finisher.join()
+    assert followed.exit_code == 0 and "No worker" not in followed.stderr and "checked in" not in followed.stderr
+
+
 def test_logs_follow_stops_cleanly_on_ctrl_c(tmp_path, monkeypatch):
     submit(tmp_path, TITLE)
     write_log(1, "waiting for a worker\n")
@@ -569,7 +633,7 @@ def test_bad_input_to_each_command(tmp_path, args, code, message):
 def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
     task_store.connect().close()   # an empty queue
     result = run("show", "42")
-    assert "`tasks_cli.py list` shows the ids that exist" in result.stderr
+    assert f"`{tasks_cli.CLI} list` shows the ids that exist" in result.stderr
     assert "list_tasks" not in result.stderr
 
 
@@ -847,7 +911,7 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     kept = run("clear", "--yes")
     assert kept.exit_code == 0 and "Removed 0 task(s)" in kept.stdout
     assert "Kept 1 task(s) whose worktrees are on disk: t_0001" in kept.stderr
-    assert "`tasks_cli.py clear --remove-worktrees` removes those worktrees and the tasks" in kept.stderr
+    assert f"`{tasks_cli.CLI} clear --remove-worktrees` removes those worktrees and the tasks" in kept.stderr
     assert os.path.isdir(ws.top) and task_store.counts()["done"] == 1
 
     task2 = submit(repo, "kept too", worktree_keep=True)
@@ -925,7 +989,7 @@ def test_a_write_the_database_refuses_by_a_constraint_is_said_in_the_stores_word
 def test_db_after_the_command_says_where_it_goes(tmp_path, argv):
     # click answered "No such option '--db'. Did you mean '--dir'?" (found by a new-user test).
     result = run(*argv)
-    assert result.exit_code == 2 and "--db goes before the command: tasks_cli.py --db FILE_OR_URL" in result.stderr
+    assert result.exit_code == 2 and f"--db goes before the command: {tasks_cli.CLI} --db FILE_OR_URL" in result.stderr
     assert "Did you mean" not in result.stderr
 
 

@@ -228,6 +228,30 @@ def test_allowed_hosts_any_port_any_case_reach_every_route(host, monkeypatch):
         assert "mcp-session-id" in init.headers and "taskbridge" in init.text
 
 
+MCP_ROUTES = [("POST", "/mcp"), ("GET", "/mcp"), ("GET", "/sse"), ("POST", "/messages/?session_id=0123")]
+
+
+def test_a_foreign_origin_is_refused_in_the_shape_of_every_other_error(monkeypatch):
+    # The SDK answered it with a plain-text "Invalid Origin header" (found by a new-user test).
+    with serving() as base, httpx2.Client(base_url=base, headers=AUTH | MCP_HEADERS, timeout=30) as http:
+        for method, path in MCP_ROUTES:
+            body = {"content": json.dumps(INIT)} if method == "POST" else {}
+            refused = http.request(method, path, headers={"Origin": "https://evil.example"}, **body)
+            assert refused.status_code == 403, (path, refused.text)
+            assert refused.headers["content-type"] == "application/json"
+            error = refused.json()["error"]
+            assert "'https://evil.example'" in error and "MCP_ALLOWED_HOSTS" in error, error
+        ours = http.post("/mcp", headers={"Origin": "http://127.0.0.1:8765"}, content=json.dumps(INIT))
+        assert ours.status_code == 200, ours.text
+        not_json = http.post("/mcp", headers={"Content-Type": "text/plain"}, content=json.dumps(INIT))
+        assert not_json.status_code == 400 and "application/json" in not_json.json()["error"], not_json.text
+    monkeypatch.setenv("MCP_ALLOWED_HOSTS", "evil.example")   # the way out the message names
+    with serving() as base:
+        init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS | {"Origin": "https://evil.example"},
+                           content=json.dumps(INIT), timeout=30)
+        assert init.status_code == 200, init.text
+
+
 MALFORMED = ["localhost:evil.com", "127.0.0.1:1@evil.com", "localhost:1@evil.com", "[::1]:1@evil.com",
              "127.0.0.1:8765:80", "localhost:", "localhost:99999", "localhost:-1", "user@localhost",
              "localhost/evil", "localhost evil", "[::1]evil", "::1"]

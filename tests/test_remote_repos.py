@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -92,6 +93,47 @@ def test_a_path_or_file_url_of_a_repository_is_accepted(remote, tmp_path):
     checkout = make_repo(tmp_path / "checkout")
     assert submit(repo=str(checkout))["repo"] == str(checkout.resolve())
 
+
+
+def no_repository_urls(tmp_path: Path) -> list[str]:
+    """file:// URLs of folders on this machine that are no git repository: a plain folder, /etc,
+    a missing path, the localhost form and a percent-escaped one."""
+    plain = tmp_path / "plain"
+    (plain / "sub").mkdir(parents=True)
+    return [f"file://{plain}", "file:///etc", f"file://{tmp_path}/missing.git", f"file://localhost{plain}",
+            f"file://{str(plain).replace('plain', 'pl%61in')}", f"file://{plain}/sub"]
+
+
+def test_a_file_url_that_is_no_repository_is_refused_at_submit(tmp_path):
+    # It was queued and failed only when a worker ran it (found by a new-user test).
+    for url in no_repository_urls(tmp_path):
+        with pytest.raises(task_store.ValidationError) as caught:
+            submit(repo=url)
+        said = str(caught.value)
+        assert repr(url) in said and "not a git repository here" in said and "\n" not in said, said
+    assert task_store.counts()["pending"] == 0
+    checkout = make_repo(tmp_path / "checkout")
+    assert submit(repo=f"file://{checkout}")["repo"] == f"file://{checkout}"   # a checkout, not bare
+
+
+def test_cli_and_mcp_refuse_a_file_url_that_is_no_repository(tmp_path):
+    import anyio
+    from mcp import Client
+    from mcp.types import Implementation
+
+    import opencode_bridge_mcp as bridge
+    url = no_repository_urls(tmp_path)[0]
+    made = run_script("tasks_cli.py", "submit", "x", "--repo", url)
+    assert made.returncode != 0 and "not a git repository here" in made.stderr and "Traceback" not in made.stderr
+
+    async def tools() -> list[str]:
+        async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
+            one = await c.call_tool("submit_task", {"title": "t", "instructions": "i", "repo": url})
+            batch = await c.call_tool("submit_batch", {"tasks": [{"title": "t", "instructions": "i", "repo": url}]})
+            return [r.content[0].text for r in (one, batch) if r.is_error]
+    refusals = anyio.run(tools)
+    assert len(refusals) == 2 and all("not a git repository here" in text for text in refusals), refusals
+    assert task_store.counts()["pending"] == 0
 
 # ------------------------------------------------------------------------------------------
 # Hosts: where a task may be claimed.
@@ -326,7 +368,10 @@ def test_an_unknown_base_ref_fails_before_the_agent_without_a_retry(remote):
 
 
 def test_a_missing_repository_fails_without_a_retry(tmp_path):
-    task = submit(repo=f"file://{tmp_path}/gone.git", model="fake/model", max_retries=3)
+    gone = tmp_path / "gone.git"
+    git(tmp_path, "init", "-q", "--bare", str(gone))
+    task = submit(repo=f"file://{gone}", model="fake/model", max_retries=3)
+    shutil.rmtree(gone)                                   # there at submit, gone by the run
     failed = _pass_fails_before_the_agent(task)
     assert failed["status"] == "failed" and failed["attempts"] == 1
     assert "there is no repository there" in failed["error"] and "gone.git" in failed["error"]
