@@ -699,10 +699,20 @@ def _api_request(call: Call) -> Answer:
     started = time.monotonic()
     try:
         with client.messages.stream(**kwargs) as stream:
-            message = stream.get_final_message()
+            try:
+                message = stream.get_final_message()
+            except (anthropic.APITimeoutError, httpx2.TimeoutException) as exc:
+                # The answer had begun: a read timeout now is a stall (SDK 2.x wraps it as
+                # APITimeoutError, 0.x let httpx's own through), not a server that never answered.
+                raise _stalled(request.timeout_sec) from exc
     finally:
         client.close()
     return _api_answer(message, int((time.monotonic() - started) * 1000))
+
+
+def _stalled(timeout_sec: int) -> BridgeError:
+    return BridgeError("stalled", f"the answer stream stalled: no data for {min(stall_sec(), timeout_sec)} s "
+                                  "(CLAUDE_STALL_SEC); try again")
 
 
 def _api_answer(message: Any, duration_ms: int) -> Answer:
@@ -737,8 +747,7 @@ def api_error(exc: BaseException, timeout_sec: int) -> BridgeError:
     if isinstance(exc, anthropic.APITimeoutError):
         return BridgeError("timeout", f"no response from the Anthropic API within {timeout_sec} s")
     if isinstance(exc, httpx2.TimeoutException):  # raised from inside the stream, not wrapped by the SDK
-        return BridgeError("stalled", f"the answer stream stalled: no data for {min(stall_sec(), timeout_sec)} s "
-                                      "(CLAUDE_STALL_SEC); try again")
+        return _stalled(timeout_sec)
     if isinstance(exc, anthropic.APIStatusError):
         return _status_error(exc)
     if isinstance(exc, (anthropic.APIConnectionError, httpx2.TransportError)):
