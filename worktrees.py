@@ -92,8 +92,8 @@ _DROPPED_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", 
                 "GIT_CEILING_DIRECTORIES", "GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_CONFIG_PARAMETERS",
                 "GIT_CONFIG_COUNT", "GIT_PAGER", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "SSH_ASKPASS",
                 "LANGUAGE", "LANG")
-# Options that keep a diff in the one shape `git apply` takes whatever the configuration says.
 COMMIT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")   # a SHA-1 or SHA-256 object name
+# Options that keep a diff in the one shape `git apply` takes whatever the configuration says.
 DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/")
 FALLBACK_IDENTITY = {"user.name": "TaskBridge", "user.email": "taskbridge@localhost"}
 
