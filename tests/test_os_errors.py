@@ -12,8 +12,11 @@ from helpers import ROOT, make_repo, submit
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
 # Measured here (Python 3, opencode 1.18.33): with 10-15 open files allowed the first git command
-# of the workspace phase cannot start; with 20-22 git runs and OpenCode's own realpath meets EMFILE.
-GIT_CANNOT_START, OPENCODE_RUNS_OUT = 12, 21
+# of the workspace phase cannot start (16: it starts); with 20-22 git runs and OpenCode's own
+# realpath meets EMFILE. 14, not the middle: the worker's threads open a few files of their own at
+# moments that vary with the load (at 12, one CI run in a loaded machine's had no file left for the
+# heartbeat after the task failed, and the worker exited 1).
+GIT_CANNOT_START, OPENCODE_RUNS_OUT = 14, 21
 
 
 # Twenty folders of 240 bytes each, one inside the other: a file ~4,900 bytes deep, past PATH_MAX
