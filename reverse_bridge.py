@@ -28,14 +28,11 @@ import atexit
 import contextlib
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -199,6 +196,8 @@ def start_server(start_sec: float = START_SEC) -> BridgeServer:
     the choice and the bind), with the worker's environment minus any run tag, and wait up to
     ``start_sec`` seconds for its ``/health``. Raises BridgeUnavailable naming the server's own
     last stderr line (or the wait) when it does not answer."""
+    import secrets  # here and in _wait_healthy: a worker that never starts the bridge loads no ssl
+
     token = secrets.token_urlsafe(32)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     errors = store.state_path("reverse-bridge.log")
@@ -230,6 +229,9 @@ def start_server(start_sec: float = START_SEC) -> BridgeServer:
 
 
 def _wait_healthy(server: BridgeServer, start_sec: float, errors: Path, seen: int) -> None:
+    import urllib.error
+    import urllib.request
+
     deadline = time.monotonic() + start_sec
     direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never through an http_proxy
     while time.monotonic() < deadline:
