@@ -1811,19 +1811,31 @@ def _plain(spec: dict[str, Any]) -> bool:
             and not any(spec[k] for k in ("rules", "skills", "subagents")))
 
 
-# A plain submission on PostgreSQL: the INSERT and its event in one autocommit statement.
-_SUBMIT_PG = store_pg.with_event(_INSERT_TASK, "submitted", "CAST(:event_message AS TEXT)")
+# A plain submission on PostgreSQL: the INSERT, its event and the NOTIFY in one autocommit
+# statement, made only when no default limit could apply (:unlimited: the submission set neither
+# limit; then the queue must have none set). As INSERT … SELECT its NULL numbers need a type.
+_SUBMIT_PG = store_pg.with_event(
+    _INSERT_TASK.replace("VALUES (", "SELECT ")
+    .replace(":max_cost_usd, :max_tokens", "CAST(:max_cost_usd AS DOUBLE PRECISION), CAST(:max_tokens AS BIGINT)")
+    .replace(":host)\nRETURNING", ":host WHERE NOT (CAST(:unlimited AS BOOLEAN) AND EXISTS (SELECT 1 FROM settings"
+                                   " WHERE key IN (:default_usd, :default_tokens) AND value <> ''))\nRETURNING"),
+    "submitted", "CAST(:event_message AS TEXT)")
 
 
 def _submit_alone(spec: dict[str, Any]) -> dict[str, Any]:
-    """``submit_task`` of a ``_plain`` spec on PostgreSQL without a transaction: the default
-    limits read when it set none, then one statement (a single row: nothing to keep atomic)."""
+    """``submit_task`` of a ``_plain`` spec on PostgreSQL without a transaction, in one statement
+    (a single row: nothing to keep atomic). When the queue has default limits and the spec set
+    none, that statement writes nothing; the defaults are read and it runs again with them."""
     origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
+    unlimited = spec["max_cost_usd"] is None and spec["max_tokens"] is None
     with _single_write() as conn:
-        defaults = _limit_defaults(conn) if spec["max_cost_usd"] is None and spec["max_tokens"] is None else {}
-        values, _ = _insert_values(conn, spec, {}, defaults)
-        row = conn.execute(_SUBMIT_PG, values | {"event_ts": now(),
-                                                 "event_message": f"{spec['title']}{origin}"}).fetchone()
+        values, _ = _insert_values(conn, spec, {}, {})
+        values |= {"event_ts": now(), "event_message": f"{spec['title']}{origin}", "unlimited": unlimited,
+                   "default_usd": BUDGET_KEYS["default_max_cost_usd"],
+                   "default_tokens": BUDGET_KEYS["default_max_tokens"]}
+        row = conn.execute(_SUBMIT_PG, values).fetchone()
+        if row is None:   # the queue has defaults: written with them
+            row = conn.execute(_SUBMIT_PG, values | _limit_defaults(conn) | {"unlimited": False}).fetchone()
     return task_dict(_task_columns(row), []) | {"duplicate": False}
 
 

@@ -488,13 +488,21 @@ def test_the_hot_calls_are_one_statement_each_and_still_evented_and_fenced(pg, t
         size, ship_trips = trips(lambda: store.append_task_log(task["id"], b"step\n", at=0))
         done, done_trips = trips(lambda: store.complete_attempt(task["id"], claimed["run_marker"],
                                                                 usage={"cost_usd": 0.5, "steps": 1}))
-    # Before: 4, 6, 1, 6 and 4 (BEGIN, reads, the write, COMMIT each); submit reads the default limits.
-    assert (submit_trips, claim_trips, renew_trips, ship_trips, done_trips) == (2, 1, 1, 1, 2)
+    # Before: 4, 6, 1, 6 and 4 (BEGIN, reads, the write, COMMIT each); then 2 for submit (it read the
+    # default limits first).
+    assert (submit_trips, claim_trips, renew_trips, ship_trips, done_trips) == (1, 1, 1, 1, 2)
     assert size == 5 and store.read_task_log(task["id"]) == b"step\n"
     assert done["status"] == "done" and done["spent_usd"] == 0.5 and "notified" not in done
     assert [e["kind"] for e in store.events_since(0)] == ["submitted", "claimed", "done"]
     with pytest.raises(store.StaleAttempt, match="task is now done"):   # the one statement is fenced
         store.complete_attempt(task["id"], claimed["run_marker"])
+    # A queue with default limits: the one statement writes nothing, and the task is written with them.
+    store.set_budget(default_max_tokens=5000)
+    limited, trips_taken = trips(lambda: store.submit_task(title="d", instructions="i", working_dir=str(tmp_path)))
+    own = store.submit_task(title="o", instructions="i", working_dir=str(tmp_path), max_cost_usd=2)
+    assert (limited["max_cost_usd"], limited["max_tokens"], trips_taken) == (None, 5000, 3)
+    assert (own["max_cost_usd"], own["max_tokens"]) == (2.0, None)   # its own limit replaces the defaults
+    assert [e["kind"] for e in store.events_since(0)].count("submitted") == 3
 
 
 def test_a_claim_still_stops_at_a_spent_daily_budget_and_waits_for_dependencies(pg, tmp_path):
