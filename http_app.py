@@ -570,9 +570,24 @@ def build_app(server: MCPServer) -> Any:
     provider = oauth_provider(tokens)
     auth_routes = oauth.routes(provider, client_address) if provider else []
     return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
+                            exception_handlers={404: no_route, 405: no_route},
                             middleware=[Middleware(HostGuard, hosts=hosts),
                                         Middleware(BearerGuard, tokens=tokens, provider=provider),
                                         Middleware(TransportGuard, allowed_origins=security.allowed_origins)]))
+
+
+async def no_route(request: Any, exc: Any) -> Any:
+    """Starlette's 404 and 405 as the JSON ``{"error": ...}`` every other refusal is (Starlette
+    answered them in plain text), naming the path or method and where the routes are listed."""
+    from starlette.responses import JSONResponse
+
+    path = loggable(request.url.path, 120)
+    if exc.status_code == 405:
+        said = f"{loggable(request.method, 10)} is not a method of {path}; docs/http.md lists each route's methods"
+    else:
+        said = (f"no route {path}: the board is /, its API /api/..., MCP /mcp and /sse, and /health "
+                "(docs/http.md lists every route)")
+    return JSONResponse({"error": said}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> tuple[Any, Any]:

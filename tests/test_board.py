@@ -118,6 +118,18 @@ def test_actions_go_through_the_store_and_are_refused_with_its_message(client, t
     assert client.post(f"/api/tasks/{task['id']}/explode", headers=AUTH, json={}).status_code == 404
 
 
+def test_an_unknown_route_or_method_is_refused_in_json_naming_it(client):
+    """Starlette answered both in plain text ("Not Found"), unlike every other refusal."""
+    for path, headers in (("/api/nowhere", AUTH), ("/nowhere", {})):
+        missing = client.get(path, headers=headers)
+        assert missing.status_code == 404 and missing.headers["content-type"] == "application/json"
+        assert missing.json()["error"].startswith(f"no route {path}: the board is /")
+    wrong = client.delete("/health")
+    assert wrong.status_code == 405 and "GET" in wrong.headers["allow"]
+    assert wrong.json()["error"] == "DELETE is not a method of /health; docs/http.md lists each route's methods"
+    assert client.get("/api/nowhere").status_code == 401   # the token is asked first, as on every /api route
+
+
 def _store_refusal(fn, *args) -> str:
     with pytest.raises(task_store.TaskStoreError) as caught:
         fn(*args)
