@@ -378,6 +378,7 @@ def _set_up(conn: sqlite3.Connection, path: Path, migrations: Sequence[Callable[
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")
+    _refuse_foreign(conn, path)   # before anything below writes to the file
     mode = journal_mode(path)
     if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
         conn.execute(f"PRAGMA journal_mode = {mode}")
@@ -385,6 +386,20 @@ def _set_up(conn: sqlite3.Connection, path: Path, migrations: Sequence[Callable[
     conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
     conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
     migrate(conn, migrations)
+
+
+def _refuse_foreign(conn: sqlite3.Connection, path: Path) -> None:
+    """Raise DatabaseUnusable when ``path`` is another program's SQLite database (tables, none of
+    them the queue's ``tasks``): it would be migrated into a queue, its journal mode and
+    ``user_version`` changed, which can break the program it belongs to. A new, empty file passes."""
+    tables = [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+    if not tables or "tasks" in tables:
+        return
+    shown = ", ".join(tables[:5]) + (f" and {len(tables) - 5} more" if len(tables) > 5 else "")
+    way_out = ("point TASK_DB_PATH at the queue's file, or at a new path (a new queue is made there); "
+               "it was left as it was")
+    raise DatabaseUnusable(f"the task database {path} cannot be used (a SQLite database of another program: its "
+                           f"tables are {shown}, not a queue's): {way_out}", "not a TaskBridge queue", way_out)
 
 
 def _connect_read_only(path: Path, version: int) -> sqlite3.Connection:

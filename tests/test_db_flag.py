@@ -67,6 +67,23 @@ def test_a_device_or_pipe_is_refused_as_no_queue_file(tmp_path, script):
         assert "path of a queue file" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script", ["worker.py", "tasks_cli.py", "serve.py"])
+def test_another_programs_sqlite_database_is_refused_and_left_as_it_was(tmp_path, script):
+    """`--db` naming another program's SQLite file (a browser's places.sqlite, say) made it a queue:
+    twelve tables added, its journal switched to WAL and its user_version overwritten, even by
+    `status` (found by a new-user test)."""
+    import sqlite3
+    other = tmp_path / "places.sqlite"
+    conn = sqlite3.connect(other)
+    conn.executescript("CREATE TABLE moz_places (id INTEGER PRIMARY KEY, url TEXT); PRAGMA user_version = 74;")
+    conn.close()
+    before = other.read_bytes()
+    result = run_with_db(script, str(other))
+    assert result.returncode != 0 and "a SQLite database of another program: its tables are moz_places" in \
+        result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert other.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["places.sqlite"]
+
+
 def test_a_file_that_is_no_sqlite_at_all_is_not_to_be_moved_aside(tmp_path):
     """A --db naming some other file (/etc/passwd, say) was told to `mv` it aside for a new queue,
     a command that would break the system it belongs to; only a file that may be a damaged queue
