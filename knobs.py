@@ -185,4 +185,11 @@ def select_database(flag: str | None) -> None:
         value = os.path.abspath(os.path.expanduser(value))
         if flag is not None:
             os.environ["TASK_DB_PATH"] = value
+            GIVEN_DB_FILE[0] = value
     os.environ["TASK_DB_URL"] = value
+
+
+# The queue file this process was given by --db (None: none given, or a URL, whose password a hint
+# must not repeat): every command line TaskBridge suggests names it again (task_store.script_command),
+# or a pasted hint would act on the default queue.
+GIVEN_DB_FILE: list[str | None] = [None]

@@ -1068,8 +1068,15 @@ def script_command(script: str, *args: Any) -> str:
     ``script_command("tasks_cli.py", "show", "t_0001")`` -> ``.venv/bin/python tasks_cli.py show
     t_0001`` (arguments quoted as `shell_command` does; pass a placeholder such as ``"..."`` as one
     argument). ``script`` is a path relative to the checkout (``worker.py``,
-    ``launchd/schedule.py``). Every hint that names a TaskBridge script is built here."""
-    return shell_command(CHECKOUT_PYTHON, script, *args)
+    ``launchd/schedule.py``). A queue file this process was given by ``--db`` is named again for
+    the scripts that take it (``knobs.GIVEN_DB_FILE``). Every hint that names a TaskBridge script
+    is built here."""
+    given = knobs.GIVEN_DB_FILE[0]
+    db = ("--db", given) if given and script in DB_SCRIPTS else ()
+    return shell_command(CHECKOUT_PYTHON, script, *db, *args)
+
+
+DB_SCRIPTS = ("tasks_cli.py", "worker.py", "serve.py")   # whose --db comes right after the script
 
 
 def shown_repo(value: Any, limit: int = 120) -> str:

@@ -77,18 +77,33 @@ class CliUsageError(CliError):
 
 
 # The store's messages name the MCP tools as the way out; a person at the shell needs the commands.
-# Every hint names the command as the README runs it (task_store.script_command).
+# Every hint names the command as the README runs it (task_store.script_command); cli_command()
+# and worker_command() also name a --db given (parsed after import, so asked at each hint).
 CLI = task_store.script_command("tasks_cli.py")
-WORKER = task_store.script_command("worker.py")
-CLI_WORDS = {"list_tasks": f"`{CLI} list`", "add_task_note": f"`{CLI} note`",
-             "answer_task": f"`{CLI} answer`", "cancel_task": f"`{CLI} cancel`",
-             "retry_task": f"`{CLI} retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH"}
+
+
+def cli_command() -> str:
+    """This CLI's command line for a hint, with the ``--db`` it was given."""
+    return task_store.script_command("tasks_cli.py")
+
+
+def worker_command() -> str:
+    """worker.py's command line for a hint, with the ``--db`` this CLI was given."""
+    return task_store.script_command("worker.py")
+
+
+def cli_words() -> dict[str, str]:
+    """The MCP tool names in the store's messages -> the CLI commands a person runs instead."""
+    cli_ = cli_command()
+    return {"list_tasks": f"`{cli_} list`", "add_task_note": f"`{cli_} note`", "answer_task": f"`{cli_} answer`",
+            "cancel_task": f"`{cli_} cancel`", "retry_task": f"`{cli_} retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH"}
 
 
 def in_cli_words(message: str) -> str:
     """A store message with MCP tool names replaced by the matching CLI commands (and the
     environment's TASK_DB_PATH by the CLI's --db beside it)."""
-    return re.sub(r"\b({})\b".format("|".join(CLI_WORDS)), lambda m: CLI_WORDS[m.group(1)], message)
+    words = cli_words()
+    return re.sub(r"\b({})\b".format("|".join(words)), lambda m: words[m.group(1)], message)
 
 
 # The commands that may make a new queue (they write to it). Every other command reads or changes
@@ -100,7 +115,7 @@ NO_QUEUE_NEEDED = {"doctor", "connect", "models"}
 
 def queue_missing_error() -> CliError:
     path = task_store.db_path()
-    return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `{CLI} submit` "
+    return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `{cli_command()} submit` "
                     "makes a new queue there, as do the worker and serve.py")
 
 
@@ -113,7 +128,7 @@ class QueueCommand(click.Command):
         except click.NoSuchOption as exc:   # click's hint for it was "Did you mean '--dir'?"
             if exc.option_name.split("=", 1)[0] != "--db":
                 raise
-            raise click.UsageError(f"--db goes before the command: {CLI} --db FILE_OR_URL "
+            raise click.UsageError(f"--db goes before the command: {cli_command()} --db FILE_OR_URL "
                                    f"{ctx.info_name} ...", ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
@@ -127,7 +142,7 @@ class QueueCommand(click.Command):
         done = super().invoke(ctx)
         if missing and name in MAKES_QUEUE and task_store.db_path().exists():
             err().print(Text(f"made a new queue at {task_store.db_path()}: a worker runs its tasks only when started "
-                             f"with the same --db / TASK_DB_PATH (a typo? `{CLI} status` there says whether "
+                             f"with the same --db / TASK_DB_PATH (a typo? `{cli_command()} status` there says whether "
                              "a worker serves it)", style="yellow"), soft_wrap=True)
         return done
 
@@ -307,7 +322,7 @@ def model_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -
     """``provider/model`` or None (not given). An empty one is refused: the store reads a blank as
     not given (MCP clients send "" for that), which would silently mean the default model here."""
     if value is not None and not value.strip():
-        raise click.BadParameter(f"it is empty; give provider/model (`{CLI} models` lists them) or leave "
+        raise click.BadParameter(f"it is empty; give provider/model (`{cli_command()} models` lists them) or leave "
                                  "--model out for the default")
     try:
         return task_store.validate_model(value)
@@ -586,12 +601,12 @@ def receipt_warnings(task_id: str, result: dict[str, Any]) -> list[str]:
 
 def next_step(task: dict[str, Any]) -> str:
     """The command a person most likely runs next for a task in its status."""
-    tid, cli_ = task["id"], CLI
+    tid, cli_ = task["id"], cli_command()
     if task["status"] == "waiting":
         return f"{cli_} answer {tid} \"your answer\""
     if task["status"] == "running" and task_views.holder_gone(task):
         return (f"its worker (pid {task['lease_pid']}) is gone: the next worker pass hands the task back to the "
-                f"queue ({WORKER} runs one now), or {cli_} cancel {tid}")
+                f"queue ({worker_command()} runs one now), or {cli_} cancel {tid}")
     if task["status"] == "running":
         return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
     if task["status"] == "pending":
@@ -690,9 +705,9 @@ def print_marker_help(task: dict[str, Any]) -> None:
     console.print(Text(claimed, style="green"))
     console.print(Text(f"run marker: {task['run_marker']}", style="bold"))
     console.print(Text(
-        f"Finish with: {CLI} complete {task['id']} --summary \"...\"  "
-        f"or: {CLI} fail {task['id']} --reason \"...\"\n"
-        f"Renew the lease with `{CLI} heartbeat {task['id']}` while you work: a lease idle "
+        f"Finish with: {cli_command()} complete {task['id']} --summary \"...\"  "
+        f"or: {cli_command()} fail {task['id']} --reason \"...\"\n"
+        f"Renew the lease with `{cli_command()} heartbeat {task['id']}` while you work: a lease idle "
         "past the worker's stale limit (15 min by default) is requeued.", style="dim"))
 
 
@@ -718,7 +733,7 @@ def hand_lease(task_id: str, marker: str | None, action: str) -> tuple[dict[str,
                     "(shown by `show`)") if action != "renew" else ""
         raise CliError(
             f"task {task_id} is being run by {owner or 'a worker'}, not claimed by hand; refusing to "
-            f"{action} a worker's attempt. Cancel it ({CLI} cancel {task_id}){override}"
+            f"{action} a worker's attempt. Cancel it ({cli_command()} cancel {task_id}){override}"
         )
     return task, task["run_marker"]
 
@@ -736,13 +751,13 @@ def refuse_unless_running(task: dict[str, Any], action: str, marker_given: bool)
     what = NOTHING_TO[action]
     if status in FINISHED:
         raise CliError(f"task {ident} is {status}: it has finished, so {what}; "
-                       f"`{CLI} show {ident}` tells what happened")
+                       f"`{cli_command()} show {ident}` tells what happened")
     if status == "waiting":
         raise CliError(f"task {ident} is waiting for an answer to its question, so {what}; answer it "
-                       f"({CLI} answer {ident} \"...\") and it resumes")
+                       f"({cli_command()} answer {ident} \"...\") and it resumes")
     if status == "pending" and not marker_given:
         raise CliError(f"task {ident} is pending, not running; claim it first "
-                       f"({CLI} claim {ident})")
+                       f"({cli_command()} claim {ident})")
 
 
 def read_text_source(instructions: str | None, file: Any) -> str | None:
@@ -1251,7 +1266,7 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
     kept = purged["kept_for_worktrees"]
     if kept:
         err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "
-                         f"`{CLI} clear --remove-worktrees` removes those worktrees and the tasks "
+                         f"`{cli_command()} clear --remove-worktrees` removes those worktrees and the tasks "
                          "(branches stay)", style="dim"), soft_wrap=True)
 
 
@@ -1299,7 +1314,7 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
         made = (f"it ran in place, outside git: no diff is kept; files it wrote: "
                 f"{', '.join(receipt.get('files_touched') or []) or 'none named'}" if in_place else
                 "it changed no files" if task["status"] == "done" else f"it is {task['status']}")
-        raise CliError(f"task {task_id} has no diff ({made}); `{CLI} show {task_id}` tells more")
+        raise CliError(f"task {task_id} has no diff ({made}); `{cli_command()} show {task_id}` tells more")
     if as_json:
         return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
     if task.get("repo"):   # stdout stays the exact diff; where the work is goes to stderr
@@ -1563,11 +1578,12 @@ def missing_worker_line(worker: dict[str, Any]) -> str | None:
                 f"{task_views.WORKER_ELSEWHERE_SILENT_SEC} s (it said: {worker.get('state')}): is it still "
                 "running there?")
     if not worker["recent"]:
+        run = worker_command()
         return ("No worker is running this queue: the worker has not checked in recently (is its launchd agent / "
-                f"systemd timer running?); {WORKER} --watch starts one, {WORKER} runs one pass by hand")
+                f"systemd timer running?); {run} --watch starts one, {run} runs one pass by hand")
     if worker["died"]:
         return (f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
-                f"mid-run. The next pass requeues its task ({WORKER} runs one now).")
+                f"mid-run. The next pass requeues its task ({worker_command()} runs one now).")
     return None
 
 

@@ -37,6 +37,8 @@ def isolated_queue(tmp_path, monkeypatch, request):
     monkeypatch.delenv(
         "TASK_DB_URL", raising=False
     )  # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
+    import knobs  # after sys.path names the checkout (above)
+    monkeypatch.setattr(knobs, "GIVEN_DB_FILE", [None])   # and the --db that hints repeat
     if os.environ.get("TASKBRIDGE_TEST_DB", "").strip().lower() == "postgresql":
         monkeypatch.setenv("TASK_DB_URL", request.getfixturevalue("pg_url"))
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))

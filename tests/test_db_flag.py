@@ -67,6 +67,29 @@ def test_a_device_or_pipe_is_refused_as_no_queue_file(tmp_path, script):
         assert "path of a queue file" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_hints_name_the_queue_given_by_db_again(tmp_path):
+    """After `tasks_cli.py --db Q …`, the commands a hint names (status, cancel, worker.py) said
+    nothing of Q: pasted from the checkout, they acted on the default queue and ran its tasks
+    (found by a new-user test). A URL is not repeated (its password)."""
+    queue = tmp_path / "my queue" / "tasks.db"
+    folder = tmp_path / "work"
+    folder.mkdir()
+    submitted = run_with_db_command(str(queue), "submit", "T", "--dir", str(folder), "-y")
+    shown = run_with_db_command(str(queue), "show", "1").stdout
+    status = run_with_db_command(str(queue), "status").stderr
+    named = f"--db '{queue}'"
+    assert f"tasks_cli.py {named} status" in submitted.stderr, submitted.stderr
+    assert f"tasks_cli.py {named} cancel t_0001" in shown and f"worker.py {named} --watch" in status, status
+    url = f"postgresql://me:{SECRET}@127.0.0.1:1/q"
+    said = run_with_db_command(url, "status")
+    assert SECRET not in said.stdout + said.stderr
+
+
+def run_with_db_command(value: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "--db", value, *argv], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
 @pytest.mark.parametrize("script", ["worker.py", "tasks_cli.py", "serve.py"])
 def test_another_programs_sqlite_database_is_refused_and_left_as_it_was(tmp_path, script):
     """`--db` naming another program's SQLite file (a browser's places.sqlite, say) made it a queue:

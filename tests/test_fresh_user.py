@@ -21,7 +21,7 @@ def test_a_mistyped_db_is_not_made_into_a_queue(tmp_path, command):
     result = run_script("tasks_cli.py", "--db", str(typo), *command, timeout=60)
     assert result.returncode == 1, result.stdout
     assert f"no queue at {typo}: check --db / TASK_DB_PATH" in result.stderr
-    assert "tasks_cli.py submit` makes a new queue" in result.stderr
+    assert f"tasks_cli.py --db {typo} submit` makes a new queue" in result.stderr   # the same queue named
     assert not (tmp_path / "no").exists(), "nothing was created"
 
 
