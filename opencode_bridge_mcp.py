@@ -660,12 +660,23 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     models` does not list (the closest are named), both continue_from and fork_from, a second
     follow-up of one task (fork instead), following a task that ran with worktree=false or is
     failed/cancelled, a malformed rule, a skill or sub-agent OpenCode does not offer there, a
-    bare or commit-less repository.
+    bare or commit-less repository, a folder a worktree would not have (not in the last commit).
     """
     fields = _task_fields(ctx, {k: v for k, v in locals().items() if k != "ctx"})   # locals(): the parameters
     _check_names(fields)
-    in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host)} if working_dir else {}
+    in_place = _place_checked(fields)   # before anything is queued
     return cast(SubmittedTask, _submitted(store.submit_task(**fields), in_place))
+
+
+def _place_checked(item: dict[str, Any]) -> dict[str, bool | None]:
+    """`worktrees.refuse_unrunnable_folder` for a submission's folder: ``{working_dir: whether it
+    runs in place}`` ({} without a folder, or when git could not tell). Raises ValidationError."""
+    folder = item.get("working_dir")
+    if not isinstance(folder, str):
+        return {}
+    answer = worktrees.refuse_unrunnable_folder(folder, item.get("host"),
+                                                store.coerce_bool("worktree", item.get("worktree", True)))
+    return {} if answer is None else {folder: answer}
 
 
 def _task_fields(ctx: Context, given: dict[str, Any]) -> dict[str, Any]:
@@ -735,13 +746,8 @@ def submit_batch(
     items = [_batch_item(item, name, version) for item in raw]
     in_place: dict[str, bool | None] = {}
     for index, item in enumerate(items):
-        folder = item.get("working_dir") if isinstance(item, dict) else None
-        if not isinstance(folder, str):
-            continue
         try:
-            answer = worktrees.refuse_unrunnable_folder(folder, item.get("host"))
-            if answer is not None:
-                in_place[folder] = answer
+            in_place |= _place_checked(item) if isinstance(item, dict) else {}
         except store.ValidationError as exc:
             raise store.ValidationError(f"task {index} of the batch: {exc}") from None
     done = store.submit_batch(items)

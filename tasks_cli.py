@@ -1011,7 +1011,8 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
         working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
     checked_names(skills, subagents, working_dir, continue_from or fork_from)
-    in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host)} if working_dir else {}
+    in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host, not no_worktree)} \
+        if working_dir else {}
     task = task_store.submit_task(
         title=title, instructions=text if text is not None and text.strip() else title,
         working_dir=working_dir, model=model, priority=priority, depends_on=list(depends_on),

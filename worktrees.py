@@ -316,17 +316,30 @@ def _repo_top(path: str) -> str | None:
 
 def _repo_head(path: str) -> tuple[str | None, str | None]:
     """(the root of the repository holding ``path``, its HEAD commit or None before the first
-    commit), from one git run; (None, None) only when git says ``path`` is in no repository. Any
-    other refusal (a repository owned by another user, a bare repository, a broken .git) raises
+    commit); see `_repo_state`."""
+    top, head, _ = _repo_state(path)
+    return top, head
+
+
+def _repo_state(path: str) -> tuple[str | None, str | None, bool]:
+    """(the root of the repository holding ``path``, its HEAD commit or None before the first
+    commit, whether ``path`` is in that commit: a worktree made from it has the folder), from one
+    git run; (None, None, False) only when git says ``path`` is in no repository. Any other
+    refusal (a repository owned by another user, a bare repository, a broken .git) raises
     Unrunnable with git's reason and the way out: the task must never fall back to running in
     place in a checkout git merely would not read."""
     try:
-        # --revs-only drops a HEAD that names no commit yet instead of failing on it.
-        out = git(["rev-parse", "--show-toplevel", "--revs-only", "HEAD"], path)
-        top, _, head = out.rpartition("\n")
-        if not (top and COMMIT_ID.fullmatch(head)):   # no commit yet: the root alone (it may hold a newline)
-            top, head = out, ""
-        return os.path.realpath(top), head or None
+        # --revs-only drops a HEAD (or a HEAD:./, the folder's tree) that names nothing instead of
+        # failing on it; the root comes first and may itself hold a newline.
+        out = git(["rev-parse", "--show-toplevel", "--revs-only", "HEAD", "HEAD:./"], path).split("\n")
+        here = os.path.realpath(path)
+        for revs in (2, 1, 0):
+            top = "\n".join(out[:len(out) - revs])
+            ids = out[len(out) - revs:]
+            if top and (here + os.sep).startswith(os.path.realpath(top).rstrip(os.sep) + os.sep) and \
+                    all(COMMIT_ID.fullmatch(i) for i in ids):
+                return os.path.realpath(top), (ids[0] if ids else None), revs == 2
+        raise GitError(f"git rev-parse in {path} answered {out!r}, which names no repository root")
     except GitStopped:
         raise
     except GitError as exc:
@@ -336,7 +349,7 @@ def _repo_head(path: str) -> tuple[str | None, str | None]:
     if "not a git repository" in reason:
         unread = _dot_git_above(path)
         if unread is None:
-            return None, None
+            return None, None, False
         raise Unrunnable(f"{path} is inside {os.path.dirname(unread)}, whose {unread} git does not read "
                          f"as a repository (git: {_one_line(reason)}); repair that repository ("
                          f"{store.shell_command('git', '-C', os.path.dirname(unread), 'status')} says what is "
@@ -390,24 +403,30 @@ def _first_commit_needed(top: str, head: str | None) -> str:
     return head
 
 
-def refuse_unrunnable_folder(path: str | None, host: str | None = None) -> bool | None:
+def refuse_unrunnable_folder(path: str | None, host: str | None = None, worktree: bool = True) -> bool | None:
     """Refuse at submit a folder a task could never run in here: a bare repository (or a .git
-    folder), a repository with no commits, one git refuses to read. Raises store.ValidationError
-    with the worker's own reason; a folder outside git and a missing one (the store names it)
-    pass, and so do a git that cannot start (the worker names that) and a task for another
-    ``host`` (its folder is on that machine). Returns whether a task there runs in place (see
-    `runs_in_place`, answered by the same git run), None when that was not asked (no folder
-    here, or git could not tell)."""
+    folder), a repository with no commits, one git refuses to read, and for a ``worktree`` task a
+    folder its worktree would not have (untracked or ignored: not in the HEAD commit). Raises
+    store.ValidationError with the worker's own reason; a folder outside git and a missing one
+    (the store names it) pass, and so do a git that cannot start (the worker names that) and a
+    task for another ``host`` (its folder is on that machine). Returns whether a task there runs
+    in place (see `runs_in_place`, answered by the same git run), None when that was not asked
+    (no folder here, or git could not tell)."""
     if not path or not os.path.isdir(path) or (host and host != store.host_name()):
         return None
     try:
-        top, head = _repo_head(path)
+        top, head, tracked = _repo_state(path)
         if top is not None:
             _first_commit_needed(top, head)
     except Unrunnable as exc:
         raise store.ValidationError(str(exc)) from None
     except GitError:
         return None
+    if top is not None and worktree and not tracked:
+        raise store.ValidationError(
+            f"{path} is not in the last commit of {top} (an untracked or ignored folder), so the task's worktree, "
+            "made from that commit, would not have it: commit it (git add, git commit) and resubmit, or submit "
+            "with worktree=false (--no-worktree) to run in the folder itself")
     return top is None
 
 

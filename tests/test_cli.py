@@ -142,8 +142,7 @@ def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
     assert "in place" in said.stderr and "git init" in said.stderr
     as_json = json.loads(run("submit", "Loose", "--dir", str(loose), "--json").stdout)
     assert any("in place" in w for w in as_json["warnings"])
-    repo = make_repo(tmp_path / "repo")
-    (repo / "sub").mkdir()
+    repo = make_repo(tmp_path / "repo", {"sub/f.txt": "x\n"})
     in_repo = run("submit", "Kept apart", "--dir", str(repo / "sub"))
     assert in_repo.exit_code == 0 and "Warning" not in in_repo.stderr
     unasked = run("submit", "Asked for in place", "--dir", str(loose), "--no-worktree")

@@ -975,6 +975,32 @@ async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
     assert task_store.counts().get("pending", 0) == 0
 
 
+async def test_a_folder_its_worktree_would_not_have_is_refused_at_submit(tmp_path):
+    """A subfolder git does not track (untracked or ignored) was queued and failed at its run with
+    a bare ENOENT inside the worktree, and `show` suggested a retry (found by a new-user test).
+    In place (worktree=false) it is the folder itself and runs."""
+    repo = tmp_path / "repo"
+    (repo / "tracked").mkdir(parents=True)
+    (repo / "tracked" / "f.txt").write_text("x\n")
+    (repo / "new").mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "tracked"], check=True)
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "i"],
+                   check=True)
+    new = str(repo / "new")
+    async with client() as c:
+        said = await tool_error(c, "submit_task", task_args(new))
+        assert said.startswith(f"{new} is not in the last commit of {repo}") and "worktree=false" in said
+        batch = await tool_error(c, "submit_batch", {"tasks": [task_args(str(repo / "tracked")), task_args(new)]})
+        assert batch.startswith("task 1 of the batch: ") and "not in the last commit" in batch
+        assert task_store.counts().get("pending", 0) == 0
+        in_place = await call_tool(c, "submit_task", task_args(new, worktree=False))
+        tracked = await call_tool(c, "submit_task", task_args(str(repo / "tracked")))
+        assert in_place["status"] == tracked["status"] == "pending"
+    cli = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", new])
+    assert cli.exit_code != 0 and "not in the last commit" in cli.output and "--no-worktree" in cli.output
+
+
 async def test_a_submit_asks_git_about_its_folder_once(tmp_path, monkeypatch):
     """A submit ran `git rev-parse` three times on one folder (the root, then HEAD to refuse a
     repository with no commits, then the root again for the in-place warning): ~3 ms each, most of
