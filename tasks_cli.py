@@ -128,7 +128,7 @@ class QueueCommand(click.Command):
         except click.NoSuchOption as exc:   # click's hint for it was "Did you mean '--dir'?"
             if exc.option_name.split("=", 1)[0] != "--db":
                 raise
-            raise click.UsageError(f"--db goes before the command: {cli_command()} --db FILE_OR_URL "
+            raise click.UsageError(f"--db goes before the command: {CLI} --db FILE_OR_URL "
                                    f"{ctx.info_name} ...", ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:

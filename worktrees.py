@@ -310,15 +310,8 @@ class Workspace:
 
 def _repo_top(path: str) -> str | None:
     """The root of the repository holding ``path``, or None only when git says it is not inside
-    one. Raises Unrunnable as `_repo_head` does."""
-    return _repo_head(path)[0]
-
-
-def _repo_head(path: str) -> tuple[str | None, str | None]:
-    """(the root of the repository holding ``path``, its HEAD commit or None before the first
-    commit); see `_repo_state`."""
-    top, head, _ = _repo_state(path)
-    return top, head
+    one. Raises Unrunnable as `_repo_state` does."""
+    return _repo_state(path)[0]
 
 
 def _repo_state(path: str) -> tuple[str | None, str | None, bool]:
@@ -334,11 +327,11 @@ def _repo_state(path: str) -> tuple[str | None, str | None, bool]:
         out = git(["rev-parse", "--show-toplevel", "--revs-only", "HEAD", "HEAD:./"], path).split("\n")
         here = os.path.realpath(path)
         for revs in (2, 1, 0):
-            top = "\n".join(out[:len(out) - revs])
+            top = os.path.realpath("\n".join(out[:len(out) - revs])) if len(out) > revs else ""
             ids = out[len(out) - revs:]
-            if top and (here + os.sep).startswith(os.path.realpath(top).rstrip(os.sep) + os.sep) and \
+            if top and (here + os.sep).startswith(top.rstrip(os.sep) + os.sep) and \
                     all(COMMIT_ID.fullmatch(i) for i in ids):
-                return os.path.realpath(top), (ids[0] if ids else None), revs == 2
+                return top, (ids[0] if ids else None), revs == 2
         raise GitError(f"git rev-parse in {path} answered {out!r}, which names no repository root")
     except GitStopped:
         raise
@@ -395,7 +388,7 @@ def _repo_top_or_none(path: str) -> str | None:
 
 
 def _first_commit_needed(top: str, head: str | None) -> str:
-    """``head``, the HEAD commit `_repo_head` found in the repository ``top``. Raises Unrunnable
+    """``head``, the HEAD commit `_repo_state` found in the repository ``top``. Raises Unrunnable
     when it has no commit yet."""
     if not head:
         raise Unrunnable(f"{top} is a git repository with no commits; make a first commit "
@@ -456,7 +449,7 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     wd = task["working_dir"]
     if not os.path.isdir(wd):
         raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
-    top, head = _repo_head(wd)
+    top, head, _ = _repo_state(wd)
     if top is None:
         return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
     head = _first_commit_needed(top, head)

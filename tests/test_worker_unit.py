@@ -415,21 +415,21 @@ def test_a_limit_question_or_pause_without_its_limit_is_refused_by_name():
 
 
 def test_a_folder_is_read_as_root_and_head_by_one_git_run_whatever_its_name(tmp_path):
-    """`_repo_head` reads a repository's root and HEAD from one `git rev-parse`: a root whose name
+    """`_repo_state` reads a repository's root and HEAD from one `git rev-parse`: a root whose name
     holds a newline or looks like a commit id is still the root, a repository without commits has
     no HEAD (refused at submit as before), a folder outside git runs in place."""
     odd = make_repo(tmp_path / "line\none" / ("a" * 40))
     head = git(odd, "rev-parse", "HEAD").strip()
-    assert worktrees._repo_head(str(odd)) == (os.path.realpath(odd), head)
+    assert worktrees._repo_state(str(odd))[:2] == (os.path.realpath(odd), head)
     assert worktrees.refuse_unrunnable_folder(str(odd)) is False
     empty = tmp_path / "b" / ("b" * 40)
     empty.mkdir(parents=True)
     git(empty, "init", "-q")
-    assert worktrees._repo_head(str(empty)) == (os.path.realpath(empty), None)
+    assert worktrees._repo_state(str(empty))[:2] == (os.path.realpath(empty), None)
     with pytest.raises(task_store.ValidationError, match="no commits"):
         worktrees.refuse_unrunnable_folder(str(empty))
     outside = tmp_path / "plain"
     outside.mkdir()
-    assert worktrees._repo_head(str(outside)) == (None, None)
+    assert worktrees._repo_state(str(outside))[:2] == (None, None)
     assert worktrees.refuse_unrunnable_folder(str(outside)) is True
     assert worktrees.refuse_unrunnable_folder(str(outside), host="another-machine") is None
