@@ -38,7 +38,11 @@ def isolated_queue(tmp_path, monkeypatch, request):
         "TASK_DB_URL", raising=False
     )  # PostgreSQL only where a test asks (pg_url); also undoes --db in-process
     import knobs  # after sys.path names the checkout (above)
+    import opencode_runner
     monkeypatch.setattr(knobs, "GIVEN_DB_FILE", [None])   # and the --db that hints repeat
+    # OpenCode's answers (models, the default model) are kept in memory per process: an earlier
+    # test's must not answer for this one's set-up (queue_status's default_model, a submit's warning).
+    monkeypatch.setattr(opencode_runner, "_memory_cache", {})
     if os.environ.get("TASKBRIDGE_TEST_DB", "").strip().lower() == "postgresql":
         monkeypatch.setenv("TASK_DB_URL", request.getfixturevalue("pg_url"))
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
