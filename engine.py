@@ -13,11 +13,11 @@ its whole process tree (process_tree.py, plus a sweep by the engine's environmen
 Not yet used by worker.py: the next step wires it in (see the design note in the branch's report).
 
 Env read at call time: ``OPENCODE_BIN`` (through ``opencode_runner.opencode_bin``). Imports the
-standard library, psutil, process_tree and opencode_runner; no SQL; not run on its own.
+standard library, psutil, process_tree, opencode_runner and engine_client (the one copy of the event
+mapping, shared with the drop-in client the worker is to launch); no SQL; not run on its own.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import http.client
 import json
@@ -35,11 +35,11 @@ from typing import Any
 
 import psutil
 
+import engine_client
 import opencode_runner
 import process_tree
 
 ENGINE_ENV = "TASKBRIDGE_ENGINE"   # the tag every process of one engine inherits (the stop's sweep)
-USER = "opencode"                  # OpenCode's default basic-auth user (OPENCODE_SERVER_USERNAME)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 Box = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
@@ -75,10 +75,10 @@ def free_port() -> int:
 def split_model(model: str) -> dict[str, str]:
     """``"provider/model"`` as OpenCode's prompt body wants it: ``{"providerID", "modelID"}``.
     Raises EngineError when there is no ``/``."""
-    provider, slash, name = model.partition("/")
-    if not slash or not provider or not name:
-        raise EngineError(f"model {model!r} is not provider/model; give it as e.g. anthropic/claude-sonnet-4")
-    return {"providerID": provider, "modelID": name}
+    try:
+        return engine_client.split_model(model)
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None
 
 
 def port_in_use(port: int) -> bool:
@@ -221,8 +221,7 @@ class Engine:
 
     def auth_header(self, password: str | None = None) -> str:
         """The ``Authorization`` value for ``password`` (default: the engine's own)."""
-        token = base64.b64encode(f"{USER}:{password or self.password}".encode()).decode()
-        return "Basic " + token
+        return engine_client.basic_auth(password or self.password)
 
     def request(self, method: str, path: str, body: Any = None, *, directory: str | None = None,
                 timeout: float | None = None, password: str | None = None) -> Any:
@@ -386,18 +385,16 @@ class SessionEvents:
                                  "replace the engine") from None
             if not line:
                 raise EngineGone("opencode serve closed its event stream (did it die?); replace the engine")
-            if line.startswith(b"data:"):
-                with contextlib.suppress(ValueError):
-                    event = json.loads(line[5:])
-                    if isinstance(event, dict):
-                        yield event
+            event = engine_client.sse_event(line)
+            if event:
+                yield event
 
     def follow(self, session_id: str) -> Iterator[dict[str, Any]]:
         """The session's events in the cold run's shapes (see the class), until it goes idle.
         Raises EngineGone as ``raw``."""
         for event in self.raw():
             props = event.get("properties") or {}
-            if not isinstance(props, dict) or _session_of(props) != session_id:
+            if not isinstance(props, dict) or engine_client.session_of(props) != session_id:
                 continue
             if event.get("type") == "session.idle":
                 return
@@ -406,40 +403,10 @@ class SessionEvents:
                 yield mapped
 
     def mapped(self, kind: Any, props: dict[str, Any]) -> dict[str, Any] | None:
-        """One server event as a cold run's event (or None when it has no counterpart); a part is
-        emitted once, when it is finished."""
-        session = _session_of(props)
-        now = int(time.time() * 1000)
-        if kind == "session.error":
-            return {"type": "error", "timestamp": now, "sessionID": session, "error": props.get("error")}
+        """One server event as a cold run's event (``engine_client.cold_event``; None when it has no
+        counterpart; a part is emitted once, when it is finished), or a permission or question ask as
+        ``{"type": "permission_asked" | "question_asked", "timestamp", "sessionID", "request"}``."""
         if kind in ("permission.asked", "question.asked"):
-            return {"type": kind.replace(".", "_"), "timestamp": now, "sessionID": session, "request": props}
-        part = props.get("part")
-        if kind != "message.part.updated" or not isinstance(part, dict):
-            return None
-        cold = _cold_type(part)
-        key = (str(part.get("id")), str(cold))
-        if not cold or key in self._seen:
-            return None
-        self._seen.add(key)
-        return {"type": cold, "timestamp": now, "sessionID": session, "part": part}
-
-
-def _session_of(props: dict[str, Any]) -> str | None:
-    part = props.get("part")
-    found = props.get("sessionID") or (part.get("sessionID") if isinstance(part, dict) else None)
-    return str(found) if found else None
-
-
-def _cold_type(part: dict[str, Any]) -> str | None:
-    """The ``--format json`` type of a finished part (None while it is still streaming)."""
-    kind = part.get("type")
-    if kind == "step-start":
-        return "step_start"
-    if kind == "step-finish":
-        return "step_finish"
-    if kind == "text" and (part.get("time") or {}).get("end"):
-        return "text"
-    if kind == "tool" and (part.get("state") or {}).get("status") in ("completed", "error"):
-        return "tool_use"
-    return None
+            return {"type": kind.replace(".", "_"), "timestamp": int(time.time() * 1000),
+                    "sessionID": engine_client.session_of(props), "request": props}
+        return engine_client.cold_event(kind, props, self._seen)
