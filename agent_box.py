@@ -403,6 +403,29 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     return plan
 
 
+def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_dir: Path) -> Plan:
+    """The box of a kept server (engine_slots.py), made before its task's worktree exists: as
+    ``plan_for`` a worktree at ``folder`` (an empty folder the worktree is made in later, writable
+    unless ``readonly``) of the checkout ``repo``, with the repository's common dir shown read-only
+    and, since the worktree's own admin folder is not known yet, the bash tool's git given an index
+    of its own (``GIT_INDEX_FILE`` in ``run_dir/git/``, a copy the worker makes of the worktree's)
+    and its objects quarantined as in a cold run (see ``git_binds``)."""
+    ws = worktrees.Workspace("worktree", folder, top=folder, repo=repo)
+    plan = plan_for(ws, env, permission, run_dir)
+    common, _admin = git_dirs(repo)
+    if common is None:
+        return plan
+    plan.visible.append(common)
+    plan.exposed.append(common)
+    if permission != "readonly":
+        (run_dir / "git").mkdir(mode=0o700, exist_ok=True)
+        plan.writable += [str(run_dir / "git"), str(run_dir / "objects")]
+        plan.shell_env = {"GIT_INDEX_FILE": str(run_dir / "git" / "index"),
+                          "GIT_OBJECT_DIRECTORY": str(run_dir / "objects"),
+                          "GIT_ALTERNATE_OBJECT_DIRECTORIES": f"{common}/objects"}
+    return plan
+
+
 # ---------------------------------------------------------------------------------------------
 # Wrapping a command.
 

@@ -151,10 +151,16 @@ class Engine:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, port: int | None = None) -> Engine:
-        """Start the server on ``port`` (default: a free one) and wait for its health answer.
+        """Start the server on ``port`` (default: a free one) and wait for its health answer
+        (``launch`` then ``wait_ready``). Raises EngineStartFailed as those do."""
+        self.launch(port)
+        return self.wait_ready()
 
-        Raises EngineStartFailed (one line: binary missing, port in use, config error, no answer
-        within ``start_timeout`` seconds); the half-started process tree is ended first."""
+    def launch(self, port: int | None = None) -> Engine:
+        """Start the server process on ``port`` (default: a free one) without waiting for it.
+        Call it from a thread that outlives the server: a box made with bubblewrap's
+        ``--die-with-parent`` dies with the thread that started it (Linux's parent-death signal
+        follows the thread). Raises EngineStartFailed (the binary missing)."""
         try:
             binary = opencode_runner.opencode_bin()
         except opencode_runner.OpencodeNotFound as exc:
@@ -176,6 +182,12 @@ class Engine:
             # does not reach the server before the worker decides.
             self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
                                          stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self) -> Engine:
+        """Wait for the launched server's health answer, then load its folder's config. Raises
+        EngineStartFailed (one line: port in use, config error, no answer within ``start_timeout``
+        seconds); the half-started process tree is ended first."""
         self._wait_healthy()
         self._check_config()
         return self

@@ -28,6 +28,7 @@ DAY_SEC = 86_400.0
 REGISTRY: dict[str, tuple[type, float, float, float]] = {
     "PORT": (int, 8765, 1, 65535),
     "WORKER_SLOTS": (int, 1, 1, 16),
+    "WORKER_ENGINE": (int, 0, 0, 1),
     "WORKER_STALE_SEC": (float, 900, 0, 30 * DAY_SEC),
     "WORKER_INACTIVITY_SEC": (float, 600, 0.1, 30 * DAY_SEC),
     "WORKER_KILL_GRACE_SEC": (float, 5, 0, 3600),

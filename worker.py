@@ -4,6 +4,7 @@
                                           (what launchd / the systemd timer fires every 60 s)
     .venv/bin/python worker.py --watch    loop: picks new work up within a second, reaps every minute
     --slots N                             run up to N tasks at once (each in its own worktree)
+    --engine warm                         a kept `opencode serve` per slot, started ahead (default: cold)
     -q / -v                               say less (failures, errors, Ctrl-C) / more (attempts, every tool call)
     --db URL                              the queue: a postgresql:// URL or a SQLite file (sets TASK_DB_URL)
     --stop-at-once                        the first signal hands the tasks in hand back at once (serve.py)
@@ -22,7 +23,8 @@ worker log beside the database (``tasks.worker.log``).
 
 Env (read at call time): TASK_DB_URL, TASK_DB_PATH, TASK_LOG_DIR, WORKER_MODEL, OPENCODE_BIN, WORKER_NOTIFY,
 TASKBRIDGE_WORKTREE_ROOT, WORKER_STALE_SEC, WORKER_INACTIVITY_SEC, WORKER_KILL_GRACE_SEC,
-WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC, WORKER_SLOTS.
+WORKER_EXIT_GRACE_SEC, WORKER_POLL_SEC, WORKER_LEASE_SEC, WORKER_SLOTS, WORKER_ENGINE (1: a kept
+``opencode serve`` per slot, see engine_slots.py; ``--engine warm``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import contextlib
 import json
 import os
 import platform
+import secrets
 import selectors
 import shutil
 import signal
@@ -49,6 +52,8 @@ from typing import IO, Any, TypeVar
 import psutil
 
 import agent_box
+import engine_client
+import engine_slots
 import knobs
 import opencode_runner as oc
 import os_faults
@@ -92,6 +97,7 @@ class Knobs:
     limit_margin_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_MARGIN_SEC"))
     limit_backoff_sec: float = field(default_factory=lambda: knobs.knob("WORKER_LIMIT_BACKOFF_SEC"))
     limit_rounds: int = field(default_factory=lambda: int(knobs.knob("WORKER_LIMIT_ROUNDS")))   # an int knob
+    engine: bool = field(default_factory=lambda: knobs.knob("WORKER_ENGINE") == 1)   # kept servers per slot
 
 
 class Flags:
@@ -358,6 +364,7 @@ class RunResult:
     ended: list[dict[str, Any]] = field(default_factory=list)   # still running at the run's end: {pid, command, ports}
     mcp_down: list[dict[str, Any]] = field(default_factory=list)   # MCP servers OpenCode gave up on (mcp_note)
     meter: Any = None                  # its Meter, whose last booking a full disk may have put off
+    engine_gone: str | None = None     # a kept server's run: the server died or stopped answering (its line)
 
     def doubt(self, line: str) -> None:
         """Note a plugin reply set aside, and why (the first DOUBTS_MAX: the agent can forge replies in a loop)."""
@@ -596,8 +603,10 @@ def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
 def fresh_run_folder(task_id: str, suffix: str = ".run") -> Path:
     """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (0700): ``control/`` (the files the
     worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers), ``tmp/``
-    (the run's private /tmp) and ``objects/`` (its git objects). Removed when the attempt ends."""
-    run = store.log_path(task_id).with_suffix(suffix)
+    (the run's private /tmp) and ``objects/`` (its git objects). Removed when the attempt ends.
+    ``task_id`` may also be a kept server's name (``engine-slot_0-…``: its run folder)."""
+    name = task_id if task_id.startswith("engine-") else store.log_path(task_id).stem
+    run = store.log_dir() / f"{name}{suffix}"
     shutil.rmtree(run, ignore_errors=True)
     for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(mode=0o700, parents=True)
@@ -942,6 +951,7 @@ class Launch:
     boxed_argv: list[str] | None = None  # ``argv`` as the box runs it (None: argv itself)
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
+    served_by: Callable[[], list[psutil.Process]] | None = None   # a kept server's agent processes
 
     def adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -1461,6 +1471,8 @@ def _end_leftovers(task: dict[str, Any], launch: Launch, pid: int, grace_sec: fl
     detached, the commands of a run we stopped), then end the whole tree and anything tagged with
     the run, SIGKILL after ``grace_sec`` seconds. Returns what was named: [{pid, command, ports}]."""
     ended = process_tree.described(process_tree.run_leftovers(pid, launch.carries_run))
+    if launch.served_by is not None:   # a kept server's: the agent's commands are the server's children
+        ended += process_tree.described(launch.served_by())
     process_tree.kill_tree(pid, grace_sec, run_stragglers(task["run_marker"], launch.env[oc.QUEUE_ENV]))
     for item in ended:
         ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
@@ -1633,13 +1645,21 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
         current().talk.runs(task, model)
-        ws, final = _workspace(task, phases, resume)
-        if ws is None:
-            return final
-        setup, final = _run_setup(task, ws, phases, model)
-        if setup is None:
-            return final
-        run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
+        kept = _take_engine(task, resume)
+        try:
+            ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
+            if ws is None:
+                return final
+            setup, final = _run_setup(task, ws, phases, model)
+            if setup is None:
+                return final
+            setup.engine = kept
+            run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
+            _engine_learns(task, ws, model, setup)
+        finally:
+            if kept is not None:   # not used (the task ended before its run, or ran cold): recycled
+                kept.recycle(knobs.kill_grace_sec)
+            _engine_next()
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)
 
@@ -1653,6 +1673,7 @@ class RunSetup:
     box: agent_box.Support               # the box the run goes in
     env: dict[str, str]                  # the run's environment
     checkout_before: dict                # the user's checkout before the run (worktrees.checkout_state)
+    engine: engine_slots.Kept | None = None   # the slot's kept server, when the task may run on it
 
 
 def _earlier_work(task: dict[str, Any], phases: Phases) -> tuple[bool, dict[str, Any] | None]:
@@ -1681,12 +1702,14 @@ def _earlier_work(task: dict[str, Any], phases: Phases) -> tuple[bool, dict[str,
     return True, _push_kept_work(task, kept)
 
 
-def _workspace(task: dict[str, Any], phases: Phases, resume: bool) -> tuple[Workspace | None, dict | None]:
+def _workspace(task: dict[str, Any], phases: Phases, resume: bool,
+               folder: Path | None = None) -> tuple[Workspace | None, dict | None]:
     """(the attempt's workspace, None), its place recorded on the lease; or (None, the task's final
-    dict) when it could not be had."""
+    dict) when it could not be had. ``folder``: where a new worktree goes instead of the worktree
+    root (a kept server's folder)."""
     marker = task["run_marker"]
     try:
-        ws = worktrees.prepare_workspace(task, resume)
+        ws = worktrees.prepare_workspace(task, resume, folder)
         db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
            branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
     except worktrees.GitStopped as exc:
@@ -1855,30 +1878,191 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
              session_id: str | None, deadline: float | None = None) -> RunResult:
-    env, box = setup.env, setup.box
+    if setup.engine is not None:
+        run = _engine_attempt(task, ws, knobs, model, setup, prompt, session_id, deadline)
+        if run is not None:
+            return run
+    box = setup.box
     argv = oc.run_command(model, task["run_marker"], session_id=session_id, agent=task.get("agent"))
     log(f"{task['id']} attempt {task['attempts']}: opencode run in {ws.cwd} ({ws.mode}; box: {box.label})",
         talk.VERBOSE)
     run_dir = fresh_run_folder(task["id"])
     try:
-        control = run_dir / "control"
-        gate = str(control / "gate") if spend_limited(task) else None
-        if gate:
-            env = oc.with_spend_gate(env, gate)
-        notes_file = str(control / "notes")
-        env = oc.with_notes_courier(env, notes_file)
-        env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
-        retry_file = str(control / "retry")
-        env = oc.with_retry_watch(env, retry_file)
-        rules_file = write_rules_file(task, control)
-        if rules_file:
-            env = oc.with_permission_rules(env, rules_file)
-        boxed, env = _boxed(task, ws, box, run_dir, argv, env)
-        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=rules_file, retry_file=retry_file)
-        return Supervisor(task, launch, knobs, box, meter=Meter(task, gate), courier=Courier(task, notes_file),
-                          deadline_at=deadline).run()
+        files = _run_files(task, setup.env, model, run_dir / "control")
+        boxed, env = _boxed(task, ws, box, run_dir, argv, files.env)
+        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=files.rules, retry_file=files.retry)
+        return Supervisor(task, launch, knobs, box, meter=Meter(task, files.gate),
+                          courier=Courier(task, files.notes), deadline_at=deadline).run()
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclass
+class RunFiles:
+    """A run's environment with TaskBridge's plugins loaded, and the control files they read
+    (in the run folder's ``control/``): the spend gate's (None without a spending limit), the
+    notes', the retry watch's, the permission rules' (None without rules)."""
+    env: dict[str, str]
+    gate: str | None
+    notes: str
+    retry: str
+    rules: str | None
+
+
+def _run_files(task: dict, env: dict[str, str], model: str, control: Path) -> RunFiles:
+    """``env`` (the run's, from _box_and_env) with the plugins and the reverse bridge a run of
+    ``task`` on ``model`` gets, their files in ``control`` (the rules file written). Raises
+    oc.ConfigProblem."""
+    gate = str(control / "gate") if spend_limited(task) else None
+    if gate:
+        env = oc.with_spend_gate(env, gate)
+    notes = str(control / "notes")
+    env = oc.with_notes_courier(env, notes)
+    env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
+    retry = str(control / "retry")
+    env = oc.with_retry_watch(env, retry)
+    rules = write_rules_file(task, control)
+    if rules:
+        env = oc.with_permission_rules(env, rules)
+    return RunFiles(env, gate, notes, retry, rules)
+
+
+# --------------------------------------------------------------------------------------------
+# The warm engine (WORKER_ENGINE=1): a kept `opencode serve` per slot (engine_slots.py), driven by
+# engine_client.py, which the Supervisor runs in place of `opencode run`.
+
+ENGINE_CLIENT = Path(__file__).resolve().parent / "engine_client.py"
+ENGINE_WAIT_SEC = 60.0   # how long a claimed task waits for its slot's server to finish starting
+
+
+def _slot() -> str:
+    """The slot this thread is (the pool's thread name, ``slot_0``...)."""
+    return threading.current_thread().name
+
+
+def _engine_eligible(task: dict[str, Any], resume: bool) -> bool:
+    """Whether ``task`` may run on a kept server: its first worktree of a local repository, not a
+    resumed, continued or forked session (those run cold: their worktree or session is elsewhere)."""
+    return bool(task["worktree"] and not task.get("repo") and not resume and not task.get("worktree_path")
+                and not task.get("session_id") and not task.get("continue_from") and not task.get("fork_from"))
+
+
+def _take_engine(task: dict[str, Any], resume: bool) -> engine_slots.Kept | None:
+    """The slot's kept server for ``task`` when the engine is on and the task is eligible."""
+    slots = current().engines
+    if slots is None or not _engine_eligible(task, resume):
+        return None
+    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC)
+    if kept is None:
+        log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'}); runs cold",
+            talk.VERBOSE if why is None else talk.NORMAL)
+    return kept
+
+
+def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSetup) -> None:
+    """The slot's next server is made for a task like this one (its repository, model, preset)."""
+    slots = current().engines
+    if slots is not None and ws.mode == "worktree" and ws.repo and _engine_eligible(
+            {**task, "worktree_path": None, "session_id": None}, False):
+        slots.last[_slot()] = Prediction(task, ws.repo, model, dict(setup.config_files))
+
+
+def _engine_next() -> None:
+    """Start the slot's next server in the background (the engine on, a task to predict from)."""
+    slots = current().engines
+    if slots is not None:
+        problem = slots.prepare(_slot())
+        if problem:
+            log(problem, talk.VERBOSE)
+
+
+@dataclass
+class Prediction:
+    """What a slot's next server is made for: a task like ``task`` in the checkout ``repo``."""
+    task: dict[str, Any]
+    repo: str
+    model: str
+    config_files: dict[str, Any]
+
+
+def predict_from_queue() -> Prediction | None:
+    """The queue's first task by the board's order (running, waiting, pending, then finished),
+    as the prediction a pass's first servers are made for; None when it is not eligible."""
+    page = store.list_tasks(limit=1)["tasks"]
+    if not page:
+        return None
+    task = store.get_task(page[0]["id"])
+    if not _engine_eligible({**task, "worktree_path": None, "session_id": None}, False):
+        return None
+    repo, _, _ = worktrees._repo_state(task["working_dir"]) if os.path.isdir(task["working_dir"]) else (None, 0, 0)
+    if not repo:
+        return None
+    return Prediction(task, repo, task_model(task), oc.project_config_files(repo, repo))
+
+
+def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | None:
+    """A slot's next server (not started), made for ``prediction``: its folder under the worktree
+    root, its run folder beside the task logs, its environment and box computed as a run of the
+    predicted task would get them (_box_and_env, _run_files, _boxed) with the slot's marker.
+    Raises what those raise (oc.ConfigProblem, agent_box.BoxUnavailable, OSError)."""
+    if prediction is None:
+        return None
+    token = secrets.token_hex(4)
+    folder = worktrees.worktree_root() / "engine" / f"{slot}-{token}"
+    folder.mkdir(mode=0o700, parents=True)
+    run_dir = fresh_run_folder(f"engine-{slot}-{token}")
+    marker = engine_slots.new_marker(slot)
+    like = {**prediction.task, "run_marker": marker}
+    ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo)
+    box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
+    files = _run_files(like, env, prediction.model, run_dir / "control")
+    plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
+
+    def boxed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        return _boxed(like, ws, box, run_dir, argv, env, plan)
+
+    return engine_slots.Kept(folder, run_dir, marker, prediction.repo, files.env, boxed)
+
+
+def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
+                    session_id: str | None, deadline: float | None) -> RunResult | None:
+    """The attempt on the slot's kept server (engine_client.py in place of `opencode run`, under
+    the same Supervisor), which is then recycled, what the agent left running named in the
+    result; None when the task does not fit the server (it runs cold; the server is recycled)."""
+    kept, setup.engine = setup.engine, None
+    assert kept is not None
+    files = _run_files(task, setup.env, model, kept.run_dir / "control")
+    admin = agent_box.git_dirs(ws.top)[1] if ws.top else None
+    if (session_id or ws.mode != "worktree" or ws.repo != kept.repo or admin is None
+            or Path(ws.root()).parent != kept.folder or not kept.fits(files.env)):
+        log(f"{task['id']}: its run differs from what {_slot()}'s kept server was made for; runs cold", talk.VERBOSE)
+        kept.recycle(knobs.kill_grace_sec)
+        return None
+    if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)
+        shutil.copyfile(Path(admin) / "index", kept.run_dir / "git" / "index")
+    eng = kept.engine
+    argv = [agent_box.stdlib_python(), str(ENGINE_CLIENT), "--port", str(eng.port), "--directory", ws.cwd,
+            "--title", task["run_marker"], "--model", model, "--server-log", str(eng.log_path)]
+    if task.get("agent"):
+        argv += ["--agent", task["agent"]]
+    env = {name: os.environ[name] for name in ("PATH", "LANG", "LC_ALL") if name in os.environ}
+    env.update({"OPENCODE_SERVER_PASSWORD": eng.password, oc.MARKER_ENV: task["run_marker"],
+                oc.QUEUE_ENV: store.queue_tag()})
+    log(f"{task['id']} attempt {task['attempts']}: kept OpenCode server of {_slot()} in {ws.cwd} "
+        f"(box: {setup.box.label})", talk.VERBOSE)
+    launch = Launch(argv, env, ws.cwd, prompt, rules_file=files.rules, retry_file=files.retry,
+                    served_by=kept.agent_processes)
+    try:
+        run = Supervisor(task, launch, knobs, setup.box, meter=Meter(task, files.gate),
+                         courier=Courier(task, files.notes), deadline_at=deadline).run()
+    finally:
+        left = kept.recycle(knobs.kill_grace_sec)
+    known = {item["pid"] for item in run.ended}
+    run.ended += [item for item in left if item["pid"] not in known]
+    if run.returncode == engine_client.ENGINE_GONE and not run.killed and not run.stream.finished:
+        said = [line for line in run.stderr_tail if "the OpenCode engine" in line]
+        run.engine_gone = said[-1].strip() if said else "the kept OpenCode server ended mid-run"
+    return run
 
 
 def _guard_only_box_writable(task: dict, ws: Workspace, env: dict[str, str]) -> None:
@@ -1893,7 +2077,7 @@ def _guard_only_box_writable(task: dict, ws: Workspace, env: dict[str, str]) -> 
 def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_box.Support) -> dict[str, str]:
     """``oc.run_env`` for the attempt, its ``opencode debug config`` (a restricted task's) run in
     the task's box: the worktree's OpenCode plugins load there, and the agent wrote them."""
-    probe = fresh_run_folder(task["id"], ".probe")
+    probe = fresh_run_folder(task["id"], f".probe-{secrets.token_hex(3)}")   # a kept server's may run beside
     try:
         return oc.run_env(base, ws.cwd, task["run_marker"], store.queue_tag(), task["permission"],
                           task.get("agent"), box=lambda argv, env: _boxed(task, ws, box, probe, argv, env))
@@ -1902,15 +2086,16 @@ def _boxed_run_env(task: dict, ws: Workspace, base: dict[str, str], box: agent_b
 
 
 def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, argv: list[str],
-           env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+           env: dict[str, str], plan: agent_box.Plan | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, env) of a run inside ``box`` (the shape of ``oc.run_env``'s ``box`` hook): a private
-    temp folder (the box's /tmp) and the box's ``$SHELL`` (agent_box.box_shell)."""
+    temp folder (the box's /tmp) and the box's ``$SHELL`` (agent_box.box_shell). ``plan``: the
+    box's layout (default: ``agent_box.plan_for`` the attempt in ``ws``)."""
     env = dict(env)
     if box.mechanism is None:
         env["TMPDIR"] = str(run_dir / "tmp")
         return argv, env
     env["TMPDIR"] = "/tmp"
-    plan = agent_box.plan_for(ws, env, task["permission"], run_dir)
+    plan = plan or agent_box.plan_for(ws, env, task["permission"], run_dir)
     env["SHELL"] = agent_box.box_shell(run_dir / "control" / "shell", plan, task["permission"], box.mechanism)
     return agent_box.wrap(box.mechanism, plan, argv), env
 
@@ -1937,6 +2122,10 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
         _remove(ws, receipt)
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, f"{current().flags.stop_reason()}; handed back",
+                       count_attempt=False)
+    if run.engine_gone is not None:   # not the task's fault; its next attempt runs cold (its worktree is recorded)
+        log(f"{task['id']}: {run.engine_gone}; handed back once, for a cold attempt")
+        return _finish(store.requeue_attempt, task, marker, f"{run.engine_gone}; handed back for another attempt",
                        count_attempt=False)
     if run.limited is not None:
         return _pause_at_limit(task, run, model, receipt, usage, phases.knobs)
@@ -2550,6 +2739,7 @@ class WorkerState:
         self.beat = Beat(self.outage)
         self.start_gate = StartGate()
         self.talk = voice or Talk()
+        self.engines: engine_slots.Slots | None = None   # the kept servers (WORKER_ENGINE=1), per pass
 
 
 _state: WorkerState | None = None
@@ -2578,7 +2768,29 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         current().beat.write("error", error=problem)
         return 1
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
-        return Loop(watch, max_tasks, knobs, slots, pool).run()
+        engines = current().engines = _start_engines(slots) if knobs.engine else None
+        try:
+            return Loop(watch, max_tasks, knobs, slots, pool).run()
+        finally:
+            current().engines = None
+            if engines is not None:
+                engines.stop_all(knobs.kill_grace_sec)
+
+
+def _start_engines(slots: int) -> engine_slots.Slots:
+    """The pass's kept servers, one starting per slot for a task like the queue's first (when it
+    has one that fits a kept server: else each slot's first task runs cold and teaches it)."""
+    try:
+        first = predict_from_queue()
+    except (oc.NoDefaultModel, oc.OpencodeNotFound, worktrees.Unrunnable) as exc:
+        log(f"kept OpenCode servers wait for a first task: {exc}", talk.VERBOSE)
+        first = None
+    engines = engine_slots.Slots(make_kept, first)
+    for index in range(slots):
+        problem = engines.prepare(f"slot_{index}")
+        if problem:
+            log(problem)
+    return engines
 
 
 class Loop:
@@ -2812,6 +3024,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--db", metavar="URL", default=None,
                         help="the queue: a postgresql:// URL or a SQLite file (default $TASK_DB_URL, else "
                              "$TASK_DB_PATH or <repo>/tasks.db); sets TASK_DB_URL for this process")
+    parser.add_argument("--engine", choices=("cold", "warm"), default=None,
+                        help="cold: a new `opencode run` per attempt; warm: a kept `opencode serve` per slot, "
+                             "started ahead of the slot's next task (default $WORKER_ENGINE: 0 cold, 1 warm)")
     return parser
 
 
@@ -2828,6 +3043,8 @@ def _refused() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.engine is not None:   # the knob the worker reads (and what its runs inherit)
+        os.environ["WORKER_ENGINE"] = "1" if args.engine == "warm" else "0"
     try:   # before anything touches the store
         knobs.select_database(args.db)
     except knobs.KnobError as exc:

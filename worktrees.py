@@ -432,18 +432,20 @@ def runs_in_place(path: str) -> bool:
         return False
 
 
-def prepare_workspace(task: dict[str, Any], resume: bool) -> Workspace:
+def prepare_workspace(task: dict[str, Any], resume: bool, folder: Path | None = None) -> Workspace:
     """Isolate the attempt: a worktree on ``taskbridge/<id>`` for a git repo (reused when
     resuming after an answer), else in place; for a task on a remote (``repo``), a worktree of the
-    worker's mirror of it (see `remote_workspace`). The files that configure TaskBridge's git
-    there are pinned (`pin_git_config`) for `undo_planted_git` after the run. Raises Unrunnable
-    with what to do, and Unreachable when a remote cannot be reached (worth a retry)."""
-    ws = _prepare(task, resume)
+    worker's mirror of it (see `remote_workspace`). A new worktree goes in ``folder`` when given
+    (a kept server's, engine_slots.py), else in the worktree root; a later attempt's at the place
+    the earlier one recorded. The files that configure TaskBridge's git there are pinned
+    (`pin_git_config`) for `undo_planted_git` after the run. Raises Unrunnable with what to do,
+    and Unreachable when a remote cannot be reached (worth a retry)."""
+    ws = _prepare(task, resume, folder)
     pin_git_config(ws)
     return ws
 
 
-def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
+def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> Workspace:
     if task.get("repo"):
         return remote_workspace(task, resume)
     wd = task["working_dir"]
@@ -462,6 +464,10 @@ def _prepare(task: dict[str, Any], resume: bool) -> Workspace:
     if task.get("continue_from"):
         return _continued_workspace(task, top, sub, resume)
     path = task_folder(Path(top).name, task["id"])
+    if task.get("worktree_path") and _inside(task["worktree_path"], worktree_root()):
+        path = Path(task["worktree_path"])   # an earlier attempt's place (a kept server's folder)
+    elif folder is not None:
+        path = folder / path.name
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
     line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
@@ -1162,6 +1168,10 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
         problems = _force_rmtree(path) if os.path.lexists(path) else []
         if repo:
             git(["worktree", "prune"], repo, check=False)
+    parent = os.path.dirname(path)
+    if os.path.dirname(parent) == str(worktree_root() / "engine"):   # a kept server's folder, now empty
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)
     return _leftover(path, problems)
 
 

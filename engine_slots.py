@@ -1,0 +1,189 @@
+"""The worker's kept OpenCode servers: one ``opencode serve`` per slot, started ahead of the slot's
+next task in a box made for that slot, used for one task, then recycled (issue 21, its first step).
+
+Why one server per slot and per task: a bubblewrap box's binds are fixed when it starts, and a
+server that outlived its task would let the next task reach the earlier one's worktree and the
+processes it left. So each server gets a fresh, empty folder of its own (``folder``, under the
+worktree root, bound writable into its box): the next task's worktree is made inside it after the
+claim, and nothing else of TaskBridge's is in reach. The server is stopped with its whole process
+tree when its task ends (what the agent left running is named), and the slot's next server starts
+in the background, so the next task finds one that answers: the server's start (2–9 s) leaves the
+path from submit to the model's first request.
+
+A server is made for the slot's *predicted* next task: the worker computes its environment and box
+exactly as for a run (worker.py), from the last task the slot ran, or from the queue's newest task
+at start. A claimed task runs on it only when its own environment is the same (model, permission
+preset, agent, plugins, the repository) — ``Kept.fits``; otherwise it runs cold and the server is
+recycled. Which tasks are eligible at all is the worker's call (``worker._engine_eligible``).
+
+Used by worker.py (``WORKER_ENGINE=1`` or ``worker.py --engine warm``); not run on its own. No SQL.
+Env: none of its own (the server's environment is handed in).
+"""
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import engine
+import opencode_runner as oc
+import process_tree
+
+# What may differ between the server's environment and a task's own without changing what the
+# agent can do: the folder (each session names its own), and the run marker (the server carries
+# its slot's; the client it is driven by carries the task's).
+PER_TASK = (oc.MARKER_ENV, "PWD")
+
+
+def fit_key(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the variables that may differ per task (PER_TASK)."""
+    return {name: value for name, value in env.items() if name not in PER_TASK}
+
+
+class Kept:
+    """One slot's server, made for one task.
+
+    ``folder``: the empty folder the task's worktree goes in (bound writable in the box);
+    ``run_dir``: the run folder of the box (``control/``, ``reply/``, ``tmp/``, ``objects/``,
+    ``git/``), as worker.fresh_run_folder makes for a cold run; ``marker``: the run marker in the
+    server's environment; ``repo``: the repository the box shows; ``env``: the server's
+    environment (its fit key is what a task must match); ``box``: the argv wrapper of the box.
+    ``start`` runs in a thread; ``ready`` waits for it."""
+
+    def __init__(self, folder: Path, run_dir: Path, marker: str, repo: str, env: dict[str, str],
+                 box: engine.Box | None, start_timeout: float = 120.0) -> None:
+        self.folder, self.run_dir, self.marker, self.repo = folder, run_dir, marker, repo
+        self.env, self.box = env, box
+        self.engine = engine.Engine(env, str(folder), box=box, start_timeout=start_timeout)
+        self.problem: str | None = None   # one line: why the server did not start
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._start, name=f"engine-{folder.name}", daemon=True)
+
+    def begin(self) -> Kept:
+        """Start the server process now (from this thread, which must outlive it: see
+        ``engine.Engine.launch``) and wait for its answer in the background; returns self."""
+        try:
+            self.engine.launch()
+        except (engine.EngineError, OSError) as exc:
+            self.problem = f"opencode serve could not be started: {exc}"
+            self.started.set()
+            return self
+        self.thread.start()
+        return self
+
+    def _start(self) -> None:
+        try:
+            self.engine.wait_ready()
+            # Its start loaded the server's own folder (the config check); the task's worktree is
+            # another folder, so that one is let go.
+            with contextlib.suppress(engine.EngineError):
+                self.engine.release(str(self.folder))
+        except engine.EngineError as exc:
+            self.problem = str(exc)
+        except OSError as exc:   # the log file, the exec: the worker's machine, said in one line
+            self.problem = f"opencode serve could not be started: {exc}"
+        finally:
+            self.started.set()
+
+    def ready(self, timeout: float) -> bool:
+        """Whether the server answers, waiting up to ``timeout`` seconds for its start."""
+        self.started.wait(timeout)
+        return self.started.is_set() and self.problem is None and self.engine.alive()
+
+    def fits(self, env: dict[str, str]) -> bool:
+        """Whether a task whose run environment is ``env`` (computed as for this server: the same
+        run folder) may run here: the same environment but for PER_TASK."""
+        return fit_key(env) == fit_key(self.env)
+
+    def agent_processes(self) -> list[Any]:
+        """The live processes of the server's tree that the agent started (not the server, not
+        its box): the bash tool's commands and whatever they left running (psutil.Process)."""
+        server = self.engine.proc.pid if self.engine.proc is not None else None
+        return [p for p in self.engine.processes() if p.pid != server and not _carries_server(p)]
+
+    def recycle(self, grace: float) -> list[dict[str, Any]]:
+        """Stop the server and everything it started (SIGTERM, ``grace`` seconds, SIGKILL; then a
+        sweep by its tag) and drop its run folder; returns what was still running besides the
+        server and its box, ``[{"pid", "command", "ports"}]`` (the agent's leftovers, for the receipt)."""
+        self.started.wait()
+        left = process_tree.described(self.agent_processes())
+        self.engine.stop(grace)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()   # only when no worktree was made in it
+        return left
+
+
+def _carries_server(proc: Any) -> bool:
+    """Whether ``proc`` is the box or OpenCode's own process (not something the agent started)."""
+    with contextlib.suppress(*process_tree.GONE):
+        cmdline = proc.cmdline()
+        return proc.name() == "bwrap" or (len(cmdline) > 1 and cmdline[1] == "serve")
+    return True
+
+
+class Slots:
+    """The kept servers of one worker pass, one per slot thread (the pool's thread names them).
+
+    ``make(slot_name, prediction) -> Kept | None`` builds (not starts) a slot's next server for
+    ``prediction`` (the slot's entry in ``last``, else ``first``; worker.Prediction), or None when
+    there is nothing to predict from. Thread-safe: each slot thread touches only its own entries;
+    ``stop_all`` runs at the pass's end."""
+
+    def __init__(self, make: Callable[[str, Any], Kept | None], first: Any = None) -> None:
+        self.make, self.first = make, first
+        self.lock = threading.Lock()
+        self.kept: dict[str, Kept] = {}
+        self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
+
+    def take(self, slot: str, wait: float) -> tuple[Kept | None, str | None]:
+        """(the slot's server for the task in hand, None): removed from the slot, one task per
+        server, when it answers within ``wait`` seconds; else (None, why not in one line, or None
+        when the slot has no server), a server that failed recycled."""
+        with self.lock:
+            kept = self.kept.pop(slot, None)
+        if kept is None:
+            return None, None
+        if kept.ready(wait):
+            return kept, None
+        why = kept.problem or (f"opencode serve did not answer within {wait:g} s of the claim"
+                               if kept.engine.alive() else "opencode serve exited after its start")
+        kept.recycle(0)
+        return None, why
+
+    def prepare(self, slot: str) -> str | None:
+        """Start the slot's next server in the background (a server already there is kept);
+        returns the one-line reason when none could be made."""
+        with self.lock:
+            if slot in self.kept:
+                return None
+        try:
+            kept = self.make(slot, self.last.get(slot) or self.first)
+        except Exception as exc:  # noqa: BLE001 - a prediction that cannot be built means a cold run, said once
+            return f"no kept OpenCode server for {slot}: {exc}"
+        if kept is None:
+            return None
+        with self.lock:
+            self.kept[slot] = kept.begin()
+        return None
+
+    def problems(self) -> list[str]:
+        """The start failures of servers that ended starting (one line each)."""
+        with self.lock:
+            return [k.problem for k in self.kept.values() if k.started.is_set() and k.problem]
+
+    def stop_all(self, grace: float) -> None:
+        """Stop every kept server (the pass is ending)."""
+        with self.lock:
+            kept, self.kept = list(self.kept.values()), {}
+        for each in kept:
+            each.recycle(grace)
+
+
+def new_marker(slot: str) -> str:
+    """The run marker a slot's server carries: ``eng-<slot>-<hex>``."""
+    return f"eng-{slot}-{secrets.token_hex(4)}"

@@ -1,0 +1,169 @@
+"""The warm engine in the worker (``worker.py --engine warm``): tasks run on a kept `opencode serve`
+per slot (engine_slots.py), driven by engine_client.py under the same Supervisor, in the agent box
+made for the slot. The real opencode, the scripted model, a real git repository per test, the real
+bubblewrap where the box is asserted."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+import task_store
+import worktrees
+from fake_openai import text, tool_call
+from helpers import AGENT_DONE as DONE
+from helpers import bash_step as bash
+from helpers import checkout_state, git, make_repo, run_script, submit, tagged, until
+from helpers import tool_outputs as outputs
+
+pytestmark = pytest.mark.real_opencode
+
+
+def warm(*args: str) -> object:
+    return run_script("worker.py", "--engine", "warm", "-v", *args)
+
+
+def ran_on_engine(task_id: str) -> bool:
+    """The task log's command line is engine_client.py's (a cold run's is `opencode run`)."""
+    return "engine_client.py --port" in task_store.log_path(task_id).read_text()
+
+
+def engine_processes() -> list[psutil.Process]:
+    """Live `opencode serve` processes of this test's OpenCode (its config home in the env)."""
+    home = os.environ["XDG_CONFIG_HOME"]
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if "serve" in proc.cmdline() and proc.environ().get("XDG_CONFIG_HOME") == home:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_two_tasks_run_on_kept_servers_with_the_same_receipts(opencode, tmp_path):
+    """The pass's first server is made for the queue's first task; the second task finds the
+    slot's next one. Receipts come from observation as in a cold run; nothing is left running."""
+    repo = make_repo(tmp_path / "repo")
+    before = checkout_state(repo)
+    for name in ("one", "two"):
+        opencode.model.script(name, [
+            tool_call("write", {"filePath": "{cwd}/" + name + ".txt", "content": name + "\n"}),
+            bash(f"cat {name}.txt && git status --short && git add {name}.txt && echo git-ok-{name}"),
+            text("Done.\n" + DONE),
+        ])
+    tasks = [submit(repo, script=name) for name in ("one", "two")]
+    passed = warm()
+    assert passed.returncode == 0, passed.stderr
+    for task, name in zip(tasks, ("one", "two"), strict=True):
+        done = task_store.get_task(task["id"])
+        assert done["status"] == "done", done["error"]
+        assert ran_on_engine(task["id"]), passed.stdout + passed.stderr
+        assert done["result"]["files_touched"] == [f"{name}.txt"]
+        assert git(repo, "show", f"{done['result']['commit']}:{name}.txt") == name
+        assert f"git-ok-{name}" in outputs(done)     # the bash tool's git works (its own index)
+        assert done["usage"]["steps"] == 3 and done["usage"]["cost_usd"] > 0
+        engine_root = worktrees.worktree_root() / "engine"
+        assert Path(done["worktree_path"]).parent.parent == engine_root
+    assert checkout_state(repo) == before
+    assert git(repo, "fsck", "--no-dangling") == ""
+    assert tagged() == [] and tagged("eng-") == []
+    assert engine_processes() == []
+    leftover = [p for p in (worktrees.worktree_root() / "engine").iterdir() if not any(p.iterdir())]
+    assert leftover == []   # a server's folder that got no worktree is removed with it
+
+
+def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
+    """The agent of an engine run reaches neither the queue, nor another task's worktree, nor the
+    repository's config, nor a folder outside its worktree."""
+    repo = make_repo(tmp_path / "repo")
+    other = make_repo(tmp_path / "other")
+    before_other = checkout_state(other)
+    config_before = (repo / ".git" / "config").read_bytes()
+    db = task_store.db_path()
+    opencode.model.script("first", [text("Nothing.\n" + DONE)])
+    first = submit(repo, script="first", worktree_keep=True)
+    assert warm("--max-tasks", "1").returncode == 0
+    first_wt = task_store.get_task(first["id"])["worktree_path"]
+    assert first_wt and Path(first_wt).is_dir()
+    opencode.model.script("raid", [
+        bash(f"ls {first_wt} >/dev/null 2>&1; echo peer-$?; cat {db} >/dev/null 2>&1; echo db-$?; "
+             f"echo x > {other}/planted.txt 2>/dev/null; echo other-$?; "
+             f"echo x >> {repo}/.git/config 2>/dev/null; echo config-$?; "
+             f"ls {worktrees.worktree_root()} 2>&1 | grep -c {first['id']}; echo listed"),
+        text("Tried.\n" + DONE),
+    ])
+    task = submit(repo, script="raid")
+    assert warm().returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert ran_on_engine(task["id"])
+    seen = outputs(done)
+    assert "peer-0" not in seen and "db-0" not in seen and "other-0" not in seen and "config-0" not in seen, seen
+    assert "0\nlisted" in seen, seen   # the worktree root shows none of the other tasks
+    assert (repo / ".git" / "config").read_bytes() == config_before
+    assert checkout_state(other) == before_other
+    assert done["result"]["sandbox"]["box"].startswith("bubblewrap")
+
+
+def test_timeout_ends_the_tool_processes_of_a_kept_server(opencode, tmp_path, monkeypatch):
+    """The task's timeout ends the run; the server is recycled with every process the agent
+    started (a detached one too), and what was still running is named in the receipt."""
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "1")
+    opencode.model.script("stuck", [
+        bash("nohup sleep 613 >/dev/null 2>&1 & sleep 612"),
+        text("never"),
+    ])
+    task = submit(repo, script="stuck", timeout_sec=25, max_retries=0)
+    assert warm().returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "failed" and "timed out after 25 s" in done["error"], done["error"]
+    assert ran_on_engine(task["id"])
+    # pids inside the box are the box's own: the sleeps are looked for by their command lines
+    until(lambda: not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] in
+                       (["sleep", "612"], ["sleep", "613"])], 10, "the sleeps to end")
+    assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
+    ended = [item["command"] for item in done["result"]["ended_with_run"]]
+    assert "sleep 612" in ended and "sleep 613" in ended, ended
+
+
+def test_a_task_unlike_the_prediction_runs_cold_and_the_next_is_warm(opencode, tmp_path):
+    """The server is made for a task like the queue's first; a task in another repository does
+    not fit its box: it runs cold, and the slot's next server is made like it."""
+    repo = make_repo(tmp_path / "repo")
+    elsewhere = make_repo(tmp_path / "elsewhere")
+    for name in ("a", "b", "c"):
+        opencode.model.script(name, [text("Fine.\n" + DONE)])
+    first = submit(repo, script="a", priority=5)
+    second = submit(elsewhere, script="b", priority=4)
+    third = submit(elsewhere, script="c", priority=3)
+    passed = warm()
+    assert passed.returncode == 0, passed.stderr
+    states = [task_store.get_task(t["id"]) for t in (first, second, third)]
+    assert [s["status"] for s in states] == ["done"] * 3, [s["error"] for s in states]
+    assert [ran_on_engine(t["id"]) for t in (first, second, third)] == [True, False, True]
+    assert "runs cold" in passed.stdout + passed.stderr
+    assert engine_processes() == []
+
+
+def test_a_server_dying_mid_run_hands_the_task_back_once_for_a_cold_attempt(opencode, tmp_path):
+    """The agent kills its own server (it can: they share the box): the attempt is handed back
+    without spending a retry, and the next runs cold, in the worktree the first one recorded."""
+    repo = make_repo(tmp_path / "repo")
+    kill_server = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q '^[^ ]*opencode serve' "
+                   "&& kill -9 ${p#/proc/}; done; sleep 5")
+    opencode.model.script("suicide", [bash(kill_server), text("Survived.\n" + DONE)])
+    task = submit(repo, script="suicide", max_retries=0)
+    assert warm("--max-tasks", "1").returncode == 0
+    mid = task_store.get_task(task["id"])
+    assert mid["status"] == "pending" and "handed back" in mid["error"], (mid["status"], mid["error"])
+    # max_retries=0: a counted failure would have failed it
+    assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
+    assert warm().returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    headers = [line for line in task_store.log_path(task["id"]).read_text().splitlines() if line.startswith("$ ")]
+    assert "engine_client.py" in headers[0] and " run --auto " in headers[1], headers
