@@ -4,6 +4,7 @@ Each check returns one `Check` (ok / warn / fail, what was found, the fix): Pyth
 packages of requirements.txt, the opencode binary and its version against the pinned one, the
 default model (listed by `opencode models`; with ``live`` a one-line prompt runs through it), the
 queue database (opens, integrity, journal mode, filesystem), the agent box (bubblewrap or sandbox-exec),
+the engine (cold, or with WORKER_ENGINE=1 a kept `opencode serve` started once to see that it starts),
 the worker (heartbeat, schedule, last pass), the token file's permissions, the MCP server on ``$PORT``
 when one answers, and the reverse bridge's backend (an API key, or the `claude` CLI logged in).
 A warn is worth knowing; a fail stops tasks from running (the command exits 1).
@@ -22,6 +23,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -56,7 +58,7 @@ class Check:
 
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
-    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode,
+    checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode, check_engine,
                                          lambda: check_model(live), check_database, check_worker,
                                          check_leftover_worktrees, check_token, check_server, check_reverse_bridge]
     results = []
@@ -339,6 +341,28 @@ def check_box() -> Check:
         return Check("agent box", "ok", f"{box.label}: every agent run is contained by the operating system")
     return Check("agent box", "warn", f"none: {box.reason}; agents run uncontained, and readonly, no-shell and "
                  "no-network tasks fail unless TASKBRIDGE_ALLOW_PROMPT_LEVEL=1", box.fix)
+
+
+def check_engine() -> Check:
+    """The engine the worker runs tasks on: cold (a new ``opencode run`` per attempt), or with
+    ``WORKER_ENGINE=1`` a kept ``opencode serve`` per slot, which is then started once here
+    (unboxed, in an empty temporary folder, the user's OpenCode config) and stopped: its start
+    time, or its one-line reason it cannot start (binary, port, config)."""
+    if knobs.knob("WORKER_ENGINE") != 1:
+        return Check("engine", "ok", "cold: a new `opencode run` per attempt (worker.py --engine warm, or "
+                     "WORKER_ENGINE=1, keeps an `opencode serve` per slot, started ahead)")
+    import engine   # only here: the check starts a server
+    with tempfile.TemporaryDirectory(prefix="taskbridge-doctor-") as folder:
+        env = oc.run_env(agent_box.agent_env(dict(os.environ), None), folder, "doctor", store.queue_tag(), "auto")
+        started = time.monotonic()
+        try:
+            with engine.Engine(env, folder).start() as server:
+                version = server.health().get("version", "?")
+        except engine.EngineError as exc:
+            return Check("engine", "fail", f"warm (WORKER_ENGINE=1), but {exc}",
+                         "fix what it names, or run cold (WORKER_ENGINE=0): the worker then runs every task cold")
+    return Check("engine", "ok", f"warm (WORKER_ENGINE=1): a kept `opencode serve` {version} starts in "
+                 f"{time.monotonic() - started:.1f} s and answers")
 
 
 def check_server() -> Check:

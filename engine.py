@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+import agent_box
 import engine_client
 import opencode_runner
 import process_tree
@@ -135,6 +136,8 @@ class Engine:
         self.password = secrets.token_urlsafe(24)
         self.tag = "eng-" + secrets.token_hex(6)
         self.port = 0
+        self.argv: list[str] = []   # the server's command, unboxed (set by ``launch``)
+        self.shell: str | None = None   # its $SHELL, as the box set it (set by ``launch``)
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
 
@@ -166,22 +169,30 @@ class Engine:
         except opencode_runner.OpencodeNotFound as exc:
             raise EngineStartFailed(str(exc)) from None
         self.port = port or free_port()
-        argv = [binary, "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
-                "--print-logs", "--log-level", "WARN"]
+        argv = self.argv = [binary, "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
+                            "--print-logs", "--log-level", "WARN"]
         env = {**self.env, "PWD": self.cwd}
+        # Under run_reaper.py (a child subreaper): a daemon the agent detaches with a cleared
+        # environment stays in the server's tree, where the stop finds and ends it.
+        status = os.open(os.devnull, os.O_WRONLY)
+        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv)
         if self.box:
             argv, env = self.box(argv, env)
         # Set after the box has had its say: an allowlisting box must not drop the password or the
         # tag the stop's sweep finds every process by.
         env = {**env, "OPENCODE_SERVER_PASSWORD": self.password, ENGINE_ENV: self.tag}
+        self.shell = env.get("SHELL")   # what the bash tool runs its commands with (a box's own shell)
         env.pop("OPENCODE_SERVER_USERNAME", None)
         fd, log = tempfile.mkstemp(prefix="opencode-serve-", suffix=".log")
         self.log_path = Path(log)
         with os.fdopen(fd, "wb") as log_file:
             # Its own session: the stop ends the whole group, and a Ctrl-C at the worker's terminal
             # does not reach the server before the worker decides.
-            self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                             stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(status,))
+            finally:
+                os.close(status)
         return self
 
     def wait_ready(self) -> Engine:

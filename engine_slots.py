@@ -32,6 +32,7 @@ from typing import Any
 import engine
 import opencode_runner as oc
 import process_tree
+import worktrees
 
 # What may differ between the server's environment and a task's own without changing what the
 # agent can do: the folder (each session names its own), and the run marker (the server carries
@@ -109,12 +110,10 @@ class Kept:
         """Stop the server and everything it started (SIGTERM, ``grace`` seconds, SIGKILL; then a
         sweep by its tag) and drop its run folder; returns what was still running besides the
         server and its box, ``[{"pid", "command", "ports"}]`` (the agent's leftovers, for the receipt)."""
-        self.started.wait()
-        left = process_tree.described(self.agent_processes())
+        left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            self.folder.rmdir()   # only when no worktree was made in it
+        worktrees.drop_engine_folder(self.folder)   # only when no worktree was made in it
         return left
 
 
@@ -122,7 +121,7 @@ def _carries_server(proc: Any) -> bool:
     """Whether ``proc`` is the box or OpenCode's own process (not something the agent started)."""
     with contextlib.suppress(*process_tree.GONE):
         cmdline = proc.cmdline()
-        return proc.name() == "bwrap" or (len(cmdline) > 1 and cmdline[1] == "serve")
+        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or (len(cmdline) > 1 and cmdline[1] == "serve")
     return True
 
 
@@ -134,8 +133,8 @@ class Slots:
     there is nothing to predict from. Thread-safe: each slot thread touches only its own entries;
     ``stop_all`` runs at the pass's end."""
 
-    def __init__(self, make: Callable[[str, Any], Kept | None], first: Any = None) -> None:
-        self.make, self.first = make, first
+    def __init__(self, make: Callable[[str, Any], Kept | None], first: Any = None, watch: bool = True) -> None:
+        self.make, self.first, self.watch = make, first, watch   # watch: the pass loops (--watch)
         self.lock = threading.Lock()
         self.kept: dict[str, Kept] = {}
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)

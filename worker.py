@@ -685,6 +685,15 @@ class ShellWatch:
             return []
 
 
+def _shell_watch(launch: Launch, pid: int) -> ShellWatch:
+    """The watch over the bash tool's shells of the run ``launch`` started as ``pid``: OpenCode's
+    own children, the kept server's when the run drives one."""
+    server = launch.server.engine.proc if launch.server is not None else None
+    if launch.server is not None and server is not None:
+        return ShellWatch(server.pid, launch.server.engine.argv, launch.server.engine.shell)
+    return ShellWatch(pid, launch.argv, launch.env.get("SHELL"))
+
+
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -951,7 +960,7 @@ class Launch:
     boxed_argv: list[str] | None = None  # ``argv`` as the box runs it (None: argv itself)
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
-    served_by: Callable[[], list[psutil.Process]] | None = None   # a kept server's agent processes
+    server: engine_slots.Kept | None = None   # the kept server the command drives (engine_client.py)
 
     def adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -1332,7 +1341,7 @@ class Supervisor:
             raise RuntimeError("OpenCode was started without a stderr pipe")
         output = OutputReader(self._lines(task_log, started_wall), spool, status, proc.stderr)
         self.turn.started(time.monotonic())
-        return Running(proc, output, ShellWatch(proc.pid, launch.argv, launch.env.get("SHELL")), shipper)
+        return Running(proc, output, _shell_watch(launch, proc.pid), shipper)
 
     def _wind_up(self, running: Running) -> None:
         """The run's end, whatever ended it: the gate left, the tree ended, the output read to its
@@ -1471,8 +1480,8 @@ def _end_leftovers(task: dict[str, Any], launch: Launch, pid: int, grace_sec: fl
     detached, the commands of a run we stopped), then end the whole tree and anything tagged with
     the run, SIGKILL after ``grace_sec`` seconds. Returns what was named: [{pid, command, ports}]."""
     ended = process_tree.described(process_tree.run_leftovers(pid, launch.carries_run))
-    if launch.served_by is not None:   # a kept server's: the agent's commands are the server's children
-        ended += process_tree.described(launch.served_by())
+    if launch.server is not None:   # a kept server's: the agent's commands are the server's children
+        ended += process_tree.described(launch.server.agent_processes())
     process_tree.kill_tree(pid, grace_sec, run_stragglers(task["run_marker"], launch.env[oc.QUEUE_ENV]))
     for item in ended:
         ports = f" (listening on {', '.join(map(str, item['ports']))})" if item["ports"] else ""
@@ -1940,11 +1949,17 @@ def _slot() -> str:
     return threading.current_thread().name
 
 
+def _engine_kind(task: dict[str, Any]) -> bool:
+    """Whether tasks like ``task`` run on kept servers: worktree tasks on a local repository that
+    start a line of work (a follow-up or a fork runs where its session is)."""
+    return bool(task["worktree"] and not task.get("repo") and not task.get("continue_from")
+                and not task.get("fork_from"))
+
+
 def _engine_eligible(task: dict[str, Any], resume: bool) -> bool:
-    """Whether ``task`` may run on a kept server: its first worktree of a local repository, not a
-    resumed, continued or forked session (those run cold: their worktree or session is elsewhere)."""
-    return bool(task["worktree"] and not task.get("repo") and not resume and not task.get("worktree_path")
-                and not task.get("session_id") and not task.get("continue_from") and not task.get("fork_from"))
+    """Whether ``task`` may run on a kept server now: of that kind (_engine_kind), and its first
+    worktree (a resumed session, or a retry, runs where its worktree already is)."""
+    return _engine_kind(task) and not resume and not task.get("worktree_path") and not task.get("session_id")
 
 
 def _take_engine(task: dict[str, Any], resume: bool) -> engine_slots.Kept | None:
@@ -1962,15 +1977,15 @@ def _take_engine(task: dict[str, Any], resume: bool) -> engine_slots.Kept | None
 def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSetup) -> None:
     """The slot's next server is made for a task like this one (its repository, model, preset)."""
     slots = current().engines
-    if slots is not None and ws.mode == "worktree" and ws.repo and _engine_eligible(
-            {**task, "worktree_path": None, "session_id": None}, False):
+    if slots is not None and ws.mode == "worktree" and ws.repo and _engine_kind(task):
         slots.last[_slot()] = Prediction(task, ws.repo, model, dict(setup.config_files))
 
 
 def _engine_next() -> None:
-    """Start the slot's next server in the background (the engine on, a task to predict from)."""
+    """Start the slot's next server in the background (the engine on, a task to predict from;
+    a one-pass only while tasks are pending: it ends when none is left)."""
     slots = current().engines
-    if slots is not None:
+    if slots is not None and (slots.watch or db(store.list_tasks, status="pending", limit=1)["total"]):
         problem = slots.prepare(_slot())
         if problem:
             log(problem, talk.VERBOSE)
@@ -1992,9 +2007,9 @@ def predict_from_queue() -> Prediction | None:
     if not page:
         return None
     task = store.get_task(page[0]["id"])
-    if not _engine_eligible({**task, "worktree_path": None, "session_id": None}, False):
+    if not _engine_kind(task) or not os.path.isdir(task["working_dir"]):
         return None
-    repo, _, _ = worktrees._repo_state(task["working_dir"]) if os.path.isdir(task["working_dir"]) else (None, 0, 0)
+    repo = worktrees.repo_top(task["working_dir"])
     if not repo:
         return None
     return Prediction(task, repo, task_model(task), oc.project_config_files(repo, repo))
@@ -2051,7 +2066,7 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     log(f"{task['id']} attempt {task['attempts']}: kept OpenCode server of {_slot()} in {ws.cwd} "
         f"(box: {setup.box.label})", talk.VERBOSE)
     launch = Launch(argv, env, ws.cwd, prompt, rules_file=files.rules, retry_file=files.retry,
-                    served_by=kept.agent_processes)
+                    server=kept)
     try:
         run = Supervisor(task, launch, knobs, setup.box, meter=Meter(task, files.gate),
                          courier=Courier(task, files.notes), deadline_at=deadline).run()
@@ -2768,7 +2783,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         current().beat.write("error", error=problem)
         return 1
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
-        engines = current().engines = _start_engines(slots) if knobs.engine else None
+        engines = current().engines = _start_engines(slots, watch) if knobs.engine else None
         try:
             return Loop(watch, max_tasks, knobs, slots, pool).run()
         finally:
@@ -2777,7 +2792,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
                 engines.stop_all(knobs.kill_grace_sec)
 
 
-def _start_engines(slots: int) -> engine_slots.Slots:
+def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:
     """The pass's kept servers, one starting per slot for a task like the queue's first (when it
     has one that fits a kept server: else each slot's first task runs cold and teaches it)."""
     try:
@@ -2785,7 +2800,7 @@ def _start_engines(slots: int) -> engine_slots.Slots:
     except (oc.NoDefaultModel, oc.OpencodeNotFound, worktrees.Unrunnable) as exc:
         log(f"kept OpenCode servers wait for a first task: {exc}", talk.VERBOSE)
         first = None
-    engines = engine_slots.Slots(make_kept, first)
+    engines = engine_slots.Slots(make_kept, first, watch)
     for index in range(slots):
         problem = engines.prepare(f"slot_{index}")
         if problem:

@@ -308,7 +308,7 @@ class Workspace:
         return self.base_commit
 
 
-def _repo_top(path: str) -> str | None:
+def repo_top(path: str) -> str | None:
     """The root of the repository holding ``path``, or None only when git says it is not inside
     one. Raises Unrunnable as `_repo_state` does."""
     return _repo_state(path)[0]
@@ -382,7 +382,7 @@ def _one_line(text: str) -> str:
 
 def _repo_top_or_none(path: str) -> str | None:
     try:
-        return _repo_top(path)
+        return repo_top(path)
     except (Unrunnable, GitError):
         return None
 
@@ -427,7 +427,7 @@ def runs_in_place(path: str) -> bool:
     """Whether a task on the existing folder ``path`` would run in place: git says it is in no
     repository (a repository git cannot read fails the task instead, so it counts as not)."""
     try:
-        return _repo_top(path) is None
+        return repo_top(path) is None
     except (Unrunnable, GitError):
         return False
 
@@ -1168,11 +1168,19 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
         problems = _force_rmtree(path) if os.path.lexists(path) else []
         if repo:
             git(["worktree", "prune"], repo, check=False)
-    parent = os.path.dirname(path)
-    if os.path.dirname(parent) == str(worktree_root() / "engine"):   # a kept server's folder, now empty
-        with contextlib.suppress(OSError):
-            os.rmdir(parent)
+    drop_engine_folder(Path(path).parent)
     return _leftover(path, problems)
+
+
+def drop_engine_folder(folder: Path) -> None:
+    """Remove ``folder`` when it is a kept server's (``<worktree root>/engine/<slot>-<hex>``,
+    engine_slots.py) and empty, and the ``engine`` folder when that leaves it empty."""
+    engine_root = worktree_root() / "engine"
+    if folder.parent != engine_root:
+        return
+    for each in (folder, engine_root):
+        with contextlib.suppress(OSError):   # not empty (a worktree is still there): kept
+            each.rmdir()
 
 
 def _force_rmtree(path: str) -> list[str]:
@@ -2056,7 +2064,7 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
         raise ApplyRefused(f"task {ident} committed nothing on {branch} (it changed no files): nothing to apply")
     wd = task["working_dir"]
     try:
-        repo = _repo_top(wd) if os.path.isdir(wd) else None
+        repo = repo_top(wd) if os.path.isdir(wd) else None
     except Unrunnable as exc:
         raise ApplyRefused(f"task {ident}'s work is on branch {branch}, but {exc}") from None
     if not repo:

@@ -47,6 +47,7 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
         "settings",
         "agent box",
         "opencode",
+        "engine",
         "default model",
         "database",
         "worker",
@@ -55,6 +56,19 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
         "mcp server",
         "reverse bridge",
     ]
+
+
+def test_doctor_names_the_engine_and_why_a_kept_server_cannot_start(opencode, monkeypatch):
+    assert line_of(doctor().stdout, "engine").startswith("ok") and "cold" in line_of(doctor().stdout, "engine")
+    monkeypatch.setenv("WORKER_ENGINE", "1")
+    warm = line_of(doctor().stdout, "engine")
+    assert warm.startswith("ok") and "a kept `opencode serve` 1.18.33 starts in" in warm, warm
+    # A config only a server's start reads (the model name must be a string): named in one line.
+    monkeypatch.setenv("OPENCODE_CONFIG_CONTENT", json.dumps({"model": 5}))
+    result = doctor()
+    broken = line_of(result.stdout, "engine")
+    assert result.returncode == 1 and broken.startswith("FAIL"), result.stdout
+    assert "refused its configuration" in broken and "model" in broken, broken
 
 
 def test_doctor_with_opencode_missing(opencode, monkeypatch, tmp_path):
