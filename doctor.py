@@ -351,7 +351,7 @@ def check_engine() -> Check:
     if knobs.knob("WORKER_ENGINE") != 1:
         return Check("engine", "ok", "cold: a new `opencode run` per attempt (worker.py --engine warm, or "
                      "WORKER_ENGINE=1, keeps an `opencode serve` per slot, started ahead)")
-    import engine   # only here: the check starts a server
+    import engine  # only here: the check starts a server
     with tempfile.TemporaryDirectory(prefix="taskbridge-doctor-") as folder:
         env = oc.run_env(agent_box.agent_env(dict(os.environ), None), folder, "doctor", store.queue_tag(), "auto")
         started = time.monotonic()

@@ -15,6 +15,7 @@ import errno
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterable
 
 import psutil
@@ -84,11 +85,32 @@ def kill_tree(root: int | psutil.Process | None, grace: float,
     procs.update({p.pid: p for p in extra})
     procs.pop(os.getpid(), None)
     _signal(pgid, procs.values(), signal.SIGTERM)
-    _, alive = psutil.wait_procs(list(procs.values()), timeout=grace)
+    alive = _wait_ended(list(procs.values()), grace)
     late = [p for p in (stragglers() if stragglers else []) if p.pid != os.getpid()]
     _signal(pgid, [*alive, *late], signal.SIGKILL)
-    psutil.wait_procs([*alive, *late], timeout=2)
+    _wait_ended([*alive, *late], 2)
     return len(procs)
+
+
+def _wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` seconds for ``procs`` to end; returns those still running. A zombie
+    has ended: an orphan's is reaped when its new parent gets to it (a VM's init took 1.5 s), and
+    waiting for that held every run's end (psutil.wait_procs waits for the reaping). Our own
+    children are left for their owner to reap (a Popen keeps its exit code)."""
+    deadline = time.monotonic() + timeout
+    alive = procs
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except _GONE:
+        return False
 
 
 def _collect(root: int | psutil.Process | None) -> tuple[int | None, dict[int, psutil.Process]]:

@@ -28,6 +28,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module that sets ``BOTH_ENGINES = True`` runs each of its tests that use the real
+    opencode twice, on the cold engine and on the warm one (ids ``[cold]``, ``[warm]``): the
+    guarantees a worker run gives are the same on both (issue 21)."""
+    if getattr(metafunc.module, "BOTH_ENGINES", False) and "opencode" in metafunc.fixturenames:
+        metafunc.fixturenames.append("worker_engine")
+        metafunc.parametrize("worker_engine", ["cold", "warm"], indirect=True)
+
+
+@pytest.fixture
+def worker_engine(request: pytest.FixtureRequest, opencode: object, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The engine the worker runs this test's tasks on (``WORKER_ENGINE``: cold 0, warm 1), set
+    after the ``opencode`` fixture has made the environment the worker inherits."""
+    monkeypatch.setenv("WORKER_ENGINE", "1" if request.param == "warm" else "0")
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def isolated_queue(tmp_path, monkeypatch, request):
     """Point the queue, logs and worktrees at tmp_path; silence banners. With
@@ -55,6 +72,7 @@ def isolated_queue(tmp_path, monkeypatch, request):
     monkeypatch.delenv("MCP_ALLOWED_HOSTS", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("WORKER_MODEL", raising=False)
+    monkeypatch.delenv("WORKER_ENGINE", raising=False)   # cold unless a test (or BOTH_ENGINES) says warm
     # A TaskBridge the person serves beside the suite (8765, the default) must not be seen:
     # doctor, connect and the like look at $PORT, so it names a port nothing listens on.
     monkeypatch.setenv("PORT", str(_closed_port()))

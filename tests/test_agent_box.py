@@ -21,6 +21,7 @@ from helpers import checkout_state, fake_binary, git, make_repo, run_script, sub
 from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 MARK = "tbsecret"   # every secret value below carries it, so one grep counts them all
 
 

@@ -13,6 +13,7 @@ from helpers import make_repo, run_task
 from opencode_env import parse_events
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 RECEIPT = '```json\n{"summary": "started a server", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 

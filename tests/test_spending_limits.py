@@ -29,6 +29,7 @@ from helpers import ROOT, make_repo, run_script
 from opencode_env import MODEL
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 STEP_USAGE = {"prompt_tokens": 100_000, "completion_tokens": 1_000, "cached_tokens": 0, "reasoning_tokens": 0}
 STEP_USD = 0.102
 DONE = '```json\n{"summary": "counted to four", "files_touched": ["n.txt"], "tests_run": [], ' \

@@ -10,6 +10,7 @@ from fake_openai import text, tool_call
 from helpers import checkout_state, git, make_repo, run_script
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "used port 8080", "files_touched": ["port.txt"], "tests_run": [], ' \
        '"open_questions": []}\n```'
 

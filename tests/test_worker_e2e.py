@@ -11,6 +11,7 @@ from fake_openai import hang, http_error, text, tool_call
 from helpers import checkout_state, git, make_repo, run_script, step_finish_sums, tagged
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 RECEIPT = '```json\n{"summary": "Wrote hello.txt and ran it", "files_touched": ["hello.txt"], ' \
           '"tests_run": ["cat hello.txt"], "open_questions": []}\n```'

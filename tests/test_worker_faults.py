@@ -19,6 +19,7 @@ from fake_openai import hang, text, tool_call
 from helpers import ROOT, make_repo, run_script, tagged, until
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
 
