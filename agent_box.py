@@ -492,8 +492,9 @@ def wrap(mechanism: str | None, plan: Plan, argv: list[str]) -> list[str]:
 
 def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
     """Write the ``$SHELL`` of a boxed run to ``path`` (0755) and return it (OpenCode's bash tool
-    runs ``$SHELL -c COMMAND``; OpenCode's own process is not affected): ``plan.shell_env`` set
-    for the command (the run's git objects to its quarantine), then bash; for ``no-network``
+    runs ``$SHELL -c COMMAND``; OpenCode's own process is not affected): the server password of
+    a kept server unset, ``plan.shell_env`` set for the command (the run's git objects to its
+    quarantine), then bash; for ``no-network``
     through box_shell.py, whose seccomp filter refuses IPv4, IPv6 and packet sockets, so neither
     the internet nor a server on the host's loopback answers; for ``no-shell`` nothing runs (a
     second line behind OpenCode's pinned bash deny)."""
@@ -501,6 +502,10 @@ def box_shell(path: Path, plan: Plan, permission: str, mechanism: str) -> str:
     if permission == "no-shell":
         lines += ["echo 'TaskBridge: this task is no-shell: shell commands are refused' >&2", "exit 126"]
     else:
+        # A kept server's password (engine.py) is OpenCode's, not the agent's: with it a command
+        # could drive the server that supervises it (side sessions, commands past the rules).
+        # Landlock (box_shell.py) keeps the server's /proc/<pid>/environ out of reach too.
+        lines.append("unset OPENCODE_SERVER_PASSWORD OPENCODE_SERVER_USERNAME")
         lines += [f"export {name}={_sh(value)}" for name, value in plan.shell_env.items()]
         script = Path(__file__).resolve().parent / "box_shell.py"
         if mechanism == "bubblewrap":   # Landlock and seccomp are Linux's

@@ -173,9 +173,10 @@ class Engine:
                             "--print-logs", "--log-level", "WARN"]
         env = {**self.env, "PWD": self.cwd}
         # Under run_reaper.py (a child subreaper): a daemon the agent detaches with a cleared
-        # environment stays in the server's tree, where the stop finds and ends it.
+        # environment stays in the server's tree, where the stop finds and ends it; and the
+        # server ends with the thread that started it (a killed worker leaves none behind).
         status = os.open(os.devnull, os.O_WRONLY)
-        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv)
+        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv, die_with_parent=True)
         if self.box:
             argv, env = self.box(argv, env)
         # Set after the box has had its say: an allowlisting box must not drop the password or the

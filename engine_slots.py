@@ -25,6 +25,7 @@ import contextlib
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,9 @@ class Kept:
     ``start`` runs in a thread; ``ready`` waits for it."""
 
     def __init__(self, folder: Path, run_dir: Path, marker: str, repo: str, env: dict[str, str],
-                 box: engine.Box | None, start_timeout: float = 120.0) -> None:
+                 box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0) -> None:
         self.folder, self.run_dir, self.marker, self.repo = folder, run_dir, marker, repo
-        self.env, self.box = env, box
+        self.env, self.box, self.shape = env, box, shape   # shape: what a task must be like (worker._shape)
         self.engine = engine.Engine(env, str(folder), box=box, start_timeout=start_timeout)
         self.problem: str | None = None   # one line: why the server did not start
         self.started = threading.Event()
@@ -139,18 +140,26 @@ class Slots:
         self.kept: dict[str, Kept] = {}
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
 
-    def take(self, slot: str, wait: float) -> tuple[Kept | None, str | None]:
-        """(the slot's server for the task in hand, None): removed from the slot, one task per
-        server, when it answers within ``wait`` seconds; else (None, why not in one line, or None
-        when the slot has no server), a server that failed recycled."""
+    def take(self, slot: str, wait: float, shape: Any, stopping: Callable[[], bool]) -> tuple[Kept | None, str | None]:
+        """(the slot's server for the task in hand, None): removed from the slot (one task per
+        server) when it was made for a task of this ``shape`` and answers within ``wait`` seconds,
+        looked at every 0.2 s until ``stopping()``; else (None, why not in one line, or None when
+        the slot has none), the server recycled at once."""
         with self.lock:
             kept = self.kept.pop(slot, None)
         if kept is None:
             return None, None
-        if kept.ready(wait):
+        if kept.shape != shape:
+            kept.recycle(0)
+            return None, "it was made for another kind of task (repository, model, preset, agent, limits)"
+        deadline = time.monotonic() + wait
+        while not kept.ready(0.2) and not kept.started.is_set() and time.monotonic() < deadline and not stopping():
+            pass
+        if kept.ready(0):
             return kept, None
-        why = kept.problem or (f"opencode serve did not answer within {wait:g} s of the claim"
-                               if kept.engine.alive() else "opencode serve exited after its start")
+        why = kept.problem or ("the worker is stopping" if stopping() else
+                               f"opencode serve did not answer within {wait:g} s" if kept.engine.alive() else
+                               "opencode serve exited after its start")
         kept.recycle(0)
         return None, why
 
@@ -181,6 +190,17 @@ class Slots:
             kept, self.kept = list(self.kept.values()), {}
         for each in kept:
             each.recycle(grace)
+
+
+def sweep(root: Path, log_dir: Path) -> None:
+    """Remove what kept servers of an earlier pass left when their worker was killed: empty
+    folders under ``root`` (``<worktree root>/engine``; one holding a worktree stays) and run
+    folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is held."""
+    with contextlib.suppress(OSError):
+        for folder in root.iterdir():
+            worktrees.drop_engine_folder(folder)
+        for run in log_dir.glob("engine-*.run"):
+            shutil.rmtree(run, ignore_errors=True)
 
 
 def new_marker(slot: str) -> str:

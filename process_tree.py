@@ -143,10 +143,11 @@ def _signal(pgid: int | None, procs: Iterable[psutil.Process], sig: int) -> None
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_reaper.py")
 
 
-def reaper_argv(python: str, status_fd: int, argv: list[str]) -> list[str]:
+def reaper_argv(python: str, status_fd: int, argv: list[str], die_with_parent: bool = False) -> list[str]:
     """``argv`` started by run_reaper.py (a child subreaper, see there) under ``python``; it
-    writes ``exit CODE`` on ``status_fd`` (an inherited pipe's write end) when ``argv`` ends."""
-    return [python, "-I", REAPER, str(status_fd), "--", *argv]
+    writes ``exit CODE`` on ``status_fd`` (an inherited pipe's write end) when ``argv`` ends.
+    ``die_with_parent``: it ends ``argv`` when the thread that started it ends."""
+    return [python, "-I", REAPER, str(status_fd), *(["--die-with-parent"] if die_with_parent else []), "--", *argv]
 
 
 def described(procs: Iterable[psutil.Process]) -> list[dict]:

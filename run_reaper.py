@@ -1,7 +1,7 @@
 """The first process of an agent run: starts OpenCode, adopts what the run leaves behind, and
 tells the worker when OpenCode itself has ended.
 
-    python run_reaper.py STATUS_FD -- opencode run --auto …
+    python run_reaper.py STATUS_FD [--die-with-parent] -- opencode run --auto …
 
 - Linux: it is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a daemon the agent starts in a
   new session with a cleared environment (``setsid env -i server &``: no process group, no tag
@@ -10,6 +10,9 @@ tells the worker when OpenCode itself has ended.
   the box's PID namespace lives until the worker has looked.
 - When OpenCode exits, it writes ``exit CODE`` on ``STATUS_FD`` (``-N``: ended by signal N); then
   it holds what is left (its adopted children) until they are gone or a termination signal comes, and exits with CODE.
+- ``--die-with-parent`` (a kept ``opencode serve``, engine.py): Linux sends it SIGTERM when the
+  thread that started it ends (``PR_SET_PDEATHSIG``), so an unboxed server does not outlive a
+  killed worker (bubblewrap's ``--die-with-parent`` does that for a boxed one).
 - SIGTERM / SIGINT / SIGHUP: passed to OpenCode while it runs; once OpenCode is gone, it waits
   for its remaining children to end (the worker signals them itself) and exits.
 
@@ -24,6 +27,7 @@ import signal
 import sys
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 _ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -56,14 +60,27 @@ def _hold(code: int) -> int:
             return code
 
 
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:   # the parent ended before the signal was asked for
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
+    orphan = len(argv) > 2 and argv[2] == "--die-with-parent"
+    if orphan:
+        argv = [argv[0], argv[1], *argv[3:]]
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: run_reaper.py STATUS_FD -- COMMAND…", file=sys.stderr)
+        print("usage: run_reaper.py STATUS_FD [--die-with-parent] -- COMMAND…", file=sys.stderr)
         return 2
     status_fd, command = int(argv[1]), argv[3:]
     _become_subreaper()
     for sig in _ENDING:
         signal.signal(sig, _on_signal)
+    if orphan:
+        _die_with_parent()
     agent = os.fork()
     if agent == 0:
         os.close(status_fd)

@@ -1654,7 +1654,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
         current().talk.runs(task, model)
-        kept = _take_engine(task, resume)
+        kept = _take_engine(task, resume, model)
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
             if ws is None:
@@ -1806,15 +1806,17 @@ def _cannot_run(task: dict, exc: BaseException) -> dict | None:
     return _finish(store.fail_unrunnable, task, task["run_marker"], str(fault or exc))
 
 
-def task_model(task: dict[str, Any]) -> str:
+def task_model(task: dict[str, Any], say: bool = True) -> str:
     """The task's own model, else the default (``opencode_runner.default_model``: the queue's
     setting, WORKER_MODEL, the user's OpenCode config as seen from the task's folder, the first
-    usable listed model). Raises oc.NoDefaultModel / oc.OpencodeNotFound."""
+    usable listed model), said in the log when ``say``. Raises oc.NoDefaultModel /
+    oc.OpencodeNotFound."""
     if task["model"]:
         return task["model"]
     cwd = task["working_dir"] if os.path.isdir(task["working_dir"]) else None
     choice = oc.default_model(db(store.default_model), cwd, cache_file=store.state_path("models.json"))
-    log(f"{task['id']} runs with {choice.model} (default from {choice.source})", talk.VERBOSE)
+    if say:
+        log(f"{task['id']} runs with {choice.model} (default from {choice.source})", talk.VERBOSE)
     return choice.model
 
 
@@ -1941,7 +1943,7 @@ def _run_files(task: dict, env: dict[str, str], model: str, control: Path) -> Ru
 # engine_client.py, which the Supervisor runs in place of `opencode run`.
 
 ENGINE_CLIENT = Path(__file__).resolve().parent / "engine_client.py"
-ENGINE_WAIT_SEC = 60.0   # how long a claimed task waits for its slot's server to finish starting
+ENGINE_WAIT_SEC = 20.0   # how long a claimed task waits for its slot's server to finish starting
 
 
 def _slot() -> str:
@@ -1962,15 +1964,24 @@ def _engine_eligible(task: dict[str, Any], resume: bool) -> bool:
     return _engine_kind(task) and not resume and not task.get("worktree_path") and not task.get("session_id")
 
 
-def _take_engine(task: dict[str, Any], resume: bool) -> engine_slots.Kept | None:
-    """The slot's kept server for ``task`` when the engine is on and the task is eligible."""
+def _shape(task: dict[str, Any], model: str, repo: str | None) -> tuple:
+    """What a kept server must have been made for to run ``task`` (checked before its workspace
+    is made; the whole run environment is compared after, engine_slots.Kept.fits)."""
+    return (repo, model, task["permission"], task.get("agent"), bool(task.get("rules")), spend_limited(task))
+
+
+def _take_engine(task: dict[str, Any], resume: bool, model: str) -> engine_slots.Kept | None:
+    """The slot's kept server for ``task`` when the engine is on, the task is eligible and the
+    server was made for a task like it (else it is recycled and the task runs cold at once)."""
     slots = current().engines
     if slots is None or not _engine_eligible(task, resume):
         return None
-    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC)
+    repo = worktrees.repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
+    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), lambda: current().flags.stopping)
     if kept is None:
+        failed = why is not None and "made for another" not in why and "stopping" not in why
         log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'}); runs cold",
-            talk.VERBOSE if why is None else talk.NORMAL)
+            talk.NORMAL if failed else talk.VERBOSE)
     return kept
 
 
@@ -2001,9 +2012,11 @@ class Prediction:
 
 
 def predict_from_queue() -> Prediction | None:
-    """The queue's first task by the board's order (running, waiting, pending, then finished),
-    as the prediction a pass's first servers are made for; None when it is not eligible."""
-    page = store.list_tasks(limit=1)["tasks"]
+    """The task a pass's first servers are made for: the pending task a claim takes first
+    (highest priority, then oldest), else the newest task; None when it runs cold anyway."""
+    pending = store.list_tasks(status="pending", limit=500)["tasks"]
+    page = [min(pending, key=lambda t: (-t["priority"], t["created_at"], store.parse_task_id(t["id"])))] if pending else \
+        store.list_tasks(limit=1)["tasks"]
     if not page:
         return None
     task = store.get_task(page[0]["id"])
@@ -2012,7 +2025,7 @@ def predict_from_queue() -> Prediction | None:
     repo = worktrees.repo_top(task["working_dir"])
     if not repo:
         return None
-    return Prediction(task, repo, task_model(task), oc.project_config_files(repo, repo))
+    return Prediction(task, repo, task_model(task, say=False), oc.project_config_files(repo, repo))
 
 
 def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | None:
@@ -2036,7 +2049,8 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     def boxed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         return _boxed(like, ws, box, run_dir, argv, env, plan)
 
-    return engine_slots.Kept(folder, run_dir, marker, prediction.repo, files.env, boxed)
+    shape = _shape(like, prediction.model, prediction.repo)
+    return engine_slots.Kept(folder, run_dir, marker, prediction.repo, files.env, boxed, shape)
 
 
 def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
@@ -2800,6 +2814,7 @@ def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:
     except (oc.NoDefaultModel, oc.OpencodeNotFound, worktrees.Unrunnable) as exc:
         log(f"kept OpenCode servers wait for a first task: {exc}", talk.VERBOSE)
         first = None
+    engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
     engines = engine_slots.Slots(make_kept, first, watch)
     for index in range(slots):
         problem = engines.prepare(f"slot_{index}")
@@ -2963,8 +2978,10 @@ def announce_start(watch: bool, slots: int) -> bool:
         if not db_outage(exc):
             raise
         model = "not known yet (the queue database does not answer)"
+    engine = ("warm engine: a kept `opencode serve` per slot" if knobs.knob("WORKER_ENGINE") == 1
+              else "cold engine: an `opencode run` per attempt")
     current().talk.started(store.database_label(), model, slots,
-                           "watching for tasks (Ctrl-C stops)" if watch else "one pass")
+                           f"{engine}; " + ("watching for tasks (Ctrl-C stops)" if watch else "one pass"))
     current().talk.say(box_line())
     return True
 

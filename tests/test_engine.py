@@ -118,7 +118,9 @@ def test_abort_ends_a_slow_model_turn_and_kills_the_bash_child(opencode, tmp_pat
         assert eng.health()["healthy"]   # the server itself goes on
         # A server that stops answering (frozen here) is named within the timeouts, not waited on.
         stream = eng.events(str(repo), read_timeout=3)
-        os.kill(eng.proc.pid, signal.SIGSTOP)
+        server = psutil.Process(eng.proc.pid).children()[0]   # OpenCode itself, under run_reaper.py
+        assert server.cmdline()[1:] == eng.argv[1:]
+        server.send_signal(signal.SIGSTOP)
         with pytest.raises(engine.EngineGone, match="did not answer"):
             eng.health(timeout=1)
         with pytest.raises(engine.EngineGone, match="silent"):

@@ -5,6 +5,9 @@ bubblewrap where the box is asserted."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +18,7 @@ import worktrees
 from fake_openai import text, tool_call
 from helpers import AGENT_DONE as DONE
 from helpers import bash_step as bash
-from helpers import checkout_state, git, make_repo, run_script, submit, tagged, until
+from helpers import ROOT, checkout_state, fake_binary, git, make_repo, run_script, submit, tagged, until
 from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
@@ -92,7 +95,9 @@ def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
         bash(f"ls {first_wt} >/dev/null 2>&1; echo peer-$?; cat {db} >/dev/null 2>&1; echo db-$?; "
              f"echo x > {other}/planted.txt 2>/dev/null; echo other-$?; "
              f"echo x >> {repo}/.git/config 2>/dev/null; echo config-$?; "
-             f"ls {worktrees.worktree_root()} 2>&1 | grep -c {first['id']}; echo listed"),
+             f"ls {worktrees.worktree_root()} 2>&1 | grep -c {first['id']}; echo listed; "
+             "(env; cat /proc/[0-9]*/environ) 2>/dev/null | tr '\\0' '\\n' | grep -c OPENCODE_SERVER_PASSWORD; "
+             "echo password-looked"),
         text("Tried.\n" + DONE),
     ])
     task = submit(repo, script="raid")
@@ -103,6 +108,7 @@ def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
     seen = outputs(done)
     assert "peer-0" not in seen and "db-0" not in seen and "other-0" not in seen and "config-0" not in seen, seen
     assert "0\nlisted" in seen, seen   # the worktree root shows none of the other tasks
+    assert "0\npassword-looked" in seen, seen   # the server's password: not in its env, nor in /proc
     assert (repo / ".git" / "config").read_bytes() == config_before
     assert checkout_state(other) == before_other
     assert done["result"]["sandbox"]["box"].startswith("bubblewrap")
@@ -167,3 +173,63 @@ def test_a_server_dying_mid_run_hands_the_task_back_once_for_a_cold_attempt(open
     assert done["status"] == "done", done["error"]
     headers = [line for line in task_store.log_path(task["id"]).read_text().splitlines() if line.startswith("$ ")]
     assert "engine_client.py" in headers[0] and " run --auto " in headers[1], headers
+
+
+def test_the_first_server_is_made_for_the_task_a_claim_takes_first(opencode, tmp_path):
+    """Two tasks of the same priority in two repositories: the pass's first server is made for
+    the older one (the claim's order), which then runs warm."""
+    older, newer = make_repo(tmp_path / "older"), make_repo(tmp_path / "newer")
+    for name in ("old", "new"):
+        opencode.model.script(name, [text("Fine.\n" + DONE)])
+    first = submit(older, script="old")
+    submit(newer, script="new")
+    assert warm("--max-tasks", "1").returncode == 0
+    assert task_store.get_task(first["id"])["status"] == "done"
+    assert ran_on_engine(first["id"])
+
+
+def test_a_server_that_never_answers_costs_a_bounded_wait_and_the_task_runs_cold(opencode, tmp_path, monkeypatch):
+    """`opencode serve` hangs (a plugin install without a network, say): the task waits at most
+    ENGINE_WAIT_SEC for it, says why, runs cold, and the pass ends at once after it."""
+    real = opencode.bin
+    wrapper = fake_binary(tmp_path / "bin", "opencode",
+                          f'[ "$1" = serve ] && exec sleep 615\nexec {real} "$@"\n')
+    monkeypatch.setenv("OPENCODE_BIN", str(wrapper))
+    opencode.model.script("fine", [text("Fine.\n" + DONE)])
+    task = submit(make_repo(tmp_path / "repo"), script="fine")
+    started = time.monotonic()
+    passed = warm()
+    elapsed = time.monotonic() - started
+    done = task_store.get_task(task["id"])
+    assert passed.returncode == 0 and done["status"] == "done", (passed.stdout, done["error"])
+    assert not ran_on_engine(task["id"])
+    assert "opencode serve did not answer within 20 s); runs cold" in passed.stderr, passed.stderr
+    assert elapsed < 20 + 45, elapsed   # the wait, a cold run; no wait for the hung server at the end
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "615"]]
+
+
+def test_an_unboxed_kept_server_ends_with_a_killed_worker(opencode, tmp_path, monkeypatch):
+    """Without a box (TASKBRIDGE_SANDBOX=off) nothing but the server's own parent-death signal
+    (run_reaper.py --die-with-parent) ends it when the worker is killed with SIGKILL."""
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    opencode.model.script("seed", [text("Fine.\n" + DONE)])
+    submit(make_repo(tmp_path / "repo"), script="seed")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch", "--engine", "warm"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        until(lambda: engine_processes(), 60, "a kept server")
+    finally:
+        worker.kill()
+        worker.wait()
+    until(lambda: not engine_processes(), 15, "the kept server to end with the worker")
+
+
+def test_a_killed_workers_empty_engine_folders_are_swept_at_the_next_pass(opencode, tmp_path):
+    stale = worktrees.worktree_root() / "engine" / "slot_0-deadbeef"
+    stale.mkdir(parents=True)
+    run = task_store.log_dir() / "engine-slot_0-deadbeef.run"
+    (run / "control").mkdir(parents=True)
+    kept = worktrees.worktree_root() / "engine" / "slot_0-cafef00d" / "repo-t_0009"
+    kept.mkdir(parents=True)   # a worktree a task still has: stays
+    assert warm().returncode == 0
+    assert not stale.exists() and not run.exists() and kept.is_dir()
