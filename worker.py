@@ -2015,8 +2015,10 @@ def predict_from_queue() -> Prediction | None:
     """The task a pass's first servers are made for: the pending task a claim takes first
     (highest priority, then oldest), else the newest task; None when it runs cold anyway."""
     pending = store.list_tasks(status="pending", limit=500)["tasks"]
-    page = [min(pending, key=lambda t: (-t["priority"], t["created_at"], store.parse_task_id(t["id"])))] if pending else \
-        store.list_tasks(limit=1)["tasks"]
+    def claim_order(task: dict[str, Any]) -> tuple:
+        return -task["priority"], task["created_at"], store.parse_task_id(task["id"])
+
+    page = [min(pending, key=claim_order)] if pending else store.list_tasks(limit=1)["tasks"]
     if not page:
         return None
     task = store.get_task(page[0]["id"])

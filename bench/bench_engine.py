@@ -96,9 +96,14 @@ def first_request(model: TimedModel, script: str) -> float:
 
 
 def cold(model: TimedModel, env: dict[str, str], repo: Path, name: str) -> dict[str, float]:
-    """One bare ``opencode run`` of the small task: seconds to the first request and to exit,
-    peak bytes of its tree."""
+    """One bare ``opencode run`` of the small task (see ``bare_run``)."""
     model.script(name, [tool_call("write", {"filePath": "{cwd}/" + name + ".txt", "content": "x\n"}), text("ok")])
+    return bare_run(model, env, repo, name, f"SCRIPT:{name} write the file")
+
+
+def bare_run(model: TimedModel, env: dict[str, str], repo: Path, name: str, prompt: str) -> dict[str, float]:
+    """One bare ``opencode run`` of ``prompt`` (a script already given to ``model`` as ``name``):
+    seconds to the first request and to exit, peak bytes of its tree."""
     run_env = opencode_runner.run_env(env, str(repo), "br-" + name, "bench", "auto")
     argv = [str(opencode_bin()), "run", "--auto", "--format", "json", "-m", MODEL, "--title", "br-" + name]
     started = time.monotonic()
@@ -106,7 +111,7 @@ def cold(model: TimedModel, env: dict[str, str], repo: Path, name: str) -> dict[
                             stderr=subprocess.DEVNULL, text=True)
     peak = PeakRss(lambda: tree(proc.pid))
     assert proc.stdin is not None
-    proc.stdin.write(f"SCRIPT:{name} write the file")
+    proc.stdin.write(prompt)
     proc.stdin.close()
     proc.wait(300)
     ended = time.monotonic()

@@ -43,12 +43,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 import psutil  # noqa: E402
 
-import opencode_runner  # noqa: E402
 import task_store  # noqa: E402  (reads its env at call time: each queue is named just before use)
-from bench_engine import MB, PeakRss, TimedModel, first_request, tree  # noqa: E402
+from bench_engine import MB, PeakRss, TimedModel, bare_run, first_request, tree  # noqa: E402
 from fake_openai import text, tool_call  # noqa: E402
 from helpers import AGENT_DONE, make_repo  # noqa: E402
-from opencode_env import MODEL, opencode_bin, opencode_env  # noqa: E402
+from opencode_env import opencode_bin, opencode_env  # noqa: E402
 
 GONE = (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess)
 
@@ -240,21 +239,8 @@ def through(worker: Worker, model: TimedModel, name: str) -> dict[str, float]:
 
 
 def bare(model: TimedModel, env: dict[str, str], repo: Path, name: str) -> dict[str, float]:
-    """A bare ``opencode run`` of the same prompt: seconds to the first request and to exit, peak
-    bytes of its tree."""
-    prompt = script(model, name)
-    run_env = opencode_runner.run_env(env, str(repo), "br-" + name, "bench", "auto")
-    argv = [str(opencode_bin()), "run", "--auto", "--format", "json", "-m", MODEL, "--title", "br-" + name]
-    started = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=repo, env=run_env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, text=True)
-    peak = PeakRss(lambda: tree(proc.pid))
-    assert proc.stdin is not None
-    proc.stdin.write(prompt)
-    proc.stdin.close()
-    proc.wait(300)
-    ended = time.monotonic()
-    return {"first": first_request(model, name) - started, "done": ended - started, "peak": peak.stop()}
+    """A bare ``opencode run`` of the same prompt (bench_engine.bare_run)."""
+    return bare_run(model, env, repo, name, script(model, name))
 
 
 def timeline(worker: Worker, since: float) -> list[str]:

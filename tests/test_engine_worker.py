@@ -17,8 +17,8 @@ import task_store
 import worktrees
 from fake_openai import text, tool_call
 from helpers import AGENT_DONE as DONE
-from helpers import bash_step as bash
 from helpers import ROOT, checkout_state, fake_binary, git, make_repo, run_script, submit, tagged, until
+from helpers import bash_step as bash
 from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
