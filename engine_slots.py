@@ -11,9 +11,10 @@ in the background, so the next task finds one that answers: the server's start (
 path from submit to the model's first request.
 
 A server is made for the slot's *predicted* next task: the worker computes its environment and box
-exactly as for a run (worker.py), from the last task the slot ran, or from the queue's newest task
-at start. A claimed task runs on it only when its own environment is the same (model, permission
-preset, agent, plugins, the repository) — ``Kept.fits``; otherwise it runs cold and the server is
+exactly as for a run (worker.py), from the last task the slot ran, or at start from the pending
+task a claim takes first. A claimed task runs on it only when it is of the same shape (repository,
+model, preset, agent, rules, limits: checked before any wait) and, once its workspace is made, its
+whole run environment is the same (``Kept.fits``); otherwise it runs cold and the server is
 recycled. Which tasks are eligible at all is the worker's call (``worker._engine_eligible``).
 
 Used by worker.py (``WORKER_ENGINE=1`` or ``worker.py --engine warm``); not run on its own. No SQL.
@@ -51,17 +52,17 @@ class Kept:
 
     ``folder``: the empty folder the task's worktree goes in (bound writable in the box);
     ``run_dir``: the run folder of the box (``control/``, ``reply/``, ``tmp/``, ``objects/``,
-    ``git/``), as worker.fresh_run_folder makes for a cold run; ``marker``: the run marker in the
-    server's environment; ``repo``: the repository the box shows; ``env``: the server's
-    environment (its fit key is what a task must match); ``box``: the argv wrapper of the box.
-    ``start`` runs in a thread; ``ready`` waits for it."""
+    ``git/``), as worker.fresh_run_folder makes for a cold run; ``repo``: the repository the box
+    shows; ``env``: the server's environment (its fit key is what a task must match); ``box``: the
+    argv wrapper of the box; ``shape``: what a task must be like (worker._shape). ``begin``
+    launches it, its health is waited for in a thread; ``ready`` waits for that."""
 
-    def __init__(self, folder: Path, run_dir: Path, marker: str, repo: str, env: dict[str, str],
+    def __init__(self, folder: Path, run_dir: Path, repo: str, env: dict[str, str],
                  box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0) -> None:
-        self.folder, self.run_dir, self.marker, self.repo = folder, run_dir, marker, repo
-        self.env, self.box, self.shape = env, box, shape   # shape: what a task must be like (worker._shape)
+        self.folder, self.run_dir, self.repo, self.env, self.shape = folder, run_dir, repo, env, shape
         self.engine = engine.Engine(env, str(folder), box=box, start_timeout=start_timeout)
         self.problem: str | None = None   # one line: why the server did not start
+        self.recycled = False
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._start, name=f"engine-{folder.name}", daemon=True)
 
@@ -110,7 +111,11 @@ class Kept:
     def recycle(self, grace: float) -> list[dict[str, Any]]:
         """Stop the server and everything it started (SIGTERM, ``grace`` seconds, SIGKILL; then a
         sweep by its tag) and drop its run folder; returns what was still running besides the
-        server and its box, ``[{"pid", "command", "ports"}]`` (the agent's leftovers, for the receipt)."""
+        server and its box, ``[{"pid", "command", "ports"}]`` (the agent's leftovers, for the receipt);
+        [] when it was recycled already."""
+        if self.recycled:
+            return []
+        self.recycled = True
         left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -140,28 +145,30 @@ class Slots:
         self.kept: dict[str, Kept] = {}
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
 
-    def take(self, slot: str, wait: float, shape: Any, stopping: Callable[[], bool]) -> tuple[Kept | None, str | None]:
-        """(the slot's server for the task in hand, None): removed from the slot (one task per
-        server) when it was made for a task of this ``shape`` and answers within ``wait`` seconds,
-        looked at every 0.2 s until ``stopping()``; else (None, why not in one line, or None when
-        the slot has none), the server recycled at once."""
+    def take(self, slot: str, wait: float, shape: Any,
+             stopping: Callable[[], bool]) -> tuple[Kept | None, str | None, bool]:
+        """(the slot's server for the task in hand, None, False): removed from the slot (one task
+        per server) when it was made for a task of this ``shape`` and answers within ``wait``
+        seconds, looked at every 0.2 s until ``stopping()``. Else (None, why not in one line or
+        None when the slot has none, whether the server failed), the server recycled at once."""
         with self.lock:
             kept = self.kept.pop(slot, None)
         if kept is None:
-            return None, None
+            return None, None, False
         if kept.shape != shape:
             kept.recycle(0)
-            return None, "it was made for another kind of task (repository, model, preset, agent, limits)"
+            return None, "it was made for another kind of task (repository, model, preset, agent, limits)", False
         deadline = time.monotonic() + wait
-        while not kept.ready(0.2) and not kept.started.is_set() and time.monotonic() < deadline and not stopping():
+        while not kept.started.wait(0.2) and time.monotonic() < deadline and not stopping():
             pass
         if kept.ready(0):
-            return kept, None
-        why = kept.problem or ("the worker is stopping" if stopping() else
+            return kept, None, False
+        failed = not stopping()
+        why = kept.problem or ("the worker is stopping" if not failed else
                                f"opencode serve did not answer within {wait:g} s" if kept.engine.alive() else
                                "opencode serve exited after its start")
         kept.recycle(0)
-        return None, why
+        return None, why, failed
 
     def prepare(self, slot: str) -> str | None:
         """Start the slot's next server in the background (a server already there is kept);
@@ -179,11 +186,6 @@ class Slots:
             self.kept[slot] = kept.begin()
         return None
 
-    def problems(self) -> list[str]:
-        """The start failures of servers that ended starting (one line each)."""
-        with self.lock:
-            return [k.problem for k in self.kept.values() if k.started.is_set() and k.problem]
-
     def stop_all(self, grace: float) -> None:
         """Stop every kept server (the pass is ending)."""
         with self.lock:
@@ -196,11 +198,11 @@ def sweep(root: Path, log_dir: Path) -> None:
     """Remove what kept servers of an earlier pass left when their worker was killed: empty
     folders under ``root`` (``<worktree root>/engine``; one holding a worktree stays) and run
     folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is held."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):   # no engine folder yet
         for folder in root.iterdir():
             worktrees.drop_engine_folder(folder)
-        for run in log_dir.glob("engine-*.run"):
-            shutil.rmtree(run, ignore_errors=True)
+    for run in log_dir.glob("engine-*.run"):
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def new_marker(slot: str) -> str:

@@ -1976,10 +1976,13 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str) -> engine_slots
     slots = current().engines
     if slots is None or not _engine_eligible(task, resume):
         return None
-    repo = worktrees.repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
-    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), lambda: current().flags.stopping)
+    try:
+        repo = worktrees.repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
+    except (worktrees.Unrunnable, worktrees.GitError):
+        repo = None   # the workspace's own step says what is wrong with the folder
+    kept, why, failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo),
+                                   lambda: current().flags.stopping)
     if kept is None:
-        failed = why is not None and "made for another" not in why and "stopping" not in why
         log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'}); runs cold",
             talk.NORMAL if failed else talk.VERBOSE)
     return kept
@@ -2052,7 +2055,7 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
         return _boxed(like, ws, box, run_dir, argv, env, plan)
 
     shape = _shape(like, prediction.model, prediction.repo)
-    return engine_slots.Kept(folder, run_dir, marker, prediction.repo, files.env, boxed, shape)
+    return engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape)
 
 
 def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
