@@ -106,7 +106,13 @@ class Kept:
         """The live processes of the server's tree that the agent started (not the server, not
         its box): the bash tool's commands and whatever they left running (psutil.Process)."""
         server = self.engine.proc.pid if self.engine.proc is not None else None
-        return [p for p in self.engine.processes() if p.pid != server and not _carries_server(p)]
+        return [p for p in self.engine.processes() if p.pid != server and not self._carries(p)]
+
+    def _carries(self, proc: Any) -> bool:
+        try:
+            return process_tree.carries(proc, self.engine.argv)
+        except process_tree.GONE:
+            return True   # gone: nothing left to name
 
     def recycle(self, grace: float) -> list[dict[str, Any]]:
         """Stop the server and everything it started (SIGTERM, ``grace`` seconds, SIGKILL; then a
@@ -121,14 +127,6 @@ class Kept:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         worktrees.drop_engine_folder(self.folder)   # only when no worktree was made in it
         return left
-
-
-def _carries_server(proc: Any) -> bool:
-    """Whether ``proc`` is the box or OpenCode's own process (not something the agent started)."""
-    with contextlib.suppress(*process_tree.GONE):
-        cmdline = proc.cmdline()
-        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or (len(cmdline) > 1 and cmdline[1] == "serve")
-    return True
 
 
 class Slots:

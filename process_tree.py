@@ -143,6 +143,14 @@ def _signal(pgid: int | None, procs: Iterable[psutil.Process], sig: int) -> None
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_reaper.py")
 
 
+def carries(proc: psutil.Process, argv: list[str]) -> bool:
+    """Whether ``proc`` is one of the processes a run of ``argv`` is made of: the box
+    (bubblewrap), run_reaper.py, or ``argv`` itself (its arguments compared: the binary may be
+    named another way). Raises psutil's errors for a process that is gone."""
+    cmdline = proc.cmdline()
+    return proc.name() == "bwrap" or REAPER in cmdline or cmdline[1:] == argv[1:]
+
+
 def reaper_argv(python: str, status_fd: int, argv: list[str], die_with_parent: bool = False) -> list[str]:
     """``argv`` started by run_reaper.py (a child subreaper, see there) under ``python``; it
     writes ``exit CODE`` on ``status_fd`` (an inherited pipe's write end) when ``argv`` ends.

@@ -601,12 +601,15 @@ def write_rules_file(task: dict[str, Any], control: Path) -> str | None:
 
 
 def fresh_run_folder(task_id: str, suffix: str = ".run") -> Path:
-    """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (0700): ``control/`` (the files the
-    worker hands OpenCode: read-only inside the box), ``reply/`` (the plugins' answers), ``tmp/``
-    (the run's private /tmp) and ``objects/`` (its git objects). Removed when the attempt ends.
-    ``task_id`` may also be a kept server's name (``engine-slot_0-…``: its run folder)."""
-    name = task_id if task_id.startswith("engine-") else store.log_path(task_id).stem
-    run = store.log_dir() / f"{name}{suffix}"
+    """``<TASK_LOG_DIR>/<id>.run/`` made anew for one attempt (see ``run_folder``)."""
+    return run_folder(store.log_path(task_id).with_suffix(suffix))
+
+
+def run_folder(run: Path) -> Path:
+    """``run`` made anew (0700) as a run's folder: ``control/`` (the files the worker hands
+    OpenCode: read-only inside the box), ``reply/`` (the plugins' answers), ``tmp/`` (the run's
+    private /tmp) and ``objects/`` (its git objects). Removed when the attempt (or, for a kept
+    server's, the server) ends."""
     shutil.rmtree(run, ignore_errors=True)
     for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(mode=0o700, parents=True)
@@ -688,9 +691,9 @@ class ShellWatch:
 def _shell_watch(launch: Launch, pid: int) -> ShellWatch:
     """The watch over the bash tool's shells of the run ``launch`` started as ``pid``: OpenCode's
     own children, the kept server's when the run drives one."""
-    server = launch.server.engine.proc if launch.server is not None else None
-    if launch.server is not None and server is not None:
-        return ShellWatch(server.pid, launch.server.engine.argv, launch.server.engine.shell)
+    kept = launch.server
+    if kept is not None and kept.engine.proc is not None:
+        return ShellWatch(kept.engine.proc.pid, kept.engine.argv, kept.engine.shell)
     return ShellWatch(pid, launch.argv, launch.env.get("SHELL"))
 
 
@@ -974,8 +977,7 @@ class Launch:
 
     def carries_run(self, proc: psutil.Process) -> bool:
         """Whether ``proc`` is the box, the reaper or OpenCode itself: the processes a run is made of."""
-        cmdline = proc.cmdline()
-        return proc.name() == "bwrap" or process_tree.REAPER in cmdline or cmdline[1:] == self.argv[1:]
+        return process_tree.carries(proc, self.argv)
 
 
 class OutputLines:
@@ -2043,7 +2045,7 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     token = secrets.token_hex(4)
     folder = worktrees.worktree_root() / "engine" / f"{slot}-{token}"
     folder.mkdir(mode=0o700, parents=True)
-    run_dir = fresh_run_folder(f"engine-{slot}-{token}")
+    run_dir = run_folder(store.log_dir() / f"engine-{slot}-{token}.run")
     marker = engine_slots.new_marker(slot)
     like = {**prediction.task, "run_marker": marker}
     ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo)
