@@ -3035,7 +3035,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
         current().beat.running(task, False)
-        current().talk.ended(task, final, time.monotonic() - began, handed_back=current().flags.stop_now)
+        flags = current().flags   # a stop not yet said is said while it still names this task
+        current().talk.signals(flags.stopping, flags.stop_now)
+        current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now)
 
 
 def refuse(message: str) -> None:

@@ -135,17 +135,17 @@ class Talk:
     def signals(self, stopping: bool, stop_now: bool) -> None:
         """Announce each stop signal once, naming what happens to the tasks in hand."""
         seen = 2 if stop_now else 1 if stopping else 0
-        if seen <= self.announced:
-            return
-        with self.lock:
+        with self.lock:   # the loop and a slot's end both call this: each signal is said once
+            if seen <= self.announced:
+                return
+            before, self.announced = self.announced, seen
             ids = ", ".join(sorted(self.running))
-        if self.announced < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
+        if before < 1 and seen < 2:   # both at once (--stop-at-once): say only what happens
             self.say(f"finishing {ids} (Ctrl-C again to stop now)" if ids
                     else "stopping: no task in hand", level=QUIET, style="yellow")
         if seen == 2:
             self.say(f"stopping now: ending the run of {ids} and handing it back to the queue "
                     "(no retry spent)" if ids else "stopping now", level=QUIET, style="yellow")
-        self.announced = seen
 
     # -- the live line --------------------------------------------------------------------
 

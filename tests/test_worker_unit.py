@@ -433,3 +433,27 @@ def test_a_folder_is_read_as_root_and_head_by_one_git_run_whatever_its_name(tmp_
     assert worktrees._repo_state(str(outside))[:2] == (None, None)
     assert worktrees.refuse_unrunnable_folder(str(outside)) is True
     assert worktrees.refuse_unrunnable_folder(str(outside), host="another-machine") is None
+
+
+def test_a_stop_at_once_is_said_naming_the_task_before_its_end_line(tmp_path):
+    """A slot may end its run (told to stop at once) before the pass's loop wakes to announce the
+    signal: the stop line must still name the task and come before its end line (CI saw
+    "handed back" and then a bare "stopping now")."""
+    said: list[str] = []
+
+    class Heard(worker.Talk):
+        def say(self, message, level=worker.talk.NORMAL, style=""):
+            said.append(message)
+
+    state = worker.fresh_state(voice=Heard())
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"))
+    state.flags.signalled(), state.flags.signalled()   # two Ctrl-Cs, the loop asleep
+    state.talk.claimed(task)   # as the loop does at the claim
+    worker._run_guarded(task, worker.Knobs())   # what a slot runs
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "pending" and final["handbacks"] == 1
+    stop = [i for i, line in enumerate(said) if line.startswith(f"stopping now: ending the run of {task['id']}")]
+    end = [i for i, line in enumerate(said) if "handed back to the queue" in line and "stopping" not in line]
+    assert len(stop) == 1 and end and stop[0] < end[0], "\n".join(said)
+    state.talk.signals(True, True)   # the loop's own call afterwards says nothing again
+    assert sum(line.startswith("stopping now") for line in said) == 1, said
