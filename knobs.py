@@ -48,6 +48,12 @@ REGISTRY: dict[str, tuple[type, float, float, float]] = {
     "CLAUDE_MAX_PARALLEL": (int, 4, 1, 64),
 }
 
+# The knobs that are on/off switches (a 0..1 int above): what each value means, for the message.
+SWITCHES: dict[str, tuple[str, str]] = {
+    "WORKER_ENGINE": ("a new `opencode run` per attempt", "the warm engine, a kept `opencode serve` per slot"),
+    "MCP_CHANNEL_PUSH": ("no Claude Code channel notices", "a notice when a task ends or asks"),
+}
+
 
 class KnobError(ValueError):
     """An env knob is set to something that is not a number in its range (the message says which)."""
@@ -62,6 +68,10 @@ def _read(name: str, kind: type, default: float, lo: float, hi: float) -> float:
     except ValueError:
         value = None
     if value is None or not math.isfinite(value) or not lo <= value <= hi:
+        if name in SWITCHES:
+            off, on = SWITCHES[name]
+            raise KnobError(f"{name}={raw!r} is not 0 or 1 (0: {off}; 1: {on}); fix it or unset it "
+                            f"(default {default:g})")
         what = "a whole number" if kind is int else "a number"
         raise KnobError(f"{name}={raw!r} is not {what} from {lo:g} to {hi:g}; fix it or unset it "
                         f"(default {default:g})")

@@ -2818,7 +2818,11 @@ def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:
     has one that fits a kept server: else each slot's first task runs cold and teaches it)."""
     try:
         first = predict_from_queue()
-    except (oc.NoDefaultModel, oc.OpencodeNotFound, worktrees.Unrunnable) as exc:
+    except Exception as exc:
+        # each slot's first task runs cold and teaches it; the queue away now is the loop's to weather
+        if not (db_outage(exc) or isinstance(exc, (oc.NoDefaultModel, oc.OpencodeNotFound,
+                                                   worktrees.Unrunnable, worktrees.GitError))):
+            raise
         log(f"kept OpenCode servers wait for a first task: {exc}", talk.VERBOSE)
         first = None
     engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())

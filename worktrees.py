@@ -220,7 +220,7 @@ def task_folder(label: str, ident: str) -> Path:
     if len(raw) > FOLDER_LABEL_MAX:
         digest = hashlib.sha1(raw).hexdigest()[:8]
         label = f"{raw[:FOLDER_LABEL_MAX - 20].decode('utf-8', 'ignore')}-{digest}"
-    return worktree_root() / f"{label}-{ident}"
+    return worktree_root() / f"{label.replace('%', '_')}-{ident}"   # see opencode_can_work_in
 
 
 # Only a worktree this deep gets its files' depth checked too (a listing of the whole tree): below
@@ -445,6 +445,16 @@ def prepare_workspace(task: dict[str, Any], resume: bool, folder: Path | None = 
     return ws
 
 
+def opencode_can_work_in(folder: str) -> None:
+    """Raise Unrunnable when OpenCode cannot work in ``folder``: 1.18.33 decodes a folder's path
+    once more than it should ("my%20repo" is read as "my repo", which does not exist), so a path
+    with a ``%`` fails every run there. A worktree's own folder name never has one (task_folder)."""
+    if "%" in folder:
+        raise Unrunnable(f"OpenCode cannot work in {folder}: it reads a '%' in a folder's path as an escape "
+                         "('my%20repo' as 'my repo'); rename the folder without '%' (or point "
+                         "TASKBRIDGE_WORKTREE_ROOT at a path without one) and retry the task")
+
+
 def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> Workspace:
     if task.get("repo"):
         return remote_workspace(task, resume)
@@ -452,6 +462,8 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     if not os.path.isdir(wd):
         raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
     top, head, _ = _repo_state(wd)
+    if top is None or not task["worktree"]:
+        opencode_can_work_in(wd)
     if top is None:
         return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
     head = _first_commit_needed(top, head)
@@ -475,6 +487,7 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
                          task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
                          base_from=base_from, line_base=line_base, own_branch=True)
+    opencode_can_work_in(os.path.normpath(str(path / sub)))
     branch = _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,

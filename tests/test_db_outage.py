@@ -365,3 +365,14 @@ def test_status_asks_about_a_silent_worker_on_another_host_by_name(monkeypatch):
     said = " ".join(result.output.split())
     assert "stale" in said and "The worker on hostA has not checked in for over 0 s (it said: idle)" in said, said
     assert "launchd" not in said, "not this machine's schedule"
+
+
+def test_the_warm_engine_start_weathers_an_outage_instead_of_ending_the_pass(monkeypatch, tmp_path):
+    """With the engine on, the pass's first servers are predicted from the queue before the loop
+    (which rides out outages) runs: an outage there ended a --watch pass at its start."""
+    monkeypatch.setattr(task_store, "list_tasks", lambda **_: (_ for _ in ()).throw(OUTAGES[0]))
+    engines = worker._start_engines(1, watch=True)
+    assert engines.first is None and engines.kept == {}, "no prediction: each slot's first task runs cold"
+    monkeypatch.setattr(task_store, "list_tasks", lambda **_: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError):
+        worker._start_engines(1, watch=True)   # a fault of our own is not taken for an outage

@@ -110,3 +110,21 @@ def test_install_refuses_a_bad_port_before_installing(args, env):
                             env=dict(os.environ, **env), timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 1 and "is not a port number from 1 to 65535" in result.stderr
     assert "installing" not in result.stderr and time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("name", ["WORKER_ENGINE", "MCP_CHANNEL_PUSH"])
+def test_a_switch_knob_says_what_0_and_1_mean(monkeypatch, name):
+    """A bad on/off knob named only "a whole number from 0 to 1": its two values are now said."""
+    import knobs
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(knobs.KnobError) as caught:
+        knobs.knob(name)
+    off, on = knobs.SWITCHES[name]
+    assert f"{name}='yes' is not 0 or 1 (0: {off}; 1: {on}); fix it or unset it" in str(caught.value)
+
+
+def test_the_worker_says_what_worker_engine_means():
+    result = run_script("worker.py", env=dict(os.environ, WORKER_ENGINE="2"), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "WORKER_ENGINE='2' is not 0 or 1 (0: a new `opencode run` per attempt; 1: the warm engine" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -110,3 +110,25 @@ def test_silent_model_killed_at_timeout_then_retried_with_full_budget(opencode, 
     assert second >= 30 and first >= 30, "each attempt gets the full timeout"
     assert tagged() == []
     assert len(opencode.model.requests_for("silent")) == 2
+
+
+def test_a_folder_with_a_percent_in_its_path_gets_a_worktree_without_one_or_a_clear_refusal(opencode, tmp_path):
+    """OpenCode reads a '%' in its folder's path as an escape ("my%20repo" as "my repo"), so every
+    run there failed with a bare ENOENT and a retry was offered. A worktree's folder is now named
+    without it (the task is done); a run in place there fails at once, saying why and what to do."""
+    repo = make_repo(tmp_path / "my%20repo")
+    opencode.model.script("pct", [tool_call("write", {"filePath": "{cwd}/a.txt", "content": "x\n"}),
+                                  text("Fine.\n" + RECEIPT)])
+    task = task_store.submit_task(title="pct", instructions="SCRIPT:pct", working_dir=str(repo))
+    in_place = task_store.submit_task(title="here", instructions="SCRIPT:pct", working_dir=str(repo),
+                                      worktree=False, max_retries=2)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert "%" not in done["worktree_path"] and done["result"]["files_touched"] == ["a.txt"]
+    assert git(repo, "show", f"{done['result']['commit']}:a.txt") == "x"
+    refused = task_store.get_task(in_place["id"])
+    assert refused["status"] == "failed" and refused["attempts"] == 1, refused
+    assert "reads a '%' in a folder's path as an escape" in refused["error"] and "rename the folder" in refused["error"]
+    assert not (repo / "a.txt").exists()
