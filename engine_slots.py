@@ -58,9 +58,15 @@ class Kept:
     launches it, its health is waited for in a thread; ``ready`` waits for that."""
 
     def __init__(self, folder: Path, run_dir: Path, repo: str, env: dict[str, str],
-                 box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0) -> None:
+                 box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0,
+                 warm: Callable[[Kept], None] | None = None) -> None:
         self.folder, self.run_dir, self.repo, self.env, self.shape = folder, run_dir, repo, env, shape
-        self.engine = engine.Engine(env, str(folder), box=box, start_timeout=start_timeout)
+        self.warm = warm
+        # The server runs with the warm-up stop besides the task's own environment (which is
+        # what a task must match: ``fits``).
+        server_env = oc.with_warm_up(env, str(run_dir / "control" / "warm-up.json")) if warm else env
+        self.engine = engine.Engine(server_env, str(folder), box=box, start_timeout=start_timeout)
+        self.parked: Path | None = None   # the worktree parked and opened for the task (``warm``)
         self.problem: str | None = None   # one line: why the server did not start
         self.recycled = False
         self.started = threading.Event()
@@ -85,6 +91,11 @@ class Kept:
             # another folder, so that one is let go.
             with contextlib.suppress(engine.EngineError):
                 self.engine.release(str(self.folder))
+            if self.warm is not None:
+                try:
+                    self.warm(self)   # parks the task's worktree and opens it (engine.Engine.warm_up)
+                except (worktrees.GitError, engine.EngineRefused, OSError):
+                    pass   # the task's worktree is then made after the claim, its first prompt slower
         except engine.EngineError as exc:
             self.problem = str(exc)
         except OSError as exc:   # the log file, the exec: the worker's machine, said in one line
@@ -125,6 +136,9 @@ class Kept:
         left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.parked is not None:   # no task took it (else its workspace step let it go)
+            with contextlib.suppress(worktrees.GitError):   # left to the next pass's sweep
+                worktrees.drop_parked(self.parked)
         worktrees.drop_engine_folder(self.folder)   # only when no worktree was made in it
         return left
 
@@ -193,11 +207,14 @@ class Slots:
 
 
 def sweep(root: Path, log_dir: Path) -> None:
-    """Remove what kept servers of an earlier pass left when their worker was killed: empty
-    folders under ``root`` (``<worktree root>/engine``; one holding a worktree stays) and run
-    folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is held."""
+    """Remove what kept servers of an earlier pass left when their worker was killed: parked
+    worktrees no task took and the folders under ``root`` (``<worktree root>/engine``) that are
+    then empty (one holding a task's worktree stays), and run folders ``engine-*.run`` in
+    ``log_dir``. Only while this queue's pass lock is held."""
     with contextlib.suppress(OSError):   # no engine folder yet
         for folder in root.iterdir():
+            for inside in list(folder.iterdir()) if folder.is_dir() else []:
+                worktrees.drop_parked(inside)   # a task's worktree (on its branch) stays
             worktrees.drop_engine_folder(folder)
     for run in log_dir.glob("engine-*.run"):
         shutil.rmtree(run, ignore_errors=True)

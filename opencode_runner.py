@@ -714,6 +714,18 @@ def limit_from_log(line: str, now: float) -> dict[str, Any] | None:
             "session_id": session.group(1) if session else None}
 
 
+WARM_UP_ENV = "TASKBRIDGE_WARM_UP"
+
+
+def with_warm_up(env: dict[str, str], warm_up_file: str) -> dict[str, str]:
+    """``env`` for a kept ``opencode serve``: the warm-up stop loaded (``warm_up.js`` in
+    opencode_plugins/, appended to ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list) and
+    ``TASKBRIDGE_WARM_UP`` naming ``warm_up_file``, where the worker writes ``{"session": id}``
+    of the session that opens the task's folder: that session's model call is stopped before it
+    is sent, and TaskBridge's other plugins leave it alone. Raises ConfigProblem."""
+    return _with_plugin(env, PLUGIN_DIR / "warm_up.js", WARM_UP_ENV, warm_up_file)
+
+
 RETRY_ENV = "TASKBRIDGE_RETRY"
 
 

@@ -52,6 +52,7 @@ from typing import IO, Any, TypeVar
 import psutil
 
 import agent_box
+import engine
 import engine_client
 import engine_slots
 import knobs
@@ -1659,6 +1660,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         kept = _take_engine(task, resume, model)
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
+            if kept is not None and ws is not None and ws.parked:
+                kept.parked = None   # the task's now: its workspace, not the server, removes it
             if ws is None:
                 return final
             setup, final = _run_setup(task, ws, phases, model)
@@ -2057,7 +2060,14 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
         return _boxed(like, ws, box, run_dir, argv, env, plan)
 
     shape = _shape(like, prediction.model, prediction.repo)
-    return engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape)
+    sub = os.path.relpath(prediction.task["working_dir"], prediction.repo)
+
+    def warm(kept: engine_slots.Kept) -> None:   # in the server's start thread (engine_slots)
+        kept.parked, _ = worktrees.park_worktree(prediction.repo, folder)
+        kept.engine.warm_up(os.path.normpath(kept.parked / sub), run_dir / "control" / "warm-up.json",
+                            prediction.model, like.get("agent"))
+
+    return engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape, warm=warm)
 
 
 def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
@@ -2077,6 +2087,9 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)
         shutil.copyfile(Path(admin) / "index", kept.run_dir / "git" / "index")
     eng = kept.engine
+    if kept.parked is not None:   # not taken over (made anew where it was): the server reads it afresh
+        with contextlib.suppress(engine.EngineError):
+            eng.release(ws.cwd)
     argv = [agent_box.stdlib_python(), str(ENGINE_CLIENT), "--port", str(eng.port), "--directory", ws.cwd,
             "--title", task["run_marker"], "--model", model, "--server-log", str(eng.log_path)]
     if task.get("agent"):
@@ -2084,7 +2097,8 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     env = {name: os.environ[name] for name in ("PATH", "LANG", "LC_ALL") if name in os.environ}
     env.update({"OPENCODE_SERVER_PASSWORD": eng.password, oc.MARKER_ENV: task["run_marker"],
                 oc.QUEUE_ENV: store.queue_tag()})
-    log(f"{task['id']} attempt {task['attempts']}: kept OpenCode server of {_slot()} in {ws.cwd} "
+    log(f"{task['id']} attempt {task['attempts']}: kept OpenCode server of {_slot()} in {ws.cwd}, "
+        f"{'parked and opened before the claim' if ws.parked else 'made after the claim'} "
         f"(box: {setup.box.label})", talk.VERBOSE)
     launch = Launch(argv, env, ws.cwd, prompt, rules_file=files.rules, retry_file=files.retry,
                     server=kept)

@@ -290,6 +290,7 @@ class Workspace:
     push_lease: str | None = None  # the branch's commit on the remote when fetched ("": absent)
     mirror_cloned: bool = False    # this attempt made the mirror (else it fetched into it)
     own_branch: bool = False       # the branch was made for this task (not a parent's: drop_empty_branch)
+    parked: bool = False           # a kept server's parked worktree, taken over (park_worktree)
     git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
     git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
@@ -479,7 +480,7 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     if task.get("worktree_path") and _inside(task["worktree_path"], worktree_root()):
         path = Path(task["worktree_path"])   # an earlier attempt's place (a kept server's folder)
     elif folder is not None:
-        path = folder / path.name
+        path = parked_path(folder, top)   # where the kept server's worktree was parked (park_worktree)
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
     line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
@@ -488,11 +489,12 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
                          task.get("branch") or f"taskbridge/{task['id']}", base, reused=True,
                          base_from=base_from, line_base=line_base, own_branch=True)
     opencode_can_work_in(os.path.normpath(str(path / sub)))
-    branch = _fresh_worktree(top, path, task, base)
+    parked = folder is not None and _parked_at(path, base)
+    branch = _take_parked(top, path, task, base) if parked else _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
                      base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base,
-                     own_branch=True)
+                     own_branch=True, parked=parked)
 
 
 def _parent_tip(parent: dict[str, Any], top: str) -> str:
@@ -1183,6 +1185,53 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
             git(["worktree", "prune"], repo, check=False)
     drop_engine_folder(Path(path).parent)
     return _leftover(path, problems)
+
+
+def parked_path(folder: Path, top: str) -> Path:
+    """Where a kept server's worktree of the checkout ``top`` goes in its ``folder``
+    (engine_slots.py): ``<folder>/<label>``, the folder being the task's alone."""
+    return folder / task_folder(Path(top).name, "x").name[:-2]
+
+
+def park_worktree(top: str, folder: Path) -> tuple[Path, str]:
+    """A worktree of ``top`` made ahead of a claim at ``parked_path(folder, top)``, detached at
+    ``top``'s HEAD, for a kept server to open before its task exists; (its path, its commit).
+    The task claimed then takes it over with only a new branch (``_fresh_worktree``); one no task
+    took is removed by ``drop_parked``. Raises GitError."""
+    path = parked_path(folder, top)
+    commit = git(["rev-parse", "--verify", "HEAD^{commit}"], top)
+    with _ADMIN:
+        git(["worktree", "add", "-q", "--detach", str(path), commit], top)
+    return path, commit
+
+
+def _parked_at(path: Path, base: str) -> bool:
+    """Whether ``path`` holds a parked worktree (detached, untouched) at ``base``."""
+    if not os.path.isfile(path / ".git"):
+        return False
+    head = git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False)
+    return (head == base and not git(["symbolic-ref", "-q", "HEAD"], path, check=False)
+            and not git(["status", "--porcelain", "--untracked-files=all", "--ignored"], path, check=False))
+
+
+def _take_parked(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
+    """The parked worktree at ``path`` (already at ``base``) made the task's: only its branch is new
+    (returned); no file changes, so what the kept server loaded of it stays true."""
+    with _ADMIN:
+        branch = _free_branch(repo, task, base)
+        git(["switch", "-q", "-C", branch], path)
+    return branch
+
+
+def drop_parked(path: Path) -> None:
+    """Remove the worktree at ``path`` when it is a parked one no task took (detached HEAD: a
+    task's worktree is always on its branch), and its registration in its repository."""
+    if not os.path.isfile(path / ".git") or git(["symbolic-ref", "-q", "HEAD"], path, check=False):
+        return
+    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
+    if common:
+        with _ADMIN:
+            git(["--git-dir", common, "worktree", "remove", "--force", str(path)], path.parent, check=False)
 
 
 def drop_engine_folder(folder: Path) -> None:

@@ -27,3 +27,14 @@ export function writeJson(file, value) {
   fs.writeFileSync(tmp, JSON.stringify(value));
   fs.renameSync(tmp, file);
 }
+
+// Whether `sessionID` is the warm-up session of a kept `opencode serve` (worker.py writes
+// {"session": id} to the file TASKBRIDGE_WARM_UP names, in the run's read-only control folder,
+// before it prompts): TaskBridge's plugins never take it for the run's own session, and
+// warm_up.js stops its model call. False when the variable is unset (every `opencode run`).
+export function isWarmUp(sessionID) {
+  const file = process.env.TASKBRIDGE_WARM_UP;
+  if (!file || !sessionID) return false;
+  const warm = readJson(file);
+  return Boolean(warm && warm.session === sessionID);
+}

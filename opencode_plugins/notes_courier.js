@@ -11,7 +11,7 @@
 // (the hook sees the stored messages, which do not hold them), and records what it delivered in
 // "<run>/reply/notes.ack" ({"delivered": [{"id", "at": ms}]}) for the worker's receipt. Sub-agents'
 // sessions are left alone. Reads and writes nothing else; imports only files.js (beside it).
-import { readJson, replyPath, writeJson } from "./files.js";
+import { isWarmUp, readJson, replyPath, writeJson } from "./files.js";
 
 function noteMessage(template, note, index) {
   const id = `${template.info.id}_taskbridge_note_${note.id}_${index}`;
@@ -33,6 +33,7 @@ export const TaskbridgeNotes = async () => {
       const messages = output && output.messages;
       if (!path || !Array.isArray(messages) || messages.length === 0) return;
       const session = messages[0].info && messages[0].info.sessionID;
+      if (!main && isWarmUp(session)) return;
       main = main || session;
       if (session !== main) return;
       const template = messages.find((m) => m.info && m.info.role === "user");

@@ -11,7 +11,7 @@
 // so the worker can end a long wait and pause the task until the reset instead. Only the run's
 // first busy session (its own, not a sub-agent's) is reported. Reads nothing; writes only that file;
 // imports only files.js (beside it).
-import { replyPath, writeJson } from "./files.js";
+import { isWarmUp, replyPath, writeJson } from "./files.js";
 
 export const TaskbridgeRetryWatch = async () => {
   const path = process.env.TASKBRIDGE_RETRY;
@@ -21,6 +21,7 @@ export const TaskbridgeRetryWatch = async () => {
       if (!path || !event || event.type !== "session.status") return;
       const props = event.properties || {};
       const status = props.status || {};
+      if (!main && isWarmUp(props.sessionID)) return;
       main = main || props.sessionID;
       if (props.sessionID !== main || status.type !== "retry") return;
       writeJson(replyPath(path, ".json"), {

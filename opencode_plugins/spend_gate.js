@@ -16,7 +16,7 @@
 // Sub-agents' calls are not gated (their steps are not in the event stream either). A gate file
 // that cannot be read lets the call go. Imports only files.js (beside it); writes only the .held file.
 // Not run by hand: OpenCode loads it. Env: TASKBRIDGE_GATE (the gate file's path; unset, every call goes).
-import { readJson, replyPath, writeJson } from "./files.js";
+import { isWarmUp, readJson, replyPath, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -49,7 +49,7 @@ export const TaskbridgeSpendGate = async ({ client }) => {
   let before = null; // steps the session had finished before this run (a resumed session)
   return {
     "chat.params": async (input) => {
-      if (!path) return;
+      if (!path || (!main && isWarmUp(input.sessionID))) return;
       main = main || input.sessionID;
       if (input.sessionID !== main) return;
       const gate = readJson(path);

@@ -31,9 +31,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A module that sets ``BOTH_ENGINES = True`` runs each of its tests that use the real
     opencode twice, on the cold engine and on the warm one (ids ``[cold]``, ``[warm]``): the
-    guarantees a worker run gives are the same on both (issue 21)."""
-    if getattr(metafunc.module, "BOTH_ENGINES", False) and "opencode" in metafunc.fixturenames:
-        metafunc.fixturenames.append("worker_engine")
+    guarantees a worker run gives are the same on both (issue 21). A test of another module asks
+    for the same by naming the ``worker_engine`` fixture."""
+    if "worker_engine" in metafunc.fixturenames or (
+            getattr(metafunc.module, "BOTH_ENGINES", False) and "opencode" in metafunc.fixturenames):
+        if "worker_engine" not in metafunc.fixturenames:
+            metafunc.fixturenames.append("worker_engine")
         metafunc.parametrize("worker_engine", ["cold", "warm"], indirect=True)
 
 

@@ -60,6 +60,9 @@ def test_two_tasks_run_on_kept_servers_with_the_same_receipts(opencode, tmp_path
     tasks = [submit(repo, script=name) for name in ("one", "two")]
     passed = warm()
     assert passed.returncode == 0, passed.stderr
+    # each slot's worktree was parked and opened ahead; opening it sent the model nothing
+    assert passed.stderr.count("parked and opened before the claim") == 2, passed.stderr
+    assert {r["script"] for r in opencode.model.requests} == {"one", "two"}
     for task, name in zip(tasks, ("one", "two"), strict=True):
         done = task_store.get_task(task["id"])
         assert done["status"] == "done", done["error"]
@@ -224,12 +227,16 @@ def test_an_unboxed_kept_server_ends_with_a_killed_worker(opencode, tmp_path, mo
     until(lambda: not engine_processes(), 15, "the kept server to end with the worker")
 
 
-def test_a_killed_workers_empty_engine_folders_are_swept_at_the_next_pass(opencode, tmp_path):
+def test_a_killed_workers_empty_engine_folders_and_parked_worktrees_are_swept_at_the_next_pass(opencode, tmp_path):
     stale = worktrees.worktree_root() / "engine" / "slot_0-deadbeef"
     stale.mkdir(parents=True)
     run = task_store.log_dir() / "engine-slot_0-deadbeef.run"
     (run / "control").mkdir(parents=True)
     kept = worktrees.worktree_root() / "engine" / "slot_0-cafef00d" / "repo-t_0009"
     kept.mkdir(parents=True)   # a worktree a task still has: stays
+    repo = make_repo(tmp_path / "repo")
+    parked, _ = worktrees.park_worktree(str(repo), worktrees.worktree_root() / "engine" / "slot_0-0ddba11")
+    assert str(parked) in git(repo, "worktree", "list")
     assert warm().returncode == 0
     assert not stale.exists() and not run.exists() and kept.is_dir()
+    assert not parked.parent.exists() and str(parked) not in git(repo, "worktree", "list"), "no task took it"

@@ -191,7 +191,7 @@ def test_transcript_without_a_session_comes_from_the_task_logs(tmp_path):
     assert refused.returncode != 0 and "not found" in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, tmp_path):
+def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, tmp_path, worker_engine):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("steer", [
         tool_call("bash", {"command": "sleep 6", "description": "long step"}),

@@ -24,6 +24,8 @@ OTHER = {"provider": {"other": {"npm": "@ai-sdk/openai-compatible", "name": "Oth
          "enabled_providers": ["fake", "other"]}
 
 
+BOTH_ENGINES = True   # the retry watch runs in a kept server too (conftest)
+
 def _two_providers(opencode):
     other = json.loads(json.dumps(OTHER))
     other["provider"]["other"]["options"]["baseURL"] = opencode.model.url
