@@ -7,6 +7,7 @@ pre-started server (engine.py's ``Engine``). It imports the standard library onl
 
     python engine_client.py --port PORT --directory DIR --title TITLE [--model provider/model]
                             [--agent NAME] [--session SESSION_ID] [--server-log FILE] [--permission JSON]
+                            [--notes FILE --notes-ack FILE]
 
 The prompt is read from stdin to EOF. ``--permission``: a JSON list of OpenCode ruleset entries
 ``[{"permission", "pattern", "action"}]`` for a new session; a rule denying the ``question`` tool is
@@ -21,6 +22,15 @@ shapes of ``opencode run --format json`` (``step_start``, ``text``, ``tool_use``
 ``error``: one JSON object a line, flushed at once) until that session goes idle. Permission asks of
 the session and of its sub-agent sessions are approved ``once`` (what ``--auto`` does) and not
 printed. SIGTERM / SIGINT / SIGHUP abort the session (OpenCode kills its bash children) and exit.
+
+Notes that came too late for the running turn (``--notes``: the file the worker writes the task's
+undelivered planner notes to, ``{"notes": [{"id", "author", "text"}]}``; ``--notes-ack``: where the
+note courier plugin acknowledges those it gave the model, ``{"delivered": [{"id"}]}``): when the
+session goes idle with notes in the first file that are in neither the second nor sent already,
+they go to the session as its next turn, announced first by a line of TaskBridge's own,
+``{"type": "note_turn", "timestamp": ms, "sessionID", "notes": [ids]}``, and the events are
+followed to idle again. (A cold ``opencode run`` ends at idle: such a note waits for a later
+attempt there.)
 
 Exit codes: 0 idle with no ``error`` event printed; 1 an ``error`` event was printed, the
 ``--session`` is unknown (``Error: Session not found``, as ``opencode run -s`` says) or the server
@@ -51,6 +61,7 @@ STREAM_TIMEOUT = 120.0   # seconds without a byte on /event (the server sends a 
 REQUEST_TIMEOUT = 60.0   # seconds for one API call (a session in a folder not yet loaded takes seconds)
 ABORT_TIMEOUT = 2.0      # seconds for the abort sent on a signal
 LOG_POLL = 0.1           # seconds between two reads of --server-log
+NOTES_HANDOFF = 2.0      # seconds a late note's turn waits for the worker to take it off --notes
 USER = "opencode"        # OpenCode's default basic-auth user (OPENCODE_SERVER_USERNAME)
 DENY_QUESTIONS = {"permission": "question", "pattern": "*", "action": "deny"}
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -218,6 +229,7 @@ class Run:
         self.family: set[str] = set()    # the main session and its sub-agents' sessions
         self.seen: set[tuple[str, str]] = set()
         self.errors = 0
+        self.notes_sent: set[Any] = set()   # ids of the notes sent as a turn of their own
 
     def start(self, prompt: str) -> http.client.HTTPResponse:
         """Open the stream, check or create the session, send the prompt; returns the stream."""
@@ -228,13 +240,40 @@ class Run:
             body = {"title": self.args.title, "permission": [*self.args.permission, DENY_QUESTIONS]}
             self.session_id = str(self.server.call("POST", "/session", body)["id"])
         self.family.add(self.session_id)
-        message: dict[str, Any] = {"parts": [{"type": "text", "text": prompt}]}
+        self.prompt(prompt)
+        return stream
+
+    def prompt(self, text: str) -> None:
+        """Send ``text`` as the session's next turn (``prompt_async``) with the run's model and agent."""
+        message: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
         if self.args.model:
             message["model"] = split_model(self.args.model)
         if self.args.agent:
             message["agent"] = self.args.agent
         self.server.call("POST", f"/session/{self.session_id}/prompt_async", message)
-        return stream
+
+    def late_notes(self) -> bool:
+        """Send the notes the session has not had (see the module docstring) as its next turn,
+        announced by a ``note_turn`` line; False when there are none."""
+        if not self.args.notes:
+            return False
+        acked = {item.get("id") for item in listed(self.args.notes_ack, "delivered")}
+        fresh = [note for note in listed(self.args.notes, "notes") if note.get("id") not in acked | self.notes_sent]
+        if not fresh:
+            return False
+        ids = [note.get("id") for note in fresh]
+        self.notes_sent.update(ids)
+        self.emit({"type": "note_turn", "timestamp": int(time.time() * 1000), "sessionID": self.session_id,
+                   "notes": ids})
+        # The worker takes them off the notes file once it has read that line; until then the note
+        # courier plugin would give them to the new turn's model call a second time.
+        deadline = time.monotonic() + NOTES_HANDOFF
+        while time.monotonic() < deadline and set(ids) & {note.get("id") for note in listed(self.args.notes, "notes")}:
+            time.sleep(0.05)
+        self.prompt("\n\n".join(
+            f"A note from the planner ({note.get('author')}), sent while you worked on this task; take it "
+            f"into account now:\n\n{note.get('text')}" for note in fresh))
+        return True
 
     def check_session(self, session_id: str) -> None:
         """Raise ClientError with what ``opencode run -s`` prints when the session does not exist."""
@@ -255,7 +294,7 @@ class Run:
             if not line:
                 raise self.server.gone("closed its event stream before the session went idle (did it die?)")
             event = sse_event(line)
-            if event and self.handle(event.get("type"), event.get("properties")):
+            if event and self.handle(event.get("type"), event.get("properties")) and not self.late_notes():
                 return 1 if self.errors else 0
 
     def handle(self, kind: Any, props: Any) -> bool:
@@ -353,6 +392,18 @@ class LogTail:
 
 # -- the command line -----------------------------------------------------------------------------
 
+def listed(path: str | None, key: str) -> list[dict[str, Any]]:
+    """The objects listed under ``key`` in the JSON file ``path``; [] when it is unset, missing,
+    unreadable, caught mid-write or not of that shape."""
+    if not path:
+        return []
+    try:
+        items = json.loads(Path(path).read_text(encoding="utf-8")).get(key)
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
 def ruleset(text: str) -> list[dict[str, str]]:
     """``--permission``: a JSON list of ``{"permission", "pattern", "action"}`` objects."""
     try:
@@ -385,6 +436,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--agent", help="the OpenCode agent (default: build)")
     parser.add_argument("--session", help="continue this session instead of creating one")
     parser.add_argument("--server-log", help="the server's log file: new lines are copied to stderr")
+    parser.add_argument("--notes", help="the task's undelivered notes (JSON), sent as a turn when they come late")
+    parser.add_argument("--notes-ack", help="the note courier plugin's acknowledgements (JSON)")
     parser.add_argument("--permission", type=ruleset, default=[],
                         help='a new session\'s ruleset: JSON [{"permission","pattern","action"}]')
     return parser.parse_args(argv)

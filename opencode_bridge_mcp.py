@@ -1165,9 +1165,11 @@ def add_task_note(
     text: Annotated[str, Field(description="the note (≤20,000 characters), stored exactly as sent")],
 ) -> NoteResult:
     """Add a note to a task that has not finished. A running task's agent gets it in its running
-    session before its next model call (a step boundary); otherwise it reaches the agent in its
-    next prompt (the next attempt, or the resume after a question). `delivery` says which; the
-    task's notes (get_task) and its receipt say when and how each note was delivered.
+    session before its next model call (a step boundary); one that comes during the agent's last
+    model call gets a turn of its own in that session on the warm engine (worker.py --engine
+    warm), and otherwise waits. Else it reaches the agent in its next prompt (the next attempt, or
+    the resume after a question). `delivery` says which; the task's notes (get_task) and its
+    receipt say when and how each note was delivered.
     Errors: unknown id, empty or too long text, the task already finished (submit a follow-up
     with continue_from instead)."""
     return cast(NoteResult, store.add_note(task_id, text, author="planner"))

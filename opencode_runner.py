@@ -876,8 +876,9 @@ class EventStream:
     errors: list[str] = field(default_factory=list)
     limit: dict[str, Any] | None = None   # the provider limit an error event reported (limit_from_error)
     refused_status: int | None = None     # an HTTP status no retry can change (refused_by_provider)
-    finished: bool = False          # a step_finish with reason "stop" was seen
+    finished: bool = False          # a step_finish with reason "stop" was seen (and no turn after it)
     last_reason: str | None = None
+    note_turns: list[tuple[list[Any], float]] = field(default_factory=list)   # see _on_note_turn
     _step_texts: list[str] = field(default_factory=list)
     final_text: str = ""            # the last step's text: its last TEXT_KEEP characters only
     final_text_chars: int = 0       # the last step's whole text length (the whole is in the log)
@@ -949,6 +950,14 @@ class EventStream:
             self.final_text_chars = self._step_chars
         if self.last_reason == "stop":
             self.finished = True
+
+    def _on_note_turn(self, _part: dict, event: dict) -> None:
+        # TaskBridge's own line (engine_client.py, the warm engine): planner notes that came after
+        # the last model call were sent as the session's next turn: (their ids, epoch seconds).
+        notes = event.get("notes")
+        self.note_turns.append((list(notes) if isinstance(notes, list) else [],
+                                float(event.get("timestamp") or 0) / 1000))
+        self.finished = False
 
     def _on_error(self, _part: dict, event: dict) -> None:
         # Bounded like the text: the last 20 errors, each clipped (the log has them whole).

@@ -728,17 +728,22 @@ class Courier:
     """Carries notes added while an attempt runs into its running session: it writes the task's
     undelivered notes to the notes file the note courier plugin (``notes_courier.js``) reads
     before each model call, and records the ones the plugin acknowledges as delivered (when, and
-    that it was in the running session)."""
+    that it was in the running session), and those the warm engine's client gave a turn of their
+    own once the agent had finished (``turns``: the event stream's ``note_turns``, [(ids, epoch
+    seconds)])."""
+
+    TURN = "in the running session, as a turn of its own after the agent had finished"
 
     def __init__(self, task: dict[str, Any], notes_file: str):
         self.task_id, self.marker, self.path = task["id"], task["run_marker"], notes_file
         self.written: list[int] | None = None
         self.recorded: set[int] = set()
 
-    def sync(self) -> None:
+    def sync(self, turns: list[tuple[list[Any], float]]) -> None:
         """Write the notes file when the undelivered notes changed; record new acknowledgements."""
         with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError):
             self._record_acks()
+            self._record(turns, self.TURN)
             notes = store.undelivered_notes(self.task_id)
             ids = [n["id"] for n in notes]
             if ids != self.written:
@@ -754,15 +759,20 @@ class Courier:
                 acks = json.load(handle).get("delivered") or []
         except FileNotFoundError:
             return
-        new = [(int(a["id"]), float(a["at"]) / 1000) for a in acks if int(a["id"]) not in self.recorded]
+        self._record([([a["id"]], float(a["at"]) / 1000) for a in acks], "in the running session, at a step boundary")
+
+    def _record(self, deliveries: list[tuple[list[Any], float]], how: str) -> None:
+        """Mark delivered ``how`` the notes of ``deliveries`` ([(ids, epoch seconds)]) not yet recorded."""
+        new = [(int(note_id), at) for ids, at in deliveries for note_id in ids if int(note_id) not in self.recorded]
         if new:
-            store.mark_notes_delivered(self.task_id, self.marker, new, "in the running session, at a step boundary")
+            store.mark_notes_delivered(self.task_id, self.marker, new, how)
             self.recorded.update(note_id for note_id, _ in new)
 
-    def close(self) -> None:
+    def close(self, turns: list[tuple[list[Any], float]]) -> None:
         """Record the last acknowledgements and remove the files."""
         with contextlib.suppress(OSError, ValueError, TypeError, store.TaskStoreError):
             self._record_acks()
+            self._record(turns, self.TURN)
         for path in (self.path, oc.reply_path(self.path, ".ack"), f"{self.path}.tmp"):
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -1307,7 +1317,7 @@ class Supervisor:
             shipper = LogShipper(self.task["id"], task_log)
             task_log.write(_run_header(self.task["run_marker"], self.launch, self.result.box))
             if self.courier is not None:
-                self.courier.sync()
+                self.courier.sync(self.result.stream.note_turns)
             self.turn.enter()
             try:
                 self.running = running = self._start(task_log, shipper)
@@ -1359,7 +1369,7 @@ class Supervisor:
         if self.spend is not None:
             self.spend.close()
         if self.courier is not None:
-            self.courier.close()
+            self.courier.close(self.result.stream.note_turns)
 
     def _started(self) -> Running:
         """OpenCode's process and what watches it; run() makes them before anything here reads them."""
@@ -1432,7 +1442,7 @@ class Supervisor:
                 if self.spend is not None:
                     self.spend.refresh()
                 if self.courier is not None:
-                    self.courier.sync()
+                    self.courier.sync(self.result.stream.note_turns)
         elif running.shipper.waiting() >= store.LOG_CHUNK_MAX and current().outage.since is None:
             running.shipper.ship()
         return False
@@ -1474,6 +1484,10 @@ class Supervisor:
             paused = self.spend.step(self.stop)
             if paused is not None:
                 self._end(paused)
+        if event.get("type") == "note_turn":   # the warm engine gave late notes a turn: the run goes on
+            self.finished_at = None
+            if self.courier is not None:
+                self.courier.sync(self.result.stream.note_turns)
         if self.running is not None:
             self.running.shells.tool_used(event)
 
@@ -2091,7 +2105,8 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
         with contextlib.suppress(engine.EngineError):
             eng.release(ws.cwd)
     argv = [agent_box.stdlib_python(), str(ENGINE_CLIENT), "--port", str(eng.port), "--directory", ws.cwd,
-            "--title", task["run_marker"], "--model", model, "--server-log", str(eng.log_path)]
+            "--title", task["run_marker"], "--model", model, "--server-log", str(eng.log_path),
+            "--notes", files.notes, "--notes-ack", oc.reply_path(files.notes, ".ack")]
     if task.get("agent"):
         argv += ["--agent", task["agent"]]
     env = {name: os.environ[name] for name in ("PATH", "LANG", "LC_ALL") if name in os.environ}

@@ -72,11 +72,13 @@ class Step:
     message: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     usage: dict[str, int] | None = None
+    delay: float = 0.0   # seconds the answer waits after the request arrived
 
 
-def text(s: str, usage: dict[str, int] | None = None) -> Step:
-    """A text answer (finish_reason "stop"). `s` may contain `{cwd}`."""
-    return Step(kind="text", text=s, usage=usage)
+def text(s: str, usage: dict[str, int] | None = None, delay: float = 0.0) -> Step:
+    """A text answer (finish_reason "stop"), sent ``delay`` seconds after the request came. `s`
+    may contain `{cwd}`."""
+    return Step(kind="text", text=s, usage=usage, delay=delay)
 
 
 def tool_call(
@@ -471,6 +473,8 @@ class ScriptedModel:
 
     def _respond(self, handler: _Handler, body: dict[str, Any], reply: _Reply) -> None:
         step = reply.step
+        if step.delay:
+            self._stopping.wait(step.delay)
         if step.kind == "http_error":
             return self._send_json(handler, step.status, _error_body(step.status, step.message), step.headers)
         if step.kind == "hang" or (step.kind == "stall" and not body.get("stream")):

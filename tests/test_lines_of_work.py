@@ -17,7 +17,7 @@ import pytest
 import task_store
 import task_views
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo, run_script, tool_error
+from helpers import ROOT, git, make_repo, run_script, tool_error, until
 
 pytestmark = pytest.mark.real_opencode
 
@@ -221,6 +221,39 @@ def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, t
     assert note["delivered_how"] == "in the running session, at a step boundary" and note["delivered_at"]
     assert done["attempts"] == 1 and done["result"]["session"] == "new session"
     assert not list(task_store.log_path(task["id"]).parent.glob("*.notes*")), "the notes files are removed"
+
+
+def test_a_note_that_comes_during_the_last_model_call(opencode, tmp_path, worker_engine):
+    """The agent's last model call is under way when the note comes, so no step boundary is left
+    for it. On the warm engine it goes to the session as its next turn and the agent answers it
+    in the same run; a cold `opencode run` ends at idle, and the note waits for a later attempt."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("late", [
+        text("First answer.\n" + _receipt("before the note", []), delay=4),
+        text("Heard the late note.\n" + _receipt("took the late note", [])),
+    ])
+    task = task_store.submit_task(title="late", instructions="Work. SCRIPT:late", working_dir=str(repo))
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: opencode.model.step_requests("late") or worker.poll() is not None, 120, "the model call")
+        task_store.add_note(task["id"], "use-the-late-token")
+        _, stderr = worker.communicate(timeout=180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", (done["error"], stderr)
+    steps = opencode.model.step_requests("late")
+    note = done["result"]["notes"][0]
+    if worker_engine == "warm":
+        assert len(steps) == 2 and "use-the-late-token" not in _body(steps[0])
+        assert _body(steps[1]).count("use-the-late-token") == 1, "given once: as the turn, not by the plugin too"
+        assert note["delivered_how"] == "in the running session, as a turn of its own after the agent had finished"
+        assert done["result"]["summary"] == "took the late note"
+    else:
+        assert len(steps) == 1 and not note.get("delivered_at"), note
+        assert done["result"]["summary"] == "before the note"
 
 
 PUSH = "git push origin main; echo pushed > {cwd}/pushed.txt"
