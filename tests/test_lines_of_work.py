@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -191,27 +190,33 @@ def test_transcript_without_a_session_comes_from_the_task_logs(tmp_path):
     assert refused.returncode != 0 and "not found" in refused.stderr and "Traceback" not in refused.stderr
 
 
+def _note_mid_run(opencode, repo, script: str, ready, text_: str) -> tuple[dict, dict, str]:
+    """Submit SCRIPT:``script`` in ``repo``, run a worker pass, add the note ``text_`` once
+    ``ready(the script's step requests)`` holds; (add_note's answer, the task after the pass,
+    the worker's stderr)."""
+    task = task_store.submit_task(title=script, instructions=f"Work. SCRIPT:{script}", working_dir=str(repo))
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: ready(opencode.model.step_requests(script)) or worker.poll() is not None, 120, "the model call")
+        sent = task_store.add_note(task["id"], text_)
+        _, stderr = worker.communicate(timeout=180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    return sent, task_store.get_task(task["id"]), stderr
+
+
 def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, tmp_path, worker_engine):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("steer", [
         tool_call("bash", {"command": "sleep 6", "description": "long step"}),
         text("Heard you.\n" + _receipt("took the note", [])),
     ])
-    task = task_store.submit_task(title="steer", instructions="Work. SCRIPT:steer", working_dir=str(repo))
-    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(r["finished"] and r["step"] == 0 for r in opencode.model.step_requests("steer")):
-            assert time.monotonic() < deadline and worker.poll() is None, worker.communicate()
-            time.sleep(0.2)
-        sent = task_store.add_note(task["id"], "use-the-blue-approach-token")
-        assert sent["status"] == "running" and "running session" in sent["delivery"]
-        _, stderr = worker.communicate(timeout=180)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-    done = task_store.get_task(task["id"])
+    sent, done, stderr = _note_mid_run(opencode, repo, "steer", lambda steps: any(r["finished"] and r["step"] == 0
+                                                                                   for r in steps),
+                                       "use-the-blue-approach-token")
+    assert sent["status"] == "running" and "running session" in sent["delivery"]
     assert done["status"] == "done", (done["error"], stderr)
     steps = opencode.model.step_requests("steer")
     assert len(steps) == 2 and steps[1]["json"]["messages"][-1]["role"] == "user"
@@ -220,7 +225,7 @@ def test_a_note_sent_while_a_task_runs_reaches_the_agent_in_that_run(opencode, t
     note = done["result"]["notes"][0]
     assert note["delivered_how"] == "in the running session, at a step boundary" and note["delivered_at"]
     assert done["attempts"] == 1 and done["result"]["session"] == "new session"
-    assert not list(task_store.log_path(task["id"]).parent.glob("*.notes*")), "the notes files are removed"
+    assert not list(task_store.log_path(done["id"]).parent.glob("*.notes*")), "the notes files are removed"
 
 
 def test_a_note_that_comes_during_the_last_model_call(opencode, tmp_path, worker_engine):
@@ -232,17 +237,7 @@ def test_a_note_that_comes_during_the_last_model_call(opencode, tmp_path, worker
         text("First answer.\n" + _receipt("before the note", []), delay=4),
         text("Heard the late note.\n" + _receipt("took the late note", [])),
     ])
-    task = task_store.submit_task(title="late", instructions="Work. SCRIPT:late", working_dir=str(repo))
-    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        until(lambda: opencode.model.step_requests("late") or worker.poll() is not None, 120, "the model call")
-        task_store.add_note(task["id"], "use-the-late-token")
-        _, stderr = worker.communicate(timeout=180)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-    done = task_store.get_task(task["id"])
+    _, done, stderr = _note_mid_run(opencode, repo, "late", bool, "use-the-late-token")
     assert done["status"] == "done", (done["error"], stderr)
     steps = opencode.model.step_requests("late")
     note = done["result"]["notes"][0]
