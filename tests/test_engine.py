@@ -22,7 +22,7 @@ import agent_box
 import engine
 import opencode_runner
 import worktrees
-from fake_openai import default_usage, hang, text, tool_call
+from fake_openai import default_usage, hang, http_error, text, tool_call
 from helpers import git, make_repo, until
 
 MODEL = "fake/model"
@@ -303,3 +303,50 @@ def test_the_password_is_basic_auth_for_the_opencode_user():
     user, _, password = base64.b64decode(eng.auth_header().split()[1]).decode().partition(":")
     assert (user, password) == ("opencode", eng.password)
     assert engine.Engine({}, "/tmp").password != eng.password
+
+
+def test_a_warm_up_sends_nothing_and_the_spend_gate_still_holds_the_tasks_session(opencode, tmp_path):
+    """A kept server opens a folder ahead with a prompt whose model call the warm-up stop refuses
+    (nothing reaches the model); TaskBridge's plugins must not take that session for the run's
+    own: the spend gate then holds the task session's third call (without isWarmUp it gated the
+    warm-up session and let every call of the task's go)."""
+    folder = make_repo(tmp_path / "repo")
+    opencode.model.script("gate", [tool_call("bash", {"command": f"echo {n}", "description": "n"})
+                                   for n in range(4)] + [text("done")])
+    control = tmp_path / "run" / "control"
+    control.mkdir(parents=True)
+    (tmp_path / "run" / "reply").mkdir()
+    gate = control / "gate"
+    gate.write_text('{"allow_usd": 0.0015, "allow_tokens": null, "stop": null}')
+    env = opencode_runner.run_env(opencode.env, str(folder), "br-eng-a1", "q-test", "auto")
+    env = opencode_runner.with_warm_up(opencode_runner.with_spend_gate(env, str(gate)), str(control / "warm-up.json"))
+    with engine.Engine(env, str(tmp_path)).start() as eng:
+        eng.warm_up(str(folder), control / "warm-up.json", MODEL)
+        assert opencode.model.requests == [], "the warm-up reached no model"
+        session_id = eng.create_session(str(folder), "br-eng-a1")
+        eng.prompt(session_id, str(folder), "SCRIPT:gate go", model=MODEL)
+        held = Path(opencode_runner.reply_path(str(gate), ".held"))
+        until(held.exists, 120, "the gate to hold the third call")
+        assert json.loads(held.read_text())["steps"] == 2
+        time.sleep(2)
+        assert len(opencode.model.step_requests("gate")) == 2, "the third call was never sent"
+
+
+def test_after_a_warm_up_the_retry_watch_reports_the_tasks_session(opencode, tmp_path):
+    """The retry watch reports the run's own session's retries (a usage limit pauses the task):
+    the warm-up session came first and was taken for it, so no retry of the task was reported."""
+    folder = make_repo(tmp_path / "repo")
+    opencode.model.script("lim", [http_error(429, "usage limit reached", {"retry-after": "40"})])
+    control = tmp_path / "run" / "control"
+    control.mkdir(parents=True)
+    (tmp_path / "run" / "reply").mkdir()
+    retry = control / "retry"
+    env = opencode_runner.run_env(opencode.env, str(folder), "br-eng-a1", "q-test", "auto")
+    env = opencode_runner.with_warm_up(opencode_runner.with_retry_watch(env, str(retry)), str(control / "warm-up.json"))
+    with engine.Engine(env, str(tmp_path)).start() as eng:
+        eng.warm_up(str(folder), control / "warm-up.json", MODEL)
+        session_id = eng.create_session(str(folder), "br-eng-a1")
+        eng.prompt(session_id, str(folder), "SCRIPT:lim go", model=MODEL)
+        reported = Path(opencode_runner.reply_path(str(retry), ".json"))
+        until(reported.exists, 60, "the retry watch to report the task's retry")
+        assert json.loads(reported.read_text())["sessionID"] == session_id
