@@ -308,8 +308,8 @@ class Engine:
         ``opencode_runner.with_warm_up(env, warm_up_file)``; this writes the session's id there
         first). The project, its config, the ``agent``'s tools and the ``model``'s provider are
         then loaded, and the task's first prompt there reaches the model in ~0.1–0.2 s instead
-        of 1–2.5 s. Nothing is sent to the model. Raises EngineGone (the server does not answer
-        within 120 s); the stop's refusal is the expected end."""
+        of 1–2.5 s. Nothing is sent to the model, and the session is deleted after. Raises
+        EngineGone (the server does not answer within 120 s); the stop's refusal is the expected end."""
         session_id = self.create_session(directory, "taskbridge-warm-up")
         partial = warm_up_file.with_name(warm_up_file.name + ".tmp")
         partial.write_text(json.dumps({"session": session_id}))
@@ -322,6 +322,8 @@ class Engine:
         with contextlib.suppress(EngineRefused):
             self.request("POST", f"/session/{session_id}/message", body, directory=directory,
                          timeout=max(self.request_timeout, 120))
+        with contextlib.suppress(EngineRefused):   # not left in OpenCode's session list
+            self.request("DELETE", f"/session/{session_id}", directory=directory)
 
     def abort(self, session_id: str, directory: str) -> None:
         """Stop the session's turn: the model request is cancelled and its bash tool commands are

@@ -66,9 +66,11 @@ class Kept:
         # what a task must match: ``fits``).
         server_env = oc.with_warm_up(env, str(run_dir / "control" / "warm-up.json")) if warm else env
         self.engine = engine.Engine(server_env, str(folder), box=box, start_timeout=start_timeout)
-        self.parked: Path | None = None   # the worktree parked and opened for the task (``warm``)
+        self.parked: Path | None = None   # where the task's worktree is parked (``warm``), until a task has it
+        self.warmed = False               # the parked worktree was opened (engine.Engine.warm_up)
         self.problem: str | None = None   # one line: why the server did not start
         self.recycled = False
+        self.served = False               # the server answered (``started`` is set once warm is done too)
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._start, name=f"engine-{folder.name}", daemon=True)
 
@@ -91,11 +93,15 @@ class Kept:
             # another folder, so that one is let go.
             with contextlib.suppress(engine.EngineError):
                 self.engine.release(str(self.folder))
+            self.served = True
             if self.warm is not None:
                 try:
                     self.warm(self)   # parks the task's worktree and opens it (engine.Engine.warm_up)
                 except (worktrees.GitError, engine.EngineRefused, OSError):
                     pass   # the task's worktree is then made after the claim, its first prompt slower
+                finally:
+                    if self.recycled and self.parked is not None:   # recycled while it parked: not left behind
+                        worktrees.drop_parked(self.parked)
         except engine.EngineError as exc:
             self.problem = str(exc)
         except OSError as exc:   # the log file, the exec: the worker's machine, said in one line
@@ -177,8 +183,9 @@ class Slots:
             return kept, None, False
         failed = not stopping()
         why = kept.problem or ("the worker is stopping" if not failed else
-                               f"opencode serve did not answer within {wait:g} s" if kept.engine.alive() else
-                               "opencode serve exited after its start")
+                               "opencode serve exited after its start" if not kept.engine.alive() else
+                               f"opening its worktree ahead took over {wait:g} s" if kept.served else
+                               f"opencode serve did not answer within {wait:g} s")
         kept.recycle(0)
         return None, why, failed
 

@@ -1674,8 +1674,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         kept = _take_engine(task, resume, model)
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
-            if kept is not None and ws is not None and ws.parked:
-                kept.parked = None   # the task's now: its workspace, not the server, removes it
+            if kept is not None and ws is not None:
+                kept.parked = None   # the task's worktree is there now (taken over or made anew): never dropped
             if ws is None:
                 return final
             setup, final = _run_setup(task, ws, phases, model)
@@ -2077,9 +2077,13 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     sub = os.path.relpath(prediction.task["working_dir"], prediction.repo)
 
     def warm(kept: engine_slots.Kept) -> None:   # in the server's start thread (engine_slots)
-        kept.parked, _ = worktrees.park_worktree(prediction.repo, folder)
+        kept.parked = worktrees.parked_path(folder, prediction.repo)   # named first: a recycle meanwhile drops it
+        if kept.recycled:
+            return
+        worktrees.park_worktree(prediction.repo, folder)
         kept.engine.warm_up(os.path.normpath(kept.parked / sub), run_dir / "control" / "warm-up.json",
                             prediction.model, like.get("agent"))
+        kept.warmed = True
 
     return engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape, warm=warm)
 
@@ -2101,7 +2105,7 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)
         shutil.copyfile(Path(admin) / "index", kept.run_dir / "git" / "index")
     eng = kept.engine
-    if kept.parked is not None:   # not taken over (made anew where it was): the server reads it afresh
+    if kept.warmed and not ws.parked:   # made anew where the opened one was: the server reads it afresh
         with contextlib.suppress(engine.EngineError):
             eng.release(ws.cwd)
     argv = [agent_box.stdlib_python(), str(ENGINE_CLIENT), "--port", str(eng.port), "--directory", ws.cwd,
@@ -2833,6 +2837,9 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         current().beat.write("error", error=problem)
         return 1
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
+        # what a killed worker's kept servers left (a cold pass too: else its parked worktrees stay
+        # registered in the user's repository until a warm pass)
+        engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
         engines = current().engines = _start_engines(slots, watch) if knobs.engine else None
         try:
             return Loop(watch, max_tasks, knobs, slots, pool).run()
@@ -2854,7 +2861,6 @@ def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:
             raise
         log(f"kept OpenCode servers wait for a first task: {exc}", talk.VERBOSE)
         first = None
-    engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
     engines = engine_slots.Slots(make_kept, first, watch)
     for index in range(slots):
         problem = engines.prepare(f"slot_{index}")

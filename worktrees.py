@@ -214,13 +214,19 @@ FOLDER_LABEL_MAX = 100
 
 def task_folder(label: str, ident: str) -> Path:
     """The worktree folder of task ``ident`` of the repository whose folder is named ``label``:
-    ``<worktree_root>/<label>-<ident>``, a label past FOLDER_LABEL_MAX bytes cut (on a character
-    boundary) and followed by 8 hex digits of its hash."""
+    ``<worktree_root>/<folder_label(label)>-<ident>``."""
+    return worktree_root() / f"{folder_label(label)}-{ident}"
+
+
+def folder_label(label: str) -> str:
+    """A repository's folder name as a worktree folder's name starts: past FOLDER_LABEL_MAX bytes
+    cut (on a character boundary) and followed by 8 hex digits of its hash; a ``%`` made ``_``
+    (see opencode_can_work_in)."""
     raw = label.encode("utf-8", "surrogateescape")
     if len(raw) > FOLDER_LABEL_MAX:
         digest = hashlib.sha1(raw).hexdigest()[:8]
         label = f"{raw[:FOLDER_LABEL_MAX - 20].decode('utf-8', 'ignore')}-{digest}"
-    return worktree_root() / f"{label.replace('%', '_')}-{ident}"   # see opencode_can_work_in
+    return label.replace("%", "_")
 
 
 # Only a worktree this deep gets its files' depth checked too (a listing of the whole tree): below
@@ -490,6 +496,8 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
                          base_from=base_from, line_base=line_base, own_branch=True)
     opencode_can_work_in(os.path.normpath(str(path / sub)))
     parked = folder is not None and _parked_at(path, base)
+    if folder is not None and not parked:
+        drop_parked(path)   # parked at another commit: the task's worktree is made anew there
     branch = _take_parked(top, path, task, base) if parked else _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
@@ -1189,49 +1197,63 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
 
 def parked_path(folder: Path, top: str) -> Path:
     """Where a kept server's worktree of the checkout ``top`` goes in its ``folder``
-    (engine_slots.py): ``<folder>/<label>``, the folder being the task's alone."""
-    return folder / task_folder(Path(top).name, "x").name[:-2]
+    (engine_slots.py): ``<folder>/<folder_label>``, the folder being the task's alone."""
+    return folder / folder_label(Path(top).name)
 
 
-def park_worktree(top: str, folder: Path) -> tuple[Path, str]:
-    """A worktree of ``top`` made ahead of a claim at ``parked_path(folder, top)``, detached at
-    ``top``'s HEAD, for a kept server to open before its task exists; (its path, its commit).
-    The task claimed then takes it over with only a new branch (``_fresh_worktree``); one no task
-    took is removed by ``drop_parked``. Raises GitError."""
+# The lock reason that marks a parked worktree (``git worktree lock``): what drop_parked removes.
+PARKED = "taskbridge: parked for a kept opencode serve; no task has it yet"
+
+
+def park_worktree(top: str, folder: Path) -> Path:
+    """A worktree of ``top`` made ahead of a claim at ``parked_path(folder, top)`` (returned),
+    detached at ``top``'s HEAD and locked with the reason PARKED, for a kept server to open
+    before its task exists. The task claimed then takes it over with only a new branch
+    (``_take_parked``); one no task took is removed by ``drop_parked``. Raises GitError."""
     path = parked_path(folder, top)
-    commit = git(["rev-parse", "--verify", "HEAD^{commit}"], top)
     with _ADMIN:
-        git(["worktree", "add", "-q", "--detach", str(path), commit], top)
-    return path, commit
+        git(["worktree", "add", "-q", "--lock", "--reason", PARKED, "--detach", str(path), "HEAD"], top)
+    return path
+
+
+def _is_parked(path: Path) -> bool:
+    """Whether ``path`` is a worktree parked by ``park_worktree`` that no task took (its lock
+    reason is PARKED: a positive mark, which neither a task's nor a user's worktree carries)."""
+    if not os.path.isfile(path / ".git"):
+        return False
+    admin = git(["rev-parse", "--path-format=absolute", "--git-dir"], path, check=False)
+    try:
+        return bool(admin) and Path(admin, "locked").read_text(encoding="utf-8").strip() == PARKED
+    except OSError:
+        return False
 
 
 def _parked_at(path: Path, base: str) -> bool:
-    """Whether ``path`` holds a parked worktree (detached, untouched) at ``base``."""
-    if not os.path.isfile(path / ".git"):
-        return False
-    head = git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False)
-    return (head == base and not git(["symbolic-ref", "-q", "HEAD"], path, check=False)
+    """Whether ``path`` holds a parked worktree, untouched, at ``base``."""
+    return (_is_parked(path) and git(["rev-parse", "--verify", "-q", "HEAD"], path, check=False) == base
             and not git(["status", "--porcelain", "--untracked-files=all", "--ignored"], path, check=False))
 
 
 def _take_parked(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
-    """The parked worktree at ``path`` (already at ``base``) made the task's: only its branch is new
-    (returned); no file changes, so what the kept server loaded of it stays true."""
+    """The parked worktree at ``path`` (already at ``base``) made the task's: unlocked, and only
+    its branch is new (returned); no file changes, so what the kept server loaded stays true."""
     with _ADMIN:
+        git(["worktree", "unlock", str(path)], repo)
         branch = _free_branch(repo, task, base)
         git(["switch", "-q", "-C", branch], path)
     return branch
 
 
 def drop_parked(path: Path) -> None:
-    """Remove the worktree at ``path`` when it is a parked one no task took (detached HEAD: a
-    task's worktree is always on its branch), and its registration in its repository."""
-    if not os.path.isfile(path / ".git") or git(["symbolic-ref", "-q", "HEAD"], path, check=False):
-        return
-    common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
-    if common:
-        with _ADMIN:
-            git(["--git-dir", common, "worktree", "remove", "--force", str(path)], path.parent, check=False)
+    """Remove the worktree at ``path`` and its registration when it is a parked one no task took
+    (``_is_parked``); any other worktree is left as it is."""
+    with _ADMIN:   # waits for a park in progress (the kept server's thread)
+        if not _is_parked(path):
+            return
+        common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
+        if common:
+            git(["--git-dir", common, "worktree", "remove", "--force", "--force", str(path)], path.parent,
+                check=False)
 
 
 def drop_engine_folder(folder: Path) -> None:

@@ -5,6 +5,7 @@ bubblewrap where the box is asserted."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -96,8 +97,8 @@ def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
     assert first_wt and Path(first_wt).is_dir()
     opencode.model.script("raid", [
         bash(f"ls {first_wt} >/dev/null 2>&1; echo peer-$?; cat {db} >/dev/null 2>&1; echo db-$?; "
-             f"echo x > {other}/planted.txt 2>/dev/null; echo other-$?; "
-             f"echo x >> {repo}/.git/config 2>/dev/null; echo config-$?; "
+             f"echo x 2>/dev/null > {other}/planted.txt; echo other-$?; "   # 2> first: a refusal says nothing
+             f"echo x 2>/dev/null >> {repo}/.git/config; echo config-$?; "
              f"ls {worktrees.worktree_root()} 2>&1 | grep -c {first['id']}; echo listed; "
              "(env; cat /proc/[0-9]*/environ) 2>/dev/null | tr '\\0' '\\n' | grep -c OPENCODE_SERVER_PASSWORD; "
              "echo password-looked"),
@@ -235,8 +236,56 @@ def test_a_killed_workers_empty_engine_folders_and_parked_worktrees_are_swept_at
     kept = worktrees.worktree_root() / "engine" / "slot_0-cafef00d" / "repo-t_0009"
     kept.mkdir(parents=True)   # a worktree a task still has: stays
     repo = make_repo(tmp_path / "repo")
-    parked, _ = worktrees.park_worktree(str(repo), worktrees.worktree_root() / "engine" / "slot_0-0ddba11")
+    parked = worktrees.park_worktree(str(repo), worktrees.worktree_root() / "engine" / "slot_0-0ddba11")
     assert str(parked) in git(repo, "worktree", "list")
     assert warm().returncode == 0
     assert not stale.exists() and not run.exists() and kept.is_dir()
     assert not parked.parent.exists() and str(parked) not in git(repo, "worktree", "list"), "no task took it"
+
+
+def test_a_task_whose_base_differs_from_the_parked_one_keeps_its_work(opencode, tmp_path, monkeypatch):
+    """B depends on A, so its base (A's commit) is not the parked HEAD: its worktree is made anew
+    where the parked one was. Recycling the server after B's run removed that worktree (a
+    detached HEAD looked parked) before B's receipt; only a worktree TaskBridge parked and no task
+    took is removed now. Unboxed, so the agent can detach HEAD (the box's git folder is read-only)."""
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("a", [tool_call("write", {"filePath": "{cwd}/a.txt", "content": "a\n"}),
+                                text("Done.\n" + DONE)])
+    opencode.model.script("b", [tool_call("write", {"filePath": "{cwd}/b.txt", "content": "b\n"}),
+                                bash("git checkout -q --detach && echo detached"),
+                                text("Done.\n" + DONE)])
+    a = submit(repo, script="a")
+    b = submit(repo, script="b", depends_on=[a["id"]])
+    passed = warm()
+    assert passed.returncode == 0, passed.stderr
+    done = task_store.get_task(b["id"])
+    assert done["status"] == "done" and ran_on_engine(b["id"]), (done["error"], passed.stderr)
+    assert "made after the claim" in passed.stderr
+    assert git(repo, "show", f"{done['result']['commit']}:b.txt") == "b"
+    assert str(worktrees.worktree_root() / "engine") not in git(repo, "worktree", "list")
+
+
+def test_a_worker_stopped_while_a_worktree_is_being_parked_leaves_none(opencode, tmp_path):
+    """The slot's next server parks its worktree while the worker is told to stop; the park (slow
+    here: a smudge filter, as Git LFS or a large checkout) is waited for and its worktree
+    removed. Before, the worktree stayed registered in the user's repository."""
+    repo = make_repo(tmp_path / "repo", {"README.md": "# r\n", ".gitattributes": "*.dat filter=slow\n",
+                                         "big.dat": "data\n"})
+    git(repo, "config", "filter.slow.smudge", "sleep 4; cat")
+    git(repo, "config", "filter.slow.clean", "cat")
+    opencode.model.script("s", [text("Fine.\n" + DONE)])
+    submit(repo, script="s")
+    worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--watch", "--engine", "warm"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: task_store.list_tasks(status="done")["total"] == 1, 120, "the first task")
+        engine_root = worktrees.worktree_root() / "engine"
+        until(lambda: list(engine_root.glob("slot_0-*/repo")), 60, "the next server's park to begin")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.stderr.read() if worker.stderr else ""
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert "engine" not in git(repo, "worktree", "list"), git(repo, "worktree", "list")
+    assert not (worktrees.worktree_root() / "engine").exists()

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 import task_store
+import worktrees
 from fake_openai import text, tool_call
-from helpers import ROOT, make_repo, normal_user
+from helpers import ROOT, git, make_repo, normal_user
 from opencode_env import opencode_env, require_opencode_bin
 
 pytestmark = pytest.mark.real_opencode
@@ -237,3 +238,26 @@ def test_what_an_in_place_revert_cannot_undo_is_named(tmp_path):
     finally:
         shutil.rmtree(plain, ignore_errors=True)
         (plain.parent / f"snap-{plain.name}").unlink(missing_ok=True)
+
+
+def test_only_a_parked_worktree_no_task_took_is_dropped(tmp_path):
+    """drop_parked removes a kept server's parked worktree no task took (git-locked with
+    TaskBridge's reason) and leaves any other, a detached one included: the sweep of a warm pass
+    deleted a kept task worktree whose HEAD a person had detached, with their files."""
+    repo = make_repo(tmp_path / "repo")
+    engine_folder = worktrees.worktree_root() / "engine"
+    parked = worktrees.park_worktree(str(repo), engine_folder / "a")
+    taken = worktrees.park_worktree(str(repo), engine_folder / "b")
+    task = {"id": "t_0001", "branch": None}
+    worktrees._take_parked(str(repo), taken, task, git(repo, "rev-parse", "HEAD"))
+    users = engine_folder / "c" / "repo"
+    git(repo, "worktree", "add", "-q", "--detach", str(users), "HEAD")
+    (users / "my-notes.txt").write_text("precious\n")
+    for path in (parked, taken, users):
+        worktrees.drop_parked(path)
+    listed = git(repo, "worktree", "list")
+    assert not parked.exists() and str(parked) not in listed
+    assert git(taken, "symbolic-ref", "--short", "HEAD") == "taskbridge/t_0001"
+    for kept in (taken, users):
+        assert kept.is_dir() and str(kept) in listed, kept
+    assert (users / "my-notes.txt").read_text() == "precious\n"
