@@ -176,7 +176,8 @@ class Engine:
         # environment stays in the server's tree, where the stop finds and ends it; and the
         # server ends with the thread that started it (a killed worker leaves none behind).
         status = os.open(os.devnull, os.O_WRONLY)
-        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv, die_with_parent=True)
+        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv, die_with_parent=True,
+                                        parent=None if self.box else os.getpid())   # a box has its own pids
         if self.box:
             argv, env = self.box(argv, env)
         # Set after the box has had its say: an allowlisting box must not drop the password or the

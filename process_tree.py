@@ -151,11 +151,15 @@ def carries(proc: psutil.Process, argv: list[str]) -> bool:
     return proc.name() == "bwrap" or REAPER in cmdline or cmdline[1:] == argv[1:]
 
 
-def reaper_argv(python: str, status_fd: int, argv: list[str], die_with_parent: bool = False) -> list[str]:
+def reaper_argv(python: str, status_fd: int, argv: list[str], die_with_parent: bool = False,
+                parent: int | None = None) -> list[str]:
     """``argv`` started by run_reaper.py (a child subreaper, see there) under ``python``; it
     writes ``exit CODE`` on ``status_fd`` (an inherited pipe's write end) when ``argv`` ends.
-    ``die_with_parent``: it ends ``argv`` when the thread that started it ends."""
-    return [python, "-I", REAPER, str(status_fd), *(["--die-with-parent"] if die_with_parent else []), "--", *argv]
+    ``die_with_parent``: it ends ``argv`` when the thread that started it ends; ``parent``: the
+    pid it must see as its parent (this process's, when no box's pid namespace is between them),
+    so a parent that ended before the reaper asked for the signal is seen too."""
+    flag = ([f"--die-with-parent={parent}" if parent else "--die-with-parent"] if die_with_parent else [])
+    return [python, "-I", REAPER, str(status_fd), *flag, "--", *argv]
 
 
 def described(procs: Iterable[psutil.Process]) -> list[dict]:

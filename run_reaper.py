@@ -1,7 +1,7 @@
 """The first process of an agent run: starts OpenCode, adopts what the run leaves behind, and
 tells the worker when OpenCode itself has ended.
 
-    python run_reaper.py STATUS_FD [--die-with-parent] -- opencode run --auto …
+    python run_reaper.py STATUS_FD [--die-with-parent[=PARENT_PID]] -- opencode run --auto …
 
 - Linux: it is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a daemon the agent starts in a
   new session with a cleared environment (``setsid env -i server &``: no process group, no tag
@@ -33,11 +33,14 @@ _ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 class _State:
     agent: int | None = None      # OpenCode's pid while it runs
+    forked = False                # OpenCode was started
 
 
 def _on_signal(signum: int, _frame: object) -> None:
     # Forwarded here, not from the loop: the loop sits in wait(), which Python resumes after a
     # handler (PEP 475), so a flag alone would not reach OpenCode until something exits.
+    if not _State.forked:   # before OpenCode starts (the parent died during our start): it never does
+        os._exit(128 + signum)
     if _State.agent is not None:
         try:
             os.kill(_State.agent, signum)
@@ -60,27 +63,31 @@ def _hold(code: int) -> int:
             return code
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int | None) -> None:
+    """Ask for SIGTERM when the starting thread ends; ``parent``: the pid that started us (None:
+    the parent now), so a parent that ended during our own start (~50 ms of Python) is seen too."""
     if sys.platform.startswith("linux"):
-        parent = os.getppid()
+        parent = parent or os.getppid()
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:   # the parent ended before the signal was asked for
             os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
-    orphan = len(argv) > 2 and argv[2] == "--die-with-parent"
+    orphan = len(argv) > 2 and argv[2].split("=")[0] == "--die-with-parent"
+    parent = int(argv[2].split("=")[1]) if orphan and "=" in argv[2] and argv[2].split("=")[1].isdigit() else None
     if orphan:
         argv = [argv[0], argv[1], *argv[3:]]
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: run_reaper.py STATUS_FD [--die-with-parent] -- COMMAND…", file=sys.stderr)
+        print("usage: run_reaper.py STATUS_FD [--die-with-parent[=PID]] -- COMMAND…", file=sys.stderr)
         return 2
     status_fd, command = int(argv[1]), argv[3:]
     _become_subreaper()
     for sig in _ENDING:
         signal.signal(sig, _on_signal)
     if orphan:
-        _die_with_parent()
+        _die_with_parent(parent)
+    _State.forked = True
     agent = os.fork()
     if agent == 0:
         os.close(status_fd)

@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -350,3 +352,25 @@ def test_after_a_warm_up_the_retry_watch_reports_the_tasks_session(opencode, tmp
         reported = Path(opencode_runner.reply_path(str(retry), ".json"))
         until(reported.exists, 60, "the retry watch to report the task's retry")
         assert json.loads(reported.read_text())["sessionID"] == session_id
+
+
+def test_a_reaper_whose_parent_died_during_its_start_starts_nothing(tmp_path):
+    """run_reaper.py --die-with-parent asks Linux for SIGTERM when its parent ends; a parent that
+    ended before it asked (a worker killed the moment its kept server launched) went unseen, and
+    the server lived on under init. The parent's pid now comes with the flag."""
+    marker = tmp_path / "started"
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(
+        "import os, subprocess, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import process_tree\n"
+        "_, status = os.pipe()\n"
+        "argv = ['sh', '-c', 'touch ' + sys.argv[2] + '; sleep 301']\n"
+        "subprocess.Popen(process_tree.reaper_argv(sys.executable, status, argv, True, os.getpid()),\n"
+        "                 pass_fds=(status,))\n"
+        "os._exit(0)   # at once: before the reaper's own Python is up\n")
+    ended = subprocess.run([sys.executable, str(launcher), str(Path(engine.__file__).parent), str(marker)], timeout=30)
+    assert ended.returncode == 0
+    time.sleep(3)
+    assert not marker.exists(), "the command was started although its parent was gone"
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
