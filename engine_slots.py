@@ -4,11 +4,13 @@ next task in a box made for that slot, used for one task, then recycled (issue 2
 Why one server per slot and per task: a bubblewrap box's binds are fixed when it starts, and a
 server that outlived its task would let the next task reach the earlier one's worktree and the
 processes it left. So each server gets a fresh, empty folder of its own (``folder``, under the
-worktree root, bound writable into its box): the next task's worktree is made inside it after the
-claim, and nothing else of TaskBridge's is in reach. The server is stopped with its whole process
-tree when its task ends (what the agent left running is named), and the slot's next server starts
-in the background, so the next task finds one that answers: the server's start (2–9 s) leaves the
-path from submit to the model's first request.
+worktree root, bound writable into its box): the next task's worktree is parked inside it and
+opened by the server before the claim (``warm``: worktrees.park_worktree, engine.Engine.warm_up),
+then taken over by the claimed task, and nothing else of TaskBridge's is in reach. The server is
+stopped with its whole process tree when its task ends (what the agent left running is named),
+and the slot's next server starts in the background, so the next task finds one that answers:
+the server's start (2–9 s) and OpenCode's set-up of the folder (1–2.5 s) leave the path from
+submit to the model's first request.
 
 A server is made for the slot's *predicted* next task: the worker computes its environment and box
 exactly as for a run (worker.py), from the last task the slot ran, or at start from the pending
@@ -54,8 +56,11 @@ class Kept:
     ``run_dir``: the run folder of the box (``control/``, ``reply/``, ``tmp/``, ``objects/``,
     ``git/``), as worker.fresh_run_folder makes for a cold run; ``repo``: the repository the box
     shows; ``env``: the server's environment (its fit key is what a task must match); ``box``: the
-    argv wrapper of the box; ``shape``: what a task must be like (worker._shape). ``begin``
-    launches it, its health is waited for in a thread; ``ready`` waits for that."""
+    argv wrapper of the box; ``shape``: what a task must be like (worker._shape); ``warm``: called
+    with the Kept in its start thread once the server answers, to park the task's worktree
+    (``parked``, named before it is made) and open it (``warmed``); the server then also loads the
+    warm-up stop plugin (opencode_runner.with_warm_up). ``begin`` launches it, its health and the
+    warm-up are waited for in a thread; ``ready`` waits for that."""
 
     def __init__(self, folder: Path, run_dir: Path, repo: str, env: dict[str, str],
                  box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0,
