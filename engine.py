@@ -73,11 +73,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def split_model(model: str) -> dict[str, str]:
-    """``"provider/model"`` as OpenCode's prompt body wants it: ``{"providerID", "modelID"}``.
-    Raises EngineError when there is no ``/``."""
+def prompt_body(text: str, model: str | None = None, agent: str | None = None) -> dict[str, Any]:
+    """engine_client.prompt_body: ``text`` with ``model`` (``provider/model`` as OpenCode's
+    ``{"providerID", "modelID"}``) and ``agent``. Raises EngineError when the model has no ``/``."""
     try:
-        return engine_client.split_model(model)
+        return engine_client.prompt_body(text, model, agent)
     except ValueError as exc:
         raise EngineError(str(exc)) from None
 
@@ -295,12 +295,8 @@ class Engine:
                agent: str | None = None) -> None:
         """Send ``text`` to the session without waiting for the answer (``prompt_async``; follow it
         with ``events``). ``model``: ``provider/model`` (default: the config's). Raises as ``request``."""
-        body: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
-        if model:
-            body["model"] = split_model(model)
-        if agent:
-            body["agent"] = agent
-        self.request("POST", f"/session/{session_id}/prompt_async", body, directory=directory)
+        self.request("POST", f"/session/{session_id}/prompt_async", prompt_body(text, model, agent),
+                     directory=directory)
 
     def warm_up(self, directory: str, warm_up_file: Path, model: str | None = None,
                 agent: str | None = None) -> None:
@@ -315,14 +311,9 @@ class Engine:
         partial = warm_up_file.with_name(warm_up_file.name + ".tmp")
         partial.write_text(json.dumps({"session": session_id}))
         os.replace(partial, warm_up_file)
-        body: dict[str, Any] = {"parts": [{"type": "text", "text": "warm-up"}]}
-        if model:
-            body["model"] = split_model(model)
-        if agent:
-            body["agent"] = agent
         with contextlib.suppress(EngineRefused):
-            self.request("POST", f"/session/{session_id}/message", body, directory=directory,
-                         timeout=max(self.request_timeout, 120))
+            self.request("POST", f"/session/{session_id}/message", prompt_body("warm-up", model, agent),
+                         directory=directory, timeout=max(self.request_timeout, 120))
         with contextlib.suppress(EngineRefused):   # not left in OpenCode's session list
             self.request("DELETE", f"/session/{session_id}", directory=directory)
 

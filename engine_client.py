@@ -134,6 +134,18 @@ def split_model(model: str) -> dict[str, str]:
     return {"providerID": provider, "modelID": name}
 
 
+def prompt_body(text: str, model: str | None = None, agent: str | None = None) -> dict[str, Any]:
+    """The body of OpenCode's prompt routes (``prompt_async``, ``message``): ``text`` as the one
+    part, with ``model`` (``provider/model``, see split_model) and ``agent`` when given. Raises
+    ValueError for a model without its provider."""
+    body: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
+    if model:
+        body["model"] = split_model(model)
+    if agent:
+        body["agent"] = agent
+    return body
+
+
 def basic_auth(password: str) -> str:
     """The ``Authorization`` header value for user ``opencode`` and ``password``."""
     return "Basic " + base64.b64encode(f"{USER}:{password}".encode()).decode()
@@ -245,12 +257,8 @@ class Run:
 
     def prompt(self, text: str) -> None:
         """Send ``text`` as the session's next turn (``prompt_async``) with the run's model and agent."""
-        message: dict[str, Any] = {"parts": [{"type": "text", "text": text}]}
-        if self.args.model:
-            message["model"] = split_model(self.args.model)
-        if self.args.agent:
-            message["agent"] = self.args.agent
-        self.server.call("POST", f"/session/{self.session_id}/prompt_async", message)
+        self.server.call("POST", f"/session/{self.session_id}/prompt_async",
+                         prompt_body(text, self.args.model, self.args.agent))
 
     def late_notes(self) -> bool:
         """Send the notes the session has not had (see the module docstring) as its next turn,

@@ -74,8 +74,9 @@ def _die_with_parent(parent: int | None) -> None:
 
 
 def main(argv: list[str]) -> int:
-    orphan = len(argv) > 2 and argv[2].split("=")[0] == "--die-with-parent"
-    parent = int(argv[2].split("=")[1]) if orphan and "=" in argv[2] and argv[2].split("=")[1].isdigit() else None
+    flag, _, given = argv[2].partition("=") if len(argv) > 2 else ("", "", "")
+    orphan = flag == "--die-with-parent"
+    parent = int(given) if orphan and given.isdigit() else None
     if orphan:
         argv = [argv[0], argv[1], *argv[3:]]
     if len(argv) < 4 or argv[2] != "--":

@@ -295,9 +295,9 @@ def test_one_line_errors_for_config_and_start():
 
 
 def test_a_model_name_without_a_provider_is_refused():
-    assert engine.split_model("fake/model") == {"providerID": "fake", "modelID": "model"}
+    assert engine.prompt_body("hi", "fake/model")["model"] == {"providerID": "fake", "modelID": "model"}
     with pytest.raises(engine.EngineError, match="provider/model"):
-        engine.split_model("model")
+        engine.prompt_body("hi", "model")
 
 
 def test_the_password_is_basic_auth_for_the_opencode_user():
