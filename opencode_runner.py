@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import email.utils
+import fcntl
 import json
 import os
 import re
@@ -1253,6 +1254,69 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
+# OpenCode creates and migrates its own database (``<XDG_DATA_HOME>/opencode/opencode.db``) in the
+# first process that opens it, and 1.18.33 does not serialise that across processes: of four
+# `opencode serve` started together on a fresh data folder, two died with "Unexpected error /
+# Failed query: CREATE TABLE ..." (upstream issues #33320, #48416). The same holds for runs that
+# start together, and after an upgrade that brings new migrations.
+DB_READY_STAMP = "opencode-db.stamp"
+
+
+def opencode_db_path(env: dict[str, str] | None = None) -> Path:
+    """Where OpenCode keeps its database for ``env`` (default os.environ):
+    ``$XDG_DATA_HOME/opencode/opencode.db``, ``$HOME/.local/share`` when XDG_DATA_HOME is unset
+    (what ``opencode db path`` prints, 1.18.33)."""
+    env = os.environ if env is None else env
+    home = Path(env.get("HOME") or Path.home())
+    return Path(env.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
+
+
+def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60) -> str | None:
+    """Have one OpenCode process create and migrate OpenCode's database before several start side by
+    side (see above): ``opencode session list --pure`` (~1.3 s), run only when the database is not
+    there yet or the binary is not the one that last did it (``state_dir/opencode-db.stamp``: the
+    binary's path, size and mtime, and the database path); an flock beside the stamp keeps two
+    workers from doing it at once. Returns None when the database is ready, else one line saying
+    why it could not be made ready (the runs then start as they would have: nothing is lost)."""
+    try:
+        binary = opencode_bin()
+        found = os.stat(binary)
+    except (OpencodeNotFound, OSError) as exc:
+        return f"OpenCode's database was not prepared: {exc}"
+    db = opencode_db_path()
+    stamp = Path(state_dir) / DB_READY_STAMP
+    key = json.dumps([binary, found.st_size, found.st_mtime_ns, str(db)])
+
+    def ready() -> bool:
+        with contextlib.suppress(OSError):
+            return db.exists() and stamp.read_text() == key
+        return False
+
+    if ready():
+        return None
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        fd = os.open(str(stamp) + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return f"OpenCode's database was not prepared: {exc}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)   # another worker doing it: wait, then find it ready
+        if ready():
+            return None
+        try:
+            proc = subprocess.run([binary, "session", "list", "--pure"], stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=timeout_sec,
+                                  cwd=state_dir, start_new_session=True)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"OpenCode's database was not prepared (opencode session list: {exc})"
+        if proc.returncode != 0 or not db.exists():
+            return f"OpenCode's database was not prepared ({opencode_error(proc, 'opencode session list')})"
+        with contextlib.suppress(OSError):   # unstamped: the next pass asks again (~1.3 s)
+            write_private(stamp, key)
+        return None
+    finally:
+        os.close(fd)   # releases the flock
+
 
 def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:
     """OpenCode's own error line (``Error: ...``) from a failed command, colours removed."""
@@ -1268,7 +1332,7 @@ def user_config_files() -> list[Path]:
     ``auth.json`` (what `opencode auth login` stores) and ``$OPENCODE_CONFIG``; missing ones too."""
     home = Path(os.environ.get("HOME") or Path.home())
     config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
-    data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode"
+    data = opencode_db_path().parent
     files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
     return files + ([Path(os.environ["OPENCODE_CONFIG"])] if os.environ.get("OPENCODE_CONFIG") else [])
 

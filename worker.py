@@ -373,7 +373,6 @@ class RunResult:
             self.not_believed.append(line)
 
 
-START_GATE_SEC = 3
 HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the event stream to bear it out
 REPLY_MAX = 1 << 20           # bytes of a plugin's reply read; a longer one is not believed
 DOUBTS_MAX = 20               # replies not believed that one receipt lists
@@ -385,22 +384,6 @@ LINE_MAX = 64 * 1024 * 1024   # bytes of one output line held for parsing; longe
 STDERR_LINE_KEEP = 2_000      # bytes of each of the last 20 stderr lines kept for the error
 # Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
 QUESTION_MAX = 20_000
-
-
-class StartGate:
-    """With several slots, one `opencode run` starts at a time: runs that start together on a
-    fresh OpenCode data directory race on its own database migrations ("Failed query: CREATE
-    TABLE"). A run holds the gate until its first event or for START_GATE_SEC seconds (the binary
-    starts in ~1.7 s here), so slots still overlap for all but the first seconds."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        self._lock.acquire()
-
-    def leave(self) -> None:
-        self._lock.release()
 
 
 class Meter:
@@ -1241,36 +1224,6 @@ class SpendWatch:
         return f"paused at a spending limit: {paused['reason']}"
 
 
-class StartTurn:
-    """One run's turn at the worker's StartGate: entered before OpenCode starts, left at its
-    first event, START_GATE_SEC after it started, or at the run's end (also a run whose OpenCode
-    never started), whichever comes first."""
-
-    def __init__(self, gate: StartGate) -> None:
-        self.gate = gate
-        self.held = False
-        self.open_at: float | None = None   # time.monotonic() by which the turn ends (set as OpenCode starts)
-
-    def enter(self) -> None:
-        self.gate.enter()
-        self.held = True
-
-    def started(self, now: float) -> None:
-        """OpenCode started at ``now`` (time.monotonic())."""
-        self.open_at = now + START_GATE_SEC
-
-    def look(self, now: float, events: int) -> None:
-        """Leave once the run has printed ``events`` or its START_GATE_SEC are over."""
-        if self.open_at is not None and (events or now > self.open_at):
-            self.leave()
-
-    def leave(self) -> None:
-        """Leave the gate (once; a later call does nothing)."""
-        if self.held:
-            self.held, self.open_at = False, None
-            self.gate.leave()
-
-
 @dataclass
 class Running:
     """What Supervisor.run() makes as it starts OpenCode: the process, the reader of its output,
@@ -1288,7 +1241,7 @@ class Supervisor:
     are objects of their own: the command (Launch), the output (OutputReader, OutputLines), the
     lease (Renewal), the log's copy in the queue (LogShipper), the spend (SpendWatch over a
     Meter), the notes (Courier), the bash tool's shells (ShellWatch), the provider's usage limit
-    (LimitWatch), the permission asks (AskWatch) and the start gate (StartTurn).
+    (LimitWatch) and the permission asks (AskWatch).
 
     ``launch``: the command, its environment, folder, prompt and plugin files; ``deadline_at``:
     time.monotonic() at which the attempt's timeout ends (None: ``timeout_sec`` from the start of
@@ -1303,7 +1256,6 @@ class Supervisor:
         self.limits = LimitWatch(launch.retry_file, knobs.limit_hold_sec)
         self.asks = AskWatch(task, launch.rules_file, launch.cwd) if launch.rules_file else None
         self.renewal = Renewal(task, knobs.lease_sec)
-        self.turn = StartTurn(current().start_gate)   # entered and left on the same gate, whatever happens meanwhile
         self.finished_at: float | None = None   # when the stream's terminal event came
         self.stop = False
         self.running: Running | None = None   # made by run() as OpenCode starts
@@ -1318,12 +1270,7 @@ class Supervisor:
             task_log.write(_run_header(self.task["run_marker"], self.launch, self.result.box))
             if self.courier is not None:
                 self.courier.sync(self.result.stream.note_turns)
-            self.turn.enter()
-            try:
-                self.running = running = self._start(task_log, shipper)
-            except BaseException:
-                self.turn.leave()   # OpenCode did not start: the worker's next run must not wait on the gate
-                raise
+            self.running = running = self._start(task_log, shipper)
             _send_prompt(running.proc, self.launch.prompt)
             self._record_pid(running.proc.pid)
             try:
@@ -1353,13 +1300,11 @@ class Supervisor:
         if proc.stderr is None:
             raise RuntimeError("OpenCode was started without a stderr pipe")
         output = OutputReader(self._lines(task_log, started_wall), spool, status, proc.stderr)
-        self.turn.started(time.monotonic())
         return Running(proc, output, _shell_watch(launch, proc.pid), shipper)
 
     def _wind_up(self, running: Running) -> None:
-        """The run's end, whatever ended it: the gate left, the tree ended, the output read to its
-        end and shipped, the exit code, the usage limit's, the spend's and the notes' last word."""
-        self.turn.leave()
+        """The run's end, whatever ended it: the tree ended, the output read to its end and
+        shipped, the exit code, the usage limit's, the spend's and the notes' last word."""
         self.result.ended = _end_leftovers(self.task, self.launch, running.proc.pid, self.knobs.kill_grace_sec)
         running.output.drain()
         running.shipper.ship(last=True)
@@ -1402,10 +1347,8 @@ class Supervisor:
         return self._agent_gone() and self._started().output.read_out()
 
     def _check(self, now: float, deadline: float) -> None:
-        """One round of the watch (``now``, ``deadline``: time.monotonic()): the start gate, the
-        lease, then the first thing found that ends the run, then the exit grace after a terminal
-        event."""
-        self.turn.look(now, self.result.stream.events)
+        """One round of the watch (``now``, ``deadline``: time.monotonic()): the lease, then the
+        first thing found that ends the run, then the exit grace after a terminal event."""
         if self._keep_lease(now) or self._ended_by_watch(now, deadline):
             return
         if self.spend is not None and self.spend.gated() and not self.stop:
@@ -2797,7 +2740,7 @@ class Beat:
 
 class WorkerState:
     """What one worker process keeps across its tasks and slots: the signal flags, its view of
-    the queue database (outage, full disk), its heartbeat, the start gate and its voice. One is
+    the queue database (outage, full disk), its heartbeat and its voice. One is
     made per ``main()`` (``fresh_state``); ``current()`` is the one in use (made on first use for
     callers that never ran ``main``; a test that needs a clean one calls ``fresh_state``)."""
 
@@ -2806,7 +2749,6 @@ class WorkerState:
         self.full_disk = FullDisk()
         self.outage = Outage(self.full_disk)
         self.beat = Beat(self.outage)
-        self.start_gate = StartGate()
         self.talk = voice or Talk()
         self.engines: engine_slots.Slots | None = None   # the kept servers (WORKER_ENGINE=1), per pass
 
@@ -2840,6 +2782,10 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         # what a killed worker's kept servers left (a cold pass too: else its parked worktrees stay
         # registered in the user's repository until a warm pass)
         engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
+        if slots > 1 or knobs.engine:   # OpenCode processes may start side by side
+            problem = oc.prepare_opencode_db(store.log_dir())
+            if problem:
+                log(problem, talk.VERBOSE)
         engines = current().engines = _start_engines(slots, watch) if knobs.engine else None
         try:
             return Loop(watch, max_tasks, knobs, slots, pool).run()

@@ -3,6 +3,7 @@ watchdog, cancel, background processes, shutdown."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import uuid
 import psutil
 import pytest
 
+import opencode_runner
 import process_tree
 import task_store
 import worker
@@ -216,8 +218,9 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
 
 
 def test_slots_run_tasks_side_by_side(opencode, tmp_path):
-    """Also the start race: two runs starting together on a fresh OpenCode data directory used to
-    fail one of them on OpenCode's own migrations ("Failed query: CREATE TABLE")."""
+    """Also the start race: OpenCode processes starting together on a fresh OpenCode data folder
+    (two runs; on the warm engine two kept servers) used to fail one of them on OpenCode's own
+    migrations ("Failed query: CREATE TABLE"), until the pass had OpenCode's database made first."""
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("slow", [hang()])
     tasks = [task_store.submit_task(title=f"slow {i}", instructions="SCRIPT:slow", working_dir=str(repo),
@@ -233,6 +236,32 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
     first, second = sorted(finals, key=lambda f: f["started_at"])
     assert second["started_at"] < first["finished_at"]
     assert tagged() == []
+
+
+def test_opencodes_database_is_made_once_per_binary_before_slots_start(opencode, monkeypatch, tmp_path):
+    db = opencode_runner.opencode_db_path()
+    assert not db.exists()   # the fixture's data folder is fresh
+    real_run, calls = subprocess.run, []
+    monkeypatch.setattr(opencode_runner.subprocess, "run",
+                        lambda argv, **kw: calls.append(argv) or real_run(argv, **kw))
+    state = tmp_path / "state"
+    assert opencode_runner.prepare_opencode_db(state) is None
+    assert db.exists() and [argv[1:] for argv in calls] == [["session", "list", "--pure"]]
+    assert opencode_runner.prepare_opencode_db(state) is None
+    assert len(calls) == 1, "a second pass with the same binary and database asks OpenCode nothing"
+    db.unlink()
+    assert opencode_runner.prepare_opencode_db(state) is None and len(calls) == 2 and db.exists()
+
+
+def test_a_database_that_cannot_be_made_is_said_and_nothing_is_stamped(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENCODE_BIN", shutil.which("false") or "/bin/false")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    said = opencode_runner.prepare_opencode_db(tmp_path / "state")
+    assert said is not None and said.startswith("OpenCode's database was not prepared") \
+        and "opencode session list exited 1" in said, said
+    assert not (tmp_path / "state" / opencode_runner.DB_READY_STAMP).exists()
+    monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "nowhere" / "opencode"))
+    assert "not found" in opencode_runner.prepare_opencode_db(tmp_path / "state")
 
 
 def test_bad_slots_value_is_refused(tmp_path):
