@@ -194,6 +194,11 @@ class Slots:
         kept.recycle(0)
         return None, why, failed
 
+    def has(self, slot: str) -> bool:
+        """Whether ``slot`` has a server (started, starting, or failed and not yet taken)."""
+        with self.lock:
+            return slot in self.kept
+
     def prepare(self, slot: str) -> str | None:
         """Start the slot's next server in the background (a server already there is kept);
         returns the one-line reason when none could be made."""

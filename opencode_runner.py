@@ -1266,9 +1266,9 @@ def opencode_db_path(env: dict[str, str] | None = None) -> Path:
     """Where OpenCode keeps its database for ``env`` (default os.environ):
     ``$XDG_DATA_HOME/opencode/opencode.db``, ``$HOME/.local/share`` when XDG_DATA_HOME is unset
     (what ``opencode db path`` prints, 1.18.33)."""
-    env = os.environ if env is None else env
-    home = Path(env.get("HOME") or Path.home())
-    return Path(env.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
+    found = os.environ if env is None else env
+    home = Path(found.get("HOME") or Path.home())
+    return Path(found.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
 
 
 def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60) -> str | None:

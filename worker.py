@@ -958,6 +958,9 @@ class Launch:
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
     server: engine_slots.Kept | None = None   # the kept server the command drives (engine_client.py)
+    # Called once, from the run's own thread, when the run has gone on for ENGINE_NEXT_AFTER_SEC
+    # (the slot's next kept server starts then: _engine_meanwhile); None: nothing to do meanwhile.
+    meanwhile: Callable[[], None] | None = None
 
     def adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -1334,9 +1337,13 @@ class Supervisor:
         # The task's timeout bounds the whole attempt: workspace preparation spent part of it.
         deadline = self.deadline_at or now + self.task["timeout_sec"]
         output.start(now)
+        meanwhile_at = now + ENGINE_NEXT_AFTER_SEC
         while not self.stop and not self._done():
             output.pump(0.2)
             self._check(time.monotonic(), deadline)
+            if self.launch.meanwhile is not None and time.monotonic() >= meanwhile_at and not self.stop:
+                job, self.launch.meanwhile = self.launch.meanwhile, None
+                job()
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
@@ -1625,8 +1632,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             if setup is None:
                 return final
             setup.engine = kept
+            _engine_learns(task, ws, model, setup)   # before the run: the next server may start during it
             run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
-            _engine_learns(task, ws, model, setup)
         finally:
             if kept is not None:   # not used (the task ended before its run, or ran cold): recycled
                 kept.recycle(knobs.kill_grace_sec)
@@ -1863,7 +1870,8 @@ def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetu
     try:
         files = _run_files(task, setup.env, model, run_dir / "control")
         boxed, env = _boxed(task, ws, box, run_dir, argv, files.env)
-        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=files.rules, retry_file=files.retry)
+        launch = Launch(argv, env, ws.cwd, prompt, boxed, rules_file=files.rules, retry_file=files.retry,
+                        meanwhile=_engine_meanwhile(task))
         return Supervisor(task, launch, knobs, box, meter=Meter(task, files.gate),
                           courier=Courier(task, files.notes), deadline_at=deadline).run()
     finally:
@@ -1906,6 +1914,10 @@ def _run_files(task: dict, env: dict[str, str], model: str, control: Path) -> Ru
 
 ENGINE_CLIENT = Path(__file__).resolve().parent / "engine_client.py"
 ENGINE_WAIT_SEC = 20.0   # how long a claimed task waits for its slot's server to finish starting
+# How long a run goes on before the slot's next kept server starts beside it, so that a queue with
+# more tasks waiting finds it ready (a server starts in 2-9 s here); a run shorter than this (a
+# small task takes ~0.7 s warm) has the machine to itself, and the next server starts at its end.
+ENGINE_NEXT_AFTER_SEC = 5.0
 
 
 def _slot() -> str:
@@ -1957,14 +1969,34 @@ def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSe
         slots.last[_slot()] = Prediction(task, ws.repo, model, dict(setup.config_files))
 
 
-def _engine_next() -> None:
+def _engine_next(beside: str | None = None) -> None:
     """Start the slot's next server in the background (the engine on, a task to predict from;
-    a one-pass only while tasks are pending: it ends when none is left)."""
+    a one-pass only while tasks are pending: it ends when none is left). ``beside``: the id of the
+    task whose run it starts beside (said at -v). Raises what the queue's read raises."""
     slots = current().engines
     if slots is not None and (slots.watch or db(store.list_tasks, status="pending", limit=1)["total"]):
+        if beside is not None and not slots.has(_slot()):
+            log(f"{beside} has run {ENGINE_NEXT_AFTER_SEC:g} s: {_slot()}'s next kept OpenCode server "
+                "starts beside it", talk.VERBOSE)
         problem = slots.prepare(_slot())
         if problem:
             log(problem, talk.VERBOSE)
+
+
+def _engine_meanwhile(task: dict[str, Any]) -> Callable[[], None] | None:
+    """What a run of ``task`` does once it has gone on for ENGINE_NEXT_AFTER_SEC (Launch.meanwhile):
+    start the slot's next kept server beside it (_engine_next), from the slot's own thread, which
+    outlives that server (engine.Engine.launch); None when the engine is off. A queue it cannot
+    read now is said, and the server then starts after the run as before."""
+    if current().engines is None:
+        return None
+
+    def start_next() -> None:
+        try:
+            _engine_next(beside=task["id"])
+        except Exception as exc:  # noqa: BLE001 - the run goes on; the slot's next server starts after it
+            log(f"{task['id']}: {_slot()}'s next kept OpenCode server waits for the run's end ({exc})", talk.VERBOSE)
+    return start_next
 
 
 @dataclass
@@ -2063,7 +2095,7 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
         f"{'parked and opened before the claim' if ws.parked else 'made after the claim'} "
         f"(box: {setup.box.label})", talk.VERBOSE)
     launch = Launch(argv, env, ws.cwd, prompt, rules_file=files.rules, retry_file=files.retry,
-                    server=kept)
+                    server=kept, meanwhile=_engine_meanwhile(task))
     try:
         run = Supervisor(task, launch, knobs, setup.box, meter=Meter(task, files.gate),
                          courier=Courier(task, files.notes), deadline_at=deadline).run()

@@ -87,7 +87,12 @@ class Worker:
                 os.environ["TASK_DB_PATH"] = before
 
     def start(self, slots: int) -> Worker:
-        argv = [sys.executable, "worker.py", "--watch", "--engine", self.engine, "--slots", str(slots), "-v"]
+        kind = "warm" if self.engine.startswith("warm") else "cold"
+        args = ["--watch", "--engine", kind, "--slots", str(slots), "-v"]
+        argv = [sys.executable, "worker.py", *args]
+        if self.engine == "warm-after":   # the policy before: the slot's next server starts at the run's end
+            argv = [sys.executable, "-c", "import sys, worker; worker.ENGINE_NEXT_AFTER_SEC = float('inf'); "
+                    f"sys.exit(worker.main({args!r}))"]
         self.lines = []
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -276,6 +281,37 @@ def trials(model: TimedModel, env: dict[str, str], repo: Path, warm: Worker, col
             "next_server_ready": statistics.median(waits[1:] or waits)}
 
 
+def long_script(model: TimedModel, name: str) -> str:
+    """A longer task under ``name`` (a write, then a bash tool call that sleeps BACKLOG_SLEEP_SEC,
+    then the answer); returns its instructions."""
+    model.script(name, [tool_call("write", {"filePath": "{cwd}/" + name + ".txt", "content": "x\n"}),
+                        tool_call("bash", {"command": f"sleep {BACKLOG_SLEEP_SEC:g}", "description": "wait"}),
+                        text("Done.\n" + AGENT_DONE)])
+    return f"SCRIPT:{name} write the file and wait"
+
+
+BACKLOG_SLEEP_SEC = 8
+
+
+def backlog(model: TimedModel, workers: list[Worker], count: int) -> dict[str, Any]:
+    """A queue with work waiting: ``count`` longer tasks (long_script) submitted together to each of
+    ``workers`` (one slot each, idle and warm at the start), one worker after the other. For every
+    task after the first: the seconds from the task before it reaching ``done`` to its own first
+    model request (the gap a task of a backlog waits); and the whole backlog, submit → last done."""
+    got: dict[str, Any] = {}
+    for worker in workers:
+        wait_warm(worker, 1) if worker.engine.startswith("warm") else time.sleep(1)
+        names = [f"backlog-{worker.name}-{n}" for n in range(count)]
+        submitted = [worker.submit(long_script(model, name), name) for name in names]
+        ended = worker.wait_done([task_id for task_id, _at in submitted])
+        dones = [ended[task_id] for task_id, _at in submitted]
+        firsts = [first_request(model, name) for name in names]
+        gaps = [first - done for first, done in zip(firsts[1:], dones, strict=False)]
+        got[f"gap_{worker.name}"] = statistics.median(gaps)
+        got[f"backlog_{worker.name}"] = max(dones) - submitted[0][1]
+    return got
+
+
 def four_at_once(model: TimedModel, warm: Worker, rounds: int) -> dict[str, Any]:
     """The warm worker with ``--slots 4``: idle tree RSS with four kept servers, then ``rounds``
     times four tasks submitted together: the peak tree RSS and each task's submit → done."""
@@ -317,6 +353,7 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     out["met_rss_0.5x"] = out["peak4_vs_4_bare"] <= 0.5
     out.update({key: results[key] for key in ("trials", "next_server_ready", "idle1", "start4", "idle4",
                                               "peak4", "done4", "stop1", "stop4")})
+    out.update({key: value for key, value in results.items() if key.startswith(("gap_", "backlog_"))})
     return out
 
 
@@ -340,6 +377,10 @@ def report(s: dict[str, Any], timeline_lines: list[str]) -> None:
     print(f"last model request → status done: {s['warm_after']:.2f} s warm, {s['cold_after']:.2f} s cold")
     print(f"a warm slot's next server up and quiet {s['next_server_ready']:.1f} s after the trial before; "
           f"worker stop (SIGTERM → exit): {s['stop1']:.1f} s with 1 slot, {s['stop4']:.1f} s with 4")
+    print(f"a backlog of 3 tasks of ~{BACKLOG_SLEEP_SEC} s each, 1 slot: a task's wait, the task before it done → its "
+          f"first model request (median): {s['gap_warm']:.2f} s warm, {s['gap_warm-after']:.2f} s warm with the "
+          f"next server started at the run's end (before), {s['gap_cold']:.2f} s cold; the whole backlog "
+          f"{s['backlog_warm']:.1f} / {s['backlog_warm-after']:.1f} / {s['backlog_cold']:.1f} s")
     print("\nthe last warm trial, from submit (the warm worker's -v lines, stamped on arrival):")
     print("\n".join(timeline_lines))
 
@@ -371,6 +412,14 @@ def run(folder: Path, model: TimedModel, count: int) -> dict[str, Any]:
         results.update(trials(model, env, repo, warm, cold, count))
         wait_warm(warm, 1)
         results["idle1"] = idle_rss(warm)
+        before = Worker(folder, "warm-after", env, "warm-after").start(1)   # the next server at the run's end
+        try:
+            before.wait_done([before.submit(script(model, "firstwarm-after"), "first")[0]])
+            order = [warm, before, cold]
+            random.shuffle(order)
+            results.update(backlog(model, order, 3))
+        finally:
+            before.stop()
     finally:
         results["stop1"] = warm.stop()
         cold.stop()

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 import task_store
+import worker
 import worktrees
 from fake_openai import text, tool_call
 from helpers import AGENT_DONE as DONE
@@ -289,3 +290,24 @@ def test_a_worker_stopped_while_a_worktree_is_being_parked_leaves_none(opencode,
             worker.kill()
     assert "engine" not in git(repo, "worktree", "list"), git(repo, "worktree", "list")
     assert not (worktrees.worktree_root() / "engine").exists()
+
+
+def test_the_next_server_starts_beside_a_long_run_so_the_next_task_finds_it_ready(opencode, tmp_path):
+    """A queue with tasks waiting: once a run has gone on for ENGINE_NEXT_AFTER_SEC, the slot's
+    next kept server starts beside it (it used to start only at the run's end, so every task of a
+    backlog waited for a server's start, 2-9 s, more than a cold run's)."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("long", [bash("sleep 8 && echo slept"), text("Slept.\n" + DONE)])
+    opencode.model.script("next", [text("Fine.\n" + DONE)])
+    first, second = submit(repo, script="long"), submit(repo, script="next")
+    passed = warm()
+    assert passed.returncode == 0, passed.stderr
+    assert [task_store.get_task(t["id"])["status"] for t in (first, second)] == ["done", "done"]
+    lines = passed.stderr.splitlines()
+    beside = [n for n, line in enumerate(lines)
+              if f"{first['id']} has run {worker.ENGINE_NEXT_AFTER_SEC:g} s: slot_0's next kept OpenCode server starts beside it" in line]
+    first_ended = [n for n, line in enumerate(lines) if f"] {first['id']} done in " in line]
+    assert beside and first_ended and beside[0] < first_ended[0], passed.stderr
+    assert ran_on_engine(second["id"])
+    assert passed.stderr.count("parked and opened before the claim") == 2, passed.stderr
+    assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
