@@ -12,7 +12,12 @@ the model's first request and → the task's status ``done`` (a bare run: its st
 and → exit, and the peak RSS of its tree). Then the warm worker again with ``--slots 4``: its idle
 tree RSS with four kept servers, and the peak while four tasks in the same repository run at once,
 against four times one bare run's peak. RSS is summed over the worker's whole process tree and every
-process carrying its queue's tag (``TASKBRIDGE_QUEUE``), sampled every 50 ms (psutil).
+process carrying its queue's tag (``TASKBRIDGE_QUEUE``), sampled every 50 ms (psutil). Between
+the two, a backlog: three longer tasks (a bash tool call sleeps BACKLOG_SLEEP_SEC) submitted
+together to the warm worker, to a warm worker with the policy before ba98ed0 (the slot's next
+server started at the run's end: ``worker.ENGINE_NEXT_AFTER_SEC`` set to infinity) and to the cold
+one, in random order: each task's wait (the task before it done → its first model request) and
+the whole backlog.
 
 The task is small: one write tool call, then the answer with its receipt block (2 model calls), on
 the scripted model (tests/fake_openai.py, arrival times recorded). The warm worker runs with

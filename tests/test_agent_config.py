@@ -15,6 +15,7 @@ from fake_openai import text, tool_call
 from helpers import git, make_repo, run_script, run_task
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "tried", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 # A user agent whose own permission block allows everything, with bash named before "*" (so a
 # plain {"bash": "deny"} merged into it would stay before the "*": "allow" that wins).

@@ -17,6 +17,7 @@ from fake_openai import text, tool_call
 from helpers import call_tool, checkout_state, git, make_repo, run_script, tool_error
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 
 def _receipt(summary: str) -> str:

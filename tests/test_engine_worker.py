@@ -304,8 +304,9 @@ def test_the_next_server_starts_beside_a_long_run_so_the_next_task_finds_it_read
     assert passed.returncode == 0, passed.stderr
     assert [task_store.get_task(t["id"])["status"] for t in (first, second)] == ["done", "done"]
     lines = passed.stderr.splitlines()
-    beside = [n for n, line in enumerate(lines)
-              if f"{first['id']} has run {worker.ENGINE_NEXT_AFTER_SEC:g} s: slot_0's next kept OpenCode server starts beside it" in line]
+    said = (f"{first['id']} has run {worker.ENGINE_NEXT_AFTER_SEC:g} s: "
+            "slot_0's next kept OpenCode server starts beside it")
+    beside = [n for n, line in enumerate(lines) if said in line]
     first_ended = [n for n, line in enumerate(lines) if f"] {first['id']} done in " in line]
     assert beside and first_ended and beside[0] < first_ended[0], passed.stderr
     assert ran_on_engine(second["id"])

@@ -16,6 +16,7 @@ from helpers import make_repo, run_script
 from helpers import run_attack as run
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 
 def test_a_forged_spend_gate_reply_cannot_book_spend_the_run_never_made(opencode, tmp_path):

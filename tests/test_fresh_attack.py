@@ -18,6 +18,7 @@ from helpers import run_attack as run
 from helpers import tool_outputs as outputs
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 
 def test_nested_repository_filter_planted_by_the_agent_never_runs_outside_the_box(opencode, tmp_path):

@@ -14,6 +14,8 @@ import worktrees
 from fake_openai import text, tool_call
 from helpers import git, make_repo, run_script, submit
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 RECEIPT = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], ' \
           '"tests_run": [], "open_questions": []}\n```'
 

@@ -10,6 +10,8 @@ from fake_openai import text, tool_call
 from helpers import make_repo, run_script
 from receipt import UNSET, Receipt
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 RECEIPT_BLOCK = '```json\n{"summary": "Wrote a.txt", "files_touched": ["a.txt"], ' \
                 '"tests_run": [], "open_questions": []}\n```'
 

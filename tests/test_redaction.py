@@ -22,6 +22,8 @@ from fake_openai import http_error, text, tool_call
 from helpers import make_repo, run_script
 from tasks_cli import cli
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 TOKEN = "Tok3n-bearer-4c2b9e1f7d6a5b8c"          # the HTTP bearer token (in the token file)
 KEY = "sk-ant-api03-fakeKEY-9f8e7d6c5b4a3210"    # the reverse bridge's ANTHROPIC_API_KEY
 PW = "pgPa55-w0rd-e3d2c1b0"                      # the queue database's password (~/.pgpass)

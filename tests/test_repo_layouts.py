@@ -17,6 +17,8 @@ import worktrees
 from fake_openai import text, tool_call
 from helpers import git, make_repo, run_script, submit
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 RECEIPT = '```json\n{"summary": "wrote docs and code", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
 TREE = {"README.md": "# top\n", "src/app.py": "x = 1\n", "docs/guide.md": "guide\n", "lib/util.py": "u = 1\n"}
