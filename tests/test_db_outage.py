@@ -32,6 +32,8 @@ import worker
 from fake_openai import text, tool_call
 from helpers import ROOT, free_port, make_repo, worker_process
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 
 @pytest.fixture(autouse=True)
 def fresh_worker_state():

@@ -29,6 +29,7 @@ from fake_openai import text, tool_call
 from helpers import ROOT, git, make_repo, run_script, submit
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "wrote the feature", "files_touched": ["feature.txt"], "tests_run": [], ' \
        '"open_questions": []}\n```'
 DISK_MB = 24

@@ -13,6 +13,8 @@ import task_store
 import tasks_cli
 from helpers import ROOT, run_script
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 
 @pytest.mark.parametrize("command", [["status"], ["list"], ["show", "1"], ["logs", "1"], ["events"],
                                      ["clear", "--yes"], ["budget", "show"], ["diff", "1"], ["cancel", "1"]])

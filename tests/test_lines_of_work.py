@@ -19,6 +19,7 @@ from fake_openai import text, tool_call
 from helpers import ROOT, git, make_repo, run_script, tool_error, until
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 
 def _receipt(summary: str, files: list[str]) -> str:

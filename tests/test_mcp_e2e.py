@@ -19,6 +19,7 @@ from fake_openai import text, tool_call
 from helpers import call_tool, git, make_repo, step_finish_sums
 
 pytestmark = [pytest.mark.real_opencode, pytest.mark.anyio]
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 RECEIPT = '```json\n{"summary": "Wrote hello.txt", "files_touched": ["hello.txt"], ' \
           '"tests_run": ["cat hello.txt"], "open_questions": []}\n```'

@@ -15,6 +15,8 @@ from fake_openai import text
 from helpers import make_repo, run_script
 from opencode_env import opencode_config
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 OTHER = {"provider": {"fake": {"models": {"other": {"name": "Other", "limit": {"context": 64000, "output": 4096}}}}}}
 RECEIPT = '```json\n{"summary": "nothing to do", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 

@@ -9,6 +9,8 @@ import task_store
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo, submit
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
 # Measured here (Python 3, opencode 1.18.33): with 10-15 open files allowed the first git command

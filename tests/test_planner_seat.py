@@ -26,6 +26,7 @@ from fake_openai import text, tool_call
 from helpers import call_tool, git, make_repo, run_script
 
 pytestmark = pytest.mark.anyio
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 RECEIPT = (
     '```json\n{"summary": "Wrote {name}", "files_touched": ["{name}"], "tests_run": [], "open_questions": []}\n```'

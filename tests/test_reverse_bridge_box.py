@@ -26,6 +26,8 @@ from fake_anthropic import DEFAULT_ANSWER, FakeAnthropic
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo, run_script
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 KEY = "sk-fake-reverse-bridge-key-0123456789"
 RECEIPT = '```json\n{"summary": "asked Claude", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize",

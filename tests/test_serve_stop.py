@@ -14,6 +14,8 @@ import pytest
 
 from helpers import ROOT, free_port
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 
 def start_serving(port: int) -> tuple[subprocess.Popen, list[str]]:
     env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")

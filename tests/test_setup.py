@@ -21,6 +21,8 @@ import tasks_cli
 import worker_talk
 from helpers import ROOT, fake_binary, normal_user, run_script
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)

@@ -21,6 +21,8 @@ import tasks_cli
 import worker
 from helpers import submit
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)> \x1b[31mred\x1b[0m"
 
 

@@ -21,6 +21,8 @@ from helpers import ROOT, make_repo
 
 SUBMIT_LATER = """
 import sys, time, task_store
+
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 time.sleep(float(sys.argv[1]))
 print(time.time(), flush=True)  # when the commit starts
 task_store.submit_task(title="later", instructions="i", working_dir=sys.argv[2])

@@ -16,6 +16,8 @@ import tasks_cli
 from fake_openai import http_error, text, tool_call
 from helpers import call_tool, checkout_state, git, make_repo, run_script, submit, tool_error
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 RECEIPT = '```json\n{"summary": "Tried a few things", "files_touched": [], "tests_run": [], ' \
           '"open_questions": []}\n```'
 

@@ -17,6 +17,8 @@ import worker
 from fake_openai import text, tool_call
 from helpers import ROOT, make_repo, run_script, tagged
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 DONE = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 
 

@@ -23,6 +23,7 @@ from helpers import ROOT, git, make_repo, normal_user
 from opencode_env import opencode_env, require_opencode_bin
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "built", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
 READ_ONLY_BUILD = "mkdir -p build/cache && echo x > build/cache/blob && chmod 555 build/cache build"
 
