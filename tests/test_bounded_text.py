@@ -16,6 +16,8 @@ import worker
 from fake_openai import text
 from helpers import make_repo, run_script
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 HUGE = 20 * 1024 * 1024
 
 

@@ -27,6 +27,8 @@ import tasks_cli
 from fake_openai import text
 from helpers import AGENT_DONE, ROOT, bash_step, call_tool, make_repo
 
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
+
 HOUR = 3600
 
 

@@ -19,6 +19,7 @@ from fake_openai import text, tool_call
 from helpers import checkout_state, fake_binary, make_repo, normal_user, run_script, run_task, tagged
 
 pytestmark = pytest.mark.real_opencode
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 DONE = '```json\n{"summary": "added notes", "files_touched": ["notes.txt"], "tests_run": [], "open_questions": []}\n```'
 
 

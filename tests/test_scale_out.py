@@ -27,6 +27,7 @@ from helpers import ROOT, call_tool, git, make_repo, worker_process
 from opencode_env import opencode_env, require_opencode_bin
 
 pytestmark = [pytest.mark.postgres, pytest.mark.real_opencode]
+BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
 
 RECEIPT = '```json\n{"summary": "wrote %s", "files_touched": ["%s"], "tests_run": [], "open_questions": []}\n```'
 
