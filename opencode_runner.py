@@ -1271,13 +1271,17 @@ def opencode_db_path(env: dict[str, str] | None = None) -> Path:
     return Path(found.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
 
 
-def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60) -> str | None:
+def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60, lock_wait_sec: float = 60) -> str | None:
     """Have one OpenCode process create and migrate OpenCode's database before several start side by
     side (see above): ``opencode session list --pure`` (~1.3 s), run only when the database is not
-    there yet or the binary is not the one that last did it (``state_dir/opencode-db.stamp``: the
-    binary's path, size and mtime, and the database path); an flock beside the stamp keeps two
-    workers from doing it at once. Returns None when the database is ready, else one line saying
-    why it could not be made ready (the runs then start as they would have: nothing is lost)."""
+    there yet or the binary is not the one that last did it for this queue (``state_dir/
+    opencode-db.stamp``: the binary's path, size and mtime, and the database path). An flock in
+    OpenCode's data folder (``.taskbridge-prepare.lock``, beside the database every queue of this
+    user shares) keeps two workers from doing it at once; it is waited for up to ``lock_wait_sec``
+    seconds (whoever holds it longer, an agent's shell included, is then not waited for), and
+    OpenCode's command up to ``timeout_sec``. Returns
+    None when the database is ready, else one line saying why it could not be made ready (the runs
+    then start as they would have: nothing is lost)."""
     try:
         binary = opencode_bin()
         found = os.stat(binary)
@@ -1295,27 +1299,39 @@ def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60) -> str | None:
     if ready():
         return None
     try:
-        os.makedirs(state_dir, exist_ok=True)
-        fd = os.open(str(stamp) + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.makedirs(db.parent, exist_ok=True)   # OpenCode makes it too, with the same default mode
+        fd = os.open(db.parent / ".taskbridge-prepare.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         return f"OpenCode's database was not prepared: {exc}"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)   # another worker doing it: wait, then find it ready
-        if ready():
-            return None
+        _flock_within(fd, lock_wait_sec)   # another worker doing it: wait, then it is quick
         try:
             proc = subprocess.run([binary, "session", "list", "--pure"], stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=timeout_sec,
-                                  cwd=state_dir, start_new_session=True)
+                                  cwd=db.parent, start_new_session=True)
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"OpenCode's database was not prepared (opencode session list: {exc})"
         if proc.returncode != 0 or not db.exists():
             return f"OpenCode's database was not prepared ({opencode_error(proc, 'opencode session list')})"
         with contextlib.suppress(OSError):   # unstamped: the next pass asks again (~1.3 s)
+            os.makedirs(state_dir, exist_ok=True)
             write_private(stamp, key)
         return None
     finally:
         os.close(fd)   # releases the flock
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive flock on ``fd``, trying every 0.1 s for up to ``seconds``; whether it was taken."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
 
 def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:

@@ -2,6 +2,7 @@
 watchdog, cancel, background processes, shutdown."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -251,6 +252,15 @@ def test_opencodes_database_is_made_once_per_binary_before_slots_start(opencode,
     assert len(calls) == 1, "a second pass with the same binary and database asks OpenCode nothing"
     db.unlink()
     assert opencode_runner.prepare_opencode_db(state) is None and len(calls) == 2 and db.exists()
+    # the lock sits beside OpenCode's database (shared by every queue); one held too long (an
+    # agent's shell can reach that folder) is waited for up to the timeout, then not
+    db.unlink()
+    held = os.open(db.parent / ".taskbridge-prepare.lock", os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert opencode_runner.prepare_opencode_db(state, lock_wait_sec=0.5) is None and db.exists()
+    finally:
+        os.close(held)
 
 
 def test_a_database_that_cannot_be_made_is_said_and_nothing_is_stamped(monkeypatch, tmp_path):
