@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+import uuid
 
 import psutil
 import pytest
@@ -85,15 +86,17 @@ def test_killed_shell_with_a_live_child_ends_the_run_early_and_is_named(opencode
     dead shell and ends the run long before the task's timeout; the child is ended too."""
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
     repo = make_repo(tmp_path / "repo")
+    seconds = f"321.{uuid.uuid4().int % 10**9:09d}"   # a child no other process on the machine has
+    command = f"sleep {seconds} & sleep 3; kill -9 $$"
     opencode.model.script("shot", [
-        tool_call("bash", {"command": "sleep 321 & sleep 3; kill -9 $$", "description": "dies"}),
+        tool_call("bash", {"command": command, "description": "dies"}),
         text("unreachable\n" + RECEIPT),
     ])
     started = time.monotonic()
     task = run_task("shot", str(repo), timeout_sec=400, max_retries=0)
     took = time.monotonic() - started
     assert task["status"] == "failed"
-    assert "the agent's shell (pid " in task["error"] and "sleep 321 & sleep 3; kill -9 $$" in task["error"]
+    assert "the agent's shell (pid " in task["error"] and command in task["error"]
     assert "timed out" not in task["error"]
     assert took < 150, took
-    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "321"]]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", seconds]]
