@@ -16,10 +16,13 @@ import contextlib
 import difflib
 import email.utils
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
+import signal
+import sqlite3
 import subprocess
 import tempfile
 import time
@@ -1258,80 +1261,133 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # first process that opens it, and 1.18.33 does not serialise that across processes: of four
 # `opencode serve` started together on a fresh data folder, two died with "Unexpected error /
 # Failed query: CREATE TABLE ..." (upstream issues #33320, #48416). The same holds for runs that
-# start together, and after an upgrade that brings new migrations.
-DB_READY_STAMP = "opencode-db.stamp"
+# start together (one worker's slots, or workers of several queues), and after an upgrade that
+# brings new migrations.
+DB_PREPARED = ".taskbridge-prepared"       # beside the database: {"binary": key, "migrations": n}
+DB_PREPARE_LOCK = ".taskbridge-prepare.lock"
+DB_LOCK_WAIT_SEC = 15.0   # how long a preparation waits for another's (it takes ~1.3 s here)
 
 
 def opencode_db_path(env: dict[str, str] | None = None) -> Path:
-    """Where OpenCode keeps its database for ``env`` (default os.environ):
+    """Where OpenCode keeps its database for ``env`` (default os.environ), made absolute:
     ``$XDG_DATA_HOME/opencode/opencode.db``, ``$HOME/.local/share`` when XDG_DATA_HOME is unset
     (what ``opencode db path`` prints, 1.18.33)."""
     found = os.environ if env is None else env
     home = Path(found.get("HOME") or Path.home())
-    return Path(found.get("XDG_DATA_HOME") or home / ".local" / "share") / "opencode" / "opencode.db"
+    data = Path(found.get("XDG_DATA_HOME") or home / ".local" / "share")
+    return Path(os.path.abspath(data / "opencode" / "opencode.db"))
 
 
-def prepare_opencode_db(state_dir: Path, timeout_sec: float = 60, lock_wait_sec: float = 60) -> str | None:
-    """Have one OpenCode process create and migrate OpenCode's database before several start side by
-    side (see above): ``opencode session list --pure`` (~1.3 s), run only when the database is not
-    there yet or the binary is not the one that last did it for this queue (``state_dir/
-    opencode-db.stamp``: the binary's path, size and mtime, and the database path). An flock in
-    OpenCode's data folder (``.taskbridge-prepare.lock``, beside the database every queue of this
-    user shares) keeps two workers from doing it at once; it is waited for up to ``lock_wait_sec``
-    seconds (whoever holds it longer, an agent's shell included, is then not waited for), and
-    OpenCode's command up to ``timeout_sec``. Returns
-    None when the database is ready, else one line saying why it could not be made ready (the runs
-    then start as they would have: nothing is lost)."""
+def _migrations_done(db: Path) -> int | None:
+    """How many of OpenCode's migrations ``db`` records (its ``migration`` table, 1.18.33), or None
+    when it cannot be read (no file, no table, locked)."""
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+        try:
+            return int(conn.execute("SELECT count(*) FROM migration").fetchone()[0])
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+
+
+def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_WAIT_SEC,
+                        stopping: Callable[[], bool] = lambda: False,
+                        say: Callable[[str], None] | None = None) -> str | None:
+    """Have one OpenCode process create and migrate OpenCode's database before others start beside
+    it (see above): ``opencode session list --pure`` (~1.3 s), run only when this binary (its path,
+    size and mtime) has not done it for this database yet: ``.taskbridge-prepared`` beside the
+    database records the binary and the migration count it left, and the database must still hold
+    that count. An flock beside it (every queue of the user shares that folder) keeps two workers
+    from doing it at once; it is waited for up to ``lock_wait_sec`` seconds, or until
+    ``stopping()`` (whoever holds it longer, an agent's shell included, is not waited for; a wait
+    is told to ``say`` in one line first), and OpenCode's command up to ``timeout_sec`` (its whole
+    process group is ended then).
+
+    Returns None when the database is ready, else one line saying why it could not be made ready
+    (the runs then start as they would have: nothing is lost)."""
     try:
         binary = opencode_bin()
         found = os.stat(binary)
     except (OpencodeNotFound, OSError) as exc:
         return f"OpenCode's database was not prepared: {exc}"
     db = opencode_db_path()
-    stamp = Path(state_dir) / DB_READY_STAMP
-    key = json.dumps([binary, found.st_size, found.st_mtime_ns, str(db)])
+    stamp = db.parent / DB_PREPARED
+    key = [binary, found.st_size, found.st_mtime_ns]
 
     def ready() -> bool:
-        with contextlib.suppress(OSError):
-            return db.exists() and stamp.read_text() == key
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            said = json.loads(stamp.read_text())
+            return said.get("binary") == key and _migrations_done(db) == said.get("migrations")
         return False
 
     if ready():
         return None
     try:
         os.makedirs(db.parent, exist_ok=True)   # OpenCode makes it too, with the same default mode
-        fd = os.open(db.parent / ".taskbridge-prepare.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(db.parent / DB_PREPARE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         return f"OpenCode's database was not prepared: {exc}"
     try:
-        _flock_within(fd, lock_wait_sec)   # another worker doing it: wait, then it is quick
-        try:
-            proc = subprocess.run([binary, "session", "list", "--pure"], stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=timeout_sec,
-                                  cwd=db.parent, start_new_session=True)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"OpenCode's database was not prepared (opencode session list: {exc})"
-        if proc.returncode != 0 or not db.exists():
-            return f"OpenCode's database was not prepared ({opencode_error(proc, 'opencode session list')})"
+        lock = db.parent / DB_PREPARE_LOCK
+        waiting = (f"waiting up to {lock_wait_sec:g} s for another process that prepares OpenCode's "
+                   f"database ({lock})")
+        if not _flock_within(fd, lock_wait_sec, stopping, lambda: say(waiting) if say else None):
+            return ("OpenCode's database was not prepared: " +
+                    ("the worker is stopping" if stopping() else f"{lock} was held for over {lock_wait_sec:g} s"))
+        if ready():   # another worker did it while this one waited
+            return None
+        problem = _run_session_list(binary, db, timeout_sec)
+        if problem:
+            return f"OpenCode's database was not prepared ({problem})"
+        done = _migrations_done(db)
+        if done is None:
+            return f"OpenCode's database was not prepared (opencode session list left no database at {db})"
         with contextlib.suppress(OSError):   # unstamped: the next pass asks again (~1.3 s)
-            os.makedirs(state_dir, exist_ok=True)
-            write_private(stamp, key)
+            write_private(stamp, json.dumps({"binary": key, "migrations": done}))
         return None
     finally:
         os.close(fd)   # releases the flock
 
 
-def _flock_within(fd: int, seconds: float) -> bool:
-    """Take an exclusive flock on ``fd``, trying every 0.1 s for up to ``seconds``; whether it was taken."""
+def _run_session_list(binary: str, db: Path, timeout_sec: float) -> str | None:
+    """``opencode session list --pure`` with the database folder named absolutely; None, or what
+    went wrong in a few words. On a timeout its whole process group is ended."""
+    env = {**os.environ, "XDG_DATA_HOME": str(db.parent.parent)}
+    try:
+        proc = subprocess.Popen([binary, "session", "list", "--pure"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+    except OSError as exc:
+        return f"opencode session list: {exc}"
+    try:
+        out, err = proc.communicate(timeout=timeout_sec)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"opencode session list did not end within {timeout_sec:g} s"
+    if proc.returncode != 0:
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return opencode_error(done, "opencode session list")
+    return None
+
+
+def _flock_within(fd: int, seconds: float, stopping: Callable[[], bool], waits: Callable[[], None]) -> bool:
+    """Take an exclusive flock on ``fd``, trying every 0.1 s for up to ``seconds`` or until
+    ``stopping()`` (``waits()`` is called once, when the first try finds it held); whether it was taken."""
     deadline = time.monotonic() + seconds
-    while True:
+    for tries in itertools.count():
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            if time.monotonic() >= deadline:
+            if not tries:
+                waits()
+            if time.monotonic() >= deadline or stopping():
                 return False
             time.sleep(0.1)
+    return False
 
 
 def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:

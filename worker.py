@@ -1992,6 +1992,8 @@ def _engine_meanwhile(task: dict[str, Any]) -> Callable[[], None] | None:
         return None
 
     def start_next() -> None:
+        if current().flags.stopping:   # finishing what is in hand: no task will take it
+            return
         try:
             _engine_next(beside=task["id"])
         except Exception as exc:  # noqa: BLE001 - the run goes on; the slot's next server starts after it
@@ -2814,10 +2816,10 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         # what a killed worker's kept servers left (a cold pass too: else its parked worktrees stay
         # registered in the user's repository until a warm pass)
         engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
-        if slots > 1 or knobs.engine:   # OpenCode processes may start side by side
-            problem = oc.prepare_opencode_db(store.log_dir())
-            if problem:
-                log(problem, talk.VERBOSE)
+        # OpenCode processes may start side by side (slots, kept servers, other queues' workers)
+        problem = oc.prepare_opencode_db(stopping=lambda: current().flags.stopping, say=log)
+        if problem:
+            log(problem, talk.VERBOSE)
         engines = current().engines = _start_engines(slots, watch) if knobs.engine else None
         try:
             return Loop(watch, max_tasks, knobs, slots, pool).run()

@@ -118,6 +118,34 @@ def _precreate_plugin_dir(config_dir: Path) -> None:
     (config_dir / "package-lock.json").write_text(json.dumps(lock, indent=2))
 
 
+_prepared: list[Path] = []   # the session's one prepared OpenCode data folder (prepared_data)
+
+
+def prepared_data(binary: str) -> Path | None:
+    """A data folder whose ``opencode/`` holds OpenCode's database made and migrated by ``binary``
+    with TaskBridge's mark beside it (opencode_runner.prepare_opencode_db), made once per test
+    session: each test's data folder starts as a copy of it, as a user's does after the first run
+    (its workers then start OpenCode at once; a test that wants a fresh folder deletes the copy).
+    None when it cannot be made (the test then starts fresh)."""
+    if not _prepared:
+        import atexit
+        import tempfile
+        from unittest import mock
+
+        import opencode_runner
+        folder = Path(tempfile.mkdtemp(prefix="tb-opencode-data-"))
+        atexit.register(shutil.rmtree, folder, True)
+        with mock.patch.dict(os.environ, {"XDG_DATA_HOME": str(folder), "OPENCODE_BIN": binary}):
+            if opencode_runner.prepare_opencode_db() is not None:
+                return None
+        import sqlite3
+        conn = sqlite3.connect(folder / "opencode" / "opencode.db")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")   # the main file holds it all: it alone is copied
+        conn.close()
+        _prepared.append(folder)
+    return _prepared[0]
+
+
 def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
                  extra_config: dict[str, Any] | None = None) -> dict[str, str]:
     """A full environment (os.environ copy plus overrides) isolating OpenCode under tmp_path.
@@ -149,6 +177,11 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
     binary = opencode_bin()
     if binary:
         env["OPENCODE_BIN"] = binary
+        template = prepared_data(binary)
+        if template is not None:
+            (dirs["data"] / "opencode").mkdir(exist_ok=True)
+            for name in ("opencode.db", ".taskbridge-prepared"):
+                shutil.copyfile(template / "opencode" / name, dirs["data"] / "opencode" / name)
     return env
 
 

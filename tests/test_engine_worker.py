@@ -312,3 +312,25 @@ def test_the_next_server_starts_beside_a_long_run_so_the_next_task_finds_it_read
     assert ran_on_engine(second["id"])
     assert passed.stderr.count("parked and opened before the claim") == 2, passed.stderr
     assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
+
+
+def test_a_worker_finishing_its_task_after_a_stop_starts_no_next_server(opencode, tmp_path):
+    """SIGTERM during a long run: the worker finishes that task and starts no server beside it,
+    since no task will take it."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("long", [bash("sleep 8 && echo slept"), text("Slept.\n" + DONE)])
+    task = submit(repo, script="long")
+    err_file = tmp_path / "worker.err"
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--engine", "warm", "--watch", "-v"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        until(lambda: f"{task['id']} attempt 1:" in err_file.read_text(), 120, "the attempt to start")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        proc.kill()
+    said = err_file.read_text()
+    assert task_store.get_task(task["id"])["status"] == "done", said
+    assert "starts beside it" not in said, said
+    assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []

@@ -3,6 +3,7 @@ watchdog, cancel, background processes, shutdown."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -222,6 +224,7 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
     """Also the start race: OpenCode processes starting together on a fresh OpenCode data folder
     (two runs; on the warm engine two kept servers) used to fail one of them on OpenCode's own
     migrations ("Failed query: CREATE TABLE"), until the pass had OpenCode's database made first."""
+    fresh_opencode_data()
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("slow", [hang()])
     tasks = [task_store.submit_task(title=f"slow {i}", instructions="SCRIPT:slow", working_dir=str(repo),
@@ -239,26 +242,53 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
     assert tagged() == []
 
 
-def test_opencodes_database_is_made_once_per_binary_before_slots_start(opencode, monkeypatch, tmp_path):
+def fresh_opencode_data() -> Path:
+    """Remove the prepared OpenCode database the fixture copied in (a user's first run); its path."""
     db = opencode_runner.opencode_db_path()
-    assert not db.exists()   # the fixture's data folder is fresh
-    real_run, calls = subprocess.run, []
-    monkeypatch.setattr(opencode_runner.subprocess, "run",
-                        lambda argv, **kw: calls.append(argv) or real_run(argv, **kw))
-    state = tmp_path / "state"
-    assert opencode_runner.prepare_opencode_db(state) is None
+    for path in (db, db.parent / opencode_runner.DB_PREPARED):
+        path.unlink(missing_ok=True)
+    return db
+
+
+def test_opencodes_database_is_made_once_per_binary(opencode, monkeypatch):
+    db = fresh_opencode_data()
+    stamp = db.parent / opencode_runner.DB_PREPARED
+    real_popen, calls = subprocess.Popen, []
+    monkeypatch.setattr(opencode_runner.subprocess, "Popen",
+                        lambda argv, **kw: calls.append(argv) or real_popen(argv, **kw))
+    assert opencode_runner.prepare_opencode_db() is None
     assert db.exists() and [argv[1:] for argv in calls] == [["session", "list", "--pure"]]
-    assert opencode_runner.prepare_opencode_db(state) is None
+    mark = json.loads(stamp.read_text())
+    assert mark["binary"][0] == opencode_runner.opencode_bin() and mark["migrations"] > 0
+    assert opencode_runner.prepare_opencode_db() is None
     assert len(calls) == 1, "a second pass with the same binary and database asks OpenCode nothing"
-    db.unlink()
-    assert opencode_runner.prepare_opencode_db(state) is None and len(calls) == 2 and db.exists()
-    # the lock sits beside OpenCode's database (shared by every queue); one held too long (an
-    # agent's shell can reach that folder) is waited for up to the timeout, then not
-    db.unlink()
-    held = os.open(db.parent / ".taskbridge-prepare.lock", os.O_RDWR)
+    db.unlink()   # the database gone: made again
+    assert opencode_runner.prepare_opencode_db() is None and len(calls) == 2 and db.exists()
+    stamp.write_text(json.dumps({**mark, "binary": ["/elsewhere/opencode", 1, 1]}))   # another binary's mark
+    assert opencode_runner.prepare_opencode_db() is None and len(calls) == 3
+
+
+def test_a_held_preparation_lock_is_waited_for_briefly_said_and_left_at_a_stop(opencode):
+    """The lock sits beside OpenCode's database, which an agent's shell can reach: held, it is
+    waited for (said once) up to lock_wait_sec, or until the worker stops; nothing runs without it."""
+    db = fresh_opencode_data()
+    held = os.open(db.parent / opencode_runner.DB_PREPARE_LOCK, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
-        assert opencode_runner.prepare_opencode_db(state, lock_wait_sec=0.5) is None and db.exists()
+        said: list[str] = []
+        problem = opencode_runner.prepare_opencode_db(lock_wait_sec=0.5, say=said.append)
+        assert problem is not None and "was held for over 0.5 s" in problem and not db.exists()
+        assert len(said) == 1 and said[0].startswith("waiting up to 0.5 s for another process"), said
+        stopping = opencode_runner.prepare_opencode_db(lock_wait_sec=60, stopping=lambda: True)
+        assert stopping is not None and stopping.endswith("the worker is stopping")
+        # a worker told to stop while it waits stops at once, and said why it waited
+        proc = start_worker("--watch")
+        time.sleep(4)   # started, and waiting on the lock
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+        assert time.monotonic() - started < opencode_runner.DB_LOCK_WAIT_SEC / 2, err
+        assert "for another process that prepares OpenCode's database" in err, err
     finally:
         os.close(held)
 
@@ -266,12 +296,23 @@ def test_opencodes_database_is_made_once_per_binary_before_slots_start(opencode,
 def test_a_database_that_cannot_be_made_is_said_and_nothing_is_stamped(monkeypatch, tmp_path):
     monkeypatch.setenv("OPENCODE_BIN", shutil.which("false") or "/bin/false")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    said = opencode_runner.prepare_opencode_db(tmp_path / "state")
+    said = opencode_runner.prepare_opencode_db()
     assert said is not None and said.startswith("OpenCode's database was not prepared") \
         and "opencode session list exited 1" in said, said
-    assert not (tmp_path / "state" / opencode_runner.DB_READY_STAMP).exists()
+    assert not (tmp_path / "data" / "opencode" / opencode_runner.DB_PREPARED).exists()
     monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "nowhere" / "opencode"))
-    assert "not found" in opencode_runner.prepare_opencode_db(tmp_path / "state")
+    assert "not found" in opencode_runner.prepare_opencode_db()
+
+
+def test_a_one_slot_worker_prepares_opencodes_database_too(opencode, tmp_path):
+    """Workers of several queues (one slot each) starting together on a fresh data folder raced
+    too: every pass prepares the database, not only one with slots or kept servers."""
+    db = fresh_opencode_data()
+    opencode.model.script("one", [text("Fine.\n" + DONE)])
+    task = task_store.submit_task(title="one", instructions="SCRIPT:one", working_dir=str(make_repo(tmp_path / "r")))
+    assert run_script("worker.py").returncode == 0
+    assert task_store.get_task(task["id"])["status"] == "done"
+    assert json.loads((db.parent / opencode_runner.DB_PREPARED).read_text())["migrations"] > 0
 
 
 def test_bad_slots_value_is_refused(tmp_path):
