@@ -652,8 +652,9 @@ def _branch_tip(repo: str, branch: str) -> str:
     return git(["rev-parse", "--verify", "-q", f"refs/heads/{branch}"], repo, check=False)
 
 
-def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
-    """The branch for a fresh attempt. The task's own branch from an earlier attempt is reused
+def _free_branch(repo: str, task: dict[str, Any], base: str) -> tuple[str, bool]:
+    """(the branch for a fresh attempt, whether it did not exist when picked: made with ``-b``,
+    never reset). The task's own branch from an earlier attempt is reused
     while it still points at the base commit (nothing was committed on it); otherwise the first
     of ``taskbridge/t_0001``, ``taskbridge/t_0001-<queue>``, ``…-<queue>-2``, … that does not
     exist. An existing branch with other work on it (another queue's task t_0001, say) is never
@@ -663,12 +664,33 @@ def _free_branch(repo: str, task: dict[str, Any], base: str) -> str:
     if own:
         tip = _branch_tip(repo, own)
         if tip in ("", base) or _is_ancestor(repo, tip, base):
-            return own
+            return own, not tip
     name, queue = f"taskbridge/{task['id']}", store.queue_tag()
     for candidate in [name, f"{name}-{queue}", *(f"{name}-{queue}-{n}" for n in range(2, 100))]:
         if not _branch_tip(repo, candidate):
-            return candidate
+            return candidate, True
     raise Unrunnable(f"{repo} already has 100 branches named {name}-*; delete old ones and resubmit")
+
+
+# git's words when a branch name is taken (2.39): by a branch made meanwhile, or checked out elsewhere.
+_NAME_TAKEN = ("already exists", "already checked out", "is already used by worktree")
+
+
+def _on_free_branch(repo: str, task: dict[str, Any], base: str, make: Callable[[str, bool], object]) -> str:
+    """``make(branch, new)`` on the branch _free_branch picks, returned; ``new``: it did not exist
+    when picked, so ``make`` must create it without resetting (``-b``, ``-c``: git refuses a name that appears
+    meanwhile). A worker of another queue on this repository can take the name between the pick
+    and the make (their tasks' ids repeat; _ADMIN locks only this process): then the next free
+    name, up to 5 tries. Raises GitError as ``make`` does."""
+    for tries in range(5):
+        branch, new = _free_branch(repo, task, base)
+        try:
+            make(branch, new)
+            return branch
+        except GitError as exc:
+            if not new or tries == 4 or not any(words in str(exc) for words in _NAME_TAKEN):
+                raise
+    raise AssertionError("unreachable: the last try raises")
 
 
 def _is_registered(repo: str, path: Path) -> bool:
@@ -743,9 +765,9 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         if in_the_way:  # something was removed: forget its registration too (else nothing changed)
             git(["worktree", "prune"], repo, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        branch = _free_branch(repo, {**task, "branch": task.get("branch") or unfinished or None}, base)
-        git(["worktree", "add", "-B", branch, str(path), base], repo)
-        return branch
+        return _on_free_branch(repo, {**task, "branch": task.get("branch") or unfinished or None}, base,
+                               lambda branch, new: git(["worktree", "add", "-b" if new else "-B", branch,
+                                                        str(path), base], repo))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1239,9 +1261,8 @@ def _take_parked(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
     its branch is new (returned); no file changes, so what the kept server loaded stays true."""
     with _ADMIN:
         git(["worktree", "unlock", str(path)], repo)
-        branch = _free_branch(repo, task, base)
-        git(["switch", "-q", "-C", branch], path)
-    return branch
+        return _on_free_branch(repo, task, base,
+                               lambda branch, new: git(["switch", "-q", "-c" if new else "-C", branch], path))
 
 
 def drop_parked(path: Path) -> None:
