@@ -378,6 +378,14 @@ def data_paths(env: dict[str, str]) -> list[str]:
     return _existing(paths)
 
 
+def binary_folders(env: dict[str, str]) -> list[str]:
+    """The folders a box must show for OpenCode's binary as ``env`` finds it (``OPENCODE_BIN``, else
+    ``opencode`` on PATH): the one the command names it in (often a symlink, ``node_modules/.bin``)
+    and the one it really is in; [] when it is not found (the run then says so itself)."""
+    found = shutil.which(env.get("OPENCODE_BIN") or "opencode")
+    return [os.path.dirname(os.path.abspath(found)), os.path.dirname(os.path.realpath(found))] if found else []
+
+
 def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_dir: Path) -> Plan:
     """The box of one attempt in ``ws`` (see ``Plan``): ``run_dir`` holds ``tmp/`` (the run's
     /tmp), ``control/`` (read-only: rules, notes, spend gate, the shell), ``reply/`` (writable:
@@ -386,9 +394,8 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     writable = permission != "readonly"
     plan = Plan(cwd=ws.cwd, tmp=str(run_dir / "tmp"))
     top = ws.top or ws.cwd
-    binary = os.path.dirname(os.path.realpath(shutil.which(env.get("OPENCODE_BIN") or "opencode") or "/"))
     plan.visible = _existing([env.get("HOME"), env.get("OPENCODE_CONFIG"), ws.repo, top, ws.cwd,
-                              str(connectors.REPO), binary,
+                              str(connectors.REPO), *binary_folders(env),
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
                                                      "XDG_STATE_HOME"))])
     plan.hidden = data_paths(env)

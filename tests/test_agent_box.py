@@ -467,3 +467,22 @@ def test_the_box_holds_for_an_ordinary_user(tmp_path):
         assert (base / "worktree" / "in").exists() and not (base / "theirs" / "out").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_opencode_reached_through_a_symlink_in_a_hidden_folder_still_runs(opencode, tmp_path, monkeypatch):
+    """The box shows the folder the command names the binary in, not only the one it really is in:
+    ``OPENCODE_BIN`` a symlink (as ``node_modules/.bin/opencode`` is) under /tmp, which the box
+    replaces with the run's own, used to make every run exit 127 (a checkout under /tmp running
+    another checkout's pinned opencode: the quick-start test in CI)."""
+    if agent_box.support().mechanism != "bubblewrap":
+        pytest.skip(f"no bubblewrap box here: {agent_box.support().reason}")
+    link = tmp_path / "linked-bin" / "opencode"
+    link.parent.mkdir()
+    link.symlink_to(os.path.realpath(opencode.bin))
+    monkeypatch.setenv("OPENCODE_BIN", str(link))
+    assert str(link.parent) in agent_box.binary_folders(dict(os.environ))
+    opencode.model.script("linked", [text("Fine.\n" + DONE)])
+    task = submit(str(make_repo(tmp_path / "repo")), "linked", script="linked")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
