@@ -401,15 +401,21 @@
   function actions(t, open) {
     const box = el("div", { class: "actions" });
     const msg = el("p", { class: "msg", id: "action-msg" }, S.actionMsg || "");
+    // A live update may rebuild the task view while the POST is under way: the answer goes to the
+    // message line on the page now (S.actionMsg keeps it for the next rebuild), not only to this one.
+    function say(text) {
+      S.actionMsg = text;
+      ($("action-msg") || msg).textContent = text;
+    }
     async function act(name, body, done) {
       try {
         await api("/api/tasks/" + encodeURIComponent(t.id) + "/" + name, body);
-        msg.textContent = S.actionMsg = name + ": done";
+        say(name + ": done");
         if (done) done();
         await Promise.all([loadTask().then((rebuilt) => rebuilt && loadLogKeep()), loadStatus(), loadList()]);
       } catch (err) {
         if (err instanceof AuthError) return showError(err);
-        msg.textContent = S.actionMsg = name + " refused: " + err.message;
+        say(name + " refused: " + err.message);
       }
     }
     if (t.status === "waiting") {

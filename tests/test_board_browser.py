@@ -368,6 +368,29 @@ def test_cancel_then_retry_from_the_page_and_a_refusal_shows_the_store_message(b
     no_script_ran(browser)
 
 
+def test_an_actions_answer_shows_even_when_a_live_update_rebuilt_the_page_first(board, browser, tmp_path):
+    """The live update can show a retry's new status, and rebuild the task page, before the
+    retry's own answer arrives: that answer used to go to the old, detached message line, and the
+    page kept the cancel's "cancel: done" (this test holds the answer back 2 s to make it so)."""
+    from selenium.webdriver.common.by import By
+    task = task_store.submit_task(title="to retry", instructions="x", working_dir=str(tmp_path))
+    task_store.cancel_task(task["id"])
+    log_in(browser, board)
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task page")
+    browser.execute_script("""
+        const real = window.fetch;
+        window.fetch = (path, init) => {
+          const answer = real(path, init);
+          if (!(init && init.method === "POST" && String(path).endsWith("/retry"))) return answer;
+          return answer.then((r) => new Promise((done) => setTimeout(() => done(r), 2000)));
+        };""")
+    by_id(browser, "retry").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the live update")
+    wait(browser, lambda d: text_of(d, "action-msg") == "retry: done", what="the retry's message")
+    no_script_ran(browser)
+
+
 def test_the_page_stays_responsive_with_ten_thousand_tasks(board, browser, tmp_path):
     for start in range(0, 10_000, 20):
         task_store.submit_batch([{"title": f"task {start + i}", "instructions": "x", "working_dir": str(tmp_path)}
