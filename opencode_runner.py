@@ -1312,7 +1312,7 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
     except (OpencodeNotFound, OSError) as exc:
         return f"OpenCode's database was not prepared: {exc}"
     db = opencode_db_path()
-    stamp = db.parent / DB_PREPARED
+    stamp, lock = db.parent / DB_PREPARED, db.parent / DB_PREPARE_LOCK
     key = [binary, found.st_size, found.st_mtime_ns]
 
     def ready() -> bool:
@@ -1325,11 +1325,10 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
         return None
     try:
         os.makedirs(db.parent, exist_ok=True)   # OpenCode makes it too, with the same default mode
-        fd = os.open(db.parent / DB_PREPARE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         return f"OpenCode's database was not prepared: {exc}"
     try:
-        lock = db.parent / DB_PREPARE_LOCK
         waiting = (f"waiting up to {lock_wait_sec:g} s for another process that prepares OpenCode's "
                    f"database ({lock})")
         if not _flock_within(fd, lock_wait_sec, stopping, lambda: say(waiting) if say else None):
