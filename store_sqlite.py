@@ -300,17 +300,21 @@ def reading(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], None]
         raise fault(exc, path) from exc
 
 
+BUSY_WAIT_SEC = 30.0  # how long a write waits for the write lock before "database is locked"
+
+
 @contextlib.contextmanager
-def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], None]) -> Iterator[sqlite3.Connection]:
+def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], None],
+                lock_wait_sec: float | None = None) -> Iterator[sqlite3.Connection]:
     """A write transaction on ``conn``: ``BEGIN IMMEDIATE`` takes the write lock before the first
-    read (``_begin_immediate``), COMMIT after the body, ROLLBACK on any error. A SQLite error
-    leaves as the store's (``fault``), an OSError of a full or read-only disk as StorageFault;
-    ``drop()`` is called when the connection must not be used again (a ROLLBACK that failed, a
-    broken connection). RuntimeError for a transaction opened inside another (a bug)."""
+    read, waiting for it up to ``lock_wait_sec`` seconds (default BUSY_WAIT_SEC), COMMIT after the
+    body, ROLLBACK on any error. A SQLite error leaves as the store's (``fault``), an OSError of
+    a full or read-only disk as StorageFault; ``drop()`` is called when the connection must not
+    be used again (a ROLLBACK that failed, a broken connection). RuntimeError for a transaction opened inside another (a bug)."""
     if conn.in_transaction:  # a store function called another inside its transaction: a bug
         raise RuntimeError("task_store: a write transaction was opened inside another one")
     try:
-        _begin_immediate(conn)
+        _begin_immediate(conn, BUSY_WAIT_SEC if lock_wait_sec is None else lock_wait_sec)
         try:
             yield conn
         except BaseException:
@@ -427,17 +431,15 @@ def _connect_read_only(path: Path, version: int) -> sqlite3.Connection:
     return conn
 
 
-BUSY_WAIT_SEC = 30.0  # how long a write waits for the write lock before "database is locked"
-
-
-def _begin_immediate(conn: sqlite3.Connection) -> None:
-    """``BEGIN IMMEDIATE``, waiting for the write lock in short sleeps of our own.
+def _begin_immediate(conn: sqlite3.Connection, wait_sec: float) -> None:
+    """``BEGIN IMMEDIATE``, waiting for the write lock in short sleeps of our own for up to
+    ``wait_sec`` seconds (then "database is locked").
 
     SQLite's busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries: with a few
     processes writing, each conflict cost milliseconds while the lock was free again in tens of
     microseconds (4 processes reached ~450 cycles/s). Here the handler is off for this one
-    statement and the retry sleeps 50 µs, doubling to at most 2 ms, with jitter, for up to
-    BUSY_WAIT_SEC; every other statement keeps the 30 s busy timeout."""
+    statement and the retry sleeps 50 µs, doubling to at most 2 ms, with jitter; every other
+    statement keeps the 30 s busy timeout."""
     conn.execute("PRAGMA busy_timeout = 0")
     try:
         delay, deadline = 0.00005, None
@@ -448,7 +450,7 @@ def _begin_immediate(conn: sqlite3.Connection) -> None:
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
-                deadline = deadline or time.monotonic() + BUSY_WAIT_SEC
+                deadline = deadline or time.monotonic() + wait_sec
                 if time.monotonic() > deadline:
                     raise
             time.sleep(delay * (0.5 + random.random()))

@@ -231,10 +231,16 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
         return result
 
 
+# How long a renewal waits for SQLite's write lock: the run's watch renews between its checks of
+# the timeout, a cancel and the watchdogs, so another program holding the queue (a backup, a
+# `sqlite3` shell left in a transaction) is an outage to ride out, not a 30 s stall of the watch.
+RENEW_LOCK_WAIT_SEC = 1.0
+
+
 class Renewal:
     """A lease's renewals (every WORKER_LEASE_SEC) that ride out an outage: ``due(now)`` says when
-    to try, ``renew()`` tries once (never blocks longer than one store call) and backs off while
-    the database is away. Fields that could not be written yet (the agent's pid) go with the next
+    to try, ``renew()`` tries once (never blocks longer than one store call, nor longer than
+    RENEW_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away. Fields that could not be written yet (the agent's pid) go with the next
     renewal. Raises StaleAttempt when the attempt was fenced off."""
 
     def __init__(self, task: dict[str, Any], lease_sec: float) -> None:
@@ -251,7 +257,7 @@ class Renewal:
         self.last = time.monotonic()
         self.pending.update(fields)
         try:
-            store.renew_lease(self.task_id, self.marker, **self.pending)
+            store.renew_lease(self.task_id, self.marker, RENEW_LOCK_WAIT_SEC, **self.pending)
         except store.StaleAttempt:
             raise
         except Exception as exc:

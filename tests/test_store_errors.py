@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,21 @@ def test_no_module_above_the_store_catches_or_reads_driver_errors(module):
     text = (ROOT / module).read_text()
     assert not re.search(r"^\s*import (sqlite3|psycopg)|except[^:\n]*\b(sqlite3|psycopg)\.", text, re.MULTILINE)
     assert "tb_frame" not in text and "__traceback__" not in text
+
+
+def test_a_renewal_waits_for_the_write_lock_only_as_long_as_it_is_told(project):
+    """A run's watch renews with a short wait (worker.RENEW_LOCK_WAIT_SEC): another program that
+    holds the queue's write lock makes the renewal DatabaseBusy at once, not after 30 s."""
+    submit(project)
+    task = task_store.claim_next("w")
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        started = time.monotonic()
+        with pytest.raises(task_store.DatabaseBusy):
+            task_store.renew_lease(task["id"], task["run_marker"], 0.3)
+        assert 0.3 <= time.monotonic() - started < 5
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    task_store.renew_lease(task["id"], task["run_marker"], 0.3)   # the lock let go: renewed

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -44,6 +45,14 @@ def alive_with_cmdline(argv: list[str]) -> list[psutil.Process]:
     """Live processes with exactly this argv (ours alone: the argv is unique to this test)."""
     return [p for p in psutil.process_iter(["cmdline", "status"])
             if p.info["cmdline"] == argv and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+def alive(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs (a zombie its parent has not reaped yet has ended)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def running_with_agent(task_id):
@@ -318,3 +327,34 @@ def test_a_one_slot_worker_prepares_opencodes_database_too(opencode, tmp_path):
 def test_bad_slots_value_is_refused(tmp_path):
     result = run_script("worker.py", "--slots", "0")
     assert result.returncode == 2 and "--slots must be from 1 to 16" in result.stderr
+
+
+def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(opencode, tmp_path, monkeypatch):
+    """Another program holds the SQLite queue's write lock for longer than the task's timeout
+    (a backup, a `sqlite3` shell left in a transaction): the run is still ended at its timeout,
+    not when the lock is let go; its end is written once the database answers again."""
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    opencode.model.script("long", [hang()])
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
+                                  timeout_sec=10, max_retries=0)
+    proc = start_worker()
+    running = until(lambda: running_with_agent(task["id"]))
+    agent = psutil.Process(running["agent_pid"])
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")   # the write lock, held past the timeout
+    held_at = time.monotonic()
+    try:
+        until(lambda: not alive(agent), timeout=45)
+        ended_after = time.monotonic() - held_at
+        assert proc.poll() is None   # the worker is still waiting to write the task's end
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    # timeout 10 s from the claim (before the lock) + the kill grace 2 s, with room for a loaded machine
+    assert ended_after < 14, ended_after
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and "timed out after 10 s" in final["error"], final["error"]
+    assert tagged() == []
