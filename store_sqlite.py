@@ -310,7 +310,8 @@ def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], N
     read, waiting for it up to ``lock_wait_sec`` seconds (default BUSY_WAIT_SEC), COMMIT after the
     body, ROLLBACK on any error. A SQLite error leaves as the store's (``fault``), an OSError of
     a full or read-only disk as StorageFault; ``drop()`` is called when the connection must not
-    be used again (a ROLLBACK that failed, a broken connection). RuntimeError for a transaction opened inside another (a bug)."""
+    be used again (a ROLLBACK that failed, a broken connection). RuntimeError for a transaction
+    opened inside another (a bug)."""
     if conn.in_transaction:  # a store function called another inside its transaction: a bug
         raise RuntimeError("task_store: a write transaction was opened inside another one")
     try:

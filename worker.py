@@ -240,8 +240,9 @@ RENEW_LOCK_WAIT_SEC = 1.0
 class Renewal:
     """A lease's renewals (every WORKER_LEASE_SEC) that ride out an outage: ``due(now)`` says when
     to try, ``renew()`` tries once (never blocks longer than one store call, nor longer than
-    RENEW_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away. Fields that could not be written yet (the agent's pid) go with the next
-    renewal. Raises StaleAttempt when the attempt was fenced off."""
+    RENEW_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away.
+    Fields that could not be written yet (the agent's pid) go with the next renewal. Raises
+    StaleAttempt when the attempt was fenced off."""
 
     def __init__(self, task: dict[str, Any], lease_sec: float) -> None:
         self.task_id, self.marker, self.lease_sec = task["id"], task["run_marker"], lease_sec
