@@ -950,29 +950,47 @@ def _reading() -> Iterator[Connection]:
         yield conn
 
 
+_LOCK_WAIT = threading.local()   # .sec: this thread's wait for SQLite's write lock (lock_wait)
+
+
 @contextlib.contextmanager
-def _writing(lock_wait_sec: float | None = None) -> Iterator[Connection]:
+def lock_wait(seconds: float) -> Iterator[None]:
+    """Within this block, every write of this thread waits at most ``seconds`` for SQLite's write
+    lock (then DatabaseBusy, which callers that ride outages out retry later) instead of
+    store_sqlite.BUSY_WAIT_SEC (30 s). A run's watch uses it: between its checks of the timeout,
+    a cancel and the watchdogs, another program holding the queue must not stall it. (PostgreSQL
+    has no global write lock; a row's lock is waited for up to PG_LOCK_TIMEOUT_SEC as before.)"""
+    before = getattr(_LOCK_WAIT, "sec", None)
+    _LOCK_WAIT.sec = seconds
+    try:
+        yield
+    finally:
+        _LOCK_WAIT.sec = before
+
+
+@contextlib.contextmanager
+def _writing() -> Iterator[Connection]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the write lock before the first read,
-    waiting for it up to ``lock_wait_sec`` seconds (None: store_sqlite.BUSY_WAIT_SEC). On
-    PostgreSQL no global lock: rows are locked as they are read, see ``store_pg.transaction``."""
+    waiting for it as long as ``lock_wait`` says (else store_sqlite.BUSY_WAIT_SEC). On PostgreSQL
+    no global lock: rows are locked as they are read, see ``store_pg.transaction``."""
     conn = _kept()
     if _dialect(conn) is POSTGRESQL:
         with store_pg.transaction(_as_pg(conn)):
             yield conn
         return
-    with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, lock_wait_sec):
+    with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, getattr(_LOCK_WAIT, "sec", None)):
         yield conn
 
 
 @contextlib.contextmanager
-def _single_write(lock_wait_sec: float | None = None) -> Iterator[Connection]:
+def _single_write() -> Iterator[Connection]:
     """For a write that is one statement: on PostgreSQL the kept connection in autocommit (the
     statement is its own transaction: no BEGIN or COMMIT round trip); on SQLite ``_writing``."""
     conn = _kept()
     if _dialect(conn) is POSTGRESQL:
         yield conn
         return
-    with _writing(lock_wait_sec) as conn:
+    with _writing() as conn:
         yield conn
 
 
@@ -2322,17 +2340,12 @@ def _fenced(conn: Connection, num: int, marker: str) -> Row:
     return row
 
 
-def renew_lease(task_id: Any, marker: str, lock_wait_sec: float | None = None,
-                **fields: Any) -> None:
+def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
     """Renew the lease of a running attempt (heartbeat now) and record optional run facts:
     ``agent_pid``, ``agent_pid_start`` (s), ``session_id``, ``worktree_path``, ``branch``,
     ``base_commit``, ``line_base`` (where a follow-up's line of work started), ``pushed_branch`` and
     ``pushed_commit`` (a task on a remote: what its worker pushed there). Raises StaleAttempt
-    when the attempt is no longer current (reaped, cancelled): the caller must stop the run.
-    ``lock_wait_sec``: how long to wait for SQLite's write lock (then DatabaseBusy; None:
-    store_sqlite.BUSY_WAIT_SEC); a run's watch
-    passes a short one, so another program holding the queue cannot hold up its timeout.
-    (PostgreSQL takes no global lock here, only its row's, as long as ``PG_LOCK_TIMEOUT_SEC``.)"""
+    when the attempt is no longer current (reaped, cancelled): the caller must stop the run."""
     allowed = {"agent_pid", "agent_pid_start", "session_id", "worktree_path", "branch", "base_commit",
                "line_base", "pushed_branch", "pushed_commit"}
     bad = set(fields) - allowed
@@ -2343,7 +2356,7 @@ def renew_lease(task_id: Any, marker: str, lock_wait_sec: float | None = None,
     # One fenced statement: on PostgreSQL in autocommit, one round trip and one row lock held for
     # the statement alone (a fleet renews every few seconds per running task).
     # The server's clock on PostgreSQL (see store_now) read inside the statement, not a trip of its own.
-    with _single_write(lock_wait_sec) as conn:
+    with _single_write() as conn:
         # PgConnection retries this fenced (so idempotent) statement once on a new connection.
         renewed = getattr(conn, "execute_idempotent", conn.execute)(
             f"UPDATE tasks SET heartbeat_at = {_dialect(conn).clock_sql}{sets} WHERE id = :id AND run_marker = :marker"

@@ -231,16 +231,17 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
         return result
 
 
-# How long a renewal waits for SQLite's write lock: the run's watch renews between its checks of
-# the timeout, a cancel and the watchdogs, so another program holding the queue (a backup, a
-# `sqlite3` shell left in a transaction) is an outage to ride out, not a 30 s stall of the watch.
-RENEW_LOCK_WAIT_SEC = 1.0
+# How long a run's watch waits for SQLite's write lock (store.lock_wait) in each of its writes (the
+# lease renewal, a log ship, the meter's step): it checks the timeout, a cancel and the watchdogs
+# between them, so another program holding the queue (a backup, a `sqlite3` shell left in a
+# transaction) is an outage to ride out, not a 30 s stall of the watch.
+WATCH_LOCK_WAIT_SEC = 1.0
 
 
 class Renewal:
     """A lease's renewals (every WORKER_LEASE_SEC) that ride out an outage: ``due(now)`` says when
-    to try, ``renew()`` tries once (never blocks longer than one store call, nor longer than
-    RENEW_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away.
+    to try, ``renew()`` tries once (never blocks longer than one store call; in a run's watch, nor
+    longer than WATCH_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away.
     Fields that could not be written yet (the agent's pid) go with the next renewal. Raises
     StaleAttempt when the attempt was fenced off."""
 
@@ -258,7 +259,7 @@ class Renewal:
         self.last = time.monotonic()
         self.pending.update(fields)
         try:
-            store.renew_lease(self.task_id, self.marker, RENEW_LOCK_WAIT_SEC, **self.pending)
+            store.renew_lease(self.task_id, self.marker, **self.pending)
         except store.StaleAttempt:
             raise
         except Exception as exc:
@@ -1345,12 +1346,13 @@ class Supervisor:
         deadline = self.deadline_at or now + self.task["timeout_sec"]
         output.start(now)
         meanwhile_at = now + ENGINE_NEXT_AFTER_SEC
-        while not self.stop and not self._done():
-            output.pump(0.2)
-            self._check(time.monotonic(), deadline)
-            if self.launch.meanwhile is not None and time.monotonic() >= meanwhile_at and not self.stop:
-                job, self.launch.meanwhile = self.launch.meanwhile, None
-                job()
+        with store.lock_wait(WATCH_LOCK_WAIT_SEC):
+            while not self.stop and not self._done():
+                output.pump(0.2)
+                self._check(time.monotonic(), deadline)
+                if self.launch.meanwhile is not None and time.monotonic() >= meanwhile_at and not self.stop:
+                    job, self.launch.meanwhile = self.launch.meanwhile, None
+                    job()
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""

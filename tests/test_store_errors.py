@@ -132,19 +132,21 @@ def test_no_module_above_the_store_catches_or_reads_driver_errors(module):
     assert "tb_frame" not in text and "__traceback__" not in text
 
 
-def test_a_renewal_waits_for_the_write_lock_only_as_long_as_it_is_told(project):
-    """A run's watch renews with a short wait (worker.RENEW_LOCK_WAIT_SEC): another program that
-    holds the queue's write lock makes the renewal DatabaseBusy at once, not after 30 s."""
+def test_writes_in_a_lock_wait_block_wait_for_the_write_lock_only_that_long(project):
+    """A run's watch writes within lock_wait(worker.WATCH_LOCK_WAIT_SEC): while another program
+    holds the queue's write lock, its renewal is DatabaseBusy after that wait, not after 30 s; the
+    thread's wait is back to the default after the block."""
     submit(project)
     task = task_store.claim_next("w")
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
         started = time.monotonic()
-        with pytest.raises(task_store.DatabaseBusy):
-            task_store.renew_lease(task["id"], task["run_marker"], 0.3)
+        with task_store.lock_wait(0.3), pytest.raises(task_store.DatabaseBusy):
+            task_store.renew_lease(task["id"], task["run_marker"])
         assert 0.3 <= time.monotonic() - started < 5
+        assert getattr(task_store._LOCK_WAIT, "sec", None) is None
     finally:
         holder.execute("ROLLBACK")
         holder.close()
-    task_store.renew_lease(task["id"], task["run_marker"], 0.3)   # the lock let go: renewed
+    task_store.renew_lease(task["id"], task["run_marker"])   # the lock let go: renewed

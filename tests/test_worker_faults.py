@@ -329,15 +329,19 @@ def test_bad_slots_value_is_refused(tmp_path):
     assert result.returncode == 2 and "--slots must be from 1 to 16" in result.stderr
 
 
-def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(opencode, tmp_path, monkeypatch):
+@pytest.mark.parametrize("steps", [0, 6], ids=["silent", "metered-steps"])
+def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(opencode, tmp_path, monkeypatch, steps):
     """Another program holds the SQLite queue's write lock for longer than the task's timeout
     (a backup, a `sqlite3` shell left in a transaction): the run is still ended at its timeout,
-    not when the lock is let go; its end is written once the database answers again."""
+    not when the lock is let go; its end is written once the database answers again. Every write
+    of the run's watch is bounded: the lease renewals and, with model steps, the spend meter's."""
     repo = make_repo(tmp_path / "repo")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
-    opencode.model.script("long", [hang()])
+    opencode.model.script("long", [tool_call("bash", {"command": "sleep 1", "description": "wait"},
+                                             usage={"prompt_tokens": 10, "completion_tokens": 5})] * steps
+                          + [hang()])
     task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
-                                  timeout_sec=10, max_retries=0)
+                                  timeout_sec=10, max_retries=0, max_tokens=10**9)
     proc = start_worker()
     running = until(lambda: running_with_agent(task["id"]))
     agent = psutil.Process(running["agent_pid"])
@@ -345,7 +349,7 @@ def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(openco
     holder.execute("BEGIN EXCLUSIVE")   # the write lock, held past the timeout
     held_at = time.monotonic()
     try:
-        until(lambda: not alive(agent), timeout=45)
+        until(lambda: not alive(agent), timeout=45, what="the run's end at its timeout")
         ended_after = time.monotonic() - held_at
         assert proc.poll() is None   # the worker is still waiting to write the task's end
     finally:
