@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import email.utils
-import fcntl
-import itertools
 import json
 import os
 import re
@@ -32,7 +30,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from task_store import write_private
+from task_store import flock_wait, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
@@ -1331,9 +1329,10 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
     try:
         waiting = (f"waiting up to {lock_wait_sec:g} s for another process that prepares OpenCode's "
                    f"database ({lock})")
-        if not _flock_within(fd, lock_wait_sec, stopping, lambda: say(waiting) if say else None):
-            return ("OpenCode's database was not prepared: " +
-                    ("the worker is stopping" if stopping() else f"{lock} was held for over {lock_wait_sec:g} s"))
+        refused = flock_wait(fd, lambda: "the worker is stopping" if stopping() else None, lock_wait_sec,
+                             lambda: say(waiting) if say else None)
+        if refused:
+            return f"OpenCode's database was not prepared: {refused if stopping() else f'{lock} was {refused}'}"
         if ready():   # another worker did it while this one waited
             return None
         problem = _run_session_list(binary, db, timeout_sec)
@@ -1370,23 +1369,6 @@ def _run_session_list(binary: str, db: Path, timeout_sec: float) -> str | None:
         done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
         return opencode_error(done, "opencode session list")
     return None
-
-
-def _flock_within(fd: int, seconds: float, stopping: Callable[[], bool], waits: Callable[[], None]) -> bool:
-    """Take an exclusive flock on ``fd``, trying every 0.1 s for up to ``seconds`` or until
-    ``stopping()`` (``waits()`` is called once, when the first try finds it held); whether it was taken."""
-    deadline = time.monotonic() + seconds
-    for tries in itertools.count():
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if not tries:
-                waits()
-            if time.monotonic() >= deadline or stopping():
-                return False
-            time.sleep(0.1)
-    return False
 
 
 def opencode_error(proc: subprocess.CompletedProcess, what: str) -> str:

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import itertools
 import json
 import math
 import os
@@ -3681,6 +3682,29 @@ def take_lock(path: Path | str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def flock_wait(fd: int, give_up: Callable[[], str | None], seconds: float = math.inf,
+               waits: Callable[[], None] | None = None) -> str | None:
+    """Take an exclusive ``flock`` on ``fd``, trying every 0.1 s: None once it is taken; else why
+    not: what ``give_up()`` returned (asked between tries; None or "" to go on waiting), or
+    ``"held for over N s"`` after ``seconds``. ``waits()`` is called once, when the first try finds
+    the lock held (to say so)."""
+    deadline = time.monotonic() + seconds
+    for tries in itertools.count():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except BlockingIOError:
+            if not tries and waits is not None:
+                waits()
+            reason = give_up()
+            if reason:
+                return reason
+            if time.monotonic() >= deadline:
+                return f"held for over {seconds:g} s"
+            time.sleep(0.1)
+    raise AssertionError("unreachable")
 
 
 def served_by() -> tuple[str, int] | None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -851,16 +850,10 @@ def _mirror_lock(path: Path) -> Iterator[None]:
         raise Unrunnable(f"the mirror folder {path.parent} cannot be used ({exc.strerror}); point "
                          "TASKBRIDGE_MIRROR_DIR at a writable folder on this worker and retry the task") from None
     try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                watcher = getattr(_watch, "check", None)
-                reason = watcher() if watcher else None
-                if reason:
-                    raise GitStopped(f"waiting for the mirror {path} was ended: {reason}", reason) from None
-                time.sleep(0.1)
+        watcher = getattr(_watch, "check", None)
+        reason = store.flock_wait(fd, lambda: watcher() if watcher else None)
+        if reason:
+            raise GitStopped(f"waiting for the mirror {path} was ended: {reason}", reason)
         yield
     finally:
         os.close(fd)   # closing the descriptor releases the flock
