@@ -305,9 +305,11 @@ BUSY_WAIT_SEC = 30.0  # how long a write waits for the write lock before "databa
 
 @contextlib.contextmanager
 def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], None],
-                lock_wait_sec: float | None = None) -> Iterator[sqlite3.Connection]:
+                lock_wait_sec: float | None = None,
+                give_up: Callable[[], bool] | None = None) -> Iterator[sqlite3.Connection]:
     """A write transaction on ``conn``: ``BEGIN IMMEDIATE`` takes the write lock before the first
-    read, waiting for it up to ``lock_wait_sec`` seconds (default BUSY_WAIT_SEC), COMMIT after the
+    read, waiting for it up to ``lock_wait_sec`` seconds (default BUSY_WAIT_SEC) and no longer once
+    ``give_up()`` is true (``_begin_immediate``), COMMIT after the
     body, ROLLBACK on any error. A SQLite error leaves as the store's (``fault``), an OSError of
     a full or read-only disk as StorageFault; ``drop()`` is called when the connection must not
     be used again (a ROLLBACK that failed, a broken connection). RuntimeError for a transaction
@@ -315,7 +317,7 @@ def transaction(conn: sqlite3.Connection, path: Path | str, drop: Callable[[], N
     if conn.in_transaction:  # a store function called another inside its transaction: a bug
         raise RuntimeError("task_store: a write transaction was opened inside another one")
     try:
-        _begin_immediate(conn, BUSY_WAIT_SEC if lock_wait_sec is None else lock_wait_sec)
+        _begin_immediate(conn, BUSY_WAIT_SEC if lock_wait_sec is None else lock_wait_sec, give_up)
         try:
             yield conn
         except BaseException:
@@ -432,9 +434,9 @@ def _connect_read_only(path: Path, version: int) -> sqlite3.Connection:
     return conn
 
 
-def _begin_immediate(conn: sqlite3.Connection, wait_sec: float) -> None:
+def _begin_immediate(conn: sqlite3.Connection, wait_sec: float, give_up: Callable[[], bool] | None = None) -> None:
     """``BEGIN IMMEDIATE``, waiting for the write lock in short sleeps of our own for up to
-    ``wait_sec`` seconds (then "database is locked").
+    ``wait_sec`` seconds, or until ``give_up()`` is true (then "database is locked").
 
     SQLite's busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between tries: with a few
     processes writing, each conflict cost milliseconds while the lock was free again in tens of
@@ -452,7 +454,7 @@ def _begin_immediate(conn: sqlite3.Connection, wait_sec: float) -> None:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
                 deadline = deadline or time.monotonic() + wait_sec
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (give_up is not None and give_up()):
                     raise
             time.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, 0.002)

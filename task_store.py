@@ -951,22 +951,24 @@ def _reading() -> Iterator[Connection]:
         yield conn
 
 
-_LOCK_WAIT = threading.local()   # .sec: this thread's wait for SQLite's write lock (lock_wait)
+_LOCK_WAIT = threading.local()   # this thread's wait for SQLite's write lock (lock_wait): .sec, .give_up
 
 
 @contextlib.contextmanager
-def lock_wait(seconds: float) -> Iterator[None]:
-    """Within this block, every write of this thread waits at most ``seconds`` for SQLite's write
-    lock (then DatabaseBusy, which callers that ride outages out retry later) instead of
-    store_sqlite.BUSY_WAIT_SEC (30 s). A run's watch uses it: between its checks of the timeout,
-    a cancel and the watchdogs, another program holding the queue must not stall it. (PostgreSQL
-    has no global write lock; a row's lock is waited for up to PG_LOCK_TIMEOUT_SEC as before.)"""
-    before = getattr(_LOCK_WAIT, "sec", None)
-    _LOCK_WAIT.sec = seconds
+def lock_wait(seconds: float | None = None, give_up: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Within this block, every write of this thread waits for SQLite's write lock at most
+    ``seconds`` (None: store_sqlite.BUSY_WAIT_SEC, 30 s), and no longer once ``give_up()`` is
+    true (asked between tries); then DatabaseBusy, which callers that ride outages out retry
+    later. A run's watch uses it (between its checks of the timeout, a cancel and the watchdogs,
+    another program holding the queue must not stall it), and the worker's loop (a stop is not
+    held up by it). PostgreSQL has no global write lock; a row's lock is waited for up to
+    PG_LOCK_TIMEOUT_SEC as before."""
+    before = (getattr(_LOCK_WAIT, "sec", None), getattr(_LOCK_WAIT, "give_up", None))
+    _LOCK_WAIT.sec, _LOCK_WAIT.give_up = seconds, give_up
     try:
         yield
     finally:
-        _LOCK_WAIT.sec = before
+        _LOCK_WAIT.sec, _LOCK_WAIT.give_up = before
 
 
 @contextlib.contextmanager
@@ -979,7 +981,8 @@ def _writing() -> Iterator[Connection]:
         with store_pg.transaction(_as_pg(conn)):
             yield conn
         return
-    with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, getattr(_LOCK_WAIT, "sec", None)):
+    with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, getattr(_LOCK_WAIT, "sec", None),
+                                  getattr(_LOCK_WAIT, "give_up", None)):
         yield conn
 
 

@@ -231,17 +231,18 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
         return result
 
 
-# How long a run's watch waits for SQLite's write lock (store.lock_wait) in each of its writes (the
-# lease renewal, a log ship, the meter's step): it checks the timeout, a cancel and the watchdogs
-# between them, so another program holding the queue (a backup, a `sqlite3` shell left in a
-# transaction) is an outage to ride out, not a 30 s stall of the watch.
-WATCH_LOCK_WAIT_SEC = 1.0
+# How long a write that rides outages out waits for SQLite's write lock (store.lock_wait): a run's
+# watch in each of its writes (the lease renewal, a log ship, the meter's step; it checks the
+# timeout, a cancel and the watchdogs between them) and the heartbeat row (Beat; the file beside
+# the queue is written first). Another program holding the queue (a backup, a `sqlite3` shell
+# left in a transaction) is then an outage to ride out, not a 30 s stall.
+SHORT_LOCK_WAIT_SEC = 1.0
 
 
 class Renewal:
     """A lease's renewals (every WORKER_LEASE_SEC) that ride out an outage: ``due(now)`` says when
     to try, ``renew()`` tries once (never blocks longer than one store call; in a run's watch, nor
-    longer than WATCH_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away.
+    longer than SHORT_LOCK_WAIT_SEC for SQLite's write lock) and backs off while the database is away.
     Fields that could not be written yet (the agent's pid) go with the next renewal. Raises
     StaleAttempt when the attempt was fenced off."""
 
@@ -1346,7 +1347,7 @@ class Supervisor:
         deadline = self.deadline_at or now + self.task["timeout_sec"]
         output.start(now)
         meanwhile_at = now + ENGINE_NEXT_AFTER_SEC
-        with store.lock_wait(WATCH_LOCK_WAIT_SEC):
+        with store.lock_wait(SHORT_LOCK_WAIT_SEC):
             while not self.stop and not self._done():
                 output.pump(0.2)
                 self._check(time.monotonic(), deadline)
@@ -2764,9 +2765,10 @@ class Beat:
             ids = sorted(self.tasks)
             said = {"budget": self.budget} if self.budget else {}
             try:   # the heartbeat file is written first; the row waits for the database
-                store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
-                                              "tasks": ids, "slots": self.slots, "pid_start": self.pid_start,
-                                              **said, **extra})
+                with store.lock_wait(SHORT_LOCK_WAIT_SEC):
+                    store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
+                                                  "tasks": ids, "slots": self.slots,
+                                                  "pid_start": self.pid_start, **said, **extra})
             except Exception as exc:
                 if not db_outage(exc):
                     raise
@@ -2886,7 +2888,8 @@ class Loop:
             self.state.talk.signals(flags.stopping, flags.stop_now)
             self.busy = {f for f in self.busy if not f.done()}
             try:
-                task = self._turn()
+                with store.lock_wait(give_up=lambda: flags.stopping):   # a stop is not held up by a locked queue
+                    task = self._turn()
             except Exception as exc:
                 if not db_outage(exc):
                     raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -378,3 +379,29 @@ def test_the_warm_engine_start_weathers_an_outage_instead_of_ending_the_pass(mon
     monkeypatch.setattr(task_store, "list_tasks", lambda **_: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError):
         worker._start_engines(1, watch=True)   # a fault of our own is not taken for an outage
+
+
+def test_a_watch_worker_stops_at_once_while_another_program_holds_the_queue(opencode, tmp_path):
+    """A SQLite queue whose write lock another program holds (a backup, a `sqlite3` shell left in
+    a transaction): the idle worker's turns wait on it, but a SIGTERM ends the wait and the worker
+    exits at once, not after the 30 s a write waits for the lock."""
+    out = tmp_path / "worker.log"
+    with watching({**os.environ, "WORKER_POLL_SEC": "0.2"}, out) as proc:
+        until_said = time.monotonic() + 60
+        while "watching for tasks" not in out.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < until_said, out.read_text(errors="replace")
+            time.sleep(0.2)
+        holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            time.sleep(3)   # its turns now wait for the lock
+            assert proc.poll() is None, out.read_text(errors="replace")
+            proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            proc.wait(timeout=40)
+            stopped_after = time.monotonic() - started
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    assert proc.returncode == 0, out.read_text(errors="replace")
+    assert stopped_after < 5, (stopped_after, out.read_text(errors="replace"))

@@ -133,7 +133,7 @@ def test_no_module_above_the_store_catches_or_reads_driver_errors(module):
 
 
 def test_writes_in_a_lock_wait_block_wait_for_the_write_lock_only_that_long(project):
-    """A run's watch writes within lock_wait(worker.WATCH_LOCK_WAIT_SEC): while another program
+    """A run's watch writes within lock_wait(worker.SHORT_LOCK_WAIT_SEC): while another program
     holds the queue's write lock, its renewal is DatabaseBusy after that wait, not after 30 s; the
     thread's wait is back to the default after the block."""
     submit(project)
