@@ -160,12 +160,16 @@ class Slots:
     ``make(slot_name, prediction) -> Kept | None`` builds (not starts) a slot's next server for
     ``prediction`` (the slot's entry in ``last``, else ``first``; worker.Prediction), or None when
     there is nothing to predict from. Thread-safe: each slot thread touches only its own entries;
-    ``stop_all`` runs at the pass's end."""
+    ``stop_all`` runs at the pass's end. The build can take seconds (for a restricted preset it
+    reads OpenCode's resolved config, ~1.5 s): beside a running task it runs in a thread of its
+    own (``make_ahead``), and the slot's thread, which must launch the server, only launches it
+    (``launch_made``)."""
 
     def __init__(self, make: Callable[[str, Any], Kept | None], first: Any = None, watch: bool = True) -> None:
         self.make, self.first, self.watch = make, first, watch   # watch: the pass loops (--watch)
         self.lock = threading.Lock()
         self.kept: dict[str, Kept] = {}
+        self.making: dict[str, _Making] = {}   # slot -> its next server being built (make_ahead)
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
 
     def take(self, slot: str, wait: float, shape: Any,
@@ -200,27 +204,78 @@ class Slots:
             return slot in self.kept
 
     def prepare(self, slot: str) -> str | None:
-        """Start the slot's next server in the background (a server already there is kept);
-        returns the one-line reason when none could be made."""
+        """Start the slot's next server in the background (a server already there is kept; one
+        ``make_ahead`` is building is waited for and started); returns the one-line reason when
+        none could be made. Call from the thread that outlives the server (engine.Engine.launch)."""
+        _done, problem = self.launch_made(slot, wait=None)
         with self.lock:
-            if slot in self.kept:
-                return None
-        try:
-            kept = self.make(slot, self.last.get(slot) or self.first)
-        except Exception as exc:  # noqa: BLE001 - a prediction that cannot be built means a cold run, said once
-            return f"no kept OpenCode server for {slot}: {exc}"
-        if kept is None:
-            return None
+            if problem or slot in self.kept:
+                return problem
+        making = _Making()
+        making.build(self.make, slot, self.last.get(slot) or self.first)
+        if making.kept is not None:
+            with self.lock:
+                self.kept[slot] = making.kept.begin()
+        return making.problem
+
+    def make_ahead(self, slot: str) -> None:
+        """Build the slot's next server in a thread of its own, without waiting (nothing when the
+        slot has one, or one is being built); ``launch_made`` or ``prepare`` starts it."""
         with self.lock:
-            self.kept[slot] = kept.begin()
-        return None
+            if slot in self.kept or slot in self.making:
+                return
+            making = self.making[slot] = _Making()
+            prediction = self.last.get(slot) or self.first
+        making.thread = threading.Thread(target=making.build, args=(self.make, slot, prediction),
+                                         name=f"engine-make-{slot}", daemon=True)
+        making.thread.start()
+
+    def launch_made(self, slot: str, wait: float | None = 0) -> tuple[bool, str | None]:
+        """Start the server ``make_ahead`` built for ``slot`` once it is built, waiting up to
+        ``wait`` seconds for the build (None: until it ends); from the slot's thread, which
+        outlives the server. (Whether nothing is left to start, the one-line reason no server
+        could be made or None.)"""
+        with self.lock:
+            making = self.making.get(slot)
+        if making is None:
+            return True, None
+        if making.thread is not None:
+            making.thread.join(wait)
+            if making.thread.is_alive():
+                return False, None
+        with self.lock:
+            self.making.pop(slot, None)
+            if making.kept is not None:
+                self.kept[slot] = making.kept.begin()
+        return True, making.problem
 
     def stop_all(self, grace: float) -> None:
-        """Stop every kept server (the pass is ending)."""
+        """Stop every kept server, and every one still being built once it is (the pass is ending)."""
         with self.lock:
             kept, self.kept = list(self.kept.values()), {}
+            making, self.making = list(self.making.values()), {}
+        for build in making:
+            if build.thread is not None:
+                build.thread.join()
+            if build.kept is not None:
+                kept.append(build.kept)
         for each in kept:
             each.recycle(grace)
+
+
+class _Making:
+    """A slot's next server being built (``build``, maybe in ``thread``): the Kept, or why not."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.kept: Kept | None = None
+        self.problem: str | None = None
+
+    def build(self, make: Callable[[str, Any], Kept | None], slot: str, prediction: Any) -> None:
+        try:
+            self.kept = make(slot, prediction)
+        except Exception as exc:  # noqa: BLE001 - a prediction that cannot be built means a cold run, said once
+            self.problem = f"no kept OpenCode server for {slot}: {exc}"
 
 
 def sweep(root: Path, log_dir: Path) -> None:

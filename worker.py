@@ -967,9 +967,10 @@ class Launch:
     rules_file: str | None = None        # the permission rules plugin's file (write_rules_file), if any
     retry_file: str | None = None        # the retry watch plugin's file (oc.with_retry_watch), if any
     server: engine_slots.Kept | None = None   # the kept server the command drives (engine_client.py)
-    # Called once, from the run's own thread, when the run has gone on for ENGINE_NEXT_AFTER_SEC
-    # (the slot's next kept server starts then: _engine_meanwhile); None: nothing to do meanwhile.
-    meanwhile: Callable[[], None] | None = None
+    # Called from the run's own thread at each round of the watch once the run has gone on for
+    # ENGINE_NEXT_AFTER_SEC, until it returns True (the slot's next kept server is built and started
+    # then: _engine_meanwhile); None: nothing to do meanwhile.
+    meanwhile: Callable[[], bool] | None = None
 
     def adopting(self, status_w: int) -> list[str]:
         """The boxed command with run_reaper.py between the box and OpenCode (inside the box, so
@@ -1351,9 +1352,9 @@ class Supervisor:
             while not self.stop and not self._done():
                 output.pump(0.2)
                 self._check(time.monotonic(), deadline)
-                if self.launch.meanwhile is not None and time.monotonic() >= meanwhile_at and not self.stop:
-                    job, self.launch.meanwhile = self.launch.meanwhile, None
-                    job()
+                if self.launch.meanwhile is not None and time.monotonic() >= meanwhile_at and not self.stop \
+                        and self.launch.meanwhile():
+                    self.launch.meanwhile = None
 
     def _agent_gone(self) -> bool:
         """OpenCode has exited (the reaper said so, or the whole run is gone), whatever it left."""
@@ -1979,36 +1980,55 @@ def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSe
         slots.last[_slot()] = Prediction(task, ws.repo, model, dict(setup.config_files))
 
 
-def _engine_next(beside: str | None = None) -> None:
-    """Start the slot's next server in the background (the engine on, a task to predict from;
-    a one-pass only while tasks are pending: it ends when none is left). ``beside``: the id of the
-    task whose run it starts beside (said at -v). Raises what the queue's read raises."""
+def _engine_wanted(slots: engine_slots.Slots) -> bool:
+    """Whether the slot's next server is worth starting: always in ``--watch``; in a one-pass only
+    while tasks are pending (it ends when none is left). Raises what the queue's read raises."""
+    return slots.watch or bool(db(store.list_tasks, status="pending", limit=1)["total"])
+
+
+def _engine_next() -> None:
+    """Start the slot's next server in the background (the engine on, a task to predict from,
+    ``_engine_wanted``); one built beside the run is started now. Raises what the queue's read raises."""
     slots = current().engines
-    if slots is not None and (slots.watch or db(store.list_tasks, status="pending", limit=1)["total"]):
-        if beside is not None and not slots.has(_slot()):
-            log(f"{beside} has run {ENGINE_NEXT_AFTER_SEC:g} s: {_slot()}'s next kept OpenCode server "
-                "starts beside it", talk.VERBOSE)
+    if slots is not None and _engine_wanted(slots):
         problem = slots.prepare(_slot())
         if problem:
             log(problem, talk.VERBOSE)
 
 
-def _engine_meanwhile(task: dict[str, Any]) -> Callable[[], None] | None:
-    """What a run of ``task`` does once it has gone on for ENGINE_NEXT_AFTER_SEC (Launch.meanwhile):
-    start the slot's next kept server beside it (_engine_next), from the slot's own thread, which
-    outlives that server (engine.Engine.launch); None when the engine is off. A queue it cannot
+def _engine_meanwhile(task: dict[str, Any]) -> Callable[[], bool] | None:
+    """What a run of ``task`` does once it has gone on for ENGINE_NEXT_AFTER_SEC (Launch.meanwhile,
+    called each round of the watch until it returns True): the slot's next kept server is built
+    beside it in a thread of its own (engine_slots.Slots.make_ahead: for a restricted preset that
+    takes ~1.5 s, which the watch must not spend), then started from the slot's own thread, which
+    outlives that server (engine.Engine.launch). None when the engine is off. A queue it cannot
     read now is said, and the server then starts after the run as before."""
-    if current().engines is None:
+    slots = current().engines
+    if slots is None:
         return None
+    asked = False
 
-    def start_next() -> None:
+    def step() -> bool:
+        nonlocal asked
         if current().flags.stopping:   # finishing what is in hand: no task will take it
-            return
+            return True
         try:
-            _engine_next(beside=task["id"])
+            if asked:
+                done, problem = slots.launch_made(_slot())
+                if problem:
+                    log(problem, talk.VERBOSE)
+                return done
+            asked = True
+            if not _engine_wanted(slots) or slots.has(_slot()):
+                return True
+            log(f"{task['id']} has run {ENGINE_NEXT_AFTER_SEC:g} s: {_slot()}'s next kept OpenCode server "
+                "starts beside it", talk.VERBOSE)
+            slots.make_ahead(_slot())
+            return False
         except Exception as exc:  # noqa: BLE001 - the run goes on; the slot's next server starts after it
             log(f"{task['id']}: {_slot()}'s next kept OpenCode server waits for the run's end ({exc})", talk.VERBOSE)
-    return start_next
+            return True
+    return step
 
 
 @dataclass

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+import engine_slots
 import task_store
 import worker
 import worktrees
@@ -292,14 +294,17 @@ def test_a_worker_stopped_while_a_worktree_is_being_parked_leaves_none(opencode,
     assert not (worktrees.worktree_root() / "engine").exists()
 
 
-def test_the_next_server_starts_beside_a_long_run_so_the_next_task_finds_it_ready(opencode, tmp_path):
+@pytest.mark.parametrize("permission", ["auto", "readonly"])
+def test_the_next_server_starts_beside_a_long_run_so_the_next_task_finds_it_ready(opencode, tmp_path, permission):
     """A queue with tasks waiting: once a run has gone on for ENGINE_NEXT_AFTER_SEC, the slot's
     next kept server starts beside it (it used to start only at the run's end, so every task of a
-    backlog waited for a server's start, 2-9 s, more than a cold run's)."""
+    backlog waited for a server's start, 2-9 s, more than a cold run's). For a restricted preset
+    the server's build reads OpenCode's resolved config (~1.5 s), off the run's watch."""
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("long", [bash("sleep 8 && echo slept"), text("Slept.\n" + DONE)])
     opencode.model.script("next", [text("Fine.\n" + DONE)])
-    first, second = submit(repo, script="long"), submit(repo, script="next")
+    first = submit(repo, script="long", permission=permission)
+    second = submit(repo, script="next", permission=permission)
     passed = warm()
     assert passed.returncode == 0, passed.stderr
     assert [task_store.get_task(t["id"])["status"] for t in (first, second)] == ["done", "done"]
@@ -334,3 +339,54 @@ def test_a_worker_finishing_its_task_after_a_stop_starts_no_next_server(opencode
     assert task_store.get_task(task["id"])["status"] == "done", said
     assert "starts beside it" not in said, said
     assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
+
+
+class _StandIn:
+    """Stands in for engine_slots.Kept in the test of Slots' scheduling alone (the real servers
+    are started by the tests above): records which thread began it and whether it was recycled."""
+
+    def __init__(self) -> None:
+        self.begun_in: str | None = None
+        self.recycled = False
+
+    def begin(self) -> _StandIn:
+        self.begun_in = threading.current_thread().name
+        return self
+
+    def recycle(self, grace: float) -> list:
+        self.recycled = True
+        return []
+
+
+def test_a_next_server_is_built_off_the_slots_thread_and_started_from_it():
+    """make_ahead returns at once while the build (a slow ``make``) goes on in a thread of its own;
+    launch_made says it is not done until the build is, then starts it from the calling thread;
+    prepare waits for a build under way instead of making a second; stop_all recycles a server
+    still being built."""
+    release = threading.Event()
+    made: list[_StandIn] = []
+
+    def make(slot: str, prediction: object) -> _StandIn:
+        release.wait(10)
+        made.append(_StandIn())
+        return made[-1]
+
+    slots = engine_slots.Slots(make, first="a task like it")   # type: ignore[arg-type]
+    started = time.monotonic()
+    slots.make_ahead("slot_0")
+    assert time.monotonic() - started < 0.5
+    assert slots.launch_made("slot_0") == (False, None) and not slots.has("slot_0")
+    release.set()
+    assert slots.launch_made("slot_0", wait=10) == (True, None)
+    assert made[0].begun_in == threading.current_thread().name and slots.has("slot_0")
+    assert slots.prepare("slot_0") is None and len(made) == 1   # the slot has its server: kept
+    release.clear()
+    slots.make_ahead("slot_1")
+    threading.Timer(0.3, release.set).start()
+    assert slots.prepare("slot_1") is None and len(made) == 2   # the build under way, waited for
+    assert made[1].begun_in == threading.current_thread().name
+    release.clear()
+    slots.make_ahead("slot_2")
+    threading.Timer(0.3, release.set).start()
+    slots.stop_all(0)
+    assert len(made) == 3 and all(m.recycled for m in made) and made[2].begun_in is None
