@@ -1208,11 +1208,14 @@ def validate_working_dir(value: Any) -> str:
     path = os.path.realpath(value)
     if not os.path.isdir(path):
         raise ValidationError(f"working_dir {value!r} does not exist or is not a directory")
-    refused = _too_wide(path)
+    refused, private = _too_wide(path), _private_folder(path)
+    shown = value if value == path else f"{value!r} (that is {path})"
     if refused:
-        shown = value if value == path else f"{value!r} (that is {path})"
         raise ValidationError(f"working_dir {shown} is {refused}: the agent would work over all of it "
                               "with the task's permissions; give the project's own folder")
+    if private:
+        raise ValidationError(f"working_dir {shown} is in {private}: a task there could change other tasks' "
+                              "work or read what the agent's box hides; give the project's own folder")
     return path
 
 
@@ -1236,6 +1239,39 @@ def _too_wide(path: str) -> str | None:
         if folder == checkout and folder.startswith(path.rstrip(os.sep) + os.sep):
             return f"a folder holding {what} ({folder}: its token and queue)"   # the box hides a queue elsewhere
     return None
+
+
+def _private_folder(path: str) -> str | None:
+    """What of TaskBridge's or OpenCode's own ``path`` (resolved) is or lies in: the folders of
+    every queue's task worktrees and mirrors (``$XDG_STATE_HOME/taskbridge``,
+    ``$XDG_CACHE_HOME/taskbridge``, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_MIRROR_DIR), OpenCode's
+    data (every session, the providers' credentials) and configuration, or a folder that holds a
+    TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the box
+    hides only the worker's own queue). None when it is none of them."""
+    home = os.path.expanduser("~")
+    xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
+        ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
+        ("XDG_CONFIG_HOME", ".config"))}
+    places = [(os.path.join(xdg["XDG_STATE_HOME"], "taskbridge"), "TaskBridge's state folder (every queue's task "
+               "worktrees)"),
+              (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes)"),
+              (os.path.join(xdg["XDG_DATA_HOME"], "opencode"), "OpenCode's data folder (every session and the "
+               "providers' credentials)"),
+              (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder")]
+    places += [(os.environ[name], what) for name, what in (
+        ("TASKBRIDGE_WORKTREE_ROOT", "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)"),
+        ("TASKBRIDGE_MIRROR_DIR", "TaskBridge's mirrors of remotes (TASKBRIDGE_MIRROR_DIR)"))
+        if os.environ.get(name)]
+    for folder, what in places:
+        real = str(_resolved(folder)) if os.path.isabs(os.path.expanduser(folder)) else None
+        if real and (path == real or path.startswith(real.rstrip(os.sep) + os.sep)):
+            return what
+    try:
+        with os.scandir(path) as entries:
+            queue = next((e.name for e in entries if e.name == "tasks.db" or e.name.endswith(".worker.lock")), None)
+    except OSError:
+        queue = None
+    return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
 
 
 # The operating system's own folders: no project lives in or under them.

@@ -431,6 +431,41 @@ def test_system_folders_are_no_working_dir(folder):
         task_store.submit_task(title="t", instructions="i", working_dir=folder)
 
 
+def test_taskbridges_and_opencodes_own_folders_are_no_working_dir(tmp_path, monkeypatch):
+    """Other tasks' worktrees (every queue's, under the state folder or TASKBRIDGE_WORKTREE_ROOT),
+    the mirrors, OpenCode's data (its sessions, the providers' credentials) and configuration,
+    and another queue's folder: a task run in place there would change other tasks' work or read
+    what the box hides. The box hides only the worker's own queue and logs, so submit refuses
+    them, naming what the folder is; an ordinary folder beside them is fine."""
+    for name in ("XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "trees"))
+    other_queue = tmp_path / "other-queue"
+    other_queue.mkdir()
+    (other_queue / "tasks.db").write_bytes(b"")
+    worked_queue = tmp_path / "q2"
+    worked_queue.mkdir()
+    (worked_queue / "q2.worker.lock").write_bytes(b"")
+    refused = {
+        tmp_path / "xdg_state_home" / "taskbridge" / "worktrees" / "ab12" / "repo-t_0001": "TaskBridge's state folder",
+        tmp_path / "trees" / "repo-t_0002" / "src": "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)",
+        tmp_path / "xdg_cache_home" / "taskbridge" / "mirrors": "TaskBridge's cache",
+        tmp_path / "xdg_data_home" / "opencode": "OpenCode's data folder",
+        tmp_path / "xdg_config_home" / "opencode": "OpenCode's configuration folder",
+        other_queue: "the folder of a TaskBridge queue (it holds tasks.db)",
+        worked_queue: "the folder of a TaskBridge queue (it holds q2.worker.lock)",
+    }
+    for folder, what in refused.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        with pytest.raises(task_store.ValidationError) as raised:
+            task_store.submit_task(title="t", instructions="i", working_dir=str(folder), worktree=False)
+        assert f"is in {what}" in str(raised.value) and "give the project's own folder" in str(raised.value)
+    assert task_store.list_tasks()["total"] == 0
+    project = tmp_path / "xdg_state_home" / "project"   # beside TaskBridge's state folder, not in it
+    project.mkdir()
+    assert task_store.submit_task(title="t", instructions="i", working_dir=str(project))["status"] == "pending"
+
+
 def test_the_box_holds_for_an_ordinary_user(tmp_path):
     """As a user without privileges (bubblewrap then makes a user namespace): the user's own
     writable folder is read-only in the box, a hidden folder of theirs is empty, the worktree
