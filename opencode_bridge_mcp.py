@@ -1221,6 +1221,8 @@ async def apply_task(
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an
     unfinished merge or rebase, or is on the task's branch. A conflict aborts the apply: the error
     names the conflicting files and the checkout is exactly as it was (HEAD, index, files).
+    Applies into one checkout run one at a time, whichever client asks: another under way is
+    waited for up to 60 s, then an error says so.
     With a client that can show forms (elicitation) the person is asked first; their "no" is an
     error and nothing changes; a decline or no answer leaves your call to stand."""
     task = store.get_task(task_id)

@@ -1371,6 +1371,8 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
 
     Refused on a checkout with uncommitted changes, a detached HEAD or an unfinished merge. A
     conflict aborts the apply and leaves the checkout exactly as it was, naming the conflicting files.
+    Applies into one checkout run one at a time (another one under way, from any process, is
+    waited for up to 60 s).
     """
     if squash and cherry_pick:
         raise click.UsageError("give --squash or --cherry-pick, not both (neither: a merge)")

@@ -2108,27 +2108,53 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
     """
     if mode not in APPLY_MODES:
         raise store.ValidationError(f"mode {mode!r} is not one of {', '.join(APPLY_MODES)}")
-    repo, branch, tip, into = _apply_target(task)
-    _refuse_unclean(repo, task["id"])
-    before = git(["rev-parse", "HEAD"], repo)
-    result = {"task_id": task["id"], "mode": mode, "branch": branch, "tip": tip, "repo": repo,
-              "into": into, "before": before}
-    if _is_ancestor(repo, tip, before):
-        return result | {"status": "already-applied", "head": before, "files": []}
-    try:
-        _run_apply(repo, mode, task, branch, tip)
-    except RuntimeError as exc:
-        conflicts = git(["diff", "--name-only", "--diff-filter=U"], repo, check=False).splitlines()
-        _undo_apply(repo, before)
-        if not conflicts and any(said in str(exc) for said in ("nothing to commit", "is now empty")):
-            # A squash or cherry-pick whose changes the checkout already holds (an earlier apply):
-            # git stops with advice (commit --allow-empty, cherry-pick --skip) for a pick in
-            # progress, but none is: the apply was undone and there is nothing to do.
+    repo = _apply_target(task)[0]
+    with _apply_lock(repo, task["id"]):
+        repo, branch, tip, into = _apply_target(task)   # again: an apply before this one moved HEAD
+        _refuse_unclean(repo, task["id"])
+        before = git(["rev-parse", "HEAD"], repo)
+        result = {"task_id": task["id"], "mode": mode, "branch": branch, "tip": tip, "repo": repo,
+                  "into": into, "before": before}
+        if _is_ancestor(repo, tip, before):
             return result | {"status": "already-applied", "head": before, "files": []}
-        raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
-    head = git(["rev-parse", "HEAD"], repo)
-    files = git(["diff", "--name-only", before, head], repo, check=False).splitlines()
-    return result | {"status": "applied", "head": head, "files": files}
+        try:
+            _run_apply(repo, mode, task, branch, tip)
+        except RuntimeError as exc:
+            conflicts = git(["diff", "--name-only", "--diff-filter=U"], repo, check=False).splitlines()
+            _undo_apply(repo, before)
+            if not conflicts and any(said in str(exc) for said in ("nothing to commit", "is now empty")):
+                # A squash or cherry-pick whose changes the checkout already holds (an earlier apply):
+                # git stops with advice (commit --allow-empty, cherry-pick --skip) for a pick in
+                # progress, but none is: the apply was undone and there is nothing to do.
+                return result | {"status": "already-applied", "head": before, "files": []}
+            raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
+        head = git(["rev-parse", "HEAD"], repo)
+        files = git(["diff", "--name-only", before, head], repo, check=False).splitlines()
+        return result | {"status": "applied", "head": head, "files": files}
+
+
+APPLY_LOCK_WAIT_SEC = 60.0   # how long an apply waits for one under way into the same checkout
+
+
+@contextlib.contextmanager
+def _apply_lock(repo: str, ident: str) -> Iterator[None]:
+    """One apply at a time into the checkout ``repo``, whatever process asks (each MCP server and
+    CLI is one): an flock on ``<its git dir>/taskbridge-apply.lock``, waited for up to
+    APPLY_LOCK_WAIT_SEC. Raises ApplyRefused when it cannot be made or stays held."""
+    path = Path(git(["rev-parse", "--absolute-git-dir"], repo)) / "taskbridge-apply.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ApplyRefused(f"{repo}: the apply lock {path} cannot be made ({exc.strerror}); apply {ident} "
+                           "as the checkout's owner, or with git (tasks_cli.py branch shows how)") from None
+    try:
+        held = store.flock_wait(fd, lambda: None, APPLY_LOCK_WAIT_SEC)
+        if held:
+            raise ApplyRefused(f"another apply into {repo} is under way ({path} {held}); apply {ident} again "
+                               "once it has ended")
+        yield
+    finally:
+        os.close(fd)   # closing the descriptor releases the flock
 
 
 def no_change_note(task: dict[str, Any]) -> str | None:

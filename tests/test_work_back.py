@@ -412,3 +412,52 @@ def test_apply_stopped_by_an_untracked_file_or_a_staged_rename_changes_nothing(t
     git(repo, "mv", "old.txt", "new name.txt")
     staged = cli("apply", task["id"])
     assert staged.exit_code == 1 and "uncommitted changes (new name.txt)" in staged.stderr
+
+
+def test_applies_into_one_checkout_at_once_all_land(tmp_path):
+    """Several applies into one checkout at the same moment (each MCP server or CLI is a process
+    of its own; here threads, each with a lock descriptor of its own): each waits for the one
+    before, so every task's commit is in the checkout's history and each says applied."""
+    import threading
+
+    import worktrees
+    repo = make_repo(tmp_path / "repo")
+    tasks = [finished_by_hand(repo, {f"f{n}.txt": f"{n}\n"}, title=f"add f{n}") for n in range(4)]
+    results: dict[str, object] = {}
+
+    def apply(task: dict, mode: str) -> None:
+        try:
+            results[task["id"]] = worktrees.apply_branch(task_store.get_task(task["id"]), mode)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[task["id"]] = exc
+    threads = [threading.Thread(target=apply, args=(task, mode))
+               for task, mode in zip(tasks, ["merge", "squash", "cherry-pick", "merge"], strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(isinstance(r, dict) and r["status"] == "applied" for r in results.values()), results
+    assert all((repo / f"f{n}.txt").exists() for n in range(4))
+    assert git(repo, "status", "--porcelain") == ""
+    heads = [r["head"] for r in results.values()]   # each apply's head is in the final history
+    for head in heads:
+        git(repo, "merge-base", "--is-ancestor", head, "HEAD")   # raises when it is not
+
+
+def test_an_apply_waits_for_one_under_way_and_says_so_when_it_takes_too_long(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    import worktrees
+    repo = make_repo(tmp_path / "repo")
+    task = finished_by_hand(repo, {"a.txt": "a\n"})
+    monkeypatch.setattr(worktrees, "APPLY_LOCK_WAIT_SEC", 0.5)
+    lock = os.open(repo / ".git" / "taskbridge-apply.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)   # another apply under way
+    try:
+        with pytest.raises(worktrees.ApplyRefused, match="another apply into .* is under way"):
+            worktrees.apply_branch(task_store.get_task(task["id"]))
+        assert not (repo / "a.txt").exists()
+    finally:
+        os.close(lock)
+    assert worktrees.apply_branch(task_store.get_task(task["id"]))["status"] == "applied"
