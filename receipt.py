@@ -114,6 +114,8 @@ class Receipt:
 
     # -- sometimes: set by the worker's later steps, by outcome ------------------------------
     not_reverted: list[str] = sometimes()   # worker: readonly, "path: why" for writes that could not be reverted
+    uncommitted_before: list[str] = sometimes()   # git: in place in a checkout, the paths already uncommitted
+    #                                               when the attempt began (files_touched and the diff count from there)
     changed_outside_worktree: list[str] = sometimes()   # git: paths of your checkout changed during the run
     #                                                     (worktree runs on a local repo; else [])
     repo_config: dict[str, Any] = sometimes()   # worker: the project's OpenCode config files {files,

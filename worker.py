@@ -2239,6 +2239,8 @@ def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, blo
                                            "not_reverted; the rest were")
     receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
         if ws.mode == "worktree" and not ws.remote and problem is None else []
+    if ws.uncommitted_before:
+        receipt.uncommitted_before = ws.uncommitted_before
     receipt.repo_config = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"

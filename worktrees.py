@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +299,10 @@ class Workspace:
     git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
     git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
+    # In place in a git checkout: its tree as this attempt began (uncommitted work included; see
+    # tree_now) and the paths then uncommitted; the receipt's changes are counted from that tree.
+    start_tree: str | None = None
+    uncommitted_before: list[str] = field(default_factory=list)
 
     def root(self) -> str:
         """``top``, which a ``worktree`` workspace always has. Raises ValueError for one without it
@@ -474,8 +478,15 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
         return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
     head = _first_commit_needed(top, head)
     if not task["worktree"]:
-        return Workspace("in-place", wd, top=top, repo=top, base_commit=head,
-                         note="worktree=false: ran in place in the user's checkout")
+        start_tree, uncommitted = tree_now(top, head)
+        note = "worktree=false: ran in place in the user's checkout"
+        if uncommitted:
+            more = f" and {len(uncommitted) - 10} more" if len(uncommitted) > 10 else ""
+            note += (f"; it had uncommitted changes when this attempt began ({', '.join(uncommitted[:10])}{more}): "
+                     "files_touched and the diff count only what the attempt changed from there "
+                     "(see uncommitted_before)")
+        return Workspace("in-place", wd, top=top, repo=top, base_commit=head, note=note,
+                         start_tree=start_tree, uncommitted_before=uncommitted)
     if not git(["symbolic-ref", "-q", "HEAD"], top, check=False):
         raise Unrunnable(f"{top} has a detached HEAD; check out a branch (git switch main) and resubmit")
     sub = os.path.relpath(wd, top)
@@ -1324,20 +1335,41 @@ def _leftover(path: str, problems: list[str]) -> str | None:
 
 
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
-    """Files changed since the base commit and the diff, untracked files included, computed
-    with a throw-away index so neither the user's index nor the worktree's is touched."""
-    if not ws.top or not ws.base_commit:
+    """Files changed since the base commit (in place: since the tree the attempt began with,
+    ``start_tree``) and the diff, untracked files included, computed with a throw-away index so
+    neither the user's index nor the worktree's is touched."""
+    since = ws.start_tree or ws.base_commit
+    if not ws.top or not since:
         return [], ""
-    left_out = not_checked_out(ws.top)
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
-        git(["read-tree", ws.base_commit], ws.top, env=env)
-        keep_left_out(ws.top, left_out, env)
-        add_all(ws.top, env)
-        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, ws.base_commit], ws.top, env=env)
-        diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, ws.base_commit], ws.top,
+    with _index_of_now(ws.top, since) as env:
+        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, since], ws.top, env=env)
+        diff = git(["diff", "--cached", "--binary", "--full-index", *DIFF_FLAGS, since], ws.top,
                    env=env, strip=False)
     return [n for n in names.splitlines() if n], diff
+
+
+def tree_now(top: str, head: str) -> tuple[str, list[str]]:
+    """(the tree of the checkout ``top`` as it is now: tracked changes and untracked files in,
+    ignored files out, as a commit of it would hold; the paths that differ from ``head``), written
+    with a throw-away index (git write-tree: an object in the repository, no ref, no commit).
+    Raises GitError / OSError."""
+    with _index_of_now(top, head) as env:
+        tree = git(["write-tree"], top, env=env)
+        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, head], top, env=env)
+    return tree, [n for n in names.splitlines() if n]
+
+
+@contextlib.contextmanager
+def _index_of_now(top: str, base: str) -> Iterator[dict[str, str]]:
+    """The environment of a throw-away index (GIT_INDEX_FILE) holding ``base`` (a commit or tree)
+    with every file of ``top`` as it is now added; the paths a sparse checkout left out stay."""
+    left_out = not_checked_out(top)
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        git(["read-tree", base], top, env=env)
+        keep_left_out(top, left_out, env)
+        add_all(top, env)
+        yield env
 
 
 def add_all(top: str, env: dict | None = None) -> None:

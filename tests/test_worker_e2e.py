@@ -132,3 +132,30 @@ def test_a_folder_with_a_percent_in_its_path_gets_a_worktree_without_one_or_a_cl
     assert refused["status"] == "failed" and refused["attempts"] == 1, refused
     assert "reads a '%' in a folder's path as an escape" in refused["error"] and "rename the folder" in refused["error"]
     assert not (repo / "a.txt").exists()
+
+
+def test_in_place_the_receipt_counts_from_the_uncommitted_work_the_attempt_began_with(opencode, tmp_path):
+    """A task in place (worktree=false) in a checkout with the person's uncommitted work: its
+    receipt and diff show what the attempt changed, not the person's work-in-progress, which it
+    names (uncommitted_before); the files are left as the agent left them."""
+    repo = make_repo(tmp_path / "repo", {"a.txt": "committed\n", "b.txt": "b\n"})
+    (repo / "a.txt").write_text("user wip\n")
+    (repo / "wip.txt").write_text("the person's new file\n")
+    opencode.model.script("here", [tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "hi\n"}),
+                                   tool_call("write", {"filePath": "{cwd}/a.txt", "content": "agent\n"}),
+                                   text("Fine.\n" + RECEIPT)])
+    task = task_store.submit_task(title="here", instructions="SCRIPT:here", working_dir=str(repo), worktree=False)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    receipt = done["result"]
+    assert receipt["files_touched"] == ["a.txt", "hello.txt"], receipt["files_touched"]
+    assert receipt["uncommitted_before"] == ["a.txt", "wip.txt"]
+    assert "uncommitted changes when this attempt began (a.txt, wip.txt)" in receipt["sandbox"]["isolation"]
+    diff = done["diff"]
+    assert "-user wip" in diff and "+agent" in diff and "the person's new file" not in diff and "committed" not in diff
+    assert (repo / "wip.txt").read_text() == "the person's new file\n" and (repo / "a.txt").read_text() == "agent\n"
+    assert git(repo, "diff", "--cached", "--name-only") == ""   # the person's index untouched
+    assert git(repo, "diff", "--name-only") == "a.txt"
+    assert git(repo, "ls-files", "--others", "--exclude-standard").splitlines() == ["hello.txt", "wip.txt"]
