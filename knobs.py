@@ -59,19 +59,26 @@ class KnobError(ValueError):
     """An env knob is set to something that is not a number in its range (the message says which)."""
 
 
+# Words a switch also takes for 0 and 1: the names its command-line flag uses.
+SWITCH_WORDS: dict[str, tuple[str, str]] = {"WORKER_ENGINE": ("cold", "warm")}
+
+
 def _read(name: str, kind: type, default: float, lo: float, hi: float) -> float:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return kind(default)
+    words = SWITCH_WORDS.get(name, ())
+    if raw.lower() in words:
+        return kind(words.index(raw.lower()))
     try:
         value = kind(raw)
     except ValueError:
         value = None
     if value is None or not math.isfinite(value) or not lo <= value <= hi:
         if name in SWITCHES:
-            off, on = SWITCHES[name]
-            raise KnobError(f"{name}={raw!r} is not 0 or 1 (0: {off}; 1: {on}); fix it or unset it "
-                            f"(default {default:g})")
+            (off, on), (off_word, on_word) = SWITCHES[name], [f", {w}" for w in words] if words else ("", "")
+            raise KnobError(f"{name}={raw!r} is not 0 or 1 (0{off_word}: {off}; 1{on_word}: {on}); fix it or "
+                            f"unset it (default {default:g})")
         what = "a whole number" if kind is int else "a number"
         raise KnobError(f"{name}={raw!r} is not {what} from {lo:g} to {hi:g}; fix it or unset it "
                         f"(default {default:g})")

@@ -43,7 +43,8 @@ class Bound(Generic[N]):
         """A pydantic ``Field`` with this bound's limits and ``description`` (a tool parameter)."""
         from pydantic import Field
         low: dict[str, Any] = {"gt": self.lo} if self.lo_open else {"ge": self.lo}
-        return Field(le=self.hi, description=description, **low, **extra)
+        finite: dict[str, Any] = {"allow_inf_nan": False} if self.kind is float else {}   # "NaN": not "≤ hi"
+        return Field(le=self.hi, description=description, **low, **finite, **extra)
 
     def click_type(self, lo: int | float | None = None) -> Any:
         """A click range type for this bound (``lo`` overrides the lower end: 0 means "remove" in

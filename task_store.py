@@ -1165,6 +1165,8 @@ def _bounded(bound: spec.Bound, raw: dict[str, Any]) -> int | None:
 
 
 def _text(name: str, value: Any, limit: int) -> str:
+    if value is None:
+        raise ValidationError(f"{name} is required: give it as text")
     if not isinstance(value, str):
         raise ValidationError(f"{name} must be text; got {type(value).__name__}")
     if not value.strip():

@@ -1207,6 +1207,18 @@ def note(task_id: str, text: str, author: str | None) -> None:
     out().print(f"Note added to {result['task_id']} ({result['status']}); it reaches {result['delivery']}.")
 
 
+def confirm(question: str, what: str) -> None:
+    """Ask ``question`` (a "no": click.Abort, exit 1 "Aborted!"). No answer at all (stdin closed:
+    no terminal to ask on) is a CliError saying to pass --yes to ``what``: click alone printed
+    only "Aborted!"."""
+    try:
+        answered = click.confirm(question, err=True)
+    except click.Abort:
+        raise CliError(f"no answer to whether to {what} (no terminal to ask on?); pass --yes to go ahead") from None
+    if not answered:
+        raise click.Abort()
+
+
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
@@ -1216,7 +1228,7 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
     task = task_store.get_task(task_id)
     if not yes:
         title = visible(short(task["title"]), multiline=False)
-        click.confirm(f"Cancel {task_id} ({task['status']}: {title})?", abort=True, err=True)
+        confirm(f"Cancel {task_id} ({task['status']}: {title})?", f"cancel {task_id}")
     done = task_store.cancel_task(task_id, f"{reason} ({person()})")
     out().print(Text(f"{done['id']} cancelled.", style="yellow"))
 
@@ -1243,7 +1255,7 @@ def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool
         return emit_json([]) if as_json else out().print("No finished tasks to clear.")
     if not yes:
         since = f" finished more than {older_than:g} s ago" if older_than else ""
-        click.confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", abort=True, err=True)
+        confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", "clear finished tasks")
     removed, purged = worktrees.clear_finished(older_than, remove_logs=purge_logs, remove_worktrees=remove_worktrees)
     if as_json:
         return emit_json(removed)

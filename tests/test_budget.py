@@ -207,6 +207,15 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
         bad = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "instructions": "i",
                                                               "working_dir": str(tmp_path), "max_cost_usd": "x"}]})
         assert "max_cost_usd" in bad
+        for not_a_number in ("NaN", "inf"):   # said as such, not as "must be ≤ 1000000"
+            said = await tool_error(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+                                                      "max_cost_usd": not_a_number})
+            assert "max_cost_usd" in said and "finite number" in said, said
+        not_rules = await tool_error(c, "submit_task", {"title": "t", "instructions": "i",
+                                                        "working_dir": str(tmp_path), "rules": "deny bash"})
+        assert "rules must be an object (a JSON object)" in not_rules, not_rules
+        missing = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "working_dir": str(tmp_path)}]})
+        assert "instructions is required" in missing, missing
         status = await call_tool(c, "queue_status")
         assert status["budget"]["daily_usd"] == 3 and status["budget"]["default_max_cost_usd"] == 0.5
         assert status["budget"]["exhausted"] is False and status["budget"]["resets_at"]

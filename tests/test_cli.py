@@ -370,6 +370,9 @@ def test_cancel_asks_first(tmp_path):
     declined = run("cancel", "1", input="n\n")
     assert declined.exit_code == 1 and "Aborted" in declined.output
     assert task_store.get_task(1)["status"] == "pending"
+    unanswered = run("cancel", "1", input="")   # no terminal to ask on (a script, a pipe)
+    assert unanswered.exit_code == 1 and "pass --yes to go ahead" in unanswered.stderr, unanswered.output
+    assert task_store.get_task(1)["status"] == "pending"
     accepted = run("cancel", "1", input="y\n")
     assert accepted.exit_code == 0 and task_store.get_task(1)["status"] == "cancelled"
     submit(tmp_path, "second")

@@ -120,11 +120,22 @@ def test_a_switch_knob_says_what_0_and_1_mean(monkeypatch, name):
     with pytest.raises(knobs.KnobError) as caught:
         knobs.knob(name)
     off, on = knobs.SWITCHES[name]
-    assert f"{name}='yes' is not 0 or 1 (0: {off}; 1: {on}); fix it or unset it" in str(caught.value)
+    off_word, on_word = (f", {w}" for w in knobs.SWITCH_WORDS[name]) if name in knobs.SWITCH_WORDS else ("", "")
+    assert f"{name}='yes' is not 0 or 1 (0{off_word}: {off}; 1{on_word}: {on}); fix it or unset it" \
+        in str(caught.value)
+
+
+@pytest.mark.parametrize(("value", "engine"), [("warm", 1), ("Cold", 0), ("1", 1)])
+def test_worker_engine_takes_the_words_of_its_flag_too(monkeypatch, value, engine):
+    """--engine takes cold and warm: WORKER_ENGINE does too (it took only 0 and 1)."""
+    import knobs
+    monkeypatch.setenv("WORKER_ENGINE", value)
+    assert knobs.knob("WORKER_ENGINE") == engine
 
 
 def test_the_worker_says_what_worker_engine_means():
     result = run_script("worker.py", env=dict(os.environ, WORKER_ENGINE="2"), timeout=60)
     assert result.returncode == 2, result.stderr
-    assert "WORKER_ENGINE='2' is not 0 or 1 (0: a new `opencode run` per attempt; 1: the warm engine" in result.stderr
+    assert "WORKER_ENGINE='2' is not 0 or 1 (0, cold: a new `opencode run` per attempt; 1, warm: the warm engine" \
+        in result.stderr
     assert "Traceback" not in result.stderr
