@@ -361,7 +361,7 @@ class ApplyResult(TypedDict):
 
 
 class RestartResult(TypedDict):
-    method: Literal["launchctl", "systemctl", "detached"]
+    method: Literal["launchctl", "systemctl", "detached", "already-running"]
     command: list[str]
     pid: int | None
     detail: str
@@ -1140,6 +1140,13 @@ def _detached_pass() -> dict[str, Any]:
         raise ToolError(f"no launchd agent or systemd unit is installed and {script} is missing; reinstall TaskBridge")
     out = store.log_dir() / "worker-restart.log"
     argv = [sys.executable, str(script)]
+    probe = store.take_lock(store.worker_lock_path())   # a pass started while another holds it exits at once
+    if probe is None:
+        holder = store.read_worker_heartbeat() or {}
+        return {"method": "already-running", "command": argv, "pid": holder.get("pid"),
+                "detail": f"a worker pass already runs this queue (pid {holder.get('pid', '?')}, "
+                          f"{holder.get('state') or 'running'}): it takes pending tasks itself; nothing was started"}
+    os.close(probe)
     with store.append_private(out) as sink:
         proc = subprocess.Popen(argv, cwd=str(REPO_DIR), stdin=subprocess.DEVNULL, stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -1154,7 +1161,8 @@ def _detached_pass() -> dict[str, Any]:
 def restart_worker() -> RestartResult:
     """Make a worker pass run now. macOS: `launchctl kickstart -k` of the agent com.taskbridge.worker
     when it is loaded; Linux: `systemctl --user restart taskbridge-worker.service` when that unit is
-    installed; otherwise it starts one detached `python worker.py` pass. Returns which it did
+    installed; otherwise it starts one detached `python worker.py` pass, unless a pass already runs
+    this queue (`method` "already-running", its pid: nothing is started). Returns which it did
     (`method`), the command and, for a detached pass, its pid. Errors: the service manager refused."""
     return cast(RestartResult, _launchd_restart() or _systemd_restart() or _detached_pass())
 

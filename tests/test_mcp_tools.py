@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from mcp import Client
@@ -1087,3 +1088,23 @@ async def test_get_task_reads_its_task_once(wd, monkeypatch):
     assert not got.is_error and len(reads) == 1
     kinds = [b.uri.rsplit("/", 1)[-1] for b in got.content if b.type == "resource_link"]
     assert kinds == ["log", "transcript", "diff", "receipt"], kinds
+
+
+async def test_restart_worker_starts_no_pass_while_one_runs_the_queue(tmp_path, monkeypatch):
+    """Without launchd or systemd it starts a detached pass; while another pass holds the queue's
+    worker lock, that pass would exit at once, so it says which pass runs and starts nothing
+    (it used to answer "started one detached worker pass")."""
+    fake_binary(tmp_path / "bin", "systemctl", "exit 1\n")   # no systemd unit installed
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    lock = task_store.take_lock(task_store.worker_lock_path())
+    assert lock is not None
+    task_store.write_worker_heartbeat({"state": "idle", "task": None, "tasks": [], "slots": 1})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        async with Client(bridge.build_server()) as c:
+            said = await call_tool(c, "restart_worker")
+    finally:
+        os.close(lock)
+    assert said["method"] == "already-running" and said["pid"] == os.getpid(), said
+    assert "nothing was started" in said["detail"]
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
