@@ -1247,9 +1247,10 @@ def _private_folder(path: str) -> str | None:
     """What of TaskBridge's or OpenCode's own ``path`` (resolved) is or lies in: the folders of
     every queue's task worktrees and mirrors (``$XDG_STATE_HOME/taskbridge``,
     ``$XDG_CACHE_HOME/taskbridge``, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_MIRROR_DIR), OpenCode's
-    data (every session, the providers' credentials) and configuration, or a folder that holds a
-    TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the box
-    hides only the worker's own queue). None when it is none of them."""
+    data (every session, the providers' credentials) and configuration, a folder that holds one
+    of them, or a folder that holds a TaskBridge queue itself (``tasks.db``, or a worker's
+    ``*.worker.lock`` beside a queue: the box hides only the worker's own queue). None when it is
+    none of them."""
     home = os.path.expanduser("~")
     xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
         ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
@@ -1260,14 +1261,17 @@ def _private_folder(path: str) -> str | None:
               (os.path.join(xdg["XDG_DATA_HOME"], "opencode"), "OpenCode's data folder (every session and the "
                "providers' credentials)"),
               (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder")]
+    held = len(places)   # these four are refused in a folder holding them too (~/.local/share, say)
     places += [(os.environ[name], what) for name, what in (
         ("TASKBRIDGE_WORKTREE_ROOT", "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)"),
         ("TASKBRIDGE_MIRROR_DIR", "TaskBridge's mirrors of remotes (TASKBRIDGE_MIRROR_DIR)"))
         if os.environ.get(name)]
-    for folder, what in places:
+    for n, (folder, what) in enumerate(places):
         real = str(_resolved(folder)) if os.path.isabs(os.path.expanduser(folder)) else None
         if real and (path == real or path.startswith(real.rstrip(os.sep) + os.sep)):
             return what
+        if real and n < held and real.startswith(path.rstrip(os.sep) + os.sep):
+            return f"a folder holding {what} ({real})"
     try:
         with os.scandir(path) as entries:
             queue = next((e.name for e in entries if e.name == "tasks.db" or e.name.endswith(".worker.lock")), None)

@@ -268,11 +268,27 @@ class Renewal:
                 raise
             current().outage.failed(exc)
             self.every = backoff(self.every)
+            self._still_current()
             return False
         self.pending.clear()
         self.every = self.lease_sec
         current().outage.answered()
         return True
+
+    def _still_current(self) -> None:
+        """While the renewal cannot write (another program holds SQLite's write lock), a read still
+        answers (WAL): a cancel or a reap of this attempt is seen now (StaleAttempt), not once the
+        lock is let go. A read that fails too says nothing."""
+        try:
+            task = store.get_task(self.task_id)
+        except Exception as exc:  # noqa: BLE001 - the database away for reads too: the outage goes on
+            if isinstance(exc, store.TaskNotFound):
+                raise store.StaleAttempt(f"task {self.task_id} was cleared from the queue; its attempt "
+                                         f"{self.marker} ends") from None
+            return
+        if task["run_marker"] != self.marker or task["status"] != "running":
+            raise store.StaleAttempt(f"attempt {self.marker} of task {self.task_id} was ended from outside: the "
+                                     f"task is now {task['status']}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -2225,6 +2241,9 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
     return _failed(task, run, model, reason, receipt, diff, usage)
 
 
+UNCOMMITTED_SHOWN = 200   # paths of the person's uncommitted work a receipt names (in place)
+
+
 def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict, setup: RunSetup,
                       session_note: str, repo_config: dict[str, Any]) -> tuple[Receipt, str | None, Exception | None]:
     """(the receipt, the diff, the git failure that kept the diff from being read, or None): the
@@ -2239,8 +2258,10 @@ def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, blo
                                            "not_reverted; the rest were")
     receipt.changed_outside_worktree = worktrees.changed_outside(checkout_before, ws.repo) \
         if ws.mode == "worktree" and not ws.remote and problem is None else []
-    if ws.uncommitted_before:
-        receipt.uncommitted_before = ws.uncommitted_before
+    if ws.uncommitted_before:   # at most UNCOMMITTED_SHOWN paths, then how many more
+        more = len(ws.uncommitted_before) - UNCOMMITTED_SHOWN
+        receipt.uncommitted_before = ws.uncommitted_before[:UNCOMMITTED_SHOWN] + (
+            [f"… and {more:,} more (git status in {ws.top})"] if more > 0 else [])
     receipt.repo_config = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"

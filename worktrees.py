@@ -471,6 +471,10 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     wd = task["working_dir"]
     if not os.path.isdir(wd):
         raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
+    try:   # again at the run, in the worker's own environment: the folder may have become a link since
+        store.validate_working_dir(wd)
+    except store.ValidationError as exc:
+        raise Unrunnable(f"{exc} (checked again when the task ran)") from None
     top, head, _ = _repo_state(wd)
     if top is None or not task["worktree"]:
         opencode_can_work_in(wd)
@@ -1355,7 +1359,7 @@ def tree_now(top: str, head: str) -> tuple[str, list[str]]:
     Raises GitError / OSError."""
     with _index_of_now(top, head) as env:
         tree = git(["write-tree"], top, env=env)
-        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, head], top, env=env)
+        names = git(["diff", "--cached", "--name-only", "--no-renames", *DIFF_FLAGS, head], top, env=env)
     return tree, [n for n in names.splitlines() if n]
 
 
@@ -2175,7 +2179,7 @@ def _apply_lock(repo: str, ident: str) -> Iterator[None]:
     APPLY_LOCK_WAIT_SEC. Raises ApplyRefused when it cannot be made or stays held."""
     path = Path(git(["rev-parse", "--absolute-git-dir"], repo)) / "taskbridge-apply.lock"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
         raise ApplyRefused(f"{repo}: the apply lock {path} cannot be made ({exc.strerror}); apply {ident} "
                            "as the checkout's owner, or with git (tasks_cli.py branch shows how)") from None

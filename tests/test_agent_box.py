@@ -460,6 +460,10 @@ def test_taskbridges_and_opencodes_own_folders_are_no_working_dir(tmp_path, monk
         with pytest.raises(task_store.ValidationError) as raised:
             task_store.submit_task(title="t", instructions="i", working_dir=str(folder), worktree=False)
         assert f"is in {what}" in str(raised.value) and "give the project's own folder" in str(raised.value)
+    for holder, what in ((tmp_path / "xdg_data_home", "OpenCode's data folder"),   # ~/.local/share, say
+                         (tmp_path / "xdg_state_home", "TaskBridge's state folder")):
+        with pytest.raises(task_store.ValidationError, match=f"is in a folder holding {what}"):
+            task_store.submit_task(title="t", instructions="i", working_dir=str(holder), worktree=False)
     assert task_store.list_tasks()["total"] == 0
     project = tmp_path / "xdg_state_home" / "project"   # beside TaskBridge's state folder, not in it
     project.mkdir()

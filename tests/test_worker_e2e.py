@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +160,40 @@ def test_in_place_the_receipt_counts_from_the_uncommitted_work_the_attempt_began
     assert git(repo, "diff", "--cached", "--name-only") == ""   # the person's index untouched
     assert git(repo, "diff", "--name-only") == "a.txt"
     assert git(repo, "ls-files", "--others", "--exclude-standard").splitlines() == ["hello.txt", "wip.txt"]
+
+
+def test_a_working_dir_that_became_a_link_into_opencodes_data_is_refused_when_the_task_runs(opencode, tmp_path):
+    """submit checked the folder; the worker checks it again at the run, in its own environment:
+    a folder swapped for a link into OpenCode's data folder meanwhile fails the task, untouched."""
+    project = tmp_path / "project"
+    project.mkdir()
+    opencode.model.script("intrude", [tool_call("write", {"filePath": "{cwd}/intruder.txt", "content": "x\n"}),
+                                      text("Fine.\n" + RECEIPT)])
+    task = task_store.submit_task(title="swap", instructions="SCRIPT:intrude", working_dir=str(project),
+                                  worktree=False, max_retries=0)
+    project.rmdir()
+    data = Path(opencode.env["XDG_DATA_HOME"]) / "opencode"
+    project.symlink_to(data)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    failed = task_store.get_task(task["id"])
+    assert failed["status"] == "failed" and "OpenCode's data folder" in failed["error"], failed["error"]
+    assert "checked again when the task ran" in failed["error"]
+    assert not (data / "intruder.txt").exists()
+
+
+def test_in_place_uncommitted_work_is_named_whole_renames_and_at_most_200_paths(opencode, tmp_path):
+    """A staged rename names both its paths; thousands of untracked files do not swell the receipt:
+    200 paths, then how many more."""
+    repo = make_repo(tmp_path / "repo", {"d.txt": "d\n"})
+    git(repo, "mv", "d.txt", "e.txt")
+    (repo / "many").mkdir()
+    for n in range(250):
+        (repo / "many" / f"f{n:03d}.txt").write_text(f"{n}\n")
+    opencode.model.script("here", [text("Fine.\n" + RECEIPT)])
+    task = task_store.submit_task(title="here", instructions="SCRIPT:here", working_dir=str(repo), worktree=False)
+    assert run_script("worker.py").returncode == 0
+    receipt = task_store.get_task(task["id"])["result"]
+    named = receipt["uncommitted_before"]
+    assert len(named) == 201 and named[-1].startswith("… and 52 more"), named[-3:]
+    assert named[:2] == ["d.txt", "e.txt"] and receipt["files_touched"] == []

@@ -362,3 +362,30 @@ def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(openco
     final = task_store.get_task(task["id"])
     assert final["status"] == "failed" and "timed out after 10 s" in final["error"], final["error"]
     assert tagged() == []
+
+
+def test_a_cancel_just_before_the_queue_is_locked_ends_the_run_while_it_stays_locked(opencode, tmp_path, monkeypatch):
+    """The cancel commits, then another program takes the queue's write lock before the worker's
+    next renewal: the renewal cannot write, but a read still answers (WAL), so the worker sees the
+    cancel and ends the run now, not when the lock is let go."""
+    repo = make_repo(tmp_path / "repo")
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    opencode.model.script("long", [hang()])
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
+                                  timeout_sec=300, max_retries=0)
+    proc = start_worker()
+    running = until(lambda: running_with_agent(task["id"]))
+    agent = psutil.Process(running["agent_pid"])
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    task_store.cancel_task(task["id"], "by the test")
+    holder.execute("BEGIN EXCLUSIVE")
+    held_at = time.monotonic()
+    try:
+        until(lambda: not alive(agent), timeout=30, what="the cancelled run's end under the lock")
+        assert time.monotonic() - held_at < 10
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    proc.communicate(timeout=120)
+    assert task_store.get_task(task["id"])["status"] == "cancelled"
+    assert tagged() == []
