@@ -176,10 +176,15 @@ class Engine:
         # environment stays in the server's tree, where the stop finds and ends it; and the
         # server ends with the thread that started it (a killed worker leaves none behind).
         status = os.open(os.devnull, os.O_WRONLY)
-        argv = process_tree.reaper_argv(agent_box.stdlib_python(), status, argv, die_with_parent=True,
-                                        parent=None if self.box else os.getpid())   # a box has its own pids
-        if self.box:
-            argv, env = self.box(argv, env)
+        python = agent_box.stdlib_python()
+        plain = process_tree.reaper_argv(python, status, argv, die_with_parent=True, parent=os.getpid())
+        if self.box is None:
+            argv = plain
+        else:
+            boxed, boxed_env = self.box(plain, env)
+            if boxed != plain:   # a box with pids of its own (bubblewrap): the reaper cannot name this process
+                boxed, boxed_env = self.box(process_tree.reaper_argv(python, status, argv, die_with_parent=True), env)
+            argv, env = boxed, boxed_env
         # Set after the box has had its say: an allowlisting box must not drop the password or the
         # tag the stop's sweep finds every process by.
         env = {**env, "OPENCODE_SERVER_PASSWORD": self.password, ENGINE_ENV: self.tag}

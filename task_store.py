@@ -1243,14 +1243,20 @@ def _too_wide(path: str) -> str | None:
     return None
 
 
+# How far below a folder TaskBridge's or OpenCode's own folders make it refused: ~/.config holds
+# opencode/, ~/.local holds share/opencode/ and state/taskbridge/; a project folder that holds them
+# deeper down (a test's folder with its own XDG folders in a subfolder) is not refused for it.
+HOLDING_DEPTH = 2
+
+
 def _private_folder(path: str) -> str | None:
     """What of TaskBridge's or OpenCode's own ``path`` (resolved) is or lies in: the folders of
     every queue's task worktrees and mirrors (``$XDG_STATE_HOME/taskbridge``,
     ``$XDG_CACHE_HOME/taskbridge``, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_MIRROR_DIR), OpenCode's
     data (every session, the providers' credentials) and configuration, a folder that holds one
-    of them, or a folder that holds a TaskBridge queue itself (``tasks.db``, or a worker's
-    ``*.worker.lock`` beside a queue: the box hides only the worker's own queue). None when it is
-    none of them."""
+    of those four at most HOLDING_DEPTH levels down, or a folder that holds a TaskBridge queue
+    itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the box hides only the
+    worker's own queue). None when it is none of them."""
     home = os.path.expanduser("~")
     xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
         ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
@@ -1270,7 +1276,8 @@ def _private_folder(path: str) -> str | None:
         real = str(_resolved(folder)) if os.path.isabs(os.path.expanduser(folder)) else None
         if real and (path == real or path.startswith(real.rstrip(os.sep) + os.sep)):
             return what
-        if real and n < held and real.startswith(path.rstrip(os.sep) + os.sep):
+        if real and n < held and real.startswith(path.rstrip(os.sep) + os.sep) and \
+                real.count(os.sep) - path.rstrip(os.sep).count(os.sep) <= HOLDING_DEPTH:
             return f"a folder holding {what} ({real})"
     try:
         with os.scandir(path) as entries:
