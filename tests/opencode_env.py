@@ -6,7 +6,7 @@ Used as a pytest plugin (`pytest_plugins = ["opencode_env"]`), it provides two f
   with monkeypatch, so code under test that spawns `opencode` inherits it. It skips the test
   when the binary is missing, and fails it instead when `CI=true`.
 
-Everything OpenCode writes (config, sessions, caches) lands beside the test's folder (`opencode_root`); the
+Everything OpenCode writes (config, sessions, caches) lands under `tmp_path/opencode-home`; the
 model is the config FILE named by `OPENCODE_CONFIG`, so `OPENCODE_CONFIG_CONTENT` stays free for
 the code under test. Reads `OPENCODE_BIN` (fallback binary) and `CI` at call time.
 """
@@ -146,22 +146,16 @@ def prepared_data(binary: str) -> Path | None:
     return _prepared[0]
 
 
-def opencode_root(tmp_path: Path) -> Path:
-    """Where a test's OpenCode keeps everything: beside the test's folder, not in it (submit refuses
-    a working_dir holding OpenCode's data or config folder, and many tests give tmp_path)."""
-    return Path(tmp_path).parent / f"{Path(tmp_path).name}-opencode-home"
-
-
 def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
                  extra_config: dict[str, Any] | None = None) -> dict[str, str]:
     """A full environment (os.environ copy plus overrides) isolating OpenCode under tmp_path.
 
-    Creates <root>/{home,config,data,cache,state} (opencode_root) and the config file
-    <root>/opencode-test.json (see `opencode_config`). Inherited `OPENCODE_*`
+    Creates tmp_path/opencode-home/{home,config,data,cache,state} and the config file
+    tmp_path/opencode-home/opencode-test.json (see `opencode_config`). Inherited `OPENCODE_*`
     variables are dropped so the user's settings cannot leak in. The caller still sets `PWD` (or
     passes `--dir`) per run: OpenCode trusts `PWD` over the real cwd.
     """
-    root = opencode_root(tmp_path)
+    root = Path(tmp_path) / "opencode-home"
     dirs = {name: root / name for name in ("home", "config", "data", "cache", "state")}
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
@@ -211,7 +205,7 @@ class OpenCode:
     bin: str
     env: dict[str, str]
     model: ScriptedModel
-    root: Path  # opencode_root(tmp_path): config, data (sessions db), cache, state
+    root: Path  # tmp_path/opencode-home: config, data (sessions db), cache, state
 
     def configure(self, extra_config: dict[str, Any]) -> None:
         """Rewrite the config file as the base config with `extra_config` deep-merged over it,
@@ -256,7 +250,7 @@ def opencode(tmp_path: Path, scripted_model: ScriptedModel,
     for key, value in env.items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
-    return OpenCode(bin=binary, env=env, model=scripted_model, root=opencode_root(tmp_path))
+    return OpenCode(bin=binary, env=env, model=scripted_model, root=Path(tmp_path) / "opencode-home")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
