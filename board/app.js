@@ -431,10 +431,11 @@
       const note = el("textarea", { id: "note-text", rows: 2, placeholder: "a note for the agent's next prompt" });
       box.append(note, el("button", { type: "button", id: "note-send", onclick: () => act("note", { text: note.value }) }, "Add note"),
         el("button", { type: "button", id: "cancel", class: "danger", onclick: (e) => {
-          // Two clicks, no dialog: the first arms the button.
-          if (e.target.dataset.armed) act("cancel", {});
-          else { e.target.dataset.armed = "1"; e.target.textContent = "Click again to cancel " + t.id; }
-        } }, "Cancel task"));
+          // Two clicks, no dialog: the first arms the button. Kept in S, not on the button: a live
+          // update may rebuild the page between the two clicks.
+          if (S.armedCancel === t.id) { S.armedCancel = null; act("cancel", {}); }
+          else { S.armedCancel = t.id; e.target.textContent = "Click again to cancel " + t.id; }
+        } }, S.armedCancel === t.id ? "Click again to cancel " + t.id : "Cancel task"));
     }
     if (t.status === "failed" || t.status === "cancelled") {
       box.append(el("button", { type: "button", id: "retry", onclick: () => act("retry", {}) }, "Retry"));

@@ -113,6 +113,24 @@ def by_id(driver, name: str):
     return found[0] if found else None
 
 
+def click(driver, name: str, timeout: float = 10) -> None:
+    """Click the element with id ``name``; a live update that replaced it between the find and the
+    click (stale: the click did not happen) is met by finding it again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    deadline = time.monotonic() + timeout
+    while True:
+        node = by_id(driver, name)
+        try:
+            if node is not None:
+                node.click()
+                return
+        except StaleElementReferenceException:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"#{name} could not be clicked within {timeout:g} s")
+        time.sleep(0.05)
+
+
 def text_of(driver, name: str) -> str:
     try:
         node = by_id(driver, name)
@@ -257,7 +275,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
     browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{second}'] a").click()
     wait(browser, lambda d: "Which port" in text_of(d, "question"), what="the question")
     by_id(browser, "answer-text").send_keys("Use 8080")
-    by_id(browser, "answer-send").click()
+    click(browser, "answer-send")
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task requeued")
     task = task_store.get_task(second)
     assert task["status"] == "pending" and task["questions"][-1]["answer"] == "Use 8080"
@@ -353,18 +371,37 @@ def test_cancel_then_retry_from_the_page_and_a_refusal_shows_the_store_message(b
     browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
     by_id(browser, "note-text").send_keys("   ")
-    by_id(browser, "note-send").click()
+    click(browser, "note-send")
     wait(browser, lambda d: "note refused" in text_of(d, "action-msg"), what="the store's refusal")
-    by_id(browser, "cancel").click()                       # arms the button
+    click(browser, "cancel")                       # arms the button
     assert task_store.get_task(task["id"])["status"] == "pending"
-    by_id(browser, "cancel").click()
+    click(browser, "cancel")
     wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task cancelled")
     wait(browser, lambda d: text_of(d, "tally-cancelled") == "1", what="the cancelled tally")
-    by_id(browser, "retry").click()
+    click(browser, "retry")
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task retried")
     # The live update can show the new status before the POST's answer writes the message.
     wait(browser, lambda d: text_of(d, "action-msg") == "retry: done", what="the retry's message")
     assert task_store.get_task(task["id"])["status"] == "pending"
+    no_script_ran(browser)
+
+
+def test_an_armed_cancel_stays_armed_when_a_live_update_rebuilds_the_page(board, browser, tmp_path):
+    """The first click arms the cancel button; a live update (here: a note added elsewhere) that
+    rebuilt the task page between the two clicks used to disarm it, so the second click only armed
+    it again and nothing was cancelled."""
+    from selenium.webdriver.common.by import By
+    task = task_store.submit_task(title="to cancel", instructions="x", working_dir=str(tmp_path))
+    log_in(browser, board)
+    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
+    click(browser, "cancel")                       # arms the button
+    task_store.add_note(task["id"], "a note from elsewhere", author="planner")
+    wait(browser, lambda d: "a note from elsewhere" in d.page_source, what="the rebuilt page")
+    assert text_of(browser, "cancel") == f"Click again to cancel {task['id']}"
+    click(browser, "cancel")
+    wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task cancelled")
+    assert task_store.get_task(task["id"])["status"] == "cancelled"
     no_script_ran(browser)
 
 
@@ -385,7 +422,7 @@ def test_an_actions_answer_shows_even_when_a_live_update_rebuilt_the_page_first(
           if (!(init && init.method === "POST" && String(path).endsWith("/retry"))) return answer;
           return answer.then((r) => new Promise((done) => setTimeout(() => done(r), 2000)));
         };""")
-    by_id(browser, "retry").click()
+    click(browser, "retry")
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the live update")
     wait(browser, lambda d: text_of(d, "action-msg") == "retry: done", what="the retry's message")
     no_script_ran(browser)
@@ -400,7 +437,7 @@ def test_the_page_stays_responsive_with_ten_thousand_tasks(board, browser, tmp_p
     wait(browser, lambda d: "1–50 of 10000" in text_of(d, "page-info"), what="the first page")
     first = time.monotonic() - started
     started = time.monotonic()
-    by_id(browser, "next").click()
+    click(browser, "next")
     wait(browser, lambda d: "51–100 of 10000" in text_of(d, "page-info"), what="the next page")
     paged = time.monotonic() - started
     by_id(browser, "f-search").send_keys("task 9999")
@@ -428,7 +465,7 @@ def test_a_usage_limit_pause_shows_its_resume_time_and_continue_resumes_it(board
     wait(browser, lambda d: text_of(d, "task-status") == "waiting", what="the task page")
     assert text_of(browser, "question-head") == f"Paused at fake's usage limit; resumes by itself at {resume_at}:"
     by_id(browser, "answer-text").send_keys("continue")
-    by_id(browser, "answer-send").click()
+    click(browser, "answer-send")
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task resumed")
     assert task_store.get_task(task["id"])["limit_pauses"][0]["resumed"] == "by board"
     assert console_errors(browser) == []
