@@ -2416,9 +2416,16 @@ def renew_lease(task_id: Any, marker: str, **fields: Any) -> None:
             " AND status = 'running' RETURNING id", fields | {"now": now(), "id": num, "marker": marker}
         ).fetchone()
     if renewed is None:
-        with _reading() as conn:
-            _fenced(conn, num, marker)   # raises TaskNotFound or StaleAttempt, naming why
+        check_attempt(num, marker)   # raises TaskNotFound or StaleAttempt, naming why
         raise StaleAttempt(f"attempt {marker} of task {format_task_id(num)} is not current; its renewal was refused")
+
+
+def check_attempt(task_id: Any, marker: str) -> None:
+    """A read (no write lock): raises StaleAttempt when the attempt ``marker`` is no longer the
+    task's running one (cancelled, reaped, superseded), naming why; TaskNotFound when the task is
+    gone. Returns when it is still current."""
+    with _reading() as conn:
+        _fenced(conn, parse_task_id(task_id), marker)
 
 
 def heartbeat(task_id: Any, owner: str | None = None) -> dict[str, Any]:

@@ -277,18 +277,17 @@ class Renewal:
 
     def _still_current(self) -> None:
         """While the renewal cannot write (another program holds SQLite's write lock), a read still
-        answers (WAL): a cancel or a reap of this attempt is seen now (StaleAttempt), not once the
-        lock is let go. A read that fails too says nothing."""
+        answers (WAL): a cancel or a reap of this attempt is seen now (StaleAttempt, from
+        store.check_attempt), not once the lock is let go. A read that fails too says nothing."""
         try:
-            task = store.get_task(self.task_id)
-        except Exception as exc:  # noqa: BLE001 - the database away for reads too: the outage goes on
-            if isinstance(exc, store.TaskNotFound):
-                raise store.StaleAttempt(f"task {self.task_id} was cleared from the queue; its attempt "
-                                         f"{self.marker} ends") from None
+            store.check_attempt(self.task_id, self.marker)
+        except store.StaleAttempt:
+            raise
+        except store.TaskNotFound:
+            raise store.StaleAttempt(f"task {self.task_id} was cleared from the queue; its attempt "
+                                     f"{self.marker} ends") from None
+        except Exception:  # noqa: BLE001 - the database away for reads too: the outage goes on
             return
-        if task["run_marker"] != self.marker or task["status"] != "running":
-            raise store.StaleAttempt(f"attempt {self.marker} of task {self.task_id} was ended from outside: the "
-                                     f"task is now {task['status']}")
 
 
 # --------------------------------------------------------------------------------------------

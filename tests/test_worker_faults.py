@@ -60,6 +60,18 @@ def running_with_agent(task_id):
     return task if task["status"] == "running" and task["agent_pid"] else None
 
 
+def a_running_agent(opencode, repo: Path, steps: list, **fields) -> tuple[dict, subprocess.Popen, dict,
+                                                                             psutil.Process]:
+    """A task in ``repo`` whose scripted model answers ``steps``, with ``fields`` for submit_task,
+    run by a worker started now (start_worker), waited for until its agent runs: (the task as
+    queued, the worker, the task as running, the agent's process)."""
+    opencode.model.script("long", steps)
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo), **fields)
+    proc = start_worker()
+    running = until(lambda: running_with_agent(task["id"]))
+    return task, proc, running, psutil.Process(running["agent_pid"])
+
+
 def test_two_passes_started_together_one_runs_one_exits(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("slow", [hang()])
@@ -77,12 +89,7 @@ def test_two_passes_started_together_one_runs_one_exits(opencode, tmp_path):
 
 def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
-    opencode.model.script("slow", [hang()])
-    task = task_store.submit_task(title="slow", instructions="SCRIPT:slow", working_dir=str(repo),
-                                  timeout_sec=300, max_retries=2)
-    proc = start_worker()
-    running = until(lambda: running_with_agent(task["id"]))
-    agent = psutil.Process(running["agent_pid"])
+    task, proc, running, agent = a_running_agent(opencode, repo, [hang()], timeout_sec=300, max_retries=2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert agent.is_running(), "the orphaned agent outlives its worker until the reaper comes"
@@ -186,12 +193,7 @@ def test_silent_run_ended_by_inactivity_watchdog(opencode, tmp_path, monkeypatch
 def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
-    opencode.model.script("long", [hang()])
-    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
-                                  timeout_sec=300)
-    proc = start_worker()
-    running = until(lambda: running_with_agent(task["id"]))
-    agent = psutil.Process(running["agent_pid"])
+    task, proc, _running, agent = a_running_agent(opencode, repo, [hang()], timeout_sec=300)
     cancelled_at = time.monotonic()
     task_store.cancel_task(task["id"])
     psutil.wait_procs([agent], timeout=5)
@@ -337,14 +339,10 @@ def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(openco
     of the run's watch is bounded: the lease renewals and, with model steps, the spend meter's."""
     repo = make_repo(tmp_path / "repo")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
-    opencode.model.script("long", [tool_call("bash", {"command": "sleep 1", "description": "wait"},
-                                             usage={"prompt_tokens": 10, "completion_tokens": 5})] * steps
-                          + [hang()])
-    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
-                                  timeout_sec=10, max_retries=0, max_tokens=10**9)
-    proc = start_worker()
-    running = until(lambda: running_with_agent(task["id"]))
-    agent = psutil.Process(running["agent_pid"])
+    step = tool_call("bash", {"command": "sleep 1", "description": "wait"},
+                     usage={"prompt_tokens": 10, "completion_tokens": 5})
+    task, proc, _running, agent = a_running_agent(opencode, repo, [step] * steps + [hang()], timeout_sec=10,
+                                                  max_retries=0, max_tokens=10**9)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")   # the write lock, held past the timeout
     held_at = time.monotonic()
@@ -370,12 +368,7 @@ def test_a_cancel_just_before_the_queue_is_locked_ends_the_run_while_it_stays_lo
     cancel and ends the run now, not when the lock is let go."""
     repo = make_repo(tmp_path / "repo")
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
-    opencode.model.script("long", [hang()])
-    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
-                                  timeout_sec=300, max_retries=0)
-    proc = start_worker()
-    running = until(lambda: running_with_agent(task["id"]))
-    agent = psutil.Process(running["agent_pid"])
+    task, proc, _running, agent = a_running_agent(opencode, repo, [hang()], timeout_sec=300, max_retries=0)
     holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
     task_store.cancel_task(task["id"], "by the test")
     holder.execute("BEGIN EXCLUSIVE")
