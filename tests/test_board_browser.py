@@ -131,6 +131,13 @@ def click(driver, name: str, timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
+def text_of_node(node) -> str:
+    try:
+        return node.text
+    except Exception:           # replaced while read (the page re-renders): read again
+        return ""
+
+
 def text_of(driver, name: str) -> str:
     try:
         node = by_id(driver, name)
@@ -397,7 +404,8 @@ def test_an_armed_cancel_stays_armed_when_a_live_update_rebuilds_the_page(board,
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
     click(browser, "cancel")                       # arms the button
     task_store.add_note(task["id"], "a note from elsewhere", author="planner")
-    wait(browser, lambda d: "a note from elsewhere" in d.page_source, what="the rebuilt page")
+    wait(browser, lambda d: any("a note from elsewhere" in text_of_node(n)   # the Notes section, not the events
+                                for n in d.find_elements(By.CSS_SELECTOR, "pre.note")), what="the rebuilt page")
     assert text_of(browser, "cancel") == f"Click again to cancel {task['id']}"
     click(browser, "cancel")
     wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task cancelled")
