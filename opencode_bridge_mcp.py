@@ -1222,8 +1222,8 @@ async def apply_task(
 ) -> ApplyResult:
     """Bring a done task's work (its branch taskbridge/<id>) into the current branch of the user's
     checkout at the task's working_dir. Returns `status` "applied" (with `files` changed and the new
-    `head`) or "already-applied" (the branch was in HEAD already; nothing changed), and `before`, the
-    commit to reset to in order to undo it.
+    `head`) or "already-applied" (the branch, or its changes from an earlier apply in another mode,
+    were in HEAD already; nothing changed), and `before`, the commit to reset to in order to undo it.
     Errors (the checkout untouched): the task is not done, made no change ("no change, nothing to
     apply"; its empty branch was deleted), has no branch or made no commit, its
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an

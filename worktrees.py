@@ -2131,7 +2131,8 @@ def remote_work(task: dict[str, Any]) -> str:
 def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
     """Bring a done task's branch into the current branch of its user checkout: ``merge`` (a merge
     commit, or a fast-forward), ``squash`` (one new commit) or ``cherry-pick`` (the task's commits
-    since its base, copied). Returns ``{"task_id", "mode", "status": "applied" | "already-applied",
+    since its base, copied). Returns ``{"task_id", "mode", "status": "applied" | "already-applied" (the
+    branch, or its changes from an earlier apply in another mode, were in HEAD: nothing changed),
     "branch", "tip", "repo", "into" (the checkout's branch), "before", "head" (commits),
     "files" (paths changed by the apply)}``.
 
@@ -2165,7 +2166,12 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
                 return result | {"status": "already-applied", "head": before, "files": []}
             raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
         head = git(["rev-parse", "HEAD"], repo)
-        files = git(["diff", "--name-only", before, head], repo, check=False).splitlines()
+        files = git(["diff", "--name-only", "--no-renames", before, head], repo).splitlines()
+        if not files:
+            # The checkout held the task's changes already (applied before in another mode): the
+            # merge made only an empty merge commit. Undone, as git's "nothing to commit" above.
+            _undo_apply(repo, before)
+            return result | {"status": "already-applied", "head": before, "files": []}
         return result | {"status": "applied", "head": head, "files": files}
 
 

@@ -193,6 +193,21 @@ def test_apply_squash_and_cherry_pick(tmp_path):
     assert both.exit_code == 2 and "not both" in both.stderr
 
 
+@pytest.mark.parametrize("first,then", [("--cherry-pick", "merge"), ("--squash", "merge"),
+                                         ("--squash", "--cherry-pick"), ("--cherry-pick", "--squash")])
+def test_a_task_applied_once_is_already_applied_in_any_other_mode(tmp_path, first, then):
+    # A merge after a cherry-pick of the same task made an empty merge commit (found by a tester).
+    repo = make_repo(tmp_path / "repo")
+    done = finished_by_hand(repo, {"a.txt": "a\n"}, title="add a")
+    assert cli("apply", done["id"], first).exit_code == 0
+    head = git(repo, "rev-parse", "HEAD")
+    again = cli("apply", done["id"], *(() if then == "merge" else (then,)), "--json")
+    assert again.exit_code == 0, again.stderr
+    answer = json.loads(again.stdout)
+    assert answer["status"] == "already-applied" and answer["files"] == [] and answer["head"] == head
+    assert git(repo, "rev-parse", "HEAD") == head and git(repo, "status", "--porcelain") == ""
+
+
 def test_apply_refusals_leave_the_checkout_alone(tmp_path):
     repo = make_repo(tmp_path / "repo")
     done = finished_by_hand(repo, {"a.txt": "a\n"})
