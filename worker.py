@@ -170,8 +170,10 @@ class Outage:
                 return
             self.said = True
         said = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
+        then = "the worker is stopping: what it cannot write is left to the next pass" if current().flags.stop_now \
+            else "retrying (the running agents go on)"
         log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(self.since))} "
-            f"({said}); retrying (the running agents go on)", talk.QUIET)
+            f"({said}); {then}", talk.QUIET)
 
     def answered(self) -> None:
         if self.since is None:
@@ -3091,15 +3093,20 @@ def _give_memory_back() -> None:
 def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
     current().beat.running(task, True)
-    began, final = time.monotonic(), None
+    began, final, flags, unwritten = time.monotonic(), None, current().flags, False
     try:
-        final = run_task(task, knobs)
+        # A stop now is not held up by a locked queue: each write gives up its wait for the lock
+        # (db() then raises, and the attempt is left to the reaper, below).
+        with store.lock_wait(give_up=lambda: flags.stop_now):
+            final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
         if db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
-            log(f"{task['id']}: gave up writing to the queue database after WORKER_STALE_SEC ({knobs.stale_sec:g} s) "
-                f"of outage ({' '.join(str(exc).split('; check TASK_DB_URL')[0].split())}): the attempt is "
-                "left to the reaper; its worktree and branch are kept", talk.QUIET)
-            final = None
+            why = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
+            log(f"{task['id']}: the worker stopped before the queue database could be written ({why}): the "
+                "attempt is left to the next pass's reaper; its worktree and branch are kept" if flags.stop_now else
+                f"{task['id']}: gave up writing to the queue database after WORKER_STALE_SEC ({knobs.stale_sec:g} s) "
+                f"of outage ({why}): the attempt is left to the reaper; its worktree and branch are kept", talk.QUIET)
+            unwritten = True
         elif (fault := os_faults.describe(exc)) is not None:   # the machine's fault, named once, no traceback
             log(f"{task['id']}: {fault}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], fault.line, retryable=fault.retry)
@@ -3108,9 +3115,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")
     finally:
         current().beat.running(task, False)
-        flags = current().flags   # a stop not yet said is said while it still names this task
+        # a stop not yet said is said while it still names this task
         current().talk.signals(flags.stopping, flags.stop_now)
-        current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now)
+        current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now, unwritten=unwritten)
 
 
 def refuse(message: str) -> None:

@@ -124,12 +124,12 @@ class Talk:
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     def ended(self, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-              handed_back: bool = False) -> None:
+              handed_back: bool = False, unwritten: bool = False) -> None:
         """The task's end line: status, duration, cost, branch (or why it failed or waits)."""
         with self.lock:
             self.running.pop(task["id"], None)
         self._refresh()
-        message, style = ended_line(task, final, seconds, handed_back)
+        message, style = ended_line(task, final, seconds, handed_back, unwritten)
         self.say(message, level=QUIET if style == "red" else NORMAL, style=style)
 
     def signals(self, stopping: bool, stop_now: bool) -> None:
@@ -204,11 +204,15 @@ def tool_text(event: dict[str, Any]) -> str:
 
 
 def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-               handed_back: bool = False) -> tuple[str, str]:
+               handed_back: bool = False, unwritten: bool = False) -> tuple[str, str]:
     """The end-of-task line and its style, from the task as claimed and as it ended
-    (``handed_back``: the worker was told to stop at once and requeued it)."""
+    (``handed_back``: the worker was told to stop at once and requeued it; ``unwritten``: the
+    attempt's end could not be written to the queue, so ``final`` is None and the reaper decides)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
+    if final is None and unwritten:
+        return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
+               "for the reaper (the next pass hands it back)", "yellow"
     if final is None:
         return f"{ident} attempt ended after {took}: cancelled or taken over elsewhere", "yellow"
     usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}

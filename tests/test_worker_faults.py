@@ -362,6 +362,40 @@ def test_a_locked_queue_database_does_not_stretch_a_running_tasks_timeout(openco
     assert tagged() == []
 
 
+def test_a_stop_at_once_under_a_locked_queue_exits_at_once_and_says_it_was_the_stop(opencode, tmp_path):
+    """--stop-at-once (serve.py's worker) with a task in hand while another program holds the
+    queue's write lock: the run ends and the worker exits now, not when the lock goes (each write
+    of the hand-back waited 30 s for it). The hand-back cannot be written, so the task is left
+    running for the next pass's reaper, and the log says the stop gave the write up (it said
+    "after WORKER_STALE_SEC (900 s) of outage")."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("long", [hang()])
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo), timeout_sec=300)
+    proc = start_worker("--stop-at-once")
+    agent = psutil.Process(until(lambda: running_with_agent(task["id"]))["agent_pid"])
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=90)
+        stopped_after = time.monotonic() - started
+        left = task_store.get_task(task["id"])   # a read answers under the lock (WAL)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    said = " ".join((out + err).split())
+    assert proc.returncode == 0, said
+    assert stopped_after < 10, (stopped_after, said)
+    assert not alive(agent) and tagged() == []
+    assert left["status"] == "running" and left["run_marker"] == task_store.get_task(task["id"])["run_marker"]
+    assert "WORKER_STALE_SEC" not in said, said
+    assert f"{task['id']}: the worker stopped before the queue database could be written" in said, said
+    assert "left to the next pass" in said, said
+    assert f"{task['id']} attempt ended after" in said and "could not be written to the queue; left running" in said
+    assert "cancelled or taken over" not in said and "retrying (the running agents go on)" not in said, said
+
+
 def test_a_cancel_just_before_the_queue_is_locked_ends_the_run_while_it_stays_locked(opencode, tmp_path, monkeypatch):
     """The cancel commits, then another program takes the queue's write lock before the worker's
     next renewal: the renewal cannot write, but a read still answers (WAL), so the worker sees the
