@@ -132,6 +132,37 @@ def test_no_module_above_the_store_catches_or_reads_driver_errors(module):
     assert "tb_frame" not in text and "__traceback__" not in text
 
 
+def test_in_a_lock_wait_block_a_lock_waited_for_in_vain_is_tried_once_until_a_write_lands(project):
+    """A run's watch makes several writes a round (the renewal, the meter's step, a log ship):
+    each waited its limit for a lock another program held, so the timeout was checked seconds
+    late (a 10 s task still ran 15 s in). After one write waited in vain, the next ones try once;
+    once a write lands, the full wait is back."""
+    submit(project)
+    task = task_store.claim_next("w")
+
+    def renewal_took() -> float:
+        started = time.monotonic()
+        with pytest.raises(task_store.DatabaseBusy):
+            task_store.renew_lease(task["id"], task["run_marker"])
+        return time.monotonic() - started
+
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    try:
+        with task_store.lock_wait(0.5):
+            holder.execute("BEGIN IMMEDIATE")
+            assert renewal_took() >= 0.5
+            assert renewal_took() < 0.25 and renewal_took() < 0.25
+            holder.execute("ROLLBACK")
+            task_store.renew_lease(task["id"], task["run_marker"])   # lands
+            holder.execute("BEGIN IMMEDIATE")
+            assert renewal_took() >= 0.5, "a write landed since: the whole wait again"
+        with task_store.lock_wait(0.5):
+            assert renewal_took() >= 0.5, "a new block starts with the whole wait"
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_writes_in_a_lock_wait_block_wait_for_the_write_lock_only_that_long(project):
     """A run's watch writes within lock_wait(worker.SHORT_LOCK_WAIT_SEC): while another program
     holds the queue's write lock, its renewal is DatabaseBusy after that wait, not after 30 s; the
