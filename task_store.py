@@ -960,10 +960,10 @@ def lock_wait(seconds: float | None = None, give_up: Callable[[], bool] | None =
     ``seconds`` (None: store_sqlite.BUSY_WAIT_SEC, 30 s), and no longer once ``give_up()`` is
     true (asked between tries); then DatabaseBusy, which callers that ride outages out retry
     later. After a write of the block waited in vain, the next ones try once (no wait) until one
-    lands: a round of several writes is held up once, not once per write. A run's watch uses it (between its checks of the timeout, a cancel and the watchdogs,
-    another program holding the queue must not stall it), and the worker's loop (a stop is not
-    held up by it). PostgreSQL has no global write lock; a row's lock is waited for up to
-    PG_LOCK_TIMEOUT_SEC as before."""
+    lands: a round of several writes is held up once, not once per write. A run's watch uses it
+    (between its checks of the timeout, a cancel and the watchdogs, another program holding the
+    queue must not stall it), and the worker's loop (a stop is not held up by it). PostgreSQL
+    has no global write lock; a row's lock is waited for up to PG_LOCK_TIMEOUT_SEC as before."""
     before = (getattr(_LOCK_WAIT, "sec", None), getattr(_LOCK_WAIT, "give_up", None),
               getattr(_LOCK_WAIT, "held", False))
     _LOCK_WAIT.sec, _LOCK_WAIT.give_up, _LOCK_WAIT.held = seconds, give_up, False
@@ -987,7 +987,8 @@ def _writing() -> Iterator[Connection]:
     if wait is not None and getattr(_LOCK_WAIT, "held", False):
         wait = 0.0   # this block's last write waited its limit in vain: one try, until a write lands
     try:
-        with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, wait, getattr(_LOCK_WAIT, "give_up", None)):
+        with store_sqlite.transaction(_as_sqlite(conn), db_path(), _discard, wait,
+                                      getattr(_LOCK_WAIT, "give_up", None)):
             yield conn
     except DatabaseBusy:
         _LOCK_WAIT.held = wait is not None
