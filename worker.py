@@ -1610,8 +1610,10 @@ class Phases:
     def check(self) -> str | None:
         now = time.monotonic()
         if self.renewal.due(now):
-            try:
-                if self.renewal.renew():   # the database away: git goes on, the renewal is retried
+            try:   # as in a run's watch, a locked queue holds the timeout check up SHORT_LOCK_WAIT_SEC at most
+                with store.lock_wait(SHORT_LOCK_WAIT_SEC):
+                    renewed = self.renewal.renew()   # the database away: git goes on, the renewal is retried
+                if renewed:
                     current().beat.write()
             except store.StaleAttempt as exc:
                 self.superseded = True

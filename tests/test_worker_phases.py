@@ -4,6 +4,7 @@ and a cancel: workspace preparation, the receipt, the commit, the cleanup. A git
 process tree and named. A worker never reaps an attempt its own live process runs."""
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -88,6 +89,38 @@ def test_a_hung_workspace_preparation_honours_the_task_timeout(opencode, tmp_pat
     assert "ended with its process tree: timed out after 4 s" in final["error"]
     assert opencode.model.step_requests("never") == [], "the agent never started"
     assert alive(hang) == []
+
+
+@pytest.mark.real_opencode
+def test_a_hung_workspace_preparation_under_a_locked_queue_still_ends_at_the_timeout(opencode, tmp_path):
+    """Another program takes the queue's write lock while a task's workspace is prepared: the
+    phase's lease renewal waited 30 s for it, between the checks of the timeout, so the hung git
+    step ran on ~30 s past a 6 s timeout. It ends at the timeout; the failure is written when the
+    lock goes."""
+    repo = make_repo(tmp_path / "repo", {".gitattributes": "*.slow filter=slow\n", "data.slow": "x\n"})
+    hang = hanging_filter(repo, "smudge")
+    opencode.model.script("never", [text("Done.\n" + DONE)])
+    task = task_store.submit_task(title="prep", instructions="SCRIPT:never", working_dir=str(repo),
+                                  timeout_sec=6, max_retries=0)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: alive(hang))
+    holder = sqlite3.connect(task_store.db_path(), isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    held_at = time.monotonic()
+    try:
+        wait_until(lambda: not alive(hang), timeout=60)
+        ended_after = time.monotonic() - held_at
+        assert proc.poll() is None   # still waiting to write the failure
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert ended_after < 12, ended_after   # the 6 s timeout ran from the claim, before the lock
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "failed" and "timed out after 6 s" in final["error"], final["error"]
+    assert opencode.model.step_requests("never") == []
 
 
 def test_a_worker_never_reaps_the_attempt_its_own_live_process_runs(tmp_path, monkeypatch):
