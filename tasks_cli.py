@@ -767,9 +767,9 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
     if file is not None:
         name = getattr(file, "name", "-")
         what = "--file" if name in ("-", "<stdin>") else f"--file {name}"
-        text = utf8_text(file.read(), what)
+        text = read_bounded(file, task_store.INSTRUCTIONS_MAX, what)
     elif instructions == "-":
-        what, text = "--instructions -", read_stdin("--instructions -")
+        what, text = "--instructions -", read_stdin("--instructions -", task_store.INSTRUCTIONS_MAX)
     else:
         return instructions
     if not text.strip():   # else the title would silently stand in for what was meant to be read
@@ -778,10 +778,23 @@ def read_text_source(instructions: str | None, file: Any) -> str | None:
     return text
 
 
-def read_stdin(what: str) -> str:
-    """Standard input as text; UsageError naming ``what`` when it is not UTF-8."""
+def read_stdin(what: str, limit: int) -> str:
+    """Standard input as text of at most ``limit`` characters (``read_bounded``); UsageError naming
+    ``what`` when it is longer or not UTF-8."""
     stream = getattr(sys.stdin, "buffer", None)
-    return utf8_text(stream.read(), f"{what} (stdin)") if stream is not None else sys.stdin.read()
+    return read_bounded(stream, limit, f"{what} (stdin)") if stream is not None else sys.stdin.read(limit + 1)
+
+
+def read_bounded(stream: Any, limit: int, what: str) -> str:
+    """Text of at most ``limit`` characters from the binary ``stream``, read no further than the
+    bytes that many characters can take in UTF-8 (4 each): longer input is refused before it is
+    all read (``-f /dev/zero`` was read until memory ran out). UsageError naming ``what`` when it
+    is longer or not UTF-8; the store counts the characters of what passes."""
+    data = stream.read(limit * 4 + 1)
+    if len(data) > limit * 4:
+        raise click.UsageError(f"{what} is longer than the limit of {limit:,} characters; give a shorter text "
+                               "(the agent can read a long one from a file in its folder)")
+    return utf8_text(data, what)
 
 
 def utf8_text(data: bytes, what: str) -> str:
@@ -1188,7 +1201,7 @@ def heartbeat(task_id: str) -> None:
 def answer(task_id: str, text: str) -> None:
     """Answer a waiting task's question; it requeues and resumes with the answer. TEXT '-' reads stdin."""
     if text == "-":
-        text = read_stdin("TEXT -")
+        text = read_stdin("TEXT -", task_store.ANSWER_MAX)
     task = task_store.answer_task(task_id, text, author=person())
     if task["status"] == "failed":
         return out().print(Text(f"Stopped {task['id']} at its spending limit: it failed, its receipt kept.",

@@ -110,6 +110,30 @@ def test_submit_list_show_round_trip(tmp_path, monkeypatch):
     assert json.loads(run("list", "--json", "--status", "done").stdout)["total"] == 0
 
 
+def test_instructions_longer_than_the_limit_are_refused_before_they_are_all_read(tmp_path):
+    """`submit -f /dev/zero` read without end (12 GB resident after 16 s, found by a tester), and
+    `-i -` or `answer TEXT -` read a 300 MB stdin whole before the limit was checked. Input is
+    read no further than the limit's bytes; the process here may use 1 GB."""
+    def limited() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    before = snapshot()
+    for args, stdin in ((["-f", "/dev/zero"], subprocess.DEVNULL), (["-f", "-"], "/dev/zero"),
+                        (["-i", "-"], "/dev/zero")):
+        with open(stdin, "rb") if isinstance(stdin, str) else open(os.devnull, "rb") as source:
+            done = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "submit", "t", "--dir", str(tmp_path),
+                                   *args], stdin=source, capture_output=True, text=True, timeout=60,
+                                  preexec_fn=limited)
+        assert done.returncode == 2, (args, done.stderr[-500:])
+        assert "is longer than the limit of 200,000 characters" in done.stderr and "Traceback" not in done.stderr
+    assert snapshot() == before, "nothing was queued"
+    task = submit(tmp_path)
+    with open("/dev/zero", "rb") as zeros:
+        done = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), "answer", task["id"], "-"], stdin=zeros,
+                              capture_output=True, text=True, timeout=60, preexec_fn=limited)
+    assert done.returncode == 2 and "TEXT - (stdin) is longer than the limit of 50,000 characters" in done.stderr
+
+
 def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # Not a git repository: the agent would run in place, so it takes --yes (no terminal to ask on).
