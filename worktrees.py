@@ -425,12 +425,31 @@ def refuse_unrunnable_folder(path: str | None, host: str | None = None, worktree
         raise store.ValidationError(str(exc)) from None
     except GitError:
         return None
+    refused = None if worktree or top is None else in_place_top_refused(path, top)
+    if refused:
+        raise store.ValidationError(refused)
     if top is not None and worktree and not tracked:
         raise store.ValidationError(
             f"{path} is not in the last commit of {top} (an untracked or ignored folder), so the task's worktree, "
             "made from that commit, would not have it: commit it (git add, git commit) and resubmit, or submit "
             "with worktree=false (--no-worktree) to run in the folder itself")
     return top is None
+
+
+def in_place_top_refused(path: str, top: str) -> str | None:
+    """Why an in-place task (worktree=false) on ``path`` must not run: its box binds the whole
+    repository ``top`` holding it writable, so ``top`` must pass the working_dir checks too (a
+    home folder kept in git gave the agent all of it: ``~/.bashrc``, ``~/.ssh``). None when it
+    does (or ``top`` is ``path`` itself, checked already)."""
+    if os.path.realpath(path) == top:
+        return None
+    try:
+        store.validate_working_dir(top)
+    except store.ValidationError as exc:
+        return (f"working_dir {path} is inside the git repository {top}, and an in-place task (worktree=false) "
+                f"gets that whole repository writable, but {exc}; submit it with worktree=true (a worktree of its "
+                "own), or give a folder with a repository of its own")
+    return None
 
 
 def runs_in_place(path: str) -> bool:
@@ -476,6 +495,8 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     except store.ValidationError as exc:
         raise Unrunnable(f"{exc} (checked again when the task ran)") from None
     top, head, _ = _repo_state(wd)
+    if top is not None and not task["worktree"] and (refused := in_place_top_refused(wd, top)):
+        raise Unrunnable(f"{refused} (checked when the task ran)")
     if top is None or not task["worktree"]:
         opencode_can_work_in(wd)
     if top is None:

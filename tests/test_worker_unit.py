@@ -419,6 +419,28 @@ def test_a_folder_is_read_as_root_and_head_by_one_git_run_whatever_its_name(tmp_
     assert worktrees.refuse_unrunnable_folder(str(outside), host="another-machine") is None
 
 
+def test_an_in_place_task_in_a_home_folder_kept_in_git_is_refused(tmp_path, monkeypatch):
+    """An in-place task's box binds the whole repository holding its folder writable: with the
+    home folder kept in git (dotfiles), a task on ~/proj got all of ~ writable (~/.bashrc,
+    ~/.ssh). Refused at submit and, for a folder that became so after it, when the task runs; a
+    worktree task there (a worktree of its own) is accepted."""
+    home = make_repo(tmp_path / "home", {"proj/a.txt": "a\n"})
+    monkeypatch.setenv("HOME", str(home))
+    proj = str(home / "proj")
+    with pytest.raises(task_store.ValidationError) as refused:
+        worktrees.refuse_unrunnable_folder(proj, worktree=False)
+    said = str(refused.value)
+    assert f"inside the git repository {home}" in said and "your home folder itself" in said
+    assert "worktree=true" in said
+    assert worktrees.refuse_unrunnable_folder(proj, worktree=True) is False
+    task = submit(proj, worktree=False)   # queued straight through the store, as a folder that became so
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    with pytest.raises(worktrees.Unrunnable, match="your home folder itself.*checked when the task ran"):
+        worktrees.prepare_workspace(claimed, False)
+    repo = make_repo(tmp_path / "home" / "proj" / "own")   # a repository of its own inside: its folder is its top
+    assert worktrees.refuse_unrunnable_folder(str(repo), worktree=False) is False
+
+
 def test_a_stop_at_once_is_said_naming_the_task_before_its_end_line(tmp_path):
     """A slot may end its run (told to stop at once) before the pass's loop wakes to announce the
     signal: the stop line must still name the task and come before its end line (CI saw
