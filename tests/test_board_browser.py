@@ -131,6 +131,22 @@ def click(driver, name: str, timeout: float = 10) -> None:
         time.sleep(0.05)
 
 
+def open_task(driver, task_id: str, timeout: float = 30) -> None:
+    """Click task ``task_id``'s row in the list, waiting for the row: the list renders after the
+    tallies that ``log_in`` waits for (CI, loaded, found no row right after it); a row replaced by
+    a live update between the find and the click is found again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    def clicked(d) -> bool:
+        links = d.find_elements(By.CSS_SELECTOR, f"tr[data-id='{task_id}'] a")
+        try:
+            return bool(links) and links[0].click() is None
+        except StaleElementReferenceException:
+            return False
+    wait(driver, clicked, timeout, what=f"the row of {task_id}")
+
+
 def text_of_node(node) -> str:
     try:
         return node.text
@@ -248,7 +264,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
     wait(browser, lambda d: text_of(d, "tally-pending") == "2", timeout=10, what="two pending")
 
     from selenium.webdriver.common.by import By
-    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{first}'] a").click()
+    open_task(browser, first)
     wait(browser, lambda d: first in text_of(d, "task-title"), what="the task page")
     worker = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -279,7 +295,7 @@ def test_board_live_worker_pass_diff_log_and_answer(opencode, board, browser, tm
         readme_copy.parent.mkdir(exist_ok=True)
         shutil.copyfile(shot, readme_copy)
 
-    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{second}'] a").click()
+    open_task(browser, second)
     wait(browser, lambda d: "Which port" in text_of(d, "question"), what="the question")
     by_id(browser, "answer-text").send_keys("Use 8080")
     click(browser, "answer-send")
@@ -372,10 +388,9 @@ def test_a_refused_token_goes_back_to_the_prompt(board, browser):
 
 
 def test_cancel_then_retry_from_the_page_and_a_refusal_shows_the_store_message(board, browser, tmp_path):
-    from selenium.webdriver.common.by import By
     task = task_store.submit_task(title="to cancel", instructions="x", working_dir=str(tmp_path))
     log_in(browser, board)
-    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    open_task(browser, task["id"])
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
     by_id(browser, "note-text").send_keys("   ")
     click(browser, "note-send")
@@ -400,7 +415,7 @@ def test_an_armed_cancel_stays_armed_when_a_live_update_rebuilds_the_page(board,
     from selenium.webdriver.common.by import By
     task = task_store.submit_task(title="to cancel", instructions="x", working_dir=str(tmp_path))
     log_in(browser, board)
-    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    open_task(browser, task["id"])
     wait(browser, lambda d: text_of(d, "task-status") == "pending", what="the task page")
     click(browser, "cancel")                       # arms the button
     task_store.add_note(task["id"], "a note from elsewhere", author="planner")
@@ -417,11 +432,10 @@ def test_an_actions_answer_shows_even_when_a_live_update_rebuilt_the_page_first(
     """The live update can show a retry's new status, and rebuild the task page, before the
     retry's own answer arrives: that answer used to go to the old, detached message line, and the
     page kept the cancel's "cancel: done" (this test holds the answer back 2 s to make it so)."""
-    from selenium.webdriver.common.by import By
     task = task_store.submit_task(title="to retry", instructions="x", working_dir=str(tmp_path))
     task_store.cancel_task(task["id"])
     log_in(browser, board)
-    browser.find_element(By.CSS_SELECTOR, f"tr[data-id='{task['id']}'] a").click()
+    open_task(browser, task["id"])
     wait(browser, lambda d: text_of(d, "task-status") == "cancelled", what="the task page")
     browser.execute_script("""
         const real = window.fetch;
