@@ -44,6 +44,7 @@ SANDBOX_ENV = "TASKBRIDGE_SANDBOX"
 PROMPT_LEVEL_ENV = "TASKBRIDGE_ALLOW_PROMPT_LEVEL"
 AGENT_ENV_ENV = "TASKBRIDGE_AGENT_ENV"
 RESTRICTED = ("readonly", "no-shell", "no-network")
+BOX_BINDS = str(Path(__file__).resolve().parent / "box_binds.py")
 
 # What a shell and OpenCode need. Everything else the worker holds stays with the worker.
 _ALLOWED = {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM", "COLORTERM",
@@ -345,11 +346,16 @@ def _under(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
-def _existing(paths: Iterable[str | None]) -> list[str]:
+def _existing(paths: Iterable[str | None], resolve: bool = True) -> list[str]:
+    """The ``paths`` that exist, once each: resolved (no symbolic link left in them, as
+    box_binds.py requires of a bind's source) unless ``resolve`` is False, for a path the agent
+    may have a hand in (an in-place task's folder and what is in it): that one is bound as
+    checked or not at all."""
     seen: list[str] = []
     for path in paths:
+        path = os.path.realpath(path) if path and resolve else path
         if path and os.path.lexists(path) and path not in seen:
-            seen.append(os.path.realpath(path) if os.path.isdir(path) else path)
+            seen.append(path)
     return seen
 
 
@@ -392,17 +398,23 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     the plugins' answers) and ``objects/`` (the run's own git objects, see ``git_binds``).
     ``readonly`` leaves the worktree read-only."""
     writable = permission != "readonly"
-    plan = Plan(cwd=ws.cwd, tmp=str(run_dir / "tmp"))
+    run_dir = Path(os.path.realpath(run_dir))
+    # A worktree is TaskBridge's own folder; an in-place task's is the user's, checked when the
+    # task ran (worktrees._prepare) and bound by that path: resolving it again here would follow
+    # a link swapped in since (box_binds.py then refuses the run instead).
+    own = ws.mode == "worktree"
     top = ws.top or ws.cwd
-    plan.visible = _existing([env.get("HOME"), env.get("OPENCODE_CONFIG"), ws.repo, top, ws.cwd,
-                              str(connectors.REPO), *binary_folders(env),
+    cwd, top = (os.path.realpath(ws.cwd), os.path.realpath(top)) if own else (ws.cwd, top)
+    plan = Plan(cwd=cwd, tmp=str(run_dir / "tmp"))
+    plan.visible = _existing([env.get("HOME"), env.get("OPENCODE_CONFIG"), ws.repo, str(connectors.REPO),
+                              *binary_folders(env),
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
-                                                     "XDG_STATE_HOME"))])
+                                                     "XDG_STATE_HOME"))]) + _existing([top, cwd], resolve=False)
     plan.hidden = data_paths(env)
     git_binds(plan, top, writable, run_dir / "objects")
     config, state = opencode_dirs(env)
-    plan.writable = _existing([top if writable else None, *state]) + plan.writable
-    plan.read_only.append(config)
+    plan.writable = _existing([top if writable else None], resolve=False) + _existing(state) + plan.writable
+    plan.read_only.append(os.path.realpath(config))
     plan.read_only += [str(run_dir / "control")]
     plan.replies = [str(run_dir / "reply")]
     if not writable:
@@ -440,9 +452,12 @@ def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_
 def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     """``argv`` inside bubblewrap as ``plan`` lays it out: the root read-only, ``/dev``, a new
     ``/proc`` in a PID namespace of its own, ``plan.tmp`` as ``/tmp``, then the binds in the
-    order ``Plan`` names; dies with the worker (``--die-with-parent``)."""
-    box = [bwrap_bin() or "bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-           "--unshare-pid", "--unshare-uts", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+    order ``Plan`` names; dies with the worker (``--die-with-parent``). Started by box_binds.py,
+    which binds each source by a handle opened on exactly the path the plan names (no link on
+    the way), so a folder swapped after the checks makes the box refuse to start."""
+    box = [stdlib_python(), "-I", BOX_BINDS, bwrap_bin() or "bwrap",
+           "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-uts",
+           "--die-with-parent", "--new-session", "--cap-drop", "ALL",
            "--bind", plan.tmp, "/tmp"]
     for path in plan.visible:
         if _under(path, "/tmp"):

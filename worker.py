@@ -52,6 +52,7 @@ from typing import IO, Any, TypeVar
 import psutil
 
 import agent_box
+import box_binds
 import engine
 import engine_client
 import engine_slots
@@ -1537,7 +1538,7 @@ def environment_fault(run: RunResult) -> str | None:
     if run.stream.finished or run.killed:
         return None
     if run.box is not None and run.box.mechanism == "bubblewrap" and run.stream.events == 0:
-        said = [line.strip() for line in run.stderr_tail if line.startswith("bwrap: ")]
+        said = [line.strip() for line in run.stderr_tail if line.startswith(("bwrap: ", box_binds.PREFIX))]
         if said:
             return f"the agent box (bubblewrap) did not start: {said[-1][:500]}"
     return oc.environment_fault(run.stderr_tail)

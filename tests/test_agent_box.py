@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import agent_box
+import box_binds
 import task_store
 from fake_openai import text, tool_call
 from helpers import AGENT_DONE as DONE
@@ -525,3 +526,65 @@ def test_an_opencode_reached_through_a_symlink_in_a_hidden_folder_still_runs(ope
     assert run_script("worker.py").returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
+
+
+@pytest.mark.parametrize("swapped", ["the folder", "a parent folder"])
+def test_a_folder_swapped_for_a_link_after_the_checks_is_not_bound(tmp_path, swapped):
+    """The box binds each source by a handle on exactly the path the plan names (box_binds.py):
+    a task's folder, or a folder above it, swapped for a link to TaskBridge's state after the
+    checks (another agent can do that in a folder it may write; a tester won 1 run in ~9 by
+    renaming in a loop) makes the box refuse to start, and nothing reaches the state folder.
+    Swapped once here, between the plan and the start, so the outcome does not hang on timing.
+    Run as an ordinary user where the test is root (bubblewrap then makes a user namespace)."""
+    import subprocess
+    import tempfile
+
+    from helpers import normal_user
+    if agent_box.support().mechanism != "bubblewrap":
+        pytest.skip(f"no bubblewrap box here: {agent_box.support().reason}")
+    user = normal_user()
+    base = Path(tempfile.mkdtemp(prefix="tb-swap-", dir="/var/tmp"))   # not /tmp: the box has its own
+    try:
+        state, project = base / "state", base / "parent" / "project"
+        for folder in (state / "project", project, base / "run" / "tmp"):
+            folder.mkdir(parents=True)
+        plan = agent_box.Plan(cwd=str(project), tmp=str(base / "run" / "tmp"), writable=[str(project)])
+        argv = agent_box.bwrap_argv(plan, ["/bin/sh", "-c", f"echo planted > {project}/x && echo wrote"])
+        moved = project if swapped == "the folder" else project.parent
+        moved.rename(base / "moved")
+        moved.symlink_to(os.path.relpath(state / "project" if swapped == "the folder" else state, moved.parent))
+        drop = []
+        if user is not None:
+            subprocess.run(["chown", "-R", f"{user.pw_uid}:{user.pw_gid}", str(base)], check=True)
+            drop = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--"]
+        out = subprocess.run([*drop, *argv], capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 1 and "wrote" not in out.stdout, out
+        assert out.stderr.startswith(box_binds.PREFIX) and f"{project} leads to {state / 'project'}" in out.stderr
+        assert list(state.rglob("x")) == [] and list((base / "moved").rglob("x")) == []
+        assert "Traceback" not in out.stderr
+        moved.unlink()   # the path a plain folder again: the same command runs
+        (base / "moved").rename(moved)
+        out = subprocess.run([*drop, *argv], capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0 and "wrote" in out.stdout, out
+        assert (project / "x").read_text() == "planted\n"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_link_planted_in_an_in_place_repository_does_not_open_the_queue_to_the_next_run(opencode, tmp_path):
+    """An in-place run may write its repository's ``.git`` (but ``config``, ``hooks/``, ``info/``,
+    which the box binds read-only over it); one that swapped ``.git/hooks`` for a link to the
+    queue's folder had the next run's box follow it and show the queue (every task's brief and
+    receipt) at its own path. The bind's source is now the path itself or nothing: the next run
+    is refused, named, before the agent starts."""
+    repo = make_repo(tmp_path / "repo")
+    db = task_store.db_path()
+    shutil.rmtree(repo / ".git" / "hooks")
+    (repo / ".git" / "hooks").symlink_to(os.path.relpath(db.parent, repo / ".git"))   # relative: bwrap follows it
+    opencode.model.script("peek", [bash(f"head -c 15 {db}; echo; echo peeked"), text("Looked.\n" + DONE)])
+    task = submit(repo, script="peek", worktree=False, permission="readonly")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "failed" and done["attempts"] == 1, done
+    assert f"{box_binds.PREFIX}{repo}/.git/hooks leads to {db.parent}" in done["error"]
+    assert not task_store.log_path(task["id"]).exists()   # refused before the agent started
