@@ -176,7 +176,7 @@ class Slots:
              stopping: Callable[[], bool]) -> tuple[Kept | None, str | None, bool]:
         """(the slot's server for the task in hand, None, False): removed from the slot (one task
         per server) when it was made for a task of this ``shape`` and answers within ``wait``
-        seconds, looked at every 0.2 s until ``stopping()``. Else (None, why not in one line or
+        seconds, looked at every 0.2 s until ``stopping()`` (a stop, a cancel). Else (None, why not in one line or
         None when the slot has none, whether the server failed), the server recycled at once."""
         with self.lock:
             kept = self.kept.pop(slot, None)
@@ -185,13 +185,13 @@ class Slots:
         if kept.shape != shape:
             kept.recycle(0)
             return None, "it was made for another kind of task (repository, model, preset, agent, limits)", False
-        deadline = time.monotonic() + wait
-        while not kept.started.wait(0.2) and time.monotonic() < deadline and not stopping():
+        deadline, stopped = time.monotonic() + wait, False
+        while not kept.started.wait(0.2) and time.monotonic() < deadline and not (stopped := stopping()):
             pass
         if kept.ready(0):
             return kept, None, False
-        failed = not stopping()
-        why = kept.problem or ("the worker is stopping" if not failed else
+        failed = not stopped
+        why = kept.problem or ("its wait was called off (a stop, a cancel or the timeout)" if not failed else
                                "opencode serve exited after its start" if not kept.engine.alive() else
                                f"opening its worktree ahead took over {wait:g} s" if kept.served else
                                f"opencode serve did not answer within {wait:g} s")

@@ -1652,7 +1652,9 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
             return _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
         current().talk.runs(task, model)
-        kept = _take_engine(task, resume, model)
+        kept, called_off = _take_engine(task, resume, model, phases)
+        if called_off:
+            return _stopped_early(task, phases, f"while it waited for its kept server: {called_off}")
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
             if kept is not None and ws is not None:
@@ -1723,6 +1725,9 @@ def _workspace(task: dict[str, Any], phases: Phases, resume: bool,
            branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
     except worktrees.GitStopped as exc:
         return None, _stopped_early(task, phases, f"preparing the workspace: {exc}")
+    except store.StaleAttempt as exc:   # cancelled or reaped after the last check, before the place was recorded
+        phases.superseded = True
+        return None, _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
     except worktrees.Unreachable as exc:   # the remote may answer next time: retried
         log(f"{task['id']} cannot reach its remote: {exc}", talk.VERBOSE)
         return None, _finish(store.fail_attempt, task, marker, str(exc))
@@ -1975,22 +1980,34 @@ def _shape(task: dict[str, Any], model: str, repo: str | None) -> tuple:
     return (repo, model, task["permission"], task.get("agent"), bool(task.get("rules")), spend_limited(task))
 
 
-def _take_engine(task: dict[str, Any], resume: bool, model: str) -> engine_slots.Kept | None:
-    """The slot's kept server for ``task`` when the engine is on, the task is eligible and the
-    server was made for a task like it (else it is recycled and the task runs cold at once)."""
+def _take_engine(task: dict[str, Any], resume: bool, model: str,
+                 phases: Phases) -> tuple[engine_slots.Kept | None, str | None]:
+    """(the slot's kept server for ``task``, None) when the engine is on, the task is eligible and
+    the server was made for a task like it (else it is recycled and the task runs cold at once).
+    The wait for a server still starting keeps the lease and ends at a stop; at a cancel, a reap,
+    the timeout or a stop-now (``phases``) it ends too and returns (None, why): the attempt ends."""
     slots = current().engines
     if slots is None or not _engine_eligible(task, resume):
-        return None
+        return None, None
     try:
         repo = worktrees.repo_top(task["working_dir"]) if os.path.isdir(task["working_dir"]) else None
     except (worktrees.Unrunnable, worktrees.GitError):
         repo = None   # the workspace's own step says what is wrong with the folder
-    kept, why, failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo),
-                                   lambda: current().flags.stopping)
+    called_off: list[str] = []
+
+    def stopping() -> bool:
+        if not called_off and (reason := phases.check()):
+            called_off.append(reason)
+        return bool(called_off) or current().flags.stopping
+
+    kept, why, failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
+    if kept is not None and called_off:   # ready as the attempt ended: not used
+        kept.recycle(0)
+        kept, why, failed = None, "its wait was called off (a stop, a cancel or the timeout)", False
     if kept is None:
-        log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'}); runs cold",
-            talk.NORMAL if failed else talk.VERBOSE)
-    return kept
+        log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'})"
+            + ("" if called_off else "; runs cold"), talk.NORMAL if failed else talk.VERBOSE)
+    return kept, (called_off[0] if called_off else None)
 
 
 def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSetup) -> None:

@@ -215,6 +215,33 @@ def test_a_server_that_never_answers_costs_a_bounded_wait_and_the_task_runs_cold
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "615"]]
 
 
+def test_a_cancel_while_the_task_waits_for_its_server_ends_the_wait(opencode, tmp_path, monkeypatch):
+    """A task claimed while its slot's server still starts waits up to ENGINE_WAIT_SEC for it; a
+    cancel meanwhile used to be seen only after that wait (9 s in a tester's run, 20 s with a
+    server that never answers). The wait now looks at the attempt's fence as a run does."""
+    real = opencode.bin
+    wrapper = fake_binary(tmp_path / "bin", "opencode", f'[ "$1" = serve ] && exec sleep 616\nexec {real} "$@"\n')
+    monkeypatch.setenv("OPENCODE_BIN", str(wrapper))
+    task = submit(make_repo(tmp_path / "repo"), script="never")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py"), "--engine", "warm", "-v"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        until(lambda: task_store.get_task(task["id"])["status"] == "running", 60, "the claim")
+        time.sleep(1)   # in the wait for the server
+        task_store.cancel_task(task["id"])
+        cancelled = time.monotonic()
+        _out, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - cancelled
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and elapsed < 8, (elapsed, err)
+    assert "its wait was called off" in err, err
+    assert task_store.get_task(task["id"])["status"] == "cancelled"
+    log = task_store.log_path(task["id"])
+    assert not log.exists() or " run --auto " not in log.read_text()   # no cold run after the cancel
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "616"]]
+
+
 def test_an_unboxed_kept_server_ends_with_a_killed_worker(opencode, tmp_path, monkeypatch):
     """Without a box (TASKBRIDGE_SANDBOX=off) nothing but the server's own parent-death signal
     (run_reaper.py --die-with-parent) ends it when the worker is killed with SIGKILL."""
