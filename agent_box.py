@@ -26,6 +26,7 @@ may see), ``BWRAP_BIN`` (the bwrap to use). No SQL here.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -302,8 +303,11 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -
     plan.visible.append(common)
     plan.exposed.append(common)
     if admin is None:   # the repository itself is the run's folder
+        for name in ("hooks", "info"):   # made when missing, so the run cannot make them (a hook your next commit runs)
+            with contextlib.suppress(OSError):
+                os.makedirs(f"{common}/{name}", exist_ok=True)
         keep = [f"{common}/{name}" for name in ("config", "hooks", "info")]
-        plan.read_only += [p for p in keep if os.path.exists(p)]
+        plan.read_only += [p for p in keep if os.path.lexists(p)]   # a dangling link too: box_binds.py refuses it
         return
     if worktree_writable:
         os.makedirs(f"{admin}/logs", exist_ok=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-PREFIX = "TaskBridge's agent box did not start: "
+PREFIX = "TaskBridge's bind check: "
 BINDS = {"--bind": "--bind-fd", "--ro-bind": "--ro-bind-fd"}
 
 

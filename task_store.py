@@ -1263,10 +1263,11 @@ def _private_folder(path: str) -> str | None:
     """What of TaskBridge's or OpenCode's own ``path`` (resolved) is or lies in: the folders of
     every queue's task worktrees and mirrors (``$XDG_STATE_HOME/taskbridge``,
     ``$XDG_CACHE_HOME/taskbridge``, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_MIRROR_DIR), OpenCode's
-    data (every session, the providers' credentials) and configuration, a folder that holds one
-    of those four at most HOLDING_DEPTH levels down, or a folder that holds a TaskBridge queue
-    itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the box hides only the
-    worker's own queue). None when it is none of them."""
+    data (every session, the providers' credentials), configuration, cache and state (the last
+    two writable to every agent run: a repository planted there must not become a task's
+    folder), a folder that holds one of those six at most HOLDING_DEPTH levels down, or a folder
+    that holds a TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a
+    queue: the box hides only the worker's own queue). None when it is none of them."""
     home = os.path.expanduser("~")
     xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
         ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
@@ -1276,8 +1277,11 @@ def _private_folder(path: str) -> str | None:
               (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes)"),
               (os.path.join(xdg["XDG_DATA_HOME"], "opencode"), "OpenCode's data folder (every session and the "
                "providers' credentials)"),
-              (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder")]
-    held = len(places)   # these four are refused in a folder holding them too (~/.local/share, say)
+              (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder"),
+              (os.path.join(xdg["XDG_CACHE_HOME"], "opencode"), "OpenCode's cache (writable to every agent run)"),
+              (os.path.join(xdg["XDG_STATE_HOME"], "opencode"), "OpenCode's state folder (writable to every agent "
+               "run)")]
+    held = len(places)   # these six are refused in a folder holding them too (~/.local/share, say)
     places += [(os.environ[name], what) for name, what in (
         ("TASKBRIDGE_WORKTREE_ROOT", "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)"),
         ("TASKBRIDGE_MIRROR_DIR", "TaskBridge's mirrors of remotes (TASKBRIDGE_MIRROR_DIR)"))
@@ -1291,10 +1295,48 @@ def _private_folder(path: str) -> str | None:
             return f"a folder holding {what} ({real})"
     try:
         with os.scandir(path) as entries:
-            queue = next((e.name for e in entries if e.name == "tasks.db" or e.name.endswith(".worker.lock")), None)
+            queue = next((e.name for e in entries if _queue_marker(e.name)), None)
     except OSError:
         queue = None
     return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
+
+
+# How far below an in-place task's folder another queue is looked for (queue_inside), and how
+# many entries the look reads at most: a queue's folder kept in a project (q/tasks.db, a/q/tasks.db).
+QUEUE_DEPTH = 3
+QUEUE_SCAN_MAX = 20_000
+
+
+def _queue_marker(name: str) -> bool:
+    return name == "tasks.db" or name.endswith(".worker.lock")
+
+
+def queue_inside(path: str) -> str | None:
+    """Another TaskBridge queue's file (``tasks.db``, or a worker's ``*.worker.lock`` beside a
+    queue) in the folder ``path`` (resolved) or a folder at most QUEUE_DEPTH levels below it (not
+    in ``.git``), other than this
+    process's own queue (the agent's box hides that one): an in-place task gets its whole folder
+    writable, and could rewrite that queue's tasks. Links are not followed; the look stops after
+    QUEUE_SCAN_MAX entries. None when there is none."""
+    own = db_path()
+    mine = {str(own), str(own.with_name(f"{own.stem}.worker.lock"))}
+    folders, seen = [(path, 0)], 0
+    while folders:
+        folder, depth = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > QUEUE_SCAN_MAX:
+                        return None
+                    if _queue_marker(entry.name) and entry.path not in mine and \
+                            entry.is_file(follow_symlinks=False):
+                        return entry.path
+                    if depth < QUEUE_DEPTH and entry.is_dir(follow_symlinks=False) and entry.name != ".git":
+                        folders.append((entry.path, depth + 1))
+        except OSError:
+            continue
+    return None
 
 
 # The operating system's own folders: no project lives in or under them.

@@ -425,7 +425,7 @@ def refuse_unrunnable_folder(path: str | None, host: str | None = None, worktree
         raise store.ValidationError(str(exc)) from None
     except GitError:
         return None
-    refused = None if worktree or top is None else in_place_top_refused(path, top)
+    refused = in_place_refused(path, top) if top is None or not worktree else None
     if refused:
         raise store.ValidationError(refused)
     if top is not None and worktree and not tracked:
@@ -436,19 +436,46 @@ def refuse_unrunnable_folder(path: str | None, host: str | None = None, worktree
     return top is None
 
 
-def in_place_top_refused(path: str, top: str) -> str | None:
-    """Why an in-place task (worktree=false) on ``path`` must not run: its box binds the whole
-    repository ``top`` holding it writable, so ``top`` must pass the working_dir checks too (a
-    home folder kept in git gave the agent all of it: ``~/.bashrc``, ``~/.ssh``). None when it
-    does (or ``top`` is ``path`` itself, checked already)."""
-    if os.path.realpath(path) == top:
-        return None
-    try:
-        store.validate_working_dir(top)
-    except store.ValidationError as exc:
-        return (f"working_dir {path} is inside the git repository {top}, and an in-place task (worktree=false) "
-                f"gets that whole repository writable, but {exc}; submit it with worktree=true (a worktree of its "
-                "own), or give a folder with a repository of its own")
+def in_place_refused(path: str, top: str | None) -> str | None:
+    """Why an in-place task (worktree=false, or a folder in no repository) on ``path`` must not
+    run: its box binds the whole repository ``top`` holding it writable (``path`` itself when
+    None), so ``top`` must pass the working_dir checks too (a home folder kept in git gave the
+    agent all of it: ``~/.bashrc``, ``~/.ssh``), and hold neither another TaskBridge queue below
+    it (``store.queue_inside``: the agent could rewrite that queue's tasks) nor OpenCode's own
+    configuration (a plugin planted there runs unboxed). None when it may run
+    (``path`` itself passed the working_dir checks already)."""
+    area = top or os.path.realpath(path)
+    where = (f"working_dir {path} is inside the git repository {top}, and an in-place task (worktree=false) gets "
+             "that whole repository writable" if area != os.path.realpath(path) else
+             f"working_dir {path} is writable to an in-place task")
+    way_out = ("submit it with worktree=true (a worktree of its own)" if top else "give a folder of the project alone")
+    if area != os.path.realpath(path):
+        try:
+            store.validate_working_dir(area)
+        except store.ValidationError as exc:
+            return f"{where}, but {exc}; {way_out}, or give a folder with a repository of its own"
+    queue = store.queue_inside(area)
+    if queue:
+        return (f"{where}, and it holds another TaskBridge queue ({queue}) whose tasks the agent could rewrite; "
+                f"{way_out}, or move that queue out of the folder")
+    config = _opencode_config_inside(area)
+    if config:
+        return (f"{where}, and it holds OpenCode's own configuration ({config}), where a plugin the agent "
+                f"planted would run outside its box (in your OpenCode and TaskBridge's); {way_out}")
+    return None
+
+
+def _opencode_config_inside(area: str) -> str | None:
+    """OpenCode's configuration of this environment (its config folder, ``OPENCODE_CONFIG``,
+    ``OPENCODE_CONFIG_DIR``) when it really lies in the folder ``area`` (resolved), at any depth:
+    a dotfiles repository links ``~/.config/opencode`` into itself. Named with where it leads."""
+    home = os.path.expanduser("~")
+    named = [os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"), "opencode"),
+             os.environ.get("OPENCODE_CONFIG"), os.environ.get("OPENCODE_CONFIG_DIR")]
+    for path in filter(None, named):
+        real = os.path.realpath(path)
+        if real == area or real.startswith(area.rstrip(os.sep) + os.sep):
+            return path if real == path else f"{path}, that is {real}"
     return None
 
 
@@ -484,18 +511,30 @@ def opencode_can_work_in(folder: str) -> None:
                          "TASKBRIDGE_WORKTREE_ROOT at a path without one) and retry the task")
 
 
+def _folder_still_checked(wd: str) -> None:
+    """The working_dir checks again when the task runs, in the worker's own environment. Raises
+    Unrunnable for a folder gone, one that fails them now, or one that leads elsewhere than the
+    real path it was queued as: a link put on its path since (an earlier run's agent can make
+    one in a folder it may write), which would aim TaskBridge's own git and the box at it."""
+    if not os.path.isdir(wd):
+        raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
+    try:
+        real = store.validate_working_dir(wd)
+    except store.ValidationError as exc:
+        raise Unrunnable(f"{exc} (checked again when the task ran)") from None
+    if real != wd:
+        raise Unrunnable(f"working_dir {wd} now leads to {real}: a symbolic link was put on its path after the task "
+                         "was queued (an earlier task's agent may have made it); put the folder itself back, or "
+                         "resubmit the task with the folder you mean")
+
+
 def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> Workspace:
     if task.get("repo"):
         return remote_workspace(task, resume)
     wd = task["working_dir"]
-    if not os.path.isdir(wd):
-        raise Unrunnable(f"working_dir {wd} does not exist; create it or resubmit with an existing directory")
-    try:   # again at the run, in the worker's own environment: the folder may have become a link since
-        store.validate_working_dir(wd)
-    except store.ValidationError as exc:
-        raise Unrunnable(f"{exc} (checked again when the task ran)") from None
+    _folder_still_checked(wd)
     top, head, _ = _repo_state(wd)
-    if top is not None and not task["worktree"] and (refused := in_place_top_refused(wd, top)):
+    if (top is None or not task["worktree"]) and (refused := in_place_refused(wd, top)):
         raise Unrunnable(f"{refused} (checked when the task ran)")
     if top is None or not task["worktree"]:
         opencode_can_work_in(wd)
@@ -1607,6 +1646,25 @@ def _read(path: str) -> bytes:
         return fh.read()
 
 
+GUARD_READ_MAX = 1 << 20   # bytes of one git configuration file the git guard reads (git's own are a few KB)
+
+
+def _read_guarded(path: str, info: os.stat_result) -> bytes:
+    """A configuration file's bytes for the git guard, without blocking (a link to a file that
+    never ends a read, ``/proc/kmsg``, reads as an error) and at most GUARD_READ_MAX of them: a
+    larger one (a sparse file of a terabyte costs no disk) stands for its size and change time."""
+    if info.st_size > GUARD_READ_MAX:
+        return f"(a file of {info.st_size:,} bytes, too big to read; changed at {info.st_mtime_ns})".encode()
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, GUARD_READ_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > GUARD_READ_MAX:   # grew past its size as read (a /proc file says 0)
+        return f"(a file of over {GUARD_READ_MAX:,} bytes, too big to read)".encode()
+    return data
+
+
 def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], list[str]]:
     """Put ``root`` back as ``take_snapshot`` saw it: new files, links and folders removed (a
     folder made unreadable or unsearchable, even ``chmod 000``, is opened first), changed or
@@ -1948,7 +2006,7 @@ def _file_state(path: str, follow: bool = True) -> tuple:
     if not stat.S_ISREG(info.st_mode):
         return ("other",)
     try:
-        return ("file", stat.S_IMODE(info.st_mode), _read(path))
+        return ("file", stat.S_IMODE(info.st_mode), _read_guarded(path, info))
     except OSError as exc:
         return ("unreadable", exc.strerror)
 

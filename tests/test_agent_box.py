@@ -15,6 +15,7 @@ import pytest
 import agent_box
 import box_binds
 import task_store
+import worktrees
 from fake_openai import text, tool_call
 from helpers import AGENT_DONE as DONE
 from helpers import bash_step as bash
@@ -453,6 +454,8 @@ def test_taskbridges_and_opencodes_own_folders_are_no_working_dir(tmp_path, monk
         tmp_path / "xdg_cache_home" / "taskbridge" / "mirrors": "TaskBridge's cache",
         tmp_path / "xdg_data_home" / "opencode": "OpenCode's data folder",
         tmp_path / "xdg_config_home" / "opencode": "OpenCode's configuration folder",
+        tmp_path / "xdg_cache_home" / "opencode" / "evil": "OpenCode's cache (writable to every agent run)",
+        tmp_path / "xdg_state_home" / "opencode": "OpenCode's state folder (writable to every agent run)",
         other_queue: "the folder of a TaskBridge queue (it holds tasks.db)",
         worked_queue: "the folder of a TaskBridge queue (it holds q2.worker.lock)",
     }
@@ -588,3 +591,19 @@ def test_a_link_planted_in_an_in_place_repository_does_not_open_the_queue_to_the
     assert done["status"] == "failed" and done["attempts"] == 1, done
     assert f"{box_binds.PREFIX}{repo}/.git/hooks leads to {db.parent}" in done["error"]
     assert not task_store.log_path(task["id"]).exists()   # refused before the agent started
+
+
+def test_an_in_place_repository_without_hooks_gets_a_read_only_hooks_folder(tmp_path):
+    """An in-place run keeps its repository's ``.git`` writable but for ``config``, ``hooks/`` and
+    ``info/``, bound read-only if they exist: in a repository without ``hooks/`` (git makes it,
+    other tools may not) the run could make ``.git/hooks/post-commit``, which your next commit
+    ran. The box makes the missing folders first and binds them read-only."""
+    repo = make_repo(tmp_path / "repo")
+    shutil.rmtree(repo / ".git" / "hooks")
+    shutil.rmtree(repo / ".git" / "info", ignore_errors=True)
+    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo))
+    plan = agent_box.plan_for(ws, dict(os.environ), "auto", tmp_path / "t_0001.run")
+    for name in ("config", "hooks", "info"):
+        assert f"{repo}/.git/{name}" in plan.read_only
+        assert not plan.lets_write(f"{repo}/.git/{name}/post-commit")
+    assert (repo / ".git" / "hooks").is_dir() and plan.lets_write(f"{repo}/.git/index")

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -439,6 +440,124 @@ def test_an_in_place_task_in_a_home_folder_kept_in_git_is_refused(tmp_path, monk
         worktrees.prepare_workspace(claimed, False)
     repo = make_repo(tmp_path / "home" / "proj" / "own")   # a repository of its own inside: its folder is its top
     assert worktrees.refuse_unrunnable_folder(str(repo), worktree=False) is False
+
+
+def test_an_in_place_task_over_another_queue_is_refused(tmp_path):
+    """An in-place task gets its whole folder (its repository's) writable, and the box hides only
+    the worker's own queue: a folder holding another queue a level or more down (qB/tasks.db) let
+    the agent rewrite that queue's tasks (a tester did). Refused at submit and, for a queue put
+    there after the submit, when the task runs; the worker's own queue inside is no reason (the
+    box hides it), nor a worktree task, nor a queue deeper than QUEUE_DEPTH folders."""
+    repo = make_repo(tmp_path / "repo", {"src/a.txt": "a\n"})
+    plain = tmp_path / "plain" / "deep"
+    plain.mkdir(parents=True)
+    assert worktrees.refuse_unrunnable_folder(str(repo), worktree=False) is False
+    assert worktrees.refuse_unrunnable_folder(str(tmp_path), worktree=False) is True   # holds only our own queue
+    queued = submit(repo / "src", worktree=False)
+    (repo / "tools" / "qB").mkdir(parents=True)
+    (repo / "tools" / "qB" / "tasks.db").write_bytes(b"")
+    (plain / "a" / "b").mkdir(parents=True)
+    (plain / "a" / "b" / "jobs.worker.lock").write_bytes(b"")
+    for folder, queue, worktree in ((repo / "src", repo / "tools" / "qB" / "tasks.db", False),
+                                    (plain, plain / "a" / "b" / "jobs.worker.lock", True)):
+        with pytest.raises(task_store.ValidationError) as refused:
+            worktrees.refuse_unrunnable_folder(str(folder), worktree=worktree)
+        said = str(refused.value)
+        assert f"another TaskBridge queue ({queue})" in said and "move that queue out of the folder" in said
+    assert worktrees.refuse_unrunnable_folder(str(repo / "src"), worktree=True) is False
+    claimed = task_store.claim_next("w", task_id=queued["id"])
+    with pytest.raises(worktrees.Unrunnable, match=r"qB/tasks.db\).*checked when the task ran"):
+        worktrees.prepare_workspace(claimed, False)
+    deeper = repo / "a" / "b" / "c" / "d"
+    (repo / "tools" / "qB" / "tasks.db").rename(tmp_path / "moved.db")
+    deeper.mkdir(parents=True)
+    (deeper / "tasks.db").write_bytes(b"")
+    assert task_store.QUEUE_DEPTH == 3 and worktrees.refuse_unrunnable_folder(str(repo), worktree=False) is False
+
+
+def test_a_cancel_just_before_the_workspace_is_recorded_ends_the_attempt_quietly(tmp_path, monkeypatch):
+    """A cancel that lands after the workspace's last git step and before its place is written on
+    the lease used to end the attempt as an internal error with a traceback (StaleAttempt from
+    the write); the attempt now ends as a cancelled one does, its worktree removed."""
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"))
+    made = worktrees.prepare_workspace
+    places: list[str] = []
+
+    def cancelled_meanwhile(*args, **kwargs):
+        ws = made(*args, **kwargs)
+        places.append(ws.top)
+        task_store.cancel_task(task["id"])
+        return ws
+
+    monkeypatch.setattr(worktrees, "prepare_workspace", cancelled_meanwhile)
+    assert worker.run_task(task, worker.Knobs()) is None
+    assert task_store.get_task(task["id"])["status"] == "cancelled"
+    assert places and not os.path.exists(places[0])
+
+
+@pytest.mark.parametrize("worktree", [False, True])
+def test_a_task_folder_an_earlier_agent_made_a_link_is_refused_when_it_runs(tmp_path, worktree):
+    """An in-place run may replace a subfolder of its folder with a link (rm -rf sub; ln -s …):
+    a task queued on that subfolder then ran in, and TaskBridge's own git ran in, whatever the
+    link led to (another repository; one the agent made in OpenCode's cache, whose filters then
+    ran outside the box). A task's folder is queued as its real path; one that leads elsewhere
+    when the task runs is refused, named."""
+    proj = make_repo(tmp_path / "proj", {"sub/a.txt": "a\n"})
+    victim = make_repo(tmp_path / "victim", {"keep.txt": "k\n"})
+    task = submit(proj / "sub", worktree=worktree)
+    shutil.rmtree(proj / "sub")
+    (proj / "sub").symlink_to(victim)
+    claimed_task = task_store.claim_next("w", task_id=task["id"])
+    with pytest.raises(worktrees.Unrunnable, match=f"working_dir {proj / 'sub'} now leads to {victim}: a symbolic"):
+        worktrees.prepare_workspace(claimed_task, False)
+    assert git(victim, "branch", "--list", "taskbridge/*") == "" and git(victim, "worktree", "list").count("\n") == 0
+
+
+def test_the_git_guard_reads_a_planted_config_file_in_bounded_memory_and_time(tmp_path):
+    """The git guard reads each file that configures TaskBridge's git after the run: a sparse
+    1 GB ``config.worktree`` the agent made was read whole (the worker's memory to 2 GB; a
+    terabyte costs no disk), and one linked to ``/proc/kmsg`` blocked the worker's thread for
+    ever. Both are now read at most GUARD_READ_MAX bytes, without blocking, and put back."""
+    import threading
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"))
+    ws = worktrees.prepare_workspace(task, False)
+    admin = git(ws.top, "rev-parse", "--absolute-git-dir")
+    big = Path(admin) / "config.worktree"
+    with open(big, "wb") as fh:
+        fh.truncate(1 << 30)
+    state = worktrees._file_state(str(big))
+    assert state[0] == "file" and len(state[2]) < 200 and b"too big to read" in state[2]
+    planted = worktrees.undo_planted_git(ws)
+    assert not big.exists() and [p["change"] for p in planted] == ["created (a file)"]
+    if os.geteuid() == 0 and os.path.exists("/proc/kmsg"):   # only root may open it
+        big.symlink_to("/proc/kmsg")
+        seen: list = []
+        reader = threading.Thread(target=lambda: seen.append(worktrees._file_state(str(big))), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive() and seen[0][0] == "link", seen
+
+
+def test_an_in_place_task_over_opencodes_own_configuration_is_refused(tmp_path, monkeypatch):
+    """A dotfiles repository that keeps ``~/.config/opencode`` (linked from there) three levels
+    down passed the folder checks (they look two levels down for OpenCode's folders), and an
+    in-place run could swap that folder (mv, copy back, add a plugin) past its read-only bind:
+    the plugin then ran in every unboxed OpenCode. Refused at submit, at any depth, as is an
+    ``OPENCODE_CONFIG`` file kept there; a worktree task there is accepted."""
+    dots = make_repo(tmp_path / "dots", {"oc/.config/opencode/opencode.json": "{}\n", "oc/other.json": "{}\n"})
+    config_home = tmp_path / "home-config"
+    config_home.mkdir()
+    (config_home / "opencode").symlink_to(dots / "oc" / ".config" / "opencode")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config_home))
+    with pytest.raises(task_store.ValidationError) as refused:
+        worktrees.refuse_unrunnable_folder(str(dots / "oc"), worktree=False)
+    assert f"OpenCode's own configuration ({config_home / 'opencode'}, that is {dots}/oc/.config/opencode)" \
+        in str(refused.value) and "worktree=true" in str(refused.value)
+    assert worktrees.refuse_unrunnable_folder(str(dots / "oc"), worktree=True) is False
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("OPENCODE_CONFIG", str(dots / "oc" / "other.json"))
+    with pytest.raises(task_store.ValidationError, match="OpenCode's own configuration"):
+        worktrees.refuse_unrunnable_folder(str(dots), worktree=False)
 
 
 def test_a_stop_at_once_is_said_naming_the_task_before_its_end_line(tmp_path):
