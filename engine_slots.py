@@ -176,8 +176,9 @@ class Slots:
              stopping: Callable[[], bool]) -> tuple[Kept | None, str | None, bool]:
         """(the slot's server for the task in hand, None, False): removed from the slot (one task
         per server) when it was made for a task of this ``shape`` and answers within ``wait``
-        seconds, looked at every 0.2 s until ``stopping()`` (a stop, a cancel). Else (None, why not in one line or
-        None when the slot has none, whether the server failed), the server recycled at once."""
+        seconds, looked at every 0.2 s until ``stopping()`` (a stop, a cancel; not asked again once
+        true). Else (None, why not in one line or None when the slot has none, whether the server
+        failed), the server recycled at once."""
         with self.lock:
             kept = self.kept.pop(slot, None)
         if kept is None:

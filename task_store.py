@@ -1314,10 +1314,9 @@ def _queue_marker(name: str) -> bool:
 def queue_inside(path: str) -> str | None:
     """Another TaskBridge queue's file (``tasks.db``, or a worker's ``*.worker.lock`` beside a
     queue) in the folder ``path`` (resolved) or a folder at most QUEUE_DEPTH levels below it (not
-    in ``.git``), other than this
-    process's own queue (the agent's box hides that one): an in-place task gets its whole folder
-    writable, and could rewrite that queue's tasks. Links are not followed; the look stops after
-    QUEUE_SCAN_MAX entries. None when there is none."""
+    in ``.git``), other than this process's own queue (the agent's box hides that one): an
+    in-place task gets its whole folder writable, and could rewrite that queue's tasks. Links are
+    not followed; the look stops after QUEUE_SCAN_MAX entries. None when there is none."""
     own = db_path()
     mine = {str(own), str(own.with_name(f"{own.stem}.worker.lock"))}
     folders, seen = [(path, 0)], 0
