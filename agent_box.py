@@ -296,7 +296,8 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -
     pointer read-only over it; the objects the run's own git makes go to ``quarantine`` (the bash
     tool's ``GIT_OBJECT_DIRECTORY``, the real objects its alternate), which is dropped after the
     run: TaskBridge hashes the worktree's files itself. An in-place repository keeps its whole
-    ``.git`` writable but for ``config``, ``hooks/`` and ``info/``."""
+    ``.git`` writable but for ``config``, ``hooks/`` and ``info/`` (made when missing) and a
+    ``core.hooksPath`` folder in the checkout (``hooks_in_tree``)."""
     common, admin = git_dirs(top)
     if common is None:
         return
@@ -306,7 +307,7 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -
         for name in ("hooks", "info"):   # made when missing, so the run cannot make them (a hook your next commit runs)
             with contextlib.suppress(OSError):
                 os.makedirs(f"{common}/{name}", exist_ok=True)
-        keep = [f"{common}/{name}" for name in ("config", "hooks", "info")]
+        keep = [f"{common}/{name}" for name in ("config", "hooks", "info")] + hooks_in_tree(top)
         plan.read_only += [p for p in keep if os.path.lexists(p)]   # a dangling link too: box_binds.py refuses it
         return
     if worktree_writable:
@@ -316,6 +317,23 @@ def git_binds(plan: Plan, top: str, worktree_writable: bool, quarantine: Path) -
                                        f"{top}/.git") if os.path.exists(p)]
         plan.shell_env = {"GIT_OBJECT_DIRECTORY": str(quarantine),
                           "GIT_ALTERNATE_OBJECT_DIRECTORIES": f"{common}/objects"}
+
+
+def hooks_in_tree(top: str) -> list[str]:
+    """The folder ``core.hooksPath`` names (the repository's setting or your global one) when it
+    lies in the checkout ``top`` outside ``.git`` (husky's ``.husky/_``, git-ignored): made when
+    missing, for the box to bind read-only as it does ``.git/hooks``. Your next commit runs what
+    is there."""
+    found = []
+    with worktrees.watched(None):   # two quick reads while the box is laid out: never a stopped attempt's
+        for scope in ("--local", "--global"):
+            value = worktrees.git(["config", scope, "--get", "core.hooksPath"], top, check=False)
+            path = os.path.normpath(os.path.join(top, os.path.expanduser(value))) if value else ""
+            if path and _under(path, top) and not _under(path, os.path.join(top, ".git")):
+                with contextlib.suppress(OSError):
+                    os.makedirs(path, exist_ok=True)
+                found.append(path)
+    return found
 
 
 # What OpenCode writes into its config folder at start when it is missing (1.18.33): made by the

@@ -1914,6 +1914,31 @@ def nested_repositories(top: str) -> set[str]:
     return found
 
 
+QUARANTINED_GIT = ".git-quarantined-by-taskbridge"
+
+
+def quarantine_nested(top: str, made: list[str]) -> list[str]:
+    """Rename the ``.git`` of each repository a run ``made`` inside ``top`` (relative folders) to
+    QUARANTINED_GIT, so that git no longer finds a repository there; returns ``path: why`` for
+    each that could not be renamed."""
+    left = []
+    for rel in made:
+        dot = os.path.join(top, rel, ".git")
+        try:
+            os.rename(dot, _free_name(os.path.join(top, rel, QUARANTINED_GIT)))
+        except OSError as exc:
+            left.append(f"{dot}: {exc.strerror or exc}")
+    return left
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path.N`` for the first N not taken."""
+    n, candidate = 1, path
+    while os.path.lexists(candidate):
+        candidate, n = f"{path}.{n}", n + 1
+    return candidate
+
+
 class NestedRepository(GitPlanted):
     """The run made a git repository inside the checkout (its own ``.git``): TaskBridge's git would
     run git there under that repository's configuration, which the run wrote."""
@@ -2018,13 +2043,17 @@ def undo_planted_git(ws: Workspace) -> list[dict[str, Any]]:
     one ``{"file", "change", "planted", "undone": True}`` per file put back (``planted``: what
     the run added, at most PLANTED_SHOWN characters). Raises GitPlanted, naming the file and the
     change, when one could not be put back (checked by reading it again)."""
-    made = sorted(nested_repositories(ws.top) - ws.git_nested) if ws.top and ws.git_nested is not None else []
-    if made:
+    top = ws.top
+    made = sorted(nested_repositories(top) - ws.git_nested) if top and ws.git_nested is not None else []
+    if top and made:
+        stuck = quarantine_nested(top, made)
         raise NestedRepository(
             f"the run made git repositories inside the checkout ({', '.join(made[:5])}): TaskBridge's own git "
             "would run git in them under configuration the run wrote, so it ran no further git command and "
-            f"committed nothing; {ws.top} is kept. Look at them, remove their .git (or the folders), then retry "
-            "the task")
+            f"committed nothing; {top} is kept, and each one's .git was renamed {QUARANTINED_GIT} so that no "
+            "later git (a task's on a folder inside, or yours) runs under it"
+            + (f" (not renamed: {'; '.join(stuck[:5])})" if stuck else "")
+            + ". Look at them, remove the folders (or rename .git back if one is yours), then retry the task")
     pinned = ws.git_pin or {}
     changed = {path: was for path, was in pinned.items() if _file_state(path) != was}
     found = [_describe(path, was, _file_state(path)) for path, was in changed.items()]

@@ -607,3 +607,18 @@ def test_an_in_place_repository_without_hooks_gets_a_read_only_hooks_folder(tmp_
         assert f"{repo}/.git/{name}" in plan.read_only
         assert not plan.lets_write(f"{repo}/.git/{name}/post-commit")
     assert (repo / ".git" / "hooks").is_dir() and plan.lets_write(f"{repo}/.git/index")
+
+
+def test_an_in_place_repositorys_hooks_kept_in_its_tree_are_read_only_to_the_run(tmp_path):
+    """Hooks kept in the tree (husky: ``core.hooksPath=.husky/_``, git-ignored) were ordinary
+    files to an in-place run, which rewrote ``pre-commit`` for the user's next commit with
+    nothing in the receipt. The folder ``core.hooksPath`` names inside the checkout is bound
+    read-only (made when missing); one outside it is read-only already."""
+    repo = make_repo(tmp_path / "repo")
+    git(repo, "config", "core.hooksPath", ".husky/_")
+    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo))
+    plan = agent_box.plan_for(ws, dict(os.environ), "auto", tmp_path / "t_0001.run")
+    assert f"{repo}/.husky/_" in plan.read_only and (repo / ".husky" / "_").is_dir()
+    assert not plan.lets_write(f"{repo}/.husky/_/pre-commit") and plan.lets_write(f"{repo}/.husky/other")
+    git(repo, "config", "core.hooksPath", str(tmp_path / "elsewhere"))
+    assert agent_box.hooks_in_tree(str(repo)) == []

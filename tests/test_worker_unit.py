@@ -560,6 +560,29 @@ def test_an_in_place_task_over_opencodes_own_configuration_is_refused(tmp_path, 
         worktrees.refuse_unrunnable_folder(str(dots), worktree=False)
 
 
+@pytest.mark.parametrize("worktree", [True, False])
+def test_a_repository_a_run_made_inside_its_checkout_is_quarantined(tmp_path, worktree):
+    """A run that made a repository inside its checkout fails (TaskBridge's git would run under
+    the configuration it wrote), and its .git used to stay: a later task on a folder inside it,
+    or the user's own git there, ran under that configuration (a filter the agent wrote). Its
+    .git is now renamed, so git finds no repository there; the folder and its files stay."""
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"), worktree=worktree)
+    ws = worktrees.prepare_workspace(task, False)
+    worktrees.pin_git_config(ws)
+    made = Path(ws.top) / "sub"
+    made.mkdir()
+    git(made, "init", "-q")
+    git(made, "config", "filter.x.smudge", "sh -c 'touch pwned; cat'")
+    (made / "a.txt").write_text("a\n")
+    with pytest.raises(worktrees.NestedRepository) as raised:
+        worktrees.undo_planted_git(ws)
+    assert f"renamed {worktrees.QUARANTINED_GIT}" in str(raised.value)
+    assert not (made / ".git").exists() and (made / worktrees.QUARANTINED_GIT / "config").is_file()
+    assert (made / "a.txt").read_text() == "a\n"
+    assert git(made, "rev-parse", "--show-toplevel") == os.path.realpath(ws.top)   # the checkout's own repository
+    assert worktrees.nested_repositories(ws.top) == set()
+
+
 def test_a_stop_at_once_is_said_naming_the_task_before_its_end_line(tmp_path):
     """A slot may end its run (told to stop at once) before the pass's loop wakes to announce the
     signal: the stop line must still name the task and come before its end line (CI saw
