@@ -152,18 +152,23 @@ def db_outage(exc: BaseException) -> bool:
 class Outage:
     """This worker's view of the queue database: away since when, back. Said once each way, from
     the second failed call on: a kept connection that died with a restart fails its first call
-    and reopens on the next, which is no outage to report. A full disk goes to ``full_disk``."""
+    and reopens on the next, which is no outage to report. A full disk goes to ``full_disk``.
+    A busy outage (DatabaseBusy: another program holds SQLite's write lock, PostgreSQL busy) is
+    over only when a call that met it lands (``answered(proved=True)``): reads answer all along
+    under a lock, and counting them said "reachable again" between every two failed writes."""
 
     def __init__(self, full_disk: FullDisk) -> None:
         self.lock = threading.Lock()
         self.full_disk = full_disk
         self.since: float | None = None   # time.time() of the first failed call of this outage
         self.said = False
+        self.busy = False                 # the outage's last failure was DatabaseBusy
 
     def failed(self, exc: BaseException) -> None:
         with self.lock:
             if isinstance(exc, store.DiskFull):
                 return self.full_disk.failed(exc)
+            self.busy = isinstance(exc, store.DatabaseBusy)
             if self.since is None:
                 self.since = time.time()
                 return
@@ -176,8 +181,10 @@ class Outage:
         log(f"queue database unreachable since {time.strftime('%H:%M:%S', time.localtime(self.since))} "
             f"({said}); {then}", talk.QUIET)
 
-    def answered(self) -> None:
-        if self.since is None:
+    def answered(self, proved: bool = True) -> None:
+        """A store call answered; ``proved`` False for one that did not itself meet the outage
+        (a read that went through while writes waited), which ends only an outage that was not busy."""
+        if self.since is None or (self.busy and not proved):
             return
         with self.lock:
             since, said, self.since, self.said = self.since, self.said, None, False
@@ -218,7 +225,7 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
     ``hold_full`` False: a full disk (DiskFull) is raised at once too. Any other error
     (StaleAttempt, TaskNotFound, ...) is raised at once."""
     patience = knobs.knob("WORKER_STALE_SEC") if patience is None else patience
-    deadline, delay = time.monotonic() + patience, OUTAGE_BACKOFF_SEC[0]
+    deadline, delay, met = time.monotonic() + patience, OUTAGE_BACKOFF_SEC[0], False
     while True:
         try:
             result = fn(*args, **kwargs)
@@ -227,10 +234,11 @@ def db(fn: Any, *args: Any, patience: float | None = None, hold_full: bool = Tru
                     (not hold_full and isinstance(exc, store.DiskFull)):
                 raise
             current().outage.failed(exc)
+            met = True
             time.sleep(delay)
             delay = backoff(delay)
             continue
-        current().outage.answered()
+        current().outage.answered(proved=met)
         return result
 
 
@@ -2986,7 +2994,7 @@ class Loop:
         task = _claim(self.owner, self.pid, self.pid_start) if free else None
         if task is None and free:
             self.budget_said = _say_budget(self.budget_said, self._state_word())
-        self.state.outage.answered()
+        self.state.outage.answered(proved=free)   # a claim takes the write lock; reads alone prove nothing busy
         self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0
         return task
 

@@ -224,6 +224,35 @@ OUTAGES = [task_store.DatabaseUnavailable("cannot use the PostgreSQL queue postg
                                    "process holds it locked: try again in a moment")]
 
 
+def test_a_busy_queue_is_said_back_only_when_a_write_that_waited_lands(monkeypatch, capsys):
+    """Another program holds SQLite's write lock: writes fail (DatabaseBusy) while reads answer
+    (WAL). Every answered read counted as the queue being back, so the worker's log alternated
+    "unreachable since" / "reachable again after 0 s" for as long as the lock was held. A busy
+    outage now ends only when a call that met it lands; an outage of another kind ends at any answer."""
+    monkeypatch.setattr(worker, "OUTAGE_BACKOFF_SEC", (0.01, 0.02))
+    busy = OUTAGES[2]
+    writes = iter(range(3))
+
+    def write_under_lock() -> int:
+        if next(writes, None) is not None:
+            raise busy
+        return 1
+
+    outage = worker.Outage(worker.FullDisk())   # this test's own view, whatever an earlier test left
+    monkeypatch.setattr(worker.current(), "outage", outage)
+    for _ in range(3):   # a write fails (a lease renewal, a heartbeat row), then a read answers, three times over
+        outage.failed(busy)
+        assert worker.db(task_store.last_event_id) == 0
+    said = capsys.readouterr().err
+    assert said.count("queue database unreachable since") == 1 and "reachable again" not in said, said
+    assert worker.db(write_under_lock) == 1   # a write that waited for the lock lands
+    assert capsys.readouterr().err.count("queue database reachable again") == 1
+    unavailable = OUTAGES[0]
+    outage.failed(unavailable), outage.failed(unavailable)
+    assert worker.db(task_store.last_event_id) == 0   # PostgreSQL back: any answer says so
+    assert capsys.readouterr().err.count("queue database reachable again") == 1
+
+
 @pytest.mark.parametrize("outage", OUTAGES, ids=["unavailable", "busy", "sqlite-locked"])
 def test_a_store_call_is_retried_through_an_outage_and_said_once(outage, monkeypatch, capsys):
     """A fault injected into a real store call (the database itself cannot be made to fail on cue
