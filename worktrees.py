@@ -442,8 +442,12 @@ def in_place_refused(path: str, top: str | None) -> str | None:
     None), so ``top`` must pass the working_dir checks too (a home folder kept in git gave the
     agent all of it: ``~/.bashrc``, ``~/.ssh``), and hold neither another TaskBridge queue below
     it (``store.queue_inside``: the agent could rewrite that queue's tasks) nor OpenCode's own
-    configuration (a plugin planted there runs unboxed). None when it may run
-    (``path`` itself passed the working_dir checks already)."""
+    configuration (a plugin planted there runs unboxed). None when it may run, or when ``path``
+    itself fails the working_dir checks (they say why, first: the root, the home folder)."""
+    try:
+        store.validate_working_dir(path)
+    except store.ValidationError:
+        return None
     area = top or os.path.realpath(path)
     where = (f"working_dir {path} is inside the git repository {top}, and an in-place task (worktree=false) gets "
              "that whole repository writable" if area != os.path.realpath(path) else

@@ -221,7 +221,9 @@ def on_read_only_disk(folder: Path, *argv: str) -> list[str]:
 
 @needs_namespaces
 def test_a_read_only_queue_is_still_read_and_a_write_names_the_read_only_filesystem(tmp_path):
-    task_store.submit_task(title="finished before", instructions="x", working_dir=str(tmp_path))
+    work = tmp_path / "work"   # not tmp_path: it holds the queue's seed copy, another queue to the folder checks
+    work.mkdir()
+    task_store.submit_task(title="finished before", instructions="x", working_dir=str(work))
     claimed = task_store.claim_next("worker:x:1", pid=1, pid_start=1.0)
     task_store.complete_attempt(claimed["id"], claimed["run_marker"], result={"summary": "the result"})
     task_store.close_connections()
@@ -234,7 +236,7 @@ def test_a_read_only_queue_is_still_read_and_a_write_names_the_read_only_filesys
     listed = run(str(ROOT / "tasks_cli.py"), "list", "--json")
     assert listed.returncode == 0, listed.stderr
     assert "finished before" in listed.stdout
-    for argv in ([str(ROOT / "tasks_cli.py"), "submit", "new", "--dir", str(tmp_path), "--instructions", "y"],
+    for argv in ([str(ROOT / "tasks_cli.py"), "submit", "new", "--dir", str(work), "--instructions", "y"],
                  [str(ROOT / "worker.py")]):
         refused = run(*argv)
         assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
@@ -248,7 +250,9 @@ def test_a_read_only_queue_is_still_read_and_a_write_names_the_read_only_filesys
 async def test_the_planner_reads_results_from_a_read_only_queue(tmp_path):
     from mcp import Client, StdioServerParameters
 
-    task_store.submit_task(title="finished before", instructions="x", working_dir=str(tmp_path))
+    work = tmp_path / "work"   # not tmp_path: it holds the queue's seed copy, another queue to the folder checks
+    work.mkdir()
+    task_store.submit_task(title="finished before", instructions="x", working_dir=str(work))
     claimed = task_store.claim_next("worker:x:1", pid=1, pid_start=1.0)
     task_store.complete_attempt(claimed["id"], claimed["run_marker"], result={"summary": "the result"})
     task_store.close_connections()
@@ -257,6 +261,6 @@ async def test_the_planner_reads_results_from_a_read_only_queue(tmp_path):
     async with Client(params) as client:
         result = await client.call_tool("get_task_result", {"task_id": claimed["id"]})
         sent = await client.call_tool("submit_task", {"title": "t", "instructions": "x",
-                                                      "working_dir": str(tmp_path)})
+                                                      "working_dir": str(work)})
     assert not result.is_error and "the result" in json.dumps(result.structured_content)
     assert sent.is_error and "read-only filesystem" in sent.content[0].text

@@ -544,14 +544,14 @@ def test_an_in_place_task_over_opencodes_own_configuration_is_refused(tmp_path, 
     in-place run could swap that folder (mv, copy back, add a plugin) past its read-only bind:
     the plugin then ran in every unboxed OpenCode. Refused at submit, at any depth, as is an
     ``OPENCODE_CONFIG`` file kept there; a worktree task there is accepted."""
-    dots = make_repo(tmp_path / "dots", {"oc/.config/opencode/opencode.json": "{}\n", "oc/other.json": "{}\n"})
+    dots = make_repo(tmp_path / "dots", {"oc/x/.config/opencode/opencode.json": "{}\n", "oc/other.json": "{}\n"})
     config_home = tmp_path / "home-config"
     config_home.mkdir()
-    (config_home / "opencode").symlink_to(dots / "oc" / ".config" / "opencode")
+    (config_home / "opencode").symlink_to(dots / "oc" / "x" / ".config" / "opencode")   # 3 levels below oc/
     monkeypatch.setenv("XDG_CONFIG_HOME", str(config_home))
     with pytest.raises(task_store.ValidationError) as refused:
         worktrees.refuse_unrunnable_folder(str(dots / "oc"), worktree=False)
-    assert f"OpenCode's own configuration ({config_home / 'opencode'}, that is {dots}/oc/.config/opencode)" \
+    assert f"OpenCode's own configuration ({config_home / 'opencode'}, that is {dots}/oc/x/.config/opencode)" \
         in str(refused.value) and "worktree=true" in str(refused.value)
     assert worktrees.refuse_unrunnable_folder(str(dots / "oc"), worktree=True) is False
     monkeypatch.delenv("XDG_CONFIG_HOME")
