@@ -19,6 +19,7 @@ since it runs with the system's python3, as run_reaper.py does. Env: none (passe
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -66,8 +67,9 @@ def main(argv: list[str]) -> int:
     except Moved as exc:
         print(f"{PREFIX}{exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        print(f"{PREFIX}{exc.filename} cannot be opened ({exc.strerror})", file=sys.stderr)
+    except OSError as exc:   # the errno's name said, so the worker names the fault (EMFILE: the open-files limit)
+        name = errno.errorcode.get(exc.errno or 0, "")
+        print(f"{PREFIX}'{exc.filename}' cannot be opened ({name}: {exc.strerror})", file=sys.stderr)
         return 1
     try:
         os.execv(box[0], box)
