@@ -151,7 +151,9 @@ def test_the_spend_gate_holds_the_call_after_the_step_that_reaches_the_allowance
 async def test_a_dollar_limit_on_an_unpriced_model_is_flagged_at_submit(opencode, tmp_path):
     opencode.configure({"provider": {"fake": {"models": {"model": {
         "cost": {"input": 0, "output": 0, "cache_read": 0, "cache_write": 0}}}}}})
-    args = {"title": "t", "instructions": "i", "working_dir": str(tmp_path), "model": MODEL, "worktree": False}
+    work = tmp_path / "work"   # not tmp_path: it holds the test's OpenCode configuration, refused for in-place work
+    work.mkdir()
+    args = {"title": "t", "instructions": "i", "working_dir": str(work), "model": MODEL, "worktree": False}
     async with Client(bridge.build_server()) as c:
         flagged = (await c.call_tool("submit_task", args | {"max_cost_usd": 1})).structured_content
         tokens = (await c.call_tool("submit_task", args | {"max_cost_usd": 1, "max_tokens": 9000})).structured_content
@@ -159,7 +161,7 @@ async def test_a_dollar_limit_on_an_unpriced_model_is_flagged_at_submit(opencode
     assert flagged["warnings"] and "no price for fake/model" in flagged["warnings"][0]
     assert "max_tokens" in flagged["warnings"][0]
     assert tokens["warnings"] == []
-    result = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(tmp_path), "--model", MODEL,
+    result = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(work), "--model", MODEL,
                                                 "--max-cost", "1"])
     assert result.exit_code == 0 and "Warning:" in result.output and "no price" in result.output
 
