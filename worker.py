@@ -1547,7 +1547,7 @@ def environment_fault(run: RunResult) -> str | None:
         return None
     if run.box is not None and run.box.mechanism == "bubblewrap" and run.stream.events == 0:
         said = [line.strip() for line in run.stderr_tail if line.startswith(("bwrap: ", box_binds.PREFIX))]
-        named = os_faults.from_text(said[-1]) if said and " cannot be opened (E" in said[-1] else None
+        named = os_faults.from_text(said[-1]) if said and said[-1].startswith(box_binds.PREFIX) else None
         if said:
             return f"the agent box (bubblewrap) did not start: {named.line if named else said[-1][:500]}"
     return oc.environment_fault(run.stderr_tail)

@@ -445,15 +445,15 @@ def in_place_refused(path: str, top: str | None) -> str | None:
     configuration (a plugin planted there runs unboxed). None when it may run, or when ``path``
     itself fails the working_dir checks (they say why, first: the root, the home folder)."""
     try:
-        store.validate_working_dir(path)
+        real = store.validate_working_dir(path)
     except store.ValidationError:
         return None
-    area = top or os.path.realpath(path)
+    area = top or real
     where = (f"working_dir {path} is inside the git repository {top}, and an in-place task (worktree=false) gets "
-             "that whole repository writable" if area != os.path.realpath(path) else
+             "that whole repository writable" if area != real else
              f"working_dir {path} is writable to an in-place task")
     way_out = ("submit it with worktree=true (a worktree of its own)" if top else "give a folder of the project alone")
-    if area != os.path.realpath(path):
+    if area != real:
         try:
             store.validate_working_dir(area)
         except store.ValidationError as exc:
