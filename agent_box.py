@@ -341,12 +341,31 @@ def hooks_in_tree(top: str) -> list[str]:
 CONFIG_GITIGNORE = "node_modules\npackage.json\npackage-lock.json\nbun.lock\n.gitignore\n"
 
 
+def box_home() -> str:
+    """Where OpenCode keeps its cache and state for every boxed run of this queue:
+    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/<queue tag>/{cache,state}`` (the worker's
+    ``XDG_CACHE_HOME``, or ``~/.cache``). Both are writable to every run, and OpenCode runs what
+    it keeps in its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm
+    plugins and providers): a run writing your own cache would plant code your next unboxed
+    ``opencode`` runs. The box's are TaskBridge's, never used outside a box; OpenCode fills them
+    on first use (downloads)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "taskbridge", "opencode-box", store.queue_tag())
+
+
+def box_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as a boxed run gets it: OpenCode's cache and state moved to ``box_home()``."""
+    home = box_home()
+    return {**env, "XDG_CACHE_HOME": os.path.join(home, "cache"), "XDG_STATE_HOME": os.path.join(home, "state")}
+
+
 def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
-    """OpenCode's own folders for ``env``: (its config folder, read-only to the run: a plugin or
-    config planted there would load in every later run and in TaskBridge's own OpenCode calls;
-    [its data, cache and state folders], writable). Made when missing, with the ``.gitignore``
-    OpenCode insists on writing at start. Raises BoxUnavailable naming a folder that cannot be
-    made."""
+    """OpenCode's own folders for a boxed run from ``env`` (``box_env``): (its config folder,
+    read-only to the run: a plugin or config planted there would load in every later run and in
+    TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the last two
+    the box's own). Made when missing, with the ``.gitignore`` OpenCode insists on writing
+    at start. Raises BoxUnavailable naming a folder that cannot be made."""
+    env = box_env(env)
     home = Path(env.get("HOME") or Path.home())
     defaults = {"XDG_CONFIG_HOME": home / ".config", "XDG_DATA_HOME": home / ".local" / "share",
                 "XDG_CACHE_HOME": home / ".cache", "XDG_STATE_HOME": home / ".local" / "state"}

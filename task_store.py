@@ -1264,23 +1264,26 @@ def _private_folder(path: str) -> str | None:
     every queue's task worktrees and mirrors (``$XDG_STATE_HOME/taskbridge``,
     ``$XDG_CACHE_HOME/taskbridge``, TASKBRIDGE_WORKTREE_ROOT, TASKBRIDGE_MIRROR_DIR), OpenCode's
     data (every session, the providers' credentials), configuration, cache and state (the last
-    two writable to every agent run: a repository planted there must not become a task's
-    folder), a folder that holds one of those six at most HOLDING_DEPTH levels down, or a folder
-    that holds a TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a
-    queue: the box hides only the worker's own queue). None when it is none of them."""
+    two writable to an unboxed agent run, as the box's own, under TaskBridge's cache, are to
+    every boxed run: a repository planted there must not become a task's folder), a folder
+    that holds one of those six at most HOLDING_DEPTH levels down, or a folder that holds a
+    TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the
+    box hides only the worker's own queue). None when it is none of them."""
     home = os.path.expanduser("~")
     xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
         ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
         ("XDG_CONFIG_HOME", ".config"))}
     places = [(os.path.join(xdg["XDG_STATE_HOME"], "taskbridge"), "TaskBridge's state folder (every queue's task "
                "worktrees)"),
-              (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes)"),
+              (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes, "
+               "OpenCode's cache and state for boxed runs)"),
               (os.path.join(xdg["XDG_DATA_HOME"], "opencode"), "OpenCode's data folder (every session and the "
                "providers' credentials)"),
               (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder"),
-              (os.path.join(xdg["XDG_CACHE_HOME"], "opencode"), "OpenCode's cache (writable to every agent run)"),
-              (os.path.join(xdg["XDG_STATE_HOME"], "opencode"), "OpenCode's state folder (writable to every agent "
-               "run)")]
+              (os.path.join(xdg["XDG_CACHE_HOME"], "opencode"), "OpenCode's cache (writable to an unboxed agent "
+               "run)"),
+              (os.path.join(xdg["XDG_STATE_HOME"], "opencode"), "OpenCode's state folder (writable to an unboxed "
+               "agent run)")]
     held = len(places)   # these six are refused in a folder holding them too (~/.local/share, say)
     places += [(os.environ[name], what) for name, what in (
         ("TASKBRIDGE_WORKTREE_ROOT", "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)"),

@@ -2212,11 +2212,9 @@ def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, arg
     """(argv, env) of a run inside ``box`` (the shape of ``oc.run_env``'s ``box`` hook): a private
     temp folder (the box's /tmp) and the box's ``$SHELL`` (agent_box.box_shell). ``plan``: the
     box's layout (default: ``agent_box.plan_for`` the attempt in ``ws``)."""
-    env = dict(env)
     if box.mechanism is None:
-        env["TMPDIR"] = str(run_dir / "tmp")
-        return argv, env
-    env["TMPDIR"] = "/tmp"
+        return argv, {**env, "TMPDIR": str(run_dir / "tmp")}
+    env = {**agent_box.box_env(env), "TMPDIR": "/tmp"}
     plan = plan or agent_box.plan_for(ws, env, task["permission"], run_dir)
     env["SHELL"] = agent_box.box_shell(run_dir / "control" / "shell", plan, task["permission"], box.mechanism)
     return agent_box.wrap(box.mechanism, plan, argv), env

@@ -318,7 +318,8 @@ def test_a_box_folder_that_cannot_be_made_fails_once_named(opencode, tmp_path, m
     assert passed.returncode == 0 and "Traceback" not in passed.stdout + passed.stderr
     done = task_store.get_task(task["id"])
     assert done["status"] == "failed" and done["attempts"] == 1, done
-    assert f"OpenCode's folder {blocker}/cache/opencode cannot be made" in done["error"]
+    assert f"OpenCode's folder {blocker}/cache/taskbridge/opencode-box/" in done["error"]   # the box's cache
+    assert "cannot be made (Not a directory; set by XDG_CACHE_HOME)" in done["error"]
     assert "XDG_CACHE_HOME" in done["error"]
 
 
@@ -338,6 +339,34 @@ def test_session_export_in_an_agent_written_folder_runs_none_of_its_plugins(open
         oc.export_session("ses_nosuchsession", str(folder), dict(os.environ), timeout_sec=30)
     assert not canary.exists()
 
+
+def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode, tmp_path):
+    """OpenCode runs what it keeps in its cache (``bin/rg`` when ripgrep is not on PATH, language
+    servers, npm plugins): a boxed run gets a cache and a state folder of TaskBridge's
+    (agent_box.box_home), so nothing it leaves there reaches your own, unboxed `opencode`; the
+    folders you use stay read-only to it, and OpenCode inside the box still writes its own."""
+    repo = make_repo(tmp_path / "repo")
+    yours = {name: Path(opencode.env[f"XDG_{name.upper()}_HOME"]) / "opencode" for name in ("cache", "state")}
+    for folder in yours.values():
+        (folder / "bin").mkdir(parents=True, exist_ok=True)
+    plant = "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' >"
+    opencode.model.script("plant", [
+        bash(f"{plant} {yours['cache']}/bin/rg; echo yours-cache-$?; {plant} {yours['state']}/bin/x; "
+             f"echo yours-state-$?; {plant} \"$XDG_CACHE_HOME/opencode/bin/rg\"; echo box-cache-$?; "
+             f"{plant} \"$XDG_STATE_HOME/opencode/x\"; echo box-state-$?"),
+        text("Planted.\n" + DONE),
+    ])
+    task = submit(repo, script="plant")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    seen = outputs(done)
+    assert "yours-cache-1" in seen and "yours-state-1" in seen, seen   # read-only to the run
+    assert "box-cache-0" in seen and "box-state-0" in seen, seen       # OpenCode's own still works
+    assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
+    box = Path(agent_box.box_home())
+    assert (box / "cache" / "opencode" / "bin" / "rg").is_file() and (box / "state" / "opencode" / "x").is_file()
+    assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
 # ---------------------------------------------------------------------------------------------
 # The pieces, without a run.
@@ -454,8 +483,9 @@ def test_taskbridges_and_opencodes_own_folders_are_no_working_dir(tmp_path, monk
         tmp_path / "xdg_cache_home" / "taskbridge" / "mirrors": "TaskBridge's cache",
         tmp_path / "xdg_data_home" / "opencode": "OpenCode's data folder",
         tmp_path / "xdg_config_home" / "opencode": "OpenCode's configuration folder",
-        tmp_path / "xdg_cache_home" / "opencode" / "evil": "OpenCode's cache (writable to every agent run)",
-        tmp_path / "xdg_state_home" / "opencode": "OpenCode's state folder (writable to every agent run)",
+        tmp_path / "xdg_cache_home" / "opencode" / "evil": "OpenCode's cache (writable to an unboxed agent run)",
+        tmp_path / "xdg_state_home" / "opencode": "OpenCode's state folder (writable to an unboxed agent run)",
+        tmp_path / "xdg_cache_home" / "taskbridge" / "opencode-box" / "ab12" / "cache": "TaskBridge's cache",
         other_queue: "the folder of a TaskBridge queue (it holds tasks.db)",
         worked_queue: "the folder of a TaskBridge queue (it holds q2.worker.lock)",
     }
