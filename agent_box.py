@@ -341,6 +341,34 @@ def hooks_in_tree(top: str) -> list[str]:
 CONFIG_GITIGNORE = "node_modules\npackage.json\npackage-lock.json\nbun.lock\n.gitignore\n"
 
 
+# What in OpenCode's data folder (shared with your own OpenCode, which is unboxed) configures or
+# runs code, as 1.18.33 reads it: read-only to a run, made when missing so a run cannot make it.
+# ``auth.json``'s ``wellknown`` entries make OpenCode fetch a config (``file://`` too) whose
+# plugins, MCP commands and ``{file:…}`` references it loads, in TaskBridge's own OpenCode calls
+# and yours; ``mcp-auth.json`` holds your MCP servers' OAuth tokens; ``snapshot/``, ``repos/`` and
+# ``worktree/`` hold git folders OpenCode runs git in (a filter planted in one runs in yours).
+DATA_READ_ONLY_FILES = ("auth.json", "mcp-auth.json")
+DATA_READ_ONLY_FOLDERS = ("snapshot", "repos", "worktree")
+
+
+def data_read_only(data: str) -> list[str]:
+    """The parts of OpenCode's data folder ``data`` a run may not write (DATA_READ_ONLY_*), each
+    made when missing (a file as ``{}``, 0600, as OpenCode writes it); a symbolic link is
+    returned as it is, so box_binds.py refuses the run rather than bind where it leads."""
+    for name in DATA_READ_ONLY_FOLDERS:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.join(data, name), mode=0o700, exist_ok=True)
+    for name in DATA_READ_ONLY_FILES:
+        with contextlib.suppress(OSError):
+            made = os.open(os.path.join(data, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(made, b"{}")
+            finally:
+                os.close(made)
+    return [p for p in (os.path.join(data, n) for n in (*DATA_READ_ONLY_FILES, *DATA_READ_ONLY_FOLDERS))
+            if os.path.lexists(p)]
+
+
 def box_home() -> str:
     """Where OpenCode keeps its cache and state for every boxed run of this queue:
     ``<XDG_CACHE_HOME>/taskbridge/opencode-box/<queue tag>/{cache,state}`` (the worker's
@@ -456,6 +484,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     config, state = opencode_dirs(env)
     plan.writable = _existing([top if writable else None], resolve=False) + _existing(state) + plan.writable
     plan.read_only.append(os.path.realpath(config))
+    plan.read_only += data_read_only(os.path.realpath(state[0]))
     plan.read_only += [str(run_dir / "control")]
     plan.replies = [str(run_dir / "reply")]
     if not writable:

@@ -334,9 +334,11 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     """The environment of one run: ``PWD`` (OpenCode trusts it over the real cwd), the run marker
     and queue tag (inherited by every descendant, so a sweep can find stragglers), sharing off
     (``OPENCODE_DISABLE_SHARE=1`` and ``"share": "disabled"`` over every config: no session goes
-    to OpenCode's public share service, whatever the user's or the repository's config says), and
-    for a restricted task its rules pinned for every agent (see ``pin_rules``) inside
-    ``OPENCODE_CONFIG_CONTENT`` (merged over the user's own content, never replacing it).
+    to OpenCode's public share service, whatever the user's or the repository's config says),
+    OpenCode's own snapshots off (``"snapshot": false``: TaskBridge reads the changes from git,
+    and the box keeps the snapshots' git folders read-only), and for a restricted task its rules
+    pinned for every agent (see ``pin_rules``) inside ``OPENCODE_CONFIG_CONTENT`` (merged over
+    the user's own content, never replacing it).
 
     A restricted task reads OpenCode's resolved config once (``opencode debug config``, ~1.5 s),
     in the agent's box when ``box`` is given (``box(argv, env) -> (argv, env)``: the worktree's
@@ -351,6 +353,7 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     env["OPENCODE_DISABLE_SHARE"] = "1"
     content = _config_content(env)
     content["share"] = "disabled"
+    content["snapshot"] = False   # its git folders are read-only to the run (agent_box.DATA_READ_ONLY_FOLDERS)
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     rules = PERMISSION_RULES[permission]
     if rules:

@@ -368,6 +368,43 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     assert (box / "cache" / "opencode" / "bin" / "rg").is_file() and (box / "state" / "opencode" / "x").is_file()
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
+
+def test_a_run_cannot_make_opencodes_data_folder_load_its_code_outside_the_box(opencode, tmp_path):
+    """OpenCode's data folder is shared with your own, unboxed OpenCode (and TaskBridge's own
+    calls: models, export, import). A run that adds a ``wellknown`` entry to ``auth.json`` makes
+    every later OpenCode fetch a config (``file://`` too) and load its plugins, outside the box
+    (a hostile tester read the token that way); a git filter planted in ``snapshot/`` runs in
+    your next `opencode`. Those parts are read-only to the run (agent_box.DATA_READ_ONLY_*);
+    its sessions still go to the data folder, and snapshots are off for runs."""
+    import opencode_runner as oc
+    repo = make_repo(tmp_path / "repo")
+    data = Path(opencode.env["XDG_DATA_HOME"]) / "opencode"
+    canary = tmp_path / "canary"
+    (data / "wk" / ".well-known").mkdir(parents=True)   # what the run would have made (the folder is writable)
+    (data / "p.js").write_text(f"import fs from 'fs'; fs.writeFileSync('{canary}', 'ran');\n"
+                               "export const P = async () => ({});\n")
+    (data / "wk" / ".well-known" / "opencode").write_text(json.dumps({"config": {"plugin": [f"{data}/p.js"]}}))
+    entry = json.dumps({f"file://{data}/wk": {"type": "wellknown", "key": "TBX", "token": "y"}})
+    opencode.model.script("plant", [
+        bash(f"cd {data}; echo '{entry}' > auth.json; echo auth-$?; echo '{entry}' > /tmp/a.json; "
+             f"mv -f /tmp/a.json auth.json; echo auth-mv-$?; echo '{{}}' > mcp-auth.json; echo mcp-$?; "
+             "mkdir snapshot/x repos/x worktree/x; echo git-folders-$?; "
+             "mkdir -p tool-output && touch tool-output/mine; echo tool-output-$?"),
+        text("Planted.\n" + DONE),
+    ])
+    task = submit(repo, script="plant")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    seen = outputs(done)
+    for refused in ("auth", "auth-mv", "mcp", "git-folders"):
+        assert f"{refused}-0" not in seen, seen
+    assert "tool-output-0" in seen, seen                      # the rest of the data folder is the run's
+    assert json.loads((data / "auth.json").read_text()) == {} and not list((data / "snapshot").iterdir())
+    assert done["session_id"]                                 # its session is in the data folder
+    oc.list_models()                                          # TaskBridge's own unboxed OpenCode call
+    assert not canary.exists()
+
 # ---------------------------------------------------------------------------------------------
 # The pieces, without a run.
 
