@@ -252,7 +252,8 @@ class Plan:
     """The filesystem of one boxed run (absolute paths). Binds are applied in this order:
     ``visible`` (read-only again under the private /tmp), ``hidden`` (emptied), ``exposed``
     (read-only again under a hidden folder), ``writable``, ``read_only`` (over a writable bind or
-    under a hidden folder), ``replies`` (writable, under a hidden folder)."""
+    under a hidden folder), ``replies`` (writable, under a hidden folder). ``env``: variables the
+    box sets inside for every process (``box_vars``)."""
     cwd: str
     tmp: str                                   # the host folder that is the run's /tmp
     visible: list[str] = field(default_factory=list)
@@ -262,6 +263,7 @@ class Plan:
     read_only: list[str] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
     shell_env: dict[str, str] = field(default_factory=dict)   # set for the bash tool's commands only
+    env: dict[str, str] = field(default_factory=lambda: box_vars())   # set inside the box, for every process
 
     def lets_write(self, path: str) -> bool:
         """Whether a process in this box could write ``path`` (resolved): under a writable bind
@@ -381,19 +383,20 @@ def box_home() -> str:
     return os.path.join(root, "taskbridge", "opencode-box", store.queue_tag())
 
 
-def box_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` as a boxed run gets it: OpenCode's cache and state moved to ``box_home()``."""
+def box_vars() -> dict[str, str]:
+    """The variables every box sets inside (``Plan.env``): OpenCode's cache and state moved to
+    ``box_home()``."""
     home = box_home()
-    return {**env, "XDG_CACHE_HOME": os.path.join(home, "cache"), "XDG_STATE_HOME": os.path.join(home, "state")}
+    return {"XDG_CACHE_HOME": os.path.join(home, "cache"), "XDG_STATE_HOME": os.path.join(home, "state")}
 
 
 def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
-    """OpenCode's own folders for a boxed run from ``env`` (``box_env``): (its config folder,
+    """OpenCode's own folders for a boxed run from ``env`` and ``box_vars``: (its config folder,
     read-only to the run: a plugin or config planted there would load in every later run and in
     TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the last two
     the box's own). Made when missing, with the ``.gitignore`` OpenCode insists on writing
     at start. Raises BoxUnavailable naming a folder that cannot be made."""
-    env = box_env(env)
+    env = {**env, **box_vars()}
     home = Path(env.get("HOME") or Path.home())
     defaults = {"XDG_CONFIG_HOME": home / ".config", "XDG_DATA_HOME": home / ".local" / "share",
                 "XDG_CACHE_HOME": home / ".cache", "XDG_STATE_HOME": home / ".local" / "state"}
@@ -522,13 +525,15 @@ def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_
 def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     """``argv`` inside bubblewrap as ``plan`` lays it out: the root read-only, ``/dev``, a new
     ``/proc`` in a PID namespace of its own, ``plan.tmp`` as ``/tmp``, then the binds in the
-    order ``Plan`` names; dies with the worker (``--die-with-parent``). Started by box_binds.py,
+    order ``Plan`` names, ``plan.env`` set inside; dies with the worker (``--die-with-parent``). Started by box_binds.py,
     which binds each source by a handle opened on exactly the path the plan names (no link on
     the way), so a folder swapped after the checks makes the box refuse to start."""
     box = [stdlib_python(), "-I", BOX_BINDS, bwrap_bin() or "bwrap",
            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-uts",
            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
            "--bind", plan.tmp, "/tmp"]
+    for name, value in plan.env.items():
+        box += ["--setenv", name, value]
     for path in plan.visible:
         if _under(path, "/tmp"):
             box += ["--ro-bind", path, path]
@@ -578,7 +583,8 @@ def wrap(mechanism: str | None, plan: Plan, argv: list[str]) -> list[str]:
     if mechanism == "bubblewrap":
         return bwrap_argv(plan, argv)
     if mechanism == "sandbox-exec":
-        return ["sandbox-exec", "-p", sbpl_profile(plan), *argv]
+        return ["sandbox-exec", "-p", sbpl_profile(plan), "/usr/bin/env",
+                *(f"{name}={value}" for name, value in plan.env.items()), *argv]
     return argv
 
 

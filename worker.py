@@ -2214,7 +2214,7 @@ def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, arg
     box's layout (default: ``agent_box.plan_for`` the attempt in ``ws``)."""
     if box.mechanism is None:
         return argv, {**env, "TMPDIR": str(run_dir / "tmp")}
-    env = {**agent_box.box_env(env), "TMPDIR": "/tmp"}
+    env = {**env, "TMPDIR": "/tmp"}
     plan = plan or agent_box.plan_for(ws, env, task["permission"], run_dir)
     env["SHELL"] = agent_box.box_shell(run_dir / "control" / "shell", plan, task["permission"], box.mechanism)
     return agent_box.wrap(box.mechanism, plan, argv), env
