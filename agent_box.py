@@ -525,9 +525,10 @@ def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_
 def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     """``argv`` inside bubblewrap as ``plan`` lays it out: the root read-only, ``/dev``, a new
     ``/proc`` in a PID namespace of its own, ``plan.tmp`` as ``/tmp``, then the binds in the
-    order ``Plan`` names, ``plan.env`` set inside; dies with the worker (``--die-with-parent``). Started by box_binds.py,
-    which binds each source by a handle opened on exactly the path the plan names (no link on
-    the way), so a folder swapped after the checks makes the box refuse to start."""
+    order ``Plan`` names, ``plan.env`` set inside; dies with the worker (``--die-with-parent``).
+    Started by box_binds.py, which binds each source by a handle opened on exactly the path the
+    plan names (no link on the way), so a folder swapped after the checks makes the box refuse
+    to start."""
     box = [stdlib_python(), "-I", BOX_BINDS, bwrap_bin() or "bwrap",
            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid", "--unshare-uts",
            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
