@@ -33,7 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,8 +252,9 @@ class Plan:
     """The filesystem of one boxed run (absolute paths). Binds are applied in this order:
     ``visible`` (read-only again under the private /tmp), ``hidden`` (emptied), ``exposed``
     (read-only again under a hidden folder), ``writable``, ``read_only`` (over a writable bind or
-    under a hidden folder), ``replies`` (writable, under a hidden folder). ``env``: variables the
-    box sets inside for every process (``box_vars``)."""
+    under a hidden folder), ``mounts`` (a source read-only at another path), ``replies``
+    (writable, under a hidden folder). ``env``: variables the box sets inside for every process
+    (``box_vars``)."""
     cwd: str
     tmp: str                                   # the host folder that is the run's /tmp
     visible: list[str] = field(default_factory=list)
@@ -264,13 +265,14 @@ class Plan:
     replies: list[str] = field(default_factory=list)
     shell_env: dict[str, str] = field(default_factory=dict)   # set for the bash tool's commands only
     env: dict[str, str] = field(default_factory=lambda: box_vars())   # set inside the box, for every process
+    mounts: list[tuple[str, str]] = field(default_factory=list)       # (source, destination), read-only
 
     def lets_write(self, path: str) -> bool:
         """Whether a process in this box could write ``path`` (resolved): under a writable bind
         and not under a read-only one over it."""
         path = os.path.realpath(path)
         return (any(_under(path, root) for root in [*self.writable, *self.replies, self.tmp])
-                and not any(_under(path, root) for root in self.read_only))
+                and not any(_under(path, root) for root in [*self.read_only, *(d for _s, d in self.mounts)]))
 
 
 def git_dirs(top: str) -> tuple[str | None, str | None]:
@@ -343,75 +345,106 @@ def hooks_in_tree(top: str) -> list[str]:
 CONFIG_GITIGNORE = "node_modules\npackage.json\npackage-lock.json\nbun.lock\n.gitignore\n"
 
 
-# What in OpenCode's data folder (shared with your own OpenCode, which is unboxed) configures or
-# runs code, as 1.18.33 reads it: read-only to a run, made when missing so a run cannot make it.
-# ``auth.json``'s ``wellknown`` entries make OpenCode fetch a config (``file://`` too) whose
-# plugins, MCP commands and ``{file:…}`` references it loads, in TaskBridge's own OpenCode calls
-# and yours; ``mcp-auth.json`` holds your MCP servers' OAuth tokens; ``snapshot/``, ``repos/`` and
-# ``worktree/`` hold git folders OpenCode runs git in (a filter planted in one runs in yours).
-DATA_READ_ONLY_FILES = ("auth.json", "mcp-auth.json")
-DATA_READ_ONLY_FOLDERS = ("snapshot", "repos", "worktree")
+# OpenCode reads configuration from its data folder (``auth.json``'s ``wellknown`` entries, an
+# active account in ``opencode.db`` whose config it fetches: plugins, MCP commands, ``{file:…}``
+# references) and runs git in folders there (``snapshot/``, ``repos/``), so a data folder a run
+# can write is never read by an OpenCode outside a box: boxed runs keep theirs under
+# ``box_home()``, yours is hidden from them, and your provider keys and MCP OAuth tokens are bound
+# into theirs read-only.
+CREDENTIALS = ("auth.json", "mcp-auth.json")
 
 
-def data_read_only(data: str) -> list[str]:
-    """The parts of OpenCode's data folder ``data`` a run may not write (DATA_READ_ONLY_*), each
-    made when missing (a file as ``{}``, 0600, as OpenCode writes it); a symbolic link is
-    returned as it is, so box_binds.py refuses the run rather than bind where it leads."""
-    for name in DATA_READ_ONLY_FOLDERS:
+def user_data_dir() -> str:
+    """Your OpenCode's data folder, which the box hides: ``$XDG_DATA_HOME/opencode`` of the
+    worker's environment (``~/.local/share/opencode``)."""
+    root = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(root, "opencode")
+
+
+def credential_binds(box_data: str) -> list[tuple[str, str]]:
+    """(source, destination) read-only binds of CREDENTIALS into the box's data folder
+    ``box_data``: each from your data folder (resolved) when it is a file there, else the box's
+    own, made as ``{}`` (0600, as OpenCode writes it) when missing, bound over itself: a run
+    never writes either. A destination that is a symbolic link is kept as it is, so
+    box_binds.py refuses the run rather than bind where it leads."""
+    binds = []
+    for name in CREDENTIALS:
+        dest = os.path.join(box_data, name)
         with contextlib.suppress(OSError):
-            os.makedirs(os.path.join(data, name), mode=0o700, exist_ok=True)
-    for name in DATA_READ_ONLY_FILES:
-        with contextlib.suppress(OSError):
-            made = os.open(os.path.join(data, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            made = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.write(made, b"{}")
             finally:
                 os.close(made)
-    return [p for p in (os.path.join(data, n) for n in (*DATA_READ_ONLY_FILES, *DATA_READ_ONLY_FOLDERS))
-            if os.path.lexists(p)]
+        yours = os.path.realpath(os.path.join(user_data_dir(), name))
+        binds.append((yours if os.path.isfile(yours) else dest, dest))
+    return binds
 
 
 def box_home() -> str:
-    """Where OpenCode keeps its cache and state for every boxed run of this queue:
-    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/<queue tag>/{cache,state}`` (the worker's
-    ``XDG_CACHE_HOME``, or ``~/.cache``). Both are writable to every run, and OpenCode runs what
-    it keeps in its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm
-    plugins and providers): a run writing your own cache would plant code your next unboxed
-    ``opencode`` runs. The box's are TaskBridge's, never used outside a box; OpenCode fills them
-    on first use (downloads)."""
+    """Where OpenCode keeps its data (sessions), cache and state for every boxed run:
+    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/{data,cache,state}`` (the worker's
+    ``XDG_CACHE_HOME``, or ``~/.cache``). All three are writable to every run, and OpenCode runs
+    what it keeps in its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm
+    plugins and providers) and loads configuration its data folder names (see CREDENTIALS): a
+    run writing your own folders would plant code your next unboxed ``opencode`` runs. The box's
+    are TaskBridge's, read only by OpenCode inside a box (``call_box`` for TaskBridge's own
+    calls on them); OpenCode fills the cache on first use (downloads)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "taskbridge", "opencode-box", store.queue_tag())
+    return os.path.join(root, "taskbridge", "opencode-box")
 
 
 def box_vars() -> dict[str, str]:
-    """The variables every box sets inside (``Plan.env``): OpenCode's cache and state moved to
-    ``box_home()``."""
+    """The variables every box sets inside (``Plan.env``): OpenCode's data, cache and state
+    folders moved to ``box_home()``."""
     home = box_home()
-    return {"XDG_CACHE_HOME": os.path.join(home, "cache"), "XDG_STATE_HOME": os.path.join(home, "state")}
+    return {name: os.path.join(home, sub) for name, sub in (
+        ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state"))}
+
+
+Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
+
+
+def call_box(scratch: Path) -> Hook | None:
+    """For TaskBridge's own OpenCode calls on the box's data folder (a session's export, the
+    database's preparation): a hook ``(argv, env) -> (argv, env)`` that runs the call in the box
+    of a readonly run in ``scratch`` (an empty folder of TaskBridge's; its ``cwd/`` and ``tmp/``
+    are made here), so what a run left in that data folder runs into nothing of yours; None when
+    runs are not boxed here (TASKBRIDGE_SANDBOX=off, or no box), and so use your own data folder.
+    Raises BoxSettingError for a bad knob."""
+    box = choose("auto")
+    if box.mechanism is None:
+        return None
+    mechanism = box.mechanism
+    for sub in ("cwd", "tmp", "control", "reply", "objects"):
+        (scratch / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def hook(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        ws = worktrees.Workspace("worktree", str(scratch / "cwd"), top=str(scratch / "cwd"), repo=None)
+        env = {**agent_env(env, None), "TMPDIR": "/tmp"}   # none of TaskBridge's secrets
+        return wrap(mechanism, plan_for(ws, env, "readonly", scratch), argv), env
+    return hook
 
 
 def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
     """OpenCode's own folders for a boxed run from ``env`` and ``box_vars``: (its config folder,
     read-only to the run: a plugin or config planted there would load in every later run and in
-    TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the last two
-    the box's own). Made when missing, with the ``.gitignore`` OpenCode insists on writing
-    at start. Raises BoxUnavailable naming a folder that cannot be made."""
-    env = {**env, **box_vars()}
+    TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the box's
+    own). Made when missing, with the ``.gitignore`` OpenCode insists on writing at start.
+    Raises BoxUnavailable naming a folder that cannot be made and the variable that sets it."""
     home = Path(env.get("HOME") or Path.home())
-    defaults = {"XDG_CONFIG_HOME": home / ".config", "XDG_DATA_HOME": home / ".local" / "share",
-                "XDG_CACHE_HOME": home / ".cache", "XDG_STATE_HOME": home / ".local" / "state"}
-    folders = []
-    for name, default in defaults.items():
-        folder = Path(env.get(name) or default) / "opencode"
+    config = Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
+    folders = [(config, "XDG_CONFIG_HOME")] + [(Path(path) / "opencode", "XDG_CACHE_HOME")   # box_home's root
+                                               for path in box_vars().values()]
+    for folder, name in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if name == "XDG_CONFIG_HOME" and not (folder / ".gitignore").exists():
+            if folder == config and not (folder / ".gitignore").exists():
                 (folder / ".gitignore").write_text(CONFIG_GITIGNORE)
         except OSError as exc:
             raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
                                  f"point {name} at a folder you can write, then retry the task") from None
-        folders.append(str(folder))
-    return folders[0], folders[1:]
+    return str(config), [str(folder) for folder, _name in folders[1:]]
 
 
 def _under(path: str, folder: str) -> bool:
@@ -435,11 +468,12 @@ def data_paths(env: dict[str, str]) -> list[str]:
     """TaskBridge's own folders and files, which no agent may read: the task logs (and the run
     folders in them), the worktree and mirror roots, ``.taskbridge/`` (token, OAuth store, public
     URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json``, the
-    SQLite queue with its WAL and the worker's state files beside it, and ``~/.pgpass``. Only what
+    SQLite queue with its WAL and the worker's state files beside it, ``~/.pgpass``, and your
+    OpenCode's data folder (your sessions and keys: the box has its own, ``box_home``). Only what
     exists (a bind needs its target)."""
     token = connectors.token_file()
     paths = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
-             str(token), str(token.parent / "oauth.json"),
+             str(token), str(token.parent / "oauth.json"), user_data_dir(),
              env.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
@@ -487,7 +521,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     config, state = opencode_dirs(env)
     plan.writable = _existing([top if writable else None], resolve=False) + _existing(state) + plan.writable
     plan.read_only.append(os.path.realpath(config))
-    plan.read_only += data_read_only(os.path.realpath(state[0]))
+    plan.mounts = credential_binds(os.path.realpath(state[0]))
     plan.read_only += [str(run_dir / "control")]
     plan.replies = [str(run_dir / "reply")]
     if not writable:
@@ -549,6 +583,8 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
             box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
     for path in plan.read_only:
         box += ["--ro-bind", path, path]
+    for source, dest in plan.mounts:
+        box += ["--ro-bind", source, dest]
     for path in plan.replies:
         box += ["--bind", path, path]
     return [*box, "--chdir", plan.cwd, "--", *argv]
@@ -567,7 +603,7 @@ def sbpl_profile(plan: Plan) -> str:
     reopened = " ".join(f"(subpath {_sb(p)})" for p in [*plan.exposed, *plan.read_only, *plan.replies,
                                                          *plan.writable])
     writable = " ".join(f"(subpath {_sb(p)})" for p in [*plan.writable, plan.tmp, *plan.replies])
-    frozen = " ".join(f"(subpath {_sb(p)})" for p in plan.read_only)
+    frozen = " ".join(f"(subpath {_sb(p)})" for p in [*plan.read_only, *(dest for _s, dest in plan.mounts)])
     lines = ["(version 1)", "(allow default)"]
     if hidden:
         lines.append(f"(deny file-read* file-write* (require-all (require-any {hidden})"
@@ -583,7 +619,10 @@ def wrap(mechanism: str | None, plan: Plan, argv: list[str]) -> list[str]:
     """``argv`` run in the box ``mechanism`` names (``argv`` itself when None)."""
     if mechanism == "bubblewrap":
         return bwrap_argv(plan, argv)
-    if mechanism == "sandbox-exec":
+    if mechanism == "sandbox-exec":   # no binds on macOS: a mount's source is copied to its (frozen) place
+        for source, dest in plan.mounts:
+            if source != dest:
+                shutil.copyfile(source, dest)
         return ["sandbox-exec", "-p", sbpl_profile(plan), "/usr/bin/env",
                 *(f"{name}={value}" for name, value in plan.env.items()), *argv]
     return argv

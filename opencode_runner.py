@@ -160,12 +160,17 @@ class SessionCopyFailed(RuntimeError):
 
 
 def export_session(session_id: str, cwd: str, env: dict[str, str] | None = None,
-                   timeout_sec: float = 60) -> dict[str, Any]:
+                   timeout_sec: float = 60, box: Any = None) -> dict[str, Any]:
     """OpenCode's own record of a session (``opencode export ID``): ``{"info": {...},
-    "messages": [{"info": {"role", "time": {"created": ms}, ...}, "parts": [...]}]}``.
-    Raises SessionCopyFailed quoting OpenCode (an unknown id, say)."""
+    "messages": [{"info": {"role", "time": {"created": ms}, ...}, "parts": [...]}]}``. ``box``:
+    ``(argv, env) -> (argv, env)`` running it in the agent's box (agent_box.call_box: boxed
+    runs' sessions are in the box's data folder, which only a box may read; ``cwd`` is then the
+    box's). Raises SessionCopyFailed quoting OpenCode (an unknown id, say)."""
     run_env = {**(env if env is not None else os.environ), "PWD": cwd, **NO_PROJECT_CODE}
-    proc = subprocess.run([opencode_bin(), "export", session_id], cwd=cwd, env=run_env,
+    argv = [opencode_bin(), "export", session_id]
+    if box is not None:
+        argv, run_env = box(argv, run_env)
+    proc = subprocess.run(argv, cwd=cwd, env=run_env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     start = proc.stdout.find("{")
     try:
@@ -243,15 +248,22 @@ def _literally(replacement: str) -> Callable[[re.Match[str]], str]:
 
 
 def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],
-                 timeout_sec: float = 120) -> str:
+                 timeout_sec: float = 120, box: Any = None, scratch: str | None = None) -> str:
     """A copy of OpenCode session ``session_id`` (its whole history) that lives in ``new_dir``;
     returns the copy's id. ``opencode run -s ID --fork`` forks only in the session's own folder
     (run from another worktree it hangs, measured with 1.18.33), so the session is exported
     (``opencode export``), given fresh session, message and part ids (same time prefix: the
     order is kept) and the new folder in place of ``old_dir``, and imported (``opencode import``).
-    Raises SessionCopyFailed quoting OpenCode."""
+    ``box``: ``(argv, env) -> (argv, env)`` running both in the task's box (boxed runs' sessions
+    are in the box's data folder, which only a box may read), with the file imported written in
+    ``scratch``, a folder the box shows at its own path. Raises SessionCopyFailed quoting OpenCode."""
     run_env = {**env, "PWD": new_dir, **NO_PROJECT_CODE}
-    proc = subprocess.run([opencode_bin(), "export", session_id], cwd=new_dir, env=run_env,
+
+    def boxed(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+        return box(argv, run_env) if box is not None else (argv, run_env)
+
+    argv, call_env = boxed([opencode_bin(), "export", session_id])
+    proc = subprocess.run(argv, cwd=new_dir, env=call_env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     start = proc.stdout.find("{")
     if proc.returncode != 0 or start < 0:
@@ -272,10 +284,11 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
         json.loads(text)
     except ValueError as exc:
         raise SessionCopyFailed(f"opencode export {session_id} printed no JSON ({exc})") from None
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=scratch) as handle:
         handle.write(text)
     try:
-        proc = subprocess.run([opencode_bin(), "import", handle.name], cwd=new_dir, env=run_env,
+        argv, call_env = boxed([opencode_bin(), "import", handle.name])
+        proc = subprocess.run(argv, cwd=new_dir, env=call_env,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     finally:
         os.unlink(handle.name)
@@ -1294,7 +1307,8 @@ def _migrations_done(db: Path) -> int | None:
 
 def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_WAIT_SEC,
                         stopping: Callable[[], bool] = lambda: False,
-                        say: Callable[[str], None] | None = None) -> str | None:
+                        say: Callable[[str], None] | None = None, data_home: str | None = None,
+                        box: Any = None) -> str | None:
     """Have one OpenCode process create and migrate OpenCode's database before others start beside
     it (see above): ``opencode session list --pure`` (~1.3 s), run only when this binary (its path,
     size and mtime) has not done it for this database yet: ``.taskbridge-prepared`` beside the
@@ -1303,7 +1317,9 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
     from doing it at once; it is waited for up to ``lock_wait_sec`` seconds, or until
     ``stopping()`` (whoever holds it longer, an agent's shell included, is not waited for; a wait
     is told to ``say`` in one line first), and OpenCode's command up to ``timeout_sec`` (its whole
-    process group is ended then).
+    process group is ended then). ``data_home``: the database's ``XDG_DATA_HOME`` (default the
+    environment's); ``box``: ``(argv, env) -> (argv, env)`` running OpenCode in the agent's box
+    (agent_box.call_box: the box's data folder, which runs write, is only read in a box).
 
     Returns None when the database is ready, else one line saying why it could not be made ready
     (the runs then start as they would have: nothing is lost)."""
@@ -1312,7 +1328,7 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
         found = os.stat(binary)
     except (OpencodeNotFound, OSError) as exc:
         return f"OpenCode's database was not prepared: {exc}"
-    db = opencode_db_path()
+    db = opencode_db_path({**os.environ, "XDG_DATA_HOME": data_home} if data_home else None)
     stamp, lock = db.parent / DB_PREPARED, db.parent / DB_PREPARE_LOCK
     key = [binary, found.st_size, found.st_mtime_ns]
 
@@ -1338,7 +1354,7 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
             return f"OpenCode's database was not prepared: {refused if stopping() else f'{lock} was {refused}'}"
         if ready():   # another worker did it while this one waited
             return None
-        problem = _run_session_list(binary, db, timeout_sec)
+        problem = _run_session_list(binary, db, timeout_sec, box)
         if problem:
             return f"OpenCode's database was not prepared ({problem})"
         done = _migrations_done(db)
@@ -1351,12 +1367,15 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
         os.close(fd)   # releases the flock
 
 
-def _run_session_list(binary: str, db: Path, timeout_sec: float) -> str | None:
-    """``opencode session list --pure`` with the database folder named absolutely; None, or what
-    went wrong in a few words. On a timeout its whole process group is ended."""
-    env = {**os.environ, "XDG_DATA_HOME": str(db.parent.parent)}
+def _run_session_list(binary: str, db: Path, timeout_sec: float, box: Any = None) -> str | None:
+    """``opencode session list --pure`` with the database folder named absolutely (in ``box``
+    when given, see prepare_opencode_db); None, or what went wrong in a few words. On a timeout
+    its whole process group is ended."""
+    argv, env = [binary, "session", "list", "--pure"], {**os.environ, "XDG_DATA_HOME": str(db.parent.parent)}
+    if box is not None:
+        argv, env = box(argv, env)
     try:
-        proc = subprocess.Popen([binary, "session", "list", "--pure"], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
     except OSError as exc:

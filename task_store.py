@@ -1276,7 +1276,7 @@ def _private_folder(path: str) -> str | None:
     places = [(os.path.join(xdg["XDG_STATE_HOME"], "taskbridge"), "TaskBridge's state folder (every queue's task "
                "worktrees)"),
               (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes, "
-               "OpenCode's cache and state for boxed runs)"),
+               "OpenCode's folders for boxed runs)"),
               (os.path.join(xdg["XDG_DATA_HOME"], "opencode"), "OpenCode's data folder (every session and the "
                "providers' credentials)"),
               (os.path.join(xdg["XDG_CONFIG_HOME"], "opencode"), "OpenCode's configuration folder"),

@@ -21,12 +21,14 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from typing_extensions import TypedDict
 
+import agent_box
 import opencode_runner as oc
 import process_tree
 import redaction
@@ -571,6 +573,15 @@ def line_of_work(task: dict[str, Any]) -> list[dict[str, Any]]:
     return line
 
 
+
+def _export(session_id: str, cwd: str) -> dict[str, Any]:
+    """``oc.export_session`` where the runs keep their sessions: in the box's data folder, read
+    in a box, when runs are boxed here (agent_box.call_box); else in yours, in ``cwd``."""
+    with tempfile.TemporaryDirectory(prefix="taskbridge-export-") as scratch:
+        box = agent_box.call_box(Path(scratch))
+        return oc.export_session(session_id, str(Path(scratch) / "cwd") if box else cwd, box=box)
+
+
 def transcript(task_id: Any, offset: int = 0, limit: int = 20) -> dict[str, Any]:
     """The whole conversation of a task's line of work (the task, and the tasks it follows up or
     forks from), paged by turn: ``{"task_id", "line": [ids, first first], "session_id",
@@ -594,11 +605,12 @@ def transcript(task_id: Any, offset: int = 0, limit: int = 20) -> dict[str, Any]
         cwd = holder.get("worktree_path") if holder.get("worktree_path") and os.path.isdir(holder["worktree_path"]) \
             else holder["working_dir"]
         try:
-            turns = oc.session_turns(oc.export_session(holder["session_id"], cwd if os.path.isdir(cwd) else "/"))
+            turns = oc.session_turns(_export(holder["session_id"], cwd if os.path.isdir(cwd) else "/"))
             source = "opencode session"
             if holder is not task:
                 note = f"{task['id']} has no session yet: this is the line so far, in {holder['id']}'s session"
-        except (oc.SessionCopyFailed, oc.OpencodeNotFound, subprocess.TimeoutExpired, OSError) as exc:
+        except (oc.SessionCopyFailed, oc.OpencodeNotFound, subprocess.TimeoutExpired, OSError,
+                agent_box.BoxSettingError) as exc:
             note = f"OpenCode could not give session {holder['session_id']} ({exc}); rebuilt from the task logs"
     if turns is None:
         turns = [turn for t in line for turn in _turns_from_log(t)]

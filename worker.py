@@ -1887,12 +1887,16 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
     elif not session and task.get("continue_from"):
         session, how = parent["session_id"], f"continued {parent['id']}'s OpenCode session {parent['session_id']}"
     elif not session:
-        try:
+        probe = fresh_run_folder(task["id"], f".copy-{secrets.token_hex(3)}")
+        try:   # in the task's box: the session is in the box's data folder, which only a box reads
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
-                                      ws.top or ws.cwd, setup.env)
+                                      ws.top or ws.cwd, setup.env, box=lambda argv, env: _boxed(
+                                          task, ws, setup.box, probe, argv, env), scratch=str(probe / "control"))
             how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
     if session:
         run = _attempt(task, ws, knobs, model, setup, prompt, session, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
@@ -2899,7 +2903,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
         # registered in the user's repository until a warm pass)
         engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
         # OpenCode processes may start side by side (slots, kept servers, other queues' workers)
-        problem = oc.prepare_opencode_db(stopping=lambda: current().flags.stopping, say=log)
+        problem = _prepare_opencode_db()
         if problem:
             log(problem, talk.VERBOSE)
         engines = current().engines = _start_engines(slots, watch) if knobs.engine else None
@@ -2909,6 +2913,18 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
             current().engines = None
             if engines is not None:
                 engines.stop_all(knobs.kill_grace_sec)
+
+
+def _prepare_opencode_db() -> str | None:
+    """``oc.prepare_opencode_db`` for the database the runs use: the box's (in a box) when runs
+    are boxed, else yours. None, or one line on why it was not prepared."""
+    with tempfile.TemporaryDirectory(prefix="taskbridge-prepare-") as scratch:
+        try:
+            box = agent_box.call_box(Path(scratch))
+        except agent_box.BoxSettingError as exc:
+            return f"OpenCode's database was not prepared: {exc}"
+        return oc.prepare_opencode_db(stopping=lambda: current().flags.stopping, say=log, box=box,
+                                      data_home=agent_box.box_vars()["XDG_DATA_HOME"] if box else None)
 
 
 def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:

@@ -178,10 +178,12 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
     if binary:
         env["OPENCODE_BIN"] = binary
         template = prepared_data(binary)
-        if template is not None:
-            (dirs["data"] / "opencode").mkdir(exist_ok=True)
+        # yours, and the boxed runs' own (agent_box.box_home: <XDG_CACHE_HOME>/taskbridge/opencode-box/data)
+        box_data = dirs["cache"] / "taskbridge" / "opencode-box" / "data"
+        for data in (dirs["data"], box_data) if template is not None else ():
+            (data / "opencode").mkdir(parents=True, exist_ok=True)
             for name in ("opencode.db", ".taskbridge-prepared"):
-                shutil.copyfile(template / "opencode" / name, dirs["data"] / "opencode" / name)
+                shutil.copyfile(template / "opencode" / name, data / "opencode" / name)
     return env
 
 

@@ -369,27 +369,44 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
 
-def test_a_run_cannot_make_opencodes_data_folder_load_its_code_outside_the_box(opencode, tmp_path):
-    """OpenCode's data folder is shared with your own, unboxed OpenCode (and TaskBridge's own
-    calls: models, export, import). A run that adds a ``wellknown`` entry to ``auth.json`` makes
-    every later OpenCode fetch a config (``file://`` too) and load its plugins, outside the box
-    (a hostile tester read the token that way); a git filter planted in ``snapshot/`` runs in
-    your next `opencode`. Those parts are read-only to the run (agent_box.DATA_READ_ONLY_*);
-    its sessions still go to the data folder, and snapshots are off for runs."""
+PLANT_ACCOUNT = """
+import json, os, sqlite3, time
+d = os.environ["XDG_DATA_HOME"] + "/opencode"
+os.makedirs(d + "/acct/api", exist_ok=True)
+open(d + "/p.js", "w").write("import fs from 'fs'; fs.writeFileSync('CANARY', 'ran');\\n"
+                             "export const P = async () => ({});\\n")
+open(d + "/acct/api/config", "w").write(json.dumps({"config": {"plugin": ["file://" + d + "/p.js"]}}))
+c = sqlite3.connect(d + "/opencode.db", timeout=20)
+now = int(time.time() * 1000)
+c.execute("insert or replace into account (id, email, url, access_token, refresh_token, token_expiry, time_created, "
+          "time_updated) values ('a1', 'a@b', ?, 't', 'r', ?, ?, ?)", ("file://" + d + "/acct", now + 10**12, now, now))
+c.execute("insert or replace into account_state (id, active_account_id, active_org_id) values (1, 'a1', 'o1')")
+c.commit()
+print("planted-account")
+"""
+
+
+def test_a_run_cannot_make_opencode_load_its_code_outside_the_box(opencode, tmp_path):
+    """OpenCode loads configuration its data folder names: a ``wellknown`` entry in ``auth.json``,
+    an active account in ``opencode.db`` (its config fetched from the account's URL, ``file://``
+    too: plugins, MCP commands, ``{file:}`` references). Two hostile testers made TaskBridge's
+    own unboxed OpenCode calls (models, a fork's export and import) and the user's `opencode`
+    load a run's plugin that way and read the token. A boxed run's data folder is the box's own
+    (agent_box.box_home), read only inside a box (a fork's copy, a transcript: call_box); yours
+    is hidden from it; your keys are bound into it read-only."""
     import opencode_runner as oc
+    import task_views
     repo = make_repo(tmp_path / "repo")
-    data = Path(opencode.env["XDG_DATA_HOME"]) / "opencode"
+    yours = Path(opencode.env["XDG_DATA_HOME"]) / "opencode"
+    (yours / "auth.json").write_text(json.dumps({"fake": {"type": "api", "key": "your-key"}}))
     canary = tmp_path / "canary"
-    (data / "wk" / ".well-known").mkdir(parents=True)   # what the run would have made (the folder is writable)
-    (data / "p.js").write_text(f"import fs from 'fs'; fs.writeFileSync('{canary}', 'ran');\n"
-                               "export const P = async () => ({});\n")
-    (data / "wk" / ".well-known" / "opencode").write_text(json.dumps({"config": {"plugin": [f"{data}/p.js"]}}))
-    entry = json.dumps({f"file://{data}/wk": {"type": "wellknown", "key": "TBX", "token": "y"}})
+    wellknown = json.dumps({"file:///x": {"type": "wellknown", "key": "K", "token": "t"}})
     opencode.model.script("plant", [
-        bash(f"cd {data}; echo '{entry}' > auth.json; echo auth-$?; echo '{entry}' > /tmp/a.json; "
-             f"mv -f /tmp/a.json auth.json; echo auth-mv-$?; echo '{{}}' > mcp-auth.json; echo mcp-$?; "
-             "mkdir snapshot/x repos/x worktree/x; echo git-folders-$?; "
-             "mkdir -p tool-output && touch tool-output/mine; echo tool-output-$?"),
+        bash(f"ls -A {yours} | wc -l; echo x > {yours}/auth.json; "
+             "cat \"$XDG_DATA_HOME/opencode/auth.json\"; echo; "
+             f"echo '{wellknown}' > \"$XDG_DATA_HOME/opencode/auth.json\"; echo box-auth-$?; "
+             "cat > /tmp/plant.py <<'EOF'\n" + PLANT_ACCOUNT.replace("CANARY", str(canary)) + "\nEOF\n"
+             "python3 /tmp/plant.py"),
         text("Planted.\n" + DONE),
     ])
     task = submit(repo, script="plant")
@@ -397,13 +414,18 @@ def test_a_run_cannot_make_opencodes_data_folder_load_its_code_outside_the_box(o
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
     seen = outputs(done)
-    for refused in ("auth", "auth-mv", "mcp", "git-folders"):
-        assert f"{refused}-0" not in seen, seen
-    assert "tool-output-0" in seen, seen                      # the rest of the data folder is the run's
-    assert json.loads((data / "auth.json").read_text()) == {} and not list((data / "snapshot").iterdir())
-    assert done["session_id"]                                 # its session is in the data folder
-    oc.list_models()                                          # TaskBridge's own unboxed OpenCode call
-    assert not canary.exists()
+    assert seen.startswith("bash: 0\n") and "{\"fake\": {\"type\": \"api\"" in seen, seen   # yours hidden; your keys in
+    assert "box-auth-0" not in seen and "planted-account" in seen, seen
+    assert json.loads((yours / "auth.json").read_text()) == {"fake": {"type": "api", "key": "your-key"}}
+    oc.list_models()                                            # TaskBridge's own OpenCode call, unboxed
+    assert task_views.transcript(task["id"])["source"] == "opencode session"   # read in a box
+    opencode.model.script("fork", [text("Forked.\n" + DONE)])
+    fork = submit(None, script="fork", fork_from=task["id"])    # its session copied in a box
+    assert run_script("worker.py").returncode == 0
+    forked = task_store.get_task(fork["id"])
+    assert forked["status"] == "done" and "a copy (" in json.dumps(forked), forked
+    assert not canary.exists()                                  # the run's plugin never ran outside a box
+
 
 # ---------------------------------------------------------------------------------------------
 # The pieces, without a run.

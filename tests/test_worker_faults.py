@@ -13,10 +13,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+import agent_box
 import opencode_runner
 import process_tree
 import task_store
@@ -254,11 +256,17 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
 
 
 def fresh_opencode_data() -> Path:
-    """Remove the prepared OpenCode database the fixture copied in (a user's first run); its path."""
-    db = opencode_runner.opencode_db_path()
+    """Remove the prepared OpenCode database the fixture copied into the box's data folder (the
+    one boxed runs use, which a pass prepares: agent_box.box_home), as at a first run; its path."""
+    db = opencode_runner.opencode_db_path({"XDG_DATA_HOME": agent_box.box_vars()["XDG_DATA_HOME"]})
     for path in (db, db.parent / opencode_runner.DB_PREPARED):
         path.unlink(missing_ok=True)
     return db
+
+
+def prepare(db: Path, **kw: Any) -> str | None:
+    """``prepare_opencode_db`` for ``db`` (the box's, made here without a box)."""
+    return opencode_runner.prepare_opencode_db(data_home=str(db.parent.parent), **kw)
 
 
 def test_opencodes_database_is_made_once_per_binary(opencode, monkeypatch):
@@ -267,16 +275,16 @@ def test_opencodes_database_is_made_once_per_binary(opencode, monkeypatch):
     real_popen, calls = subprocess.Popen, []
     monkeypatch.setattr(opencode_runner.subprocess, "Popen",
                         lambda argv, **kw: calls.append(argv) or real_popen(argv, **kw))
-    assert opencode_runner.prepare_opencode_db() is None
+    assert prepare(db) is None
     assert db.exists() and [argv[1:] for argv in calls] == [["session", "list", "--pure"]]
     mark = json.loads(stamp.read_text())
     assert mark["binary"][0] == opencode_runner.opencode_bin() and mark["migrations"] > 0
-    assert opencode_runner.prepare_opencode_db() is None
+    assert prepare(db) is None
     assert len(calls) == 1, "a second pass with the same binary and database asks OpenCode nothing"
     db.unlink()   # the database gone: made again
-    assert opencode_runner.prepare_opencode_db() is None and len(calls) == 2 and db.exists()
+    assert prepare(db) is None and len(calls) == 2 and db.exists()
     stamp.write_text(json.dumps({**mark, "binary": ["/elsewhere/opencode", 1, 1]}))   # another binary's mark
-    assert opencode_runner.prepare_opencode_db() is None and len(calls) == 3
+    assert prepare(db) is None and len(calls) == 3
 
 
 def test_a_held_preparation_lock_is_waited_for_briefly_said_and_left_at_a_stop(opencode):
@@ -287,10 +295,10 @@ def test_a_held_preparation_lock_is_waited_for_briefly_said_and_left_at_a_stop(o
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
         said: list[str] = []
-        problem = opencode_runner.prepare_opencode_db(lock_wait_sec=0.5, say=said.append)
+        problem = prepare(db, lock_wait_sec=0.5, say=said.append)
         assert problem is not None and "was held for over 0.5 s" in problem and not db.exists()
         assert len(said) == 1 and said[0].startswith("waiting up to 0.5 s for another process"), said
-        stopping = opencode_runner.prepare_opencode_db(lock_wait_sec=60, stopping=lambda: True)
+        stopping = prepare(db, lock_wait_sec=60, stopping=lambda: True)
         assert stopping is not None and stopping.endswith("the worker is stopping")
         # a worker told to stop while it waits stops at once, and said why it waited
         proc = start_worker("--watch")
