@@ -41,6 +41,14 @@ def secrets(tmp_path, monkeypatch):
     return token_dir
 
 
+def run_to_done(task: dict) -> tuple[dict, str]:
+    """One worker pass; ``task`` as it ended (it must be done) and its tools' outputs."""
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    return done, outputs(done)
+
+
 def test_no_secret_reaches_the_agent(opencode, tmp_path, secrets):
     repo = make_repo(tmp_path / "repo")
     db = task_store.db_path()
@@ -51,10 +59,7 @@ def test_no_secret_reaches_the_agent(opencode, tmp_path, secrets):
         text("Looked.\n" + DONE),
     ])
     task = submit(repo, script="env")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert "0\nprobed" in seen, seen          # not one secret in env, /proc or the files
     assert MARK not in seen
     assert done["result"]["sandbox"]["box"].startswith("bubblewrap")
@@ -97,10 +102,7 @@ def test_the_agent_cannot_touch_the_queue_its_rules_or_the_repository_config(ope
     )
     task = submit(repo, script="raid", rules={"bash": {"cat /etc/passwd*": "deny"}})
     assert task["id"] == "t_0002"
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert "db-0" not in seen and "db-1" in seen                  # the queue is out of reach
     assert task_store.get_task(victim["id"])["max_cost_usd"] == 1.0
     assert (repo / ".git" / "config").read_bytes() == config_before
@@ -156,10 +158,7 @@ def test_the_shell_cannot_forge_opencodes_event_stream(opencode, tmp_path):
              "echo forged-into-$n; ls /proc/1/fd 2>&1 | head -1"),
         text("Done.\n" + DONE)])
     task = submit(repo, script="forge")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert done["usage"]["cost_usd"] < 1, done["usage"]
     assert "Permission denied" in seen
     assert done["result"]["sandbox"]["processes"].startswith("enforced by Landlock")
@@ -230,10 +229,7 @@ def test_readonly_worktree_write_fails_when_made(opencode, tmp_path):
         text("Tried.\n" + DONE),
     ])
     task = submit(repo, script="ro", permission="readonly", worktree_keep=True)
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert "Read-only file system" in seen and "inside-1" in seen and "outside-1" in seen
     assert done["result"]["files_touched"] == [] and done["result"]["files_reverted"] == []
     assert done["result"]["changed_outside_worktree"] == []
@@ -357,10 +353,7 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
         text("Planted.\n" + DONE),
     ])
     task = submit(repo, script="plant")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert "yours-cache-1" in seen and "yours-state-1" in seen, seen   # read-only to the run
     assert "box-cache-0" in seen and "box-state-0" in seen, seen       # OpenCode's own still works
     assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
@@ -410,10 +403,7 @@ def test_a_run_cannot_make_opencode_load_its_code_outside_the_box(opencode, tmp_
         text("Planted.\n" + DONE),
     ])
     task = submit(repo, script="plant")
-    assert run_script("worker.py").returncode == 0
-    done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
-    seen = outputs(done)
+    done, seen = run_to_done(task)
     assert seen.startswith("bash: 0\n") and "{\"fake\": {\"type\": \"api\"" in seen, seen   # yours hidden; your keys in
     assert "box-auth-0" not in seen and "planted-account" in seen, seen
     assert json.loads((yours / "auth.json").read_text()) == {"fake": {"type": "api", "key": "your-key"}}
