@@ -1342,7 +1342,7 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
         return None
     try:
         os.makedirs(db.parent, exist_ok=True)   # OpenCode makes it too, with the same default mode
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)   # runs write there
     except OSError as exc:
         return f"OpenCode's database was not prepared: {exc}"
     try:

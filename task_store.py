@@ -319,10 +319,14 @@ def append_private(path: Path) -> BinaryIO:
 def write_private(path: Path, data: str | bytes) -> None:
     """Write ``data`` to ``path`` atomically as a 0600 file, never readable by others even for a
     moment: every file TaskBridge writes beside the database (and its token) goes through here.
-    The folder must exist (no folder is made: a mistyped path must not grow one). Raises OSError."""
+    The folder must exist (no folder is made: a mistyped path must not grow one). The temporary
+    file is made anew, never opened through a link (the box's data folder, where its preparation
+    stamp goes, is writable to runs). Raises OSError."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()   # a killed process's with this pid and thread, or a link planted there
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600),
                        "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
         os.replace(tmp, path)

@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -321,6 +322,25 @@ def test_a_database_that_cannot_be_made_is_said_and_nothing_is_stamped(monkeypat
     assert not (tmp_path / "data" / "opencode" / opencode_runner.DB_PREPARED).exists()
     monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "nowhere" / "opencode"))
     assert "not found" in opencode_runner.prepare_opencode_db()
+
+
+def test_the_preparation_follows_no_link_a_run_planted_beside_the_database(monkeypatch, tmp_path):
+    """The box's data folder is writable to runs: a link planted as the preparation's lock, or as
+    the temporary file its stamp is written through, makes TaskBridge (outside the box) create or
+    overwrite nothing where it leads (a hostile tester's finding)."""
+    monkeypatch.setenv("OPENCODE_BIN", shutil.which("true") or "/bin/true")
+    data = tmp_path / "data" / "opencode"
+    data.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    (data / opencode_runner.DB_PREPARE_LOCK).symlink_to(victim)
+    said = prepare(data / "opencode.db")
+    assert said is not None and "was not prepared" in said and not victim.exists(), said
+    victim.write_text("yours\n")
+    stamp = data / opencode_runner.DB_PREPARED
+    planted = stamp.with_name(f".{stamp.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    planted.symlink_to(victim)
+    task_store.write_private(stamp, "{}")
+    assert stamp.read_text() == "{}" and not stamp.is_symlink() and victim.read_text() == "yours\n"
 
 
 def test_a_one_slot_worker_prepares_opencodes_database_too(opencode, tmp_path):
