@@ -348,8 +348,9 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     and queue tag (inherited by every descendant, so a sweep can find stragglers), sharing off
     (``OPENCODE_DISABLE_SHARE=1`` and ``"share": "disabled"`` over every config: no session goes
     to OpenCode's public share service, whatever the user's or the repository's config says),
-    OpenCode's own snapshots off (``"snapshot": false``: TaskBridge reads the changes from git,
-    and the box keeps the snapshots' git folders read-only), and for a restricted task its rules
+    OpenCode's own snapshots off (``"snapshot": false``: TaskBridge reads the changes from git;
+    OpenCode would keep a git repository per task worktree in its data folder and snapshot the
+    worktree into it at every step), and for a restricted task its rules
     pinned for every agent (see ``pin_rules``) inside ``OPENCODE_CONFIG_CONTENT`` (merged over
     the user's own content, never replacing it).
 
@@ -366,7 +367,7 @@ def run_env(base: dict[str, str], cwd: str, marker: str, queue: str, permission:
     env["OPENCODE_DISABLE_SHARE"] = "1"
     content = _config_content(env)
     content["share"] = "disabled"
-    content["snapshot"] = False   # its git folders are read-only to the run (agent_box.DATA_READ_ONLY_FOLDERS)
+    content["snapshot"] = False
     env["OPENCODE_CONFIG_CONTENT"] = json.dumps(content)
     rules = PERMISSION_RULES[permission]
     if rules:
