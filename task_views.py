@@ -573,7 +573,6 @@ def line_of_work(task: dict[str, Any]) -> list[dict[str, Any]]:
     return line
 
 
-
 def _export(session_id: str, cwd: str) -> dict[str, Any]:
     """``oc.export_session`` where the runs keep their sessions: in the box's data folder, read
     in a box, when runs are boxed here (agent_box.call_box); else in yours, in ``cwd``."""
