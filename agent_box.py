@@ -340,9 +340,45 @@ def hooks_in_tree(top: str) -> list[str]:
     return found
 
 
-# What OpenCode writes into its config folder at start when it is missing (1.18.33): made by the
-# worker instead, so the folder can stay read-only to the run.
+# What OpenCode writes into each folder it reads configuration from (its config folder, every
+# project ``.opencode/``) at start when it is missing (1.18.33; it fails with "Unexpected error"
+# when it cannot): made by the worker instead, so those folders can stay read-only to the run.
 CONFIG_GITIGNORE = "node_modules\npackage.json\npackage-lock.json\nbun.lock\n.gitignore\n"
+
+
+def project_config_folders(cwd: str) -> list[str]:
+    """The ``.opencode`` folders OpenCode reads for a run in ``cwd``: in ``cwd`` and each folder
+    above it up to the checkout's top (the first holding a ``.git``), or up to ``/`` outside a
+    checkout (as OpenCode looks them up, 1.18.33)."""
+    found, folder = [], os.path.abspath(cwd)
+    while True:
+        if os.path.isdir(os.path.join(folder, ".opencode")):
+            found.append(os.path.join(folder, ".opencode"))
+        if os.path.lexists(os.path.join(folder, ".git")) or os.path.dirname(folder) == folder:
+            return found
+        folder = os.path.dirname(folder)
+
+
+def ensure_gitignore(folders: Iterable[str]) -> None:
+    """Write CONFIG_GITIGNORE as ``.gitignore`` into each of ``folders`` that lacks one, so an
+    OpenCode that may not write there still starts. Never through a symbolic link (a run may have
+    made the folder one, or planted the file as one); a folder that cannot be written is left as
+    it is (OpenCode then says so itself)."""
+    for folder in folders:
+        try:
+            handle = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            made = os.open(".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=handle)
+            try:
+                os.write(made, CONFIG_GITIGNORE.encode())
+            finally:
+                os.close(made)
+        except OSError:
+            pass
+        finally:
+            os.close(handle)
 
 
 # OpenCode reads configuration from its data folder (``auth.json``'s ``wellknown`` entries, an
@@ -405,23 +441,32 @@ def box_vars() -> dict[str, str]:
 Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
 
-def call_box(scratch: Path) -> Hook | None:
-    """For TaskBridge's own OpenCode calls on the box's data folder (a session's export, the
-    database's preparation): a hook ``(argv, env) -> (argv, env)`` that runs the call in the box
-    of a readonly run in ``scratch`` (an empty folder of TaskBridge's; its ``cwd/`` and ``tmp/``
-    are made here), so what a run left in that data folder runs into nothing of yours; None when
-    runs are not boxed here (TASKBRIDGE_SANDBOX=off, or no box), and so use your own data folder.
-    Raises BoxSettingError for a bad knob."""
+def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = False) -> Hook | None:
+    """For TaskBridge's own OpenCode calls: a hook ``(argv, env) -> (argv, env)`` that runs the
+    call in the box of a readonly run in ``cwd`` (a project folder, which a run may have written:
+    the plugins and config OpenCode loads from it then run into nothing of yours), else in
+    ``scratch/cwd`` (made here, empty); ``scratch`` is an empty folder of TaskBridge's, holding the
+    box's ``tmp/``. OpenCode there reads the box's data folder, which runs write (sessions, the
+    database's preparation), and gets the allowlisted environment (``agent_env``): with
+    ``provider_keys``, every provider's key and endpoint variables too (``opencode models`` lists
+    the providers whose key it finds) and those your own configs name. None when runs are not
+    boxed here (TASKBRIDGE_SANDBOX=off, or no box): the call then runs unboxed, with your data
+    folder. Raises BoxSettingError for a bad knob."""
     box = choose("auto")
     if box.mechanism is None:
         return None
     mechanism = box.mechanism
     for sub in ("cwd", "tmp", "control", "reply", "objects"):
         (scratch / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+    where = cwd or str(scratch / "cwd")
+    # An in-place workspace: the project folder is bound at the path it was given, never resolved
+    # again (box_binds.py refuses one that a link leads elsewhere).
+    ws = worktrees.Workspace("in-place" if cwd else "worktree", where, top=where, repo=None)
 
     def hook(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        ws = worktrees.Workspace("worktree", str(scratch / "cwd"), top=str(scratch / "cwd"), repo=None)
-        env = {**agent_env(env, None), "TMPDIR": "/tmp"}   # none of TaskBridge's secrets
+        keys = [name for names in PROVIDER_ENV.values() for name in names] if provider_keys else []
+        env = {**agent_env(env, None, config_texts(env) if provider_keys else ()),
+               **{k: env[k] for k in keys if k in env and k not in NEVER}, "TMPDIR": "/tmp", "PWD": where}
         return wrap(mechanism, plan_for(ws, env, "readonly", scratch), argv), env
     return hook
 
@@ -439,11 +484,10 @@ def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
     for folder, name in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            if folder == config and not (folder / ".gitignore").exists():
-                (folder / ".gitignore").write_text(CONFIG_GITIGNORE)
         except OSError as exc:
             raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
                                  f"point {name} at a folder you can write, then retry the task") from None
+    ensure_gitignore([os.path.realpath(config)])   # yours: a dotfiles link is followed
     return str(config), [str(folder) for folder, _name in folders[1:]]
 
 
@@ -519,6 +563,11 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     plan.hidden = data_paths(env)
     git_binds(plan, top, writable, run_dir / "objects")
     config, state = opencode_dirs(env)
+    # The project's .opencode folders (a run may have made them links: not followed) and yours
+    # (~/.opencode, OPENCODE_CONFIG_DIR: followed) are read-only here but in a writable worktree,
+    # where OpenCode would write the same file.
+    yours = [os.path.join(env.get("HOME") or str(Path.home()), ".opencode"), env.get("OPENCODE_CONFIG_DIR")]
+    ensure_gitignore(project_config_folders(cwd) + [os.path.realpath(path) for path in yours if path])
     plan.writable = _existing([top if writable else None], resolve=False) + _existing(state) + plan.writable
     plan.read_only.append(os.path.realpath(config))
     plan.mounts = credential_binds(os.path.realpath(state[0]))

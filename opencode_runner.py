@@ -24,7 +24,7 @@ import sqlite3
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -102,12 +102,14 @@ class UnknownName(ValueError):
 
 def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
     """The names of the skills OpenCode offers for a run in ``cwd`` (``opencode debug skill``:
-    built-in, global, project and external skill folders), cached like `known_models`.
-    Raises OpencodeNotFound, or RuntimeError with OpenCode's message."""
+    built-in, global, project and external skill folders), asked as `own_call` asks, cached like
+    `known_models`. Raises OpencodeNotFound, or RuntimeError with OpenCode's message."""
     def run() -> list[str]:
-        proc = subprocess.run([opencode_bin(), "debug", "skill"], cwd=cwd, env={**os.environ, "PWD": cwd},
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec,
-                              start_new_session=True)
+        with own_call(cwd) as (box, where):
+            argv, env = [opencode_bin(), "debug", "skill"], {**os.environ, "PWD": where}
+            argv, env = box(argv, env) if box else (argv, env)
+            proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=timeout_sec, start_new_session=True)
         start = proc.stdout.find("[")
         try:
             if proc.returncode == 0 and start >= 0:
@@ -120,9 +122,9 @@ def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
 
 def offered_subagents(cwd: str) -> list[str]:
     """The agents the task tool can start in ``cwd``: OpenCode's native sub-agents (general,
-    explore) and every agent of the resolved config whose mode is subagent or all (and not
-    disabled). Raises ConfigProblem / OpencodeNotFound."""
-    config = resolved_config({**os.environ, "PWD": cwd}, cwd)
+    explore) and every agent of the resolved config (`own_config`) whose mode is subagent or all
+    (and not disabled). Raises ConfigProblem / OpencodeNotFound."""
+    config = own_config(cwd)
     found = ["general", "explore"]
     for name, block in (config.get("agent") or {}).items():
         block = block if isinstance(block, dict) else {}
@@ -131,6 +133,36 @@ def offered_subagents(cwd: str) -> list[str]:
         elif block.get("mode") in ("subagent", "all") and name not in found:
             found.append(name)
     return found
+
+
+@contextlib.contextmanager
+def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Any, str]]:
+    """Where TaskBridge's own OpenCode call that reads configuration runs (``debug config``,
+    ``debug skill``, ``models``): yields ``(box, where)``, ``box`` the hook
+    ``(argv, env) -> (argv, env)`` of agent_box.call_box (the box of a readonly run in ``cwd``,
+    or in an empty folder of its own when ``cwd`` is None), None when runs are not boxed here, and
+    ``where`` the folder to run in. OpenCode loads the plugins of the project folder and of the
+    configuration its data folder names (an account's, a ``wellknown`` entry's); a run may have
+    written both (an in-place task's folder, the box's data folder), so their code runs boxed,
+    away from TaskBridge's environment. ``provider_keys``: see call_box. Raises RuntimeError
+    for a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
+    import agent_box   # here, not at the top: agent_box imports connectors, which imports this module
+    with tempfile.TemporaryDirectory(prefix="taskbridge-ask-") as scratch:
+        try:
+            box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys)
+        except agent_box.BoxSettingError as exc:
+            raise RuntimeError(str(exc)) from None
+        where = cwd or str(Path(scratch) / "cwd")
+        os.makedirs(where, exist_ok=True)
+        yield box, where
+
+
+def own_config(cwd: str | None, timeout_sec: float = 60) -> dict[str, Any]:
+    """`resolved_config` for a run in ``cwd`` (None: outside any project), asked as `own_call`
+    asks, in the worker's environment (unboxed) or the allowlisted one (boxed). Raises
+    ConfigProblem / OpencodeNotFound, RuntimeError for a bad box knob."""
+    with own_call(cwd) as (box, where):
+        return resolved_config({**os.environ, "PWD": where}, where, timeout_sec, box=box)
 
 
 def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
@@ -1260,11 +1292,13 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
 
     Raises OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown provider).
     """
-    argv = [opencode_bin(), "models"] + ([provider] if provider else []) + ["--verbose"]
-    # A session of its own: a worker's first Ctrl-C (which finishes the work in hand) must not
-    # kill a listing it needs.
-    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout_sec, start_new_session=True)
+    with own_call(None, provider_keys=True) as (box, where):
+        argv, env = [opencode_bin(), "models"] + ([provider] if provider else []) + ["--verbose"], dict(os.environ)
+        argv, env = box(argv, env) if box else (argv, env)
+        # A session of its own: a worker's first Ctrl-C (which finishes the work in hand) must not
+        # kill a listing it needs.
+        proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout_sec, start_new_session=True)
     if proc.returncode != 0:
         raise RuntimeError(opencode_error(proc, "opencode models"))
     return _parse_verbose_models(proc.stdout)
@@ -1414,9 +1448,11 @@ def user_config_files() -> list[Path]:
 
 
 def _setup_key(*extra: Any) -> str:
-    """What an answer of OpenCode's depends on: its binary, config env and config files' mtimes."""
+    """What an answer of OpenCode's depends on: its binary, config env, whether and where it is boxed
+    (TASKBRIDGE_SANDBOX, the box's folders under XDG_CACHE_HOME) and config files' mtimes."""
     names = ("OPENCODE_BIN", "OPENCODE_CONFIG", "OPENCODE_CONFIG_CONTENT", "OPENCODE_CONFIG_DIR",
-             "OPENCODE_DISABLE_PROJECT_CONFIG", "PATH", "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME")
+             "OPENCODE_DISABLE_PROJECT_CONFIG", "PATH", "HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME",
+             "XDG_CACHE_HOME", "TASKBRIDGE_SANDBOX")
     parts: list[Any] = [os.environ.get(name) for name in names]
     for path in user_config_files():
         try:
@@ -1482,20 +1518,20 @@ def known_models(provider: str | None = None, *, refresh: bool = False,
 def configured_model(cwd: str | None = None, *, refresh: bool = False,
                      cache_file: Path | None = None, ask: bool = True) -> str | None:
     """The ``model`` of OpenCode's own resolved config, as ``opencode debug config`` prints it
-    in ``cwd`` (default: the temp folder, outside any project): the global config
+    in ``cwd`` (default: an empty folder, outside any project; `own_config`): the global config
     (``$XDG_CONFIG_HOME/opencode/opencode.json[c]``), ``OPENCODE_CONFIG``, the project's
     ``opencode.json`` and ``OPENCODE_CONFIG_CONTENT``, merged the way OpenCode merges them.
     None when no model is set. Cached like `known_models`.
 
     Raises OpencodeNotFound, or RuntimeError with OpenCode's message (a config that is not valid
     JSON(C), for example)."""
-    where = os.path.abspath(cwd or tempfile.gettempdir())
+    where = os.path.abspath(cwd) if cwd else None
 
     def run() -> str | None:
-        model = resolved_config({**os.environ, "PWD": where}, where).get("model")
+        model = own_config(where).get("model")
         return model.strip() if isinstance(model, str) and model.strip() else None
 
-    return _cached("config " + _setup_key(where), run, refresh, cache_file, ask)
+    return _cached("config " + _setup_key(where or "-"), run, refresh, cache_file, ask)
 
 
 def first_usable(models: list[dict[str, Any]]) -> str | None:
