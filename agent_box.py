@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import connectors
+import knobs
+import opencode_runner as oc
 import task_store as store
 import worktrees
 
@@ -230,8 +232,7 @@ def config_texts(env: dict[str, str]) -> list[str]:
     """The texts of the OpenCode config files a run reads besides the project's own: the global
     config under XDG_CONFIG_HOME (or ~/.config), ``$OPENCODE_CONFIG`` and the inline content (for
     their ``{env:NAME}`` references)."""
-    config_home = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or Path.home()) / ".config")
-    paths = [config_home / "opencode" / name for name in ("opencode.json", "opencode.jsonc", "config.json")]
+    paths = [oc.config_dir(env) / name for name in ("opencode.json", "opencode.jsonc", "config.json")]
     if env.get("OPENCODE_CONFIG"):
         paths.append(Path(env["OPENCODE_CONFIG"]))
     texts = [env.get("OPENCODE_CONFIG_CONTENT", "")]
@@ -390,13 +391,6 @@ def ensure_gitignore(folders: Iterable[str]) -> None:
 CREDENTIALS = ("auth.json", "mcp-auth.json")
 
 
-def user_data_dir() -> str:
-    """Your OpenCode's data folder, which the box hides: ``$XDG_DATA_HOME/opencode`` of the
-    worker's environment (``~/.local/share/opencode``)."""
-    root = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return os.path.join(root, "opencode")
-
-
 def credential_binds(box_data: str) -> list[tuple[str, str]]:
     """(source, destination) read-only binds of CREDENTIALS into the box's data folder
     ``box_data``: each from your data folder (resolved) when it is a file there, else the box's
@@ -412,22 +406,21 @@ def credential_binds(box_data: str) -> list[tuple[str, str]]:
                 os.write(made, b"{}")
             finally:
                 os.close(made)
-        yours = os.path.realpath(os.path.join(user_data_dir(), name))
+        yours = os.path.realpath(oc.opencode_db_path().parent / name)
         binds.append((yours if os.path.isfile(yours) else dest, dest))
     return binds
 
 
-def box_home() -> str:
+def box_home(env: dict[str, str] | None = None) -> str:
     """Where OpenCode keeps its data (sessions), cache and state for every boxed run:
-    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/{data,cache,state}`` (the worker's
-    ``XDG_CACHE_HOME``, or ``~/.cache``). All three are writable to every run, and OpenCode runs
+    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/{data,cache,state}`` (the XDG_CACHE_HOME of ``env``,
+    default the worker's, or ``~/.cache``). All three are writable to every run, and OpenCode runs
     what it keeps in its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm
     plugins and providers) and loads configuration its data folder names (see CREDENTIALS): a
     run writing your own folders would plant code your next unboxed ``opencode`` runs. The box's
     are TaskBridge's, read only by OpenCode inside a box (``call_box`` for TaskBridge's own
     calls on them); OpenCode fills the cache on first use (downloads)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "taskbridge", "opencode-box")
+    return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-box")
 
 
 def box_vars() -> dict[str, str]:
@@ -447,11 +440,9 @@ def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = Fal
     the plugins and config OpenCode loads from it then run into nothing of yours), else in
     ``scratch/cwd`` (made here, empty); ``scratch`` is an empty folder of TaskBridge's, holding the
     box's ``tmp/``. OpenCode there reads the box's data folder, which runs write (sessions, the
-    database's preparation), and gets the allowlisted environment (``agent_env``): with
-    ``provider_keys``, every provider's key and endpoint variables too (``opencode models`` lists
-    the providers whose key it finds) and those your own configs name. None when runs are not
-    boxed here (TASKBRIDGE_SANDBOX=off, or no box): the call then runs unboxed, with your data
-    folder. Raises BoxSettingError for a bad knob."""
+    database's preparation), with the environment of ``call_env``. None when runs are not boxed
+    here (TASKBRIDGE_SANDBOX=off, or no box): the call then runs unboxed, with your data folder.
+    Raises BoxSettingError for a bad knob."""
     box = choose("auto")
     if box.mechanism is None:
         return None
@@ -464,11 +455,20 @@ def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = Fal
     ws = worktrees.Workspace("in-place" if cwd else "worktree", where, top=where, repo=None)
 
     def hook(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-        keys = [name for names in PROVIDER_ENV.values() for name in names] if provider_keys else []
-        env = {**agent_env(env, None, config_texts(env) if provider_keys else ()),
-               **{k: env[k] for k in keys if k in env and k not in NEVER}, "TMPDIR": "/tmp", "PWD": where}
+        env = {**call_env(env, where, provider_keys), "TMPDIR": "/tmp"}
         return wrap(mechanism, plan_for(ws, env, "readonly", scratch), argv), env
     return hook
+
+
+def call_env(env: dict[str, str], where: str, provider_keys: bool = False) -> dict[str, str]:
+    """The environment of TaskBridge's own OpenCode call in the folder ``where``, boxed or not:
+    the allowlist of ``agent_env`` (none of TaskBridge's secrets: a plugin OpenCode loads from a
+    folder a run wrote gets none of them) with ``PWD``; with ``provider_keys``, every provider's
+    key and endpoint variables (PROVIDER_ENV: ``opencode models`` lists the providers whose key
+    it finds) and those your own configs name."""
+    keys = [name for names in PROVIDER_ENV.values() for name in names] if provider_keys else []
+    return {**agent_env(env, None, config_texts(env) if provider_keys else ()),
+            **{k: env[k] for k in keys if k in env and k not in NEVER}, "PWD": where}
 
 
 def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
@@ -477,8 +477,7 @@ def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
     TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the box's
     own). Made when missing, with the ``.gitignore`` OpenCode insists on writing at start.
     Raises BoxUnavailable naming a folder that cannot be made and the variable that sets it."""
-    home = Path(env.get("HOME") or Path.home())
-    config = Path(env.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
+    config = oc.config_dir(env)
     folders = [(config, "XDG_CONFIG_HOME")] + [(Path(path) / "opencode", "XDG_CACHE_HOME")   # box_home's root
                                                for path in box_vars().values()]
     for folder, name in folders:
@@ -517,7 +516,7 @@ def data_paths(env: dict[str, str]) -> list[str]:
     exists (a bind needs its target)."""
     token = connectors.token_file()
     paths = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
-             str(token), str(token.parent / "oauth.json"), user_data_dir(),
+             str(token), str(token.parent / "oauth.json"), str(oc.opencode_db_path().parent),
              env.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees

@@ -1226,8 +1226,7 @@ def _cancel(runner: JobRunner, job: dict[str, Any]) -> CancelResult:
 
 def opencode_config_path() -> Path:
     """``$XDG_CONFIG_HOME/opencode/opencode.json`` (XDG default ``~/.config``)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "opencode" / "opencode.json"
+    return knobs.xdg_home("XDG_CONFIG_HOME") / "opencode" / "opencode.json"
 
 
 def opencode_entry() -> dict[str, Any]:

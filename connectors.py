@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import knobs
 import opencode_runner
 import task_store
 
@@ -160,8 +161,7 @@ def claude_desktop_config() -> Path:
         return Path(os.environ["CLAUDE_DESKTOP_CONFIG"]).expanduser()
     if platform.system() == "Darwin":
         return Path.home() / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "Claude" / "claude_desktop_config.json"
+    return knobs.xdg_home("XDG_CONFIG_HOME") / "Claude" / "claude_desktop_config.json"
 
 
 def write_claude_desktop(path: Path | None = None) -> tuple[Path, Path | None]:

@@ -22,6 +22,8 @@ import math
 import os
 import re
 import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
 
 DAY_SEC = 86_400.0
 # name -> (kind, default, lowest, highest): the knobs every entry point checks up front.
@@ -183,6 +185,20 @@ def _is_scheme(text: str) -> bool:
     """Whether ``text`` looks like a URL scheme (RFC 3986: a letter, then letters, digits, + - .)."""
     return bool(text) and text[0].isascii() and text[0].isalpha() and \
         all(ch.isascii() and (ch.isalnum() or ch in "+-.") for ch in text)
+
+
+# The XDG base folders and their defaults under HOME (the XDG Base Directory spec's).
+XDG_DEFAULTS = {"XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share", "XDG_STATE_HOME": ".local/state",
+                "XDG_CACHE_HOME": ".cache"}
+
+
+def xdg_home(name: str, env: Mapping[str, str] | None = None) -> Path:
+    """The XDG base folder ``name`` (a key of XDG_DEFAULTS) as ``env`` (default os.environ) sets
+    it, else its default under ``env``'s HOME (``~/.config``, ``~/.local/share``,
+    ``~/.local/state``, ``~/.cache``): how TaskBridge and OpenCode (xdg-basedir) find them on every
+    platform. Not resolved."""
+    found = os.environ if env is None else env
+    return Path(found.get(name) or Path(found.get("HOME") or Path.home()) / XDG_DEFAULTS[name])
 
 
 def select_database(flag: str | None) -> None:

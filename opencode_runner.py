@@ -30,6 +30,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import knobs
 from task_store import flock_wait, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
@@ -105,9 +106,8 @@ def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
     built-in, global, project and external skill folders), asked as `own_call` asks, cached like
     `known_models`. Raises OpencodeNotFound, or RuntimeError with OpenCode's message."""
     def run() -> list[str]:
-        with own_call(cwd) as (box, where):
-            argv, env = [opencode_bin(), "debug", "skill"], {**os.environ, "PWD": where}
-            argv, env = box(argv, env) if box else (argv, env)
+        with own_call(cwd) as (hook, where):
+            argv, env = hook([opencode_bin(), "debug", "skill"], dict(os.environ))
             proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                   text=True, timeout=timeout_sec, start_new_session=True)
         start = proc.stdout.find("[")
@@ -136,17 +136,18 @@ def offered_subagents(cwd: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Any, str]]:
-    """Where TaskBridge's own OpenCode call that reads configuration runs (``debug config``,
-    ``debug skill``, ``models``): yields ``(box, where)``, ``box`` the hook
-    ``(argv, env) -> (argv, env)`` of agent_box.call_box (the box of a readonly run in ``cwd``,
-    or in an empty folder of its own when ``cwd`` is None), None when runs are not boxed here, and
-    ``where`` the folder to run in. OpenCode loads the plugins of the project folder and of the
+def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Callable[..., Any], str]]:
+    """How TaskBridge's own OpenCode call that reads configuration runs (``debug config``,
+    ``debug skill``, ``models``): yields ``(hook, where)``, ``where`` the folder to run in
+    (``cwd``, or an empty folder of its own when ``cwd`` is None) and ``hook`` the
+    ``(argv, env) -> (argv, env)`` to run the call through: the box of a readonly run there
+    (agent_box.call_box) when runs are boxed here, else the environment alone
+    (agent_box.call_env). OpenCode loads the plugins of the project folder and of the
     configuration its data folder names (an account's, a ``wellknown`` entry's); a run may have
     written both (an in-place task's folder, the box's data folder), so their code runs boxed,
-    away from TaskBridge's environment. ``provider_keys``: see call_box. Raises RuntimeError
-    for a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
-    import agent_box   # here, not at the top: agent_box imports connectors, which imports this module
+    with none of TaskBridge's secrets. ``provider_keys``: see call_env. Raises RuntimeError for
+    a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
+    import agent_box  # here, not at the top: agent_box imports this module
     with tempfile.TemporaryDirectory(prefix="taskbridge-ask-") as scratch:
         try:
             box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys)
@@ -154,15 +155,14 @@ def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Any
             raise RuntimeError(str(exc)) from None
         where = cwd or str(Path(scratch) / "cwd")
         os.makedirs(where, exist_ok=True)
-        yield box, where
+        yield box or (lambda argv, env: (argv, agent_box.call_env(env, where, provider_keys))), where
 
 
 def own_config(cwd: str | None, timeout_sec: float = 60) -> dict[str, Any]:
     """`resolved_config` for a run in ``cwd`` (None: outside any project), asked as `own_call`
-    asks, in the worker's environment (unboxed) or the allowlisted one (boxed). Raises
-    ConfigProblem / OpencodeNotFound, RuntimeError for a bad box knob."""
-    with own_call(cwd) as (box, where):
-        return resolved_config({**os.environ, "PWD": where}, where, timeout_sec, box=box)
+    asks. Raises ConfigProblem / OpencodeNotFound, RuntimeError for a bad box knob."""
+    with own_call(cwd) as (hook, where):
+        return resolved_config(dict(os.environ), where, timeout_sec, box=hook)
 
 
 def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
@@ -1292,9 +1292,8 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
 
     Raises OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown provider).
     """
-    with own_call(None, provider_keys=True) as (box, where):
-        argv, env = [opencode_bin(), "models"] + ([provider] if provider else []) + ["--verbose"], dict(os.environ)
-        argv, env = box(argv, env) if box else (argv, env)
+    with own_call(None, provider_keys=True) as (hook, where):
+        argv, env = hook([opencode_bin(), "models", *([provider] if provider else []), "--verbose"], dict(os.environ))
         # A session of its own: a worker's first Ctrl-C (which finishes the work in hand) must not
         # kill a listing it needs.
         proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -1321,10 +1320,13 @@ def opencode_db_path(env: dict[str, str] | None = None) -> Path:
     """Where OpenCode keeps its database for ``env`` (default os.environ), made absolute:
     ``$XDG_DATA_HOME/opencode/opencode.db``, ``$HOME/.local/share`` when XDG_DATA_HOME is unset
     (what ``opencode db path`` prints, 1.18.33)."""
-    found = os.environ if env is None else env
-    home = Path(found.get("HOME") or Path.home())
-    data = Path(found.get("XDG_DATA_HOME") or home / ".local" / "share")
-    return Path(os.path.abspath(data / "opencode" / "opencode.db"))
+    return Path(os.path.abspath(knobs.xdg_home("XDG_DATA_HOME", env) / "opencode" / "opencode.db"))
+
+
+def config_dir(env: dict[str, str] | None = None) -> Path:
+    """OpenCode's global config folder for ``env`` (default os.environ): ``$XDG_CONFIG_HOME/opencode``,
+    ``~/.config/opencode`` when XDG_CONFIG_HOME is unset. Not resolved."""
+    return knobs.xdg_home("XDG_CONFIG_HOME", env) / "opencode"
 
 
 def _migrations_done(db: Path) -> int | None:
@@ -1440,9 +1442,7 @@ def user_config_files() -> list[Path]:
     """The files this user's OpenCode reads its config and provider credentials from, outside any
     project: the global config (``$XDG_CONFIG_HOME/opencode/opencode.json[c]``, ``config.json``),
     ``auth.json`` (what `opencode auth login` stores) and ``$OPENCODE_CONFIG``; missing ones too."""
-    home = Path(os.environ.get("HOME") or Path.home())
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "opencode"
-    data = opencode_db_path().parent
+    config, data = config_dir(), opencode_db_path().parent
     files = [config / "opencode.json", config / "opencode.jsonc", config / "config.json", data / "auth.json"]
     return files + ([Path(os.environ["OPENCODE_CONFIG"])] if os.environ.get("OPENCODE_CONFIG") else [])
 

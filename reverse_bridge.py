@@ -133,8 +133,7 @@ def registered(env: dict[str, str]) -> bool:
     ``mcp.claude-control`` in ``$XDG_CONFIG_HOME/opencode/opencode.json[c]`` (``~/.config``
     without XDG_CONFIG_HOME) or the ``OPENCODE_CONFIG`` file, the later file winning key by key,
     not disabled by ``OPENCODE_CONFIG_CONTENT``. A file that cannot be read counts as absent."""
-    home = env.get("HOME") or str(Path.home())
-    folder = Path(env.get("XDG_CONFIG_HOME") or Path(home) / ".config") / "opencode"
+    folder = oc.config_dir(env)
     files = [folder / "opencode.json", folder / "opencode.jsonc"]
     if env.get("OPENCODE_CONFIG"):
         files.append(Path(env["OPENCODE_CONFIG"]))

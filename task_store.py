@@ -1273,10 +1273,7 @@ def _private_folder(path: str) -> str | None:
     that holds one of those six at most HOLDING_DEPTH levels down, or a folder that holds a
     TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the
     box hides only the worker's own queue). None when it is none of them."""
-    home = os.path.expanduser("~")
-    xdg = {name: os.environ.get(name) or os.path.join(home, default) for name, default in (
-        ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share"),
-        ("XDG_CONFIG_HOME", ".config"))}
+    xdg = {name: str(knobs.xdg_home(name)) for name in knobs.XDG_DEFAULTS}
     places = [(os.path.join(xdg["XDG_STATE_HOME"], "taskbridge"), "TaskBridge's state folder (every queue's task "
                "worktrees)"),
               (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes, "

@@ -200,8 +200,7 @@ def worktree_root() -> Path:
     configured = os.environ.get("TASKBRIDGE_WORKTREE_ROOT")
     if configured:
         return Path(configured).expanduser().resolve()
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "taskbridge" / "worktrees" / store.queue_tag()
+    return knobs.xdg_home("XDG_STATE_HOME") / "taskbridge" / "worktrees" / store.queue_tag()
 
 
 # A repository's folder name longer than this (in bytes) is cut in its task folder's name, with a
@@ -473,9 +472,8 @@ def _opencode_config_inside(area: str) -> str | None:
     """OpenCode's configuration of this environment (its config folder, ``OPENCODE_CONFIG``,
     ``OPENCODE_CONFIG_DIR``) when it really lies in the folder ``area`` (resolved), at any depth:
     a dotfiles repository links ``~/.config/opencode`` into itself. Named with where it leads."""
-    home = os.path.expanduser("~")
-    named = [os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"), "opencode"),
-             os.environ.get("OPENCODE_CONFIG"), os.environ.get("OPENCODE_CONFIG_DIR")]
+    named = [str(knobs.xdg_home("XDG_CONFIG_HOME") / "opencode"), os.environ.get("OPENCODE_CONFIG"),
+             os.environ.get("OPENCODE_CONFIG_DIR")]
     for path in filter(None, named):
         real = os.path.realpath(path)
         if real == area or real.startswith(area.rstrip(os.sep) + os.sep):
@@ -865,8 +863,7 @@ def mirror_dir() -> Path:
                              "the folder the worker was started from); set it to an absolute path such as "
                              "~/.cache/taskbridge/mirrors, or unset it")
         return path.resolve()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "taskbridge" / "mirrors"
+    return knobs.xdg_home("XDG_CACHE_HOME") / "taskbridge" / "mirrors"
 
 
 def mirror_path(url: str) -> Path:
@@ -1972,7 +1969,7 @@ def git_config_files(ws: Workspace) -> list[str]:
 
 def _user_git_files() -> list[str]:
     """The config and attribute files git reads outside the repository, as its env says."""
-    xdg = os.path.join(os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config"), "git")
+    xdg = str(knobs.xdg_home("XDG_CONFIG_HOME") / "git")
     files = [os.path.join(xdg, "attributes")]
     if not os.environ.get("GIT_CONFIG_NOSYSTEM"):
         files.append(os.environ.get("GIT_CONFIG_SYSTEM") or "/etc/gitconfig")

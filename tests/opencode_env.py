@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+import agent_box
 from fake_openai import ScriptedModel
 from helpers import require_pinned
 
@@ -178,8 +179,7 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
     if binary:
         env["OPENCODE_BIN"] = binary
         template = prepared_data(binary)
-        # yours, and the boxed runs' own (agent_box.box_home: <XDG_CACHE_HOME>/taskbridge/opencode-box/data)
-        box_data = dirs["cache"] / "taskbridge" / "opencode-box" / "data"
+        box_data = Path(agent_box.box_home(env)) / "data"   # yours, and the boxed runs' own
         for data in (dirs["data"], box_data) if template is not None else ():
             (data / "opencode").mkdir(parents=True, exist_ok=True)
             for name in ("opencode.db", ".taskbridge-prepared"):

@@ -856,12 +856,13 @@ other/model
 @pytest.fixture
 def fake_opencode(tmp_path, monkeypatch):
     """OPENCODE_BIN points at a fake `opencode models --verbose` (the real one is exercised in
-    the end-to-end test); an unknown provider fails as OpenCode does."""
-    (tmp_path / "models.txt").write_text(MODELS_OUT)
+    the end-to-end test); an unknown provider fails as OpenCode does. Its list lies beside it:
+    TaskBridge asks OpenCode in a box, which shows the binary's folder and not the test's."""
     binary = fake_binary(tmp_path / "oc", "opencode",
                       'if [ "$1" = "debug" ]; then echo \'{"model": "other/model"}\'; exit 0; fi\n'
                       'if [ "$2" = "nope" ]; then echo "Error: Provider not found: nope" >&2; exit 1; fi\n'
-                      f'cat {tmp_path / "models.txt"}\n')
+                      'cat "$(dirname "$0")/models.txt"\n')
+    (tmp_path / "oc" / "models.txt").write_text(MODELS_OUT)
     monkeypatch.setenv("OPENCODE_BIN", str(binary))
     return binary
 
