@@ -27,8 +27,8 @@ def knobs_in_code() -> set[str]:
         found |= set(KNOB.findall(path.read_text()))
     for path in ROOT.glob("*.sh"):   # the shell scripts' knobs: ${NAME:-default}
         found |= set(re.findall(r"\$\{([A-Z][A-Z0-9_]+):-", path.read_text()))
-    import knobs  # the numeric knobs are read by name through its registry
-    return (found | set(knobs.REGISTRY)) - OS_VARIABLES
+    import knobs  # the numeric knobs and the XDG folders are read by name through its tables
+    return (found | set(knobs.REGISTRY) | set(knobs.XDG_DEFAULTS)) - OS_VARIABLES
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS, key=str), ids=lambda p: p.name)
