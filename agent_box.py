@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,6 +461,26 @@ def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = Fal
     return hook
 
 
+def calls_root() -> Path:
+    """Where the scratch folders of TaskBridge's own OpenCode calls live:
+    ``<XDG_CACHE_HOME>/taskbridge/calls`` (hidden from runs, see data_paths)."""
+    return knobs.xdg_home("XDG_CACHE_HOME") / "taskbridge" / "calls"
+
+
+def scratch(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """An empty folder, removed on leaving, for one of TaskBridge's own OpenCode calls (the
+    ``scratch`` of call_box, the folder a call outside any project runs in): under calls_root
+    (0700), whose parents are yours, not in the system's temp folder, where any user may leave a
+    ``.opencode/`` folder that OpenCode, looking for project config up to ``/`` outside a
+    checkout, would load. The temp folder only when calls_root cannot be made."""
+    root = calls_root()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return tempfile.TemporaryDirectory(prefix=prefix)
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=root)
+
+
 def call_env(env: dict[str, str], where: str, provider_keys: bool = False) -> dict[str, str]:
     """The environment of TaskBridge's own OpenCode call in the folder ``where``, boxed or not:
     the allowlist of ``agent_env`` (none of TaskBridge's secrets: a plugin OpenCode loads from a
@@ -507,19 +528,22 @@ def _existing(paths: Iterable[str | None], resolve: bool = True) -> list[str]:
     return seen
 
 
-def data_paths(env: dict[str, str]) -> list[str]:
+def data_paths() -> list[str]:
     """TaskBridge's own folders and files, which no agent may read: the task logs (and the run
     folders in them), the worktree and mirror roots, ``.taskbridge/`` (token, OAuth store, public
     URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json``, the
-    SQLite queue with its WAL and the worker's state files beside it, ``~/.pgpass``, and your
-    OpenCode's data folder (your sessions and keys: the box has its own, ``box_home``). Only what
-    exists (a bind needs its target)."""
+    SQLite queue with its WAL and the worker's state files beside it, ``~/.pgpass`` (or the
+    worker's ``PGPASSFILE``: never the box's environment, which does not carry it), the scratch
+    folders of TaskBridge's own calls (``calls_root``) and your OpenCode's data folder (your
+    sessions and keys: the box has its own, ``box_home``). Only what exists (a bind needs its
+    target)."""
     token = connectors.token_file()
     paths = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
              str(token), str(token.parent / "oauth.json"), str(oc.opencode_db_path().parent),
-             env.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
+             os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
+    paths.append(str(calls_root()))   # a fork's session file passes through there
     try:
         paths.append(str(worktrees.mirror_dir()))
     except worktrees.Unrunnable:
@@ -559,7 +583,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
                               *binary_folders(env),
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
                                                      "XDG_STATE_HOME"))]) + _existing([top, cwd], resolve=False)
-    plan.hidden = data_paths(env)
+    plan.hidden = data_paths()
     git_binds(plan, top, writable, run_dir / "objects")
     config, state = opencode_dirs(env)
     # The project's .opencode folders (a run may have made them links: not followed) and yours
@@ -626,9 +650,8 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
         box += ["--ro-bind", path, path]
     for path in plan.writable:
         box += ["--bind", path, path]
-    for path in plan.hidden:   # hidden again where a writable folder (a working_dir above them) uncovered them
-        if any(_under(path, folder) and path != folder for folder in plan.writable):
-            box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
+    for path in _uncovered(plan):   # hidden again where a folder shown above them uncovered them
+        box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
     for path in plan.read_only:
         box += ["--ro-bind", path, path]
     for source, dest in plan.mounts:
@@ -638,18 +661,29 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     return [*box, "--chdir", plan.cwd, "--", *argv]
 
 
+def _uncovered(plan: Plan) -> list[str]:
+    """The hidden paths that lie inside a folder the box shows again, read-only or writable (a
+    working_dir, or a readonly run's folder, holding the queue, the token file or the task logs):
+    a bind of that folder brings the host's view of them back, so they are hidden once more."""
+    return [path for path in plan.hidden
+            if any(_under(path, folder) and path != folder for folder in [*plan.exposed, *plan.writable])]
+
+
 def _sb(path: str) -> str:
     return '"' + path.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def sbpl_profile(plan: Plan) -> str:
     """The ``sandbox-exec`` profile (Apple's SBPL) for ``plan`` on macOS: reads allowed but under
-    the hidden folders (the control and reply folders excepted); writes only in the writable
-    folders, the run's tmp, the reply folder and ``/dev``, never in ``read_only``. The network is
-    not cut: macOS offers no per-command namespace, so ``no-network`` is not boxed there."""
+    the hidden folders (what the box shows inside them excepted: the task's worktree, the run's
+    tmp, its control and reply folders; a hidden path inside a folder shown stays hidden); writes
+    only in the writable folders, the run's tmp, the reply folder and ``/dev``, never in
+    ``read_only``. The network is not cut: macOS offers no per-command namespace, so
+    ``no-network`` is not boxed there."""
     hidden = " ".join(f"(subpath {_sb(p)})" for p in plan.hidden)
-    reopened = " ".join(f"(subpath {_sb(p)})" for p in [*plan.exposed, *plan.read_only, *plan.replies,
-                                                         *plan.writable])
+    inside = [p for p in [*plan.exposed, *plan.read_only, *plan.replies, *plan.writable, plan.tmp]
+              if any(_under(p, h) for h in plan.hidden)]
+    reopened = " ".join(f"(subpath {_sb(p)})" for p in inside)
     writable = " ".join(f"(subpath {_sb(p)})" for p in [*plan.writable, plan.tmp, *plan.replies])
     frozen = " ".join(f"(subpath {_sb(p)})" for p in [*plan.read_only, *(dest for _s, dest in plan.mounts)])
     lines = ["(version 1)", "(allow default)"]

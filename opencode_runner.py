@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import knobs
-from task_store import flock_wait, write_private
+from task_store import flock_wait, validate_working_dir, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
@@ -148,7 +148,7 @@ def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Cal
     with none of TaskBridge's secrets. ``provider_keys``: see call_env. Raises RuntimeError for
     a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
     import agent_box  # here, not at the top: agent_box imports this module
-    with tempfile.TemporaryDirectory(prefix="taskbridge-ask-") as scratch:
+    with agent_box.scratch("ask-") as scratch:
         try:
             box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys)
         except agent_box.BoxSettingError as exc:
@@ -166,9 +166,13 @@ def own_config(cwd: str | None, timeout_sec: float = 60) -> dict[str, Any]:
 
 
 def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
-    """Refuse skills and sub-agents OpenCode does not offer for a run in ``cwd``.
-    Raises UnknownName naming the missing ones and what is offered; OpencodeNotFound,
-    RuntimeError or ConfigProblem when OpenCode cannot be asked."""
+    """Refuse skills and sub-agents OpenCode does not offer for a run in ``cwd``. Raises
+    task_store.ValidationError for a ``cwd`` no task may run in, checked first (OpenCode loads
+    the folder's plugins to answer, and the box shows the folder it is asked about); UnknownName
+    naming the missing ones and what is offered; OpencodeNotFound, RuntimeError or ConfigProblem
+    when OpenCode cannot be asked."""
+    if skills or subagents:
+        cwd = validate_working_dir(cwd)
     for kind, wanted, offered in (("skill", skills, offered_skills if skills else None),
                                   ("sub-agent", subagents, offered_subagents if subagents else None)):
         if offered is None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -576,7 +575,7 @@ def line_of_work(task: dict[str, Any]) -> list[dict[str, Any]]:
 def _export(session_id: str, cwd: str) -> dict[str, Any]:
     """``oc.export_session`` where the runs keep their sessions: in the box's data folder, read
     in a box, when runs are boxed here (agent_box.call_box); else in yours, in ``cwd``."""
-    with tempfile.TemporaryDirectory(prefix="taskbridge-export-") as scratch:
+    with agent_box.scratch("export-") as scratch:
         box = agent_box.call_box(Path(scratch))
         return oc.export_session(session_id, str(Path(scratch) / "cwd") if box else cwd, box=box)
 

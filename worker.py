@@ -2918,7 +2918,7 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
 def _prepare_opencode_db() -> str | None:
     """``oc.prepare_opencode_db`` for the database the runs use: the box's (in a box) when runs
     are boxed, else yours. None, or one line on why it was not prepared."""
-    with tempfile.TemporaryDirectory(prefix="taskbridge-prepare-") as scratch:
+    with agent_box.scratch("prepare-") as scratch:
         try:
             box = agent_box.call_box(Path(scratch))
         except agent_box.BoxSettingError as exc:
