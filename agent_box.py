@@ -27,6 +27,7 @@ may see), ``BWRAP_BIN`` (the bwrap to use). No SQL here.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import re
@@ -34,7 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -424,10 +425,33 @@ def box_home(env: dict[str, str] | None = None) -> str:
     return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-box")
 
 
-def box_vars() -> dict[str, str]:
+def calls_home(env: dict[str, str] | None = None) -> str:
+    """OpenCode's data, cache and state for TaskBridge's own calls that read configuration
+    (opencode_runner.own_call): ``<XDG_CACHE_HOME>/taskbridge/opencode-calls/{data,cache,state}``,
+    as box_home. Apart from the runs' own: runs write theirs (an account row in its database
+    would have every call box load that account's config), and a call opening the database a
+    run is starting on failed the run ("database is locked"). Hidden from runs."""
+    return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-calls")
+
+
+@contextlib.contextmanager
+def calls_lock() -> Iterator[None]:
+    """One of TaskBridge's own calls at a time on calls_home, across processes (the MCP server's
+    submit check and the worker's default model): OpenCode 1.18.33 does not serialise making its
+    database, or its writes, across processes."""
+    os.makedirs(calls_home(), mode=0o700, exist_ok=True)
+    handle = os.open(os.path.join(calls_home(), ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
+
+
+def box_vars(home: str | None = None) -> dict[str, str]:
     """The variables every box sets inside (``Plan.env``): OpenCode's data, cache and state
-    folders moved to ``box_home()``."""
-    home = box_home()
+    folders moved to ``home`` (default ``box_home()``, the runs')."""
+    home = home or box_home()
     return {name: os.path.join(home, sub) for name, sub in (
         ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state"))}
 
@@ -435,13 +459,15 @@ def box_vars() -> dict[str, str]:
 Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
 
-def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = False) -> Hook | None:
+def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = False,
+             home: str | None = None) -> Hook | None:
     """For TaskBridge's own OpenCode calls: a hook ``(argv, env) -> (argv, env)`` that runs the
     call in the box of a readonly run in ``cwd`` (a project folder, which a run may have written:
     the plugins and config OpenCode loads from it then run into nothing of yours), else in
     ``scratch/cwd`` (made here, empty); ``scratch`` is an empty folder of TaskBridge's, holding the
-    box's ``tmp/``. OpenCode there reads the box's data folder, which runs write (sessions, the
-    database's preparation), with the environment of ``call_env``. None when runs are not boxed
+    box's ``tmp/``. OpenCode there keeps its data, cache and state under ``home`` (default the
+    runs' box_home: a session's export, the database's preparation; calls_home for the calls
+    that only read configuration), with the environment of ``call_env``. None when runs are not boxed
     here (TASKBRIDGE_SANDBOX=off, or no box): the call then runs unboxed, with your data folder.
     Raises BoxSettingError for a bad knob."""
     box = choose("auto")
@@ -457,7 +483,7 @@ def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = Fal
 
     def hook(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         env = {**call_env(env, where, provider_keys), "TMPDIR": "/tmp"}
-        return wrap(mechanism, plan_for(ws, env, "readonly", scratch), argv), env
+        return wrap(mechanism, plan_for(ws, env, "readonly", scratch, home), argv), env
     return hook
 
 
@@ -492,15 +518,15 @@ def call_env(env: dict[str, str], where: str, provider_keys: bool = False) -> di
             **{k: env[k] for k in keys if k in env and k not in NEVER}, "PWD": where}
 
 
-def opencode_dirs(env: dict[str, str]) -> tuple[str, list[str]]:
-    """OpenCode's own folders for a boxed run from ``env`` and ``box_vars``: (its config folder,
+def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, list[str]]:
+    """OpenCode's own folders for a boxed run from ``env`` and ``box_vars(home)``: (its config folder,
     read-only to the run: a plugin or config planted there would load in every later run and in
     TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the box's
     own). Made when missing, with the ``.gitignore`` OpenCode insists on writing at start.
     Raises BoxUnavailable naming a folder that cannot be made and the variable that sets it."""
     config = oc.config_dir(env)
     folders = [(config, "XDG_CONFIG_HOME")] + [(Path(path) / "opencode", "XDG_CACHE_HOME")   # box_home's root
-                                               for path in box_vars().values()]
+                                               for path in box_vars(home).values()]
     for folder, name in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -543,7 +569,7 @@ def data_paths() -> list[str]:
              os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
-    paths.append(str(calls_root()))   # a fork's session file passes through there
+    paths += [str(calls_root()), calls_home()]   # a fork's session file passes through the first
     try:
         paths.append(str(worktrees.mirror_dir()))
     except worktrees.Unrunnable:
@@ -565,11 +591,12 @@ def binary_folders(env: dict[str, str]) -> list[str]:
     return [os.path.dirname(os.path.abspath(found)), os.path.dirname(os.path.realpath(found))] if found else []
 
 
-def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_dir: Path) -> Plan:
+def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_dir: Path,
+             home: str | None = None) -> Plan:
     """The box of one attempt in ``ws`` (see ``Plan``): ``run_dir`` holds ``tmp/`` (the run's
     /tmp), ``control/`` (read-only: rules, notes, spend gate, the shell), ``reply/`` (writable:
     the plugins' answers) and ``objects/`` (the run's own git objects, see ``git_binds``).
-    ``readonly`` leaves the worktree read-only."""
+    ``readonly`` leaves the worktree read-only; ``home``: see box_vars."""
     writable = permission != "readonly"
     run_dir = Path(os.path.realpath(run_dir))
     # A worktree is TaskBridge's own folder; an in-place task's is the user's, checked when the
@@ -578,14 +605,14 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     own = ws.mode == "worktree"
     top = ws.top or ws.cwd
     cwd, top = (os.path.realpath(ws.cwd), os.path.realpath(top)) if own else (ws.cwd, top)
-    plan = Plan(cwd=cwd, tmp=str(run_dir / "tmp"))
+    plan = Plan(cwd=cwd, tmp=str(run_dir / "tmp"), env=box_vars(home))
     plan.visible = _existing([env.get("HOME"), env.get("OPENCODE_CONFIG"), ws.repo, str(connectors.REPO),
                               *binary_folders(env),
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
                                                      "XDG_STATE_HOME"))]) + _existing([top, cwd], resolve=False)
     plan.hidden = data_paths()
     git_binds(plan, top, writable, run_dir / "objects")
-    config, state = opencode_dirs(env)
+    config, state = opencode_dirs(env, home)
     # The project's .opencode folders (a run may have made them links: not followed) and yours
     # (~/.opencode, OPENCODE_CONFIG_DIR: followed) are read-only here but in a writable worktree,
     # where OpenCode would write the same file.
@@ -644,14 +671,17 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     for path in plan.visible:
         if _under(path, "/tmp"):
             box += ["--ro-bind", path, path]
-    for path in plan.hidden:
-        box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
+    box += _hide(plan.hidden)
     for path in plan.exposed:
         box += ["--ro-bind", path, path]
+    box += _hide(_uncovered(plan.hidden, plan.exposed))
     for path in plan.writable:
         box += ["--bind", path, path]
-    for path in _uncovered(plan):   # hidden again where a folder shown above them uncovered them
-        box += (["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path])
+    again = _uncovered(plan.hidden, plan.writable)
+    box += _hide(again)
+    for path in plan.writable:   # a writable folder inside what was just hidden again
+        if any(_under(path, folder) for folder in again):
+            box += ["--bind", path, path]
     for path in plan.read_only:
         box += ["--ro-bind", path, path]
     for source, dest in plan.mounts:
@@ -661,12 +691,17 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     return [*box, "--chdir", plan.cwd, "--", *argv]
 
 
-def _uncovered(plan: Plan) -> list[str]:
-    """The hidden paths that lie inside a folder the box shows again, read-only or writable (a
-    working_dir, or a readonly run's folder, holding the queue, the token file or the task logs):
-    a bind of that folder brings the host's view of them back, so they are hidden once more."""
-    return [path for path in plan.hidden
-            if any(_under(path, folder) and path != folder for folder in [*plan.exposed, *plan.writable])]
+def _hide(paths: Iterable[str]) -> list[str]:
+    """bwrap's arguments hiding ``paths``: an empty tmpfs over a folder, ``/dev/null`` over a file."""
+    return [arg for path in paths for arg in (["--tmpfs", path] if os.path.isdir(path) else
+                                              ["--ro-bind", "/dev/null", path])]
+
+
+def _uncovered(hidden: list[str], shown: list[str]) -> list[str]:
+    """The ``hidden`` paths that lie inside a folder of ``shown`` (a working_dir, or a readonly
+    run's folder, holding the queue, the token file or the task logs): a bind of that folder
+    brings the host's view of them back, so they are hidden once more after it."""
+    return [path for path in hidden if any(_under(path, folder) and path != folder for folder in shown)]
 
 
 def _sb(path: str) -> str:

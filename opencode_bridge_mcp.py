@@ -456,6 +456,8 @@ def _submitted(task: dict[str, Any], in_place: dict[str, bool | None] | None = N
             f"finishes or asks a question, then get_task_result('{task['id']}') has the receipt")
     if task.get("duplicate"):
         hint = f"idempotency_key matched the earlier task {task['id']}; nothing new was queued"
+    elif note := task_views.no_worker_note():
+        hint = f"{note}; then wait_for(['{task['id']}']) and get_task_result('{task['id']}')"
     return _echo(task) | {"task_id": task["id"], "duplicate": bool(task.get("duplicate")), "hint": hint,
                          "warnings": task_views.submit_warnings(task, in_place)}
 

@@ -144,18 +144,20 @@ def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Cal
     (agent_box.call_box) when runs are boxed here, else the environment alone
     (agent_box.call_env). OpenCode loads the plugins of the project folder and of the
     configuration its data folder names (an account's, a ``wellknown`` entry's); a run may have
-    written both (an in-place task's folder, the box's data folder), so their code runs boxed,
-    with none of TaskBridge's secrets. ``provider_keys``: see call_env. Raises RuntimeError for
-    a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
+    written the first (an in-place task's folder), so its code runs boxed, with none of
+    TaskBridge's secrets, and the box keeps its data apart from the runs' (agent_box.calls_home),
+    one call at a time (agent_box.calls_lock). ``provider_keys``: see call_env. Raises
+    RuntimeError for a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
     import agent_box  # here, not at the top: agent_box imports this module
     with agent_box.scratch("ask-") as scratch:
         try:
-            box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys)
+            box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys, home=agent_box.calls_home())
         except agent_box.BoxSettingError as exc:
             raise RuntimeError(str(exc)) from None
         where = cwd or str(Path(scratch) / "cwd")
         os.makedirs(where, exist_ok=True)
-        yield box or (lambda argv, env: (argv, agent_box.call_env(env, where, provider_keys))), where
+        with agent_box.calls_lock() if box else contextlib.nullcontext():
+            yield box or (lambda argv, env: (argv, agent_box.call_env(env, where, provider_keys))), where
 
 
 def own_config(cwd: str | None, timeout_sec: float = 60) -> dict[str, Any]:

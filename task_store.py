@@ -2564,7 +2564,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
         values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
         if pin_host:
             conn.execute("UPDATE tasks SET host = coalesce(host, lease_host) WHERE id = ?", (num,))
-        if retryable and _retries_left(row):
+        if retryable and retries_left(row):
             backoff = min(RETRY_BACKOFF_SEC[0] * 2 ** max(_counted_attempts(row) - 1, 0), RETRY_BACKOFF_SEC[1])
             conn.execute(
                 "UPDATE tasks SET status = 'pending', not_before = ?, error = ?, result = ?, diff = ?,"
@@ -2804,7 +2804,7 @@ def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bo
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _fenced(conn, num, marker)
-        if count_attempt and not _retries_left(row):
+        if count_attempt and not retries_left(row):
             conn.execute(
                 "UPDATE tasks SET status = 'failed', finished_at = ?, error = ? WHERE id = ?",
                 (now(), reason, num),
@@ -2821,13 +2821,15 @@ def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bo
         return task_dict(_row(conn, num))
 
 
-def _retries_left(row: Row) -> bool:
-    # Only failures spend retries: a hand-back (worker shutdown) or an attempt that ended asking a
-    # question is counted in handbacks. Attempt numbers stay unique for fencing.
-    return _counted_attempts(row) <= row["max_retries"]
+def retries_left(task: Row | dict[str, Any]) -> bool:
+    """Whether a failure of ``task``'s current attempt (a row, or the dict of get_task) would put
+    it back in the queue rather than fail it. Only failures spend retries: a hand-back (worker
+    shutdown) or an attempt that ended asking a question is counted in handbacks. Attempt
+    numbers stay unique for fencing."""
+    return _counted_attempts(task) <= task["max_retries"]
 
 
-def _counted_attempts(row: Row) -> int:
+def _counted_attempts(row: Row | dict[str, Any]) -> int:
     """Attempts that spent the retry budget: neither hand-backs nor those before a retry_task."""
     return row["attempts"] - row["handbacks"] - row["spent_before_retry"]
 

@@ -292,6 +292,20 @@ def worker_state() -> dict[str, Any]:
     return judge_worker(rows[0] if rows else store.read_worker_heartbeat())
 
 
+def no_worker_note() -> str | None:
+    """What a person queuing a task should hear when no worker serves this queue now (none seen
+    lately on any host: never run, its process gone, its schedule not installed): the task waits
+    until one runs, and how to start one. None when a worker is serving it, or it cannot be told."""
+    try:
+        workers = workers_state()
+    except (store.TaskStoreError, OSError):
+        return None
+    if any(worker["recent"] for worker in workers):
+        return None
+    last = workers[0] if workers else judge_worker(None)
+    return f"no worker serves this queue now, so it waits until one runs: {last['summary']}"
+
+
 def workers_state() -> list[dict[str, Any]]:
     """Every worker that reported to this queue from any host, newest heartbeat first, each judged
     (WorkerState): a stale or dead worker's row stays listed as ``stale`` or ``gone``. None

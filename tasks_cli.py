@@ -103,7 +103,11 @@ def in_cli_words(message: str) -> str:
     """A store message with MCP tool names replaced by the matching CLI commands (and the
     environment's TASK_DB_PATH by the CLI's --db beside it)."""
     words = cli_words()
-    return re.sub(r"\b({})\b".format("|".join(words)), lambda m: words[m.group(1)], message)
+
+    def command(match: re.Match[str]) -> str:   # "retry_task t_0003": the id inside the command's quotes
+        said, task = words[match.group(1)], match.group(2) or ""
+        return f"{said[:-1]}{task}`" if task and said.endswith("`") else said + task
+    return re.sub(r"\b({})\b( t_\d+)?".format("|".join(words)), command, message)
 
 
 # The commands that may make a new queue (they write to it). Every other command reads or changes
@@ -605,8 +609,10 @@ def next_step(task: dict[str, Any]) -> str:
     if task["status"] == "waiting":
         return f"{cli_} answer {tid} \"your answer\""
     if task["status"] == "running" and task_views.holder_gone(task):
-        return (f"its worker (pid {task['lease_pid']}) is gone: the next worker pass hands the task back to the "
-                f"queue ({worker_command()} runs one now), or {cli_} cancel {tid}")
+        then = ("hands the task back to the queue" if task_store.retries_left(task) else
+                f"fails it, its retries spent ({cli_} retry {tid} then gives it a fresh budget)")
+        return (f"its worker (pid {task['lease_pid']}) is gone: the next worker pass {then} "
+                f"({worker_command()} runs one now), or {cli_} cancel {tid}")
     if task["status"] == "running":
         return f"{cli_} logs {tid} --follow (watch it), {cli_} note {tid} \"...\" (tell it something)"
     if task["status"] == "pending":
@@ -617,7 +623,8 @@ def next_step(task: dict[str, Any]) -> str:
                 f"({cli_} diff {tid} names the files it wrote)")
     if task["status"] == "done":
         return (f"{cli_} diff {tid} (read the changes), then {cli_} apply {tid}" if task["diff"]
-                else f"nothing to apply: the run changed no files; {cli_} retry {tid} runs it again")
+                else f"nothing to apply: the run changed no files; {cli_} submit --continue {tid} \"...\" asks "
+                     "for more in the same session")
     return f"{cli_} retry {tid} (add --model provider/model to try another model)"
 
 
@@ -1045,6 +1052,8 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
     out().print(Text(said, style="green"))
     for warning in warnings:
         err().print(Text(f"Warning: {visible(warning)}", style="yellow"), soft_wrap=True)
+    if not task["duplicate"] and (note := task_views.no_worker_note()):
+        err().print(Text(f"Note: {visible(note)}", style="yellow"), soft_wrap=True)
 
 
 def list_options(command: Callable) -> Callable:

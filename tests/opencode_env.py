@@ -179,8 +179,9 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
     if binary:
         env["OPENCODE_BIN"] = binary
         template = prepared_data(binary)
-        box_data = Path(agent_box.box_home(env)) / "data"   # yours, and the boxed runs' own
-        for data in (dirs["data"], box_data) if template is not None else ():
+        # yours, the boxed runs' own and TaskBridge's calls' own
+        boxed = [Path(home) / "data" for home in (agent_box.box_home(env), agent_box.calls_home(env))]
+        for data in (dirs["data"], *boxed) if template is not None else ():
             (data / "opencode").mkdir(parents=True, exist_ok=True)
             for name in ("opencode.db", ".taskbridge-prepared"):
                 shutil.copyfile(template / "opencode" / name, data / "opencode" / name)

@@ -266,6 +266,35 @@ def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path
     shown = squash(run("show", noisy["id"]).stdout)
     assert "3line(s)oftheagent'soutputwerenotJSONevents" in shown and "withoutareceiptblock" in shown
     assert "Nextstep:nothingtoapply" in shown
+    assert f"submit--continue{noisy['id']}" in shown   # retry refuses a done task: a follow-up asks for more
+
+
+def test_a_gone_workers_task_is_said_to_fail_when_its_retries_are_spent(tmp_path, monkeypatch):
+    """A fresh user was told the next pass hands the task back, and it failed: the kill had
+    spent its last retry."""
+    monkeypatch.setattr(tasks_cli.task_views, "holder_gone", lambda _task: True)
+    for retries, said in ((1, "the next worker pass hands the task back to the queue"),
+                          (0, f"the next worker pass fails it, its retries spent ({tasks_cli.CLI} retry")):
+        task = submit(tmp_path, TITLE, max_retries=retries)
+        task_store.claim_next("worker@host", task_id=task["id"])
+        assert squash(said) in squash(run("show", task["id"]).stdout), retries
+
+
+def test_a_submit_says_when_no_worker_serves_the_queue(tmp_path):
+    """A fresh user queued tasks with the server stopped and heard nothing: the task waits, and
+    how to start a worker is said; with a worker serving the queue, nothing is."""
+    alone = run("submit", "first", "-d", str(tmp_path), "--yes")
+    assert alone.exit_code == 0 and "Note: no worker serves this queue now, so it waits" in alone.stderr
+    assert "worker.py" in alone.stderr
+    task_store.write_worker_heartbeat({"state": "idle"})    # this live process serves it
+    served = run("submit", "second", "-d", str(tmp_path), "--yes")
+    assert served.exit_code == 0 and "no worker" not in served.stderr
+
+
+def test_a_tool_named_with_its_task_id_becomes_one_command():
+    said = tasks_cli.in_cli_words("retry it first (retry_task t_0014), or set TASK_DB_PATH; see list_tasks")
+    assert said == (f"retry it first (`{tasks_cli.CLI} retry t_0014`), or set --db / TASK_DB_PATH; "
+                    f"see `{tasks_cli.CLI} list`")
 
 
 def test_show_names_the_command_for_a_waiting_task(tmp_path):

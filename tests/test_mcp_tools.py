@@ -138,6 +138,7 @@ async def test_submit_get_list_round_trip_stamps_the_caller(mode, wd):
     async with client(mode) as c:
         task = await call_tool(c, "submit_task", task_args(wd, priority=5))
         assert task["id"] == "t_0001" and task["status"] == "pending" and task["duplicate"] is False
+        assert task["hint"].startswith("no worker serves this queue now, so it waits until one runs: no worker has run")
         assert (task["origin_name"], task["origin_version"], task["origin_kind"]) == ("claude-ai", "0.14.2", "claude")
         shown = await call_tool(c, "get_task", {"task_id": "1"})
         assert shown["instructions"] == "Write README.md" and shown["priority"] == 5
