@@ -254,10 +254,11 @@ def config_texts(env: dict[str, str]) -> list[str]:
 class Plan:
     """The filesystem of one boxed run (absolute paths). Binds are applied in this order:
     ``visible`` (read-only again under the private /tmp), ``hidden`` (emptied), ``exposed``
-    (read-only again under a hidden folder), ``writable``, ``read_only`` (over a writable bind or
-    under a hidden folder), ``mounts`` (a source read-only at another path), ``replies``
-    (writable, under a hidden folder). ``env``: variables the box sets inside for every process
-    (``box_vars``)."""
+    (read-only again under a hidden folder), the hidden paths inside an exposed folder emptied
+    again, ``writable``, the hidden paths inside a writable folder emptied again (and a writable
+    folder inside those bound again), ``read_only`` (over a writable bind or under a hidden
+    folder), ``mounts`` (a source read-only at another path), ``replies`` (writable, under a
+    hidden folder). ``env``: variables the box sets inside for every process (``box_vars``)."""
     cwd: str
     tmp: str                                   # the host folder that is the run's /tmp
     visible: list[str] = field(default_factory=list)
@@ -425,22 +426,28 @@ def box_home(env: dict[str, str] | None = None) -> str:
     return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-box")
 
 
-def calls_home(env: dict[str, str] | None = None) -> str:
-    """OpenCode's data, cache and state for TaskBridge's own calls that read configuration
-    (opencode_runner.own_call): ``<XDG_CACHE_HOME>/taskbridge/opencode-calls/{data,cache,state}``,
-    as box_home. Apart from the runs' own: runs write theirs (an account row in its database
+CALLS = ("config", "models")
+
+
+def calls_home(kind: str = "config", env: dict[str, str] | None = None) -> str:
+    """OpenCode's data, cache and state for TaskBridge's own calls (opencode_runner.own_call), as
+    box_home: ``<XDG_CACHE_HOME>/taskbridge/opencode-calls/<kind>/{data,cache,state}``, ``kind``
+    one of CALLS. Apart from the runs' own: runs write theirs (an account row in its database
     would have every call box load that account's config), and a call opening the database a
-    run is starting on failed the run ("database is locked"). Hidden from runs."""
-    return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-calls")
+    run is starting on failed the run ("database is locked"). ``config`` serves the calls that
+    read a project's configuration, which load its plugins; ``models`` the model list, which
+    holds every provider key and asks about no project: what a project's plugin leaves in the
+    first never loads there. Hidden from runs, the first from the second's box too."""
+    return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-calls" / kind)
 
 
 @contextlib.contextmanager
-def calls_lock() -> Iterator[None]:
-    """One of TaskBridge's own calls at a time on calls_home, across processes (the MCP server's
+def calls_lock(kind: str) -> Iterator[None]:
+    """One of TaskBridge's own calls of ``kind`` at a time, across processes (the MCP server's
     submit check and the worker's default model): OpenCode 1.18.33 does not serialise making its
     database, or its writes, across processes."""
-    os.makedirs(calls_home(), mode=0o700, exist_ok=True)
-    handle = os.open(os.path.join(calls_home(), ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.makedirs(calls_home(kind), mode=0o700, exist_ok=True)
+    handle = os.open(os.path.join(calls_home(kind), ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
@@ -555,21 +562,37 @@ def _existing(paths: Iterable[str | None], resolve: bool = True) -> list[str]:
 
 
 def data_paths() -> list[str]:
+    """`own_places` that exist (a bind needs its target), resolved: what every box hides."""
+    return _existing(own_places())
+
+
+def held_data(area: str) -> str | None:
+    """The first of `own_places` (made yet or not) that lies inside the folder ``area``, or None.
+    An in-place run gets ``area`` writable (or reverted after a readonly run): the box hides those
+    by binding over their paths, and a run may rename a folder around such a bind and make its
+    own at the path (a token of its choosing, the calls' OpenCode data), or have TaskBridge's
+    files reverted away."""
+    real = os.path.realpath(area)
+    return next((path for path in own_places() if _under(os.path.realpath(path), real)
+                 and os.path.realpath(path) != real), None)
+
+
+def own_places() -> list[str]:
     """TaskBridge's own folders and files, which no agent may read: the task logs (and the run
     folders in them), the worktree and mirror roots, ``.taskbridge/`` (token, OAuth store, public
     URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json``, the
     SQLite queue with its WAL and the worker's state files beside it, ``~/.pgpass`` (or the
     worker's ``PGPASSFILE``: never the box's environment, which does not carry it), the scratch
-    folders of TaskBridge's own calls (``calls_root``) and your OpenCode's data folder (your
-    sessions and keys: the box has its own, ``box_home``). Only what exists (a bind needs its
-    target)."""
+    folders of TaskBridge's own calls (``calls_root``) and their OpenCode data (``calls_home``),
+    and your OpenCode's data folder (your sessions and keys: the box has its own, ``box_home``).
+    Made yet or not."""
     token = connectors.token_file()
     paths = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
              str(token), str(token.parent / "oauth.json"), str(oc.opencode_db_path().parent),
              os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
-    paths += [str(calls_root()), calls_home()]   # a fork's session file passes through the first
+    paths += [str(calls_root()), *(calls_home(kind) for kind in CALLS)]   # a fork's session file passes the first
     try:
         paths.append(str(worktrees.mirror_dir()))
     except worktrees.Unrunnable:
@@ -580,7 +603,7 @@ def data_paths() -> list[str]:
         paths += [str(db.parent / name) for name in os.listdir(db.parent) if name.startswith(prefixes)]
     except OSError:
         pass
-    return _existing(paths)
+    return paths
 
 
 def binary_folders(env: dict[str, str]) -> list[str]:

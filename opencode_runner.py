@@ -108,8 +108,11 @@ def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
     def run() -> list[str]:
         with own_call(cwd) as (hook, where):
             argv, env = hook([opencode_bin(), "debug", "skill"], dict(os.environ))
-            proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=timeout_sec, start_new_session=True)
+            try:
+                proc = subprocess.run(argv, cwd=where, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                      text=True, timeout=timeout_sec, start_new_session=True)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"`opencode debug skill` did not answer in {timeout_sec:g} s") from None
         start = proc.stdout.find("[")
         try:
             if proc.returncode == 0 and start >= 0:
@@ -145,18 +148,20 @@ def own_call(cwd: str | None, provider_keys: bool = False) -> Iterator[tuple[Cal
     (agent_box.call_env). OpenCode loads the plugins of the project folder and of the
     configuration its data folder names (an account's, a ``wellknown`` entry's); a run may have
     written the first (an in-place task's folder), so its code runs boxed, with none of
-    TaskBridge's secrets, and the box keeps its data apart from the runs' (agent_box.calls_home),
-    one call at a time (agent_box.calls_lock). ``provider_keys``: see call_env. Raises
-    RuntimeError for a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
+    TaskBridge's secrets, and the box keeps its data apart from the runs' (agent_box.calls_home:
+    the calls with ``provider_keys`` apart from those in a project), one call at a time
+    (agent_box.calls_lock). ``provider_keys``: see call_env; only for a call in no project
+    (``cwd`` None). Raises RuntimeError for a bad TASKBRIDGE_SANDBOX / BWRAP_BIN knob."""
     import agent_box  # here, not at the top: agent_box imports this module
     with agent_box.scratch("ask-") as scratch:
         try:
-            box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys, home=agent_box.calls_home())
+            kind = "models" if provider_keys else "config"
+            box = agent_box.call_box(Path(scratch), cwd, provider_keys=provider_keys, home=agent_box.calls_home(kind))
         except agent_box.BoxSettingError as exc:
             raise RuntimeError(str(exc)) from None
         where = cwd or str(Path(scratch) / "cwd")
         os.makedirs(where, exist_ok=True)
-        with agent_box.calls_lock() if box else contextlib.nullcontext():
+        with agent_box.calls_lock(kind) if box else contextlib.nullcontext():
             yield box or (lambda argv, env: (argv, agent_box.call_env(env, where, provider_keys))), where
 
 

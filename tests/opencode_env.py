@@ -180,7 +180,8 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
         env["OPENCODE_BIN"] = binary
         template = prepared_data(binary)
         # yours, the boxed runs' own and TaskBridge's calls' own
-        boxed = [Path(home) / "data" for home in (agent_box.box_home(env), agent_box.calls_home(env))]
+        homes = [agent_box.box_home(env), *(agent_box.calls_home(kind, env) for kind in agent_box.CALLS)]
+        boxed = [Path(home) / "data" for home in homes]
         for data in (dirs["data"], *boxed) if template is not None else ():
             (data / "opencode").mkdir(parents=True, exist_ok=True)
             for name in ("opencode.db", ".taskbridge-prepared"):
