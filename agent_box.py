@@ -573,8 +573,8 @@ def held_data(area: str) -> str | None:
     own at the path (a token of its choosing, the calls' OpenCode data), or have TaskBridge's
     files reverted away."""
     real = os.path.realpath(area)
-    return next((path for path in own_places() if _under(os.path.realpath(path), real)
-                 and os.path.realpath(path) != real), None)
+    return next((path for path in own_places()
+                 if (place := os.path.realpath(path)) != real and _under(place, real)), None)
 
 
 def own_places() -> list[str]:
