@@ -694,7 +694,7 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     for path in plan.visible:
         if _under(path, "/tmp"):
             box += ["--ro-bind", path, path]
-    box += _hide(plan.hidden)
+    box += _seal(plan)
     for path in plan.exposed:
         box += ["--ro-bind", path, path]
     box += _hide(_uncovered(plan.hidden, plan.exposed))
@@ -712,6 +712,57 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     for path in plan.replies:
         box += ["--bind", path, path]
     return [*box, "--chdir", plan.cwd, "--", *argv]
+
+
+def _sealed(plan: Plan) -> list[str]:
+    """The folders holding a hidden file that the box would otherwise show (the root's read-only
+    view, or a ``visible`` folder under /tmp), shallowest first; ``/`` and folders inside a hidden
+    folder are left out. A file is hidden by binding over its path, and TaskBridge replaces its
+    files by a rename (the worker's heartbeat and log, a rotated token): the new file at the path
+    is no longer covered. So such a folder is emptied whole and what else it held shown again."""
+    folders = {os.path.dirname(path) for path in plan.hidden if not os.path.isdir(path)} - {"/"}
+    hidden_dirs = [path for path in plan.hidden if os.path.isdir(path)]
+    shown_tmp = [path for path in plan.visible if _under(path, "/tmp")]
+    return sorted((folder for folder in folders
+                   if not any(_under(folder, d) for d in hidden_dirs)
+                   and (not _under(folder, "/tmp") or any(_under(folder, v) for v in shown_tmp))),
+                  key=lambda folder: (folder.count("/"), folder))
+
+
+def _shown_again(folder: str, hidden: list[str]) -> list[str]:
+    """bwrap's arguments showing again what ``folder`` (emptied by `_seal`) holds as the box
+    starts, but TaskBridge's own entries: the hidden paths and every name sharing a hidden file's
+    name up to its first dot, a leading dot aside (``tasks.db`` hides ``tasks.db-wal``,
+    ``tasks.worker.json`` and the temporary ``.tasks.worker.json.*.tmp`` of its next write). A link
+    is made again as a link; an entry gone by the time the box starts is left out."""
+    own = set(hidden)
+    stems = {Path(path).name.lstrip(".").split(".", 1)[0] + "." for path in hidden
+             if os.path.dirname(path) == folder and not os.path.isdir(path)}
+    args: list[str] = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+    except OSError:
+        return args
+    for entry in entries:
+        if entry.path in own or entry.name.lstrip(".").startswith(tuple(stems)):
+            continue
+        try:
+            args += (["--symlink", os.readlink(entry.path), entry.path] if entry.is_symlink()
+                     else ["--ro-bind-try", entry.path, entry.path])
+        except OSError:
+            continue
+    return args
+
+
+def _seal(plan: Plan) -> list[str]:
+    """bwrap's arguments hiding ``plan.hidden`` from the box's first view: each `_sealed` folder
+    emptied and its other entries shown again, then the hidden paths not yet gone hidden one by
+    one (`_hide`)."""
+    sealed = _sealed(plan)
+    args: list[str] = []
+    for folder in sealed:
+        args += ["--tmpfs", folder, *_shown_again(folder, plan.hidden)]
+    return args + _hide(path for path in plan.hidden if os.path.dirname(path) not in sealed)
 
 
 def _hide(paths: Iterable[str]) -> list[str]:

@@ -10,6 +10,9 @@ TaskBridge checked, not whatever its path leads to by the time bubblewrap reads 
   since (a link renamed over a parent folder: another run's agent can do that in a folder it may
   write), and the box does not start: one line on stderr beginning ``PREFIX`` and exit code 1,
   which the worker reports as the box's refusal (worker.environment_fault).
+- ``--ro-bind-try SRC DEST`` (what agent_box.py shows again in a folder it emptied: the entries
+  it listed) becomes ``--ro-bind-fd FD DEST`` the same way, or is left out when ``SRC`` is gone or
+  is not at its own path any more: the box then shows less, never something else.
 - Why a separate process: the handles must be open in the process that becomes bubblewrap, and
   every place a boxed command is started (a run, a kept server, an ``opencode debug config``
   probe) then gets them without passing descriptors through.
@@ -53,6 +56,12 @@ def pinned(argv: list[str]) -> list[str]:
         if out[at] in BINDS and at + 2 < len(out):
             out[at:at + 2] = [BINDS[out[at]], str(pin(out[at + 1]))]
             at += 3
+        elif out[at] == "--ro-bind-try" and at + 2 < len(out):
+            try:
+                out[at:at + 2] = ["--ro-bind-fd", str(pin(out[at + 1]))]
+                at += 3
+            except (Moved, OSError):
+                del out[at:at + 3]
         else:
             at += 1
     return out

@@ -251,6 +251,11 @@ def check_worker() -> Check:
     detail = f"{beat['summary']}; {schedule}" + others_line()
     if beat.get("died"):
         return Check("worker", "warn", detail, f"{store.script_command('worker.py')} (the next pass requeues its task)")
+    if beat.get("pid_running") is False and "not installed" in schedule:
+        # Its process ended cleanly (a one-pass run, a stopped --watch) and no schedule starts the
+        # next pass: however young its heartbeat, nothing serves the queue now.
+        return Check("worker", "warn", f"{detail}: no worker serves this queue now",
+                     f"{store.script_command('worker.py', '--watch')}, or ./install.sh --schedule")
     if not beat["recent"] and not (beat.get("pid_running") and beat.get("state") == "idle"):
         return Check("worker", "warn", detail, f"{store.script_command('worker.py', '--watch')}, or ./install.sh "
                      "--schedule" if not installed else

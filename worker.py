@@ -1773,13 +1773,6 @@ def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
     """The run's box and environment. Raises oc.ConfigProblem, agent_box.BoxUnavailable,
     agent_box.BoxSettingError (a folder that cannot be made is named)."""
     box = agent_box.choose(task["permission"])
-    held = agent_box.held_data(ws.top or ws.cwd) if ws.mode == "in-place" else None
-    if held:
-        raise agent_box.BoxUnavailable(
-            f"the in-place task's folder {ws.top or ws.cwd} holds TaskBridge's own {held}: a run there could rename "
-            "a folder around it and read or replace it, and a readonly run's changes are reverted there; move it "
-            "out of the folder (TASK_DB_PATH, TASK_LOG_DIR, MCP_TOKEN_FILE, XDG_CACHE_HOME), or submit the task "
-            "with worktree=true")
     base = agent_box.agent_env(dict(os.environ), model, [*agent_box.config_texts(dict(os.environ)),
                                                    *config_files.values()])
     env = _boxed_run_env(task, ws, base, box)

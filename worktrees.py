@@ -440,8 +440,10 @@ def in_place_refused(path: str, top: str | None) -> str | None:
     run: its box binds the whole repository ``top`` holding it writable (``path`` itself when
     None), so ``top`` must pass the working_dir checks too (a home folder kept in git gave the
     agent all of it: ``~/.bashrc``, ``~/.ssh``), and hold neither another TaskBridge queue below
-    it (``store.queue_inside``: the agent could rewrite that queue's tasks) nor OpenCode's own
-    configuration (a plugin planted there runs unboxed). None when it may run, or when ``path``
+    it (``store.queue_inside``: the agent could rewrite that queue's tasks), OpenCode's own
+    configuration (a plugin planted there runs unboxed), nor TaskBridge's own files
+    (``agent_box.held_data``: the box hides them by binding over their paths, which a run could
+    rename a folder around). None when it may run, or when ``path``
     itself fails the working_dir checks (they say why, first: the root, the home folder)."""
     try:
         real = store.validate_working_dir(path)
@@ -465,6 +467,12 @@ def in_place_refused(path: str, top: str | None) -> str | None:
     if config:
         return (f"{where}, and it holds OpenCode's own configuration ({config}), where a plugin the agent "
                 f"planted would run outside its box (in your OpenCode and TaskBridge's); {way_out}")
+    import agent_box  # here, not at the top: agent_box imports this module
+    held = agent_box.held_data(area)
+    if held:
+        return (f"{where}, and the folder {area} holds TaskBridge's own {held}: a run there could rename a folder "
+                "around it and read or replace it, and a readonly run's changes are reverted there; move it out of "
+                f"the folder (TASK_DB_PATH, TASK_LOG_DIR, MCP_TOKEN_FILE, XDG_CACHE_HOME), or {way_out}")
     return None
 
 

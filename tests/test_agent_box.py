@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -641,6 +642,47 @@ def test_hidden_paths_inside_a_folder_the_box_shows_stay_hidden(tmp_path):
         assert argv[shown_at + 1:].count("--tmpfs") == 1 and argv[shown_at + 1:].count("/dev/null") == 1, argv
         profile = agent_box.sbpl_profile(plan)
         assert "require-not" not in profile.split("\n")[2], profile   # nothing inside the hidden paths reopened
+
+
+def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_shown():
+    """The box hides a file by binding over its path; TaskBridge replaces the worker's heartbeat,
+    its log and a rotated token by a rename, and then the path held a file no bind covered (the
+    run read the worker's next heartbeat). The folder holding such a file is emptied whole and
+    its other entries shown again as they were: files TaskBridge makes or replaces there while
+    the box runs stay out of sight; the user's files (and links) beside them stay readable."""
+    import subprocess
+    import tempfile
+    base = Path(tempfile.mkdtemp(prefix="tb-seal-", dir="/var/tmp"))   # not /tmp: the box has its own
+    try:
+        queue, tmp = base / "queue", base / "run" / "tmp"
+        queue.mkdir()
+        tmp.mkdir(parents=True)
+        (queue / "tasks.db").write_text(f"{MARK}-db\n")
+        (queue / "tasks.worker.json").write_text(f"{MARK}-beat-1\n")
+        (queue / "notes.txt").write_text("ordinary\n")
+        (queue / "link").symlink_to("notes.txt")
+        plan = agent_box.Plan(cwd=str(base), tmp=str(tmp),
+                              hidden=[str(queue / "tasks.db"), str(queue / "tasks.worker.json")])
+        probe = (f"touch /tmp/ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; cd {queue}; "
+                 "for f in tasks.worker.json tasks.worker.log tasks.db notes.txt link; do cat $f 2>&1; done; "
+                 "echo LISTING; ls -a")
+        box = subprocess.Popen(agent_box.bwrap_argv(plan, ["/bin/sh", "-c", probe]), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd="/")
+        try:
+            deadline = time.monotonic() + 20
+            while not (tmp / "ready").exists() and box.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            task_store.write_private(queue / "tasks.worker.json", f"{MARK}-beat-2\n")   # a rename over the path
+            (queue / "tasks.worker.log").write_text(f"{MARK}-log\n")                   # made since the box started
+            (tmp / "go").touch()
+            said = box.communicate(timeout=30)[0]
+        finally:
+            box.kill()
+        assert MARK not in said, said
+        assert said.count("ordinary") == 2 and "notes.txt" in said.split() and "link" in said.split(), said
+        assert not any(name.startswith("tasks.") for name in said.split("LISTING")[1].split()), said
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_sbpl_profile_for_macos():

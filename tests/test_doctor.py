@@ -58,6 +58,17 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
     ]
 
 
+def test_doctor_warns_when_the_worker_that_reported_is_gone_and_nothing_starts_another(opencode):
+    """A worker pass that ended a moment ago left a young heartbeat, and doctor said ``ok`` while
+    nothing served the queue (its process gone, no schedule installed): a fresh user's finding."""
+    assert run_script("worker.py").returncode == 0   # one pass, then its process ends
+    worker = line_of(doctor().stdout, "worker")
+    if "not installed" not in worker:
+        pytest.skip(f"this machine's schedule cannot be told not installed: {worker}")
+    assert worker.startswith("warn") and "its process is gone" in worker, worker
+    assert "no worker serves this queue now" in worker, worker
+
+
 def test_doctor_names_the_engine_and_why_a_kept_server_cannot_start(opencode, monkeypatch):
     assert line_of(doctor().stdout, "engine").startswith("ok") and "cold" in line_of(doctor().stdout, "engine")
     monkeypatch.setenv("WORKER_ENGINE", "1")
