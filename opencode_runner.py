@@ -24,6 +24,7 @@ import sqlite3
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -1055,13 +1056,30 @@ def refused_by_provider(event: dict[str, Any]) -> int | None:
 
 
 def error_text(event: dict[str, Any]) -> str:
-    """An ``error`` event as ``"Name: message"`` (``error.name``, ``error.data.message``)."""
+    """An ``error`` event as ``"Name: message"`` (``error.name``, ``error.data.message``), and
+    the address the request went to when OpenCode names it (``error.data.metadata.url``, as an
+    unreachable model server's ``APIError`` does: "Cannot connect to API: Unable to connect. Is
+    the computer able to access the url?" names none itself), without its query or user part."""
     error = event.get("error") or {}
     if not isinstance(error, dict):
         return f"error: {str(error)[:500]}"
     data = _dict(error.get("data"))
     message = data.get("message") or error.get("message") or json.dumps(error)[:500]
+    url = _dict(data.get("metadata")).get("url")
+    if isinstance(url, str) and (where := _bare_url(url)):
+        message = f"{message} (request to {where})"
     return f"{error.get('name') or 'error'}: {message}"
+
+
+def _bare_url(url: str) -> str | None:
+    """``url`` as scheme, host, port and path (a key may ride in its query or user part), or None
+    when it is no URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return None
+    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"[:300] if parts.scheme and parts.hostname else None
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -280,6 +280,16 @@ def test_server_events_map_to_the_cold_runs_shapes_once_each():
     error = stream.mapped("session.error", {"sessionID": sid, "error": {"name": "APIError",
                                                                         "data": {"message": "boom"}}})
     assert opencode_runner.error_text(error) == "APIError: boom"
+    # The error event of the real opencode 1.18.33 when the model server refuses connections (its
+    # own retries over, ~66 s): the URL sits in metadata only. Its query and user part stay out.
+    unreachable = {"type": "error", "error": {"name": "APIError", "data": {
+        "message": "Cannot connect to API: Unable to connect. Is the computer able to access the url?",
+        "isRetryable": True, "metadata": {"url": "http://u:pw@127.0.0.1:42333/chat/completions?key=k"}}}}
+    assert opencode_runner.error_text(unreachable) == (
+        "APIError: Cannot connect to API: Unable to connect. Is the computer able to access the url? "
+        "(request to http://127.0.0.1:42333/chat/completions)")
+    assert opencode_runner.error_text({"error": {"name": "E", "data": {"message": "m",
+                                                                      "metadata": {"url": "not a url"}}}}) == "E: m"
     ask = stream.mapped("permission.asked", {"id": "per_1", "sessionID": sid, "permission": "bash"})
     assert ask["type"] == "permission_asked" and ask["request"]["id"] == "per_1"
 
