@@ -427,6 +427,9 @@ def box_home(env: dict[str, str] | None = None) -> str:
 
 
 CALLS = ("config", "models")
+# A folder holding a file the box hides is emptied and its other entries shown again (_seal) up to
+# this many entries; a bigger one keeps a bind over each hidden file.
+SEAL_MAX = 256
 
 
 def calls_home(kind: str = "config", env: dict[str, str] | None = None) -> str:
@@ -719,14 +722,26 @@ def _sealed(plan: Plan) -> list[str]:
     view, or a ``visible`` folder under /tmp), shallowest first; ``/`` and folders inside a hidden
     folder are left out. A file is hidden by binding over its path, and TaskBridge replaces its
     files by a rename (the worker's heartbeat and log, a rotated token): the new file at the path
-    is no longer covered. So such a folder is emptied whole and what else it held shown again."""
+    is no longer covered. So such a folder is emptied whole and what else it held shown again;
+    one of more than SEAL_MAX entries keeps the binds over its files (each entry shown again is a
+    mount and an open handle until the box starts)."""
     folders = {os.path.dirname(path) for path in plan.hidden if not os.path.isdir(path)} - {"/"}
+    folders = {folder for folder in folders if _entry_count(folder) <= SEAL_MAX}
     hidden_dirs = [path for path in plan.hidden if os.path.isdir(path)]
     shown_tmp = [path for path in plan.visible if _under(path, "/tmp")]
     return sorted((folder for folder in folders
                    if not any(_under(folder, d) for d in hidden_dirs)
                    and (not _under(folder, "/tmp") or any(_under(folder, v) for v in shown_tmp))),
                   key=lambda folder: (folder.count("/"), folder))
+
+
+def _entry_count(folder: str) -> int:
+    """How many entries ``folder`` holds (0 when it cannot be read)."""
+    try:
+        with os.scandir(folder) as entries:
+            return sum(1 for _ in entries)
+    except OSError:
+        return 0
 
 
 def _shown_again(folder: str, hidden: list[str]) -> list[str]:

@@ -681,6 +681,11 @@ def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_
         assert MARK not in said, said
         assert said.count("ordinary") == 2 and "notes.txt" in said.split() and "link" in said.split(), said
         assert not any(name.startswith("tasks.") for name in said.split("LISTING")[1].split()), said
+        for n in range(agent_box.SEAL_MAX):   # a crowded folder keeps a bind over each hidden file
+            (queue / f"f{n}").touch()
+        argv = agent_box.bwrap_argv(plan, ["true"])
+        assert "--tmpfs" not in argv, argv
+        assert argv[argv.index(str(queue / "tasks.db")) - 1] == "/dev/null", argv
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
