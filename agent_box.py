@@ -32,6 +32,7 @@ import functools
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -270,6 +271,7 @@ class Plan:
     shell_env: dict[str, str] = field(default_factory=dict)   # set for the bash tool's commands only
     env: dict[str, str] = field(default_factory=lambda: box_vars())   # set inside the box, for every process
     mounts: list[tuple[str, str]] = field(default_factory=list)       # (source, destination), read-only
+    sealed: list[str] = field(default_factory=list)   # emptied whole though no hidden file is in them yet (_seal)
 
     def lets_write(self, path: str) -> bool:
         """Whether a process in this box could write ``path`` (resolved): under a writable bind
@@ -430,6 +432,7 @@ CALLS = ("config", "models")
 # A folder holding a file the box hides is emptied and its other entries shown again (_seal) up to
 # this many entries; a bigger one keeps a bind over each hidden file.
 SEAL_MAX = 256
+BOX_OWN_ROOTS = ("/tmp", "/dev", "/proc")   # the box makes its own: the host's show only where bound again
 
 
 def calls_home(kind: str = "config", env: dict[str, str] | None = None) -> str:
@@ -565,8 +568,15 @@ def _existing(paths: Iterable[str | None], resolve: bool = True) -> list[str]:
 
 
 def data_paths() -> list[str]:
-    """`own_places` that exist (a bind needs its target), resolved: what every box hides."""
-    return _existing(own_places())
+    """`own_places` that exist, resolved: what every box hides. TaskBridge's own folders not made
+    yet are made first (0700; as far as they can be): a folder made while a run is going (the
+    mirrors at the first remote task, ``.taskbridge/`` at the first ``serve.py``) would be in
+    sight of that run, since only what exists when a box starts can be hidden."""
+    folders, files = _own_places()
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+    return _existing([*folders, *files])
 
 
 def held_data(area: str) -> str | None:
@@ -583,30 +593,53 @@ def held_data(area: str) -> str | None:
 def own_places() -> list[str]:
     """TaskBridge's own folders and files, which no agent may read: the task logs (and the run
     folders in them), the worktree and mirror roots, ``.taskbridge/`` (token, OAuth store, public
-    URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json``, the
-    SQLite queue with its WAL and the worker's state files beside it, ``~/.pgpass`` (or the
-    worker's ``PGPASSFILE``: never the box's environment, which does not carry it), the scratch
-    folders of TaskBridge's own calls (``calls_root``) and their OpenCode data (``calls_home``),
-    and your OpenCode's data folder (your sessions and keys: the box has its own, ``box_home``).
-    Made yet or not."""
+    URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json`` and
+    ``public_url``, the SQLite queue with its WAL and the worker's state files beside it,
+    ``~/.pgpass`` (or the worker's ``PGPASSFILE``: never the box's environment, which does not
+    carry it), the scratch folders of TaskBridge's own calls (``calls_root``) and their OpenCode
+    data (``calls_home``), and your OpenCode's data folder (your sessions and keys: the box has its
+    own, ``box_home``). Made yet or not (the queue's state files: those there now)."""
+    folders, files = _own_places()
+    return [*folders, *files]
+
+
+def _own_places() -> tuple[list[str], list[str]]:
+    """`own_places` as (folders, files)."""
     token = connectors.token_file()
-    paths = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
-             str(token), str(token.parent / "oauth.json"), str(oc.opencode_db_path().parent),
-             os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")]
+    folders = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
+               str(oc.opencode_db_path().parent), str(calls_root()), *(calls_home(kind) for kind in CALLS)]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
-        paths.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
-    paths += [str(calls_root()), *(calls_home(kind) for kind in CALLS)]   # a fork's session file passes the first
+        folders.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
     try:
-        paths.append(str(worktrees.mirror_dir()))
+        folders.append(str(worktrees.mirror_dir()))
     except worktrees.Unrunnable:
         pass
+    files = [str(token), str(token.parent / "oauth.json"), str(connectors.public_url_file()), pgpass_file()]
     db = store.db_path()
     prefixes = (db.name, f"{db.stem}.", f"pg-{store.queue_tag()}.")
     try:
-        paths += [str(db.parent / name) for name in os.listdir(db.parent) if name.startswith(prefixes)]
+        files += [str(db.parent / name) for name in os.listdir(db.parent) if name.startswith(prefixes)]
     except OSError:
         pass
-    return paths
+    return folders, files
+
+
+def pgpass_file() -> str:
+    """PostgreSQL's password file as the worker's libpq finds it: ``PGPASSFILE``, else ``~/.pgpass``."""
+    return os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")
+
+
+def sealed_folders() -> list[str]:
+    """The folders where TaskBridge makes or replaces files of its own while runs go on, which
+    the box empties whole (see `_seal`) though those files are not there yet: the queue's (its
+    WAL, the worker's heartbeat and log), the token file's (its ``oauth.json``, its ``public_url``,
+    a token made or rotated) and, when the queue is on PostgreSQL, the password file's. Those
+    that exist, resolved."""
+    token = connectors.token_file()
+    folders = [str(store.db_path().parent), str(token.parent)]
+    if store.database_url():
+        folders.append(os.path.dirname(pgpass_file()))
+    return _existing(folders)
 
 
 def binary_folders(env: dict[str, str]) -> list[str]:
@@ -637,6 +670,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
                                                      "XDG_STATE_HOME"))]) + _existing([top, cwd], resolve=False)
     plan.hidden = data_paths()
+    plan.sealed = sealed_folders()
     git_binds(plan, top, writable, run_dir / "objects")
     config, state = opencode_dirs(env, home)
     # The project's .opencode folders (a run may have made them links: not followed) and yours
@@ -697,7 +731,8 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     for path in plan.visible:
         if _under(path, "/tmp"):
             box += ["--ro-bind", path, path]
-    box += _seal(plan)
+    sealed_args, sealed = _seal(plan)
+    box += sealed_args
     for path in plan.exposed:
         box += ["--ro-bind", path, path]
     box += _hide(_uncovered(plan.hidden, plan.exposed))
@@ -714,52 +749,71 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
         box += ["--ro-bind", source, dest]
     for path in plan.replies:
         box += ["--bind", path, path]
+    # The emptied folders read-only once every mount point in them is made (not those a later
+    # bind covers, which is their view then).
+    for folder in sealed:
+        if not any(_under(folder, path) for path in [*plan.exposed, *plan.writable, *plan.replies, plan.tmp]):
+            box += ["--remount-ro", folder]
     return [*box, "--chdir", plan.cwd, "--", *argv]
 
 
 def _sealed(plan: Plan) -> list[str]:
-    """The folders holding a hidden file that the box would otherwise show (the root's read-only
-    view, or a ``visible`` folder under /tmp), shallowest first; ``/`` and folders inside a hidden
-    folder are left out. A file is hidden by binding over its path, and TaskBridge replaces its
-    files by a rename (the worker's heartbeat and log, a rotated token): the new file at the path
-    is no longer covered. So such a folder is emptied whole and what else it held shown again;
-    one of more than SEAL_MAX entries keeps the binds over its files (each entry shown again is a
-    mount and an open handle until the box starts)."""
-    folders = {os.path.dirname(path) for path in plan.hidden if not os.path.isdir(path)} - {"/"}
-    folders = {folder for folder in folders if _entry_count(folder) <= SEAL_MAX}
+    """The folders the box empties whole and shows again entry by entry (`_seal`), shallowest
+    first: ``plan.sealed`` and each folder holding a hidden file. A file is hidden by binding over
+    its path, and TaskBridge makes its files there, or replaces them by a rename (the worker's
+    heartbeat and log, a rotated token), while runs go on: a new file at the path is not covered,
+    and only a folder emptied whole keeps what is made in it later out of sight. Left out (their
+    hidden files keep a bind each): ``/``; a folder inside a hidden one; one the box would not
+    show anyway (under /tmp, /dev or /proc, which are the box's own, unless ``visible`` shows it);
+    one of another owner (the empty folder put there is the box's: its mode is copied, its owner
+    cannot be); one of more than SEAL_MAX entries (each entry shown again is a mount, and a handle
+    held until bubblewrap starts)."""
+    folders = {os.path.dirname(path) for path in plan.hidden if not os.path.isdir(path)} | set(plan.sealed)
     hidden_dirs = [path for path in plan.hidden if os.path.isdir(path)]
-    shown_tmp = [path for path in plan.visible if _under(path, "/tmp")]
-    return sorted((folder for folder in folders
-                   if not any(_under(folder, d) for d in hidden_dirs)
-                   and (not _under(folder, "/tmp") or any(_under(folder, v) for v in shown_tmp))),
+    shown_private = [path for path in plan.visible if _under(path, "/tmp")]
+
+    def shown(folder: str) -> bool:
+        if not any(_under(folder, root) for root in BOX_OWN_ROOTS):
+            return True
+        return any(_under(folder, v) for v in shown_private)
+
+    return sorted((folder for folder in folders - {"/"}
+                   if not any(_under(folder, d) for d in hidden_dirs) and shown(folder) and _sealable(folder)),
                   key=lambda folder: (folder.count("/"), folder))
 
 
-def _entry_count(folder: str) -> int:
-    """How many entries ``folder`` holds (0 when it cannot be read)."""
+def _sealable(folder: str) -> bool:
+    """Whether ``folder`` is this user's and holds at most SEAL_MAX entries."""
     try:
+        if os.stat(folder).st_uid != os.geteuid():
+            return False
         with os.scandir(folder) as entries:
-            return sum(1 for _ in entries)
+            return sum(1 for _ in entries) <= SEAL_MAX
     except OSError:
-        return 0
+        return False
 
 
 def _shown_again(folder: str, hidden: list[str]) -> list[str]:
     """bwrap's arguments showing again what ``folder`` (emptied by `_seal`) holds as the box
-    starts, but TaskBridge's own entries: the hidden paths and every name sharing a hidden file's
-    name up to its first dot, a leading dot aside (``tasks.db`` hides ``tasks.db-wal``,
-    ``tasks.worker.json`` and the temporary ``.tasks.worker.json.*.tmp`` of its next write). A link
-    is made again as a link; an entry gone by the time the box starts is left out."""
-    own = set(hidden)
-    stems = {Path(path).name.lstrip(".").split(".", 1)[0] + "." for path in hidden
-             if os.path.dirname(path) == folder and not os.path.isdir(path)}
-    args: list[str] = []
+    starts, but TaskBridge's own entries: the hidden paths and every name sharing the name of a
+    hidden file or of a queue's file (``tasks.db``, ``*.worker.lock``: another queue kept in the
+    same folder) up to its first dot, a leading dot aside (``tasks.db`` covers ``tasks.db-wal``,
+    ``tasks.worker.json``, the temporary ``.tasks.worker.json.*.tmp`` of its next write) or
+    followed by ``_logs`` (a queue's task logs). A link is made again as a link; an entry gone
+    by the time the box starts is left out (box_binds.py)."""
     try:
-        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        with os.scandir(folder) as found:
+            entries = sorted(found, key=lambda entry: entry.name)
     except OSError:
-        return args
+        return []
+    own = set(hidden)
+    named = [Path(path).name for path in hidden if os.path.dirname(path) == folder and not os.path.isdir(path)]
+    named += [entry.name for entry in entries if store.is_queue_file(entry.name)]
+    stems = {name.lstrip(".").split(".", 1)[0] for name in named}
+    prefixes = tuple(f"{stem}{tail}" for stem in stems for tail in (".", "_logs"))
+    args: list[str] = []
     for entry in entries:
-        if entry.path in own or entry.name.lstrip(".").startswith(tuple(stems)):
+        if entry.path in own or entry.name.lstrip(".").startswith(prefixes) or entry.name.lstrip(".") in stems:
             continue
         try:
             args += (["--symlink", os.readlink(entry.path), entry.path] if entry.is_symlink()
@@ -769,15 +823,16 @@ def _shown_again(folder: str, hidden: list[str]) -> list[str]:
     return args
 
 
-def _seal(plan: Plan) -> list[str]:
-    """bwrap's arguments hiding ``plan.hidden`` from the box's first view: each `_sealed` folder
-    emptied and its other entries shown again, then the hidden paths not yet gone hidden one by
-    one (`_hide`)."""
+def _seal(plan: Plan) -> tuple[list[str], list[str]]:
+    """(bwrap's arguments hiding ``plan.hidden`` from the box's first view, the folders emptied):
+    each `_sealed` folder emptied (its mode kept) and its other entries shown again, then the
+    hidden paths not yet gone hidden one by one (`_hide`)."""
     sealed = _sealed(plan)
     args: list[str] = []
     for folder in sealed:
-        args += ["--tmpfs", folder, *_shown_again(folder, plan.hidden)]
-    return args + _hide(path for path in plan.hidden if os.path.dirname(path) not in sealed)
+        mode = stat.S_IMODE(os.stat(folder).st_mode)
+        args += ["--perms", f"{mode:04o}", "--tmpfs", folder, *_shown_again(folder, plan.hidden)]
+    return args + _hide(path for path in plan.hidden if os.path.dirname(path) not in sealed), sealed
 
 
 def _hide(paths: Iterable[str]) -> list[str]:

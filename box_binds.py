@@ -49,22 +49,27 @@ def pin(source: str) -> int:
     return fd
 
 
+# bubblewrap's options that agent_box.py writes and how many operands each takes: an operand (a
+# link's target, a variable's value) is never read as an option, whatever it says.
+OPERANDS = {"--bind": 2, "--ro-bind": 2, "--ro-bind-try": 2, "--symlink": 2, "--setenv": 2, "--tmpfs": 1,
+            "--dev": 1, "--proc": 1, "--chdir": 1, "--remount-ro": 1, "--perms": 1, "--cap-drop": 1}
+
+
 def pinned(argv: list[str]) -> list[str]:
-    """``argv`` (bubblewrap's) with every bind source before ``--`` replaced by its handle.
-    Raises Moved or OSError."""
+    """``argv`` (bubblewrap's, its path first) with every bind source before ``--`` replaced by
+    its handle. Raises Moved or OSError."""
     out, at = list(argv), 1
     while at < len(out) and out[at] != "--":
-        if out[at] in BINDS and at + 2 < len(out):
-            out[at:at + 2] = [BINDS[out[at]], str(pin(out[at + 1]))]
-            at += 3
-        elif out[at] == "--ro-bind-try" and at + 2 < len(out):
+        option = out[at]
+        if option in BINDS and at + 2 < len(out):
+            out[at:at + 2] = [BINDS[option], str(pin(out[at + 1]))]
+        elif option == "--ro-bind-try" and at + 2 < len(out):
             try:
                 out[at:at + 2] = ["--ro-bind-fd", str(pin(out[at + 1]))]
-                at += 3
             except (Moved, FileNotFoundError, NotADirectoryError):
                 del out[at:at + 3]
-        else:
-            at += 1
+                continue
+        at += 1 + OPERANDS.get(option, 0)
     return out
 
 

@@ -674,7 +674,7 @@ def _place_checked(item: dict[str, Any]) -> dict[str, bool | None]:
     """`worktrees.refuse_unrunnable_folder` for a submission's folder: ``{working_dir: whether it
     runs in place}`` ({} without a folder, or when git could not tell). Raises ValidationError."""
     folder = item.get("working_dir")
-    if not isinstance(folder, str):
+    if not isinstance(folder, str) or item.get("repo"):   # with a repo too the store refuses the pair
         return {}
     answer = worktrees.refuse_unrunnable_folder(folder, item.get("host"),
                                                 store.coerce_bool("worktree", item.get("worktree", True)))

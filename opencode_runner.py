@@ -1057,16 +1057,17 @@ def refused_by_provider(event: dict[str, Any]) -> int | None:
 
 def error_text(event: dict[str, Any]) -> str:
     """An ``error`` event as ``"Name: message"`` (``error.name``, ``error.data.message``), and
-    the address the request went to when OpenCode names it (``error.data.metadata.url``, as an
-    unreachable model server's ``APIError`` does: "Cannot connect to API: Unable to connect. Is
-    the computer able to access the url?" names none itself), without its query or user part."""
+    the address the request went to when no server answered it and OpenCode names it
+    (``error.data.metadata.url`` without ``statusCode``, as an unreachable model server's
+    ``APIError`` has: "Cannot connect to API: Unable to connect. Is the computer able to access
+    the url?" names none itself), without its query or user part."""
     error = event.get("error") or {}
     if not isinstance(error, dict):
         return f"error: {str(error)[:500]}"
     data = _dict(error.get("data"))
     message = data.get("message") or error.get("message") or json.dumps(error)[:500]
     url = _dict(data.get("metadata")).get("url")
-    if isinstance(url, str) and (where := _bare_url(url)):
+    if data.get("statusCode") is None and isinstance(url, str) and (where := _bare_url(url)):   # no answer came
         message = f"{message} (request to {where})"
     return f"{error.get('name') or 'error'}: {message}"
 

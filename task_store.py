@@ -1299,7 +1299,7 @@ def _private_folder(path: str) -> str | None:
             return f"a folder holding {what} ({real})"
     try:
         with os.scandir(path) as entries:
-            queue = next((e.name for e in entries if _queue_marker(e.name)), None)
+            queue = next((e.name for e in entries if is_queue_file(e.name)), None)
     except OSError:
         queue = None
     return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
@@ -1311,7 +1311,9 @@ QUEUE_DEPTH = 3
 QUEUE_SCAN_MAX = 20_000
 
 
-def _queue_marker(name: str) -> bool:
+def is_queue_file(name: str) -> bool:
+    """Whether a file named ``name`` marks a TaskBridge queue's folder: ``tasks.db``, or a
+    worker's ``*.worker.lock``."""
     return name == "tasks.db" or name.endswith(".worker.lock")
 
 
@@ -1332,7 +1334,7 @@ def queue_inside(path: str) -> str | None:
                     seen += 1
                     if seen > QUEUE_SCAN_MAX:
                         return None
-                    if _queue_marker(entry.name) and entry.path not in mine and \
+                    if is_queue_file(entry.name) and entry.path not in mine and \
                             entry.is_file(follow_symlinks=False):
                         return entry.path
                     if depth < QUEUE_DEPTH and entry.is_dir(follow_symlinks=False) and entry.name != ".git":

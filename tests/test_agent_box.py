@@ -690,6 +690,62 @@ def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_what_taskbridge_makes_while_a_box_runs_stays_out_of_its_sight(monkeypatch):
+    """Found by a hostile tester: a token file (and its oauth.json) made while a run was going,
+    in a folder of its own, and a folder of TaskBridge's made then (the mirrors at a first remote
+    task) were readable to the run, since only what existed when the box started was hidden; a
+    second queue kept in the queue's folder was readable whole; the emptied folder was writable
+    in the box and lost its mode; a link whose target reads as an option of bubblewrap's
+    (``--bind``, ``--``) kept the box from starting or switched its binds by handle off."""
+    import subprocess
+    import tempfile
+    base = Path(tempfile.mkdtemp(prefix="tb-seal-", dir="/var/tmp"))   # not /tmp: the box has its own
+    try:
+        queue, secrets, tmp, work = base / "queue", base / "secrets", base / "run" / "tmp", base / "work"
+        for folder in (queue, secrets, tmp, work):
+            folder.mkdir(parents=True)
+        queue.chmod(0o750)
+        monkeypatch.setenv("TASK_DB_PATH", str(queue / "tasks.db"))
+        monkeypatch.setenv("TASK_LOG_DIR", str(queue / "tasks_logs"))
+        monkeypatch.setenv("MCP_TOKEN_FILE", str(secrets / "token"))
+        monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", str(base / "cache" / "mirrors"))
+        task_store.connect().close()
+        (queue / "other.db").write_text(f"{MARK}-other-queue\n")
+        (queue / "other.worker.lock").touch()
+        (queue / "other_logs").mkdir()
+        (queue / "notes.txt").write_text("ordinary\n")
+        for name, target in (("dash", "--bind"), ("end", "--"), ("try", "--ro-bind-try")):
+            (queue / name).symlink_to(target)
+        plan = agent_box.Plan(cwd=str(work), tmp=str(tmp), hidden=agent_box.data_paths(),
+                              sealed=agent_box.sealed_folders(), writable=[str(work)])
+        probe = (f"touch /tmp/ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; "
+                 f"cat {secrets}/token {secrets}/oauth.json {queue}/other.db {base}/cache/mirrors/m/config 2>&1; "
+                 f"cat {queue}/notes.txt; touch {queue}/planted 2>&1 || echo planting-refused; "
+                 f"stat -c 'mode %a' {queue}; readlink {queue}/dash {queue}/end; echo LISTING; ls -a {queue}")
+        box = subprocess.Popen(agent_box.bwrap_argv(plan, ["/bin/sh", "-c", probe]), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, cwd="/")
+        try:
+            deadline = time.monotonic() + 20
+            while not (tmp / "ready").exists() and box.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            task_store.write_private(secrets / "token", f"{MARK}-token\n")
+            (secrets / "oauth.json").write_text(f"{MARK}-oauth\n")
+            (base / "cache" / "mirrors" / "m").mkdir()
+            (base / "cache" / "mirrors" / "m" / "config").write_text(f"{MARK}-mirror\n")
+            (tmp / "go").touch()
+            said = box.communicate(timeout=30)[0]
+        finally:
+            box.kill()
+        assert MARK not in said, said
+        assert "ordinary" in said and "planting-refused" in said and "mode 750" in said, said
+        assert "--bind\n--\n" in said, said
+        listed = said.split("LISTING")[1].split()
+        assert "notes.txt" in listed and not any(name.startswith(("tasks", "other")) for name in listed), said
+        assert not (queue / "planted").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_sbpl_profile_for_macos():
     plan = agent_box.Plan(cwd="/w/t", tmp="/run/t/tmp", hidden=["/data"], writable=["/w/t", "/oc/data"],
                           read_only=["/data/run/control", "/repo/.git/config"], replies=["/data/run/reply"])

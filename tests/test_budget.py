@@ -162,13 +162,15 @@ def test_parse_limit_answer(text, unit, expected):
 
 
 def test_cli_submit_limits_budget_commands_and_status(tmp_path):
+    work = tmp_path / "work"   # beside the queue, which tmp_path holds
+    work.mkdir()
     run = CliRunner().invoke
     result = run(
-        tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "$0.40", "--max-tokens", "900", "--json"]
+        tasks_cli.cli, ["submit", "x", "--dir", str(work), "--max-cost", "$0.40", "--max-tokens", "900", "--json"]
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["max_cost_usd"] == 0.4
-    bad = run(tasks_cli.cli, ["submit", "x", "--dir", str(tmp_path), "--max-cost", "lots"])
+    bad = run(tasks_cli.cli, ["submit", "x", "--dir", str(work), "--max-cost", "lots"])
     assert bad.exit_code == 2 and "max_cost_usd must be an amount in USD" in bad.output
     assert run(tasks_cli.cli, ["budget", "set"]).exit_code == 2
     result = run(tasks_cli.cli, ["budget", "set", "--daily", "0.001", "--json"])
@@ -189,6 +191,8 @@ def test_cli_submit_limits_budget_commands_and_status(tmp_path):
 
 @pytest.mark.anyio
 async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
+    work = tmp_path / "work"   # beside the queue, which tmp_path holds
+    work.mkdir()
     async with Client(bridge.build_server(), client_info=Implementation(name="claude-ai", version="1")) as c:
         tools = {t.name: t for t in (await c.list_tools()).tools}
         hints = tools["set_budget"].annotations
@@ -201,20 +205,20 @@ async def test_mcp_set_budget_queue_status_and_submit_limits(tmp_path):
         assert set_result["daily_usd"] == 3
         refused = await tool_error(c, "set_budget", {"daily_usd": -1})
         assert "daily_usd" in refused and "\n" not in refused
-        task = await call_tool(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+        task = await call_tool(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(work),
                                                   "max_tokens": 700, "worktree": False})
         assert task["max_tokens"] == 700 and task["max_cost_usd"] is None and task["warnings"] == []
         bad = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "instructions": "i",
-                                                              "working_dir": str(tmp_path), "max_cost_usd": "x"}]})
+                                                              "working_dir": str(work), "max_cost_usd": "x"}]})
         assert "max_cost_usd" in bad
         for not_a_number in ("NaN", "inf"):   # said as such, not as "must be ≤ 1000000"
-            said = await tool_error(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(tmp_path),
+            said = await tool_error(c, "submit_task", {"title": "t", "instructions": "i", "working_dir": str(work),
                                                       "max_cost_usd": not_a_number})
             assert "max_cost_usd" in said and "finite number" in said, said
         not_rules = await tool_error(c, "submit_task", {"title": "t", "instructions": "i",
-                                                        "working_dir": str(tmp_path), "rules": "deny bash"})
+                                                        "working_dir": str(work), "rules": "deny bash"})
         assert "rules must be an object (a JSON object)" in not_rules, not_rules
-        missing = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "working_dir": str(tmp_path)}]})
+        missing = await tool_error(c, "submit_batch", {"tasks": [{"title": "t", "working_dir": str(work)}]})
         assert "instructions is required" in missing, missing
         status = await call_tool(c, "queue_status")
         assert status["budget"]["daily_usd"] == 3 and status["budget"]["default_max_cost_usd"] == 0.5

@@ -22,6 +22,15 @@ from tasks_cli import cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    """A folder for tasks to run in, beside the test's queue (tmp_path holds the queue, its logs
+    and worktrees: an in-place task in tmp_path itself is refused at submit)."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    return folder
+
+
 def run(*args: str, input: str | None = None):
     """Invoke the CLI in-process; never lets an exception escape as a traceback."""
     result = CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
@@ -74,10 +83,10 @@ def test_script_runs_as_python_tasks_cli(tmp_path):
 # Submit, list, show.
 
 
-def test_submit_list_show_round_trip(tmp_path, monkeypatch):
+def test_submit_list_show_round_trip(tmp_path, work, monkeypatch):
     # Without OpenCode here the model cannot be checked: it is queued with a warning saying so.
     monkeypatch.setenv("OPENCODE_BIN", str(tmp_path / "no-opencode"))
-    result = run("submit", "Add a [/red] test", "-d", str(tmp_path), "-i", "write tests", "-p", "7",
+    result = run("submit", "Add a [/red] test", "-d", str(work), "-i", "write tests", "-p", "7",
                  "--timeout", "600", "--max-retries", "2", "--permission", "readonly",
                  "--no-worktree", "--agent", "build", "--model", "opencode/cat-jam-free")
     assert result.exit_code == 0, result.output
@@ -88,7 +97,7 @@ def test_submit_list_show_round_trip(tmp_path, monkeypatch):
     assert (task["title"], task["instructions"], task["working_dir"]) == (
         "Add a [/red] test",
         "write tests",
-        str(tmp_path),
+        str(work),
     )
     assert (task["priority"], task["timeout_sec"], task["max_retries"]) == (7, 600, 2)
     assert (task["permission"], task["worktree"], task["agent"]) == ("readonly", False, "build")
@@ -134,18 +143,18 @@ def test_instructions_longer_than_the_limit_are_refused_before_they_are_all_read
     assert done.returncode == 2 and "TEXT - (stdin) is longer than the limit of 50,000 characters" in done.stderr
 
 
-def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_submit_defaults_dir_to_cwd_and_reads_stdin(tmp_path, work, monkeypatch):
+    monkeypatch.chdir(work)
     # Not a git repository: the agent would run in place, so it takes --yes (no terminal to ask on).
     refused = run("submit", "Here", input="")
     assert refused.exit_code == 1 and "is not a git repository" in refused.stderr
     assert "--yes" in refused.stderr and task_store.counts()["pending"] == 0
     result = run("submit", "From stdin", "--file", "-", "--json", "--yes", input="line one\nline two\n")
     task = json.loads(result.stdout)
-    assert task["working_dir"] == str(tmp_path)
+    assert task["working_dir"] == str(work)
     assert task_store.get_task(task["id"])["instructions"] == "line one\nline two\n"
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+    subprocess.run(["git", "init", "-q", str(work)], check=True)
+    subprocess.run(["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
                     "--allow-empty", "-m", "init"], check=True)   # a repository with no commits is refused
     plain = run("submit", "Title only", "--json")        # a git repository: no question
     assert task_store.get_task(json.loads(plain.stdout)["id"])["instructions"] == "Title only"
@@ -173,12 +182,12 @@ def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
     assert "Warning" not in unasked.stderr
 
 
-def test_submit_with_key_is_idempotent_and_depends_on(tmp_path):
-    first = json.loads(run("submit", "A", "-d", str(tmp_path), "--key", "k1", "--json").stdout)
-    again = run("submit", "A", "-d", str(tmp_path), "--key", "k1")
+def test_submit_with_key_is_idempotent_and_depends_on(tmp_path, work):
+    first = json.loads(run("submit", "A", "-d", str(work), "--key", "k1", "--json").stdout)
+    again = run("submit", "A", "-d", str(work), "--key", "k1")
     assert "Already queued as t_0001" in again.stdout
     assert task_store.counts()["pending"] == 1
-    child = json.loads(run("submit", "B", "-d", str(tmp_path), "--depends-on", first["id"], "--json").stdout)
+    child = json.loads(run("submit", "B", "-d", str(work), "--depends-on", first["id"], "--json").stdout)
     assert child["depends_on"] == ["t_0001"]
 
 
@@ -280,14 +289,14 @@ def test_a_gone_workers_task_is_said_to_fail_when_its_retries_are_spent(tmp_path
         assert squash(said) in squash(run("show", task["id"]).stdout), retries
 
 
-def test_a_submit_says_when_no_worker_serves_the_queue(tmp_path):
+def test_a_submit_says_when_no_worker_serves_the_queue(tmp_path, work):
     """A fresh user queued tasks with the server stopped and heard nothing: the task waits, and
     how to start a worker is said; with a worker serving the queue, nothing is."""
-    alone = run("submit", "first", "-d", str(tmp_path), "--yes")
+    alone = run("submit", "first", "-d", str(work), "--yes")
     assert alone.exit_code == 0 and "Note: no worker serves this queue now, so it waits" in alone.stderr
     assert "worker.py" in alone.stderr
     task_store.write_worker_heartbeat({"state": "idle"})    # this live process serves it
-    served = run("submit", "second", "-d", str(tmp_path), "--yes")
+    served = run("submit", "second", "-d", str(work), "--yes")
     assert served.exit_code == 0 and "no worker" not in served.stderr
 
 
@@ -596,9 +605,9 @@ def test_events_lists_state_changes(tmp_path):
     assert "cancelled" in table.stdout and f"--since {rows[-1]['id']}" in table.stdout
 
 
-def test_db_option_points_the_store_elsewhere(tmp_path):
+def test_db_option_points_the_store_elsewhere(tmp_path, work):
     other = tmp_path / "other" / "queue.db"
-    result = run("--db", str(other), "submit", "Elsewhere", "-d", str(tmp_path))
+    result = run("--db", str(other), "submit", "Elsewhere", "-d", str(work))
     assert result.exit_code == 0
     assert other.exists()
     assert task_store.db_path() == other.resolve()
@@ -632,24 +641,24 @@ BAD_SUBMITS = [
 
 
 @pytest.mark.parametrize("extra,code,message", BAD_SUBMITS)
-def test_bad_submit_is_refused_and_writes_nothing(tmp_path, extra, code, message):
+def test_bad_submit_is_refused_and_writes_nothing(tmp_path, work, extra, code, message):
     submit(tmp_path, "existing")
     before = snapshot()
-    args = ["submit", "Title"] + (extra if "-d" in extra else ["-d", str(tmp_path)] + extra)
+    args = ["submit", "Title"] + (extra if "-d" in extra else ["-d", str(work)] + extra)
     result = run(*args, input="")
     assert result.exit_code == code, result.output
     assert message in result.stderr
     assert snapshot() == before
 
 
-def test_relative_dir_is_taken_from_the_current_folder(tmp_path, monkeypatch):
-    (tmp_path / "proj").mkdir()
-    monkeypatch.chdir(tmp_path / "proj")
-    for given, expected in ((".", tmp_path / "proj"), ("..", tmp_path), ("../proj/", tmp_path / "proj")):
+def test_relative_dir_is_taken_from_the_current_folder(tmp_path, work, monkeypatch):
+    (work / "proj").mkdir()
+    monkeypatch.chdir(work / "proj")
+    for given, expected in ((".", work / "proj"), ("..", work), ("../proj/", work / "proj")):
         task = json.loads(run("submit", "Title", "-d", given, "--json").stdout)
         assert task["working_dir"] == str(expected)
     missing = run("submit", "Title", "-d", "nope")
-    assert missing.exit_code == 2 and f"{tmp_path}/proj/nope' does not exist" in missing.stderr
+    assert missing.exit_code == 2 and f"{work}/proj/nope' does not exist" in missing.stderr
 
 
 BAD_COMMANDS = [
@@ -771,8 +780,8 @@ def squash(text: str) -> str:
     return "".join(c for c in text if not c.isspace() and c not in "│┃")
 
 
-def test_messages_and_prompts_that_quote_task_text_make_it_visible(tmp_path):
-    submitted = run("submit", EVIL, "-d", str(tmp_path))
+def test_messages_and_prompts_that_quote_task_text_make_it_visible(tmp_path, work):
+    submitted = run("submit", EVIL, "-d", str(work))
     assert SHOWN in submitted.stdout
     claimed = run("claim", "1", "--as", f"me{EVIL}")
     assert claimed.exit_code == 0 and SHOWN in claimed.stdout

@@ -36,7 +36,9 @@ def test_doctor_reports_a_missing_queue_without_making_it(tmp_path):
 
 def test_submit_makes_the_queue_it_names(tmp_path):
     new = tmp_path / "new" / "tasks.db"
-    result = run_script("tasks_cli.py", "--db", str(new), "submit", "first task", "--dir", str(tmp_path), timeout=60)
+    (tmp_path / "work").mkdir()
+    result = run_script("tasks_cli.py", "--db", str(new), "submit", "first task", "--dir", str(tmp_path / "work"),
+                        timeout=60)
     assert result.returncode == 0, result.stderr
     assert new.exists()
     assert run_script("tasks_cli.py", "--db", str(new), "list", timeout=60).returncode == 0
@@ -238,11 +240,13 @@ def test_a_repeated_cherry_pick_says_it_is_already_applied(tmp_path):
 
 
 def test_depending_on_a_failed_task_names_retry(tmp_path):
-    task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path))
+    work = tmp_path / "work"
+    work.mkdir()
+    task = task_store.submit_task(title="t", instructions="i", working_dir=str(work))
     claimed = task_store.claim_next("w", task_id=task["id"])
     task_store.fail_attempt(task["id"], claimed["run_marker"], "red", retryable=False)
     result = run_script(
-        "tasks_cli.py", "submit", "next", "--dir", str(tmp_path), "--depends-on", task["id"], timeout=60
+        "tasks_cli.py", "submit", "next", "--dir", str(work), "--depends-on", task["id"], timeout=60
     )
     assert result.returncode == 1 and "can never be done" not in result.stderr
     assert f"retry it first (`{tasks_cli.CLI} retry {task['id']}`)" in result.stderr, result.stderr

@@ -971,7 +971,9 @@ async def test_a_folder_no_task_could_run_in_is_refused_at_submit(tmp_path):
     async with client() as c:
         assert "bare repository" in await tool_error(c, "submit_task", task_args(str(bare)))
         assert "no commits" in await tool_error(c, "submit_task", task_args(str(empty)))
-        batch = await tool_error(c, "submit_batch", {"tasks": [task_args(str(tmp_path)), task_args(str(empty))]})
+        (tmp_path / "plain").mkdir()
+        batch = await tool_error(c, "submit_batch", {"tasks": [task_args(str(tmp_path / "plain")),
+                                                               task_args(str(empty))]})
         assert "task 1 of the batch" in batch and "no commits" in batch
     said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(empty)])
     assert said.exit_code != 0 and "no commits" in said.output and "Traceback" not in said.output

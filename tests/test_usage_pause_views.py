@@ -74,10 +74,12 @@ def test_cli_status_and_show_name_the_held_account_and_the_resume_time(tmp_path)
 
 
 async def test_a_task_queued_past_its_schedule_timeout_is_flagged(tmp_path, monkeypatch):
+    work = tmp_path / "work"   # beside the queue, which tmp_path holds
+    work.mkdir()
     async with Client(bridge.build_server(), mode="legacy") as c:
-        late = await call_tool(c, "submit_task", {"title": "late", "instructions": "x", "working_dir": str(tmp_path),
+        late = await call_tool(c, "submit_task", {"title": "late", "instructions": "x", "working_dir": str(work),
                                            "schedule_timeout_sec": 60})
-        plain = await call_tool(c, "submit_task", {"title": "plain", "instructions": "x", "working_dir": str(tmp_path)})
+        plain = await call_tool(c, "submit_task", {"title": "plain", "instructions": "x", "working_dir": str(work)})
         assert late["schedule_timeout_sec"] == 60 and late["start_overdue"] is None
         started = task_store.now()
         monkeypatch.setattr(task_store, "now", lambda: started + 61)   # a minute passes, no worker runs
@@ -90,5 +92,5 @@ async def test_a_task_queued_past_its_schedule_timeout_is_flagged(tmp_path, monk
         assert f"{late['id']}: queued 61 s without starting" in shown.output
         task_store.claim_next("w", task_id=late["id"])   # started: no longer flagged
         assert (await call_tool(c, "get_task", {"task_id": late["id"]}))["start_overdue"] is None
-    bad = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(tmp_path), "--schedule-timeout", "0"])
+    bad = CliRunner().invoke(tasks_cli.cli, ["submit", "t", "--dir", str(work), "--schedule-timeout", "0"])
     assert bad.exit_code == 2 and "--schedule-timeout" in bad.output
