@@ -34,12 +34,16 @@ def start_time(pid: int) -> float | None:
 
 def same_process(pid: int | None, started: float | None, tolerance: float = 0.5) -> psutil.Process | None:
     """The live process with this ``pid`` that started at ``started`` (seconds, within
-    ``tolerance``), or None: a pid reused by another program does not match."""
+    ``tolerance``), or None: a pid reused by another program does not match, and a zombie (it
+    ended, its parent has not reaped it yet: a worker killed by ``kill -9`` from a shell script)
+    is no live process."""
     if not pid or started is None:
         return None
     try:
         proc = psutil.Process(int(pid))
-        return proc if abs(proc.create_time() - float(started)) <= tolerance else None
+        if abs(proc.create_time() - float(started)) > tolerance or proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
     except (*_GONE, ValueError):
         return None
 

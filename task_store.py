@@ -1319,7 +1319,8 @@ def is_queue_file(name: str) -> bool:
 
 def queue_inside(path: str) -> str | None:
     """Another TaskBridge queue's file (``tasks.db``, or a worker's ``*.worker.lock`` beside a
-    queue) in the folder ``path`` (resolved) or a folder at most QUEUE_DEPTH levels below it (not
+    queue) or another checkout's ``.taskbridge/`` folder (its token and OAuth store) in the folder
+    ``path`` (resolved) or a folder at most QUEUE_DEPTH levels below it (not
     in ``.git``), other than this process's own queue (the agent's box hides that one): an
     in-place task gets its whole folder writable, and could rewrite that queue's tasks. Links are
     not followed; the look stops after QUEUE_SCAN_MAX entries. None when there is none."""
@@ -1336,6 +1337,9 @@ def queue_inside(path: str) -> str | None:
                         return None
                     if is_queue_file(entry.name) and entry.path not in mine and \
                             entry.is_file(follow_symlinks=False):
+                        return entry.path
+                    if entry.name == ".taskbridge" and entry.is_dir(follow_symlinks=False) and \
+                            entry.path != str(REPO_DIR / ".taskbridge"):   # another checkout's token, OAuth store
                         return entry.path
                     if depth < QUEUE_DEPTH and entry.is_dir(follow_symlinks=False) and entry.name != ".git":
                         folders.append((entry.path, depth + 1))
@@ -2853,7 +2857,8 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
 
     One transaction with a ``retried`` event row (and a ``note`` event). Returns the task dict
     plus ``requeued_dependents`` (ids). Raises TaskNotFound, ValidationError (bad model, empty or
-    too long note), InvalidTransition (the task is not failed or cancelled)."""
+    too long note), InvalidTransition (the task is not failed or cancelled, or one of its
+    dependencies is: it would wait for that forever)."""
     num = parse_task_id(task_id)
     model = validate_model(model)
     note = None if note is None else _text("note", note, NOTE_MAX)
@@ -2862,6 +2867,15 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
         row = _row(conn, num)
         if row["status"] not in RETRYABLE:
             raise InvalidTransition(_not_retryable(num, row["status"]))
+        deps = _deps(conn, num)
+        blocked = conn.execute(f"SELECT id, status FROM tasks WHERE id IN ({_marks(deps)})"
+                               " AND status IN ('failed', 'cancelled') ORDER BY id", deps).fetchone() if deps else None
+        if blocked is not None:   # pending again it would wait for a dependency that never finishes
+            dep = format_task_id(blocked["id"])
+            raise InvalidTransition(
+                f"task {format_task_id(num)} depends on {dep}, which is {blocked['status']}, so it could never "
+                f"start: retry {dep} (retry_task {dep}; the tasks that failed because of it are requeued with it), "
+                f"or submit this work again without that dependency")
         _requeue_fresh(conn, row, model)
         if note is not None:
             conn.execute("INSERT INTO notes (task_id, author, text, created_at) VALUES (?, ?, ?, ?)",

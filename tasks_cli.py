@@ -625,6 +625,9 @@ def next_step(task: dict[str, Any]) -> str:
         return (f"{cli_} diff {tid} (read the changes), then {cli_} apply {tid}" if task["diff"]
                 else f"nothing to apply: the run changed no files; {cli_} submit --continue {tid} \"...\" asks "
                      "for more in the same session")
+    blocker = re.match(r"dependency (t_\d+) (failed|cancelled)", task.get("error") or "")
+    if blocker:
+        return f"{cli_} retry {blocker[1]} (this task is requeued with it)"
     return f"{cli_} retry {tid} (add --model provider/model to try another model)"
 
 

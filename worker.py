@@ -3042,8 +3042,22 @@ class Loop:
         elif self.busy or self.watch:
             self._idle()
         else:
+            if not self.started and sys.stderr.isatty():   # a person ran it (a schedule's pass stays quiet)
+                self._said_nothing_to_claim()
             return False
         return True
+
+    def _said_nothing_to_claim(self) -> None:
+        """One line for a one-pass run by hand that found nothing to claim (it used to end silent)."""
+        try:
+            pending = db(store.counts).get("pending", 0)
+        except Exception as exc:
+            if not db_outage(exc):
+                raise
+            return
+        said = (f"{pending} task(s) pending, none claimable now ({store.script_command('tasks_cli.py', 'status')} "
+                "says why)" if pending else "no task is pending")
+        log(f"one pass over {store.database_label()}: nothing to claim, {said}")
 
     def _idle(self) -> None:
         """Nothing to claim: hand memory back once idle, then wait for a change."""

@@ -440,7 +440,8 @@ def in_place_refused(path: str, top: str | None) -> str | None:
     run: its box binds the whole repository ``top`` holding it writable (``path`` itself when
     None), so ``top`` must pass the working_dir checks too (a home folder kept in git gave the
     agent all of it: ``~/.bashrc``, ``~/.ssh``), and hold neither another TaskBridge queue below
-    it (``store.queue_inside``: the agent could rewrite that queue's tasks), OpenCode's own
+    it (``store.queue_inside``: the agent could rewrite that queue's tasks), lie in a hidden
+    folder of your home (``~/.ssh``: a key planted there outlives the task), OpenCode's own
     configuration (a plugin planted there runs unboxed), nor TaskBridge's own files
     (``agent_box.held_data``: the box hides them by binding over their paths, which a run could
     rename a folder around). None when it may run, or when ``path``
@@ -459,9 +460,16 @@ def in_place_refused(path: str, top: str | None) -> str | None:
             store.validate_working_dir(area)
         except store.ValidationError as exc:
             return f"{where}, but {exc}; {way_out}, or give a folder with a repository of its own"
-    queue = store.queue_inside(area)
+    hidden_home = _home_hidden_folder(area)
+    if hidden_home:
+        return (f"{where}, and it lies in {hidden_home}, a hidden folder of your home where programs keep their "
+                f"settings and credentials (a key or a hook the agent planted there would outlive the task); "
+                f"{way_out}")
+    parts = Path(area).parts
+    queue = store.queue_inside(area) or next((str(Path(*parts[:n + 1])) for n, part in enumerate(parts)
+                                              if part == ".taskbridge"), None)
     if queue:
-        return (f"{where}, and it holds another TaskBridge queue ({queue}) whose tasks the agent could rewrite; "
+        return (f"{where}, and it holds another TaskBridge queue or token ({queue}) the agent could rewrite or read; "
                 f"{way_out}, or move that queue out of the folder")
     config = _opencode_config_inside(area)
     if config:
@@ -474,6 +482,16 @@ def in_place_refused(path: str, top: str | None) -> str | None:
                 "around it and read or replace it, and a readonly run's changes are reverted there; move it out of "
                 f"the folder (TASK_DB_PATH, TASK_LOG_DIR, MCP_TOKEN_FILE, XDG_CACHE_HOME), or {way_out}")
     return None
+
+
+def _home_hidden_folder(area: str) -> str | None:
+    """The hidden folder of your home (``~/.ssh``, ``~/.gnupg``, ``~/.aws``: a name beginning
+    with a dot, right under it) that the folder ``area`` (resolved) is or lies in, or None."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    if not area.startswith(home.rstrip(os.sep) + os.sep):
+        return None
+    first = area[len(home.rstrip(os.sep)) + 1:].split(os.sep, 1)[0]
+    return os.path.join(home, first) if first.startswith(".") else None
 
 
 def _opencode_config_inside(area: str) -> str | None:

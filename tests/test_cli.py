@@ -661,6 +661,28 @@ def test_relative_dir_is_taken_from_the_current_folder(tmp_path, work, monkeypat
     assert missing.exit_code == 2 and f"{work}/proj/nope' does not exist" in missing.stderr
 
 
+def test_in_place_tasks_stay_out_of_homes_hidden_folders_and_other_checkouts_state(tmp_path, monkeypatch):
+    """Found by a fresh user: an in-place task in ~/.ssh ran and wrote there (an authorized_keys
+    would outlive the task), and one in another TaskBridge checkout's folder or its .taskbridge/
+    was queued (the agent would read that install's token). Refused at submit, naming the folder."""
+    home = tmp_path / "home"
+    (home / ".ssh" / "keys").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    other = tmp_path / "other-checkout"
+    (other / ".taskbridge").mkdir(parents=True)
+    (other / ".taskbridge" / "token").write_text("theirs\n")
+    for folder, says in ((home / ".ssh", f"lies in {home}/.ssh, a hidden folder of your home"),
+                         (home / ".ssh" / "keys", f"lies in {home}/.ssh, a hidden folder of your home"),
+                         (other, f"another TaskBridge queue or token ({other}/.taskbridge)"),
+                         (other / ".taskbridge", f"another TaskBridge queue or token ({other}/.taskbridge)")):
+        refused = run("submit", "x", "-d", str(folder), "--no-worktree", "--yes")
+        assert refused.exit_code == 1 and says in refused.stderr, (folder, refused.stderr)
+        assert "Traceback" not in refused.stderr
+    assert task_store.counts().get("pending", 0) == 0
+    (home / "proj").mkdir()
+    assert run("submit", "x", "-d", str(home / "proj"), "--no-worktree", "--yes").exit_code == 0
+
+
 BAD_COMMANDS = [
     (["show", "99"], 1, "t_0099 not found"),
     (["show", "t_abc"], 2, "use t_0001, 0001 or 1"),

@@ -252,6 +252,26 @@ def test_depending_on_a_failed_task_names_retry(tmp_path):
     assert f"retry it first (`{tasks_cli.CLI} retry {task['id']}`)" in result.stderr, result.stderr
 
 
+def test_a_task_whose_dependency_failed_is_retried_through_that_dependency(tmp_path):
+    """`retry` of a task that failed because its dependency failed made it pending for good (it
+    waited for a dependency that would never finish) and `show` suggested exactly that (a fresh
+    user's finding): the retry is refused naming the dependency, and `show` suggests retrying it."""
+    parent = task_store.submit_task(title="p", instructions="i", working_dir=str(tmp_path), max_retries=0)
+    child = task_store.submit_task(title="c", instructions="i", working_dir=str(tmp_path), depends_on=[parent["id"]])
+    claimed = task_store.claim_next("w", task_id=parent["id"])
+    task_store.fail_attempt(parent["id"], claimed["run_marker"], "red", retryable=False)
+    assert task_store.get_task(child["id"])["status"] == "failed"
+    shown = run_script("tasks_cli.py", "show", child["id"], timeout=60, env=os.environ | {"COLUMNS": "300"})
+    assert f"Next step: {tasks_cli.CLI} retry {parent['id']} (this task is requeued with it)" in shown.stdout
+    refused = run_script("tasks_cli.py", "retry", child["id"], timeout=60)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"depends on {parent['id']}, which is failed, so it could never start" in refused.stderr
+    assert f"`{tasks_cli.CLI} retry {parent['id']}`" in refused.stderr, refused.stderr
+    assert task_store.get_task(child["id"])["status"] == "failed"
+    assert run_script("tasks_cli.py", "retry", parent["id"], timeout=60).returncode == 0
+    assert [task_store.get_task(t["id"])["status"] for t in (parent, child)] == ["pending", "pending"]
+
+
 def test_a_submit_that_makes_a_new_queue_says_so(tmp_path):
     # A mistyped --db on submit made a queue no worker watches and said only "Submitted t_0001".
     (tmp_path / "repo").mkdir()

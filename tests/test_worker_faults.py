@@ -94,7 +94,9 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
     repo = make_repo(tmp_path / "repo")
     task, proc, running, agent = a_running_agent(opencode, repo, [hang()], timeout_sec=300, max_retries=2)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # Not reaped by its parent yet (a shell script's `kill -9 $pid; worker.py`): a zombie, which
+    # the next pass took for a live worker and left its task running (a fresh user's finding).
+    until(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE)
     assert agent.is_running(), "the orphaned agent outlives its worker until the reaper comes"
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
     # The default stale limit is 15 min, but the lease's worker (pid + start time) is gone.
@@ -108,6 +110,7 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
     assert tagged() == []
     with pytest.raises(task_store.StaleAttempt):
         task_store.complete_attempt(task["id"], running["run_marker"], result={"summary": "late"})
+    proc.wait()
 
 
 def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(tmp_path, monkeypatch):

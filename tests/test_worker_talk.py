@@ -180,3 +180,28 @@ def test_live_line_only_on_a_terminal_the_worker_has_in_the_foreground(foregroun
     os.close(slave)
     os.close(master)
     assert proc.stdout.strip() == ("RICH" if foreground else "PLAIN")
+
+
+def test_a_one_pass_run_by_hand_that_finds_nothing_to_claim_says_so():
+    """A fresh user's finding: `worker.py` run by hand on a queue with nothing claimable printed
+    nothing at all (no start line: a one-pass announces itself once it has work). On a terminal it
+    says so in one line; a schedule's pass (output to a file) stays quiet."""
+    task_store.connect().close()
+    master, slave = pty.openpty()
+    proc = subprocess.run([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=slave, cwd=ROOT, text=True, timeout=60)
+    os.close(slave)
+    said = b""
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        said += chunk
+    os.close(master)
+    assert proc.returncode == 0, proc.stdout
+    assert f"one pass over {task_store.db_path()}: nothing to claim, no task is pending" in said.decode(), said
+    piped = subprocess.run([sys.executable, str(ROOT / "worker.py")], capture_output=True, text=True, timeout=60)
+    assert piped.returncode == 0 and piped.stdout == piped.stderr == "", piped
