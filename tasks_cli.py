@@ -1227,7 +1227,10 @@ def answer(task_id: str, text: str) -> None:
 @click.argument("text")
 @click.option("--author", help="Who writes the note (default: cli:$USER).")
 def note(task_id: str, text: str, author: str | None) -> None:
-    """Add a note for the agent: a running task gets it in its session at the next step, else its next prompt."""
+    """Add a note for the agent: a running task gets it in its session at the next step, else its next prompt.
+    TEXT '-' reads stdin."""
+    if text == "-":
+        text = read_stdin("TEXT -", task_store.NOTE_MAX)
     result = task_store.add_note(task_id, text, author=author or person())
     out().print(f"Note added to {result['task_id']} ({result['status']}); it reaches {result['delivery']}.")
 

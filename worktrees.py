@@ -1569,9 +1569,18 @@ def task_commit_message(task: dict[str, Any], summary: str, facts: dict[str, Any
     without its record (the worker killed, or its disk full, in between) records it from here."""
     trailer = json.dumps({"attempt": task["run_marker"], "queue": store.queue_tag(), **facts},
                          separators=(",", ":"), default=str)
-    body = " ".join(summary.split())[:2000]
-    return f"taskbridge {task['id']}: {task['title']}\n\n" + (f"{body}\n\n" if body else "") + \
+    body = commit_text(summary)[:2000]
+    return f"taskbridge {task['id']}: {commit_text(task['title'])}\n\n" + (f"{body}\n\n" if body else "") + \
         f"{COMMIT_TRAILER}: {trailer}\n"
+
+
+def commit_text(text: str) -> str:
+    """``text`` (a title, a summary) as one line of a commit message: runs of whitespace as one
+    space, every other control character (ESC, BEL, DEL, C1, the bidi overrides) as a visible
+    escape (``\\x1b``): ``git log`` prints a message raw on the terminal, and a line break in a
+    title would end the subject (or put a line of its own before the trailer)."""
+    import task_views  # here, not at the top: task_views imports this module
+    return task_views.CONTROL_OR_BREAK_RE.sub(task_views.escape_char, " ".join(str(text).split()))
 
 
 def unrecorded_commit(task: dict[str, Any], marker: str) -> dict[str, Any] | None:
@@ -2410,7 +2419,7 @@ def _identity(repo: str) -> list[str]:
 
 
 def _run_apply(repo: str, mode: str, task: dict[str, Any], branch: str, tip: str) -> None:
-    title = " ".join(str(task.get("title") or "").split())[:200]
+    title = commit_text(task.get("title") or "")[:200]
     who = _identity(repo)
     if mode == "merge":
         git([*who, "merge", "--no-edit", "-m", f"Merge {branch}: {title} (TaskBridge {task['id']})", tip], repo)

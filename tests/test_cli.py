@@ -425,6 +425,13 @@ def test_note_reaches_the_task(tmp_path):
         "author": "dana", "text": "mind the [bold]tests[/bold]", "created_at": None, "delivered": False,
         "delivered_at": None, "delivered_how": None}
     assert "mind the [bold]tests[/bold]" in run("show", "1").stdout
+    # TEXT - reads stdin, as `answer` does (a fresh user's note came out as "-"; one too long for a
+    # command line could not be given at all).
+    long_note = "line one\n" + "x" * 200_000
+    assert run("note", "1", "-", input=long_note[:15_000]).exit_code == 0
+    assert task_store.get_task(1)["notes"][1]["text"] == long_note[:15_000]
+    too_long = run("note", "1", "-", input=long_note)
+    assert too_long.exit_code == 2 and "TEXT - (stdin) is longer than the limit" in too_long.stderr
 
 
 def test_cancel_asks_first(tmp_path):

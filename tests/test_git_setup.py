@@ -270,3 +270,18 @@ def test_submodules_are_checked_out_from_local_clones_or_the_receipt_says_why(op
     assert "+core 1.0\n+0\n" in final["diff"], "core checked out for the agent; extra left empty"
     assert receipt["worktree_removed"] is True and not Path(receipt["worktree_path"]).exists()
     assert clean_git(repo, "config", "--list", "--local").stdout == config_before, "the user's config untouched"
+
+
+def test_a_title_with_control_characters_makes_one_plain_commit_subject(opencode, tmp_path):
+    """A fresh user's finding: a title's ESC and BEL reached the task branch's commit message raw,
+    and `git log` in a terminal played them; a line break ended the subject early. The subject is
+    one line with the characters shown as escapes; the receipt still comes from that commit."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("ctl", [tool_call("write", {"filePath": "{cwd}/notes.txt", "content": "x\n"}),
+                                  text("Wrote \x1b]0;pwned\x07 it.\n" + DONE)])
+    task = run_task("ctl", str(repo), title="ctl \x1b[31mred\x07\nsecond line")
+    assert task["status"] == "done", task["error"]
+    message = subprocess.run(["git", "-C", str(repo), "log", "-1", "--format=%B", task["branch"]],
+                             capture_output=True, text=True, check=True).stdout
+    assert message.splitlines()[0] == f"taskbridge {task['id']}: ctl \\x1b[31mred\\x07 second line", message
+    assert "\x1b" not in message and "\x07" not in message, message
