@@ -404,11 +404,10 @@ def status_text(status: str) -> Text:
 def plain(value: Any) -> Text:
     """Any value as literal, terminal-safe text: never parsed as rich markup (titles may contain
     brackets), control characters made visible. A list shows one item a line (each on one line)."""
-    if value is None or value == "" or value == []:
-        return Text("-", style="dim")
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and value:
         return Text("\n".join(visible(flat(v), multiline=False) for v in value))
-    return Text(visible(flat(value)))
+    text = flat(value)
+    return Text(visible(text)) if text else Text("-", style="dim")
 
 
 def line(value: Any, style: str = "") -> Text | None:
@@ -419,9 +418,15 @@ def line(value: Any, style: str = "") -> Text | None:
 
 
 def flat(value: Any) -> str:
-    """A value on one line: dicts as ``k=v, ...``, lists comma-joined."""
+    """A value on one line: dicts as ``k=v, ...`` (keys with nothing in them left out), lists
+    comma-joined, booleans as yes / no, nothing at all as ""."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={{{flat(v)}}}" if isinstance(v, dict) else f"{k}={flat(v)}" for k, v in value.items())
+        return ", ".join(f"{k}={{{flat(v)}}}" if isinstance(v, dict) else f"{k}={flat(v)}"
+                         for k, v in value.items() if flat(v))
     if isinstance(value, (list, tuple)):
         return ", ".join(flat(v) for v in value)
     return str(value)

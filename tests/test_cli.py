@@ -276,6 +276,16 @@ def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path
     assert "3line(s)oftheagent'soutputwerenotJSONevents" in shown and "withoutareceiptblock" in shown
     assert "Nextstep:nothingtoapply" in shown
     assert f"submit--continue{noisy['id']}" in shown   # retry refuses a done task: a follow-up asks for more
+    # A fresh user read `repo config  files=, restrictions=` and `no change  True`: empty parts go,
+    # a yes/no reads as one.
+    plain_run = submit(tmp_path, "plain")
+    marker = task_store.claim_next("worker@host", task_id=plain_run["id"])["run_marker"]
+    task_store.complete_attempt(plain_run["id"], marker, result={
+        "summary": "ok", "no_change": True, "repo_config": {"files": [], "restrictions": [], "housekeeping_undone": []},
+        "pushed": {"branch": "b", "remote": None}})
+    shown = run("show", plain_run["id"]).stdout
+    assert re.search(r"no change\s+yes *\n", shown) and re.search(r"repo config\s+- *\n", shown), shown
+    assert re.search(r"pushed\s+branch=b *\n", shown) and "=," not in shown and "True" not in shown, shown
 
 
 def test_a_gone_workers_task_is_said_to_fail_when_its_retries_are_spent(tmp_path, monkeypatch):
