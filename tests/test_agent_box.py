@@ -644,13 +644,31 @@ def test_hidden_paths_inside_a_folder_the_box_shows_stay_hidden(tmp_path):
         assert "require-not" not in profile.split("\n")[2], profile   # nothing inside the hidden paths reopened
 
 
+def box_meanwhile(plan: agent_box.Plan, probe: str, meanwhile) -> str:
+    """The output of ``probe`` (sh) run in ``plan``'s box, which waits while ``meanwhile()`` changes
+    the host's files after the box has started (the box's /tmp is ``plan.tmp``)."""
+    import subprocess
+    tmp = Path(plan.tmp)
+    script = f"touch /tmp/ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; {probe}"
+    box = subprocess.Popen(agent_box.bwrap_argv(plan, ["/bin/sh", "-c", script]), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, cwd="/")
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp / "ready").exists() and box.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        meanwhile()
+        (tmp / "go").touch()
+        return box.communicate(timeout=30)[0]
+    finally:
+        box.kill()
+
+
 def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_shown():
     """The box hides a file by binding over its path; TaskBridge replaces the worker's heartbeat,
     its log and a rotated token by a rename, and then the path held a file no bind covered (the
     run read the worker's next heartbeat). The folder holding such a file is emptied whole and
     its other entries shown again as they were: files TaskBridge makes or replaces there while
     the box runs stay out of sight; the user's files (and links) beside them stay readable."""
-    import subprocess
     import tempfile
     base = Path(tempfile.mkdtemp(prefix="tb-seal-", dir="/var/tmp"))   # not /tmp: the box has its own
     try:
@@ -663,21 +681,13 @@ def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_
         (queue / "link").symlink_to("notes.txt")
         plan = agent_box.Plan(cwd=str(base), tmp=str(tmp),
                               hidden=[str(queue / "tasks.db"), str(queue / "tasks.worker.json")])
-        probe = (f"touch /tmp/ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; cd {queue}; "
-                 "for f in tasks.worker.json tasks.worker.log tasks.db notes.txt link; do cat $f 2>&1; done; "
-                 "echo LISTING; ls -a")
-        box = subprocess.Popen(agent_box.bwrap_argv(plan, ["/bin/sh", "-c", probe]), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd="/")
-        try:
-            deadline = time.monotonic() + 20
-            while not (tmp / "ready").exists() and box.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+        probe = (f"cd {queue}; for f in tasks.worker.json tasks.worker.log tasks.db notes.txt link; "
+                 "do cat $f 2>&1; done; echo LISTING; ls -a")
+
+        def meanwhile() -> None:
             task_store.write_private(queue / "tasks.worker.json", f"{MARK}-beat-2\n")   # a rename over the path
             (queue / "tasks.worker.log").write_text(f"{MARK}-log\n")                   # made since the box started
-            (tmp / "go").touch()
-            said = box.communicate(timeout=30)[0]
-        finally:
-            box.kill()
+        said = box_meanwhile(plan, probe, meanwhile)
         assert MARK not in said, said
         assert said.count("ordinary") == 2 and "notes.txt" in said.split() and "link" in said.split(), said
         assert not any(name.startswith("tasks.") for name in said.split("LISTING")[1].split()), said
@@ -697,7 +707,6 @@ def test_what_taskbridge_makes_while_a_box_runs_stays_out_of_its_sight(monkeypat
     second queue kept in the queue's folder was readable whole; the emptied folder was writable
     in the box and lost its mode; a link whose target reads as an option of bubblewrap's
     (``--bind``, ``--``) kept the box from starting or switched its binds by handle off."""
-    import subprocess
     import tempfile
     base = Path(tempfile.mkdtemp(prefix="tb-seal-", dir="/var/tmp"))   # not /tmp: the box has its own
     try:
@@ -718,24 +727,16 @@ def test_what_taskbridge_makes_while_a_box_runs_stays_out_of_its_sight(monkeypat
             (queue / name).symlink_to(target)
         plan = agent_box.Plan(cwd=str(work), tmp=str(tmp), hidden=agent_box.data_paths(),
                               sealed=agent_box.sealed_folders(), writable=[str(work)])
-        probe = (f"touch /tmp/ready; while [ ! -e /tmp/go ]; do sleep 0.05; done; "
-                 f"cat {secrets}/token {secrets}/oauth.json {queue}/other.db {base}/cache/mirrors/m/config 2>&1; "
+        probe = (f"cat {secrets}/token {secrets}/oauth.json {queue}/other.db {base}/cache/mirrors/m/config 2>&1; "
                  f"cat {queue}/notes.txt; touch {queue}/planted 2>&1 || echo planting-refused; "
                  f"stat -c 'mode %a' {queue}; readlink {queue}/dash {queue}/end; echo LISTING; ls -a {queue}")
-        box = subprocess.Popen(agent_box.bwrap_argv(plan, ["/bin/sh", "-c", probe]), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd="/")
-        try:
-            deadline = time.monotonic() + 20
-            while not (tmp / "ready").exists() and box.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
+
+        def meanwhile() -> None:
             task_store.write_private(secrets / "token", f"{MARK}-token\n")
             (secrets / "oauth.json").write_text(f"{MARK}-oauth\n")
             (base / "cache" / "mirrors" / "m").mkdir()
             (base / "cache" / "mirrors" / "m" / "config").write_text(f"{MARK}-mirror\n")
-            (tmp / "go").touch()
-            said = box.communicate(timeout=30)[0]
-        finally:
-            box.kill()
+        said = box_meanwhile(plan, probe, meanwhile)
         assert MARK not in said, said
         assert "ordinary" in said and "planting-refused" in said and "mode 750" in said, said
         assert "--bind\n--\n" in said, said
