@@ -32,8 +32,9 @@ def test_cli_refuses_a_queue_on_a_network_filesystem(tmp_path, monkeypatch, fsty
     share = tmp_path / "my share"
     monkeypatch.setenv("TASKBRIDGE_MOUNTINFO", str(fake_mountinfo(tmp_path, {str(share): fstype})))
     monkeypatch.setenv("TASK_DB_PATH", str(share / "queue" / "tasks.db"))
+    (tmp_path / "work").mkdir()   # beside the queue: a folder holding it is no place for a task
     result = run_script(
-        "tasks_cli.py", "submit", "a title", "--dir", str(tmp_path)
+        "tasks_cli.py", "submit", "a title", "--dir", str(tmp_path / "work")
     )  # submit makes a queue; list would not
     assert result.returncode != 0
     message = result.stderr.strip()
@@ -60,7 +61,8 @@ def test_override_uses_a_rollback_journal_there(tmp_path, monkeypatch):
     monkeypatch.setenv("TASKBRIDGE_MOUNTINFO", str(fake_mountinfo(tmp_path, {str(share): "nfs4"})))
     monkeypatch.setenv("TASK_DB_PATH", str(share / "tasks.db"))
     monkeypatch.setenv("TASK_DB_JOURNAL", "delete")
-    submitted = run_script("tasks_cli.py", "submit", "t", "--dir", str(tmp_path), "--instructions", "x")
+    (tmp_path / "work").mkdir()
+    submitted = run_script("tasks_cli.py", "submit", "t", "--dir", str(tmp_path / "work"), "--instructions", "x")
     assert submitted.returncode == 0, submitted.stderr
     with sqlite3.connect(share / "tasks.db") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"

@@ -200,11 +200,13 @@ async def test_concurrent_mcp_tool_calls_each_get_a_connection_of_their_own(tmp_
 
     import opencode_bridge_mcp as bridge
     results: list = []
+    work = tmp_path / "work"   # beside the queue, which tmp_path holds
+    work.mkdir()
 
     async with Client(bridge.build_server()) as client:
         async def one(i: int) -> None:
             sent = await client.call_tool("submit_task", {"title": f"t{i}", "instructions": "i",
-                                                          "working_dir": str(tmp_path)})
+                                                          "working_dir": str(work)})
             read = await client.call_tool("get_task", {"task_id": sent.structured_content["id"]})
             results.append((sent.is_error, read.is_error, sent.structured_content["id"]))
 

@@ -446,13 +446,15 @@ def test_an_in_place_task_over_another_queue_is_refused(tmp_path):
     """An in-place task gets its whole folder (its repository's) writable, and the box hides only
     the worker's own queue: a folder holding another queue a level or more down (qB/tasks.db) let
     the agent rewrite that queue's tasks (a tester did). Refused at submit and, for a queue put
-    there after the submit, when the task runs; the worker's own queue inside is no reason (the
-    box hides it), nor a worktree task, nor a queue deeper than QUEUE_DEPTH folders."""
+    there after the submit, when the task runs; the worker's own queue inside is refused too (the
+    box hides it by binding over its files, which a run could rename a folder around); a worktree
+    task, or a queue deeper than QUEUE_DEPTH folders, is no reason."""
     repo = make_repo(tmp_path / "repo", {"src/a.txt": "a\n"})
     plain = tmp_path / "plain" / "deep"
     plain.mkdir(parents=True)
     assert worktrees.refuse_unrunnable_folder(str(repo), worktree=False) is False
-    assert worktrees.refuse_unrunnable_folder(str(tmp_path), worktree=False) is True   # holds only our own queue
+    with pytest.raises(task_store.ValidationError, match="holds TaskBridge's own"):   # holds our own queue
+        worktrees.refuse_unrunnable_folder(str(tmp_path), worktree=False)
     queued = submit(repo / "src", worktree=False)
     (repo / "tools" / "qB").mkdir(parents=True)
     (repo / "tools" / "qB" / "tasks.db").write_bytes(b"")
@@ -463,7 +465,7 @@ def test_an_in_place_task_over_another_queue_is_refused(tmp_path):
         with pytest.raises(task_store.ValidationError) as refused:
             worktrees.refuse_unrunnable_folder(str(folder), worktree=worktree)
         said = str(refused.value)
-        assert f"another TaskBridge queue ({queue})" in said and "move that queue out of the folder" in said
+        assert f"another TaskBridge queue or token ({queue})" in said and "move that queue out of the folder" in said
     assert worktrees.refuse_unrunnable_folder(str(repo / "src"), worktree=True) is False
     claimed = task_store.claim_next("w", task_id=queued["id"])
     with pytest.raises(worktrees.Unrunnable, match=r"qB/tasks.db\).*checked when the task ran"):
