@@ -431,7 +431,7 @@ def box_home(env: dict[str, str] | None = None) -> str:
 CALLS = ("config", "models")
 # A folder holding a file the box hides is emptied and its other entries shown again (_seal) up to
 # this many entries; a bigger one keeps a bind over each hidden file.
-SEAL_MAX = 256
+SEAL_MAX = 128
 BOX_OWN_ROOTS = ("/tmp", "/dev", "/proc")   # the box makes its own: the host's show only where bound again
 
 
