@@ -1060,6 +1060,12 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
     out().print(Text(said, style="green"))
     for warning in warnings:
         err().print(Text(f"Warning: {visible(warning)}", style="yellow"), soft_wrap=True)
+    if not task["duplicate"] and task["worktree"] and in_place.get(working_dir or "") is False and \
+            (changed := worktrees.uncommitted_paths(working_dir or "")):
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        err().print(Text(visible(f"Note: {task['id']}'s worktree is made from a commit, so your {len(changed)} "
+                                 f"uncommitted change(s) in its repository ({shown}) are not in it; if it needs them, "
+                                 f"cancel it, commit them and submit again"), style="yellow"), soft_wrap=True)
     if not task["duplicate"] and (note := task_views.no_worker_note()):
         err().print(Text(f"Note: {visible(note)}", style="yellow"), soft_wrap=True)
 

@@ -1439,6 +1439,26 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     return [n for n in names.splitlines() if n], diff
 
 
+def uncommitted_paths(folder: str) -> list[str]:
+    """The paths of the checkout holding ``folder`` that differ from its last commit (changed,
+    staged, or untracked and not ignored), as ``git status`` names them; [] when there are none,
+    or git cannot tell (no repository: nothing is said then). A worktree task's worktree is made
+    from a commit, so a person queuing one should hear that these stay out of it."""
+    try:
+        listed = git(["status", "--porcelain=v1", "-z", "--untracked-files=normal"], folder, strip=False)
+    except (GitError, OSError):
+        return []
+    entries = listed.split("\0")
+    paths, skip = [], False
+    for entry in entries:
+        if skip or len(entry) < 4:
+            skip = False
+            continue
+        paths.append(entry[3:])
+        skip = entry[0] in "RC"   # a rename or copy names its source in the next field
+    return paths
+
+
 def tree_now(top: str, head: str) -> tuple[str, list[str]]:
     """(the tree of the checkout ``top`` as it is now: tracked changes and untracked files in,
     ignored files out, as a commit of it would hold; the paths that differ from ``head``), written

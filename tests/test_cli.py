@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import task_store
 import tasks_cli
-from helpers import submit
+from helpers import make_repo, submit
 from tasks_cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -698,6 +698,22 @@ def test_in_place_tasks_stay_out_of_homes_hidden_folders_and_other_checkouts_sta
     assert task_store.counts().get("pending", 0) == 0
     (home / "proj").mkdir()
     assert run("submit", "x", "-d", str(home / "proj"), "--no-worktree", "--yes").exit_code == 0
+
+
+def test_a_worktree_submit_says_which_uncommitted_changes_stay_out_of_it(tmp_path):
+    """A fresh user's finding: with a changed file and a new one in the checkout, submit said only
+    `Submitted`, and the agent worked from the last commit without them. It says so now."""
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n"})
+    clean = run("submit", "clean", "-d", str(repo))
+    assert clean.exit_code == 0 and "uncommitted" not in clean.stderr, clean.stderr
+    (repo / "a.txt").write_text("changed\n")
+    (repo / "new file.txt").write_text("new\n")
+    said = run("submit", "dirty", "-d", str(repo))
+    assert said.exit_code == 0, said.stderr
+    assert ("t_0002's worktree is made from a commit, so your 2 uncommitted change(s) in its repository "
+            "(a.txt, new file.txt) are not in it") in " ".join(said.stderr.split()), said.stderr
+    in_place = run("submit", "here", "-d", str(repo), "--no-worktree", "--yes")
+    assert in_place.exit_code == 0 and "uncommitted change(s) in its repository" not in in_place.stderr
 
 
 BAD_COMMANDS = [
