@@ -320,9 +320,12 @@ def port_taken(port: int) -> str | None:
     line = " ".join(holder.info["cmdline"] or [])
     if "opencode_bridge_mcp.py" in line:
         pid = _serving_pid(holder)
-        return (f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {pid}); use that one "
-                f"(board: http://127.0.0.1:{port}/), stop it with Ctrl-C in its terminal (or kill {pid}), "
-                f"or serve this one on another port: {other}")
+        # Serving this very queue, another port would be refused too (hold_queue): one serve.py a queue.
+        mine = (store.served_by() or ("", 0))[1] == port
+        return (f"{'a TaskBridge already serves this queue' if mine else 'another TaskBridge already serves'} on "
+                f"127.0.0.1:{port} (serve.py pid {pid}); use that one (board: http://127.0.0.1:{port}/), stop it "
+                f"with Ctrl-C in its terminal (or kill {pid}), or "
+                + ("serve another queue with --db" if mine else f"serve this one on another port: {other}"))
     return (f"port {port} on 127.0.0.1 is taken by {holder.info['name']} (pid {holder.pid}); "
             f"stop it, or serve on another port: {other}")
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -135,18 +136,24 @@ def test_a_second_serve_of_the_same_queue_on_another_port_is_refused_and_rotate_
 def test_a_second_serve_on_a_served_port_names_the_first_and_the_way_out():
     """A second ./install.sh (serve.py) while the first serves: refused at once, before any box,
     naming the TaskBridge that serves there by its serve.py's pid and how to pick another port
-    (it printed a connector box as if serving, then uvicorn's raw "address already in use")."""
+    (it printed a connector box as if serving, then uvicorn's raw "address already in use"); for
+    the same queue, another queue (another port would be refused too: a fresh user's finding)."""
     port = free_port()
     first, lines = start_serving(port)
     kids = children_of(first.pid)
     try:
         env = dict(os.environ, PORT=str(port), MCP_BEARER_TOKEN="s3cret-token")
-        for extra in ([], ["--check-port"]):
-            second = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", *extra], env=env,
+        other_queue = dict(env, TASK_DB_PATH=str(Path(os.environ["TASK_DB_PATH"]).parent / "other.db"))
+        for extra, given, who, way in (
+                ([], env, "a TaskBridge already serves this queue", "serve another queue with --db"),
+                (["--check-port"], env, "a TaskBridge already serves this queue", "serve another queue with --db"),
+                ([], other_queue, "another TaskBridge already serves", f"--port {port + 1}")):
+            second = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--tunnel", "none", *extra], env=given,
                                     stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
             assert second.returncode == 1, second.stderr
-            assert f"another TaskBridge already serves on 127.0.0.1:{port} (serve.py pid {first.pid})" in second.stderr
-            assert f"--port {port + 1}" in second.stderr and "Stop:" not in second.stderr
+            assert f"{who} on 127.0.0.1:{port} (serve.py pid {first.pid})" in second.stderr, second.stderr
+            assert way in second.stderr and "Stop:" not in second.stderr
+            assert ("--port" in second.stderr) == (given is other_queue), second.stderr
             assert "address already in use" not in second.stderr and "Traceback" not in second.stderr
             assert len(second.stderr.strip().splitlines()) == 1, second.stderr
     finally:
