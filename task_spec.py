@@ -52,8 +52,12 @@ class Bound(Generic[N]):
         import click
         low = self.lo if lo is None else lo
         if self.kind is float:
-            return click.FloatRange(low, self.hi, min_open=self.lo_open and lo is None)
-        return click.IntRange(int(low), int(self.hi))
+            kind: Any = click.FloatRange(low, self.hi, min_open=self.lo_open and lo is None)
+            kind.name = "number"    # click says "'x' is not a valid float range."
+        else:
+            kind = click.IntRange(int(low), int(self.hi))
+            kind.name = "integer"   # click says "'abc' is not a valid integer range."
+        return kind
 
 
 PRIORITY = Bound("priority", int, 0, -1000, 1000)

@@ -717,6 +717,8 @@ def test_a_worktree_submit_says_which_uncommitted_changes_stay_out_of_it(tmp_pat
 
 
 BAD_COMMANDS = [
+    (["list", "--limit", "x"], 2, "'x' is not a valid integer."),   # click's own said "integer range"
+    (["submit", "t", "--priority", "abc"], 2, "'abc' is not a valid integer."),
     (["show", "99"], 1, "t_0099 not found"),
     (["show", "t_abc"], 2, "use t_0001, 0001 or 1"),
     (["claim", "99"], 1, "t_0099 not found"),
