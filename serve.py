@@ -648,8 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if how in ("new", "rotated"):
         say(f"wrote a new bearer token to {token_file()} (mode 0600)")
-    if how == "rotated":
-        say(rotation_notice(args.port))
+    if how == "rotated":   # the port the clients use: the serving one's when one serves this queue
+        say(rotation_notice((store.served_by() or ("", args.port))[1] if other else args.port))
         if other:   # rotated for the TaskBridge already serving this queue: nothing more to start
             say(f"{other.split(';')[0]}: it uses the new token from now on")
             return 0

@@ -127,6 +127,9 @@ def test_a_second_serve_of_the_same_queue_on_another_port_is_refused_and_rotate_
         assert rotated.returncode == 0, rotated.stderr
         assert token_file.read_text().strip() not in ("", "old-token")
         assert "it uses the new token from now on" in rotated.stderr and "Stop:" not in rotated.stderr
+        # the clients to update are the serving one's: its port, not this call's (a fresh user's finding)
+        assert f"`tasks_cli.py connect` (port {port})" in rotated.stderr, rotated.stderr
+        assert f"(port {other_port})" not in rotated.stderr
         assert first.poll() is None
     finally:
         os.kill(first.pid, signal.SIGTERM)
