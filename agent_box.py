@@ -595,10 +595,11 @@ def own_places() -> list[str]:
     folders in them), the worktree and mirror roots, ``.taskbridge/`` (token, OAuth store, public
     URL) and the token file wherever ``MCP_TOKEN_FILE`` puts it with its ``oauth.json`` and
     ``public_url``, the SQLite queue with its WAL and the worker's state files beside it,
-    ``~/.pgpass`` (or the worker's ``PGPASSFILE``: never the box's environment, which does not
-    carry it), the scratch folders of TaskBridge's own calls (``calls_root``) and their OpenCode
-    data (``calls_home``), and your OpenCode's data folder (your sessions and keys: the box has its
-    own, ``box_home``). Made yet or not (the queue's state files: those there now)."""
+    PostgreSQL's secrets (`postgres_secrets`: as the worker's libpq finds them, never the box's
+    environment, which does not carry them), the scratch folders of TaskBridge's own calls
+    (``calls_root``) and their OpenCode data (``calls_home``), and your OpenCode's data folder
+    (your sessions and keys: the box has its own, ``box_home``). Made yet or not (the queue's
+    state files: those there now)."""
     folders, files = _own_places()
     return [*folders, *files]
 
@@ -614,7 +615,7 @@ def _own_places() -> tuple[list[str], list[str]]:
         folders.append(str(worktrees.mirror_dir()))
     except worktrees.Unrunnable:
         pass
-    files = [str(token), str(token.parent / "oauth.json"), str(connectors.public_url_file()), pgpass_file()]
+    files = [str(token), str(token.parent / "oauth.json"), str(connectors.public_url_file()), *postgres_secrets()]
     db = store.db_path()
     prefixes = (db.name, f"{db.stem}.", f"pg-{store.queue_tag()}.")
     try:
@@ -625,20 +626,50 @@ def _own_places() -> tuple[list[str], list[str]]:
 
 
 def pgpass_file() -> str:
-    """PostgreSQL's password file as the worker's libpq finds it: ``PGPASSFILE``, else ``~/.pgpass``."""
-    return os.environ.get("PGPASSFILE") or str(Path(os.environ.get("HOME") or Path.home()) / ".pgpass")
+    """PostgreSQL's password file as the worker's libpq finds it: the queue URL's ``passfile``,
+    else ``PGPASSFILE``, else ``~/.pgpass``."""
+    return _url_option("passfile") or os.environ.get("PGPASSFILE") or str(_home() / ".pgpass")
+
+
+def postgres_secrets() -> list[str]:
+    """Where the worker's libpq may find PostgreSQL secrets, made yet or not: the password file
+    (`pgpass_file`, and ``~/.pgpass`` beside another), the client key (the queue URL's
+    ``sslkey``, ``PGSSLKEY``, and ``~/.postgresql/`` where libpq looks by default) and the service
+    file a ``service=`` names, which may hold a password (``PGSERVICEFILE``, ``~/.pg_service.conf``)."""
+    home = _home()
+    found = [pgpass_file(), str(home / ".pgpass"), str(home / ".postgresql"), str(home / ".pg_service.conf")]
+    found += [value for value in (_url_option("sslkey"), os.environ.get("PGSSLKEY"), os.environ.get("PGSERVICEFILE"))
+              if value]
+    return list(dict.fromkeys(found))
+
+
+def _home() -> Path:
+    return Path(os.environ.get("HOME") or Path.home())
+
+
+def _url_option(name: str) -> str | None:
+    """A connection option of the PostgreSQL queue's URL (``?passfile=…``), or None."""
+    url = store.database_url()
+    if not url:
+        return None
+    import urllib.parse
+    values = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get(name)
+    return values[-1] if values else None
 
 
 def sealed_folders() -> list[str]:
     """The folders where TaskBridge makes or replaces files of its own while runs go on, which
     the box empties whole (see `_seal`) though those files are not there yet: the queue's (its
     WAL, the worker's heartbeat and log), the token file's (its ``oauth.json``, its ``public_url``,
-    a token made or rotated) and, when the queue is on PostgreSQL, the password file's. Those
-    that exist, resolved."""
+    a token made or rotated) and, when the queue is on PostgreSQL, the password file's; the last
+    two made first (0700) when they are not there yet. Those that exist, resolved."""
     token = connectors.token_file()
     folders = [str(store.db_path().parent), str(token.parent)]
     if store.database_url():
         folders.append(os.path.dirname(pgpass_file()))
+    for folder in folders[1:]:   # one made while a run goes on would be in its sight
+        with contextlib.suppress(OSError):
+            os.makedirs(folder, mode=0o700, exist_ok=True)
     return _existing(folders)
 
 
@@ -731,17 +762,20 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
     for path in plan.visible:
         if _under(path, "/tmp"):
             box += ["--ro-bind", path, path]
-    sealed_args, sealed = _seal(plan)
-    box += sealed_args
+    sealed = _sealed(plan)
+    box += _seal(sealed, plan.hidden, plan.hidden)
     for path in plan.exposed:
         box += ["--ro-bind", path, path]
-    box += _hide(_uncovered(plan.hidden, plan.exposed))
+    # A bind brings the host's view back: what lies inside it is sealed or hidden once more.
+    resealed = [folder for folder in sealed if any(_under(folder, path) for path in plan.exposed)]
+    box += _seal(resealed, plan.hidden, _uncovered(plan.hidden, plan.exposed))
     for path in plan.writable:
         box += ["--bind", path, path]
+    inside = [folder for folder in sealed if any(_under(folder, path) and folder != path for path in plan.writable)]
     again = _uncovered(plan.hidden, plan.writable)
-    box += _hide(again)
+    box += _seal(inside, plan.hidden, again)
     for path in plan.writable:   # a writable folder inside what was just hidden again
-        if any(_under(path, folder) for folder in again):
+        if any(_under(path, folder) for folder in [*again, *inside]):
             box += ["--bind", path, path]
     for path in plan.read_only:
         box += ["--ro-bind", path, path]
@@ -749,10 +783,10 @@ def bwrap_argv(plan: Plan, argv: list[str]) -> list[str]:
         box += ["--ro-bind", source, dest]
     for path in plan.replies:
         box += ["--bind", path, path]
-    # The emptied folders read-only once every mount point in them is made (not those a later
-    # bind covers, which is their view then).
+    # The emptied folders read-only once every mount point in them is made (not one a writable
+    # bind is itself, which is its view then).
     for folder in sealed:
-        if not any(_under(folder, path) for path in [*plan.exposed, *plan.writable, *plan.replies, plan.tmp]):
+        if not any(_under(folder, path) for path in [*plan.replies, plan.tmp]) and folder not in plan.writable:
             box += ["--remount-ro", folder]
     return [*box, "--chdir", plan.cwd, "--", *argv]
 
@@ -813,7 +847,7 @@ def _shown_again(folder: str, hidden: list[str]) -> list[str]:
     prefixes = tuple(f"{stem}{tail}" for stem in stems for tail in (".", "_logs"))
     args: list[str] = []
     for entry in entries:
-        if entry.path in own or entry.name.lstrip(".").startswith(prefixes) or entry.name.lstrip(".") in stems:
+        if entry.path in own or entry.name.lstrip(".").startswith(prefixes):
             continue
         try:
             args += (["--symlink", os.readlink(entry.path), entry.path] if entry.is_symlink()
@@ -823,16 +857,15 @@ def _shown_again(folder: str, hidden: list[str]) -> list[str]:
     return args
 
 
-def _seal(plan: Plan) -> tuple[list[str], list[str]]:
-    """(bwrap's arguments hiding ``plan.hidden`` from the box's first view, the folders emptied):
-    each `_sealed` folder emptied (its mode kept) and its other entries shown again, then the
-    hidden paths not yet gone hidden one by one (`_hide`)."""
-    sealed = _sealed(plan)
+def _seal(folders: list[str], hidden: list[str], among: Iterable[str]) -> list[str]:
+    """bwrap's arguments emptying each of ``folders`` (`_sealed`; its mode kept) and showing
+    again what else it holds (`_shown_again`), then hiding one by one the paths of ``among`` (of
+    ``hidden``) that are not directly in one of them (`_hide`)."""
     args: list[str] = []
-    for folder in sealed:
+    for folder in folders:
         mode = stat.S_IMODE(os.stat(folder).st_mode)
-        args += ["--perms", f"{mode:04o}", "--tmpfs", folder, *_shown_again(folder, plan.hidden)]
-    return args + _hide(path for path in plan.hidden if os.path.dirname(path) not in sealed), sealed
+        args += ["--perms", f"{mode:04o}", "--tmpfs", folder, *_shown_again(folder, hidden)]
+    return args + _hide(path for path in among if os.path.dirname(path) not in folders)
 
 
 def _hide(paths: Iterable[str]) -> list[str]:

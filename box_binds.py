@@ -12,8 +12,8 @@ TaskBridge checked, not whatever its path leads to by the time bubblewrap reads 
   which the worker reports as the box's refusal (worker.environment_fault).
 - ``--ro-bind-try SRC DEST`` (what agent_box.py shows again in a folder it emptied: the entries
   it listed) becomes ``--ro-bind-fd FD DEST`` the same way, or is left out when ``SRC`` is gone or
-  is not at its own path any more: the box then shows less, never something else. Any other
-  failure to open it (the open-files limit) refuses the box as above.
+  cannot be opened at its own path any more (gone, moved, a link loop): the box then shows less,
+  never something else. Running out of handles (the open-files limit) refuses the box as above.
 - Why a separate process: the handles must be open in the process that becomes bubblewrap, and
   every place a boxed command is started (a run, a kept server, an ``opencode debug config``
   probe) then gets them without passing descriptors through.
@@ -66,7 +66,12 @@ def pinned(argv: list[str]) -> list[str]:
         elif option == "--ro-bind-try" and at + 2 < len(out):
             try:
                 out[at:at + 2] = ["--ro-bind-fd", str(pin(out[at + 1]))]
-            except (Moved, FileNotFoundError, NotADirectoryError):
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):   # out of handles: no box, said as such
+                    raise
+                del out[at:at + 3]   # gone, moved, a link loop, unreadable since listed: shown less
+                continue
+            except Moved:
                 del out[at:at + 3]
                 continue
         at += 1 + OPERANDS.get(option, 0)

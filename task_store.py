@@ -1299,7 +1299,7 @@ def _private_folder(path: str) -> str | None:
             return f"a folder holding {what} ({real})"
     try:
         with os.scandir(path) as entries:
-            queue = next((e.name for e in entries if is_queue_file(e.name)), None)
+            queue = next((e.name for e in entries if is_queue_file(e.name) and _holds_queue(e.path)), None)
     except OSError:
         queue = None
     return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
@@ -1315,6 +1315,29 @@ def is_queue_file(name: str) -> bool:
     """Whether a file named ``name`` marks a TaskBridge queue's folder: ``tasks.db``, or a
     worker's ``*.worker.lock``."""
     return name == "tasks.db" or name.endswith(".worker.lock")
+
+
+def _holds_queue(path: str) -> bool:
+    """Whether the file ``path`` (named as `is_queue_file` says) is a TaskBridge queue's: a
+    worker's lock, an empty ``tasks.db`` (one being made), or an SQLite ``tasks.db`` with the
+    queue's ``task_deps`` table; another program's ``tasks.db`` (a to-do app's) is not. One that
+    cannot be read counts as a queue."""
+    if not path.endswith("tasks.db"):
+        return True
+    import sqlite3
+    try:
+        if os.path.getsize(path) == 0:
+            return True
+        with open(path, "rb") as handle:
+            if handle.read(16) != b"SQLite format 3\x00":
+                return False
+        conn = sqlite3.connect(f"{Path(path).as_uri()}?mode=ro", uri=True)
+        try:
+            return conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'task_deps'").fetchone() is not None
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error):
+        return True
 
 
 def queue_inside(path: str) -> str | None:
@@ -1336,7 +1359,7 @@ def queue_inside(path: str) -> str | None:
                     if seen > QUEUE_SCAN_MAX:
                         return None
                     if is_queue_file(entry.name) and entry.path not in mine and \
-                            entry.is_file(follow_symlinks=False):
+                            entry.is_file(follow_symlinks=False) and _holds_queue(entry.path):
                         return entry.path
                     if entry.name == ".taskbridge" and entry.is_dir(follow_symlinks=False) and \
                             entry.path != str(REPO_DIR / ".taskbridge"):   # another checkout's token, OAuth store
@@ -2867,9 +2890,7 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
         row = _row(conn, num)
         if row["status"] not in RETRYABLE:
             raise InvalidTransition(_not_retryable(num, row["status"]))
-        deps = _deps(conn, num)
-        blocked = conn.execute(f"SELECT id, status FROM tasks WHERE id IN ({_marks(deps)})"
-                               " AND status IN ('failed', 'cancelled') ORDER BY id", deps).fetchone() if deps else None
+        blocked = _ended_dependency(conn, num)
         if blocked is not None:   # pending again it would wait for a dependency that never finishes
             dep = format_task_id(blocked["id"])
             raise InvalidTransition(
@@ -2911,8 +2932,17 @@ def _requeue_fresh(conn: Connection, row: Row, model: str | None) -> None:
     )
 
 
+def _ended_dependency(conn: Connection, num: int) -> Row | None:
+    """The first dependency of task ``num`` that failed or was cancelled (``id``, ``status``), or
+    None: a task pending with one would wait for it for good."""
+    deps = _deps(conn, num)
+    return conn.execute(f"SELECT id, status FROM tasks WHERE id IN ({_marks(deps)})"
+                        " AND status IN ('failed', 'cancelled') ORDER BY id", deps).fetchone() if deps else None
+
+
 def _requeue_dependents(conn: Connection, num: int) -> list[int]:
-    """Requeue the tasks that failed because ``num`` failed or was cancelled (and theirs)."""
+    """Requeue the tasks that failed because ``num`` failed or was cancelled (and theirs), but
+    those with another dependency failed or cancelled (they stay failed, naming the first)."""
     requeued, parents = [], [num]
     while parents:
         parent = parents.pop()
@@ -2922,6 +2952,8 @@ def _requeue_dependents(conn: Connection, num: int) -> list[int]:
             " WHERE d.depends_on = ? AND t.status = 'failed' AND t.error IN (?, ?)", (parent, *reasons)
         ).fetchall()
         for row in rows:
+            if _ended_dependency(conn, row["id"]) is not None:   # it still waits on another that failed
+                continue
             _requeue_fresh(conn, row, None)
             _event(conn, row["id"], "retried", f"its dependency {format_task_id(num)} was retried")
             requeued.append(row["id"])

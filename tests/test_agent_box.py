@@ -700,51 +700,73 @@ def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_what_taskbridge_makes_while_a_box_runs_stays_out_of_its_sight(monkeypatch):
-    """Found by a hostile tester: a token file (and its oauth.json) made while a run was going,
-    in a folder of its own, and a folder of TaskBridge's made then (the mirrors at a first remote
-    task) were readable to the run, since only what existed when the box started was hidden; a
-    second queue kept in the queue's folder was readable whole; the emptied folder was writable
-    in the box and lost its mode; a link whose target reads as an option of bubblewrap's
-    (``--bind``, ``--``) kept the box from starting or switched its binds by handle off."""
+@pytest.mark.parametrize("shape", ["run", "call box"])
+def test_what_taskbridge_makes_while_a_box_runs_stays_out_of_its_sight(monkeypatch, shape):
+    """Found by hostile testers: a token file (and its oauth.json) made while a run was going, in
+    a folder of its own made then too, and a folder of TaskBridge's made then (the mirrors at a
+    first remote task) were readable to the run, since only what existed when the box started
+    was hidden; a second queue kept in the queue's folder was readable whole; the emptied folder
+    was writable in the box and lost its mode; a link whose target reads as an option of
+    bubblewrap's (``--bind``, ``--``) kept the box from starting or switched its binds by handle
+    off. A call box shows its project folder again after the seal (a project holding the queue's
+    and the token's folders): it is sealed again inside it."""
     import tempfile
     base = Path(tempfile.mkdtemp(prefix="tb-seal-", dir="/var/tmp"))   # not /tmp: the box has its own
     try:
         queue, secrets, tmp, work = base / "queue", base / "secrets", base / "run" / "tmp", base / "work"
-        for folder in (queue, secrets, tmp, work):
+        for folder in (queue, tmp, work):
             folder.mkdir(parents=True)
         queue.chmod(0o750)
         monkeypatch.setenv("TASK_DB_PATH", str(queue / "tasks.db"))
         monkeypatch.setenv("TASK_LOG_DIR", str(queue / "tasks_logs"))
-        monkeypatch.setenv("MCP_TOKEN_FILE", str(secrets / "token"))
+        monkeypatch.setenv("MCP_TOKEN_FILE", str(secrets / "token"))   # its folder not made yet
         monkeypatch.setenv("TASKBRIDGE_MIRROR_DIR", str(base / "cache" / "mirrors"))
         task_store.connect().close()
         (queue / "other.db").write_text(f"{MARK}-other-queue\n")
         (queue / "other.worker.lock").touch()
         (queue / "other_logs").mkdir()
         (queue / "notes.txt").write_text("ordinary\n")
+        (queue / "tasks").mkdir()   # the user's, though named as the queue is
         for name, target in (("dash", "--bind"), ("end", "--"), ("try", "--ro-bind-try")):
             (queue / name).symlink_to(target)
+        shown = {"writable": [str(work)]} if shape == "run" else {"exposed": [str(base)]}
         plan = agent_box.Plan(cwd=str(work), tmp=str(tmp), hidden=agent_box.data_paths(),
-                              sealed=agent_box.sealed_folders(), writable=[str(work)])
-        probe = (f"cat {secrets}/token {secrets}/oauth.json {queue}/other.db {base}/cache/mirrors/m/config 2>&1; "
-                 f"cat {queue}/notes.txt; touch {queue}/planted 2>&1 || echo planting-refused; "
+                              sealed=agent_box.sealed_folders(), **shown)
+        probe = (f"cat {secrets}/token {secrets}/oauth.json {queue}/other.db {base}/cache/mirrors/m/config "
+                 f"{queue}/tasks.worker.json 2>&1; cat {queue}/notes.txt; "
+                 f"touch {queue}/planted 2>&1 || echo planting-refused; "
                  f"stat -c 'mode %a' {queue}; readlink {queue}/dash {queue}/end; echo LISTING; ls -a {queue}")
 
         def meanwhile() -> None:
+            secrets.mkdir(mode=0o700, exist_ok=True)
             task_store.write_private(secrets / "token", f"{MARK}-token\n")
             (secrets / "oauth.json").write_text(f"{MARK}-oauth\n")
-            (base / "cache" / "mirrors" / "m").mkdir()
+            (base / "cache" / "mirrors" / "m").mkdir(parents=True)
             (base / "cache" / "mirrors" / "m" / "config").write_text(f"{MARK}-mirror\n")
+            task_store.write_private(queue / "tasks.worker.json", f"{MARK}-beat\n")
         said = box_meanwhile(plan, probe, meanwhile)
         assert MARK not in said, said
         assert "ordinary" in said and "planting-refused" in said and "mode 750" in said, said
         assert "--bind\n--\n" in said, said
         listed = said.split("LISTING")[1].split()
-        assert "notes.txt" in listed and not any(name.startswith(("tasks", "other")) for name in listed), said
+        assert "notes.txt" in listed and "tasks" in listed, said
+        assert not any(name.startswith(("tasks.", "other.", "other_")) for name in listed), said
         assert not (queue / "planted").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_postgresql_secrets_named_in_the_queue_url_are_hidden(monkeypatch, tmp_path):
+    """A hostile tester's finding: a password file or client key named in TASK_DB_URL
+    (``?passfile=``, ``?sslkey=``) was readable to every run; only PGPASSFILE and ~/.pgpass were
+    hidden. The service file and libpq's default key folder are hidden too."""
+    for name in ("passfile", "key", ".pg_service.conf"):
+        (tmp_path / name).write_text(f"{MARK}-{name}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TASK_DB_URL", f"postgresql://tb@db.example/tb?passfile={tmp_path}/passfile&sslkey={tmp_path}/key")
+    hidden = agent_box.data_paths()
+    assert {str(tmp_path / name) for name in ("passfile", "key", ".pg_service.conf")} <= set(hidden), hidden
+    assert agent_box.pgpass_file() == str(tmp_path / "passfile")
 
 
 def test_sbpl_profile_for_macos():

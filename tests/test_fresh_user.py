@@ -270,6 +270,16 @@ def test_a_task_whose_dependency_failed_is_retried_through_that_dependency(tmp_p
     assert task_store.get_task(child["id"])["status"] == "failed"
     assert run_script("tasks_cli.py", "retry", parent["id"], timeout=60).returncode == 0
     assert [task_store.get_task(t["id"])["status"] for t in (parent, child)] == ["pending", "pending"]
+    # A dependent with a second dependency that ended stays failed when the first is retried (a
+    # hostile tester had it pending for good through that path).
+    first = task_store.submit_task(title="a", instructions="i", working_dir=str(tmp_path))
+    second = task_store.submit_task(title="e", instructions="i", working_dir=str(tmp_path))
+    both = task_store.submit_task(title="d", instructions="i", working_dir=str(tmp_path),
+                                  depends_on=[first["id"], second["id"]])
+    task_store.cancel_task(first["id"])
+    task_store.cancel_task(second["id"])
+    assert task_store.retry_task(first["id"])["requeued_dependents"] == []
+    assert task_store.get_task(both["id"])["status"] == "failed"
 
 
 def test_a_submit_that_makes_a_new_queue_says_so(tmp_path):

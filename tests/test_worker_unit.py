@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -467,6 +468,13 @@ def test_an_in_place_task_over_another_queue_is_refused(tmp_path):
         said = str(refused.value)
         assert f"another TaskBridge queue or token ({queue})" in said and "move that queue out of the folder" in said
     assert worktrees.refuse_unrunnable_folder(str(repo / "src"), worktree=True) is False
+    # Another program's tasks.db (a to-do app's SQLite file) is no queue (a hostile tester's finding).
+    app = tmp_path / "todo-app"
+    (app / "data").mkdir(parents=True)
+    with sqlite3.connect(app / "data" / "tasks.db") as theirs:
+        theirs.execute("CREATE TABLE todos (id INTEGER PRIMARY KEY, text TEXT)")
+    theirs.close()
+    assert worktrees.refuse_unrunnable_folder(str(app), worktree=False) is True
     claimed = task_store.claim_next("w", task_id=queued["id"])
     with pytest.raises(worktrees.Unrunnable, match=r"qB/tasks.db\).*checked when the task ran"):
         worktrees.prepare_workspace(claimed, False)
