@@ -52,12 +52,19 @@ class Bound(Generic[N]):
         import click
         low = self.lo if lo is None else lo
         if self.kind is float:
-            kind: Any = click.FloatRange(low, self.hi, min_open=self.lo_open and lo is None)
+            kind = click.FloatRange(low, self.hi, min_open=self.lo_open and lo is None)
             kind.name = "number"    # click says "'x' is not a valid float range."
-        else:
-            kind = click.IntRange(int(low), int(self.hi))
-            kind.name = "integer"   # click says "'abc' is not a valid integer range."
-        return kind
+            return kind
+        return int_range(int(low), int(self.hi))
+
+
+def int_range(low: int, high: int) -> Any:
+    """click's IntRange(low, high), whose refusal of a non-number reads "'abc' is not a valid
+    integer." (click's own says "integer range")."""
+    import click
+    kind = click.IntRange(low, high)
+    kind.name = "integer"
+    return kind
 
 
 PRIORITY = Bound("priority", int, 0, -1000, 1000)

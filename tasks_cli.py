@@ -62,14 +62,6 @@ def err() -> Console:
     return Console(stderr=True, highlight=False)
 
 
-def int_range(low: int, high: int) -> click.IntRange:
-    """click's IntRange, whose refusal of a non-number reads "'abc' is not a valid integer."
-    (click's own says "integer range")."""
-    kind = click.IntRange(low, high)
-    kind.name = "integer"
-    return kind
-
-
 class CliError(click.ClickException):
     """A refusal shown to the person on stderr (exit 1); the message names the way out."""
 
@@ -433,8 +425,8 @@ def flat(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={{{flat(v)}}}" if isinstance(v, dict) else f"{k}={flat(v)}"
-                         for k, v in value.items() if flat(v))
+        shown = ((k, flat(v), isinstance(v, dict)) for k, v in value.items())
+        return ", ".join(f"{k}={{{text}}}" if nested else f"{k}={text}" for k, text, nested in shown if text)
     if isinstance(value, (list, tuple)):
         return ", ".join(flat(v) for v in value)
     return str(value)
@@ -1081,9 +1073,9 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
 def list_options(command: Callable) -> Callable:
     """--limit, --offset and --json, shared by list and pending."""
     command = json_option(command)
-    command = click.option("--offset", type=int_range(0, PAGE_OFFSET_MAX), default=0,
+    command = click.option("--offset", type=task_spec.int_range(0, PAGE_OFFSET_MAX), default=0,
                            help=f"Skip this many tasks (paging; 0..{PAGE_OFFSET_MAX}).")(command)
-    return click.option("--limit", type=int_range(1, 500), default=50, show_default=True,
+    return click.option("--limit", type=task_spec.int_range(1, 500), default=50, show_default=True,
                         help="At most this many tasks (1..500).")(command)
 
 
@@ -1134,9 +1126,9 @@ def show(task_id: str, diff_only: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--offset", type=int_range(0, 1_000_000), default=0, show_default=True,
+@click.option("--offset", type=task_spec.int_range(0, 1_000_000), default=0, show_default=True,
               help="The first turn to show (paging).")
-@click.option("--limit", type=int_range(1, task_views.TRANSCRIPT_PAGE_MAX), default=20, show_default=True,
+@click.option("--limit", type=task_spec.int_range(1, task_views.TRANSCRIPT_PAGE_MAX), default=20, show_default=True,
               help=f"At most this many turns (1..{task_views.TRANSCRIPT_PAGE_MAX}).")
 @json_option
 def transcript(task_id: str, offset: int, limit: int, as_json: bool) -> None:
@@ -1332,7 +1324,7 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--tail", "-n", type=int_range(0, TAIL_MAX),
+@click.option("--tail", "-n", type=task_spec.int_range(0, TAIL_MAX),
               help=f"Only the last N entries (with --raw: lines) (0..{TAIL_MAX}).")
 @click.option("--follow", "-F", is_flag=True, help="Keep printing new lines until the task finishes (Ctrl-C stops).")
 @click.option("--raw", is_flag=True,
@@ -1788,9 +1780,9 @@ def budget_raise(task_id: str, usd: float | None, max_tokens: int | None, as_jso
 
 
 @cli.command()
-@click.option("--since", type=int_range(0, task_store.MAX_ID),
+@click.option("--since", type=task_spec.int_range(0, task_store.MAX_ID),
               help="Events after this event id (default: the most recent ones).")
-@click.option("--limit", type=int_range(1, 10_000), default=50, show_default=True,
+@click.option("--limit", type=task_spec.int_range(1, 10_000), default=50, show_default=True,
               help="At most this many events.")
 @json_option
 def events(since: int | None, limit: int, as_json: bool) -> None:
@@ -1804,7 +1796,7 @@ def events(since: int | None, limit: int, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--port", type=int_range(1, 65535), envvar="PORT",
+@click.option("--port", type=task_spec.int_range(1, 65535), envvar="PORT",
               help="The port ./install.sh serves on, for the HTTP snippets (default: the port of the TaskBridge "
                    "serving this queue now, else 8765).")
 @click.option("--public-url", help="The public https://host of your tunnel, for claude.ai / ChatGPT connectors.")
