@@ -1273,7 +1273,32 @@ def _private_folder(path: str) -> str | None:
     that holds one of those six at most HOLDING_DEPTH levels down, or a folder that holds a
     TaskBridge queue itself (``tasks.db``, or a worker's ``*.worker.lock`` beside a queue: the
     box hides only the worker's own queue). None when it is none of them."""
-    xdg = {name: str(knobs.xdg_home(name)) for name in knobs.XDG_DEFAULTS}
+    for real, what, holding in _private_places(tuple(os.environ.get(name) for name in _PRIVATE_ENV)):
+        if path == real or path.startswith(real.rstrip(os.sep) + os.sep):
+            return what
+        if holding and real.startswith(path.rstrip(os.sep) + os.sep) and \
+                real.count(os.sep) - path.rstrip(os.sep).count(os.sep) <= HOLDING_DEPTH:
+            return f"a folder holding {what} ({real})"
+    try:
+        with os.scandir(path) as entries:
+            queue = next((e.name for e in entries if is_queue_file(e.name) and _holds_queue(e.path)), None)
+    except OSError:
+        queue = None
+    return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
+
+
+# What _private_places reads: the variables that place TaskBridge's and OpenCode's own folders.
+_PRIVATE_ENV = ("HOME", *knobs.XDG_DEFAULTS, "TASKBRIDGE_WORKTREE_ROOT", "TASKBRIDGE_MIRROR_DIR")
+
+
+@functools.lru_cache(maxsize=8)
+def _private_places(values: tuple[str | None, ...]) -> tuple[tuple[str, str, bool], ...]:
+    """(resolved folder, what it is, whether a folder holding it is refused too) for each of
+    ``_private_folder``'s places, for ``values`` (those of _PRIVATE_ENV, the key of this cache):
+    building and resolving them took ~60 µs of every submit, and they move only with the
+    environment. A relative folder (a misset variable) is left out."""
+    env = {name: value for name, value in zip(_PRIVATE_ENV, values, strict=True) if value is not None}
+    xdg = {name: str(knobs.xdg_home(name, env)) for name in knobs.XDG_DEFAULTS}
     places = [(os.path.join(xdg["XDG_STATE_HOME"], "taskbridge"), "TaskBridge's state folder (every queue's task "
                "worktrees)"),
               (os.path.join(xdg["XDG_CACHE_HOME"], "taskbridge"), "TaskBridge's cache (the mirrors of remotes, "
@@ -1286,23 +1311,12 @@ def _private_folder(path: str) -> str | None:
               (os.path.join(xdg["XDG_STATE_HOME"], "opencode"), "OpenCode's state folder (writable to an unboxed "
                "agent run)")]
     held = len(places)   # these six are refused in a folder holding them too (~/.local/share, say)
-    places += [(os.environ[name], what) for name, what in (
+    places += [(env[name], what) for name, what in (
         ("TASKBRIDGE_WORKTREE_ROOT", "TaskBridge's task worktrees (TASKBRIDGE_WORKTREE_ROOT)"),
         ("TASKBRIDGE_MIRROR_DIR", "TaskBridge's mirrors of remotes (TASKBRIDGE_MIRROR_DIR)"))
-        if os.environ.get(name)]
-    for n, (folder, what) in enumerate(places):
-        real = str(_resolved(folder)) if os.path.isabs(os.path.expanduser(folder)) else None
-        if real and (path == real or path.startswith(real.rstrip(os.sep) + os.sep)):
-            return what
-        if real and n < held and real.startswith(path.rstrip(os.sep) + os.sep) and \
-                real.count(os.sep) - path.rstrip(os.sep).count(os.sep) <= HOLDING_DEPTH:
-            return f"a folder holding {what} ({real})"
-    try:
-        with os.scandir(path) as entries:
-            queue = next((e.name for e in entries if is_queue_file(e.name) and _holds_queue(e.path)), None)
-    except OSError:
-        queue = None
-    return f"the folder of a TaskBridge queue (it holds {queue})" if queue else None
+        if env.get(name)]
+    return tuple((str(_resolved(folder)), what, n < held) for n, (folder, what) in enumerate(places)
+                 if os.path.isabs(os.path.expanduser(folder)))
 
 
 # How far below an in-place task's folder another queue is looked for (queue_inside), and how
