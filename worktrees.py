@@ -1905,26 +1905,6 @@ def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, re
     return removed, purged
 
 
-def purge_files(removed: list[dict[str, Any]], logs: bool, kept_worktrees: bool) -> dict[str, Any]:
-    """After ``task_store.clear_finished``: delete the removed tasks' logs and/or kept worktrees
-    (branches always stay). Returns ``{"logs_removed": n, "worktrees_removed": [paths],
-    "problems": [text]}``. Prefer `clear_finished`, which keeps a task whose worktree could not
-    be removed."""
-    result: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "problems": []}
-    for task in removed:
-        if logs and Path(task["log"]).exists():
-            Path(task["log"]).unlink()
-            result["logs_removed"] += 1
-        if kept_worktrees and task.get("worktree_path") and os.path.lexists(task["worktree_path"]):
-            problem = remove_worktree_at(task["worktree_path"])
-            if problem:
-                result["problems"].append(problem)
-            else:
-                result["worktrees_removed"].append(task["worktree_path"])
-    return result
-
-
-
 # --------------------------------------------------------------------------------------------
 # The git guard: TaskBridge's own git never runs what a run planted in its configuration.
 #

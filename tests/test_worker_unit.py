@@ -202,11 +202,10 @@ def test_clear_can_remove_a_kept_worktree_and_keeps_the_branch(tmp_path):
     ws = worktrees.prepare_workspace(task, resume=False)
     task_store.renew_lease(task["id"], task["run_marker"], worktree_path=ws.top, branch=ws.branch)
     task_store.complete_attempt(task["id"], task["run_marker"])
-    removed = task_store.clear_finished()
-    assert worktrees.purge_files(removed, logs=False, kept_worktrees=False)["worktrees_removed"] == []
-    assert os.path.isdir(ws.top)
-    result = worktrees.purge_files(removed, logs=True, kept_worktrees=True)
-    assert result == {"logs_removed": 0, "worktrees_removed": [ws.top], "problems": []}
+    removed, purged = worktrees.clear_finished()
+    assert removed == [] and purged["kept_for_worktrees"] == [task["id"]] and os.path.isdir(ws.top)
+    removed, purged = worktrees.clear_finished(remove_logs=True, remove_worktrees=True)
+    assert [t["id"] for t in removed] == [task["id"]] and purged["worktrees_removed"] == [ws.top]
     assert not os.path.isdir(ws.top) and str(ws.top) not in git(repo, "worktree", "list")
     assert git(repo, "rev-parse", "--verify", "taskbridge/t_0001")
 
