@@ -626,9 +626,9 @@ def _own_places() -> tuple[list[str], list[str]]:
 
 
 def pgpass_file() -> str:
-    """PostgreSQL's password file as the worker's libpq finds it: the queue URL's ``passfile``,
-    else ``PGPASSFILE``, else ``~/.pgpass``."""
-    return _url_option("passfile") or os.environ.get("PGPASSFILE") or str(_home() / ".pgpass")
+    """PostgreSQL's password file as the worker's libpq finds it (``task_store.pgpass_file`` for
+    the queue's URL)."""
+    return store.pgpass_file(store.database_url())
 
 
 def postgres_secrets() -> list[str]:
@@ -648,13 +648,8 @@ def _home() -> Path:
 
 
 def _url_option(name: str) -> str | None:
-    """A connection option of the PostgreSQL queue's URL (``?passfile=…``), or None."""
-    url = store.database_url()
-    if not url:
-        return None
-    import urllib.parse
-    values = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query).get(name)
-    return values[-1] if values else None
+    """A connection option of the PostgreSQL queue's URL (``?sslkey=…``), or None."""
+    return store.url_option(store.database_url(), name)
 
 
 def sealed_folders() -> list[str]:

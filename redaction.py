@@ -8,8 +8,8 @@ MCP tools and the CLI show of them never carry one.
 The secrets: the HTTP bearer token (``MCP_BEARER_TOKEN`` and the token file), the OAuth store's
 client secrets (``oauth.json`` beside the token file; its access and refresh tokens are signed,
 never stored), the reverse bridge's ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``, the queue
-database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file ``PGPASSFILE`` or
-``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model providers' keys the worker's OpenCode
+database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the URL's ``passfile``,
+``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model providers' keys the worker's OpenCode
 may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables, ``apiKey`` in its config, its ``auth.json``).
 Values shorter than MIN_SECRET_CHARS are not matched (they would hit ordinary words). Each value
 is matched as written and in its JSON-escaped form (the task log is OpenCode's JSON event stream).
@@ -85,10 +85,6 @@ def _pgpass_values(text: str) -> list[str]:
     return found
 
 
-def _pgpass_file() -> Path:
-    return Path(os.environ.get("PGPASSFILE") or Path.home() / ".pgpass").expanduser()
-
-
 def _provider_key_values(text: str) -> list[str]:
     """The model providers' keys an OpenCode config (``provider.<id>.options.apiKey``) or its
     credentials file (``auth.json``: ``{<provider>: {"key"|"access"|"refresh": ...}}``) holds;
@@ -135,7 +131,8 @@ def secret_values() -> dict[str, str]:
     token_file = connectors.token_file()
     found += [(value, "bearer token") for value in _from_file(token_file, _token_values)]
     found += [(value, "oauth client secret") for value in _from_file(token_file.parent / "oauth.json", _oauth_values)]
-    found += [(value, "database password") for value in _from_file(_pgpass_file(), _pgpass_values)]
+    pgpass = Path(task_store.pgpass_file(url)).expanduser()
+    found += [(value, "database password") for value in _from_file(pgpass, _pgpass_values)]
     found += _provider_keys()
     values: dict[str, str] = {}
     for value, label in found:

@@ -70,6 +70,26 @@ def url_secrets(url: str) -> list[str]:
                   key=len, reverse=True)
 
 
+def url_option(url: str | None, name: str) -> str | None:
+    """A connection option of ``url`` (``?passfile=…``: the last when repeated), or None (no URL,
+    no such option, a URL that cannot be parsed)."""
+    if not url:
+        return None
+    try:
+        values = urllib.parse.parse_qs(urllib.parse.urlsplit(url.strip()).query).get(name)
+    except ValueError:
+        return None
+    return values[-1] if values else None
+
+
+def pgpass_file(url: str | None) -> str:
+    """PostgreSQL's password file as libpq finds it for a connection to ``url`` (None: no queue
+    URL): the URL's ``passfile``, else ``$PGPASSFILE``, else ``~/.pgpass`` (``$HOME``'s). Not
+    checked for existence."""
+    home = os.environ.get("HOME") or os.path.expanduser("~")
+    return url_option(url, "passfile") or os.environ.get("PGPASSFILE") or os.path.join(home, ".pgpass")
+
+
 # PostgreSQL (TASK_DB_URL=postgresql://…): a kept connection per thread and process like the
 # SQLite ones, speaking the store's SQL through one adaptation (placeholders), rows like
 # sqlite3.Row, explicit transactions. No global lock: a claim picks with FOR UPDATE SKIP LOCKED,

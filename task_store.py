@@ -78,7 +78,9 @@ from store_pg import (  # noqa: F401
     PgConnection,
     PgRow,
     pg_sql,
+    pgpass_file,
     redact_url,
+    url_option,
     url_secrets,
 )
 from store_sqlite import (  # noqa: F401

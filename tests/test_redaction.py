@@ -197,6 +197,22 @@ def test_secret_values_are_read_at_call_time_from_each_source(tmp_path, monkeypa
     assert redaction.redact(f"{TOKEN} a-rotated-token-value") == f"{TOKEN} [redacted: bearer token]"
 
 
+def test_the_password_file_the_queue_url_names_is_read_as_libpq_reads_it(tmp_path, monkeypatch):
+    """libpq takes the URL's passfile over PGPASSFILE: so must the redactor (it read PGPASSFILE
+    or ~/.pgpass only, and a password kept in the URL's passfile reached the logs unredacted)."""
+    passfile = tmp_path / "url-passfile"
+    passfile.write_text("db.example:5432:queue:tb:url-passfile-password-77\n")
+    monkeypatch.setenv("TASK_DB_URL", f"postgresql://tb@db.example/queue?passfile={passfile}")
+    values = redaction.secret_values()
+    assert values["url-passfile-password-77"] == "database password"
+    assert task_store.pgpass_file(task_store.database_url()) == str(passfile)
+    monkeypatch.delenv("TASK_DB_URL")
+    assert task_store.pgpass_file(task_store.database_url()) == os.environ["PGPASSFILE"]
+    monkeypatch.delenv("PGPASSFILE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert task_store.pgpass_file(None) == str(tmp_path / ".pgpass")
+
+
 def test_a_value_split_between_pieces_of_a_long_line_is_redacted():
     r = redaction.Redactor({"SECRET-abcdefgh": "bearer token", "gh-OTHER-1234": "database password"})
     line = b"x" * 50 + b"SECRET-abcdefgh" + b"y" * 7 + b"SECRET-abcdefgh-OTHER-1234" + b"z" * 30
