@@ -36,6 +36,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "worker_engine" in metafunc.fixturenames or (
             getattr(metafunc.module, "BOTH_ENGINES", False) and "opencode" in metafunc.fixturenames):
         if "worker_engine" not in metafunc.fixturenames:
+            # Named here so that parametrize takes it; pytest 9 does not make it a fixture of the
+            # test then (its [warm] ran cold), so engine_of_the_parameter (autouse) applies it.
             metafunc.fixturenames.append("worker_engine")
         metafunc.parametrize("worker_engine", ["cold", "warm"], indirect=True)
 
@@ -63,6 +65,10 @@ def isolated_queue(tmp_path, monkeypatch, request):
     # OpenCode's answers (models, the default model) are kept in memory per process: an earlier
     # test's must not answer for this one's set-up (queue_status's default_model, a submit's warning).
     monkeypatch.setattr(opencode_runner, "_memory_cache", {})
+    # The worker's process-wide state (its signal flags, its voice): a test that signalled a stop
+    # must not leave the next in-process run_task handing its task back.
+    if "worker" in sys.modules:
+        monkeypatch.setattr(sys.modules["worker"], "_state", None)
     if os.environ.get("TASKBRIDGE_TEST_DB", "").strip().lower() == "postgresql":
         monkeypatch.setenv("TASK_DB_URL", request.getfixturevalue("pg_url"))
     monkeypatch.setenv("TASK_LOG_DIR", str(tmp_path / "q" / "task_logs"))
@@ -80,6 +86,16 @@ def isolated_queue(tmp_path, monkeypatch, request):
     # doctor, connect and the like look at $PORT, so it names a port nothing listens on.
     monkeypatch.setenv("PORT", str(_closed_port()))
     yield tmp_path
+
+
+@pytest.fixture(autouse=True)
+def engine_of_the_parameter(request: pytest.FixtureRequest, isolated_queue: Path) -> None:
+    """A BOTH_ENGINES module's test parametrized by engine (ids ``[cold]``, ``[warm]``) that does
+    not name ``worker_engine``: that fixture is applied all the same, after the queue's isolation
+    (whose environment the ``opencode`` fixture keeps)."""
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if "worker_engine" in params and "worker_engine" not in request.fixturenames:
+        request.getfixturevalue("worker_engine")
 
 
 def _closed_port() -> int:
