@@ -296,6 +296,7 @@ class Workspace:
     own_branch: bool = False       # the branch was made for this task (not a parent's: drop_empty_branch)
     parked: bool = False           # a kept server's parked worktree, taken over (park_worktree)
     git_pin: dict[str, tuple] | None = None   # see pin_git_config: taken before the agent runs
+    top_id: tuple[int, int] | None = None     # (device, inode) of the folder ``top`` then (pin_git_config)
     git_nested: set[str] | None = None          # the repositories inside the checkout then (relative)
     git_planted: list[dict[str, Any]] | None = None   # see undo_planted_git: after the run
     # In place in a git checkout: its tree as this attempt began (uncommitted work included; see
@@ -1308,7 +1309,8 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
         problems = _force_rmtree(path) if os.path.lexists(path) else []
         if repo:
             git(["worktree", "prune"], repo, check=False)
-    drop_engine_folder(Path(path).parent)
+    if not problems:
+        drop_engine_folder(Path(path).parent, whole=True)
     return _leftover(path, problems)
 
 
@@ -1372,12 +1374,17 @@ def drop_parked(path: Path) -> None:
                 check=False)
 
 
-def drop_engine_folder(folder: Path) -> None:
+def drop_engine_folder(folder: Path, whole: bool = False) -> None:
     """Remove ``folder`` when it is a kept server's (``<worktree root>/engine/<slot>-<hex>``,
-    engine_slots.py) and empty, and the ``engine`` folder when that leaves it empty."""
+    engine_slots.py) and empty, or ``whole`` (its task's worktree is removed already) with what
+    the run left in it beside that worktree (the folder is the task's alone and was writable to
+    it: files, folders, links, none followed); then the ``engine`` folder when that leaves it
+    empty."""
     engine_root = worktree_root() / "engine"
     if folder.parent != engine_root:
         return
+    if whole and not folder.is_symlink() and folder.is_dir():
+        _force_rmtree(str(folder))
     for each in (folder, engine_root):
         with contextlib.suppress(OSError):   # not empty (a worktree is still there): kept
             each.rmdir()
@@ -1385,8 +1392,14 @@ def drop_engine_folder(folder: Path) -> None:
 
 def _force_rmtree(path: str) -> list[str]:
     """Delete ``path``'s tree, giving the owner write and search permission on each folder first
-    (a non-root user cannot empty a ``chmod 555`` folder). Returns the errors met."""
+    (a non-root user cannot empty a ``chmod 555`` folder). A link at ``path`` (a run may have put
+    one where its folder was) is removed itself; what it points at is never touched. Returns the
+    errors met."""
     problems: list[str] = []
+    if os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return problems
     _owner_writable_tree(path, problems)
     shutil.rmtree(path, onerror=lambda _fn, where, info:
                   problems.append(f"{where}: {getattr(info[1], 'strerror', info[1])}"))
@@ -1846,6 +1859,12 @@ def remove_worktree_at(path: str) -> str | None:
     Returns None when removed (checked) or already gone, else what is left and why."""
     if not os.path.lexists(path):
         return None
+    if os.path.islink(path):   # a run put a link where its folder was (FolderReplaced): the link goes, never its target
+        if not _inside(os.path.join(os.path.realpath(os.path.dirname(path)), "x"), worktree_root()):
+            return f"{path}: a link, not under {worktree_root()}; left in place"
+        os.unlink(path)
+        drop_engine_folder(Path(path).parent, whole=True)
+        return None
     repo = None
     if os.path.isfile(os.path.join(path, ".git")):
         common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)
@@ -1933,6 +1952,17 @@ def pin_git_config(ws: Workspace) -> None:
     (``ws.top`` None). Raises GitError / GitStopped."""
     ws.git_pin = {path: _file_state(path) for path in git_config_files(ws)} if ws.top else None
     ws.git_nested = nested_repositories(ws.top) if ws.top else None
+    ws.top_id = _folder_id(ws.top) if ws.top else None
+
+
+def _folder_id(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the folder at ``path`` itself (a link is not followed), or None when
+    there is none."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino) if stat.S_ISDIR(found.st_mode) else None
 
 
 def nested_repositories(top: str) -> set[str]:
@@ -1973,6 +2003,12 @@ def _free_name(path: str) -> str:
     while os.path.lexists(candidate):
         candidate, n = f"{path}.{n}", n + 1
     return candidate
+
+
+class FolderReplaced(GitPlanted):
+    """The run renamed the task's folder away or put another in its place (a kept server's box
+    may write the folder around the worktree): TaskBridge's git would run in a folder the agent
+    made, or through a link to one of yours."""
 
 
 class NestedRepository(GitPlanted):
@@ -2080,6 +2116,11 @@ def undo_planted_git(ws: Workspace) -> list[dict[str, Any]]:
     the run added, at most PLANTED_SHOWN characters). Raises GitPlanted, naming the file and the
     change, when one could not be put back (checked by reading it again)."""
     top = ws.top
+    if top and ws.top_id is not None and _folder_id(top) != ws.top_id:
+        raise FolderReplaced(
+            f"the run replaced the task's folder {top} ({_what_is_at(top)} is there now, not the folder TaskBridge "
+            "made): TaskBridge's own git would have run in a folder the agent made, so it ran no further git command "
+            f"and committed nothing. What the agent left is in {os.path.dirname(top)}; look there, then retry the task")
     made = sorted(nested_repositories(top) - ws.git_nested) if top and ws.git_nested is not None else []
     if top and made:
         stuck = quarantine_nested(top, made)
@@ -2104,6 +2145,13 @@ def undo_planted_git(ws: Workspace) -> list[dict[str, Any]]:
         raise GitPlanted(_planted_message(ws, left, problems))
     ws.git_planted = found
     return found
+
+
+def _what_is_at(path: str) -> str:
+    """A few words on what ``path`` is now: nothing, a link (and its target), another folder, a file."""
+    if os.path.islink(path):
+        return f"a link to {os.readlink(path)}"
+    return "another folder" if os.path.isdir(path) else "a file" if os.path.lexists(path) else "nothing"
 
 
 def _describe(path: str, was: tuple, now: tuple) -> dict[str, Any]:

@@ -222,6 +222,32 @@ def test_unboxed_auto_run_reaches_the_canary(opencode, tmp_path, canary, monkeyp
     assert done["result"]["sandbox"]["files"].startswith("not contained")
 
 
+def test_an_agent_that_swaps_its_folder_for_a_link_to_the_checkout_gets_nothing_committed(opencode, tmp_path):
+    """A hostile tester's finding: a kept server's box made the folder around the worktree
+    writable, so the agent renamed its worktree away and put a link to the user's checkout in its
+    place; TaskBridge's git then committed the user's uncommitted work on their own branch. Where
+    the box lets the swap happen (the warm engine's slot folder), the task fails and no git runs
+    there; where it does not (a cold run's parent is read-only), the task is done as usual."""
+    repo = make_repo(tmp_path / "repo")
+    (repo / "README.md").write_text("the user's own edit\n")
+    before = checkout_state(repo)
+    opencode.model.script("swap", [
+        tool_call("write", {"filePath": "{cwd}/agent.txt", "content": "agent work\n"}),
+        bash(f'here="$PWD"; cd .. && mv "$here" "$here.orig" && ln -s {repo} "$here"; echo swap-$?'),
+        text("Done.\n" + DONE),
+    ])
+    task = submit(repo, script="swap")
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert checkout_state(repo) == before
+    if "swap-0" in outputs(done):
+        assert done["status"] == "failed" and "replaced the task's folder" in done["error"], done["error"]
+        assert "a link to" in done["error"]
+    else:
+        assert done["status"] == "done", done["error"]
+        assert git(repo, "show", f"taskbridge/{task['id']}:agent.txt") == "agent work"
+
+
 def test_readonly_worktree_write_fails_when_made(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     before = checkout_state(repo)

@@ -229,3 +229,58 @@ def test_undo_that_cannot_be_done_stops_naming_the_file(tmp_path):
         worktrees.undo_planted_git(ws)
     assert f"{dot_git} replaced (a folder before, a file now)" in str(caught.value)
     assert "no further git command was run" in str(caught.value)
+
+
+@pytest.mark.parametrize("put_there", ["link to the checkout", "a folder of its own", "nothing"])
+def test_a_task_folder_put_out_of_place_stops_all_git_there(tmp_path, put_there):
+    """A hostile tester's finding: a kept server's box may write the folder around the worktree,
+    and the agent renamed its worktree away and put a link to the user's checkout (or a repository
+    of its own, with a filter) in its place; TaskBridge's git then committed the user's uncommitted
+    work on their own branch (or ran the filter as the worker). The folder is checked by identity
+    before any git runs there, and a link is never followed when a worktree is removed."""
+    repo = make_repo(tmp_path / "repo")
+    (repo / "README.md").write_text("the user's own edit\n")
+    top = tmp_path / "slot" / "repo"
+    top.parent.mkdir()
+    git(repo, "worktree", "add", "-q", "--detach", str(top))
+    ws = worktrees.Workspace("worktree", str(top), top=str(top), repo=str(repo))
+    worktrees.pin_git_config(ws)
+    os.rename(top, tmp_path / "slot" / "repo.orig")
+    if put_there == "link to the checkout":
+        top.symlink_to(repo)
+    elif put_there == "a folder of its own":
+        make_repo(top)
+    with pytest.raises(worktrees.FolderReplaced) as caught:
+        worktrees.undo_planted_git(ws)
+    said = str(caught.value)
+    assert "replaced the task's folder" in said and "committed nothing" in said
+    assert ("a link to" in said) == (put_there == "link to the checkout")
+    assert git(repo, "status", "--porcelain") == "M README.md"
+    if put_there == "link to the checkout":
+        mode = os.stat(repo).st_mode
+        assert worktrees._force_rmtree(str(top)) == [] and not os.path.lexists(top)
+        assert (repo / "README.md").read_text() == "the user's own edit\n" and os.stat(repo).st_mode == mode
+
+
+def test_what_a_run_left_around_its_worktree_in_a_kept_servers_folder_goes_with_it(tmp_path):
+    """A hostile tester's finding: files, folders and links a warm run wrote beside its worktree
+    (the slot's folder is writable to it) stayed forever, reported nowhere. They go when the
+    task's worktree is removed, links removed and never followed; a link left where the worktree
+    was goes the same way."""
+    repo = make_repo(tmp_path / "repo")
+    for swapped in (False, True):
+        slot = worktrees.worktree_root() / "engine" / f"slot_0-{int(swapped)}"
+        slot.mkdir(parents=True)
+        top = worktrees.parked_path(slot, str(repo))
+        git(repo, "worktree", "add", "-q", "--detach", str(top))
+        (slot / "litter.txt").write_text("x\n")
+        (slot / "evil" / "deep").mkdir(parents=True)
+        (slot / "evil" / "deep").chmod(0o555)
+        (slot / "link").symlink_to(repo)
+        if swapped:
+            os.rename(top, slot / "repo.orig")
+            top.symlink_to(repo)
+        assert worktrees.remove_worktree_at(str(top)) is None
+        assert not slot.exists()
+        assert (repo / "README.md").read_text() == "# demo\n" and (repo / ".git").is_dir()
+    assert not (worktrees.worktree_root() / "engine").exists()
