@@ -176,6 +176,15 @@ class Engine:
         # environment stays in the server's tree, where the stop finds and ends it; and the
         # server ends with the thread that started it (a killed worker leaves none behind).
         status = os.open(os.devnull, os.O_WRONLY)
+        try:   # closed however the launch ends (a box hook or the log file may fail first)
+            self._spawn(argv, env, status)
+        finally:
+            os.close(status)
+        return self
+
+    def _spawn(self, argv: list[str], env: dict[str, str], status: int) -> None:
+        """Start ``argv`` (``opencode serve``) under run_reaper.py and the box, ``status`` the
+        reaper's status descriptor, its output in a log file of its own (``log_path``)."""
         python = agent_box.stdlib_python()
         plain = process_tree.reaper_argv(python, status, argv, die_with_parent=True, parent=os.getpid())
         if self.box is None:
@@ -195,12 +204,8 @@ class Engine:
         with os.fdopen(fd, "wb") as log_file:
             # Its own session: the stop ends the whole group, and a Ctrl-C at the worker's terminal
             # does not reach the server before the worker decides.
-            try:
-                self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                             stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(status,))
-            finally:
-                os.close(status)
-        return self
+            self.proc = subprocess.Popen(argv, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
+                                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(status,))
 
     def wait_ready(self) -> Engine:
         """Wait for the launched server's health answer, then load its folder's config. Raises
@@ -258,8 +263,9 @@ class Engine:
         """One API call: ``method path`` (``?directory=`` added when given) with a JSON ``body``;
         returns the decoded JSON answer (None for an empty one).
 
-        Raises EngineRefused (HTTP status >= 400, its status kept), EngineGone (no connection or
-        no answer within ``timeout`` seconds, default ``request_timeout``)."""
+        Raises EngineRefused (HTTP status >= 400, its status kept; or an answer that is not JSON,
+        such as the web app's page OpenCode serves for a path it does not know), EngineGone (no
+        connection or no answer within ``timeout`` seconds, default ``request_timeout``)."""
         if directory:
             path += ("&" if "?" in path else "?") + "directory=" + urllib.parse.quote(directory)
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout or self.request_timeout)
@@ -277,7 +283,12 @@ class Engine:
         if answer.status >= 400:
             raise EngineRefused(f"opencode serve refused {method} {path.split('?')[0]}: HTTP {answer.status} "
                                 f"{data[:200].decode('utf-8', 'replace')}", answer.status, data)
-        return json.loads(data) if data.strip() else None
+        try:
+            return json.loads(data) if data.strip() else None
+        except ValueError:
+            raise EngineRefused(f"opencode serve answered {method} {path.split('?')[0]} with no JSON (HTTP "
+                                f"{answer.status}: {data[:80].decode('utf-8', 'replace')!r})", answer.status,
+                                data) from None
 
     def health(self, timeout: float | None = None) -> dict[str, Any]:
         """``GET /global/health``: ``{"healthy": true, "version": "1.18.33"}``. Raises as ``request``."""

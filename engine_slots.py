@@ -111,6 +111,8 @@ class Kept:
             self.problem = str(exc)
         except OSError as exc:   # the log file, the exec: the worker's machine, said in one line
             self.problem = f"opencode serve could not be started: {exc}"
+        except Exception as exc:  # noqa: BLE001 - never "ready" after a start that did not finish
+            self.problem = f"the kept OpenCode server's start failed ({exc.__class__.__name__}: {exc})"
         finally:
             self.started.set()
 
@@ -148,7 +150,9 @@ class Kept:
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.parked is not None:   # no task took it (else its workspace step let it go)
-            with contextlib.suppress(worktrees.GitError):   # left to the next pass's sweep
+            # Not under the caller's git watcher: a task past its deadline (or a stop) would stop
+            # this git before it starts, leaving the parked worktree locked in the repository.
+            with contextlib.suppress(worktrees.GitError), worktrees.watched(None):
                 worktrees.drop_parked(self.parked)
         worktrees.drop_engine_folder(self.folder)   # only when no worktree was made in it
         return left

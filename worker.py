@@ -2031,14 +2031,24 @@ def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSe
 
 
 def _engine_wanted(slots: engine_slots.Slots) -> bool:
-    """Whether the slot's next server is worth starting: always in ``--watch``; in a one-pass only
-    while tasks are pending (it ends when none is left). Raises what the queue's read raises."""
-    return slots.watch or bool(db(store.list_tasks, status="pending", limit=1)["total"])
+    """Whether the slot's next server is worth starting: never while the worker is stopping;
+    always in ``--watch``; in a one-pass only while tasks are pending (it ends when none is left),
+    as one read that rides no outage: a run's watch calls this, and its timeout, cancel and
+    watchdogs must not wait on the queue. A queue that cannot be read now says no. Never raises."""
+    if current().flags.stopping:
+        return False
+    if slots.watch:
+        return True
+    try:
+        return bool(db(store.list_tasks, status="pending", limit=1, patience=0)["total"])
+    except Exception as exc:  # noqa: BLE001 - no next server is all a queue away costs here
+        log(f"{_slot()}'s next kept OpenCode server waits: the queue cannot be read now ({exc})", talk.VERBOSE)
+        return False
 
 
 def _engine_next() -> None:
     """Start the slot's next server in the background (the engine on, a task to predict from,
-    ``_engine_wanted``); one built beside the run is started now. Raises what the queue's read raises."""
+    ``_engine_wanted``); one built beside the run is started now."""
     slots = current().engines
     if slots is not None and _engine_wanted(slots):
         problem = slots.prepare(_slot())
@@ -2123,9 +2133,14 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     marker = engine_slots.new_marker(slot)
     like = {**prediction.task, "run_marker": marker}
     ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo)
-    box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
-    files = _run_files(like, env, prediction.model, run_dir / "control")
-    plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
+    try:
+        box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
+        files = _run_files(like, env, prediction.model, run_dir / "control")
+        plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
+    except BaseException:   # no server: its folders go at once, not at the next pass's sweep
+        shutil.rmtree(run_dir, ignore_errors=True)
+        worktrees.drop_engine_folder(folder)
+        raise
 
     def boxed(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         return _boxed(like, ws, box, run_dir, argv, env, plan)

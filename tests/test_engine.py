@@ -384,3 +384,51 @@ def test_a_reaper_whose_parent_died_during_its_start_starts_nothing(tmp_path):
     time.sleep(3)
     assert not marker.exists(), "the command was started although its parent was gone"
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "301"]]
+
+
+def test_an_answer_that_is_not_json_is_a_refusal_and_no_server_is_called_ready(tmp_path, monkeypatch):
+    """A reviewer's finding: OpenCode answers a path it does not know with its web app's page; a
+    200 that is not JSON escaped Engine.request as a ValueError, killed the kept server's start
+    thread with a traceback, and left the server called ready though its start never finished."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import engine_slots
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"healthy": true}' if self.path.startswith("/global/health") else b"<!doctype html>app"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        eng = engine.Engine({}, str(tmp_path))
+        eng.port = server.server_address[1]
+        assert eng.health() == {"healthy": True}
+        with pytest.raises(engine.EngineRefused, match="with no JSON"):
+            eng.request("GET", "/config")
+        kept = engine_slots.Kept(tmp_path / "slot", tmp_path / "run", str(tmp_path), {}, None)
+        monkeypatch.setattr(kept.engine, "wait_ready", lambda: (_ for _ in ()).throw(KeyError("id")))
+        kept._start()
+        assert kept.problem and "KeyError" in kept.problem and not kept.ready(0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_launch_that_fails_before_the_server_starts_leaks_no_descriptor(tmp_path, monkeypatch):
+    """A reviewer's finding: the reaper's status descriptor was closed only around Popen, so a box
+    hook or the log file failing first leaked one per launch."""
+    def broken_box(argv, env):
+        raise OSError("the box's shell could not be written")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(OSError, match="box's shell"):
+            engine.Engine({}, str(tmp_path), box=broken_box).launch()
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -614,3 +614,26 @@ def test_a_stop_at_once_is_said_naming_the_task_before_its_end_line(tmp_path):
     assert len(stop) == 1 and end and stop[0] < end[0], "\n".join(said)
     state.talk.signals(True, True)   # the loop's own call afterwards says nothing again
     assert sum(line.startswith("stopping now") for line in said) == 1, said
+
+
+def test_the_next_kept_server_is_not_wanted_while_the_queue_is_away_or_the_worker_stops(monkeypatch):
+    """A reviewer's finding: in a one-pass warm worker, the run's watch asked the queue whether a
+    next server was wanted through the outage-riding retry (up to WORKER_STALE_SEC, 900 s), so a
+    queue away froze the run's timeout, cancel and watchdogs; an error there after the run also
+    skipped its receipt. One read, no retry; none at all while the worker stops."""
+    import engine_slots
+    one_pass = engine_slots.Slots(make=lambda _slot, _prediction: None, watch=False)
+    watching = engine_slots.Slots(make=lambda _slot, _prediction: None, watch=True)
+    state = worker.fresh_state()
+    calls = []
+
+    def away(*args, **kwargs):
+        calls.append(1)
+        raise task_store.DatabaseBusy("the queue database is locked")
+    monkeypatch.setattr(task_store, "list_tasks", away)
+    began = time.monotonic()
+    assert worker._engine_wanted(one_pass) is False and len(calls) == 1
+    assert time.monotonic() - began < 1
+    assert worker._engine_wanted(watching) is True
+    state.flags.signalled()
+    assert worker._engine_wanted(watching) is False and worker._engine_wanted(one_pass) is False
