@@ -550,6 +550,17 @@ def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, li
     return str(config), [str(folder) for folder, _name in folders[1:]]
 
 
+def tools_folder(cache: str) -> str:
+    """The ``bin/`` of OpenCode's cache folder ``cache`` (made, 0700, when missing), resolved:
+    the programs OpenCode runs itself there (ripgrep when ``rg`` is not on PATH, language
+    servers) run outside the shell's Landlock and seccomp, with OpenCode's environment, and the
+    box's cache is every run's: read-only to runs, so that no run (not even through OpenCode's
+    write tool, under ``no-shell``) plants one that it, or a later task, has OpenCode run."""
+    folder = os.path.join(cache, "bin")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.realpath(folder)
+
+
 def _under(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
@@ -705,7 +716,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     yours = [os.path.join(env.get("HOME") or str(Path.home()), ".opencode"), env.get("OPENCODE_CONFIG_DIR")]
     ensure_gitignore(project_config_folders(cwd) + [os.path.realpath(path) for path in yours if path])
     plan.writable = _existing([top if writable else None], resolve=False) + _existing(state) + plan.writable
-    plan.read_only.append(os.path.realpath(config))
+    plan.read_only += [os.path.realpath(config), tools_folder(state[1])]
     plan.mounts = credential_binds(os.path.realpath(state[0]))
     plan.read_only += [str(run_dir / "control")]
     plan.replies = [str(run_dir / "reply")]

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -342,6 +343,10 @@ def check_box() -> Check:
     if problems:
         return Check("agent box", "fail", "; ".join(problems), "fix or unset the knob named")
     box = agent_box.choose("auto")
+    if box.mechanism and not shutil.which("rg"):
+        return Check("agent box", "warn", f"{box.label}, but ripgrep (rg) is not on PATH: OpenCode's grep and glob "
+                     "tools fail in the box, which cannot download it (its bin/ is read-only to runs)",
+                     "install ripgrep (apt install ripgrep, brew install ripgrep)")
     if box.mechanism:
         return Check("agent box", "ok", f"{box.label}: every agent run is contained by the operating system")
     return Check("agent box", "warn", f"none: {box.reason}; agents run uncontained, and readonly, no-shell and "

@@ -157,6 +157,12 @@ install_box() {  # the agent box: bubblewrap on Linux (every run; sandbox-exec s
       "bubblewrap is not installed: agents would run unboxed and readonly/no-shell/no-network tasks fail; install it: sudo apt install bubblewrap (Fedora: sudo dnf install bubblewrap)" \
       bubblewrap
   fi
+  if [ "$(os_name)" = linux ] && ! command -v rg >/dev/null 2>&1; then   # OpenCode takes rg from PATH
+    apt_get "for OpenCode's grep and glob tools in the agent box (a box cannot download it)" \
+      "OpenCode's grep and glob tools fail in the agent box (tasks_cli.py doctor says so)" \
+      "ripgrep is not installed: OpenCode's grep and glob tools fail in the agent box; install it: sudo apt install ripgrep" \
+      ripgrep
+  fi
 }
 
 check_port() {   # NAME VALUE: a port number 1-65535, or stop before installing anything

@@ -248,6 +248,25 @@ def test_an_agent_that_swaps_its_folder_for_a_link_to_the_checkout_gets_nothing_
         assert git(repo, "show", f"taskbridge/{task['id']}:agent.txt") == "agent work"
 
 
+def test_no_run_plants_a_program_opencode_runs_from_its_cache(opencode, tmp_path):
+    """A hostile tester's finding: OpenCode runs ripgrep (and language servers) from the box's
+    cache, shared by every run and writable to it; a run (even a no-shell one, with OpenCode's
+    write tool) planted a bin/rg that OpenCode then ran outside the shell's Landlock and seccomp,
+    with the kept server's password, in that task and in every later one. The folder is
+    read-only to runs."""
+    tools = Path(agent_box.box_home()) / "cache" / "opencode" / "bin"
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("plant", [
+        tool_call("write", {"filePath": str(tools / "rg"), "content": "#!/bin/sh\necho planted\n"}),
+        bash(f"printf '#!/bin/sh\\n' > {tools}/rg; echo shell-$?; ls -ld {tools}"),
+        text("Tried.\n" + DONE),
+    ])
+    task = submit(repo, script="plant")
+    done, seen = run_to_done(task)
+    assert "shell-0" not in seen and "shell-1" in seen
+    assert not (tools / "rg").exists() and list(tools.iterdir()) == []
+
+
 def test_readonly_worktree_write_fails_when_made(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     before = checkout_state(repo)

@@ -162,3 +162,17 @@ def test_with_no_model_chosen_anywhere_submit_doctor_and_connect_name_the_hosted
     assert "hosted free model" not in named.stderr, "a task that names its model is not warned"
     connected = run_script("tasks_cli.py", "connect")
     assert connected.returncode == 0 and "hosted free model" in connected.stderr, connected.stderr
+
+
+def test_the_agent_box_line_warns_when_ripgrep_is_not_on_path(monkeypatch):
+    """The box's cache bin/ is read-only to runs, so OpenCode cannot download ripgrep inside it:
+    without rg on PATH its grep and glob tools fail there, and doctor says so with the fix."""
+    import doctor as doctor_module
+    if not doctor_module.agent_box.choose("auto").mechanism:
+        pytest.skip("no agent box on this machine")
+    real_which = doctor_module.shutil.which
+    assert doctor_module.check_box().status == ("ok" if real_which("rg") else "warn")
+    monkeypatch.setattr(doctor_module.shutil, "which", lambda name: None if name == "rg" else real_which(name))
+    found = doctor_module.check_box()
+    assert found.status == "warn" and "ripgrep (rg) is not on PATH" in found.detail
+    assert "install ripgrep" in found.fix
