@@ -283,11 +283,16 @@ class _Making:
             self.problem = f"no kept OpenCode server for {slot}: {exc}"
 
 
-def sweep(root: Path, log_dir: Path) -> None:
-    """Remove what kept servers of an earlier pass left when their worker was killed: parked
-    worktrees no task took and the folders under ``root`` (``<worktree root>/engine``) that are
-    then empty (one holding a task's worktree stays), and run folders ``engine-*.run`` in
-    ``log_dir``. Only while this queue's pass lock is held."""
+def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
+    """Remove what kept servers of an earlier pass left when their worker was killed: the
+    processes of this ``queue`` (its tag) that carry a slot's marker (``new_marker``: an unboxed
+    server's children, which no box's death ended, are found by it, not by their task's marker;
+    SIGTERM, ``grace`` seconds, SIGKILL), parked worktrees no task took and the folders under
+    ``root`` (``<worktree root>/engine``) that are then empty (one holding a task's worktree
+    stays), and run folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is
+    held: no server of this queue's is running then."""
+    process_tree.kill_tree(None, grace, lambda: process_tree.processes_where(
+        lambda env: env.get(oc.QUEUE_ENV) == queue and env.get(oc.MARKER_ENV, "").startswith(MARKER_PREFIX)))
     with contextlib.suppress(OSError):   # no engine folder yet
         for folder in root.iterdir():
             for inside in list(folder.iterdir()) if folder.is_dir() else []:
@@ -297,6 +302,9 @@ def sweep(root: Path, log_dir: Path) -> None:
         shutil.rmtree(run, ignore_errors=True)
 
 
+MARKER_PREFIX = "eng-"
+
+
 def new_marker(slot: str) -> str:
     """The run marker a slot's server carries: ``eng-<slot>-<hex>``."""
-    return f"eng-{slot}-{secrets.token_hex(4)}"
+    return f"{MARKER_PREFIX}{slot}-{secrets.token_hex(4)}"

@@ -63,13 +63,18 @@ def tagged_processes(tags: dict[str, str]) -> list[psutil.Process]:
     """Live processes whose environment holds every ``tags`` key with its value (Linux reads
     ``/proc/PID/environ``; processes we may not read are skipped). A run's tag is inherited by
     every descendant, including those that left its process group."""
+    return processes_where(lambda env: all(env.get(key) == value for key, value in tags.items()))
+
+
+def processes_where(match: Callable[[dict[str, str]], bool]) -> list[psutil.Process]:
+    """Live processes whose environment ``match`` accepts (as ``tagged_processes`` reads it)."""
     found = []
     for proc in psutil.process_iter():
         try:
             env = proc.environ()
         except (*_GONE, OSError):
             continue
-        if all(env.get(key) == value for key, value in tags.items()):
+        if match(env):
             found.append(proc)
     return found
 

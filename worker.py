@@ -2916,7 +2916,8 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
     with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="slot") as pool:
         # what a killed worker's kept servers left (a cold pass too: else its parked worktrees stay
         # registered in the user's repository until a warm pass)
-        engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir())
+        engine_slots.sweep(worktrees.worktree_root() / "engine", store.log_dir(), store.queue_tag(),
+                           knobs.kill_grace_sec)
         # OpenCode processes may start side by side (slots, kept servers, other queues' workers)
         problem = _prepare_opencode_db()
         if problem:

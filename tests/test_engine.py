@@ -432,3 +432,27 @@ def test_a_launch_that_fails_before_the_server_starts_leaks_no_descriptor(tmp_pa
         with pytest.raises(OSError, match="box's shell"):
             engine.Engine({}, str(tmp_path), box=broken_box).launch()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_pass_start_ends_what_a_killed_workers_unboxed_servers_left_running(tmp_path):
+    """A reviewer's finding: an unboxed kept server's children carry the slot's marker, not their
+    task's, so the next pass's reaper (by task marker) never found what they left running after
+    the worker was killed. The sweep ends this queue's processes of slot markers, and no other."""
+    import engine_slots
+    import task_store
+
+    def started(queue: str, marker: str) -> subprocess.Popen:
+        env = {**os.environ, opencode_runner.QUEUE_ENV: queue, opencode_runner.MARKER_ENV: marker}
+        return subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    ours = started(task_store.queue_tag(), engine_slots.new_marker("slot_0"))
+    doctor_check = started(task_store.queue_tag(), "doctor")
+    other_queue = started("another-queue", engine_slots.new_marker("slot_0"))
+    try:
+        until(lambda: all(psutil.Process(p.pid).environ() for p in (ours, doctor_check, other_queue)), 5)
+        engine_slots.sweep(tmp_path / "engine", tmp_path, task_store.queue_tag(), grace=1)
+        assert ours.wait(5) is not None
+        assert doctor_check.poll() is None and other_queue.poll() is None
+    finally:
+        for proc in (ours, doctor_check, other_queue):
+            proc.kill()
+            proc.wait()
