@@ -349,13 +349,17 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
 def permission_question(ask: dict[str, Any]) -> str:
     """The question a task paused on a permission ask puts to the planner: the tool, the command
     or path (exactly: JSON-quoted when backticks, line breaks or edge spaces would blur it), the
-    agent's reason, and the answers it takes, saying that ``always`` covers that text alone."""
+    agent's description of the call (quoted as its words), and the answers it takes, saying that
+    ``always`` covers that text alone."""
     subject = str(ask["subject"])
     if "`" in subject or "\n" in subject or subject != subject.strip() or not subject:
         shown = json.dumps(subject)
     else:
         shown = f"`{subject}`"
-    reason = f" Its reason: {ask['reason']}." if ask.get("reason") else ""
+    # The agent's own words (the call's description; a run can write the ask itself too):
+    # quoted as such, never as TaskBridge's.
+    reason = f" The agent's own description of the call (not checked): {json.dumps(str(ask['reason']))}." \
+        if ask.get("reason") else ""
     return (f"Permission asked: the agent wants to run {ask['tool']} {shown} (the task's rules say ask)."
             f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task, and "
             "for exactly this text only: any * or ? in it is taken literally, never as a pattern).")
