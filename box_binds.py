@@ -11,9 +11,11 @@ TaskBridge checked, not whatever its path leads to by the time bubblewrap reads 
   write), and the box does not start: one line on stderr beginning ``PREFIX`` and exit code 1,
   which the worker reports as the box's refusal (worker.environment_fault).
 - ``--ro-bind-try SRC DEST`` (what agent_box.py shows again in a folder it emptied: the entries
-  it listed) becomes ``--ro-bind-fd FD DEST`` the same way, or is left out when ``SRC`` is gone or
-  cannot be opened at its own path any more (gone, moved, a link loop): the box then shows less,
-  never something else. Running out of handles (the open-files limit) refuses the box as above.
+  it listed) of a folder becomes ``--ro-bind-fd FD DEST`` the same way, or is left out when
+  ``SRC`` is gone or cannot be opened at its own path any more (gone, moved, a link loop): the
+  box then shows less, never something else. Of a file it stays as it is, bound by its path: a
+  held handle on a file its owner then replaces by a rename points at nothing, and bubblewrap
+  would refuse to start. Running out of handles (the open-files limit) refuses the box as above.
 - Why a separate process: the handles must be open in the process that becomes bubblewrap, and
   every place a boxed command is started (a run, a kept server, an ``opencode debug config``
   probe) then gets them without passing descriptors through.
@@ -64,6 +66,13 @@ def pinned(argv: list[str]) -> list[str]:
         if option in BINDS and at + 2 < len(out):
             out[at:at + 2] = [BINDS[option], str(pin(out[at + 1]))]
         elif option == "--ro-bind-try" and at + 2 < len(out):
+            if not os.path.isdir(out[at + 1]) or os.path.islink(out[at + 1]):
+                # A file is shown again by its path: one its owner replaces by a rename (an app
+                # saving its state) while bubblewrap starts would leave a held handle pointing at
+                # nothing, and the box would not start; by path it shows what is there then, or
+                # nothing. (A link is made again as a link, never bound: agent_box._shown_again.)
+                at += 3
+                continue
             try:
                 out[at:at + 2] = ["--ro-bind-fd", str(pin(out[at + 1]))]
             except OSError as exc:

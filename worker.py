@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import secrets
 import selectors
 import shutil
@@ -1545,16 +1546,38 @@ def run_stragglers(marker: str, queue: str):
 
 def environment_fault(run: RunResult) -> str | None:
     """The operating-system fault line (``EACCES … mkdir …``) of a run that did not finish, if
-    OpenCode printed one, or the box's own refusal (``bwrap: …``: the box did not start): no
-    retry can fix either (see ``oc.ENV_FAULTS``)."""
+    OpenCode printed one, or the box's own refusal (``bwrap: …``: the box did not start, but for
+    a start that met a file changing, ``box_start_raced``): no retry can fix either (see
+    ``oc.ENV_FAULTS``)."""
     if run.stream.finished or run.killed:
         return None
-    if run.box is not None and run.box.mechanism == "bubblewrap" and run.stream.events == 0:
-        said = [line.strip() for line in run.stderr_tail if line.startswith(("bwrap: ", box_binds.PREFIX))]
-        named = os_faults.from_text(said[-1]) if said and said[-1].startswith(box_binds.PREFIX) else None
-        if said:
-            return f"the agent box (bubblewrap) did not start: {named.line if named else said[-1][:500]}"
-    return oc.environment_fault(run.stderr_tail)
+    said = _box_refusal(run)
+    if said and not box_start_raced(run):
+        named = os_faults.from_text(said) if said.startswith(box_binds.PREFIX) else None
+        return f"the agent box (bubblewrap) did not start: {named.line if named else said[:500]}"
+    return None if said else oc.environment_fault(run.stderr_tail)
+
+
+def _box_refusal(run: RunResult) -> str | None:
+    """bubblewrap's (or box_binds.py's) last line, when the box of a run that sent no event did
+    not start."""
+    if run.box is None or run.box.mechanism != "bubblewrap" or run.stream.events:
+        return None
+    said = [line.strip() for line in run.stderr_tail if line.startswith(("bwrap: ", box_binds.PREFIX))]
+    return said[-1] if said else None
+
+
+# bubblewrap's words when a bind's source went between its check and the mount: a file its owner
+# replaced by a rename, or removed, while the box started (a temporary file beside one it shows).
+_BIND_RACE = re.compile(r"^bwrap: Can't (find source path /proc/self/fd/\d+: No such file or directory|bind mount "
+                        r".*(: No such file or directory| \(deleted\)\" in mount table))$")
+
+
+def box_start_raced(run: RunResult) -> str | None:
+    """bubblewrap's line when the box did not start because a file it shows changed meanwhile
+    (``_BIND_RACE``): the next attempt's box starts, so the attempt is retried. Else None."""
+    said = _box_refusal(run)
+    return said if said and _BIND_RACE.match(said) else None
 
 
 def mcp_note(run: RunResult) -> str:
@@ -1588,6 +1611,10 @@ def failure_reason(run: RunResult) -> str | None:
         return "Session not found: the OpenCode session to resume no longer exists"
     if run.returncode and run.returncode < 0:
         return f"opencode was killed by {signal.Signals(-run.returncode).name} before it finished"
+    raced = box_start_raced(run)
+    if raced:
+        return (f"the agent box (bubblewrap) did not start: a file it shows was replaced or removed while it "
+                f"started ({raced[:300]}); the next attempt's box starts afresh")
     fault = environment_fault(run)
     if fault:
         return (f"opencode exited with code {run.returncode}: {fault} (a fault of this machine's "

@@ -708,6 +708,42 @@ def box_meanwhile(plan: agent_box.Plan, probe: str, meanwhile) -> str:
         box.kill()
 
 
+def test_a_file_its_owner_keeps_replacing_beside_a_hidden_one_never_stops_the_box():
+    """A fresh user's finding: a folder the box empties and shows again entry by entry (one
+    holding a hidden file; HOME in their set-up) held a file an app replaced by a rename every
+    moment; the box held a handle on it, the rename left the handle pointing at nothing, and
+    bubblewrap refused to start ("Can't find source path /proc/self/fd/5"): the task failed for
+    good. A file is shown again by its path: what is there then, or nothing."""
+    import subprocess
+    import tempfile
+    base = Path(tempfile.mkdtemp(prefix="tb-churn-", dir="/var/tmp"))   # not /tmp: the box has its own
+    stop = threading.Event()
+
+    def churn() -> None:   # its temporary file elsewhere: one beside it may vanish mid-start (then retried)
+        while not stop.is_set():
+            (base / "tmp" / "state.tmp").write_text("fresh\n")
+            os.replace(base / "tmp" / "state.tmp", base / "home" / "state")
+    try:
+        (base / "home").mkdir()
+        (base / "tmp").mkdir()
+        (base / "home" / "tasks.db").write_text(f"{MARK}-db\n")
+        (base / "home" / "state").write_text("fresh\n")
+        plan = agent_box.Plan(cwd=str(base), tmp=str(base / "tmp"), hidden=[str(base / "home" / "tasks.db")])
+        thread = threading.Thread(target=churn, daemon=True)
+        thread.start()
+        refused = []
+        for _ in range(30):
+            argv = agent_box.bwrap_argv(plan, ["/bin/sh", "-c", f"cat {base}/home/state {base}/home/tasks.db; echo"])
+            done = subprocess.run(argv, capture_output=True, text=True, cwd="/", timeout=30)
+            assert MARK not in done.stdout
+            if done.returncode:
+                refused.append(done.stderr.strip())
+        assert len(refused) <= 6, refused   # all 30 refused with a handle held (bubblewrap's own race remains)
+    finally:
+        stop.set()
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_a_hidden_file_replaced_by_a_rename_stays_hidden_and_a_new_one_is_never_shown():
     """The box hides a file by binding over its path; TaskBridge replaces the worker's heartbeat,
     its log and a rotated token by a rename, and then the path held a file no bind covered (the
