@@ -2814,7 +2814,9 @@ def literal_pattern(subject: str) -> str:
     return re.sub(r"([\\*?])", r"\\\1", subject)
 
 
-PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\b", re.IGNORECASE)
+# The whole answer, a full stop at most after it: "allow twice" or "allow? no - deny always" is no
+# decision to guess at (its first word decided it once).
+PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\s*\.?\s*$", re.IGNORECASE)
 
 
 def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
@@ -2825,7 +2827,7 @@ def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
     match = PERMISSION_ANSWER.match(answer)
     if match is None:
         raise ValidationError(f"task {format_task_id(row['id'])} waits on a permission: answer allow once, "
-                              "allow always, deny once or deny always")
+                              f"allow always, deny once or deny always, alone (not {answer.strip()[:80]!r})")
     decision, scope = match.group(1).lower(), (match.group(2) or "once").lower()
     ask = json.loads(row["pending_ask"] or "{}")
     if scope == "always" and ask.get("tool") and ask.get("subject") is not None:

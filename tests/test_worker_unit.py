@@ -672,3 +672,23 @@ def test_a_box_that_met_a_file_changing_while_it_started_is_retried_not_failed_f
     reason = worker.failure_reason(run)
     assert ("the next attempt's box starts afresh" in reason) == raced
     assert ("not retried" in reason) != raced
+
+
+@pytest.mark.parametrize("answer, decision", [
+    ("allow", "allow once"), ("Deny always.", "deny always"), ("  allow once  ", "allow once"),
+    ("allow twice", None), ("allow? no - deny always", None), ("allow once, but not twice", None),
+])
+def test_a_permission_answer_is_the_whole_answer(tmp_path, answer, decision):
+    """A fresh user's finding: the first word decided ("allow twice" was taken as allow once, "allow?
+    no - deny always" as allow once). Only the four decisions, alone, are taken; anything else is
+    refused naming them, and the task keeps waiting."""
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"))
+    task_store.pause_for_question(task["id"], task["run_marker"], "Permission asked: bash `git push`",
+                                  paused_for="permission", ask={"tool": "bash", "subject": "git push", "reason": ""})
+    if decision is None:
+        with pytest.raises(task_store.ValidationError, match="deny always, alone"):
+            task_store.answer_task(task["id"], answer)
+        assert task_store.get_task(task["id"])["status"] == "waiting"
+    else:
+        task_store.answer_task(task["id"], answer)
+        assert task_store.get_task(task["id"])["pending_ask"]["decision"] == decision
