@@ -693,15 +693,19 @@ def _task_fields(ctx: Context, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_names(fields: dict[str, Any]) -> None:
-    """Refuse skills and sub-agents OpenCode does not offer for the task's folder; when OpenCode
-    cannot be asked they pass unchecked (the run's skill and task tools say what is missing)."""
+    """Refuse skills, sub-agents and an agent OpenCode does not offer for the task's folder; when
+    OpenCode cannot be asked they pass unchecked (the run's skill and task tools say what is
+    missing)."""
     skills, subagents = store.coerce_list("skills", fields.get("skills")), \
         store.coerce_list("subagents", fields.get("subagents"))
+    agent = store.optional(fields.get("agent"))   # "null" and "" say absent, as the store takes them
+    agent = agent if isinstance(agent, str) else None
     folder = fields.get("working_dir")
-    if not (skills or subagents) or not isinstance(folder, str) or not os.path.isdir(folder):
+    if not (skills or subagents or agent) or not isinstance(folder, str) or not os.path.isdir(folder):
         return
     try:
-        opencode_runner.check_names([str(x) for x in skills], [str(x) for x in subagents], folder)
+        opencode_runner.check_names([str(x) for x in skills], [str(x) for x in subagents], folder,
+                                    agent.strip() if agent else None)
     except opencode_runner.UnknownName as exc:
         raise ToolError(str(exc)) from None
     except (opencode_runner.OpencodeNotFound, RuntimeError, subprocess.TimeoutExpired, OSError):

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import knobs
-from task_store import flock_wait, validate_working_dir, write_private
+from task_store import AGENT_NAME, flock_wait, validate_working_dir, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
@@ -99,7 +99,12 @@ def run_command(model: str, marker: str, *, session_id: str | None = None,
 
 
 class UnknownName(ValueError):
-    """A skill or sub-agent OpenCode does not offer here; the message names those it offers."""
+    """A skill, sub-agent or agent OpenCode does not offer here; the message names those it
+    offers, ``option`` the CLI option that gave it (``--skill``, ``--subagent``, ``--agent``)."""
+
+    def __init__(self, message: str, option: str) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
@@ -124,17 +129,31 @@ def offered_skills(cwd: str, timeout_sec: float = 60) -> list[str]:
     return _cached("skills " + _setup_key(os.path.abspath(cwd)), run, False, None)
 
 
+NATIVE_PRIMARY = ("build", "plan")   # OpenCode's own primary agents
+
+
+def offered_agents(cwd: str) -> list[str]:
+    """The agents a task may run as (``--agent``) in ``cwd``: OpenCode's native primary agents
+    (build, plan) and every agent of the resolved config (`own_config`) whose mode is primary or
+    all, or says none (OpenCode's default), and not disabled. Raises ConfigProblem /
+    OpencodeNotFound."""
+    return _agents_of_modes(cwd, list(NATIVE_PRIMARY), ("primary", "all", None))
+
+
 def offered_subagents(cwd: str) -> list[str]:
     """The agents the task tool can start in ``cwd``: OpenCode's native sub-agents (general,
     explore) and every agent of the resolved config (`own_config`) whose mode is subagent or all
     (and not disabled). Raises ConfigProblem / OpencodeNotFound."""
-    config = own_config(cwd)
-    found = ["general", "explore"]
-    for name, block in (config.get("agent") or {}).items():
+    return _agents_of_modes(cwd, ["general", "explore"], ("subagent", "all"))
+
+
+def _agents_of_modes(cwd: str, native: list[str], modes: tuple[str | None, ...]) -> list[str]:
+    found = list(native)
+    for name, block in (own_config(cwd).get("agent") or {}).items():
         block = block if isinstance(block, dict) else {}
         if block.get("disable"):
             found = [n for n in found if n != name]
-        elif block.get("mode") in ("subagent", "all") and name not in found:
+        elif block.get("mode") in modes and name not in found:
             found.append(name)
     return found
 
@@ -173,24 +192,29 @@ def own_config(cwd: str | None, timeout_sec: float = 60) -> dict[str, Any]:
         return resolved_config(dict(os.environ), where, timeout_sec, box=hook)
 
 
-def check_names(skills: list[str], subagents: list[str], cwd: str) -> None:
-    """Refuse skills and sub-agents OpenCode does not offer for a run in ``cwd``. Raises
+def check_names(skills: list[str], subagents: list[str], cwd: str, agent: str | None = None) -> None:
+    """Refuse skills, sub-agents and an agent OpenCode does not offer for a run in ``cwd`` (an
+    unknown agent: OpenCode would run the default one and say so only in its log). Raises
     task_store.ValidationError for a ``cwd`` no task may run in, checked first (OpenCode loads
     the folder's plugins to answer, and the box shows the folder it is asked about); UnknownName
     naming the missing ones and what is offered; OpencodeNotFound, RuntimeError or ConfigProblem
     when OpenCode cannot be asked."""
-    if skills or subagents:
+    # OpenCode's own are always there (no call to OpenCode for them); a name no agent can have is
+    # the store's to refuse, in its words.
+    agent = None if agent in NATIVE_PRIMARY or not AGENT_NAME.fullmatch(agent or "") else agent
+    if skills or subagents or agent:
         cwd = validate_working_dir(cwd)
-    for kind, wanted, offered in (("skill", skills, offered_skills if skills else None),
-                                  ("sub-agent", subagents, offered_subagents if subagents else None)):
-        if offered is None:
+    for kind, option, wanted, offered in (("skill", "--skill", skills, offered_skills),
+                                          ("sub-agent", "--subagent", subagents, offered_subagents),
+                                          ("agent", "--agent", [agent] if agent else [], offered_agents)):
+        if not wanted:
             continue
         have = offered(cwd)
         missing = [name for name in wanted if name not in have]
         if missing:
             raise UnknownName(f"{kind} {', '.join(repr(m) for m in missing)} is not offered by OpenCode for "
                               f"{cwd} (offered: {', '.join(have) or 'none'}); add it to OpenCode's config "
-                              f"or leave it out")
+                              f"or leave it out", option)
 
 
 # For TaskBridge's own OpenCode calls outside the agent's box in a folder an agent wrote (export

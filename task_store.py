@@ -1600,7 +1600,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     if permission not in PERMISSIONS:
         raise ValidationError(f"permission {permission!r} is not one of {', '.join(PERMISSIONS)}")
     agent = optional(raw.get("agent"))
-    if agent is not None and (not isinstance(agent, str) or not re.fullmatch(r"[A-Za-z0-9_][\w.\-]{0,63}", agent)):
+    if agent is not None and (not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent)):
         raise ValidationError(f"agent {agent!r} must be an OpenCode agent name such as build or plan")
     key = optional(raw.get("idempotency_key"))
     if key is not None:
@@ -2816,6 +2816,7 @@ def literal_pattern(subject: str) -> str:
 
 # The whole answer, a full stop at most after it: "allow twice" or "allow? no - deny always" is no
 # decision to guess at (its first word decided it once).
+AGENT_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]{0,63}")   # an OpenCode agent's name, as a task may give it
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\s*\.?\s*$", re.IGNORECASE)
 
 

@@ -302,24 +302,25 @@ def usd_arg(_ctx: click.Context, param: click.Parameter, value: str | None) -> f
         raise click.BadParameter(str(exc)) from None
 
 
-def checked_names(skills: Iterable[str], subagents: Iterable[str], working_dir: str | None,
+def checked_names(skills: Iterable[str], subagents: Iterable[str], agent: str | None, working_dir: str | None,
                   parent: str | None) -> None:
-    """Skills and sub-agents given at submit, checked against what OpenCode offers for the task's
-    folder (a follow-up's: its task's): an unknown one is refused (exit 2) naming those offered.
-    When OpenCode cannot be asked they are queued unchecked, with a warning."""
+    """Skills, sub-agents and the agent given at submit, checked against what OpenCode offers for
+    the task's folder (a follow-up's: its task's): an unknown one is refused (exit 2) naming those
+    offered. When OpenCode cannot be asked they are queued unchecked, with a warning."""
     skills, subagents = list(skills), list(subagents)
-    if not (skills or subagents):
+    agent = task_store.optional(agent)   # "null" and "" say absent, as the store takes them
+    if not (skills or subagents or agent):
         return
     folder = working_dir or (task_store.get_task(parent)["working_dir"] if parent else None)
     if not folder:
         return
     try:
-        opencode_runner.check_names(skills, subagents, folder)
+        opencode_runner.check_names(skills, subagents, folder, agent)
     except opencode_runner.UnknownName as exc:
-        raise click.BadParameter(str(exc), param_hint="'--skill' / '--subagent'") from None
+        raise click.BadParameter(str(exc), param_hint=f"'{exc.option}'") from None
     except (opencode_runner.OpencodeNotFound, RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
-        err().print(Text(visible(f"Could not check skills / sub-agents against OpenCode ({exc}); queued unchecked."),
-                         style="yellow"), soft_wrap=True)
+        err().print(Text(visible(f"Could not check the agent, skills or sub-agents against OpenCode ({exc}); "
+                                 "queued unchecked."), style="yellow"), soft_wrap=True)
 
 
 def model_arg(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -1038,7 +1039,7 @@ def submit(  # noqa: PLR0913  (click passes each of submit's options as one para
     if not (continue_from or fork_from or repo is not None):
         working_dir = working_dir or default_working_dir(yes)
     model = checked_model(model)
-    checked_names(skills, subagents, working_dir, continue_from or fork_from)
+    checked_names(skills, subagents, agent, working_dir, continue_from or fork_from)
     in_place = {working_dir: worktrees.refuse_unrunnable_folder(working_dir, host, not no_worktree)} \
         if working_dir else {}
     task = task_store.submit_task(

@@ -307,7 +307,9 @@ def test_rules_are_validated_at_submit(tmp_path):
             task_store.submit_task(title="r", instructions="x", working_dir=str(tmp_path), rules=rules)
 
 
-def test_an_unknown_skill_or_subagent_is_refused_at_submit(opencode, tmp_path):
+def test_an_unknown_skill_subagent_or_agent_is_refused_at_submit(opencode, tmp_path):
+    """An unknown --agent was queued and ran as OpenCode's default agent, its receipt naming the
+    unknown one (a fresh user's finding); each is refused at submit naming its option."""
     repo = make_repo(tmp_path / "repo")
     skill = Path(opencode.env["XDG_CONFIG_HOME"]) / "opencode" / "skills" / "house-style"
     skill.mkdir(parents=True)
@@ -317,6 +319,10 @@ def test_an_unknown_skill_or_subagent_is_refused_at_submit(opencode, tmp_path):
     assert "house-style" in refused.stderr and task_store.counts()["pending"] == 0
     agent = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--subagent", "ghost")
     assert agent.returncode == 2 and "sub-agent 'ghost'" in agent.stderr and "explore" in agent.stderr
+    assert "'--subagent'" in agent.stderr and "'--skill'" in refused.stderr
+    primary = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--agent", "nosuchagent")
+    assert primary.returncode == 2 and "agent 'nosuchagent' is not offered" in primary.stderr, primary.stderr
+    assert "'--agent'" in primary.stderr and "build" in primary.stderr and task_store.counts()["pending"] == 0
     queued = run_script("tasks_cli.py", "submit", "styled", "--dir", str(repo), "--skill", "house-style",
                         "--subagent", "explore", "--json")
     assert queued.returncode == 0, queued.stderr
@@ -334,3 +340,11 @@ def test_an_unknown_skill_or_subagent_is_refused_at_submit(opencode, tmp_path):
                                                             "skills": ["no-such-skill"]})
 
     assert "'no-such-skill' is not offered" in anyio.run(over_mcp)
+
+    async def agent_over_mcp() -> str:
+        async with Client(bridge.build_server()) as client:
+            return await tool_error(client, "submit_task", {"title": "t", "instructions": "x", "working_dir": str(repo),
+                                                            "agent": "nosuchagent"})
+
+    assert "agent 'nosuchagent' is not offered" in anyio.run(agent_over_mcp)
+    assert task_store.counts()["pending"] == 1   # the one queued above

@@ -347,7 +347,8 @@ def extremes(root: Path) -> dict[str, Any]:
 
 
 def many_models(count: int = 250) -> dict[str, Any]:
-    """A provider whose catalogue has `count` models with long names (OpenCode's own config)."""
+    """A provider whose catalogue has `count` models with long names (OpenCode's own config), and
+    an agent of the longest name."""
     models = {
         f"model-{i:03d}-{'x' * 80}": {
             "name": f"Model {i} " + "y" * 80,
@@ -356,7 +357,8 @@ def many_models(count: int = 250) -> dict[str, Any]:
         }
         for i in range(count)
     }
-    return {"provider": {"fake": {"models": models}}}
+    # and an agent of the longest name submit_task takes (an unknown agent is refused at submit)
+    return {"provider": {"fake": {"models": models}}, "agent": {"a" * 64: {"mode": "primary"}}}
 
 
 def bridge_calls(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
