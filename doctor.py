@@ -62,14 +62,19 @@ def run_checks(live: bool = False) -> list[Check]:
     checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode, check_engine,
                                          lambda: check_model(live), check_database, check_worker,
                                          check_leftover_worktrees, check_token, check_server, check_reverse_bridge]
-    results = []
-    for check in checks:
-        try:
-            results.append(check())
-        except Exception as exc:  # noqa: BLE001 - the doctor must report, not crash
-            name = getattr(check, "__name__", "check").removeprefix("check_").replace("<lambda>", "default model")
-            results.append(Check(name, "fail", f"the check itself failed: {exc!r}"))
-    return results
+    return [run_check(check) for check in checks]
+
+
+def run_check(check: Callable[[], Check]) -> Check:
+    """One check's line; one that breaks is a fail: a bad setting it reads said in that setting's
+    words (the settings line says it too), anything else naming the error."""
+    name = getattr(check, "__name__", "check").removeprefix("check_").replace("<lambda>", "default model")
+    try:
+        return check()
+    except knobs.KnobError as exc:
+        return Check(name, "fail", str(exc), "fix or unset the knob named")
+    except Exception as exc:  # noqa: BLE001 - the doctor must report, not crash
+        return Check(name, "fail", f"the check itself failed: {exc!r}")
 
 
 def check_python() -> Check:

@@ -176,3 +176,14 @@ def test_the_agent_box_line_warns_when_ripgrep_is_not_on_path(monkeypatch):
     found = doctor_module.check_box()
     assert found.status == "warn" and "ripgrep (rg) is not on PATH" in found.detail
     assert "install ripgrep" in found.fix
+
+
+def test_a_bad_knob_a_check_reads_is_said_in_its_words_not_as_a_crash(monkeypatch):
+    """A fresh user's finding: WORKER_ENGINE=2 made the engine line print a raw KnobError("…")
+    as "the check itself failed"; every check that meets a bad setting now names it plainly."""
+    import doctor as doctor_module
+    monkeypatch.setenv("WORKER_ENGINE", "2")
+    found = doctor_module.run_check(doctor_module.check_engine)
+    assert found.name == "engine" and found.status == "fail"
+    assert found.detail.startswith("WORKER_ENGINE='2' is not 0 or 1")
+    assert "KnobError" not in found.detail and "the check itself failed" not in found.detail
