@@ -404,7 +404,8 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     """OpenCode runs what it keeps in its cache (``bin/rg`` when ripgrep is not on PATH, language
     servers, npm plugins): a boxed run gets a cache and a state folder of TaskBridge's
     (agent_box.box_home), so nothing it leaves there reaches your own, unboxed `opencode`; the
-    folders you use stay read-only to it, and OpenCode inside the box still writes its own."""
+    folders you use stay read-only to it, and OpenCode inside the box still writes its own (but
+    for the box cache's bin/, read-only: test_no_run_plants_a_program_opencode_runs_from_its_cache)."""
     repo = make_repo(tmp_path / "repo")
     yours = {name: Path(opencode.env[f"XDG_{name.upper()}_HOME"]) / "opencode" for name in ("cache", "state")}
     for folder in yours.values():
@@ -412,7 +413,8 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     plant = "printf '#!/bin/sh\\ntouch /tmp/pwned\\n' >"
     opencode.model.script("plant", [
         bash(f"{plant} {yours['cache']}/bin/rg; echo yours-cache-$?; {plant} {yours['state']}/bin/x; "
-             f"echo yours-state-$?; {plant} \"$XDG_CACHE_HOME/opencode/bin/rg\"; echo box-cache-$?; "
+             f"echo yours-state-$?; {plant} \"$XDG_CACHE_HOME/opencode/bin/rg\"; echo box-bin-$?; "
+             f"{plant} \"$XDG_CACHE_HOME/opencode/x\"; echo box-cache-$?; "
              f"{plant} \"$XDG_STATE_HOME/opencode/x\"; echo box-state-$?"),
         text("Planted.\n" + DONE),
     ])
@@ -420,9 +422,11 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     done, seen = run_to_done(task)
     assert "yours-cache-1" in seen and "yours-state-1" in seen, seen   # read-only to the run
     assert "box-cache-0" in seen and "box-state-0" in seen, seen       # OpenCode's own still works
+    assert "box-bin-1" in seen, seen   # but for the programs it runs itself (agent_box.tools_folder)
     assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
     box = Path(agent_box.box_home())
-    assert (box / "cache" / "opencode" / "bin" / "rg").is_file() and (box / "state" / "opencode" / "x").is_file()
+    assert (box / "cache" / "opencode" / "x").is_file() and (box / "state" / "opencode" / "x").is_file()
+    assert not (box / "cache" / "opencode" / "bin" / "rg").exists()
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
 
