@@ -20,11 +20,13 @@ SLOW_MARKERS = ("real_opencode", "real_claude", "browser", "postgres", "install"
 # The [warm] variants that do not pass yet. Until the worker_engine fix below, every [warm] test
 # of a BOTH_ENGINES module ran on the cold engine; run warm at last, these fail (two parallel runs
 # on the 2-core machine, 2026-12-06; some pass alone) and are issue 21's open work: each is run
-# and reported as an expected failure (False: not run, since it hangs until its time limit).
+# and reported as an expected failure (False: not run: it hangs until its time limit, or breaks
+# what the tests after it share).
 WARM_NOT_YET = {
-    "test_db_outage.py::test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart": True,
-    "test_db_outage.py::test_a_one_pass_worker_lets_its_task_finish_through_an_outage_and_exits_1_in_one_line": True,
-    "test_db_outage.py::test_a_watch_worker_stops_at_once_while_another_program_holds_the_queue": True,
+    # not run: failing warm, they left the module's PostgreSQL server broken for the tests after them
+    "test_db_outage.py::test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart": False,
+    "test_db_outage.py::test_a_one_pass_worker_lets_its_task_finish_through_an_outage_and_exits_1_in_one_line": False,
+    "test_db_outage.py::test_a_watch_worker_stops_at_once_while_another_program_holds_the_queue": False,
     # a 24 MB disk: the kept server and its parked worktree fill it first (180 s to its time limit)
     "test_disk_faults.py::test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns": False,
     "test_disk_faults.py::test_a_worker_killed_after_its_commit_is_finished_from_the_commit_not_rerun": True,
