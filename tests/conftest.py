@@ -34,6 +34,9 @@ WARM_NOT_YET = {
     "test_models.py::test_a_model_removed_after_submit_fails_once_naming_it": True,
     "test_reverse_bridge_box.py::test_a_worker_run_goes_on_without_a_bridge_that_cannot_start": True,
     "test_worker_faults.py::test_background_process_killed_after_timeout": True,
+    # its premise does not hold warm (the bash tool's git has an index of its own there, so the
+    # agent's index.lock does not stop TaskBridge's commit): the test needs another way to fail it
+    "test_git_setup.py::test_a_failed_commit_after_a_successful_run_never_reruns_the_agent": True,
     # a hanging git filter: the kept server's park of the worktree (git worktree add) hangs before
     # the claim, outside the task's timeout, and holds what the claimed task's workspace waits for
     "test_git_setup.py::test_a_hanging_git_step_is_ended_with_its_tree_and_named": False,
