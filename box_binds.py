@@ -66,11 +66,11 @@ def pinned(argv: list[str]) -> list[str]:
         if option in BINDS and at + 2 < len(out):
             out[at:at + 2] = [BINDS[option], str(pin(out[at + 1]))]
         elif option == "--ro-bind-try" and at + 2 < len(out):
-            if not os.path.isdir(out[at + 1]) or os.path.islink(out[at + 1]):
+            if os.path.isfile(out[at + 1]) and not os.path.islink(out[at + 1]):
                 # A file is shown again by its path: one its owner replaces by a rename (an app
                 # saving its state) while bubblewrap starts would leave a held handle pointing at
                 # nothing, and the box would not start; by path it shows what is there then, or
-                # nothing. (A link is made again as a link, never bound: agent_box._shown_again.)
+                # nothing. A link (one put where a listed entry was) is pinned below, and left out.
                 at += 3
                 continue
             try:

@@ -290,10 +290,13 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
     SIGTERM, ``grace`` seconds, SIGKILL), parked worktrees no task took and the folders under
     ``root`` (``<worktree root>/engine``) that are then empty (one holding a task's worktree
     stays), and run folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is
-    held: no server of this queue's is running then."""
+    held: no server of this queue's is running then. Without ``root`` (no kept server was made
+    since the last sweep, or none ever) there is nothing to look for: no process is scanned."""
+    if not root.is_dir():
+        return
     process_tree.kill_tree(None, grace, lambda: process_tree.processes_where(
         lambda env: env.get(oc.QUEUE_ENV) == queue and env.get(oc.MARKER_ENV, "").startswith(MARKER_PREFIX)))
-    with contextlib.suppress(OSError):   # no engine folder yet
+    with contextlib.suppress(OSError):
         for folder in root.iterdir():
             for inside in list(folder.iterdir()) if folder.is_dir() else []:
                 worktrees.drop_parked(inside)   # a task's worktree (on its branch) stays

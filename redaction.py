@@ -8,11 +8,12 @@ MCP tools and the CLI show of them never carry one.
 The secrets: the HTTP bearer token (``MCP_BEARER_TOKEN`` and the token file), the OAuth store's
 client secrets (``oauth.json`` beside the token file; its access and refresh tokens are signed,
 never stored), the reverse bridge's ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``, the queue
-database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the URL's ``passfile``,
-``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model providers' keys the worker's OpenCode
-may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables, ``apiKey`` in its config, its ``auth.json``).
-Values shorter than MIN_SECRET_CHARS are not matched (they would hit ordinary words). Each value
-is matched as written and in its JSON-escaped form (the task log is OpenCode's JSON event stream).
+database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the URL's
+``passfile``, ``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model
+providers' keys the worker's OpenCode may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables,
+``apiKey`` in its config, its ``auth.json``). Values shorter than MIN_SECRET_CHARS are not
+matched (they would hit ordinary words). Each value is matched as written and in its
+JSON-escaped form (the task log is OpenCode's JSON event stream).
 
 Cost: files are re-read only when their (inode, mtime, size) changes; the matcher is one
 precompiled alternation (longest value first), one pass over a text that holds no secret.

@@ -169,6 +169,7 @@ NOTE_MAX = 20_000
 ANSWER_MAX = 50_000
 RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
+AGENT_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]{0,63}")   # an OpenCode agent's name, as a task may give it
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range
 TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d{1,30})\s*$", re.IGNORECASE)
 
@@ -2816,7 +2817,6 @@ def literal_pattern(subject: str) -> str:
 
 # The whole answer, a full stop at most after it: "allow twice" or "allow? no - deny always" is no
 # decision to guess at (its first word decided it once).
-AGENT_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]{0,63}")   # an OpenCode agent's name, as a task may give it
 PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\s*\.?\s*$", re.IGNORECASE)
 
 

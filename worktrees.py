@@ -1860,7 +1860,8 @@ def remove_worktree_at(path: str) -> str | None:
     if not os.path.lexists(path):
         return None
     if os.path.islink(path):   # a run put a link where its folder was (FolderReplaced): the link goes, never its target
-        if not _inside(os.path.join(os.path.realpath(os.path.dirname(path)), "x"), worktree_root()):
+        parent = os.path.realpath(os.path.dirname(path))
+        if parent != os.path.realpath(worktree_root()) and not _inside(parent, worktree_root()):
             return f"{path}: a link, not under {worktree_root()}; left in place"
         os.unlink(path)
         drop_engine_folder(Path(path).parent, whole=True)

@@ -1098,3 +1098,15 @@ def test_an_in_place_repositorys_hooks_kept_in_its_tree_are_read_only_to_the_run
     assert not plan.lets_write(f"{repo}/.husky/_/pre-commit") and plan.lets_write(f"{repo}/.husky/other")
     git(repo, "config", "core.hooksPath", str(tmp_path / "elsewhere"))
     assert agent_box.hooks_in_tree(str(repo)) == []
+
+
+def test_a_link_put_where_a_shown_entry_was_is_left_out_not_followed(tmp_path):
+    """Files shown again in an emptied folder are bound by path (box_binds.py); a link put where
+    a listed entry was is pinned like a folder, found to lead elsewhere, and left out."""
+    secret, entry, plain = tmp_path / "secret", tmp_path / "entry", tmp_path / "plain"
+    secret.write_text("hidden\n")
+    plain.write_text("shown\n")
+    entry.symlink_to(secret)
+    argv = box_binds.pinned(["bwrap", "--ro-bind-try", str(entry), str(entry),
+                             "--ro-bind-try", str(plain), str(plain), "--", "true"])
+    assert str(entry) not in argv and argv[1:4] == ["--ro-bind-try", str(plain), str(plain)], argv

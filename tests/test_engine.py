@@ -449,6 +449,9 @@ def test_a_pass_start_ends_what_a_killed_workers_unboxed_servers_left_running(tm
     other_queue = started("another-queue", engine_slots.new_marker("slot_0"))
     try:
         until(lambda: all(psutil.Process(p.pid).environ() for p in (ours, doctor_check, other_queue)), 5)
+        engine_slots.sweep(tmp_path / "engine", tmp_path, task_store.queue_tag(), grace=1)   # none made yet
+        assert ours.poll() is None
+        (tmp_path / "engine").mkdir()   # a kept server's folder, left by the killed worker
         engine_slots.sweep(tmp_path / "engine", tmp_path, task_store.queue_tag(), grace=1)
         assert ours.wait(5) is not None
         assert doctor_check.poll() is None and other_queue.poll() is None
