@@ -281,9 +281,11 @@ def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(ope
     with pytest.raises(task_store.ValidationError, match="allow once, allow always"):
         task_store.answer_task(task["id"], "sure, go ahead")
     task_store.answer_task(task["id"], decision)
-    assert run_script("worker.py").returncode == 0
+    second = run_script("worker.py", "-v")
+    assert second.returncode == 0, second.stdout + second.stderr
     done = task_store.get_task(task["id"])
-    assert done["status"] == "done", done["error"]
+    assert done["status"] == "done", (done["error"], second.stdout + second.stderr,
+                                      task_store.log_path(task["id"]).read_text(errors="replace")[-4000:])
     assert done["session_id"] == waiting["session_id"], "the same session resumed"
     resumed = opencode.model.step_requests("push")[1]
     said = _body(resumed)
