@@ -42,6 +42,7 @@ import worktrees
 # agent can do: the folder (each session names its own), and the run marker (the server carries
 # its slot's; the client it is driven by carries the task's).
 PER_TASK = (oc.MARKER_ENV, "PWD")
+PARK_END_SEC = 5.0   # how long a wait called off gives a park's git step to end, to name it
 
 
 def fit_key(env: dict[str, str]) -> dict[str, str]:
@@ -74,7 +75,8 @@ class Kept:
         self.parked: Path | None = None   # where the task's worktree is parked (``warm``), until a task has it
         self.warmed = False               # the parked worktree was opened (engine.Engine.warm_up)
         self.problem: str | None = None   # one line: why the server did not start
-        self.recycled = False
+        self.warm_problem: str | None = None   # one line: why the worktree was not parked or opened ahead
+        self.recycled: str | None = None   # why it was recycled (ends a park in progress: ``_start``)
         self.served = False               # the server answered (``started`` is set once warm is done too)
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._start, name=f"engine-{folder.name}", daemon=True)
@@ -101,9 +103,13 @@ class Kept:
             self.served = True
             if self.warm is not None:
                 try:
-                    self.warm(self)   # parks the task's worktree and opens it (engine.Engine.warm_up)
-                except (worktrees.GitError, engine.EngineRefused, OSError):
-                    pass   # the task's worktree is then made after the claim, its first prompt slower
+                    # Parks the task's worktree and opens it (engine.Engine.warm_up); a recycle
+                    # meanwhile ends a git step of it at once (it holds worktrees' lock).
+                    with worktrees.watched(lambda: self.recycled):
+                        self.warm(self)
+                except (worktrees.GitError, engine.EngineRefused, OSError) as exc:
+                    # the task's worktree is then made after the claim, its first prompt slower
+                    self.warm_problem = f"preparing the workspace ahead on its kept server: {exc}"
                 finally:
                     if self.recycled and self.parked is not None:   # recycled while it parked: not left behind
                         worktrees.drop_parked(self.parked)
@@ -138,14 +144,14 @@ class Kept:
         except process_tree.GONE:
             return True   # gone: nothing left to name
 
-    def recycle(self, grace: float) -> list[dict[str, Any]]:
+    def recycle(self, grace: float, reason: str = "its server was recycled") -> list[dict[str, Any]]:
         """Stop the server and everything it started (SIGTERM, ``grace`` seconds, SIGKILL; then a
-        sweep by its tag) and drop its run folder; returns what was still running besides the
-        server and its box, ``[{"pid", "command", "ports"}]`` (the agent's leftovers, for the receipt);
-        [] when it was recycled already."""
+        sweep by its tag) and drop its run folder; a park in progress is ended with ``reason``.
+        Returns what was still running besides the server and its box, ``[{"pid", "command",
+        "ports"}]`` (the agent's leftovers, for the receipt); [] when it was recycled already."""
         if self.recycled:
             return []
-        self.recycled = True
+        self.recycled = reason
         left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -177,12 +183,14 @@ class Slots:
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
 
     def take(self, slot: str, wait: float, shape: Any,
-             stopping: Callable[[], bool]) -> tuple[Kept | None, str | None, bool]:
+             stopping: Callable[[], str | None]) -> tuple[Kept | None, str | None, bool]:
         """(the slot's server for the task in hand, None, False): removed from the slot (one task
         per server) when it was made for a task of this ``shape`` and answers within ``wait``
-        seconds, looked at every 0.2 s until ``stopping()`` (a stop, a cancel; not asked again once
-        true). Else (None, why not in one line or None when the slot has none, whether the server
-        failed), the server recycled at once."""
+        seconds, looked at every 0.2 s until ``stopping()`` gives a reason (a stop, a cancel, the
+        timeout; not asked again then). Else (None, why not in one line or None when the slot has
+        none, whether the server failed), the server recycled at once. A wait called off ends a park
+        of the task's worktree in progress (its git step, with the reason) and why is the reason,
+        or the park's failure that names its step and the reason."""
         with self.lock:
             kept = self.kept.pop(slot, None)
         if kept is None:
@@ -190,18 +198,21 @@ class Slots:
         if kept.shape != shape:
             kept.recycle(0)
             return None, "it was made for another kind of task (repository, model, preset, agent, limits)", False
-        deadline, stopped = time.monotonic() + wait, False
+        deadline, stopped = time.monotonic() + wait, None
         while not kept.started.wait(0.2) and time.monotonic() < deadline and not (stopped := stopping()):
             pass
         if kept.ready(0):
             return kept, None, False
-        failed = not stopped
-        why = kept.problem or ("its wait was called off (a stop, a cancel or the timeout)" if not failed else
+        if stopped:
+            kept.recycle(0, stopped)
+            kept.started.wait(PARK_END_SEC)   # a park's git step is ended with its tree within ~2 s
+            return None, kept.warm_problem or stopped, False
+        why = kept.problem or (
                                "opencode serve exited after its start" if not kept.engine.alive() else
                                f"opening its worktree ahead took over {wait:g} s" if kept.served else
                                f"opencode serve did not answer within {wait:g} s")
         kept.recycle(0)
-        return None, why, failed
+        return None, why, True
 
     def has(self, slot: str) -> bool:
         """Whether ``slot`` has a server (started, starting, or failed and not yet taken)."""

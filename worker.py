@@ -1694,7 +1694,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         current().talk.runs(task, model)
         kept, called_off = _take_engine(task, resume, model, phases)
         if called_off:
-            return _stopped_early(task, phases, f"while it waited for its kept server: {called_off}")
+            return _stopped_early(task, phases, called_off)
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
             if kept is not None and ws is not None:
@@ -2029,7 +2029,8 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
     """(the slot's kept server for ``task``, None) when the engine is on, the task is eligible and
     the server was made for a task like it (else it is recycled and the task runs cold at once).
     The wait for a server still starting keeps the lease and ends at a stop; at a cancel, a reap,
-    the timeout or a stop-now (``phases``) it ends too and returns (None, why): the attempt ends."""
+    the timeout or a stop-now (``phases``) it ends too and returns (None, the attempt's ending:
+    the reason, or the failure of the worktree's park it ended, naming its git step)."""
     slots = current().engines
     if slots is None or not _engine_eligible(task, resume):
         return None, None
@@ -2039,19 +2040,23 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
         repo = None   # the workspace's own step says what is wrong with the folder
     called_off: list[str] = []
 
-    def stopping() -> bool:
+    def stopping() -> str | None:
         if not called_off and (reason := phases.check()):
             called_off.append(reason)
-        return bool(called_off) or current().flags.stopping
+        if called_off:
+            return called_off[0]
+        return "the worker is stopping" if current().flags.stopping else None
 
     kept, why, failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
     if kept is not None and called_off:   # ready as the attempt ended: not used
         kept.recycle(0)
-        kept, why, failed = None, "its wait was called off (a stop, a cancel or the timeout)", False
+        kept, why, failed = None, called_off[0], False
     if kept is None:
         log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'})"
             + ("" if called_off else "; runs cold"), talk.NORMAL if failed else talk.VERBOSE)
-    return kept, (called_off[0] if called_off else None)
+    if not called_off:
+        return kept, None
+    return kept, (why if why != called_off[0] else f"while it waited for its kept server: {why}")
 
 
 def _engine_learns(task: dict[str, Any], ws: Workspace, model: str, setup: RunSetup) -> None:

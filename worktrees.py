@@ -132,6 +132,24 @@ def watched(check: Callable[[], str | None] | None) -> Iterator[None]:
         _watch.check = previous
 
 
+@contextlib.contextmanager
+def _admin() -> Iterator[None]:
+    """Hold ``_ADMIN`` (this process's lock on its worktree bookkeeping). The wait for it asks the
+    thread's watcher about five times a second, as a git command does: a task waiting behind
+    another thread's hung git step (a kept server's park, another slot's) ends at its timeout, a
+    cancel or a stop with GitStopped, and its lease stays renewed meanwhile."""
+    watcher = getattr(_watch, "check", None)
+    while not _ADMIN.acquire(timeout=0.2):
+        reason = watcher() if watcher else None
+        if reason:
+            raise GitStopped(f"the wait for another git step of this worker's to finish was ended: {reason}",
+                             reason)
+    try:
+        yield
+    finally:
+        _ADMIN.release()
+
+
 def git(args: list[str], cwd: str | Path, *, check: bool = True, env: dict | None = None,
         strip: bool = True, config: tuple[str, ...] = (), input: bytes | None = None,
         stderr_to: list[str] | None = None) -> str:
@@ -651,7 +669,7 @@ def _continued_workspace(task: dict[str, Any], top: str, sub: str, resume: bool 
     line_base = task.get("line_base") or parent.get("line_base") or parent.get("base_commit") or base
     how = f"the head of {parent['id']}'s branch {branch} (follow-up)"
     check_path_fits(path, top, tip)
-    with _ADMIN:
+    with _admin():
         git(["worktree", "prune"], top, check=False)
         clear_unfinished_add(top, path, task, replacing=False)   # a half-made folder is never reused
         reused = _is_registered(top, path)
@@ -696,7 +714,7 @@ def drop_empty_branch(ws: Workspace) -> bool:
             or not ws.base_commit:
         return False
     ref = f"refs/heads/{ws.branch}"
-    with _ADMIN:
+    with _admin():
         if _branch_tip(ws.repo, ws.branch) != ws.base_commit:
             return False
         if f"branch {ref}" in git(["worktree", "list", "--porcelain"], ws.repo, check=False).splitlines():
@@ -851,7 +869,7 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
     first: a registered worktree whose folder is gone, a folder nobody registered, a branch
     checked out at a vanished path."""
     check_path_fits(path, repo, base)   # before anything looks at the path: the system refuses it whole
-    with _ADMIN:
+    with _admin():
         git(["worktree", "prune"], repo, check=False)
         unfinished = clear_unfinished_add(repo, path, task)
         in_the_way = _is_registered(repo, path)
@@ -1118,7 +1136,7 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
     but never one that holds a commit the remote does not have (a push that failed): that is the
     only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it."""
     check_path_fits(path, mirror, base)
-    with _ADMIN:
+    with _admin():
         git(["worktree", "prune"], mirror, check=False)
         clear_unfinished_add(mirror, path, task)
         if _is_registered(mirror, path):
@@ -1303,7 +1321,7 @@ def _remove_tree(path: str, repo: str | None) -> str | None:
     then git's bookkeeping. Never touches a main checkout (a folder with a ``.git`` folder)."""
     if os.path.isdir(os.path.join(path, ".git")):
         return f"{path} is a repository's main checkout, not a task worktree; left in place"
-    with _ADMIN:
+    with _admin():
         if repo:
             git(["worktree", "remove", "--force", "--force", path], repo, check=False)
         problems = _force_rmtree(path) if os.path.lexists(path) else []
@@ -1330,7 +1348,7 @@ def park_worktree(top: str, folder: Path) -> Path:
     before its task exists. The task claimed then takes it over with only a new branch
     (``_take_parked``); one no task took is removed by ``drop_parked``. Raises GitError."""
     path = parked_path(folder, top)
-    with _ADMIN:
+    with _admin():
         git(["worktree", "add", "-q", "--lock", "--reason", PARKED, "--detach", str(path), "HEAD"], top)
     return path
 
@@ -1356,7 +1374,7 @@ def _parked_at(path: Path, base: str) -> bool:
 def _take_parked(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
     """The parked worktree at ``path`` (already at ``base``) made the task's: unlocked, and only
     its branch is new (returned); no file changes, so what the kept server loaded stays true."""
-    with _ADMIN:
+    with _admin():
         git(["worktree", "unlock", str(path)], repo)
         return _on_free_branch(repo, task, base,
                                lambda branch, new: git(["switch", "-q", "-c" if new else "-C", branch], path))
@@ -1365,7 +1383,7 @@ def _take_parked(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
 def drop_parked(path: Path) -> None:
     """Remove the worktree at ``path`` and its registration when it is a parked one no task took
     (``_is_parked``); any other worktree is left as it is."""
-    with _ADMIN:   # waits for a park in progress (the kept server's thread)
+    with _admin():   # waits for a park in progress (the kept server's thread)
         if not _is_parked(path):
             return
         common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], path, check=False)

@@ -41,11 +41,6 @@ WARM_NOT_YET = {
     # its premise does not hold warm (the bash tool's git has an index of its own there, so the
     # agent's index.lock does not stop TaskBridge's commit): the test needs another way to fail it
     "test_git_setup.py::test_a_failed_commit_after_a_successful_run_never_reruns_the_agent": True,
-    # a hanging git filter: the kept server's park of the worktree (git worktree add) hangs before
-    # the claim, outside the task's timeout, and holds what the claimed task's workspace waits for
-    "test_git_setup.py::test_a_hanging_git_step_is_ended_with_its_tree_and_named": False,
-    "test_worker_phases.py::test_a_hung_workspace_preparation_honours_the_task_timeout": False,
-    "test_worker_phases.py::test_a_hung_workspace_preparation_under_a_locked_queue_still_ends_at_the_timeout": False,
 }
 
 

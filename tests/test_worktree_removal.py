@@ -5,6 +5,7 @@ forget a path it could not delete. CI runs as root: the worker and the CLI are r
 dedicated non-root user (created when missing); not root, they run as the current user."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -12,6 +13,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -262,3 +265,54 @@ def test_only_a_parked_worktree_no_task_took_is_dropped(tmp_path):
     for kept in (taken, users):
         assert kept.is_dir() and str(kept) in listed, kept
     assert (users / "my-notes.txt").read_text() == "precious\n"
+
+
+def test_a_wait_behind_another_threads_hung_git_step_ends_at_the_watchers_reason(tmp_path):
+    """A kept server's park (``git worktree add``) hung in a filter holds worktrees' lock; a task
+    whose workspace step waits for that lock ends at its own timeout with GitStopped naming the
+    reason (it waited without end), and the lease is renewed meanwhile (the watcher is asked)."""
+    repo = make_repo(tmp_path / "repo", {".gitattributes": "*.slow filter=slow\n", "data.slow": "x\n"})
+    git(repo, "config", "filter.slow.smudge", "sleep 60")
+    folder = worktrees.worktree_root() / "engine" / "slot_0-hung"
+    started = threading.Event()
+
+    def park() -> None:   # the kept server's start thread; its recycle ends the hung step
+        with worktrees.watched(lambda: "its server was recycled" if recycled.is_set() else None):
+            started.set()
+            with contextlib.suppress(worktrees.GitError):
+                worktrees.park_worktree(str(repo), folder)
+
+    recycled = threading.Event()
+    parker = threading.Thread(target=park, daemon=True)
+    parker.start()
+    started.wait(5)
+    time.sleep(0.5)   # the park's git is under way, the lock held
+    asked: list[float] = []
+    deadline = time.monotonic() + 1.0
+
+    def check() -> str | None:
+        asked.append(time.monotonic())
+        return "timed out after 1 s" if time.monotonic() > deadline else None
+
+    outcome: list[BaseException | None] = []
+
+    def wait_for_lock() -> None:
+        try:
+            with worktrees.watched(check):
+                worktrees.drop_parked(worktrees.parked_path(folder, str(repo)))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait_for_lock, daemon=True)
+    try:
+        waiter.start()
+        waiter.join(10)
+        assert outcome, "the wait for the lock went on past the watcher's reason"
+        assert isinstance(outcome[0], worktrees.GitStopped) and outcome[0].reason == "timed out after 1 s"
+        assert "timed out after 1 s" in str(outcome[0])
+        assert len(asked) >= 3, "the watcher (the lease's renewal) was asked while it waited"
+    finally:
+        recycled.set()
+        parker.join(10)
+    assert not parker.is_alive(), "the recycle ended the hung park"
