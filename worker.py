@@ -1970,16 +1970,20 @@ class RunFiles:
     rules: str | None
 
 
-def _run_files(task: dict, env: dict[str, str], model: str, control: Path) -> RunFiles:
+def _run_files(task: dict, env: dict[str, str], model: str, control: Path, quiet: bool = False) -> RunFiles:
     """``env`` (the run's, from _box_and_env) with the plugins and the reverse bridge a run of
-    ``task`` on ``model`` gets, their files in ``control`` (the rules file written). Raises
-    oc.ConfigProblem."""
+    ``task`` on ``model`` gets, their files in ``control`` (the rules file written). A reverse
+    bridge that cannot start is said under the task's id, unless ``quiet`` (a kept server made
+    for a task like it: the run itself says it). Raises oc.ConfigProblem."""
     gate = str(control / "gate") if spend_limited(task) else None
     if gate:
         env = oc.with_spend_gate(env, gate)
     notes = str(control / "notes")
     env = oc.with_notes_courier(env, notes)
-    env = reverse_bridge.reverse_bridge_env(env, model, say=lambda line: log(f"{task['id']}: {line}"))
+    def say(line: str) -> None:
+        log(f"{task['id']}: {line}")
+
+    env = reverse_bridge.reverse_bridge_env(env, model, say=None if quiet else say)
     retry = str(control / "retry")
     env = oc.with_retry_watch(env, retry)
     rules = write_rules_file(task, control)
@@ -2171,7 +2175,7 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo)
     try:
         box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
-        files = _run_files(like, env, prediction.model, run_dir / "control")
+        files = _run_files(like, env, prediction.model, run_dir / "control", quiet=True)
         plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
     except BaseException:   # no server: its folders go at once, not at the next pass's sweep
         shutil.rmtree(run_dir, ignore_errors=True)
