@@ -23,10 +23,6 @@ SLOW_MARKERS = ("real_opencode", "real_claude", "browser", "postgres", "install"
 # and reported as an expected failure (False: not run: it hangs until its time limit, or breaks
 # what the tests after it share).
 WARM_NOT_YET = {
-    # not run: failing warm, they left the module's PostgreSQL server broken for the tests after them
-    "test_db_outage.py::test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart": False,
-    "test_db_outage.py::test_a_one_pass_worker_lets_its_task_finish_through_an_outage_and_exits_1_in_one_line": False,
-    "test_db_outage.py::test_a_watch_worker_stops_at_once_while_another_program_holds_the_queue": False,
     # a 24 MB disk: the kept server and its parked worktree fill it first (180 s to its time limit)
     "test_disk_faults.py::test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns": False,
     # once in CI (stop 39, [warm-allow once]) the cold resume after a warm ask asked again, as if

@@ -120,6 +120,12 @@ class PgServer:
         if not _wait_ready(self):
             raise RuntimeError(f"postgres did not start again: {(self.folder / 'postgres.log').read_text()[-2000:]}")
 
+    def ensure_up(self) -> None:
+        """``start`` a server a test left halted (it failed between its ``halt`` and ``start``),
+        so that the tests after it find one."""
+        if self.proc.poll() is not None:
+            self.start()
+
     def restart(self, down_sec: float) -> None:
         """``halt``, ``down_sec`` seconds with no server, ``start``."""
         self.halt()
@@ -251,6 +257,7 @@ def pg_url(pg_server: PgServer) -> Iterator[str]:
         store = sys.modules.get("task_store")
         if store is not None:
             store.close_connections()   # the kept connections to it end before the drop
+        pg_server.ensure_up()
         pg_server.drop_database(name)
 
 

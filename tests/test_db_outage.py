@@ -58,6 +58,12 @@ def runs_command(pid: int, needle: str) -> bool:
     return False
 
 
+def running(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
+
+
 def settle(task_id: str, seconds: float, proc: subprocess.Popen, out: Path) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     while True:
@@ -96,7 +102,7 @@ def test_a_running_task_and_an_idle_watch_worker_ride_out_a_postgresql_restart(o
         # The agent's step goes on while the server is down, and the agent finishes before it is
         # back: its lease renewals, its log's last ship and its result wait for the database.
         pg_server.halt()
-        while proc.poll() is None and runs_command(proc.pid, "opencode"):
+        while proc.poll() is None and running(agent):   # the run's process (warm: its engine client)
             time.sleep(0.2)
         assert time.monotonic() < deadline + 30
         time.sleep(2)
