@@ -23,8 +23,6 @@ SLOW_MARKERS = ("real_opencode", "real_claude", "browser", "postgres", "install"
 # and reported as an expected failure (False: not run: it hangs until its time limit, or breaks
 # what the tests after it share).
 WARM_NOT_YET = {
-    # a 24 MB disk: the kept server and its parked worktree fill it first (180 s to its time limit)
-    "test_disk_faults.py::test_a_full_disk_at_the_final_write_holds_the_result_until_space_returns": False,
     # once in CI (stop 39, [warm-allow once]) the cold resume after a warm ask asked again, as if
     # the session had lost the held call; not seen in nine runs here, loaded or not: the test now
     # prints the second pass's verbose lines and the task log when it fails
