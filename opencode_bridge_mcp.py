@@ -629,7 +629,7 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
     ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
-    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again returns the first task instead of a new one")] = None,
+    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again with the same title, instructions and working_dir returns the first task instead of a new one; with others it is refused")] = None,
     max_cost_usd: Annotated[float | None, spec.USD.field("USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
     max_tokens: Annotated[int | None, spec.TOKENS.field("tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,

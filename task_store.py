@@ -1843,6 +1843,22 @@ def _existing_by_key(conn: Connection, key: str | None) -> Row | None:
     return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
 
 
+KEYED_FIELDS = ("title", "instructions", "working_dir")   # what a repeated idempotency key must repeat
+
+
+def _same_request(spec: dict, existing: Row) -> None:
+    """Refuse a repeated idempotency key that comes with another task (as payment APIs refuse a
+    key reused with other parameters): returning the first task would drop this one unseen.
+    Raises ValidationError naming the fields that differ."""
+    differ = [name for name in KEYED_FIELDS if spec[name] != existing[name]]
+    if differ:
+        verb = "differ" if len(differ) > 1 or differ == ["instructions"] else "differs"
+        raise ValidationError(
+            f"idempotency_key {spec['idempotency_key']!r} was already used by {format_task_id(existing['id'])} "
+            f"({existing['title']!r}), whose {' and '.join(differ)} {verb}; nothing was queued. A repeated key "
+            "must come with the same title, instructions and working_dir: give this task a new key")
+
+
 def _resolve_deps(conn: Connection, spec: dict, refs: dict[str, int]) -> list[int]:
     resolved = []
     for dep in spec["depends_on"]:
@@ -1917,8 +1933,10 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
     earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
-    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one.
-    Raises ValidationError (bad field, unknown dependency, cycle, batch size); nothing is written then.
+    ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one;
+    it must come with the same title, instructions and working_dir (KEYED_FIELDS).
+    Raises ValidationError (bad field, unknown dependency, cycle, batch size, a key reused for
+    another task); nothing is written then.
     """
     specs = _batch_specs(tasks)
     if len(specs) == 1 and _dialect() is POSTGRESQL and _plain(specs[0]):
@@ -1933,6 +1951,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             spec = specs[index]
             existing = _existing_by_key(conn, spec["idempotency_key"])
             if existing is not None:
+                _same_request(spec, existing)
                 out[index] = (existing, _deps(conn, existing["id"]), True)
                 if spec["ref"]:
                     ref_ids[spec["ref"]] = existing["id"]

@@ -989,7 +989,9 @@ def cli() -> None:
 @click.option("--keep-worktree", is_flag=True,
               help="Keep the worktree after a successful run (the branch always stays).")
 @click.option("--agent", help="OpenCode agent name (for example build or plan).")
-@click.option("--key", "idempotency_key", help="Idempotency key: submitting the same key again returns the first task.")
+@click.option("--key", "idempotency_key",
+              help="Idempotency key: submitting the same task with it again returns the first task; "
+                   "another task with it is refused.")
 @click.option("--yes", "-y", is_flag=True,
               help="Without --dir, queue for the current folder even when it is not a git repository.")
 @click.option("--max-cost", "max_cost_usd", callback=usd_arg,

@@ -202,12 +202,21 @@ async def test_odd_argument_shapes_are_accepted(mode, wd):
         assert (await call_tool(c, "list_tasks", {"status": "pending,running"}))["total"] == 4
 
 
-async def test_idempotency_key_returns_the_first_task(mode, wd):
+async def test_idempotency_key_returns_the_first_task_and_refuses_it_for_another(mode, wd):
+    """The same request again (a retry after a lost answer) gets the first task back; the key
+    with another title or instructions is refused, naming the first task: returning it would drop
+    the new one unseen (payment APIs refuse a key reused with other parameters the same way)."""
     async with client(mode) as c:
         first = await call_tool(c, "submit_task", task_args(wd, idempotency_key="job-7"))
-        again = await call_tool(c, "submit_task", task_args(wd, idempotency_key="job-7", title="other"))
+        again = await call_tool(c, "submit_task", task_args(wd, idempotency_key="job-7"))
+        other = await tool_error(c, "submit_task", task_args(wd, idempotency_key="job-7", title="other"))
+        in_batch = await tool_error(c, "submit_batch", {"tasks": [task_args(wd, title="new one"),
+                                                                  task_args(wd, idempotency_key="job-7",
+                                                                            instructions="else")]})
     assert again["id"] == first["id"] and again["duplicate"] is True and "idempotency_key" in again["hint"]
-    assert task_store.counts()["pending"] == 1
+    assert f"'job-7' was already used by {first['id']}" in other and "whose title differs;" in other, other
+    assert "give this task a new key" in other and "whose instructions differ;" in in_batch, in_batch
+    assert task_store.counts()["pending"] == 1, "nothing of the refused batch was queued"
 
 
 async def test_batch_with_refs_inside_the_batch(mode, wd):
@@ -1032,10 +1041,9 @@ async def test_a_submit_asks_git_about_its_folder_once(tmp_path, monkeypatch):
         assert runs() == 1 and any(f"{plain} is not in a git repository" in w for w in outside["warnings"])
         batch = await call_tool(c, "submit_batch", {"tasks": [task_args(str(repo)), task_args(str(plain))]})
         assert runs() == 2 and [bool(t["warnings"]) for t in batch["tasks"]] == [False, True]
-        # A duplicate is the earlier task in its own folder: its warning is asked of git, not taken
-        # from the folder this submit named.
+        # A duplicate (the same request again) is the earlier task, with its warning.
         first = await call_tool(c, "submit_task", task_args(str(plain), idempotency_key="k"))
-        again = await call_tool(c, "submit_task", task_args(str(repo), idempotency_key="k"))
+        again = await call_tool(c, "submit_task", task_args(str(plain), idempotency_key="k"))
         assert again["duplicate"] and again["warnings"] == first["warnings"] != []
     runs()
     said = CliRunner().invoke(tasks_cli.cli, ["submit", "T", "--dir", str(plain), "--json"])

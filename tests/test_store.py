@@ -85,8 +85,10 @@ def test_batch_is_all_or_nothing(tmp_path):
 
 def test_idempotency_key_returns_original(tmp_path):
     first = submit(tmp_path, "once", idempotency_key="k-1")
-    again = submit(tmp_path, "twice", idempotency_key="k-1")
+    again = submit(tmp_path, "once", idempotency_key="k-1")
     assert again["id"] == first["id"] and again["duplicate"] and not first["duplicate"]
+    with pytest.raises(store.ValidationError, match=r"'k-1' was already used by t_0001 \('once'\), whose title"):
+        submit(tmp_path, "twice", idempotency_key="k-1")
     assert store.counts()["pending"] == 1
 
 
