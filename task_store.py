@@ -2781,11 +2781,13 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
     with _writing() as conn:
         row = _row(conn, num)
         if row["status"] != "waiting":
-            raise InvalidTransition(
-                f"task {format_task_id(num)} is {row['status']}, not waiting; only a task that asked "
-                "a question takes an answer (add_task_note reaches a running task before its next model call, "
-                "a pending one when it starts)"
-            )
+            name = format_task_id(num)
+            way_out = (f"continue_from {name} submits a follow-up in its session"
+                       + (f", retry_task {name} runs it again" if row["status"] != "done" else "")
+                       if row["status"] in TERMINAL else
+                       "add_task_note reaches a running task before its next model call, a pending one when it starts")
+            raise InvalidTransition(f"task {name} is {row['status']}, not waiting; only a task that asked a "
+                                    f"question takes an answer ({way_out})")
         resume: str | None   # None: stopped at its limit
         if row["paused_for"] == "permission":
             resume = _answer_permission(conn, row, answer)

@@ -751,6 +751,26 @@ def test_bad_input_to_each_command(tmp_path, args, code, message):
     assert snapshot() == before
 
 
+@pytest.mark.parametrize("status", ["pending", "done", "cancelled"])
+def test_an_answer_to_a_task_not_waiting_names_the_way_out_for_its_state(tmp_path, status):
+    """A pending (or running) task is reached by a note; an ended one by a follow-up, and one that
+    did not succeed by a retry too: the note a cancelled task cannot take was suggested."""
+    task = submit(tmp_path, TITLE)
+    if status == "done":
+        claimed = task_store.claim_next("w")
+        task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    elif status == "cancelled":
+        task_store.cancel_task(task["id"])
+    result = run("answer", task["id"], "yes")
+    assert result.exit_code == 1 and f"is {status}, not waiting" in result.stderr, result.stderr
+    said = " ".join(result.stderr.split())
+    if status == "pending":
+        assert f"`{tasks_cli.CLI} note` reaches a running task" in said and "--continue" not in said, said
+    else:
+        assert f"--continue {task['id']} submits a follow-up in its session" in said and " note" not in said, said
+        assert (f"`{tasks_cli.CLI} retry {task['id']}` runs it again" in said) == (status == "cancelled"), said
+
+
 def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
     task_store.connect().close()   # an empty queue
     result = run("show", "42")
