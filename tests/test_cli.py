@@ -1070,6 +1070,29 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     assert task_store.counts()["done"] == 0
 
 
+def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_applied(tmp_path):
+    """A failed attempt leaves its branch at its base, which the checkout's HEAD contains: that
+    said "applied: yes". Applied means the branch's own commits are in the checkout."""
+    import worktrees
+    from helpers import git, make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    task = submit(repo, "fails")
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    ws = worktrees.prepare_workspace(claimed, resume=False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch,
+                           base_commit=ws.base_commit)
+    task_store.fail_attempt(task["id"], claimed["run_marker"], "the model was not found")
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["tip"] == info["base_commit"] == git(repo, "rev-parse", "HEAD") and info["applied"] is False
+    shown = run("branch", task["id"])
+    assert shown.exit_code == 0 and "nothing to apply: the branch has no commit beyond its base" in shown.stdout
+    git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
+    git(repo, "merge", "-q", "--ff-only", ws.branch)
+    assert json.loads(run("branch", task["id"], "--json").stdout)["applied"] is True
+    assert "yes: the checkout's HEAD contains it" in run("branch", task["id"]).stdout
+
+
 def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path):
     import subprocess
     import sys
