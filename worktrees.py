@@ -2284,8 +2284,9 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     """Where a task's work is: ``branch``, ``commit`` (the receipt's), ``tip`` (the branch's commit
     now, None when deleted), ``base_commit``, ``repo`` (the user's checkout, None when not a git
     repository), ``checkout_branch`` (what the checkout is on), ``applied`` (the branch has commits
-    beyond its base and its tip is already in the checkout's HEAD), ``worktree_path`` (a kept worktree that still exists, else None) and
-    ``commands`` (git command lines to look at it, check it out, apply it). A task on a remote has
+    beyond its base and its tip is already in the checkout's HEAD), ``worktree_path`` (a kept
+    worktree that still exists, else None) and ``commands`` (git command lines to look at it,
+    check it out, apply it). A task on a remote has
     no checkout here: ``remote`` names where its branch was pushed (``pushed``: whether it was),
     ``repo`` is None and the commands fetch the branch from there into a clone of your own."""
     if task.get("repo"):
