@@ -123,6 +123,7 @@ class WorkerState(TypedDict):
     task: str | None
     tasks: list[str]
     slots: int | None
+    engine: str | None                 # "cold" or "warm" (WORKER_ENGINE); None from a worker before it was said
     pid: int | None
     host: str | None
     started_at: str | None
@@ -357,7 +358,7 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
     field the worker wrote (an ``error``, for one). None: no worker ever reported."""
     if beat is None:
-        return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "slots": None,
+        return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "slots": None, "engine": None,
                 "pid": None, "host": None, "started_at": None, "at": None, "age_sec": None,
                 "pid_running": None, "recent": False, "died": False, "extra": {},
                 "label": worker_label(False, False, None, False),
@@ -389,7 +390,7 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                     f"; no heartbeat for over {silent_after} s: is the worker on {beat.get('host')} still running?")
     return {"seen": True, "name": beat.get("name"), "state": state, "task": beat.get("task"),
             "tasks": tasks,
-            "slots": beat.get("slots"), "pid": beat.get("pid"), "host": beat.get("host"),
+            "slots": beat.get("slots"), "engine": beat.get("engine"), "pid": beat.get("pid"), "host": beat.get("host"),
             "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
             "pid_running": running, "recent": recent, "died": died, "summary": summary,
             "label": worker_label(True, recent, running, died, stopped=state == "stopped"),

@@ -1697,6 +1697,10 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
 WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stopped": "dim"}
 
 
+ENGINE_WORDS = {"cold": "cold: an `opencode run` per attempt",
+                "warm": "warm: a kept `opencode serve` per slot (WORKER_ENGINE=1)"}
+
+
 def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     """The judged heartbeat (task_views.worker_state) in words: the worker's one-word label with
     its pid and host, what its process is, what it runs, its heartbeat's age; the worker's own
@@ -1706,7 +1710,8 @@ def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     label = Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], ""))
     label.append(f", pid {worker['pid']} on {worker.get('host') or 'this host'}")
     return [("worker", label), ("process", worker_process_words(worker)), ("runs", worker_runs_words(worker)),
-            ("slots", worker.get("slots")), ("started", when(worker.get("started_at"))),
+            ("slots", worker.get("slots")), ("engine", ENGINE_WORDS.get(worker.get("engine"), "not said")),
+            ("started", when(worker.get("started_at"))),
             ("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")] + list(worker["extra"].items())
 
 

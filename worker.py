@@ -2866,10 +2866,11 @@ def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) 
               "(or set WORKER_SLOTS)", flush=True)
         return 0
     try:
-        beat = current().beat
+        beat, knobs = current().beat, Knobs()
         beat.slots, beat.pid_start = slots, worker_identity()[2]
+        beat.engine = "warm" if knobs.engine else "cold"
         current().beat.write("starting")
-        return _loop(watch, max_tasks, Knobs(), slots)
+        return _loop(watch, max_tasks, knobs, slots)
     finally:
         current().beat.write("stopped")
         os.close(lock)  # closing the descriptor releases the flock
@@ -2886,6 +2887,7 @@ class Beat:
         self.tasks: dict[str, str] = {}   # task id -> run marker
         self.state = "starting"
         self.slots = 1                    # how many tasks this pass may run at once (the board shows it)
+        self.engine: str | None = None    # "cold" (an `opencode run` per attempt) or "warm" (kept servers)
         self.budget: str | None = None    # why nothing new is claimed: the daily budget is spent
         self.pid_start: float | None = None   # this process's start time (the workers table keeps it)
 
@@ -2897,7 +2899,7 @@ class Beat:
             try:   # the heartbeat file is written first; the row waits for the database
                 with store.lock_wait(SHORT_LOCK_WAIT_SEC):
                     store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
-                                                  "tasks": ids, "slots": self.slots,
+                                                  "tasks": ids, "slots": self.slots, "engine": self.engine,
                                                   "pid_start": self.pid_start, **said, **extra})
             except Exception as exc:
                 if not db_outage(exc):

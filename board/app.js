@@ -156,6 +156,7 @@
       parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + ", " + age(w.at) + " ago");
       if (w.tasks && w.tasks.length) parts.push(", runs ", ...w.tasks.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
       if (w.slots) parts.push(", " + w.slots + " slot(s)");
+      if (w.engine) parts.push(", " + w.engine + " engine");
     }
     clear($("worker")).append(el("span", { title: w.summary || "" }, parts));
     const all = status.workers || [];

@@ -612,6 +612,19 @@ def test_status_tells_the_worker_in_words_not_python_values(tmp_path):
         assert internal not in worker, internal
 
 
+@pytest.mark.parametrize("engine", ["0", "1"])
+def test_status_names_the_engine_a_worker_pass_runs_on(tmp_path, engine):
+    """A pass writes its engine (WORKER_ENGINE) in its heartbeat; status and the JSON say it (a
+    person could not tell a warm worker from a cold one)."""
+    task_store.connect().close()   # an empty queue: the pass starts and ends
+    passed = subprocess.run([sys.executable, str(Path(tasks_cli.__file__).with_name("worker.py"))],
+                            env=os.environ | {"WORKER_ENGINE": engine}, capture_output=True, text=True, timeout=120)
+    assert passed.returncode == 0, passed.stderr
+    name = {"0": "cold", "1": "warm"}[engine]
+    assert json.loads(run("status", "--json").stdout)["worker"]["engine"] == name
+    assert f"engine{tasks_cli.ENGINE_WORDS[name].split(':')[0]}:" in squash(run("status").stdout)
+
+
 def test_events_lists_state_changes(tmp_path):
     submit(tmp_path, TITLE)
     task_store.cancel_task(1)
