@@ -634,6 +634,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    new_queue = store.backend() == "sqlite" and not store.db_path().exists()   # before the checks open it
     refused = _refusal(args)
     if refused is not None:
         return refused
@@ -656,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = _set_up(args, first_run=how == "new")
     if failed is not None or args.setup_only:
         return failed or 0
+    if new_queue:
+        say(f"made a new queue at {store.db_path()}: clients of this server and its worker use it; a queue at "
+            "another path is not seen (a typo in --db / TASK_DB_PATH? Ctrl-C stops, and the empty queue can go)")
     tunnel = args.tunnel
     if tunnel is None:
         tunnel = ask_tunnel() if sys.stdin.isatty() and not os.environ.get("TUNNEL_HOST") else "none"

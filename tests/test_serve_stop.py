@@ -186,3 +186,18 @@ def test_a_queue_folder_where_no_lock_can_be_made_is_served_unlocked(monkeypatch
         raise OSError(errno.EROFS, "Read-only file system")
     monkeypatch.setattr(task_store, "take_lock", read_only)
     assert serve.hold_queue(8765) == (None, None)
+
+
+def test_serving_a_queue_that_was_not_there_says_it_made_one_once():
+    """serve.py --db with a typo made a new, empty queue in silence (a fresh user's finding): its
+    clients then saw none of their tasks. The first serve of a new path says so; the next does not."""
+    import task_store
+    path = task_store.db_path()
+    assert not path.exists()
+    for first in (True, False):
+        proc, lines = start_serving(free_port())
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0, "".join(lines)
+        said = [line for line in lines if "made a new queue" in line]
+        assert len(said) == int(first) and (not first or f"made a new queue at {path}: " in said[0]), "".join(lines)
+        assert "a typo in --db / TASK_DB_PATH?" in "".join(said) or not first
