@@ -481,8 +481,9 @@ def with_permission_rules(env: dict[str, str], rules_file: str) -> dict[str, str
     """``env`` with the permission-rules plugin loaded (``permission_rules.js`` in opencode_plugins/,
     appended to ``OPENCODE_CONFIG_CONTENT``'s ``plugin`` list) and ``TASKBRIDGE_RULES`` naming
     ``rules_file`` (``{"rules": the task's rules, "once": [{"tool", "subject"}]}``); a call that
-    matches an ``ask`` rule is written to ``<rules_file>.ask`` and held until the worker ends
-    the run."""
+    matches an ``ask`` rule is written to ``<rules_file>.ask`` and failed (status "held" in the
+    stream, RULES_REFUSALS), and the session's next model call is held until the worker ends the
+    run."""
     return _with_plugin(env, PLUGIN_DIR / "permission_rules.js", RULES_ENV, rules_file)
 
 
@@ -963,6 +964,7 @@ class EventStream:
     errors: list[str] = field(default_factory=list)
     limit: dict[str, Any] | None = None   # the provider limit an error event reported (limit_from_error)
     refused_status: int | None = None     # an HTTP status no retry can change (refused_by_provider)
+    held_in_step: int | None = None       # ``steps`` when a call held for the planner was printed
     finished: bool = False          # a step_finish with reason "stop" was seen (and no turn after it)
     last_reason: str | None = None
     note_turns: list[tuple[list[Any], float]] = field(default_factory=list)   # see _on_note_turn
@@ -1017,6 +1019,9 @@ class EventStream:
             call = {"tool": denied[0], "status": "denied", "input": {}, "error": denied[1][:500]}
         if state.get("status") == "error":
             call["error"] = str(state.get("error"))[:500]
+            call["status"] = _refused_by_rules(call["error"]) or "error"
+            if call["status"] == "held":
+                self.held_in_step = self.steps
         exit_code = (state.get("metadata") or {}).get("exit")
         if exit_code is not None:
             call["exit"] = exit_code
@@ -1054,11 +1059,18 @@ class EventStream:
 
     @property
     def commands(self) -> list[dict[str, Any]]:
-        """Shell commands the agent ran (bash tool calls, denied ones excepted): command, status, exit."""
+        """Shell commands the agent ran (bash tool calls, denied and held ones excepted): command,
+        status, exit."""
         return [
             {"command": c["input"].get("command"), "status": c["status"], "exit": c.get("exit")}
-            for c in self.tool_calls if c["tool"] == "bash" and c["status"] != "denied"
+            for c in self.tool_calls if c["tool"] == "bash" and c["status"] not in ("denied", "held")
         ]
+
+    @property
+    def held_step_ended(self) -> bool:
+        """Whether the step that made a call held for the planner has ended (its step_finish,
+        with its tokens and cost, was printed after that call)."""
+        return self.held_in_step is not None and self.steps > self.held_in_step
 
     def usage(self) -> dict[str, Any]:
         """Tokens summed over step_finish events and cost in USD (OpenCode's own figure)."""
@@ -1110,6 +1122,18 @@ def _bare_url(url: str) -> str | None:
 def _dict(value: Any) -> dict[str, Any]:
     """``value`` when it is a dict, else an empty one (an event's fields are not trusted)."""
     return value if isinstance(value, dict) else {}
+
+
+# How TaskBridge's permission-rules plugin (opencode_plugins/permission_rules.js) fails a call, by
+# the start of its error: a deny rule's ("denied"), an ask rule's, waiting for the planner ("held").
+RULES_REFUSALS = (("TaskBridge: the task's rules deny ", "denied"),
+                  ("TaskBridge: this call waits for the planner's permission:", "held"))
+
+
+def _refused_by_rules(error: str) -> str | None:
+    """"denied" or "held" when a tool call's ``error`` is the permission-rules plugin's, else None."""
+    text = error.removeprefix("Error: ")
+    return next((status for start, status in RULES_REFUSALS if text.startswith(start)), None)
 
 
 def _denied_tool(part: dict[str, Any]) -> tuple[str, str] | None:

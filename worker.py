@@ -414,6 +414,7 @@ class RunResult:
 
 
 HELD_WAIT_SEC = 5             # how long a spend gate's reply may wait for the event stream to bear it out
+ASK_STEP_WAIT_SEC = 5         # how long a permission ask waits for its step's step_finish (its spend)
 REPLY_MAX = 1 << 20           # bytes of a plugin's reply read; a longer one is not believed
 DOUBTS_MAX = 20               # replies not believed that one receipt lists
 SPOOL_READ = 1 << 20          # bytes per read of OpenCode's stdout file
@@ -955,14 +956,23 @@ class LimitWatch:
 
 
 class AskWatch:
-    """The call the permission-rules plugin holds, from its ``.ask`` reply beside ``rules_file``
-    ({tool, subject, reason}). The reply folder is writable in the box, so the request is the
+    """The call the permission-rules plugin held for the planner (failed, its session's next model
+    call held), from its ``.ask`` reply beside ``rules_file`` ({tool, subject, reason}). The reply folder is writable in the box, so the request is the
     agent's word: it is believed only when the task's rules say ask for exactly it (what the
     plugin checked before holding it). Any other reply is removed and the run goes on; a believed
     one can at most ask for what the agent could have called anyway."""
 
     def __init__(self, task: dict[str, Any], rules_file: str, cwd: str) -> None:
         self.rules, self.path, self.cwd = task["rules"], oc.reply_path(rules_file, ".ask"), cwd
+        self.believed_at: float | None = None   # when an ask was first believed (time.monotonic())
+
+    def step_ended(self, stream: oc.EventStream, now: float) -> bool:
+        """Whether a run with a believed ask may end: the step that made the call has ended (its
+        step_finish printed, so its spend is booked; the plugin holds the next model call), or
+        ASK_STEP_WAIT_SEC went by since the ask was first believed (a sub-agent's call: its
+        steps are not printed). ``now``: time.monotonic()."""
+        self.believed_at = self.believed_at or now
+        return stream.held_step_ended or now - self.believed_at > ASK_STEP_WAIT_SEC
 
     def held(self) -> tuple[dict[str, str] | None, str | None]:
         """(the ask believed, or None; why a reply was not believed, or None)."""
@@ -1445,7 +1455,8 @@ class Supervisor:
         knobs = self.knobs
         if current().flags.stop_now:
             self._end("the worker was told to stop at once", interrupted=True)
-        elif self.asks is not None and (asked := self.asks.asked(self.result)) is not None:
+        elif self.asks is not None and (asked := self.asks.asked(self.result)) is not None \
+                and self.asks.step_ended(self.result.stream, now):
             self.result.asked = asked
             self._end(f"paused: the agent asked permission for {asked['tool']} {asked['subject'][:200]}")
         elif now > deadline:

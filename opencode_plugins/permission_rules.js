@@ -12,13 +12,20 @@
 // - allow, or no rule: the call runs (OpenCode's own permissions still apply);
 // - ask: unless the planner allowed exactly this call once ("once" in the rules file, used up
 //   here and acknowledged in "<run>/reply/rules.used"), the request {tool, subject, reason} is written
-//   to "<run>/reply/rules.ask" and the call is held (the worker believes that reply only when the
-//   rules do say ask for it: the agent's shell can write there too); the worker ends the run and
-//   the task waits for the planner's answer, which resumes the same session.
+//   to "<run>/reply/rules.ask" (the worker believes that reply only when the rules do say ask for
+//   it: the agent's shell can write there too) and the call fails with a message saying it waits
+//   for the planner; the session's next model call is then held (chat.params), so nothing more
+//   is asked of the model. The call fails rather than being held itself because a step ends, and
+//   OpenCode prints its step_finish (its tokens and cost, which the worker books), only once its
+//   tool calls have ended: a held call hid the cost of the step that made it. The worker ends the
+//   run once that step_finish is printed; the task waits for the planner's answer, which resumes
+//   the same session with the call to make again or to leave.
 // The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js (beside it).
 import { readJson, replyPath, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+// The start of a held call's error, as opencode_runner.HELD_CALL reads it in the event stream.
+const HELD = "TaskBridge: this call waits for the planner's permission:";
 const EDITS = new Set(["edit", "write", "patch", "multiedit", "apply_patch"]);
 
 function ruleKey(tool) {
@@ -65,7 +72,11 @@ function actionFor(rules, key, subjects) {
 export const TaskbridgePermissionRules = async ({ directory }) => {
   const path = process.env.TASKBRIDGE_RULES;
   const used = [];
+  const asking = new Set(); // sessions with a call waiting for the planner: their next model call is held
   return {
+    "chat.params": async (input) => {
+      if (asking.has(input.sessionID)) for (;;) await sleep(1000); // the worker ends this run
+    },
     "tool.execute.before": async (input, output) => {
       if (!path) return;
       const file = readJson(path);
@@ -94,7 +105,8 @@ export const TaskbridgePermissionRules = async ({ directory }) => {
       }
       const reason = String((output.args && output.args.description) || "");
       writeJson(replyPath(path, ".ask"), { tool: key, subject, reason, at: Date.now() });
-      for (;;) await sleep(1000); // the worker ends this run; the task waits for the planner
+      asking.add(input.sessionID);
+      throw new Error(`${HELD} ${key} ${subject}; the task pauses here for the planner's answer`);
     },
   };
 };

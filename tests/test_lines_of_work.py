@@ -255,6 +255,23 @@ def test_a_note_that_comes_during_the_last_model_call(opencode, tmp_path, worker
 PUSH = "git push origin main; echo pushed > {cwd}/pushed.txt"
 
 
+def test_a_call_a_deny_rule_refused_is_named_denied_not_run(opencode, tmp_path):
+    """The receipt called a call the task's deny rule refused an "error" among the commands run
+    (a fresh user's finding): it is "denied" now, and not among the commands."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("denied", [tool_call("bash", {"command": PUSH, "description": "publish"}),
+                                     text("Done.\n" + _receipt("left the push", []))])
+    task = task_store.submit_task(title="push", instructions="SCRIPT:denied", working_dir=str(repo),
+                                  rules={"bash": {"git push*": "deny"}})
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(task["id"])
+    assert done["status"] == "done", done["error"]
+    assert not [c for c in done["result"]["commands"] if "git push" in c["command"]], done["result"]["commands"]
+    refused = done["result"]["tool_errors"]
+    assert [(c["tool"], c["status"]) for c in refused] == [("bash", "denied")], refused
+    assert "the task's rules deny bash git push origin main" in refused[0]["error"], refused
+
+
 @pytest.mark.parametrize("decision", ["deny", "allow once"])
 def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(opencode, tmp_path, decision):
     repo = make_repo(tmp_path / "repo")
@@ -277,6 +294,9 @@ def test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session(ope
     assert f"bash `{command}`" in waiting["question"] and "publish the branch" in waiting["question"]
     assert waiting["paused_for"] == "permission" and waiting["pending_ask"]["subject"] == command
     assert not (tmp_path / "worktrees" / f"repo-{task['id']}" / "pushed.txt").exists(), "held, not run"
+    # The step that made the held call is paid for: its tokens and cost are booked (they were lost
+    # while the call itself was held: a step's step_finish comes only once its calls have ended).
+    assert waiting["usage"]["steps"] == 1 and waiting["spent_usd"] > 0, waiting["usage"]
 
     with pytest.raises(task_store.ValidationError, match="allow once, allow always"):
         task_store.answer_task(task["id"], "sure, go ahead")
