@@ -957,10 +957,11 @@ class LimitWatch:
 
 class AskWatch:
     """The call the permission-rules plugin held for the planner (failed, its session's next model
-    call held), from its ``.ask`` reply beside ``rules_file`` ({tool, subject, reason}). The reply folder is writable in the box, so the request is the
-    agent's word: it is believed only when the task's rules say ask for exactly it (what the
-    plugin checked before holding it). Any other reply is removed and the run goes on; a believed
-    one can at most ask for what the agent could have called anyway."""
+    call held), from its ``.ask`` reply beside ``rules_file`` ({tool, subject, reason}). The reply
+    folder is writable in the box, so the request is the agent's word: it is believed only when
+    the task's rules say ask for exactly it (what the plugin checked before holding it). Any other
+    reply is removed and the run goes on; a believed one can at most ask for what the agent could
+    have called anyway."""
 
     def __init__(self, task: dict[str, Any], rules_file: str, cwd: str) -> None:
         self.rules, self.path, self.cwd = task["rules"], oc.reply_path(rules_file, ".ask"), cwd
