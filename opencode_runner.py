@@ -1018,8 +1018,8 @@ class EventStream:
         if denied:
             call = {"tool": denied[0], "status": "denied", "input": {}, "error": denied[1][:500]}
         if state.get("status") == "error":
-            call["error"] = str(state.get("error"))[:500]
-            call["status"] = _refused_by_rules(call["error"]) or "error"
+            error = str(state.get("error"))[:500]
+            call["error"], call["status"] = error, _refused_by_rules(error) or "error"
             if call["status"] == "held":
                 self.held_in_step = self.steps
         exit_code = (state.get("metadata") or {}).get("exit")

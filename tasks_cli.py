@@ -1710,7 +1710,7 @@ def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     label = Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], ""))
     label.append(f", pid {worker['pid']} on {worker.get('host') or 'this host'}")
     return [("worker", label), ("process", worker_process_words(worker)), ("runs", worker_runs_words(worker)),
-            ("slots", worker.get("slots")), ("engine", ENGINE_WORDS.get(worker.get("engine"), "not said")),
+            ("slots", worker.get("slots")), ("engine", ENGINE_WORDS.get(str(worker.get("engine")), "not said")),
             ("started", when(worker.get("started_at"))),
             ("heartbeat", f"{age(worker['age_sec'])} ({worker['at']})")] + list(worker["extra"].items())
 
