@@ -77,6 +77,8 @@ class Kept:
         self.problem: str | None = None   # one line: why the server did not start
         self.warm_problem: str | None = None   # one line: why the worktree was not parked or opened ahead
         self.recycled: str | None = None   # why it was recycled (ends a park in progress: ``_start``)
+        self.starting = False              # its start thread runs (``begin`` to the end of ``_start``)
+        self.lock = threading.Lock()       # recycled and starting, set by two threads
         self.served = False               # the server answered (``started`` is set once warm is done too)
         self.started = threading.Event()
         self.thread = threading.Thread(target=self._start, name=f"engine-{folder.name}", daemon=True)
@@ -90,6 +92,7 @@ class Kept:
             self.problem = f"opencode serve could not be started: {exc}"
             self.started.set()
             return self
+        self.starting = True
         self.thread.start()
         return self
 
@@ -107,12 +110,10 @@ class Kept:
                     # meanwhile ends a git step of it at once (it holds worktrees' lock).
                     with worktrees.watched(lambda: self.recycled):
                         self.warm(self)
-                except (worktrees.GitError, engine.EngineRefused, OSError) as exc:
-                    # the task's worktree is then made after the claim, its first prompt slower
+                except worktrees.GitStopped as exc:   # ended (a recycle, git's time limit): named by take
                     self.warm_problem = f"preparing the workspace ahead on its kept server: {exc}"
-                finally:
-                    if self.recycled and self.parked is not None:   # recycled while it parked: not left behind
-                        worktrees.drop_parked(self.parked)
+                except (worktrees.GitError, engine.EngineRefused, OSError):
+                    pass   # the task's worktree is then made after the claim, its first prompt slower
         except engine.EngineError as exc:
             self.problem = str(exc)
         except OSError as exc:   # the log file, the exec: the worker's machine, said in one line
@@ -120,6 +121,11 @@ class Kept:
         except Exception as exc:  # noqa: BLE001 - never "ready" after a start that did not finish
             self.problem = f"the kept OpenCode server's start failed ({exc.__class__.__name__}: {exc})"
         finally:
+            with self.lock:
+                self.starting = False
+                recycled = bool(self.recycled)
+            if recycled:   # recycled while it started: its parked worktree is dropped here, not left
+                self._drop_parked()
             self.started.set()
 
     def ready(self, timeout: float) -> bool:
@@ -149,19 +155,28 @@ class Kept:
         sweep by its tag) and drop its run folder; a park in progress is ended with ``reason``.
         Returns what was still running besides the server and its box, ``[{"pid", "command",
         "ports"}]`` (the agent's leftovers, for the receipt); [] when it was recycled already."""
-        if self.recycled:
-            return []
-        self.recycled = reason
+        with self.lock:
+            if self.recycled:
+                return []
+            self.recycled = reason
+            starting = self.starting   # then its start thread drops the park (_start), not this one
         left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.parked is not None:   # no task took it (else its workspace step let it go)
-            # Not under the caller's git watcher: a task past its deadline (or a stop) would stop
-            # this git before it starts, leaving the parked worktree locked in the repository.
+        if not starting:
+            self._drop_parked()
+        return left
+
+    def _drop_parked(self) -> None:
+        """Drop the parked worktree no task took (else its workspace step let it go) and the
+        server's folder when that leaves it empty. Not under the caller's git watcher: a task past
+        its deadline (or a stop) would stop this git before it starts, leaving the parked worktree
+        locked in the repository; and never in a task's thread while the start thread may still
+        hold worktrees' lock (a park behind another slot's hung git step)."""
+        if self.parked is not None:
             with contextlib.suppress(worktrees.GitError), worktrees.watched(None):
                 worktrees.drop_parked(self.parked)
         worktrees.drop_engine_folder(self.folder)   # only when no worktree was made in it
-        return left
 
 
 class Slots:

@@ -1127,6 +1127,7 @@ def _dict(value: Any) -> dict[str, Any]:
 # How TaskBridge's permission-rules plugin (opencode_plugins/permission_rules.js) fails a call, by
 # the start of its error: a deny rule's ("denied"), an ask rule's, waiting for the planner ("held").
 RULES_REFUSALS = (("TaskBridge: the task's rules deny ", "denied"),
+                  ("TaskBridge: this task's permission rules cannot be read", "denied"),
                   ("TaskBridge: this call waits for the planner's permission:", "held"))
 
 

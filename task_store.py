@@ -1849,8 +1849,9 @@ KEYED_FIELDS = ("title", "instructions", "working_dir")   # what a repeated idem
 def _same_request(spec: dict, existing: Row) -> None:
     """Refuse a repeated idempotency key that comes with another task (as payment APIs refuse a
     key reused with other parameters): returning the first task would drop this one unseen.
-    Raises ValidationError naming the fields that differ."""
-    differ = [name for name in KEYED_FIELDS if spec[name] != existing[name]]
+    A working_dir left out (a task on a remote, a follow-up or fork, whose folder the store
+    fills in) is not compared. Raises ValidationError naming the fields that differ."""
+    differ = [name for name in KEYED_FIELDS if spec[name] is not None and spec[name] != existing[name]]
     if differ:
         verb = "differ" if len(differ) > 1 or differ == ["instructions"] else "differs"
         raise ValidationError(

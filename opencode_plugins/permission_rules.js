@@ -103,6 +103,10 @@ export const TaskbridgePermissionRules = async ({ directory }) => {
         writeJson(replyPath(path, ".used"), { used });
         return;
       }
+      if (asking.has(input.sessionID)) {
+        // One ask at a time: a second call of the same step is not shown to the planner now.
+        throw new Error(`${HELD} ${key} ${subject}; another call already waits for the planner: make this one again after the answer`);
+      }
       const reason = String((output.args && output.args.description) || "");
       writeJson(replyPath(path, ".ask"), { tool: key, subject, reason, at: Date.now() });
       asking.add(input.sessionID);

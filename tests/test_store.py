@@ -90,6 +90,10 @@ def test_idempotency_key_returns_original(tmp_path):
     with pytest.raises(store.ValidationError, match=r"'k-1' was already used by t_0001 \('once'\), whose title"):
         submit(tmp_path, "twice", idempotency_key="k-1")
     assert store.counts()["pending"] == 1
+    # A follow-up names no folder (the store takes its task's): its retry is the same request.
+    follow = store.submit_task(title="next", instructions="more", continue_from=first["id"], idempotency_key="k-2")
+    again = store.submit_task(title="next", instructions="more", continue_from=first["id"], idempotency_key="k-2")
+    assert again["id"] == follow["id"] and again["duplicate"] and follow["working_dir"] == first["working_dir"]
 
 
 @pytest.mark.parametrize("field,value,message", [
