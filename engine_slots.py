@@ -43,6 +43,7 @@ import worktrees
 # its slot's; the client it is driven by carries the task's).
 PER_TASK = (oc.MARKER_ENV, "PWD")
 PARK_END_SEC = 5.0   # how long a wait called off gives a park's git step to end, to name it
+STOP_PARK_SEC = 30.0   # how long a pass's end waits for start threads to drop the parks they made
 
 
 def fit_key(env: dict[str, str]) -> dict[str, str]:
@@ -292,6 +293,9 @@ class Slots:
                 kept.append(build.kept)
         for each in kept:
             each.recycle(grace)
+        for each in kept:   # a start thread drops the park its recycle ended: waited for, the pass ends
+            if each.thread.is_alive():
+                each.thread.join(STOP_PARK_SEC)
 
 
 class _Making:

@@ -375,6 +375,7 @@ class _StandIn:
     def __init__(self) -> None:
         self.begun_in: str | None = None
         self.recycled = False
+        self.thread = threading.Thread(target=lambda: None)   # a start thread, never started here
 
     def begin(self) -> _StandIn:
         self.begun_in = threading.current_thread().name
