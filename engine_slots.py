@@ -223,8 +223,7 @@ class Slots:
             kept.recycle(0, stopped)
             kept.started.wait(PARK_END_SEC)   # a park's git step is ended with its tree within ~2 s
             return None, kept.warm_problem or stopped, False
-        why = kept.problem or (
-                               "opencode serve exited after its start" if not kept.engine.alive() else
+        why = kept.problem or ("opencode serve exited after its start" if not kept.engine.alive() else
                                f"opening its worktree ahead took over {wait:g} s" if kept.served else
                                f"opencode serve did not answer within {wait:g} s")
         kept.recycle(0)

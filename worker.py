@@ -1992,6 +1992,7 @@ def _run_files(task: dict, env: dict[str, str], model: str, control: Path, quiet
         env = oc.with_spend_gate(env, gate)
     notes = str(control / "notes")
     env = oc.with_notes_courier(env, notes)
+
     def say(line: str) -> None:
         log(f"{task['id']}: {line}")
 
