@@ -1019,7 +1019,9 @@ class EventStream:
             call = {"tool": denied[0], "status": "denied", "input": {}, "error": denied[1][:500]}
         if state.get("status") == "error":
             error = str(state.get("error"))[:500]
-            call["error"], call["status"] = error, _refused_by_rules(error) or "error"
+            call["error"] = error
+            if call["status"] == "error":   # an OpenCode denial (the invalid tool) stays "denied"
+                call["status"] = _refused_by_rules(error) or "error"
             if call["status"] == "held":
                 self.held_in_step = self.steps
         exit_code = (state.get("metadata") or {}).get("exit")

@@ -24,7 +24,7 @@
 import { readJson, replyPath, writeJson } from "./files.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-// The start of a held call's error, as opencode_runner.HELD_CALL reads it in the event stream.
+// The start of a held call's error, as opencode_runner.RULES_REFUSALS reads it in the event stream.
 const HELD = "TaskBridge: this call waits for the planner's permission:";
 const EDITS = new Set(["edit", "write", "patch", "multiedit", "apply_patch"]);
 
