@@ -32,10 +32,12 @@ import functools
 import os
 import re
 import shutil
+import sqlite3
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,15 +419,79 @@ def credential_binds(box_data: str) -> list[tuple[str, str]]:
 
 
 def box_home(env: dict[str, str] | None = None) -> str:
-    """Where OpenCode keeps its data (sessions), cache and state for every boxed run:
-    ``<XDG_CACHE_HOME>/taskbridge/opencode-box/{data,cache,state}`` (the XDG_CACHE_HOME of ``env``,
-    default the worker's, or ``~/.cache``). All three are writable to every run, and OpenCode runs
-    what it keeps in its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm
-    plugins and providers) and loads configuration its data folder names (see CREDENTIALS): a
-    run writing your own folders would plant code your next unboxed ``opencode`` runs. The box's
-    are TaskBridge's, read only by OpenCode inside a box (``call_box`` for TaskBridge's own
-    calls on them); OpenCode fills the cache on first use (downloads)."""
+    """The root of OpenCode's folders for boxed runs: ``<XDG_CACHE_HOME>/taskbridge/opencode-box``
+    (the XDG_CACHE_HOME of ``env``, default the worker's, or ``~/.cache``), hidden from every run
+    but for its own home (``line_home``) and the shared ``cache/``. OpenCode runs what it keeps in
+    its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm plugins and
+    providers) and loads configuration its data folder names (see CREDENTIALS): a run writing
+    your own folders would plant code your next unboxed ``opencode`` runs. These are TaskBridge's,
+    read only by OpenCode inside a box (``call_box`` for TaskBridge's own calls on them); OpenCode
+    fills the cache on first use (downloads)."""
     return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-box")
+
+
+def line_home(line: str) -> str:
+    """The OpenCode data and state folders (``data/``, ``state/``) of one line of work, ``line``
+    the id of its first task (task_views.session_line): its sessions, which its follow-ups and
+    answered questions resume, live there and nowhere another task's box shows. Under box_home,
+    so its runs share box_home's ``cache/``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,80}", line) or line.strip(".") == "":
+        raise ValueError(f"not a line of work's id: {line!r}")
+    return os.path.join(box_home(), "lines", line)
+
+
+def slot_home(name: str) -> str:
+    """A kept server's own ``line_home``-like folder (``<box_home>/slots/<name>``), made before its
+    task is known; ``adopt_home`` makes it the task's line's when the task runs on it."""
+    return os.path.join(box_home(), "slots", name)
+
+
+def template_home(env: dict[str, str] | None = None) -> str:
+    """Where the worker has OpenCode make and migrate an empty database once per binary (the
+    pass's start: opencode_runner.prepare_opencode_db); a new home gets a copy (``seed_home``).
+    Never shown to a run. ``env``: as box_home's."""
+    return os.path.join(box_home(env), "template")
+
+
+def seed_home(home: str) -> None:
+    """Make ``home``'s data folder and, when it has no OpenCode database yet, give it a copy of
+    the template's (``template_home``, when one is there and not being prepared right now): a
+    new line's first run then skips OpenCode's migrations (~1.3 s), and two OpenCode processes
+    starting on the home at once (a run and a transcript's export) never both create it. Without
+    a template OpenCode makes the database itself. Raises OSError when the folder cannot be made."""
+    data = Path(home) / "data" / "opencode"
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    target = data / oc.OPENCODE_DB
+    template = Path(template_home()) / "data" / "opencode" / oc.OPENCODE_DB
+    if target.exists() or not template.is_file():
+        return
+    with contextlib.suppress(OSError, sqlite3.Error), oc.prepared_db_shared(template) as ready:
+        if not ready:
+            return
+        partial = data / f".{oc.OPENCODE_DB}.{os.getpid()}.{threading.get_ident()}"
+        source, copy = sqlite3.connect(f"file:{template}?mode=ro", uri=True), sqlite3.connect(partial)
+        try:
+            source.backup(copy)
+        finally:
+            source.close()
+            copy.close()
+        os.chmod(partial, 0o600)
+        os.rename(partial, target)   # whole or not at all: another seeding of it may race this one
+
+
+def adopt_home(home: str, target: str) -> bool:
+    """Move the kept server's home ``home`` (``slot_home``) to ``target`` (the ``line_home`` of the
+    task now running on that server): the server keeps writing there (its box bound the folder,
+    which moves with its name). False, with nothing moved, when that line has a home already (its
+    sessions are there: the task runs cold in it) or the move fails."""
+    try:
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        if os.path.lexists(target):
+            return False
+        os.rename(home, target)
+    except OSError:
+        return False
+    return True
 
 
 CALLS = ("config", "models")
@@ -463,10 +529,12 @@ def calls_lock(kind: str) -> Iterator[None]:
 
 def box_vars(home: str | None = None) -> dict[str, str]:
     """The variables every box sets inside (``Plan.env``): OpenCode's data, cache and state
-    folders moved to ``home`` (default ``box_home()``, the runs')."""
+    folders moved to ``home`` (default ``box_home()``); a home under box_home (``line_home``,
+    ``slot_home``, ``template_home``) keeps its data and state there and shares box_home's cache."""
     home = home or box_home()
-    return {name: os.path.join(home, sub) for name, sub in (
-        ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state"))}
+    cache = box_home() if _under(home, box_home()) else home
+    return {"XDG_DATA_HOME": os.path.join(home, "data"), "XDG_CACHE_HOME": os.path.join(cache, "cache"),
+            "XDG_STATE_HOME": os.path.join(home, "state")}
 
 
 Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
@@ -546,6 +614,8 @@ def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, li
         except OSError as exc:
             raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
                                  f"point {name} at a folder you can write, then retry the task") from None
+    if home and _under(home, box_home()):
+        seed_home(home)
     ensure_gitignore([os.path.realpath(config)])   # yours: a dotfiles link is followed
     return str(config), [str(folder) for folder, _name in folders[1:]]
 
@@ -608,8 +678,9 @@ def own_places() -> list[str]:
     ``public_url``, the SQLite queue with its WAL and the worker's state files beside it,
     PostgreSQL's secrets (`postgres_secrets`: as the worker's libpq finds them, never the box's
     environment, which does not carry them), the scratch folders of TaskBridge's own calls
-    (``calls_root``) and their OpenCode data (``calls_home``), and your OpenCode's data folder
-    (your sessions and keys: the box has its own, ``box_home``). Made yet or not (the queue's
+    (``calls_root``) and their OpenCode data (``calls_home``), the runs' OpenCode folders
+    (``box_home``: a run is shown its own line's home and the shared cache again) and your
+    OpenCode's data folder (your sessions and keys). Made yet or not (the queue's
     state files: those there now)."""
     folders, files = _own_places()
     return [*folders, *files]
@@ -619,7 +690,8 @@ def _own_places() -> tuple[list[str], list[str]]:
     """`own_places` as (folders, files)."""
     token = connectors.token_file()
     folders = [str(store.log_dir()), str(worktrees.worktree_root()), str(connectors.REPO / ".taskbridge"),
-               str(oc.opencode_db_path().parent), str(calls_root()), *(calls_home(kind) for kind in CALLS)]
+               str(oc.opencode_db_path().parent), str(calls_root()), *(calls_home(kind) for kind in CALLS),
+               box_home()]
     if not os.environ.get("TASKBRIDGE_WORKTREE_ROOT"):
         folders.append(str(worktrees.worktree_root().parent))   # every queue's worktrees
     try:
@@ -701,7 +773,7 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     own = ws.mode == "worktree"
     top = ws.top or ws.cwd
     cwd, top = (os.path.realpath(ws.cwd), os.path.realpath(top)) if own else (ws.cwd, top)
-    plan = Plan(cwd=cwd, tmp=str(run_dir / "tmp"), env=box_vars(home))
+    plan = Plan(cwd=cwd, tmp=str(run_dir / "tmp"))
     plan.visible = _existing([env.get("HOME"), env.get("OPENCODE_CONFIG"), ws.repo, str(connectors.REPO),
                               *binary_folders(env),
                               *(env.get(k) for k in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME",
@@ -709,6 +781,8 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     plan.hidden = data_paths()
     plan.sealed = sealed_folders()
     git_binds(plan, top, writable, run_dir / "objects")
+    home = home or ws.home
+    plan.env = box_vars(home)
     config, state = opencode_dirs(env, home)
     # The project's .opencode folders (a run may have made them links: not followed) and yours
     # (~/.opencode, OPENCODE_CONFIG_DIR: followed) are read-only here but in a writable worktree,

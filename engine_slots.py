@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import agent_box
 import engine
 import opencode_runner as oc
 import process_tree
@@ -58,7 +59,9 @@ class Kept:
     ``run_dir``: the run folder of the box (``control/``, ``reply/``, ``tmp/``, ``objects/``,
     ``git/``), as worker.fresh_run_folder makes for a cold run; ``repo``: the repository the box
     shows; ``env``: the server's environment (its fit key is what a task must match); ``box``: the
-    argv wrapper of the box; ``shape``: what a task must be like (worker._shape); ``warm``: called
+    argv wrapper of the box; ``home``: its OpenCode data and state folders in a box
+    (agent_box.slot_home), removed with it unless its task's line took them; ``shape``: what a
+    task must be like (worker._shape); ``warm``: called
     with the Kept in its start thread once the server answers, to park the task's worktree
     (``parked``, named before it is made) and open it (``warmed``); the server then also loads the
     warm-up stop plugin (opencode_runner.with_warm_up). ``begin`` launches it, its health and the
@@ -68,6 +71,7 @@ class Kept:
                  box: engine.Box | None, shape: Any = None, start_timeout: float = 120.0,
                  warm: Callable[[Kept], None] | None = None) -> None:
         self.folder, self.run_dir, self.repo, self.env, self.shape = folder, run_dir, repo, env, shape
+        self.home: str | None = None   # set by its maker, when its box has one
         self.warm = warm
         # The server runs with the warm-up stop besides the task's own environment (which is
         # what a task must match: ``fits``).
@@ -164,6 +168,8 @@ class Kept:
         left = process_tree.described(self.agent_processes())   # a server still starting is stopped too
         self.engine.stop(grace)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.home is not None:   # gone already when its task's line took it (agent_box.adopt_home)
+            shutil.rmtree(self.home, ignore_errors=True)
         if not starting:
             self._drop_parked()
         return left
@@ -318,7 +324,8 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
     server's children, which no box's death ended, are found by it, not by their task's marker;
     SIGTERM, ``grace`` seconds, SIGKILL), parked worktrees no task took and the folders under
     ``root`` (``<worktree root>/engine``) that are then empty (one holding a task's worktree
-    stays), and run folders ``engine-*.run`` in ``log_dir``. Only while this queue's pass lock is
+    stays), run folders ``engine-*.run`` in ``log_dir`` and the servers' OpenCode folders
+    (agent_box.slot_home) no task took. Only while this queue's pass lock is
     held: no server of this queue's is running then. Without ``root`` (no kept server was made
     since the last sweep, or none ever) there is nothing to look for: no process is scanned."""
     if not root.is_dir():
@@ -332,6 +339,8 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
             worktrees.drop_engine_folder(folder)
     for run in log_dir.glob("engine-*.run"):
         shutil.rmtree(run, ignore_errors=True)
+    for home in Path(agent_box.slot_home(f"{queue}-")).parent.glob(f"{queue}-*"):
+        shutil.rmtree(home, ignore_errors=True)
 
 
 MARKER_PREFIX = "eng-"

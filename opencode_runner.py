@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import email.utils
+import fcntl
 import json
 import os
 import re
@@ -316,21 +317,24 @@ def _literally(replacement: str) -> Callable[[re.Match[str]], str]:
 
 
 def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],
-                 timeout_sec: float = 120, box: Any = None, scratch: str | None = None) -> str:
+                 timeout_sec: float = 120, box: Any = None, scratch: str | None = None,
+                 source_box: Any = None) -> str:
     """A copy of OpenCode session ``session_id`` (its whole history) that lives in ``new_dir``;
     returns the copy's id. ``opencode run -s ID --fork`` forks only in the session's own folder
     (run from another worktree it hangs, measured with 1.18.33), so the session is exported
     (``opencode export``), given fresh session, message and part ids (same time prefix: the
     order is kept) and the new folder in place of ``old_dir``, and imported (``opencode import``).
-    ``box``: ``(argv, env) -> (argv, env)`` running both in the task's box (boxed runs' sessions
-    are in the box's data folder, which only a box may read), with the file imported written in
-    ``scratch``, a folder the box shows at its own path. Raises SessionCopyFailed quoting OpenCode."""
+    ``box``: ``(argv, env) -> (argv, env)`` running the import in the task's box (boxed runs'
+    sessions are in their line's OpenCode folders, which only a box may read), with the file
+    imported written in ``scratch``, a folder the box shows at its own path; ``source_box`` the
+    export (in the box showing the origin's folders; default ``box``). Raises SessionCopyFailed
+    quoting OpenCode."""
     run_env = {**env, "PWD": new_dir, **NO_PROJECT_CODE}
 
-    def boxed(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-        return box(argv, run_env) if box is not None else (argv, run_env)
+    def boxed(argv: list[str], hook: Any = box) -> tuple[list[str], dict[str, str]]:
+        return hook(argv, run_env) if hook is not None else (argv, run_env)
 
-    argv, call_env = boxed([opencode_bin(), "export", session_id])
+    argv, call_env = boxed([opencode_bin(), "export", session_id], source_box or box)
     proc = subprocess.run(argv, cwd=new_dir, env=call_env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_sec)
     start = proc.stdout.find("{")
@@ -1392,6 +1396,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Failed query: CREATE TABLE ..." (upstream issues #33320, #48416). The same holds for runs that
 # start together (one worker's slots, or workers of several queues), and after an upgrade that
 # brings new migrations.
+OPENCODE_DB = "opencode.db"
 DB_PREPARED = ".taskbridge-prepared"       # beside the database: {"binary": key, "migrations": n}
 DB_PREPARE_LOCK = ".taskbridge-prepare.lock"
 DB_LOCK_WAIT_SEC = 15.0   # how long a preparation waits for another's (it takes ~1.3 s here)
@@ -1401,7 +1406,7 @@ def opencode_db_path(env: dict[str, str] | None = None) -> Path:
     """Where OpenCode keeps its database for ``env`` (default os.environ), made absolute:
     ``$XDG_DATA_HOME/opencode/opencode.db``, ``$HOME/.local/share`` when XDG_DATA_HOME is unset
     (what ``opencode db path`` prints, 1.18.33)."""
-    return Path(os.path.abspath(knobs.xdg_home("XDG_DATA_HOME", env) / "opencode" / "opencode.db"))
+    return Path(os.path.abspath(knobs.xdg_home("XDG_DATA_HOME", env) / "opencode" / OPENCODE_DB))
 
 
 def config_dir(env: dict[str, str] | None = None) -> Path:
@@ -1451,10 +1456,7 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
     key = [binary, found.st_size, found.st_mtime_ns]
 
     def ready() -> bool:
-        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-            said = json.loads(stamp.read_text())
-            return said.get("binary") == key and _migrations_done(db) == said.get("migrations")
-        return False
+        return _db_ready(db, key)
 
     if ready():
         return None
@@ -1483,6 +1485,36 @@ def prepare_opencode_db(timeout_sec: float = 60, lock_wait_sec: float = DB_LOCK_
         return None
     finally:
         os.close(fd)   # releases the flock
+
+
+def _db_ready(db: Path, key: list[Any]) -> bool:
+    """Whether ``db`` was prepared by the binary ``key`` names and still holds the migrations it left."""
+    with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+        said = json.loads((db.parent / DB_PREPARED).read_text())
+        return said.get("binary") == key and _migrations_done(db) == said.get("migrations")
+    return False
+
+
+@contextlib.contextmanager
+def prepared_db_shared(db: Path) -> Iterator[bool]:
+    """Yields True, holding the preparation lock beside ``db`` shared (so no preparation of it runs
+    meanwhile), when ``db`` is prepared for the OpenCode binary found now (prepare_opencode_db);
+    else False (not prepared, being prepared, no binary): the caller does without it."""
+    try:
+        found = os.stat(opencode_bin())
+        fd = os.open(db.parent / DB_PREPARE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except (OpencodeNotFound, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield _db_ready(db, [opencode_bin(), found.st_size, found.st_mtime_ns])
+    finally:
+        os.close(fd)
 
 
 def _run_session_list(binary: str, db: Path, timeout_sec: float, box: Any = None) -> str | None:

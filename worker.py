@@ -46,7 +46,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -65,6 +65,7 @@ import receipt as receipt_mod
 import redaction
 import reverse_bridge
 import task_store as store
+import task_views
 import worker_talk as talk
 import worktrees
 from receipt import ITEM_MAX, ITEMS_MAX, SUMMARY_MAX, Receipt  # noqa: F401 - ITEM*/SUMMARY_MAX: worker's names too
@@ -1713,6 +1714,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 kept.parked = None   # the task's worktree is there now (taken over or made anew): never dropped
             if ws is None:
                 return final
+            ws.home = agent_box.line_home(task_views.session_line(task, lambda tid: db(store.get_task, tid)))
             setup, final = _run_setup(task, ws, phases, model)
             if setup is None:
                 return final
@@ -1820,7 +1822,7 @@ def _box_and_env(task: dict[str, Any], ws: Workspace, model: str,
                                                    *config_files.values()])
     env = _boxed_run_env(task, ws, base, box)
     if box.mechanism:
-        agent_box.opencode_dirs(env)
+        agent_box.opencode_dirs(env, ws.home)
         _guard_only_box_writable(task, ws, env)
     return box, env
 
@@ -1931,10 +1933,15 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
         session, how = parent["session_id"], f"continued {parent['id']}'s OpenCode session {parent['session_id']}"
     elif not session:
         probe = fresh_run_folder(task["id"], f".copy-{secrets.token_hex(3)}")
-        try:   # in the task's box: the session is in the box's data folder, which only a box reads
+        # In the task's box: the session is exported from its line's home and imported into the
+        # fork's, folders only a box reads.
+        origin = replace(ws, home=agent_box.line_home(task_views.session_line(
+            parent, lambda tid: db(store.get_task, tid))))
+        try:
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
                                       ws.top or ws.cwd, setup.env, box=lambda argv, env: _boxed(
-                                          task, ws, setup.box, probe, argv, env), scratch=str(probe / "control"))
+                                          task, ws, setup.box, probe, argv, env), scratch=str(probe / "control"),
+                                      source_box=lambda argv, env: _boxed(task, origin, setup.box, probe, argv, env))
             how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
@@ -2185,13 +2192,15 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     run_dir = run_folder(store.log_dir() / f"engine-{slot}-{token}.run")
     marker = engine_slots.new_marker(slot)
     like = {**prediction.task, "run_marker": marker}
-    ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo)
+    home = agent_box.slot_home(f"{store.queue_tag()}-{slot}-{token}")
+    ws = Workspace("worktree", str(folder), top=str(folder), repo=prediction.repo, home=home)
     try:
         box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
         files = _run_files(like, env, prediction.model, run_dir / "control", quiet=True)
         plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
     except BaseException:   # no server: its folders go at once, not at the next pass's sweep
         shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(home, ignore_errors=True)
         worktrees.drop_engine_folder(folder)
         raise
 
@@ -2210,7 +2219,9 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
                             prediction.model, like.get("agent"))
         kept.warmed = True
 
-    return engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape, warm=warm)
+    kept = engine_slots.Kept(folder, run_dir, prediction.repo, files.env, boxed, shape, warm=warm)
+    kept.home = home if box.mechanism else None
+    return kept
 
 
 def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,
@@ -2225,6 +2236,10 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     if (session_id or ws.mode != "worktree" or ws.repo != kept.repo or admin is None
             or Path(ws.root()).parent != kept.folder or not kept.fits(files.env)):
         log(f"{task['id']}: its run differs from what {_slot()}'s kept server was made for; runs cold", talk.VERBOSE)
+        kept.recycle(knobs.kill_grace_sec)
+        return None
+    if kept.home is not None and not agent_box.adopt_home(kept.home, ws.home or ""):
+        log(f"{task['id']}: its line of work has OpenCode folders of its own already; runs cold", talk.VERBOSE)
         kept.recycle(knobs.kill_grace_sec)
         return None
     if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)
@@ -2987,15 +3002,17 @@ def _loop(watch: bool, max_tasks: int | None, knobs: Knobs, slots: int) -> int:
 
 
 def _prepare_opencode_db() -> str | None:
-    """``oc.prepare_opencode_db`` for the database the runs use: the box's (in a box) when runs
-    are boxed, else yours. None, or one line on why it was not prepared."""
+    """``oc.prepare_opencode_db`` for the database the runs use: when runs are boxed, the
+    template each line's home gets a copy of (agent_box.template_home, in a box), else yours.
+    None, or one line on why it was not prepared."""
     with agent_box.scratch("prepare-") as scratch:
         try:
-            box = agent_box.call_box(Path(scratch))
+            box = agent_box.call_box(Path(scratch), home=agent_box.template_home())
         except agent_box.BoxSettingError as exc:
             return f"OpenCode's database was not prepared: {exc}"
-        return oc.prepare_opencode_db(stopping=lambda: current().flags.stopping, say=log, box=box,
-                                      data_home=agent_box.box_vars()["XDG_DATA_HOME"] if box else None)
+        return oc.prepare_opencode_db(
+            stopping=lambda: current().flags.stopping, say=log, box=box,
+            data_home=agent_box.box_vars(agent_box.template_home())["XDG_DATA_HOME"] if box else None)
 
 
 def _start_engines(slots: int, watch: bool) -> engine_slots.Slots:

@@ -321,6 +321,7 @@ class Workspace:
     # tree_now) and the paths then uncommitted; the receipt's changes are counted from that tree.
     start_tree: str | None = None
     uncommitted_before: list[str] = field(default_factory=list)
+    home: str | None = None   # OpenCode's folders of the task's line of work in a box (agent_box.line_home)
 
     def root(self) -> str:
         """``top``, which a ``worktree`` workspace always has. Raises ValueError for one without it

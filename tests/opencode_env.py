@@ -179,8 +179,8 @@ def opencode_env(tmp_path: Path, model_url: str, cost: bool = True,
     if binary:
         env["OPENCODE_BIN"] = binary
         template = prepared_data(binary)
-        # yours, the boxed runs' own and TaskBridge's calls' own
-        homes = [agent_box.box_home(env), *(agent_box.calls_home(kind, env) for kind in agent_box.CALLS)]
+        # yours, the template of the boxed runs' own (agent_box.seed_home) and TaskBridge's calls' own
+        homes = [agent_box.template_home(env), *(agent_box.calls_home(kind, env) for kind in agent_box.CALLS)]
         boxed = [Path(home) / "data" for home in homes]
         for data in (dirs["data"], *boxed) if template is not None else ():
             (data / "opencode").mkdir(parents=True, exist_ok=True)

@@ -425,7 +425,8 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     assert "box-bin-1" in seen, seen   # but for the programs it runs itself (agent_box.tools_folder)
     assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
     box = Path(agent_box.box_home())
-    assert (box / "cache" / "opencode" / "x").is_file() and (box / "state" / "opencode" / "x").is_file()
+    assert (box / "cache" / "opencode" / "x").is_file()
+    assert (Path(agent_box.line_home(task["id"])) / "state" / "opencode" / "x").is_file()   # its line's own
     assert not (box / "cache" / "opencode" / "bin" / "rg").exists()
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
@@ -483,6 +484,49 @@ def test_a_run_cannot_make_opencode_load_its_code_outside_the_box(opencode, tmp_
     forked = task_store.get_task(fork["id"])
     assert forked["status"] == "done" and "a copy (" in json.dumps(forked), forked
     assert not canary.exists()                                  # the run's plugin never ran outside a box
+
+
+SESSIONS = ("python3 -c \"import os, sqlite3; print('sessions', sqlite3.connect(os.environ['XDG_DATA_HOME'] "
+            "+ '/opencode/opencode.db').execute('select count(*) from session').fetchone()[0])\"")
+
+
+def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tmp_path):
+    """Every boxed run once shared one OpenCode data folder: a task could read the conversations
+    of every other task (other repositories' code and outputs), rewrite a session a follow-up
+    would resume, and leave a database row that a later run loads. Each line of work (a task and
+    its follow-ups) now has OpenCode data and state of its own (agent_box.line_home), seeded from
+    a template no run sees; the rest of the runs' OpenCode folders is hidden from it. A follow-up
+    still resumes its line's session, and a fork gets a copy of it in its own."""
+    import task_views
+    repo = make_repo(tmp_path / "repo")
+    root = agent_box.box_home()
+    opencode.model.script("first", [bash("echo first-secret-words"), text("First.\n" + DONE)])
+    first = submit(repo, script="first")
+    run_to_done(first)
+    theirs = Path(agent_box.line_home(first["id"])) / "data" / "opencode" / "opencode.db"
+    assert theirs.is_file()
+    template = Path(agent_box.template_home()) / "data" / "opencode" / "opencode.db"
+    probe = (f"ls {root}/lines; cat {theirs} > /dev/null; echo read-theirs-$?; "
+             f"echo x >> {template}; echo write-template-$?; {SESSIONS}; "
+             f"grep -c 'first-secret-[w]ords' \"$XDG_DATA_HOME/opencode/opencode.db\"; echo")
+    opencode.model.script("second", [bash(probe), text("Second.\n" + DONE)])
+    second = submit(repo, script="second")
+    _done, seen = run_to_done(second)
+    assert seen.startswith(f"bash: {second['id']}\n") and "read-theirs-1" in seen, seen   # only its own line in sight
+    assert "write-template-1" in seen and "sessions 1\n" in seen, seen      # its own session alone
+    assert "\n0\n" in seen, seen   # no word of the first task's conversation in its database
+    # a resumed session keeps its first script (fake_openai): the follow-up's and the fork's steps go on it
+    steps = [bash("echo first-secret-words"), text("First.\n" + DONE)]
+    opencode.model.script("first", steps + [bash(SESSIONS), text("Again.\n" + DONE)] * 2)
+    follow = submit(None, continue_from=first["id"])
+    done, seen = run_to_done(follow)
+    assert seen.strip() == "bash: sessions 1" and done["session_id"] == task_store.get_task(first["id"])["session_id"], seen
+    assert "continued" in json.dumps(done), done   # the first task's session, resumed in its line's home
+    fork = submit(None, fork_from=follow["id"])
+    done, seen = run_to_done(fork)
+    assert "a copy (" in json.dumps(done) and seen.strip() == "bash: sessions 1", seen   # a copy, in a home of its own
+    assert done["session_id"] != follow["session_id"]
+    assert task_views.transcript(follow["id"])["source"] == "opencode session"
 
 
 def test_taskbridge_reads_a_folders_opencode_config_in_a_box(opencode, tmp_path, monkeypatch):

@@ -260,9 +260,10 @@ def test_slots_run_tasks_side_by_side(opencode, tmp_path):
 
 
 def fresh_opencode_data() -> Path:
-    """Remove the prepared OpenCode database the fixture copied into the box's data folder (the
-    one boxed runs use, which a pass prepares: agent_box.box_home), as at a first run; its path."""
-    db = opencode_runner.opencode_db_path({"XDG_DATA_HOME": agent_box.box_vars()["XDG_DATA_HOME"]})
+    """Remove the prepared OpenCode database the fixture copied into the template of the boxed
+    runs' homes (which a pass prepares: agent_box.template_home), as at a first run; its path."""
+    db = opencode_runner.opencode_db_path({"XDG_DATA_HOME": agent_box.box_vars(agent_box.template_home())[
+        "XDG_DATA_HOME"]})
     for path in (db, db.parent / opencode_runner.DB_PREPARED):
         path.unlink(missing_ok=True)
     return db
