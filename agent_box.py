@@ -430,14 +430,61 @@ def box_home(env: dict[str, str] | None = None) -> str:
     return str(knobs.xdg_home("XDG_CACHE_HOME", env) / "taskbridge" / "opencode-box")
 
 
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
+
+
 def line_home(line: str) -> str:
     """The OpenCode data and state folders (``data/``, ``state/``) of one line of work, ``line``
-    the id of its first task (task_views.session_line): its sessions, which its follow-ups and
-    answered questions resume, live there and nowhere another task's box shows. Under box_home,
-    so its runs share box_home's ``cache/``."""
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,80}", line) or line.strip(".") == "":
-        raise ValueError(f"not a line of work's id: {line!r}")
+    the id of the task that began its session: the session, which its follow-ups and answered
+    questions resume (``session_home`` finds it), lives there and nowhere another task's box
+    shows. Under box_home, so its runs share box_home's ``cache/``. Raises ValueError for a
+    ``line`` that is no task id."""
+    if not _NAME.fullmatch(line):
+        raise ValueError(f"not a task id: {line!r}")
     return os.path.join(box_home(), "lines", line)
+
+
+def _session_link(session: str) -> str:
+    if not _NAME.fullmatch(session):
+        raise ValueError(f"not an OpenCode session id: {session!r}")
+    return os.path.join(box_home(), "sessions", session)
+
+
+def remember_session(session: str, home: str) -> None:
+    """Record that OpenCode session ``session`` (an id from the event stream) lives in ``home``
+    (a ``line_home``): a link ``<box_home>/sessions/<session>`` to it, hidden from runs like the
+    rest of box_home, replaced whole. Raises ValueError for a bad id, OSError."""
+    link = _session_link(session)
+    os.makedirs(os.path.dirname(link), mode=0o700, exist_ok=True)
+    partial = f"{link}.{os.getpid()}.{threading.get_ident()}"
+    os.symlink(os.path.relpath(home, os.path.dirname(link)), partial)
+    os.replace(partial, link)
+
+
+def session_home(session: str | None) -> str | None:
+    """The home ``remember_session`` recorded for ``session`` (resolved), or None: no session, a
+    bad id, none recorded (a session of an earlier layout) or its folder gone."""
+    if not session:
+        return None
+    try:
+        found = os.path.realpath(_session_link(session))
+    except ValueError:
+        return None
+    return found if os.path.isdir(found) else None
+
+
+def forget_homes(removed: dict[str, str | None], kept_sessions: set[str]) -> None:
+    """After tasks left the queue (``removed``: id -> its session or None): remove the homes they
+    began or their sessions live in, and those sessions' links, but for the homes of sessions a
+    task in the queue still holds (``kept_sessions``)."""
+    kept = {home for session in kept_sessions if (home := session_home(session))}
+    for task_id, session in removed.items():
+        for home in (os.path.realpath(line_home(task_id)), session_home(session)):
+            if home and home not in kept:
+                shutil.rmtree(home, ignore_errors=True)
+        if session and session not in kept_sessions:
+            with contextlib.suppress(OSError, ValueError):
+                os.unlink(_session_link(session))
 
 
 def slot_home(name: str) -> str:

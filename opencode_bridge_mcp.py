@@ -1254,7 +1254,7 @@ def clear_finished(
     statuses: Annotated[list[Literal["done", "failed", "cancelled"]] | None,
                         BeforeValidator(lambda v: None if store.optional(v) is None else _as_list(v)),
                         Field(description="which finished statuses to remove; default all three")] = None,
-    remove_logs: Annotated[bool | None, Field(description="also delete their log files (on PostgreSQL a log lives in the database and always goes with its task)")] = False,
+    remove_logs: Annotated[bool | None, Field(description="also delete their log files (on PostgreSQL a log lives in the database and always goes with its task) and their OpenCode sessions (those a remaining follow-up resumes stay)")] = False,
     remove_worktrees: Annotated[bool | None, Field(description="also remove worktrees kept with worktree_keep (branches stay); without it their tasks stay in the queue")] = False,
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished

@@ -3664,7 +3664,7 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
                    dry_run: bool = False, only_ids: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
     questions, dependency rows and log chunks go with them; events stay as history). Returns the removed
-    tasks' ``{id, branch, worktree_path, log, lease_host, worktree_removed}`` so the caller may remove
+    tasks' ``{id, branch, worktree_path, log, lease_host, worktree_removed, session_id}`` so the caller may remove
     files (``lease_host``: the machine of its last attempt; ``worktree_removed``: its receipt says
     the worktree was removed).
     A task that a not-finished task still depends on is kept. ``dry_run``: only list what would
@@ -3681,16 +3681,25 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
     params = [*chosen, now() - older_than_sec, *(nums or [])]
     with _writing() as conn:
         if dry_run:
-            rows = conn.execute(f"SELECT id, branch, worktree_path, lease_host, result FROM tasks WHERE {where}",
-                                params).fetchall()
+            rows = conn.execute(f"SELECT id, branch, worktree_path, lease_host, result, session_id FROM tasks"
+                                f" WHERE {where}", params).fetchall()
         else:
             rows = conn.execute(f"DELETE FROM tasks WHERE {where}"
-                                " RETURNING id, branch, worktree_path, lease_host, result", params).fetchall()
+                                " RETURNING id, branch, worktree_path, lease_host, result, session_id",
+                                params).fetchall()
         if rows and not dry_run:
             _event(conn, None, "cleared", f"{len(rows)} finished task(s) removed")
     return [{"id": format_task_id(r["id"]), "branch": r["branch"], "worktree_path": r["worktree_path"],
              "log": str(log_path(r["id"])), "lease_host": r["lease_host"],
-             "worktree_removed": _receipt_says_removed(r["result"])} for r in rows]
+             "worktree_removed": _receipt_says_removed(r["result"]), "session_id": r["session_id"]} for r in rows]
+
+
+def session_ids() -> set[str]:
+    """Every OpenCode session id a task in the queue holds (one read of the whole table: for
+    ``clear``, which must not remove a session a remaining follow-up resumes)."""
+    with _reading() as conn:
+        return {r["session_id"] for r in conn.execute(
+            "SELECT DISTINCT session_id FROM tasks WHERE session_id IS NOT NULL")}
 
 
 def _receipt_says_removed(result: str | None) -> bool:

@@ -587,28 +587,14 @@ def line_of_work(task: dict[str, Any]) -> list[dict[str, Any]]:
     return line
 
 
-def session_line(task: dict[str, Any], get: Any = None) -> str:
-    """The id of the first task of ``task``'s session line: follow-ups (continue_from) resume
-    their predecessor's OpenCode session, so they share its line; a fork, a retry and a first
-    task start their own. ``get``: how a task is read by id (default store.get_task; the worker
-    passes its retrying read). A predecessor that is gone ends the walk there."""
-    get = get or store.get_task
-    seen = {task["id"]}
-    while (parent := task.get("continue_from")) and parent not in seen:
-        try:
-            task = get(parent)
-        except store.TaskNotFound:
-            break
-        seen.add(parent)
-    return str(task["id"])
-
-
-def _export(session_id: str, cwd: str, line: str) -> dict[str, Any]:
-    """``oc.export_session`` where the runs keep their sessions: in the home of the session's line
-    (agent_box.line_home), read in a box, when runs are boxed here (agent_box.call_box); else in
-    your data folder, in ``cwd``."""
+def _export(holder: dict[str, Any], cwd: str) -> dict[str, Any]:
+    """``oc.export_session`` of ``holder``'s session where the runs keep their sessions: in the
+    folders of the session's line (agent_box.session_home; else the holder's own line's), read
+    in a box, when runs are boxed here (agent_box.call_box); else in your data folder, in ``cwd``."""
+    session_id = holder["session_id"]
+    home = agent_box.session_home(session_id) or agent_box.line_home(holder["id"])
     with agent_box.scratch("export-") as scratch:
-        box = agent_box.call_box(Path(scratch), home=agent_box.line_home(line))
+        box = agent_box.call_box(Path(scratch), home=home)
         return oc.export_session(session_id, str(Path(scratch) / "cwd") if box else cwd, box=box)
 
 
@@ -635,8 +621,7 @@ def transcript(task_id: Any, offset: int = 0, limit: int = 20) -> dict[str, Any]
         cwd = holder.get("worktree_path") if holder.get("worktree_path") and os.path.isdir(holder["worktree_path"]) \
             else holder["working_dir"]
         try:
-            turns = oc.session_turns(_export(holder["session_id"], cwd if os.path.isdir(cwd) else "/",
-                                             session_line(holder)))
+            turns = oc.session_turns(_export(holder, cwd if os.path.isdir(cwd) else "/"))
             source = "opencode session"
             if holder is not task:
                 note = f"{task['id']} has no session yet: this is the line so far, in {holder['id']}'s session"

@@ -1283,7 +1283,7 @@ def cancel(task_id: str, yes: bool, reason: str) -> None:
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--purge-logs", is_flag=True,
               help="Also delete the removed tasks' log files (on PostgreSQL a log is in the database and always "
-                   "goes with its task).")
+                   "goes with its task) and their OpenCode sessions (those a remaining follow-up resumes stay).")
 @click.option("--remove-worktrees", is_flag=True,
               help="Also remove worktrees kept with --keep-worktree (task branches stay); without it their tasks stay.")
 @json_option

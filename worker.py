@@ -65,7 +65,6 @@ import receipt as receipt_mod
 import redaction
 import reverse_bridge
 import task_store as store
-import task_views
 import worker_talk as talk
 import worktrees
 from receipt import ITEM_MAX, ITEMS_MAX, SUMMARY_MAX, Receipt  # noqa: F401 - ITEM*/SUMMARY_MAX: worker's names too
@@ -1714,19 +1713,32 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 kept.parked = None   # the task's worktree is there now (taken over or made anew): never dropped
             if ws is None:
                 return final
-            ws.home = agent_box.line_home(task_views.session_line(task, lambda tid: db(store.get_task, tid)))
+            ws.home = _home(task)
             setup, final = _run_setup(task, ws, phases, model)
             if setup is None:
                 return final
             setup.engine = kept
             _engine_learns(task, ws, model, setup)   # before the run: the next server may start during it
             run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
+            if run.stream.session_id and ws.home:   # where a follow-up, an answer, a fork finds it
+                with contextlib.suppress(OSError, ValueError):
+                    agent_box.remember_session(run.stream.session_id, ws.home)
         finally:
             if kept is not None:   # not used (the task ended before its run, or ran cold): recycled
                 kept.recycle(knobs.kill_grace_sec)
             _engine_next()
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)
+
+
+def _home(task: dict[str, Any]) -> str:
+    """OpenCode's folders for the task's runs in a box (agent_box): those of the session it
+    resumes (its own, after a question; its predecessor's, for a follow-up) when they are known,
+    else its own line's; a fork's copy of its origin's session is made in its own."""
+    session = task.get("session_id")
+    if not session and task.get("continue_from"):
+        session = db(store.get_task, task["continue_from"]).get("session_id")
+    return agent_box.session_home(session) or agent_box.line_home(task["id"])
 
 
 @dataclass
@@ -1935,8 +1947,7 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
         probe = fresh_run_folder(task["id"], f".copy-{secrets.token_hex(3)}")
         # In the task's box: the session is exported from its line's home and imported into the
         # fork's, folders only a box reads.
-        origin = replace(ws, home=agent_box.line_home(task_views.session_line(
-            parent, lambda tid: db(store.get_task, tid))))
+        origin = replace(ws, home=agent_box.session_home(parent["session_id"]) or agent_box.line_home(parent["id"]))
         try:
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
                                       ws.top or ws.cwd, setup.env, box=lambda argv, env: _boxed(

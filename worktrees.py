@@ -1905,8 +1905,9 @@ def _inside(path: str, root: Path) -> bool:
 
 def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, remove_logs: bool = False,
                    remove_worktrees: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Remove finished tasks (``task_store.clear_finished``) and, when asked, their logs and
-    worktrees (branches always stay). A task whose worktree is still on disk stays in the queue
+    """Remove finished tasks (``task_store.clear_finished``) and, when asked, their logs (with
+    their OpenCode sessions, agent_box.forget_homes, but for one a task in the queue still holds)
+    and worktrees (branches always stay). A task whose worktree is still on disk stays in the queue
     unless ``remove_worktrees`` removes it first (the queue is what knows the worktree: a cleared
     task's worktree could never be found again), and so does one whose worktree could not be
     removed; the problem says what is left. A task whose worktree was kept on another machine
@@ -1941,6 +1942,9 @@ def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, re
         if remove_logs and Path(task["log"]).exists():
             Path(task["log"]).unlink()
             purged["logs_removed"] += 1
+    if remove_logs and removed:
+        import agent_box  # it imports this module
+        agent_box.forget_homes({task["id"]: task["session_id"] for task in removed}, store.session_ids())
     return removed, purged
 
 

@@ -517,15 +517,22 @@ def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tm
     assert "\n0\n" in seen, seen   # no word of the first task's conversation in its database
     # a resumed session keeps its first script (fake_openai): the follow-up's and the fork's steps go on it
     steps = [bash("echo first-secret-words"), text("First.\n" + DONE)]
-    opencode.model.script("first", steps + [bash(SESSIONS), text("Again.\n" + DONE)] * 2)
+    opencode.model.script("first", steps + [bash(SESSIONS), text("Again.\n" + DONE)] * 3)
     follow = submit(None, continue_from=first["id"])
     done, seen = run_to_done(follow)
-    assert seen.strip() == "bash: sessions 1" and done["session_id"] == task_store.get_task(first["id"])["session_id"], seen
+    assert seen.strip() == "bash: sessions 1", seen
+    assert done["session_id"] == task_store.get_task(first["id"])["session_id"]
     assert "continued" in json.dumps(done), done   # the first task's session, resumed in its line's home
     fork = submit(None, fork_from=follow["id"])
     done, seen = run_to_done(fork)
     assert "a copy (" in json.dumps(done) and seen.strip() == "bash: sessions 1", seen   # a copy, in a home of its own
-    assert done["session_id"] != follow["session_id"]
+    session = task_store.get_task(follow["id"])["session_id"]
+    assert done["session_id"] != session
+    # its session is found by its id, not by the line's first task: that one may be cleared
+    assert [t["id"] for t in task_store.clear_finished(only_ids=[first["id"]])] == [first["id"]]
+    again = submit(None, continue_from=follow["id"])
+    done, seen = run_to_done(again)
+    assert seen.strip() == "bash: sessions 1" and done["session_id"] == session, seen
     assert task_views.transcript(follow["id"])["source"] == "opencode session"
 
 

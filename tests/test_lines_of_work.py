@@ -6,6 +6,7 @@ denies; unknown skills and sub-agents are refused at submit."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import task_store
 import task_views
 from fake_openai import text, tool_call
-from helpers import ROOT, git, make_repo, run_script, tool_error, until
+from helpers import ROOT, git, make_repo, run_script, submit, tool_error, until
 
 pytestmark = pytest.mark.real_opencode
 BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
@@ -370,3 +371,35 @@ def test_an_unknown_skill_subagent_or_agent_is_refused_at_submit(opencode, tmp_p
 
     assert "agent 'nosuchagent' is not offered" in anyio.run(agent_over_mcp)
     assert task_store.counts()["pending"] == 1   # the one queued above
+
+
+def test_clearing_with_the_logs_removes_the_opencode_sessions_no_remaining_task_holds(tmp_path, monkeypatch):
+    """A line of work's OpenCode session lives in folders named by the task that began it
+    (agent_box.line_home), found by its id (agent_box.session_home): clearing with the logs
+    (`clear --purge-logs`, the MCP `remove_logs`) removes them too, but for a session a task
+    still in the queue holds (a follow-up resumes it, and the next follow-up after that)."""
+    import agent_box
+    import worktrees
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path.parent / f"{tmp_path.name}-cache"))
+
+    def ran(task: dict, session: str, failed: bool = False) -> None:
+        home = agent_box.session_home(session) or agent_box.line_home(task["id"])
+        Path(home, "data", "opencode").mkdir(parents=True, exist_ok=True)
+        agent_box.remember_session(session, home)
+        marker = task_store.claim_next("test-worker", task_id=task["id"])["run_marker"]
+        if failed:
+            task_store.fail_attempt(task["id"], marker, "broke", retryable=False, session_id=session)
+        else:
+            task_store.complete_attempt(task["id"], marker, result={"summary": "done"}, session_id=session)
+
+    first, alone = submit(tmp_path, "first"), submit(tmp_path, "alone")
+    ran(first, "ses_first")
+    ran(alone, "ses_alone")
+    follow = task_store.submit_task(title="follow", instructions="i", continue_from=first["id"])
+    ran(follow, "ses_first", failed=True)   # it resumed the first task's session
+    removed, _purged = worktrees.clear_finished(0, ("done",), remove_logs=True)
+    assert sorted(task["id"] for task in removed) == sorted([first["id"], alone["id"]])
+    assert agent_box.session_home("ses_first") == os.path.realpath(agent_box.line_home(first["id"]))   # kept
+    assert agent_box.session_home("ses_alone") is None and not Path(agent_box.line_home(alone["id"])).exists()
+    worktrees.clear_finished(0, remove_logs=True)   # the follow-up goes too: nothing holds the session now
+    assert agent_box.session_home("ses_first") is None and not Path(agent_box.line_home(first["id"])).exists()
