@@ -316,9 +316,9 @@ def _literally(replacement: str) -> Callable[[re.Match[str]], str]:
     return lambda _match: replacement
 
 
-def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],
+def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str],  # noqa: PLR0913
                  timeout_sec: float = 120, box: Any = None, scratch: str | None = None,
-                 source_box: Any = None) -> str:
+                 source_box: Any = None, until: float | None = None) -> str:
     """A copy of OpenCode session ``session_id`` (its whole history) that lives in ``new_dir``;
     returns the copy's id. ``opencode run -s ID --fork`` forks only in the session's own folder
     (run from another worktree it hangs, measured with 1.18.33), so the session is exported
@@ -327,8 +327,10 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
     ``box``: ``(argv, env) -> (argv, env)`` running the import in the task's box (boxed runs'
     sessions are in their line's OpenCode folders, which only a box may read), with the file
     imported written in ``scratch``, a folder the box shows at its own path; ``source_box`` the
-    export (in the box showing the origin's folders; default ``box``). Raises SessionCopyFailed
-    quoting OpenCode."""
+    export (in the box showing the origin's folders; default ``box``). ``until``: a time (epoch
+    seconds) after which no message is copied (a fork of a task that a follow-up continued in the
+    same session copies the task's turns, not the follow-up's). Raises SessionCopyFailed quoting
+    OpenCode."""
     run_env = {**env, "PWD": new_dir, **NO_PROJECT_CODE}
 
     def boxed(argv: list[str], hook: Any = box) -> tuple[list[str], dict[str, str]]:
@@ -341,6 +343,8 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
     if proc.returncode != 0 or start < 0:
         raise SessionCopyFailed(f"opencode export {session_id}: {opencode_error(proc, 'opencode export')}")
     text = proc.stdout[start:]
+    if until is not None:
+        text = _messages_until(text, until, session_id)
     fresh: dict[str, str] = {}
 
     def renamed(match: re.Match) -> str:
@@ -367,6 +371,25 @@ def copy_session(session_id: str, old_dir: str, new_dir: str, env: dict[str, str
     if proc.returncode != 0 or session_id not in fresh:
         raise SessionCopyFailed(f"opencode import: {opencode_error(proc, 'opencode import')}")
     return fresh[session_id]
+
+
+def _messages_until(text: str, until: float, session_id: str) -> str:
+    """The export ``text`` without the messages OpenCode created after ``until`` (epoch seconds;
+    a message's ``info.time.created`` is in milliseconds). Raises SessionCopyFailed for an export
+    that is no JSON object."""
+    try:
+        export = json.loads(text)
+    except ValueError as exc:
+        raise SessionCopyFailed(f"opencode export {session_id} printed no JSON ({exc})") from None
+    if not isinstance(export, dict) or not isinstance(export.get("messages"), list):
+        return text
+
+    def created(message: Any) -> float:
+        stamp = _dict(_dict(_dict(message).get("info")).get("time")).get("created")
+        return stamp if isinstance(stamp, (int, float)) else 0
+
+    export["messages"] = [m for m in export["messages"] if created(m) <= until * 1000]
+    return json.dumps(export)
 
 
 _LOGGED_ERROR = re.compile(r'\blevel=ERROR\b.*?\berror="((?:[^"\\]|\\.)*)"')

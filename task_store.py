@@ -2124,8 +2124,8 @@ def submit_task(**fields: Any) -> dict[str, Any]:
     max_cost_usd (USD, > 0) and max_tokens (tokens, > 0): the task's spending limits over all its
     attempts (neither given: the queue's defaults, see ``set_budget``).
     continue_from (a task id: a follow-up that resumes that task's OpenCode session and commits on
-    its branch; working_dir may be left out) or fork_from (a task id: a new branch from that task's
-    head with a copy of its session). Either one also waits for that task like a dependency.
+    its branch; working_dir may be left out) or fork_from (a task id: a new branch from the commit
+    that task ended at, with a copy of its session as it ended). Either one also waits for that task like a dependency.
     Raises ValidationError; nothing is written then.
     """
     try:

@@ -1003,7 +1003,8 @@ def cli() -> None:
 @click.option("--continue", "continue_from", callback=task_id_arg,
               help="Follow-up of this task: resume its OpenCode session and commit on its branch (waits for it).")
 @click.option("--fork", "fork_from", callback=task_id_arg,
-              help="Fork of this task: a new branch from its head with a copy of its session (waits for it).")
+              help="Fork of this task: a new branch from the commit it ended at, with a copy of its session as "
+                   "it ended (waits for it).")
 @click.option("--rules", help='Permission rules in OpenCode\'s format, e.g. \'{"bash": {"git push*": "ask"}}\' '
                               "(ask pauses the task for your answer).")
 @click.option("--skill", "skills", multiple=True,

@@ -47,6 +47,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -1720,7 +1721,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             setup.engine = kept
             _engine_learns(task, ws, model, setup)   # before the run: the next server may start during it
             run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
-            if run.stream.session_id and ws.home:   # where a follow-up, an answer, a fork finds it
+            if run.stream.session_id and setup.box.mechanism:   # where a follow-up, an answer, a fork finds it
                 with contextlib.suppress(OSError, ValueError):
                     agent_box.remember_session(run.stream.session_id, ws.home)
         finally:
@@ -1737,7 +1738,8 @@ def _home(task: dict[str, Any]) -> str:
     else its own line's; a fork's copy of its origin's session is made in its own."""
     session = task.get("session_id")
     if not session and task.get("continue_from"):
-        session = db(store.get_task, task["continue_from"]).get("session_id")
+        with contextlib.suppress(store.TaskNotFound):   # cleared meanwhile: a new session, in its own
+            session = db(store.get_task, task["continue_from"]).get("session_id")
     return agent_box.session_home(session) or agent_box.line_home(task["id"])
 
 
@@ -1952,7 +1954,8 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
             session = oc.copy_session(parent["session_id"], parent.get("worktree_path") or parent["working_dir"],
                                       ws.top or ws.cwd, setup.env, box=lambda argv, env: _boxed(
                                           task, ws, setup.box, probe, argv, env), scratch=str(probe / "control"),
-                                      source_box=lambda argv, env: _boxed(task, origin, setup.box, probe, argv, env))
+                                      source_box=lambda argv, env: _boxed(task, origin, setup.box, probe, argv, env),
+                                      until=_ended_by(parent))
             how = f"a copy ({session}) of {parent['id']}'s OpenCode session {parent['session_id']} (fork)"
         except (oc.SessionCopyFailed, subprocess.TimeoutExpired, OSError) as exc:
             how = f"{parent['id']}'s session could not be copied ({exc}); a new session got the brief"
@@ -1964,6 +1967,15 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
             return run, how
         how = f"the OpenCode session {session} was gone; a new session got the brief"
     return _attempt(task, ws, knobs, model, setup, prompt, None, deadline), how
+
+
+def _ended_by(task: dict[str, Any]) -> float | None:
+    """A finished task's end as epoch seconds, rounded up (the store's times are whole seconds):
+    a fork's copy of its session keeps what OpenCode wrote until then. None while it is not
+    finished."""
+    if task["status"] not in store.TERMINAL or not task.get("finished_at"):
+        return None
+    return datetime.fromisoformat(task["finished_at"]).timestamp() + 1
 
 
 def _attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSetup, prompt: str,

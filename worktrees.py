@@ -642,10 +642,26 @@ def _parent_line_base(parent_id: str) -> str | None:
 
 
 def _fork_base(task: dict[str, Any], top: str) -> tuple[str, str]:
+    """Where a fork starts: the commit its origin task ended at (its own commit, or its base when
+    it committed nothing), not the head of the origin's branch, which a follow-up of it may have
+    moved on since; the head when that commit is not on the branch (an origin that did not end
+    done)."""
     parent = store.get_task(task["fork_from"])
     if _branch_dropped(parent):
         return parent["base_commit"], f"{parent['id']}'s base commit ({parent['id']} changed nothing; fork)"
-    return _parent_tip(parent, top), f"the head of {parent['id']}'s branch {parent['branch']} (fork)"
+    tip = _parent_tip(parent, top)
+    result = given if isinstance(given := parent.get("result"), dict) else {}
+    return _where_it_ended(parent, top, tip, result.get("commit") or parent.get("base_commit"),
+                           f"{parent['id']}'s branch {parent['branch']}")
+
+
+def _where_it_ended(parent: dict[str, Any], repo: str, tip: str, ended: str | None, branch: str) -> tuple[str, str]:
+    """(commit, why) a fork of ``parent`` starts from: ``ended``, the commit it ended at, when it
+    ended done and that commit is on its branch, whose head ``tip`` a follow-up may have moved on
+    since; else ``tip``."""
+    if parent["status"] == "done" and ended and ended != tip and _is_ancestor(repo, ended, tip):
+        return ended, f"the commit {parent['id']} ended at on {branch}, {ended[:12]} (fork)"
+    return tip, f"the head of {branch} (fork)"
 
 
 def _branch_dropped(parent: dict[str, Any]) -> bool:
@@ -1078,8 +1094,11 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
         if not tip or not branch_of_parent:
             raise Unrunnable(f"{parent['id']}'s branch {branch_of_parent or '(never pushed)'} is not on {url}; a "
                              "follow-up or fork starts from it: push it back or submit a new task")
-        base = task.get("base_commit") or tip
-        base_from = f"the head of {parent['id']}'s branch {branch_of_parent} on the remote"
+        base, base_from = tip, f"the head of {parent['id']}'s branch {branch_of_parent} on the remote"
+        if task.get("fork_from"):
+            base, base_from = _where_it_ended(parent, mirror, tip, parent.get("pushed_commit"),
+                                              f"{parent['id']}'s branch {branch_of_parent} on the remote")
+        base = task.get("base_commit") or base
         line_base = task.get("line_base") or parent.get("line_base") or parent.get("base_commit") or base
         if task.get("continue_from"):
             branch, lease = branch_of_parent, _remote_tip(mirror, branch_of_parent)

@@ -127,6 +127,33 @@ def test_fork_makes_two_branches_from_one_head_with_both_histories(opencode, tmp
     assert git(repo, "rev-parse", one["branch"]) == one["result"]["commit"], "the first branch is untouched"
 
 
+def test_a_fork_of_a_task_a_follow_up_continued_starts_from_that_tasks_work_and_turns(opencode, tmp_path):
+    """A follow-up moves its task's branch on and adds its turns to the task's own session: a
+    fork of the task made after that started from the follow-up's commit with the follow-up's
+    turns. It starts from the commit the task ended at, with the turns the task had then."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("line", [
+        *_step(tool_call("write", {"filePath": "{cwd}/a.txt", "content": "one\n"}), "Wrote.", "one", ["a.txt"]),
+        *_step(tool_call("bash", {"command": "cat {cwd}/a.txt; echo more >> {cwd}/a.txt", "description": "add"}),
+               "Added.", "more", ["a.txt"]),
+    ])
+    first = task_store.submit_task(title="first", instructions="Begin. SCRIPT:line", working_dir=str(repo))
+    follow = task_store.submit_task(title="follow", instructions="follow-up-brief-token", continue_from=first["id"])
+    assert run_script("worker.py").returncode == 0
+    one, two = task_store.get_task(first["id"]), task_store.get_task(follow["id"])
+    assert [one["status"], two["status"]] == ["done", "done"], (one["error"], two["error"])
+    assert git(repo, "rev-parse", one["branch"]) == two["result"]["commit"] != one["result"]["commit"]
+    fork = task_store.submit_task(title="fork", instructions="fork-brief-token", fork_from=first["id"])
+    assert run_script("worker.py").returncode == 0
+    forked = task_store.get_task(fork["id"])
+    assert forked["status"] == "done", forked["error"]
+    assert git(repo, "rev-parse", f"{forked['result']['commit']}^") == one["result"]["commit"], forked["result"]
+    assert git(repo, "show", f"{forked['branch']}:a.txt") == "one\nmore"   # its own step on the first's file
+    request = [r for r in opencode.model.step_requests("line") if "fork-brief-token" in _body(r)][0]
+    assert "Begin. SCRIPT:line" in _body(request) and "follow-up-brief-token" not in _body(request)
+    assert forked["result"]["session"].startswith("a copy (")
+
+
 def test_follow_up_refusals(tmp_path):
     here = str(tmp_path)
     (tmp_path / "other").mkdir()

@@ -308,6 +308,15 @@ def test_a_follow_up_continues_the_pushed_branch_and_the_mirror_is_fetched_not_c
     assert one["result"]["mirror"]["cloned"] is True and two["result"]["mirror"]["cloned"] is False
     assert one["result"]["mirror"]["path"] == two["result"]["mirror"]["path"]
     assert two["session_id"] == one["session_id"], "same machine: the OpenCode session is resumed"
+    # A fork of the first task starts where it ended, not at its follow-up's commit on the branch.
+    opencode.model.script("line", [*_writes("lib.py", "def add(a, b):\n    return a + b\n", "lib"),
+                                   *_writes("other.txt", "another way\n", "other")])
+    fork = submit(instructions="Another way.", fork_from=first["id"])
+    assert run_script("worker.py").returncode == 0
+    forked = task_store.get_task(fork["id"])
+    assert forked["status"] == "done", forked["error"]
+    assert git(remote, "rev-parse", f"{forked['pushed_commit']}^") == one["pushed_commit"], forked["result"]
+    assert "test_lib.py" not in git(remote, "ls-tree", "--name-only", forked["pushed_branch"]).split()
 
 
 @pytest.mark.real_opencode
