@@ -393,7 +393,7 @@ def ensure_gitignore(folders: Iterable[str]) -> None:
 # active account in ``opencode.db`` whose config it fetches: plugins, MCP commands, ``{file:…}``
 # references) and runs git in folders there (``snapshot/``, ``repos/``), so a data folder a run
 # can write is never read by an OpenCode outside a box: boxed runs keep theirs under
-# ``box_home()``, yours is hidden from them, and your provider keys and MCP OAuth tokens are bound
+# ``box_home()`` (one per line of work: line_home), yours is hidden from them, and your provider keys and MCP OAuth tokens are bound
 # into theirs read-only.
 CREDENTIALS = ("auth.json", "mcp-auth.json")
 
@@ -421,7 +421,7 @@ def credential_binds(box_data: str) -> list[tuple[str, str]]:
 def box_home(env: dict[str, str] | None = None) -> str:
     """The root of OpenCode's folders for boxed runs: ``<XDG_CACHE_HOME>/taskbridge/opencode-box``
     (the XDG_CACHE_HOME of ``env``, default the worker's, or ``~/.cache``), hidden from every run
-    but for its own home (``line_home``) and the shared ``cache/``. OpenCode runs what it keeps in
+    but for its own home (``line_home``). OpenCode runs what it keeps in
     its cache (``bin/``: ripgrep when it is not on PATH, language servers; npm plugins and
     providers) and loads configuration its data folder names (see CREDENTIALS): a run writing
     your own folders would plant code your next unboxed ``opencode`` runs. These are TaskBridge's,
@@ -434,11 +434,11 @@ _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 
 
 def line_home(line: str) -> str:
-    """The OpenCode data and state folders (``data/``, ``state/``) of one line of work, ``line``
-    the id of the task that began its session: the session, which its follow-ups and answered
-    questions resume (``session_home`` finds it), lives there and nowhere another task's box
-    shows. Under box_home, so its runs share box_home's ``cache/``. Raises ValueError for a
-    ``line`` that is no task id."""
+    """OpenCode's data, cache and state folders (``data/``, ``cache/``, ``state/``) of one line of
+    work, ``line`` the id of the task that began its session: the session, which its follow-ups
+    and answered questions resume (``session_home`` finds it), and what OpenCode keeps in its
+    cache (the model catalogue, npm plugins and providers it installs) live there and nowhere
+    another task's box shows. Raises ValueError for a ``line`` that is no task id."""
     if not _NAME.fullmatch(line):
         raise ValueError(f"not a task id: {line!r}")
     return os.path.join(box_home(), "lines", line)
@@ -505,9 +505,16 @@ def seed_home(home: str) -> None:
     the template's (``template_home``, when one is there and not being prepared right now): a
     new line's first run then skips OpenCode's migrations (~1.3 s), and two OpenCode processes
     starting on the home at once (a run and a transcript's export) never both create it. Without
-    a template OpenCode makes the database itself. Raises OSError when the folder cannot be made."""
+    a template OpenCode makes the database itself; the template's model catalogue (the
+    ``models.json`` OpenCode fetched into its cache, data it reads) is copied too. Raises OSError
+    when the folder cannot be made."""
     data = Path(home) / "data" / "opencode"
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    catalogue = Path(template_home()) / "cache" / "opencode" / MODELS_CATALOGUE
+    if catalogue.is_file() and not (Path(home) / "cache" / "opencode" / MODELS_CATALOGUE).exists():
+        with contextlib.suppress(OSError):
+            (Path(home) / "cache" / "opencode").mkdir(mode=0o700, parents=True, exist_ok=True)
+            store.write_private(Path(home) / "cache" / "opencode" / MODELS_CATALOGUE, catalogue.read_bytes())
     target = data / oc.OPENCODE_DB
     template = Path(template_home()) / "data" / "opencode" / oc.OPENCODE_DB
     if target.exists() or not template.is_file():
@@ -524,6 +531,9 @@ def seed_home(home: str) -> None:
             copy.close()
         os.chmod(partial, 0o600)
         os.rename(partial, target)   # whole or not at all: another seeding of it may race this one
+
+
+MODELS_CATALOGUE = "models.json"   # OpenCode's copy of models.dev in its cache folder (1.18.33)
 
 
 def adopt_home(home: str, target: str) -> bool:
@@ -576,12 +586,10 @@ def calls_lock(kind: str) -> Iterator[None]:
 
 def box_vars(home: str | None = None) -> dict[str, str]:
     """The variables every box sets inside (``Plan.env``): OpenCode's data, cache and state
-    folders moved to ``home`` (default ``box_home()``); a home under box_home (``line_home``,
-    ``slot_home``, ``template_home``) keeps its data and state there and shares box_home's cache."""
+    folders moved to ``home`` (default ``box_home()``)."""
     home = home or box_home()
-    cache = box_home() if _under(home, box_home()) else home
-    return {"XDG_DATA_HOME": os.path.join(home, "data"), "XDG_CACHE_HOME": os.path.join(cache, "cache"),
-            "XDG_STATE_HOME": os.path.join(home, "state")}
+    return {name: os.path.join(home, sub) for name, sub in (
+        ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state"))}
 
 
 Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]

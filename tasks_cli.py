@@ -1412,7 +1412,7 @@ def branch(task_id: str, as_json: bool) -> None:
             ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),
             ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else
              "nothing to apply: the branch has no commit beyond its base"
-             if info["tip"] and info["tip"] == info["base_commit"] else "no"),
+             if info["tip"] and not info["has_commits"] else "no"),
             ("kept worktree", line(info["worktree_path"]))]
     rows += [(name, line(command)) for name, command in info["commands"].items()]
     out().print(fields_table(rows, title=f"Work of {task_id}"))

@@ -2307,8 +2307,9 @@ class ApplyRefused(store.TaskStoreError):
 def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     """Where a task's work is: ``branch``, ``commit`` (the receipt's), ``tip`` (the branch's commit
     now, None when deleted), ``base_commit``, ``repo`` (the user's checkout, None when not a git
-    repository), ``checkout_branch`` (what the checkout is on), ``applied`` (the branch has commits
-    beyond its base and its tip is already in the checkout's HEAD), ``worktree_path`` (a kept
+    repository), ``checkout_branch`` (what the checkout is on), ``has_commits`` (the branch has
+    commits beyond its base), ``applied`` (it has, and its tip is already in the checkout's HEAD),
+    ``worktree_path`` (a kept
     worktree that still exists, else None) and ``commands`` (git command lines to look at it,
     check it out, apply it). A task on a remote has
     no checkout here: ``remote`` names where its branch was pushed (``pushed``: whether it was),
@@ -2331,6 +2332,7 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
             "tip": tip or None, "base_commit": base, "repo": repo,
             "checkout_branch":
                 git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
+            "has_commits": bool(tip and tip != base),
             "applied": bool(repo and tip and head and tip != base and _is_ancestor(repo, tip, head)),
             "worktree_path": kept, "commands": commands}
 
@@ -2345,6 +2347,7 @@ def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": task.get("pushed_commit"), "base_commit": task.get("base_commit"), "repo": None,
             "remote": remote, "pushed": bool(task.get("pushed_branch")), "checkout_branch": None,
+            "has_commits": bool(task.get("pushed_commit") and task["pushed_commit"] != task.get("base_commit")),
             "applied": False, "worktree_path": kept, "commands": commands}
 
 

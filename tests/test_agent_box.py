@@ -253,15 +253,15 @@ def test_no_run_plants_a_program_opencode_runs_from_its_cache(opencode, tmp_path
     cache, shared by every run and writable to it; a run (even a no-shell one, with OpenCode's
     write tool) planted a bin/rg that OpenCode then ran outside the shell's Landlock and seccomp,
     with the kept server's password, in that task and in every later one. The folder is
-    read-only to runs."""
-    tools = Path(agent_box.box_home()) / "cache" / "opencode" / "bin"
+    read-only to runs (each line of work has a cache of its own: agent_box.line_home)."""
     repo = make_repo(tmp_path / "repo")
+    task = submit(repo, script="plant")
+    tools = Path(agent_box.line_home(task["id"])) / "cache" / "opencode" / "bin"
     opencode.model.script("plant", [
         tool_call("write", {"filePath": str(tools / "rg"), "content": "#!/bin/sh\necho planted\n"}),
         bash(f"printf '#!/bin/sh\\n' > {tools}/rg; echo shell-$?; ls -ld {tools}"),
         text("Tried.\n" + DONE),
     ])
-    task = submit(repo, script="plant")
     done, seen = run_to_done(task)
     assert "shell-0" not in seen and "shell-1" in seen
     assert not (tools / "rg").exists() and list(tools.iterdir()) == []
@@ -424,9 +424,8 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     assert "box-cache-0" in seen and "box-state-0" in seen, seen       # OpenCode's own still works
     assert "box-bin-1" in seen, seen   # but for the programs it runs itself (agent_box.tools_folder)
     assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
-    box = Path(agent_box.box_home())
-    assert (box / "cache" / "opencode" / "x").is_file()
-    assert (Path(agent_box.line_home(task["id"])) / "state" / "opencode" / "x").is_file()   # its line's own
+    box = Path(agent_box.line_home(task["id"]))   # its line's own
+    assert (box / "cache" / "opencode" / "x").is_file() and (box / "state" / "opencode" / "x").is_file()
     assert not (box / "cache" / "opencode" / "bin" / "rg").exists()
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
@@ -495,18 +494,22 @@ def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tm
     of every other task (other repositories' code and outputs), rewrite a session a follow-up
     would resume, and leave a database row that a later run loads. Each line of work (a task and
     its follow-ups) now has OpenCode data and state of its own (agent_box.line_home), seeded from
-    a template no run sees; the rest of the runs' OpenCode folders is hidden from it. A follow-up
+    a template no run sees, and a cache of its own (a package one run leaves there would load in
+    the next); the rest of the runs' OpenCode folders is hidden from it. A follow-up
     still resumes its line's session, and a fork gets a copy of it in its own."""
     import task_views
     repo = make_repo(tmp_path / "repo")
     root = agent_box.box_home()
-    opencode.model.script("first", [bash("echo first-secret-words"), text("First.\n" + DONE)])
+    modules = "\"$XDG_CACHE_HOME/opencode/node_modules\""
+    plant = f"mkdir -p {modules}/p && echo planted > {modules}/p/index.js"
+    opencode.model.script("first", [bash(f"echo first-secret-words; {plant}"), text("First.\n" + DONE)])
     first = submit(repo, script="first")
     run_to_done(first)
     theirs = Path(agent_box.line_home(first["id"])) / "data" / "opencode" / "opencode.db"
-    assert theirs.is_file()
+    assert theirs.is_file() and Path(agent_box.line_home(first["id"]), "cache", "opencode", "node_modules").is_dir()
     template = Path(agent_box.template_home()) / "data" / "opencode" / "opencode.db"
     probe = (f"ls {root}/lines; cat {theirs} > /dev/null; echo read-theirs-$?; "
+             "ls \"$XDG_CACHE_HOME/opencode/node_modules\"; echo cache-$?; "
              f"echo x >> {template}; echo write-template-$?; {SESSIONS}; "
              f"grep -c 'first-secret-[w]ords' \"$XDG_DATA_HOME/opencode/opencode.db\"; echo")
     opencode.model.script("second", [bash(probe), text("Second.\n" + DONE)])
@@ -515,6 +518,7 @@ def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tm
     assert seen.startswith(f"bash: {second['id']}\n") and "read-theirs-1" in seen, seen   # only its own line in sight
     assert "write-template-1" in seen and "sessions 1\n" in seen, seen      # its own session alone
     assert "\n0\n" in seen, seen   # no word of the first task's conversation in its database
+    assert "cache-2" in seen, seen   # nor the package it left in its cache (which OpenCode would load)
     # a resumed session keeps its first script (fake_openai): the follow-up's and the fork's steps go on it
     steps = [bash("echo first-secret-words"), text("First.\n" + DONE)]
     opencode.model.script("first", steps + [bash(SESSIONS), text("Again.\n" + DONE)] * 3)

@@ -1098,11 +1098,13 @@ def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_a
     task_store.fail_attempt(task["id"], claimed["run_marker"], "the model was not found")
     info = json.loads(run("branch", task["id"], "--json").stdout)
     assert info["tip"] == info["base_commit"] == git(repo, "rev-parse", "HEAD") and info["applied"] is False
+    assert info["has_commits"] is False
     shown = run("branch", task["id"])
     assert shown.exit_code == 0 and "nothing to apply: the branch has no commit beyond its base" in shown.stdout
     git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
     git(repo, "merge", "-q", "--ff-only", ws.branch)
-    assert json.loads(run("branch", task["id"], "--json").stdout)["applied"] is True
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["applied"] is True and info["has_commits"] is True
     assert "yes: the checkout's HEAD contains it" in run("branch", task["id"]).stdout
 
 
