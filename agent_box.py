@@ -393,8 +393,8 @@ def ensure_gitignore(folders: Iterable[str]) -> None:
 # active account in ``opencode.db`` whose config it fetches: plugins, MCP commands, ``{file:…}``
 # references) and runs git in folders there (``snapshot/``, ``repos/``), so a data folder a run
 # can write is never read by an OpenCode outside a box: boxed runs keep theirs under
-# ``box_home()`` (one per line of work: line_home), yours is hidden from them, and your provider keys and MCP OAuth tokens are bound
-# into theirs read-only.
+# ``box_home()`` (one per line of work: line_home), yours is hidden from them, and your provider
+# keys and MCP OAuth tokens are bound into theirs read-only.
 CREDENTIALS = ("auth.json", "mcp-auth.json")
 
 
@@ -485,6 +485,14 @@ def forget_homes(removed: dict[str, str | None], kept_sessions: set[str]) -> Non
         if session and session not in kept_sessions:
             with contextlib.suppress(OSError, ValueError):
                 os.unlink(_session_link(session))
+
+
+def drop_cache(home: str) -> None:
+    """Remove the cache folder of ``home`` (a ``line_home``) once its run has ended: what OpenCode
+    fetched or installed there (the model catalogue, npm plugins and providers: megabytes a
+    line) is not kept for the line's next run, which fetches it again (the catalogue is copied
+    from the template: ``seed_home``)."""
+    shutil.rmtree(box_vars(home)["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 def slot_home(name: str) -> str:

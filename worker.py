@@ -1708,13 +1708,14 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         kept, called_off = _take_engine(task, resume, model, phases)
         if called_off:
             return _stopped_early(task, phases, called_off)
+        home = None
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
             if kept is not None and ws is not None:
                 kept.parked = None   # the task's worktree is there now (taken over or made anew): never dropped
             if ws is None:
                 return final
-            ws.home = _home(task)
+            ws.home = home = _home(task)
             setup, final = _run_setup(task, ws, phases, model)
             if setup is None:
                 return final
@@ -1727,6 +1728,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         finally:
             if kept is not None:   # not used (the task ended before its run, or ran cold): recycled
                 kept.recycle(knobs.kill_grace_sec)
+            if home is not None:
+                agent_box.drop_cache(home)
             _engine_next()
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)

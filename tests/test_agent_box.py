@@ -425,8 +425,8 @@ def test_a_run_cannot_plant_a_program_in_your_opencodes_cache_or_state(opencode,
     assert "box-bin-1" in seen, seen   # but for the programs it runs itself (agent_box.tools_folder)
     assert not (yours["cache"] / "bin" / "rg").exists() and not (yours["state"] / "bin" / "x").exists()
     box = Path(agent_box.line_home(task["id"]))   # its line's own
-    assert (box / "cache" / "opencode" / "x").is_file() and (box / "state" / "opencode" / "x").is_file()
-    assert not (box / "cache" / "opencode" / "bin" / "rg").exists()
+    assert (box / "state" / "opencode" / "x").is_file()
+    assert not (box / "cache").exists()   # dropped when the run ended (agent_box.drop_cache)
     assert box.is_relative_to(Path(opencode.env["XDG_CACHE_HOME"]) / "taskbridge")
 
 
@@ -506,10 +506,10 @@ def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tm
     first = submit(repo, script="first")
     run_to_done(first)
     theirs = Path(agent_box.line_home(first["id"])) / "data" / "opencode" / "opencode.db"
-    assert theirs.is_file() and Path(agent_box.line_home(first["id"]), "cache", "opencode", "node_modules").is_dir()
+    assert theirs.is_file() and not Path(agent_box.line_home(first["id"]), "cache").exists()   # dropped after its run
     template = Path(agent_box.template_home()) / "data" / "opencode" / "opencode.db"
     probe = (f"ls {root}/lines; cat {theirs} > /dev/null; echo read-theirs-$?; "
-             "ls \"$XDG_CACHE_HOME/opencode/node_modules\"; echo cache-$?; "
+             "ls \"$XDG_CACHE_HOME/opencode/node_modules\"; echo cache-$?; echo \"cache at $XDG_CACHE_HOME\"; "
              f"echo x >> {template}; echo write-template-$?; {SESSIONS}; "
              f"grep -c 'first-secret-[w]ords' \"$XDG_DATA_HOME/opencode/opencode.db\"; echo")
     opencode.model.script("second", [bash(probe), text("Second.\n" + DONE)])
@@ -519,6 +519,7 @@ def test_a_run_sees_and_writes_only_its_own_lines_opencode_sessions(opencode, tm
     assert "write-template-1" in seen and "sessions 1\n" in seen, seen      # its own session alone
     assert "\n0\n" in seen, seen   # no word of the first task's conversation in its database
     assert "cache-2" in seen, seen   # nor the package it left in its cache (which OpenCode would load)
+    assert f"cache at {agent_box.line_home(second['id'])}/cache\n" in seen, seen   # a cache of its own while it runs
     # a resumed session keeps its first script (fake_openai): the follow-up's and the fork's steps go on it
     steps = [bash("echo first-secret-words"), text("First.\n" + DONE)]
     opencode.model.script("first", steps + [bash(SESSIONS), text("Again.\n" + DONE)] * 3)
