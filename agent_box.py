@@ -435,13 +435,14 @@ _NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,99}")
 
 def line_home(line: str) -> str:
     """OpenCode's data, cache and state folders (``data/``, ``cache/``, ``state/``) of one line of
-    work, ``line`` the id of the task that began its session: the session, which its follow-ups
-    and answered questions resume (``session_home`` finds it), and what OpenCode keeps in its
-    cache (the model catalogue, npm plugins and providers it installs) live there and nowhere
-    another task's box shows. Raises ValueError for a ``line`` that is no task id."""
+    work, ``line`` the id of the task that began its session, in this queue (task ids are the
+    queue's own: ``lines/<queue tag>/<id>``): the session, which its follow-ups and answered
+    questions resume (``session_home`` finds it), and what OpenCode keeps in its cache while it
+    runs live there and nowhere another task's box shows. Raises ValueError for a ``line`` that
+    is no task id."""
     if not _NAME.fullmatch(line):
         raise ValueError(f"not a task id: {line!r}")
-    return os.path.join(box_home(), "lines", line)
+    return os.path.join(box_home(), "lines", store.queue_tag(), line)
 
 
 def _session_link(session: str) -> str:
@@ -450,15 +451,18 @@ def _session_link(session: str) -> str:
     return os.path.join(box_home(), "sessions", session)
 
 
-def remember_session(session: str, home: str) -> None:
+def remember_session(session: str, home: str) -> bool:
     """Record that OpenCode session ``session`` (an id from the event stream) lives in ``home``
-    (a ``line_home``): a link ``<box_home>/sessions/<session>`` to it, hidden from runs like the
-    rest of box_home, replaced whole. Raises ValueError for a bad id, OSError."""
+    (a ``line_home``): a link ``<box_home>/sessions/<session>`` to it (resolved), hidden from runs
+    like the rest of box_home. True when it is recorded there now; False when the id is already
+    recorded for another home: a line never takes another's session (the event stream is what
+    the run printed, and a plugin in the box can print any id, another task's included, which
+    a follow-up would then resume in that task's folders). Raises ValueError for a bad id, OSError."""
     link = _session_link(session)
     os.makedirs(os.path.dirname(link), mode=0o700, exist_ok=True)
-    partial = f"{link}.{os.getpid()}.{threading.get_ident()}"
-    os.symlink(os.path.relpath(home, os.path.dirname(link)), partial)
-    os.replace(partial, link)
+    with contextlib.suppress(FileExistsError):
+        os.symlink(os.path.realpath(home), link)
+    return session_home(session) == os.path.realpath(home)
 
 
 def session_home(session: str | None) -> str | None:
@@ -516,7 +520,7 @@ def seed_home(home: str) -> None:
     a template OpenCode makes the database itself; the template's model catalogue (the
     ``models.json`` OpenCode fetched into its cache, data it reads) is copied too. Raises OSError
     when the folder cannot be made."""
-    data = Path(home) / "data" / "opencode"
+    data = Path(home) / "data" / "opencode"   # the run's to write: ``data/`` is not
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
     catalogue = Path(template_home()) / "cache" / "opencode" / MODELS_CATALOGUE
     if catalogue.is_file() and not (Path(home) / "cache" / "opencode" / MODELS_CATALOGUE).exists():
@@ -530,15 +534,20 @@ def seed_home(home: str) -> None:
     with contextlib.suppress(OSError, sqlite3.Error), oc.prepared_db_shared(template) as ready:
         if not ready:
             return
-        partial = data / f".{oc.OPENCODE_DB}.{os.getpid()}.{threading.get_ident()}"
+        partial = data.parent / f".{oc.OPENCODE_DB}.{os.getpid()}.{threading.get_ident()}"
         source, copy = sqlite3.connect(f"file:{template}?mode=ro", uri=True), sqlite3.connect(partial)
         try:
             source.backup(copy)
         finally:
             source.close()
             copy.close()
-        os.chmod(partial, 0o600)
-        os.rename(partial, target)   # whole or not at all: another seeding of it may race this one
+        try:
+            os.chmod(partial, 0o600)
+            # whole or not at all, and never over one another process made meanwhile
+            with contextlib.suppress(FileExistsError):
+                os.link(partial, target)
+        finally:
+            os.unlink(partial)
 
 
 MODELS_CATALOGUE = "models.json"   # OpenCode's copy of models.dev in its cache folder (1.18.33)
@@ -686,9 +695,9 @@ def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, li
 def tools_folder(cache: str) -> str:
     """The ``bin/`` of OpenCode's cache folder ``cache`` (made, 0700, when missing), resolved:
     the programs OpenCode runs itself there (ripgrep when ``rg`` is not on PATH, language
-    servers) run outside the shell's Landlock and seccomp, with OpenCode's environment, and the
-    box's cache is every run's: read-only to runs, so that no run (not even through OpenCode's
-    write tool, under ``no-shell``) plants one that it, or a later task, has OpenCode run."""
+    servers) run outside the shell's Landlock and seccomp, with OpenCode's environment, and a
+    line's cache serves its later runs too: read-only to runs, so that no run (not even through
+    OpenCode's write tool, under ``no-shell``) plants one that it, or a later run, has OpenCode run."""
     folder = os.path.join(cache, "bin")
     os.makedirs(folder, mode=0o700, exist_ok=True)
     return os.path.realpath(folder)
@@ -742,7 +751,7 @@ def own_places() -> list[str]:
     PostgreSQL's secrets (`postgres_secrets`: as the worker's libpq finds them, never the box's
     environment, which does not carry them), the scratch folders of TaskBridge's own calls
     (``calls_root``) and their OpenCode data (``calls_home``), the runs' OpenCode folders
-    (``box_home``: a run is shown its own line's home and the shared cache again) and your
+    (``box_home``: a run is shown its own line's again) and your
     OpenCode's data folder (your sessions and keys). Made yet or not (the queue's
     state files: those there now)."""
     folders, files = _own_places()
@@ -862,14 +871,16 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     return plan
 
 
-def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_dir: Path) -> Plan:
+def slot_plan(folder: str, repo: str, env: dict[str, str], permission: str, run_dir: Path,  # noqa: PLR0913
+              home: str) -> Plan:
     """The box of a kept server (engine_slots.py), made before its task's worktree exists: as
     ``plan_for`` a worktree at ``folder`` (an empty folder the worktree is made in later, writable
     unless ``readonly``) of the checkout ``repo``, with the repository's common dir shown read-only
     and, since the worktree's own admin folder is not known yet, the bash tool's git given an index
     of its own (``GIT_INDEX_FILE`` in ``run_dir/git/``, a copy the worker makes of the worktree's)
-    and its objects quarantined as in a cold run (see ``git_binds``)."""
-    ws = worktrees.Workspace("worktree", folder, top=folder, repo=repo)
+    and its objects quarantined as in a cold run (see ``git_binds``); ``home``: its OpenCode
+    folders (``slot_home``)."""
+    ws = worktrees.Workspace("worktree", folder, top=folder, repo=repo, home=home)
     plan = plan_for(ws, env, permission, run_dir)
     common, _admin = git_dirs(repo)
     if common is None:

@@ -328,6 +328,8 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
     (agent_box.slot_home) no task took. Only while this queue's pass lock is
     held: no server of this queue's is running then. Without ``root`` (no kept server was made
     since the last sweep, or none ever) there is nothing to look for: no process is scanned."""
+    for home in Path(agent_box.slot_home(f"{queue}-")).parent.glob(f"{queue}-*"):
+        shutil.rmtree(home, ignore_errors=True)
     if not root.is_dir():
         return
     process_tree.kill_tree(None, grace, lambda: process_tree.processes_where(
@@ -339,8 +341,6 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
             worktrees.drop_engine_folder(folder)
     for run in log_dir.glob("engine-*.run"):
         shutil.rmtree(run, ignore_errors=True)
-    for home in Path(agent_box.slot_home(f"{queue}-")).parent.glob(f"{queue}-*"):
-        shutil.rmtree(home, ignore_errors=True)
 
 
 MARKER_PREFIX = "eng-"

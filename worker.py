@@ -1716,15 +1716,18 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             if ws is None:
                 return final
             ws.home = home = _home(task)
+            if kept is not None and kept.home is not None and not agent_box.adopt_home(kept.home, home):
+                log(f"{task['id']}: its line of work has OpenCode folders already; runs cold", talk.VERBOSE)
+                kept.recycle(knobs.kill_grace_sec)
+                kept = None
             setup, final = _run_setup(task, ws, phases, model)
             if setup is None:
                 return final
             setup.engine = kept
             _engine_learns(task, ws, model, setup)   # before the run: the next server may start during it
             run, session_note = _run_agent(task, ws, knobs, model, setup, resume, phases.deadline)
-            if run.stream.session_id and setup.box.mechanism:   # where a follow-up, an answer, a fork finds it
-                with contextlib.suppress(OSError, ValueError):
-                    agent_box.remember_session(run.stream.session_id, ws.home)
+            if run.stream.session_id and setup.box.mechanism:
+                _remember_session(task, run, run.stream.session_id, home)
         finally:
             if kept is not None:   # not used (the task ended before its run, or ran cold): recycled
                 kept.recycle(knobs.kill_grace_sec)
@@ -1733,6 +1736,20 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
             _engine_next()
         phases.after_run()
         return _after_run(task, ws, run, model, setup, session_note, phases)
+
+
+def _remember_session(task: dict[str, Any], run: RunResult, session: str, home: str) -> None:
+    """Record where the run's OpenCode session lives (agent_box.remember_session): a follow-up,
+    an answer, a fork find it there. An id recorded for another line's folders is not this run's
+    (the event stream is what the box printed): the task keeps no session, and says so."""
+    try:
+        if agent_box.remember_session(session, home):
+            return
+    except (OSError, ValueError):
+        return
+    log(f"{task['id']}: its run named OpenCode session {session}, which belongs to another line "
+        "of work; the task keeps no session (a follow-up starts a new one)")
+    run.stream.session_id = None
 
 
 def _home(task: dict[str, Any]) -> str:
@@ -2223,7 +2240,7 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
     try:
         box, env = _box_and_env(like, ws, prediction.model, prediction.config_files)
         files = _run_files(like, env, prediction.model, run_dir / "control", quiet=True)
-        plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir)
+        plan = agent_box.slot_plan(str(folder), prediction.repo, files.env, like["permission"], run_dir, home)
     except BaseException:   # no server: its folders go at once, not at the next pass's sweep
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
@@ -2262,10 +2279,6 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     if (session_id or ws.mode != "worktree" or ws.repo != kept.repo or admin is None
             or Path(ws.root()).parent != kept.folder or not kept.fits(files.env)):
         log(f"{task['id']}: its run differs from what {_slot()}'s kept server was made for; runs cold", talk.VERBOSE)
-        kept.recycle(knobs.kill_grace_sec)
-        return None
-    if kept.home is not None and not agent_box.adopt_home(kept.home, ws.home or ""):
-        log(f"{task['id']}: its line of work has OpenCode folders of its own already; runs cold", talk.VERBOSE)
         kept.recycle(knobs.kill_grace_sec)
         return None
     if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)

@@ -651,15 +651,15 @@ def _fork_base(task: dict[str, Any], top: str) -> tuple[str, str]:
         return parent["base_commit"], f"{parent['id']}'s base commit ({parent['id']} changed nothing; fork)"
     tip = _parent_tip(parent, top)
     result = given if isinstance(given := parent.get("result"), dict) else {}
-    return _where_it_ended(parent, top, tip, result.get("commit") or parent.get("base_commit"),
-                           f"{parent['id']}'s branch {parent['branch']}")
+    ended = result.get("commit") or (parent.get("base_commit") if parent["status"] == "done" else None)
+    return _where_it_ended(parent, top, tip, ended, f"{parent['id']}'s branch {parent['branch']}")
 
 
 def _where_it_ended(parent: dict[str, Any], repo: str, tip: str, ended: str | None, branch: str) -> tuple[str, str]:
-    """(commit, why) a fork of ``parent`` starts from: ``ended``, the commit it ended at, when it
-    ended done and that commit is on its branch, whose head ``tip`` a follow-up may have moved on
+    """(commit, why) a fork of ``parent`` starts from: ``ended``, the commit it ended at (None: not
+    known), when that commit is on its branch, whose head ``tip`` a follow-up may have moved on
     since; else ``tip``."""
-    if parent["status"] == "done" and ended and ended != tip and _is_ancestor(repo, ended, tip):
+    if ended and ended != tip and _is_ancestor(repo, ended, tip):
         return ended, f"the commit {parent['id']} ended at on {branch}, {ended[:12]} (fork)"
     return tip, f"the head of {branch} (fork)"
 

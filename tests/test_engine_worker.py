@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import agent_box
 import engine_slots
 import task_store
 import worker
@@ -98,13 +99,16 @@ def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
     assert warm("--max-tasks", "1").returncode == 0
     first_wt = task_store.get_task(first["id"])["worktree_path"]
     assert first_wt and Path(first_wt).is_dir()
+    theirs = Path(agent_box.line_home(first["id"])) / "data" / "opencode" / "opencode.db"   # its OpenCode sessions
+    assert theirs.is_file()
     opencode.model.script("raid", [
         bash(f"ls {first_wt} >/dev/null 2>&1; echo peer-$?; cat {db} >/dev/null 2>&1; echo db-$?; "
              f"echo x 2>/dev/null > {other}/planted.txt; echo other-$?; "   # 2> first: a refusal says nothing
              f"echo x 2>/dev/null >> {repo}/.git/config; echo config-$?; "
              f"ls {worktrees.worktree_root()} 2>&1 | grep -c {first['id']}; echo listed; "
              "(env; cat /proc/[0-9]*/environ) 2>/dev/null | tr '\\0' '\\n' | grep -c OPENCODE_SERVER_PASSWORD; "
-             "echo password-looked"),
+             "echo password-looked; "
+             f"cat {theirs} >/dev/null 2>&1; echo sessions-$?"),
         text("Tried.\n" + DONE),
     ])
     task = submit(repo, script="raid")
@@ -116,6 +120,11 @@ def test_the_box_holds_on_a_kept_server(opencode, tmp_path):
     assert "peer-0" not in seen and "db-0" not in seen and "other-0" not in seen and "config-0" not in seen, seen
     assert "0\nlisted" in seen, seen   # the worktree root shows none of the other tasks
     assert "0\npassword-looked" in seen, seen   # the server's password: not in its env, nor in /proc
+    # OpenCode's folders of its own line (the kept server's, taken over when the task ran on it),
+    # where its session is found; the first task's sessions out of sight
+    assert "sessions-1" in seen, seen
+    assert agent_box.session_home(done["session_id"]) == os.path.realpath(agent_box.line_home(task["id"]))
+    assert list(Path(agent_box.slot_home("x")).parent.iterdir()) == []   # the kept servers' own: none left
     assert (repo / ".git" / "config").read_bytes() == config_before
     assert checkout_state(other) == before_other
     assert done["result"]["sandbox"]["box"].startswith("bubblewrap")

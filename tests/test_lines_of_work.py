@@ -430,3 +430,21 @@ def test_clearing_with_the_logs_removes_the_opencode_sessions_no_remaining_task_
     assert agent_box.session_home("ses_alone") is None and not Path(agent_box.line_home(alone["id"])).exists()
     worktrees.clear_finished(0, remove_logs=True)   # the follow-up goes too: nothing holds the session now
     assert agent_box.session_home("ses_first") is None and not Path(agent_box.line_home(first["id"])).exists()
+
+
+def test_a_line_never_takes_another_lines_opencode_session(tmp_path, monkeypatch):
+    """A run's session id is what its event stream printed, and a plugin in the box can print
+    any, another task's included (commit trailers carry them): the first home recorded for an id
+    keeps it (agent_box.remember_session), so a follow-up of the printing task never resumes the
+    other line's session in the other line's folders."""
+    import agent_box
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path.parent / f"{tmp_path.name}-cache"))
+    theirs, mine = agent_box.line_home("t_0001"), agent_box.line_home("t_0002")
+    for home in (theirs, mine):
+        os.makedirs(home)
+    assert agent_box.remember_session("ses_theirs", theirs) is True
+    assert agent_box.remember_session("ses_theirs", theirs) is True   # its own again: still so
+    assert agent_box.remember_session("ses_theirs", mine) is False
+    assert agent_box.session_home("ses_theirs") == os.path.realpath(theirs)
+    assert agent_box.remember_session("ses_mine", mine) is True and agent_box.session_home("ses_mine") == mine
+    assert agent_box.session_home("../ses_mine") is None and agent_box.session_home(None) is None
