@@ -520,15 +520,16 @@ def seed_home(home: str) -> None:
     a template OpenCode makes the database itself; the template's model catalogue (the
     ``models.json`` OpenCode fetched into its cache, data it reads) is copied too. Raises OSError
     when the folder cannot be made."""
-    data = Path(home) / "data" / "opencode"   # the run's to write: ``data/`` is not
+    mine, templates = box_vars(home), box_vars(template_home())
+    target, template = oc.opencode_db_path(mine), oc.opencode_db_path(templates)
+    data = target.parent   # the run's to write: its parent is not
     data.mkdir(mode=0o700, parents=True, exist_ok=True)
-    catalogue = Path(template_home()) / "cache" / "opencode" / MODELS_CATALOGUE
-    if catalogue.is_file() and not (Path(home) / "cache" / "opencode" / MODELS_CATALOGUE).exists():
+    catalogue = Path(templates["XDG_CACHE_HOME"]) / "opencode" / MODELS_CATALOGUE
+    copied = Path(mine["XDG_CACHE_HOME"]) / "opencode" / MODELS_CATALOGUE
+    if catalogue.is_file() and not copied.exists():
         with contextlib.suppress(OSError):
-            (Path(home) / "cache" / "opencode").mkdir(mode=0o700, parents=True, exist_ok=True)
-            store.write_private(Path(home) / "cache" / "opencode" / MODELS_CATALOGUE, catalogue.read_bytes())
-    target = data / oc.OPENCODE_DB
-    template = Path(template_home()) / "data" / "opencode" / oc.OPENCODE_DB
+            copied.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            store.write_private(copied, catalogue.read_bytes())
     if target.exists() or not template.is_file():
         return
     with contextlib.suppress(OSError, sqlite3.Error), oc.prepared_db_shared(template) as ready:
