@@ -2606,7 +2606,7 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
         row = conn.execute(
             "UPDATE tasks SET status = 'done', finished_at = ?, result = ?, diff = ?, usage = ?,"
             " session_id = coalesce(?, session_id), error = NULL WHERE id = ? RETURNING *",
-            (now(), result_json, diff, _total_usage(row, usage), session_id, num),
+            (now(), result_json, diff, _usage_after(row, usage), session_id, num),
         ).fetchone()
         _event(conn, num, "done", summary)
     return task_dict(row)
@@ -2627,7 +2627,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     error = clip(error, ERROR_MAX, f"the task's log, {task_log_location(num)}")
     with _writing() as conn:
         row = _fenced(conn, num, marker)
-        values = (error, _json(result), diff, _total_usage(row, usage), session_id, num)
+        values = (error, _json(result), diff, _usage_after(row, usage), session_id, num)
         if pin_host:
             conn.execute("UPDATE tasks SET host = coalesce(host, lease_host) WHERE id = ?", (num,))
         if retryable and retries_left(row):
@@ -2676,7 +2676,7 @@ def _to_waiting(conn: Connection, num: int, marker: str, question: str,  # noqa:
         "UPDATE tasks SET status = 'waiting', question = ?, answer = NULL, result = ?, usage = ?,"
         " session_id = coalesce(?, session_id), handbacks = handbacks + 1, paused_for = ?,"
         " pending_ask = ?, host = coalesce(host, lease_host) WHERE id = ?",
-        (question, _json(result), _total_usage(row, usage), session_id, paused_for, _json(ask), num),
+        (question, _json(result), _usage_after(row, usage), session_id, paused_for, _json(ask), num),
     )
     conn.execute(
         "INSERT INTO questions (task_id, attempt, question, asked_at) VALUES (?, ?, ?, ?)",
@@ -2867,25 +2867,30 @@ def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
     return answer
 
 
-def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bool = True) -> dict[str, Any]:
-    """Hand a running attempt back (reaper: stale lease; worker shutdown). Requeued as pending, or
-    failed when retries are spent (``count_attempt=False`` hands it back without spending one).
-    Fenced: raises StaleAttempt if ``marker`` is not current, so a task is requeued exactly once."""
+def requeue_attempt(task_id: Any, marker: str, reason: str, *, count_attempt: bool = True,
+                    usage: dict | None = None) -> dict[str, Any]:
+    """Hand a running attempt back (reaper: stale lease; worker shutdown; a kept server that died).
+    Requeued as pending, or failed when retries are spent (``count_attempt=False`` hands it back
+    without spending one). The attempt's spend stays in the task's usage: ``usage`` (tokens,
+    cost_usd, steps, as ``EventStream.usage``) when the worker counted it, else what its meter
+    last recorded (``record_spend``). Fenced: raises StaleAttempt if ``marker`` is not current,
+    so a task is requeued exactly once."""
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _fenced(conn, num, marker)
+        total = _usage_after(row, usage)
         if count_attempt and not retries_left(row):
             conn.execute(
-                "UPDATE tasks SET status = 'failed', finished_at = ?, error = ? WHERE id = ?",
-                (now(), reason, num),
+                "UPDATE tasks SET status = 'failed', finished_at = ?, error = ?, usage = ? WHERE id = ?",
+                (now(), reason, total, num),
             )
             _event(conn, num, "failed", reason[:500])
             _fail_dependents(conn, num, "failed")
         else:
             conn.execute(
-                "UPDATE tasks SET status = 'pending', error = ?, lease_owner = NULL,"
+                "UPDATE tasks SET status = 'pending', error = ?, lease_owner = NULL, usage = ?,"
                 " handbacks = handbacks + ? WHERE id = ?",
-                (reason, 0 if count_attempt else 1, num),
+                (reason, total, 0 if count_attempt else 1, num),
             )
             _event(conn, num, "requeued", reason[:500])
         return task_dict(_row(conn, num))
@@ -3030,7 +3035,8 @@ def running_leases() -> list[dict[str, Any]]:
 def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
     """Cancel a pending, waiting or running task (a running attempt is fenced off at once; its
     worker notices at its next lease renewal, about a second, and kills the run). Dependents fail,
-    naming it. The returned dict's ``kept`` says where the work stays (branch, a waiting task's
+    naming it; a running attempt's spend so far (its meter's last record) stays in the task's
+    usage. The returned dict's ``kept`` says where the work stays (branch, a waiting task's
     worktree) or is None. Raises TaskNotFound, ValidationError (reason empty, not text, over
     NOTE_MAX characters) or InvalidTransition (already finished)."""
     num = parse_task_id(task_id)
@@ -3040,8 +3046,8 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         if row["status"] in TERMINAL:
             raise InvalidTransition(f"task {format_task_id(num)} is already {row['status']}; nothing to cancel")
         conn.execute(
-            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ? WHERE id = ?",
-            (now(), reason, num),
+            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ? WHERE id = ?",
+            (now(), reason, _usage_after(row, None), num),
         )
         kept = _kept_work(row)
         _event(conn, num, "cancelled", f"was {row['status']}: {reason}{'; ' + kept if kept else ''}"[:500])
@@ -3080,6 +3086,16 @@ def _fail_dependents(conn: Connection, num: int, why: str) -> None:
 def fail_unrunnable(task_id: Any, marker: str, error: str) -> dict[str, Any]:
     """Fail an attempt at once without retrying (a missing directory, a repo with no commits)."""
     return fail_attempt(task_id, marker, error, retryable=False)
+
+
+def _usage_after(row: Row, usage: dict | None) -> str | None:
+    """The task's usage once the running attempt of ``row`` ends: ``_total_usage`` with the
+    attempt's ``usage`` as its worker counted it (``EventStream.usage``), or, without one (the
+    reaper's hand-back, a cancel, a fault before the count), what the worker's meter last recorded
+    for it (``record_spend``, once per finished model call): money spent is never dropped."""
+    if usage is None and row["status"] == "running" and (row["run_cost_usd"] or row["run_tokens"]):
+        usage = {"tokens": {"total": row["run_tokens"]}, "cost_usd": row["run_cost_usd"], "metered": True}
+    return _total_usage(row, usage)
 
 
 def _total_usage(row: Row, attempt: dict | None) -> str | None:

@@ -2368,11 +2368,11 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
         _remove(ws, receipt)
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, f"{current().flags.stop_reason()}; handed back",
-                       count_attempt=False)
+                       count_attempt=False, usage=usage)
     if run.engine_gone is not None:   # not the task's fault; its next attempt runs cold (its worktree is recorded)
         log(f"{task['id']}: {run.engine_gone}; handed back once, for a cold attempt")
         return _finish(store.requeue_attempt, task, marker, f"{run.engine_gone}; handed back for another attempt",
-                       count_attempt=False)
+                       count_attempt=False, usage=usage)
     if run.limited is not None:
         return _pause_at_limit(task, run, model, receipt, usage, phases.knobs)
     if run.paused is not None:

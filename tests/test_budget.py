@@ -62,6 +62,38 @@ def test_spend_is_live_on_the_running_task_and_counted_per_local_day(tmp_path):
     assert task_store.budget_state()["spent_usd"] == pytest.approx(0.8)
 
 
+def test_an_attempt_ended_without_its_workers_count_keeps_its_metered_spend(tmp_path):
+    """Every way a running attempt ends without the worker's own count (the reaper's hand-back, a
+    cancel, a fault before the receipt) books what its meter last recorded: before, the spend of
+    a handed-back attempt vanished from the task's total, and a limit could be spent twice."""
+    task = submit(tmp_path, max_retries=3, max_cost_usd=1.0)
+    for counted in (True, False):   # the reaper's hand-back; a hand-back spending no retry
+        claimed = task_store.claim_next("w", task_id=task["id"])
+        task_store.record_spend(task["id"], claimed["run_marker"], 0.2, 100, 0.2, 100)
+        task_store.requeue_attempt(task["id"], claimed["run_marker"], "lease went stale", count_attempt=counted)
+    pending = task_store.get_task(task["id"])
+    assert pending["spent_usd"] == pytest.approx(0.4) and pending["spent_tokens"] == 200
+    assert [a.get("metered") for a in pending["usage"]["by_attempt"]] == [True, True]
+    # The worker's own count (steps included) wins over the meter's when it has one.
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.record_spend(task["id"], claimed["run_marker"], 0.1, 50, 0.1, 50)
+    task_store.requeue_attempt(task["id"], claimed["run_marker"], "worker stopping", count_attempt=False,
+                               usage={"tokens": {"total": 60}, "cost_usd": 0.12, "steps": 2})
+    assert task_store.get_task(task["id"])["spent_usd"] == pytest.approx(0.52)
+    # A fault that fails the attempt before the worker counted it.
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.record_spend(task["id"], claimed["run_marker"], 0.05, 10, 0.05, 10)
+    failed = task_store.fail_attempt(task["id"], claimed["run_marker"], "worker internal error", retryable=False)
+    assert failed["spent_usd"] == pytest.approx(0.57) and failed["spent_tokens"] == 270
+    assert failed["usage"]["steps"] == 2 and len(failed["usage"]["by_attempt"]) == 4
+    # A cancel of a running attempt keeps what it spent so far.
+    other = submit(tmp_path, "other")
+    claimed = task_store.claim_next("w", task_id=other["id"])
+    task_store.record_spend(other["id"], claimed["run_marker"], 0.25, 40, 0.25, 40)
+    cancelled = task_store.cancel_task(other["id"])
+    assert cancelled["spent_usd"] == pytest.approx(0.25) and cancelled["spent_tokens"] == 40
+
+
 def test_the_day_is_the_local_calendar_day(monkeypatch):
     monkeypatch.setenv("TZ", "Pacific/Auckland")
     import time

@@ -177,16 +177,19 @@ def test_a_server_dying_mid_run_hands_the_task_back_once_for_a_cold_attempt(open
     repo = make_repo(tmp_path / "repo")
     kill_server = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q '^[^ ]*opencode serve' "
                    "&& kill -9 ${p#/proc/}; done; sleep 5")
-    opencode.model.script("suicide", [bash(kill_server), text("Survived.\n" + DONE)])
+    opencode.model.script("suicide", [bash("echo one step > step.txt"), bash(kill_server), text("Survived.\n" + DONE)])
     task = submit(repo, script="suicide", max_retries=0)
     assert warm("--max-tasks", "1").returncode == 0
     mid = task_store.get_task(task["id"])
     assert mid["status"] == "pending" and "handed back" in mid["error"], (mid["status"], mid["error"])
+    # The model call made before the server died stays booked (it was dropped before).
+    assert mid["usage"]["steps"] == 1 and mid["spent_usd"] > 0, mid["usage"]
     # max_retries=0: a counted failure would have failed it
     assert engine_processes() == [] and tagged() == [] and tagged("eng-") == []
     assert warm().returncode == 0
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
+    assert len(done["usage"]["by_attempt"]) == 2 and done["spent_usd"] > mid["spent_usd"], done["usage"]
     headers = [line for line in task_store.log_path(task["id"]).read_text().splitlines() if line.startswith("$ ")]
     assert "engine_client.py" in headers[0] and " run --auto " in headers[1], headers
 
