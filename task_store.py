@@ -1947,6 +1947,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     out: dict[int, tuple[Row, list[int], bool]] = {}
     with _writing() as conn:
         ref_ids: dict[str, int] = {}
+        made: dict[int, str] = {}   # this batch's new rows: a refusal names them so, not by an id it rolls back
         defaults = _limit_defaults(conn)
         for index in ordered:
             spec = specs[index]
@@ -1957,9 +1958,12 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                 if spec["ref"]:
                     ref_ids[spec["ref"]] = existing["id"]
                 continue
-            deps = _resolve_deps(conn, spec, ref_ids)
+            try:
+                deps = _resolve_deps(conn, spec, ref_ids)
+                values, line = _insert_values(conn, spec, ref_ids, defaults, made)
+            except ValidationError as exc:   # which item, as _batch_specs says it
+                raise ValidationError(f"task {index} of the batch: {exc}") from None
             extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
-            values, line = _insert_values(conn, spec, ref_ids, defaults)
             row = conn.execute(_INSERT_TASK, values).fetchone()
             task_id = row["id"]
             if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
@@ -1980,23 +1984,25 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             _event(conn, task_id, "submitted", f"{spec['title']}{origin}")
             if spec["ref"]:
                 ref_ids[spec["ref"]] = task_id
+            made[task_id] = f"task {index} of the batch" + (f" (ref {spec['ref']!r})" if spec["ref"] else "")
             out[index] = (row, deps, False)
     # Shaped after the commit: the write lock is held for the SQL only.
     return [task_dict(row, deps) | {"duplicate": duplicate} for row, deps, duplicate in
             (out[i] for i in range(len(specs)))]
 
 
-def _insert_values(conn: Connection, spec: dict, refs: dict[str, int],
-                   defaults: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _insert_values(conn: Connection, spec: dict, refs: dict[str, int], defaults: dict[str, Any],
+                   made: dict[int, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(_INSERT_TASK's parameters, ``_line_values``' rest) for ``spec``: the queue's default
     limits (``defaults``) when it gave neither, the folder, remote and host a follow-up or fork
-    takes from its parent. Raises ValidationError."""
+    takes from its parent. ``made``: the rows this batch made so far, by id, with the words that
+    name them. Raises ValidationError."""
     values = {k: v for k, v in spec.items()
               if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
                            "rules", "skills", "subagents")}
     if values["max_cost_usd"] is None and values["max_tokens"] is None:
         values.update(defaults)
-    line = _line_values(conn, spec, refs)
+    line = _line_values(conn, spec, refs, made)
     where = {k: line.pop(k, values[k]) for k in ("working_dir", "worktree_keep", "repo_url", "base_ref")}
     where["host"] = _task_host(spec, line.pop("parent_host", None), where)
     where["working_dir"] = where["working_dir"] or ""   # a task on a remote has no folder
@@ -2029,7 +2035,7 @@ def _submit_alone(spec: dict[str, Any]) -> dict[str, Any]:
     origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
     unlimited = spec["max_cost_usd"] is None and spec["max_tokens"] is None
     with _single_write() as conn:
-        values, _ = _insert_values(conn, spec, {}, {})
+        values, _ = _insert_values(conn, spec, {}, {}, {})
         values |= {"event_ts": now(), "event_message": f"{spec['title']}{origin}", "unlimited": unlimited,
                    "default_usd": BUDGET_KEYS["default_max_cost_usd"],
                    "default_tokens": BUDGET_KEYS["default_max_tokens"]}
@@ -2039,16 +2045,17 @@ def _submit_alone(spec: dict[str, Any]) -> dict[str, Any]:
     return task_dict(_task_columns(row), []) | {"duplicate": False}
 
 
-def _line_values(conn: Connection, spec: dict, refs: dict[str, int]) -> dict[str, Any]:
+def _line_values(conn: Connection, spec: dict, refs: dict[str, int], made: dict[int, str]) -> dict[str, Any]:
     """continue_from / fork_from (row ids) and the working_dir of a follow-up or fork, checked
-    against the task it builds on. Raises ValidationError naming the way out."""
+    against the task it builds on. Raises ValidationError naming the way out, and a task of the
+    same batch (``made``: id → its words) by its place in the batch: its id is rolled back."""
     values: dict[str, Any] = {"continue_from": None, "fork_from": None}
     if spec["parent"] is None:
         return values
     kind, ref = spec["parent_kind"], spec["parent"]
     num = refs[ref] if ref in refs else parse_task_id(ref)
     parent = _row(conn, num)
-    name = format_task_id(num)
+    name = made.get(num) or format_task_id(num)
     if not parent["worktree"]:
         raise ValidationError(f"{kind} {name}: that task ran with worktree=false; a follow-up or fork needs "
                               "a task that ran on its own branch in a git worktree")
@@ -2075,8 +2082,9 @@ def _line_values(conn: Connection, spec: dict, refs: dict[str, int]) -> dict[str
         other = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
                              " ORDER BY id LIMIT 1", (num,)).fetchone()
         if other is not None:
-            raise ValidationError(f"continue_from {name}: {format_task_id(other['id'])} already continues it "
-                                  f"on its branch; continue from {format_task_id(other['id'])} instead, or "
+            follower = made.get(other["id"]) or format_task_id(other["id"])
+            raise ValidationError(f"continue_from {name}: {follower} already continues it "
+                                  f"on its branch; continue from {follower} instead, or "
                                   f"use fork_from {name} to try another approach side by side")
     values[kind] = num
     return values

@@ -83,6 +83,28 @@ def test_batch_is_all_or_nothing(tmp_path):
     assert store.last_event_id() == 0
 
 
+def test_a_refused_batch_names_its_own_tasks_by_place_not_by_ids_it_rolled_back(tmp_path):
+    """Before, a batch item building on another item was refused naming the other's new id
+    (t_0001), an id the refusal rolled back and that no tool could then find."""
+    item = {"title": "x", "instructions": "i", "working_dir": str(tmp_path)}
+    twice = [item | {"ref": "@a"}, item | {"continue_from": "@a"}, item | {"continue_from": "@a"}]
+    with pytest.raises(store.ValidationError) as refused:
+        store.submit_batch(twice)
+    assert str(refused.value) == (
+        "task 2 of the batch: continue_from task 0 of the batch (ref '@a'): task 1 of the batch already continues "
+        "it on its branch; continue from task 1 of the batch instead, or use fork_from task 0 of the batch "
+        "(ref '@a') to try another approach side by side")
+    in_place = [item | {"ref": "@a", "worktree": False}, item | {"fork_from": "@a"}]
+    with pytest.raises(store.ValidationError, match=r"^task 1 of the batch: fork_from task 0 of the batch \(ref "
+                                                     r"'@a'\): that task ran with worktree=false"):
+        store.submit_batch(in_place)
+    assert store.counts()["pending"] == 0 and store.last_event_id() == 0
+    # Outside a batch, a task that exists is named by its id, as before.
+    first, follow = store.submit_batch(twice[:2])
+    with pytest.raises(store.ValidationError, match=f"^continue_from {first['id']}: {follow['id']} already continues"):
+        store.submit_task(**item, continue_from=first["id"])
+
+
 def test_idempotency_key_returns_original(tmp_path):
     first = submit(tmp_path, "once", idempotency_key="k-1")
     again = submit(tmp_path, "once", idempotency_key="k-1")
