@@ -39,6 +39,7 @@ import agent_box
 import engine_client
 import opencode_runner
 import process_tree
+import redaction
 
 ENGINE_ENV = "TASKBRIDGE_ENGINE"   # the tag every process of one engine inherits (the stop's sweep)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -197,6 +198,8 @@ class Engine:
         # Set after the box has had its say: an allowlisting box must not drop the password or the
         # tag the stop's sweep finds every process by.
         env = {**env, "OPENCODE_SERVER_PASSWORD": self.password, ENGINE_ENV: self.tag}
+        # Its non-shell children (MCP servers, LSPs) inherit it: what they print is redacted.
+        redaction.hold(self.password, "opencode server password")
         self.shell = env.get("SHELL")   # what the bash tool runs its commands with (a box's own shell)
         env.pop("OPENCODE_SERVER_USERNAME", None)
         fd, log = tempfile.mkstemp(prefix="opencode-serve-", suffix=".log")
@@ -391,6 +394,7 @@ class Engine:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
             self.log_path = None
+        redaction.release(self.password)
         return signalled
 
 

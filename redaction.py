@@ -11,7 +11,8 @@ never stored), the reverse bridge's ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOK
 database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the URL's
 ``passfile``, ``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model
 providers' keys the worker's OpenCode may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables,
-``apiKey`` in its config, its ``auth.json``). Values shorter than MIN_SECRET_CHARS are not
+``apiKey`` in its config, its ``auth.json``), and what this process holds (``hold``: the
+passwords of the kept servers it runs). Values shorter than MIN_SECRET_CHARS are not
 matched (they would hit ordinary words). Each value is matched as written and in its
 JSON-escaped form (the task log is OpenCode's JSON event stream).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,23 @@ ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anth
                ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
 
 _files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
+_held: dict[str, str] = {}                       # values this process made and holds (hold): value -> label
+_held_lock = threading.Lock()
+
+
+def hold(value: str, label: str) -> None:
+    """Count ``value`` (its ``label``) among this process's secrets until ``release``: a secret
+    TaskBridge makes itself and keeps in no variable or file, such as a kept OpenCode server's
+    password (engine.py), which that server's non-shell children (MCP servers, LSPs) inherit."""
+    with _held_lock:
+        _held[value] = label
+
+
+def release(value: str) -> None:
+    """Stop counting ``value`` (``hold``); a value not held is ignored."""
+    with _held_lock:
+        _held.pop(value, None)
+
 _built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
 
 
@@ -135,6 +154,8 @@ def secret_values() -> dict[str, str]:
     pgpass = Path(task_store.pgpass_file(url)).expanduser()
     found += [(value, "database password") for value in _from_file(pgpass, _pgpass_values)]
     found += _provider_keys()
+    with _held_lock:
+        found += list(_held.items())
     values: dict[str, str] = {}
     for value, label in found:
         value = value.strip()

@@ -23,6 +23,7 @@ import pytest
 import agent_box
 import engine
 import opencode_runner
+import redaction
 import worktrees
 from fake_openai import default_usage, hang, http_error, text, tool_call
 from helpers import git, make_repo, until
@@ -55,6 +56,9 @@ def test_start_answers_health_and_refuses_a_wrong_password(opencode, tmp_path):
         conn.request("GET", "/session")   # no Authorization at all
         assert conn.getresponse().status == 401
         conn.close()
+        # Its children that are no shell (MCP servers, LSPs) inherit the password: stored text never holds it.
+        assert redaction.redact(f"env: {eng.password}") == "env: [redacted: opencode server password]"
+    assert redaction.redact(eng.password) == eng.password, "a stopped server's password is let go"
 
 
 def test_a_session_writes_through_the_model_and_reports_its_usage(opencode, tmp_path):
