@@ -394,7 +394,6 @@ class Engine:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
             self.log_path = None
-        redaction.release(self.password)
         return signalled
 
 

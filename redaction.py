@@ -12,7 +12,7 @@ database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the 
 ``passfile``, ``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model
 providers' keys the worker's OpenCode may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables,
 ``apiKey`` in its config, its ``auth.json``), and what this process holds (``hold``: the
-passwords of the kept servers it runs). Values shorter than MIN_SECRET_CHARS are not
+passwords of the kept servers it ran last). Values shorter than MIN_SECRET_CHARS are not
 matched (they would hit ordinary words). Each value is matched as written and in its
 JSON-escaped form (the task log is OpenCode's JSON event stream).
 
@@ -42,22 +42,21 @@ ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anth
                ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
 
 _files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
-_held: dict[str, str] = {}                       # values this process made and holds (hold): value -> label
+_held: dict[str, str] = {}                       # values this process made (hold), oldest first: value -> label
 _held_lock = threading.Lock()
+HELD_KEPT = 32   # the newest values hold keeps: a run's receipt is stored after its server has stopped
 
 
 def hold(value: str, label: str) -> None:
-    """Count ``value`` (its ``label``) among this process's secrets until ``release``: a secret
-    TaskBridge makes itself and keeps in no variable or file, such as a kept OpenCode server's
-    password (engine.py), which that server's non-shell children (MCP servers, LSPs) inherit."""
-    with _held_lock:
-        _held[value] = label
-
-
-def release(value: str) -> None:
-    """Stop counting ``value`` (``hold``); a value not held is ignored."""
+    """Count ``value`` (its ``label``) among this process's secrets: a secret TaskBridge makes
+    itself and keeps in no variable or file, such as a kept OpenCode server's password
+    (engine.py), which that server's non-shell children (MCP servers, LSPs) inherit. The newest
+    HELD_KEPT values stay counted, after their server stopped too (the receipt is written then)."""
     with _held_lock:
         _held.pop(value, None)
+        _held[value] = label
+        while len(_held) > HELD_KEPT:
+            del _held[next(iter(_held))]
 
 _built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
 

@@ -197,6 +197,18 @@ def test_secret_values_are_read_at_call_time_from_each_source(tmp_path, monkeypa
     assert redaction.redact(f"{TOKEN} a-rotated-token-value") == f"{TOKEN} [redacted: bearer token]"
 
 
+def test_values_this_process_holds_are_secrets_the_newest_kept():
+    """A kept server's password lives in no variable or file of the worker's (engine.py holds it)."""
+    first = "first-server-password"
+    redaction.hold(first, "opencode server password")
+    assert redaction.redact(f"x {first}") == "x [redacted: opencode server password]"
+    for n in range(redaction.HELD_KEPT - 1):
+        redaction.hold(f"later-server-password-{n}", "opencode server password")
+    assert redaction.redact(first) != first
+    redaction.hold("one-more-server-password", "opencode server password")
+    assert redaction.redact(first) == first, "the oldest is let go: the matcher stays bounded"
+
+
 def test_the_password_file_the_queue_url_names_is_read_as_libpq_reads_it(tmp_path, monkeypatch):
     """libpq takes the URL's passfile over PGPASSFILE: so must the redactor (it read PGPASSFILE
     or ~/.pgpass only, and a password kept in the URL's passfile reached the logs unredacted)."""
