@@ -271,7 +271,7 @@ class Plan:
     read_only: list[str] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
     shell_env: dict[str, str] = field(default_factory=dict)   # set for the bash tool's commands only
-    env: dict[str, str] = field(default_factory=lambda: box_vars())   # set inside the box, for every process
+    env: dict[str, str] = field(default_factory=dict)   # set inside the box, for every process (box_vars)
     mounts: list[tuple[str, str]] = field(default_factory=list)       # (source, destination), read-only
     sealed: list[str] = field(default_factory=list)   # emptied whole though no hidden file is in them yet (_seal)
 
@@ -602,10 +602,13 @@ def calls_lock(kind: str) -> Iterator[None]:
         os.close(handle)
 
 
-def box_vars(home: str | None = None) -> dict[str, str]:
+def box_vars(home: str | None) -> dict[str, str]:
     """The variables every box sets inside (``Plan.env``): OpenCode's data, cache and state
-    folders moved to ``home`` (default ``box_home()``)."""
-    home = home or box_home()
+    folders moved to ``home`` (a line's, a slot's, a call's: ``line_home``, ``slot_home``,
+    ``calls_home``, ``template_home``). Raises ValueError without one: no box falls back to a
+    folder runs share (every run could then read and rewrite every other run's sessions)."""
+    if not home:
+        raise ValueError("a boxed OpenCode needs folders of its own (line_home, slot_home, calls_home); none was given")
     return {name: os.path.join(home, sub) for name, sub in (
         ("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache"), ("XDG_STATE_HOME", "state"))}
 
@@ -613,14 +616,13 @@ def box_vars(home: str | None = None) -> dict[str, str]:
 Hook = Callable[[list[str], dict[str, str]], tuple[list[str], dict[str, str]]]
 
 
-def call_box(scratch: Path, cwd: str | None = None, *, provider_keys: bool = False,
-             home: str | None = None) -> Hook | None:
+def call_box(scratch: Path, cwd: str | None = None, *, home: str, provider_keys: bool = False) -> Hook | None:
     """For TaskBridge's own OpenCode calls: a hook ``(argv, env) -> (argv, env)`` that runs the
     call in the box of a readonly run in ``cwd`` (a project folder, which a run may have written:
     the plugins and config OpenCode loads from it then run into nothing of yours), else in
     ``scratch/cwd`` (made here, empty); ``scratch`` is an empty folder of TaskBridge's, holding the
-    box's ``tmp/``. OpenCode there keeps its data, cache and state under ``home`` (default the
-    runs' box_home: a session's export, the database's preparation; calls_home for the calls
+    box's ``tmp/``. OpenCode there keeps its data, cache and state under ``home`` (a line's for a
+    session's export, template_home for the database's preparation, calls_home for the calls
     that only read configuration), with the environment of ``call_env``. None when runs are not boxed
     here (TASKBRIDGE_SANDBOX=off, or no box): the call then runs unboxed, with your data folder.
     Raises BoxSettingError for a bad knob."""
@@ -672,7 +674,7 @@ def call_env(env: dict[str, str], where: str, provider_keys: bool = False) -> di
             **{k: env[k] for k in keys if k in env and k not in NEVER}, "PWD": where}
 
 
-def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, list[str]]:
+def opencode_dirs(env: dict[str, str], home: str | None) -> tuple[str, list[str]]:
     """OpenCode's own folders for a boxed run from ``env`` and ``box_vars(home)``: (its config folder,
     read-only to the run: a plugin or config planted there would load in every later run and in
     TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the box's
@@ -687,8 +689,8 @@ def opencode_dirs(env: dict[str, str], home: str | None = None) -> tuple[str, li
         except OSError as exc:
             raise BoxUnavailable(f"OpenCode's folder {folder} cannot be made ({exc.strerror}; set by {name}): "
                                  f"point {name} at a folder you can write, then retry the task") from None
-    if home and _under(home, box_home()):
-        seed_home(home)
+    if _under(str(home), box_home()):
+        seed_home(str(home))
     ensure_gitignore([os.path.realpath(config)])   # yours: a dotfiles link is followed
     return str(config), [str(folder) for folder, _name in folders[1:]]
 
@@ -837,7 +839,8 @@ def plan_for(ws: worktrees.Workspace, env: dict[str, str], permission: str, run_
     """The box of one attempt in ``ws`` (see ``Plan``): ``run_dir`` holds ``tmp/`` (the run's
     /tmp), ``control/`` (read-only: rules, notes, spend gate, the shell), ``reply/`` (writable:
     the plugins' answers) and ``objects/`` (the run's own git objects, see ``git_binds``).
-    ``readonly`` leaves the worktree read-only; ``home``: see box_vars."""
+    ``readonly`` leaves the worktree read-only; ``home``: see box_vars (default ``ws.home``; one
+    of the two is required)."""
     writable = permission != "readonly"
     run_dir = Path(os.path.realpath(run_dir))
     # A worktree is TaskBridge's own folder; an in-place task's is the user's, checked when the

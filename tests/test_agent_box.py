@@ -627,7 +627,8 @@ def test_taskbridges_own_calls_keep_opencodes_data_apart_from_the_runs(tmp_path)
         argv, env = hook(["opencode", "models"], dict(os.environ))
     listing = {argv[i + 1]: argv[i + 2] for i, arg in enumerate(argv) if arg == "--setenv"}
     assert listing == agent_box.box_vars(agent_box.calls_home("models"))
-    assert len({setenv["XDG_DATA_HOME"], listing["XDG_DATA_HOME"], agent_box.box_vars()["XDG_DATA_HOME"]}) == 3
+    a_run = agent_box.box_vars(agent_box.line_home("t_0001"))
+    assert len({setenv["XDG_DATA_HOME"], listing["XDG_DATA_HOME"], a_run["XDG_DATA_HOME"]}) == 3
     hidden = agent_box.data_paths()
     assert agent_box.calls_home("config") in hidden and agent_box.calls_home("models") in hidden
 
