@@ -256,7 +256,9 @@ def check_worker() -> Check:
                      "(or ./install.sh --schedule for a pass every 60 s)")
     detail = f"{beat['summary']}; {schedule}" + others_line()
     if beat.get("died"):
-        return Check("worker", "warn", detail, f"{store.script_command('worker.py')} (the next pass requeues its task)")
+        return Check("worker", "warn", f"{detail}; {task_views.gone_words(beat)}",
+                     f"{store.script_command('worker.py', '--watch')}, "
+                     f"or {store.script_command('worker.py')} for one pass")
     if beat.get("pid_running") is False and "not installed" in schedule:
         # Its process ended cleanly (a one-pass run, a stopped --watch) and no schedule starts the
         # next pass: however young its heartbeat, nothing serves the queue now.

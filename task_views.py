@@ -281,6 +281,15 @@ def worker_label(seen: bool, recent: bool, running: bool | None, died: bool, sto
     return "online" if recent else "stale"
 
 
+def gone_words(worker: dict[str, Any]) -> str:
+    """What a worker whose process is gone without saying it stopped (``died``) left: its tasks,
+    which the next pass requeues, or none (killed while idle: nothing to requeue)."""
+    tasks = worker.get("tasks") or ([worker["task"]] if worker.get("task") else [])
+    if tasks:
+        return f"it died mid-run; the next pass requeues {', '.join(map(str, tasks))}"
+    return "it ended without saying it stopped (killed?) while it held no task"
+
+
 def worker_state() -> dict[str, Any]:
     """The worker that reported last, from any host (``task_store.list_workers``), judged as
     ``judge_worker`` does; the heartbeat file beside the database when the table has none or

@@ -1643,8 +1643,9 @@ def missing_worker_line(worker: dict[str, Any]) -> str | None:
         return ("No worker is running this queue: the worker has not checked in recently (is its launchd agent / "
                 f"systemd timer running?); {run} --watch starts one, {run} runs one pass by hand")
     if worker["died"]:
-        return (f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: it died "
-                f"mid-run. The next pass requeues its task ({worker_command()} runs one now).")
+        return (f"The worker (pid {worker.get('pid')}) that wrote this heartbeat is gone: "
+                f"{task_views.gone_words(worker)}. {worker_command()} --watch starts one, "
+                f"{worker_command()} runs one pass.")
     return None
 
 
@@ -1721,7 +1722,7 @@ def worker_process_words(worker: dict[str, Any]) -> str:
     if worker["pid_running"] is None:
         return f"on another host ({worker.get('host')}): not checked from here"
     if worker["died"]:
-        return "gone: it ended mid-run (the next pass requeues its task)"
+        return f"gone: {task_views.gone_words(worker)}"
     return "running" if worker["pid_running"] else "ended"
 
 

@@ -1108,16 +1108,21 @@ def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_a
     assert "yes: the checkout's HEAD contains it" in run("branch", task["id"]).stdout
 
 
-def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path):
+@pytest.mark.parametrize("beat,said", [
+    ("{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001']}", "it died mid-run; the next pass requeues t_0001"),
+    # Killed while idle: before, it too "died mid-run" and "the next pass requeues its task".
+    ("{'state': 'idle'}", "it ended without saying it stopped (killed?) while it held no task"),
+])
+def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path, beat, said):
     import subprocess
     import sys
-    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
-                             "{'state': 'running', 'task': 't_0001'})"])
+    dead = subprocess.Popen([sys.executable, "-c", f"import task_store; task_store.write_worker_heartbeat({beat})"])
     dead.wait()
     task_store.connect().close()   # the queue the heartbeat sits beside
     result = CliRunner().invoke(tasks_cli.cli, ["status"])
     assert result.exit_code == 0
-    assert f"The worker (pid {dead.pid}) that wrote this heartbeat is gone" in result.stderr
+    assert f"The worker (pid {dead.pid}) that wrote this heartbeat is gone: {said}." in result.stderr
+    assert ("requeue" in result.output + result.stderr) == ("tasks" in beat)
 
 
 def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_path):
