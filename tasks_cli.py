@@ -512,6 +512,17 @@ def when(value: str | None) -> str | None:
     return f"{ago(value)} ({value})" if value else None
 
 
+def worktree_words(task: dict[str, Any]) -> str:
+    """Whether the task runs (ran) in a worktree of its own: a task that asked for one but whose
+    folder is in no git repository runs in place, and is said to."""
+    if not task["worktree"]:
+        return "no (runs in place)"
+    if ((task.get("result") or {}).get("isolation") == "in-place"
+            or (task["status"] == "pending" and task_views.place_warnings(task))):
+        return "no: its folder is in no git repository, so it runs in place"
+    return "yes, kept" if task["worktree_keep"] else "yes"
+
+
 def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """The task's identity, settings and timing."""
     return [
@@ -520,8 +531,7 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("host", line(task.get("host") or ("any" if task.get("repo") else None))),
         ("model", line(task_views.model_shown(task))),
         ("agent", line(task["agent"])), ("priority", task["priority"]), ("permission", task["permission"]),
-        ("worktree",
-         "no (runs in place)" if not task["worktree"] else ("yes, kept" if task["worktree_keep"] else "yes")),
+        ("worktree", worktree_words(task)),
         ("timeout", f"{task['timeout_sec']} s per attempt"),
         ("attempts", attempts_text(task)),
         ("depends on", task.get("depends_on")),

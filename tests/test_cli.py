@@ -175,9 +175,13 @@ def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
     assert "in place" in said.stderr and "git init" in said.stderr
     as_json = json.loads(run("submit", "Loose", "--dir", str(loose), "--json").stdout)
     assert any("in place" in w for w in as_json["warnings"])
+    # `show` said "worktree yes" for it (a fresh user's finding).
+    assert "its folder is in no git repository, so it runs in place" in run("show", "t_0001").stdout
     repo = make_repo(tmp_path / "repo", {"sub/f.txt": "x\n"})
     in_repo = run("submit", "Kept apart", "--dir", str(repo / "sub"))
     assert in_repo.exit_code == 0 and "Warning" not in in_repo.stderr
+    shown = run("show", "t_0003").stdout.splitlines()
+    assert next(row for row in shown if row.startswith("worktree ")).split(None, 1)[1].strip() == "yes", shown
     unasked = run("submit", "Asked for in place", "--dir", str(loose), "--no-worktree")
     assert "Warning" not in unasked.stderr
 
@@ -1153,6 +1157,7 @@ def test_diff_of_a_task_that_ran_in_place_says_so_and_names_its_files(tmp_path):
     assert "changed no files" not in said.stderr
     shown = run("show", task["id"]).stdout   # said "the run changed no files" beside it (a new-user test)
     assert "it ran in place and its changes are already in" in shown and "changed no files" not in shown
+    assert "so it runs in place" in shown
 
 
 def test_a_write_the_database_refuses_by_a_constraint_is_said_in_the_stores_words(tmp_path, monkeypatch):
