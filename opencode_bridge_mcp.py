@@ -1213,8 +1213,9 @@ def retry_task(
     the machine that ran it: the task is pinned to that host, whose worker pushes the commit again
     without running the agent (`unpushed` says which host). Then wait_for([id]) as after a submit.
     Errors (nothing is written then): unknown id, a task that is not failed or cancelled (done:
-    submit a follow-up task; pending, running or waiting: cancel it first), a bad model, an empty
-    or too long note."""
+    submit a follow-up task; pending, running or waiting: cancel it first), a follow-up whose task
+    another live follow-up continues now (both would work in one worktree: cancel that one, or
+    continue from it), a bad model, an empty or too long note."""
     task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
     return cast(RetryResult, _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)})
 

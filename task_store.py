@@ -2079,15 +2079,24 @@ def _line_values(conn: Connection, spec: dict, refs: dict[str, int], made: dict[
     if kind == "continue_from":
         # It works in that task's folder: a folder the person asked to keep stays kept.
         values["worktree_keep"] = spec["worktree_keep"] or parent["worktree_keep"]
-        other = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
-                             " ORDER BY id LIMIT 1", (num,)).fetchone()
+        other = _live_follower(conn, num)
         if other is not None:
-            follower = made.get(other["id"]) or format_task_id(other["id"])
+            follower = made.get(other) or format_task_id(other)
             raise ValidationError(f"continue_from {name}: {follower} already continues it "
                                   f"on its branch; continue from {follower} instead, or "
                                   f"use fork_from {name} to try another approach side by side")
     values[kind] = num
     return values
+
+
+def _live_follower(conn: Connection, parent: int, other_than: int | None = None) -> int | None:
+    """The id of a follow-up of ``parent`` (``continue_from``) that is not failed or cancelled,
+    but ``other_than``, else None: a line of work has one live follow-up at a time (two would run
+    in the same worktree and session at once, and one would lose its work)."""
+    row = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
+                       " AND id <> ? ORDER BY id LIMIT 1", (parent, -1 if other_than is None else other_than)
+                       ).fetchone()
+    return None if row is None else row["id"]
 
 
 def _task_host(spec: dict, parent_host: str | None, where: dict[str, Any]) -> str | None:
@@ -2935,7 +2944,9 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
     One transaction with a ``retried`` event row (and a ``note`` event). Returns the task dict
     plus ``requeued_dependents`` (ids). Raises TaskNotFound, ValidationError (bad model, empty or
     too long note), InvalidTransition (the task is not failed or cancelled, or one of its
-    dependencies is: it would wait for that forever)."""
+    dependencies is: it would wait for that forever; or it is a follow-up whose task another live
+    follow-up continues now: both would run in one worktree). A dependent follow-up whose line
+    has gone on with another follow-up stays failed."""
     num = parse_task_id(task_id)
     model = validate_model(model)
     note = None if note is None else _text("note", note, NOTE_MAX)
@@ -2951,6 +2962,12 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
                 f"task {format_task_id(num)} depends on {dep}, which is {blocked['status']}, so it could never "
                 f"start: retry {dep} (retry_task {dep}; the tasks that failed because of it are requeued with it), "
                 f"or submit this work again without that dependency")
+        if row["continue_from"] is not None and (other := _live_follower(conn, row["continue_from"], num)):
+            parent, follower = format_task_id(row["continue_from"]), format_task_id(other)
+            raise InvalidTransition(
+                f"task {format_task_id(num)} continues {parent}, which {follower} continues now (a line of work has "
+                f"one live follow-up: both would run in the same worktree); cancel {follower} first, or submit "
+                f"this work as a follow-up of {follower} (continue_from {follower})")
         _requeue_fresh(conn, row, model)
         if note is not None:
             conn.execute("INSERT INTO notes (task_id, author, text, created_at) VALUES (?, ?, ?, ?)",
@@ -3008,6 +3025,9 @@ def _requeue_dependents(conn: Connection, num: int) -> list[int]:
         for row in rows:
             if _ended_dependency(conn, row["id"]) is not None:   # it still waits on another that failed
                 continue
+            if row["continue_from"] is not None and _live_follower(conn, row["continue_from"], row["id"]):
+                continue   # its line of work has gone on with another follow-up: it stays failed
+
             _requeue_fresh(conn, row, None)
             _event(conn, row["id"], "retried", f"its dependency {format_task_id(num)} was retried")
             requeued.append(row["id"])

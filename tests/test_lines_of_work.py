@@ -176,6 +176,34 @@ def test_follow_up_refusals(tmp_path):
         task_store.submit_task(title="e", instructions="y", continue_from=flat["id"])
 
 
+def test_a_line_of_work_never_has_two_live_follow_ups_after_a_retry(tmp_path):
+    """Cancel a follow-up, submit another, retry the first: before, both ran in the same worktree
+    and session at once and one lost its work (a fresh tester's finding). The retry is refused,
+    and a follow-up a retried parent would requeue stays failed when its line went on."""
+    first = task_store.submit_task(title="a", instructions="x", working_dir=str(tmp_path))
+    cancelled = task_store.submit_task(title="b", instructions="y", continue_from=first["id"])
+    task_store.cancel_task(cancelled["id"])
+    later = task_store.submit_task(title="c", instructions="z", continue_from=first["id"])
+    said = f"{later['id']} continues now .* cancel {later['id']} first, or .*continue_from {later['id']}"
+    with pytest.raises(task_store.InvalidTransition, match=said):
+        task_store.retry_task(cancelled["id"])
+    assert task_store.get_task(cancelled["id"])["status"] == "cancelled"
+    task_store.cancel_task(later["id"])
+    assert task_store.retry_task(cancelled["id"])["status"] == "pending", "no other live follow-up: it may go again"
+    # A follow-up failed with a dependency: when that is retried after the line went on, it stays failed.
+    root = task_store.submit_task(title="r", instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("w", task_id=root["id"])
+    task_store.complete_attempt(root["id"], claimed["run_marker"], result={"summary": "ok"})
+    dep = task_store.submit_task(title="d", instructions="x", working_dir=str(tmp_path))
+    waiting = task_store.submit_task(title="w", instructions="y", continue_from=root["id"], depends_on=[dep["id"]])
+    task_store.cancel_task(dep["id"])   # its follow-up fails: dependency cancelled
+    assert task_store.get_task(waiting["id"])["status"] == "failed"
+    went_on = task_store.submit_task(title="g", instructions="z", continue_from=root["id"])
+    assert task_store.retry_task(dep["id"])["requeued_dependents"] == []
+    assert task_store.get_task(waiting["id"])["status"] == "failed"
+    assert task_store.get_task(went_on["id"])["status"] == "pending"
+
+
 def test_cli_submit_continue_and_fork_without_dir(tmp_path):
     repo = make_repo(tmp_path / "repo")
     first = task_store.submit_task(title="a", instructions="x", working_dir=str(repo))
