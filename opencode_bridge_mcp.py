@@ -432,8 +432,8 @@ class BatchTask(TypedDict, total=False):
     idempotency_key: str
     max_cost_usd: Annotated[float, spec.USD.field("USD the task may spend over all its attempts")]
     max_tokens: Annotated[int, spec.TOKENS.field("tokens the task may use (for a model with no price)")]
-    continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch)")]
-    fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session)")]
+    continue_from: Annotated[str, Field(description="a follow-up of this task id or ref (same session and branch; its permission, rules, agent, skills and subagents unless given)")]
+    fork_from: Annotated[str, Field(description="a fork of this task id or ref (own branch, copy of the session; its settings as continue_from)")]
     rules: Annotated[Rules, Field(description="permission rules per tool (see submit_task)")]
     skills: Annotated[list[str], Field(description="OpenCode skills to load first")]
     subagents: Annotated[list[str], Field(description="OpenCode sub-agents it may start")]
@@ -621,15 +621,15 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     depends_on: Annotated[IdList, Field(description="ids of tasks that must be done first")] = [],  # noqa: B006 - never mutated; the schema shows []
     timeout_sec: Annotated[int | None, spec.TIMEOUT.field("seconds per attempt (each retry gets it again)")] = spec.TIMEOUT.default,
     max_retries: Annotated[int | None, spec.RETRIES.field("extra attempts after a failure")] = spec.RETRIES.default,
-    permission: Annotated[Permission | None, Field(description="Every run is boxed by the OS (writes only in its worktree, no TaskBridge secret). auto: "
-                                                                   "anything in the worktree; readonly: the worktree is read-only; no-shell: no "
-                                                                   "bash; no-network: bash gets no network. Without an OS box the last three "
-                                                                   "fail unless the worker allows prompt-level (the receipt's sandbox says which)")] = "auto",
+    permission: Annotated[Permission | None, Field(description="Every run is boxed by the OS (writes only in its worktree, no TaskBridge secret). auto "
+                                                                   "(default; a follow-up's or fork's: its task's): anything in the worktree; readonly: "
+                                                                   "the worktree is read-only; no-shell: no bash; no-network: bash gets no network. Without an "
+                                                                   "OS box the last three fail unless the worker allows prompt-level (the receipt's sandbox says which)")] = None,
     worktree: Annotated[bool | None, Field(description="in a git repo, work on branch taskbridge/t_NNNN in a separate worktree")] = True,
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
     ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
-    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again with the same title, instructions and working_dir returns the first task instead of a new one; with others it is refused")] = None,
+    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again with the same task (title, instructions, working_dir or repo, the task it continues or forks, model, agent, permission, rules, skills, subagents) returns the first task instead of a new one; with another task it is refused, naming the fields that differ")] = None,
     max_cost_usd: Annotated[float | None, spec.USD.field("USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
     max_tokens: Annotated[int | None, spec.TOKENS.field("tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
@@ -652,17 +652,17 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     from `base_ref`, commits and pushes branch taskbridge/<id> there (receipt: `pushed_branch`).
     A refused push fails the task without rerunning the agent (worktree kept).
     continue_from: the next step of that task's line of work (same session and branch; the
-    receipt's `line` shows the line's whole diff); fork_from: a branch of its own from that
-    task's head with a copy of the session. Both run in that task's working_dir.
-    With rules, a call matching an `ask` rule moves the task to `waiting` with the request as its
-    question; answer_task allow or deny (once, or always) resumes the same session.
-    Errors (nothing is written then): a relative or missing working_dir, both or neither of
-    working_dir and repo, a repo that is not a git URL or path or carries credentials, a bad
-    base_ref or host, an unknown dependency, a value out of range, a model `opencode models`
-    does not list, both continue_from and fork_from, a second follow-up of one task (fork
-    instead), following a task that ran with worktree=false or is failed/cancelled, a bad rule,
-    a skill or sub-agent OpenCode does not offer there, a bare or commit-less repository, a
-    folder not in the last commit (its worktree would lack it).
+    receipt's `line` shows the line's whole diff); fork_from: a branch of its own from that task's
+    head with a copy of the session. Both run in its working_dir, with its permission, rules,
+    agent, skills and subagents unless they give their own.
+    With rules, a call matching an `ask` rule moves the task to `waiting` with the request as its question;
+    answer_task allow or deny (once, or always) resumes the same session. Errors (nothing is written then): a relative or missing working_dir, both or neither of working_dir
+    and repo, a repo that is not a git URL or path or carries credentials, a bad base_ref or host, an
+    unknown dependency, a value out of range, a model `opencode models` does not list, both
+    continue_from and fork_from, a second follow-up of one task (fork instead), following a task that
+    ran with worktree=false or is failed/cancelled, a bad rule, a skill or sub-agent OpenCode does not
+    offer there, a bare or commit-less repository, a folder not in the last commit (its worktree would
+    lack it), an idempotency_key used before with another task.
     """
     fields = _task_fields(ctx, {k: v for k, v in locals().items() if k != "ctx"})   # locals(): the parameters
     _check_names(fields)

@@ -1597,8 +1597,10 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValidationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    permission = optional(raw.get("permission")) or "auto"
-    if permission not in PERMISSIONS:
+    parent, parent_kind = _line_parent(raw)
+    # A follow-up or fork that names no preset takes its task's (_inherit_settings).
+    permission = optional(raw.get("permission")) or (None if parent is not None else "auto")
+    if permission is not None and permission not in PERMISSIONS:
         raise ValidationError(f"permission {permission!r} is not one of {', '.join(PERMISSIONS)}")
     agent = optional(raw.get("agent"))
     if agent is not None and (not isinstance(agent, str) or not AGENT_NAME.fullmatch(agent)):
@@ -1607,7 +1609,6 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     if key is not None:
         key = _text("idempotency_key", str(key) if isinstance(key, int) else key, 200)
     origin_name = optional(raw.get("origin_name"))
-    parent, parent_kind = _line_parent(raw)
     working_dir, repo, base_ref = _place(raw, parent)
     return {
         "title": _text("title", raw.get("title"), TITLE_MAX).strip(),
@@ -1843,21 +1844,33 @@ def _existing_by_key(conn: Connection, key: str | None) -> Row | None:
     return conn.execute("SELECT * FROM tasks WHERE idempotency_key = ?", (key,)).fetchone()
 
 
-KEYED_FIELDS = ("title", "instructions", "working_dir")   # what a repeated idempotency key must repeat
+# What a repeated idempotency key must repeat: what the task does, where, and what it may do (its
+# scheduling, limits and retries may differ). A field the submission leaves out (None) is not
+# compared: the store fills it (a follow-up's folder and inherited preset, a remote's folder).
+KEYED_FIELDS = ("title", "instructions", "working_dir", "repo_url", "base_ref", "worktree", "model", "agent",
+                "permission", "rules", "skills", "subagents")
 
 
-def _same_request(spec: dict, existing: Row) -> None:
+def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
     """Refuse a repeated idempotency key that comes with another task (as payment APIs refuse a
     key reused with other parameters): returning the first task would drop this one unseen.
-    A working_dir left out (a task on a remote, a follow-up or fork, whose folder the store
-    fills in) is not compared. Raises ValidationError naming the fields that differ."""
+    ``refs``: the batch's refs so far (a parent named by one). Raises ValidationError naming the
+    fields that differ."""
     differ = [name for name in KEYED_FIELDS if spec[name] is not None and spec[name] != existing[name]]
+    if spec["parent"] is not None:
+        ref = spec["parent"]
+        parent = refs.get(ref) if isinstance(ref, str) and ref.startswith("@") else parse_task_id(ref)
+        if existing[spec["parent_kind"]] != parent:
+            differ.append(spec["parent_kind"])
+    elif existing["continue_from"] is not None or existing["fork_from"] is not None:
+        differ.append("continue_from" if existing["continue_from"] is not None else "fork_from")
     if differ:
         verb = "differ" if len(differ) > 1 or differ == ["instructions"] else "differs"
         raise ValidationError(
             f"idempotency_key {spec['idempotency_key']!r} was already used by {format_task_id(existing['id'])} "
             f"({existing['title']!r}), whose {' and '.join(differ)} {verb}; nothing was queued. A repeated key "
-            "must come with the same title, instructions and working_dir: give this task a new key")
+            "must come with the same task (what it does, where, from which task, and what it may do): give "
+            "this task a new key")
 
 
 def _resolve_deps(conn: Connection, spec: dict, refs: dict[str, int]) -> list[int]:
@@ -1935,7 +1948,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
     earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
     ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one;
-    it must come with the same title, instructions and working_dir (KEYED_FIELDS).
+    it must come with the same task (KEYED_FIELDS, and the same task it continues or forks).
     Raises ValidationError (bad field, unknown dependency, cycle, batch size, a key reused for
     another task); nothing is written then.
     """
@@ -1953,35 +1966,19 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             spec = specs[index]
             existing = _existing_by_key(conn, spec["idempotency_key"])
             if existing is not None:
-                _same_request(spec, existing)
+                _same_request(spec, existing, ref_ids)
                 out[index] = (existing, _deps(conn, existing["id"]), True)
                 if spec["ref"]:
                     ref_ids[spec["ref"]] = existing["id"]
                 continue
             try:
+                spec = _inherit_settings(conn, spec, ref_ids)
                 deps = _resolve_deps(conn, spec, ref_ids)
                 values, line = _insert_values(conn, spec, ref_ids, defaults, made)
             except ValidationError as exc:   # which item, as _batch_specs says it
                 raise ValidationError(f"task {index} of the batch: {exc}") from None
-            extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
-            row = conn.execute(_INSERT_TASK, values).fetchone()
+            row = _insert_task(conn, spec, deps, values, line)
             task_id = row["id"]
-            if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
-                row = conn.execute("UPDATE tasks SET ask_human = 1 WHERE id = ? RETURNING *", (task_id,)).fetchone()
-            if spec["parent"] is not None or any(extras.values()):
-                # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
-                row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
-                                   " rules = :rules, skills = :skills, subagents = :subagents"
-                                   " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
-            if spec["schedule_timeout_sec"] is not None:   # a migration 8 column, set apart likewise
-                row = conn.execute("UPDATE tasks SET schedule_timeout_sec = ? WHERE id = ? RETURNING *",
-                                   (spec["schedule_timeout_sec"], task_id)).fetchone()
-            conn.executemany(
-                "INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)",
-                [(task_id, d) for d in deps],
-            )
-            origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
-            _event(conn, task_id, "submitted", f"{spec['title']}{origin}")
             if spec["ref"]:
                 ref_ids[spec["ref"]] = task_id
             made[task_id] = f"task {index} of the batch" + (f" (ref {spec['ref']!r})" if spec["ref"] else "")
@@ -1989,6 +1986,29 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     # Shaped after the commit: the write lock is held for the SQL only.
     return [task_dict(row, deps) | {"duplicate": duplicate} for row, deps, duplicate in
             (out[i] for i in range(len(specs)))]
+
+
+def _insert_task(conn: Connection, spec: dict, deps: list[int], values: dict[str, Any],
+                 line: dict[str, Any]) -> Row:
+    """Write one new task of ``submit_batch`` (``values``, ``line``: ``_insert_values``' answer),
+    its dependencies ``deps`` and its ``submitted`` event; returns its row."""
+    extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
+    row = conn.execute(_INSERT_TASK, values).fetchone()
+    task_id = row["id"]
+    if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
+        row = conn.execute("UPDATE tasks SET ask_human = 1 WHERE id = ? RETURNING *", (task_id,)).fetchone()
+    if spec["parent"] is not None or any(extras.values()):
+        # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
+        row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
+                           " rules = :rules, skills = :skills, subagents = :subagents"
+                           " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
+    if spec["schedule_timeout_sec"] is not None:   # a migration 8 column, set apart likewise
+        row = conn.execute("UPDATE tasks SET schedule_timeout_sec = ? WHERE id = ? RETURNING *",
+                           (spec["schedule_timeout_sec"], task_id)).fetchone()
+    conn.executemany("INSERT INTO task_deps (task_id, depends_on) VALUES (?, ?)", [(task_id, d) for d in deps])
+    origin = f" from {spec['origin_name']}" if spec["origin_name"] else ""
+    _event(conn, task_id, "submitted", f"{spec['title']}{origin}")
+    return row
 
 
 def _insert_values(conn: Connection, spec: dict, refs: dict[str, int], defaults: dict[str, Any],
@@ -2087,6 +2107,28 @@ def _line_values(conn: Connection, spec: dict, refs: dict[str, int], made: dict[
                                   f"use fork_from {name} to try another approach side by side")
     values[kind] = num
     return values
+
+
+INHERITED = ("permission", "rules", "agent", "skills", "subagents")   # what a follow-up or fork takes from its task
+
+
+def _inherit_settings(conn: Connection, spec: dict, refs: dict[str, int]) -> dict:
+    """``spec`` with the INHERITED settings it left out (None) taken from the task it continues or
+    forks (its preset, permission rules, agent, skills, sub-agents): work in the same line keeps
+    the restrictions it was given unless the submission names its own. A parent that does not
+    exist is left to ``_line_values`` to name."""
+    if spec["parent"] is None or all(spec[k] is not None for k in INHERITED):
+        return spec
+    ref = spec["parent"]
+    try:
+        num = refs[ref] if ref in refs else parse_task_id(ref)
+    except ValidationError:
+        return spec
+    row = conn.execute("SELECT permission, rules, agent, skills, subagents FROM tasks WHERE id = ?", (num,)).fetchone()
+    if row is None:
+        return spec
+    taken = {k: row[k] for k in INHERITED if spec[k] is None}
+    return spec | taken | {"permission": spec["permission"] or row["permission"] or "auto"}
 
 
 def _live_follower(conn: Connection, parent: int, other_than: int | None = None) -> int | None:

@@ -993,9 +993,10 @@ def cli() -> None:
               show_default=True, help="Seconds per attempt.")
 @click.option("--max-retries", type=task_spec.RETRIES.click_type(), default=task_spec.RETRIES.default,
               show_default=True, help="Retries after a failed attempt.")
-@click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default="auto", show_default=True,
+@click.option("--permission", type=click.Choice(task_store.PERMISSIONS), default=None,
               help="What the agent may do, on top of the OS box every run gets: readonly (worktree read-only), "
-                   "no-shell, no-network (bash gets no network); see docs/tasks.md, Permissions.")
+                   "no-shell, no-network (bash gets no network); see docs/tasks.md, Permissions.  "
+                   "[default: auto; with --continue or --fork: that task's, its rules and agent too]")
 @click.option("--no-worktree", is_flag=True, help="Run in the directory itself, not in a git worktree.")
 @click.option("--keep-worktree", is_flag=True,
               help="Keep the worktree after a successful run (the branch always stays).")
@@ -1035,7 +1036,7 @@ def cli() -> None:
 def submit(  # noqa: PLR0913  (click passes each of submit's options as one parameter)
            title: str, working_dir: str | None, instructions: str | None, file: Any, model: str | None,
            priority: int, depends_on: tuple[str, ...], timeout_sec: int, max_retries: int,
-           permission: str, no_worktree: bool, keep_worktree: bool, agent: str | None,
+           permission: str | None, no_worktree: bool, keep_worktree: bool, agent: str | None,
            idempotency_key: str | None, yes: bool, max_cost_usd: float | None, max_tokens: int | None,
            continue_from: str | None, fork_from: str | None, rules: str | None, skills: tuple[str, ...],
            subagents: tuple[str, ...], repo: str | None, base_ref: str | None, host: str | None,

@@ -204,6 +204,47 @@ def test_a_line_of_work_never_has_two_live_follow_ups_after_a_retry(tmp_path):
     assert task_store.get_task(went_on["id"])["status"] == "pending"
 
 
+def test_follow_ups_and_forks_keep_their_tasks_restrictions_unless_they_name_their_own(tmp_path):
+    """A follow-up of a readonly task with an ask rule ran as auto without the rule, and pushed
+    (a fresh tester's finding): the line's preset, rules, agent, skills and sub-agents carry on."""
+    rules = {"bash": {"git push*": "ask"}}
+    first = task_store.submit_task(title="a", instructions="x", working_dir=str(tmp_path), permission="readonly",
+                                   rules=rules, agent="plan", skills=["review"], subagents=["general"])
+    follow = task_store.submit_task(title="b", instructions="y", continue_from=first["id"])
+    fork = task_store.submit_task(title="c", instructions="z", fork_from=first["id"])
+    for task in (follow, fork):
+        assert (task["permission"], task["rules"], task["agent"], task["skills"], task["subagents"]) == (
+            "readonly", rules, "plan", ["review"], ["general"]), task
+    own = task_store.submit_task(title="d", instructions="z", fork_from=first["id"], permission="auto", agent="build")
+    assert (own["permission"], own["agent"], own["rules"]) == ("auto", "build", rules), "what it names is its own"
+    batch = task_store.submit_batch([{"title": "e", "instructions": "x", "working_dir": str(tmp_path), "ref": "@e",
+                                      "permission": "no-shell"},
+                                     {"title": "f", "instructions": "y", "continue_from": "@e"}])
+    assert batch[1]["permission"] == "no-shell" and batch[0]["permission"] == "no-shell"
+    assert task_store.submit_task(title="g", instructions="x", working_dir=str(tmp_path))["permission"] == "auto"
+    cli = run_script("tasks_cli.py", "submit", "h", "--continue", follow["id"], "--json")
+    assert cli.returncode == 0 and json.loads(cli.stdout)["permission"] == "readonly", cli.stderr
+
+
+def test_a_repeated_idempotency_key_with_another_parent_or_preset_is_refused(tmp_path):
+    """The key returned an earlier follow-up for a fork, and an auto task for a readonly request
+    with a deny rule (a fresh tester's finding): those are other tasks."""
+    first = task_store.submit_task(title="a", instructions="x", working_dir=str(tmp_path))
+    keyed = task_store.submit_task(title="k", instructions="y", continue_from=first["id"], idempotency_key="K")
+    assert task_store.submit_task(title="k", instructions="y", continue_from=first["id"],
+                                  idempotency_key="K")["id"] == keyed["id"], "the same request: the first task"
+    with pytest.raises(task_store.ValidationError, match="whose fork_from differs"):
+        task_store.submit_task(title="k", instructions="y", fork_from=first["id"], idempotency_key="K")
+    plain = task_store.submit_task(title="m", instructions="y", working_dir=str(tmp_path), idempotency_key="M")
+    with pytest.raises(task_store.ValidationError, match="whose permission and rules differ"):
+        task_store.submit_task(title="m", instructions="y", working_dir=str(tmp_path), idempotency_key="M",
+                               permission="readonly", rules={"bash": "deny"})
+    with pytest.raises(task_store.ValidationError, match="whose continue_from differs"):   # now no follow-up
+        task_store.submit_task(title="k", instructions="y", working_dir=str(tmp_path), idempotency_key="K")
+    assert task_store.get_task(plain["id"])["permission"] == "auto"
+    assert task_store.counts()["pending"] == 3
+
+
 def test_cli_submit_continue_and_fork_without_dir(tmp_path):
     repo = make_repo(tmp_path / "repo")
     first = task_store.submit_task(title="a", instructions="x", working_dir=str(repo))
