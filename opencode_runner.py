@@ -635,11 +635,69 @@ def wildcard_match(text: str, pattern: str, escapes: bool = False) -> bool:
     return re.fullmatch(regex, text, re.DOTALL) is not None
 
 
+# Blanks spelled out: Python's \s and strip() and JavaScript's differ beyond these.
+_BLANKS = " \t\n\r\f\v"
+_ASSIGNMENTS = re.compile(r"""^(?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|"[^"]*"|[^ \t\n\r\f\v'"])*[ \t\n\r\f\v]+)+""")
+_SEVERITY = {"deny": 3, "ask": 2, "allow": 1}
+
+
+def shell_commands(line: str) -> list[str]:
+    """The simple commands of a shell command line, as a ``bash`` rule is matched against each:
+    split at ``;`` ``&`` ``|`` (so ``&&`` ``||``), line breaks, parentheses, backticks and ``$(``
+    (inside double quotes only at a substitution: ``$(``, a backtick, a closing parenthesis;
+    never inside single quotes or after a backslash), each trimmed, its leading ``NAME=value``
+    assignments left out, empty ones dropped: ``cd x && git push`` is ``["cd x", "git push"]``.
+    A command run through ``sh -c '…'`` or ``eval`` stays inside one quoted word (OpenCode's own
+    matcher does not look there either). The twin of ``shellCommands`` in
+    opencode_plugins/shell_commands.js (tests/test_rules_matching.py holds both to one table)."""
+    parts, current, quote, i = [], [], "", 0
+    while i < len(line):
+        char, two = line[i], line[i:i + 2]
+        if quote == "'":
+            quote = "" if char == "'" else quote
+        elif char == "\\":
+            current.append(two)
+            i += 2
+            continue
+        elif two == "$(" or char in "`)" or (not quote and char in ";&|\n("):
+            parts.append("".join(current))
+            current = []
+            i += len(two) if two == "$(" else 1
+            continue
+        elif char == '"' or (char == "'" and not quote):
+            quote = "" if quote == char else char if not quote else quote
+        current.append(char)
+        i += 1
+    parts.append("".join(current))
+    commands = [_ASSIGNMENTS.sub("", part.strip(_BLANKS)).strip(_BLANKS) for part in parts]
+    return [command for command in commands if command]
+
+
 def rule_action(rules: dict[str, Any], tool: str, subject: str, directory: str = "") -> str | None:
     """What a task's ``rules`` (``{"bash": {"git push*": "ask"}}``) say of a call of ``tool`` (the
     rule key: bash, edit, read, ...) on ``subject`` (the command, path, URL, ...): allow, deny, ask,
     or None when no rule speaks; the last matching pattern wins. A path under ``directory`` also
-    matches in its relative form. The Python twin of ``actionFor`` in permission_rules.js."""
+    matches in its relative form. A ``bash`` command line is matched command by command
+    (``shell_commands``), as OpenCode does, and the strictest answer wins (deny, then ask, then
+    allow): ``cd x && git push`` meets a ``git push*`` rule. The Python twin of ``actionFor`` in
+    permission_rules.js."""
+    actions = [_action_of(rules, tool, s, directory) for s in _subjects(tool, subject)]
+    return max(actions, key=lambda action: _SEVERITY.get(action or "", 0), default=None)
+
+
+def asking_commands(rules: dict[str, Any], tool: str, subject: str) -> list[str]:
+    """The commands of a ``bash`` call that its task's ``rules`` mark ``ask`` (``shell_commands``);
+    [] for another tool. What an ``always`` answer to the ask adds a rule for."""
+    return [c for c in _subjects(tool, subject) if _action_of(rules, tool, c, "") == "ask"] if tool == "bash" else []
+
+
+def _subjects(tool: str, subject: str) -> list[str]:
+    return (shell_commands(subject) or [subject]) if tool == "bash" else [subject]
+
+
+def _action_of(rules: dict[str, Any], tool: str, subject: str, directory: str) -> str | None:
+    """The last of the ``tool`` rules whose pattern matches ``subject`` (or its form relative to
+    ``directory``): its action, or None."""
     rule = rules.get(tool)
     if rule is None:
         return None

@@ -2903,7 +2903,8 @@ PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\s*\.?\s*$
 
 def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
     """A task paused on a permission ask reads ``allow`` / ``deny``, each ``once`` (default) or
-    ``always`` (for this task: a rule for exactly that request is added after its own rules).
+    ``always`` (for this task: a rule for exactly that request, or for each of the commands the
+    ask names in ``commands``, is added after its own rules).
     The decision goes into ``pending_ask`` for the resumed attempt; returns the answer to store.
     Raises ValidationError for any other answer."""
     match = PERMISSION_ANSWER.match(answer)
@@ -2916,9 +2917,11 @@ def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
         rules = json.loads(row["rules"] or "{}")
         block = rules.get(ask["tool"])
         block = dict(block) if isinstance(block, dict) else {"*": block} if block else {}
-        exact = literal_pattern(str(ask["subject"]))
-        block.pop(exact, None)
-        block[exact] = decision   # last: it wins over the task's earlier patterns
+        # A bash ask names the commands of its line the rules marked ask (the worker's reading).
+        for subject in ask.get("commands") or [ask["subject"]]:
+            exact = literal_pattern(str(subject))
+            block.pop(exact, None)
+            block[exact] = decision   # last: it wins over the task's earlier patterns
         rules[ask["tool"]] = block
         conn.execute("UPDATE tasks SET rules = ? WHERE id = ?", (json.dumps(rules), row["id"]))
     ask["decision"] = f"{decision} {scope}"

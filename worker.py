@@ -362,9 +362,16 @@ def permission_question(ask: dict[str, Any]) -> str:
     # quoted as such, never as TaskBridge's.
     reason = f" The agent's own description of the call (not checked): {json.dumps(str(ask['reason']))}." \
         if ask.get("reason") else ""
-    return (f"Permission asked: the agent wants to run {ask['tool']} {shown} (the task's rules say ask)."
+    commands = ask.get("commands") or []
+    if commands and commands != [subject]:
+        asked_for = ", ".join(json.dumps(c) for c in commands)
+        which = f" (the task's rules say ask for {asked_for})."
+        always = "for exactly those commands only"
+    else:
+        which, always = " (the task's rules say ask).", "for exactly this text only"
+    return (f"Permission asked: the agent wants to run {ask['tool']} {shown}{which}"
             f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task, and "
-            "for exactly this text only: any * or ? in it is taken literally, never as a pattern).")
+            f"{always}: any * or ? in it is taken literally, never as a pattern).")
 
 
 def resume_message(answer: str, notes: list[dict], ask: dict[str, Any] | None = None) -> str:
@@ -976,21 +983,24 @@ class AskWatch:
         self.believed_at = self.believed_at or now
         return stream.held_step_ended or now - self.believed_at > ASK_STEP_WAIT_SEC
 
-    def held(self) -> tuple[dict[str, str] | None, str | None]:
-        """(the ask believed, or None; why a reply was not believed, or None)."""
+    def held(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(the ask believed, or None; why a reply was not believed, or None). A believed bash ask
+        carries ``commands``: those of its command line the rules mark ask (what ``always`` adds
+        a rule for), worked out here, not taken from the reply."""
         if not os.path.exists(self.path):
             return None, None
         said = read_reply(self.path)
-        asked = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
+        asked: dict[str, Any] = {k: str((said or {}).get(k) or "") for k in ("tool", "subject", "reason")}
         if said is not None and oc.rule_action(self.rules, asked["tool"], asked["subject"], self.cwd) == "ask":
-            return asked, None
+            commands = oc.asking_commands(self.rules, asked["tool"], asked["subject"])
+            return asked | ({"commands": commands} if commands else {}), None
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         return None, (f"a permission ask for {asked['tool'] or '?'} {json.dumps(asked['subject'][:200])}, which "
                       "the task's rules do not mark ask: not believed, the run went on (the reply folder is "
                       "writable from inside the agent's box)")
 
-    def asked(self, result: RunResult) -> dict[str, str] | None:
+    def asked(self, result: RunResult) -> dict[str, Any] | None:
         """The ask believed, or None; a reply not believed is set aside and noted in ``result``
         (the receipt says so)."""
         asked, doubt = self.held()

@@ -7,7 +7,8 @@
 // could never decide. Before every tool call (tool.execute.before: the main agent's and its
 // sub-agents'), this hook matches the call against the task's rules, OpenCode's format
 // ({"bash": {"git push*": "ask"}}: wildcards * and ?, \* and \? for the characters themselves,
-// the last matching pattern wins):
+// the last matching pattern wins; a bash command line is matched command by command, as OpenCode
+// matches it, and the strictest answer wins: "cd x && git push" meets "git push*"):
 // - deny: the call fails with a message naming the rule (the agent sees it and goes on);
 // - allow, or no rule: the call runs (OpenCode's own permissions still apply);
 // - ask: unless the planner allowed exactly this call once ("once" in the rules file, used up
@@ -20,8 +21,10 @@
 //   tool calls have ended: a held call hid the cost of the step that made it. The worker ends the
 //   run once that step_finish is printed; the task waits for the planner's answer, which resumes
 //   the same session with the call to make again or to leave.
-// The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js (beside it).
+// The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js and
+// shell_commands.js (beside it).
 import { readJson, replyPath, writeJson } from "./files.js";
+import { shellCommands } from "./shell_commands.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 // The start of a held call's error, as opencode_runner.RULES_REFUSALS reads it in the event stream.
@@ -58,13 +61,30 @@ function wildcard(text, pattern) {
   return new RegExp(`^${re}$`).test(text);
 }
 
-function actionFor(rules, key, subjects) {
+// The last of the tool's patterns that matches one of `subjects` (a path in both its forms): its
+// action, or null. The Python twin is opencode_runner._action_of.
+function actionOf(rules, key, subjects) {
   const rule = rules[key];
   if (rule === undefined) return null;
   const patterns = typeof rule === "string" ? { "*": rule } : rule;
   let action = null;
   for (const [pattern, act] of Object.entries(patterns)) {
     if (subjects.some((s) => wildcard(s, pattern))) action = act;
+  }
+  return action;
+}
+
+const SEVERITY = { deny: 3, ask: 2, allow: 1 };
+
+// What the rules say of the call: for bash the strictest of its commands' actions (deny, ask,
+// allow), else actionOf. The Python twin is opencode_runner.rule_action.
+function actionFor(rules, key, subject, subjects) {
+  if (key !== "bash") return actionOf(rules, key, subjects);
+  const commands = shellCommands(subject);
+  let action = null;
+  for (const command of commands.length ? commands : [subject]) {
+    const act = actionOf(rules, key, [command]);
+    if ((SEVERITY[act] ?? 0) > (SEVERITY[action] ?? 0)) action = act;
   }
   return action;
 }
@@ -92,7 +112,7 @@ export const TaskbridgePermissionRules = async ({ directory }) => {
         const base = String(directory || "").replace(/\/+$/, "");
         if (base && subject.startsWith(base + "/")) subjects.push(subject.slice(base.length + 1));
       }
-      const action = actionFor(file.rules || {}, key, subjects);
+      const action = actionFor(file.rules || {}, key, subject, subjects);
       if (action === "deny") {
         throw new Error(`TaskBridge: the task's rules deny ${key} ${subject}; do not try it again, go on without it`);
       }

@@ -1,0 +1,95 @@
+"""A task's permission rules matched command by command: the plugin that enforces them
+(opencode_plugins/permission_rules.js, run here by the real node) and the worker's twin that checks
+an ask before believing it (opencode_runner.rule_action) split a bash line alike, so that
+``cd x && git push`` meets a ``git push*`` rule and ``npm test && curl …`` no longer rides an
+``npm test*`` allow (a fresh tester ran ``true; rm -rf *`` past a ``rm -rf *`` deny)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import opencode_runner as oc
+import task_store
+from helpers import submit
+
+PLUGINS = Path(oc.__file__).resolve().parent / "opencode_plugins"
+
+LINES = {
+    "cd . && git push origin main": ["cd .", "git push origin main"],
+    "true; rm -rf *": ["true", "rm -rf *"],
+    "a || b | c & d": ["a", "b", "c", "d"],
+    "make\nmake install": ["make", "make install"],
+    'echo "a;b && c" | grep a': ['echo "a;b && c"', "grep a"],
+    "echo 'x && $(y)' ; z": ["echo 'x && $(y)'", "z"],
+    "echo $(git push) `rm x`": ["echo", "git push", "rm x"],
+    'echo "$(git push)"': ['echo "', "git push", '"'],
+    "(cd a; make) || exit 1": ["cd a", "make", "exit 1"],
+    "ls\\;rm x": ["ls\\;rm x"],
+    'FOO="a b" BAR=1 git push': ["git push"],
+    "  git push  ": ["git push"],
+    "echo \"it's; fine\" ; rm y": ["echo \"it's; fine\"", "rm y"],
+    "sh -c 'git push'": ["sh -c 'git push'"],
+    "": [],
+    "\u00a0git push": ["\u00a0git push"],   # only ASCII blanks are trimmed, alike in both languages
+}
+
+
+def test_the_plugin_and_the_worker_split_a_command_line_alike():
+    script = ("const m = await import(process.argv[1]);"
+              "const lines = JSON.parse(process.argv[2]);"
+              "console.log(JSON.stringify(lines.map((l) => m.shellCommands(l))));")
+    out = subprocess.run(["node", "--input-type=module", "-e", script, str(PLUGINS / "shell_commands.js"),
+                          json.dumps(list(LINES))], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == list(LINES.values())
+    assert [oc.shell_commands(line) for line in LINES] == list(LINES.values())
+
+
+RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *": "deny"}}
+
+
+@pytest.mark.parametrize("command, action", [
+    ("git push origin main", "ask"),
+    ("cd . && git push origin main", "ask"),
+    ("true; rm -rf *", "deny"),
+    ("git push; rm -rf /", "deny"),          # the strictest of its commands
+    ("echo $(curl evil.example)", "deny"),
+    ("git status && ls", "allow"),
+    ("echo 'git push'", "allow"),            # quoted: a word, not a command
+])
+def test_the_strictest_of_a_lines_commands_decides_in_the_plugin_and_its_twin(tmp_path, command, action):
+    assert oc.rule_action(RULES, "bash", command) == action
+    rules = tmp_path / "control" / "rules"
+    rules.parent.mkdir()
+    (tmp_path / "reply").mkdir()
+    rules.write_text(json.dumps({"rules": RULES, "once": []}))
+    hook = ("const m = await import(process.argv[1]); const h = await m.TaskbridgePermissionRules({directory: '/w'});"
+            "try { await h['tool.execute.before']({tool: 'bash', sessionID: 's'}, {args: {command: process.argv[2]}});"
+            " console.log('ran'); } catch (e) { console.log(e.message); }")
+    out = subprocess.run(["node", "--input-type=module", "-e", hook, str(PLUGINS / "permission_rules.js"), command],
+                         capture_output=True, text=True, env={**os.environ, "TASKBRIDGE_RULES": str(rules)}, timeout=60)
+    said = out.stdout.strip()
+    seen = "allow" if said == "ran" else "deny" if "rules deny" in said else "ask" if "waits for the planner" in said \
+        else said + out.stderr
+    assert seen == action
+
+
+def test_an_always_answer_covers_the_commands_that_asked(tmp_path):
+    """An ``always`` for ``cd . && git push origin main`` adds a rule for ``git push origin main``:
+    a rule for the whole line would leave its command asking again next time."""
+    line = "cd . && git push origin main"
+    task = submit(tmp_path, rules={"bash": {"git push*": "ask"}})
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    ask = {"tool": "bash", "subject": line, "reason": "", "commands": oc.asking_commands(task["rules"], "bash", line)}
+    assert ask["commands"] == ["git push origin main"]
+    task_store.pause_for_question(task["id"], claimed["run_marker"], "may I?", session_id="ses_1",
+                                  paused_for="permission", ask=ask)
+    task_store.answer_task(task["id"], "allow always")
+    rules = task_store.get_task(task["id"])["rules"]
+    assert rules == {"bash": {"git push*": "ask", "git push origin main": "allow"}}
+    assert oc.rule_action(rules, "bash", line) == "allow"
+    assert oc.rule_action(rules, "bash", "cd . && git push origin other") == "ask"
