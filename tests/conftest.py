@@ -27,9 +27,6 @@ WARM_NOT_YET = {
     # the session had lost the held call; not seen in nine runs here, loaded or not: the test now
     # prints the second pass's verbose lines and the task log when it fails
     "test_lines_of_work.py::test_an_ask_rule_pauses_the_task_and_the_answer_resumes_the_same_session": True,
-    # its premise does not hold warm (the bash tool's git has an index of its own there, so the
-    # agent's index.lock does not stop TaskBridge's commit): the test needs another way to fail it
-    "test_git_setup.py::test_a_failed_commit_after_a_successful_run_never_reruns_the_agent": True,
 }
 
 

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -73,12 +74,16 @@ class Step:
     headers: dict[str, str] = field(default_factory=dict)
     usage: dict[str, int] | None = None
     delay: float = 0.0   # seconds the answer waits after the request arrived
+    before: Callable[[str | None], None] | None = None   # called with the cwd before it is answered
 
 
-def text(s: str, usage: dict[str, int] | None = None, delay: float = 0.0) -> Step:
+def text(s: str, usage: dict[str, int] | None = None, delay: float = 0.0,
+         before: Callable[[str | None], None] | None = None) -> Step:
     """A text answer (finish_reason "stop"), sent ``delay`` seconds after the request came. `s`
-    may contain `{cwd}`."""
-    return Step(kind="text", text=s, usage=usage, delay=delay)
+    may contain `{cwd}`. ``before``: called in the server with the request's working directory
+    (or None) before the answer goes out: what the world does while the model "thinks" (a test's
+    own change to the worktree, after the agent's tools have run)."""
+    return Step(kind="text", text=s, usage=usage, delay=delay, before=before)
 
 
 def tool_call(
@@ -449,6 +454,8 @@ class ScriptedModel:
             return self._send_json(handler, 400, _error_body(400, str(exc)))
         if step.kind in ("text", "tool_calls"):
             entry["usage"] = usage
+        if step.before is not None:
+            step.before(entry["cwd"])
         self._respond(handler, body, _Reply(step, usage))
 
     def _pick_step(self, entry: dict[str, Any], messages: list) -> tuple[Step, dict[str, int]] | str:

@@ -134,14 +134,22 @@ def test_hostile_global_git_config_does_not_reach_taskbridges_git(opencode, tmp_
     assert tagged() == []
 
 
+def _lock_the_index(cwd: str | None) -> None:
+    """Another git process's index.lock in the worktree ``cwd``, made by the test itself (on a
+    kept server the agent's own git has an index of its own, and the worktree's is not its to lock)."""
+    assert cwd is not None
+    lock = subprocess.run(["git", "-C", cwd, "rev-parse", "--git-path", "index.lock"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (Path(cwd) / lock).touch()
+
+
 def test_a_failed_commit_after_a_successful_run_never_reruns_the_agent(opencode, tmp_path):
     """Git refuses the commit (another git process's index.lock in the worktree): the receipt
     is stored, the failing step named, the worktree kept, and the paid run is not repeated."""
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("locked", [
         tool_call("write", {"filePath": "{cwd}/notes.txt", "content": "the agent's work\n"}),
-        tool_call("bash", {"command": 'touch "$(git rev-parse --git-path index.lock)"', "description": "lock"}),
-        text("Done.\n" + DONE),
+        text("Done.\n" + DONE, before=_lock_the_index),   # the agent's tools have run: git is busy now
     ])
     task = task_store.submit_task(title="locked", instructions="SCRIPT:locked", working_dir=str(repo),
                                   max_retries=3)
@@ -156,7 +164,7 @@ def test_a_failed_commit_after_a_successful_run_never_reruns_the_agent(opencode,
     assert "the agent's work" in final["diff"]
     worktree = Path(receipt["worktree_path"])
     assert (worktree / "notes.txt").read_text() == "the agent's work\n"
-    assert len(opencode.model.step_requests("locked")) == 3, "one run of three model steps, no rerun"
+    assert len(opencode.model.step_requests("locked")) == 2, "one run of two model steps, no rerun"
 
 
 def test_a_hanging_git_step_is_ended_with_its_tree_and_named(opencode, tmp_path, monkeypatch):
