@@ -358,6 +358,7 @@ class ApplyResult(TypedDict):
     before: str
     head: str
     files: list[str]
+    later: int          # commits on the branch after `tip` (a follow-up's work), not applied
 
 
 class RestartResult(TypedDict):
@@ -1231,6 +1232,8 @@ async def apply_task(
     checkout at the task's working_dir. Returns `status` "applied" (with `files` changed and the new
     `head`) or "already-applied" (the branch, or its changes from an earlier apply in another mode,
     were in HEAD already; nothing changed), and `before`, the commit to reset to in order to undo it.
+    It applies up to the task's own commit (`tip`): a follow-up's later commits on the same branch
+    (`later` counts them) are applied by applying that follow-up.
     Errors (the checkout untouched): the task is not done, made no change ("no change, nothing to
     apply"; its empty branch was deleted), has no branch or made no commit, its
     branch was deleted; the checkout has uncommitted changes to tracked files, a detached HEAD, an

@@ -1460,6 +1460,9 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
                 soft_wrap=True)
     undo = task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12])
     out().print(Text("Undo with: " + visible(undo, multiline=False), style="dim"), soft_wrap=True)
+    if result["later"]:
+        out().print(Text(f"{result['branch']} has {result['later']} later commit(s), a follow-up's work, not applied: "
+                         "apply that follow-up for them.", style="yellow"), soft_wrap=True)
 
 
 @cli.command()

@@ -2370,10 +2370,12 @@ def remote_work(task: dict[str, Any]) -> str:
 def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
     """Bring a done task's branch into the current branch of its user checkout: ``merge`` (a merge
     commit, or a fast-forward), ``squash`` (one new commit) or ``cherry-pick`` (the task's commits
-    since its base, copied). Returns ``{"task_id", "mode", "status": "applied" | "already-applied" (the
-    branch, or its changes from an earlier apply in another mode, were in HEAD: nothing changed),
-    "branch", "tip", "repo", "into" (the checkout's branch), "before", "head" (commits),
-    "files" (paths changed by the apply)}``.
+    since its base, copied), up to the task's own commit: a follow-up that went on on the same
+    branch is applied by applying the follow-up. Returns ``{"task_id", "mode", "status": "applied" |
+    "already-applied" (the branch, or its changes from an earlier apply in another mode, were in
+    HEAD: nothing changed), "branch", "tip" (the commit applied), "repo", "into" (the checkout's
+    branch), "before", "head" (commits), "files" (paths changed by the apply), "later" (commits on
+    the branch after ``tip``, left out: its follow-ups' work)}``.
 
     Raises ApplyRefused, the checkout untouched, when: the task is not done, has no branch or
     commit (ran in place, or changed nothing), its branch was deleted, the checkout is not a git
@@ -2389,8 +2391,9 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
         repo, branch, tip, into = _apply_target(task)   # again: an apply before this one moved HEAD
         _refuse_unclean(repo, task["id"])
         before = git(["rev-parse", "HEAD"], repo)
+        later = int(git(["rev-list", "--count", f"{tip}..refs/heads/{branch}"], repo, check=False) or 0)
         result = {"task_id": task["id"], "mode": mode, "branch": branch, "tip": tip, "repo": repo,
-                  "into": into, "before": before}
+                  "into": into, "before": before, "later": later}
         if _is_ancestor(repo, tip, before):
             return result | {"status": "already-applied", "head": before, "files": []}
         try:
@@ -2477,6 +2480,8 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     tip = _branch_tip(repo, branch)
     if not tip:
         raise ApplyRefused(f"branch {branch} of task {ident} no longer exists in {repo}; nothing to apply")
+    if tip != commit and _is_ancestor(repo, commit, tip):   # its follow-ups went on on its branch: theirs to apply
+        tip = commit
     into = git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False)
     if not into:
         raise ApplyRefused(f"{repo} has a detached HEAD; check out the branch to apply to (git switch main) "

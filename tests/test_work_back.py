@@ -208,6 +208,26 @@ def test_a_task_applied_once_is_already_applied_in_any_other_mode(tmp_path, firs
     assert git(repo, "rev-parse", "HEAD") == head and git(repo, "status", "--porcelain") == ""
 
 
+@pytest.mark.parametrize("mode", ["merge", "--squash", "--cherry-pick"])
+def test_applying_a_task_a_follow_up_went_on_from_applies_its_own_commit(tmp_path, mode):
+    """`apply` of a task merged its follow-up's commits too (the follow-up commits on the same
+    branch), saying "Merged taskbridge/t_0056 (<the follow-up's commit>)": a fresh tester's finding."""
+    repo = make_repo(tmp_path / "repo")
+    done = finished_by_hand(repo, {"a.txt": "a\n"}, title="add a")
+    work = repo.parent / "follow-up"
+    git(repo, "worktree", "add", "-q", str(work), done["branch"])
+    (work / "later.txt").write_text("the follow-up's\n")
+    git(work, "add", "-A")
+    git(work, "commit", "-q", "-m", "the follow-up")
+    git(repo, "worktree", "remove", "--force", str(work))
+    said = cli("apply", done["id"], *(() if mode == "merge" else (mode,)))
+    assert said.exit_code == 0, said.stderr
+    assert done["result"]["commit"][:12] in said.stdout and "1 later commit(s), a follow-up's work" in said.stdout
+    assert (repo / "a.txt").exists() and not (repo / "later.txt").exists()
+    again = json.loads(cli("apply", done["id"], "--json").stdout)
+    assert again["status"] == "already-applied" and again["later"] == 1 and again["tip"] == done["result"]["commit"]
+
+
 def test_apply_refusals_leave_the_checkout_alone(tmp_path):
     repo = make_repo(tmp_path / "repo")
     done = finished_by_hand(repo, {"a.txt": "a\n"})
