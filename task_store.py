@@ -2842,8 +2842,9 @@ def answer_task(task_id: Any, answer: str, author: str = "planner") -> dict[str,
         row = _row(conn, num)
         if row["status"] != "waiting":
             name = format_task_id(num)
-            way_out = (f"continue_from {name} submits a follow-up in its session"
-                       + (f", retry_task {name} runs it again" if row["status"] != "done" else "")
+            # A failed or cancelled task takes no follow-up until it is retried and done.
+            way_out = (f"continue_from {name} submits a follow-up in its session" if row["status"] == "done" else
+                       f"retry_task {name} runs it again; a follow-up can continue it once it is done"
                        if row["status"] in TERMINAL else
                        "add_task_note reaches a running task before its next model call, a pending one when it starts")
             raise InvalidTransition(f"task {name} is {row['status']}, not waiting; only a task that asked a "

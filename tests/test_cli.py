@@ -783,9 +783,13 @@ def test_an_answer_to_a_task_not_waiting_names_the_way_out_for_its_state(tmp_pat
     said = " ".join(result.stderr.split())
     if status == "pending":
         assert f"`{tasks_cli.CLI} note` reaches a running task" in said and "--continue" not in said, said
-    else:
-        assert f"--continue {task['id']} submits a follow-up in its session" in said and " note" not in said, said
+    else:   # a cancelled one was told --continue, which submit then refused: "retry it first" (a tester)
+        assert (f"--continue {task['id']} submits a follow-up in its session" in said) == (status == "done"), said
         assert (f"`{tasks_cli.CLI} retry {task['id']}` runs it again" in said) == (status == "cancelled"), said
+        assert " note" not in said, said
+    if status == "cancelled":
+        follow = run("submit", "next", "--continue", task["id"])
+        assert follow.exit_code != 0 and "retry it first" in follow.stderr, "as the answer's refusal said"
 
 
 def test_store_messages_name_cli_commands_not_mcp_tools(tmp_path):
