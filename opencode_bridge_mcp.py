@@ -338,6 +338,7 @@ class ClearResult(TypedDict):
     worktrees_removed: list[str]
     kept_for_worktrees: list[str]
     kept_on_hosts: dict[str, list[str]]   # host -> ids whose worktrees were kept on that machine, not this one
+    kept_for_dependents: dict[str, list[str]]   # id -> the unfinished tasks that depend on it (or follow it up)
     problems: list[str]
 
 
@@ -1262,7 +1263,8 @@ def clear_finished(
     remove_worktrees: Annotated[bool | None, Field(description="also remove worktrees kept with worktree_keep (branches stay); without it their tasks stay in the queue")] = False,
 ) -> ClearResult:
     """Remove finished tasks (done, failed, cancelled) from the queue; tasks that an unfinished
-    task depends on are kept, and so are tasks whose kept worktree is still on disk (ids in
+    task depends on (or follows up) are kept (`kept_for_dependents`: id -> those tasks), and so
+    are tasks whose kept worktree is still on disk (ids in
     `kept_for_worktrees`: call again with remove_worktrees to remove those worktrees and the tasks),
     and so are tasks whose worktree was kept on another machine (`kept_on_hosts`: host -> ids; only
     a clear on that host can remove them, remove_worktrees included).

@@ -3784,6 +3784,23 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
              "worktree_removed": _receipt_says_removed(r["result"]), "session_id": r["session_id"]} for r in rows]
 
 
+def kept_for_dependents(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL) -> dict[str, list[str]]:
+    """The finished tasks ``clear_finished`` keeps because a task not finished yet depends on
+    them (a follow-up or fork waiting for its task counts): ``{id: [ids of those tasks]}``.
+    Raises ValidationError as ``clear_finished``."""
+    chosen = _statuses(list(statuses))
+    with _reading() as conn:
+        rows = conn.execute(
+            f"SELECT d.depends_on AS kept, d.task_id AS waiting FROM task_deps d JOIN tasks k ON k.id = d.depends_on"
+            f" JOIN tasks t ON t.id = d.task_id WHERE k.status IN ({_marks(chosen)}) AND k.finished_at <= ?"
+            " AND t.status NOT IN ('done','failed','cancelled') ORDER BY d.depends_on, d.task_id",
+            [*chosen, now() - older_than_sec]).fetchall()
+    kept: dict[str, list[str]] = {}
+    for row in rows:
+        kept.setdefault(format_task_id(row["kept"]), []).append(format_task_id(row["waiting"]))
+    return kept
+
+
 def session_ids() -> set[str]:
     """Every OpenCode session id a task in the queue holds (one read of the whole table: for
     ``clear``, which must not remove a session a remaining follow-up resumes)."""

@@ -1331,6 +1331,9 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
                                  f"one ({task_store.host_name()}): {', '.join(ids)}; this machine cannot see or "
                                  f"remove them (not even with --remove-worktrees): run clear on {host}",
                                  multiline=False), style="dim"), soft_wrap=True)
+    for kept_id, waiting in purged["kept_for_dependents"].items():
+        err().print(Text(f"Kept {kept_id}: {', '.join(waiting)} (not finished) depend(s) on it or continue(s) it",
+                         style="dim"), soft_wrap=True)
     kept = purged["kept_for_worktrees"]
     if kept:
         err().print(Text(f"Kept {len(kept)} task(s) whose worktrees are on disk: {', '.join(kept)}; "

@@ -1934,10 +1934,12 @@ def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, re
     worktree was removed) stays too, whatever ``remove_worktrees`` says: this disk cannot see or
     remove it (it may hold a commit that was never pushed). Returns (removed tasks,
     ``{"logs_removed": n, "worktrees_removed": [paths], "kept_for_worktrees": [ids],
-    "kept_on_hosts": {host: [ids]}, "problems": [text]}``)."""
+    "kept_on_hosts": {host: [ids]}, "kept_for_dependents": {id: [ids of the unfinished tasks that
+    depend on it]}, "problems": [text]}``)."""
     only = []
     purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "kept_for_worktrees": [],
-                              "kept_on_hosts": {}, "problems": []}
+                              "kept_on_hosts": {}, "problems": [],
+                              "kept_for_dependents": store.kept_for_dependents(older_than_sec, statuses)}
     here = store.host_name()
     for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
         path = task.get("worktree_path")

@@ -480,6 +480,13 @@ def test_clear_removes_finished_tasks_and_logs(tmp_path):
     assert task_store.counts()["cancelled"] == 0 and task_store.counts()["pending"] == 1
     assert not log.exists()
     assert "No finished tasks" in run("clear", "--yes").stdout
+    # A finished task a pending follow-up continues stays, and clear says why ("Removed 0 task(s)"
+    # alone, after "Remove up to 1 finished task(s)?", left a fresh tester guessing).
+    claimed = task_store.claim_next("w", task_id="t_0001")
+    task_store.complete_attempt("t_0001", claimed["run_marker"], result={"summary": "ok"})
+    follow = task_store.submit_task(title="next", instructions="more", continue_from="t_0001")
+    kept = run("clear", "--yes")
+    assert "Removed 0 task(s)" in kept.stdout and f"Kept t_0001: {follow['id']} (not finished)" in kept.stderr
 
 
 # --------------------------------------------------------------------------------------------
