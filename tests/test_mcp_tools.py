@@ -747,7 +747,8 @@ async def test_clear_finished_removes_finished_tasks_and_asked_for_logs(mode, wd
         assert (await call_tool(c, "get_task", {"task_id": keep["id"]}))["status"] == "pending"
         assert cleared["kept_for_dependents"] == {}
         finish(keep["id"])
-        follow = await call_tool(c, "submit_task", {"title": "next", "instructions": "more", "continue_from": keep["id"]})
+        follow = await call_tool(c, "submit_task", {"title": "next", "instructions": "more",
+                                                    "continue_from": keep["id"]})
         kept = await call_tool(c, "clear_finished", {})
         assert kept["count"] == 0 and kept["kept_for_dependents"] == {keep["id"]: [follow["id"]]}
 
