@@ -1727,7 +1727,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
                 return final
             ws.home = home = _home(task)
             if kept is not None and kept.home is not None and not agent_box.adopt_home(kept.home, home):
-                log(f"{task['id']}: its line of work has OpenCode folders already; runs cold", talk.VERBOSE)
+                log(f"{task['id']}: its line of work has OpenCode folders already; runs cold")
                 kept.recycle(knobs.kill_grace_sec)
                 kept = None
             setup, final = _run_setup(task, ws, phases, model)
@@ -2130,7 +2130,7 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
         kept, why, failed = None, called_off[0], False
     if kept is None:
         log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'})"
-            + ("" if called_off else "; runs cold"), talk.NORMAL if failed else talk.VERBOSE)
+            + ("" if called_off else "; runs cold"), talk.VERBOSE if called_off else talk.NORMAL)
     if not called_off:
         return kept, None
     return kept, (why if why != called_off[0] else f"while it waited for its kept server: {why}")
@@ -2288,7 +2288,7 @@ def _engine_attempt(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: 
     admin = agent_box.git_dirs(ws.top)[1] if ws.top else None
     if (session_id or ws.mode != "worktree" or ws.repo != kept.repo or admin is None
             or Path(ws.root()).parent != kept.folder or not kept.fits(files.env)):
-        log(f"{task['id']}: its run differs from what {_slot()}'s kept server was made for; runs cold", talk.VERBOSE)
+        log(f"{task['id']}: its run differs from what {_slot()}'s kept server was made for; runs cold")
         kept.recycle(knobs.kill_grace_sec)
         return None
     if (kept.run_dir / "git").is_dir():   # the bash tool's git index (agent_box.slot_plan)
