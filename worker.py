@@ -2124,10 +2124,10 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
             return called_off[0]
         return "the worker is stopping" if current().flags.stopping else None
 
-    kept, why, failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
+    kept, why, _failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
     if kept is not None and called_off:   # ready as the attempt ended: not used
         kept.recycle(0)
-        kept, why, failed = None, called_off[0], False
+        kept, why = None, called_off[0]
     if kept is None:
         log(f"{task['id']}: no kept OpenCode server for {_slot()} ({why or 'none was made yet'})"
             + ("" if called_off else "; runs cold"), talk.VERBOSE if called_off else talk.NORMAL)
