@@ -205,35 +205,35 @@ class Slots:
         self.last: dict[str, Any] = {}   # slot -> what its last task was like (its next server's prediction)
 
     def take(self, slot: str, wait: float, shape: Any,
-             stopping: Callable[[], str | None]) -> tuple[Kept | None, str | None, bool]:
-        """(the slot's server for the task in hand, None, False): removed from the slot (one task
+             stopping: Callable[[], str | None]) -> tuple[Kept | None, str | None]:
+        """(the slot's server for the task in hand, None): removed from the slot (one task
         per server) when it was made for a task of this ``shape`` and answers within ``wait``
         seconds, looked at every 0.2 s until ``stopping()`` gives a reason (a stop, a cancel, the
         timeout; not asked again then). Else (None, why not in one line or None when the slot has
-        none, whether the server failed), the server recycled at once. A wait called off ends a park
+        none), the server recycled at once. A wait called off ends a park
         of the task's worktree in progress (its git step, with the reason) and why is the reason,
         or the park's failure that names its step and the reason."""
         with self.lock:
             kept = self.kept.pop(slot, None)
         if kept is None:
-            return None, None, False
+            return None, None
         if kept.shape != shape:
             kept.recycle(0)
-            return None, "it was made for another kind of task (repository, model, preset, agent, limits)", False
+            return None, "it was made for another kind of task (repository, model, preset, agent, limits)"
         deadline, stopped = time.monotonic() + wait, None
         while not kept.started.wait(0.2) and time.monotonic() < deadline and not (stopped := stopping()):
             pass
         if kept.ready(0):
-            return kept, None, False
+            return kept, None
         if stopped:
             kept.recycle(0, stopped)
             kept.started.wait(PARK_END_SEC)   # a park's git step is ended with its tree within ~2 s
-            return None, kept.warm_problem or stopped, False
+            return None, kept.warm_problem or stopped
         why = kept.problem or ("opencode serve exited after its start" if not kept.engine.alive() else
                                f"opening its worktree ahead took over {wait:g} s" if kept.served else
                                f"opencode serve did not answer within {wait:g} s")
         kept.recycle(0)
-        return None, why, True
+        return None, why
 
     def has(self, slot: str) -> bool:
         """Whether ``slot`` has a server (started, starting, or failed and not yet taken)."""

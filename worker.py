@@ -2124,7 +2124,7 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
             return called_off[0]
         return "the worker is stopping" if current().flags.stopping else None
 
-    kept, why, _failed = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
+    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
     if kept is not None and called_off:   # ready as the attempt ended: not used
         kept.recycle(0)
         kept, why = None, called_off[0]
