@@ -229,7 +229,10 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
                 else f", nothing pushed to {final['repo']} (no change)"
         return f"{ident} done in {took}{cost}{branch}", "green"
     if status == "pending" and handed_back:
-        return f"{ident} handed back to the queue after {took} (worker stopped; no retry spent)", "yellow"
+        return f"{ident} handed back to the queue after {took}{cost} (worker stopped; no retry spent)", "yellow"
+    if status == "pending" and (final.get("handbacks") or 0) > (task.get("handbacks") or 0):   # a dead kept server
+        return f"{ident} handed back to the queue after {took}{cost} (no retry spent): " \
+               f"{plain(final.get('error'), 200)}", "yellow"
     if status == "pending":
         return f"{ident} failed attempt {task['attempts']} after {took}{cost}; requeued for a retry: " \
                f"{plain(final.get('error'), 200)}", "yellow"
