@@ -2832,6 +2832,9 @@ def reap(knobs: Knobs) -> int:
         if _finish(store.requeue_attempt, task, task["run_marker"], reason):
             reaped += 1
             log(f"reaped {task['id']}: {reason}")
+            with contextlib.suppress(Exception):   # its worker died mid-line maybe: a line of its own
+                store.append_task_log(task["id"], f"\n[worker] {redaction.redact(reason)}; the reaper handed it "
+                                                  "back\n".encode())
     return reaped
 
 

@@ -123,6 +123,10 @@ def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(
     time.sleep(1.2)
     assert worker.reap(worker.Knobs()) == 1
     assert "no heartbeat since" in task_store.get_task(task["id"])["error"]
+    # Its log said nothing of how the attempt ended; its worker could not (a fresh tester's finding).
+    said = [e["text"] for e in opencode_runner.render_log(task_store.log_path(task["id"]).read_text())]
+    assert said[-1].startswith("lease of attempt br-1-a1 ended: no heartbeat since") and \
+        said[-1].endswith("; the reaper handed it back"), said
 
 
 def test_a_live_workers_lease_is_not_reaped(tmp_path):
