@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,32 @@ def test_a_fork_of_a_task_a_follow_up_continued_starts_from_that_tasks_work_and_
     request = [r for r in opencode.model.step_requests("line") if "fork-brief-token" in _body(r)][0]
     assert "Begin. SCRIPT:line" in _body(request) and "follow-up-brief-token" not in _body(request)
     assert forked["result"]["session"].startswith("a copy (")
+
+
+def test_a_follow_ups_retry_is_told_what_became_of_its_earlier_attempts_work(opencode, tmp_path):
+    """A follow-up timed out after writing a file; its retry resumed the line's session, whose turns
+    say the file was written, in a worktree made again without it, and the agent was not told (a
+    fresh tester's finding). The retry's first message now says that work is gone."""
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("lost", [
+        *_step(tool_call("write", {"filePath": "{cwd}/a.txt", "content": "a\n"}), "Begun.", "begun", ["a.txt"]),
+        tool_call("write", {"filePath": "{cwd}/s1.txt", "content": "from the attempt that timed out\n"}),
+        tool_call("bash", {"command": "sleep 120", "description": "a long step"}),
+        text("Redone.\n" + _receipt("redone", [])),
+    ])
+    first = task_store.submit_task(title="first", instructions="Begin. SCRIPT:lost", working_dir=str(repo))
+    follow = task_store.submit_task(title="next", instructions="Go on.", continue_from=first["id"], timeout_sec=25)
+    assert run_script("worker.py").returncode == 0
+    timed_out = task_store.get_task(follow["id"])
+    assert timed_out["status"] == "pending" and "timed out" in timed_out["error"], timed_out["error"]
+    time.sleep(task_store.RETRY_BACKOFF_SEC[0] + 1)   # the retry's back-off
+    assert run_script("worker.py").returncode == 0
+    done = task_store.get_task(follow["id"])
+    assert done["status"] == "done", done["error"]
+    last = _body(opencode.model.step_requests("lost")[-1])
+    assert "your earlier attempt at this step ended before its work was kept" in last
+    assert "its changes are gone: the worktree holds only what is committed on" in last
+    assert "s1.txt" not in git(repo, "ls-tree", "-r", "--name-only", task_store.get_task(first["id"])["branch"])
 
 
 def test_follow_up_refusals(tmp_path):
