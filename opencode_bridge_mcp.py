@@ -647,24 +647,23 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     worktree) and records a receipt; then call wait_for([id]) and get_task_result(id). A
     `working_dir` task runs only on the machine that queued it (or on `host`).
     Spending: at `max_cost_usd` (USD) or `max_tokens` the run stops at that step and the task
-    waits with a question stating the spend; answer_task "continue, up to $2" resumes the same
-    session, "stop" fails it with its receipt. `warnings` flags a USD limit on a model OpenCode
-    prices at 0 (it never triggers: give max_tokens).
+    waits with a question stating the spend; answer_task "continue, up to $2" resumes the session,
+    "stop" fails it. `warnings` flags a USD limit on a model priced at 0 (give max_tokens).
     `repo` instead of `working_dir`: a git remote; a worker on any machine (or on `host`) works
     from `base_ref`, commits and pushes branch taskbridge/<id> there (receipt: `pushed_branch`).
     A refused push fails the task without rerunning the agent (worktree kept).
-    continue_from: the next step of that task's line of work (same session and branch; the
-    receipt's `line` shows the line's whole diff); fork_from: a branch of its own from that task's
-    head with a copy of the session. Both run in its working_dir, with its permission, rules,
-    agent, skills and subagents unless they give their own.
-    With rules, a call matching an `ask` rule moves the task to `waiting` with the request as its question;
-    answer_task allow or deny (once, or always) resumes the same session. Errors (nothing is written then): a relative or missing working_dir, both or neither of working_dir
-    and repo, a repo that is not a git URL or path or carries credentials, a bad base_ref or host, an
-    unknown dependency, a value out of range, a model `opencode models` does not list, both
-    continue_from and fork_from, a second follow-up of one task (fork instead), following a task that
-    ran with worktree=false or is failed/cancelled, a bad rule, a skill or sub-agent OpenCode does not
-    offer there, a bare or commit-less repository, a folder not in the last commit (its worktree would
-    lack it), an idempotency_key used before with another task.
+    continue_from: the next step of that task's line of work (same session and branch; receipt's
+    `line`: the line's whole diff); fork_from: a branch of its own from that task's head with a
+    copy of the session. Both run in its working_dir, with its permission, rules, agent, skills and
+    subagents unless given. A call matching an `ask` rule moves the task to `waiting` with the
+    request as its question; answer_task allow or deny (once, or always) resumes the session.
+    Errors (nothing is written then): a relative or missing working_dir, both or neither of
+    working_dir and repo, a repo that is not a git URL or path or carries credentials, a bad
+    base_ref or host, an unknown dependency, a value out of range, a model `opencode models` does
+    not list, both continue_from and fork_from, a second follow-up of one task (fork instead),
+    following a task that ran with worktree=false or is failed/cancelled, a bad rule, a skill or
+    sub-agent OpenCode does not offer, a bare or commit-less repository, a folder not in the last
+    commit, an idempotency_key used before with another task.
     """
     fields = _task_fields(ctx, {k: v for k, v in locals().items() if k != "ctx"})   # locals(): the parameters
     _check_names(fields)
