@@ -636,41 +636,73 @@ def wildcard_match(text: str, pattern: str, escapes: bool = False) -> bool:
 
 
 # Blanks spelled out: Python's \s and strip() and JavaScript's differ beyond these.
-_BLANKS = " \t\n\r\f\v"
-_ASSIGNMENTS = re.compile(r"""^(?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|"[^"]*"|[^ \t\n\r\f\v'"])*[ \t\n\r\f\v]+)+""")
+_BLANK_RUN = re.compile(r"[ \t\n\r\f\v]+")
+# What may stand before a command's own words: NAME=value assignments, grouping and negation,
+# compound-command keywords, and wrappers that run the rest as a command.
+_LEAD = re.compile(r"""^(?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|"[^"]*"|[^ '"])* |(?:[{}!]|if|then|else|elif|fi|do|done"""
+                   r"""|while|until|time|exec|command|builtin|nohup|sudo|env)(?: |$))+""")
 _SEVERITY = {"deny": 3, "ask": 2, "allow": 1}
 
 
 def shell_commands(line: str) -> list[str]:
     """The simple commands of a shell command line, as a ``bash`` rule is matched against each:
-    split at ``;`` ``&`` ``|`` (so ``&&`` ``||``), line breaks, parentheses, backticks and ``$(``
-    (inside double quotes only at a substitution: ``$(``, a backtick, a closing parenthesis;
-    never inside single quotes or after a backslash), each trimmed, its leading ``NAME=value``
-    assignments left out, empty ones dropped: ``cd x && git push`` is ``["cd x", "git push"]``.
-    A command run through ``sh -c '…'`` or ``eval`` stays inside one quoted word (OpenCode's own
-    matcher does not look there either). The twin of ``shellCommands`` in
-    opencode_plugins/shell_commands.js (tests/test_rules_matching.py holds both to one table)."""
+    split at ``;`` ``&`` ``|`` (so ``&&`` ``||``; not the ``&`` of a redirection such as
+    ``2>&1``), line breaks, parentheses, ``$(`` … ``)`` and backticks (a substitution is read as
+    a line of its own, inside double quotes too; ``$((…))`` is arithmetic, a word), never inside
+    single quotes or after a backslash; blanks run together to one space, and leading
+    assignments, ``{`` ``}`` ``!``, compound-command keywords (``if`` ``then`` ``do`` …) and
+    wrappers (``time`` ``sudo`` ``env`` ``nohup`` ``exec`` ``command`` ``builtin``) left out;
+    empty ones dropped. ``cd x && git push`` is ``["cd x", "git push"]``. A command inside a
+    quoted word (``sh -c '…'``, ``eval "…"``), a script, or behind another wrapper (``xargs``)
+    is not seen. The twin of ``shellCommands`` in opencode_plugins/shell_commands.js
+    (tests/test_rules_matching.py holds both to one table and to random lines)."""
     parts, current, quote, i = [], [], "", 0
+    opened: list[tuple[str, str]] = []   # substitutions open: (their opener, the quote around them)
     while i < len(line):
         char, two = line[i], line[i:i + 2]
+        cut = 0   # characters of a separator to skip
         if quote == "'":
             quote = "" if char == "'" else quote
         elif char == "\\":
             current.append(two)
             i += 2
             continue
-        elif two == "$(" or char in "`)" or (not quote and char in ";&|\n("):
-            parts.append("".join(current))
-            current = []
-            i += len(two) if two == "$(" else 1
+        elif line.startswith("$((", i):   # arithmetic: a word
+            end = _arithmetic_end(line, i + 3)
+            current.append(line[i:end])
+            i = end
             continue
+        elif opened and ((char == ")" and opened[-1][0] == "$(" and not quote)
+                         or (char == "`" and opened[-1][0] == "`")):
+            quote, cut = opened.pop()[1], 1   # a substitution ends: the quoting around it again
+        elif two == "$(" or char == "`":      # a substitution: a line of its own, unquoted inside
+            opened.append((two if two == "$(" else "`", quote))
+            quote, cut = "", len(opened[-1][0])
+        elif not quote and (char in ";|\n()" or (char == "&" and line[i - 1:i] not in ("<", ">") and
+                                                 line[i + 1:i + 2] != ">")):
+            cut = 1
         elif char == '"' or (char == "'" and not quote):
             quote = "" if quote == char else char if not quote else quote
+        if cut:
+            parts.append("".join(current))
+            current = []
+            i += cut
+            continue
         current.append(char)
         i += 1
     parts.append("".join(current))
-    commands = [_ASSIGNMENTS.sub("", part.strip(_BLANKS)).strip(_BLANKS) for part in parts]
+    commands = [_LEAD.sub("", _BLANK_RUN.sub(" ", part).strip(" ")).strip(" ") for part in parts]
     return [command for command in commands if command]
+
+
+def _arithmetic_end(line: str, start: int) -> int:
+    """Where ``$((`` … ``))`` that opened before ``start`` ends (past its ``))``), or the line's end."""
+    depth = 2
+    for at in range(start, len(line)):
+        depth += {"(": 1, ")": -1}.get(line[at], 0)
+        if depth == 0:
+            return at + 1
+    return len(line)
 
 
 def rule_action(rules: dict[str, Any], tool: str, subject: str, directory: str = "") -> str | None:

@@ -1847,8 +1847,8 @@ def _existing_by_key(conn: Connection, key: str | None) -> Row | None:
 # What a repeated idempotency key must repeat: what the task does, where, and what it may do (its
 # scheduling, limits and retries may differ). A field the submission leaves out (None) is not
 # compared: the store fills it (a follow-up's folder and inherited preset, a remote's folder).
-KEYED_FIELDS = ("title", "instructions", "working_dir", "repo_url", "base_ref", "worktree", "model", "agent",
-                "permission", "rules", "skills", "subagents")
+KEYED_FIELDS = ("title", "instructions", "working_dir", "repo_url", "base_ref", "worktree", "agent", "permission",
+                "skills", "subagents")   # and rules (_rules_kept); not model, which a retry may change
 
 
 def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
@@ -1857,6 +1857,8 @@ def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
     ``refs``: the batch's refs so far (a parent named by one). Raises ValidationError naming the
     fields that differ."""
     differ = [name for name in KEYED_FIELDS if spec[name] is not None and spec[name] != existing[name]]
+    if spec["rules"] is not None and not _rules_kept(spec["rules"], existing["rules"]):
+        differ.append("rules")
     if spec["parent"] is not None:
         ref = spec["parent"]
         parent = refs.get(ref) if isinstance(ref, str) and ref.startswith("@") else parse_task_id(ref)
@@ -1865,12 +1867,24 @@ def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
     elif existing["continue_from"] is not None or existing["fork_from"] is not None:
         differ.append("continue_from" if existing["continue_from"] is not None else "fork_from")
     if differ:
-        verb = "differ" if len(differ) > 1 or differ == ["instructions"] else "differs"
+        verb = "differ" if len(differ) > 1 or differ[0] in ("instructions", "rules", "skills", "subagents") \
+            else "differs"
         raise ValidationError(
             f"idempotency_key {spec['idempotency_key']!r} was already used by {format_task_id(existing['id'])} "
             f"({existing['title']!r}), whose {' and '.join(differ)} {verb}; nothing was queued. A repeated key "
             "must come with the same task (what it does, where, from which task, and what it may do): give "
             "this task a new key")
+
+
+def _rules_kept(given: str, stored: str | None) -> bool:
+    """Whether every pattern of the rules a submission gave (JSON text, as validate_rules makes
+    it) stands in a task's stored rules with the same action: an ``always`` answer adds patterns
+    after them, so a repeated key is checked against the task's own, not its answers'."""
+    def pairs(text: str | None) -> set[tuple[str, str, str]]:
+        rules = json.loads(text) if text else {}
+        return {(tool, pattern, action) for tool, rule in rules.items()
+                for pattern, action in (rule.items() if isinstance(rule, dict) else [("*", rule)])}
+    return pairs(given) <= pairs(stored)
 
 
 def _resolve_deps(conn: Connection, spec: dict, refs: dict[str, int]) -> list[int]:
@@ -1966,7 +1980,10 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             spec = specs[index]
             existing = _existing_by_key(conn, spec["idempotency_key"])
             if existing is not None:
-                _same_request(spec, existing, ref_ids)
+                try:
+                    _same_request(spec, existing, ref_ids)
+                except ValidationError as exc:   # which item, as _batch_specs says it
+                    raise ValidationError(f"task {index} of the batch: {exc}") from None
                 out[index] = (existing, _deps(conn, existing["id"]), True)
                 if spec["ref"]:
                     ref_ids[spec["ref"]] = existing["id"]
@@ -2133,8 +2150,9 @@ def _inherit_settings(conn: Connection, spec: dict, refs: dict[str, int]) -> dic
 
 def _live_follower(conn: Connection, parent: int, other_than: int | None = None) -> int | None:
     """The id of a follow-up of ``parent`` (``continue_from``) that is not failed or cancelled,
-    but ``other_than``, else None: a line of work has one live follow-up at a time (two would run
-    in the same worktree and session at once, and one would lose its work)."""
+    but ``other_than``, else None: a line of work has one follow-up at a time (two would run in
+    the same worktree and session at once, and one would lose its work; after a done one, the
+    line goes on from it)."""
     row = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
                        " AND id <> ? ORDER BY id LIMIT 1", (parent, -1 if other_than is None else other_than)
                        ).fetchone()
@@ -3010,10 +3028,14 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
                 f"or submit this work again without that dependency")
         if row["continue_from"] is not None and (other := _live_follower(conn, row["continue_from"], num)):
             parent, follower = format_task_id(row["continue_from"]), format_task_id(other)
+            done = _row(conn, other)["status"] == "done"
             raise InvalidTransition(
-                f"task {format_task_id(num)} continues {parent}, which {follower} continues now (a line of work has "
-                f"one live follow-up: both would run in the same worktree); cancel {follower} first, or submit "
-                f"this work as a follow-up of {follower} (continue_from {follower})")
+                f"task {format_task_id(num)} continues {parent}, which {follower} "
+                + (f"continued since (done: the line goes on from it); submit this work as a follow-up of "
+                   f"{follower} (continue_from {follower})" if done else
+                   f"continues now (a line of work has one live follow-up: both would run in the same worktree); "
+                   f"cancel {follower} first, or submit this work as a follow-up of {follower} "
+                   f"(continue_from {follower})"))
         _requeue_fresh(conn, row, model)
         if note is not None:
             conn.execute("INSERT INTO notes (task_id, author, text, created_at) VALUES (?, ?, ?, ?)",

@@ -1,43 +1,81 @@
 // The simple commands of a shell command line, as a task's `bash` rule is matched against each
 // (permission_rules.js imports it). Not a plugin itself: OpenCode is never told to load this module.
 //
-// Split at ; & | (so && ||), line breaks, parentheses, backticks and $( (inside double quotes only
-// at a substitution: $(, a backtick, a closing parenthesis; never inside single quotes or after a
-// backslash), each trimmed, its leading NAME=value assignments left out, empty ones dropped:
-// "cd x && git push" is ["cd x", "git push"]. A command run through sh -c '...' or eval stays
-// inside one quoted word (OpenCode's own matcher does not look there either). The Python twin is
-// opencode_runner.shell_commands; tests/test_rules_matching.py holds both to one table.
+// Split at ; & | (so && ||; not the & of a redirection such as 2>&1), line breaks, parentheses,
+// $( ... ) and backticks (a substitution is read as a line of its own, inside double quotes too;
+// $((...)) is arithmetic, a word), never inside single quotes or after a backslash; blanks run
+// together to one space, and leading assignments, { } !, compound-command keywords (if then do
+// ...) and wrappers (time sudo env nohup exec command builtin) left out; empty ones dropped:
+// "cd x && git push" is ["cd x", "git push"]. A command inside a quoted word (sh -c '...',
+// eval "..."), a script, or behind another wrapper (xargs) is not seen. The Python twin is
+// opencode_runner.shell_commands; tests/test_rules_matching.py holds both to one table and to
+// random lines.
 
 // Blanks spelled out: JavaScript's \s and trim() and Python's differ beyond these.
-const ASSIGNMENTS = /^(?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|"[^"]*"|[^ \t\n\r\f\v'"])*[ \t\n\r\f\v]+)+/;
-const EDGES = /^[ \t\n\r\f\v]+|[ \t\n\r\f\v]+$/g;
+const BLANK_RUN = /[ \t\n\r\f\v]+/g;
+const LEAD = new RegExp(
+  "^(?:[A-Za-z_][A-Za-z0-9_]*=(?:'[^']*'|\"[^\"]*\"|[^ '\"])* |(?:[{}!]|if|then|else|elif|fi|do|done" +
+    "|while|until|time|exec|command|builtin|nohup|sudo|env)(?: |$))+",
+);
+
+// Where $(( ... )) that opened before `start` ends (past its "))"), or the line's end.
+function arithmeticEnd(chars, start) {
+  let depth = 2;
+  for (let at = start; at < chars.length; at++) {
+    depth += chars[at] === "(" ? 1 : chars[at] === ")" ? -1 : 0;
+    if (depth === 0) return at + 1;
+  }
+  return chars.length;
+}
 
 export function shellCommands(line) {
   const chars = [...String(line)];
   const parts = [];
+  const opened = []; // [opener, the quote around it]
   let current = "";
   let quote = "";
   for (let i = 0; i < chars.length; ) {
     const char = chars[i];
     const two = char + (chars[i + 1] ?? "");
+    const top = opened[opened.length - 1];
+    let cut = 0; // characters of a separator to skip
     if (quote === "'") {
       if (char === "'") quote = "";
     } else if (char === "\\") {
       current += two;
       i += 2;
       continue;
-    } else if (two === "$(" || char === "`" || char === ")" || (!quote && ";&|\n(".includes(char))) {
-      parts.push(current);
-      current = "";
-      i += two === "$(" ? 2 : 1;
+    } else if (two === "$(" && chars[i + 2] === "(") {
+      const end = arithmeticEnd(chars, i + 3);
+      current += chars.slice(i, end).join("");
+      i = end;
       continue;
+    } else if (top && ((char === ")" && top[0] === "$(" && !quote) || (char === "`" && top[0] === "`"))) {
+      quote = opened.pop()[1]; // a substitution ends: the quoting around it again
+      cut = 1;
+    } else if (two === "$(" || char === "`") {
+      opened.push([two === "$(" ? two : "`", quote]); // a line of its own, unquoted inside
+      quote = "";
+      cut = two === "$(" ? 2 : 1;
+    } else if (
+      !quote &&
+      (";|\n()".includes(char) || (char === "&" && !"<>".includes(chars[i - 1] ?? "x") && chars[i + 1] !== ">"))
+    ) {
+      cut = 1;
     } else if (char === '"' || (char === "'" && !quote)) {
       quote = quote === char ? "" : !quote ? char : quote;
+    }
+    if (cut) {
+      parts.push(current);
+      current = "";
+      i += cut;
+      continue;
     }
     current += char;
     i += 1;
   }
   parts.push(current);
-  return parts.map((part) => part.replace(EDGES, "").replace(ASSIGNMENTS, "").replace(EDGES, ""))
+  return parts
+    .map((part) => part.replace(BLANK_RUN, " ").replace(/^ +| +$/g, "").replace(LEAD, "").replace(/^ +| +$/g, ""))
     .filter((command) => command);
 }

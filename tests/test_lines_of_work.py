@@ -217,6 +217,12 @@ def test_a_line_of_work_never_has_two_live_follow_ups_after_a_retry(tmp_path):
     assert task_store.get_task(cancelled["id"])["status"] == "cancelled"
     task_store.cancel_task(later["id"])
     assert task_store.retry_task(cancelled["id"])["status"] == "pending", "no other live follow-up: it may go again"
+    # After a done follow-up the line goes on from it: not "cancel it first", which cannot be done.
+    claimed = task_store.claim_next("w", task_id=cancelled["id"])
+    task_store.complete_attempt(cancelled["id"], claimed["run_marker"], result={"summary": "ok"})
+    with pytest.raises(task_store.InvalidTransition, match=f"{cancelled['id']} continued since .*"
+                                                           f"continue_from {cancelled['id']}"):
+        task_store.retry_task(later["id"])
     # A follow-up failed with a dependency: when that is retried after the line went on, it stays failed.
     root = task_store.submit_task(title="r", instructions="x", working_dir=str(tmp_path))
     claimed = task_store.claim_next("w", task_id=root["id"])
@@ -270,6 +276,24 @@ def test_a_repeated_idempotency_key_with_another_parent_or_preset_is_refused(tmp
         task_store.submit_task(title="k", instructions="y", working_dir=str(tmp_path), idempotency_key="K")
     assert task_store.get_task(plain["id"])["permission"] == "auto"
     assert task_store.counts()["pending"] == 3
+    # What the store changed itself is no difference: an always answer's rule, a retry's model.
+    asked = {"bash": {"git push*": "ask"}}
+    ruled = task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
+                                   rules=asked)
+    claimed = task_store.claim_next("w", task_id=ruled["id"])
+    task_store.pause_for_question(ruled["id"], claimed["run_marker"], "may I?", paused_for="permission",
+                                  ask={"tool": "bash", "subject": "git push", "reason": ""})
+    task_store.answer_task(ruled["id"], "allow always")
+    again = task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
+                                   rules=asked)
+    assert again["id"] == ruled["id"] and again["duplicate"]
+    with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
+        task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
+                               rules={"bash": {"git push*": "deny"}})
+    with pytest.raises(task_store.ValidationError, match="^task 1 of the batch: idempotency_key 'M'"):
+        task_store.submit_batch([{"title": "n", "instructions": "y", "working_dir": str(tmp_path)},
+                                 {"title": "other", "instructions": "y", "working_dir": str(tmp_path),
+                                  "idempotency_key": "M"}])
 
 
 def test_cli_submit_continue_and_fork_without_dir(tmp_path):

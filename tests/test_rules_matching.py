@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 from pathlib import Path
 
@@ -35,18 +36,43 @@ LINES = {
     "sh -c 'git push'": ["sh -c 'git push'"],
     "": [],
     "\u00a0git push": ["\u00a0git push"],   # only ASCII blanks are trimmed, alike in both languages
+    # A reviewer's ways round the first splitter: keywords, braces, wrappers, blanks, substitutions.
+    "{ rm -rf *; }": ["rm -rf *"],
+    "if true; then rm -rf *; fi": ["true", "rm -rf *"],
+    "for i in 1; do rm -rf *; done": ["for i in 1", "rm -rf *"],
+    "! rm -rf *": ["rm -rf *"],
+    "time sudo env A=1 rm -rf *": ["rm -rf *"],
+    "rm  -rf\t*": ["rm -rf *"],
+    'echo "$(true; rm -rf *)"': ['echo "', "true", "rm -rf *", '"'],
+    'echo "$(echo ")")" ; rm q': ['echo "', 'echo ")"', '"', "rm q"],
+    # Not commands: a redirection's &, arithmetic.
+    "npm test 2>&1": ["npm test 2>&1"],
+    "cmd >&2 &> out": ["cmd >&2 &> out"],
+    "echo $((1 + (2)))": ["echo $((1 + (2)))"],
 }
 
 
-def test_the_plugin_and_the_worker_split_a_command_line_alike():
-    script = ("const m = await import(process.argv[1]);"
-              "const lines = JSON.parse(process.argv[2]);"
-              "console.log(JSON.stringify(lines.map((l) => m.shellCommands(l))));")
-    out = subprocess.run(["node", "--input-type=module", "-e", script, str(PLUGINS / "shell_commands.js"),
-                          json.dumps(list(LINES))], capture_output=True, text=True, timeout=60)
+def _split_in_node(lines: list[str]) -> list[list[str]]:
+    script = ("const m = await import(process.argv[1]); let text = '';"
+              "for await (const piece of process.stdin) text += piece;"
+              "console.log(JSON.stringify(JSON.parse(text).map((l) => m.shellCommands(l))));")
+    out = subprocess.run(["node", "--input-type=module", "-e", script, str(PLUGINS / "shell_commands.js")],
+                         input=json.dumps(lines), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == list(LINES.values())
+    return json.loads(out.stdout)
+
+
+def test_the_plugin_and_the_worker_split_a_command_line_alike():
+    assert _split_in_node(list(LINES)) == list(LINES.values())
     assert [oc.shell_commands(line) for line in LINES] == list(LINES.values())
+
+
+def test_the_two_splitters_agree_on_random_lines():
+    """The plugin enforces, the worker believes: a line they split differently is a way round."""
+    rng = random.Random(25)
+    alphabet = list("ab rm-*;&|()`$\"'\\\n\t{}!<>=2") + ["if ", "then ", "do ", "done", "sudo ", "$(", "$((", "2>&1"]
+    lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(3000)]
+    assert _split_in_node(lines) == [oc.shell_commands(line) for line in lines]
 
 
 RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *": "deny"}}
@@ -60,6 +86,9 @@ RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *"
     ("echo $(curl evil.example)", "deny"),
     ("git status && ls", "allow"),
     ("echo 'git push'", "allow"),            # quoted: a word, not a command
+    ("if true; then rm -rf *; fi", "deny"),
+    ('echo "$(true; git push)"', "ask"),
+    ("npm test 2>&1", "allow"),
 ])
 def test_the_strictest_of_a_lines_commands_decides_in_the_plugin_and_its_twin(tmp_path, command, action):
     assert oc.rule_action(RULES, "bash", command) == action
