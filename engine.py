@@ -394,6 +394,7 @@ class Engine:
             with contextlib.suppress(OSError):
                 self.log_path.unlink()
             self.log_path = None
+        redaction.release(self.password)
         return signalled
 
 

@@ -12,7 +12,7 @@ database's password (in ``TASK_DB_URL``, ``PGPASSWORD``, the password file: the 
 ``passfile``, ``PGPASSFILE`` or ``~/.pgpass``), ``OPENCODE_SERVER_PASSWORD``, and the model
 providers' keys the worker's OpenCode may use (``*_API_KEY`` / ``*_AUTH_TOKEN`` variables,
 ``apiKey`` in its config, its ``auth.json``), and what this process holds (``hold``: the
-passwords of the kept servers it ran last). Values shorter than MIN_SECRET_CHARS are not
+passwords of the kept servers it runs, and of the last ones it stopped). Values shorter than MIN_SECRET_CHARS are not
 matched (they would hit ordinary words). Each value is matched as written and in its
 JSON-escaped form (the task log is OpenCode's JSON event stream).
 
@@ -42,23 +42,31 @@ ENV_SECRETS = (("MCP_BEARER_TOKEN", "bearer token"), ("ANTHROPIC_API_KEY", "anth
                ("OPENCODE_SERVER_PASSWORD", "opencode server password"))
 
 _files: dict[str, tuple[Any, list[str]]] = {}      # path -> (stamp, values read from it)
-_held: dict[str, str] = {}                       # values this process made (hold), oldest first: value -> label
+_held: dict[str, str] = {}                       # values this process holds now (hold): value -> label
+_released: dict[str, str] = {}                   # the newest RELEASED_KEPT let go (release), oldest first
 _held_lock = threading.Lock()
-HELD_KEPT = 32   # the newest values hold keeps: a run's receipt is stored after its server has stopped
+RELEASED_KEPT = 32   # a run's receipt is stored after its server has stopped: its password stays counted
+_built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
 
 
 def hold(value: str, label: str) -> None:
-    """Count ``value`` (its ``label``) among this process's secrets: a secret TaskBridge makes
-    itself and keeps in no variable or file, such as a kept OpenCode server's password
-    (engine.py), which that server's non-shell children (MCP servers, LSPs) inherit. The newest
-    HELD_KEPT values stay counted, after their server stopped too (the receipt is written then)."""
+    """Count ``value`` (its ``label``) among this process's secrets until ``release``: a secret
+    TaskBridge makes itself and keeps in no variable or file, such as a kept OpenCode server's
+    password (engine.py), which that server's non-shell children (MCP servers, LSPs) inherit."""
     with _held_lock:
-        _held.pop(value, None)
         _held[value] = label
-        while len(_held) > HELD_KEPT:
-            del _held[next(iter(_held))]
 
-_built: dict[tuple, Redactor] = {}               # the secret set -> its compiled matcher
+
+def release(value: str) -> None:
+    """``value`` is no longer in use (its server stopped); it stays counted while it is among the
+    RELEASED_KEPT newest released (what that server's run printed is stored after its stop)."""
+    with _held_lock:
+        label = _held.pop(value, None)
+        if label is not None:
+            _released.pop(value, None)
+            _released[value] = label
+            while len(_released) > RELEASED_KEPT:
+                del _released[next(iter(_released))]
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:
@@ -154,7 +162,7 @@ def secret_values() -> dict[str, str]:
     found += [(value, "database password") for value in _from_file(pgpass, _pgpass_values)]
     found += _provider_keys()
     with _held_lock:
-        found += list(_held.items())
+        found += [*_held.items(), *_released.items()]
     values: dict[str, str] = {}
     for value, label in found:
         value = value.strip()

@@ -2844,12 +2844,13 @@ def reap(knobs: Knobs) -> int:
             reaped += 1
             continue
         reason = f"{REAPED_PREFIX}{task['run_marker']} ended: {why}"
-        if _finish(store.requeue_attempt, task, task["run_marker"], reason):
+        if ended := _finish(store.requeue_attempt, task, task["run_marker"], reason):
             reaped += 1
             log(f"reaped {task['id']}: {reason}")
+            then = "the reaper handed it back" if ended["status"] == "pending" else \
+                f"the reaper ended it: {ended['status']}, its retries spent"
             with contextlib.suppress(Exception):   # its worker died mid-line maybe: a line of its own
-                store.append_task_log(task["id"], f"\n[worker] {redaction.redact(reason)}; the reaper handed it "
-                                                  "back\n".encode())
+                store.append_task_log(task["id"], f"\n[worker] {redaction.redact(reason)}; {then}\n".encode())
     return reaped
 
 

@@ -2294,7 +2294,7 @@ def git_guard_label(ws: Workspace) -> str:
 # Getting a task's work back into the user's checkout (`tasks_cli.py apply`, MCP `apply_task`).
 
 APPLY_MODES = ("merge", "squash", "cherry-pick")
-APPLY_BY_HAND = {"merge": ("merge",), "squash": ("merge", "--squash"), "cherry-pick": ("cherry-pick",)}   # + the branch
+APPLY_BY_HAND = {"merge": ("merge",), "squash": ("merge", "--squash"), "cherry-pick": ("cherry-pick",)}   # + the work
 
 
 class ApplyRefused(store.TaskStoreError):
@@ -2408,7 +2408,7 @@ def apply_branch(task: dict[str, Any], mode: str = "merge") -> dict[str, Any]:
                 # git stops with advice (commit --allow-empty, cherry-pick --skip) for a pick in
                 # progress, but none is: the apply was undone and there is nothing to do.
                 return result | {"status": "already-applied", "head": before, "files": []}
-            raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc), conflicts) from None
+            raise ApplyRefused(_apply_failed(task, mode, repo, before, conflicts, exc, tip), conflicts) from None
         head = git(["rev-parse", "HEAD"], repo)
         files = git(["diff", "--name-only", "--no-renames", before, head], repo).splitlines()
         if not files:
@@ -2530,9 +2530,13 @@ def _run_apply(repo: str, mode: str, task: dict[str, Any], branch: str, tip: str
         git([*who, "commit", "-q", "--no-edit", "-m", f"{title} (TaskBridge {task['id']}, squashed from {branch})"],
             repo)
     else:
-        base = task.get("base_commit")
-        picks = f"{base}..{tip}" if base and _is_ancestor(repo, base, tip) else tip
-        git([*who, "cherry-pick", "--allow-empty", picks], repo)
+        git([*who, "cherry-pick", "--allow-empty", _picks(repo, task, tip)], repo)
+
+
+def _picks(repo: str, task: dict[str, Any], tip: str) -> str:
+    """What a cherry-pick of ``task`` up to ``tip`` copies: its commits since its base (``base..tip``)."""
+    base = task.get("base_commit")
+    return f"{base}..{tip}" if base and _is_ancestor(repo, base, tip) else tip
 
 
 def _undo_apply(repo: str, before: str) -> None:
@@ -2546,17 +2550,18 @@ def _undo_apply(repo: str, before: str) -> None:
     git(["reset", "-q", "--merge", before], repo, check=False)
 
 
-def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, conflicts: list[str],
-                  exc: Exception) -> str:
+def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, conflicts: list[str],  # noqa: PLR0913
+                  exc: Exception, tip: str) -> str:
     restored = git(["rev-parse", "HEAD"], repo, check=False) == before and not \
         git(["status", "--porcelain", "--untracked-files=no"], repo, check=False)
     state = (f"the checkout is as it was (HEAD {before[:12]})" if restored else
              f"the checkout could NOT be fully restored: check `{store.shell_command('git', '-C', repo, 'status')}` "
              f"(HEAD was {before[:12]})")
+    what = _picks(repo, task, tip) if mode == "cherry-pick" else tip   # the task's own work, as apply takes it
     if conflicts:
         shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
         return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "
-                f"Resolve it by hand ({store.shell_command('git', '-C', repo, *APPLY_BY_HAND[mode], task['branch'])}) "
+                f"Resolve it by hand ({store.shell_command('git', '-C', repo, *APPLY_BY_HAND[mode], what)}) "
                 "or retry the task on the current code")
     reason = str(exc).split("failed: ", 1)[-1].strip().replace("\n", " ")[:500]
     return f"git refused to apply task {task['id']} ({mode} of {task['branch']}): {reason}; {state}"

@@ -177,6 +177,8 @@ def test_submit_to_a_named_folder_outside_git_says_it_runs_in_place(tmp_path):
     assert any("in place" in w for w in as_json["warnings"])
     # `show` said "worktree yes" for it (a fresh user's finding).
     assert "its folder is in no git repository, so it runs in place" in run("show", "t_0001").stdout
+    task_store.claim_next("w", task_id="t_0001")   # running too
+    assert "its folder is in no git repository, so it runs in place" in run("show", "t_0001").stdout
     repo = make_repo(tmp_path / "repo", {"sub/f.txt": "x\n"})
     in_repo = run("submit", "Kept apart", "--dir", str(repo / "sub"))
     assert in_repo.exit_code == 0 and "Warning" not in in_repo.stderr

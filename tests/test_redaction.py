@@ -197,16 +197,23 @@ def test_secret_values_are_read_at_call_time_from_each_source(tmp_path, monkeypa
     assert redaction.redact(f"{TOKEN} a-rotated-token-value") == f"{TOKEN} [redacted: bearer token]"
 
 
-def test_values_this_process_holds_are_secrets_the_newest_kept():
-    """A kept server's password lives in no variable or file of the worker's (engine.py holds it)."""
-    first = "first-server-password"
+def test_values_this_process_holds_are_secrets_while_held_and_a_while_after():
+    """A kept server's password lives in no variable or file of the worker's (engine.py holds it).
+    It stays a secret while its server runs, however many others start and stop meanwhile (a cap
+    on all values by count let a long run's go), and for the last RELEASED_KEPT after their stop."""
+    long_run = "long-running-server-password"
+    redaction.hold(long_run, "opencode server password")
+    assert redaction.redact(f"x {long_run}") == "x [redacted: opencode server password]"
+    first = "first-stopped-server-password"
     redaction.hold(first, "opencode server password")
-    assert redaction.redact(f"x {first}") == "x [redacted: opencode server password]"
-    for n in range(redaction.HELD_KEPT - 1):
+    redaction.release(first)
+    assert redaction.redact(first) != first, "its run's receipt is stored after the stop"
+    for n in range(redaction.RELEASED_KEPT):
         redaction.hold(f"later-server-password-{n}", "opencode server password")
-    assert redaction.redact(first) != first
-    redaction.hold("one-more-server-password", "opencode server password")
-    assert redaction.redact(first) == first, "the oldest is let go: the matcher stays bounded"
+        redaction.release(f"later-server-password-{n}")
+    assert redaction.redact(first) == first, "the oldest released is let go: the matcher stays bounded"
+    assert redaction.redact(long_run) != long_run, "still held"
+    redaction.release(long_run)
 
 
 def test_the_password_file_the_queue_url_names_is_read_as_libpq_reads_it(tmp_path, monkeypatch):

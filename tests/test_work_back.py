@@ -144,8 +144,12 @@ def test_apply_merges_a_finished_run_refuses_a_dirty_checkout_and_a_conflict_cha
     git(repo, "add", "hello.txt")
     git(repo, "commit", "-q", "-m", "person's hello")
     before = checkout_state(repo)
-    for args, by_hand in (((), " merge taskbridge/"), (("--squash",), " merge --squash taskbridge/"),
-                          (("--cherry-pick",), " cherry-pick taskbridge/")):
+    own = task_store.get_task(task["id"])
+    commit, base = own["result"]["commit"], own["base_commit"]
+    # By hand, the same kind of apply of the task's own work (not the branch, which a follow-up may
+    # have moved on): its commit, or its commits since its base.
+    for args, by_hand in (((), f" merge {commit}"), (("--squash",), f" merge --squash {commit}"),
+                          (("--cherry-pick",), f" cherry-pick {base}..{commit}")):
         conflict = cli("apply", task["id"], *args)
         assert conflict.exit_code == 1, conflict.stdout
         assert "conflicts in hello.txt" in conflict.stderr and "the checkout is as it was" in conflict.stderr
@@ -226,6 +230,8 @@ def test_applying_a_task_a_follow_up_went_on_from_applies_its_own_commit(tmp_pat
     assert (repo / "a.txt").exists() and not (repo / "later.txt").exists()
     again = json.loads(cli("apply", done["id"], "--json").stdout)
     assert again["status"] == "already-applied" and again["later"] == 1 and again["tip"] == done["result"]["commit"]
+    said = cli("apply", done["id"]).stdout   # said "the work of the branch is in" with later work left out
+    assert f"Already applied: the work of {done['id']}" in said and "1 later commit(s)" in said
 
 
 def test_apply_refusals_leave_the_checkout_alone(tmp_path):
