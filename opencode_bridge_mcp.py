@@ -1031,8 +1031,8 @@ def answer_task(
     resumes the session, "stop" fails it with its receipt kept, a bare "continue" resumes only
     when no limit is reached any more. A task waiting on a permission ask (paused_for
     `permission`) takes `allow once`, `allow always`, `deny once` or `deny always`, alone (a bare
-    `allow` or `deny` is once; always: a rule for that exact request is added to the task's
-    rules); allow lets that call run, deny resumes with the call refused. Errors: unknown id,
+    `allow` or `deny` is once; always: a rule for that exact request, for a bash line for each
+    command the question names, is added to the task's rules); allow lets that call run, deny resumes with the call refused. Errors: unknown id,
     empty answer, the task is not waiting (add_task_note reaches a running task instead), a limit
     not above the spend, another answer to a permission ask."""
     return cast(TaskInfo, _echo(store.answer_task(task_id, answer, author="planner")))
