@@ -36,7 +36,7 @@ def boxed_true(folder: Path) -> list[str]:
     run = folder / "q" / "logs" / "t_0001.run"
     for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(parents=True)
-    ws = worktrees.Workspace(mode="worktree", cwd=str(tree), top=str(tree), repo=str(repo))
+    ws = worktrees.Workspace(mode="worktree", cwd=str(tree), top=str(tree), repo=str(repo), home=str(folder / "home"))
     plan = agent_box.plan_for(ws, dict(os.environ), "auto", run)
     return agent_box.bwrap_argv(plan, ["/bin/true"])
 

@@ -148,7 +148,8 @@ def box_for(folder: Path, env: dict[str, str]) -> engine.Box:
     run = folder.parent.parent / "runs" / folder.name
     for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(parents=True, exist_ok=True)
-    ws = worktrees.Workspace(mode="worktree", cwd=str(folder), top=str(folder), repo=str(folder.parent.parent / "repo"))
+    ws = worktrees.Workspace(mode="worktree", cwd=str(folder), top=str(folder), repo=str(folder.parent.parent / "repo"),
+                             home=str(run / "home"))
     plan = agent_box.plan_for(ws, env, "auto", run)
     return lambda argv, run_env: (agent_box.bwrap_argv(plan, argv), agent_box.agent_env(run_env, MODEL))
 

@@ -1134,7 +1134,7 @@ def test_an_in_place_repository_without_hooks_gets_a_read_only_hooks_folder(tmp_
     repo = make_repo(tmp_path / "repo")
     shutil.rmtree(repo / ".git" / "hooks")
     shutil.rmtree(repo / ".git" / "info", ignore_errors=True)
-    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo))
+    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo), home=str(tmp_path / "home"))
     plan = agent_box.plan_for(ws, dict(os.environ), "auto", tmp_path / "t_0001.run")
     for name in ("config", "hooks", "info"):
         assert f"{repo}/.git/{name}" in plan.read_only
@@ -1149,7 +1149,7 @@ def test_an_in_place_repositorys_hooks_kept_in_its_tree_are_read_only_to_the_run
     read-only (made when missing); one outside it is read-only already."""
     repo = make_repo(tmp_path / "repo")
     git(repo, "config", "core.hooksPath", ".husky/_")
-    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo))
+    ws = worktrees.Workspace("in-place", str(repo), top=str(repo), repo=str(repo), home=str(tmp_path / "home"))
     plan = agent_box.plan_for(ws, dict(os.environ), "auto", tmp_path / "t_0001.run")
     assert f"{repo}/.husky/_" in plan.read_only and (repo / ".husky" / "_").is_dir()
     assert not plan.lets_write(f"{repo}/.husky/_/pre-commit") and plan.lets_write(f"{repo}/.husky/other")

@@ -202,8 +202,8 @@ def test_a_boxed_engine_writes_only_its_own_worktree(opencode, tmp_path):
     for sub in ("control", "reply", "tmp", "objects"):
         (run / sub).mkdir(parents=True)
     env = opencode_runner.run_env(agent_box.agent_env(opencode.env, MODEL), str(mine), "br-box", "q", "auto")
-    plan = agent_box.plan_for(worktrees.Workspace(mode="worktree", cwd=str(mine), top=str(mine), repo=str(repo)),
-                              env, "auto", run)
+    plan = agent_box.plan_for(worktrees.Workspace(mode="worktree", cwd=str(mine), top=str(mine), repo=str(repo),
+                                                  home=str(tmp_path / "home")), env, "auto", run)
     steal = f"echo x > {other}/stolen.txt; echo x > {repo}/stolen.txt; echo done"
     opencode.model.script("box", [
         tool_call([("write", {"filePath": "{cwd}/mine.txt", "content": "ok\n"}),
