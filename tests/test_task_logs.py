@@ -385,7 +385,9 @@ def test_a_worker_process_ships_its_log_live_to_a_reader_on_another_machine(open
     assert worker.reap(worker.Knobs()) == 1               # the orphaned agent is ended, the task failed
     assert not psutil.pid_exists(agent) or psutil.Process(agent).status() == psutil.STATUS_ZOMBIE
     local = (folder_a / f"{tid}.log").read_bytes()
-    shipped = task_store.read_task_log(tid)
+    # The reaper's own line, where every machine reads the log, says how the attempt ended.
+    shipped, _, reaped = task_store.read_task_log(tid).rpartition(b"\n[worker] lease of attempt ")
+    assert reaped.endswith(b"the reaper ended it: failed, its retries spent\n"), reaped
     assert local.startswith(shipped) and b"shipped-live-42" in shipped   # at most the unshipped tail is lost
     assert not folder_b.exists()
     assert [w["label"] for w in task_views.workers_state() if w["pid"] == proc.pid] == ["gone"]
