@@ -1453,22 +1453,18 @@ def apply(task_id: str, squash: bool, cherry_pick: bool, as_json: bool) -> None:
     if as_json:
         return emit_json(result)
     where = visible(f"{result['into']} of {result['repo']}", multiline=False)
-    later = (f"{result['branch']} has {result['later']} later commit(s), a follow-up's work, not applied: "
-             "apply that follow-up for them.") if result["later"] else None
     if result["status"] == "already-applied":
         out().print(Text(f"Already applied: the work of {result['task_id']} ({result['tip'][:12]} on "
                          f"{result['branch']}) is in {where}; nothing to do.", style="yellow"), soft_wrap=True)
-        if later:
-            out().print(Text(later, style="yellow"), soft_wrap=True)
-        return None
-    verb = {"merge": "Merged", "squash": "Squashed", "cherry-pick": "Cherry-picked"}[mode]
-    out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: "
-                     f"{len(result['files'])} file(s) changed; HEAD is now {result['head'][:12]}.", style="green"),
-                soft_wrap=True)
-    undo = task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12])
-    out().print(Text("Undo with: " + visible(undo, multiline=False), style="dim"), soft_wrap=True)
-    if later:
-        out().print(Text(later, style="yellow"), soft_wrap=True)
+    else:
+        verb = {"merge": "Merged", "squash": "Squashed", "cherry-pick": "Cherry-picked"}[mode]
+        out().print(Text(f"{verb} {result['branch']} ({result['tip'][:12]}) into {where}: {len(result['files'])} "
+                         f"file(s) changed; HEAD is now {result['head'][:12]}.", style="green"), soft_wrap=True)
+        undo = task_store.shell_command("git", "-C", result["repo"], "reset", "--hard", result["before"][:12])
+        out().print(Text("Undo with: " + visible(undo, multiline=False), style="dim"), soft_wrap=True)
+    if result["later"]:
+        out().print(Text(f"{result['branch']} has {result['later']} later commit(s), a follow-up's work, not "
+                         "applied: apply that follow-up for them.", style="yellow"), soft_wrap=True)
 
 
 @cli.command()
