@@ -386,13 +386,33 @@ def _set_up(conn: sqlite3.Connection, path: Path, migrations: Sequence[Callable[
     conn.execute("PRAGMA busy_timeout = 30000")
     conn.execute("PRAGMA foreign_keys = ON")
     _refuse_foreign(conn, path)   # before anything below writes to the file
-    mode = journal_mode(path)
-    if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
-        conn.execute(f"PRAGMA journal_mode = {mode}")
+    _switch_journal(conn, journal_mode(path))
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA wal_autocheckpoint = 10000")  # ~40 MB; the worker also checkpoints each minute
     conn.execute("PRAGMA mmap_size = 268435456")  # reads map the file (256 MB) instead of copying pages
     migrate(conn, migrations)
+
+
+def _switch_journal(conn: sqlite3.Connection, mode: str) -> None:
+    """Put the file in journal ``mode`` unless it is in it. When two connections make a new queue
+    at once, both switch it: the later one reads the header, then needs the write lock the first
+    holds, and SQLite answers "locked" at once (its busy handler is not called for a read that
+    would turn into a write: that could deadlock). The switch is then tried again, in short
+    sleeps, for up to BUSY_WAIT_SEC (by then the first has usually made the switch, and this one
+    finds it made)."""
+    deadline = time.monotonic() + BUSY_WAIT_SEC
+    while conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
+        try:
+            conn.execute(f"PRAGMA journal_mode = {mode}")
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.001 * (0.5 + random.random()))
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is SQLite's "database is locked" / "busy" (another connection holds the lock)."""
+    return "locked" in str(exc) or "busy" in str(exc)
 
 
 def _refuse_foreign(conn: sqlite3.Connection, path: Path) -> None:
@@ -451,7 +471,7 @@ def _begin_immediate(conn: sqlite3.Connection, wait_sec: float, give_up: Callabl
                 conn.execute("BEGIN IMMEDIATE")
                 return
             except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
+                if not _is_busy(exc):
                     raise
                 deadline = deadline or time.monotonic() + wait_sec
                 if time.monotonic() > deadline or (give_up is not None and give_up()):
@@ -466,4 +486,4 @@ def breaks_connection(exc: sqlite3.Error) -> bool:
     """Whether a connection that raised ``exc`` must not be used again. A busy/locked database or
     a constraint is no fault of the connection; anything else (disk I/O, corruption, a file gone
     read-only, a closed connection) reopens on the next call."""
-    return not isinstance(exc, sqlite3.IntegrityError) and "locked" not in str(exc) and "busy" not in str(exc)
+    return not isinstance(exc, sqlite3.IntegrityError) and not _is_busy(exc)

@@ -310,3 +310,30 @@ def test_a_fork_while_another_thread_holds_the_connection_lock_does_not_hang_the
     finally:
         release.set()
         thread.join(10)
+
+
+def test_threads_making_a_new_queue_at_once_all_open_it(tmp_path, monkeypatch):
+    # Each thread's first store call makes the queue (its file, WAL, tables) at the same moment,
+    # as an MCP server's tool call and its channel watcher do. SQLite refused the later switches
+    # to WAL at once ("database is locked", no busy wait): they must wait for the first instead.
+    monkeypatch.delenv("TASK_DB_URL", raising=False)
+    failed: list[str] = []
+    for round_ in range(150):
+        monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / str(round_) / "tasks.db"))
+        start = threading.Barrier(5)
+
+        def first_call() -> None:
+            start.wait()
+            try:
+                store.list_tasks()
+            except store.TaskStoreError as exc:
+                failed.append(str(exc))
+            finally:
+                store._discard()
+
+        threads = [threading.Thread(target=first_call) for _ in range(5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failed == []
