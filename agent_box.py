@@ -679,7 +679,8 @@ def opencode_dirs(env: dict[str, str], home: str | None) -> tuple[str, list[str]
     read-only to the run: a plugin or config planted there would load in every later run and in
     TaskBridge's own OpenCode calls; [its data, cache and state folders], writable, the box's
     own). Made when missing, with the ``.gitignore`` OpenCode insists on writing at start.
-    Raises BoxUnavailable naming a folder that cannot be made and the variable that sets it."""
+    Raises BoxUnavailable naming a folder that cannot be made and the variable that sets it,
+    ValueError without a ``home`` (``box_vars``)."""
     config = oc.config_dir(env)
     folders = [(config, "XDG_CONFIG_HOME")] + [(Path(path) / "opencode", "XDG_CACHE_HOME")   # box_home's root
                                                for path in box_vars(home).values()]

@@ -631,7 +631,7 @@ def submit_task(  # noqa: PLR0913 - an MCP tool's parameters are its input schem
     worktree_keep: Annotated[bool | None, Field(description="keep the worktree after success (the branch is always kept)")] = False,
     ask_human: Annotated[bool | None, Field(description="its permission asks go to the person through your client's forms where it has them (else to you)")] = False,
     agent: Annotated[OptText, Field(description="OpenCode agent name, e.g. build or plan")] = None,
-    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again with the same task (title, instructions, working_dir or repo, the task it continues or forks, model, agent, permission, rules, skills, subagents) returns the first task instead of a new one; with another task it is refused, naming the fields that differ")] = None,
+    idempotency_key: Annotated[OptText, Field(description="a key of yours: submitting it again with the same task (title, instructions, working_dir or repo, base_ref, worktree, the task it continues or forks, agent, permission, rules, skills, subagents; the model may differ) returns the first task instead of a new one; with another task it is refused, naming the fields that differ")] = None,
     max_cost_usd: Annotated[float | None, spec.USD.field("USD the task may spend over all its attempts; at the limit it pauses in `waiting` and asks (default: the queue's, see set_budget)")] = None,
     max_tokens: Annotated[int | None, spec.TOKENS.field("tokens the task may use, for a model that reports no price (default: the queue's)")] = None,
     continue_from: Annotated[OptText, Field(description="a follow-up of this task id: resumes its OpenCode session (the agent keeps its history) and commits on its branch; waits for it like a dependency")] = None,
@@ -1032,7 +1032,7 @@ def answer_task(
     when no limit is reached any more. A task waiting on a permission ask (paused_for
     `permission`) takes `allow once`, `allow always`, `deny once` or `deny always`, alone (a bare
     `allow` or `deny` is once; always: a rule for that exact request, for a bash line for each
-    command the question names, is added to the task's rules); allow lets that call run, deny resumes with the call refused. Errors: unknown id,
+    command the question names, is added to the task's rules, which its follow-ups and forks inherit); allow lets that call run, deny resumes with the call refused. Errors: unknown id,
     empty answer, the task is not waiting (add_task_note reaches a running task instead), a limit
     not above the spend, another answer to a permission ask."""
     return cast(TaskInfo, _echo(store.answer_task(task_id, answer, author="planner")))

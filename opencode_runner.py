@@ -648,29 +648,43 @@ def shell_commands(line: str) -> list[str]:
     """The simple commands of a shell command line, as a ``bash`` rule is matched against each:
     split at ``;`` ``&`` ``|`` (so ``&&`` ``||``; not the ``&`` of a redirection such as
     ``2>&1``), line breaks, parentheses, ``$(`` … ``)`` and backticks (a substitution is read as
-    a line of its own, inside double quotes too; ``$((…))`` is arithmetic, a word), never inside
-    single quotes or after a backslash; blanks run together to one space, and leading
+    a line of its own, inside double quotes too; ``$((…))`` is arithmetic, a word, when it ends
+    in ``))``), never inside single quotes or after a backslash; a ``#`` that starts a word
+    comments out the rest of its line; blanks run together to one space, and leading
     assignments, ``{`` ``}`` ``!``, compound-command keywords (``if`` ``then`` ``do`` …) and
     wrappers (``time`` ``sudo`` ``env`` ``nohup`` ``exec`` ``command`` ``builtin``) left out;
     empty ones dropped. ``cd x && git push`` is ``["cd x", "git push"]``. A command inside a
-    quoted word (``sh -c '…'``, ``eval "…"``), a script, or behind another wrapper (``xargs``)
-    is not seen. The twin of ``shellCommands`` in opencode_plugins/shell_commands.js
-    (tests/test_rules_matching.py holds both to one table and to random lines)."""
+    quoted word (``sh -c '…'``, ``eval "…"``), a heredoc's body read as lines, a script, or
+    behind another wrapper (``xargs``) is not seen. The twin of ``shellCommands`` in
+    opencode_plugins/shell_commands.js (tests/test_rules_matching.py holds both to one table and
+    to random lines)."""
+    return [stripped for _, stripped in command_forms(line) if stripped]
+
+
+def command_forms(line: str) -> list[tuple[str, str]]:
+    """Each simple command of ``line`` (see ``shell_commands``) in two forms: as written (blanks
+    run together) and without its leading assignments, keywords and wrappers (maybe empty: a
+    bare ``sudo``). A rule is matched against both, so ``sudo *`` meets ``sudo apt install``
+    and ``apt *`` does too. Commands empty as written are dropped. The twin of ``commandForms``."""
     parts, current, quote, i = [], [], "", 0
     opened: list[tuple[str, str]] = []   # substitutions open: (their opener, the quote around them)
     while i < len(line):
         char, two = line[i], line[i:i + 2]
         cut = 0   # characters of a separator to skip
+        arithmetic = _arithmetic_end(line, i + 3) if quote != "'" and line.startswith("$((", i) else None
         if quote == "'":
             quote = "" if char == "'" else quote
         elif char == "\\":
             current.append(two)
             i += 2
             continue
-        elif line.startswith("$((", i):   # arithmetic: a word
-            end = _arithmetic_end(line, i + 3)
-            current.append(line[i:end])
-            i = end
+        elif arithmetic is not None:   # $(( … )): a word
+            current.append(line[i:arithmetic])
+            i = arithmetic
+            continue
+        elif char == "#" and not quote and (not current or current[-1] in " \t"):
+            end = line.find("\n", i)   # a word starting with #: a comment up to the line's end
+            i = len(line) if end < 0 else end
             continue
         elif opened and ((char == ")" and opened[-1][0] == "$(" and not quote)
                          or (char == "`" and opened[-1][0] == "`")):
@@ -691,17 +705,19 @@ def shell_commands(line: str) -> list[str]:
         current.append(char)
         i += 1
     parts.append("".join(current))
-    commands = [_LEAD.sub("", _BLANK_RUN.sub(" ", part).strip(" ")).strip(" ") for part in parts]
-    return [command for command in commands if command]
+    written = [_BLANK_RUN.sub(" ", part).strip(" ") for part in parts]
+    return [(command, _LEAD.sub("", command).strip(" ")) for command in written if command]
 
 
-def _arithmetic_end(line: str, start: int) -> int:
-    """Where ``$((`` … ``))`` that opened before ``start`` ends (past its ``))``), or the line's end."""
+def _arithmetic_end(line: str, start: int) -> int | None:
+    """Where ``$((`` … ``))`` that opened before ``start`` ends (past its ``))``), or the line's
+    end; None when its first ``(`` closes apart from the other (``$((cmd) )``: bash runs that as
+    a subshell inside a command substitution)."""
     depth = 2
     for at in range(start, len(line)):
         depth += {"(": 1, ")": -1}.get(line[at], 0)
-        if depth == 0:
-            return at + 1
+        if depth == 1:
+            return at + 2 if line[at + 1:at + 2] == ")" else None
     return len(line)
 
 
@@ -724,7 +740,10 @@ def asking_commands(rules: dict[str, Any], tool: str, subject: str) -> list[str]
 
 
 def _subjects(tool: str, subject: str) -> list[str]:
-    return (shell_commands(subject) or [subject]) if tool == "bash" else [subject]
+    if tool != "bash":
+        return [subject]
+    forms = [form for pair in command_forms(subject) for form in dict.fromkeys(pair) if form]
+    return forms or [subject]
 
 
 def _action_of(rules: dict[str, Any], tool: str, subject: str, directory: str) -> str | None:

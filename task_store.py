@@ -2152,7 +2152,10 @@ def _live_follower(conn: Connection, parent: int, other_than: int | None = None)
     """The id of a follow-up of ``parent`` (``continue_from``) that is not failed or cancelled,
     but ``other_than``, else None: a line of work has one follow-up at a time (two would run in
     the same worktree and session at once, and one would lose its work; after a done one, the
-    line goes on from it)."""
+    line goes on from it). On PostgreSQL ``parent``'s row is locked first, as a new follow-up's
+    submit locks it: a retry and a submit that race are decided one after the other."""
+    if _dialect(conn).locks_rows and _as_pg(conn).writing:
+        conn.execute("SELECT id FROM tasks WHERE id = ? FOR UPDATE", (parent,)).fetchone()
     row = conn.execute("SELECT id FROM tasks WHERE continue_from = ? AND status NOT IN ('failed', 'cancelled')"
                        " AND id <> ? ORDER BY id LIMIT 1", (parent, -1 if other_than is None else other_than)
                        ).fetchone()
@@ -2922,8 +2925,9 @@ PERMISSION_ANSWER = re.compile(r"^\s*(allow|deny)(?:\s+(once|always))?\s*\.?\s*$
 
 def _answer_permission(conn: Connection, row: Row, answer: str) -> str:
     """A task paused on a permission ask reads ``allow`` / ``deny``, each ``once`` (default) or
-    ``always`` (for this task: a rule for exactly that request, or for each of the commands the
-    ask names in ``commands``, is added after its own rules).
+    ``always`` (for this task, and the follow-ups and forks that inherit its rules: a rule for
+    exactly that request, or for each of the commands the ask names in ``commands``, is added
+    after its own rules).
     The decision goes into ``pending_ask`` for the resumed attempt; returns the answer to store.
     Raises ValidationError for any other answer."""
     match = PERMISSION_ANSWER.match(answer)

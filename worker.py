@@ -370,8 +370,9 @@ def permission_question(ask: dict[str, Any]) -> str:
     else:
         which, always = " (the task's rules say ask).", "for exactly this text only"
     return (f"Permission asked: the agent wants to run {ask['tool']} {shown}{which}"
-            f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task, and "
-            f"{always}: any * or ? in it is taken literally, never as a pattern).")
+            f"{reason} Answer allow once, allow always, deny once or deny always (always: for this task and "
+            f"the follow-ups and forks that inherit its rules, and {always}: any * or ? in it is taken "
+            "literally, never as a pattern).")
 
 
 def resume_message(answer: str, notes: list[dict], ask: dict[str, Any] | None = None) -> str:
@@ -1995,7 +1996,7 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
         # An earlier attempt of this task wrote its turns in this session (its own, or the line's it
         # continues; a fork's fresh copy has none of them): what became of its work.
         wrote = task["attempts"] > 1 and (task.get("session_id") or task.get("continue_from"))
-        told = f"{earlier_attempt_note(task, ws)}\n\n{prompt}" if wrote else prompt
+        told = f"{earlier_attempt_note(ws)}\n\n{prompt}" if wrote else prompt
         run = _attempt(task, ws, knobs, model, setup, told, session, deadline)
         if not (run.stream.events == 0 and "Session not found" in "\n".join(run.stderr_tail)):
             return run, how
@@ -2003,14 +2004,14 @@ def _run_line(task: dict, ws: Workspace, knobs: Knobs, model: str, setup: RunSet
     return _attempt(task, ws, knobs, model, setup, prompt, None, deadline), how
 
 
-def earlier_attempt_note(task: dict[str, Any], ws: Workspace) -> str:
+def earlier_attempt_note(ws: Workspace) -> str:
     """What a line task's next attempt, resuming the session its earlier attempt wrote in, is told
     of that attempt's work: gone when the worktree was made again from the branch (a failed
-    attempt's folder is removed), still there, uncommitted, when the folder was kept."""
-    ended = f" ({store.clip(task['error'], 300, 'the task')})" if task.get("error") else ""
+    attempt's folder is removed), still there, uncommitted, when the folder was kept. (How that
+    attempt ended is in the task's log; the claim cleared its error.)"""
     left = (f"its uncommitted changes are still in the worktree (git status in {ws.top or ws.cwd} shows them)"
             if ws.reused else f"its changes are gone: the worktree holds only what is committed on {ws.branch}")
-    return (f"Note from TaskBridge: your earlier attempt at this step ended before its work was kept{ended}; "
+    return (f"Note from TaskBridge: your earlier attempt at this step ended before its work was kept; "
             f"{left}. Check the files before you rely on anything that attempt did, then do the task below.")
 
 

@@ -2455,7 +2455,9 @@ def no_change_note(task: dict[str, Any]) -> str | None:
 
 
 def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
-    """(checkout, branch, branch tip, checkout's branch) or ApplyRefused naming what is missing."""
+    """(checkout, branch, the commit to apply up to, checkout's branch) or ApplyRefused naming what
+    is missing. The commit is the branch's tip, or the task's own commit when follow-ups have
+    gone on on its branch since (theirs are applied with them)."""
     ident, status = task["id"], task["status"]
     if status != "done":
         hint = f"retry it (tasks_cli.py retry {ident}) and apply once it is done" if status in ("failed", "cancelled") \

@@ -24,7 +24,7 @@
 // The rules file: {"rules": {...}, "once": [{"tool", "subject"}]}. Imports only files.js and
 // shell_commands.js (beside it).
 import { readJson, replyPath, writeJson } from "./files.js";
-import { shellCommands } from "./shell_commands.js";
+import { commandForms } from "./shell_commands.js";
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 // The start of a held call's error, as opencode_runner.RULES_REFUSALS reads it in the event stream.
@@ -77,10 +77,11 @@ function actionOf(rules, key, subjects) {
 const SEVERITY = { deny: 3, ask: 2, allow: 1 };
 
 // What the rules say of the call: for bash the strictest of its commands' actions (deny, ask,
-// allow), else actionOf. The Python twin is opencode_runner.rule_action.
+// allow), each command matched as written and without its wrappers (commandForms), else
+// actionOf. The Python twin is opencode_runner.rule_action.
 function actionFor(rules, key, subject, subjects) {
   if (key !== "bash") return actionOf(rules, key, subjects);
-  const commands = shellCommands(subject);
+  const commands = [...new Set(commandForms(subject).flat())].filter((form) => form);
   let action = null;
   for (const command of commands.length ? commands : [subject]) {
     const act = actionOf(rules, key, [command]);

@@ -49,13 +49,21 @@ LINES = {
     "npm test 2>&1": ["npm test 2>&1"],
     "cmd >&2 &> out": ["cmd >&2 &> out"],
     "echo $((1 + (2)))": ["echo $((1 + (2)))"],
+    # A second reviewer's: a comment's apostrophe, a subshell that looks like arithmetic, wrappers alone.
+    "# Let's push\ngit push": ["git push"],
+    "cat x # it's done\nrm -rf /": ["cat x", "rm -rf /"],
+    "echo a#b 'c#d' \\#e": ["echo a#b 'c#d' \\#e"],
+    "echo $((rm -rf ~) )": ["echo", "rm -rf ~"],
+    'echo "$(( (1+2)*3 ))"': ['echo "$(( (1+2)*3 ))"'],
+    "env | grep KEY": ["grep KEY"],
+    "sudo": [],
 }
 
 
-def _split_in_node(lines: list[str]) -> list[list[str]]:
+def _split_in_node(lines: list[str], function: str = "shellCommands") -> list[list]:
     script = ("const m = await import(process.argv[1]); let text = '';"
               "for await (const piece of process.stdin) text += piece;"
-              "console.log(JSON.stringify(JSON.parse(text).map((l) => m.shellCommands(l))));")
+              f"console.log(JSON.stringify(JSON.parse(text).map((l) => m.{function}(l))));")
     out = subprocess.run(["node", "--input-type=module", "-e", script, str(PLUGINS / "shell_commands.js")],
                          input=json.dumps(lines), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -68,14 +76,17 @@ def test_the_plugin_and_the_worker_split_a_command_line_alike():
 
 
 def test_the_two_splitters_agree_on_random_lines():
-    """The plugin enforces, the worker believes: a line they split differently is a way round."""
+    """The plugin enforces, the worker believes: a line they split differently is a way round.
+    Both forms of each command (as written, and without its wrappers) are compared."""
     rng = random.Random(25)
-    alphabet = list("ab rm-*;&|()`$\"'\\\n\t{}!<>=2") + ["if ", "then ", "do ", "done", "sudo ", "$(", "$((", "2>&1"]
+    alphabet = list("ab rm-*;&|()`$\"'\\\n\t\r{}!<>=2#") + [
+        "if ", "then ", "do ", "done", "sudo ", "env ", "$(", "$((", "))", "# ", "2>&1"]
     lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(3000)]
-    assert _split_in_node(lines) == [oc.shell_commands(line) for line in lines]
+    assert _split_in_node(lines, "commandForms") == [[list(pair) for pair in oc.command_forms(line)] for line in lines]
 
 
-RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *": "deny"}}
+RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *": "deny", "sudo *": "deny",
+                  "env": "ask"}}
 
 
 @pytest.mark.parametrize("command, action", [
@@ -89,6 +100,13 @@ RULES = {"bash": {"*": "allow", "git push*": "ask", "rm -rf *": "deny", "curl *"
     ("if true; then rm -rf *; fi", "deny"),
     ('echo "$(true; git push)"', "ask"),
     ("npm test 2>&1", "allow"),
+    ("sudo apt-get install -y jq", "deny"),  # a rule on the wrapper meets the command as written
+    ("sudo git push", "deny"),
+    ("time git push", "ask"),                # and a rule on the command meets it without the wrapper
+    ("env | grep KEY", "ask"),
+    ("# it's here\nrm -rf /", "deny"),       # a comment's quote does not swallow the next line
+    ("echo $((rm -rf ~) )", "deny"),         # a subshell in a substitution, not arithmetic
+    ("echo $((1 + 2))", "allow"),
 ])
 def test_the_strictest_of_a_lines_commands_decides_in_the_plugin_and_its_twin(tmp_path, command, action):
     assert oc.rule_action(RULES, "bash", command) == action

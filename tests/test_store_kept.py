@@ -322,7 +322,7 @@ def test_threads_making_a_new_queue_at_once_all_open_it(tmp_path, monkeypatch):
         monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / str(round_) / "tasks.db"))
         start = threading.Barrier(5)
 
-        def first_call() -> None:
+        def first_call(start: threading.Barrier = start) -> None:
             start.wait()
             try:
                 store.list_tasks()

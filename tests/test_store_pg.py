@@ -517,3 +517,44 @@ def test_a_claim_still_stops_at_a_spent_daily_budget_and_waits_for_dependencies(
     store.complete_attempt(first["id"], claimed["run_marker"])
     again = store.claim_next("w")
     assert again["id"] == later["id"] and again["depends_on"] == [first["id"]]
+
+
+def test_a_retry_racing_a_new_follow_up_of_the_same_task_leaves_one_live(pg, tmp_path):
+    """A line of work has one live follow-up: a retry of a failed follow-up that comes while
+    another follow-up's submit is still open waits for it (the parent's row lock) and is refused;
+    before, each read the other's row as not there and both went live, in one worktree."""
+    import threading
+
+    import psycopg
+    parent = store.submit_task(title="p", instructions="i", working_dir=str(tmp_path))
+    store.complete_attempt(parent["id"], store.claim_next("w", task_id=parent["id"])["run_marker"])
+    first = store.submit_task(title="f1", instructions="i", working_dir=str(tmp_path), continue_from=parent["id"],
+                              max_retries=0)
+    store.fail_attempt(first["id"], store.claim_next("w", task_id=first["id"])["run_marker"], "broke")
+    outcome: dict[str, object] = {}
+
+    def submit_held() -> None:
+        outcome["submitted"] = store.submit_task(title="hold me", instructions="i", working_dir=str(tmp_path),
+                                                 continue_from=parent["id"])["id"]
+
+    def retry() -> None:
+        try:
+            outcome["retried"] = store.retry_task(first["id"])["status"]
+        except store.InvalidTransition as exc:
+            outcome["refused"] = str(exc)
+
+    with psycopg.connect(pg, autocommit=True) as test:
+        test.execute(LATE_TRIGGER)   # the new follow-up's submit stays open on its event
+        test.execute("SELECT pg_advisory_lock(4242)")
+        held = threading.Thread(target=submit_held)
+        held.start()
+        while not test.execute("SELECT 1 FROM pg_stat_activity WHERE wait_event = 'advisory'").fetchone():
+            time.sleep(0.01)
+        racing = threading.Thread(target=retry)
+        racing.start()
+        time.sleep(0.5)   # the retry reaches the line's check while the submit is open
+        test.execute("SELECT pg_advisory_unlock(4242)")
+        held.join(10)
+        racing.join(10)
+    assert outcome.get("submitted") and "refused" in outcome, outcome
+    assert store.get_task(first["id"])["status"] == "failed"
