@@ -247,6 +247,47 @@ async def _plain(send: Any, status: int, body: dict[str, Any], headers: Sequence
 
 
 
+# The SDK's SSE transport refuses a POST to /messages/ in plain text; each as a JSON refusal that
+# names the way out (keyed by the start of the SDK's text; docs/http.md).
+MESSAGES_WAY_OUT = {
+    "session_id is required": "session_id is required: open GET /sse first; its endpoint event names the "
+                              "/messages/?session_id=... URL to POST to",
+    "Invalid session ID": "session_id is not a session id (32 hex digits): POST to the URL the /sse stream's "
+                          "endpoint event gave",
+    "Could not find session": "no open /sse stream has this session_id (it closed, or the server restarted): "
+                              "open GET /sse again and POST to the URL its endpoint event gives",
+}
+
+
+class JsonRefusals:
+    """Pure ASGI around the SDK's /messages/ handler: a refusal (status 400 and above) it answers
+    in plain text goes out as the JSON ``{"error": ...}`` every other refusal is, with the way out
+    (MESSAGES_WAY_OUT); anything else passes as it is."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        held: dict[str, Any] = {}
+
+        async def relay(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400 and not any(
+                    k == b"content-type" and b"json" in v for k, v in message.get("headers", [])):
+                held["start"] = message
+                return
+            if "start" not in held:
+                return await send(message)
+            held["body"] = held.get("body", b"") + message.get("body", b"")
+            if not message.get("more_body"):
+                text = held["body"].decode("utf-8", "replace").strip()
+                said = next((way for start, way in MESSAGES_WAY_OUT.items() if text.startswith(start)),
+                            f"{loggable(text, 200) or 'refused'}: POST JSON-RPC to the URL the /sse stream's "
+                            "endpoint event gave")
+                await _plain(send, held["start"]["status"], {"error": said})
+
+        await self.app(scope, receive, relay)
+
+
 def host_refusal(count: int, parsed: tuple[str, str | None] | None) -> str:
     """The 421's one line: the refused name and the knob that allows it, or what is malformed
     about the Host header (``count`` Host headers were sent; ``parsed`` is parse_host's answer for
@@ -552,6 +593,7 @@ def build_app(server: MCPServer) -> Any:
     Each call builds fresh SDK transports (a session manager runs once per app lifespan)."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
+    from starlette.routing import Mount
 
     hosts = allowed_hosts()
     security = transport_security(hosts)
@@ -569,7 +611,8 @@ def build_app(server: MCPServer) -> Any:
         log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
     provider = oauth_provider(tokens)
     auth_routes = oauth.routes(provider, client_address) if provider else []
-    return Shield(Starlette(routes=[mcp_route, *sse.routes, *auth_routes, *http_routes()], lifespan=lifespan,
+    sse_routes = [Mount(r.path, app=JsonRefusals(r.app)) if isinstance(r, Mount) else r for r in sse.routes]
+    return Shield(Starlette(routes=[mcp_route, *sse_routes, *auth_routes, *http_routes()], lifespan=lifespan,
                             exception_handlers={404: no_route, 405: no_route},
                             middleware=[Middleware(HostGuard, hosts=hosts),
                                         Middleware(BearerGuard, tokens=tokens, provider=provider),

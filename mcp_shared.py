@@ -188,6 +188,19 @@ def translate(tool: str, exc: ToolError, passthrough: tuple[type[BaseException],
     return exc
 
 
+ERROR_MAX = 2_000   # characters of a tool's error text: an argument it echoes is cut past it
+
+
+def capped_error(exc: ToolError) -> ToolError:
+    """``exc`` as the caller reads it: a text over ERROR_MAX characters (it echoed a huge
+    argument) keeps its head and its end (the way out) around a note of what was cut."""
+    text = str(exc)
+    if len(text) <= ERROR_MAX:
+        return exc
+    head, tail = ERROR_MAX * 2 // 3, ERROR_MAX // 4
+    return ToolError(f"{text[:head]} … [{len(text) - head - tail:,} characters cut] … {text[-tail:]}")
+
+
 # Characters a tool answer may have, counting both forms a client gets (structured content and its
 # JSON text). The tools keep well under it by their own limits and paging; this is the last guard.
 RESPONSE_MAX = 1_000_000
@@ -287,16 +300,16 @@ class TranslatingServer(MCPServer):
                             "no path, command line or prompt can carry; remove it")
         unknown = self._unknown_arguments(name, arguments or {})
         if unknown:
-            raise ToolError(unknown)
+            raise capped_error(ToolError(unknown))
         try:
             result = await super().call_tool(name, arguments, context)
             if isinstance(result, ShownAnswer):     # redacted and sized where it was built (answer())
                 return result
             return shown_result(_within_budget(name, cap_result(name, result)))
         except UnexpectedToolError as exc:
-            raise translate(name, exc, self.passthrough) from None
+            raise capped_error(translate(name, exc, self.passthrough)) from None
         except ToolError as exc:
-            raise translate(name, exc, self.passthrough) from exc.__cause__
+            raise capped_error(translate(name, exc, self.passthrough)) from exc.__cause__
 
 
     async def run_stdio_async(self) -> None:

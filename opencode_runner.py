@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import knobs
-from task_store import AGENT_NAME, flock_wait, validate_working_dir, write_private
+from task_store import AGENT_NAME, flock_wait, shown_value, validate_working_dir, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
@@ -211,9 +211,11 @@ def check_names(skills: list[str], subagents: list[str], cwd: str, agent: str | 
         if not wanted:
             continue
         have = offered(cwd)
-        missing = [name for name in wanted if name not in have]
+        missing = list(dict.fromkeys(name for name in wanted if name not in have))
         if missing:
-            raise UnknownName(f"{kind} {', '.join(repr(m) for m in missing)} is not offered by OpenCode for "
+            named = ", ".join(shown_value(m) for m in missing[:5]) + (f" and {len(missing) - 5} more"
+                                                                     if len(missing) > 5 else "")
+            raise UnknownName(f"{kind} {named} is not offered by OpenCode for "
                               f"{cwd} (offered: {', '.join(have) or 'none'}); add it to OpenCode's config "
                               f"or leave it out", option)
 
@@ -1851,6 +1853,9 @@ def match_model(name: str, models: list[dict[str, Any]]) -> str:
     Raises UnknownModel naming the closest ids (substring matches, then difflib's closest) or,
     for a plain name several providers offer, every candidate."""
     wanted = name.strip()
+    if not wanted:
+        raise UnknownModel("a model must be named: give a provider/model id "
+                           "(`tasks_cli.py models` or list_models shows what is offered)")
     ids = [m["id"] for m in models]
     exact = [i for i in ids if i.lower() == wanted.lower()]
     if exact:
@@ -1862,7 +1867,7 @@ def match_model(name: str, models: list[dict[str, Any]]) -> str:
         raise UnknownModel(f"model name {wanted!r} is ambiguous: {', '.join(plain)}; give one of these ids")
     near = closest_models(wanted, ids)
     hint = f"; similar: {', '.join(near)}" if near else ""
-    raise UnknownModel(f"model {wanted!r} is not offered by OpenCode here{hint} "
+    raise UnknownModel(f"model {shown_value(wanted)} is not offered by OpenCode here{hint} "
                        "(`tasks_cli.py models` or list_models shows what is)")
 
 

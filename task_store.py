@@ -171,7 +171,7 @@ RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
 AGENT_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]{0,63}")   # an OpenCode agent's name, as a task may give it
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range
-TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*(\d{1,30})\s*$", re.IGNORECASE)
+TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*([0-9]{1,30})\s*$", re.IGNORECASE)   # ASCII digits only
 
 
 # --------------------------------------------------------------------------------------------
@@ -1174,6 +1174,22 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _batch_ref(value: Any) -> str | None:
+    """A batch item's ``ref``: a label of up to 100 characters that cannot be read as a task id
+    (``depends_on`` names both, and an existing task would be hidden by it), or None. Raises
+    ValidationError."""
+    value = optional(value)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 100:
+        raise ValidationError("ref must be a label of up to 100 characters, e.g. '@build'; "
+                              f"got {shown_value(value, 60)}")
+    if TASK_ID_RE.match(value):
+        raise ValidationError(f"ref {value!r} reads as a task id, which depends_on also takes; give a label that "
+                              "is not one, e.g. '@build'")
+    return value
+
+
 def _bounded(bound: spec.Bound, raw: dict[str, Any]) -> int | None:
     """``raw[bound.name]`` as an int within the bound, its default when absent (None for a field
     with no default). Raises ValidationError naming the field and its range."""
@@ -1632,7 +1648,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
         "origin_version": optional(raw.get("origin_version")),
         "origin_kind": caller_kind(origin_name) if origin_name else None,
         "depends_on": coerce_list("depends_on", raw.get("depends_on")) + ([parent] if parent is not None else []),
-        "ref": optional(raw.get("ref")),
+        "ref": _batch_ref(raw.get("ref")),
         "max_cost_usd": coerce_usd("max_cost_usd", raw.get("max_cost_usd")),
         "max_tokens": coerce_tokens("max_tokens", raw.get("max_tokens")),
         "parent": parent,
@@ -1949,6 +1965,12 @@ def _batch_specs(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     refs = [s["ref"] for s in specs if s["ref"]]
     if len(refs) != len(set(refs)):
         raise ValidationError("refs in a batch must be unique")
+    keyed: dict[str, int] = {}
+    for index, item in enumerate(specs):
+        first = keyed.setdefault(item["idempotency_key"], index) if item["idempotency_key"] else index
+        if first != index:
+            raise ValidationError(f"task {index} of the batch: idempotency_key {shown_value(item['idempotency_key'])} "
+                                  f"is task {first}'s of the same batch; give each task its own key")
     for item in specs:
         if item["ref"] is not None and item["ref"] in item["depends_on"]:
             raise ValidationError(f"dependency cycle refused: task {item['ref']!r} depends on itself")
@@ -2096,6 +2118,10 @@ def _line_values(conn: Connection, spec: dict, refs: dict[str, int], made: dict[
     if not parent["worktree"]:
         raise ValidationError(f"{kind} {name}: that task ran with worktree=false; a follow-up or fork needs "
                               "a task that ran on its own branch in a git worktree")
+    if parent["status"] == "done" and not parent["repo_url"] and not parent["branch"] and not _branch_deleted(parent):
+        raise ValidationError(f"{kind} {name}: that task has no branch to build on (it was completed by hand, or "
+                              "ran in place outside git); a follow-up or fork needs a task that ran on its own "
+                              "branch in a git worktree: submit a new task instead")
     if parent["repo_url"]:
         if spec["working_dir"] is not None or spec["repo_url"] not in (None, parent["repo_url"]):
             raise ValidationError(f"{kind} {name}: that task works on the remote {parent['repo_url']}; give that "
@@ -2124,6 +2150,16 @@ def _line_values(conn: Connection, spec: dict, refs: dict[str, int], made: dict[
                                   f"use fork_from {name} to try another approach side by side")
     values[kind] = num
     return values
+
+
+def _branch_deleted(row: Row) -> bool:
+    """Whether a done task's receipt says its empty branch was deleted (it changed nothing): what
+    builds on it starts from its base commit (worktrees._branch_dropped)."""
+    try:
+        result = json.loads(row["result"] or "{}")
+    except ValueError:
+        return False
+    return isinstance(result, dict) and bool(result.get("branch_deleted"))
 
 
 INHERITED = ("permission", "rules", "agent", "skills", "subagents")   # what a follow-up or fork takes from its task

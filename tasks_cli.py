@@ -1313,17 +1313,24 @@ def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool
         confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", "clear finished tasks")
     removed, purged = worktrees.clear_finished(older_than, remove_logs=purge_logs, remove_worktrees=remove_worktrees)
     if as_json:
-        return emit_json(removed)
-    print_cleared(removed, purge_logs, purged)
+        emit_json(removed)
+    else:
+        print_cleared(removed, purge_logs, purged)
+    print_left(purged)   # on stderr: with --json too, the removed list stays alone on stdout
 
 
 def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict[str, Any]) -> None:
-    """What clear removed, and what it left on disk."""
+    """What clear removed (stdout)."""
     ids = ", ".join(item["id"] for item in removed) or "none"
     out().print(f"Removed {len(removed)} task(s): {ids}" + (" (logs deleted)" if purged_logs and removed else ""))
     for path in purged["worktrees_removed"]:
         # soft_wrap: a path cut by a hard line break cannot be copied.
         out().print(Text(f"Removed worktree {visible(path, multiline=False)} (its branch stays)."), soft_wrap=True)
+
+
+def print_left(purged: dict[str, Any]) -> None:
+    """What clear left, and why (stderr): problems, tasks kept for their hosts, their dependents
+    or their worktrees on disk."""
     for problem in purged["problems"]:
         err().print(Text(visible(problem), style="yellow"), soft_wrap=True)
     for host, ids in purged.get("kept_on_hosts", {}).items():

@@ -629,9 +629,12 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
 
 def _parent_tip(parent: dict[str, Any], top: str) -> str:
     """The head of the branch of the task a follow-up or fork builds on. Raises Unrunnable."""
-    tip = _branch_tip(top, parent["branch"]) if parent.get("branch") else ""
+    if not parent.get("branch"):
+        raise Unrunnable(f"{parent['id']} has no branch (it was completed by hand, or ran in place outside git), "
+                         "so a follow-up or fork has nothing to start from: submit a new task")
+    tip = _branch_tip(top, parent["branch"])
     if not tip:
-        raise Unrunnable(f"{parent['id']}'s branch {parent.get('branch') or '(none)'} is not in {top}; "
+        raise Unrunnable(f"{parent['id']}'s branch {parent['branch']} is not in {top}; "
                          "a follow-up or fork starts from it: restore the branch or submit a new task")
     return tip
 
@@ -2564,7 +2567,8 @@ def _apply_failed(task: dict[str, Any], mode: str, repo: str, before: str, confl
         shown = ", ".join(conflicts[:20]) + (f" and {len(conflicts) - 20} more" if len(conflicts) > 20 else "")
         return (f"applying task {task['id']} ({mode} of {task['branch']}) conflicts in {shown}; {state}. "
                 f"Resolve it by hand ({store.shell_command('git', '-C', repo, *APPLY_BY_HAND[mode], what)}) "
-                "or retry the task on the current code")
+                f"or submit a follow-up (continue_from {task['id']}) that merges the current code into "
+                f"{task['branch']} and resolves the conflict, then apply that follow-up")
     reason = str(exc).split("failed: ", 1)[-1].strip().replace("\n", " ")[:500]
     return f"git refused to apply task {task['id']} ({mode} of {task['branch']}): {reason}; {state}"
 

@@ -485,8 +485,11 @@ def test_clear_removes_finished_tasks_and_logs(tmp_path):
     # A finished task a pending follow-up continues stays, and clear says why ("Removed 0 task(s)"
     # alone, after "Remove up to 1 finished task(s)?", left a fresh tester guessing).
     claimed = task_store.claim_next("w", task_id="t_0001")
+    task_store.renew_lease("t_0001", claimed["run_marker"], branch="taskbridge/t_0001")   # as a worktree run
     task_store.complete_attempt("t_0001", claimed["run_marker"], result={"summary": "ok"})
     follow = task_store.submit_task(title="next", instructions="more", continue_from="t_0001")
+    kept = run("clear", "--yes", "--json")   # the JSON list on stdout; what was kept, and why, on stderr
+    assert json.loads(kept.stdout) == [] and f"Kept t_0001: {follow['id']} (not finished)" in kept.stderr
     kept = run("clear", "--yes")
     assert "Removed 0 task(s)" in kept.stdout and f"Kept t_0001: {follow['id']} (not finished)" in kept.stderr
 

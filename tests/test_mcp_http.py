@@ -581,3 +581,15 @@ def test_board_api_refuses_query_parameters_a_route_does_not_read(wd):
         assert posted.status_code == 400 and "'text'" in posted.json()["error"]
         assert [t["id"] for t in http.get("/api/tasks?status=done").json()["tasks"]] == [done["id"]]
         assert http.get(f"/api/status?token={TOKEN}").status_code == 200     # the token's own place
+
+
+@pytest.mark.parametrize("query,status,needle", [
+    ("", 400, "session_id is required: open GET /sse first"),
+    ("?session_id=zzz", 400, "is not a session id"),
+    ("?session_id=0123456789abcdef0123456789abcdef", 404, "no open /sse stream has this session_id"),
+])
+def test_a_post_to_messages_without_a_live_session_is_a_json_refusal_with_the_way_out(query, status, needle):
+    """The SDK answered these in plain text ("Invalid session ID"), unlike every other refusal."""
+    response = call(asgi(), "POST", f"/messages/{query}", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json" and needle in response.json()["error"]

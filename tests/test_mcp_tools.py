@@ -58,10 +58,13 @@ def task_args(wd: str, **over) -> dict:
     return {"title": "Add a README", "instructions": "Write README.md", "working_dir": wd} | over
 
 
-def finish(task_id: str, status: str = "done", diff: str = "", result: dict | None = None) -> None:
-    """Play the worker: claim the task and finish its attempt."""
+def finish(task_id: str, status: str = "done", diff: str = "", result: dict | None = None,
+           branch: str | None = None) -> None:
+    """Play the worker: claim the task and finish its attempt (on ``branch``, as a worktree run)."""
     claimed = task_store.claim_next("test-worker", task_id=task_id)
     marker = claimed["run_marker"]
+    if branch:
+        task_store.renew_lease(task_id, marker, branch=branch)
     if status == "done":
         task_store.complete_attempt(task_id, marker, result=result or {"summary": "ok"}, diff=diff,
                                     usage={"tokens": {"input": 10, "output": 5}, "cost_usd": 0.25})
@@ -746,7 +749,7 @@ async def test_clear_finished_removes_finished_tasks_and_asked_for_logs(mode, wd
         assert "t_0001 not found" in await tool_error(c, "get_task", {"task_id": done["id"]})
         assert (await call_tool(c, "get_task", {"task_id": keep["id"]}))["status"] == "pending"
         assert cleared["kept_for_dependents"] == {}
-        finish(keep["id"])
+        finish(keep["id"], branch=f"taskbridge/{keep['id']}")
         follow = await call_tool(c, "submit_task", {"title": "next", "instructions": "more",
                                                     "continue_from": keep["id"]})
         kept = await call_tool(c, "clear_finished", {})
@@ -1126,3 +1129,17 @@ async def test_restart_worker_starts_no_pass_while_one_runs_the_queue(tmp_path, 
     assert said["method"] == "already-running" and said["pid"] == os.getpid(), said
     assert "nothing was started" in said["detail"]
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+
+
+async def test_an_error_that_echoes_a_huge_argument_is_cut_to_its_head_and_way_out(wd):
+    """A refused value was echoed whole: 5 KB of folder name, 100 KB of skill name in one error."""
+    cases = [("submit_task", task_args(wd, working_dir=wd + "/" + "a" * 5000), "does not exist"),
+             ("submit_task", task_args(wd, skills=["s" * 100_000]), "skill"),
+             ("submit_task", task_args(wd, skills=["s"] * 1000), "skill"),
+             ("set_default_model", {"model": "q" * 100_000}, "model"),
+             ("set_default_model", {"model": " "}, "a model must be named")]
+    async with client("legacy") as c:
+        for tool, args, needle in cases:
+            text = await tool_error(c, tool, args)
+            assert needle in text and len(text) <= mcp_shared.ERROR_MAX + 60, (tool, len(text), text[:300])
+    assert sum(task_store.counts().values()) == 0

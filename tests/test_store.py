@@ -105,6 +105,29 @@ def test_a_refused_batch_names_its_own_tasks_by_place_not_by_ids_it_rolled_back(
         store.submit_task(**item, continue_from=first["id"])
 
 
+def test_a_batch_refuses_a_key_twice_and_a_ref_that_reads_as_a_task_id(tmp_path):
+    """A key given twice in one batch was refused naming the first item's rolled-back id (which
+    the next submit then took); a ref ``t_0001`` or ``1`` hid the existing task of that id from
+    ``depends_on``; a ref given as a number was taken."""
+    existing = submit(tmp_path, "existing")
+    item = {"title": "x", "instructions": "i", "working_dir": str(tmp_path)}
+    refusals = [
+        ([item | {"idempotency_key": "dup"}, item | {"title": "y", "idempotency_key": "dup"}],
+         "^task 1 of the batch: idempotency_key 'dup' is task 0's of the same batch; give each task its own key$"),
+        ([item | {"ref": existing["id"]}, item | {"depends_on": [existing["id"]]}],
+         f"^task 0 of the batch: ref '{existing['id']}' reads as a task id"),
+        ([item | {"ref": " 1 "}], "reads as a task id"),
+        ([item | {"ref": 5}], "ref must be a label"),
+        ([item | {"ref": "r" * 101}], "ref must be a label of up to 100 characters"),
+    ]
+    for batch, message in refusals:
+        with pytest.raises(store.ValidationError, match=message):
+            store.submit_batch(batch)
+    assert store.counts()["pending"] == 1 and [e["kind"] for e in store.events_since(0)] == ["submitted"]
+    with pytest.raises(store.ValidationError, match="is not valid"):
+        store.get_task("\uff11")   # a fullwidth digit 1 is not an id
+
+
 def test_idempotency_key_returns_original(tmp_path):
     first = submit(tmp_path, "once", idempotency_key="k-1")
     again = submit(tmp_path, "once", idempotency_key="k-1")
@@ -416,3 +439,19 @@ def test_an_answer_to_a_task_that_asked_nothing_points_at_a_note_and_when_it_arr
         store.answer_task(task["id"], "yes")
     assert "is running, not waiting" in str(refused.value)
     assert "add_task_note reaches a running task before its next model call" in str(refused.value)
+
+
+def test_a_follow_up_or_fork_of_a_task_done_without_a_branch_is_refused_at_submit(tmp_path):
+    """A task completed by hand has no branch: its follow-up was queued, then failed at every run
+    ("t_0006's branch (none) is not in ..."). One whose empty branch was deleted is built on."""
+    by_hand = submit(tmp_path, "by hand")
+    store.complete_attempt(by_hand["id"], store.claim_next("me", task_id=by_hand["id"])["run_marker"],
+                           result={"summary": "done by hand"})
+    for kind in ("continue_from", "fork_from"):
+        with pytest.raises(store.ValidationError, match=f"^{kind} {by_hand['id']}: that task has no branch"):
+            store.submit_task(title="next", instructions="i", **{kind: by_hand["id"]})
+    assert sum(store.counts().values()) == 1
+    unchanged = submit(tmp_path, "changed nothing")
+    store.complete_attempt(unchanged["id"], store.claim_next("w", task_id=unchanged["id"])["run_marker"],
+                           result={"summary": "looked", "branch_deleted": f"taskbridge/{unchanged['id']}"})
+    assert store.submit_task(title="next", instructions="i", continue_from=unchanged["id"])["status"] == "pending"

@@ -154,6 +154,7 @@ def test_apply_merges_a_finished_run_refuses_a_dirty_checkout_and_a_conflict_cha
         assert conflict.exit_code == 1, conflict.stdout
         assert "conflicts in hello.txt" in conflict.stderr and "the checkout is as it was" in conflict.stderr
         assert by_hand in " ".join(conflict.stderr.split()), conflict.stderr   # the same kind of apply, by hand
+        assert f"submit a follow-up (continue_from {task['id']})" in " ".join(conflict.stderr.split())  # not retry
         assert checkout_state(repo) == before
         assert not (repo / ".git" / "MERGE_HEAD").exists() and not (repo / ".git" / "CHERRY_PICK_HEAD").exists()
 
