@@ -228,6 +228,7 @@ def test_a_line_of_work_never_has_two_live_follow_ups_after_a_retry(tmp_path):
     # A follow-up failed with a dependency: when that is retried after the line went on, it stays failed.
     root = task_store.submit_task(title="r", instructions="x", working_dir=str(tmp_path))
     claimed = task_store.claim_next("w", task_id=root["id"])
+    task_store.renew_lease(root["id"], claimed["run_marker"], branch=f"taskbridge/{root['id']}")   # a worktree run
     task_store.complete_attempt(root["id"], claimed["run_marker"], result={"summary": "ok"})
     dep = task_store.submit_task(title="d", instructions="x", working_dir=str(tmp_path))
     waiting = task_store.submit_task(title="w", instructions="y", continue_from=root["id"], depends_on=[dep["id"]])
@@ -536,6 +537,7 @@ def test_clearing_with_the_logs_removes_the_opencode_sessions_no_remaining_task_
         Path(home, "data", "opencode").mkdir(parents=True, exist_ok=True)
         agent_box.remember_session(session, home)
         marker = task_store.claim_next("test-worker", task_id=task["id"])["run_marker"]
+        task_store.renew_lease(task["id"], marker, branch=f"taskbridge/{task['id']}")   # as a worktree run
         if failed:
             task_store.fail_attempt(task["id"], marker, "broke", retryable=False, session_id=session)
         else:
