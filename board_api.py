@@ -409,7 +409,10 @@ def _follow_arg(text: str) -> dict[str, int]:
     """``t_0001:1234,t_0002:0`` (task id and the log size the page has seen) as a dict; at most 16."""
     follow: dict[str, int] = {}
     for item in filter(None, text.split(",")):
-        task_id, _, size = item.partition(":")
+        task_id, colon, size = item.partition(":")
+        if not colon:
+            raise store.ValidationError(f"follow takes task id:log size pairs joined by commas (t_0001:1234,t_0002:0); "
+                                        f"got {store.shown_value(item, 40)}")
         follow[store.format_task_id(store.parse_task_id(task_id))] = store.coerce_int("follow size", size, 0, 2**63 - 1)
     if len(follow) > FOLLOW_MAX:
         raise store.ValidationError(f"follow names {len(follow)} task logs; at most {FOLLOW_MAX}")

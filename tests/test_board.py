@@ -230,6 +230,8 @@ def test_changes_follows_a_task_log_and_the_engine_log(client, tmp_path):
     assert followed["follow"] == {other["id"]: len("[worker] running\n")}
     too_many = ",".join(f"{n}:0" for n in range(1, 18))
     assert "at most 16" in client.get(f"/api/changes?follow={too_many}", headers=AUTH).json()["error"]
+    garbled = client.get("/api/changes?follow=garbage", headers=AUTH)   # said: follow size ... got ''
+    assert garbled.status_code == 400 and "task id:log size pairs" in garbled.json()["error"]
 
 
 def test_diff_files_counts_lines_per_file():
