@@ -3812,6 +3812,17 @@ def default_model() -> str | None:
     return get_setting("default_model")
 
 
+# The dependency rows whose dependent is not finished: the tasks they name stay (clear_finished).
+_HELD_DEPS = "FROM task_deps d JOIN tasks t ON t.id = d.task_id WHERE t.status NOT IN ('done','failed','cancelled')"
+
+
+def _finished_statuses(statuses: Iterable[str]) -> list[str]:
+    chosen = _statuses(list(statuses))
+    if any(s not in TERMINAL for s in chosen):
+        raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
+    return chosen
+
+
 def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL, *,
                    dry_run: bool = False, only_ids: Iterable[Any] | None = None) -> list[dict[str, Any]]:
     """Delete terminal tasks finished more than ``older_than_sec`` seconds ago (their notes,
@@ -3821,13 +3832,9 @@ def clear_finished(older_than_sec: float = 0, statuses: Iterable[str] = TERMINAL
     the worktree was removed).
     A task that a not-finished task still depends on is kept. ``dry_run``: only list what would
     go; ``only_ids``: remove no task outside these ids. Raises ValidationError."""
-    chosen = _statuses(list(statuses))
-    if any(s not in TERMINAL for s in chosen):
-        raise ValidationError(f"clear_finished removes only {', '.join(TERMINAL)} tasks")
+    chosen = _finished_statuses(statuses)
     nums = None if only_ids is None else [parse_task_id(i) for i in only_ids]
-    where = (f"status IN ({_marks(chosen)}) AND finished_at <= ?"
-             " AND id NOT IN (SELECT d.depends_on FROM task_deps d JOIN tasks t ON t.id = d.task_id"
-             " WHERE t.status NOT IN ('done','failed','cancelled'))")
+    where = f"status IN ({_marks(chosen)}) AND finished_at <= ? AND id NOT IN (SELECT d.depends_on {_HELD_DEPS})"
     if nums is not None:
         where += f" AND id IN ({_marks(nums)})"
     params = [*chosen, now() - older_than_sec, *(nums or [])]
@@ -3850,13 +3857,12 @@ def kept_for_dependents(older_than_sec: float = 0, statuses: Iterable[str] = TER
     """The finished tasks ``clear_finished`` keeps because a task not finished yet depends on
     them (a follow-up or fork waiting for its task counts): ``{id: [ids of those tasks]}``.
     Raises ValidationError as ``clear_finished``."""
-    chosen = _statuses(list(statuses))
+    chosen = _finished_statuses(statuses)
     with _reading() as conn:
         rows = conn.execute(
-            f"SELECT d.depends_on AS kept, d.task_id AS waiting FROM task_deps d JOIN tasks k ON k.id = d.depends_on"
-            f" JOIN tasks t ON t.id = d.task_id WHERE k.status IN ({_marks(chosen)}) AND k.finished_at <= ?"
-            " AND t.status NOT IN ('done','failed','cancelled') ORDER BY d.depends_on, d.task_id",
-            [*chosen, now() - older_than_sec]).fetchall()
+            f"SELECT d.depends_on AS kept, d.task_id AS waiting {_HELD_DEPS} AND d.depends_on IN"
+            f" (SELECT id FROM tasks WHERE status IN ({_marks(chosen)}) AND finished_at <= ?)"
+            " ORDER BY d.depends_on, d.task_id", [*chosen, now() - older_than_sec]).fetchall()
     kept: dict[str, list[str]] = {}
     for row in rows:
         kept.setdefault(format_task_id(row["kept"]), []).append(format_task_id(row["waiting"]))
