@@ -414,7 +414,7 @@ class PingResult(TypedDict):
 
 class BatchTask(TypedDict, total=False):
     """One item of submit_batch (the fields of submit_task, plus ref)."""
-    ref: Annotated[str, Field(description="a label (e.g. '@build') other items may name in depends_on")]
+    ref: Annotated[str, Field(description="a label (e.g. '@build'; up to 200 characters, not a task id) other items may name in depends_on")]
     title: Annotated[str, Field(description=f"short title, ≤{spec.TITLE_MAX} characters (required)")]
     instructions: Annotated[str, Field(description="what the agent must do (required)")]
     working_dir: Annotated[str, Field(description="absolute path of an existing directory (this or repo is required)")]

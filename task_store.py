@@ -1175,14 +1175,14 @@ def _or(value: Any, default: Any) -> Any:
 
 
 def _batch_ref(value: Any) -> str | None:
-    """A batch item's ``ref``: a label of up to 100 characters that cannot be read as a task id
+    """A batch item's ``ref``: a label of up to 200 characters that cannot be read as a task id
     (``depends_on`` names both, and an existing task would be hidden by it), or None. Raises
     ValidationError."""
     value = optional(value)
     if value is None:
         return None
-    if not isinstance(value, str) or len(value) > 100:
-        raise ValidationError("ref must be a label of up to 100 characters, e.g. '@build'; "
+    if not isinstance(value, str) or len(value) > 200:
+        raise ValidationError("ref must be a label of up to 200 characters, e.g. '@build'; "
                               f"got {shown_value(value, 60)}")
     if TASK_ID_RE.match(value):
         raise ValidationError(f"ref {value!r} reads as a task id, which depends_on also takes; give a label that "

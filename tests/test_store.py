@@ -118,7 +118,7 @@ def test_a_batch_refuses_a_key_twice_and_a_ref_that_reads_as_a_task_id(tmp_path)
          f"^task 0 of the batch: ref '{existing['id']}' reads as a task id"),
         ([item | {"ref": " 1 "}], "reads as a task id"),
         ([item | {"ref": 5}], "ref must be a label"),
-        ([item | {"ref": "r" * 101}], "ref must be a label of up to 100 characters"),
+        ([item | {"ref": "r" * 201}], "ref must be a label of up to 200 characters"),
     ]
     for batch, message in refusals:
         with pytest.raises(store.ValidationError, match=message):
