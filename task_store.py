@@ -3264,7 +3264,8 @@ def _json(value: Any) -> str | None:
 def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]:
     """Add a note to a task that has not finished; a running task's agent gets it in its running
     session at its next step (the worker's note courier), else it reaches the agent in its next
-    prompt (next attempt or resume). Returns ``{"task_id", "status", "delivery"}``.
+    prompt (next attempt or resume); a task claimed by hand (a ``cli:`` lease) keeps it for its
+    person. Returns ``{"task_id", "status", "delivery"}``.
     Raises TaskNotFound, ValidationError (empty, too long), InvalidTransition (task finished)."""
     num = parse_task_id(task_id)
     text = _text("note", text, NOTE_MAX)
@@ -3281,7 +3282,9 @@ def add_note(task_id: Any, text: str, author: str = "planner") -> dict[str, Any]
             (num, author, text, now()),
         )
         _event(conn, num, "note", f"{author}: {text[:400]}")
-    delivery = ("the running session at its next step (else the next attempt or resume)"
+    by_hand = row["status"] == "running" and str(row["lease_owner"] or "").startswith("cli:")
+    delivery = (f"{row['lease_owner'][4:]}, who claimed it by hand (no agent runs it; show lists the note)" if by_hand
+                else "the running session at its next step (else the next attempt or resume)"
                 if row["status"] == "running" else "the agent's next prompt")
     return {"task_id": format_task_id(num), "status": row["status"], "delivery": delivery}
 

@@ -576,6 +576,7 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
 
 RECEIPT_KEYS = ("summary", "files_touched", "files_reverted", "commands", "tests_run", "open_questions",
                 "tool_errors", "sandbox", "latency_sec")
+RECEIPT_LABELS = {"tests_run": "tests run (the agent's word)"}   # the rest from git or the event stream
 # Receipt keys `show` leaves out: shown once elsewhere on the page (branch, session, notes, the
 # model in the Task block, ...)
 # or the worker's own bookkeeping; the ones that mean trouble come back as warnings in words.
@@ -590,7 +591,7 @@ def receipt_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     """The receipt (``result``) a person reads: its fields, the attempt's tokens and cost, what
     went wrong in words, then any key the worker recorded that this view does not know."""
     result = task["result"] if isinstance(task["result"], dict) else {"result": task["result"]}
-    rows = [(key.replace("_", " "), result.get(key)) for key in RECEIPT_KEYS]
+    rows = [(RECEIPT_LABELS.get(key, key.replace("_", " ")), result.get(key)) for key in RECEIPT_KEYS]
     rows = [(k, f"{v} s") if k == "latency sec" and v is not None else (k, v) for k, v in rows]
     rows += [(key.replace("_", " "), value) for key, value in result.items()
              if key not in RECEIPT_KEYS and key not in RECEIPT_HIDDEN]
@@ -617,6 +618,23 @@ def receipt_warnings(task_id: str, result: dict[str, Any]) -> list[str]:
         said.append(f"opencode exited with code {result['exit_code']}")
     if result.get("replies_not_believed"):
         said.append(f"replies not believed: {flat(result['replies_not_believed'])}")
+    return said + claims_unseen(result)
+
+
+def claims_unseen(result: dict[str, Any]) -> list[str]:
+    """Where the agent's receipt block says more than the run showed: tests it says it ran that
+    no bash command of the run contains, files it says it touched that git does not list."""
+    ran = [c if isinstance(c, str) else str(c.get("command") or "") if isinstance(c, dict) else ""
+           for c in result.get("commands") or []]
+    tests = [t for t in result.get("tests_run") or [] if isinstance(t, str) and not any(t.strip() in c for c in ran)]
+    seen = set(result.get("files_touched") or [])
+    files = [f for f in result.get("files_claimed") or []
+             if isinstance(f, str) and f not in seen and not any(s.endswith("/" + f) for s in seen)]
+    said = []
+    if tests:
+        said.append(f"the agent says it ran {flat(tests)}, but no command of its run was that")
+    if files:
+        said.append(f"the agent says it touched {flat(files)}, which git did not see changed")
     return said
 
 
@@ -1417,8 +1435,7 @@ def branch(task_id: str, as_json: bool) -> None:
         note = worktrees.no_change_note(task)
         if note:
             raise CliError(note)
-        raise CliError(f"task {task_id} has no branch ({task['status']}; it ran in place or has not run "
-                       "yet); its changes, if any, are in its directory")
+        raise CliError(f"task {task_id} has no branch: {worktrees.no_branch_words(task)}")
     info = worktrees.branch_info(task)
     if as_json:
         return emit_json(info)

@@ -2936,6 +2936,13 @@ def preflight() -> str | None:
         return str(exc)
     if not shutil.which("git"):
         return f"git not found on PATH ({os.environ.get('PATH', '')}); install git or fix PATH"
+    return folders_problem()
+
+
+def folders_problem() -> str | None:
+    """None when the log and worktree folders can be written; else which cannot, and the knob
+    that moves it. Checked before the first claim and again before each claim of a pass: a
+    folder that went away or read-only mid-pass holds claims instead of failing every task."""
     for what, folder, knob in (("log folder", store.log_dir(), "TASK_LOG_DIR"),
                                ("worktree folder", worktrees.worktree_root(), "TASKBRIDGE_WORKTREE_ROOT")):
         try:
@@ -3118,6 +3125,7 @@ class Loop:
         self.started = self.trimmed = 0   # tasks started; and when the heap was last handed back
         self.last_reap = 0.0
         self.budget_said: str | None = None
+        self.folders_said: str | None = None   # why claims wait for a folder of ours, as last said
         self.announced = False
         self.status = 0
         self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0   # the outage back-off, failed turns in a row
@@ -3163,12 +3171,23 @@ class Loop:
         self.state.beat.write(self._state_word())
         self.mark = store.last_event_id()  # before the claim: a change after it wakes the wait below
         free = len(self.busy) < self.slots
-        task = _claim(self.owner, self.pid, self.pid_start) if free else None
+        held = self._folders_held() if free else False
+        task = _claim(self.owner, self.pid, self.pid_start) if free and not held else None
         if task is None and free:
             self.budget_said = _say_budget(self.budget_said, self._state_word())
         self.state.outage.answered(proved=free)   # a claim takes the write lock; reads alone prove nothing busy
         self.delay, self.failures = OUTAGE_BACKOFF_SEC[0], 0
         return task
+
+    def _folders_held(self) -> bool:
+        """Whether claims wait because a folder of ours cannot be written (``folders_problem``),
+        said once when it starts and once when it ends."""
+        problem = folders_problem()
+        if problem != self.folders_said:
+            log(f"claims wait: {problem}" if problem else "the log and worktree folders can be written again: "
+                "claims go on", talk.QUIET)
+            self.folders_said = problem
+        return problem is not None
 
     def _outage(self, exc: BaseException) -> bool:
         """The queue database failed a turn: True to turn again after a back-off (``--watch``, or
@@ -3321,9 +3340,18 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
                 f"{task['id']}: gave up writing to the queue database after WORKER_STALE_SEC ({knobs.stale_sec:g} s) "
                 f"of outage ({why}): the attempt is left to the reaper; its worktree and branch are kept", talk.QUIET)
             unwritten = True
-        elif (fault := os_faults.describe(exc)) is not None:   # the machine's fault, named once, no traceback
+        elif (fault := os_faults.describe(exc)) is not None and (ours := folders_problem()):
+            # TaskBridge's own folder, not the task: handed back whole, and claims wait for the fix
+            log(f"{task['id']}: {fault}; {ours}: the attempt is handed back (no retry spent)", talk.QUIET)
+            final = _finish(store.requeue_attempt, task, task["run_marker"], f"{fault.line}; {ours}; handed back",
+                            count_attempt=False)
+        elif fault is not None:   # the machine's fault, named once, no traceback
             log(f"{task['id']}: {fault}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], fault.line, retryable=fault.retry)
+        elif isinstance(exc, store.TaskNotFound):   # its row went: deleted, or the queue file replaced
+            log(f"{task['id']}: the task is no longer in the queue {store.database_label()} (its row was removed, or "
+                "the queue file was replaced or deleted): its run was ended; its worktree and branch are kept",
+                talk.QUIET)
         else:
             log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
             final = _finish(store.fail_attempt, task, task["run_marker"], f"worker internal error: {exc!r}")

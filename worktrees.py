@@ -92,8 +92,10 @@ _DROPPED_ENV = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", 
                 "GIT_CONFIG_COUNT", "GIT_PAGER", "GIT_EDITOR", "GIT_SEQUENCE_EDITOR", "SSH_ASKPASS",
                 "LANGUAGE", "LANG")
 COMMIT_ID = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")   # a SHA-1 or SHA-256 object name
-# Options that keep a diff in the one shape `git apply` takes whatever the configuration says.
-DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--src-prefix=a/", "--dst-prefix=b/")
+# Options that keep a diff in the one shape `git apply` takes whatever the configuration says; a
+# rename as the deletion and the addition it is (else the file list named only the new path, and
+# the diff's stat showed the rename as a file with no change).
+DIFF_FLAGS = ("--no-color", "--no-ext-diff", "--no-textconv", "--no-renames", "--src-prefix=a/", "--dst-prefix=b/")
 FALLBACK_IDENTITY = {"user.name": "TaskBridge", "user.email": "taskbridge@localhost"}
 
 _watch = threading.local()
@@ -1520,7 +1522,7 @@ def tree_now(top: str, head: str) -> tuple[str, list[str]]:
     Raises GitError / OSError."""
     with _index_of_now(top, head) as env:
         tree = git(["write-tree"], top, env=env)
-        names = git(["diff", "--cached", "--name-only", "--no-renames", *DIFF_FLAGS, head], top, env=env)
+        names = git(["diff", "--cached", "--name-only", *DIFF_FLAGS, head], top, env=env)
     return tree, [n for n in names.splitlines() if n]
 
 
@@ -2457,6 +2459,19 @@ def no_change_note(task: dict[str, Any]) -> str | None:
     return f"task {task['id']} made no change, nothing to apply ({where})"
 
 
+def no_branch_words(task: dict[str, Any]) -> str:
+    """Why a task has no branch (its receipt says whether a worker ran it in place): "it ran in
+    place ..., so its changes are already in its directory", "it was completed by hand ...", or
+    it has not run on one yet."""
+    result = given if isinstance(given := task.get("result"), dict) else {}
+    if result.get("isolation") == "in-place":
+        return ("it ran in place (worktree=false or not a git repository), so its changes are already in its "
+                "directory")
+    if task["status"] == "done":
+        return "it was completed by hand (no worker ran it on a branch), so nothing of it is on one"
+    return f"it is {task['status']} and has not run on one; its changes, if any, are in its directory"
+
+
 def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     """(checkout, branch, the commit to apply up to, checkout's branch) or ApplyRefused naming what
     is missing. The commit is the branch's tip, or the task's own commit when follow-ups have
@@ -2473,8 +2488,7 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     if not commit and nothing:
         raise ApplyRefused(nothing)
     if not branch:
-        raise ApplyRefused(f"task {ident} has no branch: it ran in place (worktree=false or not a git "
-                           "repository), so its changes are already in its directory")
+        raise ApplyRefused(f"task {ident} has no branch: {no_branch_words(task)}")
     if not commit:
         raise ApplyRefused(f"task {ident} committed nothing on {branch} (it changed no files): nothing to apply")
     wd = task["working_dir"]

@@ -256,6 +256,22 @@ def test_every_hint_names_a_command_that_runs_from_the_checkout(tmp_path):
             assert proc.returncode == 0, (where, command, proc.stderr)
 
 
+def test_show_says_where_the_agents_word_goes_beyond_what_the_run_showed(tmp_path):
+    """A fresh tester's agent claimed b.txt and `pytest -q`; show printed both as facts, though git
+    saw a.txt only and no command ran. Tests are the agent's word, and a claim unseen is said."""
+    task = submit(tmp_path, TITLE)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    receipt = {"summary": "Added b.txt and ran tests, all pass", "files_touched": ["a.txt"],
+               "files_claimed": ["b.txt", "a.txt"], "tests_run": ["pytest -q", "npm test"],
+               "commands": [{"command": "cd web && npm test", "status": "completed", "exit": 0}]}
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result=receipt)
+    shown = " ".join(run("show", task["id"]).stdout.split())
+    assert "tests run (the agent's word)" in shown
+    assert "the agent says it ran pytest -q, but no command of its run was that" in shown
+    assert "the agent says it touched b.txt, which git did not see changed" in shown
+    assert "npm test, but" not in shown and "a.txt, which" not in shown
+
+
 def test_show_leads_with_why_and_the_next_step_and_says_each_field_once(tmp_path):
     task = submit(tmp_path, TITLE, max_retries=0)
     assert f"or {tasks_cli.CLI} cancel t_0001" in run("show", "1").stdout
@@ -448,6 +464,10 @@ def test_note_reaches_the_task(tmp_path):
     assert task_store.get_task(1)["notes"][1]["text"] == long_note[:15_000]
     too_long = run("note", "1", "-", input=long_note)
     assert too_long.exit_code == 2 and "TEXT - (stdin) is longer than the limit" in too_long.stderr
+    # Claimed by hand: no session for it to reach (a fresh tester was told it would reach one).
+    task_store.claim_next("cli:alice", task_id=1)
+    by_hand = " ".join(run("note", "1", "done yet?").stdout.split())
+    assert "it reaches alice, who claimed it by hand" in by_hand and "session" not in by_hand
 
 
 def test_cancel_asks_first(tmp_path):

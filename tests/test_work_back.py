@@ -154,7 +154,8 @@ def test_apply_merges_a_finished_run_refuses_a_dirty_checkout_and_a_conflict_cha
         assert conflict.exit_code == 1, conflict.stdout
         assert "conflicts in hello.txt" in conflict.stderr and "the checkout is as it was" in conflict.stderr
         assert by_hand in " ".join(conflict.stderr.split()), conflict.stderr   # the same kind of apply, by hand
-        assert f"submit a follow-up (continue_from {task['id']})" in " ".join(conflict.stderr.split())  # not retry
+        said = " ".join(conflict.stderr.split())
+        assert f"submit a follow-up (--continue {task['id']})" in said and "retry" not in said   # a done task
         assert checkout_state(repo) == before
         assert not (repo / ".git" / "MERGE_HEAD").exists() and not (repo / ".git" / "CHERRY_PICK_HEAD").exists()
 
@@ -243,11 +244,17 @@ def test_apply_refusals_leave_the_checkout_alone(tmp_path):
     plain_dir.mkdir()
     in_place = task_store.submit_task(title="q", instructions="i", working_dir=str(plain_dir))
     claimed = task_store.claim_next("w", task_id=in_place["id"])
-    task_store.complete_attempt(in_place["id"], claimed["run_marker"], result={"summary": "ok"})
+    task_store.complete_attempt(in_place["id"], claimed["run_marker"],
+                                result={"summary": "ok", "isolation": "in-place"})   # as a worker's receipt says
+    by_hand = task_store.submit_task(title="h", instructions="i", working_dir=str(repo))
+    claimed = task_store.claim_next("cli:me", task_id=by_hand["id"])
+    task_store.complete_attempt(by_hand["id"], claimed["run_marker"], result={"summary": "did it myself"})
     before = checkout_state(repo)
     assert "is pending, not done" in cli("apply", pending["id"]).stderr
     assert "has no branch: it ran in place" in cli("apply", in_place["id"]).stderr
-    assert "has no branch" in cli("branch", in_place["id"]).stderr
+    assert "has no branch: it ran in place" in cli("branch", in_place["id"]).stderr
+    for command in ("apply", "branch"):   # not "it ran in place": no worker ran it at all
+        assert "has no branch: it was completed by hand" in cli(command, by_hand["id"]).stderr
     assert "has no diff" in cli("diff", pending["id"]).stderr
     git(repo, "checkout", "-q", "--detach")
     assert "detached HEAD" in cli("apply", done["id"]).stderr

@@ -74,6 +74,20 @@ def test_worktree_outside_checkout_on_task_branch(tmp_path):
     assert checkout_state(repo) == before
 
 
+def test_a_rename_is_seen_as_both_paths_whatever_gits_rename_config_says(tmp_path):
+    """A fresh tester's finding: files_touched named only README2.md of a `git mv README.md
+    README2.md`, and the diff's stat showed it as a file of +0 -0."""
+    repo = make_repo(tmp_path / "repo", {"README.md": "one\ntwo\n"})
+    git(repo, "config", "diff.renames", "copies")
+    ws = worktrees.prepare_workspace(claimed(tmp_path, repo), resume=False)
+    git(ws.top, "mv", "README.md", "README2.md")
+    files, diff = worktrees.observed_changes(ws)
+    assert files == ["README.md", "README2.md"]
+    stat = {f["path"]: (f["added"], f["removed"]) for f in worktrees.diff_stat(diff)["files"]}
+    assert stat == {"README.md": (0, 2), "README2.md": (2, 0)}
+    assert subprocess.run(["git", "apply", "--check", "-"], cwd=repo, input=diff, text=True).returncode == 0
+
+
 @pytest.mark.parametrize("leftover", ["registered-but-missing", "unregistered-folder", "stale-branch"])
 def test_worktree_leftovers_from_a_crash_are_recovered(tmp_path, leftover):
     repo = make_repo(tmp_path / "repo")
@@ -692,3 +706,63 @@ def test_a_permission_answer_is_the_whole_answer(tmp_path, answer, decision):
     else:
         task_store.answer_task(task["id"], answer)
         assert task_store.get_task(task["id"])["pending_ask"]["decision"] == decision
+
+
+def test_a_folder_of_ours_that_cannot_be_written_mid_pass_holds_claims_and_hands_the_attempt_back(
+        tmp_path, monkeypatch):
+    """A fresh tester made the log folder read-only under a --watch worker: every queued task
+    failed in 0.1 s at the log's probe, no retry spent, the queue drained. Now the attempt goes
+    back whole and claims wait until the folder can be written (said once each way). (Root writes
+    anywhere: the log folder is replaced by a file here, which nobody can write into.)"""
+    said: list[str] = []
+
+    class Heard(worker.Talk):
+        def say(self, message, level=worker.talk.NORMAL, style=""):
+            said.append(message)
+
+    worker.fresh_state(voice=Heard())
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"), max_retries=0)
+    waiting = submit(tmp_path / "repo", title="next")
+    logs = task_store.log_dir()
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.write_text("not a folder\n")
+
+    def probe_refused(task, knobs):
+        raise PermissionError(13, "Permission denied", str(logs / f"{task['id']}.probe-1"))
+
+    monkeypatch.setattr(worker, "run_task", probe_refused)
+    worker._run_guarded(task, worker.Knobs())
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and after["handbacks"] == 1, after["error"]
+    assert "the log folder" in after["error"] and "handed back" in after["error"]
+    with worker.ThreadPoolExecutor(max_workers=1) as pool:
+        loop = worker.Loop(True, None, worker.Knobs(), 1, pool)
+        assert loop._turn() is None and loop._turn() is None   # nothing claimed while it lasts
+        assert task_store.get_task(waiting["id"])["status"] == "pending"
+        logs.unlink()
+        claimed_now = loop._turn()
+        assert claimed_now is not None
+    waits = [line for line in said if line.startswith("claims wait: the log folder")]
+    assert len(waits) == 1 and any("claims go on" in line for line in said), said
+    assert not any("Traceback" in line for line in said)
+
+
+def test_a_task_whose_row_went_mid_run_ends_in_one_line_not_a_traceback(tmp_path, monkeypatch):
+    """The queue file moved away mid-run: the worker printed 'internal error: Traceback ...
+    TaskNotFound'."""
+    said: list[str] = []
+
+    class Heard(worker.Talk):
+        def say(self, message, level=worker.talk.NORMAL, style=""):
+            said.append(message)
+
+    worker.fresh_state(voice=Heard())
+    task = claimed(tmp_path, make_repo(tmp_path / "repo"))
+
+    def row_gone(task, knobs):
+        raise task_store.TaskNotFound(f"task {task['id']} not found; list_tasks shows the ids that exist")
+
+    monkeypatch.setattr(worker, "run_task", row_gone)
+    worker._run_guarded(task, worker.Knobs())
+    assert not any("Traceback" in line or "internal error" in line for line in said), said
+    assert any("is no longer in the queue" in line for line in said), said
