@@ -60,7 +60,7 @@ class Check:
 def run_checks(live: bool = False) -> list[Check]:
     """Every check in order; a check that breaks unexpectedly is a fail naming the error."""
     checks: list[Callable[[], Check]] = [check_python, check_knobs, check_box, check_opencode, check_engine,
-                                         lambda: check_model(live), check_database, check_worker,
+                                         lambda: check_model(live), check_database, check_folders, check_worker,
                                          check_leftover_worktrees, check_token, check_server, check_reverse_bridge]
     return [run_check(check) for check in checks]
 
@@ -229,6 +229,17 @@ def check_database() -> Check:
         return Check("database", "warn", detail, "WAL lets readers work during writes; unset TASK_DB_JOURNAL "
                      "on a local disk")
     return Check("database", "ok", detail)
+
+
+def check_folders() -> Check:
+    """The worker's log and worktree folders can be made and written: a worker that finds one
+    that cannot claims nothing (``worktrees.folders_problem``)."""
+    import worktrees
+    problem = worktrees.folders_problem()
+    if problem:
+        said, _, way_out = problem.partition("; ")
+        return Check("folders", "fail", said, way_out)
+    return Check("folders", "ok", f"task logs {store.log_dir()}, worktrees {worktrees.worktree_root()}: writable")
 
 
 def check_postgres() -> Check:

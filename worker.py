@@ -2936,22 +2936,7 @@ def preflight() -> str | None:
         return str(exc)
     if not shutil.which("git"):
         return f"git not found on PATH ({os.environ.get('PATH', '')}); install git or fix PATH"
-    return folders_problem()
-
-
-def folders_problem() -> str | None:
-    """None when the log and worktree folders can be written; else which cannot, and the knob
-    that moves it. Checked before the first claim and again before each claim of a pass: a
-    folder that went away or read-only mid-pass holds claims instead of failing every task."""
-    for what, folder, knob in (("log folder", store.log_dir(), "TASK_LOG_DIR"),
-                               ("worktree folder", worktrees.worktree_root(), "TASKBRIDGE_WORKTREE_ROOT")):
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # task data: this user's only
-        except OSError as exc:
-            return f"the {what} {folder} cannot be created ({exc.strerror}); point {knob} at a writable folder"
-        if not os.access(folder, os.W_OK):
-            return f"the {what} {folder} is not writable; point {knob} at a writable folder"
-    return None
+    return worktrees.folders_problem()
 
 
 def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) -> int:
@@ -3180,9 +3165,9 @@ class Loop:
         return task
 
     def _folders_held(self) -> bool:
-        """Whether claims wait because a folder of ours cannot be written (``folders_problem``),
+        """Whether claims wait because a folder of ours cannot be written (``worktrees.folders_problem``),
         said once when it starts and once when it ends."""
-        problem = folders_problem()
+        problem = worktrees.folders_problem()
         if problem != self.folders_said:
             log(f"claims wait: {problem}" if problem else "the log and worktree folders can be written again: "
                 "claims go on", talk.QUIET)
@@ -3340,7 +3325,7 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
                 f"{task['id']}: gave up writing to the queue database after WORKER_STALE_SEC ({knobs.stale_sec:g} s) "
                 f"of outage ({why}): the attempt is left to the reaper; its worktree and branch are kept", talk.QUIET)
             unwritten = True
-        elif (fault := os_faults.describe(exc)) is not None and (ours := folders_problem()):
+        elif (fault := os_faults.describe(exc)) is not None and (ours := worktrees.folders_problem()):
             # TaskBridge's own folder, not the task: handed back whole, and claims wait for the fix
             log(f"{task['id']}: {fault}; {ours}: the attempt is handed back (no retry spent)", talk.QUIET)
             final = _finish(store.requeue_attempt, task, task["run_marker"], f"{fault.line}; {ours}; handed back",

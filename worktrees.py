@@ -1481,6 +1481,22 @@ def _leftover(path: str, problems: list[str]) -> str | None:
             "or run clear --remove-worktrees again")
 
 
+def folders_problem() -> str | None:
+    """None when the worker's log and worktree folders can be made and written; else which
+    cannot, and the knob that moves it. The worker checks before its first claim and before each
+    claim of a pass (a folder that went away or read-only mid-pass holds claims instead of
+    failing every task); doctor's ``folders`` line says it."""
+    for what, folder, knob in (("log folder", store.log_dir(), "TASK_LOG_DIR"),
+                               ("worktree folder", worktree_root(), "TASKBRIDGE_WORKTREE_ROOT")):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)   # task data: this user's only
+        except OSError as exc:
+            return f"the {what} {folder} cannot be created ({exc.strerror}); point {knob} at a writable folder"
+        if not os.access(folder, os.W_OK):
+            return f"the {what} {folder} is not writable; point {knob} at a writable folder"
+    return None
+
+
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     """Files changed since the base commit (in place: since the tree the attempt began with,
     ``start_tree``) and the diff, untracked files included, computed with a throw-away index so

@@ -3,6 +3,7 @@ model, real SQLite files, the CLI run as a separate process."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -50,6 +51,7 @@ def test_doctor_on_a_healthy_set_up(opencode, tmp_path):
         "engine",
         "default model",
         "database",
+        "folders",
         "worker",
         "leftover worktrees",
         "token",
@@ -187,3 +189,18 @@ def test_a_bad_knob_a_check_reads_is_said_in_its_words_not_as_a_crash(monkeypatc
     assert found.name == "engine" and found.status == "fail"
     assert found.detail.startswith("WORKER_ENGINE='2' is not 0 or 1")
     assert "KnobError" not in found.detail and "the check itself failed" not in found.detail
+
+
+def test_doctor_names_a_log_or_worktree_folder_the_worker_cannot_write(tmp_path, monkeypatch):
+    """A fresh tester's finding: doctor said all was well while the worker refused to claim. (Root
+    writes anywhere: a file stands where the folder should be.)"""
+    import doctor as doctor_mod
+    assert doctor_mod.check_folders().status == "ok"
+    for knob in ("TASK_LOG_DIR", "TASKBRIDGE_WORKTREE_ROOT"):
+        was = os.environ[knob]   # the test's own folders (conftest)
+        blocked = tmp_path / f"{knob}-file"
+        blocked.write_text("not a folder\n")
+        monkeypatch.setenv(knob, str(blocked))
+        check = doctor_mod.check_folders()
+        assert check.status == "fail" and str(blocked) in check.detail and knob in check.fix, check
+        monkeypatch.setenv(knob, was)
