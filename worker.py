@@ -2375,6 +2375,10 @@ def _boxed(task: dict, ws: Workspace, box: agent_box.Support, run_dir: Path, arg
 def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunSetup,
               session_note: str, repo_config: dict[str, Any], phases: Phases) -> dict[str, Any] | None:
     marker = task["run_marker"]
+    if run.killed:   # the log ends where the run was cut: it says why, as the reaper's line does
+        with contextlib.suppress(Exception):
+            ended = f"\n[worker] the run was ended: {redaction.redact(run.killed)}\n"
+            store.append_task_log(task["id"], ended.encode())
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
         _cleanup_superseded(task, ws)

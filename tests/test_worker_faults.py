@@ -181,6 +181,8 @@ def test_background_process_killed_after_timeout(opencode, tmp_path, monkeypatch
     final = task_store.get_task(task["id"])
     assert final["status"] == "failed" and "timed out after 8 s" in final["error"]
     assert "SIGKILL" in final["error"]
+    # its log says how it ended (it stopped at the last event, where a reaped one got a line)
+    assert "[worker] the run was ended: timed out after 8 s" in task_store.read_task_log(task["id"]).decode()
     assert tagged() == []
     assert alive_with_cmdline(argv) == []
 
