@@ -527,7 +527,9 @@ def test_a_retry_racing_a_new_follow_up_of_the_same_task_leaves_one_live(pg, tmp
 
     import psycopg
     parent = store.submit_task(title="p", instructions="i", working_dir=str(tmp_path))
-    store.complete_attempt(parent["id"], store.claim_next("w", task_id=parent["id"])["run_marker"])
+    marker = store.claim_next("w", task_id=parent["id"])["run_marker"]
+    store.renew_lease(parent["id"], marker, branch=f"taskbridge/{parent['id']}")   # as a worktree run
+    store.complete_attempt(parent["id"], marker)
     first = store.submit_task(title="f1", instructions="i", working_dir=str(tmp_path), continue_from=parent["id"],
                               max_retries=0)
     store.fail_attempt(first["id"], store.claim_next("w", task_id=first["id"])["run_marker"], "broke")
