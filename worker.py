@@ -2859,7 +2859,7 @@ def reap(knobs: Knobs) -> int:
     return reaped
 
 
-REAPED_PREFIX = "lease of attempt "   # how a reaped attempt's error begins (see _reaped_attempt)
+REAPED_PREFIX = talk.REAPED_PREFIX   # how a reaped attempt's error begins (see _reaped_attempt)
 
 
 def _reaped_attempt(task: dict[str, Any]) -> str | None:
@@ -3348,7 +3348,20 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
         current().beat.running(task, False)
         # a stop not yet said is said while it still names this task
         current().talk.signals(flags.stopping, flags.stop_now)
-        current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now, unwritten=unwritten)
+        now = _row_now(task["id"]) if final is None and not unwritten else None
+        current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now, unwritten=unwritten,
+                             now=now)
+
+
+def _row_now(task_id: str) -> dict[str, Any] | None:
+    """The task's row as it stands (for the end line of an attempt ended from outside): ``{"status":
+    "gone"}`` when it was removed, None when the queue cannot be read now."""
+    try:
+        return store.get_task(task_id)
+    except store.TaskNotFound:
+        return {"status": "gone"}
+    except Exception:  # noqa: BLE001 - an end line never fails the worker
+        return None
 
 
 def refuse(message: str) -> None:

@@ -124,12 +124,13 @@ class Talk:
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     def ended(self, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-              handed_back: bool = False, unwritten: bool = False) -> None:
-        """The task's end line: status, duration, cost, branch (or why it failed or waits)."""
+              handed_back: bool = False, unwritten: bool = False, now: dict[str, Any] | None = None) -> None:
+        """The task's end line: status, duration, cost, branch (or why it failed or waits; ``now``:
+        see ``ended_line``)."""
         with self.lock:
             self.running.pop(task["id"], None)
         self._refresh()
-        message, style = ended_line(task, final, seconds, handed_back, unwritten)
+        message, style = ended_line(task, final, seconds, handed_back, unwritten, now)
         self.say(message, level=QUIET if style == "red" else NORMAL, style=style)
 
     def signals(self, stopping: bool, stop_now: bool) -> None:
@@ -204,17 +205,21 @@ def tool_text(event: dict[str, Any]) -> str:
 
 
 def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-               handed_back: bool = False, unwritten: bool = False) -> tuple[str, str]:
+               handed_back: bool = False, unwritten: bool = False,
+               now: dict[str, Any] | None = None) -> tuple[str, str]:
     """The end-of-task line and its style, from the task as claimed and as it ended
     (``handed_back``: the worker was told to stop at once and requeued it; ``unwritten``: the
-    attempt's end could not be written to the queue, so ``final`` is None and the reaper decides)."""
+    attempt's end could not be written to the queue, so ``final`` is None and the reaper decides;
+    ``now``: when ``final`` is None because the attempt was ended from outside, the task's row as
+    it stands after it (``{"status": "gone"}``: its row was removed; None: not read), which says
+    what ended it: see ``ended_from_outside``)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
     if final is None and unwritten:
         return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
                "for the reaper (the next pass hands it back)", "yellow"
     if final is None:
-        return f"{ident} attempt ended after {took}: cancelled or taken over elsewhere", "yellow"
+        return f"{ident} attempt ended after {took}: {ended_from_outside(task, now)}", "yellow"
     usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}
     cost = f", ${usage.get('cost_usd', 0):.4f}" if usage else ""
     status = final["status"]
@@ -249,6 +254,32 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     if status == "cancelled":
         return f"{ident} cancelled after {took}", "yellow"
     return f"{ident} {status} after {took}{cost}: {plain(final.get('error'), 300)}", "red"
+
+
+REAPED_PREFIX = "lease of attempt "   # how the error of an attempt the reaper ended begins (worker.reap)
+
+
+def ended_from_outside(task: dict[str, Any], now: dict[str, Any] | None) -> str:
+    """What ended the claimed attempt ``task`` from outside the worker (its writes fenced off), in
+    words, from the task's row ``now`` (see ``ended_line``): a cancel (with its reason), another
+    attempt that took the task over after its lease was judged dead, the reaper's hand-back, a
+    person finishing it by hand, its row removed; or that the queue could not say."""
+    if now is None:
+        return "it was ended from outside the worker (the queue could not be read to say how: " \
+               f"`tasks_cli.py show {task['id']}` tells)"
+    if now.get("status") == "gone":
+        return "the task is no longer in the queue (its row was removed, or the queue file replaced)"
+    if now.get("run_marker") != task["run_marker"]:
+        return (f"taken over by attempt {now.get('run_marker')} (this attempt's lease was judged dead and the task "
+                f"claimed again; it is {now['status']} now)")
+    if now["status"] == "cancelled":
+        reason = plain(now.get("error"), 200)
+        return "the task was cancelled" + (f" ({reason})" if reason and reason != "cancelled" else "") + \
+            "; its run was ended"
+    if now["status"] in ("pending", "failed") and (now.get("error") or "").startswith(REAPED_PREFIX):
+        then = "handed it back to the queue" if now["status"] == "pending" else "failed it, its retries spent"
+        return f"its lease was judged dead and the reaper {then}"
+    return f"it was ended from outside the worker: the task is {now['status']} now"
 
 
 _log_lock = threading.Lock()

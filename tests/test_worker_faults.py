@@ -211,10 +211,14 @@ def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkey
     psutil.wait_procs([agent], timeout=5)
     assert not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE
     assert time.monotonic() - cancelled_at < 5
-    proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=30)
     final = task_store.get_task(task["id"])
     assert final["status"] == "cancelled"
     assert tagged() == []
+    # the worker says it was a cancel (it said "cancelled or taken over elsewhere")
+    said = " ".join((out + err).split())
+    assert f"{task['id']} attempt ended after" in said and "the task was cancelled; its run was ended" in said, said
+    assert "taken over" not in said, said
 
 
 def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):

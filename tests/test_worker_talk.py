@@ -205,3 +205,30 @@ def test_a_one_pass_run_by_hand_that_finds_nothing_to_claim_says_so():
     assert f"one pass over {task_store.db_path()}: nothing to claim, no task is pending" in said.decode(), said
     piped = subprocess.run([sys.executable, str(ROOT / "worker.py")], capture_output=True, text=True, timeout=60)
     assert piped.returncode == 0 and piped.stdout == piped.stderr == "", piped
+
+
+def test_an_attempt_ended_from_outside_says_what_ended_it(tmp_path):
+    """A fresh user's finding: a plain `tasks_cli.py cancel` of a running task was reported as
+    "cancelled or taken over elsewhere". The task's row says which it was, and the end line says
+    that one: a cancel (with its reason), the reaper's hand-back, another attempt that took the
+    task over, a row removed."""
+    repo = make_repo(tmp_path / "repo")
+    one = task_store.submit_task(title="one", instructions="i", working_dir=str(repo))
+    claimed = task_store.claim_next("worker:test")
+    task_store.cancel_task(one["id"], "by the test")
+    said, _ = worker_talk.ended_line(claimed, None, 2.0, now=task_store.get_task(one["id"]))
+    assert said.startswith(f"{one['id']} attempt ended after 2.0 s: the task was cancelled (by the test)"), said
+    assert "taken over" not in said, said
+
+    two = task_store.submit_task(title="two", instructions="i", working_dir=str(repo))
+    first = task_store.claim_next("worker:test")
+    task_store.requeue_attempt(two["id"], first["run_marker"],
+                               f"{worker_talk.REAPED_PREFIX}{first['run_marker']} ended: its worker is gone")
+    said, _ = worker_talk.ended_line(first, None, 2.0, now=task_store.get_task(two["id"]))
+    assert "the reaper handed it back to the queue" in said and "cancelled" not in said, said
+    second = task_store.claim_next("worker:test", task_id=two["id"])
+    assert second is not None and second["run_marker"] != first["run_marker"]
+    said, _ = worker_talk.ended_line(first, None, 2.0, now=task_store.get_task(two["id"]))
+    assert f"taken over by attempt {second['run_marker']}" in said and "cancelled" not in said, said
+    said, _ = worker_talk.ended_line(first, None, 2.0, now={"status": "gone"})
+    assert "no longer in the queue" in said and "cancelled" not in said, said
