@@ -1514,10 +1514,31 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
         out().print(Text(visible(f"Its {held[4:]}.", multiline=False), style="yellow"), soft_wrap=True)
 
 
+def agent_started(task: dict[str, Any]) -> bool:
+    """Whether a worker started the task's agent in some attempt (so a log was written): its pid
+    recorded (this attempt), an OpenCode session, or a receipt of a run (an earlier attempt)."""
+    result = task.get("result")
+    return bool(task.get("agent_pid") or task.get("session_id")
+                or (isinstance(result, dict) and result.get("latency_sec") is not None))
+
+
 def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
-    """Tell the person why a task has no log; True when following it still makes sense."""
+    """Tell the person why a task has no log; True when following it still makes sense. A task
+    whose agent a worker started (`agent_started`) had a log at ``where``: it is missing now."""
     ident, status = task["id"], task["status"]
     owner = task.get("lease_owner") or ""
+    if task["attempts"] and agent_started(task) and not owner.startswith("cli:"):
+        then = "; a later attempt writes a new log there" if status not in task_store.TERMINAL else ""
+        err().print(f"{ident}'s log is missing: it was expected at {where}, and a worker did run the task "
+                    f"({task['attempts']} attempt(s); it is {status}), so the log was deleted or moved after it was "
+                    f"written{then}. What the run did is still in its receipt: `{cli_command()} show {ident}`.",
+                    soft_wrap=True)
+        return status not in task_store.TERMINAL
+    if task["attempts"] and not owner.startswith("cli:"):
+        err().print(f"{ident} has no log: a worker claimed it ({task['attempts']} attempt(s); it is {status}) but "
+                    "no attempt got as far as starting its agent, so nothing was written to "
+                    f"{where}; `{cli_command()} show {ident}` says why.", soft_wrap=True)
+        return status not in task_store.TERMINAL
     if status in task_store.TERMINAL:
         err().print(f"{ident} has no log: it is {status} and no worker ever ran it (finished by hand or before a run).",
                     soft_wrap=True)

@@ -453,3 +453,43 @@ def test_a_new_queue_in_place_of_a_moved_one_never_shows_the_old_tasks_logs(tmp_
     (aside,) = task_store.log_dir().glob("earlier-*/")
     assert (aside / f"{old['id']}.log").read_bytes() == b"the old queue's run\n"
     assert oct(aside.stat().st_mode & 0o777) == "0o700"
+
+
+def test_logs_of_a_task_whose_log_folder_went_mid_run_say_the_log_is_missing(opencode, tmp_path):
+    """A fresh user's finding: the log folder deleted while the task ran, `logs` said "no worker
+    ever ran it". It says the log is missing, where it was expected, and that a worker ran the
+    task; a task claimed whose run never started (its folder gone) is told apart from both."""
+    import shutil
+
+    from fake_openai import text, tool_call
+    from helpers import make_repo, run_script, until
+
+    repo = make_repo(tmp_path / "repo")
+    done = '```json\n{"summary": "ok", "files_touched": [], "tests_run": [], "open_questions": []}\n```'
+    opencode.model.script("slow", [tool_call("bash", {"command": "sleep 2", "description": "wait"}),
+                                   text("Done.\n" + done)])
+    task = submit(repo, script="slow")
+    worker_pass = subprocess.Popen([sys.executable, str(Path(tasks_cli.__file__).parent / "worker.py")],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    until(lambda: b"sleep 2" in task_store.read_task_log(task["id"]), what="the run's first tool call in its log")
+    shutil.rmtree(task_store.log_dir(), ignore_errors=True)   # the worker's run folders in it may go meanwhile
+    assert not task_store.log_path(task["id"]).exists()
+    worker_pass.communicate(timeout=120)
+    assert task_store.get_task(task["id"])["status"] == "done"
+    said = CliRunner().invoke(tasks_cli.cli, ["logs", task["id"]])
+    where = str(task_store.log_path(task["id"]))
+    assert said.exit_code == 0 and "Traceback" not in said.output, said.output
+    words = " ".join(said.stderr.split())
+    assert "no worker ever ran it" not in words, words
+    assert f"{task['id']}'s log is missing: it was expected at {where}" in words, words
+    assert "a worker did run the task (1 attempt(s); it is done)" in words and f"show {task['id']}" in words, words
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    never = submit(gone, script="slow", max_retries=0)
+    gone.rmdir()
+    assert run_script("worker.py").returncode == 0
+    assert task_store.get_task(never["id"])["status"] == "failed"
+    words = " ".join(CliRunner().invoke(tasks_cli.cli, ["logs", never["id"]]).stderr.split())
+    assert "no worker ever ran it" not in words and "is missing" not in words, words
+    assert "a worker claimed it (1 attempt(s); it is failed) but no attempt got as far as starting its agent" in words
