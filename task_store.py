@@ -3191,6 +3191,29 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         return task_dict(_row(conn, num)) | {"kept": kept}
 
 
+def record_branch_dropped(task_id: Any, marker: str, branch: str) -> bool:
+    """Record that the empty branch ``branch`` of a task whose attempt ``marker`` ended it
+    cancelled or failed was deleted (it changed nothing; see worktrees.drop_empty_branch): the
+    task's ``branch`` goes and its receipt (``result``, made when it has none) says
+    ``branch_deleted``, as a done task's does, so a follow-up, a fork or a retry starts from its
+    base commit. Fenced: only while the task still ended by that attempt holds that branch.
+    Returns whether it was recorded. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["run_marker"] != marker or row["status"] not in ("cancelled", "failed") or row["branch"] != branch:
+            return False
+        try:
+            result = json.loads(row["result"] or "{}")
+        except ValueError:
+            result = {}
+        result = (result if isinstance(result, dict) else {}) | {"branch": None, "branch_deleted": branch}
+        conn.execute("UPDATE tasks SET branch = NULL, result = ? WHERE id = ? AND run_marker = ? AND branch = ?",
+                     (_json(result), num, marker, branch))
+        _event(conn, num, "branch", f"its empty branch {branch} was deleted: attempt {marker} committed nothing")
+    return True
+
+
 def _kept_work(row: Row) -> str | None:
     """Where a cancelled task's work stays: its branch (and a waiting task's worktree)."""
     if not row["branch"]:

@@ -1851,7 +1851,9 @@ def _run_setup(task: dict[str, Any], ws: Workspace, phases: Phases,
             if not task["worktree_keep"]:
                 worktrees.remove_worktree(ws)
             log(f"{task['id']} cannot run: {exc}", talk.VERBOSE)
-            return None, _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
+            final = _finish(store.fail_unrunnable, task, task["run_marker"], str(exc))
+            _drop_branch_of_ended(task, ws, final)
+            return None, final
         checkout_before = worktrees.checkout_state(ws.repo) if ws.mode == "worktree" and not ws.remote else {}
     except worktrees.GitStopped as exc:
         return None, _stopped_early(task, phases, f"preparing the workspace: {exc}", ws)
@@ -2422,7 +2424,9 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
                        session_id=run.stream.session_id, result=receipt, usage=usage)
     if reason is None:
         return _commit_and_finish(task, ws, run, receipt, diff, phases)
-    return _failed(task, run, model, reason, receipt, diff, usage)
+    final = _failed(task, run, model, reason, receipt, diff, usage)
+    _drop_branch_of_ended(task, ws, final)
+    return final
 
 
 UNCOMMITTED_SHOWN = 200   # paths of the person's uncommitted work a receipt names (in place)
@@ -2656,6 +2660,26 @@ def _drop_empty_branch(task: dict, ws: Workspace, receipt: Receipt) -> bool:
     return True
 
 
+def _drop_branch_of_ended(task: dict, ws: Workspace, final: dict[str, Any] | None) -> None:
+    """An attempt that ended the task cancelled or failed (``final``: the task's row then) with its
+    worktree gone: the branch made for it is deleted when it holds no commit, as a done task's
+    (worktrees.drop_empty_branch: never a branch with work on it, a parent's, one checked out or
+    a remote task's), and the task's row and receipt say so (store.record_branch_dropped)."""
+    if not final or final["status"] not in ("cancelled", "failed") or final.get("run_marker") != task["run_marker"] \
+            or task["worktree_keep"] or ws.mode != "worktree" or final.get("branch") != ws.branch:
+        return
+    try:
+        with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
+            if not worktrees.drop_empty_branch(ws):
+                return
+    except worktrees.GitError as exc:
+        log(f"{task['id']}: its empty branch {ws.branch} is kept: {exc}")
+        return
+    if db(store.record_branch_dropped, task["id"], task["run_marker"], ws.branch):
+        log(f"{task['id']} ended {final['status']} having committed nothing: its empty branch {ws.branch} was "
+            "deleted", talk.VERBOSE)
+
+
 def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
                         step: str, exc: BaseException, phases: Phases) -> dict[str, Any] | None:
     """The agent finished but recording its work did not: the receipt is stored, the step and
@@ -2781,7 +2805,8 @@ def _ended_as_written(task_id: str, marker: str) -> dict[str, Any] | None:
 
 
 def _cleanup_superseded(task: dict, ws: Workspace) -> None:
-    """A cancelled waiting/running task keeps its branch; its worktree goes unless kept."""
+    """A cancelled waiting/running task keeps its branch when it holds work (an empty one is
+    deleted: _drop_branch_of_ended); its worktree goes unless kept."""
     try:
         current = db(store.get_task, task["id"])
     except store.TaskNotFound:
@@ -2791,6 +2816,7 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
             left = worktrees.remove_worktree(ws)
         if left:
             log(left)
+        _drop_branch_of_ended(task, ws, current)
 
 
 def build_receipt(task: dict, ws: Workspace, run: RunResult, model: str, block: dict,

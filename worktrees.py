@@ -2483,6 +2483,9 @@ def no_branch_words(task: dict[str, Any]) -> str:
     if result.get("isolation") == "in-place":
         return ("it ran in place (worktree=false or not a git repository), so its changes are already in its "
                 "directory")
+    if result.get("branch_deleted"):
+        return (f"it is {task['status']} and its attempt committed nothing, so its empty branch "
+                f"{result['branch_deleted']} was deleted; nothing of it is on a branch")
     if task["status"] == "done":
         return "it was completed by hand (no worker ran it on a branch), so nothing of it is on one"
     return f"it is {task['status']} and has not run on one; its changes, if any, are in its directory"

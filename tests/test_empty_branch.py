@@ -123,3 +123,54 @@ def test_follow_up_and_fork_of_a_no_change_task_start_from_its_base(opencode, tm
         assert task["result"]["line"]["files"] == ["lib.py"]
     assert sorted(_task_branches(repo)) == sorted([two["branch"], three["branch"]])
     assert str(tmp_path / "worktrees") not in git(repo, "worktree", "list")
+
+
+def test_a_cancelled_or_failed_task_that_committed_nothing_leaves_no_branch(opencode, tmp_path, monkeypatch):
+    """A fresh user's finding: a cancelled task left its empty branch in the repository. A task
+    cancelled while it runs, or failed for good, that committed nothing loses its branch as a done
+    task that changed nothing does (the row and receipt say branch_deleted); a cancelled follow-up
+    leaves its parent's branch, which holds work, as it was."""
+    import subprocess
+    import sys
+
+    from fake_openai import hang
+    from helpers import ROOT, until
+
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("work", [*_write("lib.py"), hang()])
+    opencode.model.script("hangs", [hang()])
+    parent = task_store.submit_task(title="work", instructions="SCRIPT:work", working_dir=str(repo))
+    assert run_script("worker.py").returncode == 0
+    parent = task_store.get_task(parent["id"])
+    assert parent["status"] == "done" and parent["result"]["commit"], parent["error"]
+
+    follow = task_store.submit_task(title="more", instructions="More.", continue_from=parent["id"])
+    cancelled = task_store.submit_task(title="c", instructions="SCRIPT:hangs", working_dir=str(repo))
+    failed = task_store.submit_task(title="f", instructions="SCRIPT:hangs", working_dir=str(repo), timeout_sec=5,
+                                    max_retries=0)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for task in (follow, cancelled):
+        until(lambda t=task: (row := task_store.get_task(t["id"]))["status"] == "running" and row["agent_pid"],
+              timeout=90, what=f"{task['id']}'s agent")
+        task_store.cancel_task(task["id"])
+    said = " ".join(proc.communicate(timeout=120)[0].split())
+    follow, cancelled, failed = (task_store.get_task(t["id"]) for t in (follow, cancelled, failed))
+    assert [follow["status"], cancelled["status"], failed["status"]] == ["cancelled", "cancelled", "failed"], said
+
+    for task in (cancelled, failed):
+        assert task["branch"] is None, task
+        assert task["result"]["branch_deleted"] == f"taskbridge/{task['id']}" and task["result"]["branch"] is None
+        assert any(e["kind"] == "branch" and "was deleted" in e["message"] for e in task["events"]), task["events"]
+    assert "timed out" in failed["error"]
+    assert f"the task was cancelled; its run was ended; it committed nothing: its empty branch " \
+           f"taskbridge/{cancelled['id']} was deleted" in said, said
+    # the parent's branch, with its commit, stays under its cancelled follow-up
+    assert follow["branch"] == parent["branch"] and "branch_deleted" not in (follow["result"] or {})
+    assert _task_branches(repo) == [parent["branch"]]
+    assert git(repo, "rev-parse", parent["branch"]) == parent["result"]["commit"]
+    assert str(tmp_path / "worktrees") not in git(repo, "worktree", "list")
+    for task in (cancelled, failed):
+        refused = cli("branch", task["id"])
+        assert refused.exit_code == 1 and "committed nothing, so its empty branch" in " ".join(refused.stderr.split())
