@@ -724,6 +724,15 @@ def _existing(paths: Iterable[str | None], resolve: bool = True) -> list[str]:
     return seen
 
 
+def _place_words(ws: worktrees.Workspace | None) -> str:
+    """The folder a run may write, in words: "the worktree", or an in-place run's own folder (the
+    checkout's top in a repository, as ``plan_for`` binds it), which is the person's files."""
+    if ws is None or ws.mode != "in-place":
+        return "the worktree"
+    return f"your checkout {ws.top} (in place: your own files, not a copy)" if ws.top else \
+        f"its folder {ws.cwd} (in place: your own files, not a copy)"
+
+
 def data_paths() -> list[str]:
     """`own_places` that exist, resolved: what every box hides. TaskBridge's own folders not made
     yet are made first (0700; as far as they can be): a folder made while a run is going (the
@@ -1126,21 +1135,26 @@ def _sh(text: str) -> str:
 # Labels.
 
 
-def labels(permission: str, box: Support) -> dict[str, str]:
+def labels(permission: str, box: Support, ws: worktrees.Workspace | None = None) -> dict[str, str]:
     """Per rule, what enforced it for a run with ``box`` (the receipt's ``sandbox`` entries and the
-    prompt's working rules): the mechanism by name, or ``prompt-level`` where nothing did."""
-    mech = box.mechanism
+    prompt's working rules): the mechanism by name, or ``prompt-level`` where nothing did. ``ws``:
+    the run's workspace, for the words of an in-place run (the folder it writes is the person's
+    own, and no worktree or checkout is checked after it); None: a worktree run."""
+    mech, place = box.mechanism, _place_words(ws)
+    in_place = ws is not None and ws.mode == "in-place"
     if mech is None:
         out = {"box": box.label,
                "environment": "not contained: the agent runs with the worker's environment (no box)",
-               "files": "not contained: no box; writes outside the worktree are only checked after the run"}
+               "files": f"not contained: no box; the agent may write anywhere your user can (only changes in {place} "
+                        "are seen, in files_touched)" if in_place else
+                        "not contained: no box; writes outside the worktree are only checked after the run"}
     else:
+        repo = " and the repository's config, hooks and info/" if ws is None or ws.top else ""
         out = {"box": box.label,
                "environment": f"enforced by {mech}: an allowlisted environment (none of TaskBridge's secrets)"
                               + (" and a PID namespace of its own" if mech == "bubblewrap" else ""),
-               "files": f"enforced by {mech}: writes only in the worktree, a private /tmp and OpenCode's own "
-                        "folders; TaskBridge's data folders hidden; control files and the repository's "
-                        "config, hooks and info/ read-only"}
+               "files": f"enforced by {mech}: writes only in {place}, a private /tmp and OpenCode's own "
+                        f"folders; TaskBridge's data folders hidden; control files{repo} read-only"}
         if mech == "bubblewrap":
             import box_shell
             out["processes"] = ("enforced by Landlock: the bash tool's commands cannot trace OpenCode, read its "
@@ -1150,13 +1164,15 @@ def labels(permission: str, box: Support) -> dict[str, str]:
                                 "into OpenCode's output (its event stream) or trace its process")
     if permission == "readonly":
         if mech:
-            out["file writes"] = (f"enforced by {mech}: the worktree is read-only; edit/write tools also denied "
+            out["file writes"] = (f"enforced by {mech}: {place} is read-only; edit/write tools also denied "
                                   "by OpenCode's permission config (pinned)")
-            out["shell writes"] = (f"enforced by {mech}: the worktree and all outside the box's own folders are "
+            out["shell writes"] = (f"enforced by {mech}: {place} and all outside the box's own folders are "
                                    "read-only; anything changed anyway is reverted after the run")
         else:
             out["file writes"] = "enforced by OpenCode's permission config (edit/write tools denied, pinned)"
-            out["shell writes"] = ("prompt-level (no box): inside the worktree reverted after the run; elsewhere: "
+            out["shell writes"] = (f"prompt-level (no box): inside {place} reverted after the run (from a copy "
+                                   "taken before it); elsewhere: not prevented and not checked" if in_place else
+                                   "prompt-level (no box): inside the worktree reverted after the run; elsewhere: "
                                    "not prevented (your checkout is checked and changes reported)")
     if permission == "no-shell":
         out["shell"] = ("enforced by OpenCode's permission config (bash denied for every agent, pinned)"

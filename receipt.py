@@ -19,6 +19,7 @@ could be built) carry only the fields they set.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,9 @@ class Receipt:
     summary: str = always()             # block: the agent's summary (or its question), clipped at SUMMARY_MAX chars
     block_found: bool = always()        # block: whether the final message ended with a fenced JSON/question block
     files_touched: list[str] = always()   # git: paths changed in the worktree (untracked included); in place
-    #                                       without git, stream: the write/edit tools' completed paths
+    #                                       without git: what differs in the folder after the run (relative to
+    #                                       it), or for a folder too large to list, stream: the write/edit tools'
+    #                                       completed paths, relative to it
     files_claimed: list[str] = always()   # block: files_touched as the agent claims it (clipped items)
     files_reverted: list[str] = always()  # worker: readonly runs, the paths whose writes were reverted
     commands: list[dict[str, Any]] = always()   # stream: the bash tool's commands, as EventStream.commands
@@ -124,7 +127,8 @@ class Receipt:
     limit: dict[str, Any] = sometimes()   # stream/log: a provider usage-limit pause {provider, said,
     #                                       reset_at (ISO), seen_in ("retry", "log", "error")}
     commit: str | None = sometimes()    # git: the commit made on the task branch (None: nothing changed)
-    no_change: bool = sometimes()       # git: a worktree run that changed nothing
+    no_change: bool = sometimes()       # git: a run that changed nothing (a worktree's: nothing committed; in
+    #                                     place: git, or outside git the folder's listing, saw no file change)
     line: dict[str, Any] = sometimes()  # git: a follow-up's or fork's whole line of work {continues,
     #                                     forked_from, base, files, diff, …} (worktrees.line_of_work)
     pushed_branch: str | None = sometimes()   # git: the branch pushed to the remote (None: nothing pushed)
@@ -205,9 +209,9 @@ def sandbox_labels(task: dict[str, Any], ws: worktrees.Workspace, box: agent_box
         "writes outside it are not prevented (no box): changes to your checkout are listed in "
         "changed_outside_worktree"))
     sandbox = {"isolation": isolation, "permission": task["permission"],
-               **agent_box.labels(task["permission"], box), "git config": worktrees.git_guard_label(ws) + (
+               **agent_box.labels(task["permission"], box, ws), "git config": worktrees.git_guard_label(ws) + (
                    f"; {box.mechanism} kept the rest (the repository's config, hooks, info/, the .git pointer, your "
-                   "own git config) read-only to the run" if box.mechanism else "")}
+                   "own git config) read-only to the run" if box.mechanism and ws.git_pin is not None else "")}
     if task.get("rules"):
         sandbox["rules"] = ("enforced by TaskBridge's OpenCode plugin before each tool call (main agent and "
                             "sub-agents): deny refuses the call, ask pauses the task for the planner; "
@@ -241,9 +245,10 @@ def build(task: dict[str, Any], current: dict[str, Any], ws: worktrees.Workspace
     files, reverted = git_seen
     where = whole_text_at(task, run)
     stream = run.stream
-    if ws.mode == "in-place" and not ws.top:
-        files = sorted({c["input"].get("filePath", "") for c in stream.tool_calls
-                        if c["tool"] in ("write", "edit") and c["status"] == "completed"} - {""})
+    if ws.mode == "in-place" and not ws.top and ws.start_listing is None:   # too large to compare: the tools' word
+        files = sorted({os.path.relpath(os.path.join(ws.cwd, path), ws.cwd) for c in stream.tool_calls
+                        if c["tool"] in ("write", "edit") and c["status"] == "completed"
+                        and (path := c["input"].get("filePath"))})
     box = run.box or agent_box.Support(None, reason="the run did not start")
     denied = [c for c in stream.tool_calls if c["status"] in ("error", "denied")]
     return Receipt(

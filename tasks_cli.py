@@ -655,7 +655,7 @@ def next_step(task: dict[str, Any]) -> str:
     in_place = (task.get("result") or {}).get("isolation") == "in-place"
     if task["status"] == "done" and in_place:
         return (f"nothing to apply: it ran in place and its changes are already in {task['working_dir']} "
-                f"({cli_} diff {tid} names the files it wrote)")
+                f"({cli_} diff {tid} names the files it changed)")
     if task["status"] == "done":
         return (f"{cli_} diff {tid} (read the changes), then {cli_} apply {tid}" if task["diff"]
                 else f"nothing to apply: the run changed no files; {cli_} submit --continue {tid} \"...\" asks "
@@ -1407,7 +1407,8 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
     if not task["diff"]:
         receipt = task.get("result") or {}
         in_place = receipt.get("isolation") == "in-place"
-        made = (f"it ran in place, outside git: no diff is kept; files it wrote: "
+        made = ("it ran in place in your checkout and changed no files" if in_place and receipt.get("base_commit")
+                else f"it ran in place, outside git: no diff is kept; files it changed: "
                 f"{', '.join(receipt.get('files_touched') or []) or 'none named'}" if in_place else
                 "it changed no files" if task["status"] == "done" else f"it is {task['status']}")
         raise CliError(f"task {task_id} has no diff ({made}); `{cli_command()} show {task_id}` tells more")

@@ -316,7 +316,7 @@ def build_prompt(task: dict[str, Any], ws: Workspace, notes: list[dict], history
         f"- Work only inside {ws.cwd}. Do not read, write or run anything outside it.",
         "- Do not commit, push or switch branches; TaskBridge commits your changes itself.",
     ]
-    for what, how in agent_box.labels(task["permission"], box or agent_box.Support(None)).items():
+    for what, how in agent_box.labels(task["permission"], box or agent_box.Support(None), ws).items():
         if what in ("box", "environment", "files") and task["permission"] == "auto":
             continue
         rules.append(f"- Restriction ({task['permission']}): {what} — {how}.")
@@ -2581,7 +2581,10 @@ def _commit_and_finish(task: dict, ws: Workspace, run: RunResult, receipt: Recei
         message = worktrees.task_commit_message(task, receipt.summary, {"usage": run.stream.usage(),
                                                                          "session_id": run.stream.session_id})
         receipt.commit = worktrees.commit_changes(ws, message)
-        receipt.no_change = ws.mode == "worktree" and not receipt.commit
+        # in place nothing is committed: no change is what git (or the folder's listing) saw
+        receipt.no_change = not receipt.commit if ws.mode == "worktree" else not receipt.files_touched
+        if ws.mode == "in-place" and not ws.top and ws.start_listing is None:   # only the tools' word: not said
+            receipt.unset("no_change")
         if task.get("continue_from") or task.get("fork_from"):
             receipt.line = {"continues": task.get("continue_from"), "forked_from": task.get("fork_from"),
                                **worktrees.line_of_work(ws, receipt.commit or ws.base_commit)}

@@ -323,6 +323,9 @@ class Workspace:
     # tree_now) and the paths then uncommitted; the receipt's changes are counted from that tree.
     start_tree: str | None = None
     uncommitted_before: list[str] = field(default_factory=list)
+    # In place outside git: the folder as this attempt began (folder_listing); the receipt's
+    # changes are what differs from it after the run. None: too large to list (see the note).
+    start_listing: dict[str, tuple] | None = None
     home: str | None = None   # OpenCode's folders of the task's line of work in a box (agent_box.line_home)
 
     def root(self) -> str:
@@ -589,7 +592,12 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     if top is None or not task["worktree"]:
         opencode_can_work_in(wd)
     if top is None:
-        return Workspace("in-place", wd, note="not a git repository: ran in place, changes are not isolated")
+        listing = folder_listing(wd)
+        note = "not a git repository: ran in place, changes are not isolated" + (
+            "; files_touched lists what the agent's write and edit tools wrote (the folder holds over "
+            f"{LISTING_MAX:,} entries, too many to compare before and after the run)" if listing is None else
+            "; files_touched: what differs in the folder after the run (compared with it before; no diff is kept)")
+        return Workspace("in-place", wd, note=note, start_listing=listing)
     head = _first_commit_needed(top, head)
     if not task["worktree"]:
         start_tree, uncommitted = tree_now(top, head)
@@ -1500,7 +1508,10 @@ def folders_problem() -> str | None:
 def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     """Files changed since the base commit (in place: since the tree the attempt began with,
     ``start_tree``) and the diff, untracked files included, computed with a throw-away index so
-    neither the user's index nor the worktree's is touched."""
+    neither the user's index nor the worktree's is touched. In place outside git: the paths
+    (relative to the folder) that differ from ``start_listing``, and no diff."""
+    if ws.mode == "in-place" and not ws.top:
+        return (listing_changes(ws.cwd, ws.start_listing) if ws.start_listing is not None else []), ""
     since = ws.start_tree or ws.base_commit
     if not ws.top or not since:
         return [], ""
@@ -1722,6 +1733,78 @@ def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[li
 
 
 SNAPSHOT_LIMIT_BYTES = 50 * 2**20
+LISTING_MAX = 200_000   # entries of an in-place folder outside git listed to see what a run changed
+LISTING_READ_BYTES = 50 * 2**20   # of its files' bytes hashed, so a file rewritten as it was is no change
+
+
+def folder_listing(root: str, before: dict[str, tuple] | None = None,
+                   limit: int | None = LISTING_MAX) -> dict[str, tuple] | None:
+    """What is under ``root`` (``.git`` excepted), by path relative to it: ``("file", permission
+    bits, size, mtime in ns, sha256 or None)``, ``("link", target)``, ``("dir", permission bits)``,
+    ``("unreadable",)``. Files are hashed while their bytes stay within LISTING_READ_BYTES (then
+    None); given ``before`` (the listing to compare with), only a file whose size matches and
+    whose time changed is hashed, when it was hashed then. None past ``limit`` entries (None: no
+    limit; the listing after a run is whole, however many files it made).
+    Compared after a run by `listing_changes`."""
+    entries: dict[str, tuple] = {}
+    budget = [LISTING_READ_BYTES]
+    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda exc: entries.update(
+            {os.path.relpath(exc.filename or root, root): ("unreadable",)})):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in [*filenames, *dirnames]:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            try:
+                entries[rel] = _listed(os.path.join(dirpath, name), (before or {}).get(rel), before is None, budget)
+            except OSError:
+                entries[rel] = ("unreadable",)
+        if limit is not None and len(entries) > limit:
+            return None
+    return entries
+
+
+def _listed(path: str, was: tuple | None, first: bool, budget: list[int]) -> tuple:
+    """One entry of `folder_listing` (``was``: the path's entry before; ``first``: no listing
+    before, so hash within ``budget``, the bytes left to read). Raises OSError."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return ("link", os.readlink(path))
+    if stat.S_ISDIR(info.st_mode):
+        return ("dir", stat.S_IMODE(info.st_mode))
+    if not stat.S_ISREG(info.st_mode):
+        return ("other", stat.S_IMODE(info.st_mode))
+    mode, digest = stat.S_IMODE(info.st_mode), None
+    if first and info.st_size <= budget[0]:
+        budget[0] -= info.st_size
+        digest = _sha256(path)
+    elif not first and was and was[0] == "file" and was[4] and was[2] == info.st_size:
+        digest = was[4] if was[3] == info.st_mtime_ns else _sha256(path)
+    return ("file", mode, info.st_size, info.st_mtime_ns, digest)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def listing_changes(root: str, before: dict[str, tuple]) -> list[str]:
+    """The paths under ``root`` (relative to it, sorted) that a run added, removed or changed
+    since ``before`` (`folder_listing`): a file's bytes (by hash; unhashed, its size or time), its
+    permissions, a link's target; a folder only when it came or went or its permissions changed.
+    A file rewritten with the bytes it had (a readonly run's revert) is no change."""
+    after = folder_listing(root, before, limit=None) or {}
+
+    def same(was: tuple | None, now: tuple | None) -> bool:
+        if was is None or now is None or was[0] != "file" or now[0] != "file":
+            return was == now
+        if was[1:3] != now[1:3]:
+            return False
+        return was[3] == now[3] or (was[4] is not None and was[4] == now[4])
+
+    return sorted(path for path in before.keys() | after.keys() if not same(before.get(path), after.get(path)))
 
 
 def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str, tuple] | None:
@@ -2471,7 +2554,8 @@ def no_change_note(task: dict[str, Any]) -> str | None:
     if task["status"] != "done" or result.get("commit") or not result.get("no_change"):
         return None
     where = f"its empty branch {result['branch_deleted']} was deleted" if result.get("branch_deleted") else \
-        f"nothing was committed on {task.get('branch')}" if task.get("branch") else "it left no branch"
+        f"nothing was committed on {task.get('branch')}" if task.get("branch") else \
+        "it ran in place and changed no file there" if result.get("isolation") == "in-place" else "it left no branch"
     return f"task {task['id']} made no change, nothing to apply ({where})"
 
 

@@ -162,6 +162,47 @@ def test_in_place_the_receipt_counts_from_the_uncommitted_work_the_attempt_began
     assert git(repo, "ls-files", "--others", "--exclude-standard").splitlines() == ["hello.txt", "wip.txt"]
 
 
+def test_in_place_receipts_list_what_the_run_changed_by_observation_with_true_sandbox_words(opencode, tmp_path):
+    """A fresh user's finding: an in-place run outside git listed only what the agent's write tool
+    wrote, by absolute path (a file a shell command made or changed was missing), and its
+    sandbox words spoke of a worktree and a repository. Its files_touched is what differs in the
+    folder after the run (relative to it), as git's view is in a checkout; a run that changed
+    nothing says no change; the box's words name the folder it wrote, in place."""
+    from click.testing import CliRunner
+
+    import tasks_cli
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("a\n")
+    (plain / "gone.txt").write_text("old\n")
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("here", [
+        tool_call("bash", {"command": "echo hi > shell.txt && echo more >> a.txt && rm gone.txt", "description": "sh"}),
+        tool_call("write", {"filePath": "{cwd}/w.txt", "content": "w\n"}), text("Fine.\n" + RECEIPT)])
+    opencode.model.script("idle", [text("Nothing to do.\n" + RECEIPT)])
+    outside = task_store.submit_task(title="here", instructions="SCRIPT:here", working_dir=str(plain), worktree=False)
+    idle = task_store.submit_task(title="idle", instructions="SCRIPT:idle", working_dir=str(plain), worktree=False)
+    inside = task_store.submit_task(title="here", instructions="SCRIPT:here", working_dir=str(repo), worktree=False)
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    outside, idle, inside = (task_store.get_task(t["id"]) for t in (outside, idle, inside))
+    assert [t["status"] for t in (outside, idle, inside)] == ["done"] * 3, [t["error"] for t in (outside, idle, inside)]
+
+    receipt = outside["result"]
+    assert receipt["files_touched"] == ["a.txt", "gone.txt", "shell.txt", "w.txt"], receipt["files_touched"]
+    assert receipt["no_change"] is False and not outside["diff"]
+    assert idle["result"]["files_touched"] == [] and idle["result"]["no_change"] is True
+    assert inside["result"]["files_touched"] == ["a.txt", "shell.txt", "w.txt"], inside["result"]["files_touched"]
+    for task, place in ((outside, f"its folder {plain} (in place"), (inside, f"your checkout {repo} (in place")):
+        sandbox = task["result"]["sandbox"]
+        assert place in sandbox["files"] and "worktree" not in sandbox["files"], sandbox
+    assert "repository" not in outside["result"]["sandbox"]["files"], outside["result"]["sandbox"]
+    assert outside["result"]["sandbox"]["git config"] == "not a git repository: TaskBridge runs no git here"
+    shown = " ".join(CliRunner().invoke(tasks_cli.cli, ["diff", outside["id"]]).stderr.split())
+    assert "files it changed: a.txt, gone.txt, shell.txt, w.txt" in shown, shown
+
+
 def test_a_working_dir_that_became_a_link_into_opencodes_data_is_refused_when_the_task_runs(opencode, tmp_path):
     """submit checked the folder; the worker checks it again at the run, in its own environment:
     a folder swapped for a link into OpenCode's data folder meanwhile fails the task, untouched."""
