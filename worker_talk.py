@@ -274,7 +274,7 @@ def ended_from_outside(task: dict[str, Any], now: dict[str, Any] | None) -> str:
                 f"claimed again; it is {now['status']} now)")
     if now["status"] == "cancelled":
         reason = plain(now.get("error"), 200)
-        result = now.get("result") if isinstance(now.get("result"), dict) else {}
+        result = given if isinstance(given := now.get("result"), dict) else {}
         branch = f"; it committed nothing: its empty branch {result['branch_deleted']} was deleted" \
             if result.get("branch_deleted") else f"; its branch {now['branch']} is kept" if now.get("branch") else ""
         return "the task was cancelled" + (f" ({reason})" if reason and reason != "cancelled" else "") + \
