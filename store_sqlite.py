@@ -217,6 +217,73 @@ def disk_fault_line(kind: str, path: Path | str) -> str:
             "there, or point TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT at another disk")
 
 
+def write_problem(path: Path) -> tuple[str, str] | None:
+    """What stops this process writing the SQLite queue ``path``, checked without writing
+    anything: ``(what cannot be written, the way out)``, or None when it can be written (or is
+    ``:memory:``). Looks at the filesystem (mounted read-only), the queue file and the files SQLite
+    keeps beside it (``-wal``, ``-shm``, ``-journal``) that exist, and the folder they sit in (SQLite
+    makes its ``-wal`` and ``-shm`` files there), or the nearest folder that exists when that folder
+    is still to be made. A file SQLite can only read is opened read-only without a word, so a
+    writer asks here first."""
+    if str(path) == ":memory:":
+        return None
+    if read_only_at(path.parent):
+        said, _, way_out = disk_fault_line("read-only", path.parent).partition("; ")
+        return said, way_out
+    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm", f"{path.name}-journal"):
+        file = path.with_name(name)
+        if file.is_file() and not _may(file, os.W_OK):
+            what = "the queue file" if file == path else "SQLite's file"
+            return f"{what} {file} is not writable by {_user_words(file)}", _fix_words(file, path)
+    folder = Path(_nearest_existing(path.parent))
+    if not _may(folder, os.W_OK | os.X_OK):
+        made = "" if folder == path.parent else f" (it would make {path.parent} inside it)"
+        return (f"the queue's folder {folder} is not writable by {_user_words(folder)}{made}; SQLite writes "
+                f"its -wal and -shm files beside the queue file"), _fix_words(folder, path)
+    return None
+
+
+def _may(path: Path, mode: int) -> bool:
+    """Whether this process may use ``path`` so (``os.access`` by its effective user and group)."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _owner(path: Path) -> str:
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return "?"
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _me() -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.geteuid())
+
+
+def _user_words(path: Path) -> str:
+    """``user nobody (it belongs to root, mode 0644)``: who asked, whose ``path`` is, its mode."""
+    try:
+        mode = f", mode {path.stat().st_mode & 0o7777:04o}"
+    except OSError:
+        mode = ""
+    return f"user {_me()} (it belongs to {_owner(path)}{mode})"
+
+
+def _fix_words(blocked: Path, queue: Path) -> str:
+    """The way out for ``blocked`` (a file or folder of the queue ``queue``) this user cannot write."""
+    return (f"run TaskBridge as {_owner(blocked)}, who owns it, or give user {_me()} write access to it "
+            f"(sudo chown {shlex.quote(_me())} {shlex.quote(str(blocked))}), or point TASK_DB_PATH at a queue "
+            f"this user can write (a new one is made at a new path)")
+
+
 def journal_mode(path: Path | str) -> str:
     """The journal mode for the database at ``path``: ``wal`` on a local disk; on a network or
     virtual filesystem (NFS, SMB/CIFS, 9p, virtiofs, FUSE, ...) a ValidationError naming the

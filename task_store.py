@@ -813,6 +813,30 @@ def connect(path: Path | str | None = None) -> Connection:
     return store_sqlite.connect(Path(path) if path else db_path(), MIGRATIONS)
 
 
+def write_problem(path: Path | str | None = None) -> tuple[str, str] | None:
+    """What stops this user writing the queue, found without writing anything: ``(what cannot be
+    written, the way out)`` (``store_sqlite.write_problem``: a read-only filesystem, the SQLite
+    file or a file SQLite keeps beside it not writable, or its folder), or None. SQLite opens a
+    file it can only read read-only without a word, so a writer (a worker pass) asks here before
+    it writes anything beside the queue. Always None on PostgreSQL (the server says at the first
+    write)."""
+    if not path and database_url():
+        return None
+    return store_sqlite.write_problem(Path(path) if path else db_path())
+
+
+def require_writable() -> None:
+    """Raise DatabaseUnusable (ReadOnlyStorage on a filesystem mounted read-only) naming what of
+    the queue this user cannot write and the way out (``write_problem``); nothing is written."""
+    problem = write_problem()
+    if problem is None:
+        return
+    said, way_out = problem
+    if store_sqlite.read_only_at(db_path().parent):
+        raise ReadOnlyStorage(f"{said}; {way_out}")
+    raise DatabaseUnusable(f"the task database {db_path()} cannot be written: {said}; {way_out}", said, way_out)
+
+
 def database_health(path: Path | str | None = None) -> dict[str, Any]:
     """What `tasks_cli.py doctor` reports about the queue database: ``{"backend", "path",
     "integrity" ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount

@@ -2946,8 +2946,12 @@ def preflight() -> str | None:
 def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) -> int:
     """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks, up to ``slots`` at
     once. Returns the exit code: 0 (also when another pass holds the lock), 1 when a required
-    tool is missing."""
-    store.connect().close()   # an unusable queue is refused before anything is written beside it
+    tool is missing. Raises the store's error (DatabaseUnusable, ReadOnlyStorage, ...) before
+    anything is written beside the queue when this user cannot use or write it."""
+    # An unusable queue is refused before anything is written beside it (the lock, the heartbeat):
+    # one SQLite can only read opens read-only without a word, so what cannot be written is asked first.
+    store.require_writable()
+    store.connect().close()
     lock = store.take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
