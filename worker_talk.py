@@ -124,12 +124,13 @@ class Talk:
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     def ended(self, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-              handed_back: bool = False, unwritten: bool = False) -> None:
-        """The task's end line: status, duration, cost, branch (or why it failed or waits)."""
+              handed_back: bool = False, unwritten: bool = False, lost: str | None = None) -> None:
+        """The task's end line: status, duration, cost, branch (or why it failed or waits; ``lost``:
+        where its work was left when its run was ended because the queue file went)."""
         with self.lock:
             self.running.pop(task["id"], None)
         self._refresh()
-        message, style = ended_line(task, final, seconds, handed_back, unwritten)
+        message, style = ended_line(task, final, seconds, handed_back, unwritten, lost)
         self.say(message, level=QUIET if style == "red" else NORMAL, style=style)
 
     def signals(self, stopping: bool, stop_now: bool) -> None:
@@ -204,12 +205,16 @@ def tool_text(event: dict[str, Any]) -> str:
 
 
 def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-               handed_back: bool = False, unwritten: bool = False) -> tuple[str, str]:
+               handed_back: bool = False, unwritten: bool = False, lost: str | None = None) -> tuple[str, str]:
     """The end-of-task line and its style, from the task as claimed and as it ended
     (``handed_back``: the worker was told to stop at once and requeued it; ``unwritten``: the
-    attempt's end could not be written to the queue, so ``final`` is None and the reaper decides)."""
+    attempt's end could not be written to the queue, so ``final`` is None and the reaper decides;
+    ``lost``: its run was ended because the queue file went, and where its work was left)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
+    if lost is not None:
+        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}; it goes " \
+               "back to the queue (no retry spent) once the file is put back", "red"
     if final is None and unwritten:
         return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
                "for the reaper (the next pass hands it back)", "yellow"
@@ -256,8 +261,11 @@ _log_lock = threading.Lock()
 
 def write_log_line(message: str) -> None:
     """Append ``<ISO time> <message>`` to the worker log beside the database, cut to its newer
-    half once it passes LOG_MAX_BYTES. A log that cannot be written is skipped (never fatal)."""
+    half once it passes LOG_MAX_BYTES. A log that cannot be written is skipped (never fatal), as
+    is one whose folder went away with the queue file (it is not made again beside nothing)."""
     path = store.state_path("worker.log")
+    if not path.parent.is_dir() and store.queue_gone():
+        return
     entry = f"{store.iso(time.time())} {plain(message, 2000)}\n".encode()
     with _log_lock:
         try:
