@@ -212,14 +212,8 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     ``lost``: its run was ended because the queue file went, and where its work was left)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
-    if lost is not None:
-        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}; it goes " \
-               "back to the queue (no retry spent) once the file is put back", "red"
-    if final is None and unwritten:
-        return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
-               "for the reaper (the next pass hands it back)", "yellow"
     if final is None:
-        return f"{ident} attempt ended after {took}: cancelled or taken over elsewhere", "yellow"
+        return _unrecorded_line(ident, took, unwritten, lost)
     usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}
     cost = f", ${usage.get('cost_usd', 0):.4f}" if usage else ""
     status = final["status"]
@@ -254,6 +248,17 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     if status == "cancelled":
         return f"{ident} cancelled after {took}", "yellow"
     return f"{ident} {status} after {took}{cost}: {plain(final.get('error'), 300)}", "red"
+
+
+def _unrecorded_line(ident: str, took: str, unwritten: bool, lost: str | None) -> tuple[str, str]:
+    """The end line of an attempt whose end this worker did not record (``ended_line``'s words)."""
+    if lost is not None:
+        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}; it goes " \
+               "back to the queue (no retry spent) once the file is put back", "red"
+    if unwritten:
+        return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
+               "for the reaper (the next pass hands it back)", "yellow"
+    return f"{ident} attempt ended after {took}: cancelled or taken over elsewhere", "yellow"
 
 
 _log_lock = threading.Lock()
