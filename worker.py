@@ -253,11 +253,17 @@ class LostQueue:
         if since is None:
             return
         log(f"the queue file {store.db_path()} is back after {time.time() - since:.0f} s; claims go on", talk.QUIET)
-        for task_id, marker in ended:
-            with contextlib.suppress(store.StaleAttempt, store.TaskNotFound):
+        for index, (task_id, marker) in enumerate(ended):
+            try:
                 store.requeue_attempt(task_id, marker, "the queue file was gone while this attempt ran: its run was "
                                       "ended; handed back (its worktree was kept)", count_attempt=False)
-                log(f"{task_id}: handed back (its run was ended while the queue file was gone)")
+            except (store.StaleAttempt, store.TaskNotFound):   # a copy without that attempt running
+                continue
+            except store.QueueGone:   # gone again (said again by the loop): these wait for its next return
+                with self.lock:
+                    self.ended = ended[index:] + self.ended
+                raise
+            log(f"{task_id}: handed back (its run was ended while the queue file was gone)")
 
 
 class QueueLostMidRun(Exception):
