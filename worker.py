@@ -235,10 +235,16 @@ class LostQueue:
             if self.since is not None:
                 return
             self.since = time.time()
-        then = "waits for it" if self.watch else "exits once the tasks in hand end"
-        then = f"claims nothing more and {then} (the tasks in hand end; their worktrees are kept)"
-        log(f"the queue file {store.db_path()} is gone (deleted or moved away): this worker {then}; put the file "
-            f"back there to carry on, or restart the worker to begin a new, empty queue at that path", talk.QUIET)
+        path = store.db_path()
+        if self.watch:
+            said = ("this worker claims nothing more and waits for it (the tasks in hand end; their worktrees are "
+                    "kept); put the file back there to carry on, or restart the worker to begin a new, empty queue "
+                    "at that path")
+        else:
+            said = ("this pass claims nothing more and exits once the tasks in hand end (their worktrees are kept); "
+                    "put the file back there before the next pass, which hands them back, or the next pass begins "
+                    "a new, empty queue at that path")
+        log(f"the queue file {path} is gone (deleted or moved away): {said}", talk.QUIET)
 
     def ended_attempt(self, task: dict[str, Any]) -> None:
         """``task``'s attempt was ended because the queue file went: handed back once it returns."""
@@ -3439,7 +3445,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
         if isinstance(exc, (QueueLostMidRun, store.QueueGone)):   # nothing can be written: kept, handed back later
             current().lost.gone(exc)
             current().lost.ended_attempt(task)
-            lost = kept_work_words(getattr(exc, "ws", None))   # said in its end line
+            lost = kept_work_words(getattr(exc, "ws", None)) + (   # said in its end line
+                "; it goes back to the queue (no retry spent) once the file is put back" if current().lost.watch
+                else "; the next pass hands it back once the file is put back")
         elif db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
             why = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
             log(f"{task['id']}: the worker stopped before the queue database could be written ({why}): the "

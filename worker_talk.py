@@ -209,7 +209,7 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
     """The end-of-task line and its style, from the task as claimed and as it ended
     (``handed_back``: the worker was told to stop at once and requeued it; ``unwritten``: the
     attempt's end could not be written to the queue, so ``final`` is None and the reaper decides;
-    ``lost``: its run was ended because the queue file went, and where its work was left)."""
+    ``lost``: its run was ended because the queue file went: where its work was left, and what next)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
     if final is None:
@@ -253,8 +253,7 @@ def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: floa
 def _unrecorded_line(ident: str, took: str, unwritten: bool, lost: str | None) -> tuple[str, str]:
     """The end line of an attempt whose end this worker did not record (``ended_line``'s words)."""
     if lost is not None:
-        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}; it goes " \
-               "back to the queue (no retry spent) once the file is put back", "red"
+        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}", "red"
     if unwritten:
         return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
                "for the reaper (the next pass hands it back)", "yellow"

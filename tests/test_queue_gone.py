@@ -91,3 +91,31 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
         store.cancel_task(task["id"])   # its run ends; the worker stops at once on leaving
         until(lambda: store.get_task(task["id"])["status"] == "cancelled", 60, "the cancel")
     assert "Traceback" not in out.read_text(), out.read_text()
+
+
+def test_a_one_pass_whose_queue_file_goes_ends_its_run_and_exits_1_without_making_one(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    repo = make_repo(tmp_path / "repo")
+    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
+    task = submit(repo, "long", model="fake/model", timeout_sec=600)
+    path = store.db_path()
+    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        worktree = until(lambda: store.get_task(task["id"])["agent_pid"] and store.get_task(task["id"])[
+            "worktree_path"], 90, "the agent to start")
+        store.close_connections()
+        path.rename(tmp_path / "away.db")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    gone = [line for line in out.splitlines() if "is gone (deleted or moved away)" in line]
+    assert len(gone) == 1 and "this pass claims nothing more" in gone[0], out
+    assert f"its worktree {worktree}" in out and Path(worktree).is_dir() and "Traceback" not in out, out
+    assert not path.exists(), "no new queue in its place"
