@@ -1180,7 +1180,7 @@ def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_pa
     `worker.py --watch` runs a task (a stand-in agent that runs until ended) and is killed."""
     import psutil
 
-    from helpers import fake_binary, until, worker_process
+    from helpers import fake_binary, tagged, until, worker_process
     fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
     task = submit(make_repo(tmp_path / "repo"), "long", model="fake/model", timeout_sec=600)
     env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model")
@@ -1191,8 +1191,9 @@ def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_pa
         assert status_rows(alive.stdout)["runs"] == f"{task['id']} (running)", alive.stdout
         proc.kill()   # dies mid-run: no last heartbeat
         proc.wait(30)
-    with contextlib.suppress(psutil.Error):
-        psutil.Process(running["agent_pid"]).kill()   # its agent, orphaned by the kill (the next pass's to end)
+    for orphan in tagged(running["run_marker"]):   # its run, orphaned by the kill (the next pass's to end)
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
     shown = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"})
     rows = status_rows(shown.stdout)
     assert rows["worker"].startswith("gone since ") and f"pid {proc.pid}" in rows["worker"], shown.stdout
