@@ -201,11 +201,17 @@ def live_prompt(model: str) -> str | None:
 
 
 def check_database() -> Check:
-    """The queue database opens, passes SQLite's integrity check, and sits on a local disk; on
+    """The queue database can be written by this user (the file, SQLite's files beside it, its
+    folder, its filesystem), opens, passes SQLite's integrity check, and sits on a local disk; on
     PostgreSQL (TASK_DB_URL), the server answers and the queue's schema is there."""
     if store.backend() == "postgresql":
         return check_postgres()
     path = store.db_path()
+    # SQLite opens a file it may only read read-only without a word: the health below would pass
+    # while every write (a submit, a worker's claim) is refused.
+    unwritable = store.write_problem(path)
+    if unwritable is not None:
+        return Check("database", "fail", f"{path} cannot be written: {unwritable[0]}", unwritable[1])
     if not path.exists():
         return Check("database", "ok", f"{path}: not created yet (the first submit or worker pass makes it)")
     try:

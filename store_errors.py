@@ -67,6 +67,13 @@ class DatabaseUnusable(TaskStoreError):
         self.way_out = way_out
 
 
+class QueueGone(DatabaseUnusable):
+    """The SQLite queue file this process had open was deleted or moved away (or its folder was):
+    nothing is written, and no new, empty queue is made in its place, which would strand the
+    tasks of the one that went. Restoring the file there lets this process carry on; a process
+    started anew makes a new queue at that path, as at a first use."""
+
+
 class DatabaseCorrupt(DatabaseUnusable):
     """The queue file is not a SQLite database, or it is damaged ("file is not a database",
     "database disk image is malformed")."""

@@ -34,6 +34,7 @@ from store_errors import (
     DatabaseCorrupt,
     DatabaseUnusable,
     DiskFull,
+    QueueGone,
     ReadOnlyStorage,
     StorageFault,
     TaskStoreError,
@@ -217,6 +218,73 @@ def disk_fault_line(kind: str, path: Path | str) -> str:
             "there, or point TASK_DB_PATH / TASK_LOG_DIR / TASKBRIDGE_WORKTREE_ROOT at another disk")
 
 
+def write_problem(path: Path) -> tuple[str, str] | None:
+    """What stops this process writing the SQLite queue ``path``, checked without writing
+    anything: ``(what cannot be written, the way out)``, or None when it can be written (or is
+    ``:memory:``). Looks at the filesystem (mounted read-only), the queue file and the files SQLite
+    keeps beside it (``-wal``, ``-shm``, ``-journal``) that exist, and the folder they sit in (SQLite
+    makes its ``-wal`` and ``-shm`` files there), or the nearest folder that exists when that folder
+    is still to be made. A file SQLite can only read is opened read-only without a word, so a
+    writer asks here first."""
+    if str(path) == ":memory:":
+        return None
+    if read_only_at(path.parent):
+        said, _, way_out = disk_fault_line("read-only", path.parent).partition("; ")
+        return said, way_out
+    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm", f"{path.name}-journal"):
+        file = path.with_name(name)
+        if file.is_file() and not _may(file, os.W_OK):
+            what = "the queue file" if file == path else "SQLite's file"
+            return f"{what} {file} is not writable by {_user_words(file)}", _fix_words(file)
+    folder = Path(_nearest_existing(path.parent))
+    if not _may(folder, os.W_OK | os.X_OK):
+        made = "" if folder == path.parent else f" (it would make {path.parent} inside it)"
+        return (f"the queue's folder {folder} is not writable by {_user_words(folder)}{made}; SQLite writes "
+                f"its -wal and -shm files beside the queue file"), _fix_words(folder)
+    return None
+
+
+def _may(path: Path, mode: int) -> bool:
+    """Whether this process may use ``path`` so (``os.access`` by its effective user and group)."""
+    return os.access(path, mode, effective_ids=os.access in os.supports_effective_ids)
+
+
+def _owner(path: Path) -> str:
+    try:
+        uid = path.stat().st_uid
+    except OSError:
+        return "?"
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _me() -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except (ImportError, KeyError):
+        return str(os.geteuid())
+
+
+def _user_words(path: Path) -> str:
+    """``user nobody (it belongs to root, mode 0644)``: who asked, whose ``path`` is, its mode."""
+    try:
+        mode = f", mode {path.stat().st_mode & 0o7777:04o}"
+    except OSError:
+        mode = ""
+    return f"user {_me()} (it belongs to {_owner(path)}{mode})"
+
+
+def _fix_words(blocked: Path) -> str:
+    """The way out for ``blocked`` (a file or folder of the queue) this user cannot write."""
+    return (f"run TaskBridge as {_owner(blocked)}, who owns it, or give user {_me()} write access to it "
+            f"(sudo chown {shlex.quote(_me())} {shlex.quote(str(blocked))}), or point TASK_DB_PATH at a queue "
+            f"this user can write (a new one is made at a new path)")
+
+
 def journal_mode(path: Path | str) -> str:
     """The journal mode for the database at ``path``: ``wal`` on a local disk; on a network or
     virtual filesystem (NFS, SMB/CIFS, 9p, virtiofs, FUSE, ...) a ValidationError naming the
@@ -269,13 +337,44 @@ def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None
     """A new connection to the queue file ``path`` (its folder made 0700, the file 0600), set up
     once here: autocommit (transactions explicit), rows as sqlite3.Row, busy timeout, foreign keys,
     the journal (WAL; see ``journal_mode``), and migrated by ``migrations``; on a filesystem mounted
-    read-only a read-only one (``_connect_read_only``). The caller closes it. Raises
+    read-only a read-only one (``_connect_read_only``). A file this process opened before and
+    that is gone now is not made again (``refuse_gone``). The caller closes it. Raises QueueGone,
     DatabaseUnusable / DatabaseCorrupt / DatabaseBusy / StorageFault (see ``fault``),
     ValidationError (``journal_mode``)."""
+    refuse_gone(path)
     try:
-        return _open(path, migrations)
+        conn = _open(path, migrations)
     except (sqlite3.Error, OSError) as exc:
         raise fault(exc, path) from exc
+    if str(path) != ":memory:":
+        _OPENED.add(os.path.abspath(path))
+    return conn
+
+
+# The queue files this process has opened (absolute paths). One of them gone is a queue deleted or
+# moved away under a running process: making a new, empty one there (what a first open does)
+# would carry the process on against a queue without its tasks, the running ones stranded.
+_OPENED: set[str] = set()
+
+
+def refuse_gone(path: Path | str) -> None:
+    """Raise QueueGone when the queue file ``path`` was opened by this process before (``connect``)
+    and is gone now (deleted, moved away, its folder too); a file put back there (restored, or
+    replaced by another queue) is opened as any. A path never opened here passes: a first open
+    makes the queue."""
+    where = os.path.abspath(path)
+    if where not in _OPENED or os.path.exists(where):
+        return
+    way_out = (f"put the file back there (from where it was moved, or a backup) and this process carries on; "
+               f"or restart it to begin a new, empty queue at {where}")
+    raise QueueGone(f"the task database {where} is gone (deleted or moved away while this process used it); no "
+                    f"new queue was made in its place: {way_out}", "the queue file is gone", way_out)
+
+
+def forget_opened() -> None:
+    """Forget which queue files this process opened (``task_store.close_connections``: a process
+    that lets go of its queues on purpose); the next open of any is a first one."""
+    _OPENED.clear()
 
 
 @contextlib.contextmanager

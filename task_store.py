@@ -62,6 +62,7 @@ from store_errors import (  # noqa: F401
     DiskFull,
     InvalidTransition,
     JobNotFound,
+    QueueGone,
     ReadOnlyStorage,
     StaleAttempt,
     StorageFault,
@@ -257,6 +258,19 @@ def queue_exists() -> bool:
     """Whether the queue is there to read: the SQLite file exists, or (PostgreSQL) always — the
     server's database is the queue, migrated on first use; a wrong URL fails when it is used."""
     return database_url() is not None or db_path().exists()
+
+
+def queue_gone() -> bool:
+    """Whether the SQLite queue file this process used is gone now (deleted or moved away: the
+    store raises QueueGone and makes no new one there). False on PostgreSQL, and for a queue this
+    process never opened."""
+    if database_url():
+        return False
+    try:
+        store_sqlite.refuse_gone(db_path())
+    except QueueGone:
+        return True
+    return False
 
 
 def database_label() -> str:
@@ -813,6 +827,30 @@ def connect(path: Path | str | None = None) -> Connection:
     return store_sqlite.connect(Path(path) if path else db_path(), MIGRATIONS)
 
 
+def write_problem(path: Path | str | None = None) -> tuple[str, str] | None:
+    """What stops this user writing the queue, found without writing anything: ``(what cannot be
+    written, the way out)`` (``store_sqlite.write_problem``: a read-only filesystem, the SQLite
+    file or a file SQLite keeps beside it not writable, or its folder), or None. SQLite opens a
+    file it can only read read-only without a word, so a writer (a worker pass) asks here before
+    it writes anything beside the queue. Always None on PostgreSQL (the server says at the first
+    write)."""
+    if not path and database_url():
+        return None
+    return store_sqlite.write_problem(Path(path) if path else db_path())
+
+
+def require_writable() -> None:
+    """Raise DatabaseUnusable (ReadOnlyStorage on a filesystem mounted read-only) naming what of
+    the queue this user cannot write and the way out (``write_problem``); nothing is written."""
+    problem = write_problem()
+    if problem is None:
+        return
+    said, way_out = problem
+    if store_sqlite.read_only_at(db_path().parent):
+        raise ReadOnlyStorage(f"{said}; {way_out}")
+    raise DatabaseUnusable(f"the task database {db_path()} cannot be written: {said}; {way_out}", said, way_out)
+
+
 def database_health(path: Path | str | None = None) -> dict[str, Any]:
     """What `tasks_cli.py doctor` reports about the queue database: ``{"backend", "path",
     "integrity" ("ok" or SQLite's first complaint), "journal_mode", "filesystem" (type, mount
@@ -853,8 +891,9 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 def _kept() -> Connection:
     """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
-    again when the process forked, the file was replaced or removed, or the last use broke it
-    (on PostgreSQL: to ``TASK_DB_URL``, see ``_kept_pg``)."""
+    again when the process forked, the file was replaced, or the last use broke it (on
+    PostgreSQL: to ``TASK_DB_URL``, see ``_kept_pg``). A file removed (deleted, moved away) is
+    not made again: QueueGone (``store_sqlite.refuse_gone``) until it is put back."""
     if _KEPT_PID[0] != os.getpid():
         _forget_inherited()
     # One read of TASK_DB_URL per call (an unset variable costs ~0.6 µs to look up).
@@ -927,7 +966,8 @@ def _close_quietly(conn: Connection) -> None:
 
 def close_connections() -> None:
     """Close every connection this process keeps (tests, and a process about to exit or to stop
-    using a database file). The next store call opens a new one."""
+    using a database file). The next store call opens a new one, and makes the SQLite file again
+    if it is gone by then (``store_sqlite.refuse_gone`` refuses that only for a file still in use)."""
     with _KEPT_LOCK:
         if _KEPT_PID[0] != os.getpid():
             return
@@ -936,6 +976,7 @@ def close_connections() -> None:
     for conn, _ in entries:
         _close_quietly(conn)
     store_pg.close_listeners()   # the change watches' LISTEN connections
+    store_sqlite.forget_opened()   # let go of on purpose: a file gone since is made again on next use
 
 
 def checkpoint() -> None:
@@ -4163,7 +4204,10 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     stopped cleanly (a one-pass schedule would add one a minute), and any row silent for
     WORKER_ROWS_KEEP_SEC (7 days) goes; other rows stay, judged stale or gone by their readers.
     Raises StorageFault (a full or read-only disk), OSError (file), DatabaseUnusable / DatabaseBusy
-    (the database; see ``store_sqlite.fault``)."""
+    (the database; see ``store_sqlite.fault``), QueueGone before anything is written when the
+    queue file this process used is gone."""
+    if not database_url():   # no heartbeat file beside a queue file that went away (nor its folder made again)
+        store_sqlite.refuse_gone(db_path())
     state = dict(state)
     pid_start = state.pop("pid_start", None)
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}

@@ -119,9 +119,11 @@ class WorkerState(TypedDict):
     """A worker's heartbeat, judged (ages in seconds; ``at`` and ``started_at`` ISO 8601 UTC)."""
     seen: bool
     name: str | None                   # worker:<host>:<pid>, as its leases' owner
-    state: str | None
-    task: str | None
-    tasks: list[str]
+    state: str | None                  # the state word it last wrote (a gone worker's is what it said then)
+    task: str | None                   # the first of ``tasks``
+    tasks: list[str]                   # the tasks it runs now: only an online worker's (else [])
+    last_tasks: list[str]              # the tasks it said it ran when it last reported
+    gone_since: str | None             # its last heartbeat (ISO 8601 UTC) once it is not online, else None
     slots: int | None
     engine: str | None                 # "cold" or "warm" (WORKER_ENGINE); None from a worker before it was said
     pid: int | None
@@ -284,7 +286,7 @@ def worker_label(seen: bool, recent: bool, running: bool | None, died: bool, sto
 def gone_words(worker: dict[str, Any]) -> str:
     """What a worker whose process is gone without saying it stopped (``died``) left: its tasks,
     which the next pass requeues, or none (killed while idle: nothing to requeue)."""
-    tasks = worker.get("tasks") or ([worker["task"]] if worker.get("task") else [])
+    tasks = worker.get("last_tasks") or worker.get("tasks") or ([worker["task"]] if worker.get("task") else [])
     if tasks:
         return f"it died mid-run; the next pass requeues {', '.join(map(str, tasks))}"
     return "it ended without saying it stopped (killed?) while it held no task"
@@ -365,9 +367,12 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     (it refreshes its row every 5 s while it lives); ``pid_running`` (None when it was written on another
     host), ``died`` when its process is gone although it was not stopped or between passes,
     ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
-    field the worker wrote (an ``error``, for one). None: no worker ever reported."""
+    field the worker wrote (an ``error``, for one). ``tasks`` (and ``task``) are what an online
+    worker runs; one gone, stopped or silent runs none, what it said it ran is ``last_tasks``
+    and its last heartbeat ``gone_since``. None: no worker ever reported."""
     if beat is None:
-        return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "slots": None, "engine": None,
+        return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "last_tasks": [],
+                "gone_since": None, "slots": None, "engine": None,
                 "pid": None, "host": None, "started_at": None, "at": None, "age_sec": None,
                 "pid_running": None, "recent": False, "died": False, "extra": {},
                 "label": worker_label(False, False, None, False),
@@ -397,13 +402,17 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
         summary += (f"; no heartbeat for over {WORKER_RECENT_SEC} s: is the schedule installed? restart_worker "
                     "starts a pass" if running is not None else
                     f"; no heartbeat for over {silent_after} s: is the worker on {beat.get('host')} still running?")
-    return {"seen": True, "name": beat.get("name"), "state": state, "task": beat.get("task"),
-            "tasks": tasks,
+    label = worker_label(True, recent, running, died, stopped=state == "stopped")
+    # What it runs now: a worker that is gone, stopped or silent runs nothing anyone can see; what
+    # it last said stays in last_tasks (a dead worker's tasks are the next pass's to requeue).
+    online = label == "online"
+    return {"seen": True, "name": beat.get("name"), "state": state, "task": (tasks[0] if tasks else None) if online
+            else None, "tasks": tasks if online else [], "last_tasks": tasks,
+            "gone_since": None if online else beat.get("at"),
             "slots": beat.get("slots"), "engine": beat.get("engine"), "pid": beat.get("pid"), "host": beat.get("host"),
             "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
             "pid_running": running, "recent": recent, "died": died, "summary": summary,
-            "label": worker_label(True, recent, running, died, stopped=state == "stopped"),
-            "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
+            "label": label, "extra": {k: v for k, v in beat.items() if k not in _BEAT_KEYS}}
 
 
 def models_cache_file() -> Path:

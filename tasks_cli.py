@@ -1748,14 +1748,23 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for name in ("Host", "Pid", "Worker", "State", "Tasks", "Heartbeat"):
         table.add_column(name)
     for worker in workers:
-        # A gone worker's state and tasks are what it said last, not what it does now.
-        then = " (when last seen)" if worker["label"] == "gone" else ""
-        tasks = ", ".join(worker["tasks"])
-        table.add_row(line(worker["host"]), Text(str(worker["pid"])),
-                      Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], "")),
-                      line((worker["state"] or "-") + then), line(tasks + then if tasks else "-"),
-                      Text(age(worker["age_sec"])))
+        # A worker not online runs nothing now: its state and tasks are what it said last.
+        state, tasks, had = worker["state"] or "-", ", ".join(worker["tasks"]), ", ".join(worker["last_tasks"])
+        if worker["gone_since"]:
+            state, tasks = f"was {state}", f"none now (had {had})" if had else ""
+        table.add_row(line(worker["host"]), Text(str(worker["pid"])), worker_label_text(worker, short=True),
+                      line(state), line(tasks or "-"), Text(age(worker["age_sec"])))
     return table
+
+
+def worker_label_text(worker: dict[str, Any], short: bool = False) -> Text:
+    """The worker's one-word label (task_views.worker_label), styled; for one not online the time
+    of its last heartbeat: ``gone since 15:01:24`` (``short``), else with the date and how long ago."""
+    said = worker["label"]
+    if worker.get("gone_since"):
+        since = worker["gone_since"]
+        said += f" since {since[11:19]}" if short else f" since {since} ({ago(since)})"
+    return Text(said, style=WORKER_LABEL_STYLE.get(worker["label"], ""))
 
 
 WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stopped": "dim"}
@@ -1771,7 +1780,7 @@ def worker_rows(worker: dict[str, Any]) -> list[tuple[str, Any]]:
     extra fields (an ``error``) last."""
     if not worker["seen"]:
         return [("worker", "never seen: no worker pass has run against this queue")]
-    label = Text(worker["label"], style=WORKER_LABEL_STYLE.get(worker["label"], ""))
+    label = worker_label_text(worker)
     label.append(f", pid {worker['pid']} on {worker.get('host') or 'this host'}")
     return [("worker", label), ("process", worker_process_words(worker)), ("runs", worker_runs_words(worker)),
             ("slots", worker.get("slots")), ("engine", ENGINE_WORDS.get(str(worker.get("engine")), "not said")),
@@ -1789,7 +1798,12 @@ def worker_process_words(worker: dict[str, Any]) -> str:
 
 
 def worker_runs_words(worker: dict[str, Any]) -> str:
-    """What the worker said it was doing: its tasks, or its state when it runs none."""
+    """What the worker does: its tasks, or its state when it runs none; for one not online
+    (gone, stopped, silent) nothing now, and what it said when last seen."""
+    if worker.get("gone_since"):
+        had = ", ".join(worker.get("last_tasks") or [])
+        last = f"{had} ({worker.get('state') or 'no state'})" if had else f"no task ({worker.get('state') or 'idle'})"
+        return f"nothing now; when last seen ({worker['gone_since']}): {last}"
     tasks = worker.get("tasks") or ([worker["task"]] if worker.get("task") else [])
     if tasks:
         return ", ".join(tasks) + (f" ({worker['state']})" if worker.get("state") else "")

@@ -215,6 +215,82 @@ class FullDisk:
 FULL_SAY_EVERY_SEC = 600
 
 
+class LostQueue:
+    """The queue file gone from under this worker (store.QueueGone: deleted or moved away while it
+    ran; the store makes no new one in its place). Said once when it goes, with the way out: the
+    attempts in hand end (their worktrees kept and named), nothing more is claimed, and a --watch
+    worker waits for the file to be put back: then it says so, hands those attempts back (no
+    retry spent) and claims again. A one-pass exits 1 once its tasks in hand end."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watch = True                 # a --watch worker waits for the file; a one-pass exits (Loop sets it)
+        self.since: float | None = None   # time.time() when a store call first met it gone
+        self.ended: list[tuple[str, str]] = []   # (task id, run marker) of the attempts it ended
+
+    def gone(self, _exc: BaseException | None = None) -> None:
+        """A store call met the queue file gone (``_exc``: the QueueGone, whose words this line
+        puts the worker's way): say so once."""
+        with self.lock:
+            if self.since is not None:
+                return
+            self.since = time.time()
+        path = store.db_path()
+        if self.watch:
+            said = ("this worker claims nothing more and waits for it (the tasks in hand end; their worktrees are "
+                    "kept); put the file back there to carry on, or restart the worker to begin a new, empty queue "
+                    "at that path")
+        else:
+            said = ("this pass claims nothing more and exits once the tasks in hand end (their worktrees are kept); "
+                    "put the file back there before the next pass, which hands them back, or the next pass begins "
+                    "a new, empty queue at that path")
+        log(f"the queue file {path} is gone (deleted or moved away): {said}", talk.QUIET)
+
+    def ended_attempt(self, task: dict[str, Any]) -> None:
+        """``task``'s attempt was ended because the queue file went: handed back once it returns."""
+        with self.lock:
+            self.ended.append((task["id"], task["run_marker"]))
+
+    def back(self) -> None:
+        """A store call answered again after the file went: say so and hand the ended attempts
+        back (fenced: a restored copy that does not hold that attempt is left as it is)."""
+        with self.lock:
+            since, ended, self.since, self.ended = self.since, self.ended, None, []
+        if since is None:
+            return
+        log(f"the queue file {store.db_path()} is back after {time.time() - since:.0f} s; claims go on", talk.QUIET)
+        for index, (task_id, marker) in enumerate(ended):
+            try:
+                store.requeue_attempt(task_id, marker, "the queue file was gone while this attempt ran: its run was "
+                                      "ended; handed back (its worktree was kept)", count_attempt=False)
+            except (store.StaleAttempt, store.TaskNotFound):   # a copy without that attempt running
+                continue
+            except store.QueueGone:   # gone again (said again by the loop): these wait for its next return
+                with self.lock:
+                    self.ended = ended[index:] + self.ended
+                raise
+            log(f"{task_id}: handed back (its run was ended while the queue file was gone)")
+
+
+class QueueLostMidRun(Exception):
+    """An attempt met the queue file gone (``gone``: the store's QueueGone) after its workspace
+    ``ws`` was made (None: before): the run was ended, the worktree is kept."""
+
+    def __init__(self, gone: BaseException, ws: Workspace | None) -> None:
+        super().__init__(str(gone))
+        self.gone, self.ws = gone, ws
+
+
+def kept_work_words(ws: Workspace | None) -> str:
+    """Where an attempt ended early left its work, for the log: the worktree and its branch, the
+    folder it ran in, or the worktree folder when none was made yet."""
+    if ws is None:
+        return f"no worktree of its was finished yet (look under {worktrees.worktree_root()})"
+    if ws.mode == "worktree":
+        return f"its worktree {ws.top} (branch {ws.branch}) is kept as it was"
+    return f"it ran in place in {ws.cwd}: what it changed there is left as it was"
+
+
 def backoff(delay: float) -> float:
     """The next wait after ``delay`` seconds: doubled, at most OUTAGE_BACKOFF_SEC[1]."""
     return min(max(delay * 2, OUTAGE_BACKOFF_SEC[0]), OUTAGE_BACKOFF_SEC[1])
@@ -1702,7 +1778,16 @@ class Phases:
 def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     """Run one claimed attempt to its end and record the outcome (fenced by its run marker).
     Every phase renews the lease and honours the timeout and a cancel (see Phases). Returns the
-    task's final dict, or None if the attempt was superseded."""
+    task's final dict, or None if the attempt was superseded. Raises QueueLostMidRun when the
+    queue file went away meanwhile (its run ended, its workspace named)."""
+    made: list[Workspace] = []   # the attempt's workspace, once made: named if the queue file goes
+    try:
+        return _run_task(task, knobs, made)
+    except store.QueueGone as exc:
+        raise QueueLostMidRun(exc, made[0] if made else None) from exc
+
+
+def _run_task(task: dict[str, Any], knobs: Knobs, made: list[Workspace]) -> dict[str, Any] | None:
     resume = bool(task.get("answer") and task.get("session_id"))
     phases = Phases(task, knobs)
     with worktrees.watched(phases.check):
@@ -1722,6 +1807,7 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         home = None
         try:
             ws, final = _workspace(task, phases, resume, kept.folder if kept else None)
+            made.extend([ws] if ws is not None else [])
             if kept is not None and ws is not None:
                 kept.parked = None   # the task's worktree is there now (taken over or made anew): never dropped
             if ws is None:
@@ -2975,8 +3061,12 @@ def preflight() -> str | None:
 def run_pass(watch: bool = False, max_tasks: int | None = None, slots: int = 1) -> int:
     """One pass (or, with ``watch``, a loop): lock, reap, claim and run tasks, up to ``slots`` at
     once. Returns the exit code: 0 (also when another pass holds the lock), 1 when a required
-    tool is missing."""
-    store.connect().close()   # an unusable queue is refused before anything is written beside it
+    tool is missing. Raises the store's error (DatabaseUnusable, ReadOnlyStorage, ...) before
+    anything is written beside the queue when this user cannot use or write it."""
+    # An unusable queue is refused before anything is written beside it (the lock, the heartbeat):
+    # one SQLite can only read opens read-only without a word, so what cannot be written is asked first.
+    store.require_writable()
+    store.connect().close()
     lock = store.take_lock(store.worker_lock_path())
     if lock is None:
         holder = store.read_worker_heartbeat() or {}
@@ -3023,6 +3113,8 @@ class Beat:
                     store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
                                                   "tasks": ids, "slots": self.slots, "engine": self.engine,
                                                   "pid_start": self.pid_start, **said, **extra})
+            except store.QueueGone as exc:   # nothing to beat for: the loop and the runs act on it
+                current().lost.gone(exc)
             except Exception as exc:
                 if not db_outage(exc):
                     raise
@@ -3039,7 +3131,7 @@ class Beat:
 
 class WorkerState:
     """What one worker process keeps across its tasks and slots: the signal flags, its view of
-    the queue database (outage, full disk), its heartbeat and its voice. One is
+    the queue database (outage, full disk, its file gone), its heartbeat and its voice. One is
     made per ``main()`` (``fresh_state``); ``current()`` is the one in use (made on first use for
     callers that never ran ``main``; a test that needs a clean one calls ``fresh_state``)."""
 
@@ -3048,6 +3140,7 @@ class WorkerState:
         self.full_disk = FullDisk()
         self.outage = Outage(self.full_disk)
         self.beat = Beat(self.outage)
+        self.lost = LostQueue()
         self.talk = voice or Talk()
         self.engines: engine_slots.Slots | None = None   # the kept servers (WORKER_ENGINE=1), per pass
 
@@ -3138,6 +3231,7 @@ class Loop:
                  pool: ThreadPoolExecutor) -> None:
         self.watch, self.max_tasks, self.knobs, self.slots, self.pool = watch, max_tasks, knobs, slots, pool
         self.state = current()
+        self.state.lost.watch = watch
         self.owner, self.pid, self.pid_start = worker_identity()
         self.busy: set[Any] = set()   # the slots' futures
         self.started = self.trimmed = 0   # tasks started; and when the heap was last handed back
@@ -3160,13 +3254,16 @@ class Loop:
             try:
                 with store.lock_wait(give_up=lambda: flags.stopping):   # a stop is not held up by a locked queue
                     task = self._turn()
+                if not self._next(task):
+                    break
+            except store.QueueGone as exc:
+                if not self._queue_gone(exc):
+                    break
             except Exception as exc:
                 if not db_outage(exc):
                     raise
                 if self._outage(exc):
                     continue
-                break
-            if not self._next(task):
                 break
         while self.busy:  # first signal: the tasks in hand finish (a second one ends them at once)
             self.state.talk.signals(flags.stopping, flags.stop_now)
@@ -3179,6 +3276,12 @@ class Loop:
 
     def _turn(self) -> dict[str, Any] | None:
         """Reap when due, beat, claim a task when a slot is free; the task claimed, or None."""
+        lost = self.state.lost
+        if lost.since is not None:   # the queue file went away: is it back?
+            self.mark = store.last_event_id()   # QueueGone while it is not: the loop waits for it (run)
+            if self.busy:
+                return None          # the attempts it ended go back once every one has ended
+            lost.back()              # said, and those attempts handed back before anything is claimed
         # A one-pass announces itself once it has work; --watch at once.
         self.announced = self.announced or (self.watch and announce_start(self.watch, self.slots))
         if time.monotonic() - self.last_reap > (60 if self.watch else 0):
@@ -3206,6 +3309,20 @@ class Loop:
                 "claims go on", talk.QUIET)
             self.folders_said = problem
         return problem is not None
+
+    def _queue_gone(self, exc: store.QueueGone) -> bool:
+        """The queue file is gone (said once, ``LostQueue``): True to look again after a poll
+        (``--watch``: it waits for the file to be put back), False when a one-pass stops claiming
+        (exit status 1 once its tasks in hand end). Nothing is claimed meanwhile: every store
+        call fails until the file is back."""
+        self.state.lost.gone(exc)
+        if not self.watch:
+            self.status = 1
+            return False
+        end = time.monotonic() + self.knobs.poll_sec
+        while time.monotonic() < end and not self.state.flags.stopping:
+            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        return True
 
     def _outage(self, exc: BaseException) -> bool:
         """The queue database failed a turn: True to turn again after a back-off (``--watch``, or
@@ -3262,6 +3379,8 @@ class Loop:
         # milliseconds; the poll is the fallback (back-off ends, no inotify).
         try:
             store.wait_for_change(self.mark, self.nap, self.knobs.poll_sec)
+        except store.QueueGone:
+            raise   # the loop waits for the file (run)
         except Exception as exc:
             if not db_outage(exc):
                 raise
@@ -3345,13 +3464,20 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
     """run_task, but a bug of ours fails the attempt with its reason instead of leaving it running."""
     current().beat.running(task, True)
     began, final, flags, unwritten = time.monotonic(), None, current().flags, False
+    lost: str | None = None   # where its work was left, when the queue file went
     try:
         # A stop now is not held up by a locked queue: each write gives up its wait for the lock
         # (db() then raises, and the attempt is left to the reaper, below).
         with store.lock_wait(give_up=lambda: flags.stop_now):
             final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
-        if db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
+        if isinstance(exc, (QueueLostMidRun, store.QueueGone)):   # nothing can be written: kept, handed back later
+            current().lost.gone(exc)
+            current().lost.ended_attempt(task)
+            lost = kept_work_words(getattr(exc, "ws", None)) + (   # said in its end line
+                "; it goes back to the queue (no retry spent) once the file is put back" if current().lost.watch
+                else "; the next pass hands it back once the file is put back")
+        elif db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
             why = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
             log(f"{task['id']}: the worker stopped before the queue database could be written ({why}): the "
                 "attempt is left to the next pass's reaper; its worktree and branch are kept" if flags.stop_now else
@@ -3368,7 +3494,7 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             final = _finish(store.fail_attempt, task, task["run_marker"], fault.line, retryable=fault.retry)
         elif isinstance(exc, store.TaskNotFound):   # its row went: deleted, or the queue file replaced
             log(f"{task['id']}: the task is no longer in the queue {store.database_label()} (its row was removed, or "
-                "the queue file was replaced or deleted): its run was ended; its worktree and branch are kept",
+                "the queue file was replaced by another): its run was ended; its worktree and branch are kept",
                 talk.QUIET)
         else:
             log(f"{task['id']}: internal error: {traceback.format_exc()}", talk.QUIET)
@@ -3377,9 +3503,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
         current().beat.running(task, False)
         # a stop not yet said is said while it still names this task
         current().talk.signals(flags.stopping, flags.stop_now)
-        now = _row_now(task["id"]) if final is None and not unwritten else None
+        now = _row_now(task["id"]) if final is None and not unwritten and lost is None else None
         current().talk.ended(task, final, time.monotonic() - began, handed_back=flags.stop_now, unwritten=unwritten,
-                             now=now)
+                             lost=lost, now=now)
 
 
 def _row_now(task_id: str) -> dict[str, Any] | None:

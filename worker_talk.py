@@ -124,13 +124,14 @@ class Talk:
                 f"model {plain(model, 80) if model else 'none'})", style="cyan")
 
     def ended(self, task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-              handed_back: bool = False, unwritten: bool = False, now: dict[str, Any] | None = None) -> None:
-        """The task's end line: status, duration, cost, branch (or why it failed or waits; ``now``:
-        see ``ended_line``)."""
+              handed_back: bool = False, unwritten: bool = False, lost: str | None = None,
+              now: dict[str, Any] | None = None) -> None:
+        """The task's end line: status, duration, cost, branch (or why it failed or waits; ``lost``,
+        ``now``: see ``ended_line``)."""
         with self.lock:
             self.running.pop(task["id"], None)
         self._refresh()
-        message, style = ended_line(task, final, seconds, handed_back, unwritten, now)
+        message, style = ended_line(task, final, seconds, handed_back, unwritten, lost, now)
         self.say(message, level=QUIET if style == "red" else NORMAL, style=style)
 
     def signals(self, stopping: bool, stop_now: bool) -> None:
@@ -205,21 +206,19 @@ def tool_text(event: dict[str, Any]) -> str:
 
 
 def ended_line(task: dict[str, Any], final: dict[str, Any] | None, seconds: float,
-               handed_back: bool = False, unwritten: bool = False,
+               handed_back: bool = False, unwritten: bool = False, lost: str | None = None,
                now: dict[str, Any] | None = None) -> tuple[str, str]:
     """The end-of-task line and its style, from the task as claimed and as it ended
     (``handed_back``: the worker was told to stop at once and requeued it; ``unwritten``: the
     attempt's end could not be written to the queue, so ``final`` is None and the reaper decides;
+    ``lost``: its run was ended because the queue file went: where its work was left, and what next;
     ``now``: when ``final`` is None because the attempt was ended from outside, the task's row as
     it stands after it (``{"status": "gone"}``: its row was removed; None: not read), which says
     what ended it: see ``ended_from_outside``)."""
     ident = task["id"]
     took = f"{seconds:.1f} s" if seconds < 100 else f"{seconds / 60:.1f} min"
-    if final is None and unwritten:
-        return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
-               "for the reaper (the next pass hands it back)", "yellow"
     if final is None:
-        return f"{ident} attempt ended after {took}: {ended_from_outside(task, now)}", "yellow"
+        return _unrecorded_line(task, took, unwritten, lost, now)
     usage = final.get("usage") if isinstance(final.get("usage"), dict) else {}
     cost = f", ${usage.get('cost_usd', 0):.4f}" if usage else ""
     status = final["status"]
@@ -285,13 +284,28 @@ def ended_from_outside(task: dict[str, Any], now: dict[str, Any] | None) -> str:
     return f"it was ended from outside the worker: the task is {now['status']} now"
 
 
+def _unrecorded_line(task: dict[str, Any], took: str, unwritten: bool, lost: str | None,
+                     now: dict[str, Any] | None) -> tuple[str, str]:
+    """The end line of an attempt whose end this worker did not record (``ended_line``'s words)."""
+    ident = task["id"]
+    if lost is not None:
+        return f"{ident} attempt ended after {took}: its run was ended, the queue file is gone; {lost}", "red"
+    if unwritten:
+        return f"{ident} attempt ended after {took}: its end could not be written to the queue; left running " \
+               "for the reaper (the next pass hands it back)", "yellow"
+    return f"{ident} attempt ended after {took}: {ended_from_outside(task, now)}", "yellow"
+
+
 _log_lock = threading.Lock()
 
 
 def write_log_line(message: str) -> None:
     """Append ``<ISO time> <message>`` to the worker log beside the database, cut to its newer
-    half once it passes LOG_MAX_BYTES. A log that cannot be written is skipped (never fatal)."""
+    half once it passes LOG_MAX_BYTES. A log that cannot be written is skipped (never fatal), as
+    is one whose folder went away with the queue file (it is not made again beside nothing)."""
     path = store.state_path("worker.log")
+    if not path.parent.is_dir() and store.queue_gone():
+        return
     entry = f"{store.iso(time.time())} {plain(message, 2000)}\n".encode()
     with _log_lock:
         try:

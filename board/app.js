@@ -152,7 +152,12 @@
     const w = status.worker || {};
     const state = w.label || "never seen";
     const parts = [el("span", { class: "badge w-" + state.replace(" ", "-"), id: "worker-state" }, "worker " + state)];
-    if (w.seen) {
+    if (w.seen && w.gone_since) {               // gone, stopped or silent: it runs nothing now
+      parts.push(" since " + age(w.gone_since) + " ago, pid " + w.pid + " on " + (w.host || "?") +
+        "; when last seen " + (w.state || "?"));
+      const had = w.last_tasks || [];
+      if (had.length) parts.push(" with ", ...had.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
+    } else if (w.seen) {
       parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + ", " + age(w.at) + " ago");
       if (w.tasks && w.tasks.length) parts.push(", runs ", ...w.tasks.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
       if (w.slots) parts.push(", " + w.slots + " slot(s)");

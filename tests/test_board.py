@@ -270,8 +270,9 @@ def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(clie
     tool = bridge.worker_heartbeat()
     for view in (board, cli, tool):
         assert view["died"] is True and view["recent"] is True and view["pid"] == dead.pid
-        assert view["tasks"] == ["t_0001"] and view["slots"] == 2 and "gone" in view["summary"]
-        assert view["label"] == "gone"
+        assert view["tasks"] == [] and view["task"] is None, "a dead worker runs nothing now"
+        assert view["last_tasks"] == ["t_0001"] and view["slots"] == 2 and "gone" in view["summary"]
+        assert view["label"] == "gone" and view["gone_since"] == view["at"]
 
 
 @pytest.mark.parametrize("beat,label", [

@@ -1,6 +1,7 @@
 """tasks_cli.py through click's CliRunner (and once as a real script): every command, by hand."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -1163,6 +1164,58 @@ def test_status_says_when_the_worker_that_wrote_the_heartbeat_is_gone(tmp_path, 
     assert result.exit_code == 0
     assert f"The worker (pid {dead.pid}) that wrote this heartbeat is gone: {said}." in result.stderr
     assert ("requeue" in result.output + result.stderr) == ("tasks" in beat)
+
+
+def status_rows(output: str) -> dict[str, str]:
+    """`status`'s field tables as {field: value} (the first of each name)."""
+    rows: dict[str, str] = {}
+    for row in output.splitlines():
+        name, _, value = row.strip().partition("  ")
+        rows.setdefault(name, value.strip())
+    return rows
+
+
+def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_path, monkeypatch):
+    """A fresh user's finding: a worker killed mid-run was listed as running its task still. A real
+    `worker.py --watch` runs a task (a stand-in agent that runs until ended) and is killed."""
+    import psutil
+
+    from helpers import fake_binary, tagged, until, worker_process
+    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
+    task = submit(make_repo(tmp_path / "repo"), "long", model="fake/model", timeout_sec=600)
+    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model")
+    with worker_process(env, tmp_path / "worker.out", "--watch") as proc:
+        running = until(lambda: (t := task_store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
+        until(lambda: task_views_worker()["tasks"] == [task["id"]], 30, "the heartbeat to name the task")
+        alive = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"})
+        assert status_rows(alive.stdout)["runs"] == f"{task['id']} (running)", alive.stdout
+        proc.kill()   # dies mid-run: no last heartbeat
+        proc.wait(30)
+    for orphan in tagged(running["run_marker"]):   # its run, orphaned by the kill (the next pass's to end)
+        with contextlib.suppress(psutil.Error):
+            orphan.kill()
+    shown = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"})
+    rows = status_rows(shown.stdout)
+    assert rows["worker"].startswith("gone since ") and f"pid {proc.pid}" in rows["worker"], shown.stdout
+    assert rows["runs"].startswith("nothing now; when last seen") and f"{task['id']} (running)" in rows["runs"]
+    worker = json.loads(CliRunner().invoke(cli, ["status", "--json"]).stdout)["worker"]
+    assert worker["tasks"] == [] and worker["task"] is None and worker["last_tasks"] == [task["id"]], worker
+    assert worker["label"] == "gone" and worker["gone_since"] == worker["at"]
+    # A worker on another host that went silent is not shown running its task either.
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
+        task_store.write_worker_heartbeat({"state": "running", "task": "t_0009", "tasks": ["t_0009"], "slots": 1})
+    import task_views
+    monkeypatch.setattr(task_views, "WORKER_ELSEWHERE_SILENT_SEC", -1)   # its heartbeat is old already
+    table = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"}).stdout
+    silent = next(row for row in table.splitlines() if "build-server" in row and "│" in row)
+    assert "stale since" in silent and "none now (had t_0009)" in silent and "was running" in silent, silent
+    assert status_rows(table)["runs"].startswith("nothing now"), table   # the newest: the silent one
+
+
+def task_views_worker() -> dict:
+    import task_views
+    return task_views.worker_state()
 
 
 def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_path):

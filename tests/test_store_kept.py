@@ -90,13 +90,19 @@ def test_a_forked_child_never_uses_its_parents_connection(tmp_path, store_backen
 
 
 def test_a_replaced_database_file_is_reopened_not_written_through_a_stale_connection(tmp_path):
+    """Deleted, the file is not made again by this process (QueueGone: test_queue_gone.py); another
+    queue put in its place is opened, never written through the connection to the old file."""
     submit_many(tmp_path, 2)
     path = store.db_path()
     for suffix in ("", "-wal", "-shm"):
         Path(str(path) + suffix).unlink(missing_ok=True)
-    assert store.counts() == dict.fromkeys(store.STATUSES, 0)
-    store.submit_task(title="fresh", instructions="i", working_dir=str(tmp_path))
-    assert path.exists() and store.get_task("t_0001")["title"] == "fresh"
+    with pytest.raises(store.QueueGone):
+        store.counts()
+    subprocess.run([sys.executable, "-c", "import sys, task_store\ntask_store.submit_task(title='fresh', "
+                    "instructions='i', working_dir=sys.argv[1])", str(tmp_path)], cwd=ROOT, check=True, timeout=60)
+    assert store.counts() == dict.fromkeys(store.STATUSES, 0) | {"pending": 1}
+    store.submit_task(title="second", instructions="i", working_dir=str(tmp_path))
+    assert path.exists() and [t["title"] for t in store.list_tasks()["tasks"]] == ["second", "fresh"]
 
 
 def test_a_failed_transaction_leaves_the_kept_connection_usable(tmp_path):

@@ -1,0 +1,121 @@
+"""The queue file deleted or moved away under running processes (found by a fresh user: a
+``worker.py --watch`` made a new, empty queue at that path on its next open and carried on; the
+task it was running kept running against nothing, its worktree orphaned).
+
+The store makes no new queue where one it had open went (QueueGone, until the file is put back);
+a first open of a path that never held a queue still makes one. The worker says in one line that
+its queue file is gone and the way out, ends its runs (their worktrees kept, named in the log),
+claims nothing more and waits for the file: put back, it says so, hands the ended attempts back
+(no retry spent) and claims again.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+import task_store as store
+from helpers import fake_binary, make_repo, submit, until, worker_process
+
+
+def queue_files(path: Path) -> list[Path]:
+    return [Path(str(path) + suffix) for suffix in ("", "-wal", "-shm") if Path(str(path) + suffix).exists()]
+
+
+def test_a_queue_file_that_went_is_not_made_again_until_it_is_put_back(tmp_path):
+    submit(tmp_path, "mine")
+    path = store.db_path()
+    away = tmp_path / "moved-away.db"
+    path.rename(away)
+    for call in (store.counts, lambda: store.submit_task(title="t", instructions="i", working_dir=str(tmp_path)),
+                 lambda: store.write_worker_heartbeat({"state": "idle"})):
+        with pytest.raises(store.QueueGone) as gone:
+            call()
+        said = str(gone.value)
+        assert str(path) in said and "put the file back" in said and "restart" in said, said
+    assert not path.exists() and not store.state_path("worker.json").exists(), "nothing made in its place"
+    away.rename(path)   # put back: carried on, its tasks there
+    assert [t["title"] for t in store.list_tasks()["tasks"]] == ["mine"]
+
+
+def test_a_first_open_still_makes_a_new_queue_and_a_let_go_one_is_made_again(tmp_path, monkeypatch):
+    fresh = tmp_path / "new" / "tasks.db"
+    monkeypatch.setenv("TASK_DB_PATH", str(fresh))
+    assert store.counts()["pending"] == 0 and fresh.exists()
+    store.close_connections()   # let go of on purpose (a process done with it): the next use is a first one
+    fresh.unlink()
+    assert store.counts()["pending"] == 0 and fresh.exists()
+
+
+def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_and_waits_for_it(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    # A stand-in agent that runs until it is ended (the real one would need a model's answer).
+    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
+    task = submit(repo, "long", model="fake/model", timeout_sec=600)
+    path = store.db_path()
+    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1",
+               WORKER_POLL_SEC="0.2")
+    out = tmp_path / "worker.out"
+    with worker_process(env, out, "--watch") as proc:
+        running = until(lambda: (t := store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
+        agent = psutil.Process(running["agent_pid"])
+        worktree = Path(running["worktree_path"])
+        store.close_connections()   # this test's own connection: it reads the file again once it is back
+        away = tmp_path / "away"
+        away.mkdir()
+        for file in queue_files(path):
+            file.rename(away / file.name)
+        said = until(lambda: "its run was ended" in (text := out.read_text()) and text, 60, "the run to end")
+        gone = [line for line in said.splitlines() if "is gone (deleted or moved away)" in line]
+        assert len(gone) == 1 and str(path) in gone[0], said
+        assert "put the file back" in gone[0] and "restart the worker" in gone[0], gone[0]
+        ended = next(line for line in said.splitlines() if "its run was ended" in line)
+        assert task["id"] in ended and f"its worktree {worktree}" in ended and "is kept" in ended, ended
+        until(lambda: not agent.is_running() or agent.status() == psutil.STATUS_ZOMBIE, 30, "the agent to end")
+        assert worktree.is_dir(), "the worktree is kept"
+        beat = store.state_path("worker.json").stat().st_mtime_ns
+        time.sleep(2)   # the worker looks for its file again meanwhile
+        assert proc.poll() is None, "a --watch worker waits for its file"
+        assert not path.exists(), "no new queue in its place"
+        assert store.state_path("worker.json").stat().st_mtime_ns == beat, "no heartbeat beside a queue that went"
+        assert "Traceback" not in out.read_text()
+        for file in away.iterdir():   # put back: it carries on with its own tasks
+            file.rename(path.parent / file.name)
+        until(lambda: "is back" in out.read_text(), 60, "the worker to see its file back")
+        again = until(lambda: (t := store.get_task(task["id"]))["attempts"] == 2 and t["agent_pid"] and t, 90,
+                      "the handed-back task to run again")
+        assert again["handbacks"] == 1, again
+        store.cancel_task(task["id"])   # its run ends; the worker stops at once on leaving
+        until(lambda: store.get_task(task["id"])["status"] == "cancelled", 60, "the cancel")
+    assert "Traceback" not in out.read_text(), out.read_text()
+
+
+def test_a_one_pass_whose_queue_file_goes_ends_its_run_and_exits_1_without_making_one(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    repo = make_repo(tmp_path / "repo")
+    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
+    task = submit(repo, "long", model="fake/model", timeout_sec=600)
+    path = store.db_path()
+    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        worktree = until(lambda: store.get_task(task["id"])["agent_pid"] and store.get_task(task["id"])[
+            "worktree_path"], 90, "the agent to start")
+        store.close_connections()
+        path.rename(tmp_path / "away.db")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    gone = [line for line in out.splitlines() if "is gone (deleted or moved away)" in line]
+    assert len(gone) == 1 and "this pass claims nothing more" in gone[0], out
+    assert f"its worktree {worktree}" in out and Path(worktree).is_dir() and "Traceback" not in out, out
+    assert not path.exists(), "no new queue in its place"
