@@ -220,17 +220,17 @@ class LostQueue:
     ran; the store makes no new one in its place). Said once when it goes, with the way out: the
     attempts in hand end (their worktrees kept and named), nothing more is claimed, and a --watch
     worker waits for the file to be put back: then it says so, hands those attempts back (no
-    retry spent) and claims again. A one-pass exits 1 once its tasks in hand end."""
+    retry spent) and claims again. A one-pass exits 1 once its tasks in hand end; the next pass's
+    reaper then requeues them as attempts whose worker ended (each spending a retry)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.watch = True                 # a --watch worker waits for the file; a one-pass exits (Loop sets it)
         self.since: float | None = None   # time.time() when a store call first met it gone
-        self.ended: list[tuple[str, str]] = []   # (task id, run marker) of the attempts it ended
+        self.ended: list[tuple[str, str, str]] = []   # (task id, run marker, where its work is) it ended
 
-    def gone(self, _exc: BaseException | None = None) -> None:
-        """A store call met the queue file gone (``_exc``: the QueueGone, whose words this line
-        puts the worker's way): say so once."""
+    def gone(self) -> None:
+        """A store call met the queue file gone: say so once, with the way out."""
         with self.lock:
             if self.since is not None:
                 return
@@ -242,50 +242,66 @@ class LostQueue:
                     "at that path")
         else:
             said = ("this pass claims nothing more and exits once the tasks in hand end (their worktrees are kept); "
-                    "put the file back there before the next pass, which hands them back, or the next pass begins "
-                    "a new, empty queue at that path")
+                    "put the file back there: the next pass's reaper then requeues them as attempts whose worker "
+                    "ended (each spends a retry); else the next pass begins a new, empty queue at that path")
         log(f"the queue file {path} is gone (deleted or moved away): {said}", talk.QUIET)
 
-    def ended_attempt(self, task: dict[str, Any]) -> None:
-        """``task``'s attempt was ended because the queue file went: handed back once it returns."""
+    def ended_attempt(self, task: dict[str, Any], where: str) -> None:
+        """``task``'s attempt was ended because the queue file went (``where``: where its work was
+        left, kept_work_words): handed back once the file returns, at once when it is back already."""
         with self.lock:
-            self.ended.append((task["id"], task["run_marker"]))
+            if self.since is not None:
+                self.ended.append((task["id"], task["run_marker"], where))
+                return
+        self._hand_back([(task["id"], task["run_marker"], where)])
 
     def back(self) -> None:
         """A store call answered again after the file went: say so and hand the ended attempts
-        back (fenced: a restored copy that does not hold that attempt is left as it is)."""
+        back (fenced: a queue put there that does not hold an attempt, a new one or another copy,
+        leaves it as it is, and each such attempt is named with where its work is)."""
         with self.lock:
             since, ended, self.since, self.ended = self.since, self.ended, None, []
         if since is None:
             return
-        log(f"the queue file {store.db_path()} is back after {time.time() - since:.0f} s; claims go on", talk.QUIET)
-        for index, (task_id, marker) in enumerate(ended):
+        log(f"a queue file is at {store.db_path()} again after {time.time() - since:.0f} s; claims go on", talk.QUIET)
+        self._hand_back(ended)
+
+    def _hand_back(self, ended: list[tuple[str, str, str]]) -> None:
+        for index, (task_id, marker, where) in enumerate(ended):
             try:
                 store.requeue_attempt(task_id, marker, "the queue file was gone while this attempt ran: its run was "
                                       "ended; handed back (its worktree was kept)", count_attempt=False)
-            except (store.StaleAttempt, store.TaskNotFound):   # a copy without that attempt running
+            except (store.StaleAttempt, store.TaskNotFound):   # a new queue, or a copy without that attempt running
+                log(f"{task_id}: its attempt {marker}, ended while the queue file was gone, is not in the queue "
+                    f"there now (a new queue, or another copy, was put in its place), so nothing hands it back: "
+                    f"{where}", talk.QUIET)
                 continue
             except store.QueueGone:   # gone again (said again by the loop): these wait for its next return
                 with self.lock:
+                    self.since = self.since or time.time()
                     self.ended = ended[index:] + self.ended
                 raise
             log(f"{task_id}: handed back (its run was ended while the queue file was gone)")
 
 
 class QueueLostMidRun(Exception):
-    """An attempt met the queue file gone (``gone``: the store's QueueGone) after its workspace
-    ``ws`` was made (None: before): the run was ended, the worktree is kept."""
+    """An attempt met the queue file gone (the store's QueueGone) after its workspace ``ws`` was
+    made (None: before): the run was ended, the worktree is kept."""
 
     def __init__(self, gone: BaseException, ws: Workspace | None) -> None:
         super().__init__(str(gone))
-        self.gone, self.ws = gone, ws
+        self.ws = ws
 
 
 def kept_work_words(ws: Workspace | None) -> str:
-    """Where an attempt ended early left its work, for the log: the worktree and its branch, the
-    folder it ran in, or the worktree folder when none was made yet."""
+    """Where an attempt ended early left its work, for the log: the worktree and its branch (or,
+    when the run had ended and removed it already, the branch), the folder it ran in, or the
+    worktree folder when none was made yet."""
     if ws is None:
         return f"no worktree of its was finished yet (look under {worktrees.worktree_root()})"
+    if ws.mode == "worktree" and not os.path.isdir(ws.top or ""):
+        return (f"its run had ended and its worktree {ws.top} was removed: what it committed is on branch "
+                f"{ws.branch} (a run that committed nothing leaves no branch)")
     if ws.mode == "worktree":
         return f"its worktree {ws.top} (branch {ws.branch}) is kept as it was"
     return f"it ran in place in {ws.cwd}: what it changed there is left as it was"
@@ -2729,23 +2745,23 @@ def _remove(ws: Workspace, receipt: Receipt) -> None:
 def _drop_empty_branch(task: dict, ws: Workspace, receipt: Receipt) -> bool:
     """A run that changed nothing, its worktree gone: its empty branch is deleted (see
     worktrees.drop_empty_branch) and the receipt and the task's row say there is no branch.
-    False when the attempt was superseded meanwhile (the caller stops). A git command stopped on
-    the way keeps the branch, as before this cleanup existed."""
+    False when the attempt was superseded meanwhile (the caller stops; the branch is put back).
+    A git command stopped on the way keeps the branch, as before this cleanup existed."""
     if not receipt.get("no_change") or not receipt.get("worktree_removed"):
         return True
-    try:
-        if not worktrees.drop_empty_branch(ws):
-            return True
-    except worktrees.GitError as exc:
-        log(f"{task['id']}: its empty branch {ws.branch} is kept: {exc}")
-        return True
-    receipt.update(branch=None, branch_deleted=ws.branch)
-    log(f"{task['id']} changed nothing: its empty branch {ws.branch} was deleted", talk.VERBOSE)
-    try:
+
+    def record() -> bool:
         db(store.renew_lease, task["id"], task["run_marker"], branch=None)
+        return True
+
+    try:
+        if not _branch_dropped(task, ws, record):
+            return True
     except store.StaleAttempt as exc:
         log(str(exc))
         return False
+    receipt.update(branch=None, branch_deleted=ws.branch)
+    log(f"{task['id']} changed nothing: its empty branch {ws.branch} was deleted", talk.VERBOSE)
     return True
 
 
@@ -2757,16 +2773,36 @@ def _drop_branch_of_ended(task: dict, ws: Workspace, final: dict[str, Any] | Non
     if not final or final["status"] not in ("cancelled", "failed") or final.get("run_marker") != task["run_marker"] \
             or task["worktree_keep"] or ws.mode != "worktree" or final.get("branch") != ws.branch:
         return
-    try:
-        with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
-            if not worktrees.drop_empty_branch(ws):
-                return
-    except worktrees.GitError as exc:
-        log(f"{task['id']}: its empty branch {ws.branch} is kept: {exc}")
-        return
-    if db(store.record_branch_dropped, task["id"], task["run_marker"], ws.branch):
+    with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
+        dropped = _branch_dropped(task, ws, lambda: db(store.record_branch_dropped, task["id"], task["run_marker"],
+                                                       ws.branch))
+    if dropped:
         log(f"{task['id']} ended {final['status']} having committed nothing: its empty branch {ws.branch} was "
             "deleted", talk.VERBOSE)
+
+
+def _branch_dropped(task: dict, ws: Workspace, record: Callable[[], bool]) -> bool:
+    """Delete ``ws``'s empty branch (worktrees.drop_empty_branch), then ``record`` it in the queue
+    (True: recorded). Whether both happened. When the record is refused (False) or raises, the
+    branch is put back (worktrees.restore_branch) and the exception goes on: the task's row never
+    names a branch that is gone. A git failure keeps the branch (said in the worker's log)."""
+    try:
+        if not worktrees.drop_empty_branch(ws):
+            return False
+    except worktrees.GitError as exc:
+        log(f"{task['id']}: its empty branch {ws.branch} is kept: {exc}")
+        return False
+    recorded = False
+    try:
+        recorded = record()
+    finally:
+        if not recorded:
+            try:
+                worktrees.restore_branch(ws)
+            except worktrees.GitError as exc:
+                log(f"{task['id']}: its empty branch {ws.branch} was deleted, but the queue did not record it and "
+                    f"putting it back failed: {exc}")
+    return recorded
 
 
 def _bookkeeping_failed(task: dict, ws: Workspace, run: RunResult, receipt: Receipt, diff: str | None,
@@ -3113,8 +3149,8 @@ class Beat:
                     store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
                                                   "tasks": ids, "slots": self.slots, "engine": self.engine,
                                                   "pid_start": self.pid_start, **said, **extra})
-            except store.QueueGone as exc:   # nothing to beat for: the loop and the runs act on it
-                current().lost.gone(exc)
+            except store.QueueGone:   # nothing to beat for: the loop and the runs act on it
+                current().lost.gone()
             except Exception as exc:
                 if not db_outage(exc):
                     raise
@@ -3256,8 +3292,8 @@ class Loop:
                     task = self._turn()
                 if not self._next(task):
                     break
-            except store.QueueGone as exc:
-                if not self._queue_gone(exc):
+            except store.QueueGone:
+                if not self._queue_gone():
                     break
             except Exception as exc:
                 if not db_outage(exc):
@@ -3279,9 +3315,7 @@ class Loop:
         lost = self.state.lost
         if lost.since is not None:   # the queue file went away: is it back?
             self.mark = store.last_event_id()   # QueueGone while it is not: the loop waits for it (run)
-            if self.busy:
-                return None          # the attempts it ended go back once every one has ended
-            lost.back()              # said, and those attempts handed back before anything is claimed
+            lost.back()              # said, and the attempts it ended handed back (one ending later, by its run)
         # A one-pass announces itself once it has work; --watch at once.
         self.announced = self.announced or (self.watch and announce_start(self.watch, self.slots))
         if time.monotonic() - self.last_reap > (60 if self.watch else 0):
@@ -3310,12 +3344,12 @@ class Loop:
             self.folders_said = problem
         return problem is not None
 
-    def _queue_gone(self, exc: store.QueueGone) -> bool:
+    def _queue_gone(self) -> bool:
         """The queue file is gone (said once, ``LostQueue``): True to look again after a poll
         (``--watch``: it waits for the file to be put back), False when a one-pass stops claiming
         (exit status 1 once its tasks in hand end). Nothing is claimed meanwhile: every store
         call fails until the file is back."""
-        self.state.lost.gone(exc)
+        self.state.lost.gone()
         if not self.watch:
             self.status = 1
             return False
@@ -3472,11 +3506,12 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
         if isinstance(exc, (QueueLostMidRun, store.QueueGone)):   # nothing can be written: kept, handed back later
-            current().lost.gone(exc)
-            current().lost.ended_attempt(task)
-            lost = kept_work_words(getattr(exc, "ws", None)) + (   # said in its end line
+            current().lost.gone()
+            where = kept_work_words(getattr(exc, "ws", None))
+            current().lost.ended_attempt(task, where)
+            lost = where + (   # said in its end line
                 "; it goes back to the queue (no retry spent) once the file is put back" if current().lost.watch
-                else "; the next pass hands it back once the file is put back")
+                else "; once the file is put back, the next pass's reaper requeues it (spending a retry)")
         elif db_outage(exc):   # never the task's failure: nothing can be written, the reaper decides
             why = " ".join(str(exc).split("; check TASK_DB_URL")[0].split())
             log(f"{task['id']}: the worker stopped before the queue database could be written ({why}): the "

@@ -754,6 +754,18 @@ def drop_empty_branch(ws: Workspace) -> bool:
         return not _branch_tip(ws.repo, ws.branch)
 
 
+def restore_branch(ws: Workspace) -> bool:
+    """Put back the empty branch ``drop_empty_branch`` deleted, at ``ws.base_commit``, when the
+    queue did not record its deletion; never over a branch of that name made since. Returns
+    whether it is there now at that commit. Raises GitStopped."""
+    if not ws.repo or not ws.branch or not ws.base_commit:
+        return False
+    with _admin():
+        # An empty old value makes the update create-only: a branch made meanwhile stays as it is.
+        git(["update-ref", f"refs/heads/{ws.branch}", ws.base_commit, ""], ws.repo, check=False)
+        return _branch_tip(ws.repo, ws.branch) == ws.base_commit
+
+
 def line_of_work(ws: Workspace, head: str | None) -> dict[str, Any]:
     """The whole line of work up to ``head`` (a follow-up's receipt): the commit it started from,
     the files changed since, the diff's size and the diff (clipped at LINE_DIFF_MAX characters)."""

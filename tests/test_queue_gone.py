@@ -84,12 +84,41 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
         assert "Traceback" not in out.read_text()
         for file in away.iterdir():   # put back: it carries on with its own tasks
             file.rename(path.parent / file.name)
-        until(lambda: "is back" in out.read_text(), 60, "the worker to see its file back")
+        until(lambda: f"a queue file is at {path} again" in out.read_text(), 60, "the worker to see its file back")
         again = until(lambda: (t := store.get_task(task["id"]))["attempts"] == 2 and t["agent_pid"] and t, 90,
                       "the handed-back task to run again")
         assert again["handbacks"] == 1, again
         store.cancel_task(task["id"])   # its run ends; the worker stops at once on leaving
         until(lambda: store.get_task(task["id"])["status"] == "cancelled", 60, "the cancel")
+    assert "Traceback" not in out.read_text(), out.read_text()
+
+
+def test_a_new_queue_made_where_the_watched_one_went_names_each_ended_attempt_and_its_worktree(tmp_path):
+    """A reviewer's finding: a new, empty queue made at the path (by any other command) while the
+    worker waited was taken for its own coming back, and the attempts it had ended were dropped
+    without a word, their worktrees orphaned. Each is named now, with where its work is."""
+    repo = make_repo(tmp_path / "repo")
+    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
+    task = submit(repo, "long", model="fake/model", timeout_sec=600)
+    path = store.db_path()
+    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1",
+               WORKER_POLL_SEC="0.2")
+    out = tmp_path / "worker.out"
+    with worker_process(env, out, "--watch") as proc:
+        running = until(lambda: (t := store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
+        worktree = Path(running["worktree_path"])
+        store.close_connections()
+        away = tmp_path / "away"
+        away.mkdir()
+        for file in queue_files(path):
+            file.rename(away / file.name)
+        until(lambda: "its run was ended" in out.read_text(), 60, "the run to end")
+        assert store.counts()["running"] == 0   # another command's first open: a new, empty queue at the path
+        said = until(lambda: "nothing hands it back" in (text := out.read_text()) and text, 60,
+                     "the worker to name the attempt the new queue does not hold")
+        line = next(line for line in said.splitlines() if "nothing hands it back" in line)
+        assert task["id"] in line and running["run_marker"] in line and str(worktree) in line, line
+        assert worktree.is_dir() and proc.poll() is None, said
     assert "Traceback" not in out.read_text(), out.read_text()
 
 
@@ -117,5 +146,7 @@ def test_a_one_pass_whose_queue_file_goes_ends_its_run_and_exits_1_without_makin
     assert proc.returncode == 1, out
     gone = [line for line in out.splitlines() if "is gone (deleted or moved away)" in line]
     assert len(gone) == 1 and "this pass claims nothing more" in gone[0], out
+    # What a next pass does (no memory of this one): its reaper requeues the attempt, spending a retry
+    assert "the next pass's reaper then requeues them" in gone[0] and "spends a retry" in gone[0], gone[0]
     assert f"its worktree {worktree}" in out and Path(worktree).is_dir() and "Traceback" not in out, out
     assert not path.exists(), "no new queue in its place"
