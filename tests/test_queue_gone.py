@@ -50,14 +50,19 @@ def test_a_first_open_still_makes_a_new_queue_and_a_let_go_one_is_made_again(tmp
     assert store.counts()["pending"] == 0 and fresh.exists()
 
 
-def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_and_waits_for_it(tmp_path):
+def long_task(tmp_path: Path) -> tuple[dict, Path, dict[str, str]]:
+    """A task in a real repository, the queue's path, and a --watch worker's environment whose
+    stand-in agent runs until it is ended (the real one would need a model's answer)."""
     repo = make_repo(tmp_path / "repo")
-    # A stand-in agent that runs until it is ended (the real one would need a model's answer).
     fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
     task = submit(repo, "long", model="fake/model", timeout_sec=600)
-    path = store.db_path()
     env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1",
                WORKER_POLL_SEC="0.2")
+    return task, store.db_path(), env
+
+
+def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_and_waits_for_it(tmp_path):
+    task, path, env = long_task(tmp_path)
     out = tmp_path / "worker.out"
     with worker_process(env, out, "--watch") as proc:
         running = until(lambda: (t := store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
@@ -97,12 +102,7 @@ def test_a_new_queue_made_where_the_watched_one_went_names_each_ended_attempt_an
     """A reviewer's finding: a new, empty queue made at the path (by any other command) while the
     worker waited was taken for its own coming back, and the attempts it had ended were dropped
     without a word, their worktrees orphaned. Each is named now, with where its work is."""
-    repo = make_repo(tmp_path / "repo")
-    fake = fake_binary(tmp_path / "bin", "opencode", '[ "$1" = run ] || exit 0\ncat > /dev/null\nexec sleep 300\n')
-    task = submit(repo, "long", model="fake/model", timeout_sec=600)
-    path = store.db_path()
-    env = dict(os.environ, OPENCODE_BIN=str(fake), WORKER_MODEL="fake/model", WORKER_KILL_GRACE_SEC="1",
-               WORKER_POLL_SEC="0.2")
+    task, path, env = long_task(tmp_path)
     out = tmp_path / "worker.out"
     with worker_process(env, out, "--watch") as proc:
         running = until(lambda: (t := store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
