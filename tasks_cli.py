@@ -1523,9 +1523,20 @@ def agent_started(task: dict[str, Any]) -> bool:
                 or (isinstance(result, dict) and result.get("latency_sec") is not None))
 
 
+def lease_live(task: dict[str, Any]) -> bool:
+    """Whether a worker holds a running task now: not claimed by hand, its worker process not gone
+    (task_views.holder_gone), its lease's heartbeat younger than WORKER_STALE_SEC (the reaper's
+    limit). Claiming clears the agent's pid, so such a task may still be preparing its run."""
+    beat = parse_time(task.get("heartbeat_at"))
+    if task["status"] != "running" or str(task.get("lease_owner") or "cli:").startswith("cli:") or beat is None:
+        return False
+    return not task_views.holder_gone(task) and time.time() - beat.timestamp() <= knobs.knob("WORKER_STALE_SEC")
+
+
 def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
     """Tell the person why a task has no log; True when following it still makes sense. A task
-    whose agent a worker started (`agent_started`) had a log at ``where``: it is missing now."""
+    whose agent a worker started (`agent_started`) had a log at ``where``: it is missing now. A
+    running task whose worker holds it (`lease_live`) is preparing its run: its agent is starting."""
     ident, status = task["id"], task["status"]
     owner = task.get("lease_owner") or ""
     if task["attempts"] and agent_started(task) and not owner.startswith("cli:"):
@@ -1535,6 +1546,13 @@ def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
                     f"written{then}. What the run did is still in its receipt: `{cli_command()} show {ident}`.",
                     soft_wrap=True)
         return status not in task_store.TERMINAL
+    if lease_live(task):
+        wait = "; waiting for it (Ctrl-C stops)" if follow else ""
+        remote = f"; a clone of {visible(task['repo'], multiline=False)} can take a while" if task.get("repo") else ""
+        err().print(f"{ident} has no log yet: its agent is starting. {visible(owner, multiline=False)} claimed it "
+                    f"{ago(task.get('claimed_at'))} ({task_views.attempt_text(task)}) and is preparing its run (its "
+                    f"worktree{remote}); the agent's log appears at {where} once it starts{wait}.", soft_wrap=True)
+        return True
     if task["attempts"] and not owner.startswith("cli:"):
         err().print(f"{ident} has no log: a worker claimed it ({task['attempts']} attempt(s); it is {status}) but "
                     "no attempt got as far as starting its agent, so nothing was written to "

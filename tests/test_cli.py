@@ -1218,6 +1218,33 @@ def task_views_worker() -> dict:
     return task_views.worker_state()
 
 
+def test_logs_of_a_task_a_live_worker_is_preparing_says_its_agent_is_starting(tmp_path):
+    """A reviewer's finding: claiming counts an attempt and clears the agent's pid, so a task whose
+    worker was still preparing its worktree (a remote clone takes a while) got "no attempt got as
+    far as starting its agent ... `show` says why": false, it is starting. Its worker lives here
+    (this process holds the lease); once that worker is gone the old words hold again."""
+    import psutil
+    task = submit(make_repo(tmp_path / "repo"), "slow start")
+    me = psutil.Process()
+    task_store.claim_next(f"worker:{task_store.host_name()}:{me.pid}", me.pid, me.create_time())
+    where = str(task_store.task_log_location(task["id"]))
+    said = CliRunner().invoke(cli, ["logs", task["id"]])
+    words = " ".join(said.stderr.split())
+    assert said.exit_code == 0 and "Traceback" not in said.output, said.output
+    assert f"{task['id']} has no log yet: its agent is starting." in words, words
+    assert re.search(r"claimed it \d+s ago \(attempt 1 of 2\) and is preparing its run \(its worktree\);", words), words
+    assert f"the agent's log appears at {where} once it starts." in words, words
+    assert "no attempt got as far" not in words and "show" not in words, words
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other = submit(make_repo(tmp_path / "repo2"), "its worker died")
+    task_store.claim_next(f"worker:{task_store.host_name()}:{dead.pid}", dead.pid, time.time() - 5)
+    words = " ".join(CliRunner().invoke(cli, ["logs", other["id"]]).stderr.split())
+    assert "a worker claimed it (1 attempt(s); it is running) but no attempt got as far as starting its agent" \
+        in words, words
+
+
 def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_path):
     runner = CliRunner()
     first = submit(tmp_path, "a")
