@@ -1766,7 +1766,8 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for name in ("Host", "Pid", "Worker", "State", "Tasks", "Heartbeat"):
         table.add_column(name)
     for worker in workers:
-        # A worker not online runs nothing now: its state and tasks are what it said last.
+        # A worker gone or stopped runs nothing now: its state and tasks are what it said last (a stale
+        # one keeps its tasks: it may still run them).
         state, tasks, had = worker["state"] or "-", ", ".join(worker["tasks"]), ", ".join(worker["last_tasks"])
         if worker["gone_since"]:
             state, tasks = f"was {state}", f"none now (had {had})" if had else ""
@@ -1776,12 +1777,16 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
 
 
 def worker_label_text(worker: dict[str, Any], short: bool = False) -> Text:
-    """The worker's one-word label (task_views.worker_label), styled; for one not online the time
-    of its last heartbeat: ``gone since 15:01:24`` (``short``), else with the date and how long ago."""
+    """The worker's one-word label (task_views.worker_label), styled; for one gone or stopped the
+    time of its last heartbeat: ``gone since 15:01:24`` (``short``), else with the date and how
+    long ago; for a stale one how long it has been silent: ``stale: not heard from for 45 s`` (it
+    may still run its tasks)."""
     said = worker["label"]
     if worker.get("gone_since"):
         since = worker["gone_since"]
         said += f" since {since[11:19]}" if short else f" since {since} ({ago(since)})"
+    elif worker["label"] == "stale" and worker.get("age_sec") is not None:
+        said += f": not heard from for {worker['age_sec']:.0f} s"
     return Text(said, style=WORKER_LABEL_STYLE.get(worker["label"], ""))
 
 
@@ -1816,8 +1821,8 @@ def worker_process_words(worker: dict[str, Any]) -> str:
 
 
 def worker_runs_words(worker: dict[str, Any]) -> str:
-    """What the worker does: its tasks, or its state when it runs none; for one not online
-    (gone, stopped, silent) nothing now, and what it said when last seen."""
+    """What the worker does: its tasks, or its state when it runs none (a stale worker's: what it
+    may still run); for one gone or stopped nothing now, and what it said when last seen."""
     if worker.get("gone_since"):
         had = ", ".join(worker.get("last_tasks") or [])
         last = f"{had} ({worker.get('state') or 'no state'})" if had else f"no task ({worker.get('state') or 'idle'})"
