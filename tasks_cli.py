@@ -1778,16 +1778,27 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
 
 def worker_label_text(worker: dict[str, Any], short: bool = False) -> Text:
     """The worker's one-word label (task_views.worker_label), styled; for one gone or stopped the
-    time of its last heartbeat: ``gone since 15:01:24`` (``short``), else with the date and how
-    long ago; for a stale one how long it has been silent: ``stale: not heard from for 45 s`` (it
-    may still run its tasks)."""
+    time of its last heartbeat: ``gone since 15:01:24`` in local time (``short``, `local_clock`),
+    else ISO UTC with how long ago; for a stale one how long it has been silent: ``stale: not heard
+    from for 45 s`` (it may still run its tasks)."""
     said = worker["label"]
     if worker.get("gone_since"):
         since = worker["gone_since"]
-        said += f" since {since[11:19]}" if short else f" since {since} ({ago(since)})"
+        said += f" since {local_clock(since)}" if short else f" since {since} ({ago(since)})"
     elif worker["label"] == "stale" and worker.get("age_sec") is not None:
         said += f": not heard from for {worker['age_sec']:.0f} s"
     return Text(said, style=WORKER_LABEL_STYLE.get(worker["label"], ""))
+
+
+def local_clock(value: str) -> str:
+    """An ISO time from the store as this machine's local wall clock, as the worker's and serve's
+    lines stamp theirs: ``15:01:24`` today, ``2025-01-01 15:01:24`` another day."""
+    stamp = parse_time(value)
+    if stamp is None:
+        return "-"
+    here = stamp.astimezone()
+    day = "" if here.date() == datetime.now().astimezone().date() else f"{here:%Y-%m-%d} "
+    return f"{day}{here:%H:%M:%S}"
 
 
 WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stopped": "dim"}

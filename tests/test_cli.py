@@ -1222,6 +1222,41 @@ def test_status_never_shows_a_dead_worker_running_its_last_task_but_a_silent_one
         in stale["summary"], stale["summary"]
 
 
+@pytest.fixture
+def kathmandu(monkeypatch):
+    """This process's local time zone set to UTC+05:45 (a POSIX rule: no tz database needed), and
+    back to the test run's own afterwards."""
+    from datetime import timedelta, timezone
+    before = os.environ.get("TZ")
+    monkeypatch.setenv("TZ", "<+0545>-05:45")
+    time.tzset()
+    yield timezone(timedelta(hours=5, minutes=45))
+    if before is None:   # put back now, for tzset (monkeypatch's own undo comes after this teardown)
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def test_the_workers_table_says_since_when_a_worker_is_gone_in_local_time(tmp_path, kathmandu):
+    """A reviewer's finding: the table's ``gone since 15:01:24`` was cut from a UTC time with no zone
+    (5 h 45 min off here). A worker here that wrote its heartbeat and died, beside another that runs."""
+    from datetime import datetime
+    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
+                             "{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001']})"])
+    dead.wait()
+    task_store.write_worker_heartbeat({"state": "idle"})   # this process: a second worker, online
+    workers = json.loads(CliRunner().invoke(cli, ["status", "--json"]).stdout)["workers"]
+    gone = next(w for w in workers if w["pid"] == dead.pid)
+    assert gone["label"] == "gone", gone
+    there = datetime.fromisoformat(gone["gone_since"]).astimezone(kathmandu)
+    day = "" if there.date() == datetime.now(kathmandu).date() else f"{there:%Y-%m-%d} "
+    table = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"}).stdout
+    row = next(row for row in table.splitlines() if f"│ {dead.pid} " in row)
+    assert f"gone since {day}{there:%H:%M:%S}" in row, row
+    assert gone["gone_since"][11:19] not in row, row   # not the UTC clock
+
+
 def task_views_worker() -> dict:
     import task_views
     return task_views.worker_state()
