@@ -1091,8 +1091,8 @@ def queue_status() -> PlannerStatus:
     the worker's liveness (`worker`: the last to report, from any host: heartbeat age in seconds,
     host, whether its process runs — null on another host —, a one-line summary that says when it
     claims nothing because the daily budget is spent; `workers`: every worker on every host,
-    newest heartbeat first, each labelled online, stale, gone or stopped; only an online one
-    has `tasks`), and `budget`:
+    newest heartbeat first, each labelled online, stale, gone or stopped; a gone or stopped one
+    has no `tasks`, a stale one keeps them: it may still run them), and `budget`:
     today's spend (local day; USD and tokens), the daily budget and default task limits (null =
     none), `exhausted` with its `reason`, and `resets_at` (next local midnight, ISO UTC);
     `unseen`: finished tasks whose result you have not read with get_task_result yet (oldest
@@ -1104,10 +1104,13 @@ def queue_status() -> PlannerStatus:
 @registry.tool(READ_ONLY, title="Worker heartbeat")
 def worker_heartbeat() -> WorkerState:
     """The last heartbeat of any worker (any host; queue_status lists them all): state (pass,
-    idle, running, stopped, error), the tasks it runs now (`tasks`; none once it is gone, stopped
-    or silent: what it said it ran then is `last_tasks`, its last heartbeat `gone_since`), pid,
+    idle, running, stopped, error), the tasks it runs now (`tasks`; none once it is gone or
+    stopped: what it said it ran then is `last_tasks`, its last heartbeat `gone_since`), pid,
     host, age in seconds, whether that process still runs (null when it runs on another host),
-    and a summary with what to do if no worker has been seen lately (restart_worker starts one)."""
+    and a summary with what to do if no worker has been seen lately (restart_worker starts one).
+    A worker on another host silent for over 30 s is `stale`: it keeps its `tasks`, which it may
+    still be running (their leases stay its own until their heartbeat is WORKER_STALE_SEC old,
+    900 s by default): do not retry or cancel them on that alone."""
     return cast(WorkerState, worker_state())
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from typing_extensions import TypedDict
 
 import agent_box
+import knobs
 import opencode_runner as oc
 import process_tree
 import redaction
@@ -121,9 +122,9 @@ class WorkerState(TypedDict):
     name: str | None                   # worker:<host>:<pid>, as its leases' owner
     state: str | None                  # the state word it last wrote (a gone worker's is what it said then)
     task: str | None                   # the first of ``tasks``
-    tasks: list[str]                   # the tasks it runs now: only an online worker's (else [])
+    tasks: list[str]                   # the tasks it runs: an online or stale worker's ([] once gone or stopped)
     last_tasks: list[str]              # the tasks it said it ran when it last reported
-    gone_since: str | None             # its last heartbeat (ISO 8601 UTC) once it is not online, else None
+    gone_since: str | None             # its last heartbeat (ISO 8601 UTC) once it is gone or stopped, else None
     slots: int | None
     engine: str | None                 # "cold" or "warm" (WORKER_ENGINE); None from a worker before it was said
     pid: int | None
@@ -292,6 +293,18 @@ def gone_words(worker: dict[str, Any]) -> str:
     return "it ended without saying it stopped (killed?) while it held no task"
 
 
+def stale_tasks_words(tasks: list[str]) -> str:
+    """What a stale worker's tasks are: still its own (it may be running them), until their
+    leases' heartbeat is WORKER_STALE_SEC old and the next worker pass requeues them."""
+    try:
+        limit = f"{knobs.knob('WORKER_STALE_SEC'):g} s"
+    except knobs.KnobError:
+        limit = "WORKER_STALE_SEC"   # the entry points refuse a bad value with its own line
+    return (f"it may still be running {', '.join(map(str, tasks))}: the reaper leaves their leases to it until "
+            f"their heartbeat is {limit} old (WORKER_STALE_SEC), then the next worker pass requeues them; retry "
+            "or cancel them sooner only if you know that worker is gone")
+
+
 def worker_state() -> dict[str, Any]:
     """The worker that reported last, from any host (``task_store.list_workers``), judged as
     ``judge_worker`` does; the heartbeat file beside the database when the table has none or
@@ -367,9 +380,11 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
     (it refreshes its row every 5 s while it lives); ``pid_running`` (None when it was written on another
     host), ``died`` when its process is gone although it was not stopped or between passes,
     ``label`` (``worker_label``), a one-line summary saying what to do, and in ``extra`` any other
-    field the worker wrote (an ``error``, for one). ``tasks`` (and ``task``) are what an online
-    worker runs; one gone, stopped or silent runs none, what it said it ran is ``last_tasks``
-    and its last heartbeat ``gone_since``. None: no worker ever reported."""
+    field the worker wrote (an ``error``, for one). ``tasks`` (and ``task``) are what it runs: an
+    online worker's, and a stale one's (silent on another host, it may still run them: their leases
+    stay its own until their heartbeat is WORKER_STALE_SEC old, and the summary says so); one gone
+    or stopped runs none, what it said it ran is ``last_tasks`` and its last heartbeat
+    ``gone_since``. None: no worker ever reported."""
     if beat is None:
         return {"seen": False, "name": None, "state": None, "task": None, "tasks": [], "last_tasks": [],
                 "gone_since": None, "slots": None, "engine": None,
@@ -403,12 +418,15 @@ def judge_worker(beat: dict[str, Any] | None) -> dict[str, Any]:
                     "starts a pass" if running is not None else
                     f"; no heartbeat for over {silent_after} s: is the worker on {beat.get('host')} still running?")
     label = worker_label(True, recent, running, died, stopped=state == "stopped")
-    # What it runs now: a worker that is gone, stopped or silent runs nothing anyone can see; what
-    # it last said stays in last_tasks (a dead worker's tasks are the next pass's to requeue).
-    online = label == "online"
-    return {"seen": True, "name": beat.get("name"), "state": state, "task": (tasks[0] if tasks else None) if online
-            else None, "tasks": tasks if online else [], "last_tasks": tasks,
-            "gone_since": None if online else beat.get("at"),
+    if label == "stale" and tasks:
+        summary += "; " + stale_tasks_words(tasks)
+    # What it runs now: a worker gone or stopped runs nothing; what it last said stays in last_tasks
+    # (a dead worker's tasks are the next pass's to requeue). A stale one (silent on another host)
+    # may still run its tasks: the reaper leaves their leases alone until WORKER_STALE_SEC, so a
+    # reader must not be told they run under no one (a planner would retry or cancel work going on).
+    ended = label in ("gone", "stopped")
+    return {"seen": True, "name": beat.get("name"), "state": state, "task": None if ended or not tasks else tasks[0],
+            "tasks": [] if ended else tasks, "last_tasks": tasks, "gone_since": beat.get("at") if ended else None,
             "slots": beat.get("slots"), "engine": beat.get("engine"), "pid": beat.get("pid"), "host": beat.get("host"),
             "started_at": beat.get("started_at"), "at": beat.get("at"), "age_sec": age,
             "pid_running": running, "recent": recent, "died": died, "summary": summary,

@@ -1523,9 +1523,20 @@ def agent_started(task: dict[str, Any]) -> bool:
                 or (isinstance(result, dict) and result.get("latency_sec") is not None))
 
 
+def lease_live(task: dict[str, Any]) -> bool:
+    """Whether a worker holds a running task now: not claimed by hand, its worker process not gone
+    (task_views.holder_gone), its lease's heartbeat younger than WORKER_STALE_SEC (the reaper's
+    limit). Claiming clears the agent's pid, so such a task may still be preparing its run."""
+    beat = parse_time(task.get("heartbeat_at"))
+    if task["status"] != "running" or str(task.get("lease_owner") or "cli:").startswith("cli:") or beat is None:
+        return False
+    return not task_views.holder_gone(task) and time.time() - beat.timestamp() <= knobs.knob("WORKER_STALE_SEC")
+
+
 def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
     """Tell the person why a task has no log; True when following it still makes sense. A task
-    whose agent a worker started (`agent_started`) had a log at ``where``: it is missing now."""
+    whose agent a worker started (`agent_started`) had a log at ``where``: it is missing now. A
+    running task whose worker holds it (`lease_live`) is preparing its run: its agent is starting."""
     ident, status = task["id"], task["status"]
     owner = task.get("lease_owner") or ""
     if task["attempts"] and agent_started(task) and not owner.startswith("cli:"):
@@ -1535,6 +1546,13 @@ def say_why_no_log(task: dict[str, Any], where: str, follow: bool) -> bool:
                     f"written{then}. What the run did is still in its receipt: `{cli_command()} show {ident}`.",
                     soft_wrap=True)
         return status not in task_store.TERMINAL
+    if lease_live(task):
+        wait = "; waiting for it (Ctrl-C stops)" if follow else ""
+        remote = f"; a clone of {visible(task['repo'], multiline=False)} can take a while" if task.get("repo") else ""
+        err().print(f"{ident} has no log yet: its agent is starting. {visible(owner, multiline=False)} claimed it "
+                    f"{ago(task.get('claimed_at'))} ({task_views.attempt_text(task)}) and is preparing its run (its "
+                    f"worktree{remote}); the agent's log appears at {where} once it starts{wait}.", soft_wrap=True)
+        return True
     if task["attempts"] and not owner.startswith("cli:"):
         err().print(f"{ident} has no log: a worker claimed it ({task['attempts']} attempt(s); it is {status}) but "
                     "no attempt got as far as starting its agent, so nothing was written to "
@@ -1748,7 +1766,8 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
     for name in ("Host", "Pid", "Worker", "State", "Tasks", "Heartbeat"):
         table.add_column(name)
     for worker in workers:
-        # A worker not online runs nothing now: its state and tasks are what it said last.
+        # A worker gone or stopped runs nothing now: its state and tasks are what it said last (a stale
+        # one keeps its tasks: it may still run them).
         state, tasks, had = worker["state"] or "-", ", ".join(worker["tasks"]), ", ".join(worker["last_tasks"])
         if worker["gone_since"]:
             state, tasks = f"was {state}", f"none now (had {had})" if had else ""
@@ -1758,13 +1777,28 @@ def workers_table(workers: list[dict[str, Any]]) -> Table:
 
 
 def worker_label_text(worker: dict[str, Any], short: bool = False) -> Text:
-    """The worker's one-word label (task_views.worker_label), styled; for one not online the time
-    of its last heartbeat: ``gone since 15:01:24`` (``short``), else with the date and how long ago."""
+    """The worker's one-word label (task_views.worker_label), styled; for one gone or stopped the
+    time of its last heartbeat: ``gone since 15:01:24`` in local time (``short``, `local_clock`),
+    else ISO UTC with how long ago; for a stale one how long it has been silent: ``stale: not heard
+    from for 45 s`` (it may still run its tasks)."""
     said = worker["label"]
     if worker.get("gone_since"):
         since = worker["gone_since"]
-        said += f" since {since[11:19]}" if short else f" since {since} ({ago(since)})"
+        said += f" since {local_clock(since)}" if short else f" since {since} ({ago(since)})"
+    elif worker["label"] == "stale" and worker.get("age_sec") is not None:
+        said += f": not heard from for {worker['age_sec']:.0f} s"
     return Text(said, style=WORKER_LABEL_STYLE.get(worker["label"], ""))
+
+
+def local_clock(value: str) -> str:
+    """An ISO time from the store as this machine's local wall clock, as the worker's and serve's
+    lines stamp theirs: ``15:01:24`` today, ``2025-01-01 15:01:24`` another day."""
+    stamp = parse_time(value)
+    if stamp is None:
+        return "-"
+    here = stamp.astimezone()
+    day = "" if here.date() == datetime.now().astimezone().date() else f"{here:%Y-%m-%d} "
+    return f"{day}{here:%H:%M:%S}"
 
 
 WORKER_LABEL_STYLE = {"online": "green", "stale": "yellow", "gone": "red", "stopped": "dim"}
@@ -1798,8 +1832,8 @@ def worker_process_words(worker: dict[str, Any]) -> str:
 
 
 def worker_runs_words(worker: dict[str, Any]) -> str:
-    """What the worker does: its tasks, or its state when it runs none; for one not online
-    (gone, stopped, silent) nothing now, and what it said when last seen."""
+    """What the worker does: its tasks, or its state when it runs none (a stale worker's: what it
+    may still run); for one gone or stopped nothing now, and what it said when last seen."""
     if worker.get("gone_since"):
         had = ", ".join(worker.get("last_tasks") or [])
         last = f"{had} ({worker.get('state') or 'no state'})" if had else f"no task ({worker.get('state') or 'idle'})"

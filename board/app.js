@@ -152,14 +152,17 @@
     const w = status.worker || {};
     const state = w.label || "never seen";
     const parts = [el("span", { class: "badge w-" + state.replace(" ", "-"), id: "worker-state" }, "worker " + state)];
-    if (w.seen && w.gone_since) {               // gone, stopped or silent: it runs nothing now
+    if (w.seen && w.gone_since) {               // gone or stopped: it runs nothing now
       parts.push(" since " + age(w.gone_since) + " ago, pid " + w.pid + " on " + (w.host || "?") +
         "; when last seen " + (w.state || "?"));
       const had = w.last_tasks || [];
       if (had.length) parts.push(" with ", ...had.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
     } else if (w.seen) {
-      parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + ", " + age(w.at) + " ago");
-      if (w.tasks && w.tasks.length) parts.push(", runs ", ...w.tasks.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
+      // Stale (silent on another host): it may still run its tasks, which stay its own until the reaper's limit.
+      const heard = state === "stale" ? "; not heard from for " + age(w.at) : ", " + age(w.at) + " ago";
+      parts.push(" pid " + w.pid + " on " + (w.host || "?") + ", " + (w.state || "?") + heard);
+      const runs = state === "stale" ? ", may still run " : ", runs ";
+      if (w.tasks && w.tasks.length) parts.push(runs, ...w.tasks.flatMap((t, i) => [i ? " " : "", taskLink(t)]));
       if (w.slots) parts.push(", " + w.slots + " slot(s)");
       if (w.engine) parts.push(", " + w.engine + " engine");
     }

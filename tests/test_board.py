@@ -275,6 +275,26 @@ def test_worker_liveness_is_judged_once_for_the_cli_the_tools_and_the_board(clie
         assert view["label"] == "gone" and view["gone_since"] == view["at"]
 
 
+def test_a_silent_worker_on_another_host_keeps_its_tasks_in_every_view(client, monkeypatch):
+    """A worker elsewhere not heard from for over 30 s may still run its tasks (the reaper leaves
+    their leases alone until WORKER_STALE_SEC): the board, the CLI and the tool all say it runs
+    t_0009, none says it is gone since, and the summary says why not to retry or cancel it yet."""
+    from click.testing import CliRunner
+
+    import task_views
+    import tasks_cli
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
+        task_store.write_worker_heartbeat({"state": "running", "task": "t_0009", "tasks": ["t_0009"]})
+    monkeypatch.setattr(task_views, "WORKER_ELSEWHERE_SILENT_SEC", -1)   # (30 s in life)
+    board = client.get("/api/status", headers=AUTH).json()["worker"]
+    cli = json.loads(CliRunner().invoke(tasks_cli.cli, ["status", "--json"]).stdout)["worker"]
+    for view in (board, cli, bridge.worker_heartbeat()):
+        assert view["label"] == "stale" and view["host"] == "build-server" and view["gone_since"] is None, view
+        assert view["tasks"] == ["t_0009"] and view["task"] == "t_0009" and view["last_tasks"] == ["t_0009"]
+        assert "it may still be running t_0009" in view["summary"] and "WORKER_STALE_SEC" in view["summary"]
+
+
 @pytest.mark.parametrize("beat,label", [
     ("{'state': 'stopped'}", "stopped"),     # a one-pass worker that ended cleanly is not online
     ("{'state': 'pass'}", "stopped"),

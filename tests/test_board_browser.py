@@ -363,6 +363,27 @@ def test_every_worker_shows_with_its_host(board, browser, monkeypatch):
     assert console_errors(browser) == []
 
 
+def test_a_silent_worker_on_another_host_shows_what_it_may_still_run(board, browser):
+    """A reviewer's finding: a worker on another host not heard from for over 30 s was shown
+    running nothing ("since 2 min ago ... when last seen running with t_0009"), while its task
+    still ran under it; the reaper leaves its lease alone until WORKER_STALE_SEC. Its heartbeat row
+    is written by a real process whose clock is 2 minutes behind (faketime)."""
+    faketime = shutil.which("faketime")
+    if faketime is None:
+        _missing("faketime (Debian package faketime)")
+    said = subprocess.run([faketime, "-f", "-120s", sys.executable, "-c", "import task_store; "
+                           "task_store.write_worker_heartbeat({'state': 'running', 'tasks': ['t_0009']})"],
+                          cwd=ROOT, env=dict(os.environ, TASKBRIDGE_HOST="build-server"), capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert said.returncode == 0, said.stderr
+    log_in(browser, board)
+    wait(browser, lambda d: "worker stale" in text_of(d, "worker"), what="the silent worker")
+    shown = text_of(browser, "worker")
+    assert "on build-server, running; not heard from for 2 min, may still run t_0009" in shown, shown
+    assert "since" not in shown and "when last seen" not in shown, shown
+    assert console_errors(browser) == []
+
+
 def test_a_token_in_the_address_is_not_taken(board, browser):
     """A ``#token=`` link left the token in the browser's history database: the board takes none
     from its URL, drops the fragment and asks for the token to be pasted."""

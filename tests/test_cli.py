@@ -1175,9 +1175,10 @@ def status_rows(output: str) -> dict[str, str]:
     return rows
 
 
-def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_path, monkeypatch):
+def test_status_never_shows_a_dead_worker_running_its_last_task_but_a_silent_one_may_be(tmp_path, monkeypatch):
     """A fresh user's finding: a worker killed mid-run was listed as running its task still. A real
-    `worker.py --watch` runs a task (a stand-in agent that runs until ended) and is killed."""
+    `worker.py --watch` runs a task (a stand-in agent that runs until ended) and is killed. A worker
+    on another host gone silent is another matter: nobody can tell it stopped, so its tasks stay its."""
     import psutil
 
     from helpers import fake_binary, tagged, until, worker_process
@@ -1201,7 +1202,9 @@ def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_pa
     worker = json.loads(CliRunner().invoke(cli, ["status", "--json"]).stdout)["worker"]
     assert worker["tasks"] == [] and worker["task"] is None and worker["last_tasks"] == [task["id"]], worker
     assert worker["label"] == "gone" and worker["gone_since"] == worker["at"]
-    # A worker on another host that went silent is not shown running its task either.
+    # A worker on another host that went silent (stale) may still be running its task: the reaper
+    # leaves its lease alone until WORKER_STALE_SEC. Shown as running it, with how long it has been
+    # silent (before, "none now (had t_0009)": a planner reading that would retry or cancel it).
     with monkeypatch.context() as elsewhere:
         elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
         task_store.write_worker_heartbeat({"state": "running", "task": "t_0009", "tasks": ["t_0009"], "slots": 1})
@@ -1209,13 +1212,81 @@ def test_status_never_shows_a_dead_or_silent_worker_running_its_last_task(tmp_pa
     monkeypatch.setattr(task_views, "WORKER_ELSEWHERE_SILENT_SEC", -1)   # its heartbeat is old already
     table = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"}).stdout
     silent = next(row for row in table.splitlines() if "build-server" in row and "│" in row)
-    assert "stale since" in silent and "none now (had t_0009)" in silent and "was running" in silent, silent
-    assert status_rows(table)["runs"].startswith("nothing now"), table   # the newest: the silent one
+    assert re.search(r"stale: not heard from for \d+ s", silent) and "t_0009" in silent, silent
+    assert "none now" not in silent and "was running" not in silent and "since" not in silent, silent
+    assert status_rows(table)["runs"] == "t_0009 (running)", table   # the newest: the silent one
+    stale = json.loads(CliRunner().invoke(cli, ["status", "--json"]).stdout)["worker"]
+    assert stale["label"] == "stale" and stale["host"] == "build-server", stale
+    assert stale["tasks"] == ["t_0009"] and stale["task"] == "t_0009" and stale["gone_since"] is None, stale
+    assert "it may still be running t_0009: the reaper leaves their leases to it until their heartbeat is 900 s old" \
+        in stale["summary"], stale["summary"]
+
+
+@pytest.fixture
+def kathmandu(monkeypatch):
+    """This process's local time zone set to UTC+05:45 (a POSIX rule: no tz database needed), and
+    back to the test run's own afterwards."""
+    from datetime import timedelta, timezone
+    before = os.environ.get("TZ")
+    monkeypatch.setenv("TZ", "<+0545>-05:45")
+    time.tzset()
+    yield timezone(timedelta(hours=5, minutes=45))
+    if before is None:   # put back now, for tzset (monkeypatch's own undo comes after this teardown)
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def test_the_workers_table_says_since_when_a_worker_is_gone_in_local_time(tmp_path, kathmandu):
+    """A reviewer's finding: the table's ``gone since 15:01:24`` was cut from a UTC time with no zone
+    (5 h 45 min off here). A worker here that wrote its heartbeat and died, beside another that runs."""
+    from datetime import datetime
+    dead = subprocess.Popen([sys.executable, "-c", "import task_store; task_store.write_worker_heartbeat("
+                             "{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001']})"])
+    dead.wait()
+    task_store.write_worker_heartbeat({"state": "idle"})   # this process: a second worker, online
+    workers = json.loads(CliRunner().invoke(cli, ["status", "--json"]).stdout)["workers"]
+    gone = next(w for w in workers if w["pid"] == dead.pid)
+    assert gone["label"] == "gone", gone
+    there = datetime.fromisoformat(gone["gone_since"]).astimezone(kathmandu)
+    day = "" if there.date() == datetime.now(kathmandu).date() else f"{there:%Y-%m-%d} "
+    table = CliRunner().invoke(cli, ["status"], env={"COLUMNS": "200"}).stdout
+    row = next(row for row in table.splitlines() if f"│ {dead.pid} " in row)
+    assert f"gone since {day}{there:%H:%M:%S}" in row, row
+    assert gone["gone_since"][11:19] not in row, row   # not the UTC clock
 
 
 def task_views_worker() -> dict:
     import task_views
     return task_views.worker_state()
+
+
+def test_logs_of_a_task_a_live_worker_is_preparing_says_its_agent_is_starting(tmp_path):
+    """A reviewer's finding: claiming counts an attempt and clears the agent's pid, so a task whose
+    worker was still preparing its worktree (a remote clone takes a while) got "no attempt got as
+    far as starting its agent ... `show` says why": false, it is starting. Its worker lives here
+    (this process holds the lease); once that worker is gone the old words hold again."""
+    import psutil
+    task = submit(make_repo(tmp_path / "repo"), "slow start")
+    me = psutil.Process()
+    task_store.claim_next(f"worker:{task_store.host_name()}:{me.pid}", me.pid, me.create_time())
+    where = str(task_store.task_log_location(task["id"]))
+    said = CliRunner().invoke(cli, ["logs", task["id"]])
+    words = " ".join(said.stderr.split())
+    assert said.exit_code == 0 and "Traceback" not in said.output, said.output
+    assert f"{task['id']} has no log yet: its agent is starting." in words, words
+    assert re.search(r"claimed it \d+s ago \(attempt 1 of 2\) and is preparing its run \(its worktree\);", words), words
+    assert f"the agent's log appears at {where} once it starts." in words, words
+    assert "no attempt got as far" not in words and "show" not in words, words
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other = submit(make_repo(tmp_path / "repo2"), "its worker died")
+    task_store.claim_next(f"worker:{task_store.host_name()}:{dead.pid}", dead.pid, time.time() - 5)
+    words = " ".join(CliRunner().invoke(cli, ["logs", other["id"]]).stderr.split())
+    assert "a worker claimed it (1 attempt(s); it is running) but no attempt got as far as starting its agent" \
+        in words, words
 
 
 def test_claim_says_why_nothing_is_ready_and_logs_says_why_there_is_none(tmp_path):
