@@ -1394,6 +1394,32 @@ def logs(task_id: str, tail: int | None, follow: bool, raw: bool) -> None:
     err().print(Text(f"{task_id} is {status}; log ends.", style="dim"))
 
 
+def no_diff_words(task: dict[str, Any]) -> str:
+    """Why ``task`` (as task_views.shown_task gives it) holds no diff, in words after "has no
+    diff (": only a done task's receipt can say its run changed nothing; a failed one's diff may
+    not have been seen, and a task still queued, running or waiting has not finished an attempt
+    (its receipt, if any, is an earlier attempt's)."""
+    receipt, status = task.get("result") or {}, task["status"]
+    in_place, in_checkout = receipt.get("isolation") == "in-place", bool(receipt.get("base_commit"))
+    files = ", ".join(receipt.get("files_touched") or []) or "none named"
+    if status == "done":
+        return ("it ran in place in your checkout and changed no files" if in_place and in_checkout else
+                f"it ran in place, outside git: no diff is kept; files it changed: {files}" if in_place else
+                "it changed no files")
+    if status != "failed":
+        return f"it is {status}: a diff is kept when an attempt finishes"
+    if receipt.get("diff_error"):
+        return f"it failed, and what its last attempt changed could not be read: {receipt['diff_error']}"
+    if receipt.get("bookkeeping_error"):
+        return f"it failed: {receipt['bookkeeping_error']}"
+    if in_place and not in_checkout:
+        return f"it failed; it ran in place, outside git: no diff is kept; files its last attempt changed: {files}"
+    if not receipt:
+        return "it failed before its agent's work was recorded"
+    return ("it failed; its last attempt changed no files" if not receipt.get("files_touched") else
+            f"it failed; no diff was kept of its last attempt, which changed: {files}")
+
+
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--stat", is_flag=True, help="Only the files changed, with lines added and removed.")
@@ -1405,13 +1431,8 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
     """
     task = task_views.shown_task(task_id)
     if not task["diff"]:
-        receipt = task.get("result") or {}
-        in_place = receipt.get("isolation") == "in-place"
-        made = ("it ran in place in your checkout and changed no files" if in_place and receipt.get("base_commit")
-                else f"it ran in place, outside git: no diff is kept; files it changed: "
-                f"{', '.join(receipt.get('files_touched') or []) or 'none named'}" if in_place else
-                "it changed no files" if task["status"] == "done" else f"it is {task['status']}")
-        raise CliError(f"task {task_id} has no diff ({made}); `{cli_command()} show {task_id}` tells more")
+        raise CliError(f"task {task_id} has no diff ({no_diff_words(task)}); "
+                       f"`{cli_command()} show {task_id}` tells more")
     if as_json:
         return emit_json(worktrees.diff_stat(task["diff"]) if stat else {"task_id": task_id, "diff": task["diff"]})
     if task.get("repo"):   # stdout stays the exact diff; where the work is goes to stderr

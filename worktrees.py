@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,8 +324,9 @@ class Workspace:
     start_tree: str | None = None
     uncommitted_before: list[str] = field(default_factory=list)
     # In place outside git: the folder as this attempt began (folder_listing); the receipt's
-    # changes are what differs from it after the run. None: too large to list (see the note).
-    start_listing: dict[str, tuple] | None = None
+    # changes are what differs from it after the run. None: not compared, before or after the
+    # run (too many entries, too deep, the folder replaced: see the note).
+    start_listing: FolderListing | None = None
     home: str | None = None   # OpenCode's folders of the task's line of work in a box (agent_box.line_home)
 
     def root(self) -> str:
@@ -592,11 +593,10 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     if top is None or not task["worktree"]:
         opencode_can_work_in(wd)
     if top is None:
-        listing = folder_listing(wd)
-        note = "not a git repository: ran in place, changes are not isolated" + (
-            "; files_touched lists what the agent's write and edit tools wrote (the folder holds over "
-            f"{LISTING_MAX:,} entries, too many to compare before and after the run)" if listing is None else
-            "; files_touched: what differs in the folder after the run (compared with it before; no diff is kept)")
+        try:
+            listing, note = folder_listing(wd), in_place_note()
+        except NotListed as exc:   # too many entries, too deep: the tools' word, said
+            listing, note = None, in_place_note(str(exc))
         return Workspace("in-place", wd, note=note, start_listing=listing)
     head = _first_commit_needed(top, head)
     if not task["worktree"]:
@@ -1521,9 +1521,18 @@ def observed_changes(ws: Workspace) -> tuple[list[str], str]:
     """Files changed since the base commit (in place: since the tree the attempt began with,
     ``start_tree``) and the diff, untracked files included, computed with a throw-away index so
     neither the user's index nor the worktree's is touched. In place outside git: the paths
-    (relative to the folder) that differ from ``start_listing``, and no diff."""
+    (relative to the folder) that differ from ``start_listing``, and no diff; when the folder
+    cannot be compared after the run (over LISTING_AFTER_MAX entries or WALK_DEPTH_MAX levels,
+    replaced by a link or another folder), ``ws.start_listing`` becomes None and ``ws.note`` says
+    why: the receipt then takes the write and edit tools' word, and claims no no_change."""
     if ws.mode == "in-place" and not ws.top:
-        return (listing_changes(ws.cwd, ws.start_listing) if ws.start_listing is not None else []), ""
+        if ws.start_listing is None:
+            return [], ""
+        try:
+            return listing_changes(ws.cwd, ws.start_listing), ""
+        except NotListed as exc:
+            ws.start_listing, ws.note = None, in_place_note(str(exc), after=True)
+            return [], ""
     since = ws.start_tree or ws.base_commit
     if not ws.top or not since:
         return [], ""
@@ -1746,127 +1755,297 @@ def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[li
 
 SNAPSHOT_LIMIT_BYTES = 50 * 2**20
 LISTING_MAX = 200_000   # entries of an in-place folder outside git listed to see what a run changed
+LISTING_AFTER_MAX = 2 * LISTING_MAX   # entries listed after the run (or read to revert it): a run that made more is
+#                                       not compared (the receipt says so) rather than holding millions of paths
 LISTING_READ_BYTES = 50 * 2**20   # of its files' bytes hashed, so a file rewritten as it was is no change
+WALK_DEPTH_MAX = 256   # folder levels below the task's folder walked; a deeper one is not compared (said)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A file opened to read it: never through a link, and never waiting (a FIFO put where a file was
+# opens at once; its fstat then says it is no file and it is not read).
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
-def folder_listing(root: str, before: dict[str, tuple] | None = None,
-                   limit: int | None = LISTING_MAX) -> dict[str, tuple] | None:
-    """What is under ``root`` (``.git`` excepted), by path relative to it: ``("file", permission
-    bits, size, mtime in ns, sha256 or None)``, ``("link", target)``, ``("dir", permission bits)``,
+class NotListed(Exception):
+    """`walk_folder` would not walk a folder whole. The message says why, in words that follow
+    "the folder" in a receipt ("holds over 200,000 entries", "goes over 256 folders deep", "was
+    replaced during the run …")."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """One entry `walk_folder` met. ``rel``: its path relative to the root (``.``: the root
+    itself); ``name``: its name in its folder, opened with ``dir_fd`` (the folder's descriptor,
+    open only until the walk moves on); ``info``: its lstat, or None for a folder that could not
+    be opened to list it (it was met before, with its lstat; ``error`` says why)."""
+    rel: str
+    name: str
+    dir_fd: int
+    info: os.stat_result | None
+    error: str = ""
+
+
+@dataclass
+class FolderListing:
+    """What `folder_listing` saw under a folder: ``root_id`` (device, inode) of the folder itself,
+    and ``entries`` by path relative to it (see `folder_listing` for their shapes)."""
+    root_id: tuple[int, int]
+    entries: dict[str, tuple]
+
+
+def walk_folder(root: str, *, max_entries: int | None, max_depth: int | None = WALK_DEPTH_MAX,
+                root_id: tuple[int, int] | None = None) -> Generator[Found, None, None]:
+    """Every entry under ``root``, the root itself first, each folder's entries before anything
+    below them; a link is never followed, not even at ``root``. Iterative (an explicit stack, one
+    folder open at a time): no depth of folders exhausts Python's recursion. Each folder below
+    the root is opened by path without following a link and must be the folder (device, inode)
+    its parent listed, else it is yielded as not opened (swapped during the walk). Skips the
+    root's own ``.git`` only (see `_SKIPPED`). Raises NotListed when ``root`` is no folder (a
+    link), is not ``root_id`` (device, inode) when given, cannot be opened, or the walk passes
+    ``max_entries`` entries or ``max_depth`` levels below ``root`` (None: no limit)."""
+    fd = _open_root(root, root_id)
+    pending: list[tuple[str, str, int, tuple[int, int] | None]] = [(root, ".", 0, None)]
+    count = 0
+    try:
+        yield Found(".", ".", fd, os.fstat(fd))
+    except BaseException:   # the caller stopped at the root: its folder is closed all the same
+        os.close(fd)
+        raise
+    while pending:
+        path, rel, depth, ident = pending.pop()
+        if ident is not None:
+            try:
+                fd = _open_dir(path, ident)
+            except OSError as exc:
+                yield Found(rel, os.path.basename(path), -1, None, exc.strerror or str(exc))
+                continue
+        try:
+            with os.scandir(fd) as listing:
+                names = sorted(entry.name for entry in listing)
+            for name in names:
+                if rel == "." and name in _SKIPPED:
+                    continue
+                count += 1
+                if max_entries is not None and count > max_entries:
+                    raise NotListed(f"holds over {max_entries:,} entries")
+                child = name if rel == "." else os.path.join(rel, name)
+                try:
+                    info = os.lstat(name, dir_fd=fd)
+                except OSError as exc:
+                    yield Found(child, name, fd, None, exc.strerror or str(exc))
+                    continue
+                yield Found(child, name, fd, info)
+                if stat.S_ISDIR(info.st_mode):
+                    if max_depth is not None and depth + 1 > max_depth:
+                        raise NotListed(f"goes over {max_depth:,} folders deep")
+                    pending.append((os.path.join(path, name), child, depth + 1, (info.st_dev, info.st_ino)))
+        except OSError as exc:   # the folder could not be read through (listed as not opened)
+            yield Found(rel, os.path.basename(path), -1, None, exc.strerror or str(exc))
+        finally:
+            os.close(fd)
+
+
+# The folder's own top-level .git is skipped, nothing deeper: in a checkout run in place (the
+# readonly snapshot) it is git's database, which TaskBridge's own git writes during the attempt
+# (tree_now's and the diff's objects) and whose configuration the git guard pins and restores
+# (pin_git_config, undo_planted_git); reverting it would undo git's bookkeeping as the agent's.
+# (Outside git a folder holding a .git that git cannot read is refused before the run:
+# _repo_state.) A .git further down (a nested clone, a vendored repository) is the project's
+# files, which the agent can write like any other: skipping it hid those writes.
+_SKIPPED = (".git",)
+
+
+def _open_root(root: str, root_id: tuple[int, int] | None) -> int:
+    """``root`` opened as a folder, never through a link; raises NotListed when it is not one,
+    or not the folder ``root_id`` (device, inode)."""
+    try:
+        fd = os.open(root, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotListed("is no longer a folder but a link or a file (the run replaced the folder itself)") from None
+        raise NotListed(f"could not be opened ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if root_id is not None and (info.st_dev, info.st_ino) != root_id:
+        os.close(fd)
+        raise NotListed("was replaced during the run (another folder is at its path now)")
+    return fd
+
+
+def _open_dir(path: str, ident: tuple[int, int]) -> int:
+    """The folder at ``path`` opened without following a link at its end; raises OSError, and
+    for one that is not the folder ``ident`` (device, inode) its parent listed (a path above
+    it swapped for a link meanwhile)."""
+    fd = os.open(path, _DIR_FLAGS)
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != ident:
+        os.close(fd)
+        raise OSError(errno.ESTALE, "replaced while it was being listed")
+    return fd
+
+
+def _read_file(found: Found) -> bytes | None:
+    """The bytes of the regular file ``found`` names, read through its folder's descriptor: never
+    through a link, never waiting on a FIFO. None when it is no longer the regular file (device,
+    inode) the walk met. Raises OSError."""
+    assert found.info is not None
+    fd = os.open(found.name, _FILE_FLAGS, dir_fd=found.dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (found.info.st_dev, found.info.st_ino):
+            return None
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def folder_listing(root: str, before: FolderListing | None = None) -> FolderListing:
+    """What is under ``root`` (its own ``.git`` excepted), by path relative to it: ``("file",
+    permission bits, size in bytes, mtime in ns, ctime in ns, inode, sha256 or None)``, ``("link",
+    target)``, ``("dir", permission bits)``, ``("other", permission bits)`` (FIFO, socket, device),
     ``("unreadable",)``. Files are hashed while their bytes stay within LISTING_READ_BYTES (then
-    None); given ``before`` (the listing to compare with), only a file whose size matches and
-    whose time changed is hashed, when it was hashed then. None past ``limit`` entries (None: no
-    limit; the listing after a run is whole, however many files it made).
-    Compared after a run by `listing_changes`."""
+    None). Given ``before`` (the listing to compare with, taken before the run), a file keeps its
+    hash only when its size, mtime, ctime and inode are all unchanged (a person can set a
+    file's mtime back, not its ctime or inode); one hashed then whose size matches is hashed
+    again, and ``root`` must still be the folder listed then. Raises NotListed past LISTING_MAX
+    entries (LISTING_AFTER_MAX given ``before``), WALK_DEPTH_MAX levels, or for a root that is a
+    link or another folder. Compared after a run by `listing_changes`."""
     entries: dict[str, tuple] = {}
     budget = [LISTING_READ_BYTES]
-    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda exc: entries.update(
-            {os.path.relpath(exc.filename or root, root): ("unreadable",)})):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in [*filenames, *dirnames]:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            try:
-                entries[rel] = _listed(os.path.join(dirpath, name), (before or {}).get(rel), before is None, budget)
-            except OSError:
-                entries[rel] = ("unreadable",)
-        if limit is not None and len(entries) > limit:
-            return None
-    return entries
+    walk = walk_folder(root, max_entries=LISTING_AFTER_MAX if before else LISTING_MAX,
+                       root_id=before.root_id if before else None)
+    top = next(walk)
+    assert top.info is not None
+    was = before.entries if before else {}
+    for found in walk:
+        try:
+            entries[found.rel] = _listed(found, was.get(found.rel), before is None, budget)
+        except OSError:
+            entries[found.rel] = ("unreadable",)
+    return FolderListing((top.info.st_dev, top.info.st_ino), entries)
 
 
-def _listed(path: str, was: tuple | None, first: bool, budget: list[int]) -> tuple:
+def _listed(found: Found, was: tuple | None, first: bool, budget: list[int]) -> tuple:
     """One entry of `folder_listing` (``was``: the path's entry before; ``first``: no listing
     before, so hash within ``budget``, the bytes left to read). Raises OSError."""
-    info = os.lstat(path)
+    info = found.info
+    if info is None:
+        return ("unreadable",)
     if stat.S_ISLNK(info.st_mode):
-        return ("link", os.readlink(path))
+        return ("link", os.readlink(found.name, dir_fd=found.dir_fd))
     if stat.S_ISDIR(info.st_mode):
         return ("dir", stat.S_IMODE(info.st_mode))
     if not stat.S_ISREG(info.st_mode):
         return ("other", stat.S_IMODE(info.st_mode))
-    mode, digest = stat.S_IMODE(info.st_mode), None
+    seen = (info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino)
+    digest = None
     if first and info.st_size <= budget[0]:
         budget[0] -= info.st_size
-        digest = _sha256(path)
-    elif not first and was and was[0] == "file" and was[4] and was[2] == info.st_size:
-        digest = was[4] if was[3] == info.st_mtime_ns else _sha256(path)
-    return ("file", mode, info.st_size, info.st_mtime_ns, digest)
+        digest = _sha256(found)
+    elif not first and was and was[0] == "file" and was[6] and was[2] == info.st_size:
+        digest = was[6] if was[2:6] == seen else _sha256(found)
+    return ("file", stat.S_IMODE(info.st_mode), *seen, digest)
 
 
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _sha256(found: Found) -> str:
+    """The sha256 of the file ``found`` (hex); raises OSError when it is no longer that regular
+    file (a link or FIFO swapped in after it was listed): the entry is then unreadable."""
+    data = _read_file(found)
+    if data is None:
+        raise OSError(errno.ESTALE, "no longer the file listed")
+    return hashlib.sha256(data).hexdigest()
 
 
-def listing_changes(root: str, before: dict[str, tuple]) -> list[str]:
+def listing_changes(root: str, before: FolderListing) -> list[str]:
     """The paths under ``root`` (relative to it, sorted) that a run added, removed or changed
-    since ``before`` (`folder_listing`): a file's bytes (by hash; unhashed, its size or time), its
-    permissions, a link's target; a folder only when it came or went or its permissions changed.
-    A file rewritten with the bytes it had (a readonly run's revert) is no change."""
-    after = folder_listing(root, before, limit=None) or {}
+    since ``before`` (`folder_listing`): a file's bytes (by hash; unhashed, its size, mtime,
+    ctime or inode), its permissions, a link's target; a folder only when it came or went or
+    its permissions changed. A file rewritten with the bytes it had (a readonly run's revert) is
+    no change. Raises NotListed (see `folder_listing`: too many, too deep, the folder replaced)."""
+    after = folder_listing(root, before).entries
 
     def same(was: tuple | None, now: tuple | None) -> bool:
         if was is None or now is None or was[0] != "file" or now[0] != "file":
             return was == now
         if was[1:3] != now[1:3]:
             return False
-        return was[3] == now[3] or (was[4] is not None and was[4] == now[4])
+        return was[2:6] == now[2:6] or (was[6] is not None and was[6] == now[6])
 
-    return sorted(path for path in before.keys() | after.keys() if not same(before.get(path), after.get(path)))
+    return sorted(path for path in before.entries.keys() | after.keys()
+                  if not same(before.entries.get(path), after.get(path)))
+
+
+def in_place_note(why: str | None = None, after: bool = False) -> str:
+    """The receipt's isolation words for a run in place outside git: its files_touched is what
+    differs in the folder, or (``why``: what stopped the comparison, words after "the folder";
+    ``after``: found after the run) what the agent's write and edit tools wrote."""
+    head = "not a git repository: ran in place, changes are not isolated"
+    if why is None:
+        return (f"{head}; files_touched: what differs in the folder after the run (compared with it before; "
+                "no diff is kept)")
+    when = "after the run " if after else ""
+    return (f"{head}; files_touched lists what the agent's write and edit tools wrote ({when}the folder {why}, "
+            "so it was not compared before and after the run)")
 
 
 def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str, tuple] | None:
-    """Everything under ``root`` (``.git`` excepted) by relative path (``.`` is ``root``):
+    """Everything under ``root`` (its own ``.git`` excepted) by relative path (``.`` is ``root``):
     ``("dir", mode)``, ``("file", mode, bytes)``, ``("link", target)``, ``("other", mode)`` (a
     FIFO, socket or device), or ``("opaque", mode)`` for a file or folder it cannot read (the
     revert leaves it and all below it alone, its mode aside); None when the files hold more than
-    50 MB. Modes are the permission bits (None when not even those could be read). Given
-    ``before`` (an earlier snapshot), only files that were in it with the same size are read, the
-    rest hold None, and there is no size limit."""
+    50 MB, or the folder holds more than LISTING_MAX entries or goes deeper than WALK_DEPTH_MAX
+    levels (a root that is a link is not followed: None too). Modes are the permission bits
+    (None when not even those could be read). Given ``before`` (an earlier snapshot), only files
+    that were in it with the same size are read, the rest hold None; there is no size or depth
+    limit then, and past LISTING_AFTER_MAX entries or for a root that is a link it raises NotListed."""
+    try:
+        return _snapshot(root, before)
+    except NotListed:
+        if before is not None:
+            raise
+        return None
+
+
+def _snapshot(root: str, before: dict[str, tuple] | None) -> dict[str, tuple] | None:
     entries: dict[str, tuple] = {}
     total = 0
-
-    def opaque(path: str) -> None:
-        try:
-            mode = stat.S_IMODE(os.lstat(path).st_mode)
-        except OSError:
-            mode = None
-        entries[os.path.normpath(os.path.relpath(path, root))] = ("opaque", mode)
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=lambda exc: opaque(exc.filename)):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        rel_dir = os.path.relpath(dirpath, root)
-        entries[rel_dir] = ("dir", stat.S_IMODE(os.lstat(dirpath).st_mode))
-        for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
-            path = os.path.join(dirpath, name)
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            try:
-                info = os.lstat(path)
-                if stat.S_ISLNK(info.st_mode):
-                    entries[rel] = ("link", os.readlink(path))
-                elif not stat.S_ISREG(info.st_mode):
-                    entries[rel] = ("other", stat.S_IMODE(info.st_mode))
-                elif before is not None:
-                    was = before.get(rel)
-                    same_size = was is not None and was[0] == "file" and len(was[2]) == info.st_size
-                    entries[rel] = ("file", stat.S_IMODE(info.st_mode), _read(path) if same_size else None)
-                else:
-                    total += info.st_size
-                    if total > SNAPSHOT_LIMIT_BYTES:
-                        return None
-                    entries[rel] = ("file", stat.S_IMODE(info.st_mode), _read(path))
-            except OSError:
-                opaque(path)
+    walk = walk_folder(root, max_entries=LISTING_AFTER_MAX if before is not None else LISTING_MAX,
+                       max_depth=None if before is not None else WALK_DEPTH_MAX)
+    for found in walk:
+        info = found.info
+        if info is None:   # a folder met before (its mode kept) that could not be opened
+            entries[found.rel] = ("opaque", entries.get(found.rel, ("dir", None))[1])
+        elif stat.S_ISDIR(info.st_mode):
+            entries[found.rel] = ("dir", stat.S_IMODE(info.st_mode))
+        elif stat.S_ISLNK(info.st_mode):
+            entries[found.rel] = ("link", os.readlink(found.name, dir_fd=found.dir_fd))
+        elif not stat.S_ISREG(info.st_mode):
+            entries[found.rel] = ("other", stat.S_IMODE(info.st_mode))
+        else:
+            if before is None:
+                total += info.st_size
+                if total > SNAPSHOT_LIMIT_BYTES:
+                    walk.close()
+                    return None
+            was = before.get(found.rel) if before is not None else None
+            wanted = before is None or (was is not None and was[0] == "file" and len(was[2]) == info.st_size)
+            entries[found.rel] = _snapshot_file(found, wanted)
     return entries
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
+def _snapshot_file(found: Found, wanted: bool) -> tuple:
+    """A regular file's snapshot entry: its bytes when ``wanted`` (else None); ``("opaque",
+    mode)`` when it cannot be read or is no longer that file."""
+    assert found.info is not None
+    mode = stat.S_IMODE(found.info.st_mode)
+    if not wanted:
+        return ("file", mode, None)
+    try:
+        data = _read_file(found)
+    except OSError:
+        data = None
+    return ("file", mode, data) if data is not None else ("opaque", mode)
 
 
 GUARD_READ_MAX = 1 << 20   # bytes of one git configuration file the git guard reads (git's own are a few KB)
@@ -1896,9 +2075,12 @@ def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], 
     if not snapshot:
         return [], []
     failed: list[str] = []
-    modes = _open_tree(root, failed)        # every folder searchable and writable, every file readable
-    now = {rel: (e[0], modes.get(rel, e[1]), *e[2:]) if e[0] != "link" else e
-           for rel, e in (take_snapshot(root, snapshot) or {}).items()}
+    try:
+        modes = _open_tree(root, failed)        # every folder searchable and writable, every file readable
+        seen = take_snapshot(root, snapshot) or {}
+    except NotListed as exc:   # never reverted through a link put where the folder was
+        return [], [f".: nothing reverted: the folder {exc}"]
+    now = {rel: (e[0], modes.get(rel, e[1]), *e[2:]) if e[0] != "link" else e for rel, e in seen.items()}
     hidden = [rel for rel, e in snapshot.items() if e[0] == "opaque"]
 
     def left_alone(rel: str) -> bool:
@@ -1928,32 +2110,30 @@ def restore_snapshot(root: str, snapshot: dict[str, tuple]) -> tuple[list[str], 
 
 
 def _open_tree(root: str, failed: list[str]) -> dict[str, int]:
-    """Give the owner rwx on every folder and read on every file under ``root`` (top-down, so a
-    ``chmod 000`` folder is opened before it is entered); returns each one's mode before."""
+    """Give the owner rwx on every folder and read on every file under ``root`` (top-down: a
+    ``chmod 000`` folder is opened before the walk enters it; links untouched, never followed);
+    returns each one's mode before by relative path. Appends ``path: why`` to ``failed``.
+    Raises NotListed (see `walk_folder`: the root a link, over LISTING_AFTER_MAX entries)."""
     modes: dict[str, int] = {}
-
-    def opened(path: str, rel: str, need: int) -> None:
-        try:
-            info = os.lstat(path)
-            if stat.S_ISLNK(info.st_mode):
-                return
-            modes[rel] = stat.S_IMODE(info.st_mode)
-            if info.st_mode & need != need:
-                os.chmod(path, stat.S_IMODE(info.st_mode) | need)
-        except OSError as exc:
-            failed.append(f"{rel}: cannot open ({exc.strerror})")
-
-    opened(root, ".", stat.S_IRWXU)
-    def unreadable(exc: OSError) -> None:
-        failed.append(f"{os.path.relpath(exc.filename, root)}: cannot open ({exc.strerror})")
-
-    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in dirnames:
-            opened(os.path.join(dirpath, name), os.path.normpath(os.path.join(rel_dir, name)), stat.S_IRWXU)
-        for name in filenames:
-            opened(os.path.join(dirpath, name), os.path.normpath(os.path.join(rel_dir, name)), stat.S_IRUSR)
+    with contextlib.suppress(OSError):
+        top = os.lstat(root)
+        if stat.S_ISDIR(top.st_mode) and top.st_mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(root, stat.S_IMODE(top.st_mode) | stat.S_IRWXU)
+            modes["."] = stat.S_IMODE(top.st_mode)
+    for found in walk_folder(root, max_entries=LISTING_AFTER_MAX, max_depth=None):
+        info = found.info
+        if info is None:
+            failed.append(f"{found.rel}: cannot open ({found.error})")
+            continue
+        if stat.S_ISLNK(info.st_mode):
+            continue
+        modes.setdefault(found.rel, stat.S_IMODE(info.st_mode))
+        need = stat.S_IRWXU if stat.S_ISDIR(info.st_mode) else stat.S_IRUSR
+        if info.st_mode & need != need:
+            try:
+                os.chmod(found.name, stat.S_IMODE(info.st_mode) | need, dir_fd=found.dir_fd)
+            except OSError as exc:
+                failed.append(f"{found.rel}: cannot open ({exc.strerror})")
     return modes
 
 

@@ -1347,3 +1347,30 @@ def test_an_empty_model_is_refused_not_read_as_the_default(tmp_path):
     result = run("submit", "x", "--dir", str(tmp_path), "--model", "", "--yes")
     assert result.exit_code == 2 and "it is empty; give provider/model" in result.stderr, result.stderr
     assert task_store.counts()["pending"] == 0
+
+
+def test_diff_says_a_run_changed_nothing_only_of_a_done_task(tmp_path, monkeypatch):
+    """`diff` said "it ran in place in your checkout and changed no files" of any in-place task
+    without a diff: one running again on a retry, one failed where the diff could not be read."""
+    in_checkout = {"summary": "ok", "isolation": "in-place", "base_commit": "a" * 40, "files_touched": []}
+    failed = submit(tmp_path, "unread")
+    marker = task_store.claim_next("cli:x", task_id=failed["id"])["run_marker"]
+    task_store.fail_attempt(failed["id"], marker, "git diff failed", retryable=False,
+                            result=dict(in_checkout, diff_error="git diff: index.lock exists"))
+    said = " ".join(run("diff", failed["id"]).stderr.split())
+    assert "changed no files" not in said and "it failed, and what its last attempt changed could not be read: " \
+        "git diff: index.lock exists" in said, said
+
+    monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))   # claimed again at once
+    retried = submit(tmp_path, "again", max_retries=1)
+    marker = task_store.claim_next("cli:x", task_id=retried["id"])["run_marker"]
+    task_store.fail_attempt(retried["id"], marker, "model error", result=in_checkout)
+    task_store.claim_next("cli:x", task_id=retried["id"])
+    said = " ".join(run("diff", retried["id"]).stderr.split())
+    assert "changed no files" not in said and "it is running: a diff is kept when an attempt finishes" in said, said
+
+    done = submit(tmp_path, "idle")
+    marker = task_store.claim_next("cli:x", task_id=done["id"])["run_marker"]
+    task_store.complete_attempt(done["id"], marker, diff="", result=in_checkout)
+    said = " ".join(run("diff", done["id"]).stderr.split())
+    assert "it ran in place in your checkout and changed no files" in said, said
