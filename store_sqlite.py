@@ -231,11 +231,11 @@ def write_problem(path: Path) -> tuple[str, str] | None:
     if read_only_at(path.parent):
         said, _, way_out = disk_fault_line("read-only", path.parent).partition("; ")
         return said, way_out
-    for name in (path.name, f"{path.name}-wal", f"{path.name}-shm", f"{path.name}-journal"):
-        file = path.with_name(name)
-        if file.is_file() and not _may(file, os.W_OK):
-            what = "the queue file" if file == path else "SQLite's file"
-            return f"{what} {file} is not writable by {_user_words(file)}", _fix_words(file)
+    files = [path.with_name(path.name + suffix) for suffix in ("", "-wal", "-shm", "-journal")]
+    blocked = [file for file in files if file.is_file() and not _may(file, os.W_OK)]
+    if blocked:   # every one named at once: SQLite makes its -wal and -shm with the queue file's mode
+        return "; ".join(("the queue file" if file == path else "SQLite's file") +
+                         f" {file} is not writable by {_user_words(file)}" for file in blocked), _fix_words(*blocked)
     folder = Path(_nearest_existing(path.parent))
     if not _may(folder, os.W_OK | os.X_OK):
         made = "" if folder == path.parent else f" (it would make {path.parent} inside it)"
@@ -278,10 +278,17 @@ def _user_words(path: Path) -> str:
     return f"user {_me()} (it belongs to {_owner(path)}{mode})"
 
 
-def _fix_words(blocked: Path) -> str:
-    """The way out for ``blocked`` (a file or folder of the queue) this user cannot write."""
-    return (f"run TaskBridge as {_owner(blocked)}, who owns it, or give user {_me()} write access to it "
-            f"(sudo chown {shlex.quote(_me())} {shlex.quote(str(blocked))}), or point TASK_DB_PATH at a queue "
+def _fix_words(*blocked: Path) -> str:
+    """The way out for ``blocked`` (files or a folder of the queue) this user cannot write: write
+    access given by the owner it is (``chmod u+w``), else by its owner or root (``chown``)."""
+    me, names = _me(), " ".join(shlex.quote(str(path)) for path in blocked)
+    if all(_owner(path) == me for path in blocked):
+        return (f"{'it is' if len(blocked) == 1 else 'they are'} yours but read-only: give yourself write access "
+                f"(chmod u+w {names}), or point "
+                "TASK_DB_PATH at another queue (a new one is made at a new path)")
+    owners = " or ".join(sorted({_owner(path) for path in blocked}))
+    return (f"run TaskBridge as {owners}, who owns it, or give user {me} write access to it "
+            f"(sudo chown {shlex.quote(me)} {names}), or point TASK_DB_PATH at a queue "
             f"this user can write (a new one is made at a new path)")
 
 

@@ -621,6 +621,8 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
         path = parked_path(folder, top)   # where the kept server's worktree was parked (park_worktree)
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
+    if not task.get("worktree_path") and folder is None:
+        path = _free_folder(top, path, base)
     line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
     if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
@@ -854,6 +856,38 @@ def _on_free_branch(repo: str, task: dict[str, Any], base: str, make: Callable[[
             if not new or tries == 4 or not any(words in str(exc) for words in _NAME_TAKEN):
                 raise
     raise AssertionError("unreachable: the last try raises")
+
+
+def _free_folder(repo: str, path: Path, base: str) -> Path:
+    """Where a task's first worktree goes: ``path`` (its folder by its id), unless a worktree of
+    ``repo`` registered there holds work this attempt cannot account for (``_holds_work``: another
+    queue's task of the same id, or one whose queue was replaced while its worktree was kept);
+    then the first of ``<path>-<queue>``, ``<path>-<queue>-2``, ... that holds none. Such a worktree
+    is never removed. Raises Unrunnable when a hundred are taken."""
+    queue = store.queue_tag()
+    names = [path.name, f"{path.name}-{queue}", *(f"{path.name}-{queue}-{n}" for n in range(2, 100))]
+    for candidate in (path.with_name(name) for name in names):
+        if not _holds_work(repo, candidate, base):
+            return candidate
+    raise Unrunnable(f"{path} and 99 more folders of its name hold other tasks' worktrees with work in them; "
+                     f"remove the ones nothing needs ({store.shell_command('git', '-C', repo, 'worktree', 'list')}) "
+                     "and retry")
+
+
+def _holds_work(repo: str, path: Path, base: str) -> bool:
+    """Whether ``path`` is a registered worktree of ``repo`` holding work that would be lost were it
+    removed: uncommitted or untracked files, or a HEAD with commits ``base`` does not have (a
+    worktree git cannot read counts as holding work)."""
+    if not _is_registered(repo, path):
+        return False
+    try:
+        head = git(["rev-parse", "HEAD"], str(path))
+        changed = git(["status", "--porcelain", "--ignore-submodules=all"], str(path))
+    except GitStopped:
+        raise
+    except GitError:
+        return True
+    return bool(changed) or not _is_ancestor(repo, head, base)
 
 
 def _is_registered(repo: str, path: Path) -> bool:

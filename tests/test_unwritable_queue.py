@@ -109,3 +109,26 @@ def test_doctor_names_what_of_the_queue_cannot_be_written_and_the_way_out(shared
     queue.chmod(0o666)
     (shared / "q").chmod(0o777)
     assert json.loads(as_user(shared, "doctor").stdout)["status"] == "ok", "writable again: all is well"
+
+
+def test_a_queue_of_the_users_own_made_read_only_gets_chmod_and_every_file_named_at_once(shared, monkeypatch):
+    """A fresh user's finding: a queue file of their own made read-only (SQLite makes its -wal and
+    -shm with the file's mode, so a read leaves those read-only too) was named one file per run,
+    with `sudo chown` to the user who already owned it as the way out."""
+    queue = shared / "q" / "tasks.db"
+    monkeypatch.setenv("TASK_DB_PATH", str(queue))
+    (shared / "work").mkdir()
+    submit(shared / "work")
+    task_store.close_connections()
+    shm = queue.with_name("tasks.db-shm")
+    shm.write_bytes(b"")
+    user = normal_user()
+    for path in (queue.parent, queue, shm):
+        if user is not None:
+            os.chown(path, user.pw_uid, user.pw_gid)
+    for path in (queue, shm):
+        path.chmod(0o400)
+    check = json.loads(as_user(shared, "doctor").stdout)
+    assert check["status"] == "fail", check
+    assert f"{queue} is not writable" in check["detail"] and f"{shm} is not writable" in check["detail"], check
+    assert f"chmod u+w {queue} {shm}" in check["fix"] and "chown" not in check["fix"], check

@@ -1,0 +1,45 @@
+"""A task's first worktree never removes another's that holds work (a fresh user's finding: a new
+queue made where the old one went numbered from t_0001 again, and its t_0002 removed the old
+t_0002's kept worktree, with the person's uncommitted file in it, to make its own there)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import task_store
+import worktrees
+from helpers import git, make_repo, submit
+
+
+def first_attempt(repo: Path, title: str) -> worktrees.Workspace:
+    task = submit(repo, title, worktree_keep=True)
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    ws = worktrees.prepare_workspace(claimed, resume=False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch)
+    return ws
+
+
+def test_another_queues_worktree_holding_work_is_kept_and_the_task_gets_a_folder_of_its_own(tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    old = first_attempt(repo, "the old queue's t_0001")
+    (Path(old.top) / "half_done.txt").write_text("a person's work, uncommitted\n")
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "new" / "tasks.db"))   # a new queue: t_0001 again
+    new = first_attempt(repo, "the new queue's t_0001")
+    assert new.top != old.top and Path(new.top).name == f"{Path(old.top).name}-{task_store.queue_tag()}"
+    assert (Path(old.top) / "half_done.txt").read_text() == "a person's work, uncommitted\n"
+    listed = git(repo, "worktree", "list")
+    assert old.top in listed and new.top in listed
+
+
+def test_a_worktree_with_commits_its_base_lacks_is_kept_too_but_an_empty_one_is_replaced(tmp_path, monkeypatch):
+    repo = make_repo(tmp_path / "repo")
+    old = first_attempt(repo, "committed")
+    (Path(old.top) / "done.txt").write_text("committed work\n")
+    git(Path(old.top), "add", "done.txt")
+    git(Path(old.top), "commit", "-qm", "work")
+    empty = first_attempt(repo, "nothing in it")   # t_0002: clean, at its base
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "new" / "tasks.db"))
+    first = first_attempt(repo, "t_0001 of the new queue")
+    assert first.top != old.top and git(Path(old.top), "log", "-1", "--format=%s") == "work"
+    second = first_attempt(repo, "t_0002 of the new queue")
+    assert second.top == empty.top and os.path.isdir(second.top)   # nothing was in it: made anew there
