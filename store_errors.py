@@ -74,6 +74,13 @@ class QueueGone(DatabaseUnusable):
     started anew makes a new queue at that path, as at a first use."""
 
 
+class QueueReplaced(QueueGone):
+    """The SQLite queue file this process had open was replaced by another file, but SQLite's
+    ``-wal`` beside it is still the old file's (held open by this process or another): opened
+    with it, the new file would get the old one's pages and be corrupted. Refused until every
+    process using the old file has let it go (the WAL goes with the last of them)."""
+
+
 class DatabaseCorrupt(DatabaseUnusable):
     """The queue file is not a SQLite database, or it is damaged ("file is not a database",
     "database disk image is malformed")."""

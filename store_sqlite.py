@@ -22,6 +22,7 @@ import random
 import re
 import shlex
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from store_errors import (
     DatabaseUnusable,
     DiskFull,
     QueueGone,
+    QueueReplaced,
     ReadOnlyStorage,
     StorageFault,
     TaskStoreError,
@@ -349,19 +351,31 @@ def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None
     DatabaseUnusable / DatabaseCorrupt / DatabaseBusy / StorageFault (see ``fault``),
     ValidationError (``journal_mode``)."""
     refuse_gone(path)
+    refuse_stale_wal(path)
     try:
         conn = _open(path, migrations)
     except (sqlite3.Error, OSError) as exc:
         raise fault(exc, path) from exc
     if str(path) != ":memory:":
-        _OPENED.add(os.path.abspath(path))
+        where = os.path.abspath(path)
+        _OPENED[where] = (_file_id(where), _file_id(where + "-wal"))
     return conn
 
 
-# The queue files this process has opened (absolute paths). One of them gone is a queue deleted or
-# moved away under a running process: making a new, empty one there (what a first open does)
-# would carry the process on against a queue without its tasks, the running ones stranded.
-_OPENED: set[str] = set()
+# The queue files this process has opened (absolute path -> the (device, inode) of the file and of
+# its -wal then). One of them gone is a queue deleted or moved away under a running process: making
+# a new, empty one there (what a first open does) would carry the process on against a queue
+# without its tasks, the running ones stranded. One replaced while the -wal beside it is still the
+# old file's would be corrupted by it (refuse_stale_wal).
+_OPENED: dict[str, tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def refuse_gone(path: Path | str) -> None:
@@ -376,6 +390,82 @@ def refuse_gone(path: Path | str) -> None:
                f"or restart it to begin a new, empty queue at {where}")
     raise QueueGone(f"the task database {where} is gone (deleted or moved away while this process used it); no "
                     f"new queue was made in its place: {way_out}", "the queue file is gone", way_out)
+
+
+def refuse_stale_wal(path: Path | str) -> None:
+    """Raise QueueReplaced when the queue file ``path``, opened by this process before, is another
+    file now while the ``-wal`` beside it is still the old file's and holds pages: SQLite would
+    read them into the new file (its own warning: never rename or replace a database file in use;
+    it leaves a moved file's WAL behind on close). Passes once that WAL was folded back into the
+    old file (``fold_back``), or was never there."""
+    where = os.path.abspath(path)
+    if where not in _OPENED:
+        return
+    file_then, wal_then = _OPENED[where]
+    file_now = _file_id(where)
+    if file_now is None or file_now == file_then or wal_then is None or not _stale_wal(where, wal_then):
+        return
+    way_out = (f"stop the other processes using this queue (worker, serve.py, MCP servers, the CLI), then try again; "
+               f"to swap a queue, stop them first and move {Path(where).name} together with its -wal and -shm files")
+    raise QueueReplaced(f"the task database {where} was replaced by another file while this process used it, and "
+                        f"SQLite's {where}-wal beside it still holds the old file's pages (another process has the "
+                        f"old file open): opening the new file with it would corrupt it, so nothing is read or "
+                        f"written: {way_out}", "the queue file was replaced in use", way_out)
+
+
+def _stale_wal(where: str, wal_then: tuple[int, int]) -> bool:
+    """Whether ``where``'s -wal is still the file ``wal_then`` names and holds pages."""
+    try:
+        st = os.stat(where + "-wal")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == wal_then and st.st_size > 0
+
+
+# The queue files (device, inode) whose WAL this process folded back after they went: never again,
+# since a new file at the path may be writing to that WAL file by now.
+_FOLDED: set[tuple[int, int]] = set()
+_FOLD_LOCK = threading.Lock()
+
+
+def fold_back(conn: sqlite3.Connection, path: Path | str, file_then: tuple[int, int]) -> bool:
+    """The queue file ``path`` went (deleted, moved away, or replaced) while ``conn``, this process's
+    connection to it (the file ``file_then``), was open: SQLite leaves the old file's -wal at the
+    path, where a new file there would take its pages. Unless another process holds that WAL
+    open, its pages are copied into the old file through ``conn`` and it is emptied (a TRUNCATE
+    checkpoint): a moved-away file is whole, and a new queue at the path starts clean. Once per
+    old file in a process. Returns whether nothing stale is left there (folded now or before, or
+    no WAL of the old file's); False when another process holds it (QueueReplaced then)."""
+    where = os.path.abspath(path)
+    wal_then = _OPENED.get(where, (None, None))[1]
+    with _FOLD_LOCK:
+        if file_then in _FOLDED or wal_then is None or not _stale_wal(where, wal_then):
+            return True
+        if _held_elsewhere(where + "-wal"):
+            return False
+        try:
+            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        except sqlite3.Error:
+            return False
+        if busy:
+            return False
+        _FOLDED.add(file_then)
+        return True
+
+
+def _held_elsewhere(path: str) -> bool:
+    """Whether a process other than this one has ``path`` open (processes this user cannot look
+    into are not counted: they are another user's)."""
+    import psutil  # here: most processes never need it (an MCP server's memory)
+
+    me = os.getpid()
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error):
+            if any(file.path == path for file in proc.open_files()):
+                return True
+    return False
 
 
 def forget_opened() -> None:

@@ -10,7 +10,10 @@ claims nothing more and waits for the file: put back, it says so, hands the ende
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import psutil
 import pytest
 
 import task_store as store
-from helpers import fake_binary, make_repo, submit, until, worker_process
+from helpers import ROOT, fake_binary, make_repo, submit, until, worker_process
 
 
 def queue_files(path: Path) -> list[Path]:
@@ -150,3 +153,66 @@ def test_a_one_pass_whose_queue_file_goes_ends_its_run_and_exits_1_without_makin
     assert "the next pass's reaper then requeues them" in gone[0] and "spends a retry" in gone[0], gone[0]
     assert f"its worktree {worktree}" in out and Path(worktree).is_dir() and "Traceback" not in out, out
     assert not path.exists(), "no new queue in its place"
+
+
+def other_queue(tmp_path: Path) -> Path:
+    """Another queue's file, with one task ``theirs``, closed (no -wal or -shm beside it)."""
+    other = tmp_path / "other" / "tasks.db"
+    made = subprocess.run([sys.executable, "-c", "import sys, task_store\ntask_store.submit_task(title='theirs', "
+                           "instructions='i', working_dir=sys.argv[1])", str(tmp_path)], cwd=ROOT, timeout=60,
+                          env=dict(os.environ, TASK_DB_PATH=str(other)), capture_output=True, text=True)
+    assert made.returncode == 0 and not Path(str(other) + "-wal").exists(), made.stderr
+    return other
+
+
+def intact(path: Path) -> list[str]:
+    """The titles of the tasks in the queue file ``path`` alone (copied without any -wal), checked whole."""
+    import shutil
+    import sqlite3
+    alone = path.parent / "alone" / path.name
+    alone.parent.mkdir(exist_ok=True)
+    shutil.copyfile(path, alone)
+    with contextlib.closing(sqlite3.connect(alone)) as check:
+        assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        return [row[0] for row in check.execute("SELECT title FROM tasks ORDER BY id")]
+
+
+def test_a_queue_file_replaced_in_use_gets_no_page_of_the_old_ones_wal(tmp_path):
+    """A fresh user's finding: tasks.db replaced by another queue's file (its -wal and -shm left
+    beside it, as `mv` leaves them) under a running worker; the worker's next open read the old
+    file's WAL into the new file: the new queue's tasks vanished and its indexes were corrupt, and
+    the moved-away file lacked what only that WAL held. SQLite never folds a moved file's WAL back
+    on close; the process that had it open does now, into the old file, before it opens the new."""
+    submit(tmp_path, "old queue's task")
+    store.submit_task(title="old, in the WAL only", instructions="i", working_dir=str(tmp_path))
+    path = store.db_path()
+    assert Path(str(path) + "-wal").stat().st_size > 0
+    other = other_queue(tmp_path)
+    aside = tmp_path / "aside" / "tasks.db"
+    aside.parent.mkdir()
+    path.rename(aside)     # moved away alone, as a person does
+    os.replace(other, path)
+    assert [t["title"] for t in store.list_tasks()["tasks"]] == ["theirs"]
+    store.close_connections()
+    assert intact(path) == ["theirs"]
+    assert intact(aside) == ["old queue's task", "old, in the WAL only"], "the moved-away file is whole"
+
+
+def test_a_replaced_queue_file_is_refused_while_another_process_holds_the_old_ones_wal(tmp_path):
+    submit(tmp_path, "old queue's task")
+    path = store.db_path()
+    holder = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time\nc = sqlite3.connect(sys.argv[1])\n"
+                               "c.execute('SELECT count(*) FROM tasks').fetchall()\nprint('open', flush=True)\n"
+                               "time.sleep(120)", str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        os.replace(other_queue(tmp_path), path)
+        with pytest.raises(store.QueueReplaced) as refused:
+            store.counts()
+        assert f"{path}-wal" in str(refused.value) and "stop the other processes" in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert [t["title"] for t in store.list_tasks()["tasks"]] == ["theirs"], "let go of: folded back, then opened"
+    store.close_connections()
+    assert intact(path) == ["theirs"]
