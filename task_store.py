@@ -261,6 +261,20 @@ def queue_exists() -> bool:
     return database_url() is not None or db_path().exists()
 
 
+def queue_left_in_use() -> str | None:
+    """When the SQLite queue file is missing but a worker on this machine whose process is running
+    says it uses a queue at that path (its heartbeat beside it): the words for it ("it was
+    deleted or moved away while worker pid 4242 used it (its heartbeat 3 s ago)"); else None,
+    and always on PostgreSQL. A new queue made there would not be the one that worker waits for."""
+    if database_url() or db_path().exists():
+        return None
+    beat = read_worker_heartbeat()
+    if not beat or beat.get("pid_running") is not True or beat.get("state") == "stopped":
+        return None
+    return (f"it was deleted or moved away while worker pid {beat.get('pid')} used it (its heartbeat "
+            f"{beat['age_sec']:g} s ago)")
+
+
 def queue_gone() -> bool:
     """Whether the SQLite queue file this process used is gone now (deleted or moved away: the
     store raises QueueGone and makes no new one there). False on PostgreSQL, and for a queue this

@@ -89,6 +89,18 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
         assert proc.poll() is None, "a --watch worker waits for its file"
         assert not path.exists(), "no new queue in its place"
         assert store.state_path("worker.json").stat().st_mtime_ns == beat, "no heartbeat beside a queue that went"
+        # The CLI and doctor say where it went (not "a typo?"), and a submit makes no new queue in its place
+        from click.testing import CliRunner
+
+        import doctor
+        from tasks_cli import cli
+        for args in (["status"], ["submit", "new work", "--dir", str(tmp_path)]):
+            said = CliRunner().invoke(cli, args)
+            assert said.exit_code != 0 and "Traceback" not in said.output, said.output
+            assert f"the queue {path} is gone" in said.output and f"worker pid {proc.pid}" in said.output, said.output
+            assert "stop that worker first" in said.output and not path.exists(), said.output
+        check = doctor.check_database()
+        assert check.status == "fail" and "is gone" in check.detail and "put the file back" in check.fix, check
         assert "Traceback" not in out.read_text()
         for file in away.iterdir():   # put back: it carries on with its own tasks
             file.rename(path.parent / file.name)
