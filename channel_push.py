@@ -115,11 +115,11 @@ async def follow(send: Send) -> None:
             # Opened off the event loop: on PostgreSQL the watch is a connection of its own, whose
             # connect may wait on a server that is down (every session would stall with it).
             with await anyio.to_thread.run_sync(store.change_watch) as watch:
-                if failing:
-                    log.info("channel push: the task store answers again")
-                    failing = False
                 while True:
                     await _push_new(send, cursor)
+                    if failing:   # said once a read went through (a watch opens on a queue file gone, too)
+                        log.info("channel push: the task store answers again")
+                        failing = False
                     await _changed(watch, _poll_sec())
         except (store.TaskStoreError, OSError) as exc:
             if not failing:

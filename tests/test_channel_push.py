@@ -134,6 +134,38 @@ async def test_off_with_the_knob_no_capability_and_no_notice(wd, monkeypatch):
 
 
 @pytest.mark.anyio
+async def test_answers_again_is_said_only_once_a_read_goes_through(wd, monkeypatch, caplog):
+    """A fresh user's finding: with the queue file gone, the log said "answers again" and "cannot
+    read" by turns every few seconds: the watch opened, the reads after it failed."""
+    caplog.set_level(logging.INFO, logger="taskbridge.channel")
+    monkeypatch.setattr(channel_push, "RETRY_SEC", 0.02)
+    calls = {"n": 0}
+    real = task_store.events_since
+
+    def gone(*args: object, **kwargs: object) -> list:
+        calls["n"] += 1
+        if calls["n"] <= 6:
+            raise task_store.QueueGone("the task database is gone")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(task_store, "events_since", gone)
+
+    async def send(params: dict) -> None:
+        pass
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(channel_push.follow, send)
+        with anyio.fail_after(10):
+            while calls["n"] < 8:
+                await anyio.sleep(0.02)
+        group.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("cannot read the task store" in m for m in said) == 1, said
+    assert sum("answers again" in m for m in said) == 1, said
+    assert [m for m in said if "answers again" in m or "cannot read" in m][-1].endswith("answers again"), said
+
+
+@pytest.mark.anyio
 async def test_a_store_that_fails_is_logged_once_and_read_again(wd, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="taskbridge.channel")
     monkeypatch.setattr(channel_push, "RETRY_SEC", 0.05)
