@@ -166,6 +166,13 @@ class TaskGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except task_store.QueueGone as exc:   # mid-command (logs --follow): "this process carries on" is not this one's
+            if isinstance(exc, task_store.QueueReplaced):
+                raise CliError(in_cli_words(str(exc))) from None
+            went = task_store.queue_left_in_use()
+            raise CliError(f"the queue {task_store.db_path()} went away while this command used it (deleted or moved "
+                           f"away{'; ' + went if went else ''}): put the file back there and run the command "
+                           "again") from None
         except task_store.TaskStoreError as exc:   # its message names the queue and the way out
             raise CliError(in_cli_words(str(exc))) from None
         except knobs.KnobError as exc:

@@ -3508,6 +3508,9 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
         if isinstance(exc, (QueueLostMidRun, store.QueueGone)):   # nothing can be written: kept, handed back later
             current().lost.gone()
             where = kept_work_words(getattr(exc, "ws", None))
+            with contextlib.suppress(Exception):   # a log beside no queue (SQLite's own files) still says why it stops
+                store.append_task_log(task["id"], f"\n[worker] the run was ended: the queue file is gone; {where}\n"
+                                      .encode())
             current().lost.ended_attempt(task, where)
             lost = where + (   # said in its end line
                 "; it goes back to the queue (no retry spent) once the file is put back" if current().lost.watch

@@ -557,6 +557,29 @@ def test_logs_follow_streams_until_the_task_finishes(tmp_path, monkeypatch):
     assert "t_0001 is done; log ends" in result.stderr
 
 
+def test_logs_follow_whose_queue_file_goes_says_so_in_its_own_words(tmp_path, monkeypatch):
+    """A fresh user's finding: the queue file moved away under `logs --follow`, it ended with the
+    store's words for a long-running process ("... and this process carries on")."""
+    monkeypatch.setattr(tasks_cli, "FOLLOW_POLL_SEC", 0.05)
+    submit(tmp_path, TITLE)
+    task_store.claim_next("worker@host", task_id=1)
+    write_log(1, "started\n")
+    path = task_store.db_path()
+
+    def away() -> None:
+        time.sleep(0.3)
+        path.rename(tmp_path / "away.db")
+
+    thread = threading.Thread(target=away)
+    thread.start()
+    result = CliRunner().invoke(cli, ["logs", "1", "--follow"])
+    thread.join()
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    said = result.stderr
+    assert f"the queue {path} went away while this command used it" in said, said
+    assert "run the command again" in said and "this process carries on" not in said, said
+
+
 def test_a_running_task_whose_worker_died_is_named_by_show_and_ends_logs_follow(tmp_path, monkeypatch):
     # A worker killed with -9 mid-run: `logs --follow` waited forever and `show` said "running,
     # watch it" until the next pass requeued the task (found by a new-user test).

@@ -105,6 +105,7 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
         for file in away.iterdir():   # put back: it carries on with its own tasks
             file.rename(path.parent / file.name)
         until(lambda: f"a queue file is at {path} again" in out.read_text(), 60, "the worker to see its file back")
+        assert b"[worker] the run was ended: the queue file is gone" in store.read_task_log(task["id"])
         again = until(lambda: (t := store.get_task(task["id"]))["attempts"] == 2 and t["agent_pid"] and t, 90,
                       "the handed-back task to run again")
         assert again["handbacks"] == 1, again
