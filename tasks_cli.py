@@ -1480,7 +1480,9 @@ def branch(task_id: str, as_json: bool) -> None:
         return out().print(fields_table([("kept worktree", line(info["worktree_path"])), *commands],
                                         title=f"Work of {task_id}"))
     rows: list[tuple[str, Any]] = [
-            ("branch", line(info["branch"])), ("commit", line(info["commit"] or "none (no changes committed)")),
+            ("branch", line(info["branch"])),
+            ("commit", line(info["commit"] or ("none (no changes committed)" if task["status"] == "done" else
+                                               f"none recorded (it is {task['status']}: no attempt finished)"))),
             ("tip now", line(info["tip"] or "the branch no longer exists")), ("base commit", line(info["base_commit"])),
             ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),
             ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else

@@ -2643,7 +2643,7 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     commits beyond its base), ``applied`` (it has, and its tip is already in the checkout's HEAD),
     ``worktree_path`` (a kept
     worktree that still exists, else None) and ``commands`` (git command lines to look at it,
-    check it out, apply it). A task on a remote has
+    check it out, and for a done task apply it). A task on a remote has
     no checkout here: ``remote`` names where its branch was pushed (``pushed``: whether it was),
     ``repo`` is None and the commands fetch the branch from there into a clone of your own."""
     if task.get("repo"):
@@ -2658,8 +2658,9 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
         sh = store.shell_command
         commands = {"log": sh("git", "-C", repo, "log", "-p", f"{base + '..' if base else ''}{branch}"),
                     "switch": sh("git", "-C", repo, "switch", branch),
-                    "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}", branch),
-                    "apply": store.script_command("tasks_cli.py", "apply", task["id"])}
+                    "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}", branch)}
+        if task["status"] == "done":   # apply takes a done task's work only
+            commands["apply"] = store.script_command("tasks_cli.py", "apply", task["id"])
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
             "tip": tip or None, "base_commit": base, "repo": repo,
             "checkout_branch":

@@ -1172,6 +1172,26 @@ def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_a
     assert "yes: the checkout's HEAD contains it" in run("branch", task["id"]).stdout
 
 
+def test_branch_of_a_cancelled_task_with_commits_offers_no_apply_and_says_why_no_commit_is_recorded(tmp_path):
+    """A fresh user's finding: a task cancelled with work committed on its branch showed "commit
+    none (no changes committed)" over its tip, and offered `apply`, which refuses a task not done."""
+    import worktrees
+    from helpers import git, make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    task = submit(repo, "cancelled with work")
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    ws = worktrees.prepare_workspace(claimed, resume=False)
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch,
+                           base_commit=ws.base_commit)
+    git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
+    task_store.cancel_task(task["id"])
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["has_commits"] is True and "apply" not in info["commands"] and "switch" in info["commands"]
+    shown = run("branch", task["id"]).stdout
+    assert "none recorded (it is cancelled: no attempt finished)" in shown and "no changes committed" not in shown
+
+
 @pytest.mark.parametrize("beat,said", [
     ("{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001']}", "it died mid-run; the next pass requeues t_0001"),
     # Killed while idle: before, it too "died mid-run" and "the next pass requeues its task".

@@ -279,6 +279,17 @@ def test_cancel_waiting_task_says_where_its_work_stays(tmp_path):
     assert store.cancel_task(submit(tmp_path)["id"])["kept"] is None
 
 
+def test_cancel_of_a_running_task_says_its_branch_stays_only_with_work_on_it(tmp_path):
+    """A fresh user's finding: the cancel's event said "branch ... kept", and the next one that the
+    worker deleted it (its attempt had committed nothing)."""
+    task = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0001")
+    kept = store.cancel_task(task["id"])["kept"]
+    assert kept == "branch taskbridge/t_0001 kept if its attempt committed work (an empty one is deleted as its run ends)"
+    assert kept in store.get_task(task["id"])["events"][-1]["message"]
+
+
 @pytest.mark.parametrize("field", ["priority", "timeout_sec", "depends_on"])
 def test_numbers_with_thousands_of_digits_are_refused_clearly(tmp_path, field):
     value = ["9" * 5000] if field == "depends_on" else "9" * 5000
