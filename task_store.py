@@ -3280,8 +3280,9 @@ def _kept_work(row: Row) -> str | None:
     if not row["branch"]:
         return None
     # The worker deletes an empty one as the run ends (record_branch_dropped).
-    kept = f"branch {row['branch']} kept" + (
-        " if its attempt committed work (an empty one is deleted as its run ends)" if row["status"] == "running" else "")
+    kept = f"branch {row['branch']} kept"
+    if row["status"] == "running":
+        kept += " if its attempt committed work (an empty one is deleted as its run ends)"
     if row["status"] == "waiting" and row["worktree_path"]:
         kept += f"; its uncommitted work stays in the worktree {row['worktree_path']}"
     return kept

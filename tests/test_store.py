@@ -286,7 +286,8 @@ def test_cancel_of_a_running_task_says_its_branch_stays_only_with_work_on_it(tmp
     claimed = store.claim_next("w")
     store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0001")
     kept = store.cancel_task(task["id"])["kept"]
-    assert kept == "branch taskbridge/t_0001 kept if its attempt committed work (an empty one is deleted as its run ends)"
+    assert kept == ("branch taskbridge/t_0001 kept if its attempt committed work (an empty one is deleted as its "
+                    "run ends)")
     assert kept in store.get_task(task["id"])["events"][-1]["message"]
 
 
