@@ -73,6 +73,8 @@ def run_check(check: Callable[[], Check]) -> Check:
         return check()
     except knobs.KnobError as exc:
         return Check(name, "fail", str(exc), "fix or unset the knob named")
+    except store.TaskStoreError as exc:   # the queue's own words: the problem and the way out (the database line too)
+        return Check(name, "fail", f"the queue cannot be read for this check: {exc}")
     except Exception as exc:  # noqa: BLE001 - the doctor must report, not crash
         return Check(name, "fail", f"the check itself failed: {exc!r}")
 

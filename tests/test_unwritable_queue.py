@@ -132,3 +132,18 @@ def test_a_queue_of_the_users_own_made_read_only_gets_chmod_and_every_file_named
     assert check["status"] == "fail", check
     assert f"{queue} is not writable" in check["detail"] and f"{shm} is not writable" in check["detail"], check
     assert f"chmod u+w {queue} {shm}" in check["fix"] and "chown" not in check["fix"], check
+
+
+def test_a_check_the_queue_stops_says_the_queues_words_not_an_exception_repr():
+    """A fresh user's finding: doctor's worker line on a queue it could not read printed
+    `the check itself failed: DatabaseUnusable('the task database ...')`."""
+    import doctor
+
+    def check_worker() -> doctor.Check:
+        raise task_store.DatabaseUnusable("the task database /q/tasks.db cannot be used (disk I/O error); "
+                                          "check the disk")
+
+    said = doctor.run_check(check_worker)
+    assert said.status == "fail" and said.detail == ("the queue cannot be read for this check: the task database "
+                                                     "/q/tasks.db cannot be used (disk I/O error); check the disk")
+    assert "DatabaseUnusable(" not in said.detail
