@@ -877,8 +877,9 @@ def _free_folder(repo: str, path: Path, base: str) -> Path:
 def _holds_work(repo: str, path: Path, base: str) -> bool:
     """Whether ``path`` is a registered worktree of ``repo`` holding work that would be lost were it
     removed: uncommitted or untracked files, or a HEAD with commits ``base`` does not have (a
-    worktree git cannot read counts as holding work)."""
-    if not _is_registered(repo, path):
+    worktree git cannot read counts as holding work). A locked one is left to the lock's own
+    handling (``clear_unfinished_add``: an add killed midway is cleared, anyone else's lock named)."""
+    if not _is_registered(repo, path) or worktree_lock(repo, path)[0] is not None:
         return False
     try:
         head = git(["rev-parse", "HEAD"], str(path))
