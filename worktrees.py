@@ -622,7 +622,7 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     base, base_from = (task["base_commit"], "earlier attempt") if task.get("base_commit") else \
         _fork_base(task, top) if task.get("fork_from") else dependency_base(task, top, head)
     if not task.get("worktree_path") and folder is None:
-        path = _free_folder(top, path, base)
+        path = _free_folder(top, path, base, task.get("branch"))
     line_base = task.get("line_base") or (_parent_line_base(task["fork_from"]) if task.get("fork_from") else base)
     if resume and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top,
@@ -858,28 +858,33 @@ def _on_free_branch(repo: str, task: dict[str, Any], base: str, make: Callable[[
     raise AssertionError("unreachable: the last try raises")
 
 
-def _free_folder(repo: str, path: Path, base: str) -> Path:
+def _free_folder(repo: str, path: Path, base: str, own: str | None) -> Path:
     """Where a task's first worktree goes: ``path`` (its folder by its id), unless a worktree of
-    ``repo`` registered there holds work this attempt cannot account for (``_holds_work``: another
+    ``repo`` registered there, not on the task's own branch ``own`` (a crashed attempt's, which
+    is made anew), holds work this attempt cannot account for (``_holds_work``: another
     queue's task of the same id, or one whose queue was replaced while its worktree was kept);
     then the first of ``<path>-<queue>``, ``<path>-<queue>-2``, ... that holds none. Such a worktree
     is never removed. Raises Unrunnable when a hundred are taken."""
     queue = store.queue_tag()
     names = [path.name, f"{path.name}-{queue}", *(f"{path.name}-{queue}-{n}" for n in range(2, 100))]
     for candidate in (path.with_name(name) for name in names):
-        if not _holds_work(repo, candidate, base):
+        if not _holds_work(repo, candidate, base, own):
             return candidate
     raise Unrunnable(f"{path} and 99 more folders of its name hold other tasks' worktrees with work in them; "
                      f"remove the ones nothing needs ({store.shell_command('git', '-C', repo, 'worktree', 'list')}) "
                      "and retry")
 
 
-def _holds_work(repo: str, path: Path, base: str) -> bool:
+def _holds_work(repo: str, path: Path, base: str, own: str | None) -> bool:
     """Whether ``path`` is a registered worktree of ``repo`` holding work that would be lost were it
     removed: uncommitted or untracked files, or a HEAD with commits ``base`` does not have (a
-    worktree git cannot read counts as holding work). A locked one is left to the lock's own
-    handling (``clear_unfinished_add``: an add killed midway is cleared, anyone else's lock named)."""
-    if not _is_registered(repo, path) or worktree_lock(repo, path)[0] is not None:
+    worktree git cannot read counts as holding work). One on the branch ``own`` is the task's
+    own (a crashed attempt's); a locked one is left to the lock's own handling
+    (``clear_unfinished_add``: an add killed midway is cleared, anyone else's lock named)."""
+    if not _is_registered(repo, path):
+        return False
+    lock, branch = worktree_lock(repo, path)
+    if lock is not None or (own and branch == own):
         return False
     try:
         head = git(["rev-parse", "HEAD"], str(path))

@@ -43,3 +43,13 @@ def test_a_worktree_with_commits_its_base_lacks_is_kept_too_but_an_empty_one_is_
     assert first.top != old.top and git(Path(old.top), "log", "-1", "--format=%s") == "work"
     second = first_attempt(repo, "t_0002 of the new queue")
     assert second.top == empty.top and os.path.isdir(second.top)   # nothing was in it: made anew there
+
+
+def test_a_crashed_attempts_worktree_on_the_tasks_own_branch_is_made_anew_in_its_place(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    task = submit(repo, "crashed before its folder was recorded")
+    claimed = task_store.claim_next("worker@host", task_id=task["id"])
+    ws = worktrees.prepare_workspace(claimed, resume=False)
+    (Path(ws.top) / "junk.txt").write_text("the crashed attempt's\n")
+    again = worktrees.prepare_workspace(dict(claimed, branch=ws.branch), resume=False)   # its branch recorded only
+    assert again.top == ws.top and not (Path(ws.top) / "junk.txt").exists()
