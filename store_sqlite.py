@@ -358,7 +358,7 @@ def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None
         raise fault(exc, path) from exc
     if str(path) != ":memory:":
         where = os.path.abspath(path)
-        _OPENED[where] = (_file_id(where), _file_id(where + "-wal"))
+        _OPENED[where] = (file_id(where), file_id(where + "-wal"))
     return conn
 
 
@@ -370,7 +370,8 @@ def connect(path: Path, migrations: Sequence[Callable[[sqlite3.Connection], None
 _OPENED: dict[str, tuple[tuple[int, int] | None, tuple[int, int] | None]] = {}
 
 
-def _file_id(path: str) -> tuple[int, int] | None:
+def file_id(path: Path | str) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, or None when there is none."""
     try:
         st = os.stat(path)
     except OSError:
@@ -402,7 +403,7 @@ def refuse_stale_wal(path: Path | str) -> None:
     if where not in _OPENED:
         return
     file_then, wal_then = _OPENED[where]
-    file_now = _file_id(where)
+    file_now = file_id(where)
     if file_now is None or file_now == file_then or wal_then is None or not _stale_wal(where, wal_then):
         return
     way_out = (f"stop the other processes using this queue (worker, serve.py, MCP servers, the CLI), then try again; "

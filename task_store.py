@@ -896,14 +896,6 @@ _INHERITED: list[Connection] = []   # held, never used or closed: they belong to
 KEPT_MAX = 32  # connections one process keeps (threads x databases); the oldest are closed past it
 
 
-def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def _kept() -> Connection:
     """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
     again when the process forked, the file was replaced, or the last use broke it (on
@@ -920,7 +912,7 @@ def _kept() -> Connection:
     path = db_path(url or "")
     key = (threading.get_ident(), str(path))
     entry = _KEPT.get(key)
-    if entry is not None and entry[1] is not None and entry[1] == _file_id(path):
+    if entry is not None and entry[1] is not None and entry[1] == store_sqlite.file_id(path):
         return entry[0]
     if entry is not None and entry[1] is not None and not store_sqlite.fold_back(_as_sqlite(entry[0]), path, entry[1]):
         store_sqlite.refuse_gone(path)   # the file went or was replaced; its old WAL is held elsewhere
@@ -930,7 +922,7 @@ def _kept() -> Connection:
     with store_sqlite.mapped(path):   # connect maps its errors; this also holds for a test's double of it
         conn = connect(path)
     with _KEPT_LOCK:
-        _KEPT[key] = (conn, _file_id(path))
+        _KEPT[key] = (conn, store_sqlite.file_id(path))
         if len(_KEPT) > KEPT_MAX:
             _prune()
     return conn

@@ -1147,18 +1147,26 @@ def test_clear_remove_worktrees_removes_a_kept_worktree_and_keeps_its_branch(tmp
     assert task_store.counts()["done"] == 0
 
 
-def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_applied(tmp_path):
-    """A failed attempt leaves its branch at its base, which the checkout's HEAD contains: that
-    said "applied: yes". Applied means the branch's own commits are in the checkout."""
+def running_in_a_worktree(repo, title: str):
+    """(the task, its claim, its workspace): a task claimed in ``repo`` and its worktree made and
+    recorded, as a worker's attempt has it before its agent runs."""
     import worktrees
-    from helpers import git, make_repo
 
-    repo = make_repo(tmp_path / "repo")
-    task = submit(repo, "fails")
+    task = submit(repo, title)
     claimed = task_store.claim_next("worker@host", task_id=task["id"])
     ws = worktrees.prepare_workspace(claimed, resume=False)
     task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch,
                            base_commit=ws.base_commit)
+    return task, claimed, ws
+
+
+def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_applied(tmp_path):
+    """A failed attempt leaves its branch at its base, which the checkout's HEAD contains: that
+    said "applied: yes". Applied means the branch's own commits are in the checkout."""
+    from helpers import git, make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    task, claimed, ws = running_in_a_worktree(repo, "fails")
     task_store.fail_attempt(task["id"], claimed["run_marker"], "the model was not found")
     info = json.loads(run("branch", task["id"], "--json").stdout)
     assert info["tip"] == info["base_commit"] == git(repo, "rev-parse", "HEAD") and info["applied"] is False
@@ -1175,15 +1183,10 @@ def test_branch_of_a_task_whose_branch_has_no_commit_says_nothing_to_apply_not_a
 def test_branch_of_a_cancelled_task_with_commits_offers_no_apply_and_says_why_no_commit_is_recorded(tmp_path):
     """A fresh user's finding: a task cancelled with work committed on its branch showed "commit
     none (no changes committed)" over its tip, and offered `apply`, which refuses a task not done."""
-    import worktrees
     from helpers import git, make_repo
 
     repo = make_repo(tmp_path / "repo")
-    task = submit(repo, "cancelled with work")
-    claimed = task_store.claim_next("worker@host", task_id=task["id"])
-    ws = worktrees.prepare_workspace(claimed, resume=False)
-    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=ws.top, branch=ws.branch,
-                           base_commit=ws.base_commit)
+    task, _claimed, ws = running_in_a_worktree(repo, "cancelled with work")
     git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
     task_store.cancel_task(task["id"])
     info = json.loads(run("branch", task["id"], "--json").stdout)
