@@ -76,9 +76,9 @@ class QueueGone(DatabaseUnusable):
 
 class QueueReplaced(QueueGone):
     """The SQLite queue file this process had open was replaced by another file, but SQLite's
-    ``-wal`` beside it is still the old file's (held open by this process or another): opened
-    with it, the new file would get the old one's pages and be corrupted. Refused until every
-    process using the old file has let it go (the WAL goes with the last of them)."""
+    ``-wal`` beside it is still the old file's: opened with it, the new file would get the old
+    one's pages and be corrupted. SQLite never removes a moved file's WAL, so this lasts until a
+    person moves it away (its message says how)."""
 
 
 class DatabaseCorrupt(DatabaseUnusable):

@@ -22,7 +22,6 @@ import random
 import re
 import shlex
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -395,10 +394,10 @@ def refuse_gone(path: Path | str) -> None:
 
 def refuse_stale_wal(path: Path | str) -> None:
     """Raise QueueReplaced when the queue file ``path``, opened by this process before, is another
-    file now while the ``-wal`` beside it is still the old file's and holds pages: SQLite would
-    read them into the new file (its own warning: never rename or replace a database file in use;
-    it leaves a moved file's WAL behind on close). Passes once that WAL was folded back into the
-    old file (``fold_back``), or was never there."""
+    file now while the ``-wal`` beside it is still the one the old file had and holds pages:
+    SQLite would read them into the new file as its own (its own warning: never rename or replace
+    a database file in use; it leaves a moved file's WAL behind on close, for good). Passes once
+    that WAL is moved away or deleted, or when there was none."""
     where = os.path.abspath(path)
     if where not in _OPENED:
         return
@@ -406,11 +405,13 @@ def refuse_stale_wal(path: Path | str) -> None:
     file_now = file_id(where)
     if file_now is None or file_now == file_then or wal_then is None or not _stale_wal(where, wal_then):
         return
-    way_out = (f"stop the other processes using this queue (worker, serve.py, MCP servers, the CLI), then try again; "
-               f"to swap a queue, stop them first and move {Path(where).name} together with its -wal and -shm files")
+    name = Path(where).name
+    way_out = (f"stop every TaskBridge process using this queue (worker, serve.py, MCP servers); then move "
+               f"{name}-wal and {name}-shm next to the old {name}, wherever it went, under its name plus -wal and "
+               f"-shm (delete them if the old file is gone for good), and start them again. A process started "
+               f"before they are moved reads the new file with them and corrupts it")
     raise QueueReplaced(f"the task database {where} was replaced by another file while this process used it, and "
-                        f"SQLite's {where}-wal beside it still holds the old file's pages (another process has the "
-                        f"old file open): opening the new file with it would corrupt it, so nothing is read or "
+                        f"SQLite's {where}-wal beside it still holds the old file's pages: nothing is read or "
                         f"written: {way_out}", "the queue file was replaced in use", way_out)
 
 
@@ -421,52 +422,6 @@ def _stale_wal(where: str, wal_then: tuple[int, int]) -> bool:
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == wal_then and st.st_size > 0
-
-
-# The queue files (device, inode) whose WAL this process folded back after they went: never again,
-# since a new file at the path may be writing to that WAL file by now.
-_FOLDED: set[tuple[int, int]] = set()
-_FOLD_LOCK = threading.Lock()
-
-
-def fold_back(conn: sqlite3.Connection, path: Path | str, file_then: tuple[int, int]) -> bool:
-    """The queue file ``path`` went (deleted, moved away, or replaced) while ``conn``, this process's
-    connection to it (the file ``file_then``), was open: SQLite leaves the old file's -wal at the
-    path, where a new file there would take its pages. Unless another process holds that WAL
-    open, its pages are copied into the old file through ``conn`` and it is emptied (a TRUNCATE
-    checkpoint): a moved-away file is whole, and a new queue at the path starts clean. Once per
-    old file in a process. Returns whether nothing stale is left there (folded now or before, or
-    no WAL of the old file's); False when another process holds it (QueueReplaced then)."""
-    where = os.path.abspath(path)
-    wal_then = _OPENED.get(where, (None, None))[1]
-    with _FOLD_LOCK:
-        if file_then in _FOLDED or wal_then is None or not _stale_wal(where, wal_then):
-            return True
-        if _held_elsewhere(where + "-wal"):
-            return False
-        try:
-            busy = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-        except sqlite3.Error:
-            return False
-        if busy:
-            return False
-        _FOLDED.add(file_then)
-        return True
-
-
-def _held_elsewhere(path: str) -> bool:
-    """Whether a process other than this one has ``path`` open (processes this user cannot look
-    into are not counted: they are another user's)."""
-    import psutil  # here: most processes never need it (an MCP server's memory)
-
-    me = os.getpid()
-    for proc in psutil.process_iter():
-        if proc.pid == me:
-            continue
-        with contextlib.suppress(psutil.Error):
-            if any(file.path == path for file in proc.open_files()):
-                return True
-    return False
 
 
 def forget_opened() -> None:

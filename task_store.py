@@ -900,9 +900,9 @@ def _kept() -> Connection:
     """This thread's connection to ``db_path()``, opened through ``connect()`` on first use and
     again when the process forked, the file was replaced, or the last use broke it (on
     PostgreSQL: to ``TASK_DB_URL``, see ``_kept_pg``). A file removed (deleted, moved away) is
-    not made again: QueueGone (``store_sqlite.refuse_gone``) until it is put back. The WAL a file
-    that went or was replaced left behind is folded back into it first (``store_sqlite.fold_back``):
-    QueueReplaced while another process holds it."""
+    not made again: QueueGone (``store_sqlite.refuse_gone``) until it is put back; one replaced
+    while the old file's WAL is still beside it is not opened with it: QueueReplaced
+    (``store_sqlite.refuse_stale_wal``)."""
     if _KEPT_PID[0] != os.getpid():
         _forget_inherited()
     # One read of TASK_DB_URL per call (an unset variable costs ~0.6 µs to look up).
@@ -914,9 +914,6 @@ def _kept() -> Connection:
     entry = _KEPT.get(key)
     if entry is not None and entry[1] is not None and entry[1] == store_sqlite.file_id(path):
         return entry[0]
-    if entry is not None and entry[1] is not None and not store_sqlite.fold_back(_as_sqlite(entry[0]), path, entry[1]):
-        store_sqlite.refuse_gone(path)   # the file went or was replaced; its old WAL is held elsewhere
-        store_sqlite.refuse_stale_wal(path)   # this connection is kept: a later call folds it back
     if entry is not None:
         _discard(key)
     with store_sqlite.mapped(path):   # connect maps its errors; this also holds for a test's double of it

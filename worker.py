@@ -229,12 +229,17 @@ class LostQueue:
         self.since: float | None = None   # time.time() when a store call first met it gone
         self.ended: list[tuple[str, str, str]] = []   # (task id, run marker, where its work is) it ended
 
-    def gone(self) -> None:
-        """A store call met the queue file gone: say so once, with the way out."""
+    def gone(self, exc: store.QueueGone) -> None:
+        """A store call met the queue file gone (``exc``): say so once, with the way out (a file
+        replaced while the old one's WAL is still beside it: the store's own words, QueueReplaced)."""
         with self.lock:
             if self.since is not None:
                 return
             self.since = time.time()
+        if isinstance(exc, store.QueueReplaced):
+            log(f"{exc}; this worker claims nothing more meanwhile (the tasks in hand end; their worktrees are kept)",
+                talk.QUIET)
+            return
         path = store.db_path()
         if self.watch:
             said = ("this worker claims nothing more and waits for it (the tasks in hand end; their worktrees are "
@@ -285,12 +290,12 @@ class LostQueue:
 
 
 class QueueLostMidRun(Exception):
-    """An attempt met the queue file gone (the store's QueueGone) after its workspace ``ws`` was
-    made (None: before): the run was ended, the worktree is kept."""
+    """An attempt met the queue file gone (``gone``: the store's QueueGone) after its workspace
+    ``ws`` was made (None: before): the run was ended, the worktree is kept."""
 
-    def __init__(self, gone: BaseException, ws: Workspace | None) -> None:
+    def __init__(self, gone: store.QueueGone, ws: Workspace | None) -> None:
         super().__init__(str(gone))
-        self.ws = ws
+        self.gone, self.ws = gone, ws
 
 
 def kept_work_words(ws: Workspace | None) -> str:
@@ -3149,8 +3154,8 @@ class Beat:
                     store.write_worker_heartbeat({"state": self.state, "task": ids[0] if ids else None,
                                                   "tasks": ids, "slots": self.slots, "engine": self.engine,
                                                   "pid_start": self.pid_start, **said, **extra})
-            except store.QueueGone:   # nothing to beat for: the loop and the runs act on it
-                current().lost.gone()
+            except store.QueueGone as exc:   # nothing to beat for: the loop and the runs act on it
+                current().lost.gone(exc)
             except Exception as exc:
                 if not db_outage(exc):
                     raise
@@ -3292,8 +3297,8 @@ class Loop:
                     task = self._turn()
                 if not self._next(task):
                     break
-            except store.QueueGone:
-                if not self._queue_gone():
+            except store.QueueGone as exc:
+                if not self._queue_gone(exc):
                     break
             except Exception as exc:
                 if not db_outage(exc):
@@ -3344,12 +3349,12 @@ class Loop:
             self.folders_said = problem
         return problem is not None
 
-    def _queue_gone(self) -> bool:
+    def _queue_gone(self, exc: store.QueueGone) -> bool:
         """The queue file is gone (said once, ``LostQueue``): True to look again after a poll
         (``--watch``: it waits for the file to be put back), False when a one-pass stops claiming
         (exit status 1 once its tasks in hand end). Nothing is claimed meanwhile: every store
         call fails until the file is back."""
-        self.state.lost.gone()
+        self.state.lost.gone(exc)
         if not self.watch:
             self.status = 1
             return False
@@ -3506,10 +3511,12 @@ def _run_guarded(task: dict[str, Any], knobs: Knobs) -> None:
             final = run_task(task, knobs)
     except Exception as exc:  # noqa: BLE001 - the queue must stay consistent whatever happens
         if isinstance(exc, (QueueLostMidRun, store.QueueGone)):   # nothing can be written: kept, handed back later
-            current().lost.gone()
+            gone = exc.gone if isinstance(exc, QueueLostMidRun) else exc
+            current().lost.gone(gone)
             where = kept_work_words(getattr(exc, "ws", None))
+            what = "replaced in use" if isinstance(gone, store.QueueReplaced) else "gone"
             with contextlib.suppress(Exception):   # a log beside no queue (SQLite's own files) still says why it stops
-                store.append_task_log(task["id"], f"\n[worker] the run was ended: the queue file is gone; {where}\n"
+                store.append_task_log(task["id"], f"\n[worker] the run was ended: the queue file was {what}; {where}\n"
                                       .encode())
             current().lost.ended_attempt(task, where)
             lost = where + (   # said in its end line
