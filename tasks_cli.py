@@ -170,8 +170,8 @@ class TaskGroup(click.Group):
             if isinstance(exc, task_store.QueueReplaced):
                 raise CliError(in_cli_words(str(exc))) from None
             went = task_store.queue_left_in_use()
-            raise CliError(f"the queue {task_store.db_path()} went away while this command used it (deleted or moved "
-                           f"away{'; ' + went if went else ''}): put the file back there and run the command "
+            raise CliError(f"the queue {task_store.db_path()} went away while this command used it ("
+                           f"{went or 'deleted or moved away'}): put the file back there and run the command "
                            "again") from None
         except task_store.TaskStoreError as exc:   # its message names the queue and the way out
             raise CliError(in_cli_words(str(exc))) from None
@@ -1420,7 +1420,9 @@ def no_diff_words(task: dict[str, Any]) -> str:
                 f"it ran in place, outside git: no diff is kept; files it changed: {files}" if in_place else
                 "it changed no files")
     if status != "failed":
-        return f"it is {status}: a diff is kept when an attempt finishes"
+        return ("it was cancelled before an attempt's changes were recorded" if status == "cancelled" else
+                "it is waiting: a diff is kept when its answered attempt finishes" if status == "waiting" else
+                f"it is {status}: a diff is kept when an attempt finishes")
     if receipt.get("diff_error"):
         return f"it failed, and what its last attempt changed could not be read: {receipt['diff_error']}"
     if receipt.get("bookkeeping_error"):
@@ -1479,10 +1481,10 @@ def branch(task_id: str, as_json: bool) -> None:
         commands = [(name, line(command)) for name, command in info["commands"].items()]
         return out().print(fields_table([("kept worktree", line(info["worktree_path"])), *commands],
                                         title=f"Work of {task_id}"))
+    commit = info["commit"] or ("none (no changes committed)" if task["status"] == "done" else
+                                f"none recorded (it is {task['status']}: no attempt of it ended done)")
     rows: list[tuple[str, Any]] = [
-            ("branch", line(info["branch"])),
-            ("commit", line(info["commit"] or ("none (no changes committed)" if task["status"] == "done" else
-                                               f"none recorded (it is {task['status']}: no attempt finished)"))),
+            ("branch", line(info["branch"])), ("commit", line(commit)),
             ("tip now", line(info["tip"] or "the branch no longer exists")), ("base commit", line(info["base_commit"])),
             ("repository", line(info["repo"])), ("checkout is on", line(info["checkout_branch"])),
             ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else

@@ -2559,7 +2559,8 @@ def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, blo
             [f"… and {more:,} more (git status in {ws.top})"] if more > 0 else [])
     receipt.repo_config = repo_config
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
-        receipt.sandbox["shell writes"] = "not reverted: the directory is over 50 MB, too large to snapshot"
+        receipt.sandbox["shell writes"] = ("not reverted: the directory was too large to snapshot before the run "
+                                           "(over 50 MB of files, 200,000 entries or 256 folders deep), or a link")
     return receipt, diff, problem
 
 

@@ -877,10 +877,11 @@ def _free_folder(repo: str, path: Path, base: str, own: str | None) -> Path:
 
 def _holds_work(repo: str, path: Path, base: str, own: str | None) -> bool:
     """Whether ``path`` is a registered worktree of ``repo`` holding work that would be lost were it
-    removed: uncommitted or untracked files, or a HEAD with commits ``base`` does not have (a
-    worktree git cannot read counts as holding work). One on the branch ``own`` is the task's
-    own (a crashed attempt's); a locked one is left to the lock's own handling
-    (``clear_unfinished_add``: an add killed midway is cleared, anyone else's lock named)."""
+    removed: uncommitted, untracked or git-ignored files (a person's ``.env.local``), or a HEAD
+    with commits ``base`` does not have (a worktree git cannot read counts as holding work). One
+    on the branch ``own`` is the task's own (a crashed attempt's); a locked one is left to the
+    lock's own handling (``clear_unfinished_add``: an add killed midway is cleared, anyone
+    else's lock named)."""
     if not _is_registered(repo, path):
         return False
     lock, branch = worktree_lock(repo, path)
@@ -888,7 +889,7 @@ def _holds_work(repo: str, path: Path, base: str, own: str | None) -> bool:
         return False
     try:
         head = git(["rev-parse", "HEAD"], str(path))
-        changed = git(["status", "--porcelain", "--ignore-submodules=all"], str(path))
+        changed = git(["status", "--porcelain", "--ignored=matching", "--ignore-submodules=all"], str(path))
     except GitStopped:
         raise
     except GitError:
@@ -1795,8 +1796,9 @@ def revert_changes(ws: Workspace, snapshot: dict[str, tuple] | None) -> tuple[li
 
 SNAPSHOT_LIMIT_BYTES = 50 * 2**20
 LISTING_MAX = 200_000   # entries of an in-place folder outside git listed to see what a run changed
-LISTING_AFTER_MAX = 2 * LISTING_MAX   # entries listed after the run (or read to revert it): a run that made more is
-#                                       not compared (the receipt says so) rather than holding millions of paths
+# Entries listed after the run to compare (a revert reads them all): a run that made more is not
+# compared (the receipt says so) rather than holding millions of paths.
+LISTING_AFTER_MAX = 2 * LISTING_MAX
 LISTING_READ_BYTES = 50 * 2**20   # of its files' bytes hashed, so a file rewritten as it was is no change
 WALK_DEPTH_MAX = 256   # folder levels below the task's folder walked; a deeper one is not compared (said)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -2037,8 +2039,8 @@ def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str
     50 MB, or the folder holds more than LISTING_MAX entries or goes deeper than WALK_DEPTH_MAX
     levels (a root that is a link is not followed: None too). Modes are the permission bits
     (None when not even those could be read). Given ``before`` (an earlier snapshot), only files
-    that were in it with the same size are read, the rest hold None; there is no size or depth
-    limit then, and past LISTING_AFTER_MAX entries or for a root that is a link it raises NotListed."""
+    that were in it with the same size are read, the rest hold None; there is no size, entry or
+    depth limit then (a revert walks it whole), and for a root that is a link it raises NotListed."""
     try:
         return _snapshot(root, before)
     except NotListed:
@@ -2050,7 +2052,9 @@ def take_snapshot(root: str, before: dict[str, tuple] | None = None) -> dict[str
 def _snapshot(root: str, before: dict[str, tuple] | None) -> dict[str, tuple] | None:
     entries: dict[str, tuple] = {}
     total = 0
-    walk = walk_folder(root, max_entries=LISTING_AFTER_MAX if before is not None else LISTING_MAX,
+    # After the run (``before``: a revert) the whole folder is walked: a run that makes more entries than
+    # a listing holds must not get out of its revert that way.
+    walk = walk_folder(root, max_entries=None if before is not None else LISTING_MAX,
                        max_depth=None if before is not None else WALK_DEPTH_MAX)
     for found in walk:
         info = found.info
@@ -2153,14 +2157,14 @@ def _open_tree(root: str, failed: list[str]) -> dict[str, int]:
     """Give the owner rwx on every folder and read on every file under ``root`` (top-down: a
     ``chmod 000`` folder is opened before the walk enters it; links untouched, never followed);
     returns each one's mode before by relative path. Appends ``path: why`` to ``failed``.
-    Raises NotListed (see `walk_folder`: the root a link, over LISTING_AFTER_MAX entries)."""
+    Raises NotListed (see `walk_folder`: the root a link)."""
     modes: dict[str, int] = {}
     with contextlib.suppress(OSError):
         top = os.lstat(root)
         if stat.S_ISDIR(top.st_mode) and top.st_mode & stat.S_IRWXU != stat.S_IRWXU:
             os.chmod(root, stat.S_IMODE(top.st_mode) | stat.S_IRWXU)
             modes["."] = stat.S_IMODE(top.st_mode)
-    for found in walk_folder(root, max_entries=LISTING_AFTER_MAX, max_depth=None):
+    for found in walk_folder(root, max_entries=None, max_depth=None):   # the revert's: whole (see _snapshot)
         info = found.info
         if info is None:
             failed.append(f"{found.rel}: cannot open ({found.error})")

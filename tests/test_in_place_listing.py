@@ -143,6 +143,25 @@ def test_a_readonly_revert_never_follows_the_folder_swapped_for_a_link(tmp_path)
                                          "file (the run replaced the folder itself)"]
 
 
+def test_a_readonly_revert_is_whole_however_many_entries_the_run_made(tmp_path, monkeypatch):
+    """A reviewer's finding: past LISTING_AFTER_MAX entries the revert reverted nothing at all,
+    not even edits to files of the snapshot (an `npm install` makes that many): a readonly run
+    could get out of its revert by making files."""
+    monkeypatch.setattr(worktrees, "LISTING_MAX", 20)
+    monkeypatch.setattr(worktrees, "LISTING_AFTER_MAX", 20)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("as it was\n")
+    snapshot = worktrees.take_snapshot(str(plain))
+    (plain / "a.txt").write_text("EDITED BY AGENT\n")
+    (plain / "flood").mkdir()
+    for n in range(30):
+        (plain / "flood" / f"{n}.txt").write_text("x")
+    reverted, failed = worktrees.restore_snapshot(str(plain), snapshot)
+    assert failed == [] and "a.txt" in reverted and "flood/" in reverted
+    assert (plain / "a.txt").read_text() == "as it was\n" and not (plain / "flood").exists()
+
+
 def test_a_fifo_or_link_swapped_in_after_the_stat_is_neither_waited_on_nor_followed(tmp_path, monkeypatch):
     """The listing stat'ed a file, then opened it by name: a FIFO put there meanwhile hung the
     worker, a link was followed (a file swapped for a link to the same bytes read as no change).

@@ -22,11 +22,12 @@ def first_attempt(repo: Path, title: str) -> worktrees.Workspace:
 def test_another_queues_worktree_holding_work_is_kept_and_the_task_gets_a_folder_of_its_own(tmp_path, monkeypatch):
     repo = make_repo(tmp_path / "repo")
     old = first_attempt(repo, "the old queue's t_0001")
-    (Path(old.top) / "half_done.txt").write_text("a person's work, uncommitted\n")
+    (repo / ".git" / "info" / "exclude").write_text("*.local\n")
+    (Path(old.top) / ".env.local").write_text("a person's secret\n")   # git-ignored: all it holds
     monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "new" / "tasks.db"))   # a new queue: t_0001 again
     new = first_attempt(repo, "the new queue's t_0001")
     assert new.top != old.top and Path(new.top).name == f"{Path(old.top).name}-{task_store.queue_tag()}"
-    assert (Path(old.top) / "half_done.txt").read_text() == "a person's work, uncommitted\n"
+    assert (Path(old.top) / ".env.local").read_text() == "a person's secret\n"
     listed = git(repo, "worktree", "list")
     assert old.top in listed and new.top in listed
 
