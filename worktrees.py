@@ -1861,8 +1861,13 @@ def walk_folder(root: str, *, max_entries: int | None, max_depth: int | None = W
                 yield Found(rel, os.path.basename(path), -1, None, exc.strerror or str(exc))
                 continue
         try:
-            with os.scandir(fd) as listing:
-                names = sorted(entry.name for entry in listing)
+            with os.scandir(fd) as listing:   # read no further than the entries left to list
+                names = []
+                for entry in listing:
+                    names.append(entry.name)
+                    if max_entries is not None and count + len(names) > max_entries + len(_SKIPPED):
+                        raise NotListed(f"holds over {max_entries:,} entries")
+                names.sort()
             for name in names:
                 if rel == "." and name in _SKIPPED:
                     continue
@@ -1926,17 +1931,19 @@ def _open_dir(path: str, ident: tuple[int, int]) -> int:
 
 def _read_file(found: Found) -> bytes | None:
     """The bytes of the regular file ``found`` names, read through its folder's descriptor: never
-    through a link, never waiting on a FIFO. None when it is no longer the regular file (device,
-    inode) the walk met. Raises OSError."""
+    through a link, never waiting on a FIFO, and at most one byte past the size the walk met (a
+    file that grew since reads as changed, never as gigabytes held in memory). None when it is no
+    longer the regular file (device, inode) the walk met. Raises OSError."""
     assert found.info is not None
     fd = os.open(found.name, _FILE_FLAGS, dir_fd=found.dir_fd)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (found.info.st_dev, found.info.st_ino):
             return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
+        chunks, left = [], found.info.st_size + 1   # one byte past its listed size: a file grown since is changed
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
             chunks.append(chunk)
+            left -= len(chunk)
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -7,6 +7,8 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 import task_store
 import worktrees
 from helpers import make_repo, submit
@@ -219,3 +221,21 @@ def test_writes_under_a_nested_git_folder_are_seen_and_reverted_the_folders_own_
     taken = worktrees.take_snapshot(str(repo))
     assert taken is not None and "vendored/.git/HEAD" in taken and "a.txt" in taken
     assert not [rel for rel in taken if rel == ".git" or rel.startswith(".git" + os.sep)]
+
+
+def test_a_file_that_grows_after_it_was_listed_is_read_one_byte_past_its_size_and_is_a_change(tmp_path):
+    """A reviewer's finding: a file was read to its end however large it had grown since its lstat
+    (a run could make the worker hold gigabytes); and a folder was read whole before the entry cap."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "grows.txt").write_bytes(b"0123456789")
+    walk = worktrees.walk_folder(str(plain), max_entries=10)
+    found = next(f for f in walk if f.rel == "grows.txt")
+    with open(plain / "grows.txt", "ab") as more:
+        more.write(b"x" * (4 << 20))
+    assert worktrees._read_file(found) == b"0123456789x"
+    walk.close()
+    for n in range(30):
+        (plain / f"{n}.txt").write_text("x")
+    with pytest.raises(worktrees.NotListed, match="holds over 10 entries"):
+        list(worktrees.walk_folder(str(plain), max_entries=10))
