@@ -214,10 +214,11 @@ def check_database() -> Check:
     unwritable = store.write_problem(path)
     if unwritable is not None:
         return Check("database", "fail", f"{path} cannot be written: {unwritable[0]}", unwritable[1])
-    if not path.exists() and (went := store.queue_left_in_use()):
-        return Check("database", "fail", f"{path} is gone: {went}",
-                     "put the file back there (with its -wal and -shm if they went with it) and the worker carries "
-                     "on; to begin a new, empty queue there, stop that worker first")
+    if went := store.queue_left_in_use():   # before anything opens what is at the path
+        return Check("database", "fail", f"{path} is in no state to open: {went}",
+                     "put its file back there (with its -wal and -shm if they went with it) and the worker carries "
+                     "on; to use a new or another file there, stop that worker first (and move the old file's -wal "
+                     "and -shm next to the old file)")
     if not path.exists():
         return Check("database", "ok", f"{path}: not created yet (the first submit or worker pass makes it)")
     try:

@@ -261,18 +261,45 @@ def queue_exists() -> bool:
     return database_url() is not None or db_path().exists()
 
 
+QUEUE_LOST_STATE = "waiting for its queue file"   # a worker's heartbeat state while its queue file is away
+
+
+def mark_queue_lost(state: dict[str, Any]) -> None:
+    """Say in the heartbeat file beside the queue (``state`` as ``write_worker_heartbeat``'s, its
+    state made QUEUE_LOST_STATE; nothing in the database, which went) that this worker lost its
+    queue file and waits for it: a process started meanwhile opens nothing at that path
+    (``queue_left_in_use``), where another file would be read with the old one's WAL and be
+    corrupted. Written only where the queue's folder still is; never raises."""
+    if database_url():
+        return
+    path = state_path("worker.json")
+    if not path.parent.is_dir():
+        return
+    beat = dict(state) | {"state": QUEUE_LOST_STATE, "pid": os.getpid(), "host": host_name(), "ts": now()}
+    with contextlib.suppress(OSError):
+        write_private(path, json.dumps(beat))
+
+
 def queue_left_in_use() -> str | None:
-    """When the SQLite queue file is missing but a worker on this machine whose process is running
-    says it uses a queue at that path (its heartbeat beside it): the words for it ("it was
-    deleted or moved away while worker pid 4242 used it (its heartbeat 3 s ago)"); else None,
-    and always on PostgreSQL. A new queue made there would not be the one that worker waits for."""
-    if database_url() or db_path().exists():
+    """When a worker on this machine whose process is running lost this SQLite queue's file and
+    waits for it (its heartbeat beside the queue says QUEUE_LOST_STATE: deleted, moved away or
+    replaced while it ran), or the file is missing while such a worker's heartbeat says it uses
+    it: the words for it ("worker pid 4242 lost it while it ran and waits for it ..."); else
+    None, and always on PostgreSQL. Nothing should open a file at that path meanwhile: a new
+    queue made there is not the one that worker waits for, and another file put there would be
+    read with the old one's WAL."""
+    if database_url():
         return None
     beat = read_worker_heartbeat()
-    if not beat or beat.get("pid_running") is not True or beat.get("state") == "stopped":
+    if not beat or beat.get("pid_running") is not True:
+        return None
+    if beat.get("state") == QUEUE_LOST_STATE:
+        return (f"worker pid {beat.get('pid')} lost it while it ran (deleted, moved away or replaced) and waits for "
+                f"it (said {beat['age_sec']:g} s ago)")
+    if db_path().exists() or beat.get("state") == "stopped":
         return None
     return (f"it was deleted or moved away while worker pid {beat.get('pid')} used it (its heartbeat "
-            f"{beat['age_sec']:g} s ago)")
+            f"{beat['age_sec']:g} s ago), which waits for it")
 
 
 def queue_gone() -> bool:
@@ -839,7 +866,26 @@ def connect(path: Path | str | None = None) -> Connection:
     url = None if path else database_url()
     if url:
         return store_pg.connect(url, pg_migrations())
-    return store_sqlite.connect(Path(path) if path else db_path(), MIGRATIONS)
+    target = Path(path) if path else db_path()
+    if target == db_path():
+        _refuse_while_lost(target)
+    return store_sqlite.connect(target, MIGRATIONS)
+
+
+def _refuse_while_lost(path: Path) -> None:
+    """Raise QueueGone when another live worker's heartbeat beside ``path`` says it lost that
+    queue file and waits for it (``mark_queue_lost``): what is at the path now (a new file, or
+    another queue's, read with the old one's WAL beside it) is not to be opened or made."""
+    beat = read_worker_heartbeat()
+    if not beat or beat.get("state") != QUEUE_LOST_STATE or beat.get("pid_running") is not True \
+            or beat.get("pid") == os.getpid():
+        return
+    way_out = ("put its file back there (with its -wal and -shm if they went with it) and that worker carries on; to "
+               "use a new or another file there, stop that worker first (and move the old file's -wal and -shm, if "
+               "they are beside the path, next to the old file: another file opened with them is corrupted)")
+    raise QueueGone(f"the task database {path} is in no state to open: worker pid {beat.get('pid')} lost it while it "
+                    f"ran (deleted, moved away or replaced) and waits for it; nothing was opened or made: {way_out}",
+                    "the queue file is away from a worker that waits for it", way_out)
 
 
 def write_problem(path: Path | str | None = None) -> tuple[str, str] | None:
@@ -4220,6 +4266,7 @@ def write_worker_heartbeat(state: dict[str, Any]) -> None:
     queue file this process used is gone."""
     if not database_url():   # no heartbeat file beside a queue file that went away (nor its folder made again)
         store_sqlite.refuse_gone(db_path())
+        store_sqlite.refuse_stale_wal(db_path())   # nor over the lost mark (mark_queue_lost) of one replaced
     state = dict(state)
     pid_start = state.pop("pid_start", None)
     beat = state | {"pid": os.getpid(), "host": host_name(), "ts": now()}

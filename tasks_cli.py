@@ -122,9 +122,11 @@ def queue_missing_error() -> CliError:
     path = task_store.db_path()
     went = task_store.queue_left_in_use()
     if went:
-        return CliError(f"the queue {path} is gone: {went}, which waits for it; put the file back there (with its "
-                        "-wal and -shm if they went with it) and the worker carries on. Nothing was made in its "
-                        "place: to begin a new, empty queue there, stop that worker first")
+        return CliError(f"the queue {path} is in no state to open: {went}. Put its file back there (with its -wal "
+                        "and -shm if they went with it) and that worker carries on. To use a new or another file "
+                        "there, stop that worker first (and move the old file's -wal and -shm, if they are beside "
+                        "the path, next to the old file: another file opened with them is corrupted). Nothing was "
+                        "opened or made")
     return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `{cli_command()} submit` "
                     "makes a new queue there, as do the worker and serve.py")
 
@@ -147,8 +149,9 @@ class QueueCommand(click.Command):
         if bad:
             raise bad
         missing = task_store.backend() == "sqlite" and not task_store.db_path().exists()
-        if missing and (name not in MAKES_QUEUE | NO_QUEUE_NEEDED or   # a PostgreSQL queue is made by its first use
-                        name in MAKES_QUEUE and task_store.queue_left_in_use()):   # not in place of one in use
+        if name not in NO_QUEUE_NEEDED and task_store.queue_left_in_use():   # a worker waits for its file there
+            raise queue_missing_error()
+        if missing and name not in MAKES_QUEUE | NO_QUEUE_NEEDED:   # a PostgreSQL queue is made by its first use
             raise queue_missing_error()
         done = super().invoke(ctx)
         if missing and name in MAKES_QUEUE and task_store.db_path().exists():

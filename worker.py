@@ -227,18 +227,22 @@ class LostQueue:
         self.lock = threading.Lock()
         self.watch = True                 # a --watch worker waits for the file; a one-pass exits (Loop sets it)
         self.since: float | None = None   # time.time() when a store call first met it gone
+        self.said_replaced = False        # QueueReplaced said (a file put there while the old one's WAL stays)
         self.ended: list[tuple[str, str, str]] = []   # (task id, run marker, where its work is) it ended
 
     def gone(self, exc: store.QueueGone) -> None:
         """A store call met the queue file gone (``exc``): say so once, with the way out (a file
         replaced while the old one's WAL is still beside it: the store's own words, QueueReplaced)."""
+        replaced = isinstance(exc, store.QueueReplaced)
         with self.lock:
-            if self.since is not None:
-                return
-            self.since = time.time()
-        if isinstance(exc, store.QueueReplaced):
+            first, self.since = self.since is None, self.since or time.time()
+            said_replaced, self.said_replaced = self.said_replaced, self.said_replaced or replaced
+        if first:   # a process started meanwhile opens nothing there (task_store._refuse_while_lost)
+            store.mark_queue_lost({"pid_start": current().beat.pid_start, "slots": current().beat.slots})
+        if replaced and not said_replaced:   # said even after "gone": a file put there is not the one that went
             log(f"{exc}; this worker claims nothing more meanwhile (the tasks in hand end; their worktrees are kept)",
                 talk.QUIET)
+        if not first or replaced:
             return
         path = store.db_path()
         if self.watch:
@@ -265,7 +269,7 @@ class LostQueue:
         back (fenced: a queue put there that does not hold an attempt, a new one or another copy,
         leaves it as it is, and each such attempt is named with where its work is)."""
         with self.lock:
-            since, ended, self.since, self.ended = self.since, self.ended, None, []
+            since, ended, self.since, self.ended, self.said_replaced = self.since, self.ended, None, [], False
         if since is None:
             return
         log(f"a queue file is at {store.db_path()} again after {time.time() - since:.0f} s; claims go on", talk.QUIET)

@@ -97,10 +97,15 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
         for args in (["status"], ["submit", "new work", "--dir", str(tmp_path)]):
             said = CliRunner().invoke(cli, args)
             assert said.exit_code != 0 and "Traceback" not in said.output, said.output
-            assert f"the queue {path} is gone" in said.output and f"worker pid {proc.pid}" in said.output, said.output
+            assert f"the queue {path} is in no state to open" in said.output, said.output
+            assert f"worker pid {proc.pid}" in said.output, said.output
             assert "stop that worker first" in said.output and not path.exists(), said.output
         check = doctor.check_database()
-        assert check.status == "fail" and "is gone" in check.detail and "put the file back" in check.fix, check
+        assert check.status == "fail" and "in no state to open" in check.detail and "put its file back" in check.fix
+        second = subprocess.run([sys.executable, str(ROOT / "worker.py")], env=env, cwd=ROOT, capture_output=True,
+                                text=True, timeout=60)   # a scheduled pass meanwhile: it makes no queue there
+        assert second.returncode != 0 and "in no state to open" in second.stdout + second.stderr, second
+        assert not path.exists() and "Traceback" not in second.stderr
         assert "Traceback" not in out.read_text()
         for file in away.iterdir():   # put back: it carries on with its own tasks
             file.rename(path.parent / file.name)
@@ -114,11 +119,16 @@ def test_a_watch_worker_whose_queue_file_goes_ends_its_run_keeps_the_worktree_an
     assert "Traceback" not in out.read_text(), out.read_text()
 
 
-def test_a_new_queue_made_where_the_watched_one_went_names_each_ended_attempt_and_its_worktree(tmp_path):
-    """A reviewer's finding: a new, empty queue made at the path (by any other command) while the
-    worker waited was taken for its own coming back, and the attempts it had ended were dropped
+def test_a_queue_put_back_without_the_attempts_it_ended_names_each_and_its_worktree(tmp_path):
+    """A reviewer's finding: a queue file put back that does not hold the attempts the waiting
+    worker ended (an older backup here; a new, empty queue another command made is refused now
+    while the worker waits) was taken for its own coming back, and those attempts were dropped
     without a word, their worktrees orphaned. Each is named now, with where its work is."""
+    import shutil
     task, path, env = long_task(tmp_path)
+    store.close_connections()   # folded into the file: a backup taken before the claim
+    backup = tmp_path / "backup.db"
+    shutil.copyfile(path, backup)
     out = tmp_path / "worker.out"
     with worker_process(env, out, "--watch") as proc:
         running = until(lambda: (t := store.get_task(task["id"]))["agent_pid"] and t, 90, "the agent to start")
@@ -129,13 +139,41 @@ def test_a_new_queue_made_where_the_watched_one_went_names_each_ended_attempt_an
         for file in queue_files(path):
             file.rename(away / file.name)
         until(lambda: "its run was ended" in out.read_text(), 60, "the run to end")
-        assert store.counts()["running"] == 0   # another command's first open: a new, empty queue at the path
+        shutil.copyfile(backup, path)   # the backup put back: the task pending in it, its attempt unknown
         said = until(lambda: "nothing hands it back" in (text := out.read_text()) and text, 60,
-                     "the worker to name the attempt the new queue does not hold")
+                     "the worker to name the attempt the queue put back does not hold")
         line = next(line for line in said.splitlines() if "nothing hands it back" in line)
         assert task["id"] in line and running["run_marker"] in line and str(worktree) in line, line
         assert worktree.is_dir() and proc.poll() is None, said
     assert "Traceback" not in out.read_text(), out.read_text()
+
+
+def test_another_queue_put_where_a_waiting_worker_lost_its_own_is_opened_by_nothing_and_said(tmp_path):
+    """A fresh user's finding: a watched queue moved away, another queue's file put at its path
+    with the old WAL left beside it; the worker said nothing, and the first CLI command read the
+    new file with the old WAL and corrupted it (its two tasks lost). The worker says it was
+    replaced, and no process started meanwhile opens the file while the worker waits for its own."""
+    import sqlite3
+    task, path, env = long_task(tmp_path)
+    out = tmp_path / "worker.out"
+    with worker_process(env, out, "--watch"):
+        until(lambda: store.get_task(task["id"])["agent_pid"], 90, "the agent to start")
+        store.close_connections()
+        away = tmp_path / "away"
+        away.mkdir()
+        path.rename(away / path.name)   # the file alone: its -wal and -shm stay at the path
+        until(lambda: "its run was ended" in out.read_text(), 60, "the run to end")
+        os.replace(other_queue(tmp_path), path)
+        said = until(lambda: "was replaced by another file" in (text := out.read_text()) and text, 60,
+                     "the worker to say the file was replaced")
+        assert "move tasks.db-wal and tasks.db-shm next to the old tasks.db" in said, said
+        for args in (["status"], ["list"]):   # processes started meanwhile: nothing opened
+            shown = subprocess.run([sys.executable, str(ROOT / "tasks_cli.py"), *args], env=env, cwd=ROOT,
+                                   capture_output=True, text=True, timeout=60)
+            assert shown.returncode != 0 and "in no state to open" in shown.stderr, shown
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)) as check:
+        assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert [r[0] for r in check.execute("SELECT title FROM tasks")] == ["theirs"]
 
 
 def test_a_one_pass_whose_queue_file_goes_ends_its_run_and_exits_1_without_making_one(tmp_path):
