@@ -11,6 +11,7 @@ claims nothing more and waits for the file: put back, it says so, hands the ende
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -256,3 +257,16 @@ def test_a_queue_file_replaced_in_use_is_never_read_with_the_old_ones_wal(tmp_pa
     with contextlib.closing(sqlite3.connect(aside)) as old:   # read with its own WAL: whole
         assert [r[0] for r in old.execute("SELECT title FROM tasks ORDER BY id")] == [
             "old queue's task", "old, in the WAL only"]
+
+
+def test_a_lost_mark_of_a_worker_that_is_gone_or_whose_pid_was_reused_blocks_nothing(tmp_path):
+    submit(tmp_path, "mine")
+    me = psutil.Process()
+    store.close_connections()
+    for pid, started in ((me.pid + 10**6, me.create_time()), (me.ppid(), 1.0)):   # gone; a live pid reused
+        store.state_path("worker.json").write_text(json.dumps({
+            "state": store.QUEUE_LOST_STATE, "pid": pid, "pid_start": started, "host": store.host_name(),
+            "ts": time.time()}))
+        assert store.queue_left_in_use() is None
+        assert store.counts()["pending"] == 1
+        store.close_connections()
