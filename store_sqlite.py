@@ -387,9 +387,18 @@ def refuse_gone(path: Path | str) -> None:
     if where not in _OPENED or os.path.exists(where):
         return
     way_out = (f"put the file back there (from where it was moved, or a backup) and this process carries on; "
-               f"or restart it to begin a new, empty queue at {where}")
+               f"or, to begin a new, empty queue at {where}, stop it and {stale_files_words(where)}, then start it")
     raise QueueGone(f"the task database {where} is gone (deleted or moved away while this process used it); no "
                     f"new queue was made in its place: {way_out}", "the queue file is gone", way_out)
+
+
+def stale_files_words(where: Path | str) -> str:
+    """The step before a new file goes where the queue file ``where`` went: its -wal and -shm, which
+    SQLite leaves beside the path and would read into a new file there, moved along."""
+    name = Path(where).name
+    return (f"move {name}-wal and {name}-shm, if they are still beside it, next to the file that went under its "
+            f"name plus -wal and -shm (delete them if it is gone for good): a new file there is read with them and "
+            f"corrupted")
 
 
 def refuse_stale_wal(path: Path | str) -> None:

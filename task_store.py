@@ -872,6 +872,9 @@ def connect(path: Path | str | None = None) -> Connection:
     return store_sqlite.connect(target, MIGRATIONS)
 
 
+stale_files_words = store_sqlite.stale_files_words
+
+
 def _same_worker(beat: dict[str, Any]) -> bool:
     """Whether the process ``beat`` names is still the worker that wrote it (its start time, when
     the heartbeat gives one): a pid reused by another program is not."""

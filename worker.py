@@ -247,12 +247,13 @@ class LostQueue:
         path = store.db_path()
         if self.watch:
             said = ("this worker claims nothing more and waits for it (the tasks in hand end; their worktrees are "
-                    "kept); put the file back there to carry on, or restart the worker to begin a new, empty queue "
-                    "at that path")
+                    "kept); put the file back there to carry on; or, to begin a new, empty queue at that path, stop "
+                    f"the worker and {store.stale_files_words(path)}, then start it")
         else:
             said = ("this pass claims nothing more and exits once the tasks in hand end (their worktrees are kept); "
                     "put the file back there: the next pass's reaper then requeues them as attempts whose worker "
-                    "ended (each spends a retry); else the next pass begins a new, empty queue at that path")
+                    "ended (each spends a retry); else the next pass begins a new, empty queue at that path (first "
+                    f"{store.stale_files_words(path)})")
         log(f"the queue file {path} is gone (deleted or moved away): {said}", talk.QUIET)
 
     def ended_attempt(self, task: dict[str, Any], where: str) -> None:
