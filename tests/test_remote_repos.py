@@ -676,7 +676,7 @@ def test_every_printed_command_quotes_a_hostile_repository_path(tmp_path, store_
     # A local checkout with such a name: branch's commands are quoted as well.
     local = make_repo(tmp_path / f"co{HOSTILE}", {"b.txt": "b\n"})
     git(local, "branch", "taskbridge/t_0009")
-    commands = worktrees.branch_info({"id": "t_0009", "repo": None, "working_dir": str(local),
+    commands = worktrees.branch_info({"id": "t_0009", "repo": None, "working_dir": str(local), "status": "done",
                                        "branch": "taskbridge/t_0009", "base_commit": None})["commands"]
     assert shlex_split_one(commands["switch"]) == ["git", "-C", str(local), "switch", "taskbridge/t_0009"]
     assert _run_printed(commands["log"], tmp_path).returncode == 0

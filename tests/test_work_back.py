@@ -286,8 +286,11 @@ def test_retry_reruns_a_failed_task_to_done_with_a_note_and_a_fresh_budget(openc
         tool_call("write", {"filePath": "{cwd}/hello.txt", "content": "second time lucky\n"}),
         text("Done.\n" + DONE),
     ])
-    assert failed["branch"] == f"taskbridge/{task['id']}" and failed["base_commit"] == git(repo, "rev-parse", "HEAD")
-    # The person fixes something on main meanwhile: the retry starts from there, on the same branch.
+    # It committed nothing: its empty branch was deleted (the receipt says so); its base is kept
+    assert failed["branch"] is None and failed["result"]["branch_deleted"] == f"taskbridge/{task['id']}"
+    assert failed["base_commit"] == git(repo, "rev-parse", "HEAD")
+    assert not git(repo, "branch", "--list", f"taskbridge/{task['id']}")
+    # The person fixes something on main meanwhile: the retry starts from there, on a branch of that name.
     (repo / "fix.txt").write_text("fixed\n")
     git(repo, "add", "fix.txt")
     git(repo, "commit", "-q", "-m", "fix")
