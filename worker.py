@@ -3364,9 +3364,7 @@ class Loop:
         if not self.watch:
             self.status = 1
             return False
-        end = time.monotonic() + self.knobs.poll_sec
-        while time.monotonic() < end and not self.state.flags.stopping:
-            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        self._nap(self.knobs.poll_sec)
         return True
 
     def _outage(self, exc: BaseException) -> bool:
@@ -3379,11 +3377,15 @@ class Loop:
                 f"once its {len(self.busy)} task(s) in hand end (the next pass tries again)", talk.QUIET)
             self.status = 1
             return False
-        end = time.monotonic() + self.delay   # --watch: wait and try again (a signal stops it)
-        while time.monotonic() < end and not self.state.flags.stopping:
-            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        self._nap(self.delay)   # --watch: wait and try again
         self.delay = backoff(self.delay)
         return True
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` in steps of at most 0.2 s, ending early at a stop (a signal)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.state.flags.stopping:
+            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
 
     def _next(self, task: dict[str, Any] | None) -> bool:
         """Start ``task`` in a slot, or wait for a slot or a change; False when the pass is over."""
