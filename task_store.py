@@ -293,7 +293,7 @@ def queue_left_in_use() -> str | None:
     beat = read_worker_heartbeat()
     if not beat or beat.get("pid_running") is not True:
         return None
-    if beat.get("state") == QUEUE_LOST_STATE and _same_worker(beat):
+    if _lost_by_live_worker(beat):
         return (f"worker pid {beat.get('pid')} lost it while it ran (deleted, moved away or replaced) and waits for "
                 f"it (said {beat['age_sec']:g} s ago)")
     if db_path().exists() or beat.get("state") == "stopped":
@@ -875,9 +875,12 @@ def connect(path: Path | str | None = None) -> Connection:
 stale_files_words = store_sqlite.stale_files_words
 
 
-def _same_worker(beat: dict[str, Any]) -> bool:
-    """Whether the process ``beat`` names is still the worker that wrote it (its start time, when
-    the heartbeat gives one): a pid reused by another program is not."""
+def _lost_by_live_worker(beat: dict[str, Any]) -> bool:
+    """Whether the heartbeat ``beat`` (``read_worker_heartbeat``'s) is a lost queue's mark
+    (``mark_queue_lost``) whose worker still lives: its pid running and, when the mark gives its
+    start time, still that process (a pid reused by another program is not)."""
+    if beat.get("state") != QUEUE_LOST_STATE or beat.get("pid_running") is not True:
+        return False
     if beat.get("pid_start") is None:
         return True
     import process_tree  # here: only a lost queue's mark needs it (psutil)
@@ -889,8 +892,7 @@ def _refuse_while_lost(path: Path) -> None:
     queue file and waits for it (``mark_queue_lost``): what is at the path now (a new file, or
     another queue's, read with the old one's WAL beside it) is not to be opened or made."""
     beat = read_worker_heartbeat()
-    if not beat or beat.get("state") != QUEUE_LOST_STATE or beat.get("pid_running") is not True \
-            or beat.get("pid") == os.getpid() or not _same_worker(beat):
+    if not beat or beat.get("pid") == os.getpid() or not _lost_by_live_worker(beat):
         return
     way_out = ("put its file back there (with its -wal and -shm if they went with it) and that worker carries on; to "
                "use a new or another file there, stop that worker first (and move the old file's -wal and -shm, if "
