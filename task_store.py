@@ -3301,6 +3301,28 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         return task_dict(_row(conn, num)) | {"kept": kept}
 
 
+def record_cancelled_receipt(task_id: Any, marker: str, result: dict, diff: str | None,
+                             session_id: str | None = None) -> bool:
+    """Record the receipt of the attempt ``marker`` that a cancel ended while it ran: what the
+    agent had changed by then (``result``, a receipt's JSON (receipt.Receipt.to_json):
+    files_touched, commands, its words; ``diff``, git's diff of its uncommitted work, or None)
+    and its OpenCode session, since the worker removes its worktree. The usage is not touched
+    (cancel_task kept the meter's spend). Fenced: only while the task is still cancelled with
+    that attempt's marker. Returns whether it was recorded. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["run_marker"] != marker or row["status"] != "cancelled":
+            return False
+        conn.execute("UPDATE tasks SET result = ?, diff = ?, session_id = coalesce(?, session_id)"
+                     " WHERE id = ? AND run_marker = ? AND status = 'cancelled'",
+                     (_json(result), diff, session_id, num, marker))
+        files = result.get("files_touched") or []
+        _event(conn, num, "receipt", f"the cancelled attempt {marker} had changed {len(files)} file(s); its "
+                                     "receipt and diff are kept (its worktree goes)"[:500])
+    return True
+
+
 def record_branch_dropped(task_id: Any, marker: str, branch: str) -> bool:
     """Record that the empty branch ``branch`` of a task whose attempt ``marker`` ended it
     cancelled or failed was deleted (it changed nothing; see worktrees.drop_empty_branch): the
@@ -3331,7 +3353,8 @@ def _kept_work(row: Row) -> str | None:
     # The worker deletes an empty one as the run ends (record_branch_dropped).
     kept = f"branch {row['branch']} kept"
     if row["status"] == "running":
-        kept += " if its attempt committed work (an empty one is deleted as its run ends)"
+        kept += (" if its attempt committed work (an empty one is deleted as its run ends); what the agent had "
+                 "changed by then is kept in its receipt and diff")
     if row["status"] == "waiting" and row["worktree_path"]:
         kept += f"; its uncommitted work stays in the worktree {row['worktree_path']}"
     return kept

@@ -2495,6 +2495,8 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
             store.append_task_log(task["id"], ended.encode())
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
+        if (now := _ended_as_written(task["id"], marker)) is not None and now["status"] == "cancelled":
+            _observe_cancelled(task, ws, run, model, setup, session_note, repo_config)
         _cleanup_superseded(task, ws)
         return None
     reason = failure_reason(run)
@@ -2502,6 +2504,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
     receipt, diff, problem = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
     usage = run.stream.usage()
     if phases.superseded:
+        _record_cancelled(task, run, receipt, diff, problem)
         _cleanup_superseded(task, ws)
         return None
     if problem is not None and reason is None and not run.interrupted:
@@ -2539,6 +2542,30 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
     final = _failed(task, run, model, reason, receipt, diff, usage)
     _drop_branch_of_ended(task, ws, final)
     return final
+
+
+def _observe_cancelled(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunSetup,
+                       session_note: str, repo_config: dict[str, Any]) -> None:
+    """A cancel ended the run: it is observed as any run's end (a readonly run's changes reverted,
+    which in place without a box is what keeps the folder as it was) and its receipt kept
+    (_record_cancelled). Not for a reaped or taken-over attempt: its next attempt may be in the
+    same place already."""
+    block = oc.parse_closing_block(run.stream.final_text)
+    with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
+        observed = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
+    _record_cancelled(task, run, *observed)
+
+
+def _record_cancelled(task: dict, run: RunResult, receipt: Receipt, diff: str | None,
+                      problem: Exception | None) -> None:
+    """Record what a run that a cancel ended had done (``_observed_receipt``'s receipt, diff and
+    git failure, named as ``diff_error``) on the cancelled task before its worktree goes
+    (store.record_cancelled_receipt, fenced: nothing is written for a reaped or taken-over
+    attempt; redacted as every receipt, by _finish)."""
+    if problem is not None:
+        receipt.diff_error = str(problem)
+    _finish(store.record_cancelled_receipt, task, task["run_marker"], result=receipt, diff=diff,
+            session_id=run.stream.session_id)
 
 
 UNCOMMITTED_SHOWN = 200   # paths of the person's uncommitted work a receipt names (in place)

@@ -287,8 +287,25 @@ def test_cancel_of_a_running_task_says_its_branch_stays_only_with_work_on_it(tmp
     store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0001")
     kept = store.cancel_task(task["id"])["kept"]
     assert kept == ("branch taskbridge/t_0001 kept if its attempt committed work (an empty one is deleted as its "
-                    "run ends)")
+                    "run ends); what the agent had changed by then is kept in its receipt and diff")
     assert kept in store.get_task(task["id"])["events"][-1]["message"]
+
+
+def test_a_cancelled_attempts_receipt_is_recorded_only_for_that_attempt_while_cancelled(tmp_path):
+    """The worker records what a cancelled run changed (record_cancelled_receipt): never over an
+    attempt another marker holds, nor on a task that is not cancelled (a reaped one runs again)."""
+    task = submit(tmp_path)
+    marker = store.claim_next("w")["run_marker"]
+    receipt = {"summary": "", "files_touched": ["lib.py"]}
+    assert not store.record_cancelled_receipt(task["id"], marker, receipt, "diff")   # still running
+    store.cancel_task(task["id"])
+    assert not store.record_cancelled_receipt(task["id"], "another", receipt, "diff")
+    assert store.get_task(task["id"])["result"] is None
+    assert store.record_cancelled_receipt(task["id"], marker, receipt, "+x", session_id="ses_1")
+    kept = store.get_task(task["id"])
+    assert (kept["status"], kept["result"]["files_touched"], kept["diff"], kept["session_id"]) == \
+        ("cancelled", ["lib.py"], "+x", "ses_1")
+    assert kept["events"][-1]["kind"] == "receipt"
 
 
 @pytest.mark.parametrize("field", ["priority", "timeout_sec", "depends_on"])

@@ -221,6 +221,48 @@ def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkey
     assert "taken over" not in said, said
 
 
+def test_a_cancelled_run_keeps_its_receipt_and_diff_and_a_readonly_one_is_reverted(opencode, tmp_path, monkeypatch):
+    """A cancel ended a run with nothing observed: the agent's uncommitted changes went with its
+    worktree (a timeout's receipt and diff kept them), and a readonly run in place without a box
+    kept its shell's writes in the user's folder (the revert ran only at a run's own end). A
+    cancelled run is now observed as any run's end: its receipt and diff say what it changed,
+    and a readonly run's writes are undone."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    repo = make_repo(tmp_path / "repo")
+    task, proc, running, _agent = a_running_agent(
+        opencode, repo, [tool_call("write", {"filePath": "{cwd}/lib.py", "content": "half done\n"}), hang()],
+        timeout_sec=300)
+    until(lambda: (Path(running["worktree_path"]) / "lib.py").exists(), what="the agent's write")
+    task_store.cancel_task(task["id"])
+    proc.communicate(timeout=60)
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "cancelled" and final["result"], final
+    assert final["result"]["files_touched"] == ["lib.py"], final["result"]
+    assert "+half done" in final["diff"], final["diff"]
+    assert not Path(running["worktree_path"]).exists()
+    assert any(e["kind"] == "receipt" and "had changed 1 file(s)" in e["message"] for e in final["events"])
+
+    # readonly, in place, no box: the revert after the run is all that keeps the folder
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("a\n")
+    opencode.model.script("sneaks", [
+        tool_call("bash", {"command": "echo x > made.txt && echo more >> a.txt", "description": "sh"}), hang()])
+    sneaky = task_store.submit_task(title="look", instructions="SCRIPT:sneaks", working_dir=str(plain),
+                                    worktree=False, permission="readonly", timeout_sec=300)
+    proc = start_worker()
+    until(lambda: (plain / "made.txt").exists(), timeout=90, what="the shell's write")
+    task_store.cancel_task(sneaky["id"])
+    proc.communicate(timeout=60)
+    final = task_store.get_task(sneaky["id"])
+    assert final["status"] == "cancelled"
+    assert sorted(os.listdir(plain)) == ["a.txt"] and (plain / "a.txt").read_text() == "a\n"
+    assert sorted(final["result"]["files_reverted"]) == ["a.txt", "made.txt"], final["result"]
+    assert tagged() == []
+
+
 def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     repo = make_repo(tmp_path / "repo")
     opencode.model.script("ok", [text("fine\n" + DONE)])
