@@ -572,14 +572,15 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     lease = task["lease_owner"] if task["status"] == "running" else None
     return [
         ("lease", line(f"{lease} (pid {task['lease_pid']})" if lease and task["lease_pid"] else lease)),
-        ("run marker", line(task["run_marker"])), ("agent pid", task["agent_pid"]),
+        # the agent's pid means something only while its attempt runs
+        ("run marker", line(task["run_marker"])), ("agent pid", task["agent_pid"] if lease else None),
         ("lease host", line(task.get("lease_host"))),
         ("session", line(task["session_id"])), ("branch", line(task["branch"])),
         ("pushed", line(f"{task['pushed_branch']} at {str(task.get('pushed_commit'))[:12]} to {task['repo']}")
          if task.get("pushed_branch") else None),
         ("unpushed work", Text(visible(worktrees.unpushed_note(task) or ""), style="yellow")
          if worktrees.unpushed_note(task) else None),
-        ("worktree path", line(task["worktree_path"])), ("base commit", line(task["base_commit"])),
+        ("worktree path", line(worktree_words(task))), ("base commit", line(task["base_commit"])),
         ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
                   + (" so far" if task["status"] == "running" else f" over {task['attempts']} attempts")
          if task["status"] == "running" or task["attempts"] > 1 else None),
@@ -588,6 +589,15 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
                               task["max_tokens"] is not None and f"{task['max_tokens']:,} tokens") if x)
          + (f" (paused: {task['paused_for'].replace('_', ' ')})" if task.get("paused_for") else "")),
     ]
+
+
+def worktree_words(task: dict[str, Any]) -> str | None:
+    """The task's recorded worktree path; once its attempt is over, said to be gone when it is
+    (the worker removes it at the end of a run, unless kept)."""
+    path = task["worktree_path"]
+    if path and task["status"] != "running" and not os.path.lexists(path):
+        return f"{path} (removed)"
+    return path
 
 
 RECEIPT_KEYS = ("summary", "files_touched", "files_reverted", "commands", "tests_run", "open_questions",

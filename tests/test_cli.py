@@ -488,6 +488,27 @@ def test_cancel_asks_first(tmp_path):
     assert again.exit_code == 1 and "already cancelled" in again.stderr
 
 
+def test_show_of_an_ended_attempt_names_no_agent_pid_and_says_its_worktree_was_removed(tmp_path):
+    """`show` of a cancelled task still gave its dead agent's pid and the path of the worktree the
+    worker had removed, as if both were there."""
+    submit(tmp_path, TITLE)
+    claimed = task_store.claim_next("w")
+    kept = tmp_path / "kept-worktree"
+    kept.mkdir()
+    task_store.renew_lease(1, claimed["run_marker"], worktree_path=str(tmp_path / "gone"), agent_pid=4242)
+    running = "".join(run("show", "1").stdout.split())   # a long path wraps
+    assert "agentpid4242" in running and f"worktreepath{tmp_path / 'gone'}spent" in running, running
+    task_store.cancel_task(1)
+    ended = "".join(run("show", "1").stdout.split())
+    assert "agentpid" not in ended and f"worktreepath{tmp_path / 'gone'}(removed)" in ended, ended
+    submit(tmp_path, "second")
+    claimed = task_store.claim_next("w")
+    task_store.renew_lease(2, claimed["run_marker"], worktree_path=str(kept), agent_pid=4243)
+    task_store.cancel_task(2)
+    shown = "".join(run("show", "2").stdout.split())
+    assert f"worktreepath{kept}" in shown and "(removed)" not in shown, shown
+
+
 def test_clear_removes_finished_tasks_and_logs(tmp_path):
     submit(tmp_path, "keep me")
     submit(tmp_path, "drop me")
