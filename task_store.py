@@ -820,10 +820,25 @@ def _migrate_v9_fewer_pages(conn: Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V10 = [
+    # The rules a submission gave, as it gave them: an ``always`` answer rewrites ``rules`` (a
+    # pattern for exactly the request it allowed, after the task's own), and a repeated
+    # idempotency key is compared with what was submitted, not with what the answers made of it.
+    # A queue of before keeps its rules as they are now (answers already in them).
+    "ALTER TABLE tasks ADD COLUMN rules_given TEXT",
+    "UPDATE tasks SET rules_given = rules WHERE rules IS NOT NULL",
+]
+
+
+def _migrate_v10_rules_given(conn: Connection) -> None:
+    for statement in SCHEMA_V10:
+        conn.execute(statement)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
               _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
-              _migrate_v8_usage_limits, _migrate_v9_fewer_pages]
+              _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -848,7 +863,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, []]   # v9 is SQLite's alone
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10]   # v9 is SQLite's alone
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -1880,6 +1895,7 @@ def task_dict(row: Row, deps: list[int] | None = None) -> dict[str, Any]:
     task["worktree"] = bool(task["worktree"])
     task["worktree_keep"] = bool(task["worktree_keep"])
     task["ask_human"] = bool(task.get("ask_human"))
+    task.pop("rules_given", None)   # the store's own record for a repeated idempotency key
     task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
     live = task["status"] == "running"
     usage = task["usage"] or {}
@@ -1974,7 +1990,7 @@ def _existing_by_key(conn: Connection, key: str | None) -> Row | None:
 # scheduling, limits and retries may differ). A field the submission leaves out (None) is not
 # compared: the store fills it (a follow-up's folder and inherited preset, a remote's folder).
 KEYED_FIELDS = ("title", "instructions", "working_dir", "repo_url", "base_ref", "worktree", "agent", "permission",
-                "skills", "subagents")   # and rules (_rules_kept); not model, which a retry may change
+                "skills", "subagents")   # and rules (rules_given); not model, which a retry may change
 
 
 def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
@@ -1983,7 +1999,7 @@ def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
     ``refs``: the batch's refs so far (a parent named by one). Raises ValidationError naming the
     fields that differ."""
     differ = [name for name in KEYED_FIELDS if spec[name] is not None and spec[name] != existing[name]]
-    if spec["rules"] is not None and not _rules_kept(spec["rules"], existing["rules"]):
+    if spec["rules"] is not None and spec["rules"] != existing["rules_given"]:
         differ.append("rules")
     if spec["parent"] is not None:
         ref = spec["parent"]
@@ -2000,17 +2016,6 @@ def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
             f"({existing['title']!r}), whose {' and '.join(differ)} {verb}; nothing was queued. A repeated key "
             "must come with the same task (what it does, where, from which task, and what it may do): give "
             "this task a new key")
-
-
-def _rules_kept(given: str, stored: str | None) -> bool:
-    """Whether every pattern of the rules a submission gave (JSON text, as validate_rules makes
-    it) stands in a task's stored rules with the same action: an ``always`` answer adds patterns
-    after them, so a repeated key is checked against the task's own, not its answers'."""
-    def pairs(text: str | None) -> set[tuple[str, str, str]]:
-        rules = json.loads(text) if text else {}
-        return {(tool, pattern, action) for tool, rule in rules.items()
-                for pattern, action in (rule.items() if isinstance(rule, dict) else [("*", rule)])}
-    return pairs(given) <= pairs(stored)
 
 
 def _resolve_deps(conn: Connection, spec: dict, refs: dict[str, int]) -> list[int]:
@@ -2121,7 +2126,7 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                     ref_ids[spec["ref"]] = existing["id"]
                 continue
             try:
-                spec = _inherit_settings(conn, spec, ref_ids)
+                spec = _inherit_settings(conn, spec, ref_ids) | {"rules_given": spec["rules"]}
                 deps = _resolve_deps(conn, spec, ref_ids)
                 values, line = _insert_values(conn, spec, ref_ids, defaults, made)
             except ValidationError as exc:   # which item, as _batch_specs says it
@@ -2141,7 +2146,7 @@ def _insert_task(conn: Connection, spec: dict, deps: list[int], values: dict[str
                  line: dict[str, Any]) -> Row:
     """Write one new task of ``submit_batch`` (``values``, ``line``: ``_insert_values``' answer),
     its dependencies ``deps`` and its ``submitted`` event; returns its row."""
-    extras = {k: spec[k] for k in ("rules", "skills", "subagents")}
+    extras = {k: spec[k] for k in ("rules", "rules_given", "skills", "subagents")}
     row = conn.execute(_INSERT_TASK, values).fetchone()
     task_id = row["id"]
     if spec["ask_human"]:   # a column of migration 7, set apart like those of migration 5
@@ -2149,7 +2154,7 @@ def _insert_task(conn: Connection, spec: dict, deps: list[int], values: dict[str
     if spec["parent"] is not None or any(extras.values()):
         # Columns of migration 5 are set apart: the INSERT stays valid for older schemas.
         row = conn.execute("UPDATE tasks SET continue_from = :continue_from, fork_from = :fork_from,"
-                           " rules = :rules, skills = :skills, subagents = :subagents"
+                           " rules = :rules, rules_given = :rules_given, skills = :skills, subagents = :subagents"
                            " WHERE id = :id RETURNING *", line | extras | {"id": task_id}).fetchone()
     if spec["schedule_timeout_sec"] is not None:   # a migration 8 column, set apart likewise
         row = conn.execute("UPDATE tasks SET schedule_timeout_sec = ? WHERE id = ? RETURNING *",
@@ -2168,7 +2173,7 @@ def _insert_values(conn: Connection, spec: dict, refs: dict[str, int], defaults:
     name them. Raises ValidationError."""
     values = {k: v for k, v in spec.items()
               if k not in ("depends_on", "ref", "parent", "parent_kind", "ask_human", "schedule_timeout_sec",
-                           "rules", "skills", "subagents")}
+                           "rules", "rules_given", "skills", "subagents")}
     if values["max_cost_usd"] is None and values["max_tokens"] is None:
         values.update(defaults)
     line = _line_values(conn, spec, refs, made)

@@ -293,6 +293,23 @@ def test_a_repeated_idempotency_key_with_another_parent_or_preset_is_refused(tmp
     with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
         task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
                                rules={"bash": {"git push*": "deny"}})
+    # An always answer to an ask on an exact pattern replaces that pattern's action in the task's
+    # rules: the identical resubmit was refused as "rules differ". Rule order decides (the last
+    # match wins), so the same patterns in another order are another request.
+    exact = {"bash": {"*": "allow", "make deploy": "ask"}}
+    ruled = task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
+                                   rules=exact)
+    claimed = task_store.claim_next("w", task_id=ruled["id"])
+    task_store.pause_for_question(ruled["id"], claimed["run_marker"], "may I?", paused_for="permission",
+                                  ask={"tool": "bash", "subject": "make deploy", "reason": ""})
+    task_store.answer_task(ruled["id"], "allow always")
+    assert task_store.get_task(ruled["id"])["rules"] == {"bash": {"*": "allow", "make deploy": "allow"}}
+    again = task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
+                                   rules=exact)
+    assert again["id"] == ruled["id"] and again["duplicate"] and "rules_given" not in again
+    with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
+        task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
+                               rules={"bash": {"make deploy": "ask", "*": "allow"}})
     with pytest.raises(task_store.ValidationError, match="^task 1 of the batch: idempotency_key 'M'"):
         task_store.submit_batch([{"title": "n", "instructions": "y", "working_dir": str(tmp_path)},
                                  {"title": "other", "instructions": "y", "working_dir": str(tmp_path),
