@@ -580,7 +580,7 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
          if task.get("pushed_branch") else None),
         ("unpushed work", Text(visible(worktrees.unpushed_note(task) or ""), style="yellow")
          if worktrees.unpushed_note(task) else None),
-        ("worktree path", line(worktree_words(task))), ("base commit", line(task["base_commit"])),
+        ("worktree path", line(worktree_path_words(task))), ("base commit", line(task["base_commit"])),
         ("spent", f"{money(task['spent_usd'])}, {task['spent_tokens']:,} tokens"
                   + (" so far" if task["status"] == "running" else f" over {task['attempts']} attempts")
          if task["status"] == "running" or task["attempts"] > 1 else None),
@@ -591,7 +591,7 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     ]
 
 
-def worktree_words(task: dict[str, Any]) -> str | None:
+def worktree_path_words(task: dict[str, Any]) -> str | None:
     """The task's recorded worktree path; once its attempt is over, said to be gone when it is
     (the worker removes it at the end of a run, unless kept)."""
     path = task["worktree_path"]

@@ -501,6 +501,7 @@ def test_show_of_an_ended_attempt_names_no_agent_pid_and_says_its_worktree_was_r
     task_store.cancel_task(1)
     ended = "".join(run("show", "1").stdout.split())
     assert "agentpid" not in ended and f"worktreepath{tmp_path / 'gone'}(removed)" in ended, ended
+    assert "worktreeyes" in ended, "the Task block's worktree row is another"
     submit(tmp_path, "second")
     claimed = task_store.claim_next("w")
     task_store.renew_lease(2, claimed["run_marker"], worktree_path=str(kept), agent_pid=4243)
