@@ -279,37 +279,28 @@ def test_a_repeated_idempotency_key_with_another_parent_or_preset_is_refused(tmp
         task_store.submit_task(title="k", instructions="y", working_dir=str(tmp_path), idempotency_key="K")
     assert task_store.get_task(plain["id"])["permission"] == "auto"
     assert task_store.counts()["pending"] == 3
-    # What the store changed itself is no difference: an always answer's rule, a retry's model.
-    asked = {"bash": {"git push*": "ask"}}
-    ruled = task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
-                                   rules=asked)
-    claimed = task_store.claim_next("w", task_id=ruled["id"])
-    task_store.pause_for_question(ruled["id"], claimed["run_marker"], "may I?", paused_for="permission",
-                                  ask={"tool": "bash", "subject": "git push", "reason": ""})
-    task_store.answer_task(ruled["id"], "allow always")
-    again = task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
-                                   rules=asked)
-    assert again["id"] == ruled["id"] and again["duplicate"]
-    with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
-        task_store.submit_task(title="r", instructions="y", working_dir=str(tmp_path), idempotency_key="R",
-                               rules={"bash": {"git push*": "deny"}})
-    # An always answer to an ask on an exact pattern replaces that pattern's action in the task's
-    # rules: the identical resubmit was refused as "rules differ". Rule order decides (the last
-    # match wins), so the same patterns in another order are another request.
-    exact = {"bash": {"*": "allow", "make deploy": "ask"}}
-    ruled = task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
-                                   rules=exact)
-    claimed = task_store.claim_next("w", task_id=ruled["id"])
-    task_store.pause_for_question(ruled["id"], claimed["run_marker"], "may I?", paused_for="permission",
-                                  ask={"tool": "bash", "subject": "make deploy", "reason": ""})
-    task_store.answer_task(ruled["id"], "allow always")
-    assert task_store.get_task(ruled["id"])["rules"] == {"bash": {"*": "allow", "make deploy": "allow"}}
-    again = task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
-                                   rules=exact)
-    assert again["id"] == ruled["id"] and again["duplicate"] and "rules_given" not in again
-    with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
-        task_store.submit_task(title="x", instructions="y", working_dir=str(tmp_path), idempotency_key="X",
-                               rules={"bash": {"make deploy": "ask", "*": "allow"}})
+    # What the store changed itself is no difference: an always answer's rule (one added after the
+    # task's own; or, for an ask on an exact pattern, that pattern's action replaced, which refused
+    # the identical resubmit as "rules differ"). Rule order decides (the last match wins), so the
+    # same patterns in another order are another request.
+    for key, given, subject, after, other in (
+            ("R", {"bash": {"git push*": "ask"}}, "git push", {"git push*": "ask", "git push": "allow"},
+             {"bash": {"git push*": "deny"}}),
+            ("X", {"bash": {"*": "allow", "make deploy": "ask"}}, "make deploy", {"*": "allow", "make deploy": "allow"},
+             {"bash": {"make deploy": "ask", "*": "allow"}})):
+        ruled = task_store.submit_task(title=key, instructions="y", working_dir=str(tmp_path), idempotency_key=key,
+                                       rules=given)
+        claimed = task_store.claim_next("w", task_id=ruled["id"])
+        task_store.pause_for_question(ruled["id"], claimed["run_marker"], "may I?", paused_for="permission",
+                                      ask={"tool": "bash", "subject": subject, "reason": ""})
+        task_store.answer_task(ruled["id"], "allow always")
+        assert task_store.get_task(ruled["id"])["rules"] == {"bash": after}
+        again = task_store.submit_task(title=key, instructions="y", working_dir=str(tmp_path), idempotency_key=key,
+                                       rules=given)
+        assert again["id"] == ruled["id"] and again["duplicate"] and "rules_given" not in again
+        with pytest.raises(task_store.ValidationError, match="whose rules differ;"):
+            task_store.submit_task(title=key, instructions="y", working_dir=str(tmp_path), idempotency_key=key,
+                                   rules=other)
     with pytest.raises(task_store.ValidationError, match="^task 1 of the batch: idempotency_key 'M'"):
         task_store.submit_batch([{"title": "n", "instructions": "y", "working_dir": str(tmp_path)},
                                  {"title": "other", "instructions": "y", "working_dir": str(tmp_path),
