@@ -1932,6 +1932,8 @@ def _workspace(task: dict[str, Any], phases: Phases, resume: bool,
     marker = task["run_marker"]
     try:
         ws = worktrees.prepare_workspace(task, resume, folder)
+        if ws.leftover:
+            log(f"{task['id']}: {worktrees.leftover_words(ws)}")
         db(store.renew_lease, task["id"], marker, worktree_path=ws.top if ws.mode == "worktree" else None,
            branch=ws.branch, base_commit=ws.base_commit, line_base=ws.line_base)
     except worktrees.GitStopped as exc:
@@ -2590,6 +2592,8 @@ def _observed_receipt(task: dict, ws: Workspace, run: RunResult, model: str, blo
         receipt.uncommitted_before = ws.uncommitted_before[:UNCOMMITTED_SHOWN] + (
             [f"… and {more:,} more (git status in {ws.top})"] if more > 0 else [])
     receipt.repo_config = repo_config
+    if ws.leftover:
+        receipt.leftover_saved = worktrees.leftover_words(ws)
     if task["permission"] == "readonly" and ws.mode == "in-place" and snapshot is None:
         receipt.sandbox["shell writes"] = ("not reverted: the directory was too large to snapshot before the run "
                                            "(over 50 MB of files, 200,000 entries or 256 folders deep), or a link")

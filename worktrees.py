@@ -328,6 +328,7 @@ class Workspace:
     # run (too many entries, too deep, the folder replaced: see the note).
     start_listing: FolderListing | None = None
     home: str | None = None   # OpenCode's folders of the task's line of work in a box (agent_box.line_home)
+    leftover: str | None = None   # the ref an earlier attempt's uncommitted work was saved to (save_leftover)
 
     def root(self) -> str:
         """``top``, which a ``worktree`` workspace always has. Raises ValueError for one without it
@@ -632,11 +633,12 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     parked = folder is not None and _parked_at(path, base)
     if folder is not None and not parked:
         drop_parked(path)   # parked at another commit: the task's worktree is made anew there
+    leftover = None if parked else save_leftover(top, path, task)
     branch = _take_parked(top, path, task, base) if parked else _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
                      base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base,
-                     own_branch=True, parked=parked)
+                     own_branch=True, parked=parked, leftover=leftover)
 
 
 def _parent_tip(parent: dict[str, Any], top: str) -> str:
@@ -945,6 +947,50 @@ def clear_unfinished_add(repo: str, path: Path, task: dict[str, Any], replacing:
             raise Unrunnable(f"a killed git worktree add's leftover is still in the way: {left}")
     git(["worktree", "prune"], repo, check=False)
     return branch
+
+
+LEFTOVERS = "refs/taskbridge/leftovers"   # where save_leftover keeps work a new worktree would remove
+
+
+def save_leftover(repo: str, path: Path, task: dict[str, Any]) -> str | None:
+    """Before a worktree registered at ``path`` is removed to make the task's worktree anew (a
+    retry, or the reaper's requeue, after an attempt whose worker died: its worktree kept as the
+    run left it, perhaps with a person's edits since): its uncommitted work (tracked changes and
+    untracked files; git-ignored ones are not kept) is committed on its HEAD with a throw-away
+    index, touching nothing in it, under ``refs/taskbridge/leftovers/<task id>/<n>`` (the first
+    free n), and that ref is returned; None when nothing there is uncommitted, or no readable
+    worktree is registered there. Never a hook, a signature or an editor. Raises GitError."""
+    if not _is_registered(repo, path):
+        return None
+    try:
+        head = git(["rev-parse", "HEAD"], str(path))
+    except GitStopped:
+        raise
+    except GitError:   # a worktree git cannot read has nothing it could save
+        return None
+    tree, changed = tree_now(str(path), head)
+    if not changed:
+        return None
+    message = (f"taskbridge: {task['id']}'s uncommitted work, as its worktree {path} held it before an attempt made "
+               f"it anew\n\n{len(changed)} path(s): {', '.join(changed[:20])}")
+    commit = git(["commit-tree", "--no-gpg-sign", "-p", head, "-m", message, tree], repo,
+                 config=fallback_identity(repo))
+    for n in range(1, 1000):
+        ref = f"{LEFTOVERS}/{task['id']}/{n}"
+        if not git(["rev-parse", "--verify", "-q", ref], repo, check=False):
+            git(["update-ref", ref, commit, ""], repo)   # "": only if it still does not exist
+            return ref
+    raise Unrunnable(f"{repo} holds 999 saved leftovers of {task['id']} under {LEFTOVERS}; delete old ones "
+                     f"({store.shell_command('git', '-C', repo, 'for-each-ref', LEFTOVERS)}) and retry")
+
+
+def leftover_words(ws: Workspace) -> str:
+    """What became of the uncommitted work an earlier attempt's worktree held (``ws.leftover``,
+    saved by save_leftover) and how to have it back."""
+    ref = str(ws.leftover)
+    return (f"the uncommitted work its worktree held before this attempt made it anew is saved as {ref} "
+            f"(see it: {store.shell_command('git', '-C', ws.repo, 'show', '--stat', ref)}; apply it: "
+            f"{store.shell_command('git', '-C', ws.top, 'cherry-pick', '--no-commit', ref)})")
 
 
 def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
@@ -1717,11 +1763,16 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     add_all(top)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], top):
         return None
-    identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
-                     if not git(["config", "--get", key], top, check=False))
     git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], top,
-        config=identity)
+        config=fallback_identity(top))
     return git(["rev-parse", "HEAD"], top)
+
+
+def fallback_identity(top: str) -> tuple[str, ...]:
+    """``-c`` settings of TaskBridge's identity for the name or email git has none of in ``top``
+    (so ``user.useConfigOnly`` cannot refuse a commit); the user's own where configured."""
+    return tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
+                 if not git(["config", "--get", key], top, check=False))
 
 
 COMMIT_TRAILER = "TaskBridge-Attempt"

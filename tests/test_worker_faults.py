@@ -25,7 +25,7 @@ import process_tree
 import task_store
 import worker
 from fake_openai import hang, text, tool_call
-from helpers import ROOT, make_repo, run_script, tagged, until
+from helpers import ROOT, git, make_repo, run_script, tagged, until
 
 pytestmark = pytest.mark.real_opencode
 BOTH_ENGINES = True   # each real-opencode test runs on the cold and the warm engine (conftest)
@@ -111,6 +111,39 @@ def test_sigkilled_worker_is_reaped_once_and_its_run_killed(opencode, tmp_path, 
     with pytest.raises(task_store.StaleAttempt):
         task_store.complete_attempt(task["id"], running["run_marker"], result={"summary": "late"})
     proc.wait()
+
+
+def test_the_next_attempt_saves_what_a_killed_attempts_worktree_held_before_making_it_anew(opencode, tmp_path,
+                                                                                             monkeypatch):
+    """A fresh user's finding: a worker killed mid-run leaves the task's worktree as the run left
+    it (and a person may edit it then); the next attempt removed it to start from the base, and
+    that work was gone without a trace. It is saved first (a commit under
+    refs/taskbridge/leftovers/, nothing in the worktree touched), and the worker's log and the
+    new attempt's receipt say where and how to have it back."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    repo = make_repo(tmp_path / "repo")
+    task, proc, running, _agent = a_running_agent(
+        opencode, repo, [tool_call("write", {"filePath": "{cwd}/slow.txt", "content": "first\n"}), hang()],
+        timeout_sec=300, max_retries=1)
+    worktree = Path(running["worktree_path"])
+    until(lambda: (worktree / "slow.txt").exists(), what="the first attempt's write")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    (worktree / "mine.txt").write_text("my precious edit\n")
+    opencode.model.script("long", [tool_call("write", {"filePath": "{cwd}/slow.txt", "content": "second\n"}),
+                                   text("Done.\n" + DONE)])
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    ref = f"refs/taskbridge/leftovers/{task['id']}/1"
+    assert git(repo, "show", f"{ref}:mine.txt") == "my precious edit"
+    assert git(repo, "show", f"{ref}:slow.txt") == "first"
+    assert git(repo, "show", f"{final['result']['commit']}:slow.txt") == "second"
+    assert "mine.txt" not in final["result"]["files_touched"]
+    said = " ".join((passed.stdout + passed.stderr).split())
+    for words in (final["result"]["leftover_saved"], said):
+        assert f"is saved as {ref}" in words and "cherry-pick --no-commit" in words, words
 
 
 def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(tmp_path, monkeypatch):
