@@ -3359,7 +3359,9 @@ def _kept_work(row: Row) -> str | None:
     kept = f"branch {row['branch']} kept"
     if row["status"] == "running":
         kept += (" if its attempt committed work (an empty one is deleted as its run ends); what the agent had "
-                 "changed by then is kept in its receipt and diff")
+                 "changed by then goes into its receipt and diff as its worker ends the run"
+                 + (f" (a worker that is gone leaves it in the worktree {row['worktree_path']})"
+                    if row["worktree_path"] else ""))
     if row["status"] == "waiting" and row["worktree_path"]:
         kept += f"; its uncommitted work stays in the worktree {row['worktree_path']}"
     return kept

@@ -287,8 +287,15 @@ def test_cancel_of_a_running_task_says_its_branch_stays_only_with_work_on_it(tmp
     store.renew_lease(task["id"], claimed["run_marker"], branch="taskbridge/t_0001")
     kept = store.cancel_task(task["id"])["kept"]
     assert kept == ("branch taskbridge/t_0001 kept if its attempt committed work (an empty one is deleted as its "
-                    "run ends); what the agent had changed by then is kept in its receipt and diff")
+                    "run ends); what the agent had changed by then goes into its receipt and diff as its worker "
+                    "ends the run")
     assert kept in store.get_task(task["id"])["events"][-1]["message"]
+    # a worker killed meanwhile ends nothing: the words say where the work is then (a tester's finding)
+    other = submit(tmp_path)
+    claimed = store.claim_next("w")
+    store.renew_lease(other["id"], claimed["run_marker"], branch="taskbridge/t_0002", worktree_path="/wt/repo-t_0002")
+    assert store.cancel_task(other["id"])["kept"].endswith(
+        "as its worker ends the run (a worker that is gone leaves it in the worktree /wt/repo-t_0002)")
 
 
 def test_a_cancelled_attempts_receipt_is_recorded_only_for_that_attempt_while_cancelled(tmp_path):
