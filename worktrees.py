@@ -633,8 +633,8 @@ def _prepare(task: dict[str, Any], resume: bool, folder: Path | None = None) -> 
     parked = folder is not None and _parked_at(path, base)
     if folder is not None and not parked:
         drop_parked(path)   # parked at another commit: the task's worktree is made anew there
-    leftover = None if parked else save_leftover(top, path, task)
-    branch = _take_parked(top, path, task, base) if parked else _fresh_worktree(top, path, task, base)
+    branch, leftover = (_take_parked(top, path, task, base), None) if parked else \
+        _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
                      base_from=base_from, submodules=init_submodules(str(path), common), line_base=line_base,
@@ -732,11 +732,11 @@ def _after_no_change(task: dict[str, Any], parent: dict[str, Any], top: str, sub
     if resume and task.get("branch") and task.get("worktree_path") == str(path) and _is_registered(top, path):
         return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, task["branch"], base,
                          reused=True, base_from=how, line_base=line_base, own_branch=True)
-    branch = _fresh_worktree(top, path, task, base)
+    branch, leftover = _fresh_worktree(top, path, task, base)
     common = git(["rev-parse", "--path-format=absolute", "--git-common-dir"], top)
     return Workspace("worktree", os.path.normpath(str(path / sub)), str(path), top, branch, base,
                      base_from=how, submodules=init_submodules(str(path), common), line_base=line_base,
-                     own_branch=True)
+                     own_branch=True, leftover=leftover)
 
 
 def drop_empty_branch(ws: Workspace) -> bool:
@@ -953,13 +953,14 @@ LEFTOVERS = "refs/taskbridge/leftovers"   # where save_leftover keeps work a new
 
 
 def save_leftover(repo: str, path: Path, task: dict[str, Any]) -> str | None:
-    """Before a worktree registered at ``path`` is removed to make the task's worktree anew (a
-    retry, or the reaper's requeue, after an attempt whose worker died: its worktree kept as the
-    run left it, perhaps with a person's edits since): its uncommitted work (tracked changes and
-    untracked files; git-ignored ones are not kept) is committed on its HEAD with a throw-away
-    index, touching nothing in it, under ``refs/taskbridge/leftovers/<task id>/<n>`` (the first
-    free n), and that ref is returned; None when nothing there is uncommitted, or no readable
-    worktree is registered there. Never a hook, a signature or an editor. Raises GitError."""
+    """Before a worktree registered at ``path`` is removed to make the task's worktree anew
+    (_fresh_worktree, _detached_worktree: a retry, or the reaper's requeue, after an attempt whose
+    worker died: its worktree kept as the run left it, perhaps with a person's edits since), its
+    uncommitted work (tracked changes and untracked files; git-ignored ones are not kept) is
+    committed on its HEAD with a throw-away index, touching nothing in it, under
+    ``refs/taskbridge/leftovers/<task id>/<n>`` (the first free n), and that ref is returned;
+    None when nothing there is uncommitted, or no readable worktree is registered there. Never a
+    hook, a signature or an editor. Raises GitError."""
     if not _is_registered(repo, path):
         return None
     try:
@@ -993,8 +994,9 @@ def leftover_words(ws: Workspace) -> str:
             f"{store.shell_command('git', '-C', ws.top, 'cherry-pick', '--no-commit', ref)})")
 
 
-def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> str:
-    """Create the worktree on a free branch (returned), recovering from a crash's leftovers
+def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> tuple[str, str | None]:
+    """Create the worktree on a free branch; (that branch, the ref save_leftover kept the
+    uncommitted work of a worktree registered there in, or None). Recovers from a crash's leftovers
     first: a registered worktree whose folder is gone, a folder nobody registered, a branch
     checked out at a vanished path."""
     check_path_fits(path, repo, base)   # before anything looks at the path: the system refuses it whole
@@ -1002,6 +1004,7 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         git(["worktree", "prune"], repo, check=False)
         unfinished = clear_unfinished_add(repo, path, task)
         in_the_way = _is_registered(repo, path)
+        leftover = save_leftover(repo, path, task) if in_the_way else None
         if in_the_way:
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
         if os.path.isdir(path / ".git"):
@@ -1017,7 +1020,7 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> s
         path.parent.mkdir(parents=True, exist_ok=True)
         return _on_free_branch(repo, {**task, "branch": task.get("branch") or unfinished or None}, base,
                                lambda branch, new: git(["worktree", "add", "-b" if new else "-B", branch,
-                                                        str(path), base], repo))
+                                                        str(path), base], repo)), leftover
 
 
 # --------------------------------------------------------------------------------------------
@@ -1242,7 +1245,7 @@ def remote_workspace(task: dict[str, Any], resume: bool) -> Workspace:
         ws.reused = True
         return ws
     with _mirror_lock(mirror_p):   # another process's fetch or prune never meets a half-made worktree
-        _detached_worktree(mirror, path, task, base)
+        ws.leftover = _detached_worktree(mirror, path, task, base)
     ws.submodules = None if not os.path.isfile(path / ".gitmodules") else {
         "initialised": [], "not_initialised": [{"path": "(all)", "why": "a task on a remote gets no submodules: "
                                                 "TaskBridge never fetches them"}]}
@@ -1263,16 +1266,19 @@ def _remote_dependency_base(task: dict[str, Any], mirror: str) -> str | None:
     return None
 
 
-def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str) -> None:
+def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str) -> str | None:
     """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first —
     but never one that holds a commit the remote does not have (a push that failed): that is the
-    only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it."""
+    only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it. Returns
+    the ref save_leftover kept the removed worktree's uncommitted work in, or None."""
     check_path_fits(path, mirror, base)
     with _admin():
         git(["worktree", "prune"], mirror, check=False)
         clear_unfinished_add(mirror, path, task)
+        leftover = None
         if _is_registered(mirror, path):
             _refuse_unpushed(mirror, path, task, base)
+            leftover = save_leftover(mirror, path, task)
             git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
         if os.path.lexists(path):
             left = _leftover(str(path), _force_rmtree(str(path)))
@@ -1281,6 +1287,7 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
             git(["worktree", "prune"], mirror, check=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         git(["worktree", "add", "--detach", str(path), base], mirror)
+    return leftover
 
 
 def _refuse_unpushed(mirror: str, path: Path, task: dict[str, Any], base: str) -> None:

@@ -32,7 +32,8 @@ def test_a_new_worktree_takes_the_next_free_branch_when_its_name_was_taken_meanw
     repo = make_repo(tmp_path / "repo")
     base = git(repo, "rev-parse", "HEAD")
     path = tmp_path / "wt" / "t_0001"
-    branch = worktrees._fresh_worktree(str(repo), path, {"id": "t_0001"}, base)
+    branch, saved = worktrees._fresh_worktree(str(repo), path, {"id": "t_0001"}, base)
+    assert saved is None
     assert branch == f"taskbridge/t_0001-{task_store.queue_tag()}"
     assert git(path, "branch", "--show-current") == branch
     # the other queue's branch is where it made it, and still its worktree's
