@@ -2738,10 +2738,10 @@ def _fenced(conn: Connection, num: int, marker: str) -> Row:
     name = format_task_id(num)
     if row["run_marker"] != marker:
         raise StaleAttempt(f"attempt {marker} of task {name} is not the current attempt (current: "
-                           f"{row['run_marker']}, task is {row['status']}); its write was refused")
+                           f"{row['run_marker']}, task is {row['status']}); the worker's record of it was refused")
     if row["status"] != "running":
         raise StaleAttempt(f"attempt {marker} of task {name} was ended from outside: the task is "
-                           f"now {row['status']}; its write was refused")
+                           f"now {row['status']}; the worker's record of it was refused")
     return row
 
 

@@ -177,7 +177,8 @@ def test_fencing_refuses_a_superseded_attempt(tmp_path):
     second = store.claim_next("w2")
     assert second["run_marker"] == "br-1-a2"
     with pytest.raises(
-        store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2"
+        store.StaleAttempt, match=r"br-1-a1 of task t_0001 is not the current attempt \(current: br-1-a2, task is "
+                                  r"running\); the worker's record of it was refused$"
     ):
         store.complete_attempt(task["id"], first["run_marker"], result={"summary": "late"})
     with pytest.raises(store.StaleAttempt):
@@ -356,10 +357,13 @@ def test_a_question_does_not_spend_a_retry_and_usage_adds_up(tmp_path):
 
 
 def test_a_cancelled_attempt_is_told_so_plainly(tmp_path):
+    """What was refused is the worker's write to the queue, not the agent's: the task log said
+    "its write was refused" (a fresh user's finding) after the agent's writes had all succeeded."""
     task = submit(tmp_path)
     claimed = store.claim_next("w")
     store.cancel_task(task["id"])
-    with pytest.raises(store.StaleAttempt, match="was ended from outside: the task is now cancelled"):
+    with pytest.raises(store.StaleAttempt, match="was ended from outside: the task is now cancelled; "
+                                                 "the worker's record of it was refused$"):
         store.complete_attempt(task["id"], claimed["run_marker"])
 
 
