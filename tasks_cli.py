@@ -97,7 +97,7 @@ def cli_words() -> dict[str, str]:
     cli_ = cli_command()
     return {"list_tasks": f"`{cli_} list`", "add_task_note": f"`{cli_} note`", "answer_task": f"`{cli_} answer`",
             "cancel_task": f"`{cli_} cancel`", "retry_task": f"`{cli_} retry`", "TASK_DB_PATH": "--db / TASK_DB_PATH",
-            "continue_from": "--continue", "fork_from": "--fork"}
+            "continue_from": "--continue", "fork_from": "--fork", "wait_for": f"`{cli_} logs --follow`"}
 
 
 def in_cli_words(message: str) -> str:

@@ -2883,8 +2883,9 @@ def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     gone on on its branch since (theirs are applied with them)."""
     ident, status = task["id"], task["status"]
     if status != "done":
-        hint = f"retry it (tasks_cli.py retry {ident}) and apply once it is done" if status in ("failed", "cancelled") \
-            else "wait until it is done (wait_for, or tasks_cli.py logs --follow)"
+        # In the MCP tools' words; the CLI puts its own commands in their place (tasks_cli.in_cli_words).
+        hint = f"retry it (retry_task {ident}) and apply once it is done" if status in ("failed", "cancelled") \
+            else f"wait until it is done (wait_for {ident})"
         raise ApplyRefused(f"task {ident} is {status}, not done; only a done task's work can be applied: {hint}")
     if task.get("repo"):
         raise ApplyRefused(remote_work(task))

@@ -250,7 +250,8 @@ def test_apply_refusals_leave_the_checkout_alone(tmp_path):
     claimed = task_store.claim_next("cli:me", task_id=by_hand["id"])
     task_store.complete_attempt(by_hand["id"], claimed["run_marker"], result={"summary": "did it myself"})
     before = checkout_state(repo)
-    assert "is pending, not done" in cli("apply", pending["id"]).stderr
+    said = cli("apply", pending["id"]).stderr
+    assert "is pending, not done" in said and f"(`{tasks_cli.CLI} logs --follow {pending['id']}`)" in said
     assert "has no branch: it ran in place" in cli("apply", in_place["id"]).stderr
     assert "has no branch: it ran in place" in cli("branch", in_place["id"]).stderr
     for command in ("apply", "branch"):   # not "it ran in place": no worker ran it at all
@@ -392,7 +393,16 @@ async def test_mcp_retry_task_and_apply_task(tmp_path, monkeypatch):
         git(repo, "checkout", "README.md")
         assert checkout_state(repo) == before
         assert "mode must be one of" in await tool_error(c, "apply_task", {"task_id": done["id"], "mode": "rebase"})
-        assert "is failed, not done" in await tool_error(c, "apply_task", {"task_id": failing["id"]})
+        # The way out in the tool's words (it said "retry it (tasks_cli.py retry t_0002)"); the CLI's
+        # apply names its own retry command.
+        refused = await tool_error(c, "apply_task", {"task_id": failing["id"]})
+        assert f"is failed, not done; only a done task's work can be applied: retry it (retry_task {failing['id']}) " \
+               "and apply once it is done" in refused and "tasks_cli" not in refused
+        assert f"retry it (`{tasks_cli.CLI} retry {failing['id']}`)" in cli("apply", failing["id"]).stderr
+        pending = task_store.submit_task(title="p", instructions="i", working_dir=str(repo))
+        refused = await tool_error(c, "apply_task", {"task_id": pending["id"]})
+        assert f"wait until it is done (wait_for {pending['id']})" in refused and "tasks_cli" not in refused
+        task_store.cancel_task(pending["id"])
         assert checkout_state(repo) == before
 
         result = await call_tool(c, "apply_task", {"task_id": done["id"], "mode": "squash"})
