@@ -1937,7 +1937,20 @@ def budget_set(daily_usd: float | None, daily_tokens: int | None, default_max_co
     out().print(fields_table(budget_rows(state), title="Spending"))
 
 
-@budget.command("raise")
+class NegativeAmountCommand(QueueCommand):
+    """A command whose argument is an amount: click takes a negative one ("-5") for an unknown
+    option ("No such option '-5'"); here it reaches the amount's own check, which says what is
+    allowed. A mistyped option, with no negative number beside it, is still click's to refuse."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.ignore_unknown_options = any(NEGATIVE_AMOUNT.fullmatch(arg) for arg in args)
+        return super().parse_args(ctx, args)
+
+
+NEGATIVE_AMOUNT = re.compile(r"-\$?(\d[\d,_]*(\.\d*)?|\.\d+)")
+
+
+@budget.command("raise", cls=NegativeAmountCommand)
 @click.argument("task_id", callback=task_id_arg)
 @click.argument("usd", required=False, callback=usd_arg)
 @click.option("--tokens", "max_tokens", type=task_spec.TOKENS.click_type(), help="The new token limit.")

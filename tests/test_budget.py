@@ -219,6 +219,14 @@ def test_cli_submit_limits_budget_commands_and_status(tmp_path):
     assert task_store.get_task(claimed["id"])["max_cost_usd"] == 1.0
     missing = run(tasks_cli.cli, ["budget", "raise", "t_0099", "1"])
     assert missing.exit_code == 1 and "t_0099 not found" in missing.output
+    # A negative amount reaches the amount's own check (click took "-5" for an unknown option)
+    for amount in ("-5", "-0.5", "-$1"):
+        negative = run(tasks_cli.cli, ["budget", "raise", claimed["id"], amount])
+        assert negative.exit_code == 2 and "No such option" not in negative.output, negative.output
+        assert "usd must be" in negative.output, negative.output
+    unknown = run(tasks_cli.cli, ["budget", "raise", claimed["id"], "1", "--token", "5"])
+    assert unknown.exit_code == 2 and "No such option '--token'" in unknown.output, "a mistyped option: click's words"
+    assert task_store.get_task(claimed["id"])["max_cost_usd"] == 1.0
 
 
 @pytest.mark.anyio
