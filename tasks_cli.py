@@ -1178,6 +1178,8 @@ def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     if diff_only:
         if not task["diff"]:
             raise CliError(f"task {task_id} has no diff (it is {task['status']}); show {task_id} tells more")
+        if as_json:   # as `diff --json` gives it
+            return emit_json({"task_id": task_id, "diff": task["diff"]})
         return click.echo(raw_or_visible(task["diff"]), nl=not task["diff"].endswith("\n"), color=True)
     if as_json:
         return emit_json(task)

@@ -224,6 +224,9 @@ def test_show_renders_the_receipt_and_prints_the_diff(tmp_path):
                  "$0.0042", "5 line(s)", "br-1-a1"):
         assert text in shown, text
     assert run("show", "1", "--diff").stdout == diff
+    # --json beside --diff was ignored (the raw diff came out): it gives what `diff --json` gives
+    assert json.loads(run("show", "1", "--diff", "--json").stdout) == {"task_id": "t_0001", "diff": diff}
+    assert run("show", "1", "--diff", "--json").stdout == run("diff", "1", "--json").stdout
     bare = submit(tmp_path, "no diff")
     refused = run("show", bare["id"], "--diff")
     assert refused.exit_code == 1 and "has no diff" in refused.stderr
@@ -988,6 +991,9 @@ def test_raw_logs_and_diff_are_exact_in_a_pipe_and_visible_on_a_terminal(tmp_pat
     assert run("logs", "1", "--raw").stdout == f"line one\n{EVIL}\n"
     assert run("logs", "1").stdout == f"line one\n{SHOWN}\n"  # rendered for people: always visible
     assert run("show", "1", "--diff").stdout == diff
+    # --json beside --diff was ignored (the raw diff came out): it gives what `diff --json` gives
+    assert json.loads(run("show", "1", "--diff", "--json").stdout) == {"task_id": "t_0001", "diff": diff}
+    assert run("show", "1", "--diff", "--json").stdout == run("diff", "1", "--json").stdout
     monkeypatch.setattr(tasks_cli, "stdout_is_terminal", lambda: True)
     assert run("logs", "1", "--raw").stdout == f"line one\n{SHOWN}\n"
     assert run("logs", "1").stdout == f"line one\n{SHOWN}\n"
