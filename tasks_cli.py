@@ -1505,7 +1505,11 @@ def branch(task_id: str, as_json: bool) -> None:
             ("applied", "yes: the checkout's HEAD contains it" if info["applied"] else
              "nothing to apply: the branch has no commit beyond its base"
              if info["tip"] and not info["has_commits"] else "no"),
-            ("kept worktree", line(info["worktree_path"]))]
+            ("kept worktree", line(info["worktree_path"])),
+            ("checked out at", line(info["checked_out_at"] and (
+                f"{info['checked_out_at']} (git allows one checkout of a branch: work on it there)"
+                if "cd" in info["commands"] else
+                f"{info['checked_out_at']}, a worktree git still lists though its folder is gone: prune it first")))]
     rows += [(name, line(command)) for name, command in info["commands"].items()]
     out().print(fields_table(rows, title=f"Work of {task_id}"))
 

@@ -2717,8 +2717,10 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     repository), ``checkout_branch`` (what the checkout is on), ``has_commits`` (the branch has
     commits beyond its base), ``applied`` (it has, and its tip is already in the checkout's HEAD),
     ``worktree_path`` (a kept
-    worktree that still exists, else None) and ``commands`` (git command lines to look at it,
-    check it out, and for a done task apply it). A task on a remote has
+    worktree that still exists, else None), ``checked_out_at`` (the worktree git says has the
+    branch checked out, else None) and ``commands`` (git command lines to look at it, get to it —
+    ``cd`` into the worktree that has it checked out, else switch to it or add a worktree for it —
+    and for a done task apply it). A task on a remote has
     no checkout here: ``remote`` names where its branch was pushed (``pushed``: whether it was),
     ``repo`` is None and the commands fetch the branch from there into a clone of your own."""
     if task.get("repo"):
@@ -2729,11 +2731,17 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
     head = git(["rev-parse", "--verify", "-q", "HEAD"], repo, check=False) if repo else ""
     kept = task.get("worktree_path") if task.get("worktree_path") and os.path.isdir(task["worktree_path"]) else None
     commands: dict[str, str] = {}
+    at = checked_out_at(repo, branch) if repo and branch and tip else None
     if repo and tip:
         sh = store.shell_command
-        commands = {"log": sh("git", "-C", repo, "log", "-p", f"{base + '..' if base else ''}{branch}"),
-                    "switch": sh("git", "-C", repo, "switch", branch),
-                    "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}", branch)}
+        commands = {"log": sh("git", "-C", repo, "log", "-p", f"{base + '..' if base else ''}{branch}")}
+        if at and os.path.isdir(at):   # git refuses a second checkout of it: switch and worktree add would fail
+            commands["cd"] = sh("cd", at)
+        else:   # a worktree git still lists though its folder is gone holds the branch until pruned
+            commands |= {"prune": sh("git", "-C", repo, "worktree", "prune")} if at else {}
+            commands |= {"switch": sh("git", "-C", repo, "switch", branch),
+                         "worktree": sh("git", "-C", repo, "worktree", "add", f"../{Path(repo).name}-{task['id']}",
+                                        branch)}
         if task["status"] == "done":   # apply takes a done task's work only
             commands["apply"] = store.script_command("tasks_cli.py", "apply", task["id"])
     return {"task_id": task["id"], "branch": branch, "commit": (task.get("result") or {}).get("commit"),
@@ -2742,7 +2750,19 @@ def branch_info(task: dict[str, Any]) -> dict[str, Any]:
                 git(["symbolic-ref", "-q", "--short", "HEAD"], repo, check=False) or None if repo else None,
             "has_commits": bool(tip and tip != base),
             "applied": bool(repo and tip and head and tip != base and _is_ancestor(repo, tip, head)),
-            "worktree_path": kept, "commands": commands}
+            "worktree_path": kept, "checked_out_at": at, "commands": commands}
+
+
+def checked_out_at(repo: str, branch: str) -> str | None:
+    """The worktree of ``repo`` (the checkout itself or a linked one) that has ``branch`` checked
+    out, as git's own list says (``git worktree list --porcelain``: a task's recorded path may be
+    stale, and a person may have checked the branch out anywhere), or None. Its folder may be
+    gone (git then lists it as prunable until ``git worktree prune``)."""
+    for block in git(["worktree", "list", "--porcelain"], repo, check=False).split("\n\n"):
+        lines = block.strip().splitlines()
+        if lines and lines[0].startswith("worktree ") and f"branch refs/heads/{branch}" in lines[1:]:
+            return lines[0][len("worktree "):]
+    return None
 
 
 def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
@@ -2756,7 +2776,7 @@ def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
             "tip": task.get("pushed_commit"), "base_commit": task.get("base_commit"), "repo": None,
             "remote": remote, "pushed": bool(task.get("pushed_branch")), "checkout_branch": None,
             "has_commits": bool(task.get("pushed_commit") and task["pushed_commit"] != task.get("base_commit")),
-            "applied": False, "worktree_path": kept, "commands": commands}
+            "applied": False, "worktree_path": kept, "checked_out_at": None, "commands": commands}
 
 
 def remote_work(task: dict[str, Any]) -> str:

@@ -1218,10 +1218,48 @@ def test_branch_of_a_cancelled_task_with_commits_offers_no_apply_and_says_why_no
     git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
     task_store.cancel_task(task["id"])
     info = json.loads(run("branch", task["id"], "--json").stdout)
-    assert info["has_commits"] is True and "apply" not in info["commands"] and "switch" in info["commands"]
+    assert info["has_commits"] is True and "apply" not in info["commands"] and "cd" in info["commands"]
     shown = run("branch", task["id"]).stdout
     assert "none recorded (it is cancelled: no attempt of it ended done)" in shown
     assert "no changes committed" not in shown
+
+
+def test_branch_checked_out_in_a_kept_worktree_says_cd_there_not_switch_or_worktree_add(tmp_path, monkeypatch):
+    """A fresh user's finding: for a task whose worktree is kept on disk (its worker killed, or
+    --keep-worktree) branch printed `git switch` and `git worktree add` lines, which git refuses
+    ("already checked out at ..."). Where git says the branch is checked out, the way is `cd`."""
+    import shlex
+
+    from helpers import git, make_repo
+
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that table cells do not fold mid-text
+    repo = make_repo(tmp_path / "repo")
+    task, _claimed, ws = running_in_a_worktree(repo, "killed mid-run")
+    git(ws.top, "commit", "-q", "--allow-empty", "-m", "work")
+    task_store.cancel_task(task["id"])   # its worker dead: nobody removes the worktree
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["checked_out_at"] == ws.top and set(info["commands"]) == {"log", "cd"}
+    assert shlex.split(info["commands"]["cd"]) == ["cd", ws.top]
+    shown = run("branch", task["id"]).stdout
+    assert "(git allows one checkout of a branch: work on it there)" in shown
+    assert "switch" not in shown and "worktree add" not in shown
+
+    # git's own list, not the recorded path: the folder gone but still registered holds the
+    # branch until pruned, and the commands say so in the order that works.
+    import shutil
+    shutil.rmtree(ws.top)
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["checked_out_at"] == ws.top and list(info["commands"]) == ["log", "prune", "switch", "worktree"]
+    assert "its folder is gone: prune it first" in run("branch", task["id"]).stdout
+    for name in ("prune", "switch"):
+        done = subprocess.run(shlex.split(info["commands"][name]), capture_output=True, text=True)
+        assert done.returncode == 0, (name, done.stderr)
+    # Checked out in the user's own checkout (the switch just run): cd there, no switch to fail.
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["checked_out_at"] == str(repo) and info["commands"]["cd"] == task_store.shell_command("cd", repo)
+    git(repo, "switch", "-q", "main")
+    info = json.loads(run("branch", task["id"], "--json").stdout)
+    assert info["checked_out_at"] is None and {"switch", "worktree"} <= set(info["commands"])
 
 
 @pytest.mark.parametrize("beat,said", [
