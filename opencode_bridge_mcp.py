@@ -819,6 +819,8 @@ def get_task_result(
             "failed": "failed; `error` says why (get_task_logs shows the run)",
             "waiting": "waiting for an answer: read `question` with get_task, reply with answer_task",
             "cancelled": "cancelled"}.get(task["status"], f"still {task['status']}; wait_for([id]) blocks until it ends")
+    if not diff and task["status"] in ("failed", "cancelled") and (kept := worktrees.kept_work_words(task)):
+        hint += f"; no diff was recorded, but {kept}"   # the worker died before it recorded the attempt
     head = {"id": task["id"], "title": task["title"], "status": task["status"],
             "error": short(task.get("error"), INFO_TEXT_MAX), "result": result,
             "result_truncated": cut or shortened, "usage": task.get("usage")}

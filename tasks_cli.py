@@ -1177,7 +1177,8 @@ def show(task_id: str, diff_only: bool, as_json: bool) -> None:
     task = task_views.shown_task(task_id)
     if diff_only:
         if not task["diff"]:
-            raise CliError(f"task {task_id} has no diff (it is {task['status']}); show {task_id} tells more")
+            raise CliError(f"task {task_id} has no diff ({no_diff_words(task)}); "
+                           f"`{cli_command()} show {task_id}` tells more")
         if as_json:   # as `diff --json` gives it
             return emit_json({"task_id": task_id, "diff": task["diff"]})
         return click.echo(raw_or_visible(task["diff"]), nl=not task["diff"].endswith("\n"), color=True)
@@ -1426,7 +1427,15 @@ def no_diff_words(task: dict[str, Any]) -> str:
     """Why ``task`` (as task_views.shown_task gives it) holds no diff, in words after "has no
     diff (": only a done task's receipt can say its run changed nothing; a failed one's diff may
     not have been seen, and a task still queued, running or waiting has not finished an attempt
-    (its receipt, if any, is an earlier attempt's)."""
+    (its receipt, if any, is an earlier attempt's). A failed or cancelled task whose worktree is
+    still on disk: where its agent's uncommitted work is, and how to see it."""
+    why = no_diff_reason(task)
+    kept = worktrees.kept_work_words(task) if task["status"] in ("failed", "cancelled") else None
+    return f"{why}; {kept}" if kept else why
+
+
+def no_diff_reason(task: dict[str, Any]) -> str:
+    """no_diff_words without the kept worktree."""
     receipt, status = task.get("result") or {}, task["status"]
     in_place, in_checkout = receipt.get("isolation") == "in-place", bool(receipt.get("base_commit"))
     files = ", ".join(receipt.get("files_touched") or []) or "none named"

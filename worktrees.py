@@ -2897,6 +2897,24 @@ def no_branch_words(task: dict[str, Any]) -> str:
     return f"it is {task['status']} and has not run on one; its changes, if any, are in its directory"
 
 
+def kept_work_words(task: dict[str, Any]) -> str | None:
+    """For a task whose recorded worktree is still on disk and a git worktree (its worker was
+    killed, or it was kept): where its agent's uncommitted work is and the commands that show
+    it, or that it holds none; None when there is no such worktree. For the words on a task with
+    no diff recorded, whose work may be there all the same."""
+    path = task.get("worktree_path")
+    if not path or not os.path.isdir(path):
+        return None
+    top = git(["rev-parse", "--show-toplevel"], path, check=False)
+    if not top or os.path.realpath(top) != os.path.realpath(path):   # not a worktree's top (any more)
+        return None
+    if not git(["status", "--porcelain", "--untracked-files=all"], path, check=False):
+        return f"its worktree {path} is still on disk, with no uncommitted change in it"
+    sh = store.shell_command
+    return (f"its agent's uncommitted work is in its worktree {path}, still on disk: "
+            f"{sh('git', '-C', path, 'status')} lists it (new files too), {sh('git', '-C', path, 'diff')} shows it")
+
+
 def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:
     """(checkout, branch, the commit to apply up to, checkout's branch) or ApplyRefused naming what
     is missing. The commit is the branch's tip, or the task's own commit when follow-ups have

@@ -1262,6 +1262,36 @@ def test_branch_checked_out_in_a_kept_worktree_says_cd_there_not_switch_or_workt
     assert info["checked_out_at"] is None and {"switch", "worktree"} <= set(info["commands"])
 
 
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+def test_no_diff_of_a_task_whose_worktree_is_on_disk_says_where_its_work_is(tmp_path, end):
+    """A fresh user's finding: a task failed by the reaper after its worker was killed, or
+    cancelled while its worker was dead, "has no diff" and said nothing of its worktree, still
+    on disk with the agent's uncommitted work in it."""
+    import shlex
+
+    from helpers import make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    task, claimed, ws = running_in_a_worktree(repo, "worker killed")
+    (Path(ws.top) / "new.txt").write_text("the agent's\n")
+    if end == "failed":   # as the reaper fails it: no receipt, no diff
+        task_store.fail_attempt(task["id"], claimed["run_marker"], "its worker died", retryable=False)
+    else:
+        task_store.cancel_task(task["id"])
+    said = {f"{command} {flag}".strip(): run(command, task["id"], *flag.split()).stderr
+            for command, flag in (("diff", ""), ("diff", "--stat"), ("show", "--diff"))}
+    for how, text in said.items():
+        text = " ".join(text.split())   # the terminal's folds
+        assert f"its agent's uncommitted work is in its worktree {ws.top}, still on disk" in text, how
+        assert shlex.join(["git", "-C", ws.top, "status"]) in text and shlex.join(["git", "-C", ws.top, "diff"]) in text
+    (Path(ws.top) / "new.txt").unlink()
+    text = " ".join(run("diff", task["id"]).stderr.split())
+    assert f"its worktree {ws.top} is still on disk, with no uncommitted change in it" in text
+    import shutil
+    shutil.rmtree(ws.top)
+    assert "worktree" not in run("diff", task["id"]).stderr   # gone: nothing to point at
+
+
 @pytest.mark.parametrize("beat,said", [
     ("{'state': 'running', 'task': 't_0001', 'tasks': ['t_0001']}", "it died mid-run; the next pass requeues t_0001"),
     # Killed while idle: before, it too "died mid-run" and "the next pass requeues its task".

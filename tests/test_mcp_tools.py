@@ -637,6 +637,33 @@ async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mod
     assert "past the end of the diff" in past
 
 
+@pytest.mark.parametrize("end", ["failed", "cancelled"])
+async def test_get_task_result_of_a_task_with_no_diff_says_where_its_kept_worktrees_work_is(tmp_path, end):
+    """A task failed by the reaper (its worker killed) or cancelled while its worker was dead has
+    no diff; its worktree, still on disk, holds its agent's work: the hint says so and how to see it."""
+    import shlex
+
+    from helpers import git, make_repo
+    repo = make_repo(tmp_path / "repo")
+    tree = tmp_path / "worktrees" / "t_0001"
+    git(repo, "worktree", "add", "-q", "-b", "taskbridge/t_0001", str(tree))
+    (tree / "new.txt").write_text("the agent's\n")
+    task = task_store.submit_task(title="killed", instructions="x", working_dir=str(repo))
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    task_store.renew_lease(task["id"], claimed["run_marker"], worktree_path=str(tree), branch="taskbridge/t_0001")
+    if end == "failed":
+        task_store.fail_attempt(task["id"], claimed["run_marker"], "its worker died", retryable=False)
+    else:
+        task_store.cancel_task(task["id"])
+    async with client("legacy") as c:
+        result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
+        assert result["diff"] == "" and f"no diff was recorded, but its agent's uncommitted work is in its " \
+            f"worktree {tree}, still on disk: {shlex.join(['git', '-C', str(tree), 'status'])}" in result["hint"]
+        (tree / "new.txt").unlink()
+        result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
+        assert "with no uncommitted change in it" in result["hint"]
+
+
 def write_big_log(task_id: str) -> bytes:
     line = "{\"type\":\"text\",\"part\":{\"text\":\"żółć 日本語 🚀 — %06d\"}}\n"
     data = "".join(line % i for i in range(5 * 1024 * 1024 // len((line % 0).encode()) + 1)).encode()
