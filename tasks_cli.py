@@ -1486,6 +1486,17 @@ def diff(task_id: str, stat: bool, as_json: bool) -> None:
                      f"{summary['removed']} deletion(s)(-)", style="dim"))
 
 
+def no_branch_way(task: dict[str, Any]) -> str:
+    """The way on from a failed or cancelled task with no branch, after no_branch_words: its
+    diff, when one was recorded (a cancelled run's changes are, though its branch went), and
+    retry; "" for any other task."""
+    if task["status"] not in ("failed", "cancelled"):
+        return ""
+    ident, cli_ = task["id"], cli_command()
+    seen = f"`{cli_} diff {ident}` shows the changes its agent made before it ended; " if task.get("diff") else ""
+    return f". {seen}`{cli_} retry {ident}` runs it again"
+
+
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @json_option
@@ -1496,7 +1507,7 @@ def branch(task_id: str, as_json: bool) -> None:
         note = worktrees.no_change_note(task)
         if note:
             raise CliError(note)
-        raise CliError(f"task {task_id} has no branch: {worktrees.no_branch_words(task)}")
+        raise CliError(f"task {task_id} has no branch: {worktrees.no_branch_words(task)}{no_branch_way(task)}")
     info = worktrees.branch_info(task)
     if as_json:
         return emit_json(info)

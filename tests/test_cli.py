@@ -1262,6 +1262,31 @@ def test_branch_checked_out_in_a_kept_worktree_says_cd_there_not_switch_or_workt
     assert info["checked_out_at"] is None and {"switch", "worktree"} <= set(info["commands"])
 
 
+def test_branch_of_a_task_whose_empty_branch_was_deleted_names_its_diff_and_retry(tmp_path):
+    """A fresh user's finding: `branch` of a cancelled task whose empty branch was deleted said
+    "nothing of it is on a branch" and stopped there, though `diff` showed what its agent changed
+    before the cancel (the worker records a cancelled run's receipt and diff)."""
+    from helpers import make_repo
+
+    repo = make_repo(tmp_path / "repo")
+    diff = "--- a/README.md\n+++ b/README.md\n@@ -1 +1 @@\n-old\n+new\n"
+    cancelled, claimed, ws = running_in_a_worktree(repo, "cancelled")
+    task_store.cancel_task(cancelled["id"])
+    task_store.record_cancelled_receipt(cancelled["id"], claimed["run_marker"], {"files_touched": ["README.md"]}, diff)
+    task_store.record_branch_dropped(cancelled["id"], claimed["run_marker"], ws.branch)
+    failed, claimed, ws = running_in_a_worktree(repo, "failed")
+    task_store.fail_attempt(failed["id"], claimed["run_marker"], "broke", retryable=False)
+    task_store.record_branch_dropped(failed["id"], claimed["run_marker"], ws.branch)
+    said = " ".join(run("branch", cancelled["id"]).stderr.split())
+    assert "nothing of it is on a branch. " in said
+    assert f"`{tasks_cli.CLI} diff t_0001` shows the changes its agent made before it ended; " \
+           f"`{tasks_cli.CLI} retry t_0001` runs it again" in said
+    assert run("diff", cancelled["id"]).stdout == diff, "the command named works"
+    said = " ".join(run("branch", failed["id"]).stderr.split())
+    assert f"nothing of it is on a branch. `{tasks_cli.CLI} retry t_0002` runs it again" in said
+    assert " diff " not in said, "no diff was recorded: none is offered"
+
+
 @pytest.mark.parametrize("end", ["failed", "cancelled"])
 def test_no_diff_of_a_task_whose_worktree_is_on_disk_says_where_its_work_is(tmp_path, end):
     """A fresh user's finding: a task failed by the reaper after its worker was killed, or
