@@ -914,9 +914,8 @@ ADD_UNFINISHED = "initializing"
 def worktree_lock(repo: str, path: Path) -> tuple[str | None, str]:
     """(the reason of git's lock on the worktree registered at ``path``, "" when it gave none, or
     None when nothing locked is registered there; that worktree's branch, "" when none)."""
-    for block in git(["worktree", "list", "--porcelain"], repo, check=False).split("\n\n"):
-        lines = block.strip().splitlines()
-        if lines and lines[0] == f"worktree {path}":
+    for lines in _listed_worktrees(repo):
+        if lines[0] == f"worktree {path}":
             locks = [line[len("locked "):] for line in lines[1:] if line == "locked" or line.startswith("locked ")]
             branch = next((line[len("branch refs/heads/"):] for line in lines[1:]
                            if line.startswith("branch refs/heads/")), "")
@@ -2758,11 +2757,17 @@ def checked_out_at(repo: str, branch: str) -> str | None:
     out, as git's own list says (``git worktree list --porcelain``: a task's recorded path may be
     stale, and a person may have checked the branch out anywhere), or None. Its folder may be
     gone (git then lists it as prunable until ``git worktree prune``)."""
-    for block in git(["worktree", "list", "--porcelain"], repo, check=False).split("\n\n"):
-        lines = block.strip().splitlines()
-        if lines and lines[0].startswith("worktree ") and f"branch refs/heads/{branch}" in lines[1:]:
+    for lines in _listed_worktrees(repo):
+        if lines[0].startswith("worktree ") and f"branch refs/heads/{branch}" in lines[1:]:
             return lines[0][len("worktree "):]
     return None
+
+
+def _listed_worktrees(repo: str) -> list[list[str]]:
+    """``git worktree list --porcelain`` of ``repo``: each worktree's lines (the first is
+    ``worktree <path>``); [] when git cannot say."""
+    blocks = git(["worktree", "list", "--porcelain"], repo, check=False).split("\n\n")
+    return [lines for block in blocks if (lines := block.strip().splitlines())]
 
 
 def _remote_branch_info(task: dict[str, Any]) -> dict[str, Any]:
