@@ -298,7 +298,7 @@ class TranslatingServer(MCPServer):
         if bad:
             raise ToolError(f"invalid arguments for {name}: {bad} contains a NUL character (\\u0000), which "
                             "no path, command line or prompt can carry; remove it")
-        unknown = self._unknown_arguments(name, arguments or {})
+        unknown = self._unknown_arguments(name, arguments or {}) or self._odd_numbers(name, arguments or {})
         if unknown:
             raise capped_error(ToolError(unknown))
         try:
@@ -339,6 +339,50 @@ class TranslatingServer(MCPServer):
         takes = f"it takes {', '.join(known)}" if known else "it takes no arguments"
         return (f"invalid arguments for {name}: unknown argument(s) {', '.join(map(repr, unknown))}; {takes}. "
                 "The tool's input schema lists each field.")
+
+    def _odd_numbers(self, name: str, arguments: dict[str, Any]) -> str | None:
+        """A message naming the first number argument (at any depth: a submit_batch item's too)
+        sent as true/false or as infinity/NaN, or None. pydantic's lax mode reads true as 1 for an
+        int, so the store's own refusal (``task_store.odd_number``, same words) never saw it."""
+        tool = self._tool_manager.get_tool(name)
+        if tool is None:
+            return None
+        found = odd_number_argument(arguments, tool.parameters, tool.parameters.get("$defs") or {}, "")
+        return f"invalid arguments for {name}: {found}. The tool's input schema lists each field." if found else None
+
+
+def _number_schemas(schema: dict[str, Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
+    """``schema`` and the members of its anyOf/oneOf, with each ``$ref`` to ``defs`` resolved."""
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        schema = defs.get(ref.rsplit("/", 1)[-1], {})
+    members = [m for key in ("anyOf", "oneOf") for m in schema.get(key, [])]
+    return [schema] + [s for m in members for s in _number_schemas(m, defs)]
+
+
+def odd_number_argument(value: Any, schema: dict[str, Any], defs: dict[str, Any], where: str) -> str | None:
+    """``<path> <problem>`` for the first value that ``schema`` (a tool's input schema, or a
+    part of it) types as a number, integer or not boolean, while it is true/false, infinity or
+    NaN (``task_store.odd_number``); None when there is none."""
+    schemas = _number_schemas(schema, defs)
+    types = {kind for s in schemas for kind in (s["type"] if isinstance(s.get("type"), list) else [s.get("type")])}
+    if types & {"integer", "number"} and "boolean" not in types:
+        problem = task_store.odd_number(value)
+        if problem:
+            return f"{where or 'arguments'} {problem}"
+    for part in schemas:
+        if isinstance(value, dict) and isinstance(part.get("properties"), dict):
+            for key, item in value.items():
+                if key in part["properties"]:
+                    found = odd_number_argument(item, part["properties"][key], defs, f"{where}.{key}" if where else key)
+                    if found:
+                        return found
+        if isinstance(value, list) and isinstance(part.get("items"), dict):
+            for index, item in enumerate(value):
+                found = odd_number_argument(item, part["items"], defs, f"{where}.{index}")
+                if found:
+                    return found
+    return None
 
 
 # --------------------------------------------------------------------------------------------

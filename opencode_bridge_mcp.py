@@ -1332,7 +1332,7 @@ def set_default_model(
 
 @registry.tool(SETS_BUDGET, title="Set the spending budget")
 def set_budget(
-    daily_usd: Annotated[float | None, Field(ge=0, le=spec.USD.hi, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
+    daily_usd: Annotated[float | None, Field(ge=0, le=spec.USD.hi, allow_inf_nan=False, description="USD the whole queue may spend per local day; 0 removes the budget; omit to keep it")] = None,
     daily_tokens: Annotated[int | None, Field(ge=0, le=spec.TOKENS.hi, description="tokens per local day (models with no price); 0 removes; omit to keep")] = None,
     default_max_cost_usd: Annotated[float | None, Field(ge=0, le=spec.USD.hi, allow_inf_nan=False, description="USD limit a new task gets when it names none; 0 removes; omit to keep")] = None,
     default_max_tokens: Annotated[int | None, Field(ge=0, le=spec.TOKENS.hi, description="token limit a new task gets when it names none; 0 removes; omit to keep")] = None,

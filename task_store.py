@@ -1171,11 +1171,36 @@ def _event(conn: Connection, task_id: int | None, kind: str, message: str = "") 
 # Validation helpers shared by every boundary (MCP tools, CLI, HTTP).
 
 
+def odd_number(value: Any) -> str | None:
+    """What is wrong with ``value`` as a number, in the words every boundary uses, or None:
+    true/false (Python counts a bool as an int, so True passed as 1) and infinity or NaN (as a
+    float or as text such as ``"Infinity"``, which no limit, count or duration can be)."""
+    if isinstance(value, bool):
+        return f"must be a number, not true or false; got {value!r}"
+    number = value
+    if isinstance(value, str):   # "inf", "NaN", "-Infinity", "$inf", "1e999"
+        try:
+            number = float(value.strip().lstrip("$").strip())
+        except ValueError:
+            return None
+    if isinstance(number, float) and not math.isfinite(number):
+        return f"must be a finite number; got {shown_value(value)}"
+    return None
+
+
+def _plain_number(name: str, value: Any) -> None:
+    """Raise ValidationError when ``value`` is a bool or not finite (see ``odd_number``)."""
+    problem = odd_number(value)
+    if problem:
+        raise ValidationError(f"{name} {problem}")
+
+
 def coerce_int(name: str, value: Any, lo: int, hi: int) -> int:
     """An int in [lo, hi]; accepts ints and decimal strings such as ``"600"``.
 
     Raises ValidationError naming the field, the bounds and what was sent.
     """
+    _plain_number(name, value)
     if isinstance(value, str) and re.fullmatch(r"\s*[+-]?0*\d{1,30}\s*", value):
         value = int(value)
     if isinstance(value, float) and value.is_integer():
@@ -3691,13 +3716,14 @@ def coerce_usd(name: str, value: Any) -> float | None:
     value = optional(value)
     if value is None:
         return None
+    _plain_number(name, value)
     if isinstance(value, str):
         text = value.strip().lstrip("$").strip()
         try:
             value = float(text)
         except ValueError:
             raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(value, (int, float)):
         raise ValidationError(f"{name} must be an amount in USD such as 0.50; got {value!r}")
     if not spec.USD.lo < value <= spec.USD.hi:
         raise ValidationError(f"{name} must be above 0 and at most {spec.USD.hi:,.0f} USD; got {value}")
@@ -3886,7 +3912,7 @@ def _set_limit(conn: Connection, row: Row, unit: str, amount: float | None) -> s
                                   f"(for example ${limit_example('usd', spent):.2f}) or answer stop")
         conn.execute("UPDATE tasks SET max_cost_usd = ? WHERE id = ?", (usd, row["id"]))
         return f"${usd:.4f}"
-    count = coerce_tokens("the new token limit", int(amount))
+    count = coerce_tokens("the new token limit", int(amount) if math.isfinite(amount) else amount)
     spent = (int((usage.get("tokens") or {}).get("total") or 0)
              + (row["run_tokens"] if row["status"] == "running" else 0))
     if count is None or count <= spent:

@@ -377,3 +377,37 @@ def test_the_limit_question_suggests_answers_the_queue_takes(tmp_path, unit, lim
             out = CliRunner().invoke(tasks_cli.cli, ["--db", str(task_store.db_path()), *argv])
             assert out.exit_code == 0, out.output
         assert task_store.get_task(task["id"])["status"] == "pending", question
+
+
+@pytest.mark.parametrize("odd,words", [
+    (float("inf"), "must be a finite number"), (float("-inf"), "must be a finite number"),
+    (float("nan"), "must be a finite number"), ("Infinity", "must be a finite number"),
+    ("NaN", "must be a finite number"),
+    ("$inf", "must be a finite number"), ("1e999", "must be a finite number"),
+    (True, "must be a number, not true or false"), (False, "must be a number, not true or false"),
+])
+def test_every_number_of_the_store_refuses_infinity_nan_and_booleans_in_the_same_words(tmp_path, odd, words):
+    """Python reads true as 1 and a bare float('inf') as a number: every number the store takes
+    (a task's bounds and limits, the budget, a raise) says what is wrong, not "must be ≤ …"."""
+    for field in ("priority", "timeout_sec", "max_retries", "max_tokens", "max_cost_usd", "schedule_timeout_sec"):
+        with pytest.raises(task_store.ValidationError, match=f"^{field} {words}"):
+            submit(tmp_path, **{field: odd})
+    for field in ("daily_usd", "daily_tokens", "default_max_cost_usd", "default_max_tokens"):
+        if odd is False:
+            continue        # False, like 0 and None, removes a budget
+        with pytest.raises(task_store.ValidationError, match=f"^{field} {words}"):
+            task_store.set_budget(**{field: odd})
+    task = submit(tmp_path)
+    for field in ("max_cost_usd", "max_tokens"):
+        with pytest.raises(task_store.ValidationError, match=f"^{field} {words}"):
+            task_store.raise_limit(task["id"], **{field: odd})
+    assert [t["id"] for t in task_store.list_tasks()["tasks"]] == [task["id"]], "nothing half-written"
+    assert task_store.budget_state()["daily_usd"] is None
+
+
+def test_a_raise_too_big_for_a_float_is_refused_not_a_crash(tmp_path):
+    tokens = submit(tmp_path, max_tokens=800)
+    _pause(tokens, 0.0)
+    with pytest.raises(task_store.ValidationError, match="the new token limit must be a finite number"):
+        task_store.answer_task(tokens["id"], "9" * 400 + " tokens")
+    assert task_store.get_task(tokens["id"])["status"] == "waiting"

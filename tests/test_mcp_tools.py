@@ -1170,3 +1170,39 @@ async def test_an_error_that_echoes_a_huge_argument_is_cut_to_its_head_and_way_o
             text = await tool_error(c, tool, args)
             assert needle in text and len(text) <= mcp_shared.ERROR_MAX + 60, (tool, len(text), text[:300])
     assert sum(task_store.counts().values()) == 0
+
+
+FINITE = "must be a finite number; got"
+ODD_FOR_NUMBERS = [(True, "must be a number, not true or false; got True"),
+                   (False, "must be a number, not true or false; got False"),
+                   (float("inf"), f"{FINITE} inf"), (float("-inf"), f"{FINITE} -inf"), (float("nan"), f"{FINITE} nan"),
+                   ("Infinity", f"{FINITE} 'Infinity'"), ("NaN", f"{FINITE} 'NaN'")]
+
+
+@pytest.mark.parametrize("value,words", ODD_FOR_NUMBERS)
+async def test_every_number_argument_refuses_booleans_infinity_and_nan_as_the_wire_delivers_them(value, words, wd,
+                                                                                                 fake_opencode):
+    """What a transport's JSON parser hands the server (Python's json reads the literal Infinity
+    as float('inf'); pydantic's lax mode read true as 1 for an int, and set_budget's daily_usd said
+    "NaN" "must be ≤ 1000000.0"). The SDK client turns inf into null before sending, so the server
+    is called directly here, as the stdio and HTTP transports call it."""
+    task_store.submit_task(title="one", instructions="x", working_dir=wd)
+    server = bridge.build_server()
+    async with client("legacy") as c:
+        schemas = {t.name: t.input_schema for t in (await c.list_tools()).tools if t.name != "restart_worker"}
+    checked = 0
+    for tool, schema in schemas.items():
+        numbers = [name for name, prop in schema.get("properties", {}).items()
+                   if ({prop.get("type")} | {p.get("type") for p in prop.get("anyOf", [])}) & {"integer", "number"}]
+        for name in numbers:
+            with pytest.raises(mcp_shared.ToolError) as refused:
+                await server.call_tool(tool, base_args(tool, wd) | {name: value})
+            assert f"invalid arguments for {tool}: {name} {words}" in str(refused.value), (tool, name)
+            checked += 1
+    for name in ("priority", "timeout_sec", "max_retries", "max_cost_usd", "max_tokens", "schedule_timeout_sec"):
+        with pytest.raises(mcp_shared.ToolError, match=f"tasks.1.{name} {words}"):
+            await server.call_tool("submit_batch", {"tasks": [task_args(wd), task_args(wd, **{name: value})]})
+        checked += 1
+    assert checked > 25
+    assert task_store.budget_state()["daily_usd"] is None
+    assert len(task_store.list_tasks()["tasks"]) == 1, "nothing was written"
