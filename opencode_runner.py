@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import knobs
-from task_store import AGENT_NAME, flock_wait, shown_value, validate_working_dir, write_private
+from task_store import AGENT_NAME, flock_wait, shown_value, validate_provider, validate_working_dir, write_private
 
 MARKER_ENV = "TASKBRIDGE_RUN"
 QUEUE_ENV = "TASKBRIDGE_QUEUE"
@@ -1509,8 +1509,11 @@ def list_models(provider: str | None = None, timeout_sec: float = 60) -> list[di
     "name", "cost": {input, output, ...} USD per million tokens | None, "context": tokens | None,
     "output_limit": tokens | None}``.
 
-    Raises OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown provider).
+    Raises ValidationError for a provider that is not a provider id (``-m`` would reach OpenCode
+    as an option), OpencodeNotFound, or RuntimeError with OpenCode's own message (e.g. unknown
+    provider).
     """
+    provider = validate_provider(provider)
     with own_call(None, provider_keys=True) as (hook, where):
         argv, env = hook([opencode_bin(), "models", *([provider] if provider else []), "--verbose"], dict(os.environ))
         # A session of its own: a worker's first Ctrl-C (which finishes the work in hand) must not
@@ -1759,6 +1762,7 @@ def known_models(provider: str | None = None, *, refresh: bool = False,
     (binary, config env, config files): in memory and in ``cache_file`` when given. ``refresh``
     asks OpenCode again; ``ask`` false answers only from the cache (LookupError when nothing is
     cached). Raises as `list_models` (and subprocess.TimeoutExpired after 60 s)."""
+    provider = validate_provider(provider)
     return _cached("models " + _setup_key(provider), lambda: list_models(provider), refresh, cache_file, ask)
 
 

@@ -171,6 +171,7 @@ NOTE_MAX = 20_000
 ANSWER_MAX = 50_000
 RETRY_BACKOFF_SEC = (2, 30)  # first back-off, cap: short and bounded (DESIGN §4)
 MODEL_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/\S+$")
+PROVIDER_RE = re.compile(r"[A-Za-z0-9][\w.\-]{0,99}")   # a model id's part before the "/"
 AGENT_NAME = re.compile(r"[A-Za-z0-9_][\w.\-]{0,63}")   # an OpenCode agent's name, as a task may give it
 MAX_ID = 2**63 - 1  # SQLite's INTEGER range
 TASK_ID_RE = re.compile(r"^\s*(?:t_)?0*([0-9]{1,30})\s*$", re.IGNORECASE)   # ASCII digits only
@@ -1378,6 +1379,20 @@ def validate_model(model: Any) -> str | None:
             f"anthropic/claude-sonnet-4-5); list_models or `tasks_cli.py models` shows what is available"
         )
     return model.strip()
+
+
+def validate_provider(provider: Any) -> str | None:
+    """A provider id (``openai``, ``anthropic``) or None. It goes on OpenCode's command line
+    (``opencode models PROVIDER``), where ``-m`` or ``--refresh`` would be read as an option, so
+    only a model id's provider part passes. Raises ValidationError otherwise."""
+    provider = optional(provider)
+    if provider is None:
+        return None
+    if not isinstance(provider, str) or not PROVIDER_RE.fullmatch(provider.strip()):
+        raise ValidationError(
+            f"provider {shown_value(provider)} is not a provider id (letters, digits, _ . -, starting with a letter "
+            "or digit), such as openai or anthropic; leave it out to list every provider's models")
+    return provider.strip()
 
 
 def validate_working_dir(value: Any) -> str:

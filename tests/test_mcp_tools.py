@@ -18,6 +18,7 @@ from mcp.types import Implementation
 
 import mcp_shared
 import opencode_bridge_mcp as bridge
+import opencode_runner
 import task_store
 import tasks_cli
 from helpers import call_tool, fake_binary, tool_error
@@ -925,6 +926,28 @@ async def test_list_models_search_paging_and_resolution(mode, fake_opencode):
         paged = await call_tool(c, "list_models", {"limit": 2})
         assert len(paged["models"]) == 2 and paged["next_offset"] == 2 and paged["total"] == 3
         assert "Provider not found: nope" in await tool_error(c, "list_models", {"provider": "nope"})
+
+
+@pytest.mark.parametrize("provider", ["-m", "--refresh", "-", " -h", "open ai", "a/b", "x" * 101])
+async def test_a_provider_that_is_not_a_provider_id_never_reaches_opencodes_command_line(provider, fake_opencode,
+                                                                                         monkeypatch):
+    """``opencode models -m`` printed OpenCode's help as the error: a value given as the positional
+    PROVIDER was read as an option. The MCP tool and the CLI refuse it before OpenCode runs."""
+    ran: list[list[str]] = []
+    real_run = subprocess.run
+    monkeypatch.setattr(opencode_runner.subprocess, "run",
+                        lambda argv, *a, **kw: ran.append(argv) or real_run(argv, *a, **kw))
+    async with client() as c:
+        said = await tool_error(c, "list_models", {"provider": provider})
+    shown = task_store.shown_value(provider)
+    assert said.startswith(f"provider {shown} is not a provider id") and "such as openai" in said, said
+    cli = CliRunner().invoke(tasks_cli.cli, ["models", f"--provider={provider}"])
+    assert cli.exit_code == 1 and "is not a provider id" in cli.output and "Traceback" not in cli.output, cli.output
+    assert not [argv for argv in ran if "models" in argv], ran
+    with pytest.raises(task_store.ValidationError, match="not a provider id"):
+        opencode_runner.list_models(provider)
+    assert [m["id"] for m in opencode_runner.list_models(" fake ")] == ["opencode/cat-jam-free", "fake/model",
+                                                                        "other/model"]
 
 
 async def test_set_default_model_validates_resolves_and_persists(mode, fake_opencode, wd):
