@@ -414,7 +414,7 @@ class PingResult(TypedDict):
 
 class BatchTask(TypedDict, total=False):
     """One item of submit_batch (the fields of submit_task, plus ref)."""
-    ref: Annotated[str, Field(description="a label (e.g. '@build'; up to 200 characters, not a task id) other items may name in depends_on")]
+    ref: Annotated[str, Field(description="a label (e.g. '@build'; up to 200 characters, not a task id) other items may name in depends_on, continue_from or fork_from")]
     title: Annotated[str, Field(description=f"short title, ≤{spec.TITLE_MAX} characters (required)")]
     instructions: Annotated[str, Field(description="what the agent must do (required)")]
     working_dir: Annotated[str, Field(description="absolute path of an existing directory (this or repo is required)")]
@@ -735,16 +735,17 @@ def _batch_item(item: Any, name: str | None, version: str | None) -> Any:
 def submit_batch(
     tasks: Annotated[list[Any], WithJsonSchema(_BATCH_SCHEMA), Field(
         description="1–20 task objects with the fields of submit_task; an item may carry `ref` "
-                    "(a label) that other items name in depends_on")],
+                    "(a label) that other items name in depends_on, continue_from or fork_from")],
     ctx: Context,
 ) -> BatchResult:
     """Queue 1–20 tasks at once, all or nothing; returns them in the order given.
 
     Items may depend on each other through `ref` labels (e.g. {"ref": "@lib", ...} and
-    {"depends_on": ["@lib"], ...}) as well as on existing task ids; a cycle is refused.
+    {"depends_on": ["@lib"], ...}; continue_from and fork_from name a ref the same way) as well as
+    on existing task ids; a cycle is refused.
     Each item gives `working_dir` or `repo` (a git remote; with `base_ref`), and may give `host`.
     Errors (nothing is written then): more than 20 items, a bad field in any item (the message
-    names the item's index), an unknown dependency, a cycle.
+    names the item's index), an unknown dependency or ref (the message lists the batch's refs), a cycle.
     """
     name, version = caller_of(ctx)
     raw = store.coerce_list("tasks", tasks)

@@ -44,7 +44,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Collection, Iterable, Iterator, Sized
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast, runtime_checkable
@@ -1765,8 +1765,9 @@ def _place(raw: dict[str, Any], parent: Any) -> tuple[Any, str | None, str | Non
     return working_dir, repo, base_ref
 
 
-def _spec(raw: dict[str, Any]) -> dict[str, Any]:
-    """Validate one submission; returns the normalised column values (no SQL)."""
+def _spec(raw: dict[str, Any], refs: Collection[str] = ()) -> dict[str, Any]:
+    """Validate one submission; returns the normalised column values (no SQL). ``refs``: the
+    refs its batch gives, which continue_from and fork_from may name as depends_on does."""
     if not isinstance(raw, dict):
         raise ValidationError(f"a task must be an object; got {type(raw).__name__}")
     known = {
@@ -1778,7 +1779,7 @@ def _spec(raw: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValidationError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    parent, parent_kind = _line_parent(raw)
+    parent, parent_kind = _line_parent(raw, refs)
     # A follow-up or fork that names no preset takes its task's (_inherit_settings).
     permission = optional(raw.get("permission")) or (None if parent is not None else "auto")
     if permission is not None and permission not in PERMISSIONS:
@@ -1899,9 +1900,11 @@ def _names(name: str, value: Any) -> str | None:
     return json.dumps(list(dict.fromkeys(items)))
 
 
-def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
+def _line_parent(raw: dict[str, Any], refs: Collection[str] = ()) -> tuple[Any, str | None]:
     """(the task a submission continues or forks from, "continue_from" | "fork_from"), or
-    (None, None). The parent is also a dependency: the new task waits for it to be done."""
+    (None, None): a task id, or a ref of the batch (``refs``; one starting with ``@`` is left
+    for ``_check_batch_names`` to find). The parent is also a dependency: the new task waits for
+    it to be done."""
     cont, fork = optional(raw.get("continue_from")), optional(raw.get("fork_from"))
     if cont is not None and fork is not None:
         raise ValidationError("give continue_from or fork_from, not both: a follow-up continues a task's "
@@ -1909,9 +1912,34 @@ def _line_parent(raw: dict[str, Any]) -> tuple[Any, str | None]:
     parent, kind = (cont, "continue_from") if cont is not None else (fork, "fork_from")
     if parent is None:
         return None, None
-    if isinstance(parent, str) and parent.startswith("@"):
+    if isinstance(parent, str) and (parent in refs or parent.startswith("@")):
         return parent, kind
-    return format_task_id(parse_task_id(parent)), kind
+    try:
+        return format_task_id(parse_task_id(parent)), kind
+    except ValidationError:
+        if not isinstance(parent, str):
+            raise
+        raise ValidationError(_not_a_name(kind, parent, refs)) from None
+
+
+def _not_a_name(field: str, value: str, refs: Collection[str]) -> str:
+    """The refusal of ``value`` in ``field`` (depends_on, continue_from, fork_from): neither a task
+    id nor one of the batch's ``refs``, which it names."""
+    given = (f"this batch's refs are {', '.join(map(repr, refs))}" if refs
+             else "no item of this batch has a ref (give one `ref` to name it)")
+    return (f"{field} names {shown_value(value, 60)}, which is neither a task id (t_0001, 0001 or 1) nor a ref "
+            f"of this batch; {given}")
+
+
+def _check_batch_names(specs: list[dict]) -> None:
+    """Refuse a depends_on, continue_from or fork_from text that is neither a task id nor a ref
+    the batch gives (naming the refs it gives). Raises ValidationError naming the item."""
+    refs = [s["ref"] for s in specs if s["ref"]]
+    for index, item in enumerate(specs):
+        for dep in item["depends_on"]:
+            if isinstance(dep, str) and dep not in refs and (dep.startswith("@") or not TASK_ID_RE.match(dep)):
+                field = item["parent_kind"] if dep == item["parent"] else "depends_on"
+                raise ValidationError(f"task {index} of the batch: {_not_a_name(field, dep, refs)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -2043,7 +2071,7 @@ def _same_request(spec: dict, existing: Row, refs: dict[str, int]) -> None:
         differ.append("rules")
     if spec["parent"] is not None:
         ref = spec["parent"]
-        parent = refs.get(ref) if isinstance(ref, str) and ref.startswith("@") else parse_task_id(ref)
+        parent = refs.get(ref) if ref in refs or ref.startswith("@") else parse_task_id(ref)
         if existing[spec["parent_kind"]] != parent:
             differ.append(spec["parent_kind"])
     elif existing["continue_from"] is not None or existing["fork_from"] is not None:
@@ -2112,14 +2140,16 @@ def _batch_specs(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     if not 1 <= len(raw) <= BATCH_MAX:
         raise ValidationError(f"a batch holds 1 to {BATCH_MAX} tasks; got {len(raw)}. Split it")
     specs = []
+    given = [ref for item in raw if isinstance(item, dict) and isinstance(ref := optional(item.get("ref")), str)]
     for index, item in enumerate(raw):
         try:
-            specs.append(_spec(item))
+            specs.append(_spec(item, given))
         except ValidationError as exc:
             raise ValidationError(f"task {index} of the batch: {exc}") from None
     refs = [s["ref"] for s in specs if s["ref"]]
     if len(refs) != len(set(refs)):
         raise ValidationError("refs in a batch must be unique")
+    _check_batch_names(specs)
     keyed: dict[str, int] = {}
     for index, item in enumerate(specs):
         first = keyed.setdefault(item["idempotency_key"], index) if item["idempotency_key"] else index
@@ -2137,7 +2167,8 @@ def submit_batch(tasks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Submit 1–20 tasks all or nothing; returns their public dicts in order.
 
     Each item has the fields of ``submit_task``; an item may carry ``ref`` (a label) and name
-    earlier or later items' refs in ``depends_on`` beside existing task ids. A repeated
+    earlier or later items' refs in ``depends_on``, ``continue_from`` and ``fork_from`` beside
+    existing task ids. A repeated
     ``idempotency_key`` returns the original task (with ``"duplicate": True``) instead of a new one;
     it must come with the same task (KEYED_FIELDS, and the same task it continues or forks).
     Raises ValidationError (bad field, unknown dependency, cycle, batch size, a key reused for

@@ -105,6 +105,32 @@ def test_a_refused_batch_names_its_own_tasks_by_place_not_by_ids_it_rolled_back(
         store.submit_task(**item, continue_from=first["id"])
 
 
+def test_continue_from_and_fork_from_name_a_batch_ref_as_depends_on_does(tmp_path):
+    """The docs say refs are named "in depends_on, continue_from and fork_from", but a plain ref
+    ("a") worked only in depends_on: continue_from "a" said "task id 'a' is not valid"."""
+    item = {"title": "x", "instructions": "i", "working_dir": str(tmp_path)}
+    made = store.submit_batch([item | {"ref": "b", "continue_from": "a"}, item | {"ref": "a"},
+                               item | {"fork_from": "a", "depends_on": ["b"]}, item | {"ref": "@c"},
+                               item | {"fork_from": "@c"}])
+    base, fork_of_c = made[1]["id"], made[4]
+    assert made[0]["continue_from"] == base and made[0]["depends_on"] == [base]
+    assert made[2]["fork_from"] == base and sorted(made[2]["depends_on"]) == sorted([base, made[0]["id"]])
+    assert fork_of_c["fork_from"] == made[3]["id"], "an @ref works as before"
+    written = store.last_event_id()
+    for field in ("continue_from", "fork_from", "depends_on"):
+        for unknown in ("z", "@z"):
+            value = [unknown] if field == "depends_on" else unknown
+            with pytest.raises(store.ValidationError) as refused:
+                store.submit_batch([item | {"ref": "a"}, item | {"ref": "@b"}, item | {field: value}])
+            assert str(refused.value) == (
+                f"task 2 of the batch: {field} names {unknown!r}, which is neither a task id (t_0001, 0001 or 1) "
+                "nor a ref of this batch; this batch's refs are 'a', '@b'"), refused.value
+    with pytest.raises(store.ValidationError, match="^continue_from names 'a', which is neither a task id .* no item "
+                                                    "of this batch has a ref"):
+        store.submit_task(**item, continue_from="a")
+    assert store.last_event_id() == written, "nothing written"
+
+
 def test_a_batch_refuses_a_key_twice_and_a_ref_that_reads_as_a_task_id(tmp_path):
     """A key given twice in one batch was refused naming the first item's rolled-back id (which
     the next submit then took); a ref ``t_0001`` or ``1`` hid the existing task of that id from
