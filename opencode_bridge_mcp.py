@@ -1205,8 +1205,9 @@ def cancel_task(
 ) -> TaskInfo:
     """Cancel a pending, waiting or running task (a running agent is stopped within seconds).
     A running agent's changes until then are kept in the task's receipt (`result`: files_touched)
-    and `diff` once its worker has ended it; its worktree goes, its branch stays only with commits
-    on it (`kept` says where the work stays). Tasks that depend on it fail, naming it.
+    and `diff` once its worker has ended it (a readonly run's are reverted: `files_reverted`); its
+    worktree goes unless kept, its branch stays only with commits on it (`kept` says where the
+    work stays). Tasks that depend on it fail, naming it.
     Errors: unknown id, the task already finished."""
     return cast(TaskInfo, _echo(store.cancel_task(task_id, reason or "cancelled by the planner")))
 

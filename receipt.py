@@ -141,8 +141,8 @@ class Receipt:
     bookkeeping_error: str = sometimes()   # worker: the step after the agent that failed, and the way on
     worktree_kept: bool = sometimes()   # worker: after a bookkeeping error, the worktree is kept for you
     recovered: str = sometimes()        # git: recorded from a commit an attempt made before its worker stopped
-    leftover_saved: str = sometimes()   # git: the ref holding the uncommitted work an earlier attempt's worktree
-    #                                     had when this attempt made it anew (worktrees.save_leftover), in words
+    leftover_saved: str = sometimes()   # worker: where the worktree an earlier attempt left (its uncommitted work
+    #                                     included) was moved before this attempt made it anew (worktrees.set_aside)
 
     # Keys of a stored receipt this type does not name (an older worker's): kept as they were.
     extra: dict[str, Any] = field(default_factory=dict, metadata={"always": None})

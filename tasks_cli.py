@@ -593,8 +593,10 @@ def run_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def worktree_path_words(task: dict[str, Any]) -> str | None:
     """The task's recorded worktree path; once its attempt is over, said to be gone when it is
-    (the worker removes it at the end of a run, unless kept)."""
+    (the worker removes it at the end of a run, unless kept); on another host, said so."""
     path = task["worktree_path"]
+    if path and task.get("lease_host") and task["lease_host"] != task_store.host_name():
+        return f"{path} (on {task['lease_host']})"   # this machine's disk says nothing of it
     if path and task["status"] != "running" and not os.path.lexists(path):
         return f"{path} (removed)"
     return path

@@ -2497,8 +2497,7 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
             store.append_task_log(task["id"], ended.encode())
     if run.superseded:
         log(f"{task['id']} attempt {marker} ended: {run.killed}", talk.VERBOSE)
-        if (now := _ended_as_written(task["id"], marker)) is not None and now["status"] == "cancelled":
-            _observe_cancelled(task, ws, run, model, setup, session_note, repo_config)
+        _observe_cancelled(task, ws, run, model, setup, session_note, repo_config)
         _cleanup_superseded(task, ws)
         return None
     reason = failure_reason(run)
@@ -2548,14 +2547,20 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
 
 def _observe_cancelled(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunSetup,
                        session_note: str, repo_config: dict[str, Any]) -> None:
-    """A cancel ended the run: it is observed as any run's end (a readonly run's changes reverted,
-    which in place without a box is what keeps the folder as it was) and its receipt kept
-    (_record_cancelled). Not for a reaped or taken-over attempt: its next attempt may be in the
-    same place already."""
-    block = oc.parse_closing_block(run.stream.final_text)
-    with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
-        observed = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
-    _record_cancelled(task, run, *observed)
+    """When a cancel ended the run, it is observed as any run's end (a readonly run's changes
+    reverted, which in place without a box is what keeps the folder as it was) and its receipt
+    kept (_record_cancelled). Not for a reaped or taken-over attempt: its next attempt may be in
+    the same place already. A failure here is logged, never raised: the cleanup after it runs."""
+    now = _ended_as_written(task["id"], task["run_marker"])
+    if now is None or now["status"] != "cancelled":
+        return
+    try:
+        block = oc.parse_closing_block(run.stream.final_text)
+        with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
+            observed = _observed_receipt(task, ws, run, model, block, setup, session_note, repo_config)
+        _record_cancelled(task, run, *observed)
+    except Exception as exc:   # noqa: BLE001 - its worktree and branch are cleaned up whatever failed here
+        log(f"{task['id']}: the cancelled run's receipt was not recorded: {exc!r}")
 
 
 def _record_cancelled(task: dict, run: RunResult, receipt: Receipt, diff: str | None,

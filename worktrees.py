@@ -328,7 +328,7 @@ class Workspace:
     # run (too many entries, too deep, the folder replaced: see the note).
     start_listing: FolderListing | None = None
     home: str | None = None   # OpenCode's folders of the task's line of work in a box (agent_box.line_home)
-    leftover: str | None = None   # the ref an earlier attempt's uncommitted work was saved to (save_leftover)
+    leftover: str | None = None   # where an earlier attempt's worktree was moved before this one (set_aside)
 
     def root(self) -> str:
         """``top``, which a ``worktree`` workspace always has. Raises ValueError for one without it
@@ -948,54 +948,49 @@ def clear_unfinished_add(repo: str, path: Path, task: dict[str, Any], replacing:
     return branch
 
 
-LEFTOVERS = "refs/taskbridge/leftovers"   # where save_leftover keeps work a new worktree would remove
-
-
-def save_leftover(repo: str, path: Path, task: dict[str, Any]) -> str | None:
+def set_aside(repo: str, path: Path, task: dict[str, Any]) -> str | None:
     """Before a worktree registered at ``path`` is removed to make the task's worktree anew
     (_fresh_worktree, _detached_worktree: a retry, or the reaper's requeue, after an attempt whose
     worker died: its worktree kept as the run left it, perhaps with a person's edits since), its
-    uncommitted work (tracked changes and untracked files; git-ignored ones are not kept) is
-    committed on its HEAD with a throw-away index, touching nothing in it, under
-    ``refs/taskbridge/leftovers/<task id>/<n>`` (the first free n), and that ref is returned;
-    None when nothing there is uncommitted, or no readable worktree is registered there. Never a
-    hook, a signature or an editor. Raises GitError."""
-    if not _is_registered(repo, path):
+    folder is moved whole to ``<worktree root>/left/<task id>-<n>`` (else beside it as
+    ``<path>.left-<n>``), its ``.git`` pointer file removed and git's record of it pruned: what
+    it held (uncommitted and ignored files too) stays, as plain files. No git command runs in
+    what the agent left (its worktree's own git folder could carry a filter, its files could
+    make `git add` slow or fail). Returns where it went, or None when no folder of a registered
+    worktree is there. Raises Unrunnable when it cannot be moved."""
+    if not os.path.isdir(path) or os.path.islink(path) or not _is_registered(repo, path):
         return None
-    try:
-        head = git(["rev-parse", "HEAD"], str(path))
-    except GitStopped:
-        raise
-    except GitError:   # a worktree git cannot read has nothing it could save
-        return None
-    tree, changed = tree_now(str(path), head)
-    if not changed:
-        return None
-    message = (f"taskbridge: {task['id']}'s uncommitted work, as its worktree {path} held it before an attempt made "
-               f"it anew\n\n{len(changed)} path(s): {', '.join(changed[:20])}")
-    commit = git(["commit-tree", "--no-gpg-sign", "-p", head, "-m", message, tree], repo,
-                 config=fallback_identity(repo))
-    for n in range(1, 1000):
-        ref = f"{LEFTOVERS}/{task['id']}/{n}"
-        if not git(["rev-parse", "--verify", "-q", ref], repo, check=False):
-            git(["update-ref", ref, commit, ""], repo)   # "": only if it still does not exist
-            return ref
-    raise Unrunnable(f"{repo} holds 999 saved leftovers of {task['id']} under {LEFTOVERS}; delete old ones "
-                     f"({store.shell_command('git', '-C', repo, 'for-each-ref', LEFTOVERS)}) and retry")
+    places = [worktree_root() / "left" / f"{task['id']}-{n}" for n in range(1, 100)]
+    places += [path.with_name(f"{path.name}.left-{n}") for n in range(1, 100)]
+    problem: OSError | None = None
+    for aside in places:
+        if os.path.lexists(aside):
+            continue
+        try:
+            aside.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.rename(path, aside)
+        except OSError as exc:   # another filesystem (EXDEV): the next place, beside it
+            problem = exc
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(aside / ".git")   # a pointer file into the repository: plain files from now on
+        git(["worktree", "prune"], repo, check=False)
+        return str(aside)
+    raise Unrunnable(f"an earlier attempt's worktree {path} holds what it left and could not be moved aside "
+                     f"({problem or 'every place for it is taken'}); move it away yourself "
+                     f"({store.shell_command('mv', path, str(path) + '.mine')}) and retry the task")
 
 
 def leftover_words(ws: Workspace) -> str:
-    """What became of the uncommitted work an earlier attempt's worktree held (``ws.leftover``,
-    saved by save_leftover) and how to have it back."""
-    ref = str(ws.leftover)
-    return (f"the uncommitted work its worktree held before this attempt made it anew is saved as {ref} "
-            f"(see it: {store.shell_command('git', '-C', ws.repo, 'show', '--stat', ref)}; apply it: "
-            f"{store.shell_command('git', '-C', ws.top, 'cherry-pick', '--no-commit', ref)})")
+    """Where the worktree an earlier attempt left went (``ws.leftover``, set_aside's answer)."""
+    return (f"the worktree an earlier attempt left here (its uncommitted work included, as it was) was moved to "
+            f"{ws.leftover} before this attempt made it anew, as plain files (no longer a git worktree): "
+            "take what you need from it, then remove it")
 
 
 def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> tuple[str, str | None]:
-    """Create the worktree on a free branch; (that branch, the ref save_leftover kept the
-    uncommitted work of a worktree registered there in, or None). Recovers from a crash's leftovers
+    """Create the worktree on a free branch; (that branch, where set_aside moved a worktree
+    registered there, or None). Recovers from a crash's leftovers
     first: a registered worktree whose folder is gone, a folder nobody registered, a branch
     checked out at a vanished path."""
     check_path_fits(path, repo, base)   # before anything looks at the path: the system refuses it whole
@@ -1003,8 +998,8 @@ def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> t
         git(["worktree", "prune"], repo, check=False)
         unfinished = clear_unfinished_add(repo, path, task)
         in_the_way = _is_registered(repo, path)
-        leftover = save_leftover(repo, path, task) if in_the_way else None
-        if in_the_way:
+        leftover = set_aside(repo, path, task) if in_the_way else None
+        if in_the_way and leftover is None:
             git(["worktree", "remove", "--force", str(path)], repo, check=False)
         if os.path.isdir(path / ".git"):
             raise Unrunnable(f"{path}, where task {task['id']}'s worktree goes, holds a repository of its "
@@ -1269,7 +1264,7 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
     """A fresh worktree of the mirror at ``base`` (detached), a crash's leftovers removed first —
     but never one that holds a commit the remote does not have (a push that failed): that is the
     only copy of a finished run's work, so the attempt is refused (Unrunnable) naming it. Returns
-    the ref save_leftover kept the removed worktree's uncommitted work in, or None."""
+    where set_aside moved a worktree registered there, or None."""
     check_path_fits(path, mirror, base)
     with _admin():
         git(["worktree", "prune"], mirror, check=False)
@@ -1277,8 +1272,9 @@ def _detached_worktree(mirror: str, path: Path, task: dict[str, Any], base: str)
         leftover = None
         if _is_registered(mirror, path):
             _refuse_unpushed(mirror, path, task, base)
-            leftover = save_leftover(mirror, path, task)
-            git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
+            leftover = set_aside(mirror, path, task)
+            if leftover is None:
+                git(["worktree", "remove", "--force", "--force", str(path)], mirror, check=False)
         if os.path.lexists(path):
             left = _leftover(str(path), _force_rmtree(str(path)))
             if left:
@@ -2903,21 +2899,15 @@ def no_branch_words(task: dict[str, Any]) -> str:
 
 
 def kept_work_words(task: dict[str, Any]) -> str | None:
-    """For a task whose recorded worktree is still on disk and a git worktree (its worker was
-    killed, or it was kept): where its agent's uncommitted work is and the commands that show
-    it, or that it holds none; None when there is no such worktree. For the words on a task with
-    no diff recorded, whose work may be there all the same."""
+    """For a task whose recorded worktree is still on disk (its worker was killed, or it was
+    kept): where its agent's work, if any, is; None when there is no such folder. For the words on
+    a task with no diff recorded. Told from the file system alone: no git command runs in what an
+    agent left unattended (its worktree's own git folder could carry a filter)."""
     path = task.get("worktree_path")
-    if not path or not os.path.isdir(path):
+    if not path or not os.path.isdir(path) or os.path.islink(path):
         return None
-    top = git(["rev-parse", "--show-toplevel"], path, check=False)
-    if not top or os.path.realpath(top) != os.path.realpath(path):   # not a worktree's top (any more)
-        return None
-    if not git(["status", "--porcelain", "--untracked-files=all"], path, check=False):
-        return f"its worktree {path} is still on disk, with no uncommitted change in it"
-    sh = store.shell_command
-    return (f"its agent's uncommitted work is in its worktree {path}, still on disk: "
-            f"{sh('git', '-C', path, 'status')} lists it (new files too), {sh('git', '-C', path, 'diff')} shows it")
+    return (f"its worktree {path} is still on disk as its run left it: what its agent changed and did not commit, "
+            "if anything, is there")
 
 
 def _apply_target(task: dict[str, Any]) -> tuple[str, str, str, str]:

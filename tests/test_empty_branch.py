@@ -161,6 +161,7 @@ def test_a_cancelled_or_failed_task_that_committed_nothing_leaves_no_branch(open
 
     for task in (cancelled, failed):
         assert task["branch"] is None, task
+        assert task["result"], (said, task["events"])
         assert task["result"]["branch_deleted"] == f"taskbridge/{task['id']}" and task["result"]["branch"] is None
         assert any(e["kind"] == "branch" and "was deleted" in e["message"] for e in task["events"]), task["events"]
     assert "timed out" in failed["error"]

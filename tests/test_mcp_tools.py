@@ -641,9 +641,7 @@ async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mod
 @pytest.mark.parametrize("end", ["failed", "cancelled"])
 async def test_get_task_result_of_a_task_with_no_diff_says_where_its_kept_worktrees_work_is(tmp_path, end):
     """A task failed by the reaper (its worker killed) or cancelled while its worker was dead has
-    no diff; its worktree, still on disk, holds its agent's work: the hint says so and how to see it."""
-    import shlex
-
+    no diff; its worktree, still on disk, holds its agent's work: the hint says so."""
     from helpers import git, make_repo
     repo = make_repo(tmp_path / "repo")
     tree = tmp_path / "worktrees" / "t_0001"
@@ -658,11 +656,8 @@ async def test_get_task_result_of_a_task_with_no_diff_says_where_its_kept_worktr
         task_store.cancel_task(task["id"])
     async with client("legacy") as c:
         result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
-        assert result["diff"] == "" and f"no diff was recorded, but its agent's uncommitted work is in its " \
-            f"worktree {tree}, still on disk: {shlex.join(['git', '-C', str(tree), 'status'])}" in result["hint"]
-        (tree / "new.txt").unlink()
-        result = await call_tool(c, "get_task_result", {"task_id": task["id"]})
-        assert "with no uncommitted change in it" in result["hint"]
+        assert result["diff"] == "" and f"no diff was recorded, but its worktree {tree} is still on disk as its " \
+            "run left it" in result["hint"], result["hint"]
 
 
 def write_big_log(task_id: str) -> bytes:

@@ -117,9 +117,8 @@ def test_the_next_attempt_saves_what_a_killed_attempts_worktree_held_before_maki
                                                                                              monkeypatch):
     """A fresh user's finding: a worker killed mid-run leaves the task's worktree as the run left
     it (and a person may edit it then); the next attempt removed it to start from the base, and
-    that work was gone without a trace. It is saved first (a commit under
-    refs/taskbridge/leftovers/, nothing in the worktree touched), and the worker's log and the
-    new attempt's receipt say where and how to have it back."""
+    that work was gone without a trace. It is moved aside whole first, and the worker's log and
+    the new attempt's receipt say where."""
     monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
     repo = make_repo(tmp_path / "repo")
     task, proc, running, _agent = a_running_agent(
@@ -136,14 +135,14 @@ def test_the_next_attempt_saves_what_a_killed_attempts_worktree_held_before_maki
     assert passed.returncode == 0, passed.stderr
     final = task_store.get_task(task["id"])
     assert final["status"] == "done", final["error"]
-    ref = f"refs/taskbridge/leftovers/{task['id']}/1"
-    assert git(repo, "show", f"{ref}:mine.txt") == "my precious edit"
-    assert git(repo, "show", f"{ref}:slow.txt") == "first"
+    aside = Path(os.environ["TASKBRIDGE_WORKTREE_ROOT"]) / "left" / f"{task['id']}-1"
+    assert (aside / "mine.txt").read_text() == "my precious edit\n"
+    assert (aside / "slow.txt").read_text() == "first\n"
     assert git(repo, "show", f"{final['result']['commit']}:slow.txt") == "second"
     assert "mine.txt" not in final["result"]["files_touched"]
     said = " ".join((passed.stdout + passed.stderr).split())
     for words in (final["result"]["leftover_saved"], said):
-        assert f"is saved as {ref}" in words and "cherry-pick --no-commit" in words, words
+        assert f"was moved to {aside} before this attempt made it anew" in words, words
 
 
 def test_lease_of_a_worker_elsewhere_is_reaped_only_when_its_heartbeat_is_stale(tmp_path, monkeypatch):

@@ -56,27 +56,29 @@ def test_a_crashed_attempts_worktree_on_the_tasks_own_branch_is_made_anew_in_its
     assert again.top == ws.top and not (Path(ws.top) / "junk.txt").exists()
 
 
-def test_a_worktree_made_anew_over_a_kept_one_saves_its_uncommitted_work_first(tmp_path):
-    """Both ways a worktree is made anew where one is registered (a checkout's, a remote's mirror's)
-    commit what it held uncommitted under refs/taskbridge/leftovers/ before removing it; nothing
-    uncommitted, nothing saved. (tests/test_worker_faults.py drives it through a killed worker.)"""
+def test_a_worktree_made_anew_over_a_kept_one_moves_it_aside_whole_first(tmp_path, monkeypatch):
+    """Both ways a worktree is made anew where one is registered (a checkout's, a remote's
+    mirror's) move that one aside whole first, as plain files (its uncommitted and ignored files
+    kept; no git command in it); a folder holding nothing is not moved. (tests/test_worker_faults.py
+    drives it through a killed worker.)"""
+    monkeypatch.setenv("TASKBRIDGE_WORKTREE_ROOT", str(tmp_path / "root"))
     repo = make_repo(tmp_path / "repo")
     base = git(repo, "rev-parse", "HEAD")
     mirror = tmp_path / "mirror.git"
-    git(tmp_path, "clone", "-q", "--bare", str(repo), str(mirror))
-    for where, make in ((repo, worktrees._fresh_worktree), (mirror, worktrees._detached_worktree)):
-        path = tmp_path / "wt" / where.name
-        task = {"id": "t_0007"}
+    git(tmp_path, "clone", "-q", "--mirror", str(repo), str(mirror))
+    for n, (where, make) in enumerate(((repo, worktrees._fresh_worktree), (mirror, worktrees._detached_worktree))):
+        path = tmp_path / "root" / where.name
+        task = {"id": f"t_000{n + 7}"}
         made = make(str(where), path, task, base)
         assert (made[1] if isinstance(made, tuple) else made) is None, "a new folder held nothing"
         (path / "README.md").write_text("changed by hand\n")
-        (path / "new.txt").write_text("new\n")
+        (path / ".env.local").write_text("ignored or not, kept\n")
         again = make(str(where), path, task, base)
-        ref = again[1] if isinstance(again, tuple) else again
-        assert ref == "refs/taskbridge/leftovers/t_0007/1", ref
-        assert git(where, "show", f"{ref}:README.md") == "changed by hand"
-        assert git(where, "show", f"{ref}:new.txt") == "new"
-        assert git(where, "rev-parse", f"{ref}^") == base
-        assert not (path / "new.txt").exists() and git(path, "status", "--porcelain") == ""
-        third = make(str(where), path, task, base)
-        assert (third[1] if isinstance(third, tuple) else third) is None, "the fresh worktree held nothing new"
+        aside = Path(again[1] if isinstance(again, tuple) else again)
+        assert aside == tmp_path / "root" / "left" / f"{task['id']}-1", aside
+        assert (aside / "README.md").read_text() == "changed by hand\n"
+        assert (aside / ".env.local").read_text() == "ignored or not, kept\n"
+        assert not (aside / ".git").exists(), "plain files: no git command may run in what an agent left"
+        assert str(aside) not in git(where, "worktree", "list")
+        assert not (path / ".env.local").exists() and git(path, "status", "--porcelain") == ""
+        assert git(path, "rev-parse", "HEAD") == base
