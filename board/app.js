@@ -23,18 +23,24 @@
   const $ = (id) => document.getElementById(id);
 
   // ---- DOM building: text only -------------------------------------------------------------
+  // Bidirectional controls reorder the text after them, beyond their own string (a title could
+  // pull the status badge into itself): shown as escapes, as the CLI shows them.
+  const BIDI = /[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+  function shown(value) {
+    return String(value).replace(BIDI, (c) => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0"));
+  }
   function el(tag, props, ...kids) {
     const node = document.createElement(tag);
     for (const [key, value] of Object.entries(props || {})) {
       if (value === null || value === undefined || value === false) continue;
       if (key === "class") node.className = value;
-      else if (key === "text") node.textContent = String(value);
+      else if (key === "text") node.textContent = shown(value);
       else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
       else node.setAttribute(key, String(value));
     }
     for (const kid of kids.flat(Infinity)) {
       if (kid === null || kid === undefined || kid === false) continue;
-      node.append(kid instanceof Node ? kid : document.createTextNode(String(kid)));
+      node.append(kid instanceof Node ? kid : document.createTextNode(shown(kid)));
     }
     return node;
   }
@@ -88,7 +94,7 @@
   function showError(err) {
     if (err instanceof AuthError) return askToken("The token was refused: paste the current one.");
     const box = $("error");
-    box.textContent = String(err && err.message ? err.message : err);
+    box.textContent = shown(err && err.message ? err.message : err);
     box.hidden = false;
     setTimeout(() => { box.hidden = true; }, 6000);
   }
@@ -414,7 +420,7 @@
     // message line on the page now (S.actionMsg keeps it for the next rebuild), not only to this one.
     function say(text) {
       S.actionMsg = text;
-      ($("action-msg") || msg).textContent = text;
+      ($("action-msg") || msg).textContent = shown(text);
     }
     async function act(name, body, done) {
       try {

@@ -348,6 +348,20 @@ def test_hostile_strings_stay_text_and_run_nothing(store_backend, board, browser
     assert console_errors(browser) == []
 
 
+def test_bidirectional_controls_in_task_text_show_as_escapes(board, browser, tmp_path):
+    """A fresh tester's finding: a title holding U+202E (right-to-left override) reordered the
+    page after it, pulling the status badge into the title. Such controls show as escapes, as the
+    CLI shows them, everywhere the board puts a string of the queue."""
+    task = task_store.submit_task(title="Bidi \u202e txt.exe \u2066 tricks", instructions="x\u202ey",
+                                  working_dir=str(tmp_path))
+    log_in(browser, board)
+    wait(browser, lambda d: "Bidi \\u202e txt.exe \\u2066 tricks" in text_of(d, "tasks"), what="the escaped title")
+    open_task(browser, task["id"])
+    wait(browser, lambda d: "\\u202e txt.exe" in text_of(d, "task-title"), what="the task page's title")
+    assert text_of(browser, "instructions") == "x\\u202ey"
+    assert "\u202e" not in text_of(browser, "task-view") and "\u202e" not in text_of(browser, "tasks")
+
+
 def test_every_worker_shows_with_its_host(board, browser, monkeypatch):
     with monkeypatch.context() as elsewhere:
         elsewhere.setenv("TASKBRIDGE_HOST", "build-server")
