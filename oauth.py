@@ -43,6 +43,7 @@ import html
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from collections import deque
@@ -81,6 +82,7 @@ REGISTER_PER_PEER = 10        # registrations per client address per RATE_WINDOW
 AUTHORIZE_PER_PEER = 20       # GET /authorize per client address per RATE_WINDOW_SEC (429 beyond)
 MAX_PEERS = 10_000            # client addresses remembered by the rate limits
 MAX_NAME_CHARS = 100          # of a registered client_name (the consent page shows it)
+NAME_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 MAX_REDIRECT_URIS = 5         # per registration
 MAX_URI_CHARS = 1024          # of each redirect URI
 MAX_CLIENT_BYTES = 4096       # of one stored registration: the store stays under ~1 MB (MAX_CLIENTS of them)
@@ -132,6 +134,10 @@ def registration_problem(info: dict[str, Any]) -> str | None:
     refuses, or a record over MAX_CLIENT_BYTES."""
     if len(info.get("client_name") or "") > MAX_NAME_CHARS:
         return f"client_name may be at most {MAX_NAME_CHARS} characters"
+    if NAME_CONTROLS.search(info.get("client_name") or ""):
+        # the consent page shows the name beside the host the browser goes to: a U+202E in it
+        # reversed that warning
+        return "client_name may hold no control or bidirectional-override characters (U+202E and the like)"
     uris = info.get("redirect_uris") or []
     if not uris or len(uris) > MAX_REDIRECT_URIS:
         return f"register 1 to {MAX_REDIRECT_URIS} redirect URIs"

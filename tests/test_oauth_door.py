@@ -81,6 +81,8 @@ async def test_authorize_shows_its_errors_instead_of_redirecting_to_the_clients_
 
 @pytest.mark.parametrize("field, value, error", [
     ("client_name", "n" * 60_000, "invalid_client_metadata"),
+    ("client_name", "Claude\u202eevil", "invalid_client_metadata"),   # a fresh tester's: it reversed the consent page
+    ("client_name", "Claude\x1b[2J", "invalid_client_metadata"),
     ("redirect_uris", [f"https://x.example/cb{i}" for i in range(oauth.MAX_REDIRECT_URIS + 1)], "invalid_redirect_uri"),
     ("redirect_uris", ["https://x.example/" + "p" * 2000], "invalid_redirect_uri"),
     ("contacts", ["a" * 50] * 200, "invalid_client_metadata")])
