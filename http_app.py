@@ -608,7 +608,11 @@ def build_app(server: MCPServer) -> Any:
                                "machine. Run ./install.sh (it writes the token) or set MCP_BEARER_TOKEN, or drop "
                                "those names")
     if not token:
-        log.warning("no bearer token configured: /mcp, /sse and /api are open to anything that reaches this port")
+        # a MCP_TOKEN_FILE that names no file may be a typo: the file it names is said, and how to close the port
+        named = (f" (MCP_TOKEN_FILE names {token_file()}, which does not exist: a typo? run ./install.sh to write "
+                 "a token there, or fix the path)" if os.environ.get("MCP_TOKEN_FILE") else "")
+        log.warning("no bearer token configured%s: /mcp, /sse and /api are open to anything that reaches this port",
+                    named)
     provider = oauth_provider(tokens)
     auth_routes = oauth.routes(provider, client_address) if provider else []
     sse_routes = [Mount(r.path, app=JsonRefusals(r.app)) if isinstance(r, Mount) else r for r in sse.routes]

@@ -72,7 +72,9 @@ def test_no_token_on_loopback_alone_still_serves_with_a_warning(tmp_path):
     env.pop("MCP_ALLOWED_HOSTS", None)
     proc = start_server(env, port)
     wait_healthy(proc, f"http://127.0.0.1:{port}")
-    assert "no bearer token configured" in stderr_of(proc)
+    said = " ".join(stderr_of(proc).split())
+    # a fresh tester's finding: a mistyped MCP_TOKEN_FILE opened the port with no word of the path
+    assert f"no bearer token configured (MCP_TOKEN_FILE names {tmp_path / 'absent'}, which does not exist" in said
 
 
 @pytest.mark.parametrize("path", ["/mcp", "/api/status", "/sse", "/mcp/anything"])
