@@ -273,6 +273,7 @@ class LostQueue:
             since, ended, self.since, self.ended, self.said_replaced = self.since, self.ended, None, [], False
         if since is None:
             return
+        current().beat.write()   # the lost mark goes first: a process reading the file now is not refused
         log(f"a queue file is at {store.db_path()} again after {time.time() - since:.0f} s; claims go on", talk.QUIET)
         self._hand_back(ended)
 
