@@ -972,8 +972,12 @@ def set_aside(repo: str, path: Path, task: dict[str, Any]) -> str | None:
         except OSError as exc:   # another filesystem (EXDEV): the next place, beside it
             problem = exc
             continue
+        dot = aside / ".git"   # a pointer file into the repository, or a git folder the run made there
         with contextlib.suppress(OSError):
-            os.unlink(aside / ".git")   # a pointer file into the repository: plain files from now on
+            if dot.is_dir() and not dot.is_symlink():   # renamed: no git reads a config the agent wrote
+                os.rename(dot, aside / ".git-the-run-left")
+            else:
+                os.unlink(dot)   # plain files from now on
         git(["worktree", "prune"], repo, check=False)
         return str(aside)
     raise Unrunnable(f"an earlier attempt's worktree {path} holds what it left and could not be moved aside "

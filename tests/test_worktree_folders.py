@@ -82,3 +82,11 @@ def test_a_worktree_made_anew_over_a_kept_one_moves_it_aside_whole_first(tmp_pat
         assert str(aside) not in git(where, "worktree", "list")
         assert not (path / ".env.local").exists() and git(path, "status", "--porcelain") == ""
         assert git(path, "rev-parse", "HEAD") == base
+    # a run that made its worktree's .git a git folder of its own (a config of its choosing): set aside, that
+    # folder is renamed, so that no git command run there reads it
+    path = tmp_path / "root" / "again"
+    worktrees._fresh_worktree(str(repo), path, {"id": "t_0009"}, base)
+    (path / ".git").unlink()
+    git(tmp_path, "init", "-q", str(path))
+    _, aside = worktrees._fresh_worktree(str(repo), path, {"id": "t_0009"}, base)
+    assert aside and not os.path.lexists(Path(aside) / ".git") and (Path(aside) / ".git-the-run-left" / "HEAD").exists()
