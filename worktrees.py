@@ -1769,16 +1769,11 @@ def commit_changes(ws: Workspace, message: str) -> str | None:
     add_all(top)
     if not git(["diff", "--cached", "--name-only", "--no-ext-diff", "HEAD"], top):
         return None
+    identity = tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
+                     if not git(["config", "--get", key], top, check=False))
     git(["commit", "-q", "--no-verify", "--no-gpg-sign", "--cleanup=verbatim", "-m", message], top,
-        config=fallback_identity(top))
+        config=identity)
     return git(["rev-parse", "HEAD"], top)
-
-
-def fallback_identity(top: str) -> tuple[str, ...]:
-    """``-c`` settings of TaskBridge's identity for the name or email git has none of in ``top``
-    (so ``user.useConfigOnly`` cannot refuse a commit); the user's own where configured."""
-    return tuple(f"{key}={value}" for key, value in FALLBACK_IDENTITY.items()
-                 if not git(["config", "--get", key], top, check=False))
 
 
 COMMIT_TRAILER = "TaskBridge-Attempt"
