@@ -336,6 +336,7 @@ class ClearResult(TypedDict):
     count: int
     logs_removed: int
     worktrees_removed: list[str]
+    leftovers_removed: list[str]   # folders earlier attempts' worktrees were set aside to (<worktree root>/left/<id>-<n>)
     kept_for_worktrees: list[str]
     kept_on_hosts: dict[str, list[str]]   # host -> ids whose worktrees were kept on that machine, not this one
     kept_for_dependents: dict[str, list[str]]   # id -> the unfinished tasks that depend on it (or follow it up)
@@ -1280,7 +1281,9 @@ def clear_finished(
     and so are tasks whose worktree was kept on another machine (`kept_on_hosts`: host -> ids; only
     a clear on that host can remove them, remove_worktrees included).
     Log files are deleted only when asked (on PostgreSQL a task's log is in the database and goes
-    with the task); a task whose worktree could not be removed stays in the queue, named in
+    with the task); the folders its earlier worktrees were set aside to (`leftovers_removed`:
+    `<worktree root>/left/<id>-<n>`, named in its `leftover` events) always go with it; a task
+    whose worktree or such a folder could not be removed stays in the queue, named in
     `problems`; task branches always stay.
     Returns the removed ids (`count` is the total; past some thousands of tasks the lists are
     shortened to keep the result under 40,000 characters). Errors: a status that is not a finished one."""

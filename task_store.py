@@ -3422,6 +3422,46 @@ def record_branch_dropped(task_id: Any, marker: str, branch: str) -> bool:
     return True
 
 
+# The event a worker records when it moves the worktree an earlier attempt left aside
+# (worktrees.set_aside): the folder comes last, whole, so leftover_folders reads it back exactly.
+LEFTOVER_EVENT = "leftover"
+_LEFTOVER_SAID = re.compile(r"attempt (\S+) on (\S+) set an earlier attempt's worktree aside: (.+)", re.S)
+
+
+def record_leftover(task_id: Any, marker: str, folder: str) -> None:
+    """Record (an event of kind LEFTOVER_EVENT) that attempt ``marker`` of the task, on this host
+    (``host_name``), moved the worktree an earlier attempt left to ``folder`` (an absolute path:
+    worktrees.set_aside) before making it anew, so the task's events name it even when the attempt
+    fails before its receipt, and ``clear`` can remove it with the task (leftover_folders). Not
+    fenced: the folder was moved whatever became of the attempt since. Raises TaskNotFound,
+    ValidationError (a marker or folder that is not one line)."""
+    num = parse_task_id(task_id)
+    if not marker or any(c.isspace() for c in marker) or not folder or "\n" in folder:
+        raise ValidationError(f"record_leftover needs a run marker and one folder; got {marker!r}, {folder!r}")
+    with _writing() as conn:
+        _row(conn, num)
+        _event(conn, num, LEFTOVER_EVENT, f"attempt {marker} on {host_name()} set an earlier attempt's worktree "
+                                          f"aside: {folder}")
+
+
+def leftover_folders(task_ids: Iterable[Any]) -> dict[str, list[dict[str, str]]]:
+    """The folders record_leftover named for these tasks: ``{id: [{"path", "host", "attempt"}]}``
+    (oldest first; a task with none is absent). Raises ValidationError (a bad id)."""
+    nums = [parse_task_id(t) for t in task_ids]
+    if not nums:
+        return {}
+    with _reading() as conn:
+        rows = conn.execute(f"SELECT task_id, message FROM events WHERE kind = ? AND task_id IN ({_marks(nums)})"
+                            " ORDER BY id", [LEFTOVER_EVENT, *nums]).fetchall()
+    found: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        said = _LEFTOVER_SAID.fullmatch(row["message"] or "")
+        if said:
+            found.setdefault(format_task_id(row["task_id"]), []).append(
+                {"attempt": said[1], "host": said[2], "path": said[3]})
+    return found
+
+
 def _kept_work(row: Row) -> str | None:
     """Where a cancelled task's work stays: its branch (and a waiting task's worktree)."""
     if not row["branch"]:

@@ -1352,14 +1352,16 @@ def clear(older_than: float, yes: bool, purge_logs: bool, remove_worktrees: bool
     """Remove finished tasks (done, failed, cancelled) from the queue; events stay as history.
 
     A task whose kept worktree is still on disk stays (the queue is what knows where it is) until
-    --remove-worktrees removes the worktree with it.
+    --remove-worktrees removes the worktree with it. The folders its earlier worktrees were set
+    aside to (<worktree root>/left/<id>-<n>, named in its events and receipt) always go with it.
     """
     finished = sum(task_store.counts()[s] for s in task_store.TERMINAL)
     if not finished:
         return emit_json([]) if as_json else out().print("No finished tasks to clear.")
     if not yes:
         since = f" finished more than {older_than:g} s ago" if older_than else ""
-        confirm(f"Remove up to {finished} finished task(s){since}? Events stay.", "clear finished tasks")
+        confirm(f"Remove up to {finished} finished task(s){since}, with the folders their earlier worktrees were set "
+                "aside to? Events stay.", "clear finished tasks")
     removed, purged = worktrees.clear_finished(older_than, remove_logs=purge_logs, remove_worktrees=remove_worktrees)
     if as_json:
         emit_json(removed)
@@ -1375,6 +1377,9 @@ def print_cleared(removed: list[dict[str, Any]], purged_logs: bool, purged: dict
     for path in purged["worktrees_removed"]:
         # soft_wrap: a path cut by a hard line break cannot be copied.
         out().print(Text(f"Removed worktree {visible(path, multiline=False)} (its branch stays)."), soft_wrap=True)
+    for path in purged["leftovers_removed"]:
+        out().print(Text(f"Removed leftover {visible(path, multiline=False)} (an earlier attempt's worktree, "
+                         "set aside)."), soft_wrap=True)
 
 
 def print_left(purged: dict[str, Any]) -> None:

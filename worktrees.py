@@ -979,17 +979,29 @@ def set_aside(repo: str, path: Path, task: dict[str, Any]) -> str | None:
             else:
                 os.unlink(dot)   # plain files from now on
         git(["worktree", "prune"], repo, check=False)
+        _record_aside(task, str(aside))
         return str(aside)
     raise Unrunnable(f"an earlier attempt's worktree {path} holds what it left and could not be moved aside "
                      f"({problem or 'every place for it is taken'}); move it away yourself "
                      f"({store.shell_command('mv', path, str(path) + '.mine')}) and retry the task")
 
 
+def _record_aside(task: dict[str, Any], aside: str) -> None:
+    """The task's event naming where set_aside moved its worktree (task_store.record_leftover), so
+    that an attempt failing before its receipt still leaves a trace, and clear removes the folder
+    with the task. Only for a claimed task (one with a run marker). Best effort: the folder has
+    moved already, and the worker's log and the receipt name it too, so a store error is not
+    the attempt's."""
+    if task.get("run_marker"):
+        with contextlib.suppress(store.TaskStoreError):
+            store.record_leftover(task["id"], task["run_marker"], aside)
+
+
 def leftover_words(ws: Workspace) -> str:
     """Where the worktree an earlier attempt left went (``ws.leftover``, set_aside's answer)."""
     return (f"the worktree an earlier attempt left here (its uncommitted work included, as it was) was moved to "
             f"{ws.leftover} before this attempt made it anew, as plain files (no longer a git worktree): "
-            "take what you need from it, then remove it")
+            "take what you need from it; clearing the task (clear) removes it")
 
 
 def _fresh_worktree(repo: str, path: Path, task: dict[str, Any], base: str) -> tuple[str, str | None]:
@@ -2321,26 +2333,105 @@ def _inside(path: str, root: Path) -> bool:
     return real != base and real.startswith(base + os.sep)
 
 
+def _clear_leftovers(task: dict[str, Any], recorded: list[dict[str, str]], purged: dict[str, Any]) -> bool:
+    """Remove the finished ``task``'s leftover folders on this host (``recorded``: its entries of
+    task_store.leftover_folders), adding to ``purged``'s ``leftovers_removed`` and ``problems``
+    (those on another host are named there, with the command that removes them). Returns
+    whether the task may go: False when one here could not be removed."""
+    here = store.host_name()
+    for entry in recorded:
+        if entry["host"] != here:
+            purged["problems"].append(f"{task['id']}'s leftover {entry['path']} (an earlier attempt's worktree, set "
+                                      f"aside) is on host {entry['host']}, not this one ({here}); remove it there "
+                                      f"({store.shell_command('rm', '-rf', entry['path'])})")
+    removed, untouched, problems = remove_leftovers(task, [e["path"] for e in recorded if e["host"] == here])
+    purged["leftovers_removed"] += removed
+    purged["problems"] += [f"{task['id']}'s leftover {why}" for why in untouched]
+    purged["problems"] += [f"{task['id']} stays in the queue: {problem}" for problem in problems]
+    return not problems
+
+
+def remove_leftovers(task: dict[str, Any], paths: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """Remove ``paths``, the folders set_aside moved the worktrees of ``task`` (``{"id",
+    "worktree_path"}``) to, as its events name them, each only when it is one of set_aside's own
+    places for that task (``leftover_place``) and a plain folder there: never a link (nor one
+    inside it: links are removed, never followed), a mount point, or a repository of its own;
+    read-only folders inside are made writable first, as ``remove_worktree_at`` does. One already
+    gone is skipped. Returns (the paths removed, why each one not removed was left untouched
+    (not set_aside's, or no longer: the worktree root moved since), what is left of each whose
+    removal failed and why)."""
+    removed, untouched, problems = [], [], []
+    for path in dict.fromkeys(paths):
+        if not os.path.lexists(path):
+            continue
+        why = _not_removable_leftover(task, path)
+        if why:
+            untouched.append(why)
+        elif left := _leftover(path, _force_rmtree(path)):
+            problems.append(left)
+        else:
+            removed.append(path)
+    return removed, untouched, problems
+
+
+def leftover_place(task: dict[str, Any], path: str) -> bool:
+    """Whether ``path`` is named as set_aside names the place of an earlier worktree of ``task``
+    (``{"id", "worktree_path"}``): ``<worktree root>/left/<id>-<n>`` or, beside its worktree,
+    ``<worktree>.left-<n>`` (n 1..99), exactly (no ``..``, no other name)."""
+    place, n = Path(path), r"-[1-9][0-9]?"
+    if place.parent == worktree_root() / "left" and re.fullmatch(re.escape(task["id"]) + n, place.name):
+        return True
+    own = task.get("worktree_path")
+    if not own:
+        return False
+    return place.parent == Path(own).parent and re.fullmatch(re.escape(Path(own).name) + r"\.left" + n,
+                                                            place.name) is not None
+
+
+def _not_removable_leftover(task: dict[str, Any], path: str) -> str | None:
+    """Why the folder at ``path`` (which exists) is not removed as ``task``'s leftover, or None."""
+    if not leftover_place(task, path) or ".." in Path(path).parts:
+        return f"{path}: not a place where TaskBridge sets {task['id']}'s worktree aside; left in place"
+    if os.path.islink(os.path.dirname(path)):
+        return f"{path}: the folder it is in is a link, which clear never follows; left in place"
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        return f"{path}: {exc.strerror}; left in place"
+    if not stat.S_ISDIR(mode):
+        return f"{path}: not a folder (a link or a file), so not what TaskBridge set aside; left in place"
+    if os.path.ismount(path) or (os.path.isdir(os.path.join(path, ".git"))
+                                 and not os.path.islink(os.path.join(path, ".git"))):
+        return f"{path}: a mount point or a repository of its own, not what TaskBridge set aside; left in place"
+    return None
+
+
 def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, remove_logs: bool = False,
                    remove_worktrees: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Remove finished tasks (``task_store.clear_finished``) and, when asked, their logs (with
     their OpenCode sessions, agent_box.forget_homes, but for one a task in the queue still holds)
-    and worktrees (branches always stay). A task whose worktree is still on disk stays in the queue
+    and worktrees (branches always stay). The folders set_aside moved their earlier worktrees to
+    always go with them (``remove_leftovers``; one that cannot be removed keeps its task in the
+    queue, named in the problems; one on another host is named there, with the command that
+    removes it). A task whose worktree is still on disk stays in the queue
     unless ``remove_worktrees`` removes it first (the queue is what knows the worktree: a cleared
     task's worktree could never be found again), and so does one whose worktree could not be
     removed; the problem says what is left. A task whose worktree was kept on another machine
     (``lease_host`` is not this ``task_store.host_name()`` and its receipt does not say the
     worktree was removed) stays too, whatever ``remove_worktrees`` says: this disk cannot see or
     remove it (it may hold a commit that was never pushed). Returns (removed tasks,
-    ``{"logs_removed": n, "worktrees_removed": [paths], "kept_for_worktrees": [ids],
+    ``{"logs_removed": n, "worktrees_removed": [paths], "leftovers_removed": [paths], "kept_for_worktrees": [ids],
     "kept_on_hosts": {host: [ids]}, "kept_for_dependents": {id: [ids of the unfinished tasks that
     depend on it]}, "problems": [text]}``)."""
     only = []
-    purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "kept_for_worktrees": [],
+    purged: dict[str, Any] = {"logs_removed": 0, "worktrees_removed": [], "leftovers_removed": [],
+                              "kept_for_worktrees": [],
                               "kept_on_hosts": {}, "problems": [],
                               "kept_for_dependents": store.kept_for_dependents(older_than_sec, statuses)}
     here = store.host_name()
-    for task in store.clear_finished(older_than_sec, statuses, dry_run=True):
+    finished = store.clear_finished(older_than_sec, statuses, dry_run=True)
+    recorded = store.leftover_folders([task["id"] for task in finished])
+    for task in finished:
         path = task.get("worktree_path")
         elsewhere = task.get("lease_host") and task["lease_host"] != here
         if path and elsewhere and not task.get("worktree_removed"):
@@ -2356,6 +2447,8 @@ def clear_finished(older_than_sec: float = 0, statuses: Any = store.TERMINAL, re
                 purged["problems"].append(f"{task['id']} stays in the queue: {problem}")
                 continue
             purged["worktrees_removed"].append(path)
+        if not _clear_leftovers(task, recorded.get(task["id"], []), purged):
+            continue
         only.append(task["id"])
     removed = store.clear_finished(older_than_sec, statuses, only_ids=only) if only else []
     for task in removed:

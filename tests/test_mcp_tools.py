@@ -779,6 +779,20 @@ async def test_clear_finished_removes_finished_tasks_and_asked_for_logs(mode, wd
         assert kept["count"] == 0 and kept["kept_for_dependents"] == {keep["id"]: [follow["id"]]}
 
 
+async def test_clear_finished_removes_the_folders_its_tasks_worktrees_were_set_aside_to(tmp_path):
+    task = task_store.submit_task(title="retried", instructions="x", working_dir=str(tmp_path))
+    claimed = task_store.claim_next("w", task_id=task["id"])
+    aside = tmp_path / "worktrees" / "left" / f"{task['id']}-1"   # as worktrees.set_aside leaves it
+    (aside / "sub").mkdir(parents=True)
+    (aside / "sub" / "work.txt").write_text("an earlier attempt's\n")
+    task_store.record_leftover(task["id"], claimed["run_marker"], str(aside))
+    task_store.complete_attempt(task["id"], claimed["run_marker"], result={"summary": "ok"})
+    async with client("legacy") as c:
+        cleared = await call_tool(c, "clear_finished", {})
+    assert cleared["removed"] == [task["id"]] and cleared["leftovers_removed"] == [str(aside)]
+    assert cleared["problems"] == [] and not aside.exists()
+
+
 async def test_clear_finished_removes_a_kept_worktree_but_not_its_branch(tmp_path):
     from helpers import git, make_repo
     repo = make_repo(tmp_path / "repo")
