@@ -991,10 +991,15 @@ def _record_aside(task: dict[str, Any], aside: str) -> None:
     that an attempt failing before its receipt still leaves a trace, and clear removes the folder
     with the task. Only for a claimed task (one with a run marker). Best effort: the folder has
     moved already, and the worker's log and the receipt name it too, so a store error is not
-    the attempt's."""
+    the attempt's. Written while the git-admin lock is held: it waits for a busy queue's write
+    lock ASIDE_RECORD_WAIT_SEC at most, not the store's 30 s, so other slots' git steps are not
+    held up behind it."""
     if task.get("run_marker"):
-        with contextlib.suppress(store.TaskStoreError):
+        with store.lock_wait(ASIDE_RECORD_WAIT_SEC), contextlib.suppress(store.TaskStoreError):
             store.record_leftover(task["id"], task["run_marker"], aside)
+
+
+ASIDE_RECORD_WAIT_SEC = 2.0
 
 
 def leftover_words(ws: Workspace) -> str:
