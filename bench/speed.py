@@ -99,16 +99,18 @@ def store_throughput(quick: bool) -> None:
     counts = bench_sqlite_cycle.PROCS
     result = bench_sqlite_cycle.measure(counts, 150 if quick else 400, 1 if quick else 3)
     for n in counts:
-        store, huey, raw = (result["rates"][(mode, n)] for mode in bench_sqlite_cycle.MODES)
+        store, huey, normal, raw = (result["rates"][(mode, n)] for mode in bench_sqlite_cycle.MODES)
         doubles = sum(result["doubles"][(mode, n)] for mode in bench_sqlite_cycle.MODES)
         procs = f"{n} process{'es' if n > 1 else ''}"
         note = f"{doubles} double claims; second figure: slowest trial"
         for ref, name, target, good in ((huey, f"huey `SqliteHuey` storage, {procs}", "≥ 1× and 0 double claims", 1.0),
+                                        (normal, f"huey `SqliteHuey`, `synchronous=NORMAL` as the store, {procs}",
+                                         "(like for like: no target)", 0.0),
                                         (raw, f"the same 3 writes raw, {procs}", "≥ 30 % and 0 double claims", 0.3)):
             ratio = med(store) / med(ref)
             ROWS.append({"figure": f"submit → claim → finish, {procs}, SQLite", "ref_name": name, "target": target,
                          "unit": "/s", "note": note, "ours": (med(store), min(store)), "ref": (med(ref), min(ref)),
-                         "ratio": ratio, "met": ratio >= good and doubles == 0})
+                         "ratio": ratio, "met": ratio >= good and doubles == 0 if good else None})
     print("  measured: store throughput", file=sys.stderr, flush=True)
 
 
