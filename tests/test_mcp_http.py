@@ -155,6 +155,17 @@ def asgi(host: str = "127.0.0.1:8765") -> TestClient:
     return TestClient(bridge.build_app(), base_url=f"http://{host}")
 
 
+def said(response, path: str) -> str:
+    """A refusal's message: on /mcp from the JSON-RPC error every refusal there is (the shape the
+    SDK's client hands its caller), elsewhere from ``{"error": ...}``."""
+    assert response.headers["content-type"] == "application/json", response.text
+    body = response.json()
+    if path.split("?")[0] == "/mcp":
+        assert body["jsonrpc"] == "2.0" and body["id"] is None and body["error"]["code"] < 0, body
+        return body["error"]["message"]
+    return body["error"]
+
+
 def call(client: TestClient, method: str, path: str, **kw):
     if method == "POST":
         kw.setdefault("json", INIT)
@@ -169,7 +180,7 @@ def test_protected_routes_refuse_a_missing_or_wrong_token(method, path, sent):
     response = call(asgi(), method, path, headers=headers)
     assert response.status_code == 401
     assert response.headers["www-authenticate"].startswith('Bearer realm="taskbridge"')
-    assert "bearer token" in response.json()["error"] and TOKEN not in response.text
+    assert "bearer token" in said(response, path) and TOKEN not in response.text
 
 
 @pytest.mark.parametrize("method,path", OPEN)
@@ -211,7 +222,7 @@ FOREIGN = [
 def test_a_foreign_host_gets_421_on_every_route(host, method, path):
     response = call(asgi(host), method, path, headers=AUTH)
     assert response.status_code == 421
-    error = response.json()["error"]
+    error = said(response, path)
     assert f"the Host {host.split(':')[0]!r} is not on this server's allowlist" in error, error
     assert "add it to MCP_ALLOWED_HOSTS" in error
 
@@ -238,13 +249,12 @@ def test_a_foreign_origin_is_refused_in_the_shape_of_every_other_error(monkeypat
             body = {"content": json.dumps(INIT)} if method == "POST" else {}
             refused = http.request(method, path, headers={"Origin": "https://evil.example"}, **body)
             assert refused.status_code == 403, (path, refused.text)
-            assert refused.headers["content-type"] == "application/json"
-            error = refused.json()["error"]
+            error = said(refused, path)
             assert "'https://evil.example'" in error and "MCP_ALLOWED_HOSTS" in error, error
         ours = http.post("/mcp", headers={"Origin": "http://127.0.0.1:8765"}, content=json.dumps(INIT))
         assert ours.status_code == 200, ours.text
         not_json = http.post("/mcp", headers={"Content-Type": "text/plain"}, content=json.dumps(INIT))
-        assert not_json.status_code == 400 and "application/json" in not_json.json()["error"], not_json.text
+        assert not_json.status_code == 400 and "application/json" in said(not_json, "/mcp"), not_json.text
     monkeypatch.setenv("MCP_ALLOWED_HOSTS", "evil.example")   # the way out the message names
     with serving() as base:
         init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS | {"Origin": "https://evil.example"},
@@ -263,7 +273,7 @@ def test_a_host_with_anything_but_digits_after_the_colon_gets_421_on_every_route
         for method, path in PROTECTED + OPEN:
             response = call(client, method, path, headers=AUTH | {"Host": host})
             assert response.status_code == 421, (host, method, path, response.text)
-            error = response.json()["error"]
+            error = said(response, path)
             assert error.startswith("the Host header is malformed") and "evil" not in error, error
 
 
