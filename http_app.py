@@ -775,13 +775,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def serve(app: Any, sock: socket.socket, log_level: str) -> None:
     """Run ``app`` under uvicorn on ``sock`` (from ``listening_socket``) until SIGINT/SIGTERM
-    (access log off: URLs may carry ?token=). At the first signal the board's long polls answer at
-    once, so the shutdown neither waits for them nor cancels them mid-request."""
+    (access log off: URLs may carry ?token=). At the first signal the board's long polls and
+    wait_for calls answer at once (mcp_shared.STOPPING), so the shutdown neither waits for them
+    nor cancels them mid-request."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            board_api.STOPPING.set()
+            mcp_shared.STOPPING.set()
             super().handle_exit(sig, frame)
 
     logging.getLogger("uvicorn.error").addFilter(_quiet_upgrade_warnings)

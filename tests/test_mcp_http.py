@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
-from helpers import BRIDGE_TOOL_COUNT, free_port, serving, wait_healthy
+from helpers import BRIDGE_TOOL_COUNT, ROOT, free_port, serving, wait_healthy
 
 TOKEN = "s3cret-token-value-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -122,6 +122,40 @@ async def test_progress_notifications_arrive_during_wait_for(transport, wd, monk
     assert len(progress) >= 3, progress
     assert all(started < at < returned for at, *_ in progress)
     assert progress[0][2] == 60 and f"{task_id} pending" in progress[0][3]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+async def test_a_wait_for_in_progress_when_the_server_is_stopped_gets_an_answer_saying_so(transport, wd):
+    """SIGTERM to the server during a long wait_for: the call answers at once with an error that
+    says the server is stopping and to call again (the client got an empty 200 stream: the wait
+    ran on until the shutdown's grace period cancelled it mid-request)."""
+    task_id = task_store.submit_task(title="never claimed", instructions="x", working_dir=wd)["id"]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--transport", transport,
+                             "--port", str(port)], env=dict(os.environ), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        base = f"http://127.0.0.1:{port}"
+        async with (http_client(base) if transport != "sse" else sse(base)) as c:
+            async def stop_soon() -> None:
+                await anyio.sleep(1.5)
+                proc.terminate()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(stop_soon)
+                started = time.monotonic()
+                with anyio.fail_after(20):
+                    waited = await c.call_tool("wait_for", {"task_ids": [task_id], "timeout_sec": 60})
+        assert waited.is_error, waited
+        text = waited.content[0].text
+        assert "the server is stopping" in text and "call wait_for again" in text, text
+        assert time.monotonic() - started < 1.5 + 3, "answered within the shutdown's grace period"
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1].decode(errors="replace")
+    assert "Traceback" not in err, err[-3000:]
 
 
 @pytest.mark.anyio
