@@ -11,7 +11,8 @@ SDK's Origin and Content-Type checks on the MCP transports, 403 / 400, answered 
 static shell and the OAuth endpoints stay open and hold no
 data. uvicorn runs with a request-head deadline and size cap, idle time-outs and a connection cap
 (connection_limits). Every refusal, uvicorn's own included (RefusingAsJson), is JSON naming the
-problem and the way out: on /mcp a JSON-RPC error, elsewhere ``{"error": ...}`` (refusal_body).
+problem and the way out: on /mcp a JSON-RPC error, elsewhere ``{"error": ...}`` (refusal_body);
+the SDK's own refusals get the way out added (McpWayOut on /mcp, JsonRefusals on /messages/).
 
 Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_PUBLIC_URL (the
@@ -311,6 +312,66 @@ class JsonRefusals:
                 await _plain(send, held["start"]["status"], {"error": said})
 
         await self.app(scope, receive, relay)
+
+
+# The SDK's own refusals on /mcp are JSON-RPC errors already, but most name no way out; each
+# gets one (keyed by the start of the SDK's message, which is kept: a client may look for it).
+MCP_WAY_OUT = {
+    "Session not found": "the session ended (the server restarted, or it sat idle for 30 minutes): start a "
+                         "new one by sending initialize without an Mcp-Session-Id header",
+    "Not Found:": "the session ended (the server restarted, or it sat idle for 30 minutes): start a new one by "
+                  "sending initialize without an Mcp-Session-Id header",
+    "Too many open sessions": "close sessions you no longer use (DELETE /mcp with their Mcp-Session-Id), or try "
+                              "again once idle ones expire (30 minutes)",
+    "Bad Request: Missing session ID": "send the Mcp-Session-Id header the initialize answer gave, or send "
+                                       "initialize first",
+    "Not Acceptable": "send Accept: application/json, text/event-stream",
+    "Unsupported Media Type": "send Content-Type: application/json",
+    "Method Not Allowed": "/mcp takes POST (messages), GET (the session's stream) and DELETE (end the session)",
+    "Conflict": "close this session's other GET /mcp stream first",
+    "Parse error": "send one JSON-RPC message (or a batch of them) as JSON",
+    "Validation error": "send a JSON-RPC 2.0 message as the MCP specification gives it",
+}
+
+
+class McpWayOut:
+    """Pure ASGI around the /mcp endpoint: a refusal the SDK answers (status 400 and above, a
+    JSON-RPC error) gets the way out MCP_WAY_OUT gives for it after its own words; anything
+    else, and an answer that is not a JSON-RPC error, passes as it is."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        held: dict[str, Any] = {}
+
+        async def relay(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held["start"] = message
+                return
+            if "start" not in held:
+                return await send(message)
+            held["body"] = held.get("body", b"") + message.get("body", b"")
+            if not message.get("more_body"):
+                await send_with_way_out(send, held["start"], held["body"])
+
+        await self.app(scope, receive, relay)
+
+
+async def send_with_way_out(send: Any, start: dict, body: bytes) -> None:
+    """Send the SDK's refusal (``start``, ``body``), its message followed by MCP_WAY_OUT's way
+    out when it is a JSON-RPC error that has one."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        said = json.loads(body)
+        message = said["error"]["message"]
+        way = next((way for begins, way in MCP_WAY_OUT.items() if message.startswith(begins)), None)
+        if way and way not in message:
+            said["error"]["message"] = f"{message}: {way}"
+            body = json.dumps(said).encode()
+    headers = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+               for k, v in start.get("headers", [])]
+    await send(dict(start, headers=headers))
+    await send({"type": "http.response.body", "body": body})
 
 
 def host_refusal(count: int, parsed: tuple[str, str | None] | None) -> str:
@@ -694,7 +755,7 @@ def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> 
         async with streaming.run(), plain.run():
             yield
 
-    return Route(MCP_PATH, endpoint=mcp_shared.StreamableEndpoint(streaming, plain)), lifespan
+    return Route(MCP_PATH, endpoint=McpWayOut(mcp_shared.StreamableEndpoint(streaming, plain))), lifespan
 
 
 def oauth_provider(tokens: TokenSource) -> Any:

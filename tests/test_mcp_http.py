@@ -176,6 +176,8 @@ async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works
                 json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
             )
         assert stale.status_code == 404
+        message = said(stale, "/mcp")
+        assert message.startswith("Session not found") and "initialize without an Mcp-Session-Id" in message, message
         async with http_client(base, mode="legacy") as c:
             got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
     assert got.structured_content["title"] == "survives"
@@ -294,6 +296,21 @@ def test_a_foreign_origin_is_refused_in_the_shape_of_every_other_error(monkeypat
         init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS | {"Origin": "https://evil.example"},
                            content=json.dumps(INIT), timeout=30)
         assert init.status_code == 200, init.text
+
+
+@pytest.mark.parametrize("method,headers,status,words", [
+    ("GET", {}, 400, ["Missing session ID", "send the Mcp-Session-Id header"]),
+    ("PUT", {}, 405, ["Method Not Allowed", "/mcp takes POST"]),
+    ("POST", {"mcp-session-id": "0" * 32}, 404, ["Session not found", "start a new one"]),
+])
+def test_the_sdks_own_refusals_on_mcp_name_the_way_out(method, headers, status, words):
+    """The SDK answered these as JSON-RPC errors with its bare words ("Method Not Allowed")."""
+    with serving() as base, httpx2.Client(base_url=base, headers=AUTH | MCP_HEADERS, timeout=30) as http:
+        refused = http.request(method, "/mcp", headers=headers, content=json.dumps(INIT))
+    assert refused.status_code == status, refused.text
+    message = said(refused, "/mcp")
+    assert all(word in message for word in words), message
+    assert int(refused.headers["content-length"]) == len(refused.content)
 
 
 MALFORMED = ["localhost:evil.com", "127.0.0.1:1@evil.com", "localhost:1@evil.com", "[::1]:1@evil.com",
