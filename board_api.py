@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,9 +55,6 @@ STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
           "board.css": "text/css; charset=utf-8"}
 
 log = logging.getLogger("taskbridge.board")
-# Set when the server begins to stop (http_app.serve): open long polls answer at once instead of
-# holding the shutdown until they are cancelled.
-STOPPING = threading.Event()
 
 
 class NotJson(Exception):
@@ -437,7 +433,7 @@ async def api_changes(request: Any) -> Any:
         deadline = time.monotonic() + wait
         with await anyio.to_thread.run_sync(store.change_watch) as wake:
             woken = False
-            while not STOPPING.is_set() and not await anyio.to_thread.run_sync(watch.changed, woken) \
+            while not mcp_shared.STOPPING.is_set() and not await anyio.to_thread.run_sync(watch.changed, woken) \
                     and time.monotonic() < deadline:
                 woken = await anyio.to_thread.run_sync(wake.wait, CHANGE_POLL_SEC)
     except Exception as exc:

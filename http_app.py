@@ -9,8 +9,10 @@ constant-time compare; the token is never logged; an OAuth access token from the
 accepted too; the token file is re-read when it changes, see TokenSource) and TransportGuard (the
 SDK's Origin and Content-Type checks on the MCP transports, 403 / 400, answered as JSON). /health, the board's
 static shell and the OAuth endpoints stay open and hold no
-data. uvicorn runs with a request-head deadline, idle time-outs and a connection cap
-(connection_limits).
+data. uvicorn runs with a request-head deadline and size cap, idle time-outs and a connection cap
+(connection_limits). Every refusal, uvicorn's own included (RefusingAsJson), is JSON naming the
+problem and the way out: on /mcp a JSON-RPC error, elsewhere ``{"error": ...}`` (refusal_body);
+the SDK's own refusals get the way out added (McpWayOut on /mcp, JsonRefusals on /messages/).
 
 Env read at call time: MCP_BEARER_TOKEN, else the token file MCP_TOKEN_FILE (default
 <repo>/.taskbridge/token); MCP_ALLOWED_HOSTS (extra Host names, comma list); MCP_PUBLIC_URL (the
@@ -31,6 +33,7 @@ import re
 import secrets
 import socket
 from collections.abc import Sequence
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -246,6 +249,29 @@ async def _plain(send: Any, status: int, body: dict[str, Any], headers: Sequence
     await send({"type": "http.response.body", "body": data})
 
 
+MCP_PATH = "/mcp"
+JSONRPC_INVALID_REQUEST, JSONRPC_INTERNAL_ERROR = -32600, -32603   # the codes the SDK's own /mcp refusals use
+
+
+def refusal_body(path: str | None, status: int, message: str) -> dict[str, Any]:
+    """What a refusal of a request to ``path`` says: on /mcp a JSON-RPC error without a request
+    id, ``{"jsonrpc": "2.0", "id": null, "error": {"code": ..., "message": ...}}``, the shape of
+    the SDK's own refusals there and the one its client hands its caller (it reads a non-2xx
+    answer's body only when it is a JSON-RPC error); elsewhere ``{"error": message}``. ``path``
+    is None when the request could not be read far enough to tell it."""
+    if path == MCP_PATH:
+        code = JSONRPC_INTERNAL_ERROR if status >= 500 else JSONRPC_INVALID_REQUEST
+        return {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}
+    return {"error": message}
+
+
+async def refuse(send: Any, path: str | None, status: int, message: str,
+                 headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Answer ``status`` with ``message`` (naming the problem and the way out) in the shape
+    refusal_body gives for ``path``, as JSON."""
+    await _plain(send, status, refusal_body(path, status, message), headers)
+
+
 
 # The SDK's SSE transport refuses a POST to /messages/ in plain text; each as a JSON refusal that
 # names the way out (keyed by the start of the SDK's text; docs/http.md).
@@ -288,6 +314,66 @@ class JsonRefusals:
         await self.app(scope, receive, relay)
 
 
+# The SDK's own refusals on /mcp are JSON-RPC errors already, but most name no way out; each
+# gets one (keyed by the start of the SDK's message, which is kept: a client may look for it).
+MCP_WAY_OUT = {
+    "Session not found": "the session ended (the server restarted, or it sat idle for 30 minutes): start a "
+                         "new one by sending initialize without an Mcp-Session-Id header",
+    "Not Found:": "the session ended (the server restarted, or it sat idle for 30 minutes): start a new one by "
+                  "sending initialize without an Mcp-Session-Id header",
+    "Too many open sessions": "close sessions you no longer use (DELETE /mcp with their Mcp-Session-Id), or try "
+                              "again once idle ones expire (30 minutes)",
+    "Bad Request: Missing session ID": "send the Mcp-Session-Id header the initialize answer gave, or send "
+                                       "initialize first",
+    "Not Acceptable": "send Accept: application/json, text/event-stream",
+    "Unsupported Media Type": "send Content-Type: application/json",
+    "Method Not Allowed": "/mcp takes POST (messages), GET (the session's stream) and DELETE (end the session)",
+    "Conflict": "close this session's other GET /mcp stream first",
+    "Parse error": "send one JSON-RPC message (or a batch of them) as JSON",
+    "Validation error": "send a JSON-RPC 2.0 message as the MCP specification gives it",
+}
+
+
+class McpWayOut:
+    """Pure ASGI around the /mcp endpoint: a refusal the SDK answers (status 400 and above, a
+    JSON-RPC error) gets the way out MCP_WAY_OUT gives for it after its own words; anything
+    else, and an answer that is not a JSON-RPC error, passes as it is."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        held: dict[str, Any] = {}
+
+        async def relay(message: dict) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held["start"] = message
+                return
+            if "start" not in held:
+                return await send(message)
+            held["body"] = held.get("body", b"") + message.get("body", b"")
+            if not message.get("more_body"):
+                await send_with_way_out(send, held["start"], held["body"])
+
+        await self.app(scope, receive, relay)
+
+
+async def send_with_way_out(send: Any, start: dict, body: bytes) -> None:
+    """Send the SDK's refusal (``start``, ``body``), its message followed by MCP_WAY_OUT's way
+    out when it is a JSON-RPC error that has one."""
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        said = json.loads(body)
+        message = said["error"]["message"]
+        way = next((way for begins, way in MCP_WAY_OUT.items() if message.startswith(begins)), None)
+        if way and way not in message:
+            said["error"]["message"] = f"{message}: {way}"
+            body = json.dumps(said).encode()
+    headers = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+               for k, v in start.get("headers", [])]
+    await send(dict(start, headers=headers))
+    await send({"type": "http.response.body", "body": body})
+
+
 def host_refusal(count: int, parsed: tuple[str, str | None] | None) -> str:
     """The 421's one line: the refused name and the knob that allows it, or what is malformed
     about the Host header (``count`` Host headers were sent; ``parsed`` is parse_host's answer for
@@ -318,7 +404,7 @@ class HostGuard:
         parsed = parse_host(values[0]) if len(values) == 1 else None
         if parsed is None or parsed[0] not in self.hosts:
             log.warning("refused a request for a Host outside the allowlist (421)")
-            return await _plain(send, 421, {"error": host_refusal(len(values), parsed)})
+            return await refuse(send, scope.get("path"), 421, host_refusal(len(values), parsed))
         canonical = (parsed[0] if parsed[1] is None else f"{parsed[0]}:{parsed[1]}").encode("latin-1")
         scope = dict(scope, headers=[(k, canonical if k == b"host" else v) for k, v in headers])
         await self.app(scope, receive, send)
@@ -354,6 +440,14 @@ def body_cap(path: str) -> int:
     if _protected(path):
         return MAX_BODY_BYTES
     return MAX_OAUTH_BODY_BYTES
+
+
+def too_large(path: str, cap: int) -> str:
+    """The 413's one line for a body to ``path`` over ``cap`` bytes, with the way out."""
+    if cap == MAX_BODY_BYTES and _protected(path):
+        return (f"the MCP message is too large: at most {cap} bytes ({cap / 2**20:g} MiB) are accepted; send "
+                "less (long instructions or data can go in a file in the task's working_dir, named in them)")
+    return f"the request body is too large: at most {cap} bytes are accepted here; send less"
 
 
 SAFETY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"))
@@ -394,8 +488,8 @@ class Shield:
             return await self._serve(scope, receive, send)
         if self.active.get(peer, 0) >= MAX_PEER_REQUESTS:
             log.warning("more than %d requests in progress from one address: refused one (429)", MAX_PEER_REQUESTS)
-            return await _plain(send, 429, {"error": f"more than {MAX_PEER_REQUESTS} requests in progress from this "
-                                                     "address; finish some first"},
+            return await refuse(send, scope.get("path"), 429, f"more than {MAX_PEER_REQUESTS} requests in progress "
+                                "from this address; finish some first, or try again in 10 seconds",
                                 safety_headers([(b"content-type", b"application/json"),
                                                 (b"connection", b"close"), (b"retry-after", b"10")])[1:])
         self.active[peer] = self.active.get(peer, 0) + 1
@@ -416,7 +510,7 @@ class Shield:
         async def answer(status: int, message: str) -> None:
             if not state["started"]:
                 state["answered"] = True
-                await _plain(send, status, {"error": message},
+                await refuse(send, path, status, message,
                              safety_headers([(b"content-type", b"application/json"), (b"connection", b"close")])[1:])
             raise RequestRefused(message)
 
@@ -436,14 +530,14 @@ class Shield:
             if scope_.cancelled_caught:
                 log.warning("%s %s: the request body did not arrive within %g s (408)",
                             loggable(scope.get("method", "")), loggable(path), BODY_SEC)
-                await answer(408, f"the request body did not arrive within {BODY_SEC:g} seconds")
+                await answer(408, f"the request body did not arrive within {BODY_SEC:g} seconds: send the whole "
+                                  "body at once, on a connection that is not stalled")
             if message["type"] == "http.request":
                 state["read"] += len(message.get("body", b""))
                 if state["read"] > cap:
                     log.warning("%s %s: a request body over %d bytes (413)", loggable(scope.get("method", "")),
                                 loggable(path), cap)
-                    await answer(413, f"the request body is too large: at most {cap} bytes are accepted here; "
-                                      "send less")
+                    await answer(413, too_large(path, cap))
                 state["done"] = not message.get("more_body", False)
             else:
                 state["done"] = True
@@ -454,7 +548,7 @@ class Shield:
             if length is not None and length.strip().isdigit() and int(length) > cap:
                 log.warning("%s %s: Content-Length over %d bytes (413)", loggable(scope.get("method", "")),
                             loggable(path), cap)
-                await answer(413, f"the request body is too large: at most {cap} bytes are accepted here; send less")
+                await answer(413, too_large(path, cap))
             await self.app(scope, guarded_receive, guarded_send)
         except Exception as exc:   # a task group inside may wrap them (ExceptionGroup)
             if not _only_disconnects(exc):
@@ -508,9 +602,9 @@ class BearerGuard:
                  loggable(scope.get("path", "")), "wrong" if supplied else "no")
         error = "invalid_token" if supplied else "invalid_request"
         headers = [(b"www-authenticate", f'{self.challenge}, error="{error}"'.encode())]
-        body = {"error": f"a valid bearer token is required: send Authorization: Bearer <token> ({self.where})"}
+        said = f"a valid bearer token is required: send Authorization: Bearer <token> ({self.where})"
         if scope["type"] == "http":
-            return await _plain(send, 401, body, headers)
+            return await refuse(send, scope.get("path"), 401, said, headers)
         if scope["type"] == "websocket":
             return await _deny_websocket(scope, receive, send, headers)
 
@@ -558,7 +652,7 @@ class TransportGuard:
             refused = transport_refusal(scope, self.allowed_origins)
             if refused:
                 log.warning("refused %s %s (%d): %s", loggable(str(scope.get("method"))), loggable(path), *refused)
-                return await _plain(send, refused[0], {"error": refused[1]})
+                return await refuse(send, path, *refused)
         await self.app(scope, receive, send)
 
 
@@ -598,7 +692,8 @@ def build_app(server: MCPServer) -> Any:
     hosts = allowed_hosts()
     security = transport_security(hosts)
     mcp_route, lifespan = streamable_route(server, security)
-    sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security)
+    sse = server.sse_app(sse_path="/sse", message_path="/messages/", transport_security=security,
+                         max_request_body_size=MAX_BODY_BYTES)
     tokens = TokenSource()
     token = tokens.current()
     beyond = sorted(h for h in hosts if h not in LOOPBACK_NAMES)
@@ -646,9 +741,13 @@ def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> 
         logging.getLogger(name).addFilter(_one_line_disconnects)
     # Two session managers for /mcp: SSE streams for clients that take them, plain JSON for
     # clients that accept only application/json (mcp_shared.StreamableEndpoint routes between them).
-    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security)
+    # The SDK caps a body at 4 MiB of its own, in plain text: it is given ours (Shield has
+    # already refused anything larger, as JSON), so MAX_BODY_BYTES is the one cap in force.
+    server.streamable_http_app(streamable_http_path=MCP_PATH, transport_security=security,
+                               max_request_body_size=MAX_BODY_BYTES)
     streaming = server.session_manager
-    server.streamable_http_app(streamable_http_path="/mcp", transport_security=security, json_response=True)
+    server.streamable_http_app(streamable_http_path=MCP_PATH, transport_security=security, json_response=True,
+                               max_request_body_size=MAX_BODY_BYTES)
     plain = server.session_manager
 
     @contextlib.asynccontextmanager
@@ -656,7 +755,7 @@ def streamable_route(server: MCPServer, security: TransportSecuritySettings) -> 
         async with streaming.run(), plain.run():
             yield
 
-    return Route("/mcp", endpoint=mcp_shared.StreamableEndpoint(streaming, plain)), lifespan
+    return Route(MCP_PATH, endpoint=McpWayOut(mcp_shared.StreamableEndpoint(streaming, plain))), lifespan
 
 
 def oauth_provider(tokens: TokenSource) -> Any:
@@ -737,13 +836,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def serve(app: Any, sock: socket.socket, log_level: str) -> None:
     """Run ``app`` under uvicorn on ``sock`` (from ``listening_socket``) until SIGINT/SIGTERM
-    (access log off: URLs may carry ?token=). At the first signal the board's long polls answer at
-    once, so the shutdown neither waits for them nor cancels them mid-request."""
+    (access log off: URLs may carry ?token=). At the first signal the board's long polls and
+    wait_for calls answer at once (mcp_shared.STOPPING), so the shutdown neither waits for them
+    nor cancels them mid-request."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            board_api.STOPPING.set()
+            mcp_shared.STOPPING.set()
             super().handle_exit(sig, frame)
 
     logging.getLogger("uvicorn.error").addFilter(_quiet_upgrade_warnings)
@@ -753,20 +853,22 @@ def serve(app: Any, sock: socket.socket, log_level: str) -> None:
 
 def connection_limits() -> dict[str, Any]:
     """uvicorn settings that keep idle or hostile connections from holding the port: the h11
-    protocol with a request-head deadline, the keep-alive idle time, a cap on connections and on
-    a request head's size. WebSocket upgrades are not served (no route takes one): such a request
-    reaches the guards as plain HTTP, so a protected path answers 401. uvicorn's own
+    protocol with a request-head deadline, the cap on connections and on a request head's size
+    (deadline_protocol), and the keep-alive idle time. WebSocket upgrades are not served (no
+    route takes one): such a request reaches the guards as plain HTTP, so a protected path
+    answers 401. uvicorn's own
     proxy_headers is off: it would put any loopback peer's X-Forwarded-For in place of the real
     peer, and a tunnel, a local process alike are loopback peers (client_address decides)."""
     return {"http": deadline_protocol(), "ws": "none", "timeout_keep_alive": KEEP_ALIVE_SEC,
-            "limit_concurrency": MAX_CONNECTIONS, "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
-            "proxy_headers": False}
+            "h11_max_incomplete_event_size": MAX_HEAD_BYTES, "proxy_headers": False}
 
 
 def _quiet_upgrade_warnings(record: logging.LogRecord) -> bool:
-    """Drop uvicorn's per-request advice to install a WebSocket library: not serving them is on purpose."""
+    """Drop uvicorn's per-request advice to install a WebSocket library (not serving them is on
+    purpose) and its line for a refused head (deadline_protocol logs its own, with the reason)."""
     text = record.getMessage()
-    return not (text.startswith("Unsupported upgrade request") or text.startswith("No supported WebSocket library"))
+    return not (text.startswith("Unsupported upgrade request") or text.startswith("No supported WebSocket library")
+                or text == "Invalid HTTP request received.")   # the protocol logs its own line, with the reason
 
 
 def _over_the_caps(client: tuple[str, int] | None, connections: Any) -> str | None:
@@ -782,12 +884,133 @@ def _over_the_caps(client: tuple[str, int] | None, connections: Any) -> str | No
     return None
 
 
+def head_refusal(error: Exception) -> tuple[int, str]:
+    """``(status, one line)`` for a request head h11 could not take (``error``, its
+    RemoteProtocolError): 431 for one over MAX_HEAD_BYTES, 421 for a Host header missing or
+    repeated (what HostGuard answers a request that reaches it so), 400 for anything else. h11's
+    own words are cut at their first ``:``, after which some quote what was sent."""
+    said = str(error).split(":", 1)[0].strip()
+    if getattr(error, "error_status_hint", 400) == 431:
+        return 431, (f"the request head is too large: at most {MAX_HEAD_BYTES} bytes ({MAX_HEAD_BYTES // 1024} KiB) "
+                     "of request line and headers are accepted; send fewer or shorter headers (a token goes in "
+                     "Authorization, not the URL)")
+    if said in ("Found multiple Host", "Missing mandatory Host"):
+        return 421, "a request needs exactly one Host header: send one, naming this server's host"
+    return 400, f"the request is not valid HTTP/1.1 ({loggable(said or 'unreadable', 80)}): send a well-formed request"
+
+
+def refused_path(head_start: bytes) -> str | None:
+    """The path of the request whose head begins with ``head_start``, or None when its request
+    line has not arrived whole (only which shape a refusal takes depends on it)."""
+    line, ended, _ = head_start.partition(b"\r\n")
+    parts = line.split(b" ")
+    if not ended or len(parts) != 3:
+        return None
+    return unquote(parts[1].split(b"?", 1)[0].decode("latin-1"))
+
+
+@functools.cache
+def head_connection() -> type:
+    """h11's server connection, with a request head's size capped whether it arrives in pieces
+    or whole. h11's own cap (max_incomplete_event_size) counts only bytes of a head still
+    incomplete: a head that arrives in one read, up to the 64 KiB uvicorn reads at once, passed
+    at any size. Keeps the start of each head so a refusal can tell the path."""
+    import h11
+
+    class HeadConnection(h11.Connection):
+        def __init__(self, max_head: int) -> None:
+            super().__init__(h11.SERVER, max_incomplete_event_size=max_head)
+            self.max_head, self.head_start = max_head, b""
+            self.refused: h11.RemoteProtocolError | None = None   # the last head refused
+
+        def receive_data(self, data: bytes) -> None:
+            if self.their_state is h11.IDLE and len(self.head_start) < 2048:
+                self.head_start += data[:2048 - len(self.head_start)]
+            super().receive_data(data)
+
+        def start_next_cycle(self) -> None:
+            super().start_next_cycle()
+            self.head_start = b""
+
+        def next_event(self) -> Any:
+            try:
+                event = super().next_event()
+            except h11.RemoteProtocolError as exc:
+                self.refused = exc
+                raise
+            if isinstance(event, h11.Request):
+                size = len(event.method) + len(event.target) + len(b"  HTTP/1.1\r\n\r\n") + sum(
+                    len(name) + len(value) + 4 for name, value in event.headers.raw_items())
+                if size > self.max_head:
+                    self.refused = h11.RemoteProtocolError("request head too large", error_status_hint=431)
+                    raise self.refused
+            return event
+
+    return HeadConnection
+
+
+async def unless_full(protocol: Any, app: Any, scope: dict, receive: Any, send: Any) -> None:
+    """``app`` for a request on ``protocol``'s connection, unless MAX_CONNECTIONS connections are
+    open or requests in progress (this one's included): then 503, naming the cap and the way out.
+    uvicorn's limit_concurrency, answered as every other refusal is rather than in plain text."""
+    if scope["type"] == "http" and (len(protocol.connections) >= MAX_CONNECTIONS
+                                    or len(protocol.tasks) > MAX_CONNECTIONS):
+        log.warning("%d connections or requests in progress, the cap: refused a request (503)", MAX_CONNECTIONS)
+        return await refuse(send, scope.get("path"), 503,
+                            f"the server is at its cap of {MAX_CONNECTIONS} open connections: try again in a few "
+                            "seconds, or close idle connections (keep-alive pools) to this server",
+                            safety_headers([(b"content-type", b"application/json"), (b"connection", b"close"),
+                                            (b"retry-after", b"5")])[1:])
+    await app(scope, receive, send)
+
+
+def refuse_head(conn: Any, transport: Any, said_by_uvicorn: str) -> None:
+    """Answer a request head that h11 refused on ``conn`` (a head_connection) as every other
+    refusal is (head_refusal's status and words, refusal_body's shape, the safety headers), then
+    close ``transport``. uvicorn answered them all 400 in plain text ("Invalid HTTP request
+    received.")."""
+    import h11
+
+    error = getattr(conn, "refused", None) or h11.RemoteProtocolError(said_by_uvicorn)
+    status, said = head_refusal(error)
+    log.warning("refused a request head (%d): %s", status, said.split(":", 1)[0])
+    data = json.dumps(refusal_body(refused_path(getattr(conn, "head_start", b"")), status, said)).encode()
+    headers = safety_headers([(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data)),
+                              (b"connection", b"close")])
+    reason = HTTPStatus(status).phrase.encode()
+    for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=data),
+                  h11.EndOfMessage()):
+        transport.write(conn.send(event))
+    transport.close()
+
+
+class RefusingAsJson:
+    """Mixed into uvicorn's h11 protocol (deadline_protocol): its two refusals answered as every
+    other is, not in plain text. A request that arrives while MAX_CONNECTIONS connections are
+    open or requests in progress gets unless_full's 503 (uvicorn's limit_concurrency, taken over);
+    a head h11 refuses gets refuse_head's answer, and a head over the cap is refused whether it
+    arrived in pieces or whole (head_connection)."""
+
+    limit_concurrency: int | None
+    app: Any
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)   # type: ignore[call-arg]
+        self.conn = head_connection()(config.h11_max_incomplete_event_size or MAX_HEAD_BYTES)
+        self.limit_concurrency = None
+        self.app = functools.partial(unless_full, self, self.app)
+
+    def send_400_response(self, msg: str) -> None:
+        """What uvicorn calls, with its fixed text, for any head h11 refuses."""
+        refuse_head(self.conn, self.transport, msg)   # type: ignore[attr-defined]
+
+
 @functools.cache
 def deadline_protocol() -> type:
-    """uvicorn's h11 protocol class with the request-head deadline and the connection cap."""
+    """uvicorn's h11 protocol class: request-head deadline, connection caps, JSON refusals."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class Protocol(H11Protocol):
+    class Protocol(RefusingAsJson, H11Protocol):
         """uvicorn's h11 protocol plus a deadline for each request head: a connection that sends
         no complete request line and headers within REQUEST_HEAD_SEC of connecting (or of its
         previous response) is closed. uvicorn arms its idle timer only after a response, so a

@@ -25,6 +25,8 @@ bridge), so neither server imports the other's internals. Nothing happens at imp
 - ``explain_validation``: one line naming every bad argument, what it must be and what was sent.
 - ``database_problem``: a broken queue database (corrupt, a folder, read-only, locked) named with
   its path and the way out (the store's own message), for the tools and for the HTTP API alike.
+- ``STOPPING``: set when the HTTP server begins to stop; long waits (wait_for, the board's long
+  polls) answer at once rather than be cancelled mid-request.
 
 Not run on its own; reads no env of its own.
 """
@@ -36,6 +38,7 @@ import functools
 import inspect
 import json
 import logging
+import threading
 import time
 import typing
 from collections.abc import Callable
@@ -62,6 +65,10 @@ import task_store
 import task_views
 
 log = logging.getLogger("taskbridge.mcp")
+# Set when the HTTP server begins to stop (http_app.serve, at the first SIGINT/SIGTERM): long
+# waits (wait_for, the board's long polls) end at once with an answer, before the shutdown's grace
+# period is over and it cancels them mid-request (the client got an empty stream).
+STOPPING = threading.Event()
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,6 +113,7 @@ WAIT_RANGE = (1, 3600)         # wait_for timeout_sec
 WAIT_DEFAULT_SEC = 50          # under the 60 s most MCP clients give a tool call (MCP Inspector, SDKs)
 WAIT_IDS_MAX = 100
 PROGRESS_EVERY_SEC = 3.0
+STOP_CHECK_SEC = 1.0          # wait_for notices the HTTP server stopping this soon (its grace period is 3 s)
 ATTENTION = frozenset(store.TERMINAL) | {"waiting"}
 
 log = logging.getLogger("taskbridge.mcp")
@@ -927,7 +928,8 @@ async def wait_for(
     With a client that can show forms (elicitation), a task paused at its spending limit, or at a
     permission ask of a task submitted with ask_human, is asked of the person first; the answer
     acts and the wait goes on (`asked_human` says what was asked and answered). A decline or no
-    answer leaves it to you, as without forms. Errors: unknown id, no ids, more than 100."""
+    answer leaves it to you, as without forms. Errors: unknown id, no ids, more than 100; the
+    HTTP server stopping mid-wait (call wait_for again once it is back)."""
     ids = _task_ids(task_ids)
     timeout_sec, mode = timeout_sec or WAIT_DEFAULT_SEC, mode or "any"
     if not 1 <= len(ids) <= WAIT_IDS_MAX:
@@ -941,8 +943,14 @@ async def wait_for(
             return cast(WaitResult, result | {"asked_human": asked})
 
 
+STOPPING_SAID = ("the server is stopping, so this wait ended early: call wait_for again with the same task_ids "
+                 "once the server is back (a task that ended meanwhile is reported at once)")
+
+
 async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, timeout_sec: int) -> dict[str, Any]:
-    """One wait until the tasks meet ``mode`` or the call's deadline (started + timeout_sec)."""
+    """One wait until the tasks meet ``mode`` or the call's deadline (started + timeout_sec).
+    Raises ToolError (STOPPING_SAID) when the HTTP server begins to stop (mcp_shared.STOPPING):
+    the client gets that answer before the connection closes, not an empty stream."""
     # Store reads on a kept connection take microseconds: they run on the event loop. The wait
     # itself sleeps on the database's change notification (inotify), polling only as a fallback.
     cursor = store.last_event_id()
@@ -952,6 +960,8 @@ async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, t
     timed_out = False
     with store.change_watch() as watch:
         while not _wait_met(statuses, mode) and not any(e["kind"] in ("paused", "resumed") for e in seen):
+            if mcp_shared.STOPPING.is_set():
+                raise ToolError(STOPPING_SAID)
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
@@ -959,7 +969,7 @@ async def _wait_round(ids: list[str], mode: str, ctx: Context, started: float, t
             if now >= next_progress:
                 await ctx.report_progress(round(now - started, 1), timeout_sec, _progress_text(statuses, now - started))
                 next_progress += PROGRESS_EVERY_SEC
-            newest = await _next_change(watch, cursor, min(poll, deadline - now, next_progress - now))
+            newest = await _next_change(watch, cursor, min(poll, STOP_CHECK_SEC, deadline - now, next_progress - now))
             if newest > cursor:
                 new = store.events_since(cursor, ids, 1000)
                 cursor = new[-1]["id"] if len(new) == 1000 else max(newest, new[-1]["id"] if new else 0)

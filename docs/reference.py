@@ -1,6 +1,7 @@
 """The generated parts of docs/*.md, written into the files by cog (cogapp) between their
 ``[[[cog`` and ``[[[end]]]`` markers: the CLI's help, the numeric knobs' ranges, the MCP tools'
-titles, descriptions and parameters (from the servers' own tool listings) and the HTTP routes.
+titles, descriptions and parameters (from the servers' own tool listings), the HTTP routes and
+the HTTP side's limits.
 
     .venv/bin/cog -r docs/*.md         # regenerate after changing a command, knob, tool or route
     .venv/bin/cog --check docs/*.md    # what tests/test_docs.py runs: fails when a file is stale
@@ -119,3 +120,39 @@ def http_routes() -> str:
         doc = re.sub(r"^``[A-Z]+ [^`]*``: ", "", (inspect.getdoc(route.endpoint) or "").split("\n\n")[0])
         rows.append(f"| {methods} | `{route.path}` | {token} | {_cell(doc)} |")
     return "\n".join(rows)
+
+
+def _size(count: int) -> str:
+    """A byte count as the refusals give it, with its binary unit when it has one."""
+    unit = next(((count >> shift, name) for shift, name in ((20, "MiB"), (10, "KiB")) if count % (1 << shift) == 0),
+                None)
+    return f"{unit[0]} {unit[1]} ({count} bytes)" if unit else f"{count} bytes"
+
+
+def http_limits() -> str:
+    """The HTTP side's limits, a row each, from the constants the code enforces (http_app and
+    board_api): what is limited, the figure, the answer past it, the constant."""
+    http_app, board_api = _import("http_app"), _import("board_api")
+    rows = [
+        ("request head (request line and headers), whole or in pieces", _size(http_app.MAX_HEAD_BYTES), "431",
+         "http_app.MAX_HEAD_BYTES"),
+        ("time to send a request head, from connecting or the previous answer", f"{http_app.REQUEST_HEAD_SEC:g} s",
+         "closed", "http_app.REQUEST_HEAD_SEC"),
+        ("idle time between requests on one connection", f"{http_app.KEEP_ALIVE_SEC:g} s", "closed",
+         "http_app.KEEP_ALIVE_SEC"),
+        ("open connections (a request while all are open: 503)", str(http_app.MAX_CONNECTIONS),
+         "new ones closed", "http_app.MAX_CONNECTIONS"),
+        ("open connections from one address beyond this machine", str(http_app.MAX_PEER_CONNECTIONS),
+         "new ones closed", "http_app.MAX_PEER_CONNECTIONS"),
+        ("requests in progress from one client address", str(http_app.MAX_PEER_REQUESTS), "429",
+         "http_app.MAX_PEER_REQUESTS"),
+        ("time to send a request body whole, from its head", f"{http_app.BODY_SEC:g} s", "408",
+         "http_app.BODY_SEC"),
+        ("request body to `/mcp`, `/sse`, `/messages/` (one MCP message)", _size(http_app.MAX_BODY_BYTES), "413",
+         "http_app.MAX_BODY_BYTES"),
+        ("request body to `/api/*`", _size(board_api.BODY_MAX), "413", "board_api.BODY_MAX"),
+        ("request body to the open routes (OAuth, consent)", _size(http_app.MAX_OAUTH_BODY_BYTES), "413",
+         "http_app.MAX_OAUTH_BODY_BYTES"),
+    ]
+    lines = ["| what | at most | past it | constant |", "|---|---|---|---|"]
+    return "\n".join(lines + [f"| {what} | {figure} | {answer} | `{name}` |" for what, figure, answer, name in rows])

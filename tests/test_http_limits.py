@@ -6,6 +6,7 @@ http_app's limits lowered (BODY_SEC, MAX_CONNECTIONS) so the test takes seconds,
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -13,10 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import anyio
 import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 import fake_tunnel
+import http_app
 from helpers import ROOT, free_port, wait_healthy
 
 TOKEN = "s3cret-token-for-limit-tests"
@@ -71,6 +76,19 @@ def head(path: str, length: int | None = None, extra: str = "", token: bool = Fa
     lines += [f"Content-Length: {length}"] if length is not None else ["Transfer-Encoding: chunked"]
     lines += [f"Authorization: Bearer {TOKEN}"] if token else []
     return ("\r\n".join(lines + ([extra] if extra else [])) + "\r\n\r\n").encode()
+
+
+def refusal(answer: bytes, path: str | None) -> str:
+    """The message of a refusal read off the wire, checked for its shape: JSON, and on /mcp a
+    JSON-RPC error without an id (the SDK's client hands its caller that message), else
+    ``{"error": ...}``."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"\r\ncontent-type: application/json" in head.lower(), answer[:600]
+    said = json.loads(body)
+    if path == "/mcp":
+        assert said["jsonrpc"] == "2.0" and said["id"] is None and said["error"]["code"] < 0, said
+        return said["error"]["message"]
+    return said["error"]
 
 
 def read_answer(sock: socket.socket) -> bytes:
@@ -173,14 +191,124 @@ def test_a_big_chunked_body_to_the_api_is_refused_while_it_streams(server):
     assert sent < 20_000_000
 
 
-@pytest.mark.parametrize("path,cap", [("/register", 64 * 1024), ("/api/tasks/1/cancel", 300_000), ("/mcp", 8 << 20)])
+@pytest.mark.parametrize("path,cap", [("/register", 64 * 1024), ("/api/tasks/1/cancel", 300_000),
+                                      ("/mcp", http_app.MAX_BODY_BYTES)])
 def test_a_content_length_over_the_cap_is_refused_before_reading(server, path, cap):
     _, port = server
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(head(path, cap + 1, token=True))
         answer = read_answer(sock)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
-    assert str(cap).encode() in answer
+    said = refusal(answer, path)
+    assert f"at most {cap} bytes" in said and "send less" in said, said
+
+
+def mcp_post(port: int, body: bytes, chunked: bool = False) -> bytes:
+    """``body`` POSTed to /mcp with the token, whole or as one chunk; the raw answer."""
+    lines = ["POST /mcp HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+             "Accept: application/json, text/event-stream", f"Authorization: Bearer {TOKEN}", "Connection: close",
+             "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"]
+    framed = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if chunked else body
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        with contextlib.suppress(OSError):   # refused mid-body: the server answered and closed
+            sock.sendall(framed)
+        return read_answer(sock)
+
+
+def padded_initialize(size: int) -> bytes:
+    """An initialize request of about ``size`` bytes (the padding in an experimental capability)."""
+    return json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                       "params": {"protocolVersion": "2025-06-18", "clientInfo": {"name": "big", "version": "1"},
+                                  "capabilities": {"experimental": {"pad": {"x": "a" * size}}}}}).encode()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_mcp_message_under_the_documented_cap_is_served_and_one_over_it_refused_as_json_rpc(server, chunked):
+    """The SDK capped /mcp bodies at 4 MiB of its own with a plain-text 413, under the 8 MiB
+    (MAX_BODY_BYTES) the docs name; now one cap holds, and its refusal is the JSON-RPC error every
+    /mcp refusal is, naming the limit and the way out."""
+    _, port = server
+    under = mcp_post(port, padded_initialize(http_app.MAX_BODY_BYTES - (1 << 20)), chunked)
+    assert under.startswith(b"HTTP/1.1 200"), under[:600]
+    over = mcp_post(port, padded_initialize(http_app.MAX_BODY_BYTES), chunked)
+    assert over.startswith(b"HTTP/1.1 413"), over[:600]
+    said = refusal(over, "/mcp")
+    assert f"at most {http_app.MAX_BODY_BYTES} bytes (8 MiB)" in said and "send less" in said, said
+
+
+@pytest.mark.anyio
+async def test_the_sdk_client_hands_its_caller_the_words_of_a_refusal_on_mcp(server):
+    """What the JSON-RPC shape on /mcp is for: the SDK's client reads a non-2xx answer's body only
+    when it is a JSON-RPC error, and hands its message on; for ``{"error": ...}`` it made up
+    "Server returned an error response". (A body refused mid-upload is another matter: the client
+    is still sending when the server answers and closes, and sees only a broken connection.)"""
+    _, port = server
+    transport = streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=httpx2.AsyncClient(
+        headers={"Authorization": "Bearer wrong"}, timeout=30))
+    with pytest.raises(Exception) as refused:
+        with anyio.fail_after(20):
+            async with Client(transport):
+                pass
+    assert "a valid bearer token is required" in repr(refused.value), repr(refused.value)
+
+
+@pytest.mark.parametrize("path", ["/health", "/mcp", "/api/status"])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_a_request_head_over_16_kib_gets_431_whole_or_in_pieces(server, path, pieces):
+    """h11's own cap counted only a head still incomplete: one that arrived in one read passed at
+    any size (and one in pieces got uvicorn's plain-text 400)."""
+    _, port = server
+    big = (f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+           f"X-Big: {'a' * http_app.MAX_HEAD_BYTES}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        with contextlib.suppress(OSError):
+            for at in range(0, len(big), 1000 if pieces else len(big)):
+                sock.sendall(big[at:at + (1000 if pieces else len(big))])
+                time.sleep(0.01 if pieces else 0)
+        answer = read_answer(sock)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:300]
+    said = refusal(answer, path)
+    assert f"at most {http_app.MAX_HEAD_BYTES} bytes" in said and "send fewer or shorter headers" in said, said
+    assert b"x-content-type-options: nosniff" in answer.lower()
+    # A head just under the cap is served.
+    small = big.replace(b"a" * http_app.MAX_HEAD_BYTES, b"a" * (http_app.MAX_HEAD_BYTES - 300))
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(small.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+        assert not read_answer(sock).startswith(b"HTTP/1.1 431")
+
+
+@pytest.mark.parametrize("path", ["/health", "/mcp", "/api/status"])
+def test_two_host_headers_get_a_json_421_from_the_real_server(server, path):
+    """h11 refuses them before the guards see the request: uvicorn answered 400 in plain text."""
+    _, port = server
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n"
+                     f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+        answer = read_answer(sock)
+    assert answer.startswith(b"HTTP/1.1 421"), answer[:300]
+    assert "exactly one Host header" in refusal(answer, path)
+
+
+def test_a_request_at_the_connection_cap_gets_a_json_503_naming_the_way_out(server):
+    """uvicorn's limit_concurrency answered a plain-text "Service Unavailable"."""
+    _, port = server
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS - 1)]
+    try:
+        time.sleep(0.3)
+        for path in ("/health", "/mcp", "/api/status"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                             "Accept: application/json, text/event-stream\r\n\r\n".encode())
+                answer = read_answer(sock)
+            assert answer.startswith(b"HTTP/1.1 503"), (path, answer[:300])
+            said = refusal(answer, path)
+            assert f"cap of {MAX_CONNECTIONS} open connections" in said and "try again" in said, said
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize("path,line", [("/register", "hung up before sending the whole body"),

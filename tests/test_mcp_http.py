@@ -22,7 +22,7 @@ from starlette.testclient import TestClient
 
 import opencode_bridge_mcp as bridge
 import task_store
-from helpers import BRIDGE_TOOL_COUNT, free_port, serving, wait_healthy
+from helpers import BRIDGE_TOOL_COUNT, ROOT, free_port, serving, wait_healthy
 
 TOKEN = "s3cret-token-value-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -125,6 +125,40 @@ async def test_progress_notifications_arrive_during_wait_for(transport, wd, monk
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+async def test_a_wait_for_in_progress_when_the_server_is_stopped_gets_an_answer_saying_so(transport, wd):
+    """SIGTERM to the server during a long wait_for: the call answers at once with an error that
+    says the server is stopping and to call again (the client got an empty 200 stream: the wait
+    ran on until the shutdown's grace period cancelled it mid-request)."""
+    task_id = task_store.submit_task(title="never claimed", instructions="x", working_dir=wd)["id"]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "opencode_bridge_mcp.py"), "--transport", transport,
+                             "--port", str(port)], env=dict(os.environ), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
+        base = f"http://127.0.0.1:{port}"
+        async with (http_client(base) if transport != "sse" else sse(base)) as c:
+            async def stop_soon() -> None:
+                await anyio.sleep(1.5)
+                proc.terminate()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(stop_soon)
+                started = time.monotonic()
+                with anyio.fail_after(20):
+                    waited = await c.call_tool("wait_for", {"task_ids": [task_id], "timeout_sec": 60})
+        assert waited.is_error, waited
+        text = waited.content[0].text
+        assert "the server is stopping" in text and "call wait_for again" in text, text
+        assert time.monotonic() - started < 1.5 + 3, "answered within the shutdown's grace period"
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1].decode(errors="replace")
+    assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.anyio
 async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works(wd):
     port = free_port()
     with serving(port) as base:
@@ -142,6 +176,8 @@ async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works
                 json={"jsonrpc": "2.0", "id": 2, "method": "tools/list"},
             )
         assert stale.status_code == 404
+        message = said(stale, "/mcp")
+        assert message.startswith("Session not found") and "initialize without an Mcp-Session-Id" in message, message
         async with http_client(base, mode="legacy") as c:
             got = await c.call_tool("get_task", {"task_id": sent.structured_content["id"]})
     assert got.structured_content["title"] == "survives"
@@ -153,6 +189,17 @@ async def test_a_stale_session_id_after_restart_gets_404_and_a_new_session_works
 
 def asgi(host: str = "127.0.0.1:8765") -> TestClient:
     return TestClient(bridge.build_app(), base_url=f"http://{host}")
+
+
+def said(response, path: str) -> str:
+    """A refusal's message: on /mcp from the JSON-RPC error every refusal there is (the shape the
+    SDK's client hands its caller), elsewhere from ``{"error": ...}``."""
+    assert response.headers["content-type"] == "application/json", response.text
+    body = response.json()
+    if path.split("?")[0] == "/mcp":
+        assert body["jsonrpc"] == "2.0" and body["id"] is None and body["error"]["code"] < 0, body
+        return body["error"]["message"]
+    return body["error"]
 
 
 def call(client: TestClient, method: str, path: str, **kw):
@@ -169,7 +216,7 @@ def test_protected_routes_refuse_a_missing_or_wrong_token(method, path, sent):
     response = call(asgi(), method, path, headers=headers)
     assert response.status_code == 401
     assert response.headers["www-authenticate"].startswith('Bearer realm="taskbridge"')
-    assert "bearer token" in response.json()["error"] and TOKEN not in response.text
+    assert "bearer token" in said(response, path) and TOKEN not in response.text
 
 
 @pytest.mark.parametrize("method,path", OPEN)
@@ -211,7 +258,7 @@ FOREIGN = [
 def test_a_foreign_host_gets_421_on_every_route(host, method, path):
     response = call(asgi(host), method, path, headers=AUTH)
     assert response.status_code == 421
-    error = response.json()["error"]
+    error = said(response, path)
     assert f"the Host {host.split(':')[0]!r} is not on this server's allowlist" in error, error
     assert "add it to MCP_ALLOWED_HOSTS" in error
 
@@ -238,18 +285,32 @@ def test_a_foreign_origin_is_refused_in_the_shape_of_every_other_error(monkeypat
             body = {"content": json.dumps(INIT)} if method == "POST" else {}
             refused = http.request(method, path, headers={"Origin": "https://evil.example"}, **body)
             assert refused.status_code == 403, (path, refused.text)
-            assert refused.headers["content-type"] == "application/json"
-            error = refused.json()["error"]
+            error = said(refused, path)
             assert "'https://evil.example'" in error and "MCP_ALLOWED_HOSTS" in error, error
         ours = http.post("/mcp", headers={"Origin": "http://127.0.0.1:8765"}, content=json.dumps(INIT))
         assert ours.status_code == 200, ours.text
         not_json = http.post("/mcp", headers={"Content-Type": "text/plain"}, content=json.dumps(INIT))
-        assert not_json.status_code == 400 and "application/json" in not_json.json()["error"], not_json.text
+        assert not_json.status_code == 400 and "application/json" in said(not_json, "/mcp"), not_json.text
     monkeypatch.setenv("MCP_ALLOWED_HOSTS", "evil.example")   # the way out the message names
     with serving() as base:
         init = httpx2.post(f"{base}/mcp", headers=AUTH | MCP_HEADERS | {"Origin": "https://evil.example"},
                            content=json.dumps(INIT), timeout=30)
         assert init.status_code == 200, init.text
+
+
+@pytest.mark.parametrize("method,headers,status,words", [
+    ("GET", {}, 400, ["Missing session ID", "send the Mcp-Session-Id header"]),
+    ("PUT", {}, 405, ["Method Not Allowed", "/mcp takes POST"]),
+    ("POST", {"mcp-session-id": "0" * 32}, 404, ["Session not found", "start a new one"]),
+])
+def test_the_sdks_own_refusals_on_mcp_name_the_way_out(method, headers, status, words):
+    """The SDK answered these as JSON-RPC errors with its bare words ("Method Not Allowed")."""
+    with serving() as base, httpx2.Client(base_url=base, headers=AUTH | MCP_HEADERS, timeout=30) as http:
+        refused = http.request(method, "/mcp", headers=headers, content=json.dumps(INIT))
+    assert refused.status_code == status, refused.text
+    message = said(refused, "/mcp")
+    assert all(word in message for word in words), message
+    assert int(refused.headers["content-length"]) == len(refused.content)
 
 
 MALFORMED = ["localhost:evil.com", "127.0.0.1:1@evil.com", "localhost:1@evil.com", "[::1]:1@evil.com",
@@ -263,7 +324,7 @@ def test_a_host_with_anything_but_digits_after_the_colon_gets_421_on_every_route
         for method, path in PROTECTED + OPEN:
             response = call(client, method, path, headers=AUTH | {"Host": host})
             assert response.status_code == 421, (host, method, path, response.text)
-            error = response.json()["error"]
+            error = said(response, path)
             assert error.startswith("the Host header is malformed") and "evil" not in error, error
 
 
