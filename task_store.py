@@ -836,10 +836,25 @@ def _migrate_v10_rules_given(conn: Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V11 = [
+    # The run marker of a cancelled attempt whose worker is still wrapping it up (its receipt, a
+    # readonly run's revert, its worktree's removal); NULL otherwise. A task retried meanwhile is
+    # not claimed until that worker ends the wrap-up (end_wrap_up) or the reaper finds it gone:
+    # a second attempt would work in the same worktree or folder beside it.
+    "ALTER TABLE tasks ADD COLUMN wrapping_up TEXT",
+]
+
+
+def _migrate_v11_wrapping_up(conn: Connection) -> None:
+    for statement in SCHEMA_V11:
+        conn.execute(statement)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
               _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
-              _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given]
+              _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given,
+              _migrate_v11_wrapping_up]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -864,7 +879,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10]   # v9 is SQLite's alone
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10, SCHEMA_V11]   # v9 is SQLite's alone
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -2670,7 +2685,9 @@ def queue_summary() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Claim, lease, finish (fenced by the run marker).
 
-_READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now)
+# A task retried while the worker of its cancelled attempt still wraps that up (``wrapping_up``)
+# waits for it: the next attempt would work in the same worktree or folder.
+_READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now) AND t.wrapping_up IS NULL
  AND NOT EXISTS (SELECT 1 FROM task_deps d JOIN tasks p ON p.id = d.depends_on
                  WHERE d.task_id = t.id AND p.status != 'done')"""
 # Claimable by a worker on :host: ready, and meant for any host or for that one.
@@ -2801,7 +2818,16 @@ def _explain_unclaimable(conn: Connection, num: int, host: str, default_account:
     if held:
         raise InvalidTransition(f"task {name} waits for its provider's usage limit to reset (see queue_status's "
                                 "held accounts); resume the paused task with answer_task to try now")
+    if row["wrapping_up"] is not None:
+        raise InvalidTransition(f"task {name} waits: {_wrap_up_wait(row)}")
     raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
+
+
+def _wrap_up_wait(row: Row) -> str:
+    """What a task retried while its cancelled attempt is wrapped up waits for, in words."""
+    return (f"the cancelled attempt {row['wrapping_up']} is still being wrapped up by {row['lease_owner']} (its "
+            "receipt, a readonly run's revert, its worktree); the task starts when that is done, in a few seconds, "
+            "or when the reaper finds that worker gone")
 
 
 def _fenced(conn: Connection, num: int, marker: str) -> Row:
@@ -3268,10 +3294,12 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
                          (num, author, note, now()))
             _event(conn, num, "note", f"{author}: {note[:400]}")
         said = f"by {author}: was {row['status']}; fresh budget of {row['max_retries'] + 1} attempt(s)"
-        _event(conn, num, "retried", said + (f"; model {model}" if model else ""))
+        waits = _wrap_up_wait(row) if row["wrapping_up"] is not None else None
+        _event(conn, num, "retried", (said + (f"; model {model}" if model else "")
+                                      + (f"; it waits: {waits}" if waits else ""))[:500])
         dependents = _requeue_dependents(conn, num)
         return task_dict(_row(conn, num), _deps(conn, num)) | {
-            "requeued_dependents": [format_task_id(d) for d in dependents]}
+            "requeued_dependents": [format_task_id(d) for d in dependents], "waits": waits}
 
 
 def _not_retryable(num: int, status: str) -> str:
@@ -3286,10 +3314,13 @@ def _not_retryable(num: int, status: str) -> str:
 def _requeue_fresh(conn: Connection, row: Row, model: str | None) -> None:
     # The OpenCode session, question, answer and base commit go: the next attempt starts afresh
     # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
-    # branch name stays, and the worker moves it there when that loses no commit.
+    # branch name stays, and the worker moves it there when that loses no commit. A cancelled
+    # attempt still wrapped up keeps its lease (its worker, for _wrap_up_wait and the reaper).
     conn.execute(
         "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
-        " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
+        " finished_at = NULL, lease_owner = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_owner END,"
+        " lease_pid = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid END,"
+        " lease_pid_start = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid_start END,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
         " answer = NULL, base_commit = NULL, result_seen_at = NULL, spent_before_retry = attempts - handbacks"
         " WHERE id = ?",
@@ -3367,9 +3398,14 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         row = _row(conn, num)
         if row["status"] in TERMINAL:
             raise InvalidTransition(f"task {format_task_id(num)} is already {row['status']}; nothing to cancel")
+        # A worker's running attempt stays held (wrapping_up) until that worker has observed it
+        # (end_wrap_up): a retry's next attempt waits for it. A hand claim has no worker to wait for;
+        # a task retried while its last cancelled attempt is wrapped up stays held by it.
+        held = row["run_marker"] if row["status"] == "running" and _worker_lease(row) else None
         conn.execute(
-            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ? WHERE id = ?",
-            (now(), reason, _usage_after(row, None), num),
+            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ?,"
+            " wrapping_up = coalesce(?, wrapping_up) WHERE id = ?",
+            (now(), reason, _usage_after(row, None), held, num),
         )
         kept = _kept_work(row)
         _event(conn, num, "cancelled", f"was {row['status']}: {reason}{'; ' + kept if kept else ''}"[:500])
@@ -3384,19 +3420,60 @@ def record_cancelled_receipt(task_id: Any, marker: str, result: dict, diff: str 
     files_touched, commands, its words; ``diff``, git's diff of its uncommitted work, or None)
     and its OpenCode session, since the worker removes its worktree. The usage is not touched
     (cancel_task kept the meter's spend). Fenced: only while the task is still cancelled with
-    that attempt's marker. Returns whether it was recorded. Raises TaskNotFound."""
+    that attempt's marker, or retried while that attempt is wrapped up (``wrapping_up``: its next
+    attempt has not started). It does not end the wrap-up: the worker does, once the worktree is
+    dealt with (end_wrap_up). Returns whether it was recorded. Raises TaskNotFound."""
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _row(conn, num)
-        if row["run_marker"] != marker or row["status"] != "cancelled":
+        if row["run_marker"] != marker or (row["status"] != "cancelled" and row["wrapping_up"] != marker):
             return False
         conn.execute("UPDATE tasks SET result = ?, diff = ?, session_id = coalesce(?, session_id)"
-                     " WHERE id = ? AND run_marker = ? AND status = 'cancelled'",
-                     (_json(result), diff, session_id, num, marker))
+                     " WHERE id = ? AND run_marker = ? AND (status = 'cancelled' OR wrapping_up = ?)",
+                     (_json(result), diff, session_id, num, marker, marker))
         files = result.get("files_touched") or []
         _event(conn, num, "receipt", f"the cancelled attempt {marker} had changed {len(files)} file(s); its "
                                      "receipt and diff are kept (its worktree goes)"[:500])
     return True
+
+
+def end_wrap_up(task_id: Any, marker: str, why: str | None = None) -> bool:
+    """The worker of the cancelled attempt ``marker`` is done with it (its receipt recorded, its
+    worktree removed or left for the next attempt), or ``why`` (the reaper's words) it never will
+    be: its worker is gone. A task retried meanwhile can be claimed from now on (its lease, kept
+    for the wait, goes). Fenced: only while that attempt is the one wrapped up. Returns whether
+    it was. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["wrapping_up"] is None or row["wrapping_up"] != marker:
+            return False
+        retried = row["status"] == "pending"
+        conn.execute("UPDATE tasks SET wrapping_up = NULL, lease_owner = CASE WHEN status = 'pending' THEN NULL"
+                     " ELSE lease_owner END, lease_pid = CASE WHEN status = 'pending' THEN NULL ELSE lease_pid END,"
+                     " lease_pid_start = CASE WHEN status = 'pending' THEN NULL ELSE lease_pid_start END"
+                     " WHERE id = ? AND wrapping_up = ?", (num, marker))
+        if why is not None or retried:
+            said = f"the cancelled attempt {marker} was not wrapped up: {why}" if why else \
+                f"the cancelled attempt {marker} is wrapped up"
+            _event(conn, num, "wrapped-up", (said + ("; the retried task can start now" if retried else ""))[:500])
+    return True
+
+
+def wrap_ups(stale_after_sec: float) -> list[dict[str, Any]]:
+    """The tasks whose cancelled attempt is still being wrapped up (``wrapping_up``, the attempt's
+    marker; its lease: ``lease_owner``, ``lease_pid``, ``lease_pid_start``, ``lease_host``), each
+    with ``stale``: its last heartbeat is older than ``stale_after_sec`` seconds (a worker
+    renews none once its attempt is cancelled: the reaper ends such a wrap-up)."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT *, heartbeat_at < :cut AS stale FROM tasks WHERE wrapping_up IS NOT NULL",
+                            {"cut": store_now(conn) - stale_after_sec}).fetchall()
+    return [task_dict(r) | {"stale": bool(r["stale"])} for r in rows]
+
+
+def _worker_lease(row: Row) -> bool:
+    """Whether a worker holds the row's lease (not a person's hand claim, ``cli:…``)."""
+    return row["lease_owner"] is not None and not str(row["lease_owner"]).startswith("cli:")
 
 
 def record_branch_dropped(task_id: Any, marker: str, branch: str) -> bool:

@@ -1580,7 +1580,8 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     """Requeue a failed or cancelled task with a fresh budget of attempts.
 
     Its next attempt starts a new OpenCode session; tasks that failed only because it failed are
-    requeued too.
+    requeued too. A task cancelled while it ran starts once its worker has wrapped that attempt up
+    (its receipt, a readonly run's revert, its worktree; seconds) or is found gone.
     """
     task = task_store.retry_task(task_id, model=checked_model(model), note=note, author=person())
     if as_json:
@@ -1592,6 +1593,8 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     held = worktrees.unpushed_note(task)
     if held:
         out().print(Text(visible(f"Its {held[4:]}.", multiline=False), style="yellow"), soft_wrap=True)
+    if task["waits"]:
+        out().print(Text(visible(f"It waits: {task['waits']}.", multiline=False), style="yellow"), soft_wrap=True)
 
 
 def agent_started(task: dict[str, Any]) -> bool:

@@ -246,6 +246,7 @@ def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkey
     out, err = proc.communicate(timeout=30)
     final = task_store.get_task(task["id"])
     assert final["status"] == "cancelled"
+    assert final["wrapping_up"] is None, "its worker said it was done with it: a retry may start"
     assert tagged() == []
     # the worker says it was a cancel (it said "cancelled or taken over elsewhere")
     said = " ".join((out + err).split())
@@ -289,7 +290,7 @@ def test_a_cancelled_run_keeps_its_receipt_and_diff_and_a_readonly_one_is_revert
     task_store.cancel_task(sneaky["id"])
     proc.communicate(timeout=60)
     final = task_store.get_task(sneaky["id"])
-    assert final["status"] == "cancelled"
+    assert final["status"] == "cancelled" and final["wrapping_up"] is None
     assert sorted(os.listdir(plain)) == ["a.txt"] and (plain / "a.txt").read_text() == "a\n"
     assert sorted(final["result"]["files_reverted"]) == ["a.txt", "made.txt"], final["result"]
     assert tagged() == []
