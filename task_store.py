@@ -461,7 +461,9 @@ def store_now(conn: Any) -> float:
     return now()
 
 
-ERROR_MAX = 4_000  # characters of a stored error; the whole text stays in the task's log
+ERROR_MAX = 4_000  # characters of a stored error; a longer one is kept whole in the task's log (fail_attempt)
+SUMMARY_MAX = 8_000  # characters of a receipt's summary: an agent's is clipped to it, a person's refused past it
+EVENT_TEXT_MAX = 500  # characters of a task's text (a summary, an error) an event's message carries
 
 
 def clip(text: str, limit: int, where: str) -> str:
@@ -473,6 +475,15 @@ def clip(text: str, limit: int, where: str) -> str:
     head, tail = limit * 2 // 3, limit - limit * 2 // 3
     return (text[:head] + f"\n… [clipped: {len(text):,} characters in all; the whole text is in {where}] …\n"
             + text[len(text) - tail:])
+
+
+def event_text(text: str, whole_in: str, limit: int = EVENT_TEXT_MAX) -> str:
+    """``text`` for an event's message: whole up to ``limit`` characters, else its head marked
+    as cut, saying how long it is and where it is whole (``whole_in``), in ``limit`` at most."""
+    if len(text) <= limit:
+        return text
+    note = f"… [{len(text):,} characters; the whole text is in {whole_in}]"
+    return text[:max(limit - len(note), 0)] + note
 
 
 def iso(ts: float | None) -> str | None:
@@ -2923,7 +2934,7 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
     """Finish the attempt ``marker`` as done with its receipt (``result``), ``diff`` text and
     ``usage`` (tokens, cost_usd). Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
-    result_json, summary = _json(result), ((result or {}).get("summary") or "")[:500]
+    result_json, summary = _json(result), event_text((result or {}).get("summary") or "", "the receipt")
     if _dialect() is POSTGRESQL:
         done = _complete_alone(num, marker, {"result": result_json, "diff": diff, "session_id": session_id,
                                              "summary": summary}, usage)
@@ -2952,7 +2963,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     to it (``host`` = ``lease_host``, as a question pins it): a retry runs only there.
     Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
-    error = clip(error, ERROR_MAX, f"the task's log, {task_log_location(num)}")
+    error = _error_kept_whole(num, marker, error)
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _usage_after(row, usage), session_id, num)
@@ -2965,16 +2976,32 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
                 " usage = ?, session_id = coalesce(?, session_id), lease_owner = NULL WHERE id = ?",
                 (store_now(conn) + backoff,) + values,
             )
-            _event(conn, num, "retry", f"attempt {row['attempts']} failed: {error[:400]}")
+            said = event_text(error, "the task's error", 400)
+            _event(conn, num, "retry", f"attempt {row['attempts']} failed: {said}")
         else:
             conn.execute(
                 "UPDATE tasks SET status = 'failed', finished_at = ?, error = ?, result = ?, diff = ?,"
                 " usage = ?, session_id = coalesce(?, session_id) WHERE id = ?",
                 (now(),) + values,
             )
-            _event(conn, num, "failed", error[:500])
+            _event(conn, num, "failed", event_text(error, "the task's error"))
             _fail_dependents(conn, num, "failed")
         return task_dict(_row(conn, num))
+
+
+def _error_kept_whole(num: int, marker: str, error: str) -> str:
+    """``error`` as the task stores it: whole up to ERROR_MAX characters; a longer one is written
+    whole to the task's log first (a hand-claimed task has no log until then) and stored clipped,
+    its note naming that log, or saying why it could not be written there."""
+    if len(error) <= ERROR_MAX:
+        return error
+    where = f"the task's log, {task_log_location(num)}"
+    try:
+        append_task_log(num, f"\n[worker] attempt {marker} failed; its whole error ({len(error):,} characters, "
+                             f"stored clipped to {ERROR_MAX:,}):\n{error}\n".encode())
+    except (OSError, TaskStoreError) as exc:
+        where = f"no file: writing it to the task's log failed ({exc})"
+    return clip(error, ERROR_MAX, where)
 
 
 def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: str | None = None,

@@ -1242,10 +1242,16 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--summary", default="completed by hand", show_default=True,
-              help="What was done (the receipt's summary).")
+              help=f"What was done (the receipt's summary), at most {task_store.SUMMARY_MAX:,} characters, "
+                   "as an agent's (refused above: put the details in a note first).")
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 def complete(task_id: str, summary: str, marker: str | None) -> None:
     """Mark a task you claimed by hand as done."""
+    if len(summary) > task_store.SUMMARY_MAX:
+        raise click.BadParameter(
+            f"it is {len(summary):,} characters; the limit is {task_store.SUMMARY_MAX:,}: shorten it, and put the "
+            f"details in a note first ({cli_command()} note {task_id} TEXT, up to {task_store.NOTE_MAX:,} characters)",
+            param_hint="--summary")
     task, marker = hand_lease(task_id, marker, "complete")
     receipt = {"summary": summary, "completed_by": _finisher(task)}
     done = task_store.complete_attempt(task_id, marker, result=receipt)
@@ -1259,7 +1265,9 @@ def _finisher(task: dict[str, Any]) -> str:
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--reason", required=True, help="Why the attempt failed (stored as the task's error).")
+@click.option("--reason", required=True,
+              help=f"Why the attempt failed, stored as the task's error: up to {task_store.ERROR_MAX:,} characters; "
+                   "a longer one is stored clipped (its head and tail) and kept whole in the task's log.")
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 @click.option("--no-retry", is_flag=True, help="Fail for good instead of requeueing when retries remain.")
 def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
@@ -1272,6 +1280,13 @@ def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
         out().print(Text(f"{after['id']} failed this attempt; requeued for a retry.", style="yellow"))
     else:
         out().print(Text(f"{after['id']} failed.", style="red"))
+    if len(reason) > task_store.ERROR_MAX:
+        kept = (f"the whole text is in its log ({cli_command()} logs {after['id']})"
+                if "the whole text is in the task's log" in (after["error"] or "") else
+                "it could not be written whole to its log (the error says why)")
+        out().print(Text(visible(f"The reason has {len(reason):,} characters: the task's error keeps "
+                                 f"{task_store.ERROR_MAX:,} of them (head and tail); {kept}.", multiline=False),
+                         style="yellow"), soft_wrap=True)
 
 
 @cli.command()
