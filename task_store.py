@@ -853,6 +853,8 @@ SCHEMA_V11 = [
     # not claimed until that worker ends the wrap-up (end_wrap_up) or the reaper finds it gone:
     # a second attempt would work in the same worktree or folder beside it.
     "ALTER TABLE tasks ADD COLUMN wrapping_up TEXT",
+    # The reaper reads them at every pass (wrap_ups): a few rows at most, never the whole table.
+    "CREATE INDEX tasks_wrapping_up ON tasks (id) WHERE wrapping_up IS NOT NULL",
 ]
 
 
@@ -3430,9 +3432,9 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         # a task retried while its last cancelled attempt is wrapped up stays held by it.
         held = row["run_marker"] if row["status"] == "running" and _worker_lease(row) else None
         conn.execute(
-            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ?,"
-            " wrapping_up = coalesce(?, wrapping_up) WHERE id = ?",
-            (now(), reason, _usage_after(row, None), held, num),
+            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ?"
+            + (", wrapping_up = ?" if held else "") + " WHERE id = ?",
+            (now(), reason, _usage_after(row, None), *([held] if held else []), num),
         )
         kept = _kept_work(row)
         _event(conn, num, "cancelled", f"was {row['status']}: {reason}{'; ' + kept if kept else ''}"[:500])

@@ -560,6 +560,8 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("created", when(task["created_at"])), ("started", when(task["started_at"])),
         ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
         ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
+        ("waits for", line(f"{task['lease_owner']} to wrap up the cancelled attempt {task['wrapping_up']} (seconds)")
+         if task["status"] == "pending" and task.get("wrapping_up") else None),
         ("resumes at", line(f"{task['resume_at']} by itself (paused at {task.get('limit_account')}'s usage limit; "
                             "`answer ID continue` resumes now, `answer ID stop` fails it)")
          if task["status"] == "waiting" and task.get("resume_at") else None),
@@ -1233,7 +1235,8 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
         return emit_json(task)
     if task is None:
         waiting = task_store.counts()["pending"]
-        hint = (f" {waiting} pending task(s) wait for dependencies or a retry back-off (see `list --status pending`)."
+        hint = (f" {waiting} pending task(s) wait for dependencies, a retry back-off or their cancelled attempt's "
+                "wrap-up (see `list --status pending`)."
                 if waiting else "")
         return err().print("Nothing to claim: no pending task is ready." + hint)
     print_marker_help(task)

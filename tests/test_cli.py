@@ -402,6 +402,18 @@ def test_fail_without_retry_ends_the_task_at_once(tmp_path):
     assert "dependency t_0001 failed" in task_store.get_task(dependent["id"])["error"]
 
 
+def test_a_retry_right_after_a_cancel_says_it_waits_for_the_old_workers_wrap_up(tmp_path):
+    submit(tmp_path, TITLE)
+    task_store.claim_next("worker:a:1", task_id=1)
+    task_store.cancel_task(1)
+    retried = run("retry", "1")
+    assert retried.exit_code == 0
+    said = " ".join(retried.stdout.split())
+    assert "It waits: the cancelled attempt br-1-a1 is still being wrapped up by worker:a:1" in said, said
+    assert "worker:a:1 to wrap up the cancelled attempt br-1-a1" in " ".join(run("show", "1").stdout.split())
+    assert "cancelled attempt's wrap-up" in run("claim").stderr
+
+
 def test_a_long_fail_reason_is_kept_whole_in_the_log_its_clipped_error_names(tmp_path):
     """A reason past ERROR_MAX was stored clipped with a note naming the task's log as holding the
     whole text, and a task claimed by hand has no log: the note named a file that did not exist."""
