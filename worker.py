@@ -1814,8 +1814,8 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
         return final
     except store.QueueGone as exc:
         raise QueueLostMidRun(exc, made[0] if made else None) from exc
-    finally:
-        if final is None:   # superseded (or failed): a cancel's retry waits until its worktree is dealt with
+    finally:   # superseded, or ended as cancelled: a cancel's retry waits until its worktree is dealt with
+        if final is None or final.get("status") == "cancelled" or final.get("wrapping_up") == task["run_marker"]:
             _end_wrap_up(task)
 
 
