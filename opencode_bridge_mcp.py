@@ -347,6 +347,7 @@ class ClearResult(TypedDict):
 class RetryResult(TaskInfo):
     requeued_dependents: list[str]
     unpushed: str | None   # a commit a failed push left in a worktree: which host holds it (only its worker takes the task)
+    waits: str | None   # a cancelled attempt's worker still wraps it up: the task starts once it has (seconds)
 
 
 class ApplyResult(TypedDict):
@@ -1235,13 +1236,17 @@ def retry_task(
     Tasks that failed only because this one failed or was cancelled are requeued too
     (`requeued_dependents`). A task on a remote whose push failed keeps its commit in a worktree on
     the machine that ran it: the task is pinned to that host, whose worker pushes the commit again
-    without running the agent (`unpushed` says which host). Then wait_for([id]) as after a submit.
+    without running the agent (`unpushed` says which host). A task cancelled while it ran starts
+    only once the worker of that attempt has wrapped it up (its receipt, a readonly run's revert,
+    its worktree; seconds) or is found gone: `waits` says so, and nothing needs doing about it.
+    Then wait_for([id]) as after a submit.
     Errors (nothing is written then): unknown id, a task that is not failed or cancelled (done:
     submit a follow-up task; pending, running or waiting: cancel it first), a follow-up whose task
     another live follow-up continues now (both would work in one worktree: cancel that one, or
     continue from it), a bad model, an empty or too long note."""
     task = store.retry_task(task_id, model=_model_arg(model), note=note, author="planner")
-    return cast(RetryResult, _echo(task) | {"requeued_dependents": task["requeued_dependents"], "unpushed": worktrees.unpushed_note(task)})
+    return cast(RetryResult, _echo(task) | {"requeued_dependents": task["requeued_dependents"],
+                                            "unpushed": worktrees.unpushed_note(task), "waits": task["waits"]})
 
 
 @registry.tool(ADDS, title="Apply a task to the checkout")

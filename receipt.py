@@ -28,7 +28,7 @@ import task_store as store
 import worktrees
 
 # Characters of receipt texts; the whole text stays in the task's log (the raw event stream).
-SUMMARY_MAX = 8_000
+SUMMARY_MAX = store.SUMMARY_MAX   # a hand completion's summary has the same limit (tasks_cli complete)
 ITEM_MAX = 2_000              # one open question, test command, claimed file
 ITEMS_MAX = 100               # items of each list
 

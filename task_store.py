@@ -461,7 +461,9 @@ def store_now(conn: Any) -> float:
     return now()
 
 
-ERROR_MAX = 4_000  # characters of a stored error; the whole text stays in the task's log
+ERROR_MAX = 4_000  # characters of a stored error; a longer one is kept whole in the task's log (fail_attempt)
+SUMMARY_MAX = 8_000  # characters of a receipt's summary: an agent's is clipped to it, a person's refused past it
+EVENT_TEXT_MAX = 500  # characters of a task's text (a summary, an error) an event's message carries
 
 
 def clip(text: str, limit: int, where: str) -> str:
@@ -473,6 +475,15 @@ def clip(text: str, limit: int, where: str) -> str:
     head, tail = limit * 2 // 3, limit - limit * 2 // 3
     return (text[:head] + f"\n… [clipped: {len(text):,} characters in all; the whole text is in {where}] …\n"
             + text[len(text) - tail:])
+
+
+def event_text(text: str, whole_in: str, limit: int = EVENT_TEXT_MAX) -> str:
+    """``text`` for an event's message: whole up to ``limit`` characters, else its head marked
+    as cut, saying how long it is and where it is whole (``whole_in``), in ``limit`` at most."""
+    if len(text) <= limit:
+        return text
+    note = f"… [{len(text):,} characters; the whole text is in {whole_in}]"
+    return text[:max(limit - len(note), 0)] + note
 
 
 def iso(ts: float | None) -> str | None:
@@ -836,10 +847,27 @@ def _migrate_v10_rules_given(conn: Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V11 = [
+    # The run marker of a cancelled attempt whose worker is still wrapping it up (its receipt, a
+    # readonly run's revert, its worktree's removal); NULL otherwise. A task retried meanwhile is
+    # not claimed until that worker ends the wrap-up (end_wrap_up) or the reaper finds it gone:
+    # a second attempt would work in the same worktree or folder beside it.
+    "ALTER TABLE tasks ADD COLUMN wrapping_up TEXT",
+    # The reaper reads them at every pass (wrap_ups): a few rows at most, never the whole table.
+    "CREATE INDEX tasks_wrapping_up ON tasks (id) WHERE wrapping_up IS NOT NULL",
+]
+
+
+def _migrate_v11_wrapping_up(conn: Connection) -> None:
+    for statement in SCHEMA_V11:
+        conn.execute(statement)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
               _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
-              _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given]
+              _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given,
+              _migrate_v11_wrapping_up]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -864,7 +892,7 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10]   # v9 is SQLite's alone
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10, SCHEMA_V11]   # v9 is SQLite's alone
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -2670,7 +2698,9 @@ def queue_summary() -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 # Claim, lease, finish (fenced by the run marker).
 
-_READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now)
+# A task retried while the worker of its cancelled attempt still wraps that up (``wrapping_up``)
+# waits for it: the next attempt would work in the same worktree or folder.
+_READY = """t.status = 'pending' AND (t.not_before IS NULL OR t.not_before <= :now) AND t.wrapping_up IS NULL
  AND NOT EXISTS (SELECT 1 FROM task_deps d JOIN tasks p ON p.id = d.depends_on
                  WHERE d.task_id = t.id AND p.status != 'done')"""
 # Claimable by a worker on :host: ready, and meant for any host or for that one.
@@ -2801,7 +2831,16 @@ def _explain_unclaimable(conn: Connection, num: int, host: str, default_account:
     if held:
         raise InvalidTransition(f"task {name} waits for its provider's usage limit to reset (see queue_status's "
                                 "held accounts); resume the paused task with answer_task to try now")
+    if row["wrapping_up"] is not None:
+        raise InvalidTransition(f"task {name} waits: {_wrap_up_wait(row)}")
     raise InvalidTransition(f"task {name} is backing off before its next attempt; try again shortly")
+
+
+def _wrap_up_wait(row: Row) -> str:
+    """What a task retried while its cancelled attempt is wrapped up waits for, in words."""
+    return (f"the cancelled attempt {row['wrapping_up']} is still being wrapped up by {row['lease_owner']} (its "
+            "receipt, a readonly run's revert, its worktree); the task starts when that is done, in a few seconds, "
+            "or when the reaper finds that worker gone")
 
 
 def _fenced(conn: Connection, num: int, marker: str) -> Row:
@@ -2897,7 +2936,7 @@ def complete_attempt(task_id: Any, marker: str, *, result: dict | None = None, d
     """Finish the attempt ``marker`` as done with its receipt (``result``), ``diff`` text and
     ``usage`` (tokens, cost_usd). Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
-    result_json, summary = _json(result), ((result or {}).get("summary") or "")[:500]
+    result_json, summary = _json(result), event_text((result or {}).get("summary") or "", "the receipt")
     if _dialect() is POSTGRESQL:
         done = _complete_alone(num, marker, {"result": result_json, "diff": diff, "session_id": session_id,
                                              "summary": summary}, usage)
@@ -2926,7 +2965,7 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
     to it (``host`` = ``lease_host``, as a question pins it): a retry runs only there.
     Raises StaleAttempt if the attempt was superseded."""
     num = parse_task_id(task_id)
-    error = clip(error, ERROR_MAX, f"the task's log, {task_log_location(num)}")
+    error = _error_kept_whole(num, marker, error)
     with _writing() as conn:
         row = _fenced(conn, num, marker)
         values = (error, _json(result), diff, _usage_after(row, usage), session_id, num)
@@ -2939,16 +2978,32 @@ def fail_attempt(task_id: Any, marker: str, error: str, *, retryable: bool = Tru
                 " usage = ?, session_id = coalesce(?, session_id), lease_owner = NULL WHERE id = ?",
                 (store_now(conn) + backoff,) + values,
             )
-            _event(conn, num, "retry", f"attempt {row['attempts']} failed: {error[:400]}")
+            said = event_text(error, "the task's error", 400)
+            _event(conn, num, "retry", f"attempt {row['attempts']} failed: {said}")
         else:
             conn.execute(
                 "UPDATE tasks SET status = 'failed', finished_at = ?, error = ?, result = ?, diff = ?,"
                 " usage = ?, session_id = coalesce(?, session_id) WHERE id = ?",
                 (now(),) + values,
             )
-            _event(conn, num, "failed", error[:500])
+            _event(conn, num, "failed", event_text(error, "the task's error"))
             _fail_dependents(conn, num, "failed")
         return task_dict(_row(conn, num))
+
+
+def _error_kept_whole(num: int, marker: str, error: str) -> str:
+    """``error`` as the task stores it: whole up to ERROR_MAX characters; a longer one is written
+    whole to the task's log first (a hand-claimed task has no log until then) and stored clipped,
+    its note naming that log, or saying why it could not be written there."""
+    if len(error) <= ERROR_MAX:
+        return error
+    where = f"the task's log, {task_log_location(num)}"
+    try:
+        append_task_log(num, f"\n[worker] attempt {marker} failed; its whole error ({len(error):,} characters, "
+                             f"stored clipped to {ERROR_MAX:,}):\n{error}\n".encode())
+    except (OSError, TaskStoreError) as exc:
+        where = f"no file: writing it to the task's log failed ({exc})"
+    return clip(error, ERROR_MAX, where)
 
 
 def pause_for_question(task_id: Any, marker: str, question: str, *, session_id: str | None = None,
@@ -3268,10 +3323,12 @@ def retry_task(task_id: Any, *, model: str | None = None, note: str | None = Non
                          (num, author, note, now()))
             _event(conn, num, "note", f"{author}: {note[:400]}")
         said = f"by {author}: was {row['status']}; fresh budget of {row['max_retries'] + 1} attempt(s)"
-        _event(conn, num, "retried", said + (f"; model {model}" if model else ""))
+        waits = _wrap_up_wait(row) if row["wrapping_up"] is not None else None
+        _event(conn, num, "retried", (said + (f"; model {model}" if model else "")
+                                      + (f"; it waits: {waits}" if waits else ""))[:500])
         dependents = _requeue_dependents(conn, num)
         return task_dict(_row(conn, num), _deps(conn, num)) | {
-            "requeued_dependents": [format_task_id(d) for d in dependents]}
+            "requeued_dependents": [format_task_id(d) for d in dependents], "waits": waits}
 
 
 def _not_retryable(num: int, status: str) -> str:
@@ -3286,10 +3343,13 @@ def _not_retryable(num: int, status: str) -> str:
 def _requeue_fresh(conn: Connection, row: Row, model: str | None) -> None:
     # The OpenCode session, question, answer and base commit go: the next attempt starts afresh
     # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
-    # branch name stays, and the worker moves it there when that loses no commit.
+    # branch name stays, and the worker moves it there when that loses no commit. A cancelled
+    # attempt still wrapped up keeps its lease (its worker, for _wrap_up_wait and the reaper).
     conn.execute(
         "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
-        " finished_at = NULL, lease_owner = NULL, lease_pid = NULL, lease_pid_start = NULL,"
+        " finished_at = NULL, lease_owner = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_owner END,"
+        " lease_pid = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid END,"
+        " lease_pid_start = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid_start END,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
         " answer = NULL, base_commit = NULL, result_seen_at = NULL, spent_before_retry = attempts - handbacks"
         " WHERE id = ?",
@@ -3367,9 +3427,14 @@ def cancel_task(task_id: Any, reason: str = "cancelled") -> dict[str, Any]:
         row = _row(conn, num)
         if row["status"] in TERMINAL:
             raise InvalidTransition(f"task {format_task_id(num)} is already {row['status']}; nothing to cancel")
+        # A worker's running attempt stays held (wrapping_up) until that worker has observed it
+        # (end_wrap_up): a retry's next attempt waits for it. A hand claim has no worker to wait for;
+        # a task retried while its last cancelled attempt is wrapped up stays held by it.
+        held = row["run_marker"] if row["status"] == "running" and _worker_lease(row) else None
         conn.execute(
-            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ? WHERE id = ?",
-            (now(), reason, _usage_after(row, None), num),
+            "UPDATE tasks SET status = 'cancelled', finished_at = ?, error = ?, usage = ?"
+            + (", wrapping_up = ?" if held else "") + " WHERE id = ?",
+            (now(), reason, _usage_after(row, None), *([held] if held else []), num),
         )
         kept = _kept_work(row)
         _event(conn, num, "cancelled", f"was {row['status']}: {reason}{'; ' + kept if kept else ''}"[:500])
@@ -3384,19 +3449,60 @@ def record_cancelled_receipt(task_id: Any, marker: str, result: dict, diff: str 
     files_touched, commands, its words; ``diff``, git's diff of its uncommitted work, or None)
     and its OpenCode session, since the worker removes its worktree. The usage is not touched
     (cancel_task kept the meter's spend). Fenced: only while the task is still cancelled with
-    that attempt's marker. Returns whether it was recorded. Raises TaskNotFound."""
+    that attempt's marker, or retried while that attempt is wrapped up (``wrapping_up``: its next
+    attempt has not started). It does not end the wrap-up: the worker does, once the worktree is
+    dealt with (end_wrap_up). Returns whether it was recorded. Raises TaskNotFound."""
     num = parse_task_id(task_id)
     with _writing() as conn:
         row = _row(conn, num)
-        if row["run_marker"] != marker or row["status"] != "cancelled":
+        if row["run_marker"] != marker or (row["status"] != "cancelled" and row["wrapping_up"] != marker):
             return False
         conn.execute("UPDATE tasks SET result = ?, diff = ?, session_id = coalesce(?, session_id)"
-                     " WHERE id = ? AND run_marker = ? AND status = 'cancelled'",
-                     (_json(result), diff, session_id, num, marker))
+                     " WHERE id = ? AND run_marker = ? AND (status = 'cancelled' OR wrapping_up = ?)",
+                     (_json(result), diff, session_id, num, marker, marker))
         files = result.get("files_touched") or []
         _event(conn, num, "receipt", f"the cancelled attempt {marker} had changed {len(files)} file(s); its "
                                      "receipt and diff are kept (its worktree goes)"[:500])
     return True
+
+
+def end_wrap_up(task_id: Any, marker: str, why: str | None = None) -> bool:
+    """The worker of the cancelled attempt ``marker`` is done with it (its receipt recorded, its
+    worktree removed or left for the next attempt), or ``why`` (the reaper's words) it never will
+    be: its worker is gone. A task retried meanwhile can be claimed from now on (its lease, kept
+    for the wait, goes). Fenced: only while that attempt is the one wrapped up. Returns whether
+    it was. Raises TaskNotFound."""
+    num = parse_task_id(task_id)
+    with _writing() as conn:
+        row = _row(conn, num)
+        if row["wrapping_up"] is None or row["wrapping_up"] != marker:
+            return False
+        retried = row["status"] == "pending"
+        conn.execute("UPDATE tasks SET wrapping_up = NULL, lease_owner = CASE WHEN status = 'pending' THEN NULL"
+                     " ELSE lease_owner END, lease_pid = CASE WHEN status = 'pending' THEN NULL ELSE lease_pid END,"
+                     " lease_pid_start = CASE WHEN status = 'pending' THEN NULL ELSE lease_pid_start END"
+                     " WHERE id = ? AND wrapping_up = ?", (num, marker))
+        if why is not None or retried:
+            said = f"the cancelled attempt {marker} was not wrapped up: {why}" if why else \
+                f"the cancelled attempt {marker} is wrapped up"
+            _event(conn, num, "wrapped-up", (said + ("; the retried task can start now" if retried else ""))[:500])
+    return True
+
+
+def wrap_ups(stale_after_sec: float) -> list[dict[str, Any]]:
+    """The tasks whose cancelled attempt is still being wrapped up (``wrapping_up``, the attempt's
+    marker; its lease: ``lease_owner``, ``lease_pid``, ``lease_pid_start``, ``lease_host``), each
+    with ``stale``: its last heartbeat is older than ``stale_after_sec`` seconds (a worker
+    renews none once its attempt is cancelled: the reaper ends such a wrap-up)."""
+    with _reading() as conn:
+        rows = conn.execute("SELECT *, heartbeat_at < :cut AS stale FROM tasks WHERE wrapping_up IS NOT NULL",
+                            {"cut": store_now(conn) - stale_after_sec}).fetchall()
+    return [task_dict(r) | {"stale": bool(r["stale"])} for r in rows]
+
+
+def _worker_lease(row: Row) -> bool:
+    """Whether a worker holds the row's lease (not a person's hand claim, ``cli:…``)."""
+    return row["lease_owner"] is not None and not str(row["lease_owner"]).startswith("cli:")
 
 
 def record_branch_dropped(task_id: Any, marker: str, branch: str) -> bool:

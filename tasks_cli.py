@@ -560,6 +560,8 @@ def overview_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
         ("created", when(task["created_at"])), ("started", when(task["started_at"])),
         ("heartbeat", when(task["heartbeat_at"])), ("finished", when(task["finished_at"])),
         ("next try", f"{ago(task['not_before'])}" if task["status"] == "pending" and task["not_before"] else None),
+        ("waits for", line(f"{task['lease_owner']} to wrap up the cancelled attempt {task['wrapping_up']} (seconds)")
+         if task["status"] == "pending" and task.get("wrapping_up") else None),
         ("resumes at", line(f"{task['resume_at']} by itself (paused at {task.get('limit_account')}'s usage limit; "
                             "`answer ID continue` resumes now, `answer ID stop` fails it)")
          if task["status"] == "waiting" and task.get("resume_at") else None),
@@ -1233,7 +1235,8 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
         return emit_json(task)
     if task is None:
         waiting = task_store.counts()["pending"]
-        hint = (f" {waiting} pending task(s) wait for dependencies or a retry back-off (see `list --status pending`)."
+        hint = (f" {waiting} pending task(s) wait for dependencies, a retry back-off or their cancelled attempt's "
+                "wrap-up (see `list --status pending`)."
                 if waiting else "")
         return err().print("Nothing to claim: no pending task is ready." + hint)
     print_marker_help(task)
@@ -1242,10 +1245,16 @@ def claim(task_id: str | None, name: str | None, as_json: bool) -> None:
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--summary", default="completed by hand", show_default=True,
-              help="What was done (the receipt's summary).")
+              help=f"What was done (the receipt's summary), at most {task_store.SUMMARY_MAX:,} characters, "
+                   "as an agent's (refused above: put the details in a note first).")
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 def complete(task_id: str, summary: str, marker: str | None) -> None:
     """Mark a task you claimed by hand as done."""
+    if len(summary) > task_store.SUMMARY_MAX:
+        raise click.BadParameter(
+            f"it is {len(summary):,} characters; the limit is {task_store.SUMMARY_MAX:,}: shorten it, and put the "
+            f"details in a note first ({cli_command()} note {task_id} TEXT, up to {task_store.NOTE_MAX:,} characters)",
+            param_hint="--summary")
     task, marker = hand_lease(task_id, marker, "complete")
     receipt = {"summary": summary, "completed_by": _finisher(task)}
     done = task_store.complete_attempt(task_id, marker, result=receipt)
@@ -1259,7 +1268,9 @@ def _finisher(task: dict[str, Any]) -> str:
 
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
-@click.option("--reason", required=True, help="Why the attempt failed (stored as the task's error).")
+@click.option("--reason", required=True,
+              help=f"Why the attempt failed, stored as the task's error: up to {task_store.ERROR_MAX:,} characters; "
+                   "a longer one is stored clipped (its head and tail) and kept whole in the task's log.")
 @click.option("--marker", help="The attempt's run marker (default: the current one of your hand claim).")
 @click.option("--no-retry", is_flag=True, help="Fail for good instead of requeueing when retries remain.")
 def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
@@ -1272,6 +1283,13 @@ def fail(task_id: str, reason: str, marker: str | None, no_retry: bool) -> None:
         out().print(Text(f"{after['id']} failed this attempt; requeued for a retry.", style="yellow"))
     else:
         out().print(Text(f"{after['id']} failed.", style="red"))
+    if len(reason) > task_store.ERROR_MAX:
+        kept = (f"the whole text is in its log ({cli_command()} logs {after['id']})"
+                if "the whole text is in the task's log" in (after["error"] or "") else
+                "it could not be written whole to its log (the error says why)")
+        out().print(Text(visible(f"The reason has {len(reason):,} characters: the task's error keeps "
+                                 f"{task_store.ERROR_MAX:,} of them (head and tail); {kept}.", multiline=False),
+                         style="yellow"), soft_wrap=True)
 
 
 @cli.command()
@@ -1585,7 +1603,8 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     """Requeue a failed or cancelled task with a fresh budget of attempts.
 
     Its next attempt starts a new OpenCode session; tasks that failed only because it failed are
-    requeued too.
+    requeued too. A task cancelled while it ran starts once its worker has wrapped that attempt up
+    (its receipt, a readonly run's revert, its worktree; seconds) or is found gone.
     """
     task = task_store.retry_task(task_id, model=checked_model(model), note=note, author=person())
     if as_json:
@@ -1597,6 +1616,8 @@ def retry(task_id: str, model: str | None, note: str | None, as_json: bool) -> N
     held = worktrees.unpushed_note(task)
     if held:
         out().print(Text(visible(f"Its {held[4:]}.", multiline=False), style="yellow"), soft_wrap=True)
+    if task["waits"]:
+        out().print(Text(visible(f"It waits: {task['waits']}.", multiline=False), style="yellow"), soft_wrap=True)
 
 
 def agent_started(task: dict[str, Any]) -> bool:

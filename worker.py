@@ -1808,10 +1808,25 @@ def run_task(task: dict[str, Any], knobs: Knobs) -> dict[str, Any] | None:
     task's final dict, or None if the attempt was superseded. Raises QueueLostMidRun when the
     queue file went away meanwhile (its run ended, its workspace named)."""
     made: list[Workspace] = []   # the attempt's workspace, once made: named if the queue file goes
+    final = None
     try:
-        return _run_task(task, knobs, made)
+        final = _run_task(task, knobs, made)
+        return final
     except store.QueueGone as exc:
         raise QueueLostMidRun(exc, made[0] if made else None) from exc
+    finally:   # superseded, or ended as cancelled: a cancel's retry waits until its worktree is dealt with
+        if final is None or final.get("status") == "cancelled" or final.get("wrapping_up") == task["run_marker"]:
+            _end_wrap_up(task)
+
+
+def _end_wrap_up(task: dict[str, Any]) -> None:
+    """This worker is done with its attempt that a cancel ended (store.end_wrap_up): a retry's
+    next attempt may start now (retried while the queue database is away). A queue that cannot
+    say so leaves it to the reaper, once this worker is gone or silent."""
+    try:
+        db(store.end_wrap_up, task["id"], task["run_marker"])
+    except Exception as exc:   # noqa: BLE001 - the reaper ends it once this worker is gone or silent
+        log(f"{task['id']}: could not record that its cancelled attempt is wrapped up: {exc!r}", talk.VERBOSE)
 
 
 def _run_task(task: dict[str, Any], knobs: Knobs, made: list[Workspace]) -> dict[str, Any] | None:
@@ -2553,8 +2568,8 @@ def _observe_cancelled(task: dict, ws: Workspace, run: RunResult, model: str, se
     kept (_record_cancelled). Not for a reaped or taken-over attempt: its next attempt may be in
     the same place already. A failure here is logged, never raised: the cleanup after it runs."""
     now = _ended_as_written(task["id"], task["run_marker"])
-    if now is None or now["status"] != "cancelled":
-        return
+    if now is None or (now["status"] != "cancelled" and now.get("wrapping_up") != task["run_marker"]):
+        return   # reaped, or retried and started anew (a retry waits for this wrap-up: see end_wrap_up)
     try:
         block = oc.parse_closing_block(run.stream.final_text)
         with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
@@ -2984,7 +2999,8 @@ def _cleanup_superseded(task: dict, ws: Workspace) -> None:
         current = db(store.get_task, task["id"])
     except store.TaskNotFound:
         current = {"status": "gone"}
-    if current["status"] == "cancelled" and not task["worktree_keep"]:
+    retried = current.get("wrapping_up") == task["run_marker"] and current["status"] == "pending"
+    if (current["status"] == "cancelled" or retried) and not task["worktree_keep"]:
         with worktrees.watched(None):   # the attempt is over: only git's own time limit applies
             left = worktrees.remove_worktree(ws)
         if left:
@@ -3040,6 +3056,7 @@ def reap(knobs: Knobs) -> int:
     each attempt is requeued exactly once. Returns how many were reaped."""
     reaped = 0
     host = store.host_name()
+    _end_dead_wrap_ups(knobs, host)
     for task, why in _dead_leases(knobs, host):
         if _lease_here(task, host):   # a pid from another machine names nothing here
             agent = process_tree.same_process(task["agent_pid"], task["agent_pid_start"])
@@ -3104,6 +3121,26 @@ def _dead_leases(knobs: Knobs, host: str) -> list[tuple[dict[str, Any], str]]:
                 not process_tree.same_process(task["lease_pid"], task["lease_pid_start"]):
             dead[task["id"]] = (task, f"its worker (pid {task['lease_pid']}) is gone from {host}")
     return [(t, why) for t, why in dead.values() if not _own_live_attempt(t)]
+
+
+def _end_dead_wrap_ups(knobs: Knobs, host: str) -> None:
+    """End the wrap-up of a cancelled attempt (store.end_wrap_up) whose worker will never end it:
+    its heartbeat is older than the stale limit, or, on this host, its process is gone. A task
+    retried meanwhile waits for that (a second attempt beside the first in one worktree), and
+    must not wait for good. The attempt's processes still tagged are killed first, as a dead
+    lease's are."""
+    for task in store.wrap_ups(knobs.stale_sec):
+        here = _lease_here(task, host)
+        gone = here and (task["lease_owner"] or "").startswith("worker:") and \
+            not process_tree.same_process(task["lease_pid"], task["lease_pid_start"])
+        if not (task["stale"] or gone) or _own_live_attempt(task):
+            continue
+        if here:
+            process_tree.kill_tree(None, knobs.kill_grace_sec, run_stragglers(task["wrapping_up"], store.queue_tag()))
+        why = f"its worker (pid {task['lease_pid']}) is gone from {host}" if gone else \
+            f"its worker ({task['lease_owner']}) has been silent since {task['heartbeat_at']}"
+        if store.end_wrap_up(task["id"], task["wrapping_up"], why):
+            log(f"{task['id']}: the cancelled attempt {task['wrapping_up']} was not wrapped up: {why}")
 
 
 def _lease_here(task: dict[str, Any], host: str) -> bool:

@@ -402,6 +402,57 @@ def test_fail_without_retry_ends_the_task_at_once(tmp_path):
     assert "dependency t_0001 failed" in task_store.get_task(dependent["id"])["error"]
 
 
+def test_a_retry_right_after_a_cancel_says_it_waits_for_the_old_workers_wrap_up(tmp_path):
+    submit(tmp_path, TITLE)
+    task_store.claim_next("worker:a:1", task_id=1)
+    task_store.cancel_task(1)
+    retried = run("retry", "1")
+    assert retried.exit_code == 0
+    said = " ".join(retried.stdout.split())
+    assert "It waits: the cancelled attempt br-1-a1 is still being wrapped up by worker:a:1" in said, said
+    assert "worker:a:1 to wrap up the cancelled attempt br-1-a1" in " ".join(run("show", "1").stdout.split())
+    assert "cancelled attempt's wrap-up" in run("claim").stderr
+
+
+def test_a_long_fail_reason_is_kept_whole_in_the_log_its_clipped_error_names(tmp_path):
+    """A reason past ERROR_MAX was stored clipped with a note naming the task's log as holding the
+    whole text, and a task claimed by hand has no log: the note named a file that did not exist."""
+    submit(tmp_path, TITLE)
+    run("claim", "1")
+    reason = "head " + "x" * 6_000 + " tail"
+    failed = run("fail", "1", "--reason", reason, "--no-retry")
+    assert failed.exit_code == 0, failed.output
+    said = " ".join(failed.stdout.split())
+    assert "The reason has 6,010 characters: the task's error keeps 4,000 of them (head and tail); the whole " \
+           "text is in its log" in said, said
+    error = task_store.get_task(1)["error"]
+    log = task_store.log_path(1)
+    assert error.startswith("head x") and error.endswith("x tail") and f"the task's log, {log}]" in error
+    assert reason in log.read_text(), "the log the error names holds the whole reason"
+    assert "4,000 characters" in " ".join(run("fail", "--help").stdout.split())
+    assert "the whole text is in the task's error" in task_store.get_task(1)["events"][-1]["message"]
+
+
+def test_a_summary_past_the_limit_is_refused_and_a_long_one_is_marked_where_it_is_cut(tmp_path):
+    """complete --summary: a summary longer than an agent's receipt may hold is refused, naming the
+    limit and the way out; one the done event cannot hold whole is marked there as cut."""
+    submit(tmp_path, TITLE)
+    run("claim", "1")
+    refused = run("complete", "1", "--summary", "s" * 9_000)
+    assert refused.exit_code == 2
+    said = " ".join(refused.stderr.split())
+    assert "--summary: it is 9,000 characters; the limit is 8,000: shorten it, and put the details in a note " \
+           "first" in said and "note t_0001 TEXT" in said, said
+    assert task_store.get_task(1)["status"] == "running"
+    assert "8,000 characters" in " ".join(run("complete", "--help").stdout.split())
+    done = run("complete", "1", "--summary", "s" * 8_000)
+    assert done.exit_code == 0, done.output
+    task = task_store.get_task(1)
+    assert task["result"]["summary"] == "s" * 8_000
+    event = [e for e in task["events"] if e["kind"] == "done"][-1]["message"]
+    assert event.endswith("… [8,000 characters; the whole text is in the receipt]") and len(event) == 500
+
+
 def test_a_workers_lease_is_not_finished_by_hand_without_marker(tmp_path):
     submit(tmp_path, TITLE)
     claimed = task_store.claim_next("worker@host:123", task_id=1)

@@ -103,6 +103,22 @@ async def test_a_retried_task_is_announced_again_and_a_running_one_is_not_marked
     assert ended_again["unseen"] == [task["id"]]
 
 
+async def test_retry_task_says_a_cancelled_attempt_is_wrapped_up_first(tmp_path):
+    """The retry succeeds at once; the planner reads that its start waits (no polling needed)."""
+    (tmp_path / "p").mkdir()
+    task = task_store.submit_task(title="t", instructions="x", working_dir=str(tmp_path / "p"))
+    task_store.claim_next("worker:a:1", task_id=task["id"])
+    async with client() as c:
+        await call_tool(c, "cancel_task", {"task_id": task["id"]})
+        retried = await call_tool(c, "retry_task", {"task_id": task["id"]})
+        task_store.end_wrap_up(task["id"], "br-1-a1")
+        await call_tool(c, "cancel_task", {"task_id": task["id"]})
+        again = await call_tool(c, "retry_task", {"task_id": task["id"]})
+    assert retried["status"] == "pending"
+    assert retried["waits"].startswith("the cancelled attempt br-1-a1 is still being wrapped up by worker:a:1")
+    assert again["waits"] is None
+
+
 def test_tasks_that_finished_before_the_migration_are_not_announced(tmp_path, monkeypatch):
     (tmp_path / "p").mkdir()
     with monkeypatch.context() as patch:

@@ -342,6 +342,56 @@ def test_a_cancelled_attempts_receipt_is_recorded_only_for_that_attempt_while_ca
     assert kept["events"][-1]["kind"] == "receipt"
 
 
+def test_a_retry_waits_until_the_cancelled_attempts_worker_has_wrapped_it_up(tmp_path):
+    """A retry right after a cancel was claimed by another slot while the old worker still observed
+    the cancelled run in the same worktree (for a readonly run in place, before it had reverted the
+    agent's writes). The retry succeeds at once; the claim waits for that worker's end_wrap_up."""
+    task = submit(tmp_path)
+    first = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
+    store.cancel_task(task["id"])
+    retried = store.retry_task(task["id"])
+    assert retried["status"] == "pending"
+    assert retried["waits"].startswith(f"the cancelled attempt {first['run_marker']} is still being wrapped "
+                                       "up by worker:a:1")
+    assert "it waits: the cancelled attempt" in store.get_task(task["id"])["events"][-1]["message"]
+    assert store.claim_next("worker:b:2") is None, "claimed while the old worker still held the worktree"
+    assert store.queue_summary()["claimable"] == 0
+    with pytest.raises(store.InvalidTransition, match="still being wrapped up by worker:a:1"):
+        store.claim_next("worker:b:2", task_id=task["id"])
+    # the old worker's receipt still lands (the next attempt has not started), and its wrap-up ends
+    assert store.record_cancelled_receipt(task["id"], first["run_marker"], {"files_touched": ["a.py"]}, "+a")
+    assert store.claim_next("worker:b:2") is None, "its worktree is not dealt with yet"
+    assert not store.end_wrap_up(task["id"], "br-1-a9")
+    assert store.end_wrap_up(task["id"], first["run_marker"])
+    second = store.claim_next("worker:b:2")
+    assert (second["id"], second["run_marker"], second["lease_owner"]) == (task["id"], "br-1-a2", "worker:b:2")
+    assert not store.end_wrap_up(task["id"], first["run_marker"]), "a late end changes nothing"
+
+
+def test_a_wrap_up_whose_worker_is_gone_is_ended_by_the_reaper_and_a_hand_claim_holds_none(tmp_path):
+    task = submit(tmp_path)
+    first = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
+    store.cancel_task(task["id"])
+    assert [(t["id"], t["wrapping_up"], t["stale"]) for t in store.wrap_ups(3600)] == \
+        [(task["id"], first["run_marker"], False)]
+    store.retry_task(task["id"])
+    store.cancel_task(task["id"])   # cancelled again while still wrapped up: still held
+    store.retry_task(task["id"])
+    assert store.claim_next("worker:b:2") is None
+    assert [t["stale"] for t in store.wrap_ups(-1)] == [True]   # its heartbeat is older than the limit
+    assert store.end_wrap_up(task["id"], first["run_marker"], "its worker (pid 1) is gone from a")
+    assert store.get_task(task["id"])["events"][-1]["message"] == (
+        f"the cancelled attempt {first['run_marker']} was not wrapped up: its worker (pid 1) is gone from a; "
+        "the retried task can start now")
+    assert store.wrap_ups(-1) == []
+    assert store.claim_next("worker:b:2")["id"] == task["id"]
+    by_hand = submit(tmp_path)
+    store.claim_next("cli:alice", task_id=by_hand["id"])
+    store.cancel_task(by_hand["id"])
+    store.retry_task(by_hand["id"])
+    assert store.claim_next("worker:b:2")["id"] == by_hand["id"], "no worker wraps up a hand claim"
+
+
 @pytest.mark.parametrize("field", ["priority", "timeout_sec", "depends_on"])
 def test_numbers_with_thousands_of_digits_are_refused_clearly(tmp_path, field):
     value = ["9" * 5000] if field == "depends_on" else "9" * 5000

@@ -246,6 +246,7 @@ def test_cancel_running_task_ends_it_within_5_seconds(opencode, tmp_path, monkey
     out, err = proc.communicate(timeout=30)
     final = task_store.get_task(task["id"])
     assert final["status"] == "cancelled"
+    assert final["wrapping_up"] is None, "its worker said it was done with it: a retry may start"
     assert tagged() == []
     # the worker says it was a cancel (it said "cancelled or taken over elsewhere")
     said = " ".join((out + err).split())
@@ -289,9 +290,41 @@ def test_a_cancelled_run_keeps_its_receipt_and_diff_and_a_readonly_one_is_revert
     task_store.cancel_task(sneaky["id"])
     proc.communicate(timeout=60)
     final = task_store.get_task(sneaky["id"])
-    assert final["status"] == "cancelled"
+    assert final["status"] == "cancelled" and final["wrapping_up"] is None
     assert sorted(os.listdir(plain)) == ["a.txt"] and (plain / "a.txt").read_text() == "a\n"
     assert sorted(final["result"]["files_reverted"]) == ["a.txt", "made.txt"], final["result"]
+    assert tagged() == []
+
+
+def test_a_retry_right_after_a_cancel_starts_only_once_the_cancelled_run_is_wrapped_up(opencode, tmp_path,
+                                                                                         monkeypatch):
+    """A retry right after a cancel was claimed by another slot while the old one still observed
+    the cancelled run: for a readonly run in place, the new attempt's snapshot took in the writes
+    the old one had not reverted yet, and they stayed. The new attempt now waits for the wrap-up."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
+    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.txt").write_text("a\n")
+    opencode.model.script("sneaks", [
+        tool_call("bash", {"command": "echo x > made.txt && echo more >> a.txt", "description": "sh"}), hang()])
+    task = task_store.submit_task(title="look", instructions="SCRIPT:sneaks", working_dir=str(plain),
+                                  worktree=False, permission="readonly", timeout_sec=300)
+    proc = start_worker("--watch", "--slots", "2")
+    try:
+        until(lambda: (plain / "made.txt").exists(), timeout=90, what="the shell's write")
+        task_store.cancel_task(task["id"])
+        opencode.model.script("sneaks", [text("Looked.\n" + DONE)])
+        assert task_store.retry_task(task["id"])["waits"]
+        final = until(lambda: (t := task_store.get_task(task["id"]))["status"] == "done" and t, timeout=120)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert sorted(os.listdir(plain)) == ["a.txt"] and (plain / "a.txt").read_text() == "a\n"
+    assert final["attempts"] == 2 and not final["result"].get("files_reverted"), final["result"]
+    kinds = [e["kind"] for e in task_store.events_since(0, [task["id"]])]
+    assert "wrapped-up" in kinds and kinds.index("wrapped-up") < len(kinds) - 1 - kinds[::-1].index("claimed"), kinds
     assert tagged() == []
 
 

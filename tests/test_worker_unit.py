@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import agent_box
@@ -766,3 +767,23 @@ def test_a_task_whose_row_went_mid_run_ends_in_one_line_not_a_traceback(tmp_path
     worker._run_guarded(task, worker.Knobs())
     assert not any("Traceback" in line or "internal error" in line for line in said), said
     assert any("is no longer in the queue" in line for line in said), said
+
+
+def test_the_reaper_ends_the_wrap_up_of_a_cancelled_attempt_whose_worker_is_gone(tmp_path):
+    """A task retried after a cancel waits for the old worker to wrap its attempt up; a worker that
+    died meanwhile must not hold it for good (its pid gone here, or its heartbeat stale)."""
+    host = task_store.host_name()
+    for owner, pid in ((f"worker:{host}:{os.getpid()}", os.getpid()), (f"worker:{host}:999999", 999999)):
+        task = submit(tmp_path)
+        start = psutil.Process(pid).create_time() if pid == os.getpid() else 1.0
+        task_store.claim_next(owner, pid=pid, pid_start=start, task_id=task["id"])
+        task_store.cancel_task(task["id"])
+        task_store.retry_task(task["id"])
+    worker.reap(worker.Knobs())
+    alive, dead = (task_store.get_task(t) for t in ("t_0001", "t_0002"))
+    assert alive["wrapping_up"] == "br-1-a1", "a live worker's wrap-up is its own to end"
+    assert dead["wrapping_up"] is None
+    assert dead["events"][-1]["message"] == (f"the cancelled attempt br-2-a1 was not wrapped up: its worker "
+                                             f"(pid 999999) is gone from {host}; the retried task can start now")
+    assert task_store.claim_next("worker:b:2")["id"] == "t_0002"
+    assert task_store.claim_next("worker:b:2") is None
