@@ -254,6 +254,8 @@ class TaskResult(TypedDict):
     base_commit: str | None
     session_id: str | None
     finished_at: str | None
+    attempt: str | None                  # the earlier attempt whose receipt and diff these are; None: the last
+    earlier_attempts: list[dict[str, Any]]
     hint: str
 
 
@@ -799,6 +801,7 @@ def get_task_result(
     task_id: TaskId,
     diff_offset: Annotated[int | None, Field(ge=0, le=NUMBER_MAX, description="byte offset into the diff (the diff_next_offset of the previous call)")] = 0,
     diff_max_bytes: Annotated[int | None, Field(ge=1, le=DIFF_PAGE_MAX, description="bytes of diff per page (default 16,384)")] = DIFF_PAGE_DEFAULT,
+    attempt: Annotated[str | None, Field(max_length=200, description="an earlier attempt (from earlier_attempts: its run marker such as br-42-a1, or a1) whose receipt and diff to read instead of the last one's")] = None,
 ) -> TaskResult:
     """A finished (or failed) task's outcome: the receipt (`result`: summary, files_touched,
     commands, tests_run, open_questions, model, latency_sec, sandbox…), `usage` (tokens, cost_usd
@@ -806,9 +809,15 @@ def get_task_result(
     a character; a page is made smaller when the whole result would pass 40,000 characters):
     pass diff_next_offset back as diff_offset for the next page. Long lists in the receipt are
     cut to their last 100 items and long texts shortened to keep it under 12,000 characters
-    (result_truncated). Reading a finished task's result marks it seen (it leaves wait_for's and
-    queue_status's `unseen`). Errors: unknown id, offset past the end."""
+    (result_truncated). `earlier_attempts` lists the receipts of earlier attempts kept when a
+    retry started the task afresh (attempt, status, ended_at, files_touched, summary, diff_bytes;
+    the last 5): pass one's `attempt` to read its receipt and diff. Reading a finished task's
+    result marks it seen (it leaves wait_for's and queue_status's `unseen`). Errors: unknown id,
+    offset past the end, an attempt not kept (the message names those that are)."""
     task = store.get_task(task_id)
+    if attempt is not None:
+        earlier = store.earlier_receipt(task_id, attempt)
+        task = task | {"result": earlier.get("result"), "diff": earlier.get("diff")}
     diff = (task.get("diff") or "").encode()
     offset = 0 if diff_offset is None else diff_offset
     if offset > len(diff):
@@ -828,9 +837,16 @@ def get_task_result(
     head = {"id": task["id"], "title": task["title"], "status": task["status"],
             "error": short(task.get("error"), INFO_TEXT_MAX), "result": result,
             "result_truncated": cut or shortened, "usage": task.get("usage")}
+    if attempt is not None:
+        hint = f"the receipt and diff of the earlier attempt {earlier['attempt']} ({earlier['status']}), kept when a retry " \
+               "started the task afresh; without attempt: the last attempt's"
+    elif task["earlier_attempts"]:
+        hint += (f"; earlier attempts' receipts are kept ({', '.join(e['attempt'] for e in task['earlier_attempts'])}): "
+                 "get_task_result(attempt=...) reads one")
     tail = {"branch": task.get("branch"), "worktree_path": task.get("worktree_path"),
             "base_commit": task.get("base_commit"), "session_id": task.get("session_id"),
-            "finished_at": task.get("finished_at"), "hint": hint}
+            "finished_at": task.get("finished_at"), "attempt": earlier["attempt"] if attempt is not None else None,
+            "earlier_attempts": task["earlier_attempts"], "hint": hint}
 
     def page(limit: int) -> dict[str, Any]:
         text, start, end = page_utf8(diff, offset, limit)

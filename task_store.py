@@ -863,11 +863,24 @@ def _migrate_v11_wrapping_up(conn: Connection) -> None:
         conn.execute(statement)
 
 
+SCHEMA_V12 = [
+    # The receipts of a task's earlier attempts that a retry started afresh from (their diff was
+    # the only copy of the work: the worktree went), kept when the next attempt's receipt takes
+    # ``result`` and ``diff``: a JSON list, oldest first, the last EARLIER_KEPT (earlier_receipts).
+    "ALTER TABLE tasks ADD COLUMN earlier_receipts TEXT",
+]
+
+
+def _migrate_v12_earlier_receipts(conn: Connection) -> None:
+    for statement in SCHEMA_V12:
+        conn.execute(statement)
+
+
 MIGRATIONS: list[Callable[[Connection], None]] = [
               _migrate_v1, _migrate_v2, _migrate_v3_retry_budget, _migrate_v4_spending_limits,
               _migrate_v5_lines_of_work, _migrate_v6_past_one_machine, _migrate_v7_results_seen,
               _migrate_v8_usage_limits, _migrate_v9_fewer_pages, _migrate_v10_rules_given,
-              _migrate_v11_wrapping_up]
+              _migrate_v11_wrapping_up, _migrate_v12_earlier_receipts]
 
 
 # PostgreSQL runs the same numbered migrations (its version in the table schema_version). Its
@@ -892,7 +905,8 @@ def pg_migrations() -> list[list[str]]:
     """The statements of each migration on PostgreSQL, in MIGRATIONS' order (built at call time,
     so a statement added to a SCHEMA_V* list is on both backends)."""
     steps = [[s for s in SCHEMA_V1.split(";") if s.strip()], PG_SCHEMA_V2, SCHEMA_V3, SCHEMA_V4,
-             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [], SCHEMA_V10, SCHEMA_V11]   # v9 is SQLite's alone
+             SCHEMA_V5, SCHEMA_V6, SCHEMA_V7, SCHEMA_V8, [],   # v9 is SQLite's alone
+             SCHEMA_V10, SCHEMA_V11, SCHEMA_V12]
     return [[_pg_ddl(s) for s in step] for step in steps]
 
 
@@ -1992,6 +2006,8 @@ def task_dict(row: Row, deps: list[int] | None = None) -> dict[str, Any]:
     task["worktree_keep"] = bool(task["worktree_keep"])
     task["ask_human"] = bool(task.get("ask_human"))
     task.pop("rules_given", None)   # the store's own record for a repeated idempotency key
+    earlier = task.pop("earlier_receipts", None)   # whole in earlier_receipt; here without the diffs
+    task["earlier_attempts"] = _earlier_summaries(json.loads(earlier)) if earlier else []
     task["repo"] = task.get("repo_url")   # the submit field's name: the git remote of a task on one
     live = task["status"] == "running"
     usage = task["usage"] or {}
@@ -3345,15 +3361,17 @@ def _requeue_fresh(conn: Connection, row: Row, model: str | None) -> None:
     # from the checkout's HEAD as it is then (the person may have fixed what made it fail); the
     # branch name stays, and the worker moves it there when that loses no commit. A cancelled
     # attempt still wrapped up keeps its lease (its worker, for _wrap_up_wait and the reaper).
+    # The last attempt's receipt and diff are kept among the earlier ones (the next attempt's
+    # take their place; its worktree, which held that work, goes or is set aside).
     conn.execute(
-        "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL,"
+        "UPDATE tasks SET status = 'pending', model = coalesce(?, model), not_before = NULL, earlier_receipts = ?,"
         " finished_at = NULL, lease_owner = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_owner END,"
         " lease_pid = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid END,"
         " lease_pid_start = CASE WHEN wrapping_up IS NULL THEN NULL ELSE lease_pid_start END,"
         " agent_pid = NULL, agent_pid_start = NULL, session_id = NULL, question = NULL,"
         " answer = NULL, base_commit = NULL, result_seen_at = NULL, spent_before_retry = attempts - handbacks"
         " WHERE id = ?",
-        (model, row["id"]),
+        (model, _with_earlier(row, row["result"], row["diff"]), row["id"]),
     )
 
 
@@ -3457,13 +3475,72 @@ def record_cancelled_receipt(task_id: Any, marker: str, result: dict, diff: str 
         row = _row(conn, num)
         if row["run_marker"] != marker or (row["status"] != "cancelled" and row["wrapping_up"] != marker):
             return False
-        conn.execute("UPDATE tasks SET result = ?, diff = ?, session_id = coalesce(?, session_id)"
+        # Retried already (its next attempt waits for this wrap-up): kept among the earlier
+        # receipts too, as _requeue_fresh keeps one recorded before the retry.
+        earlier = _with_earlier(row, _json(result), diff, status="cancelled") if row["status"] != "cancelled" \
+            else row["earlier_receipts"]
+        conn.execute("UPDATE tasks SET result = ?, diff = ?, session_id = coalesce(?, session_id), earlier_receipts = ?"
                      " WHERE id = ? AND run_marker = ? AND (status = 'cancelled' OR wrapping_up = ?)",
-                     (_json(result), diff, session_id, num, marker, marker))
+                     (_json(result), diff, session_id, earlier, num, marker, marker))
         files = result.get("files_touched") or []
         _event(conn, num, "receipt", f"the cancelled attempt {marker} had changed {len(files)} file(s); its "
                                      "receipt and diff are kept (its worktree goes)"[:500])
     return True
+
+
+EARLIER_KEPT = 5   # earlier attempts' receipts a task keeps (earlier_receipts), the newest
+
+
+def _with_earlier(row: Row, result: str | None, diff: str | None, status: str | None = None) -> str | None:
+    """``row``'s earlier_receipts (JSON) with a receipt (``result``: its JSON text; ``diff``) added
+    last, the last EARLIER_KEPT kept: ``{"attempt", "status", "ended_at", "result", "diff"}``.
+    The attempt is the one the receipt names (a worker's receipt.Receipt holds its ``attempt``
+    number: a cancelled attempt's receipt may land after the retry, and the row then still
+    holds an earlier attempt's), else ``row["run_marker"]``'s; a receipt without that number
+    while the row's attempt is wrapped up is left to record_cancelled_receipt. Unchanged when
+    there is no receipt, or its attempt is kept already."""
+    kept = json.loads(row["earlier_receipts"]) if row["earlier_receipts"] else []
+    number = (json.loads(result) if result else {}).get("attempt")
+    marker = row["run_marker"]
+    if isinstance(number, int) and not isinstance(number, bool) and marker:
+        marker = re.sub(r"-a[0-9]+$", f"-a{number}", marker)
+    elif row["wrapping_up"] is not None and status is None:
+        return row["earlier_receipts"]
+    if (result is None and not diff) or not marker or any(e.get("attempt") == marker for e in kept):
+        return row["earlier_receipts"]
+    kept.append({"attempt": marker, "status": status or row["status"],
+                 "ended_at": iso(row["finished_at"] or now()), "result": json.loads(result) if result else None,
+                 "diff": diff or None})
+    return _json(kept[-EARLIER_KEPT:])
+
+
+def _earlier_summaries(kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A task's ``earlier_attempts`` (task_dict): the earlier attempts' receipts it keeps, each
+    without its diff text: ``{"attempt", "status", "ended_at", "files_touched", "summary",
+    "diff_bytes"}`` (bytes of UTF-8), oldest first; ``earlier_receipt`` gives one whole."""
+    return [{"attempt": e.get("attempt"), "status": e.get("status"), "ended_at": e.get("ended_at"),
+             "files_touched": list(((e.get("result") or {}).get("files_touched") or [])[:50]),
+             "summary": ((e.get("result") or {}).get("summary") or "")[:500] or None,
+             "diff_bytes": len((e.get("diff") or "").encode())} for e in kept]
+
+
+def earlier_receipt(task_id: Any, attempt: Any) -> dict[str, Any]:
+    """The receipt of one earlier attempt of the task (``attempt``: its run marker, such as
+    ``br-42-a1``, or its last part ``a1``), kept when a retry started afresh: ``{"attempt",
+    "status", "ended_at", "result", "diff"}``. Raises TaskNotFound, ValidationError (no such
+    attempt kept: the message names those that are)."""
+    num = parse_task_id(task_id)
+    with _reading() as conn:
+        row = _row(conn, num)
+    kept = json.loads(row["earlier_receipts"]) if row["earlier_receipts"] else []
+    wanted = str(attempt or "").strip()
+    for entry in kept:
+        marker = str(entry.get("attempt") or "")
+        if wanted and (wanted == marker or marker.endswith("-" + wanted)):
+            return entry
+    names = ", ".join(str(e.get("attempt")) for e in kept) or "none (no retry has started it afresh)"
+    raise ValidationError(f"task {format_task_id(num)} keeps no earlier attempt {shown_value(attempt)}; "
+                          f"it keeps: {names}")
 
 
 def end_wrap_up(task_id: Any, marker: str, why: str | None = None) -> bool:

@@ -632,6 +632,11 @@ def receipt_rows(task: dict[str, Any]) -> list[tuple[str, Any]]:
     rows.append(("warnings", receipt_warnings(task["id"], result) or None))
     if task["diff"]:
         rows.append(("diff", f"{len(task['diff'].splitlines())} line(s) (show --diff prints it)"))
+    for earlier in task.get("earlier_attempts") or []:
+        files = len(earlier["files_touched"])
+        rows.append((f"attempt {earlier['attempt']}", f"{earlier['status']}, {files} file(s) changed, kept when a "
+                     f"retry started afresh" + (f" (diff {task['id']} --attempt {earlier['attempt']})"
+                                               if earlier["diff_bytes"] else "")))
     return rows
 
 
@@ -764,7 +769,7 @@ def print_task(task: dict[str, Any]) -> None:
     console.print(Text(f"Next step: {next_step(task)}", style="bold"), soft_wrap=True)
     print_fields(overview_rows(task), "Task")
     print_fields(run_rows(task), "Run")
-    if task["result"] or task["usage"] or task["diff"]:
+    if task["result"] or task["usage"] or task["diff"] or task.get("earlier_attempts"):
         print_fields(receipt_rows(task), "Result")
     print_fields([("instructions", task["instructions"])], "Instructions")
     if task["notes"] or task["questions"]:
@@ -1487,13 +1492,21 @@ def no_diff_reason(task: dict[str, Any]) -> str:
 @cli.command()
 @click.argument("task_id", callback=task_id_arg)
 @click.option("--stat", is_flag=True, help="Only the files changed, with lines added and removed.")
+@click.option("--attempt", metavar="ATTEMPT", default=None,
+              help="An earlier attempt's diff, kept when a retry started the task afresh: its run marker "
+                   "(br-42-a1) or its last part (a1); `show` lists those kept.")
 @json_option
-def diff(task_id: str, stat: bool, as_json: bool) -> None:
+def diff(task_id: str, stat: bool, attempt: str | None, as_json: bool) -> None:
     """Print a task's diff, from its receipt (exact when piped, for git apply / patch).
 
     On a terminal control characters show as escapes. --stat lists the files instead.
     """
     task = task_views.shown_task(task_id)
+    if attempt is not None:
+        earlier = task_store.earlier_receipt(task_id, attempt)
+        if not earlier.get("diff"):
+            raise CliError(f"attempt {earlier['attempt']} of task {task_id} ({earlier['status']}) recorded no diff")
+        task = task | {"diff": earlier["diff"]}
     if not task["diff"]:
         raise CliError(f"task {task_id} has no diff ({no_diff_words(task)}); "
                        f"`{cli_command()} show {task_id}` tells more")

@@ -1345,6 +1345,27 @@ def test_branch_of_a_task_whose_empty_branch_was_deleted_names_its_diff_and_retr
     assert " diff " not in said, "no diff was recorded: none is offered"
 
 
+def test_diff_of_an_earlier_attempt_that_a_retry_started_afresh_from(tmp_path):
+    """A fresh user's finding: a retry's receipt replaced the cancelled attempt's diff, the only
+    copy of its work. `show` names the earlier attempts kept, `diff --attempt` prints one."""
+    (tmp_path / "w").mkdir()
+    task = task_store.submit_task(title="t", instructions="i", working_dir=str(tmp_path / "w"))
+    first = task_store.claim_next("w")
+    task_store.fail_attempt(task["id"], first["run_marker"], "no", retryable=False,
+                            result={"files_touched": ["A.txt"]}, diff="+A\n")
+    run("retry", task["id"])
+    second = task_store.claim_next("w")
+    task_store.complete_attempt(task["id"], second["run_marker"], result={"files_touched": ["B.txt"]}, diff="+B\n")
+    shown = " ".join(run("show", task["id"]).stdout.split())
+    assert f"attempt {first['run_marker']} failed, 1 file(s) changed, kept when a retry started afresh (diff " \
+           f"t_0001 --attempt {first['run_marker']})" in shown
+    assert run("diff", task["id"]).stdout == "+B\n"
+    assert run("diff", task["id"], "--attempt", "a1").stdout == "+A\n"
+    missing = run("diff", task["id"], "--attempt", "a5")
+    assert missing.exit_code != 0
+    assert f"keeps no earlier attempt 'a5'; it keeps: {first['run_marker']}" in " ".join(missing.stderr.split())
+
+
 @pytest.mark.parametrize("end", ["failed", "cancelled"])
 def test_no_diff_of_a_task_whose_worktree_is_on_disk_says_where_its_work_is(tmp_path, end):
     """A fresh user's finding: a task failed by the reaper after its worker was killed, or

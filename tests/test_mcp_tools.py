@@ -608,6 +608,26 @@ async def test_wait_for_times_out_with_every_status_and_reports_progress(mode, w
 # Results, logs, caps.
 
 
+async def test_get_task_result_reads_an_earlier_attempts_receipt_that_a_retry_kept(mode, wd):
+    async with client(mode) as c:
+        task = await call_tool(c, "submit_task", task_args(wd))
+        claimed = task_store.claim_next("w")
+        task_store.fail_attempt(task["id"], claimed["run_marker"], "no", retryable=False,
+                                result={"files_touched": ["A.txt"]}, diff="+A\n")
+        await call_tool(c, "retry_task", {"task_id": task["id"]})
+        again = task_store.claim_next("w")
+        task_store.complete_attempt(task["id"], again["run_marker"], result={"files_touched": ["B.txt"]}, diff="+B\n")
+        last = await call_tool(c, "get_task_result", {"task_id": task["id"]})
+        earlier = await call_tool(c, "get_task_result", {"task_id": task["id"], "attempt": "a1"})
+        missing = await tool_error(c, "get_task_result", {"task_id": task["id"], "attempt": "a7"})
+    assert (last["diff"], last["attempt"], [e["attempt"] for e in last["earlier_attempts"]]) == \
+        ("+B\n", None, [claimed["run_marker"]])
+    assert "get_task_result(attempt=...)" in last["hint"]
+    assert (earlier["diff"], earlier["attempt"], earlier["result"]["files_touched"]) == \
+        ("+A\n", claimed["run_marker"], ["A.txt"])
+    assert f"keeps no earlier attempt 'a7'; it keeps: {claimed['run_marker']}" in missing
+
+
 async def test_get_task_result_pages_a_big_diff_without_splitting_characters(mode, wd):
     diff = "".join(f"+ línea {i}: 日本語 ✓ 🚀\n" for i in range(6000))  # ~190 KB, multibyte
     receipt = {

@@ -368,6 +368,63 @@ def test_a_retry_waits_until_the_cancelled_attempts_worker_has_wrapped_it_up(tmp
     assert not store.end_wrap_up(task["id"], first["run_marker"]), "a late end changes nothing"
 
 
+def test_a_retry_keeps_the_receipt_and_diff_of_the_attempt_it_starts_afresh_from(tmp_path):
+    """A tester's A.txt was lost: a cancelled attempt's diff was the only copy of its work (its
+    worktree went), and the retried attempt's receipt replaced it. The retry keeps it among the
+    earlier receipts, whether the receipt landed before the retry or after it (during the wrap-up)."""
+    task = submit(tmp_path)
+    first = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
+    store.cancel_task(task["id"])
+    store.record_cancelled_receipt(task["id"], first["run_marker"], {"files_touched": ["A.txt"], "summary": "A"},
+                                   "+A\n")
+    store.end_wrap_up(task["id"], first["run_marker"])
+    assert store.retry_task(task["id"])["earlier_attempts"][0]["attempt"] == first["run_marker"]
+    second = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
+    store.cancel_task(task["id"])
+    store.retry_task(task["id"])   # before the second attempt's receipt: it lands during the wrap-up
+    store.record_cancelled_receipt(task["id"], second["run_marker"], {"files_touched": ["B.txt"]}, "+B\n")
+    store.end_wrap_up(task["id"], second["run_marker"])
+    third = store.claim_next("worker:a:1")
+    store.complete_attempt(task["id"], third["run_marker"], result={"files_touched": ["C.txt"]}, diff="+C\n")
+    done = store.get_task(task["id"])
+    assert done["diff"] == "+C\n"
+    assert [(e["attempt"], e["status"], e["files_touched"], e["diff_bytes"]) for e in done["earlier_attempts"]] == \
+        [(first["run_marker"], "cancelled", ["A.txt"], 3), (second["run_marker"], "cancelled", ["B.txt"], 3)]
+    assert "earlier_receipts" not in done, "the task dict carries the summaries, not every earlier diff"
+    assert store.earlier_receipt(task["id"], "a1")["diff"] == "+A\n"
+    assert store.earlier_receipt(task["id"], second["run_marker"])["result"]["files_touched"] == ["B.txt"]
+    with pytest.raises(store.ValidationError, match=f"keeps no earlier attempt 'a3'; it keeps: {first['run_marker']}"):
+        store.earlier_receipt(task["id"], "a3")
+
+
+def test_a_receipt_that_landed_before_the_retry_but_within_the_wrap_up_is_kept(tmp_path):
+    """The worker's receipt names its attempt (receipt.Receipt.attempt): the retry keeps it though
+    the cancelled attempt was still being wrapped up (its worktree not yet removed)."""
+    task = submit(tmp_path)
+    first = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
+    store.cancel_task(task["id"])
+    store.record_cancelled_receipt(task["id"], first["run_marker"], {"attempt": 1, "files_touched": ["A.txt"]}, "+A\n")
+    store.retry_task(task["id"])
+    store.end_wrap_up(task["id"], first["run_marker"])
+    second = store.claim_next("w")
+    store.complete_attempt(task["id"], second["run_marker"], result={"attempt": 2, "files_touched": ["B.txt"]},
+                           diff="+B\n")
+    assert [(e["attempt"], e["files_touched"]) for e in store.get_task(task["id"])["earlier_attempts"]] == \
+        [(first["run_marker"], ["A.txt"])]
+    assert store.earlier_receipt(task["id"], "a1")["diff"] == "+A\n"
+
+
+def test_a_task_keeps_the_last_few_earlier_receipts(tmp_path):
+    task = submit(tmp_path)
+    for n in range(store.EARLIER_KEPT + 2):
+        attempt = store.claim_next("w")
+        store.fail_attempt(task["id"], attempt["run_marker"], "no", retryable=False, diff=f"+{n}\n")
+        store.retry_task(task["id"])
+    kept = store.get_task(task["id"])["earlier_attempts"]
+    assert [e["attempt"] for e in kept] == [f"br-1-a{n}" for n in range(3, store.EARLIER_KEPT + 3)]
+    assert store.earlier_receipt(task["id"], "a3")["diff"] == "+2\n"
+
+
 def test_a_wrap_up_whose_worker_is_gone_is_ended_by_the_reaper_and_a_hand_claim_holds_none(tmp_path):
     task = submit(tmp_path)
     first = store.claim_next("worker:a:1", pid=1, pid_start=1.0)
