@@ -25,13 +25,18 @@ Env: none of its own (the server's environment is handed in).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import secrets
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 import agent_box
 import engine
@@ -318,6 +323,66 @@ class _Making:
             self.problem = f"no kept OpenCode server for {slot}: {exc}"
 
 
+def make_folder(folder: Path, queue: str, pid: int | None = None) -> None:
+    """Make a kept server's ``folder`` (``<worktree root>/engine/<slot>-<hex>``, mode 0700) with
+    its owner's record beside it first (``worktrees.engine_owner_file``: outside the folder, which
+    is bound writable into the server's box): this ``queue`` (its tag), this host, and the worker
+    process ``pid`` (default: this one) with its start time. Another queue's worker sharing the
+    worktree root, or this queue's next pass, reads it in ``sweep`` and leaves the folder alone
+    while that worker lives. Raises OSError."""
+    pid = os.getpid() if pid is None else pid
+    record = json.dumps({"queue": queue, "host": socket.gethostname(), "pid": pid,
+                         "pid_start": process_tree.start_time(pid)})
+    for attempt in range(3):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            worktrees.engine_owner_file(folder).write_text(record, encoding="utf-8")
+            folder.mkdir(mode=0o700)
+            return
+        except FileNotFoundError:   # the engine folder went meanwhile (another worker's last slot folder did)
+            if attempt == 2:
+                raise
+
+
+def _owner(folder: Path) -> dict[str, Any] | None:
+    """The owner record ``make_folder`` wrote beside ``folder``, or None: none (an earlier
+    version's folder, or one whose record is being written) or unreadable."""
+    try:
+        record = json.loads(worktrees.engine_owner_file(folder).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _owner_gone(record: dict[str, Any], queue: str) -> bool:
+    """Whether what ``record`` names is this ``queue``'s, on this host, and its worker is gone
+    (this very process counts as gone: an earlier pass of it, which ended)."""
+    if record.get("queue") != queue or record.get("host") != socket.gethostname():
+        return False
+    alive = process_tree.same_process(record.get("pid"), record.get("pid_start"))
+    return alive is None or alive.pid == os.getpid()
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live process has its working folder, or a file open, in ``folder`` (what cannot
+    be read is taken as not in it: another user's processes cannot reach a 0700 folder)."""
+    inside = f"{folder}{os.sep}"
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if f"{proc.cwd()}{os.sep}".startswith(inside) or \
+                    any(f.path.startswith(inside) for f in proc.open_files()):
+                return True
+    return False
+
+
+def _sweepable(folder: Path, queue: str) -> bool:
+    """Whether the sweep of ``queue``'s pass may remove ``folder`` and the worktree parked in it:
+    its owner record names this queue and a worker that is gone; a folder with no record (made by
+    an earlier version, which wrote none) only when no live process works or has a file in it."""
+    record = _owner(folder)
+    return _owner_gone(record, queue) if record is not None else not _in_use(folder)
+
+
 def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
     """Remove what kept servers of an earlier pass left when their worker was killed: the
     processes of this ``queue`` (its tag) that carry a slot's marker (``new_marker``: an unboxed
@@ -326,21 +391,37 @@ def sweep(root: Path, log_dir: Path, queue: str, grace: float = 2.0) -> None:
     ``root`` (``<worktree root>/engine``) that are then empty (one holding a task's worktree
     stays), run folders ``engine-*.run`` in ``log_dir`` and the servers' OpenCode folders
     (agent_box.slot_home) no task took. Only while this queue's pass lock is
-    held: no server of this queue's is running then. Without ``root`` (no kept server was made
-    since the last sweep, or none ever) there is nothing to look for: no process is scanned."""
+    held: no server of this queue's is running then. Two queues may share one worktree root: only
+    folders this queue's gone worker made are touched (``_sweepable``; another queue's, or a
+    live worker's, keep their parked worktree, its git registration and lock). Without ``root``
+    (no kept server was made since the last sweep, or none ever) there is nothing to look for: no
+    process is scanned."""
     for home in Path(agent_box.slot_home(f"{queue}-")).parent.glob(f"{queue}-*"):
         shutil.rmtree(home, ignore_errors=True)
     if not root.is_dir():
         return
     process_tree.kill_tree(None, grace, lambda: process_tree.processes_where(
         lambda env: env.get(oc.QUEUE_ENV) == queue and env.get(oc.MARKER_ENV, "").startswith(MARKER_PREFIX)))
+    kept: set[str] = set()   # folders left alone: their run folders too (a shared TASK_LOG_DIR)
     with contextlib.suppress(OSError):
-        for folder in root.iterdir():
-            for inside in list(folder.iterdir()) if folder.is_dir() else []:
+        for entry in list(root.iterdir()):
+            if entry.name.endswith(worktrees.ENGINE_OWNER):   # a record whose folder went (a kill between the two)
+                folder = entry.with_name(entry.name[:-len(worktrees.ENGINE_OWNER)])
+                if not os.path.lexists(folder) and (record := _owner(folder)) is not None \
+                        and _owner_gone(record, queue):
+                    entry.unlink(missing_ok=True)
+                continue
+            if entry.is_symlink() or not entry.is_dir():
+                continue
+            if not _sweepable(entry, queue):
+                kept.add(entry.name)
+                continue
+            for inside in list(entry.iterdir()):
                 worktrees.drop_parked(inside)   # a task's worktree (on its branch) stays
-            worktrees.drop_engine_folder(folder)
+            worktrees.drop_engine_folder(entry)
     for run in log_dir.glob("engine-*.run"):
-        shutil.rmtree(run, ignore_errors=True)
+        if run.name[len("engine-"):-len(".run")] not in kept:
+            shutil.rmtree(run, ignore_errors=True)
 
 
 MARKER_PREFIX = "eng-"

@@ -2389,7 +2389,7 @@ def make_kept(slot: str, prediction: Prediction | None) -> engine_slots.Kept | N
         return None
     token = secrets.token_hex(4)
     folder = worktrees.worktree_root() / "engine" / f"{slot}-{token}"
-    folder.mkdir(mode=0o700, parents=True)
+    engine_slots.make_folder(folder, store.queue_tag())   # its owner recorded: the root may be shared (sweep)
     run_dir = run_folder(store.log_dir() / f"engine-{slot}-{token}.run")
     marker = engine_slots.new_marker(slot)
     like = {**prediction.task, "run_marker": marker}

@@ -1547,20 +1547,33 @@ def drop_parked(path: Path) -> None:
                 check=False)
 
 
+# The suffix of a kept server's folder's owner record, a file beside the folder (engine_slots.make_folder).
+ENGINE_OWNER = ".owner"
+
+
+def engine_owner_file(folder: Path) -> Path:
+    """The owner record of the kept server's ``folder``: ``<folder>.owner`` beside it."""
+    return folder.with_name(folder.name + ENGINE_OWNER)
+
+
 def drop_engine_folder(folder: Path, whole: bool = False) -> None:
     """Remove ``folder`` when it is a kept server's (``<worktree root>/engine/<slot>-<hex>``,
     engine_slots.py) and empty, or ``whole`` (its task's worktree is removed already) with what
     the run left in it beside that worktree (the folder is the task's alone and was writable to
-    it: files, folders, links, none followed); then the ``engine`` folder when that leaves it
-    empty."""
+    it: files, folders, links, none followed), and its owner record (``engine_owner_file``); then
+    the ``engine`` folder when that leaves it empty."""
     engine_root = worktree_root() / "engine"
     if folder.parent != engine_root:
         return
     if whole and not folder.is_symlink() and folder.is_dir():
         _force_rmtree(str(folder))
-    for each in (folder, engine_root):
-        with contextlib.suppress(OSError):   # not empty (a worktree is still there): kept
-            each.rmdir()
+    with contextlib.suppress(OSError):   # not empty (a worktree is still there): kept
+        folder.rmdir()
+    if not os.path.lexists(folder):
+        with contextlib.suppress(OSError):
+            engine_owner_file(folder).unlink()
+    with contextlib.suppress(OSError):   # another kept server's folder is still there: kept
+        engine_root.rmdir()
 
 
 def _force_rmtree(path: str) -> list[str]:

@@ -463,3 +463,47 @@ def test_a_pass_start_ends_what_a_killed_workers_unboxed_servers_left_running(tm
         for proc in (ours, doctor_check, other_queue):
             proc.kill()
             proc.wait()
+
+
+def test_a_pass_start_sweeps_only_its_own_queues_engine_folders_whose_worker_is_gone(tmp_path):
+    """A tester's finding: two queues sharing one TASKBRIDGE_WORKTREE_ROOT; a warm worker's start
+    on queue B removed queue A's live worker's slot folder and parked worktree (A's next task
+    failed: ENOENT on the folder its server was in). Each folder's owner is recorded beside it
+    (engine_slots.make_folder); the sweep leaves another queue's and a live worker's alone."""
+    import engine_slots
+    import task_store
+    repo = make_repo(tmp_path / "repo")
+    root, ours = worktrees.worktree_root() / "engine", task_store.queue_tag()
+    live = subprocess.Popen(["sleep", "60"])   # a worker of this queue's that still runs (a reused root)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        folders = {name: root / f"slot_0-{name}" for name in ("other", "live", "dead", "legacy", "used")}
+        engine_slots.make_folder(folders["other"], "another-queue")   # queue A's: this process is its worker
+        engine_slots.make_folder(folders["live"], ours, pid=live.pid)
+        engine_slots.make_folder(folders["dead"], ours, pid=dead.pid)   # a killed worker's
+        for name in ("legacy", "used"):   # an earlier version's: no owner record
+            folders[name].mkdir()
+        parked = {name: worktrees.park_worktree(str(repo), folder) for name, folder in folders.items()}
+        (tmp_path / "logs").mkdir()
+        runs = {name: tmp_path / "logs" / f"engine-slot_0-{name}.run" for name in folders}
+        for run in runs.values():
+            run.mkdir()
+        in_used = subprocess.Popen(["sleep", "60"], cwd=parked["used"])   # a server of an earlier version
+        try:
+            engine_slots.sweep(root, tmp_path / "logs", ours, grace=1)
+        finally:
+            in_used.kill()
+            in_used.wait()
+        listed = git(repo, "worktree", "list", "--porcelain")
+        for name in ("other", "live", "used"):
+            assert parked[name].is_dir() and f"worktree {parked[name]}" in listed, name
+            admin = Path(git(parked[name], "rev-parse", "--absolute-git-dir"))
+            assert (admin / "locked").read_text().strip() == worktrees.PARKED, name   # still locked
+            assert runs[name].is_dir(), name
+        for name in ("dead", "legacy"):
+            assert not folders[name].exists() and f"worktree {parked[name]}" not in listed, name
+            assert not worktrees.engine_owner_file(folders[name]).exists() and not runs[name].exists(), name
+    finally:
+        live.kill()
+        live.wait()
