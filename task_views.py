@@ -225,13 +225,17 @@ def attempt_counts(task: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def attempt_text(task: dict[str, Any]) -> str:
-    """``attempt 2 of 2`` or ``attempt 2 of 2 (not counted: 1 hand-back, 2 before a retry)``: the
-    one wording the worker's claimed line and ``show`` use."""
+    """``attempt 2 of 2``, or with attempts that spent no retry ``attempt 4 (1 of 2 counted; not
+    counted: 1 hand-back, 2 before a retry)``: the one wording the worker's claimed line and
+    ``show`` use. The number is the attempt's own (its run marker's ``aN``, the worker log's
+    ``attempt N:``); the counted ones are what the retry budget spent."""
     counted, allowed, _ = attempt_counts(task)
     handbacks, before = task.get("handbacks") or 0, task.get("spent_before_retry") or 0
     parts = ([f"{handbacks} hand-back" + ("s" if handbacks != 1 else "")] if handbacks else []) + \
         ([f"{before} before a retry"] if before else [])
-    return f"attempt {counted} of {allowed}" + (f" (not counted: {', '.join(parts)})" if parts else "")
+    if not parts:
+        return f"attempt {counted} of {allowed}"
+    return f"attempt {task['attempts']} ({counted} of {allowed} counted; not counted: {', '.join(parts)})"
 
 
 def short(text: str | None, limit: int = ROW_TEXT_MAX) -> str | None:

@@ -492,7 +492,7 @@ def tries_cell(task: dict[str, Any]) -> str:
 
 
 def attempts_text(task: dict[str, Any]) -> str:
-    """``attempt 2 of 3 (not counted: 1 hand-back); retries allowed 2`` for ``show`` (the worker's
+    """``attempt 3 (2 of 3 counted; not counted: 1 hand-back); retries allowed 2`` for ``show`` (the worker's
     claimed line says the same, from task_views.attempt_text).
 
     The store allows another try while ``attempts - handbacks <= max_retries``: a hand-back (the

@@ -1116,6 +1116,7 @@ def test_finishing_a_waiting_task_points_to_answer(tmp_path, args, says):
 
 def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypatch):
     monkeypatch.setattr(task_store, "RETRY_BACKOFF_SEC", (0, 0))
+    monkeypatch.setenv("COLUMNS", "400")  # wide enough that table cells do not fold mid-text
     submit(tmp_path, TITLE, max_retries=1)
     first = task_store.claim_next("worker@host", task_id=1)
     task_store.requeue_attempt(1, first["run_marker"], "worker shut down", count_attempt=False)
@@ -1125,7 +1126,7 @@ def test_show_counts_attempts_without_an_impossible_fraction(tmp_path, monkeypat
     task = task_store.get_task(1)
     assert (task["attempts"], task["handbacks"], task["max_retries"]) == (3, 1, 1)
     shown = run("show", "1").stdout
-    assert "attempt 2 of 2 (not counted: 1 hand-back); retries allowed 1" in shown
+    assert "attempt 3 (2 of 2 counted; not counted: 1 hand-back); retries allowed 1" in shown
     assert "3 of 2" not in shown
     assert "3/2" not in run("list").stdout
 
@@ -1135,9 +1136,9 @@ def test_attempt_texts():
     assert tasks_cli.attempts_text(base) == "not started yet; retries allowed 2"
     assert tasks_cli.attempts_text(base | {"attempts": 1}) == "attempt 1 of 3; retries allowed 2"
     assert tasks_cli.attempts_text(base | {"attempts": 4, "handbacks": 2}) == \
-        "attempt 2 of 3 (not counted: 2 hand-backs); retries allowed 2"
+        "attempt 4 (2 of 3 counted; not counted: 2 hand-backs); retries allowed 2"
     assert tasks_cli.attempts_text(base | {"attempts": 4, "handbacks": 1, "spent_before_retry": 2}) == \
-        "attempt 1 of 3 (not counted: 1 hand-back, 2 before a retry); retries allowed 2"
+        "attempt 4 (1 of 3 counted; not counted: 1 hand-back, 2 before a retry); retries allowed 2"
     assert tasks_cli.tries_cell(base | {"attempts": 4, "handbacks": 2}) == "2/3 +2"
     assert tasks_cli.tries_cell({"attempts": 2, "max_retries": 2}) == "2/3"
     assert tasks_cli.tries_cell({"attempts": 3, "max_retries": 1}) == "3"  # listing without handbacks

@@ -196,9 +196,9 @@ def test_the_worker_and_show_count_attempts_alike_after_a_hand_back(opencode, tm
     second = task_store.claim_next("w", task_id=task["id"])
     task_store.fail_attempt(task["id"], second["run_marker"], "tests red")
     ran = run_script("worker.py", "--max-tasks", "1", timeout=180)
-    assert "claimed: counted (attempt 2 of 2 (not counted: 1 hand-back)" in ran.stderr, ran.stderr
+    assert "claimed: counted (attempt 3 (2 of 2 counted; not counted: 1 hand-back), " in ran.stderr, ran.stderr
     shown = run_script("tasks_cli.py", "show", task["id"], timeout=60).stdout
-    assert "attempt 2 of 2 (not counted: 1 hand-back)" in shown
+    assert "attempt 3 (2 of 2 counted; not counted: 1 hand-back)" in shown
     assert "3 of 2" not in ran.stderr + shown
 
 

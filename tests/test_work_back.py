@@ -344,7 +344,8 @@ def test_retry_store_rules_budget_dependents_and_refusals(tmp_path):
     assert task_store.fail_attempt(first["id"], claimed["run_marker"], "again")["status"] == "pending"
     row = next(t for t in task_store.list_tasks()["tasks"] if t["id"] == first["id"])
     assert tasks_cli.tries_cell(row) == "1/2 +2"
-    assert "(not counted: 2 before a retry)" in tasks_cli.attempts_text(task_store.get_task(first["id"]))
+    assert "attempt 3 (1 of 2 counted; not counted: 2 before a retry)" in \
+        tasks_cli.attempts_text(task_store.get_task(first["id"]))
 
     with pytest.raises(task_store.InvalidTransition, match="not failed or cancelled"):
         task_store.retry_task(first["id"])
