@@ -2218,7 +2218,8 @@ def _run_files(task: dict, env: dict[str, str], model: str, control: Path, quiet
 # engine_client.py, which the Supervisor runs in place of `opencode run`.
 
 ENGINE_CLIENT = Path(__file__).resolve().parent / "engine_client.py"
-ENGINE_WAIT_SEC = 20.0   # how long a claimed task waits for its slot's server to finish starting
+ENGINE_WAIT_SEC = 20.0   # how long a claimed task waits for its slot's server to finish starting (at most half
+#                          of what is left of its timeout: _take_engine)
 # How long a run goes on before the slot's next kept server starts beside it, so that a queue with
 # more tasks waiting finds it ready (a server starts in 2-9 s here); a run shorter than this (a
 # small task takes ~0.7 s warm) has the machine to itself, and the next server starts at its end.
@@ -2253,7 +2254,8 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
                  phases: Phases) -> tuple[engine_slots.Kept | None, str | None]:
     """(the slot's kept server for ``task``, None) when the engine is on, the task is eligible and
     the server was made for a task like it (else it is recycled and the task runs cold at once).
-    The wait for a server still starting keeps the lease and ends at a stop; at a cancel, a reap,
+    The wait for a server still starting keeps the lease, lasts ENGINE_WAIT_SEC and half of what
+    is left of the timeout at most (then the task runs cold), and ends at a stop; at a cancel, a reap,
     the timeout or a stop-now (``phases``) it ends too and returns (None, the attempt's ending:
     the reason, or the failure of the worktree's park it ended, naming its git step)."""
     slots = current().engines
@@ -2272,7 +2274,10 @@ def _take_engine(task: dict[str, Any], resume: bool, model: str,
             return called_off[0]
         return "the worker is stopping" if current().flags.stopping else None
 
-    kept, why = slots.take(_slot(), ENGINE_WAIT_SEC, _shape(task, model, repo), stopping)
+    # A short timeout is not spent waiting: past half of what is left the task runs cold, as it
+    # would without the engine (its run, its receipt), rather than time out before it starts.
+    wait = min(ENGINE_WAIT_SEC, max(0.0, (phases.deadline - time.monotonic()) / 2))
+    kept, why = slots.take(_slot(), wait, _shape(task, model, repo), stopping)
     if kept is not None and called_off:   # ready as the attempt ended: not used
         kept.recycle(0)
         kept, why = None, called_off[0]

@@ -787,3 +787,22 @@ def test_the_reaper_ends_the_wrap_up_of_a_cancelled_attempt_whose_worker_is_gone
                                              f"(pid 999999) is gone from {host}; the retried task can start now")
     assert task_store.claim_next("worker:b:2")["id"] == "t_0002"
     assert task_store.claim_next("worker:b:2") is None
+
+
+def test_a_short_timeout_is_not_spent_waiting_for_a_kept_server(tmp_path, monkeypatch):
+    """Under load a task with a 5 s timeout timed out while it waited (up to ENGINE_WAIT_SEC, 20 s)
+    for its slot's kept server: it failed without a run, a workspace or a receipt. The wait lasts
+    half of what is left of the timeout at most; then the task runs cold, as without the engine."""
+    waits = []
+
+    class StillStarting:
+        def take(self, slot, wait, shape, stopping):
+            waits.append(wait)
+            return None, "its server is still starting"
+
+    monkeypatch.setattr(worker.current(), "engines", StillStarting())
+    repo = make_repo(tmp_path / "repo")
+    for timeout_sec, most in ((6, 3.0), (3600, worker.ENGINE_WAIT_SEC)):
+        task = task_store.claim_next("w", task_id=submit(repo, timeout_sec=timeout_sec)["id"])
+        assert worker._take_engine(task, False, "openai/x", worker.Phases(task, worker.Knobs())) == (None, None)
+        assert most - 0.5 < waits[-1] <= most, waits
