@@ -2533,7 +2533,11 @@ def _conclude(task: dict, ws: Workspace, run: RunResult, model: str, setup: RunS
         return _bookkeeping_failed(task, ws, run, receipt, None, "building the receipt (git diff)", problem, phases)
     if problem is not None:
         receipt.diff_error = str(problem)
-    if not task["worktree_keep"] and (run.interrupted or reason is not None):
+    # A hand-back (the worker stopping at once, the kept server gone) records no receipt or diff:
+    # its worktree stays as the run left it, as a killed worker's does, and the next attempt moves
+    # it aside whole before making it anew (worktrees.set_aside); the branch keeps any commit.
+    handed_back = run.interrupted or run.engine_gone is not None
+    if not task["worktree_keep"] and reason is not None and not handed_back:
         _remove(ws, receipt)
     if run.interrupted:
         return _finish(store.requeue_attempt, task, marker, f"{current().flags.stop_reason()}; handed back",

@@ -147,7 +147,8 @@ class Talk:
                     else "stopping: no task in hand", level=QUIET, style="yellow")
         if seen == 2:
             self.say(f"stopping now: ending the run of {ids} and handing it back to the queue "
-                    "(no retry spent)" if ids else "stopping now", level=QUIET, style="yellow")
+                    "(no retry spent; the worktree kept as the run left it)" if ids else "stopping now",
+                    level=QUIET, style="yellow")
 
     # -- the live line --------------------------------------------------------------------
 

@@ -174,7 +174,8 @@ def test_a_task_unlike_the_prediction_runs_cold_and_the_next_is_warm(opencode, t
 
 def test_a_server_dying_mid_run_hands_the_task_back_once_for_a_cold_attempt(opencode, tmp_path):
     """The agent kills its own server (it can: they share the box): the attempt is handed back
-    without spending a retry, and the next runs cold, in the worktree the first one recorded."""
+    without spending a retry, and the next runs cold, in the worktree the first one recorded.
+    What the first wrote is kept: its worktree stays, and the next attempt moves it aside whole."""
     repo = make_repo(tmp_path / "repo")
     kill_server = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q '^[^ ]*opencode serve' "
                    "&& kill -9 ${p#/proc/}; done; sleep 5")
@@ -195,6 +196,8 @@ def test_a_server_dying_mid_run_hands_the_task_back_once_for_a_cold_attempt(open
     done = task_store.get_task(task["id"])
     assert done["status"] == "done", done["error"]
     assert len(done["usage"]["by_attempt"]) == 2 and done["spent_usd"] > mid["spent_usd"], done["usage"]
+    aside = worktrees.worktree_root() / "left" / f"{task['id']}-1"
+    assert (aside / "step.txt").read_text() == "one step\n", "the handed-back attempt's work was removed"
     headers = [line for line in task_store.log_path(task["id"]).read_text().splitlines() if line.startswith("$ ")]
     assert "engine_client.py" in headers[0] and " run --auto " in headers[1], headers
 

@@ -354,6 +354,48 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     assert tagged() == []
 
 
+def test_a_stop_at_once_keeps_the_runs_worktree_and_commit_for_the_next_attempt_to_set_aside(opencode, tmp_path,
+                                                                                             monkeypatch):
+    """A tester's finding: a worker stopped at once (serve.py's one Ctrl-C, a second SIGTERM)
+    handed the task back and removed its worktree, with what the agent had written and not
+    committed, and nothing recorded it. It is kept as a killed worker's is: the next attempt moves
+    it aside whole (worktrees.set_aside), and the branch keeps the commit the agent made."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")   # the box keeps the agent's git from committing
+    repo = make_repo(tmp_path / "repo")
+    opencode.model.script("long", [
+        tool_call("bash", {"command": "echo mine > ch.txt && git add ch.txt && "
+                                      "git -c user.name=a -c user.email=a@b commit -qm 'agent commit' && "
+                                      "echo half > after.txt && echo wrote", "description": "work"}),
+        hang()])
+    task = task_store.submit_task(title="long", instructions="SCRIPT:long", working_dir=str(repo),
+                                  timeout_sec=300, max_retries=1)
+    proc = start_worker("--watch", "--stop-at-once")
+    running = until(lambda: running_with_agent(task["id"]))
+    worktree, branch = Path(running["worktree_path"]), running["branch"]
+    until(lambda: (worktree / "after.txt").exists(), what="the agent's work")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    after = task_store.get_task(task["id"])
+    assert after["status"] == "pending" and after["handbacks"] == 1, after
+    assert "handing it back" in out + err
+    assert (worktree / "after.txt").read_text() == "half\n" and (worktree / "ch.txt").read_text() == "mine\n"
+    assert git(repo, "show", f"{branch}:ch.txt") == "mine", "the agent's commit left its branch"
+
+    opencode.model.script("long", [tool_call("write", {"filePath": "{cwd}/done.txt", "content": "done\n"}),
+                                   text("Done.\n" + DONE)])
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    aside = Path(os.environ["TASKBRIDGE_WORKTREE_ROOT"]) / "left" / f"{task['id']}-1"
+    assert (aside / "after.txt").read_text() == "half\n" and (aside / "ch.txt").read_text() == "mine\n"
+    assert any(e["kind"] == "leftover" and str(aside) in e["message"] for e in final["events"]), final["events"]
+    assert git(repo, "show", f"{branch}:ch.txt") == "mine", "the agent's commit left its branch"
+    assert tagged() == []
+
+
 def test_slots_run_tasks_side_by_side(opencode, tmp_path):
     """Also the start race: OpenCode processes starting together on a fresh OpenCode data folder
     (two runs; on the warm engine two kept servers) used to fail one of them on OpenCode's own
