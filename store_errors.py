@@ -18,6 +18,12 @@ class ValidationError(TaskStoreError):
     """An argument is malformed or out of range; nothing was written."""
 
 
+class LogFolderTaken(ValidationError):
+    """The log folder (TASK_LOG_DIR) holds another SQLite queue's task logs: this queue would write
+    into that queue's t_NNNN.log files (or, new, move them aside). Nothing was moved or made; the
+    message names both queues and the way out (a log folder of its own)."""
+
+
 class TaskNotFound(TaskStoreError):
     """No task has the given id."""
 

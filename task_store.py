@@ -62,6 +62,7 @@ from store_errors import (  # noqa: F401
     DiskFull,
     InvalidTransition,
     JobNotFound,
+    LogFolderTaken,
     QueueGone,
     QueueReplaced,
     ReadOnlyStorage,
@@ -357,6 +358,77 @@ def log_dir() -> Path:
     return path.with_name(f"{path.stem}_logs")
 
 
+LOG_FOLDER_MARK = ".taskbridge-queue"   # in a log folder: the resolved path of the queue file whose logs it holds
+
+
+def default_log_dirs(path: Path) -> set[Path]:
+    """The log folders only the SQLite queue file ``path`` uses by default (``log_dir`` without
+    ``$TASK_LOG_DIR``): ``<db folder>/<db name>_logs``, and ``<repo>/task_logs`` for the default file."""
+    folders = {path.with_name(f"{path.stem}_logs")}
+    if path == _resolved(str(REPO_DIR / "tasks.db")):
+        folders.add(REPO_DIR / "task_logs")
+    return folders
+
+
+def log_folder_queue(folder: Path | None = None) -> Path | None:
+    """The queue file whose logs the log folder ``folder`` (default ``log_dir()``) holds, as its
+    mark says (``LOG_FOLDER_MARK``), or None when it names none (no folder, no mark: a folder
+    made before marks were written, or unreadable)."""
+    try:
+        said = ((folder or log_dir()) / LOG_FOLDER_MARK).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return Path(said) if said else None
+
+
+def mark_log_folder(folder: Path | None = None) -> None:
+    """Write in the log folder (``log_dir()`` by default; only when it exists: no folder is made
+    here) that it holds the logs of the configured SQLite queue file, unless it says so already.
+    Never raises: a folder that cannot be written is reported where a log is written."""
+    folder = folder or log_dir()
+    path = db_path()
+    with contextlib.suppress(OSError):   # is_dir raises for a name too long, say
+        if database_url() or not folder.is_dir() or log_folder_queue(folder) == path:
+            return
+        write_private(folder / LOG_FOLDER_MARK, f"{path}\n")
+
+
+def _log_folder_verdict(path: Path, new: bool) -> bool:
+    """Whether the log folder's task logs (``t_*.log``) are to be moved aside for the SQLite queue
+    ``path`` (the configured one): True only for a new queue whose folder is its own (its mark
+    names this same path, a queue replaced at it; or names a queue file that is gone; or, with no
+    mark, it is this path's default folder or holds no task log). Raises LogFolderTaken when the
+    folder holds another queue's logs: its mark names another queue file that exists, or (a new
+    queue) it has no mark, is not this path's default folder and holds task logs, whose queue
+    cannot be told. Nothing is moved or written here."""
+    folder = log_dir()
+    owner = log_folder_queue(folder)
+    if owner is not None and owner != path and owner.exists():
+        raise LogFolderTaken(
+            f"{_log_folder_words()} {folder} holds the logs of the queue {owner}, not of {path}; give this "
+            f"queue a log folder of its own ({_log_folder_way_out()}); nothing was moved or made")
+    if not new:
+        return False
+    if owner is not None or folder in default_log_dirs(path):
+        return True
+    if next(folder.glob("t_*.log"), None) is None:
+        return False
+    raise LogFolderTaken(
+        f"{_log_folder_words()} {folder} holds task logs (t_NNNN.log) of a queue it does not name (written "
+        f"before log folders named their queue), maybe not of {path}; give this new queue a log folder of its own "
+        f"({_log_folder_way_out()}), or, if that queue is gone for good, move its t_*.log files out of the folder; "
+        "nothing was moved or made")
+
+
+def _log_folder_words() -> str:
+    return "TASK_LOG_DIR" if os.environ.get("TASK_LOG_DIR") else "the log folder"
+
+
+def _log_folder_way_out() -> str:
+    return "set TASK_LOG_DIR to another folder, or unset it" if os.environ.get("TASK_LOG_DIR") else \
+        "set TASK_LOG_DIR to another folder"
+
+
 def log_path(task_id: int | str) -> Path:
     """The log file of one task: ``<TASK_LOG_DIR>/t_0001.log``."""
     return log_dir() / f"{format_task_id(parse_task_id(task_id))}.log"
@@ -364,8 +436,19 @@ def log_path(task_id: int | str) -> Path:
 
 def open_task_log(task_id: int | str) -> BinaryIO:
     """One task's log file opened for appending (binary). A new log folder is 0700 and a new log
-    0600: logs hold instructions, diffs and tool output, for this user only."""
-    return append_private(log_path(task_id))
+    0600: logs hold instructions, diffs and tool output, for this user only. A log folder made
+    here is marked as the configured queue's (``mark_log_folder``)."""
+    return _append_task_log_file(log_path(task_id))
+
+
+def _append_task_log_file(path: Path) -> BinaryIO:
+    """``append_private(path)`` for a task log; its folder, when made here, marked as the
+    configured queue's (``mark_log_folder``)."""
+    if path.parent.is_dir():
+        return append_private(path)
+    handle = append_private(path)
+    mark_log_folder(path.parent)
+    return handle
 
 
 def append_private(path: Path) -> BinaryIO:
@@ -613,13 +696,17 @@ def _migrate_v1(conn: Connection) -> None:
 
 
 def _set_aside_earlier_logs(conn: Connection) -> None:
-    """A new SQLite queue numbers its tasks from t_0001 again: log files an earlier queue left in
-    its log folder (the file moved aside, as ``doctor`` advises for a broken one, or deleted) are
-    moved into ``<log folder>/earlier-<UTC time>/``, so a new task's log never starts with an old
-    task's run of the same id. Only for the configured queue (a ``connect(path)`` to another file
-    has no log folder of its own)."""
+    """A new SQLite queue numbers its tasks from t_0001 again: log files an earlier queue at this
+    path left in its log folder (the file moved aside, as ``doctor`` advises for a broken one, or
+    deleted) are moved into ``<log folder>/earlier-<UTC time>/``, so a new task's log never starts
+    with an old task's run of the same id. Only for the configured queue (a ``connect(path)`` to
+    another file has no log folder of its own), and only when the folder is its own
+    (``_log_folder_verdict``): another live queue's logs in a shared TASK_LOG_DIR are never moved
+    (LogFolderTaken instead)."""
     row = conn.execute("PRAGMA database_list").fetchone()
     if not row or not row[2] or Path(row[2]).resolve() != db_path():
+        return
+    if not _log_folder_verdict(db_path(), new=True):
         return
     folder = log_dir()
     old = sorted(folder.glob("t_*.log")) if folder.is_dir() else []
@@ -925,9 +1012,18 @@ def connect(path: Path | str | None = None) -> Connection:
     if url:
         return store_pg.connect(url, pg_migrations())
     target = Path(path) if path else db_path()
-    if target == db_path():
-        _refuse_while_lost(target)
-    return store_sqlite.connect(target, MIGRATIONS)
+    if target != db_path():
+        return store_sqlite.connect(target, MIGRATIONS)
+    _refuse_while_lost(target)
+    try:   # before the file is made: a new queue never takes another queue's log folder
+        new = not target.exists() or target.stat().st_size == 0
+    except OSError:
+        new = False   # store_sqlite.connect says what is wrong with it
+    with contextlib.suppress(OSError):   # a log folder that cannot be read is said where a log is written
+        _log_folder_verdict(target, new)
+    conn = store_sqlite.connect(target, MIGRATIONS)
+    mark_log_folder()   # an existing queue's folder made before marks were written is marked on first use
+    return conn
 
 
 stale_files_words = store_sqlite.stale_files_words
@@ -2478,7 +2574,7 @@ def submit_task(**fields: Any) -> dict[str, Any]:
         return submit_batch([fields])[0]
     except ValidationError as exc:
         # A single submission is not a batch: drop the "task 0 of the batch: " prefix.
-        raise ValidationError(str(exc).removeprefix("task 0 of the batch: ")) from None
+        raise type(exc)(str(exc).removeprefix("task 0 of the batch: ")) from None   # a LogFolderTaken stays one
 
 
 # --------------------------------------------------------------------------------------------
@@ -4384,7 +4480,7 @@ def append_task_log(task_id: int | str, data: bytes, *, at: int | None = None) -
     data = bytes(data)
     if not logs_in_database():
         path = log_path(task_id)
-        with append_private(path) as handle:
+        with _append_task_log_file(path) as handle:
             size = os.fstat(handle.fileno()).st_size
             if at is not None and at < size:
                 with path.open("rb") as held:

@@ -128,7 +128,7 @@ def queue_missing_error() -> CliError:
                         "the path, next to the old file: another file opened with them is corrupted). Nothing was "
                         "opened or made")
     return CliError(f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); `{cli_command()} submit` "
-                    "makes a new queue there, as do the worker and serve.py")
+                    "makes a new queue there, as do serve.py and the worker (not from its --db)")
 
 
 class QueueCommand(click.Command):

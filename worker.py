@@ -3696,6 +3696,19 @@ def _refused() -> list[str]:
     return refused
 
 
+def _no_queue_given(flag: str | None) -> list[str]:
+    """A ``--db`` naming a SQLite file where no queue is (a typo, or a folder that is not there) is
+    refused as tasks_cli.py refuses it: the worker makes a new queue only at its configured path
+    (TASK_DB_PATH, serve.py's worker), never from a mistyped flag. A file a live worker lost and
+    waits for is left to the store's own refusal (QueueGone)."""
+    if flag is None or store.queue_exists() or store.queue_left_in_use():
+        return []
+    path = store.db_path()
+    return [f"no queue at {path}: check --db / TASK_DB_PATH (a typo?); "
+            f"`{store.script_command('tasks_cli.py', 'submit', '...')}` makes a new queue there, as does "
+            f"`{store.script_command('serve.py')}`; nothing was made"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -3708,7 +3721,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_tasks is not None and args.max_tasks < 1:
         parser.error(f"--max-tasks must be 1 or more; got {args.max_tasks} (leave it out for no limit)")
-    refused = _refused()
+    refused = _refused() or _no_queue_given(args.db)
     if refused:   # before anything starts: a typo must not run with a default nor stop a task mid-run
         print("\n".join(f"worker: {line}" for line in refused), file=sys.stderr)
         return 2

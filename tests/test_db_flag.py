@@ -67,6 +67,17 @@ def test_a_device_or_pipe_is_refused_as_no_queue_file(tmp_path, script):
         assert "path of a queue file" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("script", ["worker.py", "tasks_cli.py"])
+def test_a_db_file_where_no_queue_is_is_refused_and_nothing_is_made(tmp_path, script):
+    """`worker.py --db /nonexistent/dir/x.db` exited 0 in silence, having made the folder and a new
+    queue there, where tasks_cli.py refused the same path (a tester's finding): both refuse it."""
+    typo = tmp_path / "nonexistent" / "dir" / "x.db"
+    result = run_with_db(script, str(typo))
+    assert result.returncode != 0 and f"no queue at {typo}: check --db / TASK_DB_PATH (a typo?)" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "nonexistent").exists() and not (tmp_path / "q").exists()
+
+
 def test_hints_name_the_queue_given_by_db_again(tmp_path):
     """After `tasks_cli.py --db Q …`, the commands a hint names (status, cancel, worker.py) said
     nothing of Q: pasted from the checkout, they acted on the default queue and ran its tasks

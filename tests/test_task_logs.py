@@ -457,6 +457,108 @@ def test_a_new_queue_in_place_of_a_moved_one_never_shows_the_old_tasks_logs(tmp_
     assert oct(aside.stat().st_mode & 0o777) == "0o700"
 
 
+def _new_queue_beside(tmp_path, monkeypatch, name="c.db"):
+    """Point this process at a second queue file (not made yet) with the same TASK_LOG_DIR."""
+    task_store.close_connections()
+    monkeypatch.setenv("TASK_DB_PATH", str(tmp_path / "q" / name))
+    return tmp_path / "q" / name
+
+
+def test_a_new_queue_never_moves_or_writes_the_logs_of_another_live_queue_in_its_log_folder(tmp_path, monkeypatch):
+    # A tester's finding: any new queue made while TASK_LOG_DIR named a live queue's folder moved
+    # every log there into earlier-…/, a running task's too (its worker wrote on into the moved file).
+    first = task_store.db_path()
+    old = submit(tmp_path, title="live")
+    running = task_store.open_task_log(old["id"])   # a worker's handle on the running task's log
+    running.write(b"before\n")
+    running.flush()
+    assert task_store.log_folder_queue() == first
+    mark = task_store.log_dir() / task_store.LOG_FOLDER_MARK
+    assert oct(mark.stat().st_mode & 0o777) == "0o600"
+    other = _new_queue_beside(tmp_path, monkeypatch)
+    with pytest.raises(task_store.LogFolderTaken) as refused:
+        submit(tmp_path, title="new")
+    said = str(refused.value)
+    assert f"TASK_LOG_DIR {task_store.log_dir()} holds the logs of the queue {first}, not of {other}" in said
+    assert "a log folder of its own" in said and "unset it" in said and "\n" not in said
+    assert not other.exists(), "no queue was made"
+    assert not list(task_store.log_dir().glob("earlier-*")), "nothing was moved"
+    running.write(b"after\n")
+    running.close()
+    monkeypatch.setenv("TASK_DB_PATH", str(first))
+    task_store.close_connections()
+    assert task_store.read_task_log(old["id"]) == b"before\nafter\n"
+    # Given a folder of its own (TASK_LOG_DIR unset: <db>_logs), the new queue is made
+    monkeypatch.setenv("TASK_DB_PATH", str(other))
+    monkeypatch.delenv("TASK_LOG_DIR")
+    task_store.close_connections()
+    assert submit(tmp_path, title="new")["id"] == old["id"]
+
+
+def test_the_cli_refuses_a_new_queue_in_another_queues_log_folder_in_one_line(tmp_path):
+    first = task_store.db_path()
+    old = submit(tmp_path, title="live")
+    task_store.append_task_log(old["id"], b"the live queue's run\n")
+    task_store.close_connections()
+    other = tmp_path / "q" / "c.db"
+    (tmp_path / "work").mkdir()
+    result = subprocess.run([sys.executable, str(Path(tasks_cli.__file__).parent / "tasks_cli.py"), "--db",
+                             str(other), "submit", "x", "--dir", str(tmp_path / "work"), "--yes"],
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"holds the logs of the queue {first}" in result.stderr and "Traceback" not in result.stderr
+    assert not other.exists()
+    assert sorted(p.name for p in task_store.log_dir().iterdir()) == [task_store.LOG_FOLDER_MARK, f"{old['id']}.log"]
+
+
+def test_an_existing_queues_log_folder_without_a_mark_is_marked_on_first_use(tmp_path, monkeypatch):
+    # A log folder made before folders named their queue: the queue carries on, and its folder
+    # says whose it is from its first use on.
+    first = task_store.db_path()
+    old = submit(tmp_path, title="old")
+    task_store.append_task_log(old["id"], b"run\n")
+    task_store.close_connections()
+    (task_store.log_dir() / task_store.LOG_FOLDER_MARK).unlink()
+    assert task_store.get_task(old["id"])["title"] == "old"
+    assert task_store.log_folder_queue() == first
+    assert task_store.read_task_log(old["id"]) == b"run\n"
+    # Unmarked, holding logs: a new queue there cannot tell whose they are, and moves nothing
+    (task_store.log_dir() / task_store.LOG_FOLDER_MARK).unlink()
+    _new_queue_beside(tmp_path, monkeypatch)
+    with pytest.raises(task_store.LogFolderTaken, match="holds task logs .* of a queue it does not name"):
+        submit(tmp_path, title="new")
+    assert task_store.log_path(old["id"]).read_bytes() == b"run\n"
+
+
+def test_a_queue_moved_to_another_path_takes_its_log_folder_along(tmp_path, monkeypatch):
+    old = submit(tmp_path, title="old")
+    task_store.append_task_log(old["id"], b"run\n")
+    task_store.close_connections()
+    moved = tmp_path / "q" / "renamed.db"
+    task_store.db_path().rename(moved)
+    monkeypatch.setenv("TASK_DB_PATH", str(moved))
+    assert task_store.read_task_log(old["id"]) == b"run\n" and task_store.get_task(old["id"])["title"] == "old"
+    assert task_store.log_folder_queue() == moved
+
+
+def test_a_new_queue_in_place_of_a_moved_one_sets_aside_its_default_unmarked_log_folder(tmp_path, monkeypatch):
+    # An install from before log folders were marked, TASK_LOG_DIR unset (<db>_logs): the replaced
+    # queue's logs are still set aside.
+    monkeypatch.delenv("TASK_LOG_DIR")
+    old = submit(tmp_path, title="old")
+    task_store.append_task_log(old["id"], b"old run\n")
+    task_store.close_connections()
+    (task_store.log_dir() / task_store.LOG_FOLDER_MARK).unlink()
+    db = task_store.db_path()
+    (tmp_path / "moved").mkdir()
+    for part in db.parent.glob(db.name + "*"):
+        part.rename(tmp_path / "moved" / part.name)
+    new = submit(tmp_path, title="new")
+    assert new["id"] == old["id"] and task_store.read_task_log(new["id"]) == b""
+    (aside,) = task_store.log_dir().glob("earlier-*/")
+    assert (aside / f"{old['id']}.log").read_bytes() == b"old run\n"
+
+
 def test_logs_of_a_task_whose_log_folder_went_mid_run_say_the_log_is_missing(opencode, tmp_path):
     """A fresh user's finding: the log folder deleted while the task ran, `logs` said "no worker
     ever ran it". It says the log is missing, where it was expected, and that a worker ran the
