@@ -285,33 +285,52 @@ MESSAGES_WAY_OUT = {
 }
 
 
-class JsonRefusals:
-    """Pure ASGI around the SDK's /messages/ handler: a refusal (status 400 and above) it answers
-    in plain text goes out as the JSON ``{"error": ...}`` every other refusal is, with the way out
-    (MESSAGES_WAY_OUT); anything else passes as it is."""
+class RewrittenRefusals:
+    """Pure ASGI around one of the SDK's handlers: a refusal it answers (status 400 and above, and
+    ``holds`` says so) is held whole and sent again by ``answer``; anything else passes as it is.
+    Subclasses give ``holds`` and ``answer``."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
+
+    def holds(self, start: dict) -> bool:
+        """Whether the refusal whose ``http.response.start`` message is ``start`` is rewritten:
+        every one unless a subclass says otherwise."""
+        return start["status"] >= 400
+
+    async def answer(self, send: Any, start: dict, body: bytes) -> None:
+        """Send the held refusal (``start``, its whole ``body``) as it is to go out."""
+        raise NotImplementedError
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         held: dict[str, Any] = {}
 
         async def relay(message: dict) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400 and not any(
-                    k == b"content-type" and b"json" in v for k, v in message.get("headers", [])):
+            if message["type"] == "http.response.start" and message["status"] >= 400 and self.holds(message):
                 held["start"] = message
                 return
             if "start" not in held:
                 return await send(message)
             held["body"] = held.get("body", b"") + message.get("body", b"")
             if not message.get("more_body"):
-                text = held["body"].decode("utf-8", "replace").strip()
-                said = next((way for start, way in MESSAGES_WAY_OUT.items() if text.startswith(start)),
-                            f"{loggable(text, 200) or 'refused'}: POST JSON-RPC to the URL the /sse stream's "
-                            "endpoint event gave")
-                await _plain(send, held["start"]["status"], {"error": said})
+                await self.answer(send, held["start"], held["body"])
 
         await self.app(scope, receive, relay)
+
+
+class JsonRefusals(RewrittenRefusals):
+    """Around the SDK's /messages/ handler: a refusal it answers in plain text goes out as the
+    JSON ``{"error": ...}`` every other refusal is, with the way out (MESSAGES_WAY_OUT)."""
+
+    def holds(self, start: dict) -> bool:
+        return not any(k == b"content-type" and b"json" in v for k, v in start.get("headers", []))
+
+    async def answer(self, send: Any, start: dict, body: bytes) -> None:
+        text = body.decode("utf-8", "replace").strip()
+        said = next((way for begins, way in MESSAGES_WAY_OUT.items() if text.startswith(begins)),
+                    f"{loggable(text, 200) or 'refused'}: POST JSON-RPC to the URL the /sse stream's "
+                    "endpoint event gave")
+        await _plain(send, start["status"], {"error": said})
 
 
 # The SDK's own refusals on /mcp are JSON-RPC errors already, but most name no way out; each
@@ -334,28 +353,13 @@ MCP_WAY_OUT = {
 }
 
 
-class McpWayOut:
-    """Pure ASGI around the /mcp endpoint: a refusal the SDK answers (status 400 and above, a
-    JSON-RPC error) gets the way out MCP_WAY_OUT gives for it after its own words; anything
-    else, and an answer that is not a JSON-RPC error, passes as it is."""
+class McpWayOut(RewrittenRefusals):
+    """Around the /mcp endpoint: a refusal the SDK answers (a JSON-RPC error) gets the way out
+    MCP_WAY_OUT gives for it after its own words; an answer that is not a JSON-RPC error is sent
+    as it came."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        held: dict[str, Any] = {}
-
-        async def relay(message: dict) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held["start"] = message
-                return
-            if "start" not in held:
-                return await send(message)
-            held["body"] = held.get("body", b"") + message.get("body", b"")
-            if not message.get("more_body"):
-                await send_with_way_out(send, held["start"], held["body"])
-
-        await self.app(scope, receive, relay)
+    async def answer(self, send: Any, start: dict, body: bytes) -> None:
+        await send_with_way_out(send, start, body)
 
 
 async def send_with_way_out(send: Any, start: dict, body: bytes) -> None:

@@ -276,15 +276,7 @@ def test_a_cancelled_run_keeps_its_receipt_and_diff_and_a_readonly_one_is_revert
     assert any(e["kind"] == "receipt" and "had changed 1 file(s)" in e["message"] for e in final["events"])
 
     # readonly, in place, no box: the revert after the run is all that keeps the folder
-    monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
-    monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    (plain / "a.txt").write_text("a\n")
-    opencode.model.script("sneaks", [
-        tool_call("bash", {"command": "echo x > made.txt && echo more >> a.txt", "description": "sh"}), hang()])
-    sneaky = task_store.submit_task(title="look", instructions="SCRIPT:sneaks", working_dir=str(plain),
-                                    worktree=False, permission="readonly", timeout_sec=300)
+    plain, sneaky = _sneaking_readonly_task(opencode, tmp_path, monkeypatch)
     proc = start_worker()
     until(lambda: (plain / "made.txt").exists(), timeout=90, what="the shell's write")
     task_store.cancel_task(sneaky["id"])
@@ -296,12 +288,9 @@ def test_a_cancelled_run_keeps_its_receipt_and_diff_and_a_readonly_one_is_revert
     assert tagged() == []
 
 
-def test_a_retry_right_after_a_cancel_starts_only_once_the_cancelled_run_is_wrapped_up(opencode, tmp_path,
-                                                                                         monkeypatch):
-    """A retry right after a cancel was claimed by another slot while the old one still observed
-    the cancelled run: for a readonly run in place, the new attempt's snapshot took in the writes
-    the old one had not reverted yet, and they stayed. The new attempt now waits for the wrap-up."""
-    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+def _sneaking_readonly_task(opencode, tmp_path: Path, monkeypatch) -> tuple[Path, dict]:
+    """(a folder holding a.txt, a readonly task in place there, unboxed, whose agent's shell
+    writes made.txt and appends to a.txt, then hangs): only the worker's revert keeps the folder."""
     monkeypatch.setenv("TASKBRIDGE_SANDBOX", "off")
     monkeypatch.setenv("TASKBRIDGE_ALLOW_PROMPT_LEVEL", "1")
     plain = tmp_path / "plain"
@@ -309,8 +298,17 @@ def test_a_retry_right_after_a_cancel_starts_only_once_the_cancelled_run_is_wrap
     (plain / "a.txt").write_text("a\n")
     opencode.model.script("sneaks", [
         tool_call("bash", {"command": "echo x > made.txt && echo more >> a.txt", "description": "sh"}), hang()])
-    task = task_store.submit_task(title="look", instructions="SCRIPT:sneaks", working_dir=str(plain),
-                                  worktree=False, permission="readonly", timeout_sec=300)
+    return plain, task_store.submit_task(title="look", instructions="SCRIPT:sneaks", working_dir=str(plain),
+                                         worktree=False, permission="readonly", timeout_sec=300)
+
+
+def test_a_retry_right_after_a_cancel_starts_only_once_the_cancelled_run_is_wrapped_up(opencode, tmp_path,
+                                                                                         monkeypatch):
+    """A retry right after a cancel was claimed by another slot while the old one still observed
+    the cancelled run: for a readonly run in place, the new attempt's snapshot took in the writes
+    the old one had not reverted yet, and they stayed. The new attempt now waits for the wrap-up."""
+    monkeypatch.setenv("WORKER_KILL_GRACE_SEC", "2")
+    plain, task = _sneaking_readonly_task(opencode, tmp_path, monkeypatch)
     proc = start_worker("--watch", "--slots", "2")
     try:
         until(lambda: (plain / "made.txt").exists(), timeout=90, what="the shell's write")
