@@ -131,11 +131,7 @@ def test_the_next_attempt_saves_what_a_killed_attempts_worktree_held_before_maki
     (worktree / "mine.txt").write_text("my precious edit\n")
     opencode.model.script("long", [tool_call("write", {"filePath": "{cwd}/slow.txt", "content": "second\n"}),
                                    text("Done.\n" + DONE)])
-    passed = run_script("worker.py")
-    assert passed.returncode == 0, passed.stderr
-    final = task_store.get_task(task["id"])
-    assert final["status"] == "done", final["error"]
-    aside = Path(os.environ["TASKBRIDGE_WORKTREE_ROOT"]) / "left" / f"{task['id']}-1"
+    final, aside, passed = _next_pass_finishes(task)
     assert (aside / "mine.txt").read_text() == "my precious edit\n"
     assert (aside / "slow.txt").read_text() == "first\n"
     assert git(repo, "show", f"{final['result']['commit']}:slow.txt") == "second"
@@ -352,6 +348,16 @@ def test_watch_first_sigterm_finishes_the_current_task(opencode, tmp_path):
     assert tagged() == []
 
 
+def _next_pass_finishes(task: dict) -> tuple[dict, Path, subprocess.CompletedProcess]:
+    """Run one worker pass, which must finish ``task`` done: (the task, where its first attempt's
+    worktree was set aside: ``<worktree root>/left/<id>-1``, the pass's process)."""
+    passed = run_script("worker.py")
+    assert passed.returncode == 0, passed.stderr
+    final = task_store.get_task(task["id"])
+    assert final["status"] == "done", final["error"]
+    return final, Path(os.environ["TASKBRIDGE_WORKTREE_ROOT"]) / "left" / f"{task['id']}-1", passed
+
+
 def test_a_stop_at_once_keeps_the_runs_worktree_and_commit_for_the_next_attempt_to_set_aside(opencode, tmp_path,
                                                                                              monkeypatch):
     """A tester's finding: a worker stopped at once (serve.py's one Ctrl-C, a second SIGTERM)
@@ -383,11 +389,7 @@ def test_a_stop_at_once_keeps_the_runs_worktree_and_commit_for_the_next_attempt_
 
     opencode.model.script("long", [tool_call("write", {"filePath": "{cwd}/done.txt", "content": "done\n"}),
                                    text("Done.\n" + DONE)])
-    passed = run_script("worker.py")
-    assert passed.returncode == 0, passed.stderr
-    final = task_store.get_task(task["id"])
-    assert final["status"] == "done", final["error"]
-    aside = Path(os.environ["TASKBRIDGE_WORKTREE_ROOT"]) / "left" / f"{task['id']}-1"
+    final, aside, _ = _next_pass_finishes(task)
     assert (aside / "after.txt").read_text() == "half\n" and (aside / "ch.txt").read_text() == "mine\n"
     assert any(e["kind"] == "leftover" and str(aside) in e["message"] for e in final["events"]), final["events"]
     assert git(repo, "show", f"{branch}:ch.txt") == "mine", "the agent's commit left its branch"
