@@ -1015,6 +1015,11 @@ def connect(path: Path | str | None = None) -> Connection:
     if target != db_path():
         return store_sqlite.connect(target, MIGRATIONS)
     _refuse_while_lost(target)
+    # A file this process lost (gone, or replaced in use) is said as such before anything else: a
+    # queue made meanwhile may have taken the log folder, and the worker waiting for its own must
+    # hear that its file is gone or replaced, not that the folder is another queue's.
+    store_sqlite.refuse_gone(target)
+    store_sqlite.refuse_stale_wal(target)
     try:   # before the file is made: a new queue never takes another queue's log folder
         new = not target.exists() or target.stat().st_size == 0
     except OSError:

@@ -45,6 +45,23 @@ def test_a_queue_file_that_went_is_not_made_again_until_it_is_put_back(tmp_path)
     assert [t["title"] for t in store.list_tasks()["tasks"]] == ["mine"]
 
 
+def test_a_lost_queue_is_said_lost_though_another_queue_has_taken_its_log_folder_meanwhile(tmp_path):
+    """CI's finding: a worker waiting for its moved-away queue file, while another queue was made
+    with the same TASK_LOG_DIR (which then names that queue), heard "the folder holds another
+    queue's logs" instead of "your file is gone" (and later "replaced"). Its own file is said first."""
+    store.open_task_log(submit(tmp_path, "mine")["id"]).close()   # its log folder, named as this queue's
+    path = store.db_path()
+    assert store.log_folder_queue() == path
+    path.rename(tmp_path / "moved-away.db")   # under this process's kept connection, as a worker's
+    other = other_queue(tmp_path)   # a new queue, the shared log folder now names it
+    assert store.log_folder_queue() == other
+    with pytest.raises(store.QueueGone):
+        store.counts()
+    os.replace(other, path)   # put where the lost one was, the old one's -wal beside it
+    with pytest.raises(store.QueueReplaced):
+        store.counts()
+
+
 def test_a_first_open_still_makes_a_new_queue_and_a_let_go_one_is_made_again(tmp_path, monkeypatch):
     fresh = tmp_path / "new" / "tasks.db"
     monkeypatch.setenv("TASK_DB_PATH", str(fresh))
